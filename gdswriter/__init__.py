@@ -1,0 +1,1 @@
+"""gdswriter: fast, crash-safe PyTorch checkpoints."""

@@ -1,0 +1,114 @@
+"""The engine contract: what every I/O engine (io_uring, POSIX, GDS) does.
+
+An engine writes a whole file from an ordered list of spans (byte offset ->
+source bytes) and reads spans back into destination memory, computing the
+crc32c of every span while its bytes stream through the engine's buffers.
+Sources and destinations are flat uint8 tensors on the CPU or a GPU.
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .errors import InvalidOptionError
+
+
+@dataclass(frozen=True)
+class WriteSpan:
+    """Write ``data`` (flat uint8 tensor) at byte ``offset`` of the file."""
+
+    offset: int
+    data: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.data.numel()
+
+
+@dataclass(frozen=True)
+class ReadSpan:
+    """Read ``out.numel()`` bytes at byte ``offset`` into ``out`` (flat uint8 tensor)."""
+
+    offset: int
+    out: torch.Tensor
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.out.numel()
+
+
+def check_spans(spans: Sequence[WriteSpan] | Sequence[ReadSpan]) -> None:
+    """Spans must be sorted, non-overlapping, flat contiguous uint8."""
+    prev_end = 0
+    for i, s in enumerate(spans):
+        t = s.data if isinstance(s, WriteSpan) else s.out
+        if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+            raise InvalidOptionError(f"span {i}: expected a flat contiguous uint8 tensor, got {t.dtype} {tuple(t.shape)}")
+        if s.offset < prev_end:
+            raise InvalidOptionError(f"span {i} at offset {s.offset} overlaps or precedes the previous span (ends at {prev_end}); sort spans by offset")
+        prev_end = s.end
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the user can see about the engine that moves their bytes."""
+
+    name: str
+    direct_io: bool
+    registered_buffers: bool
+    page_locked: bool
+    reason: str = ""  # why this engine was chosen over a faster one, if so
+
+
+class IOEngine(abc.ABC):
+    """Moves bytes between memory and files. Not thread-safe: one caller at a time."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def write_file(self, path: str | os.PathLike, spans: Sequence[WriteSpan], *, size: int | None = None,
+                   durable: bool = True) -> list[int]:
+        """Create (or replace) ``path`` holding ``spans``; gaps read as zeros; the file is
+        exactly ``size`` bytes (default: the end of the last span). With ``durable`` the
+        data and size are on stable storage when this returns (fdatasync). Returns the
+        crc32c of each span. On failure the partial file is removed and a typed error raised."""
+
+    @abc.abstractmethod
+    def read_file(self, path: str | os.PathLike, spans: Sequence[ReadSpan]) -> list[int]:
+        """Fill each span's ``out`` from ``path``; returns the crc32c of each span's bytes."""
+
+    @property
+    @abc.abstractmethod
+    def info(self) -> EngineInfo:
+        ...
+
+    def close(self) -> None:
+        """Release buffers and rings. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that entries created/renamed in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def create_engine(options=None) -> IOEngine:
+    """The best engine this machine allows for ``options`` (default: from GDSWRITER_* env)."""
+    from .fallback.engine import create_fallback_engine
+    from .options import EngineOptions
+
+    return create_fallback_engine(options or EngineOptions.from_env())

@@ -1,0 +1,118 @@
+"""Typed errors. Each subclasses the built-in that fits, so ``except OSError``
+and friends keep working, and each message says how to fix the problem."""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class GDSWriterError(Exception):
+    """Base class of every error gdswriter raises on purpose."""
+
+
+class InvalidOptionError(GDSWriterError, ValueError):
+    """An option or environment knob has a value gdswriter cannot use."""
+
+
+class EngineUnavailableError(GDSWriterError, OSError):
+    """The requested I/O engine cannot run on this machine (e.g. io_uring disabled)."""
+
+
+class EngineIOError(GDSWriterError, OSError):
+    """A read or write failed. Carries the file, the byte offset and the errno."""
+
+    def __init__(self, errno: int, path: str, offset: int, what: str = "I/O", hint: str = ""):
+        self.path = str(path)
+        self.offset = offset
+        text = f"{what} failed on {self.path} at byte offset {offset}: {os.strerror(errno)} (errno {_errno.errorcode.get(errno, errno)})"
+        if not hint:
+            hint = _HINTS.get(errno, "")
+        if hint:
+            text += f". {hint}"
+        super().__init__(errno, text)
+        self.filename = self.path
+
+    def __str__(self) -> str:  # OSError's default str would print "[Errno n] ..." twice
+        return self.strerror
+
+
+_HINTS = {
+    _errno.ENOSPC: "The file system is full: free space or point the checkpointer at another root",
+    _errno.EDQUOT: "Disk quota exceeded: free space or raise the quota",
+    _errno.EROFS: "The file system is read-only: choose a writable root",
+    _errno.EACCES: "Permission denied: make the directory writable for this user or choose another root",
+    _errno.EINVAL: "The kernel rejected the request; if this file system does not support O_DIRECT set GDSWRITER_DIRECT_IO=0",
+    _errno.EIO: "The device reported an I/O error: check the drive (dmesg, smartctl) before trusting any data on it",
+}
+
+
+class ShortIOError(EngineIOError):
+    """The kernel moved zero bytes where more were expected (end of file while reading)."""
+
+    def __init__(self, path: str, offset: int, expected: int):
+        super().__init__(_errno.EIO, path, offset, "read",
+                         f"the file ended after fewer bytes than expected ({expected} more were needed); it is truncated")
+
+
+class CheckpointError(GDSWriterError):
+    """Base for problems with a checkpoint on disk."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint is damaged: truncated or missing file, unparsable manifest."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """Bytes read back do not match the checksum recorded at save time."""
+
+    def __init__(self, path: str, tensor: str, offset: int, length: int, expected: int, actual: int):
+        self.path, self.tensor, self.offset, self.length = str(path), tensor, offset, length
+        self.expected, self.actual = expected, actual
+        super().__init__(
+            f"checksum mismatch in {self.path} bytes [{offset}, {offset + length}) holding tensor {tensor!r}: "
+            f"crc32c expected {expected:#010x}, got {actual:#010x}. The file is corrupt: load an earlier step "
+            f"(GDSCheckpointer.steps()) or restore it from a copy")
+
+
+class UnsupportedFormatVersionError(CheckpointError, ValueError):
+    """The checkpoint was written by a newer, incompatible gdswriter."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint at the requested root/step."""
+
+
+class CheckpointLockedError(CheckpointError, BlockingIOError):
+    """Another process holds the checkpoint root."""
+
+
+class UnsupportedObjectError(GDSWriterError, TypeError):
+    """State holds an object the format cannot store without pickle."""
+
+    def __init__(self, key_path: str, obj: object, why: str = ""):
+        self.key_path = key_path
+        tname = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        msg = f"cannot save {key_path or '<root>'}: objects of type {tname} are not supported"
+        msg += f" ({why})" if why else (
+            " (gdswriter stores tensors, numpy arrays, None, bool, int, float, str, bytes, list, tuple, dict, "
+            "torch.dtype and torch.device without pickle); convert it to one of those in your state_dict")
+        super().__init__(msg)
+
+
+class StateMismatchError(GDSWriterError, KeyError):
+    """The checkpoint does not fit the live model (missing/unexpected key, shape or dtype)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+
+
+class TruncatedFileError(CorruptCheckpointError):
+    """A data file is shorter than the manifest says."""
+
+    def __init__(self, path: str, needed: int, actual: int):
+        self.path, self.needed, self.actual = str(path), needed, actual
+        super().__init__(f"{self.path} is truncated: {actual} bytes on disk, {needed} needed. "
+                         f"The checkpoint is incomplete: load an earlier step or restore the file")

@@ -1,0 +1,445 @@
+"""Staged fallback engines: aligned page-locked buffers + io_uring or POSIX threads.
+
+One pipeline serves both engines. Writes stream the file front to back: the
+next staging buffer is filled (copy + crc32c) while earlier ones are in flight,
+so the CPU work and the device work overlap and thousands of small tensors
+become a few large requests. Reads run the same way in reverse. The backends
+differ only in how a request reaches the kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import queue
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import crc32c as _crc32c
+
+from ..engine import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans
+from ..errors import EngineIOError, EngineUnavailableError, ShortIOError, TruncatedFileError
+from ..options import ALIGN, EngineOptions, log_once
+from . import uring
+from .buffers import AlignedBufferPool, StagingBuffer
+
+_crc = _crc32c.crc32c
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_MERGE_GAP = 1 << 20  # read through gaps smaller than this rather than issuing another request
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _align_down(n: int) -> int:
+    return n // ALIGN * ALIGN
+
+
+# ---------------------------------------------------------------------------
+# Backends: submit (fd, buffer slice, file offset) and report (tag, result).
+# ---------------------------------------------------------------------------
+class _UringBackend:
+    def __init__(self, depth: int, pool: AlignedBufferPool, register: bool):
+        entries = 1 << max(depth - 1, 0).bit_length()
+        self.ring = uring.IoUring(entries)
+        self.capacity = depth
+        self.registered = False
+        if register:
+            try:
+                self.ring.register_buffers(pool.regions())
+                self.registered = True
+            except OSError as e:
+                log_once("uring-register", f"gdswriter: io_uring buffer registration refused ({e.strerror}); "
+                                           f"using unregistered buffers (raise `ulimit -l` to allow it)")
+
+    @property
+    def in_flight(self) -> int:
+        return self.ring.in_flight
+
+    def submit(self, write: bool, fd: int, buf: StagingBuffer, start: int, length: int, file_off: int, tag: int):
+        if self.registered:
+            op = uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED
+        else:
+            op = uring.OP_WRITE if write else uring.OP_READ
+        self.ring.prep(op, fd, buf.address + start, length, file_off, tag, buf.index)
+
+    def flush(self) -> None:
+        self.ring.enter(0)
+
+    def wait(self, min_n: int = 1) -> list[tuple[int, int]]:
+        return self.ring.wait(min_n)
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+class _PosixBackend:
+    """A thread pool of pread/pwrite: works wherever files work."""
+
+    def __init__(self, depth: int):
+        self.capacity = depth
+        self.in_flight = 0
+        self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="gdswriter-io")
+        self._done: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        self.registered = False
+
+    def _run(self, write: bool, fd: int, view: memoryview, file_off: int, tag: int) -> None:
+        try:
+            n = os.pwrite(fd, view, file_off) if write else os.preadv(fd, [view], file_off)
+        except OSError as e:
+            n = -(e.errno or errno.EIO)
+        except BaseException:  # never lose a completion
+            n = -errno.EIO
+        self._done.put((tag, n))
+
+    def submit(self, write: bool, fd: int, buf: StagingBuffer, start: int, length: int, file_off: int, tag: int):
+        self.in_flight += 1
+        self._pool.submit(self._run, write, fd, buf.view[start:start + length], file_off, tag)
+
+    def flush(self) -> None:
+        pass
+
+    def wait(self, min_n: int = 1) -> list[tuple[int, int]]:
+        out = [self._done.get() for _ in range(min_n)]
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        self.in_flight -= len(out)
+        return out
+
+    def close(self) -> None:
+        while self.in_flight:
+            self.wait(1)
+        self._pool.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------------
+# The pipeline
+# ---------------------------------------------------------------------------
+class _Request:
+    __slots__ = ("chunk", "buf_start", "length", "file_off", "expect")
+
+    def __init__(self, chunk, buf_start, length, file_off, expect):
+        self.chunk, self.buf_start, self.length, self.file_off, self.expect = chunk, buf_start, length, file_off, expect
+
+
+class _Chunk:
+    """A file range staged in one buffer; done when all its requests completed."""
+
+    __slots__ = ("file_off", "length", "buf", "pending")
+
+    def __init__(self, file_off: int, length: int, buf: StagingBuffer):
+        self.file_off, self.length, self.buf, self.pending = file_off, length, buf, 0
+
+
+class StagedEngine(IOEngine):
+    """Shared pipeline; subclasses choose the backend."""
+
+    name = "staged"
+
+    def __init__(self, options: EngineOptions | None = None, *, reason: str = ""):
+        self.options = options or EngineOptions.from_env()
+        o = self.options
+        self._pool = AlignedBufferPool(o.buffer_bytes, o.num_buffers, lock_memory=o.lock_memory)
+        try:
+            self._backend = self._make_backend()
+        except BaseException:
+            self._pool.close()
+            raise
+        self._reason = reason
+        self._last_direct = o.direct_io
+        self._lock = threading.Lock()
+        self._tags = 0
+        self._backlog: deque = deque()
+
+    def _make_backend(self):
+        raise NotImplementedError
+
+    @property
+    def info(self) -> EngineInfo:
+        return EngineInfo(self.name, self._last_direct, self._backend.registered, self._pool.locked, self._reason)
+
+    def close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+            self._pool.close()
+
+    # -- files -------------------------------------------------------------
+    def _open(self, path: str, flags: int) -> tuple[int, bool]:
+        flags |= os.O_CLOEXEC
+        if self.options.direct_io:
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644), True
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise EngineIOError(e.errno, path, 0, "open") from e
+                log_once(f"nodirect:{os.path.dirname(os.path.abspath(path))}",
+                         f"gdswriter: the file system under {os.path.dirname(os.path.abspath(path))} refuses "
+                         f"O_DIRECT; using buffered I/O followed by fsync there")
+        try:
+            return os.open(path, flags, 0o644), False
+        except OSError as e:
+            raise EngineIOError(e.errno, path, 0, "open") from e
+
+    # -- request bookkeeping ---------------------------------------------------
+    def _submit(self, write: bool, fd: int, req: _Request, reqs: dict[int, _Request]) -> None:
+        """Queue a request; it goes to the kernel as soon as fewer than queue_depth are in flight."""
+        self._tags += 1
+        reqs[self._tags] = req
+        req.chunk.pending += 1
+        self._backlog.append((write, fd, req, self._tags))
+        self._pump()
+
+    def _pump(self) -> None:
+        backend, backlog = self._backend, self._backlog
+        while backlog and backend.in_flight < backend.capacity:
+            write, fd, req, tag = backlog.popleft()
+            backend.submit(write, fd, req.chunk.buf, req.buf_start, req.length, req.file_off, tag)
+
+    def _complete(self, write: bool, fd: int, path: str, reqs: dict[int, _Request], min_n: int) -> list[_Chunk]:
+        """Wait for completions; resubmit short transfers; return chunks that finished."""
+        finished = []
+        self._backend.flush()
+        for tag, res in self._backend.wait(min_n):
+            req = reqs.pop(tag)
+            req.chunk.pending -= 1
+            if res < 0:
+                raise EngineIOError(-res, path, req.file_off, "write" if write else "read")
+            if res < req.expect:
+                if res == 0:
+                    if write:
+                        raise EngineIOError(errno.EIO, path, req.file_off, "write",
+                                            "the kernel accepted zero bytes; the device may be failing")
+                    raise ShortIOError(path, req.file_off, req.expect)
+                # A short transfer: continue from where it stopped.
+                rest = _Request(req.chunk, req.buf_start + res, req.length - res, req.file_off + res, req.expect - res)
+                self._submit(write, fd, rest, reqs)
+                continue
+            if req.chunk.pending == 0:
+                finished.append(req.chunk)
+        self._pump()
+        self._backend.flush()
+        return finished
+
+    def _drain(self) -> None:
+        """After an error: wait out everything in flight (the kernel may still touch our buffers)."""
+        self._backlog.clear()
+        while self._backend.in_flight:
+            try:
+                self._backend.wait(1)
+            except Exception:
+                break
+
+    def _queue_chunk(self, write: bool, fd: int, chunk: _Chunk, file_size: int | None, reqs) -> None:
+        step = self.options.request_bytes
+        for start in range(0, chunk.length, step):
+            n = min(step, chunk.length - start)
+            off = chunk.file_off + start
+            expect = n if file_size is None else max(0, min(n, file_size - off))
+            if expect == 0:
+                continue
+            self._submit(write, fd, _Request(chunk, start, n, off, expect), reqs)
+
+    # -- write -------------------------------------------------------------
+    def write_file(self, path, spans: Sequence[WriteSpan], *, size: int | None = None, durable: bool = True) -> list[int]:
+        check_spans(spans)
+        path = os.fspath(path)
+        end = spans[-1].end if spans else 0
+        size = end if size is None else size
+        if size < end:
+            raise ValueError(f"size={size} is smaller than the end of the last span ({end})")
+        with self._lock:
+            fd, direct = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            self._last_direct = direct
+            ok = False
+            try:
+                crcs = self._write_fd(fd, path, spans, size, direct)
+                try:
+                    os.ftruncate(fd, size)
+                    if durable:
+                        os.fdatasync(fd) if direct else os.fsync(fd)
+                except OSError as e:
+                    raise EngineIOError(e.errno, path, size, "fsync/ftruncate") from e
+                ok = True
+                return crcs
+            finally:
+                os.close(fd)
+                if not ok:
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+
+    def _write_fd(self, fd: int, path: str, spans: Sequence[WriteSpan], size: int, direct: bool) -> list[int]:
+        total = _align_up(size) if direct else size
+        if self.options.preallocate and total:
+            if _libc.fallocate(fd, 0, 0, total) != 0:
+                e = ctypes.get_errno()
+                if e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise EngineIOError(e, path, 0, "preallocate")
+                # EOPNOTSUPP etc.: the file system cannot preallocate; the writes still work.
+        crcs = [0] * len(spans)
+        reqs: dict[int, _Request] = {}
+        free = list(self._pool.buffers)
+        bufsize = self._pool.size
+        si = 0
+        try:
+            for off in range(0, total, bufsize):
+                while not free:
+                    free.extend(c.buf for c in self._complete(True, fd, path, reqs, 1))
+                buf = free.pop()
+                n = min(bufsize, total - off)
+                si = self._fill(buf, off, n, spans, si, crcs)
+                self._queue_chunk(True, fd, _Chunk(off, n, buf), None, reqs)
+                self._backend.flush()
+            while reqs:
+                self._complete(True, fd, path, reqs, 1)
+        except BaseException:
+            self._drain()
+            raise
+        return crcs
+
+    @staticmethod
+    def _fill(buf: StagingBuffer, file_off: int, n: int, spans: Sequence[WriteSpan], si: int, crcs: list[int]) -> int:
+        """Copy the spans' bytes that fall in [file_off, file_off+n) into ``buf``; zero the gaps."""
+        pos, end, t, view = file_off, file_off + n, buf.tensor, buf.view
+        while pos < end:
+            while si < len(spans) and spans[si].end <= pos:
+                si += 1
+            if si == len(spans) or spans[si].offset >= end:
+                t[pos - file_off:n].zero_()
+                break
+            s = spans[si]
+            if s.offset > pos:
+                t[pos - file_off:s.offset - file_off].zero_()
+                pos = s.offset
+            a, b = pos - s.offset, min(s.end, end) - s.offset
+            lo = pos - file_off
+            t[lo:lo + b - a].copy_(s.data[a:b])
+            crcs[si] = _crc(view[lo:lo + b - a], crcs[si])
+            pos = s.offset + b
+        return si
+
+    # -- read --------------------------------------------------------------
+    def read_file(self, path, spans: Sequence[ReadSpan]) -> list[int]:
+        check_spans(spans)
+        path = os.fspath(path)
+        with self._lock:
+            fd, direct = self._open(path, os.O_RDONLY)
+            self._last_direct = direct
+            try:
+                size = os.fstat(fd).st_size
+                need = max((s.end for s in spans), default=0)
+                if size < need:
+                    raise TruncatedFileError(path, need, size)
+                return self._read_fd(fd, path, spans, size, direct)
+            finally:
+                os.close(fd)
+
+    def _read_chunks(self, spans: Sequence[ReadSpan], direct: bool) -> list[tuple[int, int]]:
+        """Merge the spans into aligned extents, then cut them into buffer-sized chunks."""
+        extents: list[list[int]] = []
+        for s in spans:
+            if s.out.numel() == 0:
+                continue
+            lo, hi = (_align_down(s.offset), _align_up(s.end)) if direct else (s.offset, s.end)
+            if extents and lo - extents[-1][1] < _MERGE_GAP:
+                extents[-1][1] = max(extents[-1][1], hi)
+            else:
+                extents.append([lo, hi])
+        bufsize = self._pool.size
+        return [(o, min(bufsize, hi - o)) for lo, hi in extents for o in range(lo, hi, bufsize)]
+
+    def _read_fd(self, fd: int, path: str, spans: Sequence[ReadSpan], size: int, direct: bool) -> list[int]:
+        chunks = self._read_chunks(spans, direct)
+        crcs = [0] * len(spans)
+        reqs: dict[int, _Request] = {}
+        free = list(self._pool.buffers)
+        done: dict[int, _Chunk] = {}
+        by_id: dict[int, int] = {}
+        next_submit = next_drain = 0
+        si = 0
+        try:
+            while next_drain < len(chunks):
+                while free and next_submit < len(chunks):
+                    off, n = chunks[next_submit]
+                    c = _Chunk(off, n, free.pop())
+                    by_id[id(c)] = next_submit
+                    self._queue_chunk(False, fd, c, size, reqs)
+                    if c.pending == 0:  # wholly past EOF cannot happen (size checked); keep order anyway
+                        done[next_submit] = c
+                    next_submit += 1
+                if next_drain not in done:
+                    for c in self._complete(False, fd, path, reqs, 1):
+                        done[by_id.pop(id(c))] = c
+                while next_drain in done:
+                    c = done.pop(next_drain)
+                    si = self._drain_chunk(c, spans, si, crcs)
+                    free.append(c.buf)
+                    next_drain += 1
+        except BaseException:
+            self._drain()
+            raise
+        return crcs
+
+    @staticmethod
+    def _drain_chunk(c: _Chunk, spans: Sequence[ReadSpan], si: int, crcs: list[int]) -> int:
+        """Copy the chunk's bytes out to every span it overlaps, updating their crc32c."""
+        lo, hi = c.file_off, c.file_off + c.length
+        while si < len(spans) and spans[si].end <= lo:
+            si += 1
+        j = si
+        while j < len(spans) and spans[j].offset < hi:
+            s = spans[j]
+            a, b = max(lo, s.offset), min(hi, s.end)
+            if b > a:
+                src = c.buf.view[a - lo:b - lo]
+                s.out[a - s.offset:b - s.offset].copy_(c.buf.tensor[a - lo:b - lo])
+                crcs[j] = _crc(src, crcs[j])
+            if s.end > hi:
+                break
+            j += 1
+        return si
+
+
+class IoUringEngine(StagedEngine):
+    """io_uring + O_DIRECT from registered, page-locked buffers."""
+
+    name = "io_uring"
+
+    def _make_backend(self):
+        why = uring.probe()
+        if why:
+            raise EngineUnavailableError(errno.ENOTSUP, f"io_uring is unavailable: {why}. Use engine='posix' "
+                                                        f"(GDSWRITER_ENGINE=posix)")
+        return _UringBackend(self.options.queue_depth, self._pool, self.options.register_buffers)
+
+
+class PosixEngine(StagedEngine):
+    """pread/pwrite from a thread pool; for kernels or sandboxes without io_uring."""
+
+    name = "posix"
+
+    def _make_backend(self):
+        return _PosixBackend(self.options.queue_depth)
+
+
+def create_fallback_engine(options: EngineOptions) -> StagedEngine:
+    """io_uring when asked or when "auto" finds it working, else POSIX (the reason logged once)."""
+    if options.engine == "posix":
+        return PosixEngine(options, reason="requested (engine='posix')")
+    if options.engine == "io_uring":
+        return IoUringEngine(options)
+    why = uring.probe()
+    if why is None:
+        return IoUringEngine(options)
+    log_once("posix-fallback", f"gdswriter: {why}; falling back to the POSIX thread-pool engine")
+    return PosixEngine(options, reason=why)

@@ -1,0 +1,122 @@
+"""Keyword-only, validated, frozen option sets. Environment knobs use GDSWRITER_*."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+from .errors import InvalidOptionError
+
+log = logging.getLogger("gdswriter")
+_said: set[str] = set()
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+ALIGN = 4096  # every direct request is aligned to this (covers 512 B and 4 KiB logical blocks)
+
+ENGINES = ("auto", "io_uring", "posix")
+
+
+def log_once(key: str, message: str, level: int = logging.WARNING) -> None:
+    """Log ``message`` the first time ``key`` is seen in this process."""
+    if key not in _said:
+        _said.add(key)
+        log.log(level, message)
+
+
+def _env_bool(name: str, raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise InvalidOptionError(f"environment variable {name}={raw!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
+
+
+def _env_int(name: str, raw: str) -> int:
+    try:
+        v = raw.strip().lower()
+        for suffix, mult in (("k", KiB), ("m", MiB), ("g", GiB)):
+            if v.endswith(suffix) or v.endswith(suffix + "ib"):
+                return int(v[: v.index(suffix)]) * mult
+        return int(v)
+    except ValueError as e:
+        raise InvalidOptionError(f"environment variable {name}={raw!r} is not an integer (a size may end in K, M or G)") from e
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    """How bytes move between memory and files.
+
+    engine: "auto" (io_uring, else POSIX), "io_uring" or "posix".
+    queue_depth: I/O requests kept in flight at once.
+    request_bytes: size of one read/write request (multiple of 4 KiB).
+    buffer_bytes: size of one page-locked staging buffer (multiple of request_bytes).
+    num_buffers: staging buffers; one fills while the others are in flight.
+    direct_io: open files with O_DIRECT (falls back to buffered I/O + fsync where refused).
+    preallocate: fallocate() the file before writing.
+    register_buffers: register staging buffers with io_uring (READ/WRITE_FIXED).
+    lock_memory: mlock() the staging buffers (page-locked; pinned for CUDA when available).
+    """
+
+    engine: str = "auto"
+    queue_depth: int = 16
+    request_bytes: int = 4 * MiB
+    buffer_bytes: int = 16 * MiB
+    num_buffers: int = 4
+    direct_io: bool = True
+    preallocate: bool = True
+    register_buffers: bool = True
+    lock_memory: bool = True
+
+    _ENV = {
+        "engine": "GDSWRITER_ENGINE",
+        "queue_depth": "GDSWRITER_QUEUE_DEPTH",
+        "request_bytes": "GDSWRITER_REQUEST_BYTES",
+        "buffer_bytes": "GDSWRITER_BUFFER_BYTES",
+        "num_buffers": "GDSWRITER_NUM_BUFFERS",
+        "direct_io": "GDSWRITER_DIRECT_IO",
+        "preallocate": "GDSWRITER_PREALLOCATE",
+        "register_buffers": "GDSWRITER_REGISTER_BUFFERS",
+        "lock_memory": "GDSWRITER_LOCK_MEMORY",
+    }
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise InvalidOptionError(f"engine={self.engine!r} is unknown: choose one of {', '.join(ENGINES)}")
+        for name in ("queue_depth", "request_bytes", "buffer_bytes", "num_buffers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidOptionError(f"{name}={v!r} must be a positive integer")
+        if self.request_bytes % ALIGN:
+            raise InvalidOptionError(f"request_bytes={self.request_bytes} must be a multiple of {ALIGN} (direct I/O alignment)")
+        if self.buffer_bytes % self.request_bytes:
+            raise InvalidOptionError(
+                f"buffer_bytes={self.buffer_bytes} must be a multiple of request_bytes={self.request_bytes}")
+        if self.num_buffers < 2:
+            raise InvalidOptionError(f"num_buffers={self.num_buffers} must be >= 2 so that one buffer fills while another is written")
+        if self.queue_depth > 4096:
+            raise InvalidOptionError(f"queue_depth={self.queue_depth} is above io_uring's 4096-entry limit")
+
+    @property
+    def requests_per_buffer(self) -> int:
+        return self.buffer_bytes // self.request_bytes
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "EngineOptions":
+        """Defaults, then GDSWRITER_* variables, then explicit ``overrides``."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            var = cls._ENV.get(f.name)
+            if var and var in env:
+                raw = env[var]
+                if f.type in ("bool", bool):
+                    values[f.name] = _env_bool(var, raw)
+                elif f.type in ("int", int):
+                    values[f.name] = _env_int(var, raw)
+                else:
+                    values[f.name] = raw.strip()
+        values.update(overrides)
+        return cls(**values)
