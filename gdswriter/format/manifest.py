@@ -1,0 +1,227 @@
+"""The manifest: the one file that makes a step directory a checkpoint.
+
+It is JSON (readable by anything, no pickle) and it is written last, so a step
+whose manifest exists and parses is complete. It records the data files, each
+storage's chunks (file, byte range, crc32c), each tensor as a typed strided
+view of a storage, and the non-tensor state tree (see state_codec). See
+docs/format.md for the full description.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c as _crc32c
+
+from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError
+from .dtypes import dtype_from_name
+
+FORMAT_NAME = "gdswriter"
+FORMAT_VERSION = (1, 0)  # (major, minor): readers refuse a newer major, accept any minor
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """A data file: ``path`` inside the step directory of root number ``root``; exactly ``size`` bytes."""
+
+    root: int
+    path: str
+    size: int
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """Bytes [storage_offset, storage_offset+length) of a storage, stored at file_offset of file ``file``."""
+
+    file: int
+    file_offset: int
+    storage_offset: int
+    length: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """A run of bytes that one or more tensors view (tied weights are one storage)."""
+
+    nbytes: int
+    chunks: tuple[ChunkRecord, ...]
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Tensor ``name`` (its key path) is a view of storage ``storage`` starting at byte ``byte_offset``."""
+
+    name: str
+    storage: int
+    byte_offset: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    device: str = "cpu"  # where it lived at save time (informational)
+    kind: str = "tensor"  # "tensor" or "ndarray"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    files: tuple[FileRecord, ...]
+    storages: tuple[StorageRecord, ...]
+    tensors: tuple[TensorRecord, ...]
+    state: Any
+    created_unix: float = 0.0
+    metadata: dict = field(default_factory=dict)
+    version: tuple[int, int] = FORMAT_VERSION
+
+    # -- serialisation -------------------------------------------------------
+    def to_json_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT_NAME,
+            "version": list(self.version),
+            "step": self.step,
+            "created_unix": self.created_unix,
+            "metadata": self.metadata,
+            "files": [[f.root, f.path, f.size] for f in self.files],
+            "storages": [
+                {"nbytes": s.nbytes,
+                 "chunks": [[c.file, c.file_offset, c.storage_offset, c.length, c.crc32c] for c in s.chunks]}
+                for s in self.storages],
+            "tensors": [
+                {"name": t.name, "storage": t.storage, "byte_offset": t.byte_offset, "dtype": t.dtype,
+                 "shape": list(t.shape), "stride": list(t.stride), "device": t.device, "kind": t.kind}
+                for t in self.tensors],
+            "state": self.state,
+        }
+        text = _canonical(body)
+        body["manifest_crc32c"] = _crc32c.crc32c(text)
+        return (json.dumps(body, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, where: str = "manifest") -> "Manifest":
+        """Parse and validate; any damage raises CorruptCheckpointError naming ``where``."""
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{where} is not valid JSON ({e}); the checkpoint is damaged: "
+                                         f"load an earlier step") from e
+        try:
+            return cls._from_body(body, where)
+        except (CorruptCheckpointError, UnsupportedFormatVersionError):
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{where} is malformed ({type(e).__name__}: {e}); the checkpoint is "
+                                         f"damaged: load an earlier step") from e
+
+    @classmethod
+    def _from_body(cls, body: Any, where: str) -> "Manifest":
+        def bad(msg: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
+
+        if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+            raise bad("not a gdswriter manifest (no \"format\": \"gdswriter\")")
+        version = body.get("version")
+        if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) and v >= 0 for v in version)):
+            raise bad(f"bad version field {version!r}")
+        if version[0] > FORMAT_VERSION[0]:
+            raise UnsupportedFormatVersionError(
+                f"{where} uses format version {version[0]}.{version[1]}, newer than this gdswriter reads "
+                f"({FORMAT_VERSION[0]}.x): upgrade gdswriter (pip install -U gdswriter)")
+        expected = body.pop("manifest_crc32c", None)
+        if not _is_int(expected) or _crc32c.crc32c(_canonical(body)) != expected:
+            raise bad("manifest checksum does not match its content")
+
+        files = tuple(FileRecord(_nonneg(r[0]), _relpath(r[1]), _nonneg(r[2])) for r in _list(body["files"]))
+        storages = []
+        for s in _list(body["storages"]):
+            nbytes = _nonneg(s["nbytes"])
+            chunks = []
+            covered = 0
+            for c in sorted((_chunk(x, len(files)) for x in _list(s["chunks"])), key=lambda c: c.storage_offset):
+                if c.storage_offset != covered:
+                    raise bad(f"storage {len(storages)} has a gap or overlap at byte {covered}")
+                if c.file_offset + c.length > files[c.file].size:
+                    raise bad(f"chunk of storage {len(storages)} runs past the end of {files[c.file].path}")
+                covered += c.length
+                chunks.append(c)
+            if covered != nbytes:
+                raise bad(f"storage {len(storages)} chunks cover {covered} of {nbytes} bytes")
+            storages.append(StorageRecord(nbytes, tuple(chunks)))
+        tensors = []
+        for t in _list(body["tensors"]):
+            rec = TensorRecord(_str(t["name"]), _nonneg(t["storage"]), _nonneg(t["byte_offset"]), _str(t["dtype"]),
+                               tuple(_nonneg(x) for x in _list(t["shape"])),
+                               tuple(_int(x) for x in _list(t["stride"])), _str(t.get("device", "cpu")),
+                               _str(t.get("kind", "tensor")))
+            if rec.storage >= len(storages) or len(rec.shape) != len(rec.stride) or rec.kind not in ("tensor", "ndarray"):
+                raise bad(f"tensor {rec.name!r} has an invalid storage index, shape/stride or kind")
+            item = dtype_from_name(rec.dtype).itemsize
+            if rec.byte_offset % item:
+                raise bad(f"tensor {rec.name!r} byte_offset {rec.byte_offset} is not a multiple of its item size")
+            if any(x < 0 for x in rec.stride):
+                raise bad(f"tensor {rec.name!r} has a negative stride")
+            if all(rec.shape):  # numel > 0: the view must stay inside its storage
+                last = rec.byte_offset + (sum((n - 1) * s for n, s in zip(rec.shape, rec.stride)) + 1) * item
+                if last > storages[rec.storage].nbytes:
+                    raise bad(f"tensor {rec.name!r} reaches past the end of its storage")
+            tensors.append(rec)
+        metadata = body.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise bad("metadata is not an object")
+        created = body.get("created_unix", 0.0)
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
+            raise bad("created_unix is not a number")
+        return cls(step=_nonneg(body["step"]), files=files, storages=tuple(storages), tensors=tuple(tensors),
+                   state=body["state"], created_unix=float(created), metadata=metadata,
+                   version=(version[0], version[1]))
+
+
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(v: Any) -> int:
+    if not _is_int(v):
+        raise ValueError(f"expected an integer, got {v!r}")
+    return v
+
+
+def _nonneg(v: Any) -> int:
+    if _int(v) < 0:
+        raise ValueError(f"expected a non-negative integer, got {v!r}")
+    return v
+
+
+def _str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string, got {v!r}")
+    return v
+
+
+def _list(v: Any) -> list:
+    if not isinstance(v, list):
+        raise ValueError(f"expected a list, got {type(v).__name__}")
+    return v
+
+
+def _relpath(v: Any) -> str:
+    """A plain file name: no directories, no '..' (a manifest must not point outside its step)."""
+    s = _str(v)
+    if not s or "/" in s or "\\" in s or s in (".", "..") or "\0" in s:
+        raise ValueError(f"data file name {s!r} is not a plain file name")
+    return s
+
+
+def _chunk(x: Any, n_files: int) -> ChunkRecord:
+    f, fo, so, ln, crc = (_nonneg(v) for v in _list(x))
+    if f >= n_files:
+        raise ValueError(f"chunk names file {f}, but there are only {n_files}")
+    if crc > 0xFFFFFFFF:
+        raise ValueError("crc32c out of range")
+    return ChunkRecord(f, fo, so, ln, crc)

@@ -1,0 +1,386 @@
+"""Encode nested training state to a JSON tree without pickle.
+
+``encode_state`` turns model/optimizer/scheduler/scaler/RNG state into a tree
+of JSON-native values and a separate list of tensors (stored elsewhere, by
+index). Everything that is not a plain JSON value is a single-key dict whose
+key starts with ``"$"``:
+
+==========================================  ====================================
+``{"$dict": [[k, v], ...]}``                dict (every dict; keeps order, non-str keys)
+``{"$odict": [[k, v], ...], "meta": m}``    OrderedDict; ``"meta"`` only if it has ``_metadata``
+``{"$tuple": [...]}``                       tuple
+``{"$size": [...]}``                        torch.Size
+``{"$float": "nan"|"-nan"|"inf"|"-inf"}``   non-finite float (other NaN payloads: ``"bits:<16 hex>"``)
+``{"$int": "0x..."}``                       int with ``abs(i) >= 2**63``
+``{"$bytes": "<base64>"}``                  bytes
+``{"$tensor": i}``                          ``tensors[i]`` (same object -> same ``i``)
+``{"$ndarray": i}``                         numpy array stored as ``tensors[i]``
+``{"$npscalar": [name, value]}``            numpy scalar (``np.float32(1.5)``...)
+``{"$dtype": "bfloat16"}``                  torch.dtype
+``{"$device": "cuda:0"}``                   torch.device
+==========================================  ====================================
+
+Lists, str, bool, None, finite floats and ints below 2**63 are stored as
+themselves. ``decode_state`` is the inverse and treats its input as untrusted:
+for any JSON value it returns a value or raises ``CorruptCheckpointError``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import collections
+import math
+import re
+import struct
+import types
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedObjectError
+from .dtypes import dtype_from_name, dtype_to_name
+
+MAX_DEPTH = 200
+"""Deepest container nesting accepted, on both sides (guards the Python stack)."""
+
+_BIG_INT = 2 ** 63
+_INT_RE = re.compile(r"-?0x[0-9a-f]+")
+_NAN_BITS = struct.unpack("<Q", struct.pack("<d", math.nan))[0] & ~(1 << 63)
+_NP_SCALARS: dict[str, type] = {
+    **{np.dtype(t).name: t for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                     np.uint32, np.uint64, np.float16, np.float32, np.float64,
+                                     np.complex64, np.complex128)},
+    "str": np.str_, "bytes": np.bytes_,
+}
+_NP_NAMES = {t: n for n, t in _NP_SCALARS.items()}
+_TAGS = frozenset({"$dict", "$odict", "$tuple", "$size", "$float", "$int", "$bytes", "$tensor", "$ndarray",
+                   "$npscalar", "$dtype", "$device"})
+
+
+# ----------------------------------------------------------------------------- encode
+
+def encode_state(obj: object, *, key_path: str = "") -> tuple[object, list[torch.Tensor]]:
+    """Return ``(tree, tensors)``: a JSON-serialisable tree and the tensors it references.
+
+    numpy arrays appear in ``tensors`` as CPU tensors sharing their memory.
+    Raises :class:`UnsupportedObjectError` naming the "/"-joined key path of
+    the first object that cannot be stored without pickle.
+    """
+    enc = _Encoder()
+    return enc.enc(obj, key_path, 0), enc.tensors
+
+
+def _join(path: str, part: object) -> str:
+    return f"{path}/{part}" if path else str(part)
+
+
+def _enc_float(x: float) -> object:
+    if math.isfinite(x):
+        return x
+    if math.isinf(x):
+        return {"$float": "inf" if x > 0 else "-inf"}
+    bits = struct.unpack("<Q", struct.pack("<d", x))[0]
+    if bits & ~(1 << 63) == _NAN_BITS:
+        return {"$float": "-nan" if bits >> 63 else "nan"}
+    return {"$float": f"bits:{bits:016x}"}
+
+
+def _enc_int(i: int) -> object:
+    return i if -_BIG_INT < i < _BIG_INT else {"$int": hex(i)}
+
+
+def _is_key(k: object) -> bool:
+    """Allowed dict keys: str, int, float, bool, None and (nested) tuples of those."""
+    stack = [k]
+    while stack:  # iterative: a key cannot blow the stack however deep its tuples go
+        k = stack.pop()
+        if type(k) is tuple:
+            stack.extend(k)
+        elif not (k is None or type(k) in (str, int, float, bool)):
+            return False
+    return True
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+        self.index: dict[int, int] = {}      # id(tensor or ndarray) -> index in self.tensors
+        self.active: set[int] = set()       # ids of containers on the current path (cycle guard)
+
+    def add(self, key: object, tensor: torch.Tensor) -> int:
+        i = self.index.get(id(key))
+        if i is None:
+            i = self.index[id(key)] = len(self.tensors)
+            self.tensors.append(tensor)
+        return i
+
+    def enc(self, obj: Any, path: str, depth: int) -> object:
+        t = type(obj)
+        if obj is None or t is bool or t is str:
+            return obj
+        if t is int:
+            return _enc_int(obj)
+        if t is float:
+            return _enc_float(obj)
+        if t is bytes:
+            return {"$bytes": base64.b64encode(obj).decode("ascii")}
+        if isinstance(obj, torch.Tensor):
+            return {"$tensor": self.add(obj, self.check_tensor(obj, path))}
+        if t is np.ndarray:
+            return {"$ndarray": self.add(obj, self.array_tensor(obj, path))}
+        if isinstance(obj, np.generic):
+            return {"$npscalar": self.np_scalar(obj, path)}
+        if t is torch.dtype:
+            return {"$dtype": dtype_to_name(obj)}
+        if t is torch.device:
+            return {"$device": str(obj)}
+        if t not in (list, tuple, torch.Size, dict, collections.OrderedDict):
+            raise UnsupportedObjectError(path, obj, _why(obj))
+
+        if depth >= MAX_DEPTH:
+            raise UnsupportedObjectError(path, obj, f"nesting deeper than {MAX_DEPTH} levels")
+        if id(obj) in self.active:
+            raise UnsupportedObjectError(path, obj, "cyclic reference: the container contains itself")
+        self.active.add(id(obj))
+        try:
+            if t is list or t is tuple:
+                items = [self.enc(v, _join(path, i), depth + 1) for i, v in enumerate(obj)]
+                return items if t is list else {"$tuple": items}
+            if t is torch.Size:
+                return {"$size": [_enc_int(int(v)) for v in obj]}
+            pairs = []
+            for k, v in obj.items():
+                if not _is_key(k):
+                    raise UnsupportedObjectError(_join(path, repr(k)), k, "dict keys must be str, int, float, "
+                                                 "bool, None or tuples of those")
+                pairs.append([self.enc(k, path, depth + 1), self.enc(v, _join(path, k), depth + 1)])
+            if t is dict:
+                return {"$dict": pairs}
+            out: dict[str, object] = {"$odict": pairs}
+            meta = getattr(obj, "_metadata", None)
+            if meta is not None:  # nn.Module.state_dict() keeps per-module versions here
+                out["meta"] = self.enc(meta, _join(path, "_metadata"), depth + 1)
+            return out
+        finally:
+            self.active.discard(id(obj))
+
+    @staticmethod
+    def check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):
+            why = (f"tensor subclass {type(t).__qualname__} is not supported: save a plain tensor, "
+                   "e.g. x.detach().as_subclass(torch.Tensor) or the subclass's own state")
+        elif t.is_nested:
+            why = "nested tensors are not supported: save t.unbind() as a list of tensors"
+        elif t.layout != torch.strided:
+            why = f"sparse tensors ({t.layout}) are not supported: call .to_dense() first"
+        elif t.device.type == "meta":
+            why = "meta tensors have no data: materialise them (e.g. to_empty() and init) before saving"
+        else:
+            return t
+        raise UnsupportedObjectError(path, t, why)
+
+    @staticmethod
+    def array_tensor(a: np.ndarray, path: str) -> torch.Tensor:
+        try:
+            return torch.from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))  # keeps 0-d as 0-d
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise UnsupportedObjectError(path, a, f"numpy arrays of dtype {a.dtype} cannot be stored "
+                                         f"as tensors ({e})") from None
+
+    @staticmethod
+    def np_scalar(x: np.generic, path: str) -> list:
+        name = _NP_NAMES.get(type(x))
+        if name is None:
+            raise UnsupportedObjectError(path, x, f"numpy scalars of dtype {x.dtype} are not supported: "
+                                         "convert with .item() or to a numpy array")
+        kind = x.dtype.kind
+        if kind == "b":
+            value: object = bool(x)
+        elif kind in "iu":
+            value = _enc_int(int(x))
+        elif kind == "f":
+            value = _enc_float(float(x))
+        elif kind == "c":
+            value = [_enc_float(float(x.real)), _enc_float(float(x.imag))]
+        elif kind == "U":
+            value = str(x)
+        else:  # "S"
+            value = base64.b64encode(bytes(x)).decode("ascii")
+        return [name, value]
+
+
+def _why(obj: object) -> str:
+    if isinstance(obj, (set, frozenset)):
+        return "sets are not supported: convert to a (sorted) list"
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return "named tuples are not supported: convert with tuple(x) or x._asdict()"
+    if isinstance(obj, dict):
+        return "dict subclasses are not supported: convert with dict(x)"
+    if isinstance(obj, list):
+        return "list subclasses are not supported: convert with list(x)"
+    if isinstance(obj, (bool, int, float, str, bytes)):
+        base = next(b for b in (int, float, str, bytes) if isinstance(obj, b)).__name__
+        return f"subclasses of {base} are not supported: convert with {base}(x)"
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.LambdaType)):
+        return "functions cannot be stored without pickle: drop them from the state_dict"
+    if isinstance(obj, torch.Generator):
+        return "save generator.get_state() instead of the generator"
+    return ""
+
+
+# ----------------------------------------------------------------------------- decode
+
+def decode_state(tree: object, tensors: Sequence[torch.Tensor]) -> object:
+    """Inverse of :func:`encode_state`: rebuild the state, with ``tensors[i]`` for index ``i``.
+
+    ``tree`` is untrusted: anything malformed raises :class:`CorruptCheckpointError`.
+    """
+    return _Decoder(tensors).dec(tree, 0)
+
+
+def _bad(msg: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"checkpoint state is damaged: {msg}")
+
+
+def _dec_float(v: object) -> float:
+    if type(v) is float:
+        return v
+    if type(v) is dict and len(v) == 1 and type(s := v.get("$float")) is str:
+        if s in ("nan", "-nan", "inf", "-inf"):
+            return float(s)  # a fresh object each time: distinct NaN dict keys stay distinct
+        if re.fullmatch(r"bits:[0-9a-f]{16}", s):
+            return struct.unpack("<d", struct.pack("<Q", int(s[5:], 16)))[0]
+    raise _bad(f"expected a float, got {_show(v)}")
+
+
+def _dec_int(v: object) -> int:
+    if type(v) is int:
+        return v
+    if type(v) is dict and len(v) == 1 and type(s := v.get("$int")) is str and _INT_RE.fullmatch(s):
+        return int(s, 16)
+    raise _bad(f"expected an int, got {_show(v)}")
+
+
+def _dec_b64(s: object) -> bytes:
+    if type(s) is str:
+        try:
+            return base64.b64decode(s, validate=True)
+        except (binascii.Error, ValueError):
+            pass
+    raise _bad(f"expected base64 text, got {_show(s)}")
+
+
+def _show(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Decoder:
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.arrays: dict[int, np.ndarray] = {}
+
+    def tensor(self, i: object) -> torch.Tensor:
+        if type(i) is not int or not 0 <= i < len(self.tensors):
+            raise _bad(f"tensor index {_show(i)} out of range (checkpoint holds {len(self.tensors)} tensors)")
+        return self.tensors[i]
+
+    def dec(self, v: object, depth: int) -> object:
+        t = type(v)
+        if v is None or t in (bool, int, float, str):
+            return v
+        if depth >= MAX_DEPTH:
+            raise _bad(f"nesting deeper than {MAX_DEPTH} levels")
+        if t is list:
+            return [self.dec(x, depth + 1) for x in v]
+        if t is not dict:
+            raise _bad(f"unexpected {t.__qualname__} in state tree")
+        keys = set(v)
+        tag = next((k for k in keys if k in _TAGS), None)
+        if tag is None or keys != ({tag, "meta"} if tag == "$odict" and "meta" in keys else {tag}):
+            raise _bad(f"unknown or malformed tagged value with keys {_show(sorted(map(str, keys)))}")
+        x = v[tag]
+        if tag in ("$dict", "$odict"):
+            out = {} if tag == "$dict" else collections.OrderedDict()
+            if type(x) is not list:
+                raise _bad(f"{tag} must hold a list of [key, value] pairs")
+            for pair in x:
+                if type(pair) is not list or len(pair) != 2:
+                    raise _bad(f"{tag} entry {_show(pair)} is not a [key, value] pair")
+                key = self.dec(pair[0], depth + 1)
+                if not _is_key(key):
+                    raise _bad(f"dict key {_show(key)} has a type keys cannot have")
+                if key in out:
+                    raise _bad(f"duplicate dict key {_show(key)}")
+                out[key] = self.dec(pair[1], depth + 1)
+            if "meta" in v:
+                out._metadata = self.dec(v["meta"], depth + 1)
+            return out
+        if tag == "$tuple":
+            if type(x) is not list:
+                raise _bad("$tuple must hold a list")
+            return tuple(self.dec(e, depth + 1) for e in x)
+        if tag == "$size":
+            if type(x) is not list:
+                raise _bad("$size must hold a list")
+            dims = [_dec_int(e) for e in x]
+            if any(not 0 <= d < _BIG_INT for d in dims):
+                raise _bad(f"bad torch.Size {_show(dims)}")
+            return torch.Size(dims)
+        if tag == "$float":
+            return _dec_float(v)
+        if tag == "$int":
+            return _dec_int(v)
+        if tag == "$bytes":
+            return _dec_b64(x)
+        if tag == "$tensor":
+            return self.tensor(x)
+        if tag == "$ndarray":
+            return self.array(x)
+        if tag == "$npscalar":
+            return self.np_scalar(x)
+        if tag == "$dtype":
+            return dtype_from_name(x)
+        # "$device"
+        if type(x) is str and len(x) <= 64:
+            try:
+                return torch.device(x)
+            except (RuntimeError, ValueError, TypeError):
+                pass
+        raise _bad(f"bad device {_show(x)}")
+
+    def array(self, i: object) -> np.ndarray:
+        t = self.tensor(i)
+        if i not in self.arrays:
+            try:
+                self.arrays[i] = t.detach().cpu().numpy()  # type: ignore[index]
+            except (TypeError, RuntimeError) as e:
+                raise _bad(f"tensor {i} ({t.dtype}) cannot be a numpy array: {e}") from None
+        return self.arrays[i]  # type: ignore[index]
+
+    @staticmethod
+    def np_scalar(x: object) -> np.generic:
+        if type(x) is not list or len(x) != 2 or type(x[0]) is not str or x[0] not in _NP_SCALARS:
+            raise _bad(f"bad numpy scalar {_show(x)}")
+        cls, value = _NP_SCALARS[x[0]], x[1]
+        kind = np.dtype(cls).kind
+        if kind == "b" and type(value) is bool:
+            return cls(value)
+        if kind in "iu":
+            i = _dec_int(value)
+            info = np.iinfo(cls)
+            if info.min <= i <= info.max:
+                return cls(i)
+        elif kind in "fc":
+            with np.errstate(all="ignore"):  # a too-large value for float16/32 becomes inf, as numpy does
+                if kind == "f":
+                    return cls(_dec_float(value))
+                if type(value) is list and len(value) == 2:
+                    return cls(complex(_dec_float(value[0]), _dec_float(value[1])))
+        elif kind == "U" and type(value) is str:
+            return cls(value)
+        elif kind == "S":
+            return cls(_dec_b64(value))
+        raise _bad(f"bad numpy scalar {_show(x)}")

@@ -1,0 +1,100 @@
+"""Slice assignment: which bytes of which storage go to which file, where.
+
+A pure function of sizes, so it is tested without GPUs or SSDs. Storages are
+laid end to end in a virtual stream (each starting 4 KiB-aligned so direct I/O
+and cuFile can read it in place); the stream is cut into one equal share per
+target file at aligned boundaries. A storage that straddles a cut is split
+into chunks, so bytes are balanced to within one alignment unit per storage,
+and each file is written front to back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import InvalidOptionError
+
+DEFAULT_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class FileTarget:
+    """One output file: which root (SSD directory) it lives in and its name there."""
+
+    root: int
+    name: str
+
+
+@dataclass(frozen=True)
+class PlannedChunk:
+    """``length`` bytes of storage ``storage`` from ``storage_offset`` go to ``file`` at ``file_offset``."""
+
+    storage: int
+    storage_offset: int
+    length: int
+    file: int
+    file_offset: int
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    target: FileTarget
+    size: int
+    chunks: tuple[PlannedChunk, ...]  # sorted by file_offset
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    files: tuple[FilePlan, ...]
+
+    def chunks_of(self, storage: int) -> list[PlannedChunk]:
+        return sorted((c for f in self.files for c in f.chunks if c.storage == storage),
+                      key=lambda c: c.storage_offset)
+
+
+def _align_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def plan_save(storage_sizes: Sequence[int], targets: Sequence[FileTarget], *, align: int = DEFAULT_ALIGN) -> SavePlan:
+    """Assign every byte of every storage to exactly one file of ``targets``, balanced.
+
+    Zero-byte storages get one empty chunk in the first file so that every
+    storage appears in the plan.
+    """
+    if not targets:
+        raise InvalidOptionError("plan_save needs at least one target file")
+    if align < 1 or align & (align - 1):
+        raise InvalidOptionError(f"align={align} must be a power of two")
+    if any(s < 0 for s in storage_sizes):
+        raise InvalidOptionError("storage sizes must be >= 0")
+    total = sum(_align_up(s, align) for s in storage_sizes)
+    n = len(targets)
+    share = _align_up(-(-total // n), align) if total else 0
+    per_file: list[list[PlannedChunk]] = [[] for _ in targets]
+    fill = [0] * n
+    f = 0
+    for sid, size in enumerate(storage_sizes):
+        if size == 0:
+            per_file[0].append(PlannedChunk(sid, 0, 0, 0, fill[0]))
+            continue
+        done = 0
+        while done < size:
+            while f < n - 1 and fill[f] >= share:
+                f += 1
+            room = size - done if f == n - 1 else share - fill[f]
+            length = min(size - done, room)
+            if length < size - done:
+                # Cut at an aligned storage offset so the continuation starts aligned too.
+                length = max(align, (done + length) // align * align - done)
+                length = min(length, size - done)
+            per_file[f].append(PlannedChunk(sid, done, length, f, fill[f]))
+            fill[f] += _align_up(length, align)
+            done += length
+    files = []
+    for i, t in enumerate(targets):
+        chunks = tuple(per_file[i])
+        size = max((c.file_offset + c.length for c in chunks), default=0)
+        files.append(FilePlan(t, size, chunks))
+    return SavePlan(tuple(files))

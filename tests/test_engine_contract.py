@@ -1,0 +1,323 @@
+"""One contract suite for every staged engine (gdswriter.engine.IOEngine).
+
+Each engine writes files from spans and reads spans back; the bytes on disk, the
+bytes read back and the crc32c of every span must be right for every layout.
+Runs over: io_uring (O_DIRECT), POSIX threads, the fault-injecting engine making
+every other request a real short transfer (io_uring + O_DIRECT, and POSIX +
+buffered with unaligned short lengths) and io_uring with buffered I/O.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import crc32c
+import pytest
+import torch
+
+from gdswriter.engine import ReadSpan, WriteSpan
+from gdswriter.errors import InvalidOptionError
+from gdswriter.fallback.engine import IoUringEngine, PosixEngine
+from gdswriter.fallback.faults import FaultInjectingEngine, FaultPlan
+from gdswriter.options import ALIGN, KiB, MiB
+
+REQUEST = 64 * KiB
+BUFFER = 256 * KiB
+POOL = 3 * BUFFER
+
+ENGINES = ["io_uring", "posix", "faulty-short", "faulty-short-posix-buffered", "io_uring-buffered"]
+
+
+def _build(kind: str, options):
+    if kind == "io_uring":
+        return IoUringEngine(options(engine="io_uring"))
+    if kind == "posix":
+        return PosixEngine(options(engine="posix"))
+    if kind == "faulty-short":  # every 2nd request moves only 4 KiB (aligned for O_DIRECT)
+        return FaultInjectingEngine(options(), FaultPlan(short_every=2, short_bytes=4096))
+    if kind == "faulty-short-posix-buffered":  # every 3rd request moves only 1000 bytes (unaligned)
+        return FaultInjectingEngine(options(direct_io=False), FaultPlan(short_every=3, short_bytes=1000),
+                                    backend="posix")
+    if kind == "io_uring-buffered":
+        return IoUringEngine(options(engine="io_uring", direct_io=False))
+    raise AssertionError(kind)
+
+
+@pytest.fixture(params=ENGINES)
+def make_engine(request, io_small_options):
+    """make_engine(**option_overrides) -> engine of this parameter's kind (closed after the test)."""
+    made = []
+
+    def make(**overrides):
+        eng = _build(request.param, lambda **kw: io_small_options(**{**overrides, **kw}))
+        made.append(eng)
+        return eng
+
+    make.kind = request.param
+    yield make
+    for eng in made:
+        eng.close()
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
+
+
+def rand(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+
+
+def crc(t: torch.Tensor) -> int:
+    return crc32c.crc32c(t.numpy().tobytes())
+
+
+def image(spans, size: int) -> bytes:
+    """What the file must hold: the spans' bytes, zeros everywhere else."""
+    out = bytearray(size)
+    for s in spans:
+        out[s.offset:s.end] = s.data.numpy().tobytes()
+    return bytes(out)
+
+
+def disk(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def write_and_check(eng, path, spans, size=None):
+    """Write, then check crcs, exact size and on-disk bytes with plain Python I/O."""
+    crcs = eng.write_file(path, spans, size=size)
+    assert crcs == [crc(s.data) for s in spans]
+    want_size = size if size is not None else (spans[-1].end if spans else 0)
+    assert os.path.getsize(path) == want_size
+    assert disk(path) == image(spans, want_size)
+    return crcs
+
+
+def read_and_check(eng, path, wspans):
+    """Read every span back into fresh tensors; check bytes and crcs."""
+    outs = [ReadSpan(s.offset, torch.full_like(s.data, 0xA5)) for s in wspans]
+    crcs = eng.read_file(path, outs)
+    for w, r in zip(wspans, outs):
+        assert torch.equal(w.data, r.out), f"span at {w.offset} (+{w.data.numel()}) read back wrong"
+    assert crcs == [crc(s.data) for s in wspans]
+    return crcs
+
+
+class SubmitCounter:
+    """Wraps the engine's backend.submit: counts requests and the most ever in flight."""
+
+    def __init__(self, eng, monkeypatch):
+        self.backend = eng._backend
+        self.real = self.backend.submit
+        self.calls = {True: 0, False: 0}
+        self.max_in_flight = 0
+        monkeypatch.setattr(self.backend, "submit", self)
+
+    def __call__(self, write, fd, buf, start, length, file_off, tag):
+        self.calls[write] += 1
+        self.real(write, fd, buf, start, length, file_off, tag)
+        self.max_in_flight = max(self.max_in_flight, self.backend.in_flight)
+
+    @property
+    def writes(self) -> int:
+        return self.calls[True]
+
+    @property
+    def reads(self) -> int:
+        return self.calls[False]
+
+
+def uses_direct(kind: str) -> bool:
+    return kind in ("io_uring", "posix", "faulty-short")
+
+
+def requests_needed(kind: str, nbytes: int) -> int:
+    """Requests a perfectly coalescing engine issues for ``nbytes`` of file."""
+    total = -(-nbytes // ALIGN) * ALIGN if uses_direct(kind) else nbytes
+    return -(-total // REQUEST)
+
+
+# ---------------------------------------------------------------------------
+SIZES = [0, 1, 4095, 4096, 4097, REQUEST, BUFFER + 1, 3 * MiB + 123, 2 * POOL + 3 * ALIGN + 17]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_single_span_roundtrip(make_engine, tmp_path, gen, size):
+    eng = make_engine()
+    path = tmp_path / "one.bin"
+    spans = [WriteSpan(0, rand(size, gen))]
+    crcs = write_and_check(eng, path, spans)
+    assert read_and_check(eng, path, spans) == crcs
+    assert eng.info.direct_io == uses_direct(make_engine.kind)
+    if make_engine.kind.startswith("faulty") and size > 2 * REQUEST:
+        assert eng.faults["short"] > 0, "the short-transfer engine never shortened a request"
+
+
+def test_empty_span_list(make_engine, tmp_path):
+    eng = make_engine()
+    path = tmp_path / "empty.bin"
+    assert eng.write_file(path, []) == []
+    assert os.path.getsize(path) == 0
+    assert eng.read_file(path, []) == []
+    assert eng.write_file(path, [], size=10_000) == []
+    assert disk(path) == bytes(10_000)
+
+
+@pytest.mark.parametrize("layout", ["aligned", "packed"])
+def test_many_small_spans_coalesce(make_engine, tmp_path, gen, monkeypatch, layout):
+    eng = make_engine()
+    rnd = random.Random(7)
+    spans, off = [], (0 if layout == "aligned" else 7)
+    for _ in range(3000):
+        n = rnd.randint(1, 300)
+        spans.append(WriteSpan(off, rand(n, gen)))
+        off = off + ALIGN if layout == "aligned" else off + n + rnd.randint(0, 5)
+    path = tmp_path / f"small-{layout}.bin"
+    counter = SubmitCounter(eng, monkeypatch)
+    write_and_check(eng, path, spans)
+    read_and_check(eng, path, spans)
+
+    end = spans[-1].end
+    # Short transfers (fault-injecting engines) each add one resubmission; do not count those.
+    events = getattr(eng, "events", [])
+    writes = counter.writes - sum(e.kind == "short" and e.write for e in events)
+    reads = counter.reads - sum(e.kind == "short" and not e.write for e in events)
+    # Coalesced: a handful of large requests, not one per tensor.
+    assert writes < len(spans) / 10 and reads < len(spans) / 10, counter.calls
+    assert writes == requests_needed(make_engine.kind, end)
+    assert reads <= requests_needed(make_engine.kind, end) + 1
+
+
+def test_gaps_and_explicit_size(make_engine, tmp_path, gen):
+    eng = make_engine()
+    spans = [WriteSpan(5000, rand(1000, gen)), WriteSpan(70_000, rand(4096, gen)),
+             WriteSpan(300_001, rand(BUFFER + 5, gen)), WriteSpan(2 * MiB + 3, rand(10, gen))]
+    size = spans[-1].end + POOL + 12_345  # tail of zeros longer than the whole pool
+    path = tmp_path / "gaps.bin"
+    write_and_check(eng, path, spans, size=size)
+    read_and_check(eng, path, spans)
+
+    # Gaps and tail read as zeros, with the crc32c of zeros.
+    gaps = [(0, 5000), (6000, 64_000), (74_096, 300_001 - 74_096), (spans[-1].end, size - spans[-1].end)]
+    outs = [ReadSpan(o, torch.full((n,), 0xFF, dtype=torch.uint8)) for o, n in gaps]
+    crcs = eng.read_file(path, outs)
+    for r in outs:
+        assert not r.out.any()
+    assert crcs == [crc32c.crc32c(bytes(n)) for _, n in gaps]
+
+
+def test_size_smaller_than_spans_is_rejected(make_engine, tmp_path, gen):
+    eng = make_engine()
+    with pytest.raises(ValueError):
+        eng.write_file(tmp_path / "x.bin", [WriteSpan(0, rand(100, gen))], size=99)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 16])
+def test_queue_depths(make_engine, tmp_path, gen, monkeypatch, depth):
+    eng = make_engine(queue_depth=depth)
+    rnd = random.Random(depth)
+    spans, off = [], 0
+    while off < 2 * MiB:
+        n = rnd.choice([1, 17, 4096, 9000, REQUEST + 1, BUFFER])
+        spans.append(WriteSpan(off, rand(n, gen)))
+        off += n + rnd.choice([0, 0, 1, 4096, 100_000])
+    path = tmp_path / f"qd{depth}.bin"
+    counter = SubmitCounter(eng, monkeypatch)
+    write_and_check(eng, path, spans)
+    read_and_check(eng, path, spans)
+    assert 0 < counter.max_in_flight <= depth
+    if depth > 1:
+        assert counter.max_in_flight > 1, "requests were never overlapped"
+
+
+def test_read_subset_of_spans(make_engine, tmp_path, gen):
+    eng = make_engine()
+    rnd = random.Random(3)
+    spans, off = [], 123
+    for i in range(60):
+        n = rnd.randint(1, 40_000)
+        spans.append(WriteSpan(off, rand(n, gen)))
+        # a few gaps larger than the read-merge distance (1 MiB) split the reads into extents
+        off += n + (3 * MiB if i % 20 == 19 else rnd.randint(0, 5000))
+    path = tmp_path / "subset.bin"
+    write_and_check(eng, path, spans)
+    for pick in (spans[::3], spans[1::7], [spans[-1]], [spans[0], spans[-1]], spans[20:40]):
+        read_and_check(eng, path, pick)
+
+
+def test_read_unaligned_ranges(make_engine, tmp_path, gen):
+    eng = make_engine()
+    size = MiB + 777
+    src = rand(size, gen)
+    path = tmp_path / "unaligned.bin"
+    write_and_check(eng, path, [WriteSpan(0, src)])
+    ranges = [(1, 100), (4095, 2), (4097, 70_000), (300_001, 5000), (305_001, BUFFER + 3), (size - 1000, 999),
+              (size - 1, 1)]
+    outs = [ReadSpan(o, torch.empty(n, dtype=torch.uint8)) for o, n in ranges]
+    crcs = eng.read_file(path, outs)
+    for (o, n), r, c in zip(ranges, outs, crcs):
+        assert torch.equal(r.out, src[o:o + n]), (o, n)
+        assert c == crc(src[o:o + n])
+    # One byte, nothing else, at an odd place; and a zero-length span.
+    out = ReadSpan(size // 2 + 1, torch.empty(1, dtype=torch.uint8))
+    empty = ReadSpan(size, torch.empty(0, dtype=torch.uint8))
+    assert eng.read_file(path, [out, empty]) == [crc(src[size // 2 + 1:size // 2 + 2]), 0]
+    assert out.out.item() == src[size // 2 + 1].item()
+
+
+def test_rewrite_truncates(make_engine, tmp_path, gen):
+    eng = make_engine()
+    path = tmp_path / "again.bin"
+    write_and_check(eng, path, [WriteSpan(0, rand(MiB + 5, gen))])
+    small = [WriteSpan(3, rand(100, gen))]
+    write_and_check(eng, path, small)
+    assert os.path.getsize(path) == 103
+    read_and_check(eng, path, small)
+    write_and_check(eng, path, small, size=4097)
+    write_and_check(eng, path, [])  # back to empty
+
+
+def test_not_durable_write(make_engine, tmp_path, gen):
+    eng = make_engine()
+    path = tmp_path / "fast.bin"
+    spans = [WriteSpan(10, rand(99_999, gen))]
+    assert eng.write_file(path, spans, durable=False) == [crc(spans[0].data)]
+    assert disk(path) == image(spans, spans[-1].end)
+
+
+def test_engine_reused_across_many_files(make_engine, tmp_path, gen):
+    eng = make_engine(queue_depth=2)
+    datas = [rand(n, gen) for n in (1, 4096, 70_000, BUFFER * 2 + 1, 5)]
+    for i, d in enumerate(datas):
+        write_and_check(eng, tmp_path / f"f{i}.bin", [WriteSpan(i, d)])
+    for i, d in enumerate(datas):
+        read_and_check(eng, tmp_path / f"f{i}.bin", [WriteSpan(i, d)])
+
+
+def test_bad_spans_rejected(make_engine, tmp_path, gen):
+    eng = make_engine()
+    path = tmp_path / "bad.bin"
+    a = rand(100, gen)
+    with pytest.raises(InvalidOptionError):
+        eng.write_file(path, [WriteSpan(50, a), WriteSpan(60, a)])  # overlap
+    with pytest.raises(InvalidOptionError):
+        eng.write_file(path, [WriteSpan(200, a), WriteSpan(0, a)])  # unsorted
+    with pytest.raises(InvalidOptionError):
+        eng.write_file(path, [WriteSpan(0, a.view(torch.int8))])  # wrong dtype
+    with pytest.raises(InvalidOptionError):
+        eng.write_file(path, [WriteSpan(0, rand(200, gen)[::2])])  # not contiguous
+    with pytest.raises(InvalidOptionError):
+        eng.read_file(path, [ReadSpan(0, torch.empty(4, 4, dtype=torch.uint8))])  # not flat
+    assert not path.exists()
+
+
+def test_close_is_idempotent_and_context_manager(make_engine, tmp_path, gen):
+    eng = make_engine()
+    with eng as e:
+        assert e is eng
+        write_and_check(e, tmp_path / "cm.bin", [WriteSpan(0, rand(5000, gen))])
+    eng.close()
+    eng.close()
