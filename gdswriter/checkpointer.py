@@ -13,6 +13,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -28,7 +29,7 @@ from .format.dtypes import dtype_from_name, dtype_to_name
 from .format.manifest import MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord, TensorRecord
 from .format.state_codec import decode_state, encode_state
 from .options import EngineOptions
-from .planner.assign import FileTarget, SavePlan, plan_save
+from .planner.assign import FileTarget, PlannedChunk, SavePlan, plan_save
 
 log = logging.getLogger("gdswriter")
 
@@ -194,13 +195,14 @@ class SaveHandle:
         return self._future.done()
 
     def result(self, timeout: float | None = None) -> int:
-        """Wait (TimeoutError after ``timeout`` s); re-raises the save's own error."""
+        """Wait (concurrent.futures.TimeoutError after ``timeout`` s); re-raises the save's own error."""
         try:
             return self._future.result(timeout)
-        except BaseException as e:
-            if self._future.done():
-                self.reported = True
-            raise e from None if isinstance(e, TimeoutError) and not self._future.done() else e
+        except FutureTimeout:
+            raise
+        except BaseException:
+            self.reported = True
+            raise
 
     def exception(self) -> BaseException | None:
         return self._future.exception() if self._future.done() else None
@@ -444,7 +446,7 @@ class GDSCheckpointer:
             crcs = self._write_files(plan, snap, pending, engines)
             storages = []
             for sid, ext in enumerate(snap.extents):
-                chunks = tuple(ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[(c.file, c.file_offset)])
+                chunks = tuple(ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[c])
                                for c in plan.chunks_of(sid))
                 storages.append(StorageRecord(ext.flat.numel(), chunks))
             files = tuple(FileRecord(f.target.root, f.target.name, f.size) for f in plan.files)
@@ -459,8 +461,10 @@ class GDSCheckpointer:
         return snap.step
 
     def _write_files(self, plan: SavePlan, snap: _Snapshot, pending: PendingCommit,
-                     engines: list[IOEngine]) -> dict[tuple[int, int], int]:
-        crcs: dict[tuple[int, int], int] = {}
+                     engines: list[IOEngine]) -> dict[PlannedChunk, int]:
+        # Keyed by the chunk itself: a zero-byte storage's empty chunk shares its file_offset
+        # with the next chunk, so (file, file_offset) is not unique.
+        crcs: dict[PlannedChunk, int] = {}
 
         def write_one(fid: int) -> None:
             fp = plan.files[fid]
@@ -468,7 +472,7 @@ class GDSCheckpointer:
                      for c in fp.chunks]
             got = engines[fp.target.root].write_file(pending.dirs[fp.target.root] / fp.target.name, spans, size=fp.size)
             for c, crc in zip(fp.chunks, got):
-                crcs[(c.file, c.file_offset)] = crc
+                crcs[c] = crc
 
         # Files on different roots (SSDs) are written in parallel; files sharing a root take turns.
         by_root: dict[int, list[int]] = {}
@@ -552,12 +556,14 @@ class GDSCheckpointer:
     def _match_live(manifest: Manifest, live: dict[str, torch.Tensor], strict: bool) -> dict[int, tuple[int, torch.Tensor]]:
         """Storages that can be read straight into a live tensor: {storage: (tensor record, flat view)}."""
         users: dict[int, int] = {}
+        seen: dict[str, int] = {}
         for t in manifest.tensors:
             users[t.storage] = users.get(t.storage, 0) + 1
+            seen[t.name] = seen.get(t.name, 0) + 1
         direct = {}
         for i, rec in enumerate(manifest.tensors):
             lt = live.get(rec.name)
-            if lt is None:
+            if lt is None or seen[rec.name] > 1:  # an ambiguous name is never read in place
                 continue
             if dtype_to_name(lt.dtype) != rec.dtype or tuple(lt.shape) != rec.shape:
                 msg = (f"{rec.name}: checkpoint has {rec.dtype}{list(rec.shape)}, the live tensor is "
@@ -636,11 +642,17 @@ class GDSCheckpointer:
             raise StateMismatchError(f"{name}: keys {missing[:10]} are missing from the checkpoint; pass strict=False")
         for k, v in saved.items():
             cur = target.get(k)
-            if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) and cur.shape == v.shape and cur.dtype == v.dtype:
-                with torch.no_grad():
-                    cur.copy_(v)
-            else:
-                target[k] = v
+            if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
+                if cur.shape != v.shape or cur.dtype != v.dtype:  # strict already raised in _match_live
+                    log.warning("gdswriter: %s/%s skipped: saved %s%s, live %s%s", name, k, v.dtype, list(v.shape),
+                                cur.dtype, list(cur.shape))
+                    continue
+                # An expanded tensor (stride 0) cannot be written in place: take the restored view.
+                if not any(s == 0 and n > 1 for n, s in zip(cur.shape, cur.stride())):
+                    with torch.no_grad():
+                        cur.copy_(v)
+                    continue
+            target[k] = v
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:

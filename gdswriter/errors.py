@@ -4,11 +4,19 @@ and friends keep working, and each message says how to fix the problem."""
 from __future__ import annotations
 
 import errno as _errno
+import functools
 import os
 
 
 class GDSWriterError(Exception):
     """Base class of every error gdswriter raises on purpose."""
+
+
+class _Rebuildable:
+    """Pickles by constructor arguments, so errors keep their fields across processes."""
+
+    def __reduce__(self):
+        return type(self), self._init_args  # type: ignore[attr-defined]
 
 
 class InvalidOptionError(GDSWriterError, ValueError):
@@ -19,10 +27,11 @@ class EngineUnavailableError(GDSWriterError, OSError):
     """The requested I/O engine cannot run on this machine (e.g. io_uring disabled)."""
 
 
-class EngineIOError(GDSWriterError, OSError):
+class EngineIOError(_Rebuildable, GDSWriterError, OSError):
     """A read or write failed. Carries the file, the byte offset and the errno."""
 
     def __init__(self, errno: int, path: str, offset: int, what: str = "I/O", hint: str = ""):
+        self._init_args = (errno, path, offset, what, hint)
         self.path = str(path)
         self.offset = offset
         text = f"{what} failed on {self.path} at byte offset {offset}: {os.strerror(errno)} (errno {_errno.errorcode.get(errno, errno)})"
@@ -53,6 +62,7 @@ class ShortIOError(EngineIOError):
     def __init__(self, path: str, offset: int, expected: int):
         super().__init__(_errno.EIO, path, offset, "read",
                          f"the file ended after fewer bytes than expected ({expected} more were needed); it is truncated")
+        self._init_args = (path, offset, expected)
 
 
 class CheckpointError(GDSWriterError):
@@ -63,10 +73,11 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """A checkpoint is damaged: truncated or missing file, unparsable manifest."""
 
 
-class ChecksumMismatchError(CorruptCheckpointError):
+class ChecksumMismatchError(_Rebuildable, CorruptCheckpointError):
     """Bytes read back do not match the checksum recorded at save time."""
 
     def __init__(self, path: str, tensor: str, offset: int, length: int, expected: int, actual: int):
+        self._init_args = (path, tensor, offset, length, expected, actual)
         self.path, self.tensor, self.offset, self.length = str(path), tensor, offset, length
         self.expected, self.actual = expected, actual
         super().__init__(
@@ -90,14 +101,18 @@ class CheckpointLockedError(CheckpointError, BlockingIOError):
 class UnsupportedObjectError(GDSWriterError, TypeError):
     """State holds an object the format cannot store without pickle."""
 
-    def __init__(self, key_path: str, obj: object, why: str = ""):
+    def __init__(self, key_path: str, obj: object, why: str = "", *, type_name: str | None = None):
         self.key_path = key_path
-        tname = f"{type(obj).__module__}.{type(obj).__qualname__}"
+        tname = type_name or f"{type(obj).__module__}.{type(obj).__qualname__}"
+        self._reduce = (functools.partial(type(self), type_name=tname), (key_path, None, why))
         msg = f"cannot save {key_path or '<root>'}: objects of type {tname} are not supported"
         msg += f" ({why})" if why else (
             " (gdswriter stores tensors, numpy arrays, None, bool, int, float, str, bytes, list, tuple, dict, "
             "torch.dtype and torch.device without pickle); convert it to one of those in your state_dict")
         super().__init__(msg)
+
+    def __reduce__(self):
+        return self._reduce
 
 
 class StateMismatchError(GDSWriterError, KeyError):
@@ -109,10 +124,11 @@ class StateMismatchError(GDSWriterError, KeyError):
 
 
 
-class TruncatedFileError(CorruptCheckpointError):
+class TruncatedFileError(_Rebuildable, CorruptCheckpointError):
     """A data file is shorter than the manifest says."""
 
     def __init__(self, path: str, needed: int, actual: int):
+        self._init_args = (path, needed, actual)
         self.path, self.needed, self.actual = str(path), needed, actual
         super().__init__(f"{self.path} is truncated: {actual} bytes on disk, {needed} needed. "
                          f"The checkpoint is incomplete: load an earlier step or restore the file")

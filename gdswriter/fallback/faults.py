@@ -12,7 +12,10 @@ layer between the pipeline and the backend that follows a ``FaultPlan``:
   the first ``short_bytes`` bytes of it (rounded down to 4 KiB when the file is
   open with O_DIRECT, so the kernel accepts it) are handed to the real backend,
   which reports the shorter count, and the pipeline must continue from where
-  the transfer stopped. Requests too small to shorten are passed through.
+  the transfer stopped. Requests too small to shorten are passed through. The
+  remainders the pipeline resubmits are requests too (they are counted and may
+  be shortened again), so ``short_every=1`` with a small ``short_bytes`` makes
+  every transfer crawl: use it on small files only.
 
 Everything that is not faulted goes through the real kernel (io_uring by
 default, or the POSIX thread pool), so the bytes on disk are real. Counting

@@ -13,7 +13,8 @@ Protocol for step S:
  1. every root gets ``.tmp-step_S-<token>``; the engine writes and fdatasyncs the data files there;
  2. each temporary directory is fsynced (secondary ones also name their primary root, so that
     cleaning never touches directories another primary wrote);
- 3. secondary roots: rename the temporary directory to ``step_S``, fsync the root;
+ 3. secondary roots: rename the temporary directory to ``step_S``, fsync the root (an older
+    ``step_S`` is first un-committed on the primary; one written for another primary is refused);
  4. primary: write manifest.json (fsync), fsync the directory, rename to ``step_S``, fsync the root.
     This rename is the commit point;
  5. rewrite ``latest`` (temp file, fsync, rename, fsync the root).
@@ -57,18 +58,23 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _write_durable(path: Path, data: bytes) -> None:
+    """Create ``path`` holding ``data`` and fsync it (its directory is fsynced by the caller)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a fsynced temporary file and rename, then fsync the directory."""
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{secrets.token_hex(4)}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_durable(tmp, data)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except OSError as e:
@@ -122,7 +128,7 @@ class PendingCommit:
                 d.mkdir()
                 self.dirs.append(d)
                 if root != protocol.primary:
-                    (d / OWNER_NAME).write_text(protocol.identity + "\n")
+                    _write_durable(d / OWNER_NAME, (protocol.identity + "\n").encode())
         except OSError as e:
             self.abort()
             raise EngineIOError(e.errno or errno.EIO, e.filename or protocol.roots[0], 0, "mkdir") from e
@@ -135,6 +141,15 @@ class PendingCommit:
         try:
             for d in self.dirs:
                 fsync_dir(d)
+            for root in p.roots[1:]:
+                if (root / final).exists() and not p._owned(root / final):
+                    raise EngineIOError(errno.EEXIST, root / final, 0, "commit",
+                                        f"it holds step {self.step} of another checkpoint (not written for primary "
+                                        f"root {p.identity}); give each checkpoint its own directory on every root")
+            # Re-saving a committed step: un-commit the old one (primary first, as delete_step
+            # does) before its secondary bytes are replaced, so that a crash cannot pair the
+            # old manifest with the new data files.
+            p._retire(p.roots[0] / final)
             for root, d in list(zip(p.roots, self.dirs))[1:]:
                 p._retire(root / final)
                 os.rename(d, root / final)

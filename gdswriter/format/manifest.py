@@ -149,6 +149,11 @@ class Manifest:
             if covered != nbytes:
                 raise bad(f"storage {len(storages)} chunks cover {covered} of {nbytes} bytes")
             storages.append(StorageRecord(nbytes, tuple(chunks)))
+        extents = sorted((c.file, c.file_offset, c.file_offset + c.length) for st in storages for c in st.chunks
+                         if c.length)
+        for (fa, _, end_a), (fb, start_b, _) in zip(extents, extents[1:]):
+            if fa == fb and start_b < end_a:
+                raise bad(f"two chunks overlap in {files[fa].path} at byte {start_b}")
         tensors = []
         for t in _list(body["tensors"]):
             rec = TensorRecord(_str(t["name"]), _nonneg(t["storage"]), _nonneg(t["byte_offset"]), _str(t["dtype"]),

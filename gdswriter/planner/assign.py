@@ -71,7 +71,12 @@ def plan_save(storage_sizes: Sequence[int], targets: Sequence[FileTarget], *, al
         raise InvalidOptionError("storage sizes must be >= 0")
     total = sum(_align_up(s, align) for s in storage_sizes)
     n = len(targets)
-    share = _align_up(-(-total // n), align) if total else 0
+    # File f takes the stream's [cut[f], cut[f+1]): each cut is the aligned point at or below
+    # the exact f/n share, so the shares differ by at most one alignment unit (a rounded-up
+    # share for every file would leave the last files short by up to n-1 units, or empty).
+    units = total // align
+    cut = [units * f // n * align for f in range(n + 1)]
+    share = [cut[f + 1] - cut[f] for f in range(n)]
     per_file: list[list[PlannedChunk]] = [[] for _ in targets]
     fill = [0] * n
     f = 0
@@ -81,9 +86,9 @@ def plan_save(storage_sizes: Sequence[int], targets: Sequence[FileTarget], *, al
             continue
         done = 0
         while done < size:
-            while f < n - 1 and fill[f] >= share:
+            while f < n - 1 and fill[f] >= share[f]:
                 f += 1
-            room = size - done if f == n - 1 else share - fill[f]
+            room = size - done if f == n - 1 else share[f] - fill[f]
             length = min(size - done, room)
             if length < size - done:
                 # Cut at an aligned storage offset so the continuation starts aligned too.

@@ -1,0 +1,361 @@
+"""Shared helpers of the benchmark suites: sizes, disk/memory checks, cache eviction,
+raw references (fio, a dd-style O_DIRECT loop) and result bookkeeping.
+
+Bandwidth is reported in decimal GB/s (1 GB = 1e9 bytes) everywhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+ALIGN = 4096
+DD_BLOCK = 8 * MiB  # the dd-style loop's buffer / request size
+BENCH_DIR_DEFAULT = Path(__file__).resolve().parent / ".bench-tmp"
+
+
+# ----------------------------------------------------------------------------- configuration
+@dataclass(frozen=True)
+class BenchSize:
+    label: str   # as the user wrote it, e.g. "2G"
+    nbytes: int  # rounded up to a multiple of 4 KiB
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def parse_size(text: str) -> int:
+    """'64M' -> 67108864. Suffixes K, M, G, T (binary; an optional 'iB'/'B' is accepted)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse size {text!r}: use a number with an optional K/M/G/T suffix, e.g. 64M or 2G")
+    mult = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2).lower()]
+    n = int(float(m.group(1)) * mult)
+    if n <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return -(-n // ALIGN) * ALIGN
+
+
+def bench_sizes() -> list[BenchSize]:
+    raw = os.environ.get("GDSWRITER_BENCH_SIZES", "2G,8G")
+    out = [BenchSize(t.strip(), parse_size(t)) for t in raw.split(",") if t.strip()]
+    if not out:
+        raise ValueError(f"GDSWRITER_BENCH_SIZES={raw!r} names no size")
+    return out
+
+
+def bench_rounds() -> int:
+    raw = os.environ.get("GDSWRITER_BENCH_ROUNDS", "3")
+    try:
+        r = int(raw)
+    except ValueError:
+        raise ValueError(f"GDSWRITER_BENCH_ROUNDS={raw!r} is not an integer") from None
+    if r < 1:
+        raise ValueError(f"GDSWRITER_BENCH_ROUNDS={raw!r} must be >= 1")
+    return r
+
+
+def bench_base_dir() -> Path:
+    raw = os.environ.get("GDSWRITER_BENCH_DIR")
+    return Path(raw).expanduser().resolve() if raw else BENCH_DIR_DEFAULT
+
+
+def human(n: float) -> str:
+    for unit, div in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ----------------------------------------------------------------------------- environment checks
+def fs_type(path: Path) -> str:
+    """File-system type of the mount holding ``path`` (from /proc/mounts; '' if unknown)."""
+    path = Path(os.path.realpath(path))
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (str(path) == mnt or str(path).startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * KiB
+    except OSError:
+        pass
+    return None
+
+
+def require_space(path: Path, need: int, what: str) -> None:
+    import pytest
+
+    free = free_bytes(path)
+    if free < need:
+        pytest.skip(f"{what}: needs {human(need)} free on {path}, only {human(free)} available "
+                    f"(set GDSWRITER_BENCH_DIR to a bigger disk or use smaller GDSWRITER_BENCH_SIZES)")
+
+
+def require_memory(need: int, what: str) -> None:
+    import pytest
+
+    avail = mem_available()
+    if avail is not None and avail < need:
+        pytest.skip(f"{what}: needs about {human(need)} of RAM, only {human(avail)} available "
+                    f"(use smaller GDSWRITER_BENCH_SIZES)")
+
+
+# ----------------------------------------------------------------------------- data and caches
+def random_tensor(nbytes: int, seed: int = 0) -> torch.Tensor:
+    """A flat uint8 CPU tensor of random bytes (incompressible), filled in place in chunks."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    a = t.numpy()
+    n64 = nbytes // 8
+    words = a[: n64 * 8].view(np.uint64)
+    gen = np.random.PCG64(seed)
+    step = 8 * MiB
+    for i in range(0, n64, step):
+        words[i:i + step] = gen.random_raw(min(step, n64 - i))
+    if nbytes % 8:
+        a[n64 * 8:] = np.frombuffer(np.random.default_rng(seed).bytes(nbytes % 8), dtype=np.uint8)
+    return t
+
+
+def iter_files(paths: Iterable[str | os.PathLike]) -> Iterable[str]:
+    for p in paths:
+        p = os.fspath(p)
+        if os.path.isdir(p):
+            for d, _, names in os.walk(p):
+                for n in names:
+                    yield os.path.join(d, n)
+        elif os.path.exists(p):
+            yield p
+
+
+def drop_caches() -> bool:
+    """Try `echo 1 > /proc/sys/vm/drop_caches` (needs root outside containers); False if refused."""
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def evict(*paths: str | os.PathLike) -> None:
+    """Make the next read of these files (or every file under these directories) cold:
+    flush each file, drop its pages with POSIX_FADV_DONTNEED, then try drop_caches."""
+    for p in iter_files(paths):
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                os.fdatasync(fd)
+            except OSError:
+                pass
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    drop_caches()
+
+
+def remove(*paths: str | os.PathLike) -> None:
+    for p in paths:
+        p = os.fspath(p)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+
+def quiesce() -> None:
+    """Flush everyone's dirty pages before a timed write so that foreign writeback does not
+    land inside the timed region (cannot stop foreign I/O that starts later)."""
+    os.sync()
+
+
+# ----------------------------------------------------------------------------- dd-style loop
+class AlignedBuffer:
+    """An 8 MiB page-aligned anonymous mapping seen as memoryview and uint8 tensor."""
+
+    def __init__(self, size: int = DD_BLOCK):
+        self.size = size
+        self.mm = mmap.mmap(-1, size, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.view = memoryview(self.mm)
+        self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.tensor.zero_()  # fault the pages in outside any timed region
+
+    def close(self) -> None:
+        del self.tensor
+        self.view.release()
+        self.mm.close()
+
+
+def open_direct(path: str | os.PathLike, flags: int) -> int:
+    import pytest
+
+    try:
+        return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            pytest.skip(f"the file system under {os.path.dirname(os.fspath(path))} refuses O_DIRECT "
+                        f"({fs_type(Path(os.fspath(path)).parent) or 'unknown type'}); set GDSWRITER_BENCH_DIR "
+                        f"to a directory on a real disk")
+        raise
+
+
+def dd_write(path: str | os.PathLike, src: torch.Tensor, buf: AlignedBuffer) -> None:
+    """O_DIRECT, one synchronous pwrite of 8 MiB at a time (QD1), then ftruncate + fdatasync.
+    Like `dd if=src of=path bs=8M oflag=direct conv=fdatasync`: each block is copied from the
+    source tensor into the aligned buffer first (the engine copies into its staging buffers too)."""
+    n = src.numel()
+    fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        bs = buf.size
+        for off in range(0, n, bs):
+            k = min(bs, n - off)
+            buf.tensor[:k].copy_(src[off:off + k])
+            kk = -(-k // ALIGN) * ALIGN
+            if kk > k:
+                buf.tensor[k:kk].zero_()
+            done = 0
+            while done < kk:
+                w = os.pwrite(fd, buf.view[done:kk], off + done)
+                if w <= 0:
+                    raise OSError(errno.EIO, f"pwrite wrote {w} bytes at {off + done}")
+                done += w
+        os.ftruncate(fd, n)
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
+
+
+def dd_read(path: str | os.PathLike, dst: torch.Tensor, buf: AlignedBuffer) -> None:
+    """O_DIRECT, one synchronous preadv of 8 MiB at a time (QD1), copied out into ``dst``."""
+    n = dst.numel()
+    fd = open_direct(path, os.O_RDONLY)
+    try:
+        bs = buf.size
+        for off in range(0, n, bs):
+            k = min(bs, n - off)
+            kk = -(-k // ALIGN) * ALIGN
+            got = 0
+            while got < k:
+                r = os.preadv(fd, [buf.view[got:kk]], off + got)
+                if r <= 0:
+                    raise OSError(errno.EIO, f"short read at {off + got} of {path}")
+                got += r
+            dst[off:off + k].copy_(buf.tensor[:k])
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- fio
+FIO_COMMON = ["--bs=4M", "--iodepth=16", "--ioengine=io_uring", "--direct=1", "--numjobs=1"]
+
+
+def fio_path() -> str | None:
+    return shutil.which("fio")
+
+
+def fio_run(kind: str, path: str | os.PathLike, nbytes: int, out_json: str | os.PathLike) -> float:
+    """Run one fio sequential job; return fio's own bandwidth (bytes/s) from its JSON output.
+    write: --rw=write --end_fsync=1 (new file); read: --rw=read --readonly (existing file)."""
+    fio = fio_path()
+    assert fio, "fio is not installed"
+    fname = os.fspath(path).replace(":", "\\:")
+    cmd = [fio, "--name=gdswriter-ref", f"--filename={fname}", f"--rw={kind}", f"--size={nbytes}",
+           *FIO_COMMON, "--output-format=json", f"--output={os.fspath(out_json)}"]
+    cmd += ["--end_fsync=1"] if kind == "write" else ["--readonly"]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise FioError(f"fio exited {p.returncode}: {(p.stderr or p.stdout).strip()[-600:]}\ncommand: {' '.join(cmd)}")
+    text = Path(out_json).read_text()
+    data = json.loads(text[text.index("{"):])
+    job = data["jobs"][0]
+    if job.get("error"):
+        raise FioError(f"fio job error {job['error']}: command: {' '.join(cmd)}")
+    bw = float(job[kind]["bw_bytes"])
+    if bw <= 0:
+        raise FioError(f"fio reported no {kind} bandwidth: command: {' '.join(cmd)}")
+    return bw
+
+
+class FioError(RuntimeError):
+    pass
+
+
+# ----------------------------------------------------------------------------- results
+# (suite, kind, size label, case) -> GB/s, for ratios between cases of the same session.
+RESULTS: dict[tuple[str, str, str, str], float] = {}
+
+
+class RoundTimer:
+    """Wraps the timed function to keep our own per-round wall times (also when
+    pytest-benchmark is run with --benchmark-disable)."""
+
+    def __init__(self, fn):
+        self.fn, self.times = fn, []
+
+    def __call__(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return self.fn(*a, **kw)
+        finally:
+            self.times.append(time.perf_counter() - t)
+
+
+def finish(benchmark, timer: RoundTimer, *, suite: str, kind: str, size: BenchSize, case: str, nbytes: int,
+           reported_bps: list[float] | None = None, note: str = "") -> float:
+    """Record GB/s (from the median round) in extra_info and in RESULTS; returns GB/s."""
+    stats = getattr(getattr(benchmark, "stats", None), "stats", None)
+    median = float(stats.median) if stats is not None and getattr(stats, "rounds", 0) else statistics.median(timer.times)
+    wall = nbytes / median / 1e9
+    gbps = statistics.median(reported_bps) / 1e9 if reported_bps else wall
+    info = benchmark.extra_info
+    info.update({"suite": suite, "kind": kind, "case": case, "size": size.label, "bytes": nbytes,
+                 "GB/s": round(gbps, 4), "wall GB/s": round(wall, 4), "median s": round(median, 4)})
+    if reported_bps:
+        info["bw source"] = "fio-reported (median of rounds); 'wall GB/s' includes fio start-up"
+    if note:
+        info["note"] = note
+    RESULTS[(suite, kind, size.label, case)] = gbps
+    return gbps
+
+
+def ratio(benchmark, name: str, value: float, ref: float | None) -> None:
+    if ref:
+        benchmark.extra_info[name] = round(value / ref, 3)

@@ -1,0 +1,324 @@
+"""Export a committed step to a single file other tools read: torch.save or safetensors.
+
+The safetensors writer is implemented here (no dependency on the ``safetensors``
+package). The format is::
+
+    8 bytes   N, unsigned little-endian: length of the JSON header
+    N bytes   JSON header, padded with spaces so that 8 + N is a multiple of 8:
+              {"__metadata__": {str: str, ...},
+               name: {"dtype": "F32", "shape": [..], "data_offsets": [begin, end]}, ...}
+    ...       the tensors' raw little-endian bytes, C-contiguous, packed back to back;
+              data_offsets are relative to the first byte after the header
+
+Readers check that the data_offsets tile the byte buffer exactly (no gaps, no
+overlap), so every tensor is written as its own contiguous copy: tied/shared
+tensors become independent copies and non-contiguous views become contiguous.
+
+Every output is written to a temporary file in the destination directory,
+fsynced, and then renamed into place (the directory is fsynced too), so a crash
+never leaves a half-written file under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import secrets
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator, Mapping, Sequence
+
+import torch
+
+from .errors import GDSWriterError, InvalidOptionError
+
+# torch dtype -> safetensors dtype name. float4_e2m1fn_x2 is stored as "F4" with the last
+# dimension counted in 4-bit elements (twice the torch size), as the safetensors package does.
+_SAFETENSORS_NAMES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
+    "bool": "BOOL", "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0", "float4_e2m1fn_x2": "F4",
+}
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    getattr(torch, n): s for n, s in _SAFETENSORS_NAMES.items() if isinstance(getattr(torch, n, None), torch.dtype)}
+_PACKED_X2 = {"F4"}  # two elements per byte: shape's last dimension is doubled in the header
+
+MAX_HEADER_BYTES = 100_000_000  # the safetensors reader refuses larger headers
+
+
+class OutputExistsError(GDSWriterError, FileExistsError):
+    """The export destination exists and overwriting was not allowed."""
+
+
+class UnsupportedDtypeError(GDSWriterError, TypeError):
+    """A tensor's dtype has no equivalent in the export format."""
+
+
+def safetensors_dtype(dtype: torch.dtype, name: str = "") -> str:
+    """The safetensors name of ``dtype``; UnsupportedDtypeError for dtypes safetensors cannot hold."""
+    try:
+        return SAFETENSORS_DTYPES[dtype]
+    except KeyError:
+        supported = ", ".join(sorted({str(d).removeprefix("torch.") for d in SAFETENSORS_DTYPES}))
+        raise UnsupportedDtypeError(
+            f"cannot export tensor {name or '<unnamed>'!r} to safetensors: safetensors has no dtype for "
+            f"{str(dtype).removeprefix('torch.')} (it holds {supported}); export with --to torch instead") from None
+
+
+# ----------------------------------------------------------------------------- atomic output
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[BinaryIO]:
+    """Yield a binary file that becomes ``path`` when the block succeeds (fsync, rename,
+    fsync of the directory). Without ``overwrite`` an existing ``path`` is refused, before
+    and at the final step (no-clobber link), so a concurrent creator is never replaced."""
+    path = Path(os.fspath(path))
+    if path.is_dir():
+        raise InvalidOptionError(f"{path} is a directory: give the output file's name")
+    if not overwrite and (path.exists() or path.is_symlink()):
+        raise OutputExistsError(errno.EEXIST, f"{path} exists: pass --force (overwrite=True) to replace it")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise InvalidOptionError(f"directory {parent} does not exist: create it first")
+    tmp = parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    f = open(tmp, "xb")
+    ok = False
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        if overwrite:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)  # fails if path appeared meanwhile; never clobbers
+            except FileExistsError:
+                raise OutputExistsError(errno.EEXIST, f"{path} exists: pass --force (overwrite=True) to replace it") from None
+            except OSError as e:  # file systems without hard links
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
+                    raise
+                if path.exists():
+                    raise OutputExistsError(errno.EEXIST, f"{path} exists: pass --force to replace it") from None
+                os.replace(tmp, path)
+            else:
+                os.unlink(tmp)
+        _fsync_dir(parent)
+        ok = True
+    finally:
+        if not f.closed:
+            f.close()
+        if not ok:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- safetensors
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order as a memoryview (a contiguous CPU copy where needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.numel() == 0:
+        return memoryview(b"")
+    # Reinterpret as a same-size integer first: a same-size view works for any strides, and
+    # the copy kernel for plain integers exists even where the dtype's own (e.g. float4) does not.
+    same = _SAME_SIZE_INT.get(t.element_size())
+    if same is not None and t.dtype != same:
+        t = t.view(same)
+    flat = t.contiguous().reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+                       ) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """The padded header (without the 8-byte length) and the data layout [(name, begin, end)].
+
+    Tensors are laid out by item size (largest first), then name, so that every tensor
+    starts at a multiple of its item size (the data section starts 8-byte aligned)."""
+    if sys.byteorder != "little":
+        raise InvalidOptionError("safetensors stores little-endian bytes; exporting from a big-endian host is not supported")
+    header: dict[str, Any] = {}
+    if metadata:
+        for k, v in metadata.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise InvalidOptionError(f"safetensors metadata must map str to str, got {k!r}: {type(v).__name__}")
+        header["__metadata__"] = dict(metadata)
+    entries = []
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidOptionError(f"safetensors tensor names must be non-empty strings, got {name!r}")
+        if name == "__metadata__":
+            raise InvalidOptionError("a tensor cannot be named __metadata__ in safetensors")
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_quantized:
+            raise UnsupportedDtypeError(f"cannot export {name!r} to safetensors: it holds dense (strided, "
+                                        f"non-quantized) tensors only, got {type(t).__name__}")
+        st = safetensors_dtype(t.dtype, name)
+        entries.append((t.element_size(), name, st, t))
+    entries.sort(key=lambda e: (-e[0], e[1]))
+    layout = []
+    pos = 0
+    for item, name, st, t in entries:
+        nbytes = t.numel() * item
+        shape = list(t.shape)
+        if st in _PACKED_X2:
+            if not shape:
+                raise UnsupportedDtypeError(f"cannot export {name!r} to safetensors: a 0-d {t.dtype} (two packed "
+                                            f"4-bit values) has no safetensors shape; reshape it to [1] first")
+            shape = shape[:-1] + [shape[-1] * 2]
+        header[name] = {"dtype": st, "shape": shape, "data_offsets": [pos, pos + nbytes]}
+        layout.append((name, pos, pos + nbytes))
+        pos += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-(8 + len(text)) % 8)
+    if len(text) > MAX_HEADER_BYTES:
+        raise InvalidOptionError(f"the safetensors header would be {len(text)} bytes, above the "
+                                 f"{MAX_HEADER_BYTES}-byte limit readers accept: too many tensors for one file")
+    return text, layout
+
+
+def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str] | None = None, *, overwrite: bool = False) -> int:
+    """Write ``tensors`` ({name: tensor}) as a safetensors file; returns the file size.
+
+    Each tensor is stored as its own contiguous copy (views and shared storage are
+    not representable in safetensors). Refuses dtypes safetensors cannot hold before
+    writing anything. Durable (fsync) and atomic (temporary file + rename)."""
+    header, layout = safetensors_header(tensors, metadata)
+    with atomic_output(path, overwrite=overwrite) as f:
+        f.write(len(header).to_bytes(8, "little"))
+        f.write(header)
+        for name, begin, end in layout:
+            data = _raw_bytes(tensors[name])
+            if len(data) != end - begin:  # cannot happen for strided tensors; guard the format anyway
+                raise GDSWriterError(f"{name}: expected {end - begin} bytes, got {len(data)}")
+            f.write(data)
+        size = f.tell()
+    return size
+
+
+# ----------------------------------------------------------------------------- torch
+def write_torch(path: str | os.PathLike, obj: Any, *, overwrite: bool = False, check_weights_only: bool = False) -> int:
+    """torch.save ``obj`` durably and atomically; returns the file size. With
+    ``check_weights_only`` the written file is loaded with ``torch.load(weights_only=True)``
+    before it is renamed into place, and refused (InvalidOptionError) if that fails."""
+    with atomic_output(path, overwrite=overwrite) as f:
+        torch.save(obj, f)
+        f.flush()
+        size = f.tell()
+        if check_weights_only:
+            try:
+                torch.load(f.name, weights_only=True, mmap=True, map_location="cpu")
+            except Exception as e:  # noqa: BLE001 - any refusal means "not loadable with weights_only"
+                raise InvalidOptionError(
+                    f"the nested state cannot be read back with torch.load(weights_only=True) ({_why(e)}); "
+                    f"export the flat {{name: tensor}} dict instead (drop --nested)") from None
+    return size
+
+
+def _why(e: BaseException) -> str:
+    """The informative line of torch.load's (long, multi-line) weights_only refusal."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", x).strip() for x in str(e).splitlines()]
+    lines = [x for x in lines if x]
+    for x in lines:
+        if "WeightsUnpickler error" in x or "Unsupported" in x:
+            return x
+    return lines[0] if lines else type(e).__name__
+
+
+# ----------------------------------------------------------------------------- checkpoint -> file
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    step: int
+    format: str
+    tensors: int
+    bytes: int
+    renamed: dict  # {stored name: exported name} where names collided
+
+
+def flat_tensors(manifest, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """{name: tensor} from the manifest's tensor names (their key paths in the saved state).
+
+    Names that collide (e.g. a key containing "/") get a "#<index>" suffix; the second
+    result maps each renamed original to its new name."""
+    out: dict[str, torch.Tensor] = {}
+    renamed: dict[str, str] = {}
+    for i, (rec, t) in enumerate(zip(manifest.tensors, tensors)):
+        name = rec.name
+        if name in out:
+            new = f"{name}#{i}"
+            while new in out:
+                new += "_"
+            renamed[name] = new
+            name = new
+        out[name] = t
+    return out, renamed
+
+
+def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, out: str | os.PathLike, *,
+                overwrite: bool = False, verify: bool = True, nested: bool = False,
+                engine_options=None) -> ExportResult:
+    """Read ``step`` (None: latest) of the checkpoint under ``roots`` and write it to ``out``.
+
+    fmt "torch": a torch.save file of a flat {name: tensor} dict (shared storage and views
+    are kept as torch.save keeps them), or with ``nested`` the whole saved state tree
+    (checked to load with weights_only=True). fmt "safetensors": a flat {name: tensor}
+    safetensors file of contiguous copies; non-tensor state goes nowhere except the
+    step number and the checkpoint's metadata, stored in ``__metadata__``."""
+    from .checkpointer import read_manifest, read_storages, tensors_from_storages
+    from .engine import create_engine
+    from .format.commit import CommitProtocol
+    from .format.dtypes import dtype_from_name
+    from .format.state_codec import decode_state
+
+    if fmt not in ("torch", "safetensors"):
+        raise InvalidOptionError(f"unknown export format {fmt!r}: choose torch or safetensors")
+    if nested and fmt != "torch":
+        raise InvalidOptionError("nested export is only possible with --to torch")
+    protocol = CommitProtocol([Path(os.fspath(r)) for r in roots])
+    step = protocol.require(step)
+    manifest = read_manifest(protocol, step)
+    if fmt == "safetensors":  # refuse before reading gigabytes
+        for rec in manifest.tensors:
+            safetensors_dtype(dtype_from_name(rec.dtype), rec.name)
+    out = Path(os.fspath(out))
+    if not overwrite and (out.exists() or out.is_symlink()):
+        raise OutputExistsError(errno.EEXIST, f"{out} exists: pass --force to replace it")
+    buffers = [torch.empty(s.nbytes, dtype=torch.uint8) for s in manifest.storages]
+    with create_engine(engine_options) as engine:
+        read_storages(protocol, manifest, buffers, [engine], verify=verify)
+    tensors = tensors_from_storages(manifest, buffers)
+    flat, renamed = flat_tensors(manifest, tensors)
+    if fmt == "torch":
+        obj = decode_state(manifest.state, tensors) if nested else flat
+        size = write_torch(out, obj, overwrite=overwrite, check_weights_only=nested)
+    else:
+        meta = {"format": "pt", "gdswriter_step": str(step),
+                "gdswriter_format_version": f"{manifest.version[0]}.{manifest.version[1]}"}
+        if manifest.metadata:
+            meta["gdswriter_metadata"] = json.dumps(manifest.metadata, sort_keys=True)
+        size = write_safetensors(out, flat, meta, overwrite=overwrite)
+    return ExportResult(out, step, fmt, len(flat), size, renamed)

@@ -1,0 +1,307 @@
+"""CommitProtocol, RootLock and clean_leftovers (format/commit.py), on real directories."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+import gdswriter.format.commit as commit_mod
+from gdswriter.errors import CheckpointLockedError, CheckpointNotFoundError, EngineIOError
+from gdswriter.format.commit import (LATEST_NAME, OWNER_NAME, CommitProtocol, RootLock, parse_step_dir,
+                                     step_dir_name)
+from gdswriter.format.manifest import MANIFEST_NAME
+
+
+def roots_in(tmp_path, n=1) -> list[Path]:
+    rs = [tmp_path / f"r{i}" for i in range(n)]
+    for r in rs:
+        r.mkdir()
+    return rs
+
+
+def do_commit(p: CommitProtocol, step: int, tag: str = "x") -> None:
+    """Write one data file per root holding ``tag`` and commit with a manifest naming ``tag``."""
+    pending = p.begin(step)
+    for i, d in enumerate(pending.dirs):
+        (d / f"data-{i}.bin").write_text(f"{tag}:{step}:{i}")
+    pending.commit(f'{{"tag":"{tag}","step":{step}}}'.encode())
+
+
+def tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_step_dir_names():
+    assert step_dir_name(42) == "step_000000000042"
+    assert parse_step_dir("step_000000000042") == 42
+    assert parse_step_dir(step_dir_name(10 ** 13)) == 10 ** 13
+    for bad in ("step_42", "step_00000000004x", ".tmp-step_000000000042", "step_000000000042-abc", "latest"):
+        assert parse_step_dir(bad) is None
+
+
+def test_commit_layout_single_root(tmp_path):
+    (r,) = roots_in(tmp_path)
+    p = CommitProtocol([r])
+    assert p.committed_steps() == [] and p.latest() is None
+    do_commit(p, 3)
+    assert tree(r) == {"step_000000000003", "step_000000000003/data-0.bin", f"step_000000000003/{MANIFEST_NAME}",
+                       LATEST_NAME}
+    assert (r / LATEST_NAME).read_text() == "3\n"
+    assert p.committed_steps() == [3] and p.latest() == 3 and p.require(None) == 3
+
+
+def test_commit_layout_multi_root(tmp_path):
+    rs = roots_in(tmp_path, 3)
+    p = CommitProtocol(rs)
+    do_commit(p, 1)
+    for i, r in enumerate(rs):
+        names = set(os.listdir(r / step_dir_name(1)))
+        assert f"data-{i}.bin" in names
+        assert (MANIFEST_NAME in names) == (i == 0)
+        assert (OWNER_NAME in names) == (i > 0)
+        if i:
+            assert (r / step_dir_name(1) / OWNER_NAME).read_text().strip() == str(rs[0].resolve())
+        assert (LATEST_NAME in os.listdir(r)) == (i == 0)
+        assert not [n for n in os.listdir(r) if n.startswith(".")]
+
+
+def test_abort_removes_temporaries(tmp_path):
+    rs = roots_in(tmp_path, 2)
+    p = CommitProtocol(rs)
+    do_commit(p, 1)
+    pending = p.begin(2)
+    assert all(d.name.startswith(".tmp-step_000000000002-") for d in pending.dirs)
+    (pending.dirs[0] / "data.bin").write_bytes(b"1")
+    pending.abort()
+    assert pending.finished
+    for r in rs:
+        assert os.listdir(r) == [step_dir_name(1)] or set(os.listdir(r)) == {step_dir_name(1), LATEST_NAME}
+    assert p.committed_steps() == [1]
+
+
+def test_recommit_same_step_replaces(tmp_path):
+    rs = roots_in(tmp_path, 2)
+    p = CommitProtocol(rs)
+    do_commit(p, 5, "old")
+    do_commit(p, 5, "new")
+    assert p.committed_steps() == [5]
+    assert (rs[0] / step_dir_name(5) / MANIFEST_NAME).read_text() == '{"tag":"new","step":5}'
+    assert (rs[1] / step_dir_name(5) / "data-1.bin").read_text() == "new:5:1"
+    assert not [n for r in rs for n in os.listdir(r) if n.startswith(".")]
+
+
+def test_delete_step_every_root(tmp_path):
+    rs = roots_in(tmp_path, 3)
+    p = CommitProtocol(rs)
+    do_commit(p, 1)
+    do_commit(p, 2)
+    p.delete_step(1)
+    assert p.committed_steps() == [2]
+    for r in rs:
+        assert set(os.listdir(r)) - {LATEST_NAME} == {step_dir_name(2)}
+    p.delete_step(7)  # nothing there: no error
+
+
+def test_delete_uncommits_primary_first(tmp_path, monkeypatch):
+    rs = roots_in(tmp_path, 2)
+    p = CommitProtocol(rs)
+    do_commit(p, 1)
+    order = []
+    real = p._retire
+    monkeypatch.setattr(p, "_retire", lambda path: (order.append(path), real(path)))
+    p.delete_step(1)
+    assert order == [rs[0] / step_dir_name(1), rs[1] / step_dir_name(1)]
+
+
+# ----------------------------------------------------------------------------- latest
+@pytest.mark.parametrize("content", [b"", b"garbage\n", b"7\n", b"-1\n", b"\xff\xfe", b"2 3", b"99999999999999999999"])
+def test_latest_falls_back_when_stale_or_garbage(tmp_path, content):
+    (r,) = roots_in(tmp_path)
+    p = CommitProtocol([r])
+    for s in (1, 4, 2):
+        do_commit(p, s)
+    assert p.latest() == 2  # names the last committed step, not the largest
+    (r / LATEST_NAME).write_bytes(content)
+    assert p.latest() == 4
+    assert p.require(None) == 4
+
+
+def test_latest_missing_or_a_directory(tmp_path):
+    (r,) = roots_in(tmp_path)
+    p = CommitProtocol([r])
+    do_commit(p, 1)
+    do_commit(p, 3)
+    (r / LATEST_NAME).unlink()
+    assert p.latest() == 3
+    (r / LATEST_NAME).mkdir()
+    assert p.latest() == 3
+
+
+def test_latest_names_uncommitted_step(tmp_path):
+    (r,) = roots_in(tmp_path)
+    p = CommitProtocol([r])
+    do_commit(p, 1)
+    do_commit(p, 2)
+    (r / step_dir_name(2) / MANIFEST_NAME).unlink()
+    assert (r / LATEST_NAME).read_text() == "2\n"
+    assert p.committed_steps() == [1] and p.latest() == 1
+    with pytest.raises(CheckpointNotFoundError, match=r"step 2.*\[1\]"):
+        p.require(2)
+
+
+def test_require_messages(tmp_path):
+    (r,) = roots_in(tmp_path)
+    p = CommitProtocol([r])
+    with pytest.raises(CheckpointNotFoundError, match="save one first"):
+        p.require(None)
+    p2 = CommitProtocol([tmp_path / "does-not-exist"])
+    assert p2.committed_steps() == [] and p2.latest() is None
+
+
+# ----------------------------------------------------------------------------- cleaning
+def test_clean_leftovers_removes_only_what_crashes_leave(tmp_path):
+    rs = roots_in(tmp_path, 2)
+    p = CommitProtocol(rs)
+    do_commit(p, 1)
+    do_commit(p, 2)
+    primary, secondary = rs
+    # leftovers of crashed saves and deletions
+    (primary / ".tmp-step_000000000003-1-abcd").mkdir()
+    (primary / ".tmp-step_000000000003-1-abcd" / "data-0.bin").write_bytes(b"x")
+    (primary / ".trash-step_000000000000-beef").mkdir()
+    (primary / ".tmp-latest-1234").write_text("3\n")
+    (secondary / ".tmp-step_000000000003-1-abcd").mkdir()
+    orphan = secondary / step_dir_name(3)  # renamed on the secondary, primary never committed
+    orphan.mkdir()
+    (orphan / OWNER_NAME).write_text(p.identity + "\n")
+    (orphan / "data-1.bin").write_text("o")
+    # things that must survive
+    foreign = secondary / step_dir_name(4)  # written for another primary
+    foreign.mkdir()
+    (foreign / OWNER_NAME).write_text("/somewhere/else\n")
+    (foreign / "data-1.bin").write_text("theirs")
+    ownerless = secondary / step_dir_name(6)  # no owner file: not ours to judge
+    ownerless.mkdir()
+    (ownerless / "data.bin").write_text("?")
+    foreign_same_step = secondary / step_dir_name(2)  # ours and committed
+    (primary / "notes.txt").write_text("user file")
+    (secondary / "step_12").mkdir()  # not a step directory name
+    (primary / step_dir_name(9)).mkdir()  # a primary step dir without manifest: never deleted
+
+    before_primary, before_secondary = tree(primary), tree(secondary)
+    removed = p.clean_leftovers()
+    assert set(removed) == {primary / ".tmp-step_000000000003-1-abcd", primary / ".trash-step_000000000000-beef",
+                            primary / ".tmp-latest-1234", secondary / ".tmp-step_000000000003-1-abcd", orphan}
+    assert tree(primary) == {x for x in before_primary if not x.startswith(".")}
+    assert tree(secondary) == {x for x in before_secondary if not x.startswith(".") and
+                               not x.startswith(step_dir_name(3))}
+    assert (foreign / "data-1.bin").read_text() == "theirs"
+    assert (ownerless / "data.bin").read_text() == "?"
+    assert foreign_same_step.is_dir() and (foreign_same_step / "data-1.bin").read_text() == "x:2:1"
+    assert p.committed_steps() == [1, 2]
+    assert p.clean_leftovers() == []  # idempotent
+
+
+def test_clean_leftovers_keeps_other_primarys_dirs_in_shared_secondary(tmp_path):
+    a0, b0, shared = roots_in(tmp_path, 3)
+    pa = CommitProtocol([a0, shared])
+    pb = CommitProtocol([b0, shared])
+    do_commit(pa, 1, "a")
+    do_commit(pa, 2, "a")
+    do_commit(pb, 10, "b")
+    # an orphan of B's crashed save
+    orphan_b = shared / step_dir_name(11)
+    orphan_b.mkdir()
+    (orphan_b / OWNER_NAME).write_text(pb.identity + "\n")
+    assert pa.clean_leftovers() == []  # A must not touch B's committed step 10 nor B's orphan
+    assert {step_dir_name(s) for s in (1, 2, 10, 11)} <= set(os.listdir(shared))
+    assert pb.clean_leftovers() == [orphan_b]
+    assert {step_dir_name(s) for s in (1, 2, 10)} <= set(os.listdir(shared))
+    assert (shared / step_dir_name(1) / "data-1.bin").read_text() == "a:1:1"
+    assert (shared / step_dir_name(10) / "data-1.bin").read_text() == "b:10:1"
+
+
+def test_commit_never_destroys_another_primarys_step(tmp_path):
+    """A and B share a secondary root and both save step 5: B's commit must not replace
+    (delete) A's bytes of step 5, which A's manifest still points to."""
+    a0, b0, shared = roots_in(tmp_path, 3)
+    pa = CommitProtocol([a0, shared])
+    pb = CommitProtocol([b0, shared])
+    do_commit(pa, 5, "a")
+    with pytest.raises(EngineIOError) as ei:
+        do_commit(pb, 5, "b")
+    assert ei.value.errno == errno.EEXIST and str(shared / step_dir_name(5)) in str(ei.value)
+    assert (shared / step_dir_name(5) / "data-1.bin").read_text() == "a:5:1"
+    assert pa.committed_steps() == [5] and pb.committed_steps() == []
+    pb.clean_leftovers()  # B's temporaries go; A's step stays
+    assert not [n for r in (b0, shared) for n in os.listdir(r) if n.startswith(".tmp-")]
+    assert (shared / step_dir_name(5) / "data-1.bin").read_text() == "a:5:1"
+
+
+class Crash(BaseException):
+    """Stands for the process dying at that point (nothing after it runs)."""
+
+
+@pytest.mark.parametrize("k", range(1, 12))
+def test_recommit_interrupted_never_pairs_old_manifest_with_new_data(tmp_path, monkeypatch, k):
+    """Re-saving a committed step on two roots and dying after the k-th rename/fsync: the step
+    is either the old one, complete, or absent (then an older step is still there)."""
+    rs = roots_in(tmp_path, 2)
+    p = CommitProtocol(rs)
+    do_commit(p, 4, "base")
+    do_commit(p, 5, "old")
+    calls = [0]
+
+    def counting(real):
+        def f(*a, **kw):
+            calls[0] += 1
+            if calls[0] == k:
+                raise Crash()
+            return real(*a, **kw)
+        return f
+
+    monkeypatch.setattr(commit_mod.os, "rename", counting(os.rename))
+    monkeypatch.setattr(commit_mod.os, "replace", counting(os.replace))
+    monkeypatch.setattr(commit_mod, "fsync_dir", counting(commit_mod.fsync_dir))
+    try:
+        do_commit(p, 5, "new")
+    except Crash:
+        pass
+    monkeypatch.undo()
+    fresh = CommitProtocol(rs)
+    fresh.clean_leftovers()
+    steps = fresh.committed_steps()
+    assert 4 in steps
+    assert fresh.latest() in steps
+    for s in steps:
+        tag = (rs[0] / step_dir_name(s) / MANIFEST_NAME).read_text().split('"')[3]
+        for i, r in enumerate(rs):
+            assert (r / step_dir_name(s) / f"data-{i}.bin").read_text() == f"{tag}:{s}:{i}", (s, i)
+    for r in rs:
+        assert not [n for n in os.listdir(r) if n.startswith((".tmp-", ".trash-"))]
+        # no orphaned secondary step directory survives cleaning
+        for n in os.listdir(r):
+            if parse_step_dir(n) is not None:
+                assert parse_step_dir(n) in steps
+
+
+# ----------------------------------------------------------------------------- lock
+def test_root_lock(tmp_path):
+    rs = roots_in(tmp_path, 2)
+    lock = RootLock(rs)
+    assert (rs[0] / ".gdswriter.lock").read_text().strip() == str(os.getpid())
+    with pytest.raises(CheckpointLockedError, match=f"pid {os.getpid()}"):
+        RootLock([rs[1]])
+    (tmp_path / "other").mkdir()
+    with pytest.raises(CheckpointLockedError):
+        RootLock([tmp_path / "other", rs[0]])
+    # the failed attempt released what it had taken
+    other = RootLock([tmp_path / "other"])
+    other.release()
+    lock.release()
+    lock.release()  # idempotent
+    again = RootLock(rs)
+    again.release()

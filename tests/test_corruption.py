@@ -1,0 +1,325 @@
+"""Damaged checkpoints: every kind of damage is a typed error naming what is wrong,
+and the earlier, intact steps still load."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+
+import _models as M
+from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, TruncatedFileError,
+                       UnsupportedFormatVersionError, load_state)
+from gdswriter.format.commit import step_dir_name
+from gdswriter.format.manifest import MANIFEST_NAME, _canonical
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(300, 257, generator=g), "b": torch.randn(1000, generator=g),
+            "i": torch.randint(0, 1 << 30, (64, 64), generator=g, dtype=torch.int64),
+            "s": torch.tensor(float(step))}
+
+
+@pytest.fixture
+def two_steps(tmp_path):
+    """A root with committed steps 1 and 2 (different bytes); returns the root."""
+    root = tmp_path / "ck"
+    state = _state(1)
+    with GDSCheckpointer(state, None, root, options=M.small_options()) as ck:
+        ck.save(1)
+        for k, v in _state(2).items():
+            state[k].copy_(v)
+        ck.save(2)
+    return root
+
+
+def mpath(root: Path, step: int) -> Path:
+    return root / step_dir_name(step) / MANIFEST_NAME
+
+
+def body(root: Path, step: int) -> dict:
+    return json.loads(mpath(root, step).read_bytes())
+
+
+def rewrite(root: Path, step: int, body: dict) -> None:
+    """Write a manifest with a correct self-checksum (as a newer or a malicious writer would)."""
+    body = dict(body)
+    body.pop("manifest_crc32c", None)
+    body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+    mpath(root, step).write_bytes((json.dumps(body, separators=(",", ":")) + "\n").encode())
+
+
+def data_file(root: Path, step: int) -> Path:
+    (f,) = body(root, step)["files"]
+    return root / step_dir_name(step) / f[1]
+
+
+def chunk_of(root: Path, step: int, name: str) -> list:
+    b = body(root, step)
+    (t,) = [t for t in b["tensors"] if t["name"] == name]
+    return b["storages"][t["storage"]]["chunks"][0]
+
+
+def assert_step_intact(root: Path, step: int) -> None:
+    got_step, st = load_state(root, step)
+    assert got_step == step
+    for k, v in _state(step).items():
+        assert torch.equal(st["model"][k], v), k
+    live = {k: torch.zeros_like(v) for k, v in _state(step).items()}
+    with GDSCheckpointer(live, None, root, options=M.small_options()) as ck:
+        assert ck.load(step) == step
+    for k, v in _state(step).items():
+        assert torch.equal(live[k], v), k
+
+
+def load_latest(root: Path, **kw):
+    live = {k: torch.zeros_like(v) for k, v in _state(2).items()}
+    with GDSCheckpointer(live, None, root, options=M.small_options(**kw)) as ck:
+        ck.load()
+    return live
+
+
+def test_intact(two_steps):
+    assert_step_intact(two_steps, 1)
+    assert_step_intact(two_steps, 2)
+
+
+@pytest.mark.parametrize("name", ["model/w", "model/b", "model/i"])
+def test_flipped_byte_names_file_tensor_and_range(two_steps, name):
+    root = two_steps
+    _, file_off, _, length, _ = chunk_of(root, 2, name)
+    path = data_file(root, 2)
+    pos = file_off + length // 2
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        old = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([old ^ 0x10]))
+    for load in (lambda: load_state(root), lambda: load_latest(root)):
+        with pytest.raises(ChecksumMismatchError) as ei:
+            load()
+        e = ei.value
+        assert (Path(e.path), e.tensor, e.offset, e.length) == (path, name, file_off, length)
+        assert e.expected != e.actual
+        msg = str(e)
+        assert str(path) in msg and repr(name) in msg and f"bytes [{file_off}, {file_off + length})" in msg
+        assert isinstance(e, CorruptCheckpointError)
+
+    # verify=False: loads, and the damage shows
+    _, st = load_state(root, verify=False)
+    key = name.split("/")[1]
+    expect, got = _state(2)[key], st["model"][key]
+    raw_got, raw_exp = M.raw_bytes(got), M.raw_bytes(expect)
+    diff = (raw_got != raw_exp).nonzero().flatten().tolist()
+    assert len(diff) == 1 and raw_got[diff[0]] == raw_exp[diff[0]] ^ 0x10
+    live = load_latest(root, verify=False)
+    assert not torch.equal(live[key], expect)
+    assert_step_intact(root, 1)
+
+
+def test_flipped_byte_in_padding_is_harmless(two_steps):
+    # bytes between chunks belong to no tensor: nothing to detect, nothing damaged
+    root = two_steps
+    b = body(root, 2)
+    ends = sorted(c[1] + c[3] for s in b["storages"] for c in s["chunks"])
+    starts = sorted(c[1] for s in b["storages"] for c in s["chunks"])
+    gap = next(e for e in ends if e % 4096 and e not in starts and e < b["files"][0][2])
+    with open(data_file(root, 2), "r+b") as f:
+        f.seek(gap)
+        f.write(b"\xff")
+    assert_step_intact(root, 2)
+
+
+def test_truncated_data_file(two_steps):
+    root = two_steps
+    path = data_file(root, 2)
+    size = path.stat().st_size
+    os.truncate(path, size - 100)
+    with pytest.raises(CorruptCheckpointError, match="truncated") as ei:
+        load_state(root)
+    assert str(path) in str(ei.value)
+    with pytest.raises(CorruptCheckpointError, match=str(path)):
+        load_latest(root)
+    os.truncate(path, 0)
+    with pytest.raises(CorruptCheckpointError):
+        load_state(root, 2)
+    assert_step_intact(root, 1)
+
+
+def test_truncated_data_file_with_lying_manifest(two_steps):
+    # the manifest agrees with the short file, but the chunks need the missing bytes
+    root = two_steps
+    path = data_file(root, 2)
+    b = body(root, 2)
+    os.truncate(path, 4096)
+    b["files"][0][2] = 4096
+    mpath(root, 2).write_bytes(b"")  # placeholder so rewrite() keeps the path
+    rewrite(root, 2, b)
+    with pytest.raises(CorruptCheckpointError):
+        load_state(root)
+    assert_step_intact(root, 1)
+
+
+def test_truncated_file_error_from_the_engine(two_steps, monkeypatch):
+    # bypass the size pre-check: the engine itself refuses a short file
+    root = two_steps
+    path = data_file(root, 2)
+    real = os.path.getsize
+    size = real(path)
+    os.truncate(path, size - 5000)
+    monkeypatch.setattr(os.path, "getsize", lambda p: size if Path(p) == path else real(p))
+    with pytest.raises(TruncatedFileError) as ei:
+        load_state(root)
+    assert isinstance(ei.value, CorruptCheckpointError) and str(path) in str(ei.value)
+
+
+def test_longer_data_file(two_steps):
+    root = two_steps
+    path = data_file(root, 2)
+    with open(path, "ab") as f:
+        f.write(b"\0" * 10)
+    with pytest.raises(CorruptCheckpointError, match="the manifest says"):
+        load_state(root)
+
+
+def test_deleted_data_file(two_steps):
+    root = two_steps
+    path = data_file(root, 2)
+    path.unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing") as ei:
+        load_state(root)
+    assert str(path) in str(ei.value)
+    with pytest.raises(CorruptCheckpointError, match=path.name):
+        load_latest(root)
+    assert_step_intact(root, 1)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "binary", "truncated_json", "not_a_dict", "other_format"])
+def test_damaged_manifest(two_steps, damage):
+    root = two_steps
+    p = mpath(root, 2)
+    raw = p.read_bytes()
+    p.write_bytes({"garbage": b"hello world", "empty": b"", "binary": os.urandom(64) + b"\xff\xfe",
+                   "truncated_json": raw[: len(raw) // 2], "not_a_dict": b"[1, 2, 3]",
+                   "other_format": b'{"format": "safetensors"}'}[damage])
+    with pytest.raises(CorruptCheckpointError) as ei:
+        load_state(root)
+    assert str(p) in str(ei.value)
+    with GDSCheckpointer({"w": torch.zeros(1)}, None, root, options=M.small_options()) as ck:
+        with pytest.raises(CorruptCheckpointError, match="load an earlier step"):
+            ck.load()
+        assert ck.steps() == [1, 2]  # still listed: the damage is reported, not hidden
+    assert_step_intact(root, 1)
+
+
+@pytest.mark.parametrize("edit", ["step", "chunk_crc", "nbytes", "shape", "state", "metadata", "whitespace"])
+def test_manifest_self_checksum(two_steps, edit):
+    root = two_steps
+    p = mpath(root, 2)
+    text = p.read_text()
+    b = json.loads(text)
+    if edit == "step":
+        new = text.replace('"step":2,', '"step":3,')
+    elif edit == "chunk_crc":
+        c = b["storages"][0]["chunks"][0]
+        new = text.replace(f",{c[4]}]", f",{c[4] ^ 1}]", 1)
+    elif edit == "nbytes":
+        n = b["storages"][1]["nbytes"]
+        new = text.replace(f'"nbytes":{n},', f'"nbytes":{n - 4},', 1)
+    elif edit == "shape":
+        new = text.replace('"shape":[300,257]', '"shape":[257,300]')
+    elif edit == "state":
+        new = text.replace('["w",{"$tensor":0}]', '["w",{"$tensor":1}]')
+    elif edit == "metadata":
+        new = text.replace('"metadata":{}', '"metadata":{"x":1}')
+    else:
+        new = text.replace(",", ", ")  # harmless reformatting is fine: the checksum is over canonical JSON
+    assert new != text
+    p.write_text(new)
+    if edit == "whitespace":
+        assert_step_intact(root, 2)
+        return
+    with pytest.raises(CorruptCheckpointError, match="checksum does not match"):
+        load_state(root)
+    assert_step_intact(root, 1)
+
+
+def test_newer_major_version(two_steps):
+    root = two_steps
+    b = body(root, 2)
+    b["version"] = [2, 0]
+    rewrite(root, 2, b)
+    with pytest.raises(UnsupportedFormatVersionError, match="2.0.*upgrade") as ei:
+        load_state(root)
+    assert not isinstance(ei.value, CorruptCheckpointError)
+    with pytest.raises(UnsupportedFormatVersionError):
+        load_latest(root)
+    assert_step_intact(root, 1)
+
+
+def test_newer_minor_version_is_read(two_steps):
+    root = two_steps
+    b = body(root, 2)
+    b["version"] = [1, 7]
+    b["some_future_field"] = {"x": 1}
+    rewrite(root, 2, b)
+    assert_step_intact(root, 2)
+
+
+@pytest.mark.parametrize("bad", ["../x", "../" + step_dir_name(1) + "/data-r0-f0.bin", "/etc/passwd", "", ".", "..",
+                                 "sub/x", "a\\b", "a\0b"])
+def test_data_file_path_outside_step(two_steps, bad):
+    root = two_steps
+    b = body(root, 2)
+    b["files"][0][1] = bad
+    rewrite(root, 2, b)
+    with pytest.raises(CorruptCheckpointError, match="not a plain file name"):
+        load_state(root)
+    assert_step_intact(root, 1)
+
+
+@pytest.mark.parametrize("edit", ["tensor_past_storage", "unknown_dtype", "tensor_index", "chunk_gap",
+                                  "chunk_past_file", "bad_file_index", "negative", "root_index", "chunk_crc"])
+def test_semantically_bad_manifest_with_valid_checksum(two_steps, edit):
+    root = two_steps
+    b = body(root, 2)
+    t0 = b["tensors"][0]
+    s0 = b["storages"][t0["storage"]]
+    if edit == "tensor_past_storage":
+        t0["byte_offset"] = 4
+    elif edit == "unknown_dtype":
+        t0["dtype"] = "float128"
+    elif edit == "tensor_index":
+        b["state"] = {"$dict": [["model", {"$dict": [["w", {"$tensor": 99}]]}]]}
+    elif edit == "chunk_gap":
+        s0["chunks"][0][2] = 8
+    elif edit == "chunk_past_file":
+        s0["chunks"][0][1] = b["files"][0][2]
+    elif edit == "bad_file_index":
+        s0["chunks"][0][0] = 5
+    elif edit == "negative":
+        t0["stride"][0] = -1
+    elif edit == "root_index":
+        b["files"][0][0] = 1
+    else:  # consistent manifest, wrong data checksum
+        s0["chunks"][0][4] ^= 0xFFFF
+    rewrite(root, 2, b)
+    with pytest.raises(CorruptCheckpointError):
+        load_state(root)
+    assert_step_intact(root, 1)
+
+
+def test_missing_step_dir_contents(two_steps):
+    # a step directory without its manifest is not a committed step
+    root = two_steps
+    mpath(root, 2).unlink()
+    with GDSCheckpointer({"w": torch.zeros(1)}, None, root, options=M.small_options()) as ck:
+        assert ck.steps() == [1]
+        assert ck.latest_step() == 1  # `latest` says 2, which is gone: fall back
+    assert load_state(root)[0] == 1
+    assert_step_intact(root, 1)

@@ -1,0 +1,589 @@
+"""Failures are typed, name the file and offset, clean up, and leave the engine usable.
+
+Real-file-system cases (read-only mount, full tmpfs, full loop-mounted ext4,
+ramfs which refuses O_DIRECT) run in a child process inside a private mount
+namespace (``unshare -m``), so nothing is mounted where anything else can see it;
+they skip where mounting is not permitted. The same failures are always also
+injected through FaultInjectingEngine, so they are covered without root.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+
+import gdswriter.fallback.engine as engine_mod
+import gdswriter.fallback.uring as uring_mod
+from gdswriter.engine import ReadSpan, WriteSpan, create_engine
+from gdswriter.errors import (CorruptCheckpointError, EngineIOError, EngineUnavailableError, InvalidOptionError,
+                              ShortIOError, TruncatedFileError)
+from gdswriter.fallback.engine import IoUringEngine, PosixEngine, create_fallback_engine
+from gdswriter.fallback.faults import FaultEvent, FaultInjectingEngine, FaultPlan
+from gdswriter.options import EngineOptions, KiB, MiB
+
+REPO = Path(__file__).resolve().parent.parent
+REQUEST = 64 * KiB
+BACKENDS = ["io_uring", "posix"]
+
+
+def rand(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def crc(t: torch.Tensor) -> int:
+    return crc32c.crc32c(t.numpy().tobytes())
+
+
+def roundtrip(eng, path, data: torch.Tensor, offset: int = 0) -> None:
+    """A write and a read that must succeed, with the right bytes (the engine is healthy)."""
+    assert eng.write_file(path, [WriteSpan(offset, data)]) == [crc(data)]
+    out = torch.empty_like(data)
+    assert eng.read_file(path, [ReadSpan(offset, out)]) == [crc(data)]
+    assert torch.equal(out, data)
+    with open(path, "rb") as f:
+        assert f.read() == bytes(offset) + data.numpy().tobytes()
+
+
+def assert_drained(eng) -> None:
+    """Nothing left in flight or queued after an error."""
+    assert eng._backend.in_flight == 0
+    assert not eng._backlog
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def plain_engine(kind: str, options):
+    return IoUringEngine(options) if kind == "io_uring" else PosixEngine(options)
+
+
+# ---------------------------------------------------------------------------
+# Missing directory, permissions
+# ---------------------------------------------------------------------------
+def test_missing_directory(backend, tmp_path, io_small_options):
+    path = tmp_path / "no" / "such" / "dir" / "x.bin"
+    with plain_engine(backend, io_small_options()) as eng:
+        with pytest.raises(EngineIOError) as ei:
+            eng.write_file(path, [WriteSpan(0, rand(10))])
+        e = ei.value
+        assert e.errno == errno.ENOENT and isinstance(e, OSError)
+        assert e.path == str(path) and str(path) in str(e)
+        assert e.offset == 0
+        with pytest.raises(EngineIOError) as ei:
+            eng.read_file(tmp_path / "missing.bin", [ReadSpan(0, torch.empty(10, dtype=torch.uint8))])
+        assert ei.value.errno == errno.ENOENT and "missing.bin" in str(ei.value)
+        roundtrip(eng, tmp_path / "ok.bin", rand(5000))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions; the read-only "
+                                               "case is covered by the read-only mount test")
+def test_unwritable_directory_non_root(tmp_path, io_small_options):
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        with IoUringEngine(io_small_options()) as eng:
+            with pytest.raises(EngineIOError) as ei:
+                eng.write_file(d / "x.bin", [WriteSpan(0, rand(10))])
+            assert ei.value.errno == errno.EACCES
+            assert "writable" in str(ei.value) and str(d / "x.bin") in str(ei.value)
+    finally:
+        d.chmod(0o755)
+
+
+# ---------------------------------------------------------------------------
+# Real file systems in a private mount namespace (root only)
+# ---------------------------------------------------------------------------
+_CHILD = textwrap.dedent(r'''
+    import errno, json, os, shutil, subprocess, sys, traceback
+    import torch
+    from gdswriter.engine import ReadSpan, WriteSpan
+    from gdswriter.errors import EngineIOError
+    from gdswriter.fallback.engine import IoUringEngine, PosixEngine
+    from gdswriter.options import EngineOptions, KiB, MiB
+
+    base = sys.argv[1]
+    results = {}
+
+    def sh(*cmd):
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode:
+            raise RuntimeError(f"{' '.join(cmd)}: {(p.stderr or p.stdout).strip()}")
+
+    def opts(**kw):
+        return EngineOptions(**{**dict(buffer_bytes=256 * KiB, request_bytes=64 * KiB, num_buffers=3), **kw})
+
+    def data(n, seed=0):
+        return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+    def expect_error(eng, path, n):
+        """Write n bytes where it must fail; report the error and what is left on disk."""
+        try:
+            eng.write_file(path, [WriteSpan(0, data(n))])
+        except EngineIOError as e:
+            return {"type": type(e).__name__, "errno": e.errno, "path": e.path, "offset": e.offset,
+                    "message": str(e), "exists": os.path.exists(path), "direct": eng.info.direct_io,
+                    "in_flight": eng._backend.in_flight}
+        return {"type": None, "exists": os.path.exists(path), "size": os.path.getsize(path)}
+
+    def roundtrip(eng, path, n):
+        d = data(n, 1)
+        eng.write_file(path, [WriteSpan(0, d)])
+        direct_w = eng.info.direct_io
+        out = torch.empty_like(d)
+        eng.read_file(path, [ReadSpan(0, out)])
+        with open(path, "rb") as f:
+            disk = f.read()
+        return {"ok": bool(torch.equal(out, d)) and disk == d.numpy().tobytes(),
+                "direct_write": direct_w, "direct_read": eng.info.direct_io}
+
+    def scenario(name, mount, body):
+        d = os.path.join(base, name)
+        os.makedirs(d)
+        try:
+            mount(d)
+        except Exception as e:
+            results[name] = {"skip": f"cannot mount for {name}: {e}"}
+            return
+        try:
+            results[name] = body(d)
+        except Exception:
+            results[name] = {"crash": traceback.format_exc()}
+
+    # -- read-only: a tmpfs remounted read-only ------------------------------
+    def ro_mount(d):
+        sh("mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", d)
+        with open(os.path.join(d, "old.bin"), "wb") as f:
+            f.write(b"x" * 5000)
+        sh("mount", "-o", "remount,ro", d)
+
+    def ro_body(d):
+        out = {}
+        for kind, cls in (("io_uring", IoUringEngine), ("posix", PosixEngine)):
+            with cls(opts()) as eng:
+                out[kind] = {"new": expect_error(eng, os.path.join(d, "new.bin"), 10_000),
+                             "over": expect_error(eng, os.path.join(d, "old.bin"), 10)}
+                buf = torch.empty(5000, dtype=torch.uint8)
+                eng.read_file(os.path.join(d, "old.bin"), [ReadSpan(0, buf)])
+                out[kind]["read_ok"] = bool((buf == ord("x")).all())
+        return out
+
+    scenario("readonly", ro_mount, ro_body)
+
+    # -- full tmpfs (1 MiB) ---------------------------------------------------
+    def tmpfs_body(d):
+        out = {}
+        for kind, cls in (("io_uring", IoUringEngine), ("posix", PosixEngine)):
+            for prealloc in (True, False):
+                with cls(opts(preallocate=prealloc)) as eng:
+                    r = expect_error(eng, os.path.join(d, "big.bin"), 3 * MiB + 5)
+                    r["after"] = roundtrip(eng, os.path.join(d, "small.bin"), 100_000)
+                    out[f"{kind}-prealloc={prealloc}"] = r
+                os.unlink(os.path.join(d, "small.bin"))
+        return out
+
+    scenario("tmpfs_full", lambda d: sh("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d), tmpfs_body)
+
+    # -- full ext4 on a loop device (O_DIRECT path) -----------------------------
+    def ext4_mount(d):
+        if not shutil.which("mkfs.ext4"):
+            raise RuntimeError("mkfs.ext4 not installed")
+        img = os.path.join(base, "ext4.img")
+        with open(img, "wb") as f:
+            f.truncate(16 * MiB)
+        sh("mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", img)
+        sh("mount", "-o", "loop", img, d)
+
+    def ext4_body(d):
+        out = {}
+        for kind, cls in (("io_uring", IoUringEngine), ("posix", PosixEngine)):
+            for prealloc in (True, False):
+                with cls(opts(preallocate=prealloc)) as eng:
+                    r = expect_error(eng, os.path.join(d, "big.bin"), 24 * MiB + 5)
+                    r["after"] = roundtrip(eng, os.path.join(d, "small.bin"), 100_000)
+                    out[f"{kind}-prealloc={prealloc}"] = r
+        return out
+
+    scenario("ext4_full", ext4_mount, ext4_body)
+
+    # -- ramfs: no O_DIRECT at all ---------------------------------------------
+    def ramfs_body(d):
+        out = {}
+        for kind, cls in (("io_uring", IoUringEngine), ("posix", PosixEngine)):
+            with cls(opts()) as eng:
+                out[kind] = roundtrip(eng, os.path.join(d, kind + ".bin"), 3 * MiB + 123)
+        return out
+
+    scenario("ramfs", lambda d: sh("mount", "-t", "ramfs", "ramfs", d), ramfs_body)
+
+    print("RESULTS=" + json.dumps(results))
+''')
+
+
+@pytest.fixture(scope="module")
+def mounted(tmp_path_factory):
+    """Run every real-file-system scenario once, in one child in a private mount namespace."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting file systems needs root")
+    unshare = shutil.which("unshare")
+    if not unshare:
+        pytest.skip("util-linux `unshare` is not installed")
+    base = tmp_path_factory.mktemp("mounts")
+    script = base / "child.py"
+    script.write_text(_CHILD)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    try:
+        p = subprocess.run([unshare, "-m", "--propagation", "private", sys.executable, str(script), str(base)],
+                           capture_output=True, text=True, timeout=120, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the mount scenarios child hung")
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("RESULTS=")), None)
+    if line is None:
+        if p.returncode and ("Operation not permitted" in p.stderr or "unshare failed" in p.stderr):
+            pytest.skip(f"cannot create a private mount namespace: {p.stderr.strip()[-300:]}")
+        pytest.fail(f"mount scenarios child failed (rc={p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return json.loads(line[len("RESULTS="):])
+
+
+def scenario(mounted, name):
+    r = mounted[name]
+    if "skip" in r:
+        pytest.skip(r["skip"])
+    assert "crash" not in r, r.get("crash")
+    return r
+
+
+def test_read_only_file_system(mounted):
+    r = scenario(mounted, "readonly")
+    for kind in BACKENDS:
+        for case in ("new", "over"):
+            e = r[kind][case]
+            assert e["type"] == "EngineIOError", e
+            assert e["errno"] == errno.EROFS
+            assert e["path"].endswith(f"{case if case == 'new' else 'old'}.bin") and e["path"] in e["message"]
+            assert "read-only" in e["message"] and "writable root" in e["message"]
+        assert r[kind]["over"]["exists"], "a failed open must not delete the existing file"
+        assert r[kind]["read_ok"]
+
+
+@pytest.mark.parametrize("fs", ["tmpfs_full", "ext4_full"])
+def test_full_file_system(mounted, fs):
+    r = scenario(mounted, fs)
+    for key, e in r.items():
+        assert e["type"] == "EngineIOError", (key, e)
+        assert e["errno"] == errno.ENOSPC, (key, e)
+        assert "free space" in e["message"] and e["path"] in e["message"], e["message"]
+        assert not e["exists"], f"{key}: the partial file was left behind"
+        assert e["in_flight"] == 0
+        assert e["after"]["ok"], f"{key}: engine unusable after ENOSPC"
+        if "prealloc=True" in key:
+            assert e["offset"] == 0  # fallocate refuses up front
+    if fs == "ext4_full":  # ext4 takes O_DIRECT: the direct path hit ENOSPC
+        assert all(e["direct"] and e["after"]["direct_write"] for e in r.values()), r
+
+
+def test_ramfs_refuses_o_direct_falls_back_to_buffered(mounted):
+    r = scenario(mounted, "ramfs")
+    for kind in BACKENDS:
+        assert r[kind]["ok"], r
+        assert r[kind]["direct_write"] is False and r[kind]["direct_read"] is False
+
+
+# ---------------------------------------------------------------------------
+# O_DIRECT refused, without root
+# ---------------------------------------------------------------------------
+def test_o_direct_refused_falls_back_to_buffered(backend, tmp_path, monkeypatch, io_small_options,
+                                                 io_fresh_log_once, caplog):
+    """As on file systems without O_DIRECT (ramfs, some FUSE, older tmpfs): open() says EINVAL."""
+    real_open = os.open
+
+    def no_direct_open(path, flags, *args, **kw):
+        if flags & os.O_DIRECT and str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args, **kw)
+
+    monkeypatch.setattr(engine_mod.os, "open", no_direct_open)
+    with caplog.at_level(logging.WARNING, logger="gdswriter"):
+        with plain_engine(backend, io_small_options()) as eng:
+            assert eng.info.direct_io is True  # asked for; not yet refused
+            roundtrip(eng, tmp_path / "b.bin", rand(3 * MiB + 123), offset=17)
+            assert eng.info.direct_io is False
+    assert any("O_DIRECT" in rec.getMessage() for rec in caplog.records)
+
+
+def test_dev_shm_round_trips(backend, io_small_options):
+    """tmpfs: refuses O_DIRECT before Linux 6.6, accepts it since; either way the data round-trips."""
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    path = f"/dev/shm/gdswriter-test-{os.getpid()}-{backend}.bin"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        os.close(fd)
+        accepts_direct = True
+    except OSError as e:
+        assert e.errno == errno.EINVAL
+        accepts_direct = False
+    try:
+        with plain_engine(backend, io_small_options()) as eng:
+            roundtrip(eng, path, rand(MiB + 3))
+            assert eng.info.direct_io is accepts_direct
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+# ---------------------------------------------------------------------------
+# Injected faults (always run)
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("at", [1, 2, 9, 40])
+def test_injected_enospc_removes_partial_file(backend, tmp_path, io_small_options, at):
+    path = tmp_path / "full.bin"
+    path.write_bytes(b"old complete file")  # replaced: must not survive as a "complete" file either
+    plan = FaultPlan(fail_at_request=at, errno=errno.ENOSPC, op="write")
+    with FaultInjectingEngine(io_small_options(), plan, backend=backend) as eng:
+        with pytest.raises(EngineIOError) as ei:
+            eng.write_file(path, [WriteSpan(0, rand(3 * MiB + 5))])
+        e = ei.value
+        assert e.errno == errno.ENOSPC and isinstance(e, OSError)
+        assert e.path == str(path) and str(path) in str(e)
+        assert "free space" in str(e)
+        assert eng.events == [FaultEvent("fail", True, at, (at - 1) * REQUEST, REQUEST, 0)]
+        assert e.offset == (at - 1) * REQUEST
+        assert not path.exists(), "the partial file was left behind"
+        assert_drained(eng)
+        roundtrip(eng, path, rand(3 * MiB + 5, seed=2))
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EDQUOT, errno.EROFS, errno.EACCES])
+def test_injected_write_error_is_typed_with_hint(tmp_path, io_small_options, err):
+    path = tmp_path / "x.bin"
+    with FaultInjectingEngine(io_small_options(), FaultPlan(fail_at_request=3, errno=err, op="write")) as eng:
+        with pytest.raises(EngineIOError) as ei:
+            eng.write_file(path, [WriteSpan(0, rand(MiB))])
+    e = ei.value
+    assert e.errno == err and e.offset == 2 * REQUEST
+    assert f"errno {errno.errorcode[err]}" in str(e)
+    assert str(e).startswith(f"write failed on {path} at byte offset {2 * REQUEST}")
+    hint = {errno.EIO: "check the drive", errno.EDQUOT: "quota", errno.EROFS: "read-only",
+            errno.EACCES: "Permission denied"}[err]
+    assert hint in str(e)
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("depth", [1, 16])
+def test_injected_eio_mid_write_then_engine_usable(backend, tmp_path, io_small_options, depth):
+    plan = FaultPlan(fail_at_request=7, op="write")
+    with FaultInjectingEngine(io_small_options(queue_depth=depth), plan, backend=backend) as eng:
+        path = tmp_path / "w.bin"
+        with pytest.raises(EngineIOError) as ei:
+            eng.write_file(path, [WriteSpan(0, rand(2 * MiB))])
+        assert ei.value.errno == errno.EIO and ei.value.offset == 6 * REQUEST
+        assert "write failed" in str(ei.value)
+        assert not path.exists()
+        assert_drained(eng)
+        # The fault fired once; the same engine now writes and reads correctly.
+        roundtrip(eng, path, rand(2 * MiB + 1, seed=3))
+        roundtrip(eng, tmp_path / "w2.bin", rand(777, seed=4))
+
+
+@pytest.mark.parametrize("depth", [1, 16])
+def test_injected_eio_mid_read_then_engine_usable(backend, tmp_path, io_small_options, depth):
+    plan = FaultPlan(fail_at_request=5, op="read")
+    data = rand(2 * MiB + 99)
+    path = tmp_path / "r.bin"
+    with FaultInjectingEngine(io_small_options(queue_depth=depth), plan, backend=backend) as eng:
+        assert eng.write_file(path, [WriteSpan(0, data)]) == [crc(data)]  # writes are not counted
+        out = torch.empty_like(data)
+        with pytest.raises(EngineIOError) as ei:
+            eng.read_file(path, [ReadSpan(0, out)])
+        assert ei.value.errno == errno.EIO and ei.value.offset == 4 * REQUEST
+        assert "read failed" in str(ei.value) and str(path) in str(ei.value)
+        assert_drained(eng)
+        assert path.exists()  # a failed read never touches the file
+        assert eng.read_file(path, [ReadSpan(0, out)]) == [crc(data)]
+        assert torch.equal(out, data)
+
+
+def test_injected_failure_after_short_transfers(backend, tmp_path, io_small_options):
+    """A fault that lands on a resubmitted remainder of a short transfer reports that remainder's offset."""
+    # One request: it moves 4 KiB (short), its remainder is request 2, which fails.
+    plan = FaultPlan(fail_at_request=2, short_every=1, errno=errno.EIO, op="write")
+    with FaultInjectingEngine(io_small_options(), plan, backend=backend) as eng:
+        path = tmp_path / "s.bin"
+        with pytest.raises(EngineIOError) as ei:
+            eng.write_file(path, [WriteSpan(0, rand(REQUEST))])
+        assert eng.events == [FaultEvent("short", True, 1, 0, REQUEST, 4096),
+                              FaultEvent("fail", True, 2, 4096, REQUEST - 4096, 0)]
+        assert ei.value.offset == 4096
+        assert_drained(eng)
+        assert not path.exists()
+        eng.reset(FaultPlan(short_every=1, short_bytes=8192))  # every request short: still correct
+        roundtrip(eng, path, rand(MiB + 4097, seed=5))
+        assert eng.faults["short"] > 10 and eng.faults["fail"] == 0
+
+
+def test_short_transfers_in_buffered_mode_with_unaligned_lengths(backend, tmp_path, io_small_options):
+    plan = FaultPlan(short_every=1, short_bytes=777)
+    with FaultInjectingEngine(io_small_options(direct_io=False), plan, backend=backend) as eng:
+        roundtrip(eng, tmp_path / "u.bin", rand(300_001), offset=5)
+        assert eng.info.direct_io is False
+        assert eng.events and all(0 < e.submitted <= 777 and e.submitted < e.length for e in eng.events)
+        assert any(e.submitted % 4096 for e in eng.events)
+
+
+def test_fault_plan_validation(io_small_options):
+    for bad in (dict(op="both"), dict(fail_at_request=0), dict(short_every=-1), dict(short_bytes=0),
+                dict(errno=0), dict(fail_at_request=True)):
+        with pytest.raises(InvalidOptionError):
+            FaultPlan(**bad)
+    with pytest.raises(InvalidOptionError):
+        FaultInjectingEngine(io_small_options(), FaultPlan(), backend="gds")
+    with pytest.raises(Exception):
+        FaultPlan().op = "read"  # frozen
+
+
+# ---------------------------------------------------------------------------
+# Truncated files on read
+# ---------------------------------------------------------------------------
+def test_truncated_file_on_read(backend, tmp_path, io_small_options):
+    data = rand(MiB)
+    path = tmp_path / "t.bin"
+    with plain_engine(backend, io_small_options()) as eng:
+        eng.write_file(path, [WriteSpan(0, data)])
+        os.truncate(path, 500_000)
+        with pytest.raises(TruncatedFileError) as ei:
+            eng.read_file(path, [ReadSpan(0, torch.empty(10, dtype=torch.uint8)),
+                                 ReadSpan(600_000, torch.empty(MiB - 600_000, dtype=torch.uint8))])
+        e = ei.value
+        assert isinstance(e, CorruptCheckpointError)
+        assert e.needed == MiB and e.actual == 500_000 and str(path) in str(e)
+        # What is still there reads fine, up to the very last byte.
+        out = torch.empty(500_000, dtype=torch.uint8)
+        assert eng.read_file(path, [ReadSpan(0, out)]) == [crc(data[:500_000])]
+        assert torch.equal(out, data[:500_000])
+
+
+def test_file_shrinking_during_read_is_short_io(backend, tmp_path, io_small_options, monkeypatch):
+    """The file ends before the size seen at open (truncated meanwhile): ShortIOError, engine usable."""
+    data = rand(300_000)
+    path = tmp_path / "shrunk.bin"
+    with plain_engine(backend, io_small_options()) as eng:
+        eng.write_file(path, [WriteSpan(0, data)])
+        real_fstat = os.fstat
+
+        class _Stat:
+            def __init__(self, st):
+                self.st_size = st.st_size + 200_000
+
+        monkeypatch.setattr(engine_mod.os, "fstat", lambda fd: _Stat(real_fstat(fd)))
+        with pytest.raises(ShortIOError) as ei:
+            eng.read_file(path, [ReadSpan(0, torch.empty(500_000, dtype=torch.uint8))])
+        assert ei.value.errno == errno.EIO and "truncated" in str(ei.value)
+        assert_drained(eng)
+        monkeypatch.undo()
+        roundtrip(eng, path, data)
+
+
+# ---------------------------------------------------------------------------
+# Engine selection
+# ---------------------------------------------------------------------------
+def test_auto_picks_io_uring_here(io_small_options):
+    why = uring_mod.probe()
+    if why is not None:
+        pytest.skip(f"io_uring unavailable on this machine: {why}")
+    with create_fallback_engine(io_small_options(engine="auto")) as eng:
+        assert isinstance(eng, IoUringEngine)
+        assert eng.info.name == "io_uring" and eng.info.reason == ""
+    with create_engine(io_small_options(engine="posix")) as eng:
+        assert isinstance(eng, PosixEngine) and "requested" in eng.info.reason
+
+
+def test_auto_falls_back_to_posix_when_io_uring_unavailable(monkeypatch, io_small_options, io_fresh_log_once,
+                                                             caplog, tmp_path):
+    reason = "io_uring is forbidden here (EPERM: simulated by the test)"
+    monkeypatch.setattr(uring_mod, "probe", lambda: reason)
+    with caplog.at_level(logging.WARNING, logger="gdswriter"):
+        with create_fallback_engine(io_small_options(engine="auto")) as eng:
+            assert isinstance(eng, PosixEngine)
+            assert eng.info.name == "posix" and eng.info.reason == reason
+            roundtrip(eng, tmp_path / "p.bin", rand(100_000))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "gdswriter"]
+    assert any(reason in r.getMessage() and "POSIX" in r.getMessage() for r in warnings), caplog.text
+
+    # Asking for io_uring explicitly is an error that says what to do instead.
+    with pytest.raises(EngineUnavailableError) as ei:
+        IoUringEngine(io_small_options(engine="io_uring"))
+    assert isinstance(ei.value, OSError) and "GDSWRITER_ENGINE=posix" in str(ei.value)
+    with pytest.raises(EngineUnavailableError):
+        create_fallback_engine(io_small_options(engine="io_uring"))
+    with pytest.raises(EngineUnavailableError):
+        FaultInjectingEngine(io_small_options())
+
+
+# ---------------------------------------------------------------------------
+# EngineOptions validation
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [
+    dict(engine="gds-turbo"), dict(request_bytes=5000), dict(request_bytes=0), dict(num_buffers=1),
+    dict(buffer_bytes=100 * KiB, request_bytes=64 * KiB), dict(queue_depth=0), dict(queue_depth=5000),
+    dict(queue_depth=True), dict(queue_depth=2.0),
+])
+def test_engine_options_rejects(bad):
+    with pytest.raises(InvalidOptionError) as ei:
+        EngineOptions(**bad)
+    assert isinstance(ei.value, ValueError)
+    assert next(iter(bad)) in str(ei.value)
+
+
+def test_engine_options_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        EngineOptions("posix")  # type: ignore[misc]
+    o = EngineOptions()
+    with pytest.raises(Exception):
+        o.queue_depth = 3  # type: ignore[misc]
+
+
+def test_engine_options_from_env():
+    assert EngineOptions.from_env({}) == EngineOptions()
+    o = EngineOptions.from_env({"GDSWRITER_BUFFER_BYTES": "8M", "GDSWRITER_REQUEST_BYTES": "1MiB",
+                                "GDSWRITER_QUEUE_DEPTH": " 32 ", "GDSWRITER_DIRECT_IO": "0",
+                                "GDSWRITER_ENGINE": "posix", "GDSWRITER_NUM_BUFFERS": "2",
+                                "GDSWRITER_LOCK_MEMORY": "off"})
+    assert (o.buffer_bytes, o.request_bytes, o.queue_depth) == (8 * MiB, MiB, 32)
+    assert (o.direct_io, o.engine, o.num_buffers, o.lock_memory) == (False, "posix", 2, False)
+    assert EngineOptions.from_env({"GDSWRITER_BUFFER_BYTES": "1g", "GDSWRITER_REQUEST_BYTES": "4k"}).buffer_bytes == 1 << 30
+    # explicit overrides beat the environment
+    assert EngineOptions.from_env({"GDSWRITER_QUEUE_DEPTH": "8"}, queue_depth=4).queue_depth == 4
+
+
+@pytest.mark.parametrize("var,value", [("GDSWRITER_QUEUE_DEPTH", "abc"), ("GDSWRITER_BUFFER_BYTES", "8X"),
+                                       ("GDSWRITER_DIRECT_IO", "maybe"), ("GDSWRITER_ENGINE", "gds"),
+                                       ("GDSWRITER_REQUEST_BYTES", "5000")])
+def test_engine_options_from_env_rejects(var, value):
+    with pytest.raises(InvalidOptionError) as ei:
+        EngineOptions.from_env({var: value})
+    if var != "GDSWRITER_REQUEST_BYTES":
+        assert var in str(ei.value) or value in str(ei.value)
+
+
+def test_engine_options_from_process_environment(monkeypatch):
+    monkeypatch.setenv("GDSWRITER_QUEUE_DEPTH", "abc")
+    with pytest.raises(InvalidOptionError):
+        EngineOptions.from_env()
+    monkeypatch.setenv("GDSWRITER_QUEUE_DEPTH", "2")
+    monkeypatch.setenv("GDSWRITER_BUFFER_BYTES", "8M")
+    o = EngineOptions.from_env()
+    assert o.queue_depth == 2 and o.buffer_bytes == 8 * MiB

@@ -1,0 +1,224 @@
+"""The manifest format: frozen golden bytes, and a parser that only ever returns a
+Manifest or raises CorruptCheckpointError / UnsupportedFormatVersionError."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import types
+
+import crc32c
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+import _models as M
+import gdswriter.checkpointer as checkpointer_mod
+from gdswriter import CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, load_state
+from gdswriter.checkpointer import tensors_from_storages
+from gdswriter.format.manifest import (FORMAT_VERSION, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest,
+                                       StorageRecord, TensorRecord, _canonical)
+from gdswriter.format.state_codec import decode_state
+
+GOLDEN_MANIFEST = (
+    b'{"format":"gdswriter","version":[1,0],"step":42,"created_unix":1700000000.25,"metadata":{"note":"golden"},'
+    b'"files":[[0,"data-r0-f0.bin",12288]],'
+    b'"storages":[{"nbytes":24,"chunks":[[0,0,0,24,2258899752]]},{"nbytes":4,"chunks":[[0,4096,0,4,4092339023]]},'
+    b'{"nbytes":8,"chunks":[[0,8192,0,8,1987164046]]},{"nbytes":0,"chunks":[[0,12288,0,0,0]]}],'
+    b'"tensors":[{"name":"model/ids","storage":0,"byte_offset":0,"dtype":"int32","shape":[6],"stride":[1],'
+    b'"device":"cpu","kind":"tensor"},{"name":"model/ids_t","storage":0,"byte_offset":0,"dtype":"int32",'
+    b'"shape":[3,2],"stride":[1,3],"device":"cpu","kind":"tensor"},{"name":"model/half","storage":1,'
+    b'"byte_offset":0,"dtype":"float16","shape":[2],"stride":[1],"device":"cpu","kind":"tensor"},'
+    b'{"name":"model/step","storage":2,"byte_offset":0,"dtype":"int64","shape":[],"stride":[],"device":"cpu",'
+    b'"kind":"tensor"},{"name":"model/empty","storage":3,"byte_offset":0,"dtype":"float32","shape":[0],'
+    b'"stride":[1],"device":"cpu","kind":"tensor"}],'
+    b'"state":{"$dict":[["model",{"$dict":[["ids",{"$tensor":0}],["ids_t",{"$tensor":1}],["half",{"$tensor":2}],'
+    b'["step",{"$tensor":3}],["empty",{"$tensor":4}]]}],["extra",{"$dict":[["cfg",{"$dict":[["lr",0.5],'
+    b'["name","tiny"],["betas",{"$tuple":[0.9,0.99]}],["nan",{"$float":"nan"}]]}]]}]]},'
+    b'"manifest_crc32c":2413339291}\n')
+
+
+def _golden_state():
+    base = torch.arange(6, dtype=torch.int32)
+    model = {"ids": base, "ids_t": base.view(2, 3).t(), "half": torch.tensor([1.5, -2.0], dtype=torch.float16),
+             "step": torch.tensor(7), "empty": torch.zeros(0)}
+    extra = {"cfg": {"lr": 0.5, "name": "tiny", "betas": (0.9, 0.99), "nan": float("nan")}}
+    return model, extra
+
+
+def test_golden_manifest_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpointer_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.25))
+    model, extra = _golden_state()
+    with GDSCheckpointer(model, None, tmp_path, state=extra, options=M.small_options()) as ck:
+        ck.save(42, metadata={"note": "golden"})
+    step_dir = tmp_path / "step_000000000042"
+    assert (step_dir / MANIFEST_NAME).read_bytes() == GOLDEN_MANIFEST
+    assert (tmp_path / "latest").read_bytes() == b"42\n"
+
+    # the data file: each storage at a 4 KiB-aligned offset, zero padding between
+    data = (step_dir / "data-r0-f0.bin").read_bytes()
+    ids = torch.arange(6, dtype=torch.int32).numpy().tobytes()
+    half = torch.tensor([1.5, -2.0], dtype=torch.float16).numpy().tobytes()
+    step = torch.tensor(7).numpy().tobytes()
+    assert data == ids.ljust(4096, b"\0") + half.ljust(4096, b"\0") + step.ljust(4096, b"\0")
+    # the recorded checksums are plain crc32c of those bytes
+    assert [crc32c.crc32c(b) for b in (ids, half, step, b"")] == [2258899752, 4092339023, 1987164046, 0]
+    body = json.loads(GOLDEN_MANIFEST)
+    crc = body.pop("manifest_crc32c")
+    assert crc == crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def test_golden_manifest_parses_and_loads(tmp_path):
+    m = Manifest.from_json_bytes(GOLDEN_MANIFEST)
+    assert m.step == 42 and m.version == FORMAT_VERSION and m.created_unix == 1700000000.25
+    assert m.files == (FileRecord(0, "data-r0-f0.bin", 12288),)
+    assert m.storages[0] == StorageRecord(24, (ChunkRecord(0, 0, 0, 24, 2258899752),))
+    assert m.tensors[1] == TensorRecord("model/ids_t", 0, 0, "int32", (3, 2), (1, 3), "cpu", "tensor")
+    assert m.metadata == {"note": "golden"}
+    assert m.to_json_bytes() == GOLDEN_MANIFEST  # serialisation is a fixed point
+
+    # a reader today loads the frozen bytes (as if written by an older gdswriter)
+    d = tmp_path / "step_000000000042"
+    d.mkdir()
+    (d / MANIFEST_NAME).write_bytes(GOLDEN_MANIFEST)
+    ids = torch.arange(6, dtype=torch.int32).numpy().tobytes()
+    half = torch.tensor([1.5, -2.0], dtype=torch.float16).numpy().tobytes()
+    step = torch.tensor(7).numpy().tobytes()
+    (d / "data-r0-f0.bin").write_bytes(ids.ljust(4096, b"\0") + half.ljust(4096, b"\0") + step.ljust(4096, b"\0"))
+    s, state = load_state(tmp_path)
+    model, extra = _golden_state()
+    assert s == 42
+    for k, v in model.items():
+        assert torch.equal(state["model"][k], v) and state["model"][k].stride() == v.stride(), k
+    assert state["model"]["ids_t"].data_ptr() == state["model"]["ids"].data_ptr()
+    cfg = state["extra"]["cfg"]
+    assert cfg["betas"] == (0.9, 0.99) and math.isnan(cfg["nan"]) and cfg["lr"] == 0.5
+
+
+# ----------------------------------------------------------------------------- fuzz
+ALLOWED = (CorruptCheckpointError, UnsupportedFormatVersionError)
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12) | st.sampled_from(["gdswriter", "$tensor", "float32", "data-r0-f0.bin", "..", ""]),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(
+        st.sampled_from(["format", "version", "step", "files", "storages", "tensors", "state", "nbytes", "chunks",
+                         "name", "storage", "byte_offset", "dtype", "shape", "stride", "kind", "metadata",
+                         "created_unix", "manifest_crc32c", "$tensor", "$dict"]) | st.text(max_size=5),
+        children, max_size=6),
+    max_leaves=30)
+
+
+def parse(raw: bytes):
+    """from_json_bytes, then everything a load does with a manifest short of reading files."""
+    try:
+        m = Manifest.from_json_bytes(raw, where="fuzz")
+    except ALLOWED:
+        return None
+    assert isinstance(m, Manifest)
+    buffers = [torch.zeros(s.nbytes, dtype=torch.uint8) for s in m.storages]
+    try:
+        tensors = tensors_from_storages(m, buffers)
+        decode_state(m.state, tensors)
+    except CorruptCheckpointError:
+        pass
+    return m
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_fuzz_arbitrary_bytes(raw):
+    parse(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_fuzz_arbitrary_json(value):
+    parse(json.dumps(value).encode())
+    if isinstance(value, dict):  # also with the fields a real manifest has and a valid checksum
+        body = {"format": "gdswriter", "version": [1, 0], **value}
+        body.pop("manifest_crc32c", None)
+        body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+        parse(json.dumps(body).encode())
+
+
+def _paths(v, prefix=()):
+    yield prefix
+    if isinstance(v, dict):
+        for k, x in v.items():
+            yield from _paths(x, prefix + (k,))
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            yield from _paths(x, prefix + (i,))
+
+
+GOLDEN_BODY = json.loads(GOLDEN_MANIFEST)
+GOLDEN_PATHS = [p for p in _paths(GOLDEN_BODY) if p and p[0] != "manifest_crc32c"]
+
+interesting = st.one_of(json_values, st.integers(-3, 20000), st.sampled_from(
+    [-1, 0, 1, 3, 4095, 4096, 2 ** 31, 2 ** 63, 2 ** 64, 1e300, -0.0, True, None, "", [], {}, "bfloat16",
+     "bits8", "float128", "ndarray", "../x", [1, 0], [2, 0], [0, 9], [[0, 0, 0, 0, 0]]]))
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(GOLDEN_PATHS), st.sampled_from(["set", "delete"]), interesting),
+                min_size=1, max_size=4),
+       st.booleans())
+def test_fuzz_mutated_valid_manifest(mutations, fix_checksum):
+    body = copy.deepcopy(GOLDEN_BODY)
+    body.pop("manifest_crc32c")
+    for path, op, value in mutations:
+        parent = body
+        try:
+            for k in path[:-1]:
+                parent = parent[k]
+            if op == "delete" and isinstance(parent, dict):
+                del parent[path[-1]]
+            elif op == "delete" and isinstance(parent, list):
+                parent.pop(path[-1])
+            else:
+                parent[path[-1]] = value
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier mutation removed this path
+    try:
+        text = json.dumps(body, sort_keys=False, separators=(",", ":"), allow_nan=False)
+        canon = _canonical(body)
+    except ValueError:
+        assume(False)
+    crc = crc32c.crc32c(canon) if fix_checksum else crc32c.crc32c(canon) ^ 1
+    raw = (text[:-1] + f',"manifest_crc32c":{crc}}}').encode()
+    m = parse(raw)
+    if not fix_checksum:
+        assert m is None
+
+
+def test_unchanged_golden_parses_in_fuzz_harness():
+    assert parse(GOLDEN_MANIFEST) is not None
+
+
+def test_nan_and_non_json_values_rejected():
+    body = json.loads(GOLDEN_MANIFEST)
+    for bad in (b"NaN", b'{"format":"gdswriter","version":[1,0],"x":NaN}', b"\xff" * 10, b"1" * 5000):
+        with pytest.raises(CorruptCheckpointError):
+            Manifest.from_json_bytes(bad)
+    deep = b"[" * 100000 + b"]" * 100000
+    with pytest.raises(CorruptCheckpointError):
+        Manifest.from_json_bytes(deep)
+    assert body["format"] == "gdswriter"
+
+
+def test_version_checks():
+    body = json.loads(GOLDEN_MANIFEST)
+    body.pop("manifest_crc32c")
+    for version, err in (([2, 0], UnsupportedFormatVersionError), ([99, 5], UnsupportedFormatVersionError),
+                         ([1], CorruptCheckpointError), (["1", 0], CorruptCheckpointError),
+                         ([-1, 0], CorruptCheckpointError), ([True, 0], CorruptCheckpointError)):
+        b = dict(body, version=version)
+        b["manifest_crc32c"] = crc32c.crc32c(_canonical(b))
+        with pytest.raises(err):
+            Manifest.from_json_bytes(json.dumps(b).encode())
+    # a newer major is refused even if its checksum scheme changed (checked first)
+    b = dict(body, version=[2, 0], manifest_crc32c="sha256:...")
+    with pytest.raises(UnsupportedFormatVersionError):
+        Manifest.from_json_bytes(json.dumps(b).encode())
