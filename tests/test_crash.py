@@ -1,7 +1,7 @@
 """Crash safety: a saving process killed at any point leaves the root loadable.
 
 Two ways to die:
-* SIGKILL after random delays, a real process saving ~48 MiB steps in a loop;
+* SIGKILL after random delays, a real process saving 16-32 MiB steps in a loop;
 * os._exit(137) at the k-th rename / fsync / rmtree of the commit protocol, for every k
   (single and multi-root), so that every protocol point is hit deterministically.
 After each crash: opening a GDSCheckpointer removes every leftover, ``latest`` and
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import _models as M
 from gdswriter import GDSCheckpointer, load_state
@@ -118,36 +117,41 @@ def test_sigkill_at_random_points(tmp_path, n_roots, iterations, mib):
     options = M.small_options(keep_last=2, keep_every=4)
     base = M.crash_base(mib << 20)
     # measure one save so that the kills spread over the whole save (write, commit, retention)
-    probe = tmp_path / "probe"
+    probe = [tmp_path / f"probe{i}" for i in range(n_roots)]
     with GDSCheckpointer(M.crash_state(base), None, probe, options=options) as ck:
         ck.save(0, metadata={"gen": 0})
         t0 = time.monotonic()
         ck.save(1, metadata={"gen": 0})
         save_s = time.monotonic() - t0
     rng = random.Random(20240607 + n_roots)
-    # spread over [0, 3 saves): each stratum gets one random point, the first is 0 (die while
-    # opening and cleaning); the order is shuffled so that roots of every age are hit
-    delays = [(i + rng.random()) / iterations * 3 * save_s for i in range(iterations)]
-    delays[0] = 0.0
+    # Kill after `wait` completed saves (0, 1 or 2) plus a delay spread over [0, 1.5 saves):
+    # one random point per stratum, so that the writes, the commit and the retention of the
+    # next save are all hit; the first kill lands while the child opens and cleans the root.
+    delays = [(i + rng.random()) / iterations * 1.5 * save_s for i in range(iterations)]
     rng.shuffle(delays)
+    waits = [rng.choice((0, 1, 1, 2)) for _ in range(iterations)]
+    waits[1] = -1  # the second child dies while it opens the root (cleaning the first one's leftovers)
 
     ever: set[int] = set()
     prev_max = 0
     nxt = _spawn(roots, mib)
     saved_lines = 0
     try:
-        for it, delay in enumerate(delays):
+        for it, (wait, delay) in enumerate(zip(waits, delays)):
             child, nxt = nxt, None
             _expect(child, "IMPORTED")
             child.stdin.write("GO\n")
             child.stdin.flush()
-            _expect(child, "READY")
+            if wait >= 0:
+                _expect(child, "READY")
+            for _ in range(wait):
+                _expect(child, "SAVED")
             time.sleep(delay)
             os.kill(child.pid, signal.SIGKILL)
             child.wait(timeout=60)
             assert child.returncode == -signal.SIGKILL
             out = child.stdout.read()
-            saved_lines += out.count("SAVED")
+            saved_lines += max(wait, 0) + out.count("SAVED")
             if it + 1 < len(delays):
                 nxt = _spawn(roots, mib)  # imports while we check
             steps = check_root(roots, base, options)
@@ -177,8 +181,7 @@ DRIVER = textwrap.dedent("""
     import gdswriter.format.commit as C
     from gdswriter import GDSCheckpointer
 
-    out, n_roots = sys.argv[1], int(sys.argv[2])
-    SIZE = %d
+    out, n_roots, SIZE = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     base = M.crash_base(SIZE)
     opts = dict(keep_last=2, files_per_root=2)
     # (step, gen): a new step (and retention of step 1), the same step again, then another new one
@@ -242,7 +245,7 @@ DRIVER = textwrap.dedent("""
     for k in range(1, n + 1):
         codes[k] = run(k)
     print(json.dumps({"n": n, "codes": codes}))
-""" % DRIVER_BYTES)
+""")
 
 # committed-step sets a crash may leave, in the order the plan passes through them
 VALID = [{1, 2}, {1, 2, 3}, {2, 3}, {2}, {2, 3, 4}, {3, 4}]
@@ -250,7 +253,7 @@ VALID = [{1, 2}, {1, 2, 3}, {2, 3}, {2}, {2, 3, 4}, {3, 4}]
 
 @pytest.mark.parametrize("n_roots", [1, 2])
 def test_crash_at_every_protocol_point(tmp_path, n_roots):
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), str(n_roots)], env=ENV, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), str(n_roots), str(DRIVER_BYTES)], env=ENV, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-5000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -198,14 +198,12 @@ def test_unchanged_golden_parses_in_fuzz_harness():
 
 
 def test_nan_and_non_json_values_rejected():
-    body = json.loads(GOLDEN_MANIFEST)
     for bad in (b"NaN", b'{"format":"gdswriter","version":[1,0],"x":NaN}', b"\xff" * 10, b"1" * 5000):
         with pytest.raises(CorruptCheckpointError):
             Manifest.from_json_bytes(bad)
     deep = b"[" * 100000 + b"]" * 100000
     with pytest.raises(CorruptCheckpointError):
         Manifest.from_json_bytes(deep)
-    assert body["format"] == "gdswriter"
 
 
 def test_version_checks():
