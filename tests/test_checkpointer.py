@@ -444,7 +444,7 @@ def test_retention_deletes_only_after_the_newer_commit(tmp_path, monkeypatch):
 
         monkeypatch.setattr(ck.protocol, "delete_step", checked_delete)
         ck.save(2)
-        assert seen == [1] and ck.steps() == [2]
+        assert ck.steps() == [2] and seen == [1]  # steps() waits for the background retention
 
         # a failing save deletes nothing
         def boom(path, spans, **kw):
@@ -800,3 +800,28 @@ def test_ordered_dict_metadata_and_module_versions_roundtrip(tmp_path):
     assert isinstance(sd, collections.OrderedDict)
     assert sd._metadata == bn.state_dict()._metadata
     assert sd["num_batches_tracked"].dtype == torch.int64 and sd["num_batches_tracked"].item() == 1
+
+
+def test_load_reads_model_and_optimizer_state_in_place(tmp_path):
+    """A resumed optimizer that already has state is filled in place, like the model:
+    same tensors (same memory) afterwards, holding the saved values."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+    with ckpt(model, opt, tmp_path) as ck:
+        ck.save(1)
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()  # both now differ from step 1
+        model_ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
+        opt_ptrs = {(id(p), k): v.data_ptr() for p, st in opt.state.items() for k, v in st.items()}
+        ck.load(1)
+    for k, v in model.state_dict().items():
+        assert v.data_ptr() == model_ptrs[k] and torch.equal(v, saved_model[k]), k
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            assert v.data_ptr() == opt_ptrs[(id(p), k)], k
+            assert torch.equal(v, saved_opt[id(p)][k]), k
