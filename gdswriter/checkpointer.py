@@ -7,6 +7,7 @@ plan (planner/assign.py) -> engines write the files -> commit protocol
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -440,14 +441,15 @@ class GDSCheckpointer:
         self._raise_unreported()
         if metadata is not None:
             try:
-                import json
                 json.dumps(metadata, allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise UnsupportedObjectError("metadata", metadata, f"metadata must be plain JSON: {e}") from e
         snap = take_snapshot(self._collect(), step, copy=copy, metadata=metadata)
         handle = SaveHandle(step, self._executor.submit(self._write_and_commit, snap), self)
         with self._mutex:
-            self._handles = [h for h in self._handles if not (h.done() and h.reported)] + [handle]
+            # Keep only handles whose outcome someone may still need: running, or failed unreported.
+            self._handles = [h for h in self._handles
+                             if not h.done() or (not h.reported and h.exception() is not None)] + [handle]
         return handle
 
     def _targets(self) -> list[FileTarget]:
@@ -460,11 +462,11 @@ class GDSCheckpointer:
         pending: PendingCommit = self.protocol.begin(snap.step)
         try:
             crcs = self._write_files(plan, snap, pending, engines)
-            storages = []
-            for sid, ext in enumerate(snap.extents):
-                chunks = tuple(ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[c])
-                               for c in plan.chunks_of(sid))
-                storages.append(StorageRecord(ext.flat.numel(), chunks))
+            by_storage: dict[int, list[ChunkRecord]] = {}
+            for c in sorted((c for f in plan.files for c in f.chunks), key=lambda c: (c.storage, c.storage_offset)):
+                by_storage.setdefault(c.storage, []).append(
+                    ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[c]))
+            storages = [StorageRecord(ext.flat.numel(), tuple(by_storage[sid])) for sid, ext in enumerate(snap.extents)]
             files = tuple(FileRecord(f.target.root, f.target.name, f.size) for f in plan.files)
             manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
                                 state=snap.tree, created_unix=time.time(), metadata=snap.metadata)

@@ -61,10 +61,10 @@ class EngineOptions:
     """
 
     engine: str = "auto"
-    queue_depth: int = 16
+    queue_depth: int = 32
     request_bytes: int = 4 * MiB
     buffer_bytes: int = 16 * MiB
-    num_buffers: int = 4
+    num_buffers: int = 8
     direct_io: bool = True
     preallocate: bool = True
     register_buffers: bool = True
