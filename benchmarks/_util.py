@@ -22,6 +22,8 @@ from typing import Iterable
 import numpy as np
 import torch
 
+from gdswriter import pagecache
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALIGN = 4096
 DD_BLOCK = 8 * MiB  # the dd-style loop's buffer / request size
@@ -160,33 +162,15 @@ def iter_files(paths: Iterable[str | os.PathLike]) -> Iterable[str]:
             yield p
 
 
-def drop_caches() -> bool:
-    """Try `echo 1 > /proc/sys/vm/drop_caches` (needs root outside containers); False if refused."""
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
-
-
 def evict(*paths: str | os.PathLike) -> None:
     """Make the next read of these files (or every file under these directories) cold:
     flush each file, drop its pages with POSIX_FADV_DONTNEED, then try drop_caches."""
     for p in iter_files(paths):
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC)
+            pagecache.evict(p)
         except OSError:
             continue
-        try:
-            try:
-                os.fdatasync(fd)
-            except OSError:
-                pass
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    drop_caches()
+    pagecache.drop_caches()
 
 
 def remove(*paths: str | os.PathLike) -> None:

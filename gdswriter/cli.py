@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import crc32c as _crc32c
 
 from . import __version__
+from .pagecache import drop_caches, evict
 from .errors import (CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError, InvalidOptionError,
                      UnsupportedFormatVersionError, UnsupportedObjectError)
 from .format.commit import LATEST_NAME, OWNER_NAME, TMP_PREFIX, TRASH_PREFIX, CommitProtocol, parse_step_dir
@@ -577,27 +578,9 @@ def cmd_export(args) -> int:
 
 
 # ----------------------------------------------------------------------------- demo
-def _evict(path: str | os.PathLike) -> None:
-    """Drop ``path``'s pages from the page cache (clean pages only: call after fdatasync)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _drop_caches() -> bool:
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def _cold(path: str | os.PathLike, state: dict) -> None:
-    _evict(path)
-    state["dropped"] = _drop_caches() and state.get("dropped", True)
+    evict(path)
+    state["dropped"] = drop_caches() and state.get("dropped", True)
 
 
 def _mount_of(path: Path) -> str:
