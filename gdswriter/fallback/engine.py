@@ -395,6 +395,9 @@ class StagedEngine(IOEngine):
                     if c.pending == 0:  # wholly past EOF cannot happen (size checked); keep order anyway
                         done[next_submit] = c
                     next_submit += 1
+                # Hand the new requests to the kernel now, not at the next wait: the chunks
+                # drained below take CPU time that the device should spend reading.
+                self._backend.flush()
                 if next_drain not in done:
                     for c in self._complete(False, fd, path, reqs, 1):
                         done[by_id.pop(id(c))] = c
