@@ -299,10 +299,17 @@ def load_state(root: str | os.PathLike | Sequence[str | os.PathLike], step: int 
     protocol = CommitProtocol(_roots(root))
     step = protocol.require(step)
     manifest = read_manifest(protocol, step)
+    return step, decode_state(manifest.state, read_tensors(protocol, manifest, verify=verify,
+                                                           engine_options=engine_options))
+
+
+def read_tensors(protocol: CommitProtocol, manifest: Manifest, *, verify: bool = True,
+                 engine_options: EngineOptions | None = None) -> list[torch.Tensor]:
+    """Every tensor of ``manifest`` as a fresh CPU tensor (views of shared storages stay shared)."""
     buffers = [host_buffer(s.nbytes) for s in manifest.storages]
     with create_engine(engine_options) as engine:
         read_storages(protocol, manifest, buffers, [engine], verify=verify)
-    return step, decode_state(manifest.state, tensors_from_storages(manifest, buffers))
+    return tensors_from_storages(manifest, buffers)
 
 
 def _roots(root: Any) -> list[Path]:

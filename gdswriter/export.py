@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Iterator, Mapping, Sequence
 
 import torch
 
+from .engine import fsync_dir
 from .errors import GDSWriterError, InvalidOptionError
 
 # torch dtype -> safetensors dtype name. float4_e2m1fn_x2 is stored as "F4" with the last
@@ -110,7 +111,7 @@ def atomic_output(path: str | os.PathLike, *, overwrite: bool = False) -> Iterat
                 os.replace(tmp, path)
             else:
                 os.unlink(tmp)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         ok = True
     finally:
         if not f.closed:
@@ -118,14 +119,6 @@ def atomic_output(path: str | os.PathLike, *, overwrite: bool = False) -> Iterat
         if not ok:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -288,8 +281,7 @@ def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, 
     (checked to load with weights_only=True). fmt "safetensors": a flat {name: tensor}
     safetensors file of contiguous copies; non-tensor state goes nowhere except the
     step number and the checkpoint's metadata, stored in ``__metadata__``."""
-    from .checkpointer import read_manifest, read_storages, tensors_from_storages
-    from .engine import create_engine
+    from .checkpointer import read_manifest, read_tensors
     from .format.commit import CommitProtocol
     from .format.dtypes import dtype_from_name
     from .format.state_codec import decode_state
@@ -307,10 +299,7 @@ def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, 
     out = Path(os.fspath(out))
     if not overwrite and (out.exists() or out.is_symlink()):
         raise OutputExistsError(errno.EEXIST, f"{out} exists: pass --force to replace it")
-    buffers = [torch.empty(s.nbytes, dtype=torch.uint8) for s in manifest.storages]
-    with create_engine(engine_options) as engine:
-        read_storages(protocol, manifest, buffers, [engine], verify=verify)
-    tensors = tensors_from_storages(manifest, buffers)
+    tensors = read_tensors(protocol, manifest, verify=verify, engine_options=engine_options)
     flat, renamed = flat_tensors(manifest, tensors)
     if fmt == "torch":
         obj = decode_state(manifest.state, tensors) if nested else flat

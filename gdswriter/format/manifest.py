@@ -64,6 +64,13 @@ class TensorRecord:
     device: str = "cpu"  # where it lived at save time (informational)
     kind: str = "tensor"  # "tensor" or "ndarray"
 
+    def byte_extent(self) -> tuple[int, int]:
+        """[begin, end) bytes of its storage that this strided view touches (empty if numel is 0)."""
+        if not all(self.shape):
+            return self.byte_offset, self.byte_offset
+        last = sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        return self.byte_offset, self.byte_offset + (last + 1) * dtype_from_name(self.dtype).itemsize
+
 
 @dataclass(frozen=True)
 class Manifest:
@@ -162,15 +169,12 @@ class Manifest:
                                _str(t.get("kind", "tensor")))
             if rec.storage >= len(storages) or len(rec.shape) != len(rec.stride) or rec.kind not in ("tensor", "ndarray"):
                 raise bad(f"tensor {rec.name!r} has an invalid storage index, shape/stride or kind")
-            item = dtype_from_name(rec.dtype).itemsize
-            if rec.byte_offset % item:
+            if rec.byte_offset % dtype_from_name(rec.dtype).itemsize:
                 raise bad(f"tensor {rec.name!r} byte_offset {rec.byte_offset} is not a multiple of its item size")
             if any(x < 0 for x in rec.stride):
                 raise bad(f"tensor {rec.name!r} has a negative stride")
-            if all(rec.shape):  # numel > 0: the view must stay inside its storage
-                last = rec.byte_offset + (sum((n - 1) * s for n, s in zip(rec.shape, rec.stride)) + 1) * item
-                if last > storages[rec.storage].nbytes:
-                    raise bad(f"tensor {rec.name!r} reaches past the end of its storage")
+            if rec.byte_extent()[1] > storages[rec.storage].nbytes:
+                raise bad(f"tensor {rec.name!r} reaches past the end of its storage")
             tensors.append(rec)
         metadata = body.get("metadata", {})
         if not isinstance(metadata, dict):
