@@ -71,6 +71,27 @@ def bench_rounds() -> int:
     return r
 
 
+def bench_settle() -> float:
+    """Seconds to wait, after a sync, before each cold read (GDSWRITER_BENCH_SETTLE_S, default 5).
+    A virtual disk may still be flushing the write that just finished on the host side; a read
+    started at once pays for it, and the fastest writer pays the most."""
+    raw = os.environ.get("GDSWRITER_BENCH_SETTLE_S", "5")
+    try:
+        s = float(raw)
+    except ValueError:
+        raise ValueError(f"GDSWRITER_BENCH_SETTLE_S={raw!r} is not a number") from None
+    if s < 0:
+        raise ValueError(f"GDSWRITER_BENCH_SETTLE_S={raw!r} must be >= 0")
+    return s
+
+
+def settle(seconds: float) -> None:
+    """Sync, then wait ``seconds``: let the device finish earlier writes before a cold read."""
+    quiesce()
+    if seconds:
+        time.sleep(seconds)
+
+
 def bench_base_dir() -> Path:
     raw = os.environ.get("GDSWRITER_BENCH_DIR")
     return Path(raw).expanduser().resolve() if raw else BENCH_DIR_DEFAULT

@@ -16,7 +16,9 @@ timed region; state_dict() collection is inside it for every case):
                           sync_files=True)), single process, no process group
   safetensors.save_file   flat dict of model + optimizer tensors (param_groups as JSON metadata) + fsync
   gdswriter.save          GDSCheckpointer.save(step): durable and committed when it returns
-Load cases (every file of the checkpoint evicted from the page cache before each round):
+Load cases (before each round: sync, wait GDSWRITER_BENCH_SETTLE_S seconds (default 5) so that
+the device has finished the preceding writes, then evict every file of the checkpoint from the
+page cache):
   torch.load              torch.load(weights_only=True, mmap=False) + model/optimizer.load_state_dict
   dcp.load                dcp.load in place into {model, optimizer} state dicts + optimizer.load_state_dict
                           (reads the "dcp.save t4" checkpoint)
@@ -283,10 +285,12 @@ def test_load(benchmark, size, case, formats, trained, rounds):
     _, _, nbytes, canary = trained
     benchmark.group = f"checkpoint load {size}"
     save_case = "dcp4" if case == "dcp" else case
+    settle_s = _util.bench_settle()
     if not formats.exists(save_case):  # its save case was deselected or failed: make one, untimed
         formats.save(save_case)
 
     def setup():
+        _util.settle(settle_s)
         _util.evict(*formats.files(case))
         canary.spoil()
 
