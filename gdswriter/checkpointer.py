@@ -30,7 +30,7 @@ from .format.commit import CommitProtocol, PendingCommit, RootLock
 from .format.dtypes import dtype_from_name, dtype_to_name
 from .format.manifest import MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord, TensorRecord
 from .format.state_codec import decode_state, encode_state
-from .options import EngineOptions
+from .options import ALIGN, EngineOptions
 from .planner.assign import FileTarget, PlannedChunk, SavePlan, plan_save
 
 log = logging.getLogger("gdswriter")
@@ -140,6 +140,18 @@ def _tensor_names(tree: Any, n: int) -> tuple[list[str], list[str]]:
     return names, kinds
 
 
+def _host_copy(flat: torch.Tensor) -> torch.Tensor:
+    """A page-aligned host copy of flat uint8 ``flat`` (pinned when it lives on a GPU; the
+    caller synchronizes). Aligned, the engine writes it with no staging copy (zero-copy).
+    torch's copy_ splits the copy and its page faults across threads: 2.6-3.0 GB/s here
+    against 1.3 GB/s for a single-threaded memmove into freshly mapped pages."""
+    raw = torch.empty(flat.numel() + ALIGN, dtype=torch.uint8, pin_memory=flat.is_cuda)
+    start = (-raw.data_ptr()) % ALIGN
+    host = raw[start:start + flat.numel()]
+    host.copy_(flat, non_blocking=flat.is_cuda)
+    return host
+
+
 def take_snapshot(state: Any, step: int, *, copy: bool, metadata: dict | None = None) -> _Snapshot:
     """Encode ``state`` and group its tensors by storage. With ``copy`` the bytes are
     cloned to host memory so the caller may mutate its tensors once this returns."""
@@ -168,9 +180,7 @@ def take_snapshot(state: Any, step: int, *, copy: bool, metadata: dict | None = 
         flat = _flat_bytes(first.untyped_storage(), first.device, lo, hi - lo) if hi > lo else \
             torch.empty(0, dtype=torch.uint8)
         if copy and flat.numel():
-            host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=flat.is_cuda)
-            host.copy_(flat, non_blocking=flat.is_cuda)
-            flat = host
+            flat = _host_copy(flat)
         sid = len(extents)
         extents.append(_Extent(flat, names[members[0]]))
         for i, (start, _) in zip(members, spans):

@@ -58,6 +58,8 @@ class EngineOptions:
     preallocate: fallocate() the file before writing.
     register_buffers: register staging buffers with io_uring (READ/WRITE_FIXED).
     lock_memory: mlock() the staging buffers (page-locked; pinned for CUDA when available).
+    zero_copy: under O_DIRECT, move large spans in 4 KiB-aligned host memory straight between
+        the tensor and the file instead of through the staging buffers (half the CPU work).
     """
 
     engine: str = "auto"
@@ -69,6 +71,7 @@ class EngineOptions:
     preallocate: bool = True
     register_buffers: bool = True
     lock_memory: bool = True
+    zero_copy: bool = True
 
     _ENV = {
         "engine": "GDSWRITER_ENGINE",
@@ -80,6 +83,7 @@ class EngineOptions:
         "preallocate": "GDSWRITER_PREALLOCATE",
         "register_buffers": "GDSWRITER_REGISTER_BUFFERS",
         "lock_memory": "GDSWRITER_LOCK_MEMORY",
+        "zero_copy": "GDSWRITER_ZERO_COPY",
     }
 
     def __post_init__(self) -> None:

@@ -5,6 +5,12 @@ next staging buffer is filled (copy + crc32c) while earlier ones are in flight,
 so the CPU work and the device work overlap and thousands of small tensors
 become a few large requests. Reads run the same way in reverse. The backends
 differ only in how a request reaches the kernel.
+
+Zero-copy: a large span whose host memory and file offset are both 4 KiB-aligned
+(gdswriter's own read buffers and save_async snapshots are) skips the staging
+buffers under O_DIRECT: the kernel moves its aligned bytes straight between the
+tensor and the file, and only the crc32c pass touches them on the CPU. Its last
+partial block, if any, is staged like any small span.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ _crc = _crc32c.crc32c
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _MERGE_GAP = 1 << 20  # read through gaps smaller than this rather than issuing another request
+_DIRECT_MIN = 1 << 20  # smaller spans are cheaper to coalesce through the staging buffers
 
 
 def _align_up(n: int) -> int:
@@ -39,6 +46,21 @@ def _align_up(n: int) -> int:
 
 def _align_down(n: int) -> int:
     return n // ALIGN * ALIGN
+
+
+def _direct_length(t, file_off: int) -> int:
+    """How many leading bytes of span tensor ``t`` at ``file_off`` can move between the tensor
+    and an O_DIRECT file without staging: whole 4 KiB blocks of host memory, when the address
+    and the offset are both aligned and the span is large; else 0."""
+    if t.device.type != "cpu" or file_off % ALIGN or t.data_ptr() % ALIGN:
+        return 0
+    n = _align_down(t.numel())
+    return n if n >= _DIRECT_MIN else 0
+
+
+def _direct_buffer(t) -> StagingBuffer:
+    """Host tensor ``t`` (flat uint8, aligned) seen as an unregistered buffer the backends can use."""
+    return StagingBuffer(-1, t.data_ptr(), t.numel(), memoryview(t.numpy()), t)
 
 
 def _copy(dst, dst_off: int, src, src_off: int, n: int) -> None:
@@ -73,11 +95,12 @@ class _UringBackend:
         return self.ring.in_flight
 
     def submit(self, write: bool, fd: int, buf: StagingBuffer, start: int, length: int, file_off: int, tag: int):
-        if self.registered:
-            op = uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED
+        if self.registered and buf.index >= 0:  # index -1: a span's own memory (zero-copy)
+            self.ring.prep(uring.OP_WRITE_FIXED if write else uring.OP_READ_FIXED, fd, buf.address + start,
+                           length, file_off, tag, buf.index)
         else:
-            op = uring.OP_WRITE if write else uring.OP_READ
-        self.ring.prep(op, fd, buf.address + start, length, file_off, tag, buf.index)
+            self.ring.prep(uring.OP_WRITE if write else uring.OP_READ, fd, buf.address + start, length,
+                           file_off, tag)
 
     def flush(self) -> None:
         self.ring.enter(0)
@@ -142,12 +165,13 @@ class _Request:
 
 
 class _Chunk:
-    """A file range staged in one buffer; done when all its requests completed."""
+    """A file range in one buffer; done when all its requests completed. ``span`` >= 0: the
+    buffer is that span's own memory (zero-copy), else a staging buffer of the pool."""
 
-    __slots__ = ("file_off", "length", "buf", "pending")
+    __slots__ = ("file_off", "length", "buf", "pending", "span")
 
-    def __init__(self, file_off: int, length: int, buf: StagingBuffer):
-        self.file_off, self.length, self.buf, self.pending = file_off, length, buf, 0
+    def __init__(self, file_off: int, length: int, buf: StagingBuffer, span: int = -1):
+        self.file_off, self.length, self.buf, self.pending, self.span = file_off, length, buf, 0, span
 
 
 class StagedEngine(IOEngine):
@@ -306,16 +330,24 @@ class StagedEngine(IOEngine):
         crcs = [0] * len(spans)
         reqs: dict[int, _Request] = {}
         free = list(self._pool.buffers)
-        bufsize = self._pool.size
+        window = 2 * len(free)  # chunks in flight at most (zero-copy ones need no staging buffer)
+        outstanding = 0
         si = 0
         try:
-            for off in range(0, total, bufsize):
-                while not free:
-                    free.extend(c.buf for c in self._complete(True, fd, path, reqs, 1))
-                buf = free.pop()
-                n = min(bufsize, total - off)
-                si = self._fill(buf, off, n, spans, si, crcs)
-                self._queue_chunk(True, fd, _Chunk(off, n, buf), None, reqs)
+            for off, n, j in self._write_plan(spans, total, direct):
+                while outstanding >= window or (j < 0 and not free):
+                    finished = self._complete(True, fd, path, reqs, 1)
+                    outstanding -= len(finished)
+                    free.extend(c.buf for c in finished if c.span < 0)
+                if j >= 0:  # the span's own aligned bytes: checksum them, then write them as they are
+                    s = spans[j]
+                    buf = _direct_buffer(s.data[off - s.offset:off - s.offset + n])
+                    crcs[j] = _crc(buf.view, crcs[j])
+                else:
+                    buf = free.pop()
+                    si = self._fill(buf, off, n, spans, si, crcs)
+                self._queue_chunk(True, fd, _Chunk(off, n, buf, j), None, reqs)
+                outstanding += 1
                 self._backend.flush()
             while reqs:
                 self._complete(True, fd, path, reqs, 1)
@@ -323,6 +355,26 @@ class StagedEngine(IOEngine):
             self._drain()
             raise
         return crcs
+
+    def _write_plan(self, spans: Sequence[WriteSpan], total: int, direct: bool) -> list[tuple[int, int, int]]:
+        """The file [0, total) cut into buffer-sized pieces in file order: (file_off, length, span),
+        span >= 0 for a piece written straight from that span's memory, -1 for a staged one.
+        Under O_DIRECT every piece starts on a 4 KiB boundary."""
+        bufsize = self._pool.size
+        pieces: list[tuple[int, int, int]] = []
+
+        def cut(lo: int, hi: int, span: int) -> None:
+            pieces.extend((o, min(bufsize, hi - o), span) for o in range(lo, hi, bufsize))
+
+        pos = 0
+        for j, s in enumerate(spans if direct and self.options.zero_copy else ()):
+            d = _direct_length(s.data, s.offset)
+            if d:
+                cut(pos, s.offset, -1)
+                cut(s.offset, s.offset + d, j)
+                pos = s.offset + d
+        cut(pos, total, -1)
+        return pieces
 
     @staticmethod
     def _fill(buf: StagingBuffer, file_off: int, n: int, spans: Sequence[WriteSpan], si: int, crcs: list[int]) -> int:
@@ -362,34 +414,50 @@ class StagedEngine(IOEngine):
             finally:
                 os.close(fd)
 
-    def _read_chunks(self, spans: Sequence[ReadSpan], direct: bool) -> list[tuple[int, int]]:
-        """Merge the spans into aligned extents, then cut them into buffer-sized chunks."""
-        extents: list[list[int]] = []
-        for s in spans:
-            if s.out.numel() == 0:
+    def _read_chunks(self, spans: Sequence[ReadSpan], direct: bool) -> list[tuple[int, int, int]]:
+        """Merge the spans into aligned extents, then cut them into buffer-sized chunks in file
+        order: (file_off, length, span), span >= 0 for a chunk read straight into that span's
+        memory (zero-copy), -1 for one read through a staging buffer."""
+        extents: list[list[int]] = []  # [lo, hi, span]; only staged extents (span -1) merge
+        for j, s in enumerate(spans):
+            n = s.out.numel()
+            if n == 0:
                 continue
-            lo, hi = (_align_down(s.offset), _align_up(s.end)) if direct else (s.offset, s.end)
-            if extents and lo - extents[-1][1] < _MERGE_GAP:
+            d = _direct_length(s.out, s.offset) if direct and self.options.zero_copy else 0
+            if d:
+                extents.append([s.offset, s.offset + d, j])
+                if d == n:
+                    continue
+            lo = s.offset + d if d else (_align_down(s.offset) if direct else s.offset)
+            hi = _align_up(s.end) if direct else s.end
+            if extents and extents[-1][2] < 0 and lo - extents[-1][1] < _MERGE_GAP:
                 extents[-1][1] = max(extents[-1][1], hi)
             else:
-                extents.append([lo, hi])
+                extents.append([lo, hi, -1])
         bufsize = self._pool.size
-        return [(o, min(bufsize, hi - o)) for lo, hi in extents for o in range(lo, hi, bufsize)]
+        return [(o, min(bufsize, hi - o), j) for lo, hi, j in extents for o in range(lo, hi, bufsize)]
 
     def _read_fd(self, fd: int, path: str, spans: Sequence[ReadSpan], size: int, direct: bool) -> list[int]:
         chunks = self._read_chunks(spans, direct)
         crcs = [0] * len(spans)
         reqs: dict[int, _Request] = {}
         free = list(self._pool.buffers)
+        window = 2 * len(free)  # chunks read ahead of the one being drained
         done: dict[int, _Chunk] = {}
         by_id: dict[int, int] = {}
         next_submit = next_drain = 0
         si = 0
         try:
             while next_drain < len(chunks):
-                while free and next_submit < len(chunks):
-                    off, n = chunks[next_submit]
-                    c = _Chunk(off, n, free.pop())
+                while next_submit < len(chunks) and next_submit - next_drain < window:
+                    off, n, j = chunks[next_submit]
+                    if j >= 0:
+                        s = spans[j]
+                        c = _Chunk(off, n, _direct_buffer(s.out[off - s.offset:off - s.offset + n]), j)
+                    elif free:
+                        c = _Chunk(off, n, free.pop())
+                    else:
+                        break
                     by_id[id(c)] = next_submit
                     self._queue_chunk(False, fd, c, size, reqs)
                     if c.pending == 0:  # wholly past EOF cannot happen (size checked); keep order anyway
@@ -403,8 +471,11 @@ class StagedEngine(IOEngine):
                         done[by_id.pop(id(c))] = c
                 while next_drain in done:
                     c = done.pop(next_drain)
-                    si = self._drain_chunk(c, spans, si, crcs)
-                    free.append(c.buf)
+                    if c.span >= 0:  # read in place: only the checksum is left to do
+                        crcs[c.span] = _crc(c.buf.view, crcs[c.span])
+                    else:
+                        si = self._drain_chunk(c, spans, si, crcs)
+                        free.append(c.buf)
                     next_drain += 1
         except BaseException:
             self._drain()
