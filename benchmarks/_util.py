@@ -60,29 +60,27 @@ def bench_sizes() -> list[BenchSize]:
     return out
 
 
-def bench_rounds() -> int:
-    raw = os.environ.get("GDSWRITER_BENCH_ROUNDS", "3")
+def _env_number(name: str, default: str, kind, minimum, what: str):
+    """GDSWRITER_BENCH_* knob ``name`` parsed with ``kind`` (int/float), at least ``minimum``."""
+    raw = os.environ.get(name, default)
     try:
-        r = int(raw)
+        v = kind(raw)
     except ValueError:
-        raise ValueError(f"GDSWRITER_BENCH_ROUNDS={raw!r} is not an integer") from None
-    if r < 1:
-        raise ValueError(f"GDSWRITER_BENCH_ROUNDS={raw!r} must be >= 1")
-    return r
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
+    if v < minimum:
+        raise ValueError(f"{name}={raw!r} must be >= {minimum}")
+    return v
+
+
+def bench_rounds() -> int:
+    return _env_number("GDSWRITER_BENCH_ROUNDS", "3", int, 1, "an integer")
 
 
 def bench_settle() -> float:
     """Seconds to wait, after a sync, before each cold read (GDSWRITER_BENCH_SETTLE_S, default 5).
     A virtual disk may still be flushing the write that just finished on the host side; a read
     started at once pays for it, and the fastest writer pays the most."""
-    raw = os.environ.get("GDSWRITER_BENCH_SETTLE_S", "5")
-    try:
-        s = float(raw)
-    except ValueError:
-        raise ValueError(f"GDSWRITER_BENCH_SETTLE_S={raw!r} is not a number") from None
-    if s < 0:
-        raise ValueError(f"GDSWRITER_BENCH_SETTLE_S={raw!r} must be >= 0")
-    return s
+    return _env_number("GDSWRITER_BENCH_SETTLE_S", "5", float, 0, "a number")
 
 
 def settle(seconds: float) -> None:
