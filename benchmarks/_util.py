@@ -6,6 +6,7 @@ Bandwidth is reported in decimal GB/s (1 GB = 1e9 bytes) everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -143,6 +144,19 @@ def require_space(path: Path, need: int, what: str) -> None:
     if free < need:
         pytest.skip(f"{what}: needs {human(need)} free on {path}, only {human(free)} available "
                     f"(set GDSWRITER_BENCH_DIR to a bigger disk or use smaller GDSWRITER_BENCH_SIZES)")
+
+
+@contextlib.contextmanager
+def size_workdir(bench_root: Path, size: BenchSize, suite: str):
+    """``bench_root/<suite>-<size>``, made after checking there is disk for two files of
+    ``size`` (the one being read back and the next being written); removed afterwards."""
+    require_space(bench_root, 2 * size.nbytes + 256 * MiB, f"{suite} benchmark {size}")
+    d = bench_root / f"{suite}-{size.label}"
+    d.mkdir()
+    try:
+        yield d
+    finally:
+        remove(d)
 
 
 def require_memory(need: int, what: str) -> None:

@@ -131,12 +131,8 @@ class Canary:
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def workdir(bench_root, size):
-    # About one checkpoint on disk at a time, plus the next one being written.
-    _util.require_space(bench_root, 2 * size.nbytes + 256 * _util.MiB, f"checkpoint benchmark {size}")
-    d = bench_root / f"ckpt-{size.label}"
-    d.mkdir()
-    yield d
-    _util.remove(d)
+    with _util.size_workdir(bench_root, size, SUITE) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -55,12 +55,8 @@ def bench_sort_key(item):
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def workdir(bench_root, size):
-    # Peak on disk: the shared read file + one freshly written file.
-    _util.require_space(bench_root, 2 * size.nbytes + 256 * _util.MiB, f"engine benchmark {size}")
-    d = bench_root / f"engine-{size.label}"
-    d.mkdir()
-    yield d
-    _util.remove(d)
+    with _util.size_workdir(bench_root, size, SUITE) as d:
+        yield d
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +113,45 @@ def _poison(dst: torch.Tensor) -> None:
     dst[::4096].bitwise_not_()
 
 
+class _Transfer:
+    """One case's full write of ``data`` to ``path`` or read of ``path`` into ``data``."""
+
+    def __init__(self, kind: str, case: str, path, data: torch.Tensor, workdir, engines):
+        self.reported: list[float] = []  # fio's own bandwidth per round
+        self.crcs: list[int] = []  # the engine's crc32c of the last round
+        self.engine = None
+        self._buf = None
+        if case == "fio":
+            _fio_or_skip()
+            out_json = workdir / f"fio-{kind}.json"
+            self.run = lambda: self.reported.append(_util.fio_run(kind, path, data.numel(), out_json))
+        elif case == "dd":
+            self._buf = _util.AlignedBuffer()
+            loop = _util.dd_write if kind == "write" else _util.dd_read
+            self.run = lambda: loop(path, data, self._buf)
+        else:
+            self.engine = engines(case)
+            call = self.engine.write_file if kind == "write" else self.engine.read_file
+            spans = [(WriteSpan if kind == "write" else ReadSpan)(0, data)]
+
+            def run():
+                self.crcs[:] = call(path, spans)
+
+            self.run = run
+
+    def measure(self, benchmark, setup, rounds: int) -> RoundTimer:
+        timer = RoundTimer(self.run)
+        try:
+            benchmark.pedantic(timer, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
+        except _util.FioError as e:
+            pytest.skip(f"fio cannot run the io_uring reference here: {e}")
+        return timer
+
+    def close(self) -> None:
+        if self._buf is not None:
+            self._buf.close()
+
+
 # ----------------------------------------------------------------------------- write
 @pytest.mark.parametrize("case", list(CASES))
 def test_write(benchmark, size, case, workdir, source, engines, rounds):
@@ -124,48 +159,26 @@ def test_write(benchmark, size, case, workdir, source, engines, rounds):
     src, src_crc = source
     path = workdir / f"write-{case}.bin"
     benchmark.group = f"engine write {size}"
-    reported: list[float] = []
 
     def setup():
         _util.remove(path)
         _util.quiesce()
 
-    if case == "fio":
-        _fio_or_skip()
-        out_json = workdir / "fio-write.json"
-
-        def run():
-            reported.append(_util.fio_run("write", path, size.nbytes, out_json))
-    elif case == "dd":
-        buf = _util.AlignedBuffer()
-
-        def run():
-            _util.dd_write(path, src, buf)
-    else:
-        engine = engines(case)
-        crcs: list[int] = []
-
-        def run():
-            crcs[:] = engine.write_file(path, [WriteSpan(0, src)])
-
-    timer = RoundTimer(run)
+    transfer = _Transfer("write", case, path, src, workdir, engines)
     try:
-        try:
-            benchmark.pedantic(timer, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
-        except _util.FioError as e:
-            pytest.skip(f"fio cannot run the io_uring reference here: {e}")
+        timer = transfer.measure(benchmark, setup, rounds)
         assert os.path.getsize(path) == size.nbytes
-        if case in ("posix", "io_uring"):
-            assert crcs == [src_crc], "engine crc32c differs from the source's"
-            benchmark.extra_info["engine"] = engine.info.name
-            benchmark.extra_info["direct_io"] = engine.info.direct_io
-            benchmark.extra_info["registered_buffers"] = engine.info.registered_buffers
+        if transfer.engine is not None:
+            assert transfer.crcs == [src_crc], "engine crc32c differs from the source's"
+            info = transfer.engine.info
+            benchmark.extra_info["engine"] = info.name
+            benchmark.extra_info["direct_io"] = info.direct_io
+            benchmark.extra_info["registered_buffers"] = info.registered_buffers
         gbps = finish(benchmark, timer, suite=SUITE, kind="write", size=size, case=name, nbytes=size.nbytes,
-                      reported_bps=reported or None)
+                      reported_bps=transfer.reported or None)
         _ratios(benchmark, "write", size, name, gbps)
     finally:
-        if case == "dd":
-            buf.close()
+        transfer.close()
         _util.remove(path)
 
 
@@ -176,47 +189,24 @@ def test_read(benchmark, size, case, workdir, source, read_target, engines, roun
     src, src_crc = source
     path, dst = read_target
     benchmark.group = f"engine read {size}"
-    reported: list[float] = []
 
     def setup():
         _util.evict(path)
         if case != "fio":
             _poison(dst)
 
-    if case == "fio":
-        _fio_or_skip()
-        out_json = workdir / "fio-read.json"
-
-        def run():
-            reported.append(_util.fio_run("read", path, size.nbytes, out_json))
-    elif case == "dd":
-        buf = _util.AlignedBuffer()
-
-        def run():
-            _util.dd_read(path, dst, buf)
-    else:
-        engine = engines(case)
-        crcs: list[int] = []
-
-        def run():
-            crcs[:] = engine.read_file(path, [ReadSpan(0, dst)])
-
-    timer = RoundTimer(run)
+    transfer = _Transfer("read", case, path, dst, workdir, engines)
     try:
-        try:
-            benchmark.pedantic(timer, setup=setup, rounds=rounds, iterations=1, warmup_rounds=0)
-        except _util.FioError as e:
-            pytest.skip(f"fio cannot run the io_uring reference here: {e}")
+        timer = transfer.measure(benchmark, setup, rounds)
         if case != "fio":
             assert torch.equal(dst, src), f"{name} read back different bytes"
-        if case in ("posix", "io_uring"):
-            assert crcs == [src_crc], "engine crc32c differs from the source's"
+        if transfer.engine is not None:
+            assert transfer.crcs == [src_crc], "engine crc32c differs from the source's"
         gbps = finish(benchmark, timer, suite=SUITE, kind="read", size=size, case=name, nbytes=size.nbytes,
-                      reported_bps=reported or None)
+                      reported_bps=transfer.reported or None)
         _ratios(benchmark, "read", size, name, gbps)
     finally:
-        if case == "dd":
-            buf.close()
+        transfer.close()
 
 
 def _ratios(benchmark, kind, size, name, gbps) -> None:
