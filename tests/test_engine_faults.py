@@ -183,19 +183,22 @@ _CHILD = textwrap.dedent(r'''
 
     scenario("readonly", ro_mount, ro_body)
 
-    # -- full tmpfs (1 MiB) ---------------------------------------------------
-    def tmpfs_body(d):
-        out = {}
-        for kind, cls in (("io_uring", IoUringEngine), ("posix", PosixEngine)):
-            for prealloc in (True, False):
-                with cls(opts(preallocate=prealloc)) as eng:
-                    r = expect_error(eng, os.path.join(d, "big.bin"), 3 * MiB + 5)
-                    r["after"] = roundtrip(eng, os.path.join(d, "small.bin"), 100_000)
-                    out[f"{kind}-prealloc={prealloc}"] = r
-                os.unlink(os.path.join(d, "small.bin"))
-        return out
+    # -- a full file system: each engine, with and without fallocate, writes more than fits
+    def fill_up(big_bytes):
+        def body(d):
+            out = {}
+            for kind, cls in (("io_uring", IoUringEngine), ("posix", PosixEngine)):
+                for prealloc in (True, False):
+                    with cls(opts(preallocate=prealloc)) as eng:
+                        r = expect_error(eng, os.path.join(d, "big.bin"), big_bytes)
+                        r["after"] = roundtrip(eng, os.path.join(d, "small.bin"), 100_000)
+                        out[f"{kind}-prealloc={prealloc}"] = r
+                    os.unlink(os.path.join(d, "small.bin"))  # room for the next engine's attempt
+            return out
+        return body
 
-    scenario("tmpfs_full", lambda d: sh("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d), tmpfs_body)
+    # -- full tmpfs (1 MiB) ---------------------------------------------------
+    scenario("tmpfs_full", lambda d: sh("mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d), fill_up(3 * MiB + 5))
 
     # -- full ext4 on a loop device (O_DIRECT path) -----------------------------
     def ext4_mount(d):
@@ -207,17 +210,7 @@ _CHILD = textwrap.dedent(r'''
         sh("mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", img)
         sh("mount", "-o", "loop", img, d)
 
-    def ext4_body(d):
-        out = {}
-        for kind, cls in (("io_uring", IoUringEngine), ("posix", PosixEngine)):
-            for prealloc in (True, False):
-                with cls(opts(preallocate=prealloc)) as eng:
-                    r = expect_error(eng, os.path.join(d, "big.bin"), 24 * MiB + 5)
-                    r["after"] = roundtrip(eng, os.path.join(d, "small.bin"), 100_000)
-                    out[f"{kind}-prealloc={prealloc}"] = r
-        return out
-
-    scenario("ext4_full", ext4_mount, ext4_body)
+    scenario("ext4_full", ext4_mount, fill_up(24 * MiB + 5))
 
     # -- ramfs: no O_DIRECT at all ---------------------------------------------
     def ramfs_body(d):
