@@ -11,7 +11,6 @@ import errno
 import json
 import mmap
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -23,7 +22,9 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from gdswriter import pagecache
+from gdswriter import cli, pagecache
+from gdswriter.cli import human
+from gdswriter.errors import GDSWriterError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALIGN = 4096
@@ -42,14 +43,11 @@ class BenchSize:
 
 
 def parse_size(text: str) -> int:
-    """'64M' -> 67108864. Suffixes K, M, G, T (binary; an optional 'iB'/'B' is accepted)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot parse size {text!r}: use a number with an optional K/M/G/T suffix, e.g. 64M or 2G")
-    mult = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1 << 40}[m.group(2).lower()]
-    n = int(float(m.group(1)) * mult)
-    if n <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+    """'64M' -> 67108864, as the CLI reads sizes, rounded up to a multiple of 4 KiB."""
+    try:
+        n = cli.parse_size(text)
+    except GDSWriterError as e:
+        raise ValueError(str(e)) from e
     return -(-n // ALIGN) * ALIGN
 
 
@@ -94,13 +92,6 @@ def settle(seconds: float) -> None:
 def bench_base_dir() -> Path:
     raw = os.environ.get("GDSWRITER_BENCH_DIR")
     return Path(raw).expanduser().resolve() if raw else BENCH_DIR_DEFAULT
-
-
-def human(n: float) -> str:
-    for unit, div in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if n >= div:
-            return f"{n / div:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 # ----------------------------------------------------------------------------- environment checks
