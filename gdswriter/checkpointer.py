@@ -573,8 +573,9 @@ class GDSCheckpointer:
         manifest = read_manifest(self.protocol, step)
         verify = self.options.verify if verify is None else verify
         live = self._live_tensors()
-        direct = self._match_live(manifest, live, strict, self._live_optimizer_state())
-        live.update(self._live_optimizer_state())
+        optimizer_state = self._live_optimizer_state()
+        direct = self._match_live(manifest, live, strict, optimizer_state)
+        live.update(optimizer_state)
         buffers: list[torch.Tensor] = []
         for sid, s in enumerate(manifest.storages):
             buffers.append(direct[sid][1] if sid in direct else host_buffer(s.nbytes))
