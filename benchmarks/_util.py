@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from gdswriter import cli, pagecache
-from gdswriter.cli import human
+from gdswriter.cli import human, mem_available
 from gdswriter.errors import GDSWriterError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -115,17 +115,6 @@ def fs_type(path: Path) -> str:
 
 def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
-
-
-def mem_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * KiB
-    except OSError:
-        pass
-    return None
 
 
 def require_space(path: Path, need: int, what: str) -> None:

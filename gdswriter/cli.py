@@ -713,7 +713,7 @@ def cmd_demo(args) -> int:
             info = engine.info
             bad_w = sum(1 for a, b in zip(crcs, expect) if a != b)
             _cold(engine_file, cache)
-            avail = _mem_available()
+            avail = mem_available()
             dest_len = max(block, min(size, 1 * GiB, (avail // 4) // block * block if avail else GiB))
             dest = torch.zeros(dest_len, dtype=torch.uint8)  # touched: page faults are not the engine's time
             t_read, bad_r, bad_mem = 0.0, 0, 0
@@ -831,12 +831,13 @@ def _yn(b: bool) -> str:
     return "yes" if b else "no"
 
 
-def _mem_available() -> int:
+def mem_available() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where it cannot be read."""
     with contextlib.suppress(OSError, ValueError, IndexError):
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * KiB
-    return 0
+    return None
 
 
 # ----------------------------------------------------------------------------- parser and main
