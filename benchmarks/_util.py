@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import mmap
 import os
 import shutil
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +21,8 @@ import numpy as np
 import torch
 
 from gdswriter import cli, pagecache
-from gdswriter.cli import human, mem_available
+from gdswriter.cli import FioError, human, mem_available  # noqa: F401  (FioError: for the suites)
+from gdswriter.cli import fio_bandwidth as fio_run  # noqa: F401  (bytes/s of one fio job)
 from gdswriter.errors import GDSWriterError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -281,38 +280,8 @@ def dd_read(path: str | os.PathLike, dst: torch.Tensor, buf: AlignedBuffer) -> N
 
 
 # ----------------------------------------------------------------------------- fio
-FIO_COMMON = ["--bs=4M", "--iodepth=16", "--ioengine=io_uring", "--direct=1", "--numjobs=1"]
-
-
 def fio_path() -> str | None:
     return shutil.which("fio")
-
-
-def fio_run(kind: str, path: str | os.PathLike, nbytes: int, out_json: str | os.PathLike) -> float:
-    """Run one fio sequential job; return fio's own bandwidth (bytes/s) from its JSON output.
-    write: --rw=write --end_fsync=1 (new file); read: --rw=read --readonly (existing file)."""
-    fio = fio_path()
-    assert fio, "fio is not installed"
-    fname = os.fspath(path).replace(":", "\\:")
-    cmd = [fio, "--name=gdswriter-ref", f"--filename={fname}", f"--rw={kind}", f"--size={nbytes}",
-           *FIO_COMMON, "--output-format=json", f"--output={os.fspath(out_json)}"]
-    cmd += ["--end_fsync=1"] if kind == "write" else ["--readonly"]
-    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if p.returncode != 0:
-        raise FioError(f"fio exited {p.returncode}: {(p.stderr or p.stdout).strip()[-600:]}\ncommand: {' '.join(cmd)}")
-    text = Path(out_json).read_text()
-    data = json.loads(text[text.index("{"):])
-    job = data["jobs"][0]
-    if job.get("error"):
-        raise FioError(f"fio job error {job['error']}: command: {' '.join(cmd)}")
-    bw = float(job[kind]["bw_bytes"])
-    if bw <= 0:
-        raise FioError(f"fio reported no {kind} bandwidth: command: {' '.join(cmd)}")
-    return bw
-
-
-class FioError(RuntimeError):
-    pass
 
 
 # ----------------------------------------------------------------------------- results

@@ -116,15 +116,14 @@ def _poison(dst: torch.Tensor) -> None:
 class _Transfer:
     """One case's full write of ``data`` to ``path`` or read of ``path`` into ``data``."""
 
-    def __init__(self, kind: str, case: str, path, data: torch.Tensor, workdir, engines):
+    def __init__(self, kind: str, case: str, path, data: torch.Tensor, engines):
         self.reported: list[float] = []  # fio's own bandwidth per round
         self.crcs: list[int] = []  # the engine's crc32c of the last round
         self.engine = None
         self._buf = None
         if case == "fio":
             _fio_or_skip()
-            out_json = workdir / f"fio-{kind}.json"
-            self.run = lambda: self.reported.append(_util.fio_run(kind, path, data.numel(), out_json))
+            self.run = lambda: self.reported.append(_util.fio_run(kind, path, data.numel()))
         elif case == "dd":
             self._buf = _util.AlignedBuffer()
             loop = _util.dd_write if kind == "write" else _util.dd_read
@@ -164,7 +163,7 @@ def test_write(benchmark, size, case, workdir, source, engines, rounds):
         _util.remove(path)
         _util.quiesce()
 
-    transfer = _Transfer("write", case, path, src, workdir, engines)
+    transfer = _Transfer("write", case, path, src, engines)
     try:
         timer = transfer.measure(benchmark, setup, rounds)
         assert os.path.getsize(path) == size.nbytes
@@ -195,7 +194,7 @@ def test_read(benchmark, size, case, workdir, source, read_target, engines, roun
         if case != "fio":
             _poison(dst)
 
-    transfer = _Transfer("read", case, path, dst, workdir, engines)
+    transfer = _Transfer("read", case, path, dst, engines)
     try:
         timer = transfer.measure(benchmark, setup, rounds)
         if case != "fio":

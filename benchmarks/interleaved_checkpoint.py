@@ -104,13 +104,13 @@ def main() -> None:
 
 def run_fio(work: Path, nbytes: int, settle_s: float, save: list[float], load: list[float]) -> None:
     """The device's own durable write and cold read bandwidth for ``nbytes``, in GB/s."""
-    path, out = work / "fio.bin", work / "fio.json"
+    path = work / "fio.bin"
     _util.quiesce()
-    save.append(_util.fio_run("write", path, nbytes, out) / 1e9)
+    save.append(_util.fio_run("write", path, nbytes) / 1e9)
     _util.settle(settle_s)
     _util.evict(path)
-    load.append(_util.fio_run("read", path, nbytes, out) / 1e9)
-    _util.remove(path, out)
+    load.append(_util.fio_run("read", path, nbytes) / 1e9)
+    _util.remove(path)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,8 @@ permitted).
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -26,17 +24,12 @@ from pathlib import Path
 import torch
 
 from gdswriter import ReadSpan, WriteSpan, create_engine
-from gdswriter.cli import parse_size
+from gdswriter.cli import fio_bandwidth, parse_size
 from gdswriter.pagecache import drop_caches, evict
 
 
 def fio(rw: str, path: Path, size: int) -> float:
-    args = ["fio", "--name=ref", f"--filename={path}", f"--rw={rw}", "--bs=4M", f"--size={size}", "--direct=1",
-            "--ioengine=io_uring", "--iodepth=16", "--output-format=json"]
-    if rw == "write":
-        args.append("--end_fsync=1")
-    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    return json.loads(out)["jobs"][0][rw]["bw_bytes"] / 1e9
+    return fio_bandwidth(rw, path, size) / 1e9
 
 
 def cold(path: Path) -> None:

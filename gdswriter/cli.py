@@ -633,32 +633,37 @@ def _raw_reference(path: Path, size: int, pattern: memoryview, cache: dict) -> t
             os.unlink(path)
 
 
-def _fio(path: Path, size: int, cache: dict) -> tuple[float, float]:
-    """fio io_uring, O_DIRECT, 4 MiB blocks, queue depth 16: (write B/s, read B/s)."""
-    common = ["fio", "--name=gdswriter-demo", f"--filename={path}", f"--size={size}", "--bs=4M", "--iodepth=16",
-              "--direct=1", "--ioengine=io_uring", "--output-format=json"]
-    timeout = max(120.0, size / 20e6)
+class FioError(RuntimeError):
+    """fio ran but gave no bandwidth (it failed, or its job reported an error)."""
 
-    def run(extra: list[str], kind: str) -> float:
-        p = subprocess.run(common + extra, capture_output=True, text=True, timeout=timeout)
-        text = p.stdout[p.stdout.find("{"):] if "{" in p.stdout else ""
-        try:
-            job = json.loads(text)["jobs"][0]
-            if job.get("error"):
-                raise ValueError(f"error {job['error']}")
-            bw = float(job[kind]["bw_bytes"])
-            if bw <= 0:
-                raise ValueError("no bandwidth reported")
-            return bw
-        except (ValueError, KeyError, IndexError) as e:
-            why = (p.stderr.strip().splitlines() or [str(e)])[-1]
-            raise RuntimeError(f"fio {kind} failed: {why}") from None
 
+def fio_bandwidth(kind: str, path: str | os.PathLike, nbytes: int, *, timeout: float | None = None) -> float:
+    """fio's own bandwidth (bytes/s) for one sequential job on ``path``: io_uring, O_DIRECT,
+    4 MiB blocks, queue depth 16. write: a new file, --end_fsync=1 (durable); read: --readonly."""
+    cmd = ["fio", "--name=gdswriter-ref", f"--filename={os.fspath(path).replace(':', chr(92) + ':')}",
+           f"--rw={kind}", f"--size={nbytes}", "--bs=4M", "--iodepth=16", "--ioengine=io_uring", "--direct=1",
+           "--numjobs=1", "--output-format=json", "--end_fsync=1" if kind == "write" else "--readonly"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     try:
-        w = run(["--rw=write", "--end_fsync=1"], "write")
+        job = json.loads(p.stdout[p.stdout.index("{"):])["jobs"][0]
+        if job.get("error"):
+            raise ValueError(f"job error {job['error']}")
+        bw = float(job[kind]["bw_bytes"])
+        if bw <= 0:
+            raise ValueError(f"no {kind} bandwidth reported")
+        return bw
+    except (ValueError, KeyError, IndexError) as e:
+        why = (p.stderr.strip().splitlines() or [str(e)])[-1]
+        raise FioError(f"fio {kind} failed (exit {p.returncode}): {why}\ncommand: {' '.join(cmd)}") from None
+
+
+def _fio(path: Path, size: int, cache: dict) -> tuple[float, float]:
+    """fio's durable write, then its cold read, of ``size`` bytes: (write B/s, read B/s)."""
+    timeout = max(120.0, size / 20e6)
+    try:
+        w = fio_bandwidth("write", path, size, timeout=timeout)
         _cold(path, cache)
-        r = run(["--rw=read"], "read")
-        return w, r
+        return w, fio_bandwidth("read", path, size, timeout=timeout)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(path)
