@@ -108,6 +108,7 @@ def pytest_report_header(config):
         base = _util.bench_base_dir()
         probe = base if base.exists() else base.parent
         return (f"gdswriter benchmarks: sizes={sizes} rounds={_util.bench_rounds()} dir={base} "
-                f"({_util.fs_type(probe) or '?'}), fio={_util.fio_path() or 'not installed'}")
+                f"({_util.fs_type(probe) or '?'}), fio={_util.fio_path() or 'not installed'}; "
+                f"{_util.torch_cpu_placement()}")
     except Exception as e:  # a bad environment variable is reported by the tests themselves
         return f"gdswriter benchmarks: {e}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import errno
 import json
+import logging
 import os
 import pickle
 import random
@@ -26,6 +27,7 @@ from gdswriter import (CheckpointLockedError, CheckpointNotFoundError, CorruptCh
                        GDSCheckpointer, GDSWriterError, InvalidOptionError, StateMismatchError,
                        UnsupportedObjectError, load_state)
 from gdswriter.checkpointer import CheckpointOptions
+from gdswriter.options import EngineOptions
 from gdswriter.format.commit import step_dir_name
 from gdswriter.format.dtypes import all_dtypes
 from gdswriter.format.manifest import MANIFEST_NAME
@@ -862,3 +864,74 @@ def test_async_snapshot_and_fresh_buffers_skip_the_staging_copy(tmp_path, monkey
     if direct:  # exp_avg/exp_avg_sq of the weight (2 x 2 MiB+) were read into fresh aligned buffers
         assert written < nbytes // 4, f"the snapshot went through the staging buffers ({written} of {nbytes} bytes)"
         assert sum(copied) < nbytes * 2 // 3, f"fresh optimizer state was staged ({sum(copied)} of {nbytes} bytes)"
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_unaligned_live_tensors_get_a_one_time_hint(tmp_path, caplog, io_fresh_log_once, direct_io):
+    """torch's default CPU allocator puts a large tensor 64 bytes into a page, so save and
+    in-place load stage it; from 64 MiB on gdswriter says once how to align it. Not without
+    O_DIRECT: there every byte is staged anyway."""
+    model = nn.Linear(4096, 4096)  # 64 MiB of fp32 weight
+    if model.weight.data_ptr() % 4096 == 0:
+        pytest.skip("torch placed the weight on a page boundary (THP_MEM_ALLOC_ENABLE set?)")
+    options = CheckpointOptions(engine=EngineOptions(direct_io=direct_io))
+    with caplog.at_level(logging.WARNING, logger="gdswriter"), \
+            GDSCheckpointer(model, None, root=tmp_path, options=options) as ck:
+        ck.save(1)
+        ck.save(2)
+        ck.load(2)
+        direct = ck.engine_info.direct_io
+    hints = [r.getMessage() for r in caplog.records if "THP_MEM_ALLOC_ENABLE=1" in r.getMessage()]
+    if direct:
+        assert len(hints) == 1, caplog.text
+        assert "64 MiB of live CPU tensors are not 4 KiB-aligned" in hints[0]
+    else:
+        assert hints == []
+
+
+def test_small_unaligned_state_gets_no_hint(tmp_path, caplog, io_fresh_log_once):
+    model = nn.Linear(1024, 1024)  # 4 MiB: staging it costs little
+    with caplog.at_level(logging.WARNING, logger="gdswriter"), GDSCheckpointer(model, None, root=tmp_path) as ck:
+        ck.save(1)
+        ck.load(1)
+    assert "THP_MEM_ALLOC_ENABLE" not in caplog.text
+
+
+_THP_SCRIPT = r"""
+import sys, torch
+from torch import nn
+import gdswriter.fallback.engine as staged
+from gdswriter import GDSCheckpointer
+
+model = nn.Linear(1024, 1024)  # 4 MiB weight
+assert model.weight.data_ptr() % 4096 == 0, "THP_MEM_ALLOC_ENABLE=1 did not page-align the weight"
+want = {k: v.clone() for k, v in model.state_dict().items()}
+copied = []
+real_copy = staged._copy
+staged._copy = lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k))
+with GDSCheckpointer(model, None, root=sys.argv[1]) as ck:
+    ck.save(1)
+    written = sum(copied)
+    with torch.no_grad():
+        model.weight.zero_()
+    copied.clear()
+    ck.load(1)
+    direct = ck.engine_info.direct_io
+for k, v in want.items():
+    assert torch.equal(model.state_dict()[k], v), k
+print("direct", direct, "staged", written, sum(copied))
+"""
+
+
+def test_page_aligned_live_tensors_skip_the_staging_copy(tmp_path):
+    """What the hint promises: with THP_MEM_ALLOC_ENABLE=1 torch page-aligns the weight and
+    save / in-place load move it without the staging copy (only the 4 KiB bias is staged)."""
+    env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
+    proc = subprocess.run([sys.executable, "-c", _THP_SCRIPT, str(tmp_path / "ck")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    _, direct, _, written, read = proc.stdout.split()
+    if direct == "True":
+        assert int(written) <= 64 * 1024 and int(read) <= 64 * 1024, proc.stdout
+    else:
+        assert int(written) >= 4 << 20, proc.stdout  # buffered I/O: everything is staged

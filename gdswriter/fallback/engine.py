@@ -37,7 +37,7 @@ _crc = _crc32c.crc32c
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _MERGE_GAP = 1 << 20  # read through gaps smaller than this rather than issuing another request
-_DIRECT_MIN = 1 << 20  # smaller spans are cheaper to coalesce through the staging buffers
+ZERO_COPY_MIN = 1 << 20  # smaller spans are cheaper to coalesce through the staging buffers
 
 
 def _align_up(n: int) -> int:
@@ -55,7 +55,7 @@ def _direct_length(t, file_off: int) -> int:
     if t.device.type != "cpu" or file_off % ALIGN or t.data_ptr() % ALIGN:
         return 0
     n = _align_down(t.numel())
-    return n if n >= _DIRECT_MIN else 0
+    return n if n >= ZERO_COPY_MIN else 0
 
 
 def _direct_buffer(t) -> StagingBuffer:
