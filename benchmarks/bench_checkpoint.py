@@ -28,6 +28,7 @@ page cache):
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -142,6 +143,7 @@ def trained(size, workdir):
     model, opt = build_state(size.nbytes)
     yield model, opt, state_bytes(model, opt), Canary(model, opt)
     del model, opt
+    gc.collect()  # free this size's state now: the next size needs the RAM
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ engine computes crc32c of every byte; that is part of its cost.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import crc32c
@@ -66,6 +67,7 @@ def source(size):
     src = _util.random_tensor(size.nbytes, seed=1)
     yield src, crc32c.crc32c(src.numpy())
     del src
+    gc.collect()  # free the size's bytes now, not at some later collection: the next size needs the RAM
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,7 @@ def read_target(workdir, source, size):
     dst = torch.zeros(size.nbytes, dtype=torch.uint8)
     yield path, dst
     del dst
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +152,7 @@ class _Transfer:
     def close(self) -> None:
         if self._buf is not None:
             self._buf.close()
+        self.run = None  # the closure refers to self (and to the size's tensors): break the cycle
 
 
 # ----------------------------------------------------------------------------- write
