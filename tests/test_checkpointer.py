@@ -27,10 +27,10 @@ from gdswriter import (CheckpointLockedError, CheckpointNotFoundError, CorruptCh
                        GDSCheckpointer, GDSWriterError, InvalidOptionError, StateMismatchError,
                        UnsupportedObjectError, load_state)
 from gdswriter.checkpointer import CheckpointOptions
-from gdswriter.options import EngineOptions
 from gdswriter.format.commit import step_dir_name
 from gdswriter.format.dtypes import all_dtypes
 from gdswriter.format.manifest import MANIFEST_NAME
+from gdswriter.options import EngineOptions
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
