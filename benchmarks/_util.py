@@ -142,9 +142,9 @@ def torch_cpu_placement() -> str:
     """Where torch's CPU allocator puts a large tensor: gdswriter moves page-aligned live
     tensors without the staging copy (THP_MEM_ALLOC_ENABLE=1 makes torch page-align them)."""
     probe = torch.empty(4 * MiB, dtype=torch.uint8)
-    if probe.data_ptr() % 4096 == 0:
+    if probe.data_ptr() % ALIGN == 0:
         return "torch CPU tensors page-aligned (THP_MEM_ALLOC_ENABLE=1): live state moves zero-copy"
-    return (f"torch CPU tensors {probe.data_ptr() % 4096} B into a page (default allocator): live state is staged; "
+    return (f"torch CPU tensors {probe.data_ptr() % ALIGN} B into a page (default allocator): live state is staged; "
             f"THP_MEM_ALLOC_ENABLE=1 aligns it")
 
 

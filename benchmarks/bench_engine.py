@@ -124,20 +124,23 @@ class _Transfer:
         self.crcs: list[int] = []  # the engine's crc32c of the last round
         self.engine = None
         self._buf = None
+        # The closures capture locals, never self: a self-referencing cycle would keep the
+        # size's tensors alive until some later garbage collection.
+        reported, crcs = self.reported, self.crcs
         if case == "fio":
             _fio_or_skip()
-            self.run = lambda: self.reported.append(_util.fio_run(kind, path, data.numel()))
+            self.run = lambda: reported.append(_util.fio_run(kind, path, data.numel()))
         elif case == "dd":
-            self._buf = _util.AlignedBuffer()
+            buf = self._buf = _util.AlignedBuffer()
             loop = _util.dd_write if kind == "write" else _util.dd_read
-            self.run = lambda: loop(path, data, self._buf)
+            self.run = lambda: loop(path, data, buf)
         else:
             self.engine = engines(case)
             call = self.engine.write_file if kind == "write" else self.engine.read_file
             spans = [(WriteSpan if kind == "write" else ReadSpan)(0, data)]
 
             def run():
-                self.crcs[:] = call(path, spans)
+                crcs[:] = call(path, spans)
 
             self.run = run
 
@@ -152,7 +155,6 @@ class _Transfer:
     def close(self) -> None:
         if self._buf is not None:
             self._buf.close()
-        self.run = None  # the closure refers to self (and to the size's tensors): break the cycle
 
 
 # ----------------------------------------------------------------------------- write
