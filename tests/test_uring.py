@@ -14,6 +14,7 @@ from gdswriter.fallback import uring
 from gdswriter.fallback.buffers import AlignedBufferPool
 from gdswriter.fallback.engine import IoUringEngine
 from gdswriter.options import KiB, MiB
+from test_engine_contract import host_tensor
 
 _why = uring.probe()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"io_uring unavailable: {_why}")
@@ -202,10 +203,12 @@ def test_engine_keeps_more_requests_than_ring_entries_in_its_backlog(tmp_path, m
             seen.append(ring.in_flight)
 
         monkeypatch.setattr(ring, "prep", prep)
-        data = torch.randint(0, 256, (2 * MiB + 5,), dtype=torch.uint8)  # 33 requests of 64 KiB
+        # 33 requests of 64 KiB, in memory 64 bytes into a page (as torch places large tensors),
+        # so every byte is staged: a page-aligned tensor would go zero-copy, past the staging bound.
+        data = host_tensor(2 * MiB + 5, "aligned+64", gen=torch.Generator().manual_seed(0))
         path = tmp_path / "deep.bin"
         eng.write_file(path, [WriteSpan(0, data)])
-        out = torch.empty_like(data)
+        out = host_tensor(data.numel(), "aligned+64", fill=0)
         eng.read_file(path, [ReadSpan(0, out)])
         assert torch.equal(out, data)
         assert len(seen) >= 2 * 33
