@@ -737,7 +737,9 @@ def cmd_demo(args) -> int:
             engine_file.unlink()
         ok = not (bad_w or bad_r or bad_mem)
 
-        _out(f"engine      {info.name}: direct I/O {_yn(info.direct_io)}, registered buffers "
+        direct = (f"yes ({info.direct_memory_alignment}-byte aligned memory goes zero-copy)"
+                  if info.direct_io else "no")
+        _out(f"engine      {info.name}: direct I/O {direct}, registered buffers "
              f"{_yn(info.registered_buffers)}, page-locked {_yn(info.page_locked)}"
              + (f"; fallback reason: {info.reason}" if info.reason else ""))
 

@@ -63,6 +63,9 @@ class EngineInfo:
     registered_buffers: bool
     page_locked: bool
     reason: str = ""  # why this engine was chosen over a faster one, if so
+    # Host-memory alignment that direct I/O needed on the last file (statx; 4096 when the
+    # kernel does not say; 0 without direct I/O). Tensors this aligned skip the staging copy.
+    direct_memory_alignment: int = 0
 
 
 class IOEngine(abc.ABC):

@@ -317,6 +317,75 @@ def test_o_direct_refused_falls_back_to_buffered(backend, tmp_path, monkeypatch,
     assert any("O_DIRECT" in rec.getMessage() for rec in caplog.records)
 
 
+def _direct_pwrite(path, memory_misalign: int, file_off: int) -> int:
+    """O_DIRECT pwrite of 4 KiB from memory ``memory_misalign`` bytes into a page, at ``file_off``:
+    0 when the kernel takes it, else the errno."""
+    raw = torch.zeros(3 * 4096, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % 4096 + memory_misalign
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        assert os.pwrite(fd, memoryview(raw[start:start + 4096].numpy()), file_off) == 4096
+        return 0
+    except OSError as e:
+        return e.errno
+    finally:
+        os.close(fd)
+
+
+def test_statx_direct_io_alignment_agrees_with_the_kernel(tmp_path):
+    """What direct_io_alignment reads from statx is what O_DIRECT really accepts: memory and
+    offsets at the reported alignment pass, at half of it EINVAL."""
+    from gdswriter.fallback.dio import direct_io_alignment
+
+    path = tmp_path / "dio.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        need = direct_io_alignment(fd)
+    finally:
+        os.close(fd)
+    if need is None:
+        pytest.skip("this kernel or file system does not report STATX_DIOALIGN")
+    for a in (need.memory, need.offset):
+        assert a & (a - 1) == 0 and a <= 4096, need
+    assert _direct_pwrite(path, need.memory % 4096, need.offset) == 0
+    if need.memory > 1:
+        assert _direct_pwrite(path, need.memory // 2, 0) == errno.EINVAL
+    if need.offset > 1:
+        assert _direct_pwrite(path, 0, need.offset // 2) == errno.EINVAL
+
+
+@pytest.mark.parametrize("reported", ["none", "8K offsets", "8K memory", "512 memory"])
+def test_statx_report_decides_direct_io_and_zero_copy(backend, tmp_path, monkeypatch, io_small_options,
+                                                      io_fresh_log_once, caplog, reported):
+    """The file system's report (faked here: no local file system needs more than 4 KiB) decides:
+    nothing said -> O_DIRECT with 4 KiB-aligned zero-copy; more than 4 KiB needed -> buffered I/O
+    with a warning (gdswriter aligns to 4 KiB); less -> zero-copy from memory that aligned."""
+    from gdswriter.fallback.dio import DirectIOAlignment
+
+    fake = {"none": None, "8K offsets": DirectIOAlignment(512, 8192), "8K memory": DirectIOAlignment(8192, 512),
+            "512 memory": DirectIOAlignment(512, 512)}[reported]
+    monkeypatch.setattr(engine_mod, "direct_io_alignment", lambda fd: fake)
+    copied = []
+    real_copy = engine_mod._copy
+    monkeypatch.setattr(engine_mod, "_copy", lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k)))
+    def at_512(t):  # 512 bytes into a page
+        return t[512 + (-t.data_ptr()) % 4096:][:3 * MiB + 5]
+
+    data, out = at_512(rand(3 * MiB + 2 * 4096)), at_512(torch.zeros(3 * MiB + 2 * 4096, dtype=torch.uint8))
+    with caplog.at_level(logging.WARNING, logger="gdswriter"):
+        with plain_engine(backend, io_small_options()) as eng:
+            assert eng.write_file(tmp_path / "r.bin", [WriteSpan(0, data)]) == [crc(data)]
+            assert eng.read_file(tmp_path / "r.bin", [ReadSpan(0, out)]) == [crc(data)]
+            info = eng.info
+    assert torch.equal(out, data)
+    buffered = reported.startswith("8K")
+    assert info.direct_io is not buffered
+    assert info.direct_memory_alignment == {"none": 4096, "512 memory": 512}.get(reported, 0)
+    assert any("more than the 4 KiB" in r.getMessage() for r in caplog.records) is buffered
+    # the write and the read each stage everything, or only the 5-byte tail
+    assert sum(copied) == (2 * 5 if reported == "512 memory" else 2 * data.numel())
+
+
 def test_dev_shm_round_trips(backend, io_small_options):
     """tmpfs: refuses O_DIRECT before Linux 6.6, accepts it since; either way the data round-trips."""
     if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
