@@ -138,14 +138,39 @@ def size_workdir(bench_root: Path, size: BenchSize, suite: str):
         remove(d)
 
 
-def torch_cpu_placement() -> str:
-    """Where torch's CPU allocator puts a large tensor: gdswriter moves page-aligned live
-    tensors without the staging copy (THP_MEM_ALLOC_ENABLE=1 makes torch page-align them)."""
+def direct_memory_alignment(directory: Path) -> int:
+    """The host-memory alignment O_DIRECT needs on a file in ``directory``, as gdswriter's engine
+    sees it (statx; 4096 when unreported); 0 when the file system refuses O_DIRECT."""
+    from gdswriter.fallback.dio import direct_io_alignment
+
+    path = Path(directory) / f".align-probe-{os.getpid()}"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        return 0
+    try:
+        need = direct_io_alignment(fd)
+        return need.memory if need else ALIGN
+    finally:
+        os.close(fd)
+        path.unlink()
+
+
+def torch_cpu_placement(directory: Path) -> str:
+    """Where torch's CPU allocator puts a large tensor, and whether gdswriter can therefore move
+    live CPU state without the staging copy on ``directory`` (THP_MEM_ALLOC_ENABLE=1 makes torch
+    page-align large tensors; NVMe takes torch's default placement as it is)."""
     probe = torch.empty(4 * MiB, dtype=torch.uint8)
-    if probe.data_ptr() % ALIGN == 0:
-        return "torch CPU tensors page-aligned (THP_MEM_ALLOC_ENABLE=1): live state moves zero-copy"
-    return (f"torch CPU tensors {probe.data_ptr() % ALIGN} B into a page (default allocator): live state is staged; "
-            f"THP_MEM_ALLOC_ENABLE=1 aligns it")
+    where = probe.data_ptr() % ALIGN
+    placed = ("page-aligned (THP_MEM_ALLOC_ENABLE=1)" if where == 0
+              else f"{where} B into a page (default allocator)")
+    need = direct_memory_alignment(directory)
+    if not need:
+        return f"torch CPU tensors {placed}; no O_DIRECT on {directory}: everything is staged"
+    if probe.data_ptr() % need == 0:
+        return f"torch CPU tensors {placed}; O_DIRECT needs {need} B here: live state moves zero-copy"
+    return (f"torch CPU tensors {placed}; O_DIRECT needs {need} B here: live state is staged "
+            f"(THP_MEM_ALLOC_ENABLE=1 aligns it)")
 
 
 def require_memory(need: int, what: str) -> None:

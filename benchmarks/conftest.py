@@ -109,6 +109,6 @@ def pytest_report_header(config):
         probe = base if base.exists() else base.parent
         return (f"gdswriter benchmarks: sizes={sizes} rounds={_util.bench_rounds()} dir={base} "
                 f"({_util.fs_type(probe) or '?'}), fio={_util.fio_path() or 'not installed'}; "
-                f"{_util.torch_cpu_placement()}")
+                f"{_util.torch_cpu_placement(probe)}")
     except Exception as e:  # a bad environment variable is reported by the tests themselves
         return f"gdswriter benchmarks: {e}"

@@ -83,7 +83,7 @@ def main() -> None:
     med = {c: (statistics.median(save[c]), statistics.median(load[c])) for c in cases}
     print(f"{nbytes / 1e9:.2f} GB of model + AdamW state, {a.rounds} interleaved rounds, settle {a.settle:g} s, "
           f"GB/s (median)")
-    print(f"  {_util.torch_cpu_placement()}")
+    print(f"  {_util.torch_cpu_placement(Path(a.dir))}")
     print(f"  {'case':24s} {'save':>6s} {'load':>6s}   rounds save | load")
     for c, (s, l) in med.items():
         print(f"  {cases[c][0]:24s} {s:6.2f} {l:6.2f}   {' '.join(f'{x:.2f}' for x in save[c])} | "

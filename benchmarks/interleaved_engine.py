@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,16 +26,13 @@ import torch
 
 from gdswriter import ReadSpan, WriteSpan, create_engine
 from gdswriter.cli import fio_bandwidth, parse_size
-from gdswriter.pagecache import drop_caches, evict
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _util  # noqa: E402
 
 
 def fio(rw: str, path: Path, size: int) -> float:
     return fio_bandwidth(rw, path, size) / 1e9
-
-
-def cold(path: Path) -> None:
-    evict(path)
-    drop_caches()
 
 
 def main() -> None:
@@ -59,9 +57,9 @@ def main() -> None:
                 t = time.perf_counter()
                 engine.write_file(work / "engine.bin", [WriteSpan(0, src)])
                 results["engine write"].append(n / (time.perf_counter() - t) / 1e9)
-                cold(work / "fio.bin")
+                _util.evict(work / "fio.bin")
                 results["fio read"].append(fio("read", work / "fio.bin", n))
-                cold(work / "engine.bin")
+                _util.evict(work / "engine.bin")
                 t = time.perf_counter()
                 engine.read_file(work / "engine.bin", [ReadSpan(0, out)])
                 results["engine read"].append(n / (time.perf_counter() - t) / 1e9)

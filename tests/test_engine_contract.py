@@ -410,6 +410,7 @@ def test_zero_copy_taken_only_where_it_can_be(make_engine, tmp_path, gen, monkey
     out = host_tensor(n, memory, fill=0)
     eng.read_file(path, [ReadSpan(0, out)])
     assert torch.equal(out, spans[0].data)
+
     def staged_expected(t):
         taken = zero_copy and uses_direct(make_engine.kind) and kernel_takes_direct_io_from(t, tmp_path)
         return 123 if taken else n
