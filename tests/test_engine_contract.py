@@ -373,20 +373,26 @@ def test_large_spans_in_every_memory_kind(make_engine, tmp_path, gen, memory):
             assert torch.equal(w.data, r.out), f"{out_kind}: span at {w.offset} read back wrong"
 
 
-def kernel_takes_direct_io_from(t: torch.Tensor, directory) -> bool:
-    """Ask the kernel itself, not statx: does an O_DIRECT write from memory that sits where
-    ``t`` does within its page succeed on a file in ``directory``?"""
+def direct_pwrite_errno(path, memory_misalign: int, file_off: int = 0) -> int:
+    """Ask the kernel itself, not statx: O_DIRECT pwrite of 4 KiB from memory ``memory_misalign``
+    bytes into a page, at ``file_off`` of ``path``. 0 when it is taken, else the errno."""
     raw = torch.zeros(3 * ALIGN, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % ALIGN + t.data_ptr() % ALIGN
-    fd = os.open(directory / "probe.bin", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    start = (-raw.data_ptr()) % ALIGN + memory_misalign
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
     try:
-        os.pwrite(fd, memoryview(raw[start:start + ALIGN].numpy()), 0)
-        return True
+        assert os.pwrite(fd, memoryview(raw[start:start + ALIGN].numpy()), file_off) == ALIGN
+        return 0
     except OSError as e:
-        assert e.errno == errno.EINVAL, e
-        return False
+        return e.errno
     finally:
         os.close(fd)
+
+
+def kernel_takes_direct_io_from(t: torch.Tensor, directory) -> bool:
+    """Does O_DIRECT take memory that sits where ``t`` does within its page, in ``directory``?"""
+    err = direct_pwrite_errno(directory / "probe.bin", t.data_ptr() % ALIGN)
+    assert err in (0, errno.EINVAL), os.strerror(err)
+    return err == 0
 
 
 @pytest.mark.parametrize("zero_copy", [True, False])

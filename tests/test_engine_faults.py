@@ -317,25 +317,11 @@ def test_o_direct_refused_falls_back_to_buffered(backend, tmp_path, monkeypatch,
     assert any("O_DIRECT" in rec.getMessage() for rec in caplog.records)
 
 
-def _direct_pwrite(path, memory_misalign: int, file_off: int) -> int:
-    """O_DIRECT pwrite of 4 KiB from memory ``memory_misalign`` bytes into a page, at ``file_off``:
-    0 when the kernel takes it, else the errno."""
-    raw = torch.zeros(3 * 4096, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % 4096 + memory_misalign
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    try:
-        assert os.pwrite(fd, memoryview(raw[start:start + 4096].numpy()), file_off) == 4096
-        return 0
-    except OSError as e:
-        return e.errno
-    finally:
-        os.close(fd)
-
-
 def test_statx_direct_io_alignment_agrees_with_the_kernel(tmp_path):
     """What direct_io_alignment reads from statx is what O_DIRECT really accepts: memory and
     offsets at the reported alignment pass, at half of it EINVAL."""
     from gdswriter.fallback.dio import direct_io_alignment
+    from test_engine_contract import direct_pwrite_errno
 
     path = tmp_path / "dio.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
@@ -347,11 +333,11 @@ def test_statx_direct_io_alignment_agrees_with_the_kernel(tmp_path):
         pytest.skip("this kernel or file system does not report STATX_DIOALIGN")
     for a in (need.memory, need.offset):
         assert a & (a - 1) == 0 and a <= 4096, need
-    assert _direct_pwrite(path, need.memory % 4096, need.offset) == 0
+    assert direct_pwrite_errno(path, need.memory % 4096, need.offset) == 0
     if need.memory > 1:
-        assert _direct_pwrite(path, need.memory // 2, 0) == errno.EINVAL
+        assert direct_pwrite_errno(path, need.memory // 2, 0) == errno.EINVAL
     if need.offset > 1:
-        assert _direct_pwrite(path, 0, need.offset // 2) == errno.EINVAL
+        assert direct_pwrite_errno(path, 0, need.offset // 2) == errno.EINVAL
 
 
 @pytest.mark.parametrize("reported", ["none", "8K offsets", "8K memory", "512 memory"])
