@@ -139,21 +139,19 @@ def size_workdir(bench_root: Path, size: BenchSize, suite: str):
 
 
 def direct_memory_alignment(directory: Path) -> int:
-    """The host-memory alignment O_DIRECT needs on a file in ``directory``, as gdswriter's engine
-    sees it (statx; 4096 when unreported); 0 when the file system refuses O_DIRECT."""
-    from gdswriter.fallback.dio import direct_io_alignment
+    """The host-memory alignment below which gdswriter's engine (GDSWRITER_* settings) stages
+    data on a file in ``directory``; 0 when it uses buffered I/O there. Asked of the engine
+    itself, through one tiny write."""
+    from gdswriter import EngineOptions, WriteSpan, create_engine
 
     path = Path(directory) / f".align-probe-{os.getpid()}"
+    options = EngineOptions.from_env(request_bytes=64 * KiB, buffer_bytes=64 * KiB, num_buffers=2)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    except OSError:
-        return 0
-    try:
-        need = direct_io_alignment(fd)
-        return need.memory if need else ALIGN
+        with create_engine(options) as engine:
+            engine.write_file(path, [WriteSpan(0, torch.zeros(1, dtype=torch.uint8))], durable=False)
+            return engine.info.direct_memory_alignment
     finally:
-        os.close(fd)
-        path.unlink()
+        path.unlink(missing_ok=True)
 
 
 def torch_cpu_placement(directory: Path) -> str:
@@ -166,7 +164,7 @@ def torch_cpu_placement(directory: Path) -> str:
               else f"{where} B into a page (default allocator)")
     need = direct_memory_alignment(directory)
     if not need:
-        return f"torch CPU tensors {placed}; no O_DIRECT on {directory}: everything is staged"
+        return f"torch CPU tensors {placed}; the engine uses buffered I/O on {directory}: everything is staged"
     if probe.data_ptr() % need == 0:
         return f"torch CPU tensors {placed}; O_DIRECT needs {need} B here: live state moves zero-copy"
     return (f"torch CPU tensors {placed}; O_DIRECT needs {need} B here: live state is staged "

@@ -214,8 +214,7 @@ class StagedEngine(IOEngine):
             self._pool.close()
             raise
         self._reason = reason
-        self._last_direct = o.direct_io
-        self._last_memory_alignment = ALIGN if o.direct_io else 0
+        self._last_memory_alignment = ALIGN if o.direct_io else 0  # 0: the last file was buffered
         self._lock = threading.Lock()
         self._tags = 0
         self._backlog: deque = deque()
@@ -225,8 +224,8 @@ class StagedEngine(IOEngine):
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(self.name, self._last_direct, self._backend.registered, self._pool.locked, self._reason,
-                          self._last_memory_alignment)
+        return EngineInfo(self.name, self._last_memory_alignment > 0, self._backend.registered, self._pool.locked,
+                          self._reason, self._last_memory_alignment)
 
     def _check_open(self) -> None:
         if self._backend is None:
@@ -272,7 +271,6 @@ class StagedEngine(IOEngine):
     def _opened(self, path: str, flags: int) -> tuple[int, int]:
         """_open, remembering for ``info`` how the file was opened."""
         fd, memory_alignment = self._open(path, flags)
-        self._last_direct = memory_alignment > 0
         self._last_memory_alignment = memory_alignment
         return fd, memory_alignment
 
