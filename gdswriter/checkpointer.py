@@ -44,7 +44,8 @@ _STORAGE_ALIGN = 16  # extents start at a multiple of the largest item size, so 
 class CheckpointOptions:
     """What a GDSCheckpointer keeps and checks.
 
-    keep_last: keep only the newest N committed steps (None: keep all).
+    keep_last: keep only the newest N committed steps (None: keep all). Steps above the one
+        just saved (left by a rolled-back run) are never deleted by retention.
     keep_every: additionally keep every step divisible by K (e.g. 1000).
     save_rng: save torch (CPU and CUDA), Python and numpy RNG state; load restores it.
     verify: check every chunk's crc32c on load (cheap: computed while bytes stream).
@@ -69,12 +70,15 @@ class CheckpointOptions:
         if not isinstance(self.engine, EngineOptions):
             raise InvalidOptionError("engine must be an EngineOptions instance")
 
-    def retained(self, steps: Sequence[int]) -> set[int]:
-        """Which of the committed ``steps`` the retention policy keeps."""
+    def retained(self, steps: Sequence[int], newest: int) -> set[int]:
+        """Which of the committed ``steps`` the retention policy keeps, ``newest`` having just
+        been committed. Steps above ``newest`` are left by a run that was rolled back (resumed
+        from an older step): they are kept, and not counted, so that the rolled-back run's
+        own steps are not deleted to make room for them."""
         if self.keep_last is None:
             return set(steps)
-        ordered = sorted(steps)
-        keep = set(ordered[-self.keep_last:])
+        ordered = sorted(s for s in steps if s <= newest)
+        keep = set(ordered[-self.keep_last:]) | {newest} | {s for s in steps if s > newest}
         if self.keep_every:
             keep.update(s for s in ordered if s % self.keep_every == 0)
         return keep
@@ -547,7 +551,7 @@ class GDSCheckpointer:
         """Delete committed steps the policy no longer keeps (never ``newest``). A failure
         here loses nothing: it is logged and the step is retried after the next save."""
         steps = self.protocol.committed_steps()
-        keep = self.options.retained(steps) | {newest}
+        keep = self.options.retained(steps, newest)
         for s in steps:
             if s not in keep:
                 try:

@@ -432,6 +432,21 @@ def test_retention_keep_last_only(tmp_path):
         assert ck.steps() == [12, 15, 18]
 
 
+def test_retention_after_a_rollback_keeps_the_abandoned_steps_and_the_new_ones(tmp_path):
+    # Run A saved 0..20 by 5; run B resumed from step 15 and saves 16, 17, 18. Retention
+    # must not delete B's steps to make room for A's 15 and 20, nor delete A's steps.
+    with ckpt({"w": torch.zeros(4)}, None, tmp_path, keep_last=2) as ck:
+        for s in (0, 5, 10, 15, 20):
+            ck.save(s)
+        assert ck.steps() == [15, 20]
+        ck.load(15)
+        for s in (16, 17, 18):
+            ck.save(s)
+            assert ck.latest_step() == s
+        assert ck.steps() == [17, 18, 20]
+        assert load_state(tmp_path)[0] == 18
+
+
 def test_retention_deletes_only_after_the_newer_commit(tmp_path, monkeypatch):
     with ckpt({"w": torch.zeros(4)}, None, tmp_path, keep_last=1) as ck:
         ck.save(1)
