@@ -93,6 +93,55 @@ def test_recommit_same_step_replaces(tmp_path):
     assert not [n for r in rs for n in os.listdir(r) if n.startswith(".")]
 
 
+def test_exchange_paths_swaps_two_directories(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    (a / "x").write_text("from a")
+    (b / "y").write_text("from b")
+    assert commit_mod.exchange_paths(a, b)  # ext4, tmpfs, xfs, btrfs all support it
+    assert os.listdir(a) == ["y"] and os.listdir(b) == ["x"]
+    with pytest.raises(FileNotFoundError):
+        commit_mod.exchange_paths(a, tmp_path / "missing")
+
+
+def test_resave_on_one_root_is_one_swap_and_a_crash_keeps_old_or_new(tmp_path, monkeypatch):
+    (r,) = roots_in(tmp_path)
+    p = CommitProtocol([r])
+    do_commit(p, 5, "old")
+    seen = []
+
+    def crash_after_swap(path, *a, **kw):  # the deletion of the old step is cut short
+        seen.append(sorted(os.listdir(r)))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commit_mod.shutil, "rmtree", crash_after_swap)
+    with pytest.raises(KeyboardInterrupt):
+        do_commit(p, 5, "new")
+    monkeypatch.undo()
+    # At the moment the old step was to be deleted, step 5 was never missing: it is the new one,
+    # and the old one waits under a temporary name for the next writer to remove it.
+    (names,) = seen
+    assert step_dir_name(5) in names and any(n.startswith(".tmp-step_000000000005-") for n in names)
+    assert p.committed_steps() == [5]
+    assert (r / step_dir_name(5) / MANIFEST_NAME).read_text() == '{"tag":"new","step":5}'
+    (old,) = [r / n for n in os.listdir(r) if n.startswith(".tmp-step_")]
+    assert (old / MANIFEST_NAME).read_text() == '{"tag":"old","step":5}'
+    assert p.clean_leftovers() == [old]
+    assert p.committed_steps() == [5] and (r / step_dir_name(5) / "data-0.bin").read_text() == "new:5:0"
+
+
+def test_resave_on_one_root_without_exchange_falls_back_to_uncommit_first(tmp_path, monkeypatch):
+    (r,) = roots_in(tmp_path)
+    p = CommitProtocol([r])
+    do_commit(p, 5, "old")
+    monkeypatch.setattr(commit_mod, "exchange_paths", lambda a, b: False)  # e.g. a file system without it
+    do_commit(p, 5, "new")
+    assert p.committed_steps() == [5]
+    assert (r / step_dir_name(5) / MANIFEST_NAME).read_text() == '{"tag":"new","step":5}'
+    assert not [n for n in os.listdir(r) if n.startswith(".")]
+
+
 def test_delete_step_every_root(tmp_path):
     rs = roots_in(tmp_path, 3)
     p = CommitProtocol(rs)

@@ -13,21 +13,29 @@ Protocol for step S:
  1. every root gets ``.tmp-step_S-<token>``; the engine writes and fdatasyncs the data files there;
  2. each temporary directory is fsynced (secondary ones also name their primary root, so that
     cleaning never touches directories another primary wrote);
- 3. secondary roots: rename the temporary directory to ``step_S``, fsync the root (an older
+ 3. primary: write manifest.json into the temporary directory (fsync), fsync the directory;
+ 4. secondary roots: rename the temporary directory to ``step_S``, fsync the root (an older
     ``step_S`` is first un-committed on the primary; one written for another primary is refused);
- 4. primary: write manifest.json (fsync), fsync the directory, rename to ``step_S``, fsync the root.
-    This rename is the commit point;
- 5. rewrite ``latest`` (temp file, fsync, rename, fsync the root).
+ 5. primary: rename the temporary directory to ``step_S``, fsync the root. This rename is the
+    commit point;
+ 6. rewrite ``latest`` (temp file, fsync, rename, fsync the root).
 
-A crash before 4 leaves the previous steps untouched and leftovers that
+A crash before 5 leaves the other steps untouched and leftovers that
 :meth:`CommitProtocol.clean_leftovers` removes: temporaries, trash, and
 secondary ``step_S`` directories whose primary has no manifest. A crash between
-4 and 5 leaves ``latest`` at the previous complete step; readers that find
+5 and 6 leaves ``latest`` at the previous complete step; readers that find
 ``latest`` stale still see the new step in :meth:`committed_steps`.
+
+Re-saving a committed step S on a single root swaps the new directory with the old one in
+one ``renameat2(RENAME_EXCHANGE)`` (the commit point), so a crash leaves either the old or
+the new S committed, never neither. With several roots, or where the file system cannot
+exchange, the old S is un-committed first (step 4), and a crash in between leaves the steps
+before S.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -83,6 +91,25 @@ def _atomic_write(path: Path, data: bytes) -> None:
         except OSError:
             pass
         raise EngineIOError(e.errno or errno.EIO, path, 0, "write") from e
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def exchange_paths(a: Path, b: Path) -> bool:
+    """Atomically swap two existing directory entries (renameat2 RENAME_EXCHANGE). False when
+    the C library or the file system cannot; any other failure raises OSError."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    e = ctypes.get_errno()
+    if e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(e, os.strerror(e), str(a), None, str(b))
 
 
 class RootLock:
@@ -146,18 +173,24 @@ class PendingCommit:
                     raise EngineIOError(errno.EEXIST, root / final, 0, "commit",
                                         f"it holds step {self.step} of another checkpoint (not written for primary "
                                         f"root {p.identity}); give each checkpoint its own directory on every root")
-            # Re-saving a committed step: un-commit the old one (primary first, as delete_step
-            # does) before its secondary bytes are replaced, so that a crash cannot pair the
-            # old manifest with the new data files.
-            p._retire(p.roots[0] / final)
-            for root, d in list(zip(p.roots, self.dirs))[1:]:
-                p._retire(root / final)
-                os.rename(d, root / final)
-                fsync_dir(root)
+            # The manifest goes in before anything is renamed: in a temporary directory it commits nothing.
             _atomic_write(self.dirs[0] / MANIFEST_NAME, manifest_bytes)
-            p._retire(p.roots[0] / final)
-            os.rename(self.dirs[0], p.roots[0] / final)
-            fsync_dir(p.roots[0])
+            if len(p.roots) == 1 and (p.roots[0] / final).exists() and exchange_paths(self.dirs[0], p.roots[0] / final):
+                # Re-saving a committed step on one root: the swap is the commit point, and the
+                # temporary name now holds the old step (a leftover, if the next line is cut short).
+                fsync_dir(p.roots[0])
+                shutil.rmtree(self.dirs[0], ignore_errors=True)
+            else:
+                # Re-saving a committed step on several roots: un-commit the old one (primary first,
+                # as delete_step does) before its secondary bytes are replaced, so that a crash
+                # cannot pair the old manifest with the new data files.
+                p._retire(p.roots[0] / final)
+                for root, d in list(zip(p.roots, self.dirs))[1:]:
+                    p._retire(root / final)
+                    os.rename(d, root / final)
+                    fsync_dir(root)
+                os.rename(self.dirs[0], p.roots[0] / final)
+                fsync_dir(p.roots[0])
         except OSError as e:
             if isinstance(e, EngineIOError):
                 raise
