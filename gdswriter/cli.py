@@ -740,7 +740,8 @@ def cmd_demo(args) -> int:
         direct = (f"yes ({info.direct_memory_alignment}-byte aligned memory goes zero-copy)"
                   if info.direct_io else "no")
         _out(f"engine      {info.name}: direct I/O {direct}, registered buffers "
-             f"{_yn(info.registered_buffers)}, page-locked {_yn(info.page_locked)}"
+             f"{_yn(info.registered_buffers)}, page-locked {_yn(info.page_locked)}, "
+             f"huge-page buffers {_yn(info.huge_page_buffers)}"
              + (f"; fallback reason: {info.reason}" if info.reason else ""))
 
         # -- references on the same directory

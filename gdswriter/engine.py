@@ -66,6 +66,9 @@ class EngineInfo:
     # Host-memory alignment that direct I/O needed on the last file (statx; 4096 when the
     # kernel does not say; 0 without direct I/O). Tensors this aligned skip the staging copy.
     direct_memory_alignment: int = 0
+    # The staging buffers asked the kernel for transparent huge pages (it may still use 4 KiB
+    # pages, e.g. where THP is off).
+    huge_page_buffers: bool = False
 
 
 class IOEngine(abc.ABC):

@@ -58,19 +58,21 @@ class EngineOptions:
     preallocate: fallocate() the file before writing.
     register_buffers: register staging buffers with io_uring (READ/WRITE_FIXED).
     lock_memory: mlock() the staging buffers (page-locked; pinned for CUDA when available).
+    huge_pages: ask for transparent huge pages for the staging buffers (see fallback/buffers.py).
     zero_copy: under O_DIRECT, move large spans in 4 KiB-aligned host memory straight between
         the tensor and the file instead of through the staging buffers (half the CPU work).
     """
 
     engine: str = "auto"
     queue_depth: int = 32
-    request_bytes: int = 4 * MiB
+    request_bytes: int = 1 * MiB
     buffer_bytes: int = 16 * MiB
     num_buffers: int = 8
     direct_io: bool = True
     preallocate: bool = True
     register_buffers: bool = True
     lock_memory: bool = True
+    huge_pages: bool = True
     zero_copy: bool = True
 
     _ENV = {
@@ -83,6 +85,7 @@ class EngineOptions:
         "preallocate": "GDSWRITER_PREALLOCATE",
         "register_buffers": "GDSWRITER_REGISTER_BUFFERS",
         "lock_memory": "GDSWRITER_LOCK_MEMORY",
+        "huge_pages": "GDSWRITER_HUGE_PAGES",
         "zero_copy": "GDSWRITER_ZERO_COPY",
     }
 

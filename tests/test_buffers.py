@@ -27,6 +27,48 @@ def test_buffers_are_page_aligned_disjoint_and_usable(size):
     assert pool.buffers == []
 
 
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "absent"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def _anon_huge_bytes(lo: int, hi: int) -> int:
+    """AnonHugePages of this process's mappings that overlap [lo, hi), from /proc/self/smaps."""
+    total, overlaps = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, end = (int(x, 16) for x in head.split("-"))
+                overlaps = start < hi and end > lo
+            elif overlaps and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_pool_huge_pages_on_a_2mib_boundary_and_backed_as_asked(huge):
+    """With huge_pages the pool starts on a 2 MiB boundary and the kernel backs it with huge
+    pages (where THP is not off); without, in THP's default "madvise" mode, it gets none."""
+    with AlignedBufferPool(16 << 20, 4, huge_pages=huge) as pool:
+        assert pool.huge_pages == huge
+        base = pool.buffers[0].address
+        if huge:
+            assert base % (2 << 20) == 0
+        for b in pool.buffers:
+            b.tensor.fill_(7)  # fault every page in (mlock already did, when it was allowed)
+        backed = _anon_huge_bytes(base, base + 4 * pool.size)
+        mode = _thp_mode()
+        if huge and mode in ("always", "madvise"):
+            assert backed >= 2 << 20, f"THP is {mode!r} but no huge page backs the pool"
+        if not huge and mode == "madvise":
+            assert backed == 0
+        assert all(b.view[pool.size - 1] == 7 for b in pool.buffers)
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("setpriv") and shutil.which("prlimit")),
                     reason="needs root plus setpriv/prlimit to take CAP_IPC_LOCK away from a child")
 def test_refused_mlock_falls_back_to_unlocked_memory_and_says_so_once(tmp_path):

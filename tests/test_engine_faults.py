@@ -609,9 +609,9 @@ def test_engine_options_from_env():
     o = EngineOptions.from_env({"GDSWRITER_BUFFER_BYTES": "8M", "GDSWRITER_REQUEST_BYTES": "1MiB",
                                 "GDSWRITER_QUEUE_DEPTH": " 32 ", "GDSWRITER_DIRECT_IO": "0",
                                 "GDSWRITER_ENGINE": "posix", "GDSWRITER_NUM_BUFFERS": "2",
-                                "GDSWRITER_LOCK_MEMORY": "off"})
+                                "GDSWRITER_LOCK_MEMORY": "off", "GDSWRITER_HUGE_PAGES": "no"})
     assert (o.buffer_bytes, o.request_bytes, o.queue_depth) == (8 * MiB, MiB, 32)
-    assert (o.direct_io, o.engine, o.num_buffers, o.lock_memory) == (False, "posix", 2, False)
+    assert (o.direct_io, o.engine, o.num_buffers, o.lock_memory, o.huge_pages) == (False, "posix", 2, False, False)
     assert EngineOptions.from_env({"GDSWRITER_BUFFER_BYTES": "1g", "GDSWRITER_REQUEST_BYTES": "4k"}).buffer_bytes == 1 << 30
     # explicit overrides beat the environment
     assert EngineOptions.from_env({"GDSWRITER_QUEUE_DEPTH": "8"}, queue_depth=4).queue_depth == 4

@@ -207,7 +207,8 @@ class StagedEngine(IOEngine):
     def __init__(self, options: EngineOptions | None = None, *, reason: str = ""):
         self.options = options or EngineOptions.from_env()
         o = self.options
-        self._pool = AlignedBufferPool(o.buffer_bytes, o.num_buffers, lock_memory=o.lock_memory)
+        self._pool = AlignedBufferPool(o.buffer_bytes, o.num_buffers, lock_memory=o.lock_memory,
+                                       huge_pages=o.huge_pages)
         try:
             self._backend = self._make_backend()
         except BaseException:
@@ -225,7 +226,7 @@ class StagedEngine(IOEngine):
     @property
     def info(self) -> EngineInfo:
         return EngineInfo(self.name, self._last_memory_alignment > 0, self._backend.registered, self._pool.locked,
-                          self._reason, self._last_memory_alignment)
+                          self._reason, self._last_memory_alignment, self._pool.huge_pages)
 
     def _check_open(self) -> None:
         if self._backend is None:
