@@ -163,10 +163,10 @@ _ALIGN_HINT_MIN = 64 << 20
 def hint_unaligned(flats: Sequence[torch.Tensor], options: EngineOptions, info: EngineInfo) -> None:
     """Count the bytes of large host tensors in ``flats`` that missed zero-copy only because their
     memory is less aligned than O_DIRECT needs on this file system (``info``: the engine after the
-    I/O); from 64 MiB on, say once per process how to align them. torch's CPU allocator puts large
-    tensors 64 bytes into a page unless THP_MEM_ALLOC_ENABLE=1 is set: enough for NVMe (4-byte DMA
-    alignment), not for a disk that needs 512 bytes, where the staging copy then costs bandwidth
-    (measured here: load 1.3 against 1.9-2.1 GB/s)."""
+    I/O); from 64 MiB on, say once per process (at INFO level) how to align them. torch's CPU
+    allocator puts large tensors 64 bytes into a page unless THP_MEM_ALLOC_ENABLE=1 is set: enough
+    for NVMe (4-byte DMA alignment), not for a disk that needs 512 bytes, where the staging copy then
+    costs CPU (half the work of a transfer; with the huge-page staging pool, not bandwidth here)."""
     align = info.direct_memory_alignment
     if not (options.zero_copy and info.direct_io and align):
         return
@@ -177,7 +177,7 @@ def hint_unaligned(flats: Sequence[torch.Tensor], options: EngineOptions, info: 
                  f"gdswriter: {staged / 2**20:.0f} MiB of live CPU tensors are not {align}-byte aligned, as "
                  f"O_DIRECT needs on this file system, so they are copied through the staging buffers. Start "
                  f"the process with THP_MEM_ALLOC_ENABLE=1 (torch then page-aligns large CPU tensors) to move "
-                 f"them straight between memory and file")
+                 f"them straight between memory and file, with half the CPU work", logging.INFO)
 
 
 def take_snapshot(state: Any, step: int, *, copy: bool, metadata: dict | None = None) -> _Snapshot:

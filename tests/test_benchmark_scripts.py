@@ -21,8 +21,9 @@ def run_script(name: str, *args: str) -> str:
 def test_staging_placement(tmp_path):
     out = run_script("staging_placement.py", "--size", "8M", "--ballast", "32M", "--wait", "0",
                      "--rounds", "2", "--dir", str(tmp_path))
-    rows = [line for line in out.splitlines() if "GB/s" in line]
-    assert [r.split()[0] for r in rows] == ["A", "B", "C"], out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ") and "GB/s" in line]
+    assert [r[:2] for r in rows] == [[p, k] for p in "ABC" for k in ("4k", "huge")], out
+    assert all(r.count("GB/s") == 2 for r in rows), out
     assert list(tmp_path.iterdir()) == []  # its scratch directory is removed
 
 

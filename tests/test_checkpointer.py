@@ -891,7 +891,7 @@ def test_unaligned_live_tensors_get_a_one_time_hint(tmp_path, caplog, io_fresh_l
     if model.weight.data_ptr() % 4096 == 0:
         pytest.skip("torch placed the weight on a page boundary (THP_MEM_ALLOC_ENABLE set?)")
     options = CheckpointOptions(engine=EngineOptions(direct_io=direct_io))
-    with caplog.at_level(logging.WARNING, logger="gdswriter"), \
+    with caplog.at_level(logging.INFO, logger="gdswriter"), \
             GDSCheckpointer(model, None, root=tmp_path, options=options) as ck:
         ck.save(1)
         ck.save(2)
@@ -907,7 +907,7 @@ def test_unaligned_live_tensors_get_a_one_time_hint(tmp_path, caplog, io_fresh_l
 
 def test_small_unaligned_state_gets_no_hint(tmp_path, caplog, io_fresh_log_once):
     model = nn.Linear(1024, 1024)  # 4 MiB: staging it costs little
-    with caplog.at_level(logging.WARNING, logger="gdswriter"), GDSCheckpointer(model, None, root=tmp_path) as ck:
+    with caplog.at_level(logging.INFO, logger="gdswriter"), GDSCheckpointer(model, None, root=tmp_path) as ck:
         ck.save(1)
         ck.load(1)
     assert "THP_MEM_ALLOC_ENABLE" not in caplog.text
