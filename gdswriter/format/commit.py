@@ -181,9 +181,9 @@ class PendingCommit:
                 fsync_dir(p.roots[0])
                 shutil.rmtree(self.dirs[0], ignore_errors=True)
             else:
-                # Re-saving a committed step on several roots: un-commit the old one (primary first,
-                # as delete_step does) before its secondary bytes are replaced, so that a crash
-                # cannot pair the old manifest with the new data files.
+                # A new step, or a re-save on several roots (or without exchange): un-commit an old
+                # step S (primary first, as delete_step does) before its secondary bytes are
+                # replaced, so that a crash cannot pair the old manifest with the new data files.
                 p._retire(p.roots[0] / final)
                 for root, d in list(zip(p.roots, self.dirs))[1:]:
                     p._retire(root / final)
