@@ -12,8 +12,8 @@ engine writes one file durably from unaligned memory (so every byte goes through
 staging buffers) and reads it back cold; the script prints the bandwidths and the block
 device's mean time per request (from /sys/dev/block/*/stat). The requests are the same
 for every pool of a kind, so on bare metal A, B and C agree. On this project's VM
-(Firecracker, nested KVM, virtio-balloon free page reporting), "4k" A wrote 20-30% and read
-35-40% slower than B and C, while the "huge" rows agreed: see README "Benchmarks". A
+(Firecracker, nested KVM, virtio-balloon free page reporting), "4k" A wrote 15-30% and read
+33-41% slower than B and C, while the "huge" rows agreed: see README "Benchmarks". A
 training job builds its model (and frees its gradients) just before it creates its
 checkpointer, which is case A.
 

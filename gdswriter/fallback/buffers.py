@@ -11,8 +11,8 @@ pages (MADV_HUGEPAGE): a request then spans a few physically contiguous
 segments instead of one per 4 KiB page, and the speed of staged I/O no longer
 depends on which 4 KiB pages the pool happened to get. On this project's VM a
 pool of 4 KiB pages allocated right after the process freed memory (as a
-training job does before it creates its checkpointer) wrote 20-30% and read
-35-40% slower than one allocated elsewhere; with huge pages both were as fast
+training job does before it creates its checkpointer) wrote 15-30% and read
+33-41% slower than one allocated elsewhere; with huge pages both were as fast
 (benchmarks/staging_placement.py). Where THP is off, the advice changes nothing.
 """
 
