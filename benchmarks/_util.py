@@ -20,9 +20,10 @@ from typing import Iterable
 import numpy as np
 import torch
 
-from gdswriter import cli, pagecache
-from gdswriter.cli import FioError, human, mem_available  # noqa: F401  (FioError: for the suites)
-from gdswriter.cli import fio_bandwidth as fio_run  # noqa: F401  (bytes/s of one fio job)
+from gdswriter import pagecache, units
+from gdswriter.measure import FioError, mem_available  # noqa: F401  (FioError: for the suites)
+from gdswriter.units import human  # noqa: F401
+from gdswriter.measure import fio_bandwidth as fio_run  # noqa: F401  (bytes/s of one fio job)
 from gdswriter.errors import GDSWriterError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -44,7 +45,7 @@ class BenchSize:
 def parse_size(text: str) -> int:
     """'64M' -> 67108864, as the CLI reads sizes, rounded up to a multiple of 4 KiB."""
     try:
-        n = cli.parse_size(text)
+        n = units.parse_size(text)
     except GDSWriterError as e:
         raise ValueError(str(e)) from e
     return -(-n // ALIGN) * ALIGN

@@ -32,7 +32,7 @@ import _util  # noqa: E402
 from bench_checkpoint import Formats, build_state, state_bytes  # noqa: E402
 
 from gdswriter import CheckpointOptions, GDSCheckpointer  # noqa: E402
-from gdswriter.cli import parse_size  # noqa: E402
+from gdswriter.units import parse_size  # noqa: E402
 
 CASES = {"torch": ("torch.save", "torch.load"), "dcp4": ("dcp.save t4", "dcp.load"),
          "safetensors": ("safetensors.save_file", "safetensors.load_file"), "gdswriter": ("gdswriter.save", "gdswriter.load")}

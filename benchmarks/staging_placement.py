@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 import _util  # noqa: E402
 
 from gdswriter import EngineOptions, ReadSpan, WriteSpan, create_engine  # noqa: E402
-from gdswriter.cli import parse_size  # noqa: E402
+from gdswriter.units import parse_size  # noqa: E402
 
 
 def device_stat(path: Path) -> Path | None:

@@ -5,13 +5,15 @@
     ckpt.load()                # latest committed step, in place
 """
 
-from .checkpointer import CheckpointOptions, GDSCheckpointer, SaveHandle, load_state
-from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan, create_engine
+from .checkpointer import GDSCheckpointer, SaveHandle
+from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
+from .engine_select import create_engine
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
                      CorruptCheckpointError, EngineIOError, EngineUnavailableError, GDSWriterError,
                      InvalidOptionError, ShortIOError, StateMismatchError, TruncatedFileError,
                      UnsupportedFormatVersionError, UnsupportedObjectError)
-from .options import EngineOptions
+from .options import CheckpointOptions, EngineOptions
+from .restore import load_state
 
 __version__ = "0.1.0"
 

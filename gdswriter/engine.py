@@ -110,11 +110,3 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def create_engine(options=None) -> IOEngine:
-    """The best engine this machine allows for ``options`` (default: from GDSWRITER_* env)."""
-    from .fallback.engine import create_fallback_engine
-    from .options import EngineOptions
-
-    return create_fallback_engine(options or EngineOptions.from_env())

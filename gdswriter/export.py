@@ -281,7 +281,7 @@ def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, 
     (checked to load with weights_only=True). fmt "safetensors": a flat {name: tensor}
     safetensors file of contiguous copies; non-tensor state goes nowhere except the
     step number and the checkpoint's metadata, stored in ``__metadata__``."""
-    from .checkpointer import read_manifest, read_tensors
+    from .restore import read_manifest, read_tensors
     from .format.commit import CommitProtocol
     from .format.dtypes import dtype_from_name
     from .format.state_codec import decode_state

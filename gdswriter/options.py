@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 from .errors import InvalidOptionError
 
@@ -127,3 +128,47 @@ class EngineOptions:
                     values[f.name] = raw.strip()
         values.update(overrides)
         return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointOptions:
+    """What a GDSCheckpointer keeps and checks.
+
+    keep_last: keep only the newest N committed steps (None: keep all). Steps above the one
+        just saved (left by a rolled-back run) are never deleted by retention.
+    keep_every: additionally keep every step divisible by K (e.g. 1000).
+    save_rng: save torch (CPU and CUDA), Python and numpy RNG state; load restores it.
+    verify: check every chunk's crc32c on load (cheap: computed while bytes stream).
+    files_per_root: data files (writers) per root directory.
+    engine: how bytes move (EngineOptions; default from GDSWRITER_* variables).
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    save_rng: bool = False
+    verify: bool = True
+    files_per_root: int = 1
+    engine: EngineOptions = field(default_factory=EngineOptions.from_env)
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise InvalidOptionError(f"{name}={v!r} must be None or an integer >= 1")
+        if not isinstance(self.files_per_root, int) or self.files_per_root < 1:
+            raise InvalidOptionError(f"files_per_root={self.files_per_root!r} must be an integer >= 1")
+        if not isinstance(self.engine, EngineOptions):
+            raise InvalidOptionError("engine must be an EngineOptions instance")
+
+    def retained(self, steps: Sequence[int], newest: int) -> set[int]:
+        """Which of the committed ``steps`` the retention policy keeps, ``newest`` having just
+        been committed. Steps above ``newest`` are left by a run that was rolled back (resumed
+        from an older step): they are kept, and not counted, so that the rolled-back run's
+        own steps are not deleted to make room for them."""
+        if self.keep_last is None:
+            return set(steps)
+        ordered = sorted(s for s in steps if s <= newest)
+        keep = set(ordered[-self.keep_last:]) | {newest} | {s for s in steps if s > newest}
+        if self.keep_every:
+            keep.update(s for s in ordered if s % self.keep_every == 0)
+        return keep

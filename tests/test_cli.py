@@ -17,7 +17,9 @@ import torch
 
 from gdswriter import GDSCheckpointer, load_state
 from gdswriter.checkpointer import CheckpointOptions
-from gdswriter.cli import crc32c_combine, main, parse_size
+from gdswriter.cli import main
+from gdswriter.crc import crc32c_combine
+from gdswriter.units import parse_size
 from gdswriter.export import SAFETENSORS_DTYPES, UnsupportedDtypeError, write_safetensors
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

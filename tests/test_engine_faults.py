@@ -25,10 +25,11 @@ import torch
 
 import gdswriter.fallback.engine as engine_mod
 import gdswriter.fallback.uring as uring_mod
-from gdswriter.engine import ReadSpan, WriteSpan, create_engine
+from gdswriter.engine import ReadSpan, WriteSpan
+from gdswriter.engine_select import create_engine
 from gdswriter.errors import (CorruptCheckpointError, EngineIOError, EngineUnavailableError, InvalidOptionError,
                               ShortIOError, TruncatedFileError)
-from gdswriter.fallback.engine import IoUringEngine, PosixEngine, create_fallback_engine
+from gdswriter.fallback.engine import IoUringEngine, PosixEngine
 from gdswriter.fallback.faults import FaultEvent, FaultInjectingEngine, FaultPlan
 from gdswriter.options import EngineOptions, KiB, MiB
 
@@ -552,7 +553,7 @@ def test_auto_picks_io_uring_here(io_small_options):
     why = uring_mod.probe()
     if why is not None:
         pytest.skip(f"io_uring unavailable on this machine: {why}")
-    with create_fallback_engine(io_small_options(engine="auto")) as eng:
+    with create_engine(io_small_options(engine="auto")) as eng:
         assert isinstance(eng, IoUringEngine)
         assert eng.info.name == "io_uring" and eng.info.reason == ""
     with create_engine(io_small_options(engine="posix")) as eng:
@@ -564,7 +565,7 @@ def test_auto_falls_back_to_posix_when_io_uring_unavailable(monkeypatch, io_smal
     reason = "io_uring is forbidden here (EPERM: simulated by the test)"
     monkeypatch.setattr(uring_mod, "probe", lambda: reason)
     with caplog.at_level(logging.WARNING, logger="gdswriter"):
-        with create_fallback_engine(io_small_options(engine="auto")) as eng:
+        with create_engine(io_small_options(engine="auto")) as eng:
             assert isinstance(eng, PosixEngine)
             assert eng.info.name == "posix" and eng.info.reason == reason
             roundtrip(eng, tmp_path / "p.bin", rand(100_000))
@@ -576,7 +577,7 @@ def test_auto_falls_back_to_posix_when_io_uring_unavailable(monkeypatch, io_smal
         IoUringEngine(io_small_options(engine="io_uring"))
     assert isinstance(ei.value, OSError) and "GDSWRITER_ENGINE=posix" in str(ei.value)
     with pytest.raises(EngineUnavailableError):
-        create_fallback_engine(io_small_options(engine="io_uring"))
+        create_engine(io_small_options(engine="io_uring"))
     with pytest.raises(EngineUnavailableError):
         FaultInjectingEngine(io_small_options())
 

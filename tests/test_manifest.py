@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import _models as M
-import gdswriter.checkpointer as checkpointer_mod
+import gdswriter.writer as writer_mod
 from gdswriter import CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, load_state
-from gdswriter.checkpointer import tensors_from_storages
+from gdswriter.restore import tensors_from_storages
 from gdswriter.format.manifest import (FORMAT_VERSION, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest,
                                        StorageRecord, TensorRecord, _canonical)
 from gdswriter.format.state_codec import decode_state
@@ -48,7 +48,7 @@ def _golden_state():
 
 
 def test_golden_manifest_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpointer_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.25))
+    monkeypatch.setattr(writer_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.25))
     model, extra = _golden_state()
     with GDSCheckpointer(model, None, tmp_path, state=extra, options=M.small_options()) as ck:
         ck.save(42, metadata={"note": "golden"})

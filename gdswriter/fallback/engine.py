@@ -566,16 +566,3 @@ class PosixEngine(StagedEngine):
 
     def _make_backend(self):
         return _PosixBackend(self.options.queue_depth)
-
-
-def create_fallback_engine(options: EngineOptions) -> StagedEngine:
-    """io_uring when asked or when "auto" finds it working, else POSIX (the reason logged once)."""
-    if options.engine == "posix":
-        return PosixEngine(options, reason="requested (engine='posix')")
-    if options.engine == "io_uring":
-        return IoUringEngine(options)
-    why = uring.probe()
-    if why is None:
-        return IoUringEngine(options)
-    log_once("posix-fallback", f"gdswriter: {why}; falling back to the POSIX thread-pool engine")
-    return PosixEngine(options, reason=why)

@@ -43,10 +43,10 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..engine import fsync_dir
-from ..errors import CheckpointLockedError, CheckpointNotFoundError, EngineIOError
+from ..errors import CheckpointLockedError, CheckpointNotFoundError, EngineIOError, InvalidOptionError
 from .manifest import MANIFEST_NAME
 
 STEP_RE = re.compile(r"^step_(\d{12,})$")
@@ -64,6 +64,17 @@ def step_dir_name(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     m = STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def normalize_roots(root: Any) -> list[Path]:
+    """A root directory or a list of them (one per SSD, the primary first) as a list of Paths."""
+    roots = [root] if isinstance(root, (str, os.PathLike)) else list(root)
+    if not roots:
+        raise InvalidOptionError("root must be a directory or a non-empty list of directories (one per SSD)")
+    paths = [Path(os.fspath(r)) for r in roots]
+    if len({p.resolve() for p in paths}) != len(paths):
+        raise InvalidOptionError(f"roots {roots} name the same directory twice: give each SSD's directory once")
+    return paths
 
 
 def _write_durable(path: Path, data: bytes) -> None:

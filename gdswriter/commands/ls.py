@@ -1,0 +1,86 @@
+"""`gdswriter ls`: the committed steps of each root."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
+from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, CommitProtocol
+from ..units import human
+from ._common import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, load_manifest, out, secondary_owner, table, when
+
+
+def register(sub) -> None:
+    sp = sub.add_parser("ls", help="list committed steps", description="List the committed steps of each ROOT "
+                        "with their size on disk, number of tensors and creation time; mark the latest.")
+    sp.add_argument("roots", metavar="ROOT", nargs="+")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(func=run)
+
+
+def run(args) -> int:
+    rc = EXIT_OK
+    report = []
+    for i, root in enumerate(args.roots):
+        p = Path(root)
+        entry: dict[str, Any] = {"root": str(p), "steps": [], "latest": None}
+        report.append(entry)
+        if not args.json and len(args.roots) > 1:
+            out(("" if i == 0 else "\n") + f"{p}:")
+        if not p.is_dir():
+            what = "does not exist" if not p.exists() else "is not a directory"
+            print(f"gdswriter: error: checkpoint root {p} {what}", file=sys.stderr)
+            entry["error"] = what
+            rc = max(rc, EXIT_USAGE)
+            continue
+        protocol = CommitProtocol([p])
+        steps = protocol.committed_steps()
+        latest = protocol.latest()
+        entry["latest"] = latest
+        rows = [["STEP", "SIZE", "TENSORS", "CREATED", ""]]
+        for s in steps:
+            item: dict[str, Any] = {"step": s, "latest": s == latest}
+            try:
+                _, m, mbytes = load_manifest(protocol, s)
+                nbytes = sum(f.size for f in m.files) + mbytes
+                item.update(bytes=nbytes, tensors=len(m.tensors), created_unix=m.created_unix,
+                            created=when(m.created_unix), version=f"{m.version[0]}.{m.version[1]}")
+                rows.append([s, human(nbytes), len(m.tensors), when(m.created_unix), "latest" if s == latest else ""])
+            except CheckpointNotFoundError:
+                continue  # deleted while listing
+            except (CorruptCheckpointError, UnsupportedFormatVersionError) as e:
+                item["error"] = str(e)
+                what = "NEWER FORMAT" if isinstance(e, UnsupportedFormatVersionError) else "DAMAGED"
+                rows.append([s, "-", "-", "-", f"{what}: {e}"])
+                rc = max(rc, EXIT_CORRUPT)
+            entry["steps"].append(item)
+        leftovers = sorted(n for n in os.listdir(p) if n.startswith((TMP_PREFIX, TRASH_PREFIX)))
+        entry["leftovers"] = leftovers
+        if args.json:
+            continue
+        if steps:
+            for line in table(rows, right={0, 1, 2}):
+                out(line)
+        else:
+            owner = secondary_owner(p)
+            if owner:
+                out(f"  no committed steps: {p} is a secondary root of {owner}; list that root instead")
+            else:
+                out("  no committed steps")
+        with contextlib.suppress(OSError, ValueError):
+            named = int((p / LATEST_NAME).read_text().strip())
+            if named != latest:
+                out(f"  note: '{LATEST_NAME}' names step {named}, which is not committed; the newest committed "
+                     f"step counts as latest")
+        if leftovers:
+            out(f"  note: {len(leftovers)} leftover(s) of interrupted saves or deletions "
+                 f"({', '.join(leftovers[:3])}{', ...' if len(leftovers) > 3 else ''}); the next "
+                 f"GDSCheckpointer opening this root removes them")
+    if args.json:
+        out(json.dumps(report, indent=2))
+    return rc
