@@ -35,7 +35,8 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
             by_storage.setdefault(c.storage, []).append(
                 ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[c]))
         storages = [StorageRecord(ext.flat.numel(), tuple(by_storage[sid])) for sid, ext in enumerate(snap.extents)]
-        files = tuple(FileRecord(f.target.root, f.target.name, f.size) for f in plan.files)
+        files = tuple(FileRecord(f.target.root, f.target.name, f.size, {"engine": engines[f.target.root].info.name})
+                      for f in plan.files)
         manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
                             state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
         pending.commit(manifest.to_json_bytes())

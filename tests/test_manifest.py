@@ -21,6 +21,7 @@ from gdswriter.format.manifest import (FORMAT_VERSION, MANIFEST_NAME, ChunkRecor
                                        StorageRecord, TensorRecord, _canonical)
 from gdswriter.format.state_codec import decode_state
 
+# What gdswriter 0.1 wrote (format 1.0): readers of later versions must keep reading it.
 GOLDEN_MANIFEST = (
     b'{"format":"gdswriter","version":[1,0],"step":42,"created_unix":1700000000.25,"metadata":{"note":"golden"},'
     b'"files":[[0,"data-r0-f0.bin",12288]],'
@@ -47,13 +48,26 @@ def _golden_state():
     return model, extra
 
 
+def golden_1_1(engine: str) -> bytes:
+    """GOLDEN_MANIFEST as format 1.1 writes it: the version, and which engine wrote each file."""
+    body = json.loads(GOLDEN_MANIFEST)
+    del body["manifest_crc32c"]
+    body["version"] = [1, 1]
+    body["files"][0].append({"engine": engine})
+    body["manifest_crc32c"] = crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
+
+
 def test_golden_manifest_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(writer_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.25))
     model, extra = _golden_state()
     with GDSCheckpointer(model, None, tmp_path, state=extra, options=M.small_options()) as ck:
         ck.save(42, metadata={"note": "golden"})
+        engine = ck.engine_info.name
     step_dir = tmp_path / "step_000000000042"
-    assert (step_dir / MANIFEST_NAME).read_bytes() == GOLDEN_MANIFEST
+    assert (step_dir / MANIFEST_NAME).read_bytes() == golden_1_1(engine)
+    m = Manifest.from_json_bytes(golden_1_1(engine))
+    assert m.version == FORMAT_VERSION == (1, 1) and m.files[0].info == {"engine": engine}
     assert (tmp_path / "latest").read_bytes() == b"42\n"
 
     # the data file: each storage at a 4 KiB-aligned offset, zero padding between
@@ -71,7 +85,7 @@ def test_golden_manifest_bytes(tmp_path, monkeypatch):
 
 def test_golden_manifest_parses_and_loads(tmp_path):
     m = Manifest.from_json_bytes(GOLDEN_MANIFEST)
-    assert m.step == 42 and m.version == FORMAT_VERSION and m.created_unix == 1700000000.25
+    assert m.step == 42 and m.version == (1, 0) and m.created_unix == 1700000000.25
     assert m.files == (FileRecord(0, "data-r0-f0.bin", 12288),)
     assert m.storages[0] == StorageRecord(24, (ChunkRecord(0, 0, 0, 24, 2258899752),))
     assert m.tensors[1] == TensorRecord("model/ids_t", 0, 0, "int32", (3, 2), (1, 3), "cpu", "tensor")

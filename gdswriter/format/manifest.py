@@ -19,17 +19,26 @@ from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError
 from .dtypes import dtype_from_name
 
 FORMAT_NAME = "gdswriter"
-FORMAT_VERSION = (1, 0)  # (major, minor): readers refuse a newer major, accept any minor
+FORMAT_VERSION = (1, 1)  # (major, minor): readers refuse a newer major, accept any minor
 MANIFEST_NAME = "manifest.json"
+
+
+FILE_INFO_MAX_KEYS = 16
+FILE_INFO_MAX_TEXT = 256
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A data file: ``path`` inside the step directory of root number ``root``; exactly ``size`` bytes."""
+    """A data file: ``path`` inside the step directory of root number ``root``; exactly ``size`` bytes.
+
+    ``info`` (format 1.1) says who wrote it, for people and tools, never for reading it back:
+    ``engine`` (io_uring, posix, gds, kvikio-compat...), ``rank`` (the writing process's global
+    rank), ``gpu`` (the CUDA device its bytes came from), ``host``. Plain JSON scalars only."""
 
     root: int
     path: str
     size: int
+    info: dict = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,7 @@ class Manifest:
             "step": self.step,
             "created_unix": self.created_unix,
             "metadata": self.metadata,
-            "files": [[f.root, f.path, f.size] for f in self.files],
+            "files": [[f.root, f.path, f.size] + ([dict(f.info)] if f.info else []) for f in self.files],
             "storages": [
                 {"nbytes": s.nbytes,
                  "chunks": [[c.file, c.file_offset, c.storage_offset, c.length, c.crc32c] for c in s.chunks]}
@@ -140,7 +149,8 @@ class Manifest:
         if not _is_int(expected) or _crc32c.crc32c(_canonical(body)) != expected:
             raise bad("manifest checksum does not match its content")
 
-        files = tuple(FileRecord(_nonneg(r[0]), _relpath(r[1]), _nonneg(r[2])) for r in _list(body["files"]))
+        files = tuple(FileRecord(_nonneg(r[0]), _relpath(r[1]), _nonneg(r[2]), _file_info(r[3:]))
+                      for r in _list(body["files"]))
         storages = []
         for s in _list(body["storages"]):
             nbytes = _nonneg(s["nbytes"])
@@ -225,6 +235,19 @@ def _relpath(v: Any) -> str:
     if not s or "/" in s or "\\" in s or s in (".", "..") or "\0" in s:
         raise ValueError(f"data file name {s!r} is not a plain file name")
     return s
+
+
+def _file_info(rest: list) -> dict:
+    """The optional fourth element of a file entry: a small object of JSON scalars."""
+    if not rest:
+        return {}
+    if len(rest) != 1 or not isinstance(rest[0], dict) or len(rest[0]) > FILE_INFO_MAX_KEYS:
+        raise ValueError("a data file entry is [root, path, size] or [root, path, size, {info}]")
+    for k, v in rest[0].items():
+        if len(k) > FILE_INFO_MAX_TEXT or not (v is None or isinstance(v, (bool, int, float)) or
+                                               (isinstance(v, str) and len(v) <= FILE_INFO_MAX_TEXT)):
+            raise ValueError(f"data file info {k!r} is not a short JSON scalar")
+    return dict(rest[0])
 
 
 def _chunk(x: Any, n_files: int) -> ChunkRecord:
