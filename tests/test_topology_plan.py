@@ -322,5 +322,5 @@ def test_benchmark_script_prints_the_comparison():
     r = subprocess.run([sys.executable, "benchmarks/topology_sim.py", "--size-per-gpu", "1G"], cwd=repo,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    for text in ("DGX A100", "DGX H100", "round robin", "GPU-local", "bottleneck"):
+    for text in ("DGX A100", "DGX H100", "Round robin: 64 files", "switch 8.00 GiB (100%)", "RR / LOCAL"):
         assert text in r.stdout
