@@ -28,12 +28,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run against the checkout this script is in
 
-from gdswriter.commands._common import table  # noqa: E402
-from gdswriter.planner.affinity import (Writer, distance_label, place_roots, plan_affinity,  # noqa: E402
-                                        plan_round_robin, root_distances)
-from gdswriter.planner.simulate import LinkModel, simulate  # noqa: E402
-from gdswriter.planner.topology import Topology  # noqa: E402
-from gdswriter.units import human, parse_size  # noqa: E402
+from gdswriter.commands._common import table
+from gdswriter.planner.affinity import (Writer, distance_label, place_roots, plan_affinity, plan_round_robin,
+                                        root_distances)
+from gdswriter.planner.simulate import LinkModel, simulate
+from gdswriter.planner.topology import Topology
+from gdswriter.units import human, parse_size
 
 FIXTURES = REPO / "tests" / "data" / "topologies"
 

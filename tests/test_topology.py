@@ -333,7 +333,7 @@ def test_cli_errors(capsys, tmp_path):
 def test_cli_runs_as_a_module(tmp_path):
     import subprocess
 
-    r = subprocess.run([sys.executable, "-m", "gdswriter.cli", "topology", "--json", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "gdswriter.cli", "topology", "--json", str(tmp_path)], check=False,
                        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["roots"][0]["path"] == str(tmp_path)
@@ -386,3 +386,27 @@ def test_one_mount_per_drive_replaces_the_array():
     assert "/raid" not in points and points["/mnt/nvme1"].drives == ("nvme1",)
     assert "/" in points and t.notes[-1].startswith("what-if")
     assert isinstance(t.mount_of("/mnt/nvme0/x"), Mount)
+
+
+# -- a real GPU (scripts/gpu_check.sh machines) ------------------------------------------------
+
+@pytest.mark.gpu
+def test_live_gpu_discovery_and_plan(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed")
+    from gdswriter.planner.discover import cuda_gpu_indices
+
+    t = discover(roots=[tmp_path])
+    assert len(t.gpus) >= torch.cuda.device_count(), t.notes
+    for g in t.gpus:
+        assert g.path and g.path[-1] == g.pci, f"GPU {g.index} not found in sysfs: {t.notes}"
+    ordinals = cuda_gpu_indices(t)
+    assert sorted(ordinals) == list(range(torch.cuda.device_count())), "every CUDA device matched by PCI address"
+    x = torch.ones(5 * 4096 + 1, dtype=torch.uint8, device="cuda")
+    plan = plan_for_save([x.numel()], [str(x.device)], [tmp_path], [FileTarget(0, "x")], t)
+    assert plan.files[0].gpu == ordinals[x.device.index or 0] and plan.files[0].writer == str(x.device)
+    assert main(["topology", "--json", str(tmp_path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["topology"]["gpus"] and report["plan"]["files"][0]["gpu"] is not None

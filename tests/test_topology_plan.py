@@ -8,7 +8,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from gdswriter.errors import InvalidOptionError
 from gdswriter.planner.affinity import (BALANCE_TOLERANCE, HOST, Writer, assign_bytes, balance_bounds,
@@ -319,7 +319,7 @@ def test_benchmark_script_prints_the_comparison():
     import sys
 
     repo = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, "benchmarks/topology_sim.py", "--size-per-gpu", "1G"], cwd=repo,
+    r = subprocess.run([sys.executable, "benchmarks/topology_sim.py", "--size-per-gpu", "1G"], check=False, cwd=repo,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     for text in ("DGX A100", "DGX H100", "Round robin: 64 files", "switch 8.00 GiB (100%)", "RR / LOCAL"):

@@ -10,8 +10,8 @@ and each file is written front to back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..errors import InvalidOptionError
 

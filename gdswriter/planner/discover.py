@@ -24,9 +24,10 @@ import contextlib
 import os
 import re
 import socket as _socket
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from .topology import Drive, Gpu, Mount, NumaNode, Topology, normalize_bdf, pci_path_of
 

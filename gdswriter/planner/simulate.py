@@ -25,8 +25,8 @@ Host-memory writers use only the drive side (their bytes come from DRAM, not a p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .affinity import RootTarget
 from .assign import SavePlan
