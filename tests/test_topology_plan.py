@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gdswriter.errors import InvalidOptionError
-from gdswriter.planner.affinity import (BALANCE_TOLERANCE, HOST, Writer, assign_bytes, balance_bounds,
-                                        nearer_with_room, place_roots, plan_affinity, plan_round_robin)
+from gdswriter.planner.affinity import (BALANCE_TOLERANCE, HOST, Writer, assign_bytes, balance_bounds, place_roots,
+                                        plan_affinity, plan_round_robin)
 from gdswriter.planner.assign import DEFAULT_ALIGN
 from gdswriter.planner.simulate import LinkModel, simulate
 from gdswriter.planner.topology import Distance, Drive, Gpu, Mount, NumaNode, Topology
@@ -182,7 +182,10 @@ def test_assign_bytes_is_optimal_on_small_problems(data):
     x = assign_bytes(supply, target, cost, tolerance=tol)
     assert [sum(row) for row in x] == supply
     assert all(lo <= sum(col) <= hi for col, (lo, hi) in zip(zip(*x), bounds))
-    assert nearer_with_room(x, cost, bounds) is None
+    load = [sum(col) for col in zip(*x)]
+    for w, r_far, r_near in itertools.product(range(n_w), range(n_r), range(n_r)):
+        if x[w][r_far] and cost[w][r_near] < cost[w][r_far]:
+            assert load[r_near] >= bounds[r_near][1] or load[r_far] <= bounds[r_far][0], "a nearer root had room"
     best = min(sum(m[w][r] * cost[w][r] for w in range(n_w) for r in range(n_r))
                for m in _assignments(supply, n_r) if all(lo <= sum(c) <= hi for c, (lo, hi) in zip(zip(*m), bounds)))
     assert sum(x[w][r] * cost[w][r] for w in range(n_w) for r in range(n_r)) == best
@@ -206,6 +209,9 @@ def test_assign_bytes_arguments():
         assign_bytes([1], [1], [[0]], tolerance=1)
     assert assign_bytes([], [], []) == []
     assert assign_bytes([0, 0], [0], [[1], [2]]) == [[0], [0]]
+    # slack is spent only where it buys nearness: with nothing to gain, shares stay exact
+    assert assign_bytes([100], [50, 50], [[0, 0]], tolerance=0.05) == [[50, 50]]
+    assert assign_bytes([52, 48], [50, 50], [[0, 1], [1, 0]], tolerance=0.05) == [[52, 0], [0, 48]]
 
 
 # -- the replayed machines --------------------------------------------------------------------

@@ -20,6 +20,7 @@ writer's storages (``cut_stream``), every chunk 4 KiB-aligned in storage and fil
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -212,75 +213,44 @@ def assign_bytes(supply: Sequence[int], target: Sequence[int], cost: Sequence[Se
     return flow
 
 
-def nearer_with_room(flow: Sequence[Sequence[int]], cost: Sequence[Sequence[int]],
-                     bounds: Sequence[tuple[int, int]]) -> tuple[int, int, int] | None:
-    """A (writer, farther root, nearer root) where the writer sends bytes to the farther root,
-    the nearer one is below its ceiling and the farther one above its floor, so one unit
-    could move nearer without leaving the balance bounds; None if there is none."""
-    load = [sum(col) for col in zip(*flow)] if flow else []
-    for w, row in enumerate(flow):
-        for far, units in enumerate(row):
-            if units and load[far] > bounds[far][0]:
-                for near in range(len(row)):
-                    if cost[w][near] < cost[w][far] and load[near] < bounds[near][1]:
-                        return w, far, near
-    return None
-
-
-def _uncross(flow: list[list[int]], cost: Sequence[Sequence[int]]) -> None:
+def _uncross(flow: list[list[int]]) -> None:
     """Where writers a and b both write to roots r1 and r2, shift bytes around that cycle
-    (a: r2 -> r1, b: r1 -> r2) until one of the four pieces is empty, if that is no
-    farther. Every root keeps its load; one file fewer each time."""
+    (a: r2 -> r1, b: r1 -> r2) until one of the four pieces is empty. Every root keeps its
+    load and, the flow being optimal, the total distance too (were the cycle cheaper one way,
+    the optimum would have taken it); one file fewer each time."""
     n_w, n_r = len(flow), len(flow[0]) if flow else 0
     shifted = True
     while shifted:
         shifted = False
-        for a in range(n_w):
-            for b in range(a + 1, n_w):
-                for r1 in range(n_r):
-                    for r2 in range(n_r):
-                        if r1 == r2 or not (flow[a][r1] and flow[a][r2] and flow[b][r1] and flow[b][r2]):
-                            continue
-                        if cost[a][r1] + cost[b][r2] > cost[a][r2] + cost[b][r1]:
-                            continue
-                        move = min(flow[a][r2], flow[b][r1])
-                        flow[a][r2] -= move
-                        flow[b][r1] -= move
-                        flow[a][r1] += move
-                        flow[b][r2] += move
-                        shifted = True
+        for a, b, r1, r2 in itertools.product(range(n_w), range(n_w), range(n_r), range(n_r)):
+            if a < b and r1 != r2 and flow[a][r1] and flow[a][r2] and flow[b][r1] and flow[b][r2]:
+                move = min(flow[a][r2], flow[b][r1])
+                flow[a][r2] -= move
+                flow[b][r1] -= move
+                flow[a][r1] += move
+                flow[b][r2] += move
+                shifted = True
 
 
 def _consolidate(flow: list[list[int]], cost: Sequence[Sequence[int]], bounds: Sequence[tuple[int, int]]) -> None:
-    """Fewer files: move a writer's smallest piece onto another root it already writes to at
-    the same cost, when both roots stay within their bounds and no writer is left with a
-    nearer root that has room. Nearness is unchanged; balance stays within the tolerance."""
-    _uncross(flow, cost)
+    """Fewer files: cancel criss-crossing pieces (``_uncross``), then move a writer's smaller
+    pieces onto another root it already writes to at the same cost while both roots stay
+    within their bounds. Neither changes the total distance or leaves the bounds, so the
+    flow stays optimal, and an optimal flow has no writer with a nearer root that has room
+    (that move would be a cheaper flow within the bounds)."""
+    _uncross(flow)
     load = [sum(col) for col in zip(*flow)] if flow else []
-    moved = True
-    while moved:
-        moved = False
-        for w, row in enumerate(flow):
-            pieces = sorted((units, r) for r, units in enumerate(row) if units)
-            for units, src in pieces[:-1]:
-                for _, dst in reversed(pieces):
-                    if dst == src or cost[w][dst] != cost[w][src]:
-                        continue
-                    if load[dst] + units > bounds[dst][1] or load[src] - units < bounds[src][0]:
-                        continue
+    for w, row in enumerate(flow):
+        for _, src in sorted((u, r) for r, u in enumerate(row) if u)[:-1]:  # smallest first, never the largest
+            units = row[src]  # pieces may have grown by earlier moves
+            for dst in sorted((r for r, u in enumerate(row) if u and r != src), key=lambda r: -row[r]):
+                if cost[w][dst] != cost[w][src]:
+                    continue
+                if load[dst] + units <= bounds[dst][1] and load[src] - units >= bounds[src][0]:
                     row[src], row[dst] = 0, row[dst] + units
                     load[src] -= units
                     load[dst] += units
-                    if nearer_with_room(flow, cost, bounds) is None:
-                        moved = True
-                        break
-                    row[src], row[dst] = units, row[dst] - units  # undo: it would strand a writer far away
-                    load[src] += units
-                    load[dst] -= units
-                if moved:
                     break
-            if moved:
-                break
 
 
 def plan_affinity(topology: Topology, storage_sizes: Sequence[int], storage_writers: Sequence[Writer],
