@@ -181,7 +181,7 @@ def test_discovery_degrades_without_nvml_nvme_or_numa(tmp_path, monkeypatch):
     text = " ".join(t.notes)
     assert "cannot initialise (Driver Not Loaded)" in text
     assert "no NVMe controllers" in text and "mountinfo" in text
-    assert "no affinity: no GPUs found; no NVMe drives" in text
+    assert "no affinity: no GPUs found; no drives with a known location" in text
     # nvidia-ml-py missing altogether
     monkeypatch.setitem(sys.modules, "pynvml", None)
     t = discover(sysfs=tmp_path / "sys", proc=tmp_path / "proc")

@@ -1,18 +1,20 @@
 """GPU-local placement: which GPU writes which bytes to which root, file and offset.
 
-Pure functions of a Topology and sizes, tested without GPUs or SSDs.
+Pure functions of a Topology and sizes, tested without GPUs or SSDs (``plan_for_save``, the
+writer's entry point, discovers the machine when it is not handed a Topology).
 
 The model: each *writer* (a GPU, or host memory) holds some storages; each *root* is a
 directory on some drives. A save is balanced when every drive receives the same number
-of bytes, so a root's target is its drive count (shared among roots on the same drives)
-times the bytes per drive. Within that balance, bytes go to the nearest roots: the
-assignment of writers' bytes to roots is a min-cost transportation problem whose cost is
-the PCIe distance (planner/topology.py: switch 0 < NUMA node 1 < socket 2 < other socket 3
-< unknown 4), averaged over a root's drives when it is an array. A root may take up to 5%
-more or less than its balanced share (``BALANCE_TOLERANCE``) when that keeps bytes nearer
-their GPU; otherwise shares are exact to one 4 KiB unit. It is solved exactly (successive
-shortest paths), so no GPU writes to a farther root while a nearer one has room, unless
-the farther one would then fall below its balance floor.
+of bytes, so a root's target is its drive count (less mirror copies and parity; shared
+among roots on the same drives) times the bytes per drive. Within that balance, bytes go
+to the nearest roots: the assignment of writers' bytes to roots is a min-cost
+transportation problem whose cost is the PCIe distance (planner/topology.py: switch 0 <
+NUMA node 1 < socket 2 < other socket 3 < unknown 4), averaged over a root's drives when
+it is an array. A root may take up to 5% more or less than its balanced share
+(``BALANCE_TOLERANCE``) when that keeps bytes nearer their GPU or saves a file; otherwise
+shares are exact to one 4 KiB unit. It is solved exactly (successive shortest paths), so
+no GPU writes to a farther root while a nearer one has room, unless the farther one would
+then fall below its balance floor.
 
 Each (writer, root) pair with bytes becomes one file, written front to back from that
 writer's storages (``cut_stream``), every chunk 4 KiB-aligned in storage and file.
@@ -350,9 +352,9 @@ def _explain(topology: Topology, writers: Sequence[Writer], roots: Sequence[Root
     if unknown:
         notes.append(f"no drive known behind {', '.join(r.path for r in unknown)}: counted as one drive, "
                      f"distance unknown")
-    if topology.affinity_problems() and any(w.label.startswith("cuda") for w in writers):
-        notes.append("topology: " + "; ".join(topology.affinity_problems()))
     lost = [w.label for w in writers if w.gpu is None and w.label.startswith("cuda")]
+    if topology.affinity_problems() and (gpu_rows or lost):
+        notes.append("topology: " + "; ".join(topology.affinity_problems()))
     if lost:
         notes.append(f"{', '.join(lost)} not found in the topology: no root is preferred for their bytes")
     by_tier: dict[str, int] = {}

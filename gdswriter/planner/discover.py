@@ -25,6 +25,7 @@ import os
 import re
 import socket as _socket
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -67,7 +68,7 @@ def discover(*, sysfs: str | os.PathLike = "/sys", proc: str | os.PathLike = "/p
     if problems:
         notes.append("no affinity: " + "; ".join(problems) + ". GPU-local placement has nothing to choose; "
                      "plans only balance bytes")
-    return Topology(topo.source, topo.host, gpus, drives, numa, mounts, tuple(notes), live=True)
+    return replace(topo, notes=tuple(notes))
 
 
 def cuda_gpu_indices(topology: Topology) -> dict[int, int]:

@@ -207,8 +207,8 @@ class Topology:
         problems = []
         if not self.gpus:
             problems.append("no GPUs found")
-        if not any(d.kind == "nvme" for d in self.drives):
-            problems.append("no NVMe drives")
+        if not any(d.numa >= 0 or d.path for d in self.drives):
+            problems.append("no drives with a known location")
         located = [d for d in (*self.gpus, *self.drives) if d.numa >= 0 or d.path]
         if len(self.numa) <= 1 and not any(self.switch_of(d) for d in located):
             problems.append(f"{len(self.numa) or 'no'} NUMA node{'' if len(self.numa) == 1 else 's'} "
