@@ -287,7 +287,7 @@ def test_normalize_bdf():
 
 # -- the command --------------------------------------------------------------------------
 
-def test_cli_on_this_machine(capsys):
+def test_cli_on_this_machine(capsys, tmp_path):
     assert main(["topology", "."]) == 0
     text = capsys.readouterr().out
     assert "Roots:" in text and "Plan for 8.00 GiB" in text
@@ -297,13 +297,10 @@ def test_cli_on_this_machine(capsys):
     assert sum(f["bytes"] for f in report["plan"]["files"]) == 1 << 20
     assert report["roots"][0]["path"] == "."
     # what --json prints replays
-    replay = Path("topology-live.json")
-    try:
-        replay.write_text(json.dumps(report))
-        assert main(["topology", "--replay", str(replay), "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["topology"] == report["topology"]
-    finally:
-        replay.unlink()
+    replay = tmp_path / "topology-live.json"
+    replay.write_text(json.dumps(report))
+    assert main(["topology", "--replay", str(replay), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["topology"] == report["topology"]
 
 
 def test_cli_replays_a_dgx(capsys):
