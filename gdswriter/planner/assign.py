@@ -10,8 +10,8 @@ and each file is written front to back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..errors import InvalidOptionError
 
@@ -39,14 +39,21 @@ class PlannedChunk:
 
 @dataclass(frozen=True)
 class FilePlan:
+    """One file's chunks; ``writer`` and ``gpu`` say whose memory they come from when the
+    plan is GPU-local (planner/affinity.py): ``writer`` is the device ('cuda:0', 'cpu'),
+    ``gpu`` the NVML index of that GPU. Code that does not care ignores them."""
+
     target: FileTarget
     size: int
     chunks: tuple[PlannedChunk, ...]  # sorted by file_offset
+    writer: str = ""
+    gpu: int | None = None
 
 
 @dataclass(frozen=True)
 class SavePlan:
     files: tuple[FilePlan, ...]
+    notes: tuple[str, ...] = ()  # for people: why the plan is as it is
 
     def chunks_of(self, storage: int) -> list[PlannedChunk]:
         return sorted((c for f in self.files for c in f.chunks if c.storage == storage),
@@ -65,10 +72,7 @@ def plan_save(storage_sizes: Sequence[int], targets: Sequence[FileTarget], *, al
     """
     if not targets:
         raise InvalidOptionError("plan_save needs at least one target file")
-    if align < 1 or align & (align - 1):
-        raise InvalidOptionError(f"align={align} must be a power of two")
-    if any(s < 0 for s in storage_sizes):
-        raise InvalidOptionError("storage sizes must be >= 0")
+    _check_sizes(storage_sizes, align)
     total = sum(_align_up(s, align) for s in storage_sizes)
     n = len(targets)
     # File f takes the stream's [cut[f], cut[f+1]): each cut is the aligned point at or below
@@ -76,8 +80,37 @@ def plan_save(storage_sizes: Sequence[int], targets: Sequence[FileTarget], *, al
     # share for every file would leave the last files short by up to n-1 units, or empty).
     units = total // align
     cut = [units * f // n * align for f in range(n + 1)]
-    share = [cut[f + 1] - cut[f] for f in range(n)]
-    per_file: list[list[PlannedChunk]] = [[] for _ in targets]
+    per_file = cut_stream(storage_sizes, [cut[f + 1] - cut[f] for f in range(n)], align=align)
+    files = []
+    for i, t in enumerate(targets):
+        chunks = tuple(per_file[i])
+        size = max((c.file_offset + c.length for c in chunks), default=0)
+        files.append(FilePlan(t, size, chunks))
+    return SavePlan(tuple(files))
+
+
+def _check_sizes(storage_sizes: Sequence[int], align: int) -> None:
+    if align < 1 or align & (align - 1):
+        raise InvalidOptionError(f"align={align} must be a power of two")
+    if any(s < 0 for s in storage_sizes):
+        raise InvalidOptionError("storage sizes must be >= 0")
+
+
+def cut_stream(storage_sizes: Sequence[int], shares: Sequence[int], *, align: int = DEFAULT_ALIGN) -> list[list[PlannedChunk]]:
+    """Lay the storages end to end (each starting aligned) and cut the stream into files of
+    ``shares`` bytes (aligned; the last file takes whatever is left): the chunks of each file.
+
+    A storage that straddles a cut is split at an aligned storage offset, so every chunk
+    starts aligned in its storage and in its file. Zero-byte storages get one empty chunk
+    in file 0. Chunk ``file`` fields index ``shares``.
+    """
+    _check_sizes(storage_sizes, align)
+    if not shares:
+        raise InvalidOptionError("cut_stream needs at least one file")
+    if any(s < 0 or s % align for s in shares):
+        raise InvalidOptionError(f"file shares must be multiples of align={align}")
+    n = len(shares)
+    per_file: list[list[PlannedChunk]] = [[] for _ in shares]
     fill = [0] * n
     f = 0
     for sid, size in enumerate(storage_sizes):
@@ -86,9 +119,9 @@ def plan_save(storage_sizes: Sequence[int], targets: Sequence[FileTarget], *, al
             continue
         done = 0
         while done < size:
-            while f < n - 1 and fill[f] >= share[f]:
+            while f < n - 1 and fill[f] >= shares[f]:
                 f += 1
-            room = size - done if f == n - 1 else share[f] - fill[f]
+            room = size - done if f == n - 1 else shares[f] - fill[f]
             length = min(size - done, room)
             if length < size - done:
                 # Cut at an aligned storage offset so the continuation starts aligned too.
@@ -97,9 +130,4 @@ def plan_save(storage_sizes: Sequence[int], targets: Sequence[FileTarget], *, al
             per_file[f].append(PlannedChunk(sid, done, length, f, fill[f]))
             fill[f] += _align_up(length, align)
             done += length
-    files = []
-    for i, t in enumerate(targets):
-        chunks = tuple(per_file[i])
-        size = max((c.file_offset + c.length for c in chunks), default=0)
-        files.append(FilePlan(t, size, chunks))
-    return SavePlan(tuple(files))
+    return per_file
