@@ -5,6 +5,7 @@
     gdswriter verify ROOT [--step N | --all]
     gdswriter export ROOT [--step N] --to torch|safetensors OUT [--force]
     gdswriter demo [--dir D] [--size 4G] [--engine auto|io_uring|posix]
+    gdswriter doctor [DIR...] [--json] [--test-size 64M] [--no-io-test]
 
 Each command lives in its own module under gdswriter/commands/ (``register`` adds its
 parser, ``run`` does the work); this module only parses and maps errors to exit codes.
@@ -27,7 +28,7 @@ from . import __version__
 from .commands._common import EXIT_CORRUPT, EXIT_USAGE, UsageError
 from .errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, UnsupportedObjectError
 
-COMMANDS = ("ls", "inspect", "verify", "export", "demo")
+COMMANDS = ("ls", "inspect", "verify", "export", "demo", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

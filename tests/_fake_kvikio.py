@@ -18,6 +18,7 @@ import enum
 import os
 import sys
 import threading
+import time
 import types
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,6 +44,7 @@ class FakeKvikio:
                        "per_buffer_cache_size": 1024}
         self.gds_fs_supported = gds_fs_supported  # False: cuFile falls back per file (unsupported FS)
         self.fail: dict | None = None  # {"op": "write"|"read"|"open", "at": n (0-based task), "errno": e}
+        self.task_delay = 0.0  # seconds each task sleeps first (keeps requests in flight)
         self.calls: list[tuple[str, int, int]] = []  # (op, file_offset, size) per pread/pwrite call
         self.registered: list[int] = []
         self.open_files = 0
@@ -73,6 +75,9 @@ class FakeKvikio:
             self.tasks_in_flight += 1
         try:
             f = self.fail
+            if f and f["op"] == op and k == f["at"]:
+                raise RuntimeError(f"POSIX {op} failed: {os.strerror(f['errno'])}")
+            time.sleep(self.task_delay)
             if f and f["op"] == op and k >= f["at"]:
                 raise RuntimeError(f"POSIX {op} failed: {os.strerror(f['errno'])}")
             done = 0
