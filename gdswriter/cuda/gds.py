@@ -376,7 +376,7 @@ class GdsEngine(IOEngine):
         # KvikIO splits each request into tasks for its threads (KVIKIO_TASK_SIZE, if set, wins).
         self._task_size = None if "KVIKIO_TASK_SIZE" in os.environ else self.options.buffer_bytes
         self._configure_threads()
-        self._monitor = self._kvikio.SummaryMonitor() if hasattr(self._kvikio, "SummaryMonitor") else None
+        self._monitor = self._statistics() if self.mode == GDS else None
         self._staging: dict[torch.device, list[torch.Tensor]] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._registered: list[torch.Tensor] = []
@@ -385,6 +385,14 @@ class GdsEngine(IOEngine):
         if not self.status.gpu_direct:
             log_once("kvikio-compat", f"gdswriter: KvikIO runs in compat mode (POSIX through host bounce buffers): "
                                       f"{self.status.reason}")
+
+    def _statistics(self):
+        """KvikIO's I/O statistics (26.10+; process-wide, so only kept where they decide
+        something: in GDS mode, which path each file's bytes took). None without them."""
+        try:
+            return self._kvikio.SummaryMonitor()
+        except Exception:  # noqa: BLE001 - an older KvikIO: the engine's mode is all there is
+            return None
 
     def _configure_threads(self) -> None:
         """KvikIO's pool has 1 thread by default; give it up to MAX_THREADS unless the user
