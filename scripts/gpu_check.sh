@@ -17,7 +17,7 @@
 # Knobs: GDS_BENCH_SIZE (8G), GDS_BENCH_BUDGET (seconds for the benchmark, 150),
 # GDS_BENCH_DIR (.bench-tmp/gpu-check), GDS_DOCTOR_TEST_SIZE (256M), GDS_TESTS_TIMEOUT (180).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-.gpu-out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -57,7 +57,7 @@ section "environment"
         echo "no nvidia-smi"
     fi
     echo "kernel $(uname -r), $(nproc) cpus, memlock $(ulimit -l), io_uring_disabled $(cat /proc/sys/kernel/io_uring_disabled 2>&1)"
-    echo "nvidia-fs: $(cat /proc/driver/nvidia-fs/version 2>/dev/null | head -1 || true)$(ls /dev/nvidia-fs* 2>/dev/null | head -1)"
+    echo "nvidia-fs: $(head -1 /proc/driver/nvidia-fs/version 2>/dev/null) $(compgen -G '/dev/nvidia-fs*' | head -1)"
     echo "cufile.json: ${CUFILE_ENV_PATH_JSON:-/etc/cufile.json}; tools: $(command -v gdsio fio 2>/dev/null | tr '\n' ' ')"
 } 2>&1 | tee "$OUT/environment.txt"
 
