@@ -6,6 +6,7 @@
     gdswriter export ROOT [--step N] --to torch|safetensors OUT [--force]
     gdswriter demo [--dir D] [--size 4G] [--engine auto|io_uring|posix]
     gdswriter topology [ROOT...] [--size S] [--json] [--replay FILE.json]
+    gdswriter doctor [DIR...] [--json] [--test-size 64M] [--no-io-test]
 
 Each command lives in its own module under gdswriter/commands/ (``register`` adds its
 parser, ``run`` does the work); this module only parses and maps errors to exit codes.
@@ -28,7 +29,7 @@ from . import __version__
 from .commands._common import EXIT_CORRUPT, EXIT_USAGE, UsageError
 from .errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, UnsupportedObjectError
 
-COMMANDS = ("ls", "inspect", "verify", "export", "demo", "topology")
+COMMANDS = ("ls", "inspect", "verify", "export", "demo", "doctor", "topology")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -69,6 +69,11 @@ class EngineInfo:
     # The staging buffers asked the kernel for transparent huge pages (it may still use 4 KiB
     # pages, e.g. where THP is off).
     huge_page_buffers: bool = False
+    # How CUDA tensors' bytes move: "staged" (copied through gdswriter's page-locked host
+    # buffers), "gds" (GPUDirect Storage: DMA between GPU memory and storage) or
+    # "kvikio-compat" (KvikIO/cuFile's POSIX path through host bounce buffers).
+    cuda_path: str = "staged"
+    gpu_direct: bool = False  # True only where bytes skip host memory (cuda_path == "gds")
 
 
 class IOEngine(abc.ABC):

@@ -1,10 +1,19 @@
 """Engine selection: the one place that decides which engine moves a checkpointer's bytes.
 
-``auto`` takes io_uring where the kernel allows it, else the POSIX thread pool, and
-says why once. The engines themselves (fallback/) know nothing of each other.
+``auto`` takes GPUDirect Storage (the KvikIO engine) only where it truly works: the
+nvidia-fs driver is loaded (or cuFile is set up for the kernel's P2PDMA), cuFile reports
+GDS available and KvikIO would not use its POSIX compat path. Without it, gdswriter's
+pinned-buffer io_uring engine moves CUDA tensors faster than KvikIO's compat mode (H200
+without nvidia-fs, 4 GiB, durable write / cold read: 2.29 / 1.91 GB/s against 2.2 / 1.5),
+so ``auto`` falls back to io_uring, else POSIX, and says why once. ``gds`` and ``kvikio``
+ask for the KvikIO engine explicitly. The KvikIO engine hands files holding no CUDA
+tensor to a host engine chosen here too. The engines themselves know nothing of each other.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import logging
 
 from .engine import IOEngine
 from .fallback import uring
@@ -12,15 +21,37 @@ from .fallback.engine import IoUringEngine, PosixEngine
 from .options import EngineOptions, log_once
 
 
-def create_engine(options: EngineOptions | None = None) -> IOEngine:
-    """The best engine this machine allows for ``options`` (default: from GDSWRITER_* env)."""
-    options = options or EngineOptions.from_env()
+def _host_engine(options: EngineOptions, reason: str = "") -> IOEngine:
+    """gdswriter's own engine: io_uring where the kernel allows it, else the POSIX thread pool."""
     if options.engine == "posix":
         return PosixEngine(options, reason="requested (engine='posix')")
     if options.engine == "io_uring":
-        return IoUringEngine(options)
+        return IoUringEngine(options, reason=reason)
     why = uring.probe()
     if why is None:
-        return IoUringEngine(options)
+        return IoUringEngine(options, reason=reason)
     log_once("posix-fallback", f"gdswriter: {why}; falling back to the POSIX thread-pool engine")
-    return PosixEngine(options, reason=why)
+    return PosixEngine(options, reason="; ".join(x for x in (reason, why) if x))
+
+
+def create_engine(options: EngineOptions | None = None) -> IOEngine:
+    """The best engine this machine allows for ``options`` (default: from GDSWRITER_* env)."""
+    options = options or EngineOptions.from_env()
+    if options.engine in ("gds", "kvikio"):
+        from .cuda.gds import GdsEngine
+
+        return GdsEngine(options, require_gpu_direct=options.engine == "gds",
+                         host_engine=lambda: _host_engine(dataclasses.replace(options, engine="auto")),
+                         reason=f"requested (engine={options.engine!r})")
+    if options.engine == "auto":
+        from .cuda.gds import GdsEngine, gpu_direct_unavailable
+
+        why_not = gpu_direct_unavailable()
+        if why_not is None:
+            return GdsEngine(options, require_gpu_direct=True, host_engine=lambda: _host_engine(options))
+        if why_not != "no CUDA device":
+            reason = (f"GPUDirect Storage unavailable ({why_not}); CUDA tensors go through page-locked host "
+                      f"buffers, faster than KvikIO's compat mode")
+            log_once("no-gds", f"gdswriter: {reason}", logging.INFO)
+            return _host_engine(options, reason)
+    return _host_engine(options)

@@ -24,19 +24,26 @@ def cold(path: str | os.PathLike, state: dict) -> None:
     state["dropped"] = drop_caches() and state.get("dropped", True)
 
 
-def mount_of(path: Path) -> str:
-    """'ext4 on /dev/vda' for the file system holding ``path`` (best effort)."""
-    best, desc = "", "unknown file system"
+def mount_entry(path: Path) -> tuple[str, str, str, str] | None:
+    """(mount point, source device, file system type, mount options) of the file system
+    holding ``path``, from /proc/self/mounts; None where it cannot be read."""
+    best = None
     real = str(path.resolve())
     with contextlib.suppress(OSError):
         for line in Path("/proc/self/mounts").read_text().splitlines():
             parts = line.split()
-            if len(parts) < 3:
+            if len(parts) < 4:
                 continue
             mnt = parts[1].replace("\\040", " ")
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, desc = mnt, f"{parts[2]} on {parts[0]}"
-    return desc
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0] if best else ""):
+                best = (mnt, parts[0], parts[2], parts[3])
+    return best
+
+
+def mount_of(path: Path) -> str:
+    """'ext4 on /dev/vda' for the file system holding ``path`` (best effort)."""
+    m = mount_entry(path)
+    return f"{m[2]} on {m[1]}" if m else "unknown file system"
 
 
 def raw_reference(path: Path, size: int, pattern: memoryview, cache: dict) -> tuple[float, float, bool]:

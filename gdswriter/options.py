@@ -16,7 +16,7 @@ _said: set[str] = set()
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALIGN = 4096  # every direct request is aligned to this (covers 512 B and 4 KiB logical blocks)
 
-ENGINES = ("auto", "io_uring", "posix")
+ENGINES = ("auto", "io_uring", "posix", "gds", "kvikio")
 
 
 def log_once(key: str, message: str, level: int = logging.WARNING) -> None:
@@ -50,7 +50,11 @@ def _env_int(name: str, raw: str) -> int:
 class EngineOptions:
     """How bytes move between memory and files.
 
-    engine: "auto" (io_uring, else POSIX), "io_uring" or "posix".
+    engine: "auto": GPUDirect Storage where it truly works (nvidia-fs loaded, cuFile agrees),
+        else io_uring, else POSIX; "io_uring" or "posix" (gdswriter's own engines: CUDA
+        tensors go through page-locked host buffers); "gds" (KvikIO, refusing to run unless
+        GPUDirect Storage truly works); "kvikio" (KvikIO in whatever mode it runs, compat
+        included). See docs/gds.md.
     queue_depth: I/O requests kept in flight at once.
     request_bytes: size of one read/write request (multiple of 4 KiB).
     buffer_bytes: size of one page-locked staging buffer (multiple of request_bytes).

@@ -619,7 +619,7 @@ def test_engine_options_from_env():
 
 
 @pytest.mark.parametrize("var,value", [("GDSWRITER_QUEUE_DEPTH", "abc"), ("GDSWRITER_BUFFER_BYTES", "8X"),
-                                       ("GDSWRITER_DIRECT_IO", "maybe"), ("GDSWRITER_ENGINE", "gds"),
+                                       ("GDSWRITER_DIRECT_IO", "maybe"), ("GDSWRITER_ENGINE", "warp-drive"),
                                        ("GDSWRITER_REQUEST_BYTES", "5000")])
 def test_engine_options_from_env_rejects(var, value):
     with pytest.raises(InvalidOptionError) as ei:
