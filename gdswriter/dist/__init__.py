@@ -1,0 +1,69 @@
+"""Multi-rank checkpoints: GDSCheckpointer under torch.distributed, and a DCP storage plug-in.
+
+Every rank writes a disjoint, byte-balanced part of the step into its own files on its own
+roots (FastPersist's parallel writes); rank 0 builds the one manifest and the step commits
+once, atomically across ranks and roots (commit.py). Loading works on any world size
+(load.py), also when each rank sees only its node's disks (fetch.py). The on-disk layout is
+docs/format.md section 9. ``GDSStorageWriter``/``GDSStorageReader`` (dcp.py) put
+torch.distributed.checkpoint on the same engine, format and commit protocol.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..format.manifest import MANIFEST_NAME, Manifest
+from .group import Coordinator
+from .options import DistOptions
+from .roots import discover_layout, root_identity
+from .session import DistSession, open_session
+
+if TYPE_CHECKING:
+    from ..checkpointer import GDSCheckpointer
+    from .dcp import GDSStorageReader, GDSStorageWriter
+
+__all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "root_identity"]
+
+
+def session_for(roots: Sequence[Path], process_group: Any = None, options: DistOptions | None = None
+                ) -> DistSession | None:
+    """GDSCheckpointer's multi-rank session (collective), or None for a single process: no
+    ``process_group`` given, and torch.distributed not initialised or a world of one rank."""
+    if process_group is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+    options = options or DistOptions.from_env()
+    return open_session(roots, Coordinator.for_group(process_group, timeout_s=options.timeout_s), options)
+
+
+def is_multi_rank(protocol: Any, step: int | None) -> bool:
+    """Whether ``step`` (None: the latest) was saved by several ranks (a format 1.2 manifest with "dist")."""
+    path = protocol.step_dir(protocol.require(step)) / MANIFEST_NAME
+    return Manifest.from_json_bytes(path.read_bytes(), where=str(path)).dist is not None
+
+
+def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify: bool) -> int:
+    """GDSCheckpointer.load of a multi-rank checkpoint, on its ranks or in one process."""
+    from ..restore import LiveState
+    from .load import collective_load
+
+    live = LiveState(ckpt.model, ckpt.optimizer, ckpt.extra, restore_rng=ckpt.options.save_rng)
+    engine = ckpt._engine_list()[0]
+    session: DistSession | None = ckpt._dist
+    if session is not None:
+        return session.load(live, step, engine, strict=strict, verify=verify)
+    coord = Coordinator.solo()
+    layout = discover_layout(coord, ckpt.roots, create=False)
+    return collective_load(coord, layout, ckpt.protocol, live, step, engine, strict=strict, verify=verify)
+
+
+def __getattr__(name: str) -> Any:
+    """The DCP plug-in loads torch.distributed.checkpoint, so it is imported on first use."""
+    if name in ("GDSStorageWriter", "GDSStorageReader"):
+        from . import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
