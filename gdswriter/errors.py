@@ -149,9 +149,10 @@ class RankFailedError(_Rebuildable, GDSWriterError, RuntimeError):
                          f"{hint[:1].upper()}{hint[1:]}")
 
 
-class CollectiveTimeoutError(_Rebuildable, GDSWriterError, TimeoutError):
+class CollectiveFailedError(_Rebuildable, GDSWriterError, ConnectionError):
     """A rank did not take part in a checkpoint collective within the timeout, or its connection
-    was lost (it died, hung, or the network failed). Nothing was committed by this collective."""
+    was lost (it died, hung, or the network failed). Nothing was committed by this collective.
+    (Not a TimeoutError: concurrent.futures treats those as "the wait timed out".)"""
 
     def __init__(self, what: str, timeout_s: float, cause: str):
         self._init_args = (what, timeout_s, cause)
@@ -161,7 +162,7 @@ class CollectiveTimeoutError(_Rebuildable, GDSWriterError, TimeoutError):
                          f"intact. Restart the job (leftovers are removed when the checkpointer opens the roots); "
                          f"raise DistOptions.timeout_s (GDSWRITER_DIST_TIMEOUT) if ranks are only slow")
 
-    def __str__(self) -> str:  # TimeoutError is an OSError: keep its "[Errno ...]" prefix out
+    def __str__(self) -> str:  # an OSError: keep its "[Errno ...]" prefix out
         return self.args[0] if self.args else ""
 
 

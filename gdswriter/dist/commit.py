@@ -14,7 +14,7 @@ Step S, with roots in the table every rank agrees on (roots.py; the primary firs
    to ``step_S``: the commit point;
 5. announce: rank 0 tells every rank whether the step committed; then ``latest`` moves.
 
-A rank that dies or hangs makes a collective fail (CollectiveTimeoutError on the others,
+A rank that dies or hangs makes a collective fail (CollectiveFailedError on the others,
 within the timeout) before step 4, so nothing is committed and the previous step stays the
 latest; what the failed save left (temporary directories, secondary ``step_S`` without a
 primary manifest) is removed when the roots are next opened.

@@ -2,7 +2,7 @@
 
 Every checkpoint collective (who holds what, votes, the commit decision, chunks sent to a
 rank that cannot read them) runs over one dedicated gloo group per process group, created
-once, with an explicit timeout: a rank that dies or hangs turns into CollectiveTimeoutError
+once, with an explicit timeout: a rank that dies or hangs turns into CollectiveFailedError
 on the others within the timeout instead of a hang, and the training's own (NCCL) group is
 never touched. Messages are JSON, sent as byte tensors: nothing is pickled.
 
@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import CollectiveTimeoutError, RankFailedError
+from ..errors import CollectiveFailedError, RankFailedError
 
 
 def describe(e: BaseException) -> str:
@@ -89,13 +89,13 @@ class Coordinator:
     # -- plumbing ------------------------------------------------------------
     def _run(self, what: str, fn: Callable[[], Any]) -> Any:
         if self._broken is not None:
-            raise CollectiveTimeoutError(what, self.timeout_s, f"an earlier checkpoint collective failed: "
+            raise CollectiveFailedError(what, self.timeout_s, f"an earlier checkpoint collective failed: "
                                                                f"{self._broken}")
         try:
             return fn()
         except Exception as e:  # noqa: BLE001 - gloo reports a lost peer as RuntimeError/DistError
             self._broken = describe(e)
-            raise CollectiveTimeoutError(what, self.timeout_s, self._broken) from e
+            raise CollectiveFailedError(what, self.timeout_s, self._broken) from e
 
     @staticmethod
     def _encode(obj: Any) -> torch.Tensor:

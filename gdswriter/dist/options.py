@@ -15,7 +15,7 @@ class DistOptions:
     """Options of multi-rank checkpoints (keyword-only, validated).
 
     timeout_s: how long a rank waits for the others in a checkpoint collective before it
-        raises CollectiveTimeoutError (env GDSWRITER_DIST_TIMEOUT). A rank that dies is
+        raises CollectiveFailedError (env GDSWRITER_DIST_TIMEOUT). A rank that dies is
         usually noticed at once (its connections close); the timeout bounds the wait for a
         rank that hangs or a node that vanishes. It must exceed the longest time one rank
         spends writing its share of a save.
