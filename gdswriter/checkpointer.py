@@ -70,6 +70,12 @@ class GDSCheckpointer:
     tensors and values (LR scheduler, GradScaler, a data loader's position...).
     One checkpointer owns its roots (a lock); leftovers of crashed saves are
     removed when it opens them.
+
+    Under torch.distributed (an initialised process group of several ranks, or
+    ``process_group=``) every rank creates one, with its own ``root`` (shared or
+    node-local), and save/load are collective: replicated state is written once,
+    split across the ranks, DTensor shards once per replica group, one commit for
+    all (gdswriter/dist/; ``dist_options``: DistOptions, e.g. the timeout).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, root: Any = "ckpts", *,

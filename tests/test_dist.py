@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -302,6 +303,8 @@ def test_rank_raising_then_rank_killed_mid_save(tmp_path):
     save works. A rank SIGKILLed mid-save: the survivor gets CollectiveFailedError at once (the
     peer's connections close), step 3 stays the latest, and the next open removes the leftovers."""
     from gdswriter import GDSCheckpointer
+    from gdswriter.dist import DistOptions, open_session
+    from gdswriter.dist.group import Coordinator
 
     roots = _roots(tmp_path, 2, private=True)
     res = run_ranks(2, _failure_worker, roots, str(tmp_path), 60.0, out=tmp_path / "ranks", killed=(1,))
@@ -315,9 +318,14 @@ def test_rank_raising_then_rank_killed_mid_save(tmp_path):
     assert (Path(roots[0]) / "latest").read_text() == "3\n"
     leftovers = [n for n in os.listdir(roots[1]) if n.startswith(".tmp-step_000000000004")]
     assert leftovers, "the killed rank's durable files are still in its temporary directory"
+    # as if it had died after publishing its secondary directory: a step_4 without a primary manifest
+    shutil.copytree(Path(roots[1], leftovers[0]), Path(roots[1], "step_000000000004"))
+    session = open_session([Path(r) for r in roots], Coordinator.solo(), DistOptions())  # the next open
+    session.lock.release()
+    assert sorted(os.listdir(roots[1])) == [".gdswriter-root", ".gdswriter.lock", "step_000000000001",
+                                            "step_000000000003"]
     model, opt = _ddp_model(seed=9)
-    with GDSCheckpointer(model, opt, root=roots, options=_options()) as ck:  # the next open, one process
-        assert not [n for r in roots for n in os.listdir(r) if n.startswith(".tmp-")]
+    with GDSCheckpointer(model, opt, root=roots, options=_options()) as ck:
         assert ck.steps() == [1, 3] and ck.load() == 3
     assert _same(_tensors(model, opt), torch.load(tmp_path / "expected3.pt")) == []
 

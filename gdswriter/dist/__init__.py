@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..checkpointer import GDSCheckpointer
     from .dcp import GDSStorageReader, GDSStorageWriter
 
-__all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "root_identity"]
+__all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "open_session", "root_identity"]
 
 
 def session_for(roots: Sequence[Path], process_group: Any = None, options: DistOptions | None = None

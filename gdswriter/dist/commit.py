@@ -124,6 +124,8 @@ class RankCommit:
         """Rank 0: raise if a secondary root could not be published (nothing is committed)."""
         if self.secondary_failures:
             self.abort()
+            if self.local_error is not None:
+                raise self.local_error
             raise RankFailedError(f"{self.what} (secondary roots)", self.secondary_failures)
 
     # -- 4 and 5 -----------------------------------------------------------------
