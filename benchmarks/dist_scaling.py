@@ -74,14 +74,14 @@ def _evict(dirs) -> None:
                 pagecache.evict(os.path.join(base, f))
 
 
-def _timed(fn) -> float:
-    """Run ``fn`` on every rank between barriers; the slowest rank's seconds."""
+def _timed(fn, *args, **kwargs) -> float:
+    """Run ``fn(*args, **kwargs)`` on every rank between barriers; the slowest rank's seconds."""
     import torch
     import torch.distributed as dist
 
     dist.barrier()
     start = time.perf_counter()
-    fn()
+    fn(*args, **kwargs)
     t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
@@ -126,26 +126,26 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
                     dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-{rnd}-root{i}") for i in range(nroots)]
                     if case == "gdswriter":
                         with GDSCheckpointer(state, root=dirs) as ck:
-                            saves.append(_timed(lambda: ck.save(rnd)))
+                            saves.append(_timed(ck.save, rnd))
                         # one process writes data-r<root>-f<k>.bin (the single-process path)
                         mine.append(_rank_bytes(dirs, f"data-rank{rank}-*" if world > 1 else "data-*"))
                         if rank == 0:
                             _evict(dirs)
                         with GDSCheckpointer(target, root=dirs) as ck:
-                            loads.append(_timed(lambda: ck.load(rnd)))
+                            loads.append(_timed(ck.load, rnd))
                     elif case == "gdswriter-dcp":
-                        saves.append(_timed(lambda: dcp.save(state, storage_writer=GDSStorageWriter(dirs, rnd))))
+                        saves.append(_timed(dcp.save, state, storage_writer=GDSStorageWriter(dirs, rnd)))
                         mine.append(_rank_bytes(dirs, f"data-rank{rank}-*"))
                         if rank == 0:
                             _evict(dirs)
-                        loads.append(_timed(lambda: dcp.load(target, storage_reader=GDSStorageReader(dirs, rnd))))
+                        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, rnd)))
                     else:
-                        saves.append(_timed(lambda: dcp.save(state, storage_writer=FileSystemWriter(
-                            dirs[0], sync_files=True))))
+                        saves.append(_timed(dcp.save, state,
+                                            storage_writer=FileSystemWriter(dirs[0], sync_files=True)))
                         mine.append(_rank_bytes(dirs, f"__{rank}_*.distcp"))
                         if rank == 0:
                             _evict(dirs)
-                        loads.append(_timed(lambda: dcp.load(target, storage_reader=FileSystemReader(dirs[0]))))
+                        loads.append(_timed(dcp.load, target, storage_reader=FileSystemReader(dirs[0])))
                     assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
                     for t in target.values():
                         t.zero_()
@@ -158,7 +158,7 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
                     "save_s": saves, "load_s": loads, "rank_bytes": _gather_bytes(int(statistics.median(mine)))}
         if rank == 0:
             Path(result_path).write_text(json.dumps(results))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported, then the rank exits non-zero
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)

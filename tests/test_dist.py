@@ -13,7 +13,6 @@ import signal
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from test_dist_harness import run_ranks

@@ -16,7 +16,7 @@ import json
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -44,8 +44,8 @@ class Coordinator:
     """Object collectives among the ranks of one process group (``rank`` and ``world_size`` are
     in that group). ``solo()`` is the one-process case: every collective is trivial."""
 
-    _cache: dict[tuple[int, float], "Coordinator"] = {}
-    _cache_lock = threading.Lock()
+    _cache: ClassVar[dict[tuple[int, float], Coordinator]] = {}
+    _cache_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, group: Any, ranks: Sequence[int], rank: int, timeout_s: float, source: Any = None):
         self.group, self.global_ranks, self.rank = group, list(ranks), rank

@@ -41,7 +41,7 @@ def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Seque
         by_storage.setdefault(rec.storage, []).append(i)
     missing = set(shards) - {rec.name for rec in snap.records}
     if missing:
-        name = sorted(missing)[0]
+        name = min(missing)
         raise UnsupportedObjectError(name, None, "a DTensor whose key path the snapshot names differently (keys "
                                                  "must be str or int)", type_name="DTensor")
     keys = []
