@@ -66,8 +66,8 @@ def test_two_roots_commit_resave_and_load(tmp_path, engines):
 
     extra: dict = {"n": 0}
     layout = discover_layout(Coordinator.solo(), roots, create=False)
-    assert collective_load(Coordinator.solo(), layout, s.protocol, LiveState(live, None, {"x": extra}), None,
-                           engines[0], strict=False, verify=True) == 5
+    assert collective_load(Coordinator.solo(), layout, s.protocol, LiveState(live, None, {"x": extra}),
+                           {"model": live, "extra": {"x": extra}}, None, engines[0], strict=False, verify=True) == 5
     want = _state(2)["model"]
     assert torch.equal(live["w"], want["w"]) and torch.equal(live["b"], want["b"])
     s.lock.release()
@@ -138,8 +138,8 @@ def test_a_root_no_rank_reaches_is_a_typed_error(tmp_path, engines):
     layout = discover_layout(Coordinator.solo(), [roots[0]], create=False)
     live = {"w": torch.zeros(300, 50), "b": torch.zeros(7)}
     with pytest.raises(UnreachableDataError, match="root #1"):
-        collective_load(Coordinator.solo(), layout, CommitProtocol([roots[0]]), LiveState(live, None, {}), None,
-                        engines[0], strict=False, verify=True)
+        collective_load(Coordinator.solo(), layout, CommitProtocol([roots[0]]), LiveState(live, None, {}),
+                        {"model": live}, None, engines[0], strict=False, verify=True)
     assert not live["w"].any(), "nothing was applied"
     m = Manifest.from_json_bytes((roots[0] / "step_000000000001" / "manifest.json").read_bytes())
     assert m.dist.roots[1].path == str(roots[1].resolve())

@@ -51,13 +51,15 @@ def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify
     from .load import collective_load
 
     live = LiveState(ckpt.model, ckpt.optimizer, ckpt.extra, restore_rng=ckpt.options.save_rng)
+    live_state = ckpt._collect()
     engine = ckpt._engine_list()[0]
     session: DistSession | None = ckpt._dist
     if session is not None:
-        return session.load(live, step, engine, strict=strict, verify=verify)
+        return session.load(live, live_state, step, engine, strict=strict, verify=verify)
     coord = Coordinator.solo()
     layout = discover_layout(coord, ckpt.roots, create=False)
-    return collective_load(coord, layout, ckpt.protocol, live, step, engine, strict=strict, verify=verify)
+    return collective_load(coord, layout, ckpt.protocol, live, live_state, step, engine, strict=strict,
+                           verify=verify)
 
 
 def __getattr__(name: str) -> Any:

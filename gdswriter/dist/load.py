@@ -70,19 +70,13 @@ def tensor_refs(tree: Any) -> list[int]:
     return list(out)
 
 
-def live_templates(live: LiveState) -> dict[str, Any]:
-    """Key path -> live tensor (DTensor or plain), named as the manifest names saved ones; an
-    optimizer's parameters also stand for their (not yet created) per-parameter state."""
-    state: dict[str, Any] = {}
-    for name, obj in (("model", live.model), ("optimizer", live.optimizer)):
-        if obj is not None:
-            state[name] = obj.state_dict() if hasattr(obj, "state_dict") else obj
-    if live.extra:
-        state["extra"] = {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in live.extra.items()}
+def live_templates(state: Any, optimizer: Any) -> dict[str, Any]:
+    """Key path -> live tensor (DTensor or plain) of the live ``state`` (as the checkpointer
+    collects it), named as the manifest names saved ones; the optimizer's parameters also stand
+    for their (not yet created) per-parameter state."""
     out = dict(leaves(state))
-    opt = live.optimizer
-    if opt is not None and hasattr(opt, "param_groups") and isinstance(state.get("optimizer"), dict):
-        for saved, group in zip(state["optimizer"].get("param_groups", []), opt.param_groups):
+    if optimizer is not None and hasattr(optimizer, "param_groups") and isinstance(state.get("optimizer"), dict):
+        for saved, group in zip(state["optimizer"].get("param_groups", []), optimizer.param_groups):
             for pid, p in zip(saved.get("params", []), group["params"]):
                 out.setdefault(join("optimizer/state", pid), p)
     return out
@@ -96,8 +90,9 @@ def _template(templates: dict[str, Any], name: str) -> Any:
 
 
 def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
-                    step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> int:
-    """Collective: restore ``live`` on every rank from ``step`` (None: the latest); returns the step."""
+                    live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> int:
+    """Collective: restore ``live`` on every rank from ``step`` (None: the latest); returns the
+    step. ``live_state`` is what saving ``live`` would collect (its tensors say what each rank needs)."""
     what = "loading" if step is None else f"loading step {step}"
     step, m = broadcast_manifest(coord, protocol, step, what)
     what = f"loading step {step}"
@@ -113,7 +108,7 @@ def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProt
                                      f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
         tree = tree_for_rank(m, coord.rank)
         refs = tensor_refs(tree)
-        templates = live_templates(live)
+        templates = live_templates(live_state, live.optimizer)
         needed: set[int] = set()
         for i in refs:
             rec = m.tensors[i]

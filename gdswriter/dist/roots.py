@@ -15,14 +15,13 @@ import errno
 import logging
 import os
 import secrets
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from ..engine import fsync_dir
 from ..errors import EngineIOError, InvalidOptionError
-from ..format.commit import OWNER_NAME, TMP_PREFIX, TRASH_PREFIX, RootLock, _write_durable, parse_step_dir
+from ..format.commit import OWNER_NAME, CommitProtocol, RootLock, _write_durable
 from ..format.manifest import RootInfo
 from .group import Coordinator, describe, raise_failures
 
@@ -124,25 +123,28 @@ def lock_led(layout: RootLayout) -> RootLock:
     return RootLock([layout.local_paths[i] for i in layout.led])
 
 
+class _LedRoots(CommitProtocol):
+    """The roots one rank leads, as commit.py's cleaning sees a checkpoint's roots: the primary
+    first (a path that does not exist when another rank leads it), the steps rank 0 committed,
+    and the primary's identity that secondary step directories name."""
+
+    def __init__(self, layout: RootLayout, committed: Sequence[int]):
+        led = layout.led
+        primary = [layout.local_paths[i] for i in led if layout.is_primary(i)]
+        super().__init__((primary or [layout.local_paths[0] / ".not-led-here"]) +
+                         [layout.local_paths[i] for i in led if not layout.is_primary(i)])
+        self.identity = layout.primary_identity
+        self._committed = sorted(committed)
+
+    def committed_steps(self) -> list[int]:
+        return list(self._committed)
+
+
 def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
-    """Remove what interrupted saves left on the roots this rank leads: temporary and trash
-    entries, and secondary step directories of this primary whose step is not committed."""
-    committed = set(committed)
-    removed = []
-    for i in layout.led:
-        root = layout.local_paths[i]
-        for name in os.listdir(root):
-            path = root / name
-            step = parse_step_dir(name)
-            if name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
-                    not layout.is_primary(i) and step is not None and step not in committed and owned(layout, path)):
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
-                removed.append(path)
-        if removed:
-            fsync_dir(root)
+    """Remove what interrupted saves left on the roots this rank leads (commit.py's cleaning:
+    temporary and trash entries, secondary step directories of this checkpoint whose step
+    rank 0 has not committed)."""
+    removed = _LedRoots(layout, committed).clean_leftovers()
     if removed:
         log.info("gdswriter: rank %d removed %d leftover(s) of interrupted saves", layout.rank, len(removed))
     return removed

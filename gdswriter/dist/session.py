@@ -125,8 +125,10 @@ class DistSession:
         self._learn(msg["committed"], msg["latest"])
 
     # -- load ----------------------------------------------------------------
-    def load(self, live: LiveState, step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> int:
-        return collective_load(self.coord, self.layout, self.protocol, live, step, engine, strict=strict, verify=verify)
+    def load(self, live: LiveState, live_state: dict, step: int | None, engine: IOEngine, *, strict: bool,
+             verify: bool) -> int:
+        return collective_load(self.coord, self.layout, self.protocol, live, live_state, step, engine, strict=strict,
+                               verify=verify)
 
 
 def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions) -> DistSession:
