@@ -75,7 +75,9 @@ class GDSCheckpointer:
     ``process_group=``) every rank creates one, with its own ``root`` (shared or
     node-local), and save/load are collective: replicated state is written once,
     split across the ranks, DTensor shards once per replica group, one commit for
-    all (gdswriter/dist/; ``dist_options``: DistOptions, e.g. the timeout).
+    all (gdswriter/dist/; ``dist_options``: DistOptions, e.g. the timeout). Pass
+    ``dist_options=DistOptions(collective=False)`` for a checkpointer of one process
+    only (e.g. created on rank 0 alone).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, root: Any = "ckpts", *,

@@ -84,11 +84,3 @@ def test_harness_and_coordinator_collectives(tmp_path):
     assert [r["bcast"] for r in res] == [{"from": 2}] * 3
 
 
-def _fails(rank: int, world: int) -> None:
-    if rank == 1:
-        raise ValueError("on purpose")
-
-
-def test_harness_reports_a_rank_error(tmp_path):
-    with pytest.raises(AssertionError, match="on purpose"):
-        run_ranks(2, _fails, out=tmp_path)

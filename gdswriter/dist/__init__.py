@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..errors import InvalidOptionError
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .group import Coordinator
 from .options import DistOptions
@@ -28,14 +29,20 @@ __all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter",
 
 def session_for(roots: Sequence[Path], process_group: Any = None, options: DistOptions | None = None
                 ) -> DistSession | None:
-    """GDSCheckpointer's multi-rank session (collective), or None for a single process: no
-    ``process_group`` given, and torch.distributed not initialised or a world of one rank."""
-    if process_group is None:
-        import torch.distributed as dist
+    """GDSCheckpointer's multi-rank session (collective), or None for a single process (see
+    DistOptions.collective: by default, when no ``process_group`` is given and torch.distributed
+    is not initialised or has one rank)."""
+    import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
     options = options or DistOptions.from_env()
+    initialised = dist.is_available() and dist.is_initialized()
+    if options.collective is False:
+        return None
+    if options.collective is None and process_group is None and not (initialised and dist.get_world_size() > 1):
+        return None
+    if not initialised:
+        raise InvalidOptionError("DistOptions(collective=True) needs torch.distributed: call "
+                                 "torch.distributed.init_process_group first")
     return open_session(roots, Coordinator.for_group(process_group, timeout_s=options.timeout_s), options)
 
 

@@ -75,6 +75,8 @@ def _step_of(checkpoint_id: Any) -> int | None:
 class _Collective:
     """What the writer and reader share: roots, options, and a coordinator opened on first use."""
 
+    _OPEN = ("_coord", "_session", "_items", "_save", "_loaded")  # resources and per-save state: never pickled
+
     def __init__(self, root: Any, step: int | None, process_group: Any, single_process: bool,
                  dist_options: DistOptions | None):
         self.roots = normalize_roots(root)
@@ -96,9 +98,8 @@ class _Collective:
                                      "checkpoint process (async_save with AsyncCheckpointerType.PROCESS): use the "
                                      "default group there, or the thread mode")
         state = dict(self.__dict__)
-        for k in list(state):
-            if k.startswith("_"):
-                state[k] = None  # coordinator, session, engines, plans: reopened where they are used
+        for k in self._OPEN:
+            state[k] = None  # reopened (or rebuilt) where they are used
         return state
 
     @classmethod
@@ -302,7 +303,8 @@ class GDSStorageWriter(_Collective, StorageWriter):
         self._save = None
 
     def __del__(self) -> None:
-        self.close()
+        if getattr(self, "_session", None) is not None:
+            self.close()
 
 
 def _record(wi: Any, item: int, nbytes: int) -> TensorRecord:

@@ -27,10 +27,13 @@ class DistOptions:
         different plain tensors under the same names (e.g. pipeline stages).
     """
 
+    collective: bool | None = None
     timeout_s: float = 600.0
     replicated: tuple[str, ...] = ("model", "optimizer")
 
     def __post_init__(self) -> None:
+        if self.collective not in (None, True, False):
+            raise InvalidOptionError(f"collective={self.collective!r} must be None (detect), True or False")
         t = self.timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e7:
             raise InvalidOptionError(f"timeout_s={t!r} must be a number of seconds > 0")
