@@ -222,6 +222,7 @@ def test_fsdp2_and_dtensor_reshard_4_to_2_to_1(tmp_path):
     one process into a plain model; a 2-D-mesh DTensor (Shard over tp, Replicate over dp) is
     written once per replica group and comes back on a 1-D mesh, then whole."""
     from gdswriter import GDSCheckpointer
+    from gdswriter.dist import load_state
     from gdswriter.format.manifest import Manifest
 
     root = str(tmp_path / "shared")
@@ -243,8 +244,12 @@ def test_fsdp2_and_dtensor_reshard_4_to_2_to_1(tmp_path):
     tp = {"w": torch.zeros(8, 6)}
     with GDSCheckpointer(model, opt, root=root, state={"tp": tp}, options=_options()) as ck:
         assert ck.load() == 20
-    assert _same(_tensors(model, opt), torch.load(tmp_path / "expected20.pt")) == []
+    expected = torch.load(tmp_path / "expected20.pt")
+    assert _same(_tensors(model, opt), expected) == []
     assert torch.equal(tp["w"], TP_FULL)
+    step, state = load_state(root)  # no live objects: every sharded tensor whole
+    assert step == 20 and torch.equal(state["model"]["2.weight"], expected["model/2.weight"])
+    assert torch.equal(state["extra"]["tp"]["w"], TP_FULL)
 
 
 # ----------------------------------------------------------------------------- failures mid-save

@@ -309,6 +309,8 @@ def test_dcp_scenarios_on_2_and_4_ranks(tmp_path):
     node-local roots loaded back through the exchange of chunks between ranks."""
     import torch.distributed.checkpoint as dcp
 
+    from gdswriter.dist import load_state
+
     res4 = run_ranks(4, _four_rank_save, str(tmp_path), out=tmp_path / "r4")
     assert all(x["ok"] for x in res4), res4
     sizes = [x["bytes"] for x in res4]
@@ -318,3 +320,5 @@ def test_dcp_scenarios_on_2_and_4_ranks(tmp_path):
     one = {"dt": torch.zeros(12, 10), "rep": torch.zeros(4096 + 8), "blob": b""}
     dcp.load(one, storage_reader=reader(tmp_path / "four"), no_dist=True)
     assert torch.equal(one["dt"], torch.arange(120.0).reshape(12, 10)) and one["blob"] == b"four ranks"
+    step, whole = load_state(tmp_path / "four")  # gdswriter's own reader: DCP chunks assembled
+    assert step == 0 and torch.equal(whole["dt"], one["dt"]) and torch.equal(whole["rep"], one["rep"])

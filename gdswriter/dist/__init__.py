@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import InvalidOptionError
+from ..options import EngineOptions
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .group import Coordinator
 from .options import DistOptions
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from ..checkpointer import GDSCheckpointer
     from .dcp import GDSStorageReader, GDSStorageWriter
 
-__all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "open_session", "root_identity"]
+__all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "load_state", "open_session",
+           "root_identity"]
 
 
 def session_for(roots: Sequence[Path], process_group: Any = None, options: DistOptions | None = None
@@ -67,6 +69,24 @@ def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify
     layout = discover_layout(coord, ckpt.roots, create=False)
     return collective_load(coord, layout, ckpt.protocol, live, live_state, step, engine, strict=strict,
                            verify=verify)
+
+
+def load_state(root: Any, step: int | None = None, *, verify: bool = True,
+               engine_options: EngineOptions | None = None) -> tuple[int, Any]:
+    """Read a checkpoint into fresh CPU tensors in one process, like gdswriter.load_state, with
+    a multi-rank step's sharded tensors (DTensor shards, DCP chunks) assembled whole; the state
+    is rank 0's (a DCP step's: {fqn: tensor, BytesIO items as uint8 tensors}). ``root``: every
+    root of the checkpoint (those of all nodes), the primary first. Never unpickles; no lock."""
+    from ..engine_select import create_engine
+    from ..format.commit import CommitProtocol, normalize_roots
+    from .load import broadcast_manifest, rebuild_state
+
+    roots = normalize_roots(root)
+    coord = Coordinator.solo()
+    layout = discover_layout(coord, roots, create=False)
+    step, m = broadcast_manifest(coord, CommitProtocol(roots), step, "load_state")
+    with create_engine(engine_options) as engine:
+        return step, rebuild_state(coord, layout, m, {}, None, engine, verify=verify, what=f"load_state of step {step}")
 
 
 def __getattr__(name: str) -> Any:

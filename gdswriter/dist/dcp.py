@@ -149,6 +149,9 @@ class GDSStorageWriter(_Collective, StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.close()
+        if kwargs.get("use_collectives", True) is False:
+            raise InvalidOptionError("GDSStorageWriter commits one step for all ranks: dcp.save(use_collectives=False) "
+                                     "(a metadata file per rank) is not supported; use FileSystemWriter for that")
         coord = self.coordinator()
         if "rank" in kwargs and kwargs["rank"] != coord.rank:
             raise InvalidOptionError(f"DCP saves as rank {kwargs['rank']} but this writer's group has it as rank "

@@ -89,13 +89,10 @@ def _template(templates: dict[str, Any], name: str) -> Any:
     return hit
 
 
-def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
-                    live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> int:
-    """Collective: restore ``live`` on every rank from ``step`` (None: the latest); returns the
-    step. ``live_state`` is what saving ``live`` would collect (its tensors say what each rank needs)."""
-    what = "loading" if step is None else f"loading step {step}"
-    step, m = broadcast_manifest(coord, protocol, step, what)
-    what = f"loading step {step}"
+def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates: dict[str, Any],
+                  optimizer: Any, engine: IOEngine, *, verify: bool, what: str) -> Any:
+    """Collective: the state this rank saved in ``m``, its sharded tensors assembled as the
+    ``templates`` (live tensors by key path) hold them now; the whole tensor without one."""
     unchanged = "the live state was not changed"
     buffers: dict[int, torch.Tensor] = {}
     jobs: dict[str, tuple] = {}
@@ -103,12 +100,8 @@ def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProt
     tree = None
     error = None
     try:
-        if m.dist is not None and m.dist.layout != "gdswriter":
-            raise InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "
-                                     f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
         tree = tree_for_rank(m, coord.rank)
         refs = tensor_refs(tree)
-        templates = live_templates(live_state, live.optimizer)
         needed: set[int] = set()
         for i in refs:
             rec = m.tensors[i]
@@ -125,7 +118,7 @@ def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProt
         error = e
     coord.agree(error, f"{what} (planning)", hint=unchanged)
     fetch_storages(coord, manifest_reach(m, layout), m, buffers, engine, verify=verify, what=what)
-    error = None
+    error, state = None, None
     try:
         views = [i for i in refs if m.tensors[i].shard is None]
         views += sorted({j for *_, blocks in jobs.values() for j in blocks})
@@ -140,6 +133,26 @@ def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProt
                                  [(m.tensors[j].shard, built[j]) for j in blocks])
                 tensors[i] = wrap(local)
         state = decode_state(tree, tensors)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged)
+    return state
+
+
+def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
+                    live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> int:
+    """Collective: restore ``live`` on every rank from ``step`` (None: the latest); returns the
+    step. ``live_state`` is what saving ``live`` would collect (its tensors say what each rank needs)."""
+    step, m = broadcast_manifest(coord, protocol, step, "loading" if step is None else f"loading step {step}")
+    what = f"loading step {step}"
+    error = None
+    if m.dist is not None and m.dist.layout != "gdswriter":
+        error = InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "
+                                   f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
+    coord.agree(error, what, hint="the live state was not changed")
+    state = rebuild_state(coord, layout, m, live_templates(live_state, live.optimizer), live.optimizer, engine,
+                          verify=verify, what=what)
+    try:
         apply_state(live, state, strict)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
