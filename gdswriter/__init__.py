@@ -8,10 +8,11 @@
 from .checkpointer import GDSCheckpointer, SaveHandle
 from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from .engine_select import create_engine
+from .dist import DistOptions
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
-                     CorruptCheckpointError, EngineIOError, EngineUnavailableError, GDSWriterError,
-                     InvalidOptionError, ShortIOError, StateMismatchError, TruncatedFileError,
-                     UnsupportedFormatVersionError, UnsupportedObjectError)
+                     CollectiveFailedError, CorruptCheckpointError, EngineIOError, EngineUnavailableError,
+                     GDSWriterError, InvalidOptionError, RankFailedError, ShortIOError, StateMismatchError,
+                     TruncatedFileError, UnreachableDataError, UnsupportedFormatVersionError, UnsupportedObjectError)
 from .options import CheckpointOptions, EngineOptions
 from .restore import load_state
 
@@ -24,5 +25,16 @@ __all__ = [
     "ChecksumMismatchError", "CorruptCheckpointError", "EngineIOError", "EngineUnavailableError",
     "InvalidOptionError", "ShortIOError", "StateMismatchError", "TruncatedFileError",
     "UnsupportedFormatVersionError", "UnsupportedObjectError",
+    "DistOptions", "GDSStorageWriter", "GDSStorageReader", "CollectiveFailedError", "RankFailedError",
+    "UnreachableDataError",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+    """The DCP plug-in (gdswriter.dist.dcp) imports torch.distributed.checkpoint: loaded on first use."""
+    if name in ("GDSStorageWriter", "GDSStorageReader"):
+        from .dist import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,6 +23,8 @@ from .options import CheckpointOptions
 from .restore import LiveState, load_state, restore_into
 from .rng import rng_state
 from .snapshot import Snapshot, hint_unaligned, take_snapshot
+from .dist import DistOptions, is_multi_rank, session_for as dist_session_for  # [dist hook]
+from .dist import load_into as dist_load_into  # [dist hook]
 from .writer import file_targets, write_and_commit
 
 log = logging.getLogger("gdswriter")
@@ -68,11 +70,20 @@ class GDSCheckpointer:
     tensors and values (LR scheduler, GradScaler, a data loader's position...).
     One checkpointer owns its roots (a lock); leftovers of crashed saves are
     removed when it opens them.
+
+    Under torch.distributed (an initialised process group of several ranks, or
+    ``process_group=``) every rank creates one, with its own ``root`` (shared or
+    node-local), and save/load are collective: replicated state is written once,
+    split across the ranks, DTensor shards once per replica group, one commit for
+    all (gdswriter/dist/; ``dist_options``: DistOptions, e.g. the timeout). Pass
+    ``dist_options=DistOptions(collective=False)`` for a checkpointer of one process
+    only (e.g. created on rank 0 alone).
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, root: Any = "ckpts", *,
                  state: Mapping[str, Any] | None = None, options: CheckpointOptions | None = None,
-                 keep_last: int | None = None, keep_every: int | None = None, save_rng: bool | None = None):
+                 keep_last: int | None = None, keep_every: int | None = None, save_rng: bool | None = None,
+                 process_group: Any = None, dist_options: DistOptions | None = None):
         opts = options or CheckpointOptions()
         overrides = {k: v for k, v in (("keep_last", keep_last), ("keep_every", keep_every),
                                        ("save_rng", save_rng)) if v is not None}
@@ -92,10 +103,13 @@ class GDSCheckpointer:
             except OSError as e:
                 raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
                                          f"directory") from e
-        self.protocol = CommitProtocol(roots)
-        self._lock = RootLock(roots)
+        # [dist hook] under torch.distributed (or with process_group=) the ranks agree on the roots, each
+        # locks and cleans the ones it leads (gdswriter/dist/session.py); else one process owns them all.
+        self._dist = dist_session_for(roots, process_group, dist_options)
+        self.protocol = CommitProtocol(roots) if self._dist is None else self._dist.protocol
+        self._lock = RootLock(roots) if self._dist is None else self._dist.lock
         try:
-            removed = self.protocol.clean_leftovers()
+            removed = self.protocol.clean_leftovers() if self._dist is None else []
             if removed:
                 log.info("gdswriter: removed %d leftover(s) of interrupted saves under %s", len(removed), roots[0])
             self._engines: list[IOEngine] = []
@@ -170,7 +184,10 @@ class GDSCheckpointer:
                 json.dumps(metadata, allow_nan=False)
             except (TypeError, ValueError) as e:
                 raise UnsupportedObjectError("metadata", metadata, f"metadata must be plain JSON: {e}") from e
-        snap = take_snapshot(self._collect(), step, copy=copy, metadata=metadata)
+        state = self._collect()
+        if self._dist is not None:  # [dist hook] DTensors -> their local shards (and where they lie)
+            state = self._dist.prepare(state, step)
+        snap = take_snapshot(state, step, copy=copy, metadata=metadata)
         handle = SaveHandle(step, self._executor.submit(self._write_and_commit, snap), self)
         with self._mutex:
             # Keep only handles whose outcome someone may still need: running, or failed unreported.
@@ -180,8 +197,11 @@ class GDSCheckpointer:
 
     def _write_and_commit(self, snap: Snapshot) -> int:
         engines = self._engine_list()
-        write_and_commit(snap, self.protocol, engines, file_targets(len(self.protocol.roots),
-                                                                   self.options.files_per_root))
+        if self._dist is not None:  # [dist hook] every rank writes its share; one commit (dist/save.py)
+            self._dist.write_and_commit(snap, engines, self.options.files_per_root)
+        else:
+            write_and_commit(snap, self.protocol, engines, file_targets(len(self.protocol.roots),
+                                                                       self.options.files_per_root))
         hint_unaligned([e.flat for e in snap.extents], self.options.engine, engines[0].info)
         # Deleting old steps can take long (unlink of large files, discard): it runs as the
         # worker's next task, so the save is done at its commit; wait()/steps() wait for it.
@@ -191,6 +211,8 @@ class GDSCheckpointer:
     def _apply_retention(self, newest: int) -> None:
         """Delete committed steps the policy no longer keeps (never ``newest``). A failure
         here loses nothing: it is logged and the step is retried after the next save."""
+        if self._dist is not None:  # [dist hook] rank 0 decides, each root's leader deletes (collective)
+            return self._dist.apply_retention(newest, self.options.retained)
         steps = self.protocol.committed_steps()
         keep = self.options.retained(steps, newest)
         for s in steps:
@@ -239,6 +261,8 @@ class GDSCheckpointer:
         partly overwritten: load an intact step afterwards.
         """
         self._quiesce()
+        if self._dist is not None or is_multi_rank(self.protocol, step):  # [dist hook] collective / resharding load
+            return dist_load_into(self, step, strict=strict, verify=self.options.verify if verify is None else verify)
         step = self.protocol.require(step)
         verify = self.options.verify if verify is None else verify
         live = LiveState(self.model, self.optimizer, self.extra, restore_rng=self.options.save_rng)

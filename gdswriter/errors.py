@@ -132,3 +132,39 @@ class TruncatedFileError(_Rebuildable, CorruptCheckpointError):
         self.path, self.needed, self.actual = str(path), needed, actual
         super().__init__(f"{self.path} is truncated: {actual} bytes on disk, {needed} needed. "
                          f"The checkpoint is incomplete: load an earlier step or restore the file")
+
+
+# ----------------------------------------------------------------------------- multi-rank checkpoints
+class RankFailedError(_Rebuildable, GDSWriterError, RuntimeError):
+    """Another rank of a collective save or load failed, so this rank stopped too. Carries
+    {rank: "ErrorType: message"} of the ranks that failed."""
+
+    def __init__(self, what: str, failures: dict, hint: str = "nothing was committed; fix the failing "
+                                                              "rank's problem and save again"):
+        self._init_args = (what, failures, hint)
+        self.what, self.failures = what, dict(failures)
+        shown = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items())[:4])
+        more = f" (and {len(self.failures) - 4} more ranks)" if len(self.failures) > 4 else ""
+        super().__init__(f"{what} failed on {len(self.failures)} rank(s), so every rank stopped: {shown}{more}. "
+                         f"{hint[:1].upper()}{hint[1:]}")
+
+
+class CollectiveFailedError(_Rebuildable, GDSWriterError, ConnectionError):
+    """A rank did not take part in a checkpoint collective within the timeout, or its connection
+    was lost (it died, hung, or the network failed). Nothing was committed by this collective.
+    (Not a TimeoutError: concurrent.futures treats those as "the wait timed out".)"""
+
+    def __init__(self, what: str, timeout_s: float, cause: str):
+        self._init_args = (what, timeout_s, cause)
+        self.what, self.timeout_s = what, timeout_s
+        super().__init__(f"{what}: not every rank took part within {timeout_s:g} s or a connection was lost "
+                         f"({cause}). A rank died, hung or lost its network; the previous committed step is "
+                         f"intact. Restart the job (leftovers are removed when the checkpointer opens the roots); "
+                         f"raise DistOptions.timeout_s (GDSWRITER_DIST_TIMEOUT) if ranks are only slow")
+
+    def __str__(self) -> str:  # an OSError: keep its "[Errno ...]" prefix out
+        return self.args[0] if self.args else ""
+
+
+class UnreachableDataError(CheckpointError, FileNotFoundError):
+    """A data file of a multi-rank checkpoint is on a root that no rank of this job can read."""

@@ -10,7 +10,7 @@ docs/format.md for the full description.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import crc32c as _crc32c
@@ -20,6 +20,7 @@ from .dtypes import dtype_from_name
 
 FORMAT_NAME = "gdswriter"
 FORMAT_VERSION = (1, 1)  # (major, minor): readers refuse a newer major, accept any minor
+MULTI_RANK_VERSION = (1, 2)  # what multi-rank saves write: adds "dist" and tensor "shard" (docs/format.md 9)
 MANIFEST_NAME = "manifest.json"
 
 
@@ -61,6 +62,16 @@ class StorageRecord:
 
 
 @dataclass(frozen=True)
+class ShardInfo:
+    """(format 1.2) The tensor is the block [offsets, offsets + shape) of a global tensor of
+    ``global_shape`` with the same name: a DTensor shard or a DCP chunk. The other blocks are
+    records with the same name."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class TensorRecord:
     """Tensor ``name`` (its key path) is a view of storage ``storage`` starting at byte ``byte_offset``."""
 
@@ -72,6 +83,7 @@ class TensorRecord:
     stride: tuple[int, ...]
     device: str = "cpu"  # where it lived at save time (informational)
     kind: str = "tensor"  # "tensor" or "ndarray"
+    shard: ShardInfo | None = None  # format 1.2: a block of a global tensor
 
     def byte_extent(self) -> tuple[int, int]:
         """[begin, end) bytes of its storage that this strided view touches (empty if numel is 0)."""
@@ -79,6 +91,32 @@ class TensorRecord:
             return self.byte_offset, self.byte_offset
         last = sum((n - 1) * s for n, s in zip(self.shape, self.stride))
         return self.byte_offset, self.byte_offset + (last + 1) * dtype_from_name(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class RootInfo:
+    """(format 1.2) A root of a multi-rank checkpoint: its identity (the id in the root's
+    ``.gdswriter-root`` file), where the rank that led it saw it, and the ranks that wrote to it."""
+
+    id: str
+    path: str
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """(format 1.2) How a multi-rank save was laid out. ``roots`` is the table ``files[i].root``
+    indexes (the primary first); ``rank_states`` holds, per rank, the top-level entries of its
+    state tree that differ from ``state`` (rank 0's); ``dcp`` is DCP's Metadata (layout "dcp")."""
+
+    world_size: int
+    layout: str  # "gdswriter" (GDSCheckpointer) or "dcp" (torch.distributed.checkpoint)
+    roots: tuple[RootInfo, ...]
+    rank_states: dict = field(default_factory=dict)  # {rank: [[key, value], ...]} (encoded tree pairs)
+    dcp: dict | None = None
+
+
+DIST_LAYOUTS = ("gdswriter", "dcp")
 
 
 @dataclass(frozen=True)
@@ -91,6 +129,7 @@ class Manifest:
     created_unix: float = 0.0
     metadata: dict = field(default_factory=dict)
     version: tuple[int, int] = FORMAT_VERSION
+    dist: DistInfo | None = None  # format 1.2: a multi-rank checkpoint
 
     # -- serialisation -------------------------------------------------------
     def to_json_bytes(self) -> bytes:
@@ -107,10 +146,18 @@ class Manifest:
                 for s in self.storages],
             "tensors": [
                 {"name": t.name, "storage": t.storage, "byte_offset": t.byte_offset, "dtype": t.dtype,
-                 "shape": list(t.shape), "stride": list(t.stride), "device": t.device, "kind": t.kind}
+                 "shape": list(t.shape), "stride": list(t.stride), "device": t.device, "kind": t.kind,
+                 **({"shard": {"global_shape": list(t.shard.global_shape), "offsets": list(t.shard.offsets)}}
+                    if t.shard is not None else {})}
                 for t in self.tensors],
             "state": self.state,
         }
+        if self.dist is not None:
+            d = self.dist
+            body["dist"] = {"world_size": d.world_size, "layout": d.layout,
+                            "roots": [{"id": r.id, "path": r.path, "ranks": list(r.ranks)} for r in d.roots],
+                            "rank_states": [[r, pairs] for r, pairs in sorted(d.rank_states.items())],
+                            **({"dcp": d.dcp} if d.dcp is not None else {})}
         text = _canonical(body)
         body["manifest_crc32c"] = _crc32c.crc32c(text)
         return (json.dumps(body, separators=(",", ":"), allow_nan=False) + "\n").encode()
@@ -185,7 +232,10 @@ class Manifest:
                 raise bad(f"tensor {rec.name!r} has a negative stride")
             if rec.byte_extent()[1] > storages[rec.storage].nbytes:
                 raise bad(f"tensor {rec.name!r} reaches past the end of its storage")
+            if "shard" in t:
+                rec = replace(rec, shard=_shard(t["shard"], rec))
             tensors.append(rec)
+        dist = _dist_info(body["dist"], files) if "dist" in body else None
         metadata = body.get("metadata", {})
         if not isinstance(metadata, dict):
             raise bad("metadata is not an object")
@@ -194,7 +244,7 @@ class Manifest:
             raise bad("created_unix is not a number")
         return cls(step=_nonneg(body["step"]), files=files, storages=tuple(storages), tensors=tuple(tensors),
                    state=body["state"], created_unix=float(created), metadata=metadata,
-                   version=(version[0], version[1]))
+                   version=(version[0], version[1]), dist=dist)
 
 
 def _canonical(body: dict) -> bytes:
@@ -257,3 +307,45 @@ def _chunk(x: Any, n_files: int) -> ChunkRecord:
     if crc > 0xFFFFFFFF:
         raise ValueError("crc32c out of range")
     return ChunkRecord(f, fo, so, ln, crc)
+
+
+def _shard(x: Any, rec: TensorRecord) -> ShardInfo:
+    """A tensor record's "shard": its block must lie inside the global shape."""
+    if not isinstance(x, dict):
+        raise ValueError(f"tensor {rec.name!r}: shard is not an object")
+    shape = tuple(_nonneg(v) for v in _list(x["global_shape"]))
+    offsets = tuple(_nonneg(v) for v in _list(x["offsets"]))
+    if len(shape) != len(rec.shape) or len(offsets) != len(rec.shape) or any(
+            o + n > g for o, n, g in zip(offsets, rec.shape, shape)):
+        raise ValueError(f"tensor {rec.name!r}: shard block {list(offsets)} + {list(rec.shape)} does not fit in "
+                         f"the global shape {list(shape)}")
+    return ShardInfo(shape, offsets)
+
+
+def _dist_info(x: Any, files: tuple[FileRecord, ...]) -> DistInfo:
+    """The "dist" object of a multi-rank manifest (format 1.2)."""
+    if not isinstance(x, dict):
+        raise ValueError("dist is not an object")
+    world = _nonneg(x["world_size"])
+    layout = _str(x["layout"])
+    if world < 1 or layout not in DIST_LAYOUTS:
+        raise ValueError(f"dist: world_size {world} or layout {layout!r} is invalid")
+    roots = []
+    for r in _list(x["roots"]):
+        ranks = tuple(_nonneg(v) for v in _list(r["ranks"]))
+        if any(v >= world for v in ranks) or len(_str(r["id"])) > FILE_INFO_MAX_TEXT:
+            raise ValueError("dist: a root names a rank outside the world, or has an over-long id")
+        roots.append(RootInfo(r["id"], _str(r["path"]), ranks))
+    if not roots or any(f.root >= len(roots) for f in files):
+        raise ValueError(f"dist: the data files name roots beyond the {len(roots)} in the root table")
+    rank_states: dict[int, list] = {}
+    for entry in _list(x.get("rank_states", [])):
+        rank, pairs = _list(entry)
+        if not 0 < _nonneg(rank) < world or rank in rank_states or not all(
+                isinstance(p, list) and len(p) == 2 for p in _list(pairs)):
+            raise ValueError(f"dist: rank_states entry for rank {rank!r} is invalid")
+        rank_states[rank] = pairs
+    dcp = x.get("dcp")
+    if (dcp is None) != (layout != "dcp") or not (dcp is None or isinstance(dcp, dict)):
+        raise ValueError("dist: a \"dcp\" object goes with layout \"dcp\", and only with it")
+    return DistInfo(world, layout, tuple(roots), rank_states, dcp)

@@ -1,0 +1,229 @@
+"""Multi-rank save scaling: gdswriter's parallel writes against DCP's FileSystemWriter.
+
+For 1, 2 and 4 ranks (processes joined by gloo on 127.0.0.1) holding one replicated state
+(DDP: every rank has the same tensors), and one or two roots (directories standing for SSDs;
+every rank is given all of them), measure:
+
+  gdswriter      GDSCheckpointer.save(step): collective; the replicated bytes are split across
+                 the ranks (planner/ranks.py), each rank writes its share to every root
+  gdswriter-dcp  dcp.save through GDSStorageWriter (the same split and commit, DCP's planning)
+  dcp-fs         dcp.save(FileSystemWriter(dir, sync_files=True)): DCP gives each replicated
+                 tensor, whole, to one rank; it takes one directory, so it runs with one root
+
+Every save is durable when it returns (fdatasync/fsync; gdswriter also commits atomically). A
+round: fresh directories, a barrier, the timed save on every rank, a barrier; the time is the
+slowest rank's. Aggregate bandwidth = state bytes / that time. "bytes/rank" is what each rank
+wrote (min..max). Load: the files are evicted from the page cache, then every rank loads the
+whole replicated state (GDSCheckpointer.load / dcp.load with each writer's reader), timed the
+same way.
+
+    python benchmarks/dist_scaling.py --size 256M --ranks 1,2,4 --roots 1,2 --rounds 3 [--json out.json]
+
+Use a directory on the disks to measure (--dir; default benchmarks/.bench-tmp/). What a
+machine shows depends on what limits it: with one disk and two cores, more ranks add CPU for
+copying and checksumming but share one device, so the aggregate stops growing once the disk
+is saturated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+CASES = ("gdswriter", "gdswriter-dcp", "dcp-fs")
+
+
+def make_state(nbytes: int) -> dict:
+    """A model-like replicated state of about ``nbytes``: one large embedding (35%), eight
+    layers of weights (8%) and small biases; the same on every rank (seeded)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    words = nbytes // 4
+    state = {"emb": torch.randn(int(words * 0.35), generator=g)}
+    for i in range(8):
+        state[f"layers.{i}.w"] = torch.randn(int(words * 0.08), generator=g)
+        state[f"layers.{i}.b"] = torch.randn(1000 + i, generator=g)
+    return state
+
+
+def state_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def _evict(dirs) -> None:
+    from gdswriter import pagecache
+
+    for d in dirs:
+        for base, _, files in os.walk(d):
+            for f in files:
+                pagecache.evict(os.path.join(base, f))
+
+
+def _timed(fn, *args, **kwargs) -> float:
+    """Run ``fn(*args, **kwargs)`` on every rank between barriers; the slowest rank's seconds."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn(*args, **kwargs)
+    t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _rank_bytes(dirs, pattern: str) -> int:
+    return sum(f.stat().st_size for d in dirs for f in Path(d).rglob(pattern))
+
+
+def _gather_bytes(n: int) -> list[int]:
+    import torch
+    import torch.distributed as dist
+
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([n]))
+    return [int(x) for x in out]
+
+
+def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: list[int], rounds: int,
+           result_path: str) -> None:
+    try:
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+        from gdswriter import GDSCheckpointer
+        from gdswriter.dist import GDSStorageReader, GDSStorageWriter
+
+        warnings.filterwarnings("ignore")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=600))
+        state = make_state(size)
+        target = {k: torch.empty_like(v) for k, v in state.items()}
+        results: dict = {"bytes": state_bytes(state), "cases": {}}
+        for nroots in roots_list:
+            for case in CASES:
+                if case == "dcp-fs" and nroots > 1:
+                    continue
+                saves, loads, mine = [], [], []
+                for rnd in range(rounds):
+                    dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-{rnd}-root{i}") for i in range(nroots)]
+                    if case == "gdswriter":
+                        with GDSCheckpointer(state, root=dirs) as ck:
+                            saves.append(_timed(ck.save, rnd))
+                        # one process writes data-r<root>-f<k>.bin (the single-process path)
+                        mine.append(_rank_bytes(dirs, f"data-rank{rank}-*" if world > 1 else "data-*"))
+                        if rank == 0:
+                            _evict(dirs)
+                        with GDSCheckpointer(target, root=dirs) as ck:
+                            loads.append(_timed(ck.load, rnd))
+                    elif case == "gdswriter-dcp":
+                        saves.append(_timed(dcp.save, state, storage_writer=GDSStorageWriter(dirs, rnd)))
+                        mine.append(_rank_bytes(dirs, f"data-rank{rank}-*"))
+                        if rank == 0:
+                            _evict(dirs)
+                        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, rnd)))
+                    else:
+                        saves.append(_timed(dcp.save, state,
+                                            storage_writer=FileSystemWriter(dirs[0], sync_files=True)))
+                        mine.append(_rank_bytes(dirs, f"__{rank}_*.distcp"))
+                        if rank == 0:
+                            _evict(dirs)
+                        loads.append(_timed(dcp.load, target, storage_reader=FileSystemReader(dirs[0])))
+                    assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
+                    for t in target.values():
+                        t.zero_()
+                    dist.barrier()
+                    if rank == 0:
+                        for d in dirs:
+                            shutil.rmtree(d, ignore_errors=True)
+                    dist.barrier()
+                results["cases"][f"{case}|{nroots}"] = {
+                    "save_s": saves, "load_s": loads, "rank_bytes": _gather_bytes(int(statistics.median(mine)))}
+        if rank == 0:
+            Path(result_path).write_text(json.dumps(results))
+    except BaseException:  # noqa: BLE001 - reported, then the rank exits non-zero
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(world: int, base: Path, size: int, roots: list[int], rounds: int) -> dict:
+    result = base / f"result-{world}.json"
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, str(base), size, roots, rounds, str(result)))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise SystemExit(f"{world} ranks: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    return json.loads(result.read_text())
+
+
+def main(argv=None) -> int:
+    from gdswriter.units import parse_size
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="64M", help="replicated state size (default 64M)")
+    ap.add_argument("--ranks", default="1,2,4", help="rank counts (default 1,2,4)")
+    ap.add_argument("--roots", default="1,2", help="root counts (default 1,2)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds per case; the median is reported (default 2)")
+    ap.add_argument("--dir", default=str(HERE / ".bench-tmp"), help="where the roots go")
+    ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    size = parse_size(args.size)
+    ranks = [int(x) for x in args.ranks.split(",")]
+    roots = [int(x) for x in args.roots.split(",")]
+    base = Path(args.dir) / f"dist-scaling-{os.getpid()}"
+    base.mkdir(parents=True)
+    report: dict = {"size": size, "runs": {}}
+    try:
+        for world in ranks:
+            report["runs"][world] = run(world, base, size, roots, args.rounds)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"replicated state {size / 2**20:.0f} MiB, median of {args.rounds} round(s); GB/s = 1e9 bytes/s")
+    print(f"{'ranks':>5} {'roots':>5}  {'case':<14} {'save s':>8} {'save GB/s':>10} {'bytes/rank MiB':>16} "
+          f"{'load s':>8} {'load GB/s':>10}")
+    for world, res in report["runs"].items():
+        total = res["bytes"]
+        for key, c in res["cases"].items():
+            case, nroots = key.split("|")
+            s, ld = statistics.median(c["save_s"]), statistics.median(c["load_s"])
+            per = c["rank_bytes"]
+            span = f"{min(per) / 2**20:.1f}..{max(per) / 2**20:.1f}"
+            print(f"{world:>5} {nroots:>5}  {case:<14} {s:8.3f} {total / s / 1e9:10.2f} {span:>16} {ld:8.3f} "
+                  f"{total / ld / 1e9:10.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

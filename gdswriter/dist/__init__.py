@@ -1,0 +1,98 @@
+"""Multi-rank checkpoints: GDSCheckpointer under torch.distributed, and a DCP storage plug-in.
+
+Every rank writes a disjoint, byte-balanced part of the step into its own files on its own
+roots (FastPersist's parallel writes); rank 0 builds the one manifest and the step commits
+once, atomically across ranks and roots (commit.py). Loading works on any world size
+(load.py), also when each rank sees only its node's disks (fetch.py). The on-disk layout is
+docs/format.md section 9. ``GDSStorageWriter``/``GDSStorageReader`` (dcp.py) put
+torch.distributed.checkpoint on the same engine, format and commit protocol.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..errors import InvalidOptionError
+from ..options import EngineOptions
+from ..format.manifest import MANIFEST_NAME, Manifest
+from .group import Coordinator
+from .options import DistOptions
+from .roots import discover_layout, root_identity
+from .session import DistSession, open_session
+
+if TYPE_CHECKING:
+    from ..checkpointer import GDSCheckpointer
+    from .dcp import GDSStorageReader, GDSStorageWriter
+
+__all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "load_state", "open_session",
+           "root_identity"]
+
+
+def session_for(roots: Sequence[Path], process_group: Any = None, options: DistOptions | None = None
+                ) -> DistSession | None:
+    """GDSCheckpointer's multi-rank session (collective), or None for a single process (see
+    DistOptions.collective: by default, when no ``process_group`` is given and torch.distributed
+    is not initialised or has one rank)."""
+    import torch.distributed as dist
+
+    options = options or DistOptions.from_env()
+    initialised = dist.is_available() and dist.is_initialized()
+    if options.collective is False:
+        return None
+    if options.collective is None and process_group is None and not (initialised and dist.get_world_size() > 1):
+        return None
+    if not initialised:
+        raise InvalidOptionError("DistOptions(collective=True) needs torch.distributed: call "
+                                 "torch.distributed.init_process_group first")
+    return open_session(roots, Coordinator.for_group(process_group, timeout_s=options.timeout_s), options)
+
+
+def is_multi_rank(protocol: Any, step: int | None) -> bool:
+    """Whether ``step`` (None: the latest) was saved by several ranks (a format 1.2 manifest with "dist")."""
+    path = protocol.step_dir(protocol.require(step)) / MANIFEST_NAME
+    return Manifest.from_json_bytes(path.read_bytes(), where=str(path)).dist is not None
+
+
+def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify: bool) -> int:
+    """GDSCheckpointer.load of a multi-rank checkpoint, on its ranks or in one process."""
+    from ..restore import LiveState
+    from .load import collective_load
+
+    live = LiveState(ckpt.model, ckpt.optimizer, ckpt.extra, restore_rng=ckpt.options.save_rng)
+    live_state = ckpt._collect()
+    engine = ckpt._engine_list()[0]
+    session: DistSession | None = ckpt._dist
+    if session is not None:
+        return session.load(live, live_state, step, engine, strict=strict, verify=verify)
+    coord = Coordinator.solo()
+    layout = discover_layout(coord, ckpt.roots, create=False)
+    return collective_load(coord, layout, ckpt.protocol, live, live_state, step, engine, strict=strict,
+                           verify=verify)
+
+
+def load_state(root: Any, step: int | None = None, *, verify: bool = True,
+               engine_options: EngineOptions | None = None) -> tuple[int, Any]:
+    """Read a checkpoint into fresh CPU tensors in one process, like gdswriter.load_state, with
+    a multi-rank step's sharded tensors (DTensor shards, DCP chunks) assembled whole; the state
+    is rank 0's (a DCP step's: {fqn: tensor, BytesIO items as uint8 tensors}). ``root``: every
+    root of the checkpoint (those of all nodes), the primary first. Never unpickles; no lock."""
+    from ..engine_select import create_engine
+    from ..format.commit import CommitProtocol, normalize_roots
+    from .load import broadcast_manifest, rebuild_state
+
+    roots = normalize_roots(root)
+    coord = Coordinator.solo()
+    layout = discover_layout(coord, roots, create=False)
+    step, m = broadcast_manifest(coord, CommitProtocol(roots), step, "load_state")
+    with create_engine(engine_options) as engine:
+        return step, rebuild_state(coord, layout, m, {}, None, engine, verify=verify, what=f"load_state of step {step}")
+
+
+def __getattr__(name: str) -> Any:
+    """The DCP plug-in loads torch.distributed.checkpoint, so it is imported on first use."""
+    if name in ("GDSStorageWriter", "GDSStorageReader"):
+        from . import dcp
+
+        return getattr(dcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,174 @@
+"""The commit protocol of a multi-rank step: format/commit.py's protocol, spread over ranks.
+
+Step S, with roots in the table every rank agrees on (roots.py; the primary first):
+
+1. every rank makes ``.tmp-step_S-<token>`` on each of its roots (ranks sharing a root share
+   that directory; the root's leader also writes ``primary-root`` into secondary ones) and
+   writes its own data files there, each fdatasynced;
+2. vote: rank 0 gathers every rank's outcome. On any failure it tells every rank, each
+   root's leader removes the temporary directory, and every rank raises. When step S is
+   already committed, rank 0 un-commits it here (primary first, as commit.py does);
+3. each root's leader fsyncs its temporary directory (every rank's files are in it now); on a
+   secondary root it renames it to ``step_S`` and fsyncs the root. Rank 0 gathers the outcome;
+4. rank 0 writes manifest.json into the primary's temporary directory (fsync) and renames it
+   to ``step_S``: the commit point;
+5. announce: rank 0 tells every rank whether the step committed; then ``latest`` moves.
+
+A rank that dies or hangs makes a collective fail (CollectiveFailedError on the others,
+within the timeout) before step 4, so nothing is committed and the previous step stays the
+latest; what the failed save left (temporary directories, secondary ``step_S`` without a
+primary manifest) is removed when the roots are next opened.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..engine import fsync_dir
+from ..errors import EngineIOError, RankFailedError
+from ..format.commit import LATEST_NAME, TMP_PREFIX, CommitProtocol, _atomic_write, _write_durable, step_dir_name
+from ..format.manifest import MANIFEST_NAME
+from .group import Coordinator, describe
+from .roots import OWNER_NAME, RootLayout, owned, owner_text
+
+
+def _retire(path: Path) -> None:
+    """Move a step directory out of the way atomically and delete it (commit.py's way)."""
+    CommitProtocol([path.parent])._retire(path)
+
+
+class RankCommit:
+    """This rank's part of committing step ``step``: ``dirs`` (one temporary directory per local
+    root) to write into, then vote(), commit() on rank 0, announce()."""
+
+    def __init__(self, coord: Coordinator, layout: RootLayout, step: int, token: str):
+        self.coord, self.layout, self.step = coord, layout, step
+        self.what = f"saving step {step}"
+        name = f"{TMP_PREFIX}{step_dir_name(step)}-{token}"
+        self.dirs = [root / name for root in layout.local_paths]
+        self.setup_error: BaseException | None = None  # reported in the vote, never raised alone
+        self.local_error: BaseException | None = None  # a failure of this rank's step 3
+        self.renamed: list[Path] = []
+        self.secondary_failures: dict[int, str] = {}
+        self.committed = False
+        try:
+            for i, d in enumerate(self.dirs):
+                d.mkdir(exist_ok=True)
+                if layout.leads(i) and not layout.is_primary(i):
+                    _write_durable(d / OWNER_NAME, owner_text(layout))
+        except OSError as e:
+            self.setup_error = EngineIOError(e.errno or errno.EIO, e.filename or d, 0, "mkdir")
+
+    # -- 2 and 3 -----------------------------------------------------------------
+    def vote(self, outcome: Any) -> list[Any] | None:
+        """Collective. ``outcome`` is what this rank reports to rank 0 (JSON), or the exception
+        that stopped it. Returns every rank's report on rank 0, None elsewhere; raises on every
+        rank if any rank failed. Then the secondary roots are renamed (step 3)."""
+        error = self.setup_error or (outcome if isinstance(outcome, BaseException) else None)
+        try:
+            gathered = self.coord.gather({"error": describe(error)} if error else {"report": outcome},
+                                         f"{self.what} (vote)")
+            failures: dict[int, str] = {}
+            if self.coord.rank == 0:
+                assert gathered is not None
+                failures = {r: x["error"] for r, x in enumerate(gathered) if "error" in x}
+                final = self.layout.local_paths[0] / step_dir_name(self.step)
+                if not failures and final.exists():
+                    try:
+                        _retire(final)  # re-saving step S: un-commit the old one first
+                    except OSError as e:
+                        error = EngineIOError(e.errno or errno.EIO, final, 0, "un-commit the old step")
+                        failures = {0: describe(error)}
+            decision = self.coord.broadcast([[r, m] for r, m in failures.items()], f"{self.what} (decision)")
+        except BaseException:
+            self.abort()
+            raise
+        if decision:
+            self.abort()
+            if error is not None:
+                raise error
+            raise RankFailedError(self.what, dict(decision))
+        try:
+            for i in self.layout.led:
+                fsync_dir(self.dirs[i])
+            for i in self.layout.led:
+                if not self.layout.is_primary(i):
+                    self._publish_secondary(i)
+        except OSError as e:
+            self.local_error = e if isinstance(e, EngineIOError) else EngineIOError(
+                e.errno or errno.EIO, e.filename or self.dirs[0], 0, "commit")
+        statuses = self.coord.gather(describe(self.local_error) if self.local_error else None,
+                                     f"{self.what} (secondary roots)")
+        if statuses is not None:
+            self.secondary_failures = {r: s for r, s in enumerate(statuses) if s is not None}
+        return [x["report"] for x in gathered] if gathered is not None else None
+
+    def _publish_secondary(self, i: int) -> None:
+        final = self.layout.local_paths[i] / step_dir_name(self.step)
+        if final.exists():
+            if not owned(self.layout, final):
+                raise EngineIOError(errno.EEXIST, final, 0, "commit",
+                                    f"it holds step {self.step} of another checkpoint (not written for primary "
+                                    f"root {self.layout.primary_identity}); give each checkpoint its own "
+                                    f"directory on every root")
+            _retire(final)
+        os.rename(self.dirs[i], final)
+        fsync_dir(self.layout.local_paths[i])
+        self.renamed.append(final)
+
+    def check_secondaries(self) -> None:
+        """Rank 0: raise if a secondary root could not be published (nothing is committed)."""
+        if self.secondary_failures:
+            self.abort()
+            if self.local_error is not None:
+                raise self.local_error
+            raise RankFailedError(f"{self.what} (secondary roots)", self.secondary_failures)
+
+    # -- 4 and 5 -----------------------------------------------------------------
+    def commit(self, manifest_bytes: bytes) -> None:
+        """Rank 0: write the manifest and make the step visible (the commit point)."""
+        self.check_secondaries()
+        primary = self.layout.local_paths[0]
+        final = primary / step_dir_name(self.step)
+        try:
+            _atomic_write(self.dirs[0] / MANIFEST_NAME, manifest_bytes)
+            os.rename(self.dirs[0], final)
+            fsync_dir(primary)
+        except OSError as e:
+            self.abort()
+            if isinstance(e, EngineIOError):
+                raise
+            raise EngineIOError(e.errno or errno.EIO, e.filename or primary, 0, "commit") from e
+        self.committed = True
+
+    def move_latest(self) -> None:
+        """Rank 0, after the commit: point ``latest`` at the step."""
+        _atomic_write(self.layout.local_paths[0] / LATEST_NAME, f"{self.step}\n".encode())
+
+    def announce(self, error: BaseException | None) -> None:
+        """Collective: rank 0's outcome (``error`` there) reaches every rank; all raise if the step
+        was not committed (secondary directories renamed in step 3 are removed again)."""
+        failures = None
+        if self.coord.rank == 0 and error is not None:
+            failures = self.secondary_failures or {0: describe(error)}
+        failures = self.coord.broadcast(failures and [[r, m] for r, m in failures.items()],
+                                        f"{self.what} (commit)")
+        if not failures:
+            return
+        for path in self.renamed:
+            shutil.rmtree(path, ignore_errors=True)
+        self.abort()
+        if error is not None:
+            raise error
+        if self.local_error is not None:
+            raise self.local_error
+        raise RankFailedError(self.what, dict(failures))
+
+    def abort(self) -> None:
+        """Remove the temporary directories this rank leads (best effort; the next open cleans the rest)."""
+        for i in self.layout.led:
+            shutil.rmtree(self.dirs[i], ignore_errors=True)

@@ -1,0 +1,136 @@
+"""Reading a multi-rank step when each rank sees only some of its roots.
+
+Roots may be node-local: a rank cannot open files another node wrote. A manifest's roots are
+matched to this rank's roots by identity (``.gdswriter-root``; by path when a root has none).
+Each rank reads, through its engine, the chunks it needs that lie on roots it reaches; every
+other chunk it needs is read by a rank that reaches it (the least loaded one) and sent over
+the coordination group. Chunks are checked against their crc32c where they are read, and
+again where they arrive. All ranks agree on failure: if one fails, all raise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import crc32c as _crc32c
+import torch
+
+from ..engine import IOEngine
+from ..errors import ChecksumMismatchError, UnreachableDataError
+from ..format.commit import CommitProtocol
+from ..format.manifest import ChunkRecord, Manifest, StorageRecord, TensorRecord
+from ..restore import read_storages
+from .group import Coordinator, Transfer
+from .roots import RootLayout
+
+
+@dataclass(frozen=True)
+class Reach:
+    """Where this rank finds each root of a manifest (None: it cannot)."""
+
+    paths: tuple[Path | None, ...]
+
+
+def manifest_reach(m: Manifest, layout: RootLayout) -> Reach:
+    """Match the manifest's roots to this rank's: by the ids recorded in a multi-rank manifest
+    (by path when no id matches); a single-process checkpoint's roots are rank 0's, in order."""
+    if m.dist is None:
+        rank0 = [g for g, info in enumerate(layout.table) if 0 in info.ranks]
+        n = 1 + max((f.root for f in m.files), default=0)
+        return Reach(tuple(layout.local_paths[i] if g < len(rank0) and (i := layout.local_of(rank0[g])) is not None
+                           else None for g in range(n)))
+    resolved = [str(p.resolve()) for p in layout.local_paths]
+    paths: list[Path | None] = []
+    for info in m.dist.roots:
+        if info.id in layout.local_ids:
+            paths.append(layout.local_paths[layout.local_ids.index(info.id)])
+        elif info.path in resolved:
+            paths.append(layout.local_paths[resolved.index(info.path)])
+        else:
+            paths.append(None)
+    return Reach(tuple(paths))
+
+
+def _read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, torch.Tensor]], engine: IOEngine,
+                 *, verify: bool) -> None:
+    """Read chunks (storage, chunk index, destination) from the roots this rank reaches, through
+    restore.read_storages: each chunk is presented to it as a storage of its own."""
+    if not wanted:
+        return
+    names: dict[int, str] = {}
+    for t in m.tensors:
+        names.setdefault(t.storage, t.name)
+    storages, tensors = [], []
+    for j, (s, ci, _) in enumerate(wanted):
+        c = m.storages[s].chunks[ci]
+        storages.append(StorageRecord(c.length, (ChunkRecord(c.file, c.file_offset, 0, c.length, c.crc32c),)))
+        tensors.append(TensorRecord(names.get(s, f"<storage {s}>"), j, 0, "uint8", (c.length,), (1,)))
+    view = replace(m, storages=tuple(storages), tensors=tuple(tensors))
+    protocol = CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach.paths])
+    read_storages(protocol, view, [dest for _, _, dest in wanted], [engine], verify=verify)
+
+
+def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, needed: dict[int, torch.Tensor],
+                   engine: IOEngine, *, verify: bool, what: str) -> None:
+    """Collective: fill ``needed`` ({storage: flat uint8 buffer of its nbytes}) on every rank."""
+    local, remote = [], []
+    for s in sorted(needed):
+        for ci, c in enumerate(m.storages[s].chunks):
+            if c.length:
+                (local if reach.paths[m.files[c.file].root] is not None else remote).append([s, ci])
+    everyone = coord.all_gather({"need": remote, "reach": [g for g, p in enumerate(reach.paths) if p is not None]},
+                                f"{what} (locating chunks)")
+    load = [0] * coord.world_size
+    moves: list[tuple[int, int, int, int]] = []  # (src, dst, storage, chunk)
+    for dst, x in enumerate(everyone):
+        for s, ci in x["need"]:
+            c = m.storages[s].chunks[ci]
+            root = m.files[c.file].root
+            providers = [r for r, y in enumerate(everyone) if root in y["reach"]]
+            if not providers:
+                where = m.dist.roots[root] if m.dist is not None else None
+                raise UnreachableDataError(
+                    2, f"{what}: data file {m.files[c.file].path} is on root #{root}"
+                       + (f" (id {where.id}, saved at {where.path} by ranks {list(where.ranks)})" if where else "")
+                       + ", which no rank of this job can read: give some rank that root (mount it, or copy its "
+                         "step directory and .gdswriter-root there)")
+            src = min(providers, key=lambda r: (load[r], r))
+            load[src] += c.length
+            moves.append((src, dst, s, ci))
+    rank = coord.rank
+    sends: dict[tuple[int, int], torch.Tensor] = {}
+    error = None
+    try:
+        wanted = [(s, ci, _slice(needed[s], m.storages[s].chunks[ci])) for s, ci in local]
+        sends = {(s, ci): dest for s, ci, dest in wanted}  # a chunk this rank reads for itself is sent from there
+        for src, _, s, ci in moves:
+            if src == rank and (s, ci) not in sends:
+                sends[(s, ci)] = torch.empty(m.storages[s].chunks[ci].length, dtype=torch.uint8)
+                wanted.append((s, ci, sends[(s, ci)]))
+        _read_chunks(m, reach, wanted, engine, verify=verify)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        error = e
+    coord.agree(error, f"{what} (reading)", hint="the live state was not changed")
+    transfers = []
+    for tag, (src, dst, s, ci) in enumerate(moves):
+        if rank == src:
+            transfers.append(Transfer(src, dst, tag, sends[(s, ci)]))
+        elif rank == dst:
+            transfers.append(Transfer(src, dst, tag, _slice(needed[s], m.storages[s].chunks[ci])))
+    coord.exchange(transfers, f"{what} (sending chunks)")
+    error = None
+    if verify:
+        for src, dst, s, ci in moves:
+            c = m.storages[s].chunks[ci]
+            got = _crc32c.crc32c(_slice(needed[s], c).numpy()) if dst == rank else c.crc32c
+            if got != c.crc32c:
+                error = ChecksumMismatchError(f"<chunk received from rank {src}>", f"<storage {s}>", c.file_offset,
+                                              c.length, c.crc32c, got)
+                break
+    coord.agree(error, f"{what} (checking received chunks)", hint="the live state was not changed")
+
+
+def _slice(buf: torch.Tensor, c: ChunkRecord) -> torch.Tensor:
+    return buf[c.storage_offset:c.storage_offset + c.length]

@@ -1,0 +1,57 @@
+"""DistOptions: how a checkpoint is coordinated across the ranks of a process group."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..errors import InvalidOptionError
+
+TIMEOUT_ENV = "GDSWRITER_DIST_TIMEOUT"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistOptions:
+    """Options of multi-rank checkpoints (keyword-only, validated).
+
+    timeout_s: how long a rank waits for the others in a checkpoint collective before it
+        raises CollectiveFailedError (env GDSWRITER_DIST_TIMEOUT). A rank that dies is
+        usually noticed at once (its connections close); the timeout bounds the wait for a
+        rank that hangs or a node that vanishes. It must exceed the longest time one rank
+        spends writing its share of a save.
+    replicated: top-level state names (GDSCheckpointer's "model", "optimizer", "extra",
+        "rng") whose plain tensors are identical on every rank of the process group, as
+        with DDP. They are written once, split across the ranks. Tensors elsewhere are
+        rank-local (each rank writes and loads its own). DTensors are always written once
+        per replica group, wherever they are. Pass ``replicated=()`` when ranks hold
+        different plain tensors under the same names (e.g. pipeline stages).
+    """
+
+    collective: bool | None = None
+    timeout_s: float = 600.0
+    replicated: tuple[str, ...] = ("model", "optimizer")
+
+    def __post_init__(self) -> None:
+        if self.collective not in (None, True, False):
+            raise InvalidOptionError(f"collective={self.collective!r} must be None (detect), True or False")
+        t = self.timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e7:
+            raise InvalidOptionError(f"timeout_s={t!r} must be a number of seconds > 0")
+        if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
+            raise InvalidOptionError(f"replicated={self.replicated!r} must be a tuple of top-level state names, "
+                                     f"e.g. (\"model\", \"optimizer\")")
+        object.__setattr__(self, "replicated", tuple(self.replicated))
+
+    @classmethod
+    def from_env(cls, **overrides) -> "DistOptions":
+        """Defaults, then GDSWRITER_DIST_TIMEOUT, then ``overrides``."""
+        raw = os.environ.get(TIMEOUT_ENV)
+        values: dict = {}
+        if raw is not None and raw.strip():
+            try:
+                values["timeout_s"] = float(raw)
+            except ValueError as e:
+                raise InvalidOptionError(f"environment variable {TIMEOUT_ENV}={raw!r} is not a number of "
+                                         f"seconds") from e
+        values.update(overrides)
+        return cls(**values)

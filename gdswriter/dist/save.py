@@ -1,0 +1,130 @@
+"""A GDSCheckpointer save across ranks: every rank's snapshot -> one committed step.
+
+1. Each rank names its storages: replicated ones (plain tensors under DistOptions.replicated,
+   identical on every rank) by their content description, DTensor shards by their block,
+   everything else by rank; ranks exchange the names and sizes (one all_gather).
+2. The storages become items with holder sets; plan_rank_slices gives each rank its byte
+   ranges (replicated state split across ranks, shards written once per replica group).
+3. Each rank lays its ranges out in its own data files (plan_save over its roots; names carry
+   the rank) and writes them through its engines into the step's temporary directories.
+4. The two-phase commit of dist/commit.py; rank 0 builds the manifest (dist/assemble.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import socket
+from dataclasses import replace
+from typing import Sequence
+
+from ..engine import IOEngine
+from ..errors import UnsupportedObjectError
+from ..format.manifest import Manifest, ShardInfo, TensorRecord
+from ..planner.assign import FileTarget, plan_save
+from ..planner.ranks import RankItem, plan_rank_slices
+from ..snapshot import Extent, Snapshot
+from ..writer import write_files
+from .assemble import build_manifest, record_json
+from .commit import RankCommit
+from .group import Coordinator
+from .roots import RootLayout
+
+
+def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Sequence[str], rank: int
+                 ) -> tuple[list[str], dict[int, list[int]]]:
+    """A name per storage that equals another rank's exactly when both hold the same bytes, and
+    the record indices of each storage."""
+    by_storage: dict[int, list[int]] = {}
+    for i, rec in enumerate(snap.records):
+        by_storage.setdefault(rec.storage, []).append(i)
+    missing = set(shards) - {rec.name for rec in snap.records}
+    if missing:
+        name = min(missing)
+        raise UnsupportedObjectError(name, None, "a DTensor whose key path the snapshot names differently (keys "
+                                                 "must be str or int)", type_name="DTensor")
+    keys = []
+    for sid, ext in enumerate(snap.extents):
+        recs = [snap.records[i] for i in by_storage.get(sid, [])]
+        desc = [[r.name, r.byte_offset, r.dtype, list(r.shape), list(r.stride), r.kind,
+                 [list(shards[r.name].global_shape), list(shards[r.name].offsets)] if r.name in shards else None]
+                for r in recs]
+        if any(r.name in shards for r in recs):
+            kind = "S"  # a block of a DTensor: the same on every replica
+        elif recs and all(r.name.split("/", 1)[0] in replicated for r in recs):
+            kind = "R"  # replicated state: the same on every rank
+        else:
+            keys.append(f"L{rank}:{sid}")
+            continue
+        digest = hashlib.sha256(json.dumps([desc, ext.flat.numel()]).encode()).hexdigest()[:32]
+        keys.append(f"{kind}{digest}")
+    return keys, by_storage
+
+
+def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shards: dict[str, ShardInfo],
+                    engines: Sequence[IOEngine], *, files_per_root: int, replicated: Sequence[str]) -> Manifest | None:
+    """Collective: write ``snap`` as step ``snap.step`` with every rank and commit it once.
+    Returns the manifest on rank 0 (None elsewhere); raises on every rank if any rank failed."""
+    rank, what = coord.rank, f"saving step {snap.step}"
+    keys, by_storage = storage_keys(snap, shards, replicated, rank)
+    everyone = coord.all_gather({"token": secrets.token_hex(4),
+                                 "items": [[k, e.flat.numel()] for k, e in zip(keys, snap.extents)]},
+                                f"{what} (plan)")
+    index: dict[str, int] = {}
+    sizes: list[int] = []
+    holders: list[list[int]] = []
+    for r, x in enumerate(everyone):
+        for k, n in x["items"]:
+            g = index.setdefault(k, len(sizes))
+            if g == len(sizes):
+                sizes.append(n)
+                holders.append([])
+            holders[g].append(r)
+    plan = plan_rank_slices([RankItem(n, tuple(h)) for n, h in zip(sizes, holders)], coord.world_size)
+    item_of = [index[k] for k in keys]
+    storage_of = {g: sid for sid, g in enumerate(item_of)}
+    pieces = plan.of_rank(rank)
+    rc = RankCommit(coord, layout, snap.step, everyone[0]["token"])
+    outcome: object
+    try:
+        if rc.setup_error is not None:
+            raise rc.setup_error
+        targets = [FileTarget(i, f"data-rank{rank}-r{g}-f{k}.bin")
+                   for i, g in enumerate(layout.local_to_global) for k in range(files_per_root)]
+        fplan = plan_save([p.length for p in pieces], targets)
+        flats = [snap.extents[storage_of[p.item]].flat[p.offset:p.offset + p.length] for p in pieces]
+        crcs = write_files(fplan, Snapshot(snap.step, None, [Extent(f, "") for f in flats], [], {}), rc, engines)
+        host = socket.gethostname()
+        position = {i: pos for members in by_storage.values() for pos, i in enumerate(members)}
+        outcome = {
+            "files": [[layout.local_to_global[f.target.root], f.target.name, f.size,
+                       {"engine": engines[f.target.root].info.name, "rank": rank, "host": host}] for f in fplan.files],
+            "chunks": [[pieces[c.storage].item, fid, c.file_offset, pieces[c.storage].offset + c.storage_offset,
+                        c.length, crcs[c]] for fid, f in enumerate(fplan.files) for c in f.chunks],
+            "records": [[g, record_json(_with_shard(snap.records[i], shards))]
+                        for sid, g in enumerate(item_of) if min(holders[g]) == rank for i in by_storage.get(sid, [])],
+            "tree": snap.tree,
+            "tensors": [[item_of[rec.storage], position[i]] for i, rec in enumerate(snap.records)],
+        }
+    except Exception as e:  # noqa: BLE001 - every failure goes to the vote, so all ranks abort together
+        outcome = e
+    reports = rc.vote(outcome)
+    manifest, error = None, None
+    if reports is not None:
+        try:
+            manifest = build_manifest(snap.step, sizes, reports, layout.table, layout="gdswriter",
+                                      metadata=snap.metadata)
+            data = manifest.to_json_bytes()
+            Manifest.from_json_bytes(data, where=f"the manifest of step {snap.step}")  # never commit what cannot load
+            rc.commit(data)
+        except Exception as e:  # noqa: BLE001 - announced to every rank
+            error = e
+    rc.announce(error)
+    if rank == 0:
+        rc.move_latest()
+    return manifest
+
+
+def _with_shard(rec: TensorRecord, shards: dict[str, ShardInfo]) -> TensorRecord:
+    return replace(rec, shard=shards[rec.name]) if rec.name in shards else rec

@@ -1,0 +1,135 @@
+"""Sharded tensors: DTensor (FSDP2, tensor parallel) shards as blocks of a global tensor.
+
+Saving, a DTensor is replaced by its local tensor and remembered as the block
+[offsets, offsets + local shape) of its global shape (ShardInfo); ranks holding the same
+block (replicas over a mesh dimension) write it once. Loading, each rank computes the block
+its live tensor (a DTensor template, or a plain tensor: the whole tensor) needs and fills it
+from the intersecting saved blocks, whatever world size and placements saved them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from ..errors import CorruptCheckpointError, UnsupportedObjectError
+from ..format.manifest import ShardInfo
+
+
+def join(path: str, part: object) -> str:
+    """Key paths as the manifest names tensors ("model/0.weight", "optimizer/state/0/exp_avg")."""
+    return f"{path}/{part}" if path else str(part)
+
+
+def is_dtensor(v: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(v, DTensor)
+
+
+def leaves(state: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(key path, tensor) for every tensor in nested dicts, lists and tuples."""
+    if isinstance(state, torch.Tensor):
+        yield path, state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            yield from leaves(v, join(path, k))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            yield from leaves(v, join(path, i))
+
+
+def dtensor_block(t: Any, path: str = "") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global offsets, local shape) of a DTensor's local shard; refuses layouts that are not one block."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if p.is_partial():
+            raise UnsupportedObjectError(path, t, "a Partial DTensor holds unreduced values: redistribute it to "
+                                                  "Shard/Replicate placements before saving")
+        if type(p) not in (Shard, Replicate):  # e.g. _StridedShard (FSDP2 + TP): not one block per rank
+            raise UnsupportedObjectError(path, t, f"DTensor placement {p} does not make one rectangular block "
+                                                  f"per rank; save it through DCP (GDSStorageWriter) instead")
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise UnsupportedObjectError(path, t, f"its local tensor {list(local.shape)} is not the block "
+                                              f"{list(shape)} its placements describe")
+    return tuple(int(o) for o in offsets), tuple(int(n) for n in shape)
+
+
+def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo]]:
+    """``state`` with every DTensor replaced by its local tensor (containers on the way copied,
+    keeping their type and ``_metadata``), and {key path: its block}."""
+    found: dict[str, ShardInfo] = {}
+
+    def walk(v: Any, p: str) -> Any:
+        if is_dtensor(v):
+            offsets, _ = dtensor_block(v, p)
+            found[p] = ShardInfo(tuple(v.shape), offsets)
+            return v.to_local()
+        if isinstance(v, dict):
+            out = type(v)((k, walk(x, join(p, k))) for k, x in v.items())
+            if hasattr(v, "_metadata"):
+                out._metadata = v._metadata  # type: ignore[attr-defined]
+            return out
+        if type(v) in (list, tuple):
+            return type(v)(walk(x, join(p, i)) for i, x in enumerate(v))
+        return v
+
+    return walk(state, path), found
+
+
+def target_block(template: Any, global_shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...],
+                                                                      Callable[[torch.Tensor], Any]]:
+    """What a live tensor needs of a saved global tensor: (offsets, shape, wrap), ``wrap`` turning
+    the assembled block into what the live state holds (a DTensor like the template, or the tensor)."""
+    if template is not None and is_dtensor(template) and tuple(template.shape) == tuple(global_shape):
+        from torch.distributed.tensor import DTensor
+
+        offsets, shape = dtensor_block(template)
+        device = template.to_local().device
+
+        def wrap(local: torch.Tensor) -> Any:
+            return DTensor.from_local(local.to(device), template.device_mesh, template.placements, run_check=False,
+                                      shape=template.shape, stride=template.stride())
+
+        return offsets, shape, wrap
+    return (0,) * len(global_shape), tuple(global_shape), lambda local: local
+
+
+def overlap(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], b_shape: Sequence[int]
+            ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The intersection [lo, hi) of two blocks, or None when it is empty."""
+    lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
+    hi = tuple(min(a + m, b + n) for a, m, b, n in zip(a_off, a_shape, b_off, b_shape))
+    return (lo, hi) if all(h > l for l, h in zip(lo, hi)) else None
+
+
+def assemble(name: str, offsets: Sequence[int], shape: Sequence[int], dtype: torch.dtype,
+             saved: Sequence[tuple[ShardInfo, torch.Tensor]]) -> torch.Tensor:
+    """The block [offsets, offsets + shape) of global tensor ``name`` from the saved blocks that
+    intersect it; CorruptCheckpointError when they do not cover it."""
+    out = torch.empty(tuple(shape), dtype=dtype)
+    covered = 0
+    for info, data in saved:
+        hit = overlap(offsets, shape, info.offsets, data.shape)
+        if hit is None:
+            continue
+        lo, hi = hit
+        dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
+        src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, info.offsets))
+        out[dst] = data[src]
+        n = 1
+        for l, h in zip(lo, hi):
+            n *= h - l
+        covered += n
+    if covered != out.numel():
+        raise CorruptCheckpointError(f"the saved shards of {name!r} cover {covered} of the {out.numel()} elements "
+                                     f"of the block {list(offsets)} + {list(shape)} this rank needs: the checkpoint "
+                                     f"is incomplete")
+    return out
