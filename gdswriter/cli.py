@@ -1,10 +1,11 @@
-"""The ``gdswriter`` command: list, inspect, verify and export checkpoints; run the demo.
+"""The ``gdswriter`` command: list, inspect, verify and export checkpoints; run the demo and the bench.
 
     gdswriter ls ROOT [ROOT...]
     gdswriter inspect ROOT [--step N] [--json]
     gdswriter verify ROOT [--step N | --all]
-    gdswriter export ROOT [--step N] --to torch|safetensors OUT [--force]
+    gdswriter export ROOT [--step N] --to torch|safetensors|hf OUT [--model-only] [--force]
     gdswriter demo [--dir D] [--size 4G] [--engine auto|io_uring|posix]
+    gdswriter bench [--dir D] [--size 2G] [--rounds 3] [--compare torch,dcp,safetensors,deepspeed] [--json] [--plot P]
 
 Each command lives in its own module under gdswriter/commands/ (``register`` adds its
 parser, ``run`` does the work); this module only parses and maps errors to exit codes.
@@ -27,7 +28,7 @@ from . import __version__
 from .commands._common import EXIT_CORRUPT, EXIT_USAGE, UsageError
 from .errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, UnsupportedObjectError
 
-COMMANDS = ("ls", "inspect", "verify", "export", "demo")
+COMMANDS = ("ls", "inspect", "verify", "export", "demo", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,19 @@ def cold(path: str | os.PathLike, state: dict) -> None:
     state["dropped"] = drop_caches() and state.get("dropped", True)
 
 
+def evict_paths(*paths: str | os.PathLike) -> None:
+    """Make the next read of these files, or of every file under these directories, cold:
+    each is flushed and dropped from the page cache, then the whole cache is dropped where
+    allowed. Files that vanish meanwhile are skipped."""
+    for p in paths:
+        p = os.fspath(p)
+        files = [os.path.join(d, n) for d, _, names in os.walk(p) for n in names] if os.path.isdir(p) else [p]
+        for f in files:
+            with contextlib.suppress(OSError):
+                evict(f)
+    drop_caches()
+
+
 def mount_of(path: Path) -> str:
     """'ext4 on /dev/vda' for the file system holding ``path`` (best effort)."""
     best, desc = "", "unknown file system"
@@ -110,7 +123,8 @@ def builtin_reference(path: Path, size: int, pattern: memoryview, cache: dict, *
         for v in views:
             v.release()
         for b in buffers:
-            b.close()
+            with contextlib.suppress(BufferError):  # a raised error's frames still hold a slice:
+                b.close()                           # the mapping goes when they do
         with contextlib.suppress(OSError):
             os.unlink(path)
 
