@@ -5,6 +5,7 @@
     ckpt.load()                # latest committed step, in place
 """
 
+from .bench import BenchOptions, BenchResult, run_bench
 from .checkpointer import GDSCheckpointer, SaveHandle
 from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from .engine_select import create_engine
@@ -24,5 +25,6 @@ __all__ = [
     "ChecksumMismatchError", "CorruptCheckpointError", "EngineIOError", "EngineUnavailableError",
     "InvalidOptionError", "ShortIOError", "StateMismatchError", "TruncatedFileError",
     "UnsupportedFormatVersionError", "UnsupportedObjectError",
+    "BenchOptions", "BenchResult", "run_bench",
     "__version__",
 ]

@@ -44,7 +44,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from . import __version__
 from .errors import GDSWriterError, InvalidOptionError
 from .measure import (FIO_NAME, Reference, builtin_reference, disk_reference, evict_paths, fio_reference,
                       mem_available, mount_of)
@@ -403,6 +402,8 @@ class BenchResult:
                                "median": s.median, "min": s.min, "max": s.max,
                                "x_ceiling": self.ratio(m, kind, CEILING), "x_torch": self.ratio(m, kind, "torch")}
             methods[m] = entry
+        from . import __version__
+
         return {"gdswriter": __version__, "date": self.date, "host": self.host, "directory": self.directory,
                 "filesystem": self.filesystem, "bytes": self.bytes, "rounds": self.rounds,
                 "ceiling": {"name": self.ceiling, "why": self.ceiling_why}, "engine": self.engine,
@@ -410,9 +411,7 @@ class BenchResult:
 
     def table(self) -> list[str]:
         """The text table: method, save and load GB/s (median, min-max), ratios to the ceiling and torch."""
-        def x(v: float | None) -> str:
-            return f"{v:.2f}x" if v is not None else "-"
-
+        x = _times
         rows = [["method", "save GB/s (min-max)", "load GB/s (min-max)", "save/ceiling", "load/ceiling",
                  "save/torch", "load/torch"]]
         for m in self.methods:
@@ -427,6 +426,20 @@ class BenchResult:
         return ["  " + "  ".join(c.ljust(widths[i]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))
                 for r in rows]
 
+    def markdown(self) -> list[str]:
+        """The table as Markdown, for a README: the same columns as ``table``."""
+        x = _times
+        lines = ["| method | save GB/s (min-max) | load GB/s (min-max) | save / ceiling | load / ceiling | "
+                 "save / torch.save | load / torch.load |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for m in self.methods:
+            name = (f"disk ceiling ({'fio' if self.ceiling == FIO_NAME else 'built-in'})" if m == CEILING
+                    else f"{self.label(m, 'save')} / {self.label(m, 'load')}")
+            cells = [name] + [f"{s.median:.2f} ({s.min:.2f}-{s.max:.2f})" for s in
+                              (self.spread(m, "save"), self.spread(m, "load"))]
+            cells += [x(self.ratio(m, k, r)) for r in (CEILING, "torch") for k in ("save", "load")]
+            lines.append("| " + " | ".join(cells) + " |")
+        return lines
+
     def header(self) -> list[str]:
         lines = [f"gdswriter bench: {self.bytes / 1e9:.2f} GB of model + AdamW state, {self.rounds} interleaved "
                  f"round{'s' if self.rounds != 1 else ''}, in {self.directory} ({self.filesystem})",
@@ -436,6 +449,10 @@ class BenchResult:
                  "of per-round ratios"]
         lines += [f"  skipped {m}: {why}" for m, why in self.skipped.items()]
         return lines
+
+
+def _times(v: float | None) -> str:
+    return f"{v:.2f}x" if v is not None else "-"
 
 
 # ----------------------------------------------------------------------------- the host
@@ -592,6 +609,8 @@ def bar_chart(path: str | os.PathLike, groups: Sequence[str], series: dict[str, 
 
 def plot(result: BenchResult, path: str | os.PathLike) -> Path:
     """The bench's chart: save and load GB/s per method (median, min-max), ceiling as lines."""
+    from . import __version__
+
     methods = [m for m in result.methods if m != CEILING]
     ceiling = {f"disk ceiling write ({'fio' if result.ceiling == FIO_NAME else 'built-in'})":
                result.spread(CEILING, "save").median,

@@ -33,6 +33,7 @@ def register(sub) -> None:
                          "need 5)")
     sp.add_argument("--no-fio", action="store_true", help="use the built-in ceiling reference even if fio is installed")
     sp.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
+    sp.add_argument("--markdown", action="store_true", help="print the table as Markdown (for a README)")
     sp.add_argument("--plot", metavar="OUT.png", help="also draw a chart (needs matplotlib: the 'plot' extra)")
     sp.set_defaults(func=run)
 
@@ -65,7 +66,7 @@ def run(args) -> int:
     if args.json:
         out(json.dumps(result.to_json(), indent=2))
     else:
-        for line in result.header() + [""] + result.table():
+        for line in result.header() + [""] + (result.markdown() if args.markdown else result.table()):
             out(line)
     if args.plot:
         path = plot(result, args.plot)
