@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _trees import assert_same_tree
 
 L = pytest.importorskip("lightning")
 from lightning.fabric.utilities.data import AttributeDict  # noqa: E402
@@ -28,11 +29,15 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 
 @pytest.fixture(autouse=True)
 def _quiet():
+    """Lightning's logs and warnings off; torch's process-wide determinism switch (which
+    Trainer(deterministic=...) would flip for every later test) as it was."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    deterministic = torch.are_deterministic_algorithms_enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
+    torch.use_deterministic_algorithms(deterministic)
 
 
 class Net(L.LightningModule):
@@ -64,7 +69,7 @@ def _model(seed: int) -> Net:
 
 def _trainer(root: Path, epochs: int, **kw) -> L.Trainer:
     return L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
-                     enable_model_summary=False, default_root_dir=root, deterministic=True, **kw)
+                     enable_model_summary=False, default_root_dir=root, **kw)
 
 
 def _state(trainer: L.Trainer, model: Net) -> dict:
@@ -72,21 +77,6 @@ def _state(trainer: L.Trainer, model: Net) -> dict:
             "optimizer": trainer.optimizers[0].state_dict(),
             "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
             "global_step": trainer.global_step, "epoch": trainer.current_epoch}
-
-
-def _equal(a, b, where="") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}/{i}")
-    else:
-        assert a == b, (where, a, b)
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
@@ -110,7 +100,7 @@ def test_fit_stopped_and_resumed_matches_an_uninterrupted_run(tmp_path, async_sa
     resumed = _model(seed=99)  # different initial weights: everything must come from the checkpoint
     t2 = _trainer(tmp_path / "c", 4, plugins=[GDSCheckpointIO(async_save=async_save)], enable_checkpointing=False)
     t2.fit(resumed, _data(), ckpt_path=ckpts / "last.ckpt")
-    _equal(expected, _state(t2, resumed))
+    assert_same_tree(expected, _state(t2, resumed))
 
 
 def test_checkpoint_dict_round_trips_with_lightning_types(tmp_path):
@@ -123,7 +113,7 @@ def test_checkpoint_dict_round_trips_with_lightning_types(tmp_path):
     assert hp["args"] == argparse.Namespace(layers=2, name="tiny") and isinstance(hp["args"], argparse.Namespace)
     assert hp["data_dir"] == Path("/data") and hp["extra"] == {"paths": [Path("/a"), Path("/b")]}
     assert ck["global_step"] == 8 and ck["epoch"] == 0 and "loops" in ck and "callbacks" in ck
-    _equal(dict(model.state_dict()), dict(ck["state_dict"]))
+    assert_same_tree(dict(model.state_dict()), dict(ck["state_dict"]))
     assert ck["optimizer_states"][0]["param_groups"][0]["lr"] == 0.05
     fresh = Net()
     fresh.load_state_dict(ck["state_dict"])  # what load_from_checkpoint would do, without torch.load

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from _trees import assert_same_tree
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,21 +72,6 @@ def _final(trainer) -> dict:
             "step": trainer.state.global_step, "rng": torch.get_rng_state()}
 
 
-def _equal(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert set(a) == set(b), where
-        for k in a:
-            _equal(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}/{i}")
-    else:
-        assert a == b, (where, a, b)
-
-
 def test_trainer_stopped_mid_epoch_and_resumed_matches_an_uninterrupted_run(tmp_path, capsys):
     straight = GDSTrainer(model=_model(1), args=_args(tmp_path / "a"), train_dataset=_data())
     straight.train()
@@ -101,13 +87,13 @@ def test_trainer_stopped_mid_epoch_and_resumed_matches_an_uninterrupted_run(tmp_
     resumed = GDSTrainer(model=_model(99), args=_args(tmp_path / "b"), train_dataset=_data())
     resumed.train(resume_from_checkpoint=str(ckpt))
     got = _final(resumed)
-    _equal(expected, got)
+    assert_same_tree(expected, got)
 
     # the checkpoint also exports to a from_pretrained directory, config included
     out = tmp_path / "hf"
     assert main(["export", str(tmp_path / "b" / "checkpoint-8" / GDS_DIR), "--to", "hf", str(out)]) == 0
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out)
-    _equal(got["weights"], loaded.state_dict())
+    assert_same_tree(got["weights"], loaded.state_dict())
     capsys.readouterr()
 
 
@@ -119,7 +105,7 @@ def test_resume_true_picks_the_newest_and_rotation_and_best_model_work(tmp_path)
     again = GDSTrainer(model=_model(3), args=args,
                        train_dataset=_data())
     again.train(resume_from_checkpoint=True)  # newest checkpoint: already at max_steps, nothing to train
-    _equal({k: v for k, v in t.model.state_dict().items()}, again.model.state_dict())
+    assert_same_tree({k: v for k, v in t.model.state_dict().items()}, again.model.state_dict())
 
 
 def test_save_only_model_and_plain_trainer_checkpoints(tmp_path):
