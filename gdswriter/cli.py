@@ -33,7 +33,7 @@ COMMANDS = ("ls", "inspect", "verify", "export", "demo", "bench")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="gdswriter", description="List, inspect, verify and export gdswriter checkpoints; run the I/O demo.",
+        prog="gdswriter", description="List, inspect, verify and export gdswriter checkpoints; run the I/O demo and the bench.",
         epilog="Exit status: 0 ok; 1 corrupt checkpoint or I/O error; 2 usage error or no such root/step.")
     p.add_argument("--version", action="version", version=f"gdswriter {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log gdswriter's informational messages")

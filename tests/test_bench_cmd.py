@@ -10,7 +10,6 @@ import shutil
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch

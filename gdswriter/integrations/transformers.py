@@ -36,6 +36,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from transformers import Trainer
+
 from ..checkpointer import GDSCheckpointer
 from ..errors import InvalidOptionError
 from ..export import HF_CONFIG_KEY
@@ -190,18 +192,5 @@ def _saved_parts(root: Path) -> set[str]:
     return set(state_keys(read_manifest(protocol, protocol.require(None))) or ())
 
 
-def _trainer_class():
-    from transformers import Trainer
-
-    class GDSTrainer(GDSCheckpointing, Trainer):
-        """``transformers.Trainer`` whose checkpoints go through gdswriter (see the module doc)."""
-
-    return GDSTrainer
-
-
-def __getattr__(name: str):
-    if name == "GDSTrainer":  # defined on first use, so importing this module does not import transformers
-        cls = _trainer_class()
-        globals()["GDSTrainer"] = cls
-        return cls
-    raise AttributeError(name)
+class GDSTrainer(GDSCheckpointing, Trainer):
+    """``transformers.Trainer`` whose checkpoints go through gdswriter (see the module doc)."""
