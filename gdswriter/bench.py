@@ -176,6 +176,8 @@ def deepspeed_missing() -> str | None:
 
 def missing(method: str) -> str | None:
     """Why ``method`` cannot run here (a package is absent), or None."""
+    if method == "dcp" and not torch.distributed.is_available():
+        return "this torch build has no torch.distributed (DCP needs it)"
     if method == "safetensors":
         try:
             import safetensors.torch  # noqa: F401

@@ -488,8 +488,10 @@ def _write_hf_dir(out: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[
             os.rename(out, old)
         os.rename(tmp, out)
         fsync_dir(parent)
-        if old is not None:
-            shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        if old is not None and old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        elif old is not None:
+            old.unlink()
         return size
     finally:
         if tmp.exists():

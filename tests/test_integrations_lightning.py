@@ -5,6 +5,7 @@ where an uninterrupted run ends (weights, optimizer, scheduler, global step)."""
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import enum
 import logging
@@ -127,6 +128,12 @@ def test_to_plain_and_from_plain():
     assert plain["ns"] == {"a": 1, "p": "/x"} and plain["t"] == ("r", [1, 2]) and plain["keep"] is obj["keep"]
     back = from_plain(plain, tags)
     assert back["ns"] == obj["ns"] and back["t"] == obj["t"] and type(back["ad"]) is AttributeDict
+    od = collections.OrderedDict(args=argparse.Namespace(k=3))
+    od._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() keeps it
+    tags = []
+    back = from_plain(to_plain({"sd": od}, (), tags), tags)["sd"]
+    assert type(back) is collections.OrderedDict and back._metadata == od._metadata
+    assert back["args"] == argparse.Namespace(k=3)
     from gdswriter.errors import CorruptCheckpointError
 
     for bad in ([[["ns"], "pickle"]], [[["missing"], "path"]], [[["t"], "namespace"]], "nope"):

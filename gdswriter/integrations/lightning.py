@@ -38,6 +38,7 @@ the fix (store ``.value``, ``dataclasses.asdict(x)``, ``OmegaConf.to_container(c
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import enum
 import logging
@@ -95,11 +96,21 @@ def to_plain(obj: Any, key_path: tuple = (), tags: list | None = None) -> Any:
     if type(obj).__module__.startswith("omegaconf"):
         raise UnsupportedObjectError(where, obj, "OmegaConf configs cannot be stored without pickle: store "
                                      "OmegaConf.to_container(cfg, resolve=True) instead")
-    if type(obj) is dict:
-        return {k: to_plain(v, (*key_path, k), tags) for k, v in obj.items()}
+    if type(obj) in (dict, collections.OrderedDict):
+        return _same_dict(obj, {k: to_plain(v, (*key_path, k), tags) for k, v in obj.items()})
     if type(obj) in (list, tuple):
         return type(obj)(to_plain(v, (*key_path, i), tags) for i, v in enumerate(obj))
-    return obj  # tensors, plain values, OrderedDicts (state dicts); anything else is refused by the codec
+    return obj  # tensors and plain values; anything else is refused by the state codec, by key path
+
+
+def _same_dict(like: dict, items: dict) -> dict:
+    """``items`` as a container of ``like``'s type (dict or OrderedDict, with its ``_metadata``)."""
+    if type(like) is dict:
+        return items
+    out = collections.OrderedDict(items)
+    if hasattr(like, "_metadata"):
+        out._metadata = like._metadata
+    return out
 
 
 def from_plain(obj: Any, tags: Any) -> Any:
@@ -115,8 +126,8 @@ def from_plain(obj: Any, tags: Any) -> Any:
     found: set[tuple] = set()
 
     def walk(o: Any, key_path: tuple) -> Any:
-        if type(o) is dict:
-            o = {k: walk(v, (*key_path, k)) for k, v in o.items()}
+        if type(o) in (dict, collections.OrderedDict):
+            o = _same_dict(o, {k: walk(v, (*key_path, k)) for k, v in o.items()})
         elif type(o) in (list, tuple):
             o = type(o)(walk(v, (*key_path, i)) for i, v in enumerate(o))
         tag = todo.get(key_path)
@@ -172,7 +183,6 @@ class GDSCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         if root.is_symlink() or root.is_file():  # a save_last link, or a torch.save file from before
             root.unlink()
-        root.parent.mkdir(parents=True, exist_ok=True)
         ckpt = GDSCheckpointer(checkpoint.get(MODEL_KEY, {}), root=root, options=self.options, keep_last=1,
                                state={EXTRA_KEY: rest, TYPES_KEY: {"tags": tags}})
         try:
