@@ -450,6 +450,11 @@ class BenchResult:
                  "  GB/s = 1e9 bytes/s; saves end durable (fsync), loads start cold (evicted); ratios are medians "
                  "of per-round ratios"]
         lines += [f"  skipped {m}: {why}" for m, why in self.skipped.items()]
+        above = [f"{m} {k} {r:.2f}x" for m in self.methods if m != CEILING for k in ("save", "load")
+                 if (r := self.ratio(m, k, CEILING)) is not None and r > 1.1]
+        if above:
+            lines.append(f"  note: above the ceiling ({', '.join(above)}): the disk drifted between rounds, or at this "
+                         f"size the reference's start-up weighs; a larger --size and more --rounds even it out")
         return lines
 
 

@@ -220,3 +220,14 @@ def test_deepspeed_absent_is_skipped_with_the_reason(tmp_path, monkeypatch):
     assert "DeepSpeed is not installed" in res.skipped["deepspeed"] and "deepspeed" not in res.save
     assert any("skipped deepspeed: DeepSpeed is not installed" in line for line in res.header())
     assert torch.isfinite(torch.tensor(res.save["gdswriter"])).all()
+
+
+def test_result_text_markdown_and_the_above_ceiling_note():
+    res = bench.BenchResult(10**9, 2, "/d", "ext4 on /dev/x", measure.FIO_NAME, "fio is installed",
+                            save={CEILING: [2.0, 2.0], "gdswriter": [1.8, 2.2], "torch": [0.5, 1.0]},
+                            load={CEILING: [1.0, 1.0], "gdswriter": [1.5, 1.5], "torch": [0.5, 0.5]})
+    assert res.ratio("gdswriter", "save", "torch") == pytest.approx((3.6 + 2.2) / 2)
+    assert any("note: above the ceiling (gdswriter load 1.50x)" in line for line in res.header())
+    md = res.markdown()
+    assert md[0].startswith("| method |") and len(md) == 2 + 3
+    assert md[3].startswith("| gdswriter.save / gdswriter.load | 2.00 (1.80-2.20) | 1.50 (1.50-1.50) | 1.00x | 1.50x |")
