@@ -1,5 +1,6 @@
-"""Shared helpers of the benchmark suites: sizes, disk/memory checks, cache eviction,
-raw references (fio, a dd-style O_DIRECT loop) and result bookkeeping.
+"""Shared helpers of the benchmark suites: sizes, disk/memory checks, raw references (fio, a
+dd-style O_DIRECT loop) and result bookkeeping. Cache eviction, file removal and the state the
+checkpoint suites store come from gdswriter (measure.py, bench.py), shared with `gdswriter bench`.
 
 Bandwidth is reported in decimal GB/s (1 GB = 1e9 bytes) everywhere.
 """
@@ -15,16 +16,17 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 import torch
 
-from gdswriter import pagecache, units
-from gdswriter.measure import FioError, mem_available  # noqa: F401  (FioError: for the suites)
-from gdswriter.units import human  # noqa: F401
-from gdswriter.measure import fio_bandwidth as fio_run  # noqa: F401  (bytes/s of one fio job)
+from gdswriter import units
+from gdswriter.bench import quiesce, remove, settle  # noqa: F401  (for the suites)
 from gdswriter.errors import GDSWriterError
+from gdswriter.measure import FioError, mem_available  # noqa: F401  (FioError: for the suites)
+from gdswriter.measure import evict_paths as evict  # noqa: F401  (cold reads: files or whole trees)
+from gdswriter.measure import fio_bandwidth as fio_run  # noqa: F401  (bytes/s of one fio job)
+from gdswriter.units import human  # noqa: F401
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALIGN = 4096
@@ -80,13 +82,6 @@ def bench_settle() -> float:
     A virtual disk may still be flushing the write that just finished on the host side; a read
     started at once pays for it, and the fastest writer pays the most."""
     return _env_number("GDSWRITER_BENCH_SETTLE_S", "5", float, 0, "a number")
-
-
-def settle(seconds: float) -> None:
-    """Sync, then wait ``seconds``: let the device finish earlier writes before a cold read."""
-    quiesce()
-    if seconds:
-        time.sleep(seconds)
 
 
 def bench_base_dir() -> Path:
@@ -195,46 +190,6 @@ def random_tensor(nbytes: int, seed: int = 0) -> torch.Tensor:
     if nbytes % 8:
         a[n64 * 8:] = np.frombuffer(np.random.default_rng(seed).bytes(nbytes % 8), dtype=np.uint8)
     return t
-
-
-def iter_files(paths: Iterable[str | os.PathLike]) -> Iterable[str]:
-    for p in paths:
-        p = os.fspath(p)
-        if os.path.isdir(p):
-            for d, _, names in os.walk(p):
-                for n in names:
-                    yield os.path.join(d, n)
-        elif os.path.exists(p):
-            yield p
-
-
-def evict(*paths: str | os.PathLike) -> None:
-    """Make the next read of these files (or every file under these directories) cold:
-    flush each file, drop its pages with POSIX_FADV_DONTNEED, then try drop_caches."""
-    for p in iter_files(paths):
-        try:
-            pagecache.evict(p)
-        except OSError:
-            continue
-    pagecache.drop_caches()
-
-
-def remove(*paths: str | os.PathLike) -> None:
-    for p in paths:
-        p = os.fspath(p)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
-
-
-def quiesce() -> None:
-    """Flush everyone's dirty pages before a timed write so that foreign writeback does not
-    land inside the timed region (cannot stop foreign I/O that starts later)."""
-    os.sync()
 
 
 # ----------------------------------------------------------------------------- dd-style loop

@@ -29,21 +29,15 @@ page cache):
 from __future__ import annotations
 
 import gc
-import json
-import math
-import os
-import warnings
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 import _util
 from _util import RESULTS, RoundTimer, finish, ratio
 
 from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer
+from gdswriter.bench import Canary, build_state, plan_layers, state_bytes
+from gdswriter.bench import Methods as Formats
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -63,70 +57,8 @@ def bench_sort_key(item):
     return (_FAMILY.index(case), 0 if item.originalname == "test_save" else 1)
 
 
-# ----------------------------------------------------------------------------- state
-def plan_layers(total: int) -> tuple[int, int]:
-    """(dim, n_layers) of square Linear layers so that 3 x params (fp32) ~= total bytes."""
-    param_bytes = total / 3
-    layer_bytes = min(64 * _util.MiB, max(param_bytes / 4, 64 * _util.KiB))
-    dim = max(64, int(math.sqrt(layer_bytes / 4)) // 64 * 64)
-    n = max(1, round(param_bytes / (dim * dim * 4)))
-    return dim, n
-
-
-def build_state(total: int):
-    torch.manual_seed(0)
-    dim, n = plan_layers(total)
-    model = torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(n)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.empty_like(p).uniform_(-1, 1)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return model, opt
-
-
-def state_bytes(model, opt) -> int:
-    n = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    for st in opt.state.values():
-        n += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
-    return n
-
-
-def collect(model, opt) -> dict:
-    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
-
-
-def flat_tensors(model, opt) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """safetensors view: one flat name -> tensor dict, param_groups as JSON metadata."""
-    flat = {f"model.{k}": v for k, v in model.state_dict().items()}
-    osd = opt.state_dict()
-    for pid, st in osd["state"].items():
-        for k, v in st.items():
-            flat[f"optimizer.state.{pid}.{k}"] = v
-    return flat, {"param_groups": json.dumps(osd["param_groups"])}
-
-
-class Canary:
-    """Remember a few tensors (first weight, last exp_avg_sq); spoil them before each load
-    round and check the load restored them."""
-
-    def __init__(self, model, opt):
-        self.model, self.opt = model, opt
-        self.saved = [t.clone() for t in self._live()]
-
-    def _live(self):
-        first = next(iter(self.model.parameters()))
-        last = list(self.model.parameters())[-2]
-        return [first.detach(), self.opt.state[last]["exp_avg_sq"]]
-
-    def spoil(self) -> None:
-        with torch.no_grad():
-            for t in self._live():
-                t.fill_(-1.0)
-
-    def check(self, what: str) -> None:
-        for live, want in zip(self._live(), self.saved):
-            assert torch.equal(live, want), f"{what} did not restore the state"
+# The state (build_state, state_bytes, plan_layers), the load check (Canary) and how each
+# format saves and loads (Formats) live in gdswriter/bench.py, shared with `gdswriter bench`.
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -154,92 +86,6 @@ def gds(trained, workdir):
     ckpt.engine_info  # create the engines (staging buffers, ring) now, outside the timed rounds
     yield ckpt
     ckpt.close()
-
-
-class Formats:
-    """How each format saves and loads, and where its checkpoint lives."""
-
-    def __init__(self, workdir, model, opt, gds: GDSCheckpointer):
-        self.dir, self.model, self.opt, self.gds = workdir, model, opt, gds
-        self.step = 0
-
-    def path(self, case: str):
-        return {"torch": self.dir / "state.pt", "dcp1": self.dir / "dcp", "dcp4": self.dir / "dcp",
-                "dcp": self.dir / "dcp", "safetensors": self.dir / "state.safetensors",
-                "gdswriter": self.dir / "gdswriter"}[case]
-
-    def clear(self, case: str) -> None:
-        if case == "gdswriter":
-            for s in self.gds.steps():
-                self.gds.protocol.delete_step(s)
-        else:
-            _util.remove(self.path(case))
-
-    def exists(self, case: str) -> bool:
-        if case == "gdswriter":
-            return bool(self.gds.steps())
-        return self.path(case).exists()
-
-    # -- save -------------------------------------------------------------------
-    def save(self, case: str) -> None:
-        m, o, p = self.model, self.opt, self.path(case)
-        if case == "torch":
-            with open(p, "wb") as f:
-                torch.save(collect(m, o), f)
-                f.flush()
-                os.fsync(f.fileno())
-        elif case in ("dcp1", "dcp4", "dcp"):
-            writer = dcp.FileSystemWriter(p, thread_count=1 if case == "dcp1" else 4, sync_files=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dcp.save(collect(m, o), storage_writer=writer)
-        elif case == "safetensors":
-            flat, meta = flat_tensors(m, o)
-            save_file(flat, p, metadata=meta)
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        elif case == "gdswriter":
-            self.step += 1
-            self.gds.save(self.step)
-        else:
-            raise ValueError(case)
-
-    # -- load -------------------------------------------------------------------
-    def load(self, case: str) -> None:
-        m, o, p = self.model, self.opt, self.path(case)
-        if case == "torch":
-            state = torch.load(p, weights_only=True, mmap=False)
-            m.load_state_dict(state["model"])
-            o.load_state_dict(state["optimizer"])
-        elif case == "dcp":
-            sd = collect(m, o)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dcp.load(sd, storage_reader=dcp.FileSystemReader(p))
-            o.load_state_dict(sd["optimizer"])  # model tensors were filled in place
-        elif case == "safetensors":
-            flat = load_file(p)
-            with safe_open(p, framework="pt") as f:
-                groups = json.loads(f.metadata()["param_groups"])
-            m.load_state_dict({k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")})
-            params = [q for g in o.param_groups for q in g["params"]]
-            with torch.no_grad():
-                for pid, q in enumerate(params):
-                    for k, live in o.state[q].items():
-                        live.copy_(flat[f"optimizer.state.{pid}.{k}"])
-            for g, saved in zip(o.param_groups, groups):
-                g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k != "params"})
-            del flat
-        elif case == "gdswriter":
-            self.gds.load(self.step)
-        else:
-            raise ValueError(case)
-
-    def files(self, case: str) -> list:
-        return [self.path(case)]
 
 
 @pytest.fixture(scope="module")

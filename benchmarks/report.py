@@ -1,8 +1,12 @@
 #!/usr/bin/env python3
 """Summarise a pytest-benchmark JSON (``--benchmark-json=FILE``) of the gdswriter benchmarks
-as compact markdown tables plus a goal check.
+as compact markdown tables plus a goal check, and optionally a PNG chart.
 
-    python benchmarks/report.py bench.json [more.json ...] [--check-goals]
+    python benchmarks/report.py bench.json [more.json ...] [--check-goals] [--png chart.png]
+
+The chart (needs matplotlib: ``pip install 'gdswriter[plot]'``) shows each checkpoint
+method's save and load GB/s per size (median round, whiskers from the fastest to the slowest
+round) and the best raw engine write/read of the largest size as dashed lines.
 
 GB/s is decimal (1e9 bytes/s) and comes from each benchmark's extra_info: bytes / median
 round time, except fio rows, whose GB/s is fio's own reported bandwidth (median of rounds;
@@ -16,6 +20,9 @@ import argparse
 import json
 import sys
 from collections import OrderedDict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's gdswriter, run from anywhere
 
 ENGINE_RAW = ("fio io_uring", "dd-loop")
 ENGINE = "gdswriter io_uring"
@@ -42,7 +49,7 @@ def load_rows(paths: list[str]) -> "OrderedDict[tuple, dict]":
             row = {"suite": info["suite"], "kind": info["kind"], "case": info["case"], "size": info["size"],
                    "bytes": int(info.get("bytes", 0)), "median": median, "gbps": float(gbps),
                    "wall": float(info.get("wall GB/s", gbps)), "rounds": b["stats"].get("rounds"),
-                   "fio": "bw source" in info}
+                   "fio": "bw source" in info, "min_s": b["stats"].get("min"), "max_s": b["stats"].get("max")}
             rows[(row["suite"], row["kind"], row["size"], row["case"])] = row
     return rows
 
@@ -160,10 +167,52 @@ def report(rows) -> tuple[str, list[bool]]:
     return "\n\n".join(parts) + "\n", verdicts
 
 
+FAMILIES = {"torch": ("torch.save", "torch.load"), "dcp t1": ("dcp.save t1", None),
+            "dcp t4": ("dcp.save t4", "dcp.load"), "safetensors": ("safetensors.save_file", "safetensors.load_file"),
+            "gdswriter": ("gdswriter.save", "gdswriter.load")}
+
+
+def spread(row: dict | None):
+    """Median GB/s with the slowest and fastest rounds' GB/s (fio rows: fio's own figure only)."""
+    from gdswriter.bench import Spread
+
+    if row is None:
+        return None
+    g = row["gbps"]
+    if row["fio"] or not row["bytes"] or not row["min_s"] or not row["max_s"]:
+        return Spread(g, g, g)
+    return Spread(g, row["bytes"] / row["max_s"] / 1e9, row["bytes"] / row["min_s"] / 1e9)
+
+
+def chart(rows, path: str, title: str) -> Path:
+    """The checkpoint save/load chart of ``rows`` (see the module doc) as a PNG at ``path``."""
+    from gdswriter.bench import bar_chart
+
+    sizes = sizes_of(rows)
+    groups = [f for f, (s, ld) in FAMILIES.items()
+              if any(("checkpoint", k, z, c) in rows for z in sizes for k, c in (("save", s), ("load", ld)))]
+    series = {}
+    for size in sizes:
+        for kind, pick in (("save", 0), ("load", 1)):
+            values = [spread(rows.get(("checkpoint", kind, size, FAMILIES[f][pick]))) for f in groups]
+            if any(values):
+                series[f"{kind} {size}"] = values
+    lines = {}
+    if sizes:
+        for kind in ("write", "read"):
+            best_raw, name = best(rows, "engine", kind, sizes[-1], ENGINE_RAW)
+            if best_raw:
+                lines[f"raw {kind} {sizes[-1]} ({name})"] = best_raw
+    return bar_chart(path, groups, series, title=title, lines=lines,
+                     note="GB/s = 1e9 bytes/s; saves durable, loads cold; bars: median round, whiskers: slowest-fastest")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("json", nargs="+", help="pytest-benchmark JSON file(s) (--benchmark-json=FILE)")
     ap.add_argument("--check-goals", action="store_true", help="exit 1 if a goal is missed")
+    ap.add_argument("--png", metavar="PATH", help="also write a chart of the checkpoint cases (needs matplotlib)")
+    ap.add_argument("--title", default="gdswriter checkpoint save and load", help="the chart's title")
     args = ap.parse_args(argv)
     rows = load_rows(args.json)
     if not rows:
@@ -171,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text, verdicts = report(rows)
     sys.stdout.write(text)
+    if args.png:
+        from gdswriter.errors import InvalidOptionError
+
+        try:
+            print(f"\nchart: {chart(rows, args.png, args.title)}")
+        except InvalidOptionError as e:  # matplotlib missing: the tables above still stand
+            print(f"report.py: no chart: {e}", file=sys.stderr)
+            return 2
     return 1 if args.check_goals and not all(verdicts) else 0
 
 

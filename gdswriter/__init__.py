@@ -5,6 +5,7 @@
     ckpt.load()                # latest committed step, in place
 """
 
+from .bench import BenchOptions, BenchResult, run_bench
 from .checkpointer import GDSCheckpointer, SaveHandle
 from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from .engine_select import create_engine
@@ -27,6 +28,7 @@ __all__ = [
     "UnsupportedFormatVersionError", "UnsupportedObjectError",
     "DistOptions", "GDSStorageWriter", "GDSStorageReader", "CollectiveFailedError", "RankFailedError",
     "UnreachableDataError",
+    "BenchOptions", "BenchResult", "run_bench",
     "__version__",
 ]
 

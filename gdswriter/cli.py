@@ -1,12 +1,13 @@
-"""The ``gdswriter`` command: list, inspect, verify and export checkpoints; run the demo.
+"""The ``gdswriter`` command: list, inspect, verify and export checkpoints; run the demo and the bench.
 
     gdswriter ls ROOT [ROOT...]
     gdswriter inspect ROOT [--step N] [--json]
     gdswriter verify ROOT [--step N | --all]
-    gdswriter export ROOT [--step N] --to torch|safetensors OUT [--force]
+    gdswriter export ROOT [--step N] --to torch|safetensors|hf OUT [--model-only] [--force]
     gdswriter demo [--dir D] [--size 4G] [--engine auto|io_uring|posix]
     gdswriter topology [ROOT...] [--size S] [--json] [--replay FILE.json]
     gdswriter doctor [DIR...] [--json] [--test-size 64M] [--no-io-test]
+    gdswriter bench [--dir D] [--size 2G] [--rounds 3] [--compare torch,dcp,safetensors,deepspeed] [--json] [--plot P]
 
 Each command lives in its own module under gdswriter/commands/ (``register`` adds its
 parser, ``run`` does the work); this module only parses and maps errors to exit codes.
@@ -29,12 +30,12 @@ from . import __version__
 from .commands._common import EXIT_CORRUPT, EXIT_USAGE, UsageError
 from .errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, UnsupportedObjectError
 
-COMMANDS = ("ls", "inspect", "verify", "export", "demo", "doctor", "topology")
+COMMANDS = ("ls", "inspect", "verify", "export", "demo", "bench", "doctor", "topology")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="gdswriter", description="List, inspect, verify and export gdswriter checkpoints; run the I/O demo.",
+        prog="gdswriter", description="List, inspect, verify and export gdswriter checkpoints; run the I/O demo and the bench.",
         epilog="Exit status: 0 ok; 1 corrupt checkpoint or I/O error; 2 usage error or no such root/step.")
     p.add_argument("--version", action="version", version=f"gdswriter {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="log gdswriter's informational messages")

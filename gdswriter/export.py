@@ -1,4 +1,13 @@
-"""Export a committed step to a single file other tools read: torch.save or safetensors.
+"""Export a committed step to files other tools read: torch.save, safetensors, or a Hugging
+Face ``from_pretrained`` directory.
+
+Whole state (default): every tensor under its key path ("model/0.weight", "optimizer/state/0/
+exp_avg"...). Model only (``model_only``, and always for "hf"): the tensors of the saved model's
+state_dict under the model's own keys ("0.weight"), so ``model.load_state_dict(...)`` takes them
+as they are; only the model's bytes are read. Tied weights (two keys viewing the same tensor,
+e.g. an embedding and an LM head) are stored once in safetensors, under the first key, as
+``safetensors.torch.save_model`` and ``save_pretrained`` do; ``safetensors.torch.load_model``
+and ``from_pretrained`` re-tie them. A torch.save file keeps both keys on one storage.
 
 The safetensors writer is implemented here (no dependency on the ``safetensors``
 package). The format is::
@@ -22,15 +31,17 @@ never leaves a half-written file under the final name.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import os
 import re
 import secrets
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -193,12 +204,14 @@ def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[st
 
 
 def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None, *, overwrite: bool = False) -> int:
+                      metadata: Mapping[str, str] | None = None, *, overwrite: bool = False,
+                      on_written: Callable[[int], None] | None = None) -> int:
     """Write ``tensors`` ({name: tensor}) as a safetensors file; returns the file size.
 
     Each tensor is stored as its own contiguous copy (views and shared storage are
     not representable in safetensors). Refuses dtypes safetensors cannot hold before
-    writing anything. Durable (fsync) and atomic (temporary file + rename)."""
+    writing anything. Durable (fsync) and atomic (temporary file + rename). ``on_written(n)``
+    is called after each tensor's ``n`` bytes (progress)."""
     header, layout = safetensors_header(tensors, metadata)
     with atomic_output(path, overwrite=overwrite) as f:
         f.write(len(header).to_bytes(8, "little"))
@@ -208,6 +221,8 @@ def write_safetensors(path: str | os.PathLike, tensors: Mapping[str, torch.Tenso
             if len(data) != end - begin:  # cannot happen for strided tensors; guard the format anyway
                 raise GDSWriterError(f"{name}: expected {end - begin} bytes, got {len(data)}")
             f.write(data)
+            if on_written is not None:
+                on_written(len(data))
         size = f.tell()
     return size
 
@@ -242,6 +257,13 @@ def _why(e: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------- checkpoint -> file
+FORMATS = ("torch", "safetensors", "hf")
+HF_WEIGHTS = "model.safetensors"
+HF_CONFIG_KEY = "hf_config"
+"""Checkpoint metadata key holding a transformers config (as JSON) that ``--to hf`` writes as
+config.json; gdswriter.integrations.transformers records it at every save."""
+
+
 @dataclass(frozen=True)
 class ExportResult:
     path: Path
@@ -250,6 +272,8 @@ class ExportResult:
     tensors: int
     bytes: int
     renamed: dict  # {stored name: exported name} where names collided
+    tied: dict = dataclasses.field(default_factory=dict)  # {key left out: key stored} (safetensors, model only)
+    skipped: tuple = ()  # model keys that hold no tensor (e.g. "_extra_state"), not exported
 
 
 def flat_tensors(manifest, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -271,43 +295,204 @@ def flat_tensors(manifest, tensors: Sequence[torch.Tensor]) -> tuple[dict[str, t
     return out, renamed
 
 
+def model_indices(manifest) -> tuple[dict[str, int], list[str]]:
+    """The saved model's state_dict as {key: tensor index}, and the keys holding no tensor.
+    InvalidOptionError when the step holds no model (saved without ``model=``)."""
+    from .format.state_codec import decode_state
+
+    markers = [torch.empty(0) for _ in manifest.tensors]
+    state = decode_state(manifest.state, markers)
+    model = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model, dict):
+        raise InvalidOptionError(f"step {manifest.step} holds no model state_dict (it was saved without model=...): "
+                                 f"export the whole state instead (drop --model-only)")
+    position = {id(t): i for i, t in enumerate(markers)}
+    keys, skipped = {}, []
+    for k, v in model.items():
+        if isinstance(v, torch.Tensor) and id(v) in position:
+            keys[str(k)] = position[id(v)]
+        else:
+            skipped.append(str(k))
+    return keys, skipped
+
+
+def untie(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Keep one key per distinct tensor view (same storage, offset, shape, strides and dtype):
+    ({key: tensor} without the repeats, {repeated key: the key kept}). The first key wins."""
+    kept: dict[str, torch.Tensor] = {}
+    first: dict[tuple, str] = {}
+    tied: dict[str, str] = {}
+    for k, t in tensors.items():
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype) \
+            if t.numel() else None
+        if ident is not None and ident in first:
+            tied[k] = first[ident]
+        else:
+            kept[k] = t
+            if ident is not None:
+                first[ident] = k
+    return kept, tied
+
+
+def read_selected(protocol, manifest, indices: Sequence[int] | None, *, verify: bool = True, engine_options=None,
+                  progress=None) -> list[torch.Tensor | None]:
+    """The tensors of ``manifest`` at ``indices`` (None: all) as fresh CPU tensors, reading only
+    the storages they view; other positions are None. ``progress`` (a gdswriter.progress.Progress)
+    counts the bytes read."""
+    from .engine_select import create_engine
+    from .format.manifest import StorageRecord
+    from .restore import host_buffer, read_storages, tensors_from_storages
+
+    wanted = set(range(len(manifest.tensors)) if indices is None else indices)
+    needed = {manifest.tensors[i].storage for i in wanted}
+    storages = tuple(s if sid in needed else StorageRecord(0, ()) for sid, s in enumerate(manifest.storages))
+    part = dataclasses.replace(manifest, storages=storages)
+    buffers = [host_buffer(s.nbytes) for s in storages]
+    with create_engine(engine_options) as engine:
+        read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
+    order = sorted(wanted)
+    views = tensors_from_storages(dataclasses.replace(part, tensors=tuple(manifest.tensors[i] for i in order)),
+                                  buffers)
+    out: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+    for i, t in zip(order, views):
+        out[i] = t
+    return out
+
+
 def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, out: str | os.PathLike, *,
-                overwrite: bool = False, verify: bool = True, nested: bool = False,
-                engine_options=None) -> ExportResult:
+                overwrite: bool = False, verify: bool = True, nested: bool = False, model_only: bool = False,
+                config: str | os.PathLike | None = None, engine_options=None, progress: bool = True) -> ExportResult:
     """Read ``step`` (None: latest) of the checkpoint under ``roots`` and write it to ``out``.
 
     fmt "torch": a torch.save file of a flat {name: tensor} dict (shared storage and views
     are kept as torch.save keeps them), or with ``nested`` the whole saved state tree
     (checked to load with weights_only=True). fmt "safetensors": a flat {name: tensor}
     safetensors file of contiguous copies; non-tensor state goes nowhere except the
-    step number and the checkpoint's metadata, stored in ``__metadata__``."""
-    from .restore import read_manifest, read_tensors
+    step number and the checkpoint's metadata, stored in ``__metadata__``. With
+    ``model_only`` both hold the model's state_dict under its own keys (see the module doc).
+    fmt "hf": directory ``out`` with model.safetensors (model only) and config.json, from
+    ``config`` (a config.json, or a directory whose non-weight files are all copied) or else
+    from the checkpoint's metadata (see HF_CONFIG_KEY). ``progress`` draws a bar on a terminal."""
     from .format.commit import CommitProtocol
     from .format.dtypes import dtype_from_name
     from .format.state_codec import decode_state
+    from .progress import Progress
+    from .restore import read_manifest
 
-    if fmt not in ("torch", "safetensors"):
-        raise InvalidOptionError(f"unknown export format {fmt!r}: choose torch or safetensors")
-    if nested and fmt != "torch":
-        raise InvalidOptionError("nested export is only possible with --to torch")
+    if fmt not in FORMATS:
+        raise InvalidOptionError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    if nested and (fmt != "torch" or model_only):
+        raise InvalidOptionError("nested export is only possible with --to torch, without --model-only")
+    if config is not None and fmt != "hf":
+        raise InvalidOptionError("--config is only used with --to hf")
+    model_only = model_only or fmt == "hf"
     protocol = CommitProtocol([Path(os.fspath(r)) for r in roots])
     step = protocol.require(step)
     manifest = read_manifest(protocol, step)
-    if fmt == "safetensors":  # refuse before reading gigabytes
-        for rec in manifest.tensors:
+    keys, skipped = model_indices(manifest) if model_only else ({}, [])
+    chosen = sorted(set(keys.values())) if model_only else range(len(manifest.tensors))
+    if fmt != "torch":  # refuse before reading gigabytes
+        for i in chosen:
+            rec = manifest.tensors[i]
             safetensors_dtype(dtype_from_name(rec.dtype), rec.name)
     out = Path(os.fspath(out))
     if not overwrite and (out.exists() or out.is_symlink()):
         raise OutputExistsError(errno.EEXIST, f"{out} exists: pass --force to replace it")
-    tensors = read_tensors(protocol, manifest, verify=verify, engine_options=engine_options)
-    flat, renamed = flat_tensors(manifest, tensors)
+    hf_config = _hf_config(manifest, config) if fmt == "hf" else None
+    needed = {manifest.tensors[i].storage for i in chosen}
+    with Progress(f"export step {step}: read", total=sum(manifest.storages[s].nbytes for s in needed),
+                  quiet=not progress) as bar:
+        tensors = read_selected(protocol, manifest, chosen if model_only else None, verify=verify,
+                                engine_options=engine_options, progress=bar)
+    renamed: dict[str, str] = {}
+    tied: dict[str, str] = {}
+    if model_only:
+        flat = {k: tensors[i] for k, i in keys.items()}
+    else:
+        flat, renamed = flat_tensors(manifest, tensors)
+    meta = {"format": "pt", "gdswriter_step": str(step),
+            "gdswriter_format_version": f"{manifest.version[0]}.{manifest.version[1]}"}
+    if manifest.metadata:
+        meta["gdswriter_metadata"] = json.dumps(manifest.metadata, sort_keys=True)
     if fmt == "torch":
         obj = decode_state(manifest.state, tensors) if nested else flat
         size = write_torch(out, obj, overwrite=overwrite, check_weights_only=nested)
-    else:
-        meta = {"format": "pt", "gdswriter_step": str(step),
-                "gdswriter_format_version": f"{manifest.version[0]}.{manifest.version[1]}"}
-        if manifest.metadata:
-            meta["gdswriter_metadata"] = json.dumps(manifest.metadata, sort_keys=True)
-        size = write_safetensors(out, flat, meta, overwrite=overwrite)
-    return ExportResult(out, step, fmt, len(flat), size, renamed)
+        return ExportResult(out, step, fmt, len(flat), size, renamed, tied, tuple(skipped))
+    if model_only:
+        flat, tied = untie(flat)
+        if tied:
+            meta["gdswriter_tied"] = json.dumps(tied, sort_keys=True)
+    total = sum(t.numel() * t.element_size() for t in flat.values())
+    with Progress(f"export step {step}: write", total=total,
+                  quiet=not progress) as bar:
+        if fmt == "safetensors":
+            size = write_safetensors(out, flat, meta, overwrite=overwrite, on_written=bar.advance)
+        else:
+            size = _write_hf_dir(out, flat, meta, hf_config, overwrite=overwrite, on_written=bar.advance)
+    return ExportResult(out, step, fmt, len(flat), size, renamed, tied, tuple(skipped))
+
+
+# ----------------------------------------------------------------------------- Hugging Face directory
+_WEIGHT_FILE = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack)$|.*\.index\.json$")
+
+
+def _hf_config(manifest, config: str | os.PathLike | None) -> Path | dict:
+    """Where config.json comes from: a file or a directory given by the user, else the
+    checkpoint's metadata. InvalidOptionError saying what to pass when there is none."""
+    if config is not None:
+        p = Path(os.fspath(config))
+        if p.is_dir():
+            if not (p / "config.json").is_file():
+                raise InvalidOptionError(f"--config {p}: the directory has no config.json")
+            return p
+        if p.is_file():
+            return p
+        raise InvalidOptionError(f"--config {p} does not exist: give a config.json or the model's directory")
+    saved = manifest.metadata.get(HF_CONFIG_KEY) if isinstance(manifest.metadata, dict) else None
+    if isinstance(saved, dict):
+        return saved
+    raise InvalidOptionError(
+        f"step {manifest.step} records no Hugging Face config: pass --config with the model's config.json (or its "
+        f"directory, e.g. the one save_pretrained wrote), or save through gdswriter.integrations.transformers, "
+        f"which records it")
+
+
+def _write_hf_dir(out: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], config: Path | dict, *,
+                  overwrite: bool, on_written) -> int:
+    """Write the directory in a temporary sibling, fsync it, rename it into place; returns the
+    bytes of model.safetensors. An existing ``out`` is replaced only with ``overwrite``."""
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise InvalidOptionError(f"directory {parent} does not exist: create it first")
+    tmp = parent / f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        if isinstance(config, dict):
+            with atomic_output(tmp / "config.json") as f:
+                f.write((json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+        elif config.is_dir():
+            for item in sorted(config.iterdir()):
+                if item.is_file() and not _WEIGHT_FILE.fullmatch(item.name):
+                    with atomic_output(tmp / item.name) as f, open(item, "rb") as src:
+                        shutil.copyfileobj(src, f)
+        else:
+            with atomic_output(tmp / "config.json") as f, open(config, "rb") as src:
+                shutil.copyfileobj(src, f)
+        size = write_safetensors(tmp / HF_WEIGHTS, tensors, meta, on_written=on_written)
+        fsync_dir(tmp)
+        old = None
+        if out.exists() or out.is_symlink():
+            if not overwrite:
+                raise OutputExistsError(errno.EEXIST, f"{out} exists: pass --force to replace it")
+            old = parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+            os.rename(out, old)
+        os.rename(tmp, out)
+        fsync_dir(parent)
+        if old is not None and old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        elif old is not None:
+            old.unlink()
+        return size
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

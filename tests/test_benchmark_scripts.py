@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def test_staging_placement(tmp_path):
 def test_interleaved_checkpoint(tmp_path):
     out = run_script("interleaved_checkpoint.py", "--size", "8M", "--rounds", "1", "--settle", "0",
                      "--dir", str(tmp_path))
-    for case in ("torch.save", "dcp.save t4", "safetensors.save_file", "gdswriter.save"):
+    for case in ("torch.save", "dcp.save t4", "safetensors.save_file", "gdswriter.save", "ceiling ("):
         assert case in out, out
     assert "gdswriter.save vs torch.save" in out
     assert list(tmp_path.iterdir()) == []
@@ -41,3 +42,29 @@ def test_interleaved_engine(tmp_path):
     out = run_script("interleaved_engine.py", "--size", "8M", "--rounds", "1", "--dir", str(tmp_path))
     assert "engine/fio write" in out and "engine/fio read" in out, out
     assert list(tmp_path.iterdir()) == []
+
+
+def _bench_entry(suite: str, kind: str, case: str, size: str, nbytes: int, times: list[float]) -> dict:
+    med = sorted(times)[len(times) // 2]
+    return {"stats": {"median": med, "min": min(times), "max": max(times), "rounds": len(times)},
+            "extra_info": {"suite": suite, "kind": kind, "case": case, "size": size, "bytes": nbytes,
+                           "GB/s": nbytes / med / 1e9, "median s": med}}
+
+
+def test_report_tables_and_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    n = 2 * 10**9
+    entries = [_bench_entry("engine", "write", "gdswriter io_uring", "2G", n, [1.0, 1.1, 0.9]),
+               _bench_entry("engine", "write", "dd-loop", "2G", n, [1.2]),
+               _bench_entry("engine", "read", "dd-loop", "2G", n, [1.0]),
+               _bench_entry("checkpoint", "save", "torch.save", "2G", n, [4.0, 5.0, 4.5]),
+               _bench_entry("checkpoint", "save", "gdswriter.save", "2G", n, [1.0, 1.2, 1.1]),
+               _bench_entry("checkpoint", "load", "torch.load", "2G", n, [3.0, 3.5, 3.2]),
+               _bench_entry("checkpoint", "load", "gdswriter.load", "2G", n, [1.0, 1.1, 1.05])]
+    src = tmp_path / "bench.json"
+    src.write_text(json.dumps({"benchmarks": entries}))
+    png = tmp_path / "chart.png"
+    out = run_script("report.py", str(src), "--png", str(png))
+    assert "### Checkpoint save (durable)" in out and "| gdswriter.save | 2G |" in out
+    assert "| 4.09x |" in out  # gdswriter.save 1.1 s against torch.save 4.5 s (medians): 4.5 / 1.1
+    assert f"chart: {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -463,8 +464,12 @@ def test_demo_small(capsys, tmp_path):
     assert rc == 0, out + err
     assert "engine" in out and "direct I/O" in out
     assert re.search(r"gdswriter engine \(\w+\)\s+\d+\.\d\d\s+\d+\.\d\d", out)
-    assert re.search(r"raw (O_DIRECT|buffered) loop", out)
-    assert "ceiling" in out and "GB/s" in out and "crc32c" in out and ": ok" in out
+    assert re.search(r"needs\s+\d.* free here .* moves .* through the disk: .* at 1 GB/s", out)
+    fio = shutil.which("fio") is not None
+    ceiling = "fio io_uring, QD16, 4 MiB" if fio else "built-in: 8 threads x 4 MiB"
+    assert re.search(r"ceiling: " + re.escape(ceiling) + r".*\s+\d+\.\d\d\s+\d+\.\d\d", out), out
+    assert re.search(r"engine / ceiling\s+\d+%\s+\d+%", out), out
+    assert "GB/s" in out and "crc32c" in out and ": ok" in out
     assert re.search(r"save \(durable \+ committed\)\s+\d+\.\d\d", out)
     assert "loaded tensors equal the saved ones: ok" in out
     assert list(tmp_path.iterdir()) == []  # everything removed
@@ -473,8 +478,18 @@ def test_demo_small(capsys, tmp_path):
 def test_demo_subprocess_posix_without_fio(tmp_path):
     p = _cli("demo", "--size", "8M", "--ckpt-size", "1M", "--engine", "posix", "--no-fio", cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "gdswriter engine (posix)" in p.stdout and "skipped (--no-fio)" in p.stdout
+    assert "gdswriter engine (posix)" in p.stdout
+    assert "ceiling     built-in: 8 threads x 4 MiB O_DIRECT pwrite/preadv (--no-fio)" in p.stdout, p.stdout
+    assert re.search(r"engine / ceiling\s+\d+%\s+\d+%", p.stdout), p.stdout
     assert list(tmp_path.iterdir()) == []  # the default --dir is a temporary directory under the cwd, removed
+
+
+def test_demo_without_fio_installed_uses_the_builtin_ceiling(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no fio on PATH
+    rc, out, err = _run(capsys, "demo", "--size", "16M", "--dir", tmp_path / "d", "--ckpt-size", "1M")
+    assert rc == 0, out + err
+    assert "fio not installed (optional)" in out
+    assert "ceiling     built-in: 8 threads x 4 MiB O_DIRECT pwrite/preadv (fio is not installed; it is optional)" in out
 
 
 def test_demo_refuses_without_free_space(capsys, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from ..crc import crc32c_combine
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError, UnsupportedFormatVersionError
 from ..format.commit import CommitProtocol
 from ..format.manifest import MANIFEST_NAME, ChunkRecord
+from ..progress import Progress
 from ..units import gbps, human, parse_size
 from ._common import (EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, add_roots_argument, check_roots, load_manifest, open_roots,
                       out)
@@ -172,7 +173,8 @@ def run(args) -> int:
         for step in steps:
             problems: list[str] = []
             try:
-                stats = verify_step(protocol, step, engine, scratch, problems)
+                with Progress(f"verify step {step}") as bar:  # drawn on a terminal only
+                    stats = verify_step(protocol, step, bar.reads(engine), scratch, problems)
             except CheckpointNotFoundError:
                 stats = None
                 problems.append("deleted")

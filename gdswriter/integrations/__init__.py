@@ -1,0 +1,5 @@
+"""Integrations with training frameworks: each module imports its framework only when used.
+
+    gdswriter.integrations.lightning      GDSCheckpointIO, a PyTorch Lightning CheckpointIO plug-in
+    gdswriter.integrations.transformers   GDSCheckpointing / GDSTrainer for the Hugging Face Trainer
+"""

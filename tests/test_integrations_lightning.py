@@ -1,0 +1,200 @@
+"""The PyTorch Lightning plug-in (gdswriter/integrations/lightning.py) with a real Trainer.fit on
+the CPU: a run stopped after 2 epochs and resumed from its gdswriter checkpoint ends exactly
+where an uninterrupted run ends (weights, optimizer, scheduler, global step)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import enum
+import logging
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from _trees import assert_same_tree
+
+L = pytest.importorskip("lightning")
+from lightning.fabric.utilities.data import AttributeDict  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from gdswriter import EngineIOError, UnsupportedObjectError  # noqa: E402
+from gdswriter.integrations.lightning import GDSCheckpointIO, from_plain, to_plain  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
+                                        "ignore::FutureWarning")
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    """Lightning's logs and warnings off; torch's process-wide determinism switch (which
+    Trainer(deterministic=...) would flip for every later test) as it was."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    torch.use_deterministic_algorithms(deterministic)
+
+
+class Net(L.LightningModule):
+    def __init__(self, lr: float = 0.05, args: argparse.Namespace | None = None, data_dir: Path = Path("/data"),
+                 extra: dict | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)]
+
+
+def _data() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 8, generator=g)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4, shuffle=False)  # 8 steps/epoch
+
+
+def _model(seed: int) -> Net:
+    torch.manual_seed(seed)
+    return Net(args=argparse.Namespace(layers=2, name="tiny"), extra={"paths": [Path("/a"), Path("/b")]})
+
+
+def _trainer(root: Path, epochs: int, **kw) -> L.Trainer:
+    return L.Trainer(max_epochs=epochs, accelerator="cpu", logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=root, **kw)
+
+
+def _state(trainer: L.Trainer, model: Net) -> dict:
+    return {"weights": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": trainer.optimizers[0].state_dict(),
+            "scheduler": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
+            "global_step": trainer.global_step, "epoch": trainer.current_epoch}
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_fit_stopped_and_resumed_matches_an_uninterrupted_run(tmp_path, async_save):
+    straight = _model(seed=1)
+    t = _trainer(tmp_path / "a", 4, enable_checkpointing=False)
+    t.fit(straight, _data())
+    expected = _state(t, straight)
+    assert expected["global_step"] == 32
+
+    ckpts = tmp_path / "ckpts"
+    first = _model(seed=1)
+    t1 = _trainer(tmp_path / "b", 2, plugins=[GDSCheckpointIO(async_save=async_save)],
+                  callbacks=[ModelCheckpoint(dirpath=ckpts, save_last=True, save_top_k=1)])
+    t1.fit(first, _data())
+    # top-k pruning removed epoch 0's checkpoint; each path is a gdswriter root directory
+    assert sorted(p.name for p in ckpts.iterdir()) == ["epoch=1-step=16.ckpt", "last.ckpt"]
+    assert (ckpts / "last.ckpt" / "latest").exists()
+    assert not list(ckpts.rglob("*.pt")) and not list(ckpts.rglob("*.pkl"))
+
+    resumed = _model(seed=99)  # different initial weights: everything must come from the checkpoint
+    t2 = _trainer(tmp_path / "c", 4, plugins=[GDSCheckpointIO(async_save=async_save)], enable_checkpointing=False)
+    t2.fit(resumed, _data(), ckpt_path=ckpts / "last.ckpt")
+    assert_same_tree(expected, _state(t2, resumed))
+
+
+def test_checkpoint_dict_round_trips_with_lightning_types(tmp_path):
+    model = _model(seed=2)
+    t = _trainer(tmp_path, 1, plugins=[GDSCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck")])
+    t.fit(model, _data())
+    io = GDSCheckpointIO()
+    ck = io.load_checkpoint(tmp_path / "ck" / "epoch=0-step=8.ckpt")
+    hp = ck["hyper_parameters"]
+    assert hp["args"] == argparse.Namespace(layers=2, name="tiny") and isinstance(hp["args"], argparse.Namespace)
+    assert hp["data_dir"] == Path("/data") and hp["extra"] == {"paths": [Path("/a"), Path("/b")]}
+    assert ck["global_step"] == 8 and ck["epoch"] == 0 and "loops" in ck and "callbacks" in ck
+    assert_same_tree(dict(model.state_dict()), dict(ck["state_dict"]))
+    assert ck["optimizer_states"][0]["param_groups"][0]["lr"] == 0.05
+    fresh = Net()
+    fresh.load_state_dict(ck["state_dict"])  # what load_from_checkpoint would do, without torch.load
+
+
+def test_to_plain_and_from_plain():
+    obj = {"ns": argparse.Namespace(a=1, p=Path("/x")), "ad": AttributeDict(lr=0.1), "t": (Path("r"), [1, 2]),
+           "keep": torch.ones(2)}
+    tags: list = []
+    plain = to_plain(obj, (), tags)
+    assert plain["ns"] == {"a": 1, "p": "/x"} and plain["t"] == ("r", [1, 2]) and plain["keep"] is obj["keep"]
+    back = from_plain(plain, tags)
+    assert back["ns"] == obj["ns"] and back["t"] == obj["t"] and type(back["ad"]) is AttributeDict
+    od = collections.OrderedDict(args=argparse.Namespace(k=3))
+    od._metadata = {"": {"version": 1}}  # as nn.Module.state_dict() keeps it
+    tags = []
+    back = from_plain(to_plain({"sd": od}, (), tags), tags)["sd"]
+    assert type(back) is collections.OrderedDict and back._metadata == od._metadata
+    assert back["args"] == argparse.Namespace(k=3)
+    from gdswriter.errors import CorruptCheckpointError
+
+    for bad in ([[["ns"], "pickle"]], [[["missing"], "path"]], [[["t"], "namespace"]], "nope"):
+        with pytest.raises(CorruptCheckpointError):
+            from_plain(plain, bad)
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+
+
+@dataclasses.dataclass
+class Config:
+    width: int = 4
+
+
+@pytest.mark.parametrize("value, fix", [(Mode.FAST, "store its .value ('fast')"),
+                                        (Config(), "dataclasses.asdict(x)")], ids=["enum", "dataclass"])
+def test_types_that_would_need_pickle_are_refused_by_key_path(tmp_path, value, fix):
+    io = GDSCheckpointIO()
+    with pytest.raises(UnsupportedObjectError) as e:
+        io.save_checkpoint({"state_dict": {}, "global_step": 1, "hyper_parameters": {"opts": [1, value]}},
+                           tmp_path / "x.ckpt")
+    assert "hyper_parameters/opts/1" in str(e.value) and fix in str(e.value)
+    assert not (tmp_path / "x.ckpt").exists()
+    with pytest.raises(UnsupportedObjectError, match="hyper_parameters/fn"):  # left to the state codec
+        io.save_checkpoint({"state_dict": {}, "hyper_parameters": {"fn": lambda x: x}}, tmp_path / "y.ckpt")
+    io.teardown()
+
+
+def test_a_failed_background_save_is_raised_once(tmp_path, monkeypatch):
+    import gdswriter.checkpointer as checkpointer
+
+    def broken(*a, **k):
+        raise EngineIOError(28, str(tmp_path / "f"), 0, "write")
+
+    io = GDSCheckpointIO()
+    monkeypatch.setattr(checkpointer, "write_and_commit", broken)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, tmp_path / "a.ckpt")  # returns
+    with pytest.raises(EngineIOError, match="No space left"):
+        io.teardown()
+    io.teardown()  # reported once
+    monkeypatch.undo()
+    io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 2}, tmp_path / "a.ckpt")
+    assert io.load_checkpoint(tmp_path / "a.ckpt")["global_step"] == 2  # waits for the save to that path
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists()
+
+
+def test_resaving_a_path_keeps_one_step_and_plain_files_are_refused(tmp_path):
+    io = GDSCheckpointIO(async_save=False)
+    path = tmp_path / "last.ckpt"
+    for step in (10, 4):  # the second: a run resumed from an older checkpoint
+        io.save_checkpoint({"state_dict": {"w": torch.full((2,), float(step))}, "global_step": step}, path)
+    steps = sorted(p.name for p in path.iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_000000000004"]
+    assert torch.equal(io.load_checkpoint(path, map_location="cpu")["state_dict"]["w"], torch.full((2,), 4.0))
+    old = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "global_step": 3}, old)
+    with pytest.raises(ValueError, match="read_torch_files=True"):
+        io.load_checkpoint(old)
+    assert GDSCheckpointIO(read_torch_files=True).load_checkpoint(old)["global_step"] == 3
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 5}, old)  # replaces the old file
+    assert old.is_dir() and io.load_checkpoint(old)["global_step"] == 5
