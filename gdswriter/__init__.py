@@ -5,24 +5,26 @@
     ckpt.load()                # latest committed step, in place
 """
 
-from .checkpointer import GDSCheckpointer, SaveHandle
+from .checkpointer import GDSCheckpointer, LoadResult, SaveHandle
 from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from .engine_select import create_engine
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
                      CorruptCheckpointError, EngineIOError, EngineUnavailableError, GDSWriterError,
-                     InvalidOptionError, ShortIOError, StateMismatchError, TruncatedFileError,
-                     UnsupportedFormatVersionError, UnsupportedObjectError)
+                     InvalidOptionError, NothingToLoadError, ReadOnlyRootError, RootUnavailableError, ShortIOError,
+                     StateMismatchError, TruncatedFileError, UnsafePathError, UnsupportedFormatVersionError,
+                     UnsupportedObjectError)
 from .options import CheckpointOptions, EngineOptions
 from .restore import load_state
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GDSCheckpointer", "CheckpointOptions", "SaveHandle", "load_state",
+    "GDSCheckpointer", "CheckpointOptions", "LoadResult", "SaveHandle", "load_state",
     "EngineOptions", "EngineInfo", "IOEngine", "ReadSpan", "WriteSpan", "create_engine",
     "GDSWriterError", "CheckpointError", "CheckpointLockedError", "CheckpointNotFoundError",
     "ChecksumMismatchError", "CorruptCheckpointError", "EngineIOError", "EngineUnavailableError",
-    "InvalidOptionError", "ShortIOError", "StateMismatchError", "TruncatedFileError",
-    "UnsupportedFormatVersionError", "UnsupportedObjectError",
+    "InvalidOptionError", "NothingToLoadError", "ReadOnlyRootError", "RootUnavailableError", "ShortIOError",
+    "StateMismatchError", "TruncatedFileError", "UnsafePathError", "UnsupportedFormatVersionError",
+    "UnsupportedObjectError",
     "__version__",
 ]

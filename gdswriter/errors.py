@@ -132,3 +132,22 @@ class TruncatedFileError(_Rebuildable, CorruptCheckpointError):
         self.path, self.needed, self.actual = str(path), needed, actual
         super().__init__(f"{self.path} is truncated: {actual} bytes on disk, {needed} needed. "
                          f"The checkpoint is incomplete: load an earlier step or restore the file")
+
+
+class UnsafePathError(CorruptCheckpointError):
+    """A checkpoint file is a symbolic link, a hard link or not a regular file: gdswriter only
+    follows what it wrote itself, so a planted link cannot redirect a read or a truncation."""
+
+
+class RootUnavailableError(CheckpointError, FileNotFoundError):
+    """A checkpoint root is missing, or is not the directory the other roots' data was saved with
+    (its disk is probably not mounted). gdswriter refuses to open the roots rather than guess."""
+
+
+class ReadOnlyRootError(CheckpointError, PermissionError):
+    """A checkpoint root cannot be written (read-only file system, no permission): it was opened
+    for loading only, and saving there is refused."""
+
+
+class NothingToLoadError(StateMismatchError):
+    """The checkpoint holds no state that fits the live objects (nothing would be loaded)."""
