@@ -256,9 +256,9 @@ class GDSCheckpointer:
         ``atomic`` (default: for states up to restore.ATOMIC_LOAD_MAX_BYTES): read into fresh
         buffers and verify every checksum before copying into the live tensors, so a damaged
         step leaves them untouched. Otherwise tensors are read straight into the live parameters
-        (zero-copy) and a ChecksumMismatchError can leave those read in place partly overwritten
-        (the error says which; the optimizer and other state are applied only after every byte
-        verified): load an intact step afterwards.
+        (zero-copy) and a ChecksumMismatchError can leave those read in place (model tensors, a
+        resumed optimizer's state) partly overwritten; the error's note names them, and no
+        load_state_dict has run: load an intact step afterwards.
 
         ``fallback=True`` (with ``step=None``): if the latest step is damaged (manifest, files,
         checksums), warn naming the problem and load the newest intact older step instead.

@@ -703,10 +703,10 @@ def restore_into(live: LiveState, protocol: CommitProtocol, step: int, engines: 
     except (CorruptCheckpointError, EngineIOError) as e:
         if direct and not atomic:
             names = [manifest.tensors[i].name for i, _ in direct.values()]
-            e.add_note(f"gdswriter: {len(names)} live tensor(s) read in place ({', '.join(names[:3])}"
-                       f"{', ...' if len(names) > 3 else ''}) may now hold part of step {step}'s bytes; the "
-                       f"optimizer and other state were not changed. Load an intact step (load(fallback=True)) "
-                       f"before training on.")
+            e.add_note(f"gdswriter: {len(names)} live tensor(s) read in place ({', '.join(names[:8])}"
+                       f"{', ...' if len(names) > 8 else ''}) may now hold part of step {step}'s bytes; nothing "
+                       f"else changed (load_state_dict was not called). Load an intact step "
+                       f"(load(fallback=True)) before training on.")
         raise
     if atomic:
         for sid, (_, flat) in direct.items():
