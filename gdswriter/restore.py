@@ -92,6 +92,7 @@ def check_data_files(protocol: CommitProtocol, manifest: Manifest) -> None:
             raise CorruptCheckpointError(
                 f"{path} names data file {f.path} on root #{f.root}, but only {len(protocol.roots)} root(s) "
                 f"were given: pass the same list of roots that saved it")
+    seen: dict[tuple[int, int], str] = {}
     for rec in manifest.files:
         path = protocol.step_dir(manifest.step, rec.root) / rec.path
         try:
@@ -107,6 +108,10 @@ def check_data_files(protocol: CommitProtocol, manifest: Manifest) -> None:
         if st.st_size != rec.size:
             raise CorruptCheckpointError(f"{path} is {st.st_size} bytes, the manifest says {rec.size}: "
                                          f"the file was replaced; load an earlier step")
+        other = seen.setdefault((st.st_dev, st.st_ino), str(path))
+        if other != str(path):  # hard links: one file's bytes would be counted (and allocated) twice
+            raise CorruptCheckpointError(f"data files {other} and {path} are the same file: the checkpoint is "
+                                         f"damaged or was tampered with; load an earlier step")
 
 
 def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:

@@ -201,6 +201,8 @@ class Manifest:
 
         files = tuple(FileRecord(_nonneg(r[0]), _relpath(r[1]), _nonneg(r[2]), _file_info(r[3:]))
                       for r in _list(body["files"]))
+        if len({(f.root, f.path) for f in files}) != len(files):
+            raise bad("a data file is listed twice")  # its bytes would count (and be allocated) twice
         storages = []
         for s in _list(body["storages"]):
             nbytes = _nonneg(s["nbytes"])
