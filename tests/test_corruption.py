@@ -418,6 +418,7 @@ def test_hostile_sizes_reach_no_buffer_in_process(tmp_path, monkeypatch):
     ([1 << 26], [0], "expanded view larger"),                 # float32: 256 MiB presented by 16 bytes
     ([1 << 20, 1 << 20], [0, 0], "expanded view larger"),
     ([4], [1 << 63], "outside"),                             # not an int64
+    ([1], [1 << 63], "outside"),                             # ... even where it moves nothing
     ([1 << 63], [0], r"2\*\*63"),
     ([1 << 40, 1 << 40, 0], [0, 0, 0], "more than 2\\*\\*63 elements"),  # torch would overflow
     ([2, 2], [1], "do not fit together"),
@@ -473,3 +474,24 @@ def test_data_file_that_is_not_a_regular_file(two_steps, tmp_path, kind):
         load_state(two_steps)
     assert cli_main(["verify", str(two_steps)]) == 1
     assert_step_intact(two_steps, 1)
+
+
+@pytest.mark.parametrize("how", ["listed twice", "hard link"])
+def test_one_data_file_counted_twice_is_refused(two_steps, how):
+    """Two file entries over the same bytes would let a manifest claim (and make a load allocate)
+    a multiple of what is on disk."""
+    root = two_steps
+    b = body(root, 2)
+    (f0,) = b["files"]
+    if how == "listed twice":
+        b["files"].append(list(f0))
+    else:
+        os.link(root / step_dir_name(2) / f0[1], root / step_dir_name(2) / "data-r0-f1.bin")
+        b["files"].append([0, "data-r0-f1.bin"] + f0[2:])
+    for s in b["storages"]:  # the second entry's chunks re-read the first's bytes
+        s["chunks"] = [[1] + c[1:] for c in s["chunks"]] if s is b["storages"][0] else s["chunks"]
+    rewrite(root, 2, b)
+    match = "listed twice" if how == "listed twice" else "are the same file"
+    with pytest.raises(CorruptCheckpointError, match=match):
+        load_state(root)
+    assert_step_intact(root, 1)

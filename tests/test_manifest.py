@@ -341,7 +341,7 @@ def _mutate_field(body: dict, pick: int, op: str, value) -> None:
         del parent[path[-1]]
     elif op == "bump" and isinstance(cur, int) and not isinstance(cur, bool) and isinstance(value, int) \
             and not isinstance(value, bool):
-        parent[path[-1]] = [cur + 1, cur - 1, cur * 2, cur * 4096, cur + 2 ** 40, -cur][value % 6]
+        parent[path[-1]] = [cur + 1, cur - 1, cur * 2, cur * 4096, cur + 2 ** 40, cur + 2 ** 63, -cur][value % 7]
     else:
         parent[path[-1]] = copy.deepcopy(value)
 
@@ -393,9 +393,19 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(valid_checkpoints(), st.lists(field_ops, max_size=3), st.lists(file_ops, max_size=2),
-       st.booleans())
-def test_fuzz_structured_checkpoints(tmp_path_factory, monkeypatch, ckpt, fields, file_changes, fix_checksum):
+       st.booleans(), st.sampled_from([None, "alias file", "alias chunk"]))
+def test_fuzz_structured_checkpoints(tmp_path_factory, monkeypatch, ckpt, fields, file_changes, fix_checksum,
+                                     alias):
     body, files = copy.deepcopy(ckpt)
+    aliased = False
+    if alias == "alias file" and len(body["files"]) > 1:  # a second entry naming the first file
+        del files[body["files"][-1][1]]
+        body["files"][-1][1:3] = body["files"][0][1:3]
+        aliased = True
+    elif alias == "alias chunk" and len(body["storages"]) > 1 and body["storages"][0]["chunks"]:
+        body["storages"][-1]["chunks"] = copy.deepcopy(body["storages"][0]["chunks"])  # two storages, one region
+        body["storages"][-1]["nbytes"] = body["storages"][0]["nbytes"]
+        aliased = True
     for f in fields:
         with contextlib.suppress(KeyError, IndexError, TypeError):
             _mutate_field(body, *f)
@@ -403,7 +413,8 @@ def test_fuzz_structured_checkpoints(tmp_path_factory, monkeypatch, ckpt, fields
         canon = _canonical(body)
     except (ValueError, TypeError):
         assume(False)
-    body["manifest_crc32c"] = crc32c.crc32c(canon) ^ (0 if fix_checksum or not (fields or file_changes) else 1)
+    body["manifest_crc32c"] = crc32c.crc32c(canon) ^ (0 if fix_checksum or not fields else 1)
+    damaged = bool(fields or file_changes or aliased)
     root = tmp_path_factory.mktemp("fuzz")
     step_dir = root / step_dir_name(1)
     step_dir.mkdir()
@@ -412,7 +423,8 @@ def test_fuzz_structured_checkpoints(tmp_path_factory, monkeypatch, ckpt, fields
     (step_dir / MANIFEST_NAME).write_bytes(json.dumps(body).encode())
     for f in file_changes:
         _mutate_file(step_dir, sorted(files), *f)
-    on_disk = sum(p.stat().st_size for p in step_dir.iterdir() if p.is_file() and not p.is_symlink())
+    on_disk = sum(p.stat().st_size for p in step_dir.iterdir()
+                  if p.is_file() and not p.is_symlink() and p.name != MANIFEST_NAME)
 
     for k, v in SMALL_ENGINE.items():
         monkeypatch.setenv(k, v)
@@ -434,10 +446,10 @@ def test_fuzz_structured_checkpoints(tmp_path_factory, monkeypatch, ckpt, fields
         raw = json.loads((step_dir / MANIFEST_NAME).read_bytes())
         for t, g in zip(raw["tensors"], got):
             assert torch.equal(_raw(g), _raw(_naive_tensor(step_dir, raw, t))), t["name"]
-        if not fields and not file_changes:
+        if not damaged:
             for i, t in enumerate(ckpt[0]["tensors"]):
                 assert torch.equal(_raw(state["model"][f"t{i}"]), _raw(_naive_tensor(step_dir, ckpt[0], t)))
-    assert loaded or fields or file_changes or not fix_checksum  # an undamaged checkpoint loads
+    assert loaded or damaged  # an undamaged checkpoint loads
     # the CLI agrees, and never fails with anything but its exit codes
     assert cli_main(["verify", str(root)]) in ((0,) if loaded else (1, 2))  # 2: names a root not given
     assert cli_main(["inspect", str(root), "--json"]) in (0, 1, 2)
