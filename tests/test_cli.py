@@ -219,6 +219,32 @@ def test_verify_detects_a_flipped_byte(capsys, ckpt):
     assert rc == 0
 
 
+def test_verify_all_reports_every_step_on_one_line(capsys, tmp_path):
+    """`verify --all`: one line per step, OK or CORRUPT with the first problem; exit 1 if any is
+    corrupt (the way to find the newest intact step when the latest is damaged)."""
+    root = tmp_path / "ck"
+    state = {"a": torch.randn(2000), "b": torch.randn(3000)}
+    with GDSCheckpointer(state, root=root) as ck:
+        for step in (1, 2, 3, 4):
+            state["a"].add_(1)
+            ck.save(step)
+    doc = _inspect_json(capsys, root, "--step", "2")
+    for t in doc["tensors"]:  # two problems in step 2: both tensors damaged
+        (r,) = t["ranges"]
+        _flip(Path(doc["files"][r["file"]]["location"]), r["begin"] + 7)
+    (root / "step_000000000003" / "manifest.json").write_bytes(b"{not json")
+    rc, out, _ = _run(capsys, "verify", root, "--all")
+    assert rc == 1, out
+    lines = out.splitlines()
+    per_step = {s: [x for x in lines if x.startswith(f"step {s}:")] for s in (1, 2, 3, 4)}
+    assert all(len(v) == 1 for v in per_step.values()), out
+    assert per_step[1][0].startswith("step 1: OK") and per_step[4][0].startswith("step 4: OK")
+    assert re.match(r"step 2: CORRUPT: .*data-r0-f0.bin bytes \[.*crc32c expected .*'model/a'.* \(\+1 more problem\)$",
+                    per_step[2][0]), per_step[2][0]
+    assert "step 3: CORRUPT: " in per_step[3][0] and "not valid JSON" in per_step[3][0]
+    assert lines[-1] == "2 of 4 steps intact, 2 corrupt"
+
+
 def test_verify_names_every_tensor_of_a_shared_storage(capsys, ckpt):
     root, _ = ckpt
     doc = _inspect_json(capsys, root)
