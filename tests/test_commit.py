@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+import _models as M
 import gdswriter.format.commit as commit_mod
-from gdswriter.errors import CheckpointLockedError, CheckpointNotFoundError, EngineIOError
+from gdswriter import GDSCheckpointer, RootUnavailableError, UnsafePathError, load_state
+from gdswriter.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError
 from gdswriter.format.commit import (LATEST_NAME, OWNER_ID_NAME, OWNER_NAME, ROOT_MARKER_NAME, CommitProtocol,
                                      RootLock, parse_step_dir, root_identity, step_dir_name)
 from gdswriter.format.manifest import MANIFEST_NAME
@@ -365,14 +370,8 @@ def test_root_lock(tmp_path):
 
 
 # ----------------------------------------------------------------------------- root identity
-import logging  # noqa: E402
-import threading  # noqa: E402
 
-import torch  # noqa: E402
 
-import _models as M  # noqa: E402
-from gdswriter import GDSCheckpointer, RootUnavailableError, UnsafePathError, load_state  # noqa: E402
-from gdswriter.errors import CorruptCheckpointError  # noqa: E402
 
 
 def saved_on_two_roots(tmp_path, steps=(1, 2)):

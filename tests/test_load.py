@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import subprocess
 from pathlib import Path
 

@@ -3,9 +3,12 @@ Manifest or raises CorruptCheckpointError / UnsupportedFormatVersionError."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+import os
+import random
 import types
 
 import crc32c
@@ -14,12 +17,18 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 import _models as M
+import gdswriter.restore as restore_mod
 import gdswriter.writer as writer_mod
 from gdswriter import CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, load_state
-from gdswriter.restore import tensors_from_storages
+from gdswriter.cli import main as cli_main
+from gdswriter.format.commit import CommitProtocol, step_dir_name
+from gdswriter.format.dtypes import dtype_from_name
 from gdswriter.format.manifest import (FORMAT_VERSION, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest,
                                        StorageRecord, TensorRecord, _canonical)
 from gdswriter.format.state_codec import decode_state
+from gdswriter.options import EngineOptions
+from gdswriter.restore import tensors_from_storages
+
 
 # What gdswriter 0.1 wrote (format 1.0): readers of later versions must keep reading it.
 GOLDEN_MANIFEST = (
@@ -242,15 +251,7 @@ def test_version_checks():
 # out (storages of random bytes split into 4 KiB-aligned chunks over several files, tensors as
 # views of them), with real data files; then fields and files are damaged. Every outcome must be
 # a correct load or a typed error, and nothing may allocate more than the files hold.
-import contextlib  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
 
-import gdswriter.restore as restore_mod  # noqa: E402
-from gdswriter.cli import main as cli_main  # noqa: E402
-from gdswriter.format.commit import CommitProtocol, step_dir_name  # noqa: E402
-from gdswriter.format.dtypes import dtype_from_name  # noqa: E402
-from gdswriter.options import EngineOptions  # noqa: E402
 
 FUZZ_DTYPES = ["uint8", "int8", "bool", "int16", "float16", "bfloat16", "int32", "float32", "int64", "float64",
                "complex64"]
