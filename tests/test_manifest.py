@@ -14,7 +14,7 @@ import types
 import crc32c
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
 import _models as M
 import gdswriter.restore as restore_mod
@@ -189,6 +189,9 @@ interesting = st.one_of(json_values, st.integers(-3, 20000), st.sampled_from(
 @given(st.lists(st.tuples(st.sampled_from(GOLDEN_PATHS), st.sampled_from(["set", "delete"]), interesting),
                 min_size=1, max_size=4),
        st.booleans())
+@example([(("tensors", 4, "stride", 0), "set", 2 ** 63)], True)  # an empty view with a stride torch cannot hold
+@example([(("tensors", 4, "shape"), "set", [1 << 40, 1 << 40, 0]), (("tensors", 4, "stride"), "set", [0, 0, 0])],
+         True)  # no element, but torch's size product overflows
 def test_fuzz_mutated_valid_manifest(mutations, fix_checksum):
     body = copy.deepcopy(GOLDEN_BODY)
     body.pop("manifest_crc32c")

@@ -418,9 +418,10 @@ def step_owner(step_dir: Path) -> tuple[str | None, str | None]:
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every step directory in ``root``, ascending; none if it does not exist."""
     try:
         names = os.listdir(root)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted((s, root / n) for n in names if (s := parse_step_dir(n)) is not None)
 
