@@ -349,7 +349,8 @@ class LoadResult:
 
     loaded: restored. skipped: in the checkpoint and live, but not restored (shape/dtype
     mismatch; an optimizer whose parameters were not all loaded). missing: live, not in the
-    checkpoint. unexpected: in the checkpoint, not live (dict targets receive them as new keys).
+    checkpoint. unexpected: in the checkpoint, not live (a dict target receives them as new keys,
+    so for dicts they are in ``loaded`` too).
     atomic: every byte was verified before the first live tensor changed. damaged: steps
     ``load(fallback=True)`` passed over, newest first."""
 
@@ -474,6 +475,8 @@ def _plan_tensor_dict(plan: _Plan, name: str, live_sd: Mapping, saved: Any, stri
     plan.dropped[name] = bad
     plan.apply.add(name)
     plan.loaded += [f"{name}/{lk}" for lk in good.values()]
+    if not module:  # a dict target receives the keys it lacks
+        plan.loaded += [f"{name}/{k}" for k in unexpected]
     plan.skipped += [f"{name}/{lk}" for _, lk in mismatched]
     plan.missing += [f"{name}/{k}" for k in missing]
     plan.unexpected += [f"{name}/{k}" for k in unexpected]
@@ -570,7 +573,7 @@ def plan_restore(skeleton: Any, live: LiveState, strict: bool) -> _Plan:
     if live.restore_rng and "rng" in skeleton:
         plan.apply.add("rng")
         plan.loaded.append("rng")
-    if not plan.loaded:
+    if not plan.loaded and (plan.skipped or plan.missing):
         raise NothingToLoadError(f"nothing in the checkpoint fits the live state (saved: {sorted(map(str, skeleton))}; "
                                  f"missing: {_short(plan.missing)}, skipped: {_short(plan.skipped)}); refusing to load "
                                  f"nothing")

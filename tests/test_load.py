@@ -189,6 +189,20 @@ def test_non_strict_refuses_to_load_nothing(tmp_path):
             ck.load(strict=False)
 
 
+def test_empty_targets_are_not_nothing(tmp_path):
+    """An empty dict to be filled, and an empty model with an empty checkpoint, are no error."""
+    with ckpt({"a": torch.arange(3)}, None, tmp_path / "a") as ck:
+        ck.save(1)
+    target: dict = {}
+    with ckpt(target, None, tmp_path / "a") as ck:
+        assert ck.load() == 1
+        assert ck.last_load.loaded == ("model/a",) and ck.last_load.unexpected == ("model/a",)
+    assert target["a"].tolist() == [0, 1, 2]
+    with ckpt(nn.Identity(), None, tmp_path / "b") as ck:
+        ck.save(1)
+        assert ck.load() == 1 and ck.last_load.loaded == ()
+
+
 def test_prefix_mismatch_names_the_likely_cause(tmp_path):
     class Wrapper(nn.Module):  # what DistributedDataParallel's state_dict looks like
         def __init__(self, module):
