@@ -6,26 +6,28 @@
 """
 
 from .bench import BenchOptions, BenchResult, run_bench
-from .checkpointer import GDSCheckpointer, SaveHandle
+from .checkpointer import GDSCheckpointer, LoadResult, SaveHandle
 from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from .engine_select import create_engine
 from .dist import DistOptions
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
                      CollectiveFailedError, CorruptCheckpointError, EngineIOError, EngineUnavailableError,
-                     GDSWriterError, InvalidOptionError, RankFailedError, ShortIOError, StateMismatchError,
-                     TruncatedFileError, UnreachableDataError, UnsupportedFormatVersionError, UnsupportedObjectError)
+                     GDSWriterError, InvalidOptionError, NothingToLoadError, RankFailedError, ReadOnlyRootError,
+                     RootUnavailableError, ShortIOError, StateMismatchError, TruncatedFileError,
+                     UnreachableDataError, UnsafePathError, UnsupportedFormatVersionError, UnsupportedObjectError)
 from .options import CheckpointOptions, EngineOptions
 from .restore import load_state
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "GDSCheckpointer", "CheckpointOptions", "SaveHandle", "load_state",
+    "GDSCheckpointer", "CheckpointOptions", "LoadResult", "SaveHandle", "load_state",
     "EngineOptions", "EngineInfo", "IOEngine", "ReadSpan", "WriteSpan", "create_engine",
     "GDSWriterError", "CheckpointError", "CheckpointLockedError", "CheckpointNotFoundError",
     "ChecksumMismatchError", "CorruptCheckpointError", "EngineIOError", "EngineUnavailableError",
-    "InvalidOptionError", "ShortIOError", "StateMismatchError", "TruncatedFileError",
-    "UnsupportedFormatVersionError", "UnsupportedObjectError",
+    "InvalidOptionError", "NothingToLoadError", "ReadOnlyRootError", "RootUnavailableError", "ShortIOError",
+    "StateMismatchError", "TruncatedFileError", "UnsafePathError", "UnsupportedFormatVersionError",
+    "UnsupportedObjectError", "LoadResult",
     "DistOptions", "GDSStorageWriter", "GDSStorageReader", "CollectiveFailedError", "RankFailedError",
     "UnreachableDataError",
     "BenchOptions", "BenchResult", "run_bench",

@@ -17,10 +17,10 @@ from typing import Any, Mapping
 
 from .engine import IOEngine
 from .engine_select import create_engine
-from .errors import GDSWriterError, InvalidOptionError, UnsupportedObjectError
-from .format.commit import CommitProtocol, RootLock, normalize_roots
+from .errors import GDSWriterError, InvalidOptionError, ReadOnlyRootError, UnsupportedObjectError
+from .format.commit import CommitProtocol, RootLock, normalize_roots, normalize_step
 from .options import CheckpointOptions
-from .restore import LiveState, load_state, restore_into
+from .restore import LiveState, LoadResult, load_state, restore_into, restore_newest_intact
 from .rng import rng_state
 from .snapshot import Snapshot, hint_unaligned, take_snapshot
 from .dist import DistOptions, is_multi_rank, session_for as dist_session_for  # [dist hook]
@@ -29,7 +29,7 @@ from .writer import file_targets, write_and_commit
 
 log = logging.getLogger("gdswriter")
 
-__all__ = ["CheckpointOptions", "GDSCheckpointer", "SaveHandle", "load_state"]
+__all__ = ["CheckpointOptions", "GDSCheckpointer", "LoadResult", "SaveHandle", "load_state"]
 
 
 # ----------------------------------------------------------------------------- handle
@@ -69,7 +69,10 @@ class GDSCheckpointer:
     or None; ``state`` maps extra names to such objects or to plain dicts of
     tensors and values (LR scheduler, GradScaler, a data loader's position...).
     One checkpointer owns its roots (a lock); leftovers of crashed saves are
-    removed when it opens them.
+    removed when it opens them. Roots it cannot write (a read-only file system) are
+    opened for loading only: no lock, nothing removed, and saving raises
+    ReadOnlyRootError. It refuses to open roots whose primary is missing or unmarked
+    while secondary roots hold its data (RootUnavailableError: is the disk mounted?).
 
     Under torch.distributed (an initialised process group of several ranks, or
     ``process_group=``) every rank creates one, with its own ``root`` (shared or
@@ -97,26 +100,28 @@ class GDSCheckpointer:
                 raise InvalidOptionError(f"{name}: expected an object with state_dict()/load_state_dict() or a dict, "
                                          f"got {type(obj).__name__}")
         roots = normalize_roots(root)
-        for r in roots:
-            try:
-                r.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
-                                         f"directory") from e
         # [dist hook] under torch.distributed (or with process_group=) the ranks agree on the roots, each
         # locks and cleans the ones it leads (gdswriter/dist/session.py); else one process owns them all.
         self._dist = dist_session_for(roots, process_group, dist_options)
-        self.protocol = CommitProtocol(roots) if self._dist is None else self._dist.protocol
-        self._lock = RootLock(roots) if self._dist is None else self._dist.lock
-        try:
-            removed = self.protocol.clean_leftovers() if self._dist is None else []
-            if removed:
-                log.info("gdswriter: removed %d leftover(s) of interrupted saves under %s", len(removed), roots[0])
-            self._engines: list[IOEngine] = []
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdswriter-save")
-        except BaseException:
-            self._lock.release()
-            raise
+        # A writer locks the roots and cleans leftovers; roots it cannot write (read-only file
+        # system, no permission) are opened for loading only: no lock, nothing cleaned.
+        self._lock: RootLock | None = None
+        self._read_only: ReadOnlyRootError | None = None
+        removed: list = []
+        if self._dist is not None:
+            self.protocol, self._lock = self._dist.protocol, self._dist.lock
+        else:
+            self.protocol = CommitProtocol(roots)
+            try:
+                self._lock, removed = self.protocol.open_writer()
+            except ReadOnlyRootError as e:
+                self._read_only = e
+                log.info("gdswriter: %s", e)
+        if removed:
+            log.info("gdswriter: removed %d leftover(s) of interrupted saves under %s", len(removed), roots[0])
+        self._engines: list[IOEngine] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdswriter-save")
+        self.last_load: LoadResult | None = None
         self._handles: list[SaveHandle] = []
         self._retention: Future | None = None
         self._mutex = threading.Lock()
@@ -176,8 +181,7 @@ class GDSCheckpointer:
     def _submit(self, step: int, metadata: dict | None, *, copy: bool) -> SaveHandle:
         if self._closed:
             raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise InvalidOptionError(f"step must be an integer >= 0, got {step!r}")
+        step = self._save_step(step)
         self._raise_unreported()
         if metadata is not None:
             try:
@@ -194,6 +198,15 @@ class GDSCheckpointer:
             self._handles = [h for h in self._handles
                              if not h.done() or (not h.reported and h.exception() is not None)] + [handle]
         return handle
+
+    def _save_step(self, step: Any) -> int:
+        """The step to save as a plain int (InvalidOptionError if it is not one); ReadOnlyRootError
+        when the roots were opened for loading only."""
+        step = normalize_step(step)
+        if self._read_only is not None:
+            raise ReadOnlyRootError(self._read_only.errno, f"cannot save step {step}: "
+                                                           f"{self._read_only.strerror}") from self._read_only
+        return step
 
     def _write_and_commit(self, snap: Snapshot) -> int:
         engines = self._engine_list()
@@ -250,25 +263,46 @@ class GDSCheckpointer:
         self._raise_unreported()
 
     # -- load ----------------------------------------------------------------
-    def load(self, step: int | None = None, *, strict: bool = True, verify: bool | None = None) -> int:
+    def load(self, step: int | None = None, *, strict: bool = True, verify: bool | None = None,
+             fallback: bool = False, atomic: bool | None = None) -> int:
         """Restore model, optimizer and extra state in place from ``step`` (None: the latest
-        committed step); returns the step loaded.
+        committed step); returns the step loaded. ``last_load`` then says what was loaded and
+        what was skipped (a LoadResult).
 
-        Model tensors are read straight into the live parameters where dtype, shape and
-        layout match (no intermediate copy). With ``strict`` a missing or unexpected key, or
-        a shape/dtype mismatch, raises StateMismatchError naming the key; without it those
-        keys are skipped with a warning. A ChecksumMismatchError can leave the live tensors
-        partly overwritten: load an intact step afterwards.
+        Everything is checked before the first byte moves: every key, shape and dtype of the
+        model and of dict state, the optimizer's structure (parameter groups, parameters per
+        group, state of a resumed optimizer). Checkpoints of a ``torch.compile``d model load into
+        the plain one and back (the ``_orig_mod.`` prefix is normalised). With ``strict`` any
+        mismatch raises StateMismatchError naming the keys (and the likely cause, e.g. a
+        ``module.`` prefix); without it mismatched keys are skipped with a warning, the optimizer
+        is skipped when a parameter it updates is not loaded, and NothingToLoadError is raised
+        if no model tensor (or nothing at all) would be loaded.
+
+        ``atomic`` (default: for states up to restore.ATOMIC_LOAD_MAX_BYTES): read into fresh
+        buffers and verify every checksum before copying into the live tensors, so a damaged
+        step leaves them untouched. Otherwise tensors are read straight into the live parameters
+        (zero-copy) and a ChecksumMismatchError can leave those read in place (model tensors, a
+        resumed optimizer's state) partly overwritten; the error's note names them, and no
+        load_state_dict has run: load an intact step afterwards.
+
+        ``fallback=True`` (with ``step=None``): if the latest step is damaged (manifest, files,
+        checksums), warn naming the problem and load the newest intact older step instead.
         """
         self._quiesce()
         if self._dist is not None or is_multi_rank(self.protocol, step):  # [dist hook] collective / resharding load
             return dist_load_into(self, step, strict=strict, verify=self.options.verify if verify is None else verify)
-        step = self.protocol.require(step)
         verify = self.options.verify if verify is None else verify
         live = LiveState(self.model, self.optimizer, self.extra, restore_rng=self.options.save_rng)
-        restore_into(live, self.protocol, step, self._engine_list(), strict=strict, verify=verify,
-                     engine_options=self.options.engine)
-        return step
+        kw = dict(strict=strict, verify=verify, engine_options=self.options.engine, atomic=atomic)
+        if fallback:
+            if step is not None:
+                raise InvalidOptionError("load(fallback=True) chooses the step itself (the newest intact one): "
+                                         "pass step=None, or load a given step without fallback")
+            result = restore_newest_intact(live, self.protocol, self._engine_list(), **kw)
+        else:
+            result = restore_into(live, self.protocol, self.protocol.require(step), self._engine_list(), **kw)
+        self.last_load = result
+        return result.step
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:
@@ -284,7 +318,8 @@ class GDSCheckpointer:
             for e in self._engines:
                 e.close()
             self._engines = []
-            self._lock.release()
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> "GDSCheckpointer":
         return self

@@ -168,3 +168,22 @@ class CollectiveFailedError(_Rebuildable, GDSWriterError, ConnectionError):
 
 class UnreachableDataError(CheckpointError, FileNotFoundError):
     """A data file of a multi-rank checkpoint is on a root that no rank of this job can read."""
+
+
+class UnsafePathError(CorruptCheckpointError):
+    """A checkpoint file is a symbolic link, a hard link or not a regular file: gdswriter only
+    follows what it wrote itself, so a planted link cannot redirect a read or a truncation."""
+
+
+class RootUnavailableError(CheckpointError, FileNotFoundError):
+    """A checkpoint root is missing, or is not the directory the other roots' data was saved with
+    (its disk is probably not mounted). gdswriter refuses to open the roots rather than guess."""
+
+
+class ReadOnlyRootError(CheckpointError, PermissionError):
+    """A checkpoint root cannot be written (read-only file system, no permission): it was opened
+    for loading only, and saving there is refused."""
+
+
+class NothingToLoadError(StateMismatchError):
+    """The checkpoint holds no state that fits the live objects (nothing would be loaded)."""

@@ -273,7 +273,7 @@ def test_unsupported_object_in_optimizer_names_key_path(tmp_path):
         assert "function" in str(ei.value)
         del opt.param_groups[0]["schedule_fn"]
         assert ck.steps() == [1]
-        assert sorted(os.listdir(tmp_path)) == [".gdswriter.lock", "latest", step_dir_name(1)]
+        assert sorted(os.listdir(tmp_path)) == [".gdswriter-root", ".gdswriter.lock", "latest", step_dir_name(1)]
 
 
 def test_unsupported_object_in_extra_state(tmp_path):
@@ -510,7 +510,7 @@ def test_same_step_saved_twice_replaces(tmp_path):
         assert ck.steps() == [3]
     _, got = load_state(tmp_path, 3)
     assert (got["model"]["w"] == 2.0).all() and "extra_key" in got["model"]
-    assert sorted(os.listdir(tmp_path)) == [".gdswriter.lock", "latest", step_dir_name(3)]
+    assert sorted(os.listdir(tmp_path)) == [".gdswriter-root", ".gdswriter.lock", "latest", step_dir_name(3)]
 
 
 def test_two_checkpointers_on_one_root_lock(tmp_path):
@@ -713,8 +713,8 @@ def test_multiple_roots(tmp_path):
         assert ck.roots == roots
     m = manifest_of(roots[0], 2)
     files = m["files"]
-    assert sorted((r, p) for r, p, _ in files) == sorted((r, f"data-r{r}-f{k}.bin") for r in range(3) for k in range(2))
-    sizes = [s for _, _, s in files]
+    assert sorted((r, p) for r, p, *_ in files) == sorted((r, f"data-r{r}-f{k}.bin") for r in range(3) for k in range(2))
+    sizes = [s for _, _, s, *_ in files]
     n_storages = sum(1 for s in m["storages"] if s["nbytes"])
     assert max(sizes) - min(sizes) <= 4096 * n_storages
     assert max(sizes) - min(sizes) <= 2 * 4096  # balanced to within a couple of alignment units
@@ -724,7 +724,7 @@ def test_multiple_roots(tmp_path):
         assert {f"data-r{i}-f0.bin", f"data-r{i}-f1.bin"} <= names
         assert (MANIFEST_NAME in names) == (i == 0)
         assert ("latest" in os.listdir(r)) == (i == 0)
-        for _, p, size in (f for f in files if f[0] == i):
+        for _, p, size, *_ in (f for f in files if f[0] == i):
             assert os.path.getsize(r / step_dir_name(2) / p) == size
 
     model2, opt2, sched2, _ = M.build(1)

@@ -156,7 +156,7 @@ def test_inspect_text(capsys, ckpt):
     root, expected = ckpt
     rc, out, err = _run(capsys, "inspect", root)
     assert rc == 0, err
-    assert "gdswriter 1.0" in out and "step        2 (latest)" in out
+    assert "gdswriter 1.1" in out and "step        2 (latest)" in out
     assert '"note": "second"' in out and "data-r0-f0.bin" in out
     for name in expected:
         assert name in out
@@ -169,7 +169,7 @@ def test_inspect_text(capsys, ckpt):
 def test_inspect_json_ranges_match_the_bytes(capsys, ckpt):
     root, expected = ckpt
     doc = _inspect_json(capsys, root)
-    assert doc["step"] == 2 and doc["version"] == "1.0" and doc["metadata"]["epoch"] == 2
+    assert doc["step"] == 2 and doc["version"] == "1.1" and doc["metadata"]["epoch"] == 2
     assert doc["state_keys"] == ["model", "extra"]
     files = {f["index"]: Path(f["location"]) for f in doc["files"]}
     for t in doc["tensors"]:
@@ -218,6 +218,32 @@ def test_verify_detects_a_flipped_byte(capsys, ckpt):
     assert rc == 1 and "step 1: OK" in out and "1 corrupt" in out
     rc, out, _ = _run(capsys, "verify", root, "--step", "1")
     assert rc == 0
+
+
+def test_verify_all_reports_every_step_on_one_line(capsys, tmp_path):
+    """`verify --all`: one line per step, OK or CORRUPT with the first problem; exit 1 if any is
+    corrupt (the way to find the newest intact step when the latest is damaged)."""
+    root = tmp_path / "ck"
+    state = {"a": torch.randn(2000), "b": torch.randn(3000)}
+    with GDSCheckpointer(state, root=root) as ck:
+        for step in (1, 2, 3, 4):
+            state["a"].add_(1)
+            ck.save(step)
+    doc = _inspect_json(capsys, root, "--step", "2")
+    for t in doc["tensors"]:  # two problems in step 2: both tensors damaged
+        (r,) = t["ranges"]
+        _flip(Path(doc["files"][r["file"]]["location"]), r["begin"] + 7)
+    (root / "step_000000000003" / "manifest.json").write_bytes(b"{not json")
+    rc, out, _ = _run(capsys, "verify", root, "--all")
+    assert rc == 1, out
+    lines = out.splitlines()
+    per_step = {s: [x for x in lines if x.startswith(f"step {s}:")] for s in (1, 2, 3, 4)}
+    assert all(len(v) == 1 for v in per_step.values()), out
+    assert per_step[1][0].startswith("step 1: OK") and per_step[4][0].startswith("step 4: OK")
+    assert re.match(r"step 2: CORRUPT: .*data-r0-f0.bin bytes \[.*crc32c expected .*'model/a'.* \(\+1 more problem\)$",
+                    per_step[2][0]), per_step[2][0]
+    assert "step 3: CORRUPT: " in per_step[3][0] and "not valid JSON" in per_step[3][0]
+    assert lines[-1] == "2 of 4 steps intact, 2 corrupt"
 
 
 def test_verify_names_every_tensor_of_a_shared_storage(capsys, ckpt):
@@ -515,7 +541,7 @@ def test_format_doc_reading_recipe_matches_load_state(ckpt):
     ns: dict = {}
     exec(compile(code, "docs/format.md", "exec"), ns)
     step, state, manifest = ns["read_checkpoint"]([str(root)])
-    assert step == 2 and manifest["version"] == [1, 0]
+    assert step == 2 and manifest["version"] == [1, 1]
     _, ref = load_state(root)
     assert state["extra"]["sched"] == {"epoch": 3, "lr": 0.5}
     for k, v in ref["model"].items():

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
+import _models as M
 import gdswriter.format.commit as commit_mod
-from gdswriter.errors import CheckpointLockedError, CheckpointNotFoundError, EngineIOError
-from gdswriter.format.commit import (LATEST_NAME, OWNER_NAME, CommitProtocol, RootLock, parse_step_dir,
-                                     step_dir_name)
+from gdswriter import GDSCheckpointer, RootUnavailableError, UnsafePathError, load_state
+from gdswriter.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError
+from gdswriter.format.commit import (LATEST_NAME, OWNER_ID_NAME, OWNER_NAME, ROOT_MARKER_NAME, CommitProtocol,
+                                     RootLock, parse_step_dir, root_identity, step_dir_name)
 from gdswriter.format.manifest import MANIFEST_NAME
 
 
@@ -31,7 +36,12 @@ def do_commit(p: CommitProtocol, step: int, tag: str = "x") -> None:
 
 
 def tree(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*")}
+    return {str(p.relative_to(root)) for p in root.rglob("*")} - {ROOT_MARKER_NAME}
+
+
+def names(root: Path) -> set[str]:
+    """What a root holds besides its identity marker."""
+    return set(os.listdir(root)) - {ROOT_MARKER_NAME}
 
 
 def test_step_dir_names():
@@ -61,11 +71,14 @@ def test_commit_layout_multi_root(tmp_path):
         names = set(os.listdir(r / step_dir_name(1)))
         assert f"data-{i}.bin" in names
         assert (MANIFEST_NAME in names) == (i == 0)
-        assert (OWNER_NAME in names) == (i > 0)
+        assert (OWNER_NAME in names) == (OWNER_ID_NAME in names) == (i > 0)
         if i:
             assert (r / step_dir_name(1) / OWNER_NAME).read_text().strip() == str(rs[0].resolve())
+            assert (r / step_dir_name(1) / OWNER_ID_NAME).read_text().strip() == root_identity(rs[0]).id
         assert (LATEST_NAME in os.listdir(r)) == (i == 0)
-        assert not [n for n in os.listdir(r) if n.startswith(".")]
+        assert [n for n in os.listdir(r) if n.startswith(".")] == [ROOT_MARKER_NAME]
+    # every root has its own identity
+    assert len({root_identity(r).id for r in rs}) == 3
 
 
 def test_abort_removes_temporaries(tmp_path):
@@ -77,8 +90,8 @@ def test_abort_removes_temporaries(tmp_path):
     (pending.dirs[0] / "data.bin").write_bytes(b"1")
     pending.abort()
     assert pending.finished
-    assert set(os.listdir(rs[0])) == {step_dir_name(1), LATEST_NAME}
-    assert set(os.listdir(rs[1])) == {step_dir_name(1)}
+    assert names(rs[0]) == {step_dir_name(1), LATEST_NAME}
+    assert names(rs[1]) == {step_dir_name(1)}
     assert p.committed_steps() == [1]
 
 
@@ -90,7 +103,7 @@ def test_recommit_same_step_replaces(tmp_path):
     assert p.committed_steps() == [5]
     assert (rs[0] / step_dir_name(5) / MANIFEST_NAME).read_text() == '{"tag":"new","step":5}'
     assert (rs[1] / step_dir_name(5) / "data-1.bin").read_text() == "new:5:1"
-    assert not [n for r in rs for n in os.listdir(r) if n.startswith(".")]
+    assert not [n for r in rs for n in names(r) if n.startswith(".")]
 
 
 def test_exchange_paths_swaps_two_directories(tmp_path):
@@ -150,7 +163,7 @@ def test_delete_step_every_root(tmp_path):
     p.delete_step(1)
     assert p.committed_steps() == [2]
     for r in rs:
-        assert set(os.listdir(r)) - {LATEST_NAME} == {step_dir_name(2)}
+        assert names(r) - {LATEST_NAME} == {step_dir_name(2)}
     p.delete_step(7)  # nothing there: no error
 
 
@@ -354,3 +367,208 @@ def test_root_lock(tmp_path):
     lock.release()  # idempotent
     again = RootLock(rs)
     again.release()
+
+
+# ----------------------------------------------------------------------------- root identity
+
+
+
+
+def saved_on_two_roots(tmp_path, steps=(1, 2)):
+    """A checkpoint with ``steps`` on [primary, secondary]; returns (primary, secondary, state)."""
+    p, s = tmp_path / "nvme0" / "ck", tmp_path / "nvme1" / "ck"
+    state = {"w": torch.randn(3000), "b": torch.randn(5000)}
+    with GDSCheckpointer(state, None, [p, s], options=M.small_options()) as ck:
+        for step in steps:
+            with torch.no_grad():
+                state["w"].add_(1)
+            ck.save(step)
+    return p, s, {k: v.clone() for k, v in state.items()}
+
+
+def secondary_steps(s: Path) -> list[int]:
+    return sorted(x for x in (parse_step_dir(n) for n in os.listdir(s)) if x is not None)
+
+
+@pytest.mark.parametrize("unmounted", ["missing", "empty mount point"])
+def test_unmounted_primary_leaves_the_secondary_data_alone(tmp_path, unmounted):
+    """Item 1 of issue 10: with the primary's disk not mounted, opening the roots must not
+    create an empty primary and then clean every secondary step as an orphan."""
+    p, s, want = saved_on_two_roots(tmp_path)
+    hidden = tmp_path / "hidden"
+    os.rename(p, hidden)  # the disk is not mounted
+    if unmounted == "empty mount point":
+        p.mkdir()
+    with pytest.raises(RootUnavailableError, match="is the primary's disk mounted") as ei:
+        GDSCheckpointer({"w": torch.zeros(3000)}, None, [p, s], options=M.small_options())
+    assert str(p) in str(ei.value) and str(s) in str(ei.value) and "[1, 2]" in str(ei.value)
+    assert isinstance(ei.value, FileNotFoundError)
+    assert p.exists() == (unmounted == "empty mount point")  # a missing primary is not created
+    if p.exists():
+        assert os.listdir(p) == []
+    assert secondary_steps(s) == [1, 2]
+    # the disk is back: everything loads
+    if p.exists():
+        p.rmdir()
+    os.rename(hidden, p)
+    live = {"w": torch.zeros(3000), "b": torch.zeros(5000)}
+    with GDSCheckpointer(live, None, [p, s], options=M.small_options()) as ck:
+        assert ck.load() == 2
+    for k in want:
+        assert torch.equal(live[k], want[k]), k
+
+
+def test_unmounted_secondary_is_refused_too(tmp_path):
+    p, s, _ = saved_on_two_roots(tmp_path)
+    os.rename(s, tmp_path / "hidden")
+    with pytest.raises(RootUnavailableError, match=r"secondary checkpoint root #1 .* does not exist.*mounted"):
+        GDSCheckpointer({"w": torch.zeros(1)}, None, [p, s], options=M.small_options())
+    s.mkdir()  # an empty mount point
+    with pytest.raises(RootUnavailableError, match="no step directory and no identity marker"):
+        GDSCheckpointer({"w": torch.zeros(1)}, None, [p, s], options=M.small_options())
+    s.rmdir()
+    os.rename(tmp_path / "hidden", s)
+    # a secondary added to a checkpoint that never used it is fine
+    with GDSCheckpointer({"w": torch.ones(1)}, None, [p, s, tmp_path / "new"], options=M.small_options()) as ck:
+        assert ck.steps() == [1, 2]
+
+
+def strip_identities(*roots: Path) -> None:
+    """Make a checkpoint look as gdswriter wrote it before root identities existed."""
+    for r in roots:
+        (r / ROOT_MARKER_NAME).unlink()
+        for _, d in ((n, r / n) for n in os.listdir(r) if parse_step_dir(n) is not None):
+            (d / OWNER_ID_NAME).unlink(missing_ok=True)
+
+
+def test_checkpoints_from_before_root_identities_open_and_get_markers(tmp_path):
+    p, s, want = saved_on_two_roots(tmp_path)
+    strip_identities(p, s)
+    orphan = s / step_dir_name(3)  # an old crash left a secondary step the primary never committed
+    orphan.mkdir()
+    (orphan / OWNER_NAME).write_text(str(p.resolve()) + "\n")
+    live = {"w": torch.zeros(3000), "b": torch.zeros(5000)}
+    with GDSCheckpointer(live, None, [p, s], options=M.small_options()) as ck:
+        assert ck.load() == 2
+        ck.save(4)
+    assert torch.equal(live["w"], want["w"])
+    assert root_identity(p) is not None and root_identity(s) is not None  # migrated
+    assert secondary_steps(s) == [1, 2, 4]  # the legacy orphan went, the legacy steps stayed
+    assert (s / step_dir_name(4) / OWNER_ID_NAME).read_text().strip() == root_identity(p).id
+    assert load_state([p, s], 1)[0] == 1
+
+
+def test_unmarked_empty_primary_with_legacy_secondary_steps_is_refused(tmp_path):
+    p, s, _ = saved_on_two_roots(tmp_path)
+    strip_identities(p, s)
+    os.rename(p, tmp_path / "hidden")
+    p.mkdir()
+    with pytest.raises(RootUnavailableError, match="no identity marker.*and no committed step"):
+        GDSCheckpointer({"w": torch.zeros(1)}, None, [p, s], options=M.small_options())
+    assert secondary_steps(s) == [1, 2]
+
+
+def test_marker_lost_on_a_primary_with_steps_is_refused(tmp_path):
+    """Secondaries name the primary by identity, but the directory at its path has no marker:
+    not the disk they were saved with (or the marker was deleted): refuse, delete nothing."""
+    p, s, _ = saved_on_two_roots(tmp_path)
+    (p / ROOT_MARKER_NAME).unlink()
+    (p / step_dir_name(2) / MANIFEST_NAME).unlink()  # so that cleaning would have an orphan to take
+    with pytest.raises(RootUnavailableError, match="has no identity marker"):
+        GDSCheckpointer({"w": torch.zeros(1)}, None, [p, s], options=M.small_options())
+    assert secondary_steps(s) == [1, 2]
+
+
+def test_steps_of_another_primary_at_the_same_path_are_left_alone(tmp_path, caplog):
+    """Another disk (another identity) is mounted at the primary's path: the secondary steps
+    written for the first one are never cleaned, and the user is told."""
+    p, s, _ = saved_on_two_roots(tmp_path)
+    os.rename(p, tmp_path / "hidden")
+    p.mkdir()
+    root_identity(p, create=True)  # a different, marked root at the same path
+    with caplog.at_level(logging.WARNING, logger="gdswriter"), \
+            GDSCheckpointer({"w": torch.ones(1)}, None, [p, s], options=M.small_options()) as ck:
+        assert ck.steps() == []
+        ck.save(7)
+    assert "identity differs" in caplog.text and "[1, 2]" in caplog.text
+    assert secondary_steps(s) == [1, 2, 7]
+
+
+def test_root_identity_api(tmp_path):
+    r = tmp_path / "r"
+    r.mkdir()
+    assert root_identity(r) is None and not (r / ROOT_MARKER_NAME).exists()
+    ident = root_identity(r, create=True)
+    assert len(ident.id) == 32 and ident.path == str(r.resolve()) and ident.created_unix > 0 and ident.host
+    assert root_identity(r) == ident == root_identity(r, create=True)  # written once, never changed
+    assert not [n for n in os.listdir(r) if n != ROOT_MARKER_NAME]  # no temporary left
+    # racing creators (ranks sharing a root) agree on one identity
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    got, barrier = [], threading.Barrier(8)
+
+    def create():
+        barrier.wait()
+        got.append(root_identity(shared, create=True).id)
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 1 and got[0] == root_identity(shared).id
+    # a damaged or linked marker is a typed error
+    (shared / ROOT_MARKER_NAME).write_text("{}")
+    with pytest.raises(CorruptCheckpointError, match="not a gdswriter root marker"):
+        root_identity(shared)
+    (shared / ROOT_MARKER_NAME).unlink()
+    (shared / ROOT_MARKER_NAME).symlink_to(r / ROOT_MARKER_NAME)
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        root_identity(shared, create=True)
+
+
+# ----------------------------------------------------------------------------- links
+@pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo"])
+def test_lock_file_is_never_followed(tmp_path, kind):
+    root = tmp_path / "ck"
+    root.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    lock = root / ".gdswriter.lock"
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    elif kind == "hardlink":
+        os.link(victim, lock)
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(UnsafePathError, match="remove it"):
+        RootLock([root])
+    with pytest.raises(UnsafePathError):
+        GDSCheckpointer({"w": torch.ones(1)}, None, root, options=M.small_options())
+    assert victim.read_text() == "precious"  # not truncated, not overwritten with a pid
+
+
+def test_linked_manifest_and_latest_are_not_followed(tmp_path):
+    root = tmp_path / "ck"
+    with GDSCheckpointer({"w": torch.ones(4)}, None, root, options=M.small_options()) as ck:
+        ck.save(1)
+        ck.save(2)
+    p = CommitProtocol([root])
+    # `latest` planted as a link to a file naming step 1: ignored, the newest committed step counts
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("1\n")
+    (root / LATEST_NAME).unlink()
+    (root / LATEST_NAME).symlink_to(elsewhere)
+    assert p.latest() == 2
+    # a manifest that is a link is not a commit record: the step is not listed, and loading it by
+    # name says why
+    m2 = root / step_dir_name(2) / MANIFEST_NAME
+    real = tmp_path / "manifest-2.json"
+    os.rename(m2, real)
+    m2.symlink_to(real)
+    assert p.committed_steps() == [1] and p.latest() == 1
+    with pytest.raises(CheckpointNotFoundError):
+        load_state(root, 2)
+    from gdswriter.restore import read_manifest_bytes
+    with pytest.raises(UnsafePathError, match="symbolic link"):
+        read_manifest_bytes(p, 2)

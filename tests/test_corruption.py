@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import crc32c
@@ -12,8 +15,11 @@ import pytest
 import torch
 
 import _models as M
+import gdswriter.restore as restore_mod
 from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, TruncatedFileError,
-                       UnsupportedFormatVersionError, load_state)
+                       UnsupportedFormatVersionError, UnsupportedObjectError, load_state)
+from gdswriter.cli import main as cli_main
+from gdswriter.export import export_step
 from gdswriter.format.commit import step_dir_name
 from gdswriter.format.manifest import MANIFEST_NAME, _canonical
 
@@ -321,4 +327,170 @@ def test_missing_step_dir_contents(two_steps):
         assert ck.steps() == [1]
         assert ck.latest_step() == 1  # `latest` says 2, which is gone: fall back
     assert load_state(root)[0] == 1
+    assert_step_intact(root, 1)
+
+
+# ----------------------------------------------------------------------------- hostile manifests
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def hostile_checkpoint(root: Path, claim: int, *, shape=None, stride=None, data: bytes = b"\x01" * 16,
+                       dtype: str = "uint8") -> Path:
+    """A step 1 whose data file holds ``data`` but whose manifest (a few hundred bytes, with a
+    valid self-checksum) claims ``claim`` bytes of file and storage, viewed as ``shape``/``stride``."""
+    d = root / step_dir_name(1)
+    d.mkdir(parents=True)
+    (d / "data-r0-f0.bin").write_bytes(data)
+    body = {"format": "gdswriter", "version": [1, 1], "step": 1, "created_unix": 0.0, "metadata": {},
+            "files": [[0, "data-r0-f0.bin", claim]],
+            "storages": [{"nbytes": claim, "chunks": [[0, 0, 0, claim, crc32c.crc32c(data)]]}],
+            "tensors": [{"name": "model/w", "storage": 0, "byte_offset": 0, "dtype": dtype,
+                         "shape": [claim] if shape is None else shape, "stride": [1] if stride is None else stride,
+                         "device": "cpu", "kind": "tensor"}],
+            "state": {"$dict": [["model", {"$dict": [["w", {"$tensor": 0}]]}]]}}
+    body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+    raw = (json.dumps(body, separators=(",", ":")) + "\n").encode()
+    (d / MANIFEST_NAME).write_bytes(raw)
+    return d / MANIFEST_NAME
+
+
+HOSTILE_CHILD = textwrap.dedent("""
+    import resource, sys, torch
+    from gdswriter import CorruptCheckpointError, GDSCheckpointer, load_state
+    from gdswriter.cli import main
+    from gdswriter.export import export_step
+    import _models as M
+
+    # From here on the process may map at most 1 GiB more than it has: a 3 GiB claim that reached
+    # an allocation would fail with MemoryError / ENOMEM instead of CorruptCheckpointError.
+    vm = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+    root = sys.argv[1]
+    for what, load in [("load_state", lambda: load_state(root)),
+                       ("export", lambda: export_step([root], None, "safetensors", root + "/out.st")),
+                       ("load", lambda: GDSCheckpointer({"w": torch.zeros(1)}, None, root,
+                                                        options=M.small_options()).load())]:
+        try:
+            load()
+        except CorruptCheckpointError as e:
+            print(what, "refused:", " ".join(str(e).split()))
+        else:
+            print(what, "LOADED")
+    print("verify rc", main(["verify", root]))
+""")
+
+
+@pytest.mark.parametrize("claim", [3 << 30, 1 << 40])
+def test_manifest_claiming_more_than_its_files_is_refused_before_any_allocation(tmp_path, claim):
+    """Issue 10: a 420-byte manifest made load_state commit 3 GiB. Sizes are checked against the
+    real files first; run under RLIMIT_AS, any large allocation would fail differently."""
+    root = tmp_path / "ck"
+    manifest = hostile_checkpoint(root, claim)
+    assert manifest.stat().st_size < 700
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]),
+               GDSWRITER_BUFFER_BYTES=str(256 << 10), GDSWRITER_REQUEST_BYTES=str(64 << 10),
+               GDSWRITER_NUM_BUFFERS="2")
+    proc = subprocess.run([sys.executable, "-c", HOSTILE_CHILD, str(root)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for what in ("load_state", "export", "load"):
+        assert f"{what} refused:" in out, out
+    assert out.count(f"16 bytes on disk, {claim} needed") == 3, out
+    assert "verify rc 1" in out, out
+
+
+def test_hostile_sizes_reach_no_buffer_in_process(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    hostile_checkpoint(root, 3 << 30)
+    asked = []
+    real = restore_mod.host_buffer
+    monkeypatch.setattr(restore_mod, "host_buffer", lambda n: (asked.append(n), real(n))[1])
+    with pytest.raises(CorruptCheckpointError, match="16 bytes on disk, 3221225472 needed"):
+        load_state(root)
+    assert asked == []
+
+
+@pytest.mark.parametrize("shape, stride, match", [
+    ([1 << 26], [0], "expanded view larger"),                 # float32: 256 MiB presented by 16 bytes
+    ([1 << 20, 1 << 20], [0, 0], "expanded view larger"),
+    ([4], [1 << 63], "outside"),                             # not an int64
+    ([1], [1 << 63], "outside"),                             # ... even where it moves nothing
+    ([1 << 63], [0], r"2\*\*63"),
+    ([1 << 40, 1 << 40, 0], [0, 0, 0], "more than 2\\*\\*63 elements"),  # torch would overflow
+    ([2, 2], [1], "do not fit together"),
+    ([3], [8], "past the end"),
+])
+def test_damaged_views_are_typed_errors(tmp_path, shape, stride, match):
+    root = tmp_path / "ck"
+    hostile_checkpoint(root, 16, shape=shape, stride=stride, dtype="float32")
+    with pytest.raises(CorruptCheckpointError, match=match):
+        load_state(root)
+    with pytest.raises(CorruptCheckpointError, match=match):
+        export_step([root], None, "safetensors", tmp_path / "out.st")
+    assert not (tmp_path / "out.st").exists()
+
+
+def test_expanded_views_within_bounds_load_and_oversized_ones_are_never_saved(tmp_path):
+    small = {"mask": torch.ones(1, 8, dtype=torch.bool).expand(1024, 8), "row": torch.randn(256).expand(64, 256)}
+    with GDSCheckpointer(small, None, tmp_path / "ok", options=M.small_options()) as ck:
+        ck.save(1)
+    _, st = load_state(tmp_path / "ok")
+    for k, v in small.items():
+        assert torch.equal(st["model"][k], v) and st["model"][k].stride() == v.stride(), k
+    # 128 MiB presented by 4 bytes: refused at save time (a reader would refuse it), nothing committed
+    big = {"w": torch.ones(3), "huge": torch.zeros(1).expand(1 << 25)}
+    with GDSCheckpointer(big, None, tmp_path / "no", options=M.small_options()) as ck:
+        with pytest.raises(UnsupportedObjectError, match="model/huge.*expanded view.*contiguous") as ei:
+            ck.save(1)
+        assert ei.value.key_path == "model/huge"
+        assert ck.steps() == []
+
+
+def test_manifest_of_another_step_is_refused(tmp_path):
+    """A manifest copied into another step's directory must not read that step's files."""
+    root = tmp_path / "ck"
+    with GDSCheckpointer(_state(1), None, root, options=M.small_options()) as ck:
+        ck.save(1)
+        ck.save(2)
+    (root / step_dir_name(2) / MANIFEST_NAME).write_bytes((root / step_dir_name(1) / MANIFEST_NAME).read_bytes())
+    with pytest.raises(CorruptCheckpointError, match="describes step 1, not 2"):
+        load_state(root, 2)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory"])
+def test_data_file_that_is_not_a_regular_file(two_steps, tmp_path, kind):
+    path = data_file(two_steps, 2)
+    real = tmp_path / "elsewhere.bin"
+    os.rename(path, real)
+    if kind == "symlink":
+        path.symlink_to(real)
+    else:
+        path.mkdir()
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        load_state(two_steps)
+    assert cli_main(["verify", str(two_steps)]) == 1
+    assert_step_intact(two_steps, 1)
+
+
+@pytest.mark.parametrize("how", ["listed twice", "hard link"])
+def test_one_data_file_counted_twice_is_refused(two_steps, how):
+    """Two file entries over the same bytes would let a manifest claim (and make a load allocate)
+    a multiple of what is on disk."""
+    root = two_steps
+    b = body(root, 2)
+    (f0,) = b["files"]
+    if how == "listed twice":
+        b["files"].append(list(f0))
+    else:
+        os.link(root / step_dir_name(2) / f0[1], root / step_dir_name(2) / "data-r0-f1.bin")
+        b["files"].append([0, "data-r0-f1.bin"] + f0[2:])
+    for s in b["storages"]:  # the second entry's chunks re-read the first's bytes
+        s["chunks"] = [[1] + c[1:] for c in s["chunks"]] if s is b["storages"][0] else s["chunks"]
+    rewrite(root, 2, b)
+    match = "listed twice" if how == "listed twice" else "are the same file"
+    with pytest.raises(CorruptCheckpointError, match=match):
+        load_state(root)
     assert_step_intact(root, 1)

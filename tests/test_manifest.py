@@ -3,23 +3,32 @@ Manifest or raises CorruptCheckpointError / UnsupportedFormatVersionError."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+import os
+import random
 import types
 
 import crc32c
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
 import _models as M
+import gdswriter.restore as restore_mod
 import gdswriter.writer as writer_mod
 from gdswriter import CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, load_state
-from gdswriter.restore import tensors_from_storages
+from gdswriter.cli import main as cli_main
+from gdswriter.format.commit import CommitProtocol, step_dir_name
+from gdswriter.format.dtypes import dtype_from_name
 from gdswriter.format.manifest import (FORMAT_VERSION, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest,
                                        StorageRecord, TensorRecord, _canonical)
 from gdswriter.format.state_codec import decode_state
+from gdswriter.options import EngineOptions
+from gdswriter.restore import tensors_from_storages
+
 
 # What gdswriter 0.1 wrote (format 1.0): readers of later versions must keep reading it.
 GOLDEN_MANIFEST = (
@@ -131,7 +140,8 @@ def parse(raw: bytes):
     except ALLOWED:
         return None
     assert isinstance(m, Manifest)
-    buffers = [torch.zeros(s.nbytes, dtype=torch.uint8) for s in m.storages]
+    # meta buffers: the harness must not allocate what a damaged manifest claims either
+    buffers = [torch.empty(s.nbytes, dtype=torch.uint8, device="meta") for s in m.storages]
     try:
         tensors = tensors_from_storages(m, buffers)
         decode_state(m.state, tensors)
@@ -179,6 +189,9 @@ interesting = st.one_of(json_values, st.integers(-3, 20000), st.sampled_from(
 @given(st.lists(st.tuples(st.sampled_from(GOLDEN_PATHS), st.sampled_from(["set", "delete"]), interesting),
                 min_size=1, max_size=4),
        st.booleans())
+@example([(("tensors", 4, "stride", 0), "set", 2 ** 63)], True)  # an empty view with a stride torch cannot hold
+@example([(("tensors", 4, "shape"), "set", [1 << 40, 1 << 40, 0]), (("tensors", 4, "stride"), "set", [0, 0, 0])],
+         True)  # no element, but torch's size product overflows
 def test_fuzz_mutated_valid_manifest(mutations, fix_checksum):
     body = copy.deepcopy(GOLDEN_BODY)
     body.pop("manifest_crc32c")
@@ -234,3 +247,213 @@ def test_version_checks():
     b = dict(body, version=[2, 0], manifest_crc32c="sha256:...")
     with pytest.raises(UnsupportedFormatVersionError):
         Manifest.from_json_bytes(json.dumps(b).encode())
+
+
+# ----------------------------------------------------------------------------- structured fuzz
+# Manifests that pass the JSON parser and the checksum, built the way gdswriter lays a checkpoint
+# out (storages of random bytes split into 4 KiB-aligned chunks over several files, tensors as
+# views of them), with real data files; then fields and files are damaged. Every outcome must be
+# a correct load or a typed error, and nothing may allocate more than the files hold.
+
+
+FUZZ_DTYPES = ["uint8", "int8", "bool", "int16", "float16", "bfloat16", "int32", "float32", "int64", "float64",
+               "complex64"]
+SMALL_ENGINE = dict(GDSWRITER_BUFFER_BYTES=str(256 << 10), GDSWRITER_REQUEST_BYTES=str(64 << 10),
+                    GDSWRITER_NUM_BUFFERS="2")
+
+
+@st.composite
+def views(draw, nbytes: int):
+    """A tensor record viewing a storage of ``nbytes``: flat, 2-d, transposed, strided, offset,
+    expanded (stride 0), scalar or empty."""
+    dtype = draw(st.sampled_from(FUZZ_DTYPES))
+    item = dtype_from_name(dtype).itemsize
+    n = nbytes // item
+    kind = draw(st.sampled_from(["flat", "2d", "transposed", "strided", "offset", "expanded", "scalar", "empty"]))
+    offset = 0
+    if n == 0 or kind == "empty":
+        shape, stride = [0], [1]
+    elif kind == "2d" or kind == "transposed":
+        r = draw(st.integers(1, n))
+        c = n // r
+        shape, stride = ([r, c], [c, 1]) if kind == "2d" else ([c, r], [1, c])
+    elif kind == "strided":
+        k = draw(st.integers(1, 3))
+        shape, stride = [-(-n // k)], [k]
+    elif kind == "offset":
+        j = draw(st.integers(0, n - 1))
+        shape, stride, offset = [n - j], [1], j * item
+    elif kind == "expanded":
+        shape, stride = [draw(st.integers(1, 4)), n], [0, 1]
+    elif kind == "scalar":
+        shape, stride = [], []
+    else:
+        shape, stride = [n], [1]
+    return {"dtype": dtype, "shape": shape, "stride": stride, "byte_offset": offset}
+
+
+@st.composite
+def valid_checkpoints(draw):
+    """(manifest body without its checksum, {data file name: bytes}) of a consistent step 1."""
+    rng = random.Random(draw(st.integers(0, 2 ** 32 - 1)))
+    n_files = draw(st.integers(1, 3))
+    files = [bytearray() for _ in range(n_files)]
+    storages, tensors = [], []
+    for sid in range(draw(st.integers(0, 4))):
+        nbytes = draw(st.sampled_from([0, 1, 8, 16, 96, 4096, 6000, 9000]))
+        data = rng.randbytes(nbytes)
+        chunks = []
+        if nbytes == 0:
+            chunks.append([0, len(files[0]), 0, 0, 0])  # at the current end of file 0
+        cuts = sorted({0, nbytes, draw(st.integers(0, nbytes)) // 4096 * 4096}) if nbytes else []
+        for a, b in zip(cuts, cuts[1:]):
+            f = draw(st.integers(0, n_files - 1))
+            off = -(-len(files[f]) // 4096) * 4096
+            files[f] += b"\0" * (off - len(files[f])) + data[a:b]
+            chunks.append([f, off, a, b - a, crc32c.crc32c(data[a:b])])
+        storages.append({"nbytes": nbytes, "chunks": chunks})
+        for _ in range(draw(st.integers(1, 2))):
+            v = draw(views(nbytes))
+            tensors.append({"name": f"model/t{len(tensors)}", "storage": sid, "byte_offset": v["byte_offset"],
+                            "dtype": v["dtype"], "shape": v["shape"], "stride": v["stride"], "device": "cpu",
+                            "kind": "tensor"})
+    state = {"$dict": [["model", {"$dict": [[f"t{i}", {"$tensor": i}] for i in range(len(tensors))]}]]}
+    body = {"format": "gdswriter", "version": [1, 1], "step": 1, "created_unix": 1.5, "metadata": {"k": 1},
+            "files": [[0, f"data-r0-f{k}.bin", len(files[k])] for k in range(n_files)],
+            "storages": storages, "tensors": tensors, "state": state}
+    return body, {f"data-r0-f{k}.bin": bytes(files[k]) for k in range(n_files)}
+
+
+BOUNDARY = [-1, 0, 1, 2, 3, 8, 4095, 4096, 4097, 2 ** 31, 2 ** 32, 2 ** 62, 2 ** 63 - 1, 2 ** 63, 2 ** 64,
+            1.5, 1e300, True, None, "", [], {}, "float32", "bfloat16", "qint8", "float4_e2m1fn_x2", "bits8",
+            "../x", "data-r0-f0.bin", [0], [1, 0], [0, 0, 0, 0, 0], [1 << 26], [0, 0], {"$tensor": 0},
+            {"$tensor": 99}, {"$ndarray": 0}, "ndarray"]
+field_ops = st.tuples(st.integers(0, 10 ** 6), st.sampled_from(["set", "bump", "delete"]),
+                      st.one_of(st.sampled_from(BOUNDARY), st.integers(-5, 20000)))
+file_ops = st.tuples(st.integers(0, 10 ** 6), st.sampled_from(["truncate", "extend", "flip", "delete", "symlink",
+                                                               "directory"]), st.integers(0, 20000))
+
+
+def _mutate_field(body: dict, pick: int, op: str, value) -> None:
+    paths = [p for p in _paths(body) if p]
+    path = paths[pick % len(paths)]
+    parent = body
+    for k in path[:-1]:
+        parent = parent[k]
+    cur = parent[path[-1]]
+    if op == "delete":
+        del parent[path[-1]]
+    elif op == "bump" and isinstance(cur, int) and not isinstance(cur, bool) and isinstance(value, int) \
+            and not isinstance(value, bool):
+        parent[path[-1]] = [cur + 1, cur - 1, cur * 2, cur * 4096, cur + 2 ** 40, cur + 2 ** 63, -cur][value % 7]
+    else:
+        parent[path[-1]] = copy.deepcopy(value)
+
+
+def _mutate_file(step_dir, names: list[str], pick: int, op: str, n: int) -> None:
+    path = step_dir / names[pick % len(names)]
+    if path.is_symlink() or not path.is_file():  # an earlier change already replaced it
+        return
+    if op == "truncate":
+        os.truncate(path, n % (path.stat().st_size + 1))
+    elif op == "extend":
+        with open(path, "ab") as f:
+            f.write(b"\0" * (n % 5000 + 1))
+    elif op == "flip" and path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.seek(n % path.stat().st_size)
+            b = f.read(1)[0]
+            f.seek(n % path.stat().st_size)
+            f.write(bytes([b ^ 0x81]))
+    elif op in ("delete", "symlink", "directory"):
+        real = step_dir.parent / f"moved-{path.name}"
+        os.rename(path, real)
+        if op == "symlink":
+            path.symlink_to(real)
+        elif op == "directory":
+            path.mkdir()
+
+
+def _naive_tensor(step_dir, m: dict, t: dict) -> torch.Tensor:
+    """What tensor record ``t`` should hold, read with plain file reads (every chunk's crc32c checked)."""
+    s = m["storages"][t["storage"]]
+    buf = bytearray(s["nbytes"])
+    for f, fo, so, ln, crc in s["chunks"]:
+        data = (step_dir / m["files"][f][1]).read_bytes()[fo:fo + ln]
+        assert len(data) == ln and crc32c.crc32c(data) == crc, "a load succeeded over a damaged chunk"
+        buf[so:so + ln] = data
+    dtype = dtype_from_name(t["dtype"])
+    base = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return torch.empty(0, dtype=dtype).set_(base.untyped_storage(), t["byte_offset"] // dtype.itemsize,
+                                            t["shape"], t["stride"])
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes in C order (a fresh copy with standard strides, so that even a size-1
+    dimension with an odd stride views as bytes)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(valid_checkpoints(), st.lists(field_ops, max_size=3), st.lists(file_ops, max_size=2),
+       st.booleans(), st.sampled_from([None, "alias file", "alias chunk"]))
+def test_fuzz_structured_checkpoints(tmp_path_factory, monkeypatch, ckpt, fields, file_changes, fix_checksum,
+                                     alias):
+    body, files = copy.deepcopy(ckpt)
+    aliased = False
+    if alias == "alias file" and len(body["files"]) > 1:  # a second entry naming the first file
+        del files[body["files"][-1][1]]
+        body["files"][-1][1:3] = body["files"][0][1:3]
+        aliased = True
+    elif alias == "alias chunk" and len(body["storages"]) > 1 and body["storages"][0]["chunks"]:
+        body["storages"][-1]["chunks"] = copy.deepcopy(body["storages"][0]["chunks"])  # two storages, one region
+        body["storages"][-1]["nbytes"] = body["storages"][0]["nbytes"]
+        aliased = True
+    for f in fields:
+        with contextlib.suppress(KeyError, IndexError, TypeError):
+            _mutate_field(body, *f)
+    try:
+        canon = _canonical(body)
+    except (ValueError, TypeError):
+        assume(False)
+    body["manifest_crc32c"] = crc32c.crc32c(canon) ^ (0 if fix_checksum or not fields else 1)
+    damaged = bool(fields or file_changes or aliased)
+    root = tmp_path_factory.mktemp("fuzz")
+    step_dir = root / step_dir_name(1)
+    step_dir.mkdir()
+    for name, data in files.items():
+        (step_dir / name).write_bytes(data)
+    (step_dir / MANIFEST_NAME).write_bytes(json.dumps(body).encode())
+    for f in file_changes:
+        _mutate_file(step_dir, sorted(files), *f)
+    on_disk = sum(p.stat().st_size for p in step_dir.iterdir()
+                  if p.is_file() and not p.is_symlink() and p.name != MANIFEST_NAME)
+
+    for k, v in SMALL_ENGINE.items():
+        monkeypatch.setenv(k, v)
+    asked: list[int] = []
+    real_buffer = restore_mod.host_buffer
+    monkeypatch.setattr(restore_mod, "host_buffer", lambda n: (asked.append(n), real_buffer(n))[1])
+    try:
+        step, state = load_state(root)
+    except ALLOWED:
+        loaded = False
+    else:
+        loaded = True
+    assert sum(asked) <= on_disk, f"allocated {sum(asked)} bytes for {on_disk} bytes of files"
+    if loaded:
+        # the load is correct: every tensor is what the (possibly edited) manifest says over these files
+        protocol = CommitProtocol([root])
+        m = restore_mod.read_manifest(protocol, step)
+        got = restore_mod.read_tensors(protocol, m, engine_options=EngineOptions.from_env())
+        raw = json.loads((step_dir / MANIFEST_NAME).read_bytes())
+        for t, g in zip(raw["tensors"], got):
+            assert torch.equal(_raw(g), _raw(_naive_tensor(step_dir, raw, t))), t["name"]
+        if not damaged:
+            for i, t in enumerate(ckpt[0]["tensors"]):
+                assert torch.equal(_raw(state["model"][f"t{i}"]), _raw(_naive_tensor(step_dir, ckpt[0], t)))
+    assert loaded or damaged  # an undamaged checkpoint loads
+    # the CLI agrees, and never fails with anything but its exit codes
+    assert cli_main(["verify", str(root)]) in ((0,) if loaded else (1, 2))  # 2: names a root not given
+    assert cli_main(["inspect", str(root), "--json"]) in (0, 1, 2)

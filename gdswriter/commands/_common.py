@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import time
@@ -10,8 +9,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError
-from ..format.commit import OWNER_NAME, CommitProtocol, normalize_roots, parse_step_dir
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.commit import CommitProtocol, normalize_roots, parse_step_dir, step_owner
+from ..format.manifest import Manifest
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
 
@@ -54,14 +53,15 @@ def open_roots(primary: str, secondary: Sequence[str] = ()) -> list[Path]:
 
 def load_manifest(protocol: CommitProtocol, step: int | None) -> tuple[int, Manifest, int]:
     """Resolve ``step`` (None: latest) and parse its manifest: (step, manifest, manifest bytes)."""
+    from ..restore import parse_manifest, read_manifest_bytes
+
     step = protocol.require(step)
-    path = protocol.step_dir(step) / MANIFEST_NAME
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
+        raw = read_manifest_bytes(protocol, step)
+    except CheckpointNotFoundError:
         raise CheckpointNotFoundError(errno.ENOENT, f"step {step} under {protocol.primary} disappeared while it "
                                                     f"was being opened (deleted by a running checkpointer?)") from None
-    return step, Manifest.from_json_bytes(raw, where=str(path)), len(raw)
+    return step, parse_manifest(protocol, step, raw), len(raw)
 
 
 def check_roots(protocol: CommitProtocol, step: int, m: Manifest) -> None:
@@ -74,15 +74,18 @@ def check_roots(protocol: CommitProtocol, step: int, m: Manifest) -> None:
 
 def secondary_owner(root: Path) -> str | None:
     """If ``root`` holds secondary step directories, the primary root they name."""
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return None
-    for name in names:
-        if parse_step_dir(name) is not None:
-            with contextlib.suppress(OSError):
-                return (root / name / OWNER_NAME).read_text().strip() or None
+    for _, d in sorted((parse_step_dir(n), root / n) for n in _listdir(root) if parse_step_dir(n) is not None):
+        path, _ = step_owner(d)
+        if path:
+            return path
     return None
+
+
+def _listdir(root: Path) -> list[str]:
+    try:
+        return os.listdir(root)
+    except OSError:
+        return []
 
 
 def is_contiguous(rec) -> bool:

@@ -21,38 +21,28 @@ from typing import Sequence
 
 from ..engine import fsync_dir
 from ..errors import EngineIOError, InvalidOptionError
-from ..format.commit import OWNER_NAME, CommitProtocol, RootLock, _write_durable
+from ..format.commit import OWNER_NAME, ROOT_MARKER_NAME, CommitProtocol, RootLock
+from ..format.commit import root_identity as commit_root_identity
 from ..format.manifest import RootInfo
 from .group import Coordinator, describe, raise_failures
 
 log = logging.getLogger("gdswriter")
 
-ROOT_ID_NAME = ".gdswriter-root"
+ROOT_ID_NAME = ROOT_MARKER_NAME
 
 
 def root_identity(path: str | os.PathLike, create: bool = True) -> str | None:
-    """The id stored in root ``path`` (None if it has none and not ``create``). Creating it is
-    atomic (the first of several racing ranks wins, the others read its id) and durable."""
-    path = Path(os.fspath(path))
-    marker = path / ROOT_ID_NAME
+    """The id in root ``path``'s identity marker (format/commit.py ``root_identity``; None if it
+    has none and not ``create``). Creating it is atomic (the first of several racing ranks wins,
+    the others read its id) and durable."""
     try:
-        return marker.read_text().strip()
-    except FileNotFoundError:
-        if not create:
-            return None
-    tmp = path / f"{ROOT_ID_NAME}.tmp-{secrets.token_hex(4)}"
-    try:
-        _write_durable(tmp, (secrets.token_hex(16) + "\n").encode())
-        try:
-            os.link(tmp, marker)  # never replaces an id another rank created meanwhile
-        except FileExistsError:
-            pass
-        fsync_dir(path)
+        ident = commit_root_identity(path, create=create)
     except OSError as e:
-        raise EngineIOError(e.errno or errno.EIO, marker, 0, "create root identity") from e
-    finally:
-        tmp.unlink(missing_ok=True)
-    return marker.read_text().strip()
+        if isinstance(e, EngineIOError):
+            raise
+        raise EngineIOError(e.errno or errno.EIO, Path(os.fspath(path)) / ROOT_MARKER_NAME, 0,
+                            "create root identity") from e
+    return None if ident is None else ident.id
 
 
 @dataclass(frozen=True)

@@ -6,13 +6,14 @@ Layout of a root (one directory per SSD; the first is the primary)::
     ROOT/step_000000000042/data-*.bin      (the bytes this root holds)
     ROOT/latest                            (primary only: "42\n")
     ROOT/.gdswriter.lock                   (held by the one writer of the root)
+    ROOT/.gdswriter-root                   (the root's identity: a random id, written once)
     ROOT/.tmp-step_...                     (a save in progress; removed on the next open)
     ROOT/.trash-step_...                   (a step being deleted; removed on the next open)
 
 Protocol for step S:
  1. every root gets ``.tmp-step_S-<token>``; the engine writes and fdatasyncs the data files there;
- 2. each temporary directory is fsynced (secondary ones also name their primary root, so that
-    cleaning never touches directories another primary wrote);
+ 2. each temporary directory is fsynced (secondary ones also name their primary root, by path
+    and by identity, so that cleaning never touches directories another primary wrote);
  3. primary: write manifest.json into the temporary directory (fsync), fsync the directory;
  4. secondary roots: rename the temporary directory to ``step_S``, fsync the root (an older
     ``step_S`` is first un-committed on the primary; one written for another primary is refused);
@@ -31,6 +32,14 @@ one ``renameat2(RENAME_EXCHANGE)`` (the commit point), so a crash leaves either 
 the new S committed, never neither. With several roots, or where the file system cannot
 exchange, the old S is un-committed first (step 4), and a crash in between leaves the steps
 before S.
+
+Root identity. Each root holds ``.gdswriter-root``, a marker with a random id written durably
+the first time a writer opens it (:func:`root_identity`). Secondary step directories record the
+primary's id (``primary-id``) next to its path (``primary-root``). A writer deletes a secondary
+``step_S`` only when it names the id of the primary it sees and that primary has no step S; and
+it refuses to open the roots (:class:`RootUnavailableError`) when the primary is missing, or has
+no marker, while secondary roots hold steps written for it: that is what an unmounted primary
+disk looks like, and cleaning then would destroy the data of every committed step.
 """
 
 from __future__ import annotations
@@ -38,27 +47,58 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import json
+import logging
+import operator
 import os
 import re
 import secrets
 import shutil
+import socket
+import stat
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..engine import fsync_dir
-from ..errors import CheckpointLockedError, CheckpointNotFoundError, EngineIOError, InvalidOptionError
-from .manifest import MANIFEST_NAME
+from ..errors import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
+                      InvalidOptionError, ReadOnlyRootError, RootUnavailableError, UnsafePathError)
+from .manifest import MANIFEST_NAME, Manifest
+
+log = logging.getLogger("gdswriter")
 
 STEP_RE = re.compile(r"^step_(\d{12,})$")
 LATEST_NAME = "latest"
 LOCK_NAME = ".gdswriter.lock"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
-OWNER_NAME = "primary-root"  # in secondary step directories: which primary root they belong to
+OWNER_NAME = "primary-root"  # in secondary step directories: which primary root they belong to (path)
+OWNER_ID_NAME = "primary-id"  # ... and its identity (the id in its ROOT_MARKER_NAME)
+ROOT_MARKER_NAME = ".gdswriter-root"
+ROOT_MARKER_FORMAT = "gdswriter-root"
+_ROOT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_SMALL_FILE_MAX = 4096  # markers, owner files, `latest`
+_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def normalize_step(step: Any) -> int:
+    """``step`` as a plain int: any integral number (int, numpy or 0-d torch integer, anything
+    with ``__index__``) that is >= 0; bool, str, float and negative numbers are refused."""
+    if not isinstance(step, bool):
+        try:
+            value = operator.index(step)
+        except TypeError:
+            value = None
+        if value is not None and value >= 0:
+            return value
+    hint = "; convert it with int(...)" if isinstance(step, (str, bytes)) else ""
+    raise InvalidOptionError(f"step must be an integer >= 0 (int or numpy/torch integer), got {step!r} "
+                             f"({type(step).__name__}){hint}")
 
 
 def step_dir_name(step: int) -> str:
-    return f"step_{step:012d}"
+    return f"step_{normalize_step(step):012d}"
 
 
 def parse_step_dir(name: str) -> int | None:
@@ -75,6 +115,49 @@ def normalize_roots(root: Any) -> list[Path]:
     if len({p.resolve() for p in paths}) != len(paths):
         raise InvalidOptionError(f"roots {roots} name the same directory twice: give each SSD's directory once")
     return paths
+
+
+def read_regular_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
+    """The bytes of ``path``, which must be a regular file reached without following a symbolic
+    link in its last component (FileNotFoundError if it does not exist). UnsafePathError for a
+    link or special file (a FIFO would block, a device never ends); CorruptCheckpointError when
+    it holds more than ``limit`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(f"{path} is a symbolic link: gdswriter does not follow links it did not "
+                                  f"create; remove it (or replace it with the file it points to)") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{path} is not a regular file: the checkpoint is damaged or was tampered "
+                                  f"with; remove it")
+        if limit is not None and st.st_size > limit:
+            raise CorruptCheckpointError(f"{path} is {st.st_size} bytes, more than the {limit} it can hold: "
+                                         f"it is damaged")
+        chunks, size = [], 0
+        while True:
+            b = os.read(fd, max(st.st_size - size, 0) + 65536)
+            if not b:
+                break
+            chunks.append(b)
+            size += len(b)
+            if limit is not None and size > limit:
+                raise CorruptCheckpointError(f"{path} holds more than {limit} bytes: it is damaged")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _read_small_text(path: Path) -> str | None:
+    """A small gdswriter-written text file (owner, marker, `latest`) stripped; None when it is
+    missing, unreadable, not a regular file or not UTF-8 (the callers treat all those as absent)."""
+    try:
+        return read_regular_file(path, _SMALL_FILE_MAX).decode().strip()
+    except (OSError, CorruptCheckpointError, UnicodeDecodeError):
+        return None
 
 
 def _write_durable(path: Path, data: bytes) -> None:
@@ -123,6 +206,100 @@ def exchange_paths(a: Path, b: Path) -> bool:
     raise OSError(e, os.strerror(e), str(a), None, str(b))
 
 
+def _link_no_clobber(tmp: Path, final: Path) -> bool:
+    """Give the fsynced file ``tmp`` the name ``final`` unless ``final`` exists (then False);
+    ``tmp`` is removed either way. A hard link where the file system has them, else a rename."""
+    try:
+        try:
+            os.link(tmp, final)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
+                raise
+        if final.exists() or final.is_symlink():  # no hard links here: callers hold the root lock
+            return False
+        os.rename(tmp, final)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class RootIdentity:
+    """What a root's marker ``.gdswriter-root`` says: ``id`` (32 random hex digits, fixed for the
+    life of the root, whatever path it is mounted at), and, for people, when, on which host and
+    at which path it was first used."""
+
+    id: str
+    created_unix: float
+    host: str
+    path: str
+
+    def to_json_bytes(self) -> bytes:
+        return (json.dumps({"format": ROOT_MARKER_FORMAT, "version": 1, "id": self.id,
+                            "created_unix": self.created_unix, "host": self.host, "path": self.path},
+                           separators=(",", ":")) + "\n").encode()
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, where: str) -> "RootIdentity":
+        try:
+            body = json.loads(raw)
+            ok = (isinstance(body, dict) and body.get("format") == ROOT_MARKER_FORMAT
+                  and isinstance(body.get("id"), str) and _ROOT_ID_RE.match(body["id"]))
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            ok = False
+        if not ok:
+            raise CorruptCheckpointError(f"{where} is not a gdswriter root marker (damaged?): move it away only if "
+                                         f"you know which checkpoint this directory holds")
+        created = body.get("created_unix")
+        return cls(body["id"], float(created) if isinstance(created, (int, float)) and not isinstance(created, bool)
+                   and abs(created) < 1e18 else 0.0, str(body.get("host", "")), str(body.get("path", "")))
+
+
+def root_identity(path: str | os.PathLike, create: bool = False) -> RootIdentity | None:
+    """The identity of checkpoint root ``path`` (an existing directory), from its marker.
+
+    Without a marker: None, or with ``create`` a new identity written durably (temporary file,
+    fsync, no-clobber link into place, fsync of the root), so concurrent creators (ranks sharing
+    a root) all get the one that won. Raises CorruptCheckpointError / UnsafePathError for a
+    damaged or linked marker, OSError when it cannot be written (e.g. EROFS)."""
+    root = Path(os.fspath(path))
+    marker = root / ROOT_MARKER_NAME
+    for _ in range(2):
+        try:
+            return RootIdentity.from_json_bytes(read_regular_file(marker, _SMALL_FILE_MAX), str(marker))
+        except FileNotFoundError:
+            if not create:
+                return None
+        ident = RootIdentity(secrets.token_hex(16), time.time(), socket.gethostname(), str(root.resolve()))
+        tmp = root / f"{TMP_PREFIX}{ROOT_MARKER_NAME}-{secrets.token_hex(4)}"
+        _write_durable(tmp, ident.to_json_bytes())
+        if _link_no_clobber(tmp, marker):
+            fsync_dir(root)
+            return ident
+    raise CorruptCheckpointError(f"{marker} appeared and vanished while it was being created: try again")
+
+
+def _open_lock_file(path: Path) -> int:
+    """Open (create) a lock file without following a planted link: a symbolic link, a special
+    file or a file with other hard links is refused (it is written to, and could be anything)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise UnsafePathError(f"{path} is a symbolic link: remove it (gdswriter creates its lock file "
+                              f"itself)") from e
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise UnsafePathError(f"{path} is {'not a regular file' if not stat.S_ISREG(st.st_mode) else 'hard-linked'}"
+                              f": remove it (gdswriter creates its lock file itself)")
+    return fd
+
+
 class RootLock:
     """An exclusive flock on every root, so two writers cannot interleave commits."""
 
@@ -131,7 +308,7 @@ class RootLock:
         try:
             for root in roots:
                 path = root / LOCK_NAME
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                fd = _open_lock_file(path)
                 self._fds.append(fd)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -160,6 +337,8 @@ class PendingCommit:
         self.protocol, self.step = protocol, step
         token = f"{step_dir_name(step)}-{os.getpid()}-{secrets.token_hex(4)}"
         self.dirs: list[Path] = []
+        if len(protocol.roots) > 1 and protocol.primary_id is None:
+            protocol.claim_roots()  # secondary directories record the primary's identity
         try:
             for root in protocol.roots:
                 d = root / f"{TMP_PREFIX}{token}"
@@ -167,6 +346,7 @@ class PendingCommit:
                 self.dirs.append(d)
                 if root != protocol.primary:
                     _write_durable(d / OWNER_NAME, (protocol.identity + "\n").encode())
+                    _write_durable(d / OWNER_ID_NAME, (protocol.primary_id + "\n").encode())
         except OSError as e:
             self.abort()
             raise EngineIOError(e.errno or errno.EIO, e.filename or protocol.roots[0], 0, "mkdir") from e
@@ -186,6 +366,10 @@ class PendingCommit:
                                         f"root {p.identity}); give each checkpoint its own directory on every root")
             # The manifest goes in before anything is renamed: in a temporary directory it commits nothing.
             _atomic_write(self.dirs[0] / MANIFEST_NAME, manifest_bytes)
+            if (p.roots[0] / final / MANIFEST_NAME).exists() and self.step not in p.overwritten:
+                p.overwritten.add(self.step)
+                log.warning("gdswriter: step %d is already committed under %s: replacing it with the new save "
+                            "(atomically; the old step %d is deleted)", self.step, p.primary, self.step)
             if len(p.roots) == 1 and (p.roots[0] / final).exists() and exchange_paths(self.dirs[0], p.roots[0] / final):
                 # Re-saving a committed step on one root: the swap is the commit point, and the
                 # temporary name now holds the old step (a leftover, if the next line is cut short).
@@ -216,12 +400,40 @@ class PendingCommit:
         self.finished = True
 
 
+def _is_regular(path: Path) -> bool:
+    """True when ``path`` is a regular file (a symbolic link to one is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def step_owner(step_dir: Path) -> tuple[str | None, str | None]:
+    """(path, id) of the primary root a secondary step directory was written for. The id is
+    None for directories written before root identities existed, and "" when the id file is
+    there but unreadable (it then matches no primary, so nothing deletes the directory)."""
+    id_path = step_dir / OWNER_ID_NAME
+    owner_id = (_read_small_text(id_path) or "") if os.path.lexists(id_path) else None
+    return _read_small_text(step_dir / OWNER_NAME), owner_id
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every step directory in ``root``, ascending; none if it does not exist."""
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted((s, root / n) for n in names if (s := parse_step_dir(n)) is not None)
+
+
 class CommitProtocol:
     """Reads and changes which steps exist under a list of roots (the first is the primary)."""
 
     def __init__(self, roots: Sequence[str | os.PathLike]):
         self.roots = [Path(r) for r in roots]
-        self.identity = str(self.roots[0].resolve())
+        self.identity = str(self.roots[0].resolve())  # the primary's path, as secondary steps record it
+        self.primary_id: str | None = None  # the primary's RootIdentity.id, once claim_roots() ran
+        self.overwritten: set[int] = set()  # steps whose replacement was already logged
 
     @property
     def primary(self) -> Path:
@@ -231,41 +443,41 @@ class CommitProtocol:
         return self.roots[root] / step_dir_name(step)
 
     def begin(self, step: int) -> PendingCommit:
-        return PendingCommit(self, step)
+        return PendingCommit(self, normalize_step(step))
+
+    def is_committed(self, step: int) -> bool:
+        """True when the primary holds the step's commit record (a regular file, not a link)."""
+        return _is_regular(self.step_dir(step) / MANIFEST_NAME)
 
     def committed_steps(self) -> list[int]:
         """Steps whose primary directory holds a manifest, ascending."""
-        try:
-            names = os.listdir(self.primary)
-        except FileNotFoundError:
-            return []
-        steps = []
-        for name in names:
-            s = parse_step_dir(name)
-            if s is not None and (self.primary / name / MANIFEST_NAME).is_file():
-                steps.append(s)
-        return sorted(steps)
+        return [s for s, d in _step_dirs(self.primary) if _is_regular(d / MANIFEST_NAME)]
 
     def latest(self) -> int | None:
         """The step ``latest`` names if it is committed, else the newest committed step."""
-        try:
-            named = int((self.primary / LATEST_NAME).read_text().strip())
-            if (self.step_dir(named) / MANIFEST_NAME).is_file():
-                return named
-        except (OSError, ValueError):
-            pass
+        text = _read_small_text(self.primary / LATEST_NAME)
+        if text is not None and re.fullmatch(r"[0-9]+", text) and self.is_committed(int(text)):
+            return int(text)
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
     def require(self, step: int | None) -> int:
-        resolved = self.latest() if step is None else step
-        if resolved is None or not (self.step_dir(resolved) / MANIFEST_NAME).is_file():
+        resolved = self.latest() if step is None else normalize_step(step)
+        if resolved is None or not self.is_committed(resolved):
             have = self.committed_steps()
-            what = "no committed checkpoint" if step is None else f"no committed checkpoint for step {step}"
+            what = "no committed checkpoint" if step is None else f"no committed checkpoint for step {resolved}"
             raise CheckpointNotFoundError(
                 errno.ENOENT, f"{what} under {self.primary}" + (f" (committed steps: {have})" if have else
                                                                  " (save one first, or check the root path)"))
         return resolved
+
+    def fallback_order(self) -> list[int]:
+        """The steps a load that skips damaged steps tries: the latest, then the older committed
+        steps, newest first (steps above the latest, abandoned by a rollback, are not tried)."""
+        latest = self.latest()
+        if latest is None:
+            return []
+        return [latest] + [s for s in reversed(self.committed_steps()) if s < latest]
 
     def _retire(self, path: Path) -> None:
         """Move an existing directory out of the way (atomic), then delete it."""
@@ -281,15 +493,125 @@ class CommitProtocol:
         for i in range(len(self.roots)):
             self._retire(self.step_dir(step, i))
 
+    # -- identity -----------------------------------------------------------------
     def _owned(self, step_dir: Path) -> bool:
-        """True when a secondary step directory was written for this primary root."""
+        """True when a secondary step directory was written for this primary root: it names the
+        primary's identity, or (written before identities existed) the primary's path."""
+        path, owner_id = step_owner(step_dir)
+        if owner_id is not None:
+            return owner_id == self.primary_id
+        return path == self.identity
+
+    def _latest_file_roots(self) -> set[int]:
+        """Root indices that hold data files of the latest committed step (empty if unreadable)."""
+        latest = self.latest()
+        if latest is None:
+            return set()
         try:
-            return (step_dir / OWNER_NAME).read_text().strip() == self.identity
-        except OSError:
-            return False
+            m = Manifest.from_json_bytes(read_regular_file(self.step_dir(latest) / MANIFEST_NAME))
+        except (OSError, CorruptCheckpointError, ValueError):
+            return set()
+        return {f.root for f in m.files}
+
+    def check_roots(self) -> None:
+        """Refuse to write roots whose primary is not the one their data was saved with.
+
+        Raises RootUnavailableError when the primary is missing or has no identity marker while
+        a secondary root holds steps written for it (by a marked primary, or by an unmarked one
+        that has no committed step): its disk is probably not mounted, and cleaning would delete
+        every committed step's secondary data. Likewise when a secondary root is missing, or is an
+        empty directory without marker, although the latest committed step keeps files on it.
+        Reads only; creates nothing."""
+        primary = self.primary
+        if len(self.roots) == 1:
+            return
+        if not primary.is_dir() or root_identity(primary) is None:
+            committed = self.committed_steps()
+            for root in self.roots[1:]:
+                refs = [(s, owner_id) for s, d in _step_dirs(root) for path, owner_id in [step_owner(d)]
+                        if path == self.identity]
+                held = [s for s, owner_id in refs if owner_id is not None or not committed]
+                if held:
+                    state = "does not exist" if not primary.is_dir() else (
+                        f"has no identity marker ({ROOT_MARKER_NAME})" + ("" if committed else " and no committed step"))
+                    raise RootUnavailableError(
+                        errno.ENOENT,
+                        f"primary checkpoint root {primary} {state}, but secondary root {root} holds "
+                        f"{len(held)} step director{'y' if len(held) == 1 else 'ies'} written for it (steps "
+                        f"{held[:5]}{' ...' if len(held) > 5 else ''}): is the primary's disk mounted? Mount it and "
+                        f"open the checkpoint again. gdswriter refuses to write (and never cleans) these roots until "
+                        f"then; if the primary's data is really lost, move those directories out of {root} yourself")
+        need = None
+        for i, root in enumerate(self.roots[1:], 1):
+            if root.is_dir() and (root_identity(root) is not None or _step_dirs(root)):
+                continue
+            need = self._latest_file_roots() if need is None else need
+            if i in need:
+                state = "does not exist" if not root.is_dir() else "holds no step directory and no identity marker"
+                raise RootUnavailableError(
+                    errno.ENOENT,
+                    f"secondary checkpoint root #{i} {root} {state}, but the latest committed step under "
+                    f"{primary} keeps data files there: is its disk mounted? Mount it and open the checkpoint again "
+                    f"(pass the roots in the order they were saved with)")
+
+    def claim_roots(self) -> list[RootIdentity]:
+        """Make the roots this protocol's to write: :meth:`check_roots`, then create missing roots and
+        give each its identity marker (roots written before markers existed get theirs now).
+        Sets ``primary_id``. Writers call it while holding the RootLock; it is idempotent."""
+        self.check_roots()
+        ids = []
+        for root in self.roots:
+            root.mkdir(parents=True, exist_ok=True)
+            ident = root_identity(root, create=True)
+            assert ident is not None
+            ids.append(ident)
+        if self.primary_id is None:
+            self.primary_id = ids[0].id
+            for root in self.roots[1:]:
+                foreign = [s for s, d in _step_dirs(root) for path, owner_id in [step_owner(d)]
+                           if path == self.identity and owner_id and owner_id != self.primary_id]
+                if foreign:
+                    log.warning("gdswriter: secondary root %s holds %d step directories (steps %s) written for "
+                                "another primary root that was at %s (identity differs): they are left alone. If the "
+                                "disk now at %s is not the one those steps were saved with, mount the right one",
+                                root, len(foreign), foreign[:5], self.identity, self.primary)
+        return ids
+
+    def open_writer(self) -> tuple[RootLock, list[Path]]:
+        """Open the roots for writing: check them (before creating anything), create missing ones,
+        take the RootLock, write missing identity markers and remove leftovers of interrupted saves.
+        Returns the lock and what was removed. ReadOnlyRootError when a root cannot be written
+        (read-only file system, no permission): the roots can still be read, without a lock."""
+        self.check_roots()
+        lock = None
+        try:
+            for root in self.roots:
+                try:
+                    root.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    if e.errno in _READ_ONLY_ERRNOS:
+                        raise
+                    raise InvalidOptionError(f"cannot create checkpoint root {root}: {e.strerror}; choose a "
+                                             f"writable directory") from e
+            lock = RootLock(self.roots)
+            self.claim_roots()
+            return lock, self.clean_leftovers()
+        except BaseException as e:
+            if lock is not None:
+                lock.release()
+            if isinstance(e, OSError) and not isinstance(e, CheckpointLockedError) and e.errno in _READ_ONLY_ERRNOS:
+                where = e.filename or self.primary
+                raise ReadOnlyRootError(e.errno, f"checkpoint root {where} cannot be written ({e.strerror}): opened "
+                                                 f"for loading only; to save, remount it read-write, make it writable "
+                                                 f"for this user, or choose another root") from e
+            raise
 
     def clean_leftovers(self) -> list[Path]:
-        """Remove what crashed saves and deletions left behind. Call only while holding the RootLock."""
+        """Remove what crashed saves and deletions left behind: temporaries, trash, and secondary step
+        directories of this primary (by identity) whose step it has not committed. Call only while
+        holding the RootLock; it claims the roots first (which refuses a primary it cannot see)."""
+        if self.primary_id is None:
+            self.claim_roots()
         removed = []
         committed = set(self.committed_steps())
         for i, root in enumerate(self.roots):
@@ -303,7 +625,7 @@ class CommitProtocol:
                 stale = name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
                     i > 0 and step is not None and step not in committed and self._owned(path))
                 if stale:
-                    if path.is_dir():
+                    if path.is_dir() and not path.is_symlink():
                         shutil.rmtree(path, ignore_errors=True)
                     else:
                         path.unlink(missing_ok=True)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import crc32c as _crc32c
+import torch
 
-from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError
+from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError, UnsupportedObjectError
 from .dtypes import dtype_from_name
 
 FORMAT_NAME = "gdswriter"
@@ -26,6 +27,14 @@ MANIFEST_NAME = "manifest.json"
 
 FILE_INFO_MAX_KEYS = 16
 FILE_INFO_MAX_TEXT = 256
+
+_QUANTIZED = {d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4"))
+              if d is not None}
+INT64_LIMIT = 1 << 63  # sizes, strides and offsets are int64 in torch
+EXPANDED_VIEW_MAX_BYTES = 64 << 20
+"""A view whose elements overlap (an ``expand()``ed tensor, stride 0) may present more bytes than
+its storage holds, up to this many (or its storage's size, if larger). Beyond, a manifest is
+damaged: a few bytes on disk must not become gigabytes in memory when a reader materialises it."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,40 @@ class TensorRecord:
         last = sum((n - 1) * s for n, s in zip(self.shape, self.stride))
         return self.byte_offset, self.byte_offset + (last + 1) * dtype_from_name(self.dtype).itemsize
 
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def problem(self, storage_nbytes: int) -> str:
+        """Why this record cannot be a view of a storage of ``storage_nbytes`` bytes ("" if it can).
+        Checked in Python integers (no overflow): every size, stride and offset is an int64, the
+        element count with zero-size dimensions counted as 1 too (torch multiplies them), the
+        view lies inside the storage, and it presents at most max(storage, EXPANDED_VIEW_MAX_BYTES)
+        bytes (expanded tensors have stride 0 and overlapping elements)."""
+        dtype = dtype_from_name(self.dtype)
+        if dtype in _QUANTIZED:
+            return f"dtype {self.dtype} (quantized tensors are never saved)"
+        if len(self.shape) != len(self.stride) or len(self.shape) > 64:
+            return f"shape {list(self.shape)[:8]} and stride {list(self.stride)[:8]} do not fit together"
+        if any(not 0 <= v < INT64_LIMIT for v in (*self.shape, *self.stride, self.byte_offset)):
+            return "a size, stride or offset outside [0, 2**63)"
+        product = 1
+        for d in self.shape:
+            product *= max(d, 1)
+        if product >= INT64_LIMIT:
+            return f"shape {list(self.shape)} with more than 2**63 elements"
+        if self.byte_offset % dtype.itemsize:
+            return f"byte_offset {self.byte_offset} that is not a multiple of its item size"
+        if self.byte_extent()[1] > storage_nbytes:
+            return "a view reaching past the end of its storage"
+        presented = self.numel() * dtype.itemsize
+        if presented > max(storage_nbytes, EXPANDED_VIEW_MAX_BYTES):
+            return (f"{presented} bytes presented over a storage of {storage_nbytes} (an expanded view larger "
+                    f"than {EXPANDED_VIEW_MAX_BYTES} bytes)")
+        return ""
+
 
 @dataclass(frozen=True)
 class RootInfo:
@@ -133,6 +176,13 @@ class Manifest:
 
     # -- serialisation -------------------------------------------------------
     def to_json_bytes(self) -> bytes:
+        """The manifest file's bytes. Refuses (UnsupportedObjectError) a tensor a reader would
+        refuse, so that nothing is committed that cannot be loaded back."""
+        for t in self.tensors:
+            why = t.problem(self.storages[t.storage].nbytes) if t.storage < len(self.storages) else "no storage"
+            if why:
+                raise UnsupportedObjectError(t.name, None, f"it would be saved with {why}; save t.contiguous() "
+                                             f"(or the tensor before expand())", type_name="torch.Tensor")
         body = {
             "format": FORMAT_NAME,
             "version": list(self.version),
@@ -174,7 +224,7 @@ class Manifest:
             return cls._from_body(body, where)
         except (CorruptCheckpointError, UnsupportedFormatVersionError):
             raise
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where} is malformed ({type(e).__name__}: {e}); the checkpoint is "
                                          f"damaged: load an earlier step") from e
 
@@ -198,6 +248,8 @@ class Manifest:
 
         files = tuple(FileRecord(_nonneg(r[0]), _relpath(r[1]), _nonneg(r[2]), _file_info(r[3:]))
                       for r in _list(body["files"]))
+        if len({(f.root, f.path) for f in files}) != len(files):
+            raise bad("a data file is listed twice")  # its bytes would count (and be allocated) twice
         storages = []
         for s in _list(body["storages"]):
             nbytes = _nonneg(s["nbytes"])
@@ -224,14 +276,13 @@ class Manifest:
                                tuple(_nonneg(x) for x in _list(t["shape"])),
                                tuple(_int(x) for x in _list(t["stride"])), _str(t.get("device", "cpu")),
                                _str(t.get("kind", "tensor")))
-            if rec.storage >= len(storages) or len(rec.shape) != len(rec.stride) or rec.kind not in ("tensor", "ndarray"):
-                raise bad(f"tensor {rec.name!r} has an invalid storage index, shape/stride or kind")
-            if rec.byte_offset % dtype_from_name(rec.dtype).itemsize:
-                raise bad(f"tensor {rec.name!r} byte_offset {rec.byte_offset} is not a multiple of its item size")
+            if rec.storage >= len(storages) or rec.kind not in ("tensor", "ndarray"):
+                raise bad(f"tensor {rec.name[:200]!r} has an invalid storage index or kind")
             if any(x < 0 for x in rec.stride):
-                raise bad(f"tensor {rec.name!r} has a negative stride")
-            if rec.byte_extent()[1] > storages[rec.storage].nbytes:
-                raise bad(f"tensor {rec.name!r} reaches past the end of its storage")
+                raise bad(f"tensor {rec.name[:200]!r} has a negative stride")
+            why = rec.problem(storages[rec.storage].nbytes)
+            if why:
+                raise bad(f"tensor {rec.name[:200]!r} has {why}")
             if "shard" in t:
                 rec = replace(rec, shard=_shard(t["shard"], rec))
             tensors.append(rec)
@@ -240,7 +291,7 @@ class Manifest:
         if not isinstance(metadata, dict):
             raise bad("metadata is not an object")
         created = body.get("created_unix", 0.0)
-        if not isinstance(created, (int, float)) or isinstance(created, bool):
+        if not isinstance(created, (int, float)) or isinstance(created, bool) or not abs(created) < 1e300:
             raise bad("created_unix is not a number")
         return cls(step=_nonneg(body["step"]), files=files, storages=tuple(storages), tensors=tuple(tensors),
                    state=body["state"], created_unix=float(created), metadata=metadata,
@@ -262,8 +313,9 @@ def _int(v: Any) -> int:
 
 
 def _nonneg(v: Any) -> int:
-    if _int(v) < 0:
-        raise ValueError(f"expected a non-negative integer, got {v!r}")
+    """A non-negative int64 (every count, size and offset in a manifest is one)."""
+    if not 0 <= _int(v) < INT64_LIMIT:
+        raise ValueError(f"expected an integer in [0, 2**63), got {v!r}")
     return v
 
 
