@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import InvalidOptionError
+from ..errors import GDSWriterError, InvalidOptionError
 from ..options import EngineOptions
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .group import Coordinator
@@ -49,9 +49,14 @@ def session_for(roots: Sequence[Path], process_group: Any = None, options: DistO
 
 
 def is_multi_rank(protocol: Any, step: int | None) -> bool:
-    """Whether ``step`` (None: the latest) was saved by several ranks (a format 1.2 manifest with "dist")."""
-    path = protocol.step_dir(protocol.require(step)) / MANIFEST_NAME
-    return Manifest.from_json_bytes(path.read_bytes(), where=str(path)).dist is not None
+    """Whether ``step`` (None: the latest) was saved by several ranks (a format 1.2 manifest with "dist").
+    False when it cannot tell (no such step, a damaged manifest): the single-process path then
+    reports the problem in its own words."""
+    try:
+        path = protocol.step_dir(protocol.require(step)) / MANIFEST_NAME
+        return Manifest.from_json_bytes(path.read_bytes(), where=str(path)).dist is not None
+    except (GDSWriterError, OSError, ValueError):
+        return False
 
 
 def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify: bool) -> int:

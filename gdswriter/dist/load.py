@@ -22,7 +22,7 @@ from ..format.commit import CommitProtocol
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.state_codec import decode_state
-from ..restore import LiveState, apply_state, host_buffer, tensors_from_storages
+from ..restore import LiveState, apply_state, host_buffer, plan_restore, tensors_from_storages
 from .assemble import tree_for_rank
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, describe
@@ -152,8 +152,14 @@ def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProt
     coord.agree(error, what, hint="the live state was not changed")
     state = rebuild_state(coord, layout, m, live_templates(live_state, live.optimizer), live.optimizer, engine,
                           verify=verify, what=what)
+    plan = None
+    try:  # every key, shape and dtype is checked on every rank before any live byte changes
+        plan = plan_restore(state, live, strict)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    coord.agree(error, f"{what} (checking the live state)", hint="the live state was not changed")
     try:
-        apply_state(live, state, strict)
+        apply_state(live, state, plan)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (applying)", hint="ranks that did not fail loaded the step; fix the problem and "
