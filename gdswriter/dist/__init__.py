@@ -45,6 +45,12 @@ def session_for(roots: Sequence[Path], process_group: Any = None, options: DistO
     if not initialised:
         raise InvalidOptionError("DistOptions(collective=True) needs torch.distributed: call "
                                  "torch.distributed.init_process_group first")
+    for r in roots:
+        try:
+            r.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
+                                     f"directory") from e
     return open_session(roots, Coordinator.for_group(process_group, timeout_s=options.timeout_s), options)
 
 

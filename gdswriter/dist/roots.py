@@ -124,6 +124,7 @@ class _LedRoots(CommitProtocol):
         super().__init__((primary or [layout.local_paths[0] / ".not-led-here"]) +
                          [layout.local_paths[i] for i in led if not layout.is_primary(i)])
         self.identity = layout.primary_identity
+        self.primary_id = layout.table[0].id  # the ranks agreed on the roots: cleaning claims nothing
         self._committed = sorted(committed)
 
     def committed_steps(self) -> list[int]:
