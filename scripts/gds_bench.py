@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer  # noqa: E402
-from gdswriter.measure import fio_write_read  # noqa: E402
+from gdswriter.measure import fio_reference  # noqa: E402
 from gdswriter.pagecache import drop_caches, evict  # noqa: E402
 from gdswriter.units import parse_size  # noqa: E402
 
@@ -398,7 +398,8 @@ class Bench:
             self.record({"method": "fio (disk only)", "ok": None, "note": "fio not installed"})
             return
         try:
-            w, r = fio_write_read(d / "fio.bin", nbytes, {})
+            ref = fio_reference(d / "fio.bin", nbytes, {})
+            w, r = ref.write_bps, ref.read_bps
             self.record({"method": "fio (disk only)", "write_gbps": w / 1e9, "read_gbps": r / 1e9, "ok": None,
                          "note": "io_uring, O_DIRECT, 4 MiB, QD16, from host memory"})
         except Exception as e:  # noqa: BLE001 - a reference that fails is reported, not fatal

@@ -61,8 +61,17 @@ section "environment"
     echo "cufile.json: ${CUFILE_ENV_PATH_JSON:-/etc/cufile.json}; tools: $(command -v gdsio fio 2>/dev/null | tr '\n' ' ')"
 } 2>&1 | tee "$OUT/environment.txt"
 
+HAS_CUDA=0
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    HAS_CUDA=1
+else
+    echo "no CUDA device: the GPU tests and the benchmark are skipped"
+fi
+
 section "install carried wheels"
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ "$HAS_CUDA" -eq 0 ]; then
+    skip install "no CUDA device (the carried wheels are for the GPU machine)"
+elif compgen -G ".whl/*.whl" >/dev/null; then
     run install 120 "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 else
     skip install "no .whl/ directory with wheels"
@@ -79,12 +88,6 @@ import torch
 print("  torch.cuda", torch.version.cuda, "available:", torch.cuda.is_available())
 PY
 
-HAS_CUDA=0
-if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    HAS_CUDA=1
-else
-    echo "no CUDA device: the GPU tests and the benchmark are skipped"
-fi
 mkdir -p "$BENCH_DIR"
 
 section "gdswriter doctor"
