@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import random
 import re
@@ -54,9 +53,16 @@ from pathlib import Path
 import _models as M
 import pytest
 import torch
-
 from powerloss import model as pm
-from powerloss.harness import AppServer, PowerLossMount, fuse_unavailable, is_mounted, setup_problem
+from powerloss.harness import (
+    AppServer,
+    PowerLossMount,
+    fuse_unavailable,
+    is_mounted,
+    mount_refused,
+    setup_problem,
+    subprocess_env,
+)
 
 SETUP = [["save", 1, 1], ["save", 2, 2]]
 PLAN = [["save", 3, 3], ["save", 3, 4], ["save", 4, 5], ["wait"], ["export", 4]]
@@ -90,23 +96,22 @@ SCENARIOS = [Scenario("one-root", 1, True, True, "auto"),
 
 
 # ----------------------------------------------------------------------------- fixtures
-def _require_fuse() -> None:
+@pytest.fixture(scope="module")
+def fuse(tmp_path_factory):
+    """Skip where FUSE cannot work at all; fail where only the project's set-up is missing."""
     why = fuse_unavailable()
     if why:
         pytest.skip(why)
     problem = setup_problem()
     if problem:
         pytest.fail(problem)
-
-
-@pytest.fixture
-def fuse():
-    _require_fuse()
+    why = mount_refused(tmp_path_factory.mktemp("fuse-probe"))
+    if why:
+        pytest.skip(why)
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    _require_fuse()
+def app(fuse, tmp_path_factory):
     server = AppServer(tmp_path_factory.mktemp("app") / "server.log")
     try:
         import gdswriter
@@ -326,6 +331,40 @@ def test_fuse_clean_unmount_keeps_everything(fuse, tmp_path):
         assert os.stat(mnt / "a" / "hard").st_nlink == 2
 
 
+OWNER = """
+import sys, time
+from pathlib import Path
+from powerloss.harness import PowerLossMount
+fs = PowerLossMount(Path(sys.argv[1]), Path(sys.argv[2]))
+fs.start()
+print(fs.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_fuse_mount_dies_with_its_owner(fuse, tmp_path):
+    """A test process killed outright (a CI timeout) leaves no mount and no file-system process."""
+    import signal
+    import subprocess
+    import sys
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "mnt"), str(tmp_path / "fs")],
+                             env=subprocess_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        fs_pid = int(owner.stdout.readline())
+        assert is_mounted(tmp_path / "mnt")
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(30)
+        deadline = time.monotonic() + 30
+        while is_mounted(tmp_path / "mnt") or os.path.exists(f"/proc/{fs_pid}"):
+            assert time.monotonic() < deadline, "the mount or its process outlived the test process"
+            time.sleep(0.05)
+    finally:
+        owner.kill()
+        owner.wait()
+        from powerloss.harness import force_unmount
+        force_unmount(tmp_path / "mnt")
+
+
 # ----------------------------------------------------------------------------- gdswriter under power loss
 class Checker:
     """Runs the plan on the power-loss mount and checks every state a cut leaves."""
@@ -380,7 +419,7 @@ class Checker:
                 info = fs.cut(variants)
             else:
                 assert code != 0 or lines[-1] == "closed", f"{name}: the run went on without its disk: {lines}"
-            stats = fs.stats()
+            stats = {**fs.stats(), "log": fs.oplog()}
         self.run_s += time.monotonic() - t0
         return info, lines, stats
 
@@ -406,11 +445,12 @@ class Checker:
         self.check_s += time.monotonic() - t0
 
     def check_image(self, where: str, lines: list[str]) -> None:
+        from powerloss.app import EXPORT_DIR, export_name, make_net
+
         from gdswriter import GDSCheckpointer, load_state
         from gdswriter.cli import main as cli_main
         from gdswriter.format.commit import CommitProtocol, parse_step_dir
         from gdswriter.restore import read_manifest
-        from powerloss.app import EXPORT_DIR, export_name, make_net
 
         roots = self.roots()
         proto = CommitProtocol(roots)
@@ -438,7 +478,7 @@ class Checker:
 
         for s in steps:  # every committed step loads bit-exact, checksums verified
             try:
-                got_step, tree = load_state([str(r) for r in roots], s, verify=True, engine_options=M.small_engine())
+                _got_step, tree = load_state([str(r) for r in roots], s, verify=True, engine_options=M.small_engine())
             except Exception as e:
                 pytest.fail(f"committed step {s} does not load ({type(e).__name__}: {e}); {where}")
             self.assert_gen(tree["model"], tree["extra"]["progress"], state[s], f"step {s}; {where}")
@@ -483,6 +523,11 @@ class Checker:
         assert extra["gen"] == gen and torch.equal(extra["ema"], want_extra["ema"]), where
 
 
+def _short(path: str) -> str:
+    """A path of the op log without the random parts of temporary names."""
+    return re.sub(r"(\.(?:tmp|trash)-[^/]*?)-[0-9]+-[0-9a-f]{8}|-[0-9a-f]{8}$", r"\1", path)
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_power_cut_at_every_sync_and_at_random(tmp_path, app, scenario, monkeypatch):
     for knob, value in (("BUFFER_BYTES", "256K"), ("NUM_BUFFERS", "3"), ("REQUEST_BYTES", "64K")):
@@ -517,14 +562,16 @@ def test_power_cut_at_every_sync_and_at_random(tmp_path, app, scenario, monkeypa
     for i in range(RANDOM_CUTS):
         seed = rng.randrange(1 << 30)
         if i % 2 == 0:  # before a random operation of any kind
-            name, kw = f"op{i}", dict(variants=f"lag,random:{seed},random:{seed + 1}",
-                                      after_ops=rng.randrange(stats["ops"]))
+            name, kw = f"op{i}", {"variants": f"lag,random:{seed},random:{seed + 1}",
+                                      "after_ops": rng.randrange(stats["ops"])}
         else:  # at a random moment
-            name, kw = f"timer{i}", dict(variants=f"random:{seed}", delay=rng.uniform(0, dry_s))
+            name, kw = f"timer{i}", {"variants": f"random:{seed}", "delay": rng.uniform(0, dry_s)}
         info, lines, _ = ck.cut_run(base, name, **kw)
         ck.check_cut(name, info, lines)
 
-    print(f"\npower loss [{scenario.name}]: {ck.runs} runs cut (every one of {n_syncs} syncs + end + "
+    syncs = [f"{e[2]} {_short(e[3])}" for e in stats["log"] if e[2] in ("fsync", "fdatasync", "fsyncdir")]
+    print(f"\npower loss [{scenario.name}]: the run's durability calls: " + "; ".join(syncs))
+    print(f"power loss [{scenario.name}]: {ck.runs} runs cut (every one of {n_syncs} syncs + end + "
           f"{RANDOM_CUTS} random), {ck.images_checked} disk states checked, states reached "
           f"{sorted(ck.states_seen)}, exchange {'used' if stats['exchange_done'] else 'not used'}, "
           f"O_DIRECT {'accepted' if scenario.direct else 'refused'}; {time.monotonic() - t0:.1f} s "

@@ -59,6 +59,7 @@ def expected(gen: int) -> tuple[dict[str, torch.Tensor], dict]:
 
 def run_actions(roots: list[str], actions: list[list], options: dict, progress) -> None:
     import _models as M
+
     from gdswriter import GDSCheckpointer
     from gdswriter.export import export_step
 

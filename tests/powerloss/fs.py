@@ -51,7 +51,17 @@ import threading
 import time
 from pathlib import Path
 
-from .model import DIR, FILE, ROOT_INO, SYMLINK, Model, Node, decode_image, distinct, encode_image
+from .model import (
+    DIR,
+    FILE,
+    ROOT_INO,
+    SYMLINK,
+    Model,
+    Node,
+    decode_image,
+    distinct,
+    encode_image,
+)
 
 CONTROL_TIMEOUT_S = 30.0
 
@@ -151,9 +161,9 @@ class PowerLossFS:
     def _attrs(self, n: Node) -> dict:
         kind = {FILE: stat.S_IFREG, DIR: stat.S_IFDIR, SYMLINK: stat.S_IFLNK}[n.kind]
         size = len(n.data) if n.kind == FILE else len(n.target) if n.kind == SYMLINK else 4096
-        return dict(st_mode=kind | n.mode, st_ino=n.ino, st_nlink=self.model.nlink(n), st_size=size,
-                    st_blocks=-(-size // 512), st_blksize=4096, st_uid=os.getuid(), st_gid=os.getgid(),
-                    st_mtime=n.mtime_ns, st_ctime=n.mtime_ns, st_atime=n.mtime_ns)
+        return {"st_mode": kind | n.mode, "st_ino": n.ino, "st_nlink": self.model.nlink(n), "st_size": size,
+                    "st_blocks": -(-size // 512), "st_blksize": 4096, "st_uid": os.getuid(), "st_gid": os.getgid(),
+                    "st_mtime": n.mtime_ns, "st_ctime": n.mtime_ns, "st_atime": n.mtime_ns}
 
     def _open_check(self, path: str, flags: int) -> None:
         if flags & os.O_DIRECT:
@@ -192,8 +202,8 @@ class PowerLossFS:
     def statfs(self, path):
         used = sum(len(n.data) for n in self.model.nodes.values()) // 4096
         total = 1 << 22  # 16 GiB of 4 KiB blocks
-        return dict(f_bsize=4096, f_frsize=4096, f_blocks=total, f_bfree=total - used, f_bavail=total - used,
-                    f_files=1 << 20, f_ffree=(1 << 20) - len(self.model.nodes), f_namemax=255)
+        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": total, "f_bfree": total - used, "f_bavail": total - used,
+                    "f_files": 1 << 20, "f_ffree": (1 << 20) - len(self.model.nodes), "f_namemax": 255}
 
     def access(self, path, amode):
         with self.lock:

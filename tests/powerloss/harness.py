@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from typing_extensions import Self
+
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 INSTALL_HINT = ("install them with `apt-get install -y fuse3 libfuse3-3` and `pip install -e '.[test]'` "
@@ -49,9 +51,25 @@ def setup_problem() -> str | None:
         missing.append("fusermount3 (Debian package fuse3)")
     try:
         import mfusepy  # noqa: F401  (loads libfuse at import)
-    except (ImportError, OSError, EnvironmentError) as e:
+    except (ImportError, OSError) as e:
         missing.append(f"mfusepy with libfuse 3 ({type(e).__name__}: {e})")
     return f"missing {', '.join(missing)}: {INSTALL_HINT}" if missing else None
+
+
+def mount_refused(workdir: Path) -> str | None:
+    """Mount and unmount an empty power-loss file system under ``workdir``: why the kernel
+    refuses FUSE mounts here (e.g. a container without CAP_SYS_ADMIN), or None. Any other
+    failure is raised: it is a bug, not a reason to skip."""
+    fs = PowerLossMount(workdir / "mnt", workdir / "fs")
+    try:
+        fs.start()
+    except RuntimeError:
+        log = fs.fs_log()
+        if "not permitted" in log or "Permission denied" in log:
+            return f"FUSE mounts are refused here: {log.strip().splitlines()[-1]}"
+        raise
+    fs.unmount()
+    return None
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -125,7 +143,7 @@ class PowerLossMount:
             self.args += ["--cut-after-ops", str(cut_after_ops)]
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "PowerLossMount":
+    def __enter__(self) -> Self:
         self.start()
         return self
 

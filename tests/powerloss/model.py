@@ -61,8 +61,8 @@ import json
 import random
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 FILE, DIR, SYMLINK = "file", "dir", "symlink"
 ROOT_INO = 1
@@ -85,14 +85,14 @@ class Saved:
     target: str = ""  # symlinks
     mtime_ns: int = 0
 
-    def copy(self) -> "Saved":
+    def copy(self) -> Saved:
         return Saved(self.kind, self.mode, self.data, dict(self.entries), self.target, self.mtime_ns)
 
 
 class Node:
     """An inode: live state, the log of changes not yet durable, and what it was born as."""
 
-    __slots__ = ("ino", "kind", "mode", "data", "entries", "target", "mtime_ns", "log", "meta_dirty", "born")
+    __slots__ = ("born", "data", "entries", "ino", "kind", "log", "meta_dirty", "mode", "mtime_ns", "target")
 
     def __init__(self, ino: int, kind: str, mode: int, target: str = "", mtime_ns: int | None = None):
         self.ino, self.kind, self.mode, self.target = ino, kind, mode, target
