@@ -45,7 +45,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..engine import fsync_dir
+from ..engine import fsync_dir, fsync_parents
 from ..errors import CheckpointLockedError, CheckpointNotFoundError, EngineIOError, InvalidOptionError
 from .manifest import MANIFEST_NAME
 
@@ -124,7 +124,8 @@ def exchange_paths(a: Path, b: Path) -> bool:
 
 
 class RootLock:
-    """An exclusive flock on every root, so two writers cannot interleave commits."""
+    """An exclusive flock on every root, so two writers cannot interleave commits. Taking it
+    also makes each root's own name durable (its parents are fsynced)."""
 
     def __init__(self, roots: Sequence[Path]):
         self._fds: list[int] = []
@@ -143,6 +144,7 @@ class RootLock:
                         f"close that one first or give this one a different root") from e
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                fsync_parents(root)  # a root just made by mkdir -p must outlive a power cut
         except BaseException:
             self.release()
             raise
