@@ -2,8 +2,8 @@
 """Remove each durability call of gdswriter in turn and check that the power-loss test notices.
 
 Finds every call in gdswriter/ that asks the kernel for durability: ``os.fsync``,
-``os.fdatasync``, ``os.sync``, ``os.syncfs``, ``fsync_dir(...)`` (the package's directory
-fsync), ``msync``/``sync_file_range`` if any appear, and reports O_SYNC/O_DSYNC opens (which
+``os.fdatasync``, ``os.sync``, ``os.syncfs``, ``fsync_dir(...)`` and ``fsync_parents(...)``
+(the package's directory fsyncs), ``msync``/``sync_file_range`` if any appear, and reports O_SYNC/O_DSYNC opens (which
 the mutations do not cover). For each call it copies the package to a scratch directory,
 replaces that one call by ``None`` there (the real tree is never edited), runs
 tests/test_powerloss.py against the copy (cwd and PYTHONPATH point at it; the script checks
@@ -37,10 +37,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "gdswriter"
 TEST = REPO / "tests" / "test_powerloss.py"
-SYNC_FUNCTIONS = {"fsync", "fdatasync", "sync", "syncfs", "sync_file_range", "msync", "fsync_dir"}
+SYNC_FUNCTIONS = {"fsync", "fdatasync", "sync", "syncfs", "sync_file_range", "msync", "fsync_dir", "fsync_parents"}
 SYNC_FLAGS = {"O_SYNC", "O_DSYNC"}
 
-# (file relative to gdswriter/, enclosing function) -> why removing the call cannot fail the test.
+# (file relative to gdswriter/, enclosing [Class.]function) -> why removing the call cannot fail the test.
 EXEMPT = {
     ("measure.py", "raw_reference"):
         "benchmark reference, not durability: it times a plain write loop including the flush to the device "
@@ -48,7 +48,7 @@ EXEMPT = {
     ("pagecache.py", "evict"):
         "measurement, not durability: cleans the pages of a file that is already durable so that "
         "POSIX_FADV_DONTNEED can drop them before a cold-read measurement (demo, benchmarks); an error is ignored",
-    ("format/commit.py", "clean_leftovers"):
+    ("format/commit.py", "CommitProtocol.clean_leftovers"):
         "not needed for safety: if the removal of a leftover (.tmp-/.trash- directory, or a secondary step "
         "directory whose primary has no manifest) is lost to a power cut, the same leftover comes back and the "
         "next open removes it again; none of them is ever listed as committed (only a primary step directory "
@@ -104,15 +104,15 @@ def find_sites(package: Path = PACKAGE) -> tuple[list[Site], list[str]]:
             if not (isinstance(node, ast.Call) and _called_name(node) in SYNC_FUNCTIONS):
                 continue
             if isinstance(node.func, ast.Attribute) and not (
-                    _called_name(node) == "fsync_dir" or (isinstance(node.func.value, ast.Name)
+                    _called_name(node) in ("fsync_dir", "fsync_parents") or (isinstance(node.func.value, ast.Name)
                                                          and node.func.value.id in ("os", "mmap"))):
                 continue  # e.g. a method named sync on some object: not a kernel durability call
-            fn, p = "<module>", parents.get(node)
+            scopes, p = [], parents.get(node)
             while p is not None:
-                if isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    fn = p.name
-                    break
+                if isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    scopes.insert(0, p.name)
                 p = parents.get(p)
+            fn = ".".join(scopes) or "<module>"
             start = line_starts[node.lineno - 1] + node.col_offset
             end = line_starts[node.end_lineno - 1] + node.end_col_offset
             sites.append(Site(rel, node.lineno, start, end, fn, raw[start:end].decode()))
