@@ -78,8 +78,6 @@ def _import_mfusepy():
 class PowerLossFS:
     """The FUSE operations (mfusepy's path-based API; open files by handle) over a Model."""
 
-    use_ns = True
-
     def __init__(self, model: Model, out: Path, *, variants: str, no_direct: bool, no_exchange: bool):
         self.model, self.out = model, out
         self.variants = variants
@@ -98,8 +96,7 @@ class PowerLossFS:
     # -- bookkeeping -----------------------------------------------------------
     def _begin(self, what: list, *, sync: bool = False) -> None:
         """Count a changing call; cut the power first if this is the armed one. Holds the lock."""
-        if self.dead:
-            raise OSError(errno.EIO, "the power is off")
+        self._check_alive()
         self.ops += 1
         self.syncs += sync
         if self.armed is not None:
@@ -123,8 +120,8 @@ class PowerLossFS:
         """Power fails now: write the images of what the disk holds, then refuse everything."""
         if self.dead:
             return self.cut_info or {}
+        named = self.model.variant_images(variants or self.variants)  # a bad spec raises before the cut
         self.dead = True
-        named = self.model.variant_images(variants or self.variants)
         images = {}
         for digest, (names, raw) in distinct(named).items():
             (self.out / f"{digest}.img").write_bytes(raw)

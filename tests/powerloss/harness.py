@@ -21,8 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-from typing_extensions import Self
-
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 INSTALL_HINT = ("install them with `apt-get install -y fuse3 libfuse3-3` and `pip install -e '.[test]'` "
@@ -143,7 +141,7 @@ class PowerLossMount:
             self.args += ["--cut-after-ops", str(cut_after_ops)]
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> PowerLossMount:
         self.start()
         return self
 
