@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..engine import fsync_dir
+from ..engine import fsync_dir, fsync_parents
 from ..errors import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
                       InvalidOptionError, ReadOnlyRootError, RootUnavailableError, UnsafePathError)
 from .manifest import MANIFEST_NAME, Manifest
@@ -301,7 +301,8 @@ def _open_lock_file(path: Path) -> int:
 
 
 class RootLock:
-    """An exclusive flock on every root, so two writers cannot interleave commits."""
+    """An exclusive flock on every root, so two writers cannot interleave commits. Taking it
+    also makes each root's own name durable (its parents are fsynced)."""
 
     def __init__(self, roots: Sequence[Path]):
         self._fds: list[int] = []
@@ -320,6 +321,7 @@ class RootLock:
                         f"close that one first or give this one a different root") from e
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                fsync_parents(root)  # a root just made by mkdir -p must outlive a power cut
         except BaseException:
             self.release()
             raise
