@@ -9,6 +9,8 @@ injected through FaultInjectingEngine, so they are covered without root.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import json
 import logging
@@ -32,6 +34,7 @@ from gdswriter.errors import (CorruptCheckpointError, EngineIOError, EngineUnava
 from gdswriter.fallback.engine import IoUringEngine, PosixEngine
 from gdswriter.fallback.faults import FaultEvent, FaultInjectingEngine, FaultPlan
 from gdswriter.options import EngineOptions, KiB, MiB
+from test_uring import deadline
 
 REPO = Path(__file__).resolve().parent.parent
 REQUEST = 64 * KiB
@@ -115,6 +118,7 @@ _CHILD = textwrap.dedent(r'''
     from gdswriter.errors import EngineIOError
     from gdswriter.fallback.engine import IoUringEngine, PosixEngine
     from gdswriter.options import EngineOptions, KiB, MiB
+from test_uring import deadline
 
     base = sys.argv[1]
     results = {}
@@ -505,6 +509,218 @@ def test_fault_plan_validation(io_small_options):
 
 
 # ---------------------------------------------------------------------------
+# Failures between the pipeline and the kernel: io_uring_enter errors, Ctrl-C, exceptions.
+# After each: a typed error (or the KeyboardInterrupt itself), the failed file removed, and
+# nothing the failed transfer queued or had in flight reaches anything else: neither the next
+# file of the same engine nor a file opened meanwhile on the descriptor number it used.
+# ---------------------------------------------------------------------------
+FAILED = 2 * MiB + 4097  # 33 requests of 64 KiB: many enter calls, requests queued and in flight
+
+
+def lowest_free_fd() -> int:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+def fail_then_prove_isolation(eng, tmp_path, op: str, expect: type[BaseException], errno_: int | None = None):
+    """Run one transfer that must fail with ``expect``; then open an innocent file (on the fd
+    number the failed transfer used, where the engine closed it) and write it; then use the
+    same engine again. Every byte of both files must be their own. Returns whether the engine
+    closed the failed transfer's fd (False: it kept it open for good) and the faults injected."""
+    path = tmp_path / "failed.bin"
+    data = rand(FAILED, seed=11)
+    if op == "read":
+        plan, eng.plan = eng.plan, FaultPlan()
+        assert eng.write_file(path, [WriteSpan(0, data)]) == [crc(data)]
+        eng.reset(plan)
+    out = torch.zeros(FAILED, dtype=torch.uint8)
+    free = lowest_free_fd()
+    with deadline(60):
+        with pytest.raises(expect) as ei:
+            eng.write_file(path, [WriteSpan(0, data)]) if op == "write" else eng.read_file(path, [ReadSpan(0, out)])
+    e = ei.value
+    if isinstance(e, EngineIOError):
+        assert e.path == str(path) and 0 <= e.offset < FAILED and str(path) in str(e)
+        if errno_ is not None:
+            assert e.errno == errno_
+    assert not isinstance(e, KeyError) and type(e) not in (OSError, BlockingIOError, InterruptedError)
+    assert path.exists() == (op == "read"), "a failed write must remove its file; a failed read keeps it"
+    faults = eng.faults
+
+    innocent = tmp_path / "innocent.bin"
+    ifd = os.open(innocent, os.O_RDWR | os.O_CREAT, 0o644)
+    closed = ifd == free
+    if not closed:  # kept open for good: the fd still names the failed file, nothing else
+        assert os.fstat(free).st_ino == os.stat(path).st_ino if op == "read" else os.fstat(free).st_nlink == 0
+    theirs = os.urandom(FAILED + 5000)
+    try:
+        assert os.pwrite(ifd, theirs, 0) == len(theirs)
+        eng.reset(FaultPlan())
+        with deadline(60):
+            roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=12))
+            roundtrip(eng, tmp_path / "small.bin", rand(5000, seed=13))
+        assert_drained(eng)
+        assert os.pread(ifd, len(theirs) + 1, 0) == theirs, "another file received the failed transfer's bytes"
+    finally:
+        os.close(ifd)
+    return closed, faults
+
+
+@pytest.fixture
+def fast_ring_retries(monkeypatch):
+    monkeypatch.setattr(uring_mod, "_BACKOFF_S", 1e-4)
+    monkeypatch.setattr(uring_mod, "_BACKOFF_MAX_S", 1e-3)
+
+
+@contextlib.contextmanager
+def stuck_request(eng):
+    """The first io_uring_enter under a plan that fails enter calls queues, besides the
+    pipeline's requests, a read from an empty pipe (the next call submits it): a request the
+    kernel does not complete, as on a hung device, until the pipe is closed."""
+    ring = eng._backend.real.ring
+    rpipe, wpipe = os.pipe()
+    buf = ctypes.create_string_buffer(16)
+    real, fired = ring._enter, []
+
+    def enter(*args):
+        if not fired and eng.plan.enter_errno is not None:
+            fired.append(ring.prep(uring_mod.OP_READ, rpipe, ctypes.addressof(buf), 16, 0, user_data=1 << 62))
+        return real(*args)
+
+    ring._enter = enter
+    try:
+        yield
+    finally:
+        os.close(wpipe)  # the read completes (end of file) in the ring that keeps it
+        os.close(rpipe)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("err", [errno.EAGAIN, errno.EBUSY, 0, errno.EFAULT])
+@pytest.mark.parametrize("stuck", [False, True], ids=["completing", "stuck"])
+def test_enter_failing_for_good_mid_transfer(tmp_path, io_small_options, fast_ring_retries, op, err, stuck):
+    """io_uring_enter fails from the 3rd call on, also while the engine cleans up (the kernel
+    cannot allocate requests and never recovers, returns 0 forever, or a hard error): a typed
+    EngineIOError after bounded retries. Requests the kernel completes anyway are reaped; when
+    one is stuck, nothing proves the ring idle: the fd stays open for good, the old buffers and
+    tensors are kept, and the engine goes on with a fresh ring."""
+    plan = FaultPlan(enter_errno=err, enter_fail_at=3, enter_fail_times=10**9)
+    # queue_depth 12 on a 16-entry ring: room for the stuck request at any time
+    with FaultInjectingEngine(io_small_options(queue_depth=12), plan) as eng:
+        kept_before = len(engine_mod._KEPT)
+        old_pool, old_backend = eng._pool, eng._backend
+        with stuck_request(eng) if stuck else contextlib.nullcontext():
+            closed, faults = fail_then_prove_isolation(eng, tmp_path, op, EngineIOError, err or errno.EAGAIN)
+            assert faults["enter"] >= (1 if err == errno.EFAULT else uring_mod._STALL_RETRIES)
+            if stuck:
+                assert not closed
+                backend, pool, fd, spans = engine_mod._KEPT[-1]
+                assert len(engine_mod._KEPT) == kept_before + 1
+                assert (backend, pool) == (old_backend, old_pool) and eng._pool is not old_pool
+                assert pool._mm is not None and pool.buffers, "buffers the kernel may still use were released"
+                assert spans and os.fstat(fd)  # the tensors are referenced, the fd open
+        if stuck:  # closing the engine does not release what is kept either
+            eng.close()
+            assert pool._mm is not None and os.fstat(fd)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("err,times", [(errno.EAGAIN, 3), (errno.EBUSY, 3), (errno.EINTR, 300), (0, 5)])
+def test_enter_failing_for_a_while_is_absorbed(tmp_path, io_small_options, fast_ring_retries, op, err, times):
+    """Transient EAGAIN/EBUSY (reap, wait, retry), an EINTR storm, a few calls taking nothing:
+    the transfer succeeds with the right bytes."""
+    plan = FaultPlan(enter_errno=err, enter_fail_at=4, enter_fail_times=times)
+    data = rand(FAILED, seed=5)
+    path = tmp_path / "transient.bin"
+    with FaultInjectingEngine(io_small_options(), plan) as eng:
+        if op == "read":
+            eng.reset(FaultPlan())
+            eng.write_file(path, [WriteSpan(0, data)])
+            eng.reset(plan)
+        with deadline(60):
+            if op == "write":
+                assert eng.write_file(path, [WriteSpan(0, data)]) == [crc(data)]
+            out = torch.zeros_like(data)
+            assert eng.read_file(path, [ReadSpan(0, out)]) == [crc(data)]
+        assert torch.equal(out, data) and path.read_bytes() == data.numpy().tobytes()
+        assert eng.faults["enter"] == times
+        assert_drained(eng)
+
+
+INTERRUPT_POINTS = [1, 2, 3, 4, 5, 6]  # a read here takes 6 enter calls, a write 11 to 13
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("after", [True, False], ids=["after-syscall", "before-syscall"])
+@pytest.mark.parametrize("at", INTERRUPT_POINTS)
+def test_ctrl_c_between_io_uring_syscalls(tmp_path, io_small_options, op, after, at):
+    """KeyboardInterrupt at the at-th io_uring_enter (just after it returned, its result lost,
+    or just before it, requests queued), and once more during the cleanup: it propagates as
+    itself; the engine waited for everything it had submitted and withdrew the rest."""
+    plan = FaultPlan(raise_at_call=at, raise_times=2, raise_after=after)
+    with FaultInjectingEngine(io_small_options(), plan) as eng:
+        closed, faults = fail_then_prove_isolation(eng, tmp_path, op, KeyboardInterrupt)
+        assert closed and faults["raise"] in (1, 2)  # 1: the cleanup needed no call
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("at", [1, 2, 4, 9, 20, 35])  # of about 40 calls
+def test_ctrl_c_in_the_posix_pipeline(tmp_path, io_small_options, op, at):
+    """KeyboardInterrupt at a POSIX backend call (submit, wait), and again during the cleanup:
+    no worker thread writes into the fd after write_file returns, even on a reused number."""
+    plan = FaultPlan(raise_at_call=at, raise_times=2)
+    with FaultInjectingEngine(io_small_options(), plan, backend="posix") as eng:
+        closed, faults = fail_then_prove_isolation(eng, tmp_path, op, KeyboardInterrupt)
+        assert closed and faults["raise"] in (1, 2)  # 1: the cleanup needed no call
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("backend_kind", BACKENDS)
+def test_exception_in_the_pipeline(tmp_path, io_small_options, monkeypatch, op, backend_kind):
+    """Any exception while requests are in flight (here a failing copy of the 5th staged piece)
+    propagates as itself, after the same cleanup."""
+    real, calls = engine_mod._copy, []
+
+    def copy(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("copy failed (injected)")
+        real(*args)
+
+    with FaultInjectingEngine(io_small_options(), FaultPlan(), backend=backend_kind) as eng:
+        if op == "read":  # the file first, with the real copy
+            eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))])
+        monkeypatch.setattr(engine_mod, "_copy", copy)
+        with pytest.raises(RuntimeError, match="injected"):
+            data = rand(FAILED, seed=11)
+            (eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, data)]) if op == "write" else
+             eng.read_file(tmp_path / "failed.bin", [ReadSpan(0, torch.zeros_like(data))]))
+        monkeypatch.setattr(engine_mod, "_copy", real)
+        assert_drained(eng)
+        assert (tmp_path / "failed.bin").exists() == (op == "read")
+        roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=12))
+
+
+def test_an_interruption_that_skipped_the_cleanup_is_caught_at_the_next_call(tmp_path, io_small_options):
+    """Should Ctrl-C land where no cleanup runs (between a syscall and the handler), the next
+    call finds requests still in the ring and waits them out before it starts."""
+    with FaultInjectingEngine(io_small_options()) as eng:
+        ring = eng._backend.real.ring
+        fd = os.open(tmp_path / "orphan.bin", os.O_RDWR | os.O_CREAT, 0o644)
+        src = rand(256 * KiB)
+        try:
+            for i in range(4):
+                ring.prep(uring_mod.OP_WRITE, fd, src.data_ptr() + i * 64 * KiB, 64 * KiB, i * 64 * KiB, 10**6 + i)
+            ring.submit()
+            assert ring.in_flight == 4
+            roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=3))  # no KeyError: stale completions reaped
+            assert ring.in_flight == 0
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------
 # Truncated files on read
 # ---------------------------------------------------------------------------
 def test_truncated_file_on_read(backend, tmp_path, io_small_options):
@@ -536,6 +752,7 @@ def test_file_shrinking_during_read_is_short_io(backend, tmp_path, io_small_opti
         class _Stat:
             def __init__(self, st):
                 self.st_size = st.st_size + 200_000
+                self.st_mode = st.st_mode
 
         monkeypatch.setattr(engine_mod.os, "fstat", lambda fd: _Stat(real_fstat(fd)))
         with pytest.raises(ShortIOError) as ei:
