@@ -536,9 +536,8 @@ def fail_then_prove_isolation(eng, tmp_path, op: str, expect: type[BaseException
         eng.reset(plan)
     out = torch.zeros(FAILED, dtype=torch.uint8)
     free = lowest_free_fd()
-    with deadline(60):
-        with pytest.raises(expect) as ei:
-            eng.write_file(path, [WriteSpan(0, data)]) if op == "write" else eng.read_file(path, [ReadSpan(0, out)])
+    with deadline(60), pytest.raises(expect) as ei:
+        eng.write_file(path, [WriteSpan(0, data)]) if op == "write" else eng.read_file(path, [ReadSpan(0, out)])
     e = ei.value
     if isinstance(e, EngineIOError):
         assert e.path == str(path) and 0 <= e.offset < FAILED and str(path) in str(e)

@@ -64,7 +64,7 @@ def test_write_then_read(ring, tmp_path):
     payload = os.urandom(10_000)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        src, addr = cbuf(payload)
+        _src, addr = cbuf(payload)
         ring.prep(uring.OP_WRITE, fd, addr, len(payload), 100, user_data=42)
         assert ring.in_flight == 1
         assert ring.wait(1) == [(42, len(payload))]
@@ -329,7 +329,7 @@ def test_no_progress_is_retried_a_bounded_number_of_times_then_typed(ring, tmp_p
     with backoff, then RingError. A read from an empty pipe stays in the kernel."""
     rpipe, wpipe = os.pipe()
     fd = os.open(tmp_path / "stall.bin", os.O_RDWR | os.O_CREAT, 0o644)
-    pipe_buf, pipe_addr = cbuf(bytes(5))
+    _pipe_buf, pipe_addr = cbuf(bytes(5))
     try:
         if in_kernel:
             ring.prep(uring.OP_READ, rpipe, pipe_addr, 5, 0, user_data=100)
@@ -451,7 +451,7 @@ def test_ring_works_under_load_with_every_ordering(kind, tmp_path):
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     n, size = 400, 4096
     payload = os.urandom(n * size)
-    src, addr = cbuf(payload)
+    _src, addr = cbuf(payload)
     dst, daddr = cbuf(bytes(n * size))
     try:
         with deadline(60):

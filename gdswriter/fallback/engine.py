@@ -356,7 +356,7 @@ class StagedEngine(IOEngine):
             try:
                 clean = self._backend.quiesce()
                 break
-            except BaseException as e:  # noqa: B036 - finish tearing down first, raise it after
+            except BaseException as e:  # noqa: BLE001 - finish tearing down first, raise it after
                 interrupted = interrupted or e
         if not clean:
             _keep_forever(self._backend, self._pool, fd, tuple(spans))

@@ -57,7 +57,7 @@ import platform
 import struct
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 SYS_IO_URING_SETUP = 425
 SYS_IO_URING_ENTER = 426
