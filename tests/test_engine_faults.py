@@ -34,6 +34,7 @@ from gdswriter.errors import (CorruptCheckpointError, EngineIOError, EngineUnava
 from gdswriter.fallback.engine import IoUringEngine, PosixEngine
 from gdswriter.fallback.faults import FaultEvent, FaultInjectingEngine, FaultPlan
 from gdswriter.options import EngineOptions, KiB, MiB
+from test_engine_contract import host_tensor
 from test_uring import deadline
 
 REPO = Path(__file__).resolve().parent.parent
@@ -118,6 +119,7 @@ _CHILD = textwrap.dedent(r'''
     from gdswriter.errors import EngineIOError
     from gdswriter.fallback.engine import IoUringEngine, PosixEngine
     from gdswriter.options import EngineOptions, KiB, MiB
+from test_engine_contract import host_tensor
 from test_uring import deadline
 
     base = sys.argv[1]
@@ -545,6 +547,8 @@ def fail_then_prove_isolation(eng, tmp_path, op: str, expect: type[BaseException
             assert e.errno == errno_
     assert not isinstance(e, KeyError) and type(e) not in (OSError, BlockingIOError, InterruptedError)
     assert path.exists() == (op == "read"), "a failed write must remove its file; a failed read keeps it"
+    if not eng._broken:  # (else everything the old requests may touch is kept for good)
+        assert_drained(eng)  # nothing left that could still write into ``out`` or the staging buffers
     faults = eng.faults
 
     innocent = tmp_path / "innocent.bin"
@@ -674,11 +678,50 @@ def test_ctrl_c_in_the_posix_pipeline(tmp_path, io_small_options, op, at):
         assert closed and faults["raise"] in (1, 2)  # 1: the cleanup needed no call
 
 
+class _InterruptedQueue:
+    """The POSIX backend's completion queue, with Ctrl-C landing inside wait() right after it
+    took the at-th completion: the backend's count of requests in flight is then one too high."""
+
+    def __init__(self, real, at: int):
+        self.real, self.at, self.taken = real, at, 0
+
+    def get(self):
+        item = self.real.get()
+        self.taken += 1
+        if self.taken == self.at:
+            raise KeyboardInterrupt("injected inside wait()")
+        return item
+
+    def get_nowait(self):
+        return self.real.get_nowait()
+
+    def put(self, item):
+        self.real.put(item)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("at", [1, 3])
+def test_posix_cleanup_does_not_trust_its_counts(tmp_path, io_small_options, op, at):
+    """Cleanup proves the workers idle by cancelling what they did not start and joining them,
+    not by counting completions (a count an interruption left wrong would wait forever)."""
+    with FaultInjectingEngine(io_small_options(), FaultPlan(), backend="posix") as eng:
+        real = eng._backend.real
+        if op == "read":
+            eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))])
+        real._done = _InterruptedQueue(real._done, at)
+        with deadline(20), pytest.raises(KeyboardInterrupt):
+            (eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))]) if op == "write" else
+             eng.read_file(tmp_path / "failed.bin", [ReadSpan(0, torch.zeros(FAILED, dtype=torch.uint8))]))
+        assert not eng._broken
+        assert_drained(eng)
+        roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=12))
+
+
 @pytest.mark.parametrize("op", ["write", "read"])
 @pytest.mark.parametrize("backend_kind", BACKENDS)
 def test_exception_in_the_pipeline(tmp_path, io_small_options, monkeypatch, op, backend_kind):
-    """Any exception while requests are in flight (here a failing copy of the 5th staged piece)
-    propagates as itself, after the same cleanup."""
+    """Any exception while requests are in flight (here a failing copy of the 5th staged piece;
+    memory 64 bytes into a page is staged whole) propagates as itself, after the same cleanup."""
     real, calls = engine_mod._copy, []
 
     def copy(*args):
@@ -691,10 +734,10 @@ def test_exception_in_the_pipeline(tmp_path, io_small_options, monkeypatch, op, 
         if op == "read":  # the file first, with the real copy
             eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))])
         monkeypatch.setattr(engine_mod, "_copy", copy)
+        data = host_tensor(FAILED, "aligned+64", gen=torch.Generator().manual_seed(11))
         with pytest.raises(RuntimeError, match="injected"):
-            data = rand(FAILED, seed=11)
             (eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, data)]) if op == "write" else
-             eng.read_file(tmp_path / "failed.bin", [ReadSpan(0, torch.zeros_like(data))]))
+             eng.read_file(tmp_path / "failed.bin", [ReadSpan(0, host_tensor(FAILED, "aligned+64", fill=0))]))
         monkeypatch.setattr(engine_mod, "_copy", real)
         assert_drained(eng)
         assert (tmp_path / "failed.bin").exists() == (op == "read")

@@ -231,12 +231,14 @@ class Hung(BaseException):
 @contextlib.contextmanager
 def deadline(seconds: float):
     """Fail instead of hanging when the body runs longer than ``seconds`` (a spin, a lost wakeup).
-    A limit on the test, not a timed assert: the body is expected to take a fraction of it."""
+    A limit on the test, not a timed assert: the body is expected to take a fraction of it.
+    Raised again every second after that: cleanup code that outlasts a few interruptions
+    gives up too."""
     def on_alarm(signum, frame):
         raise Hung(f"still running after {seconds} s: a spin or a hang")
 
     old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
     try:
         yield
     finally:
