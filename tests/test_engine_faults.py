@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -29,8 +31,9 @@ import gdswriter.fallback.engine as engine_mod
 import gdswriter.fallback.uring as uring_mod
 from gdswriter.engine import ReadSpan, WriteSpan
 from gdswriter.engine_select import create_engine
-from gdswriter.errors import (CorruptCheckpointError, EngineIOError, EngineUnavailableError, InvalidOptionError,
-                              ShortIOError, TruncatedFileError)
+from gdswriter.errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOError,
+                              EngineUnavailableError, InvalidOptionError, NotRegularFileError, ShortIOError,
+                              TruncatedFileError)
 from gdswriter.fallback.engine import IoUringEngine, PosixEngine
 from gdswriter.fallback.faults import FaultEvent, FaultInjectingEngine, FaultPlan
 from gdswriter.options import EngineOptions, KiB, MiB
@@ -119,8 +122,6 @@ _CHILD = textwrap.dedent(r'''
     from gdswriter.errors import EngineIOError
     from gdswriter.fallback.engine import IoUringEngine, PosixEngine
     from gdswriter.options import EngineOptions, KiB, MiB
-from test_engine_contract import host_tensor
-from test_uring import deadline
 
     base = sys.argv[1]
     results = {}
@@ -760,6 +761,124 @@ def test_an_interruption_that_skipped_the_cleanup_is_caught_at_the_next_call(tmp
             assert ring.in_flight == 0
         finally:
             os.close(fd)
+
+
+# ---------------------------------------------------------------------------
+# Hostile paths: symbolic links and special files where a data file should be
+# ---------------------------------------------------------------------------
+def plant(kind: str, path: Path, target: Path) -> object:
+    """Put a ``kind`` at ``path`` (``target``: an innocent regular file). Returns what must stay
+    alive while the test runs (a listening socket)."""
+    if kind == "symlink":
+        path.symlink_to(target)
+    elif kind == "dangling symlink":
+        path.symlink_to(target.with_name("nothing-here"))
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "FIFO with a reader":
+        os.mkfifo(path)
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        sock.listen()
+        return sock
+    elif kind == "character device":
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null
+        except PermissionError:
+            pytest.skip("mknod needs CAP_MKNOD")
+    return None
+
+
+HOSTILE = ["symlink", "dangling symlink", "directory", "FIFO", "FIFO with a reader", "socket", "character device"]
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_write_refuses_what_is_not_a_regular_file_and_touches_nothing(backend, tmp_path, io_small_options, kind):
+    """A planted link or special file is refused with a typed error before any I/O or
+    truncation; an innocent file it points at keeps its bytes; what was planted stays."""
+    innocent = tmp_path / "innocent.bin"
+    innocent.write_bytes(b"precious" * 1000)
+    before = os.stat(innocent)
+    path = tmp_path / "data.bin"
+    keep = plant(kind, path, innocent)
+    try:
+        with plain_engine(backend, io_small_options()) as eng, deadline(30):
+            with pytest.raises(NotRegularFileError) as ei:
+                eng.write_file(path, [WriteSpan(0, rand(MiB + 5))])
+            e = ei.value
+            assert isinstance(e, EngineIOError) and not isinstance(e, CorruptCheckpointError)
+            assert e.path == str(path) and e.kind == kind.replace("dangling ", "").replace(" with a reader", "") \
+                .replace("symlink", "symbolic link")
+            assert e.errno == {"symlink": errno.ELOOP, "dangling symlink": errno.ELOOP,
+                               "directory": errno.EISDIR}.get(kind, errno.EINVAL)
+            assert "not a regular file" in str(e) and "untouched" in str(e)
+            roundtrip(eng, tmp_path / "fine.bin", rand(5000))  # the engine is unaffected
+        assert innocent.read_bytes() == b"precious" * 1000
+        after = os.stat(innocent)
+        assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+        assert os.path.lexists(path) and stat.S_IFMT(os.lstat(path).st_mode) != stat.S_IFREG
+        assert not (tmp_path / "nothing-here").exists(), "created a file through a dangling link"
+        if kind == "FIFO with a reader":
+            try:
+                got = os.read(keep, 100)  # b"": the writer end was opened and closed, nothing written
+            except BlockingIOError:
+                got = b""
+            assert got == b"", "bytes were written into the FIFO"
+    finally:
+        if isinstance(keep, int):
+            os.close(keep)
+        elif keep is not None:
+            keep.close()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "FIFO", "socket", "character device"])
+def test_read_refuses_a_data_file_that_is_not_a_regular_file(backend, tmp_path, io_small_options, kind):
+    """Reading, a link or special file where a data file should be is a damaged checkpoint:
+    DataFileNotRegularError is both an EngineIOError and a CorruptCheckpointError (the caller's
+    action is the same as for any corrupt checkpoint: load an earlier step). Even a link to a
+    file holding exactly the right bytes is refused, and a FIFO never blocks the read."""
+    data = rand(MiB + 5)
+    with plain_engine(backend, io_small_options()) as eng, deadline(30):
+        eng.write_file(tmp_path / "real.bin", [WriteSpan(0, data)])
+        path = tmp_path / "data.bin"
+        keep = plant(kind, path, tmp_path / "real.bin")
+        out = torch.zeros_like(data)
+        try:
+            with pytest.raises(DataFileNotRegularError) as ei:
+                eng.read_file(path, [ReadSpan(0, out)])
+        finally:
+            if keep is not None:
+                keep.close()
+        e = ei.value
+        assert isinstance(e, CorruptCheckpointError) and isinstance(e, EngineIOError) and e.path == str(path)
+        assert "tampered" in str(e) and "earlier step" in str(e)
+        assert not out.any(), "bytes were read through it"
+        assert eng.read_file(tmp_path / "real.bin", [ReadSpan(0, out)]) == [crc(data)]
+
+
+def test_load_refuses_a_symlinked_data_file(tmp_path):
+    """End to end: a checkpoint whose data file was swapped for a link to an identical copy
+    does not load; the error is a CorruptCheckpointError."""
+    from gdswriter import GDSCheckpointer
+
+    model = torch.nn.Linear(64, 64)
+    with GDSCheckpointer(model, None, root=tmp_path / "ck") as ck:
+        ck.save(1)
+    data_files = [p for p in (tmp_path / "ck").rglob("*") if p.is_file() and p.suffix not in (".json", ".lock")
+                  and p.stat().st_size >= 64 * 64 * 4]
+    assert data_files, list((tmp_path / "ck").rglob("*"))
+    victim = data_files[0]
+    copy = tmp_path / "copy.bin"
+    shutil.copyfile(victim, copy)
+    victim.unlink()
+    victim.symlink_to(copy)
+    with GDSCheckpointer(torch.nn.Linear(64, 64), None, root=tmp_path / "ck") as ck:
+        with pytest.raises(CorruptCheckpointError):
+            ck.load(1)
 
 
 # ---------------------------------------------------------------------------
