@@ -876,9 +876,9 @@ def test_load_refuses_a_symlinked_data_file(tmp_path):
     shutil.copyfile(victim, copy)
     victim.unlink()
     victim.symlink_to(copy)
-    with GDSCheckpointer(torch.nn.Linear(64, 64), None, root=tmp_path / "ck") as ck:
-        with pytest.raises(CorruptCheckpointError):
-            ck.load(1)
+    with GDSCheckpointer(torch.nn.Linear(64, 64), None, root=tmp_path / "ck") as ck, \
+            pytest.raises(CorruptCheckpointError):
+        ck.load(1)
 
 
 # ---------------------------------------------------------------------------

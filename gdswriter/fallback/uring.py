@@ -56,8 +56,8 @@ import os
 import platform
 import struct
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 SYS_IO_URING_SETUP = 425
 SYS_IO_URING_ENTER = 426
