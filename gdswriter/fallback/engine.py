@@ -12,6 +12,15 @@ its whole 4 KiB blocks straight between the tensor and the file, and only the
 crc32c pass touches them on the CPU. Its last partial block, if any, is staged like
 any small span. The memory alignment comes from statx (512 bytes on a virtio disk,
 4 on NVMe, where torch's 64-byte-aligned tensors qualify); 4 KiB when unreported.
+
+Device memory: only tensors on device "cpu" are host memory (memmove, zero-copy).
+Any other device goes through torch's copy_ into or out of one staging buffer at a
+time (memory stays bounded): CUDA, with the buffers registered as page-locked at the
+first CUDA tensor (buffers.py), and XPU, MPS or any device torch copies to and from
+the host, whose pointers are never read as host memory. Meta tensors hold no data
+and are refused (InvalidOptionError).
+
+Failures: see StagedEngine. Data files: see StagedEngine._open.
 """
 
 from __future__ import annotations
@@ -72,8 +81,8 @@ def _keep_forever(*things) -> None:
     the process: requests that could not be waited for may still use them."""
     _KEPT.append(things)
     log.warning("gdswriter: I/O requests could not be waited for after a failure; their file descriptor, "
-                 "staging buffers and tensors are kept (never freed) so that nothing else can receive their "
-                 "bytes. The engine continues with fresh buffers. Check the kernel log (dmesg)")
+                "staging buffers and tensors are kept (never freed) so that nothing else can receive their "
+                "bytes. The engine continues with fresh buffers. Check the kernel log (dmesg)")
 
 
 def _ring_failed(e: OSError, path: str, reqs: dict) -> EngineIOError:
