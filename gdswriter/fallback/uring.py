@@ -273,22 +273,24 @@ class IoUring:
         self._sq_mask = _U32.unpack_from(self._sq_ring, sq.ring_mask)[0]
         self._cq_head, self._cq_tail, self._cqes = cq_base + cq.head, cq_base + cq.tail, cq.cqes
         self._cq_mask = _U32.unpack_from(self._cq_ring, cq.ring_mask)[0]
+        # Our own cells (SQ tail, CQ head): only this thread writes them, so plain loads read them.
+        self._sq_tail_now = ctypes.c_uint32.from_address(self._sq_tail)
+        self._cq_head_now = ctypes.c_uint32.from_address(self._cq_head)
 
     # -- counts, read from the ring ------------------------------------------
-    # Our own cells (SQ tail, CQ head) are read with plain loads: only this thread writes them.
     @property
     def queued(self) -> int:
         """SQEs prepared that the kernel has not taken yet (0 once closed)."""
         if self.fd < 0:
             return 0
-        return (_plain_load(self._sq_tail) - self._load_acquire(self._sq_head)) & _WRAP
+        return (self._sq_tail_now.value - self._load_acquire(self._sq_head)) & _WRAP
 
     @property
     def in_flight(self) -> int:
         """Requests prepared whose completion was not reaped yet, queued ones included (0 once closed)."""
         if self.fd < 0:
             return 0
-        return (_plain_load(self._sq_tail) - _plain_load(self._cq_head)) & _WRAP
+        return (self._sq_tail_now.value - self._cq_head_now.value) & _WRAP
 
     def sq_space(self) -> int:
         return self.sq_entries - self.queued
@@ -305,9 +307,11 @@ class IoUring:
     def prep(self, opcode: int, fd: int, addr: int, length: int, offset: int, user_data: int,
              buf_index: int = 0) -> None:
         """Queue one read/write SQE; it reaches the kernel on the next submit() or wait()."""
-        if self.sq_space() <= 0:
+        if self.fd < 0:
+            raise ValueError("this io_uring ring is closed")
+        tail = self._sq_tail_now.value
+        if ((tail - self._load_acquire(self._sq_head)) & _WRAP) >= self.sq_entries:
             raise RuntimeError("io_uring submission queue full: call submit() first")
-        tail = _plain_load(self._sq_tail)
         idx = tail & self._sq_mask
         _SQE.pack_into(self._sqes, idx * _SQE.size, opcode, 0, 0, fd, offset, addr, length, 0, user_data,
                        buf_index, 0, 0, 0, 0)
@@ -338,9 +342,9 @@ class IoUring:
         stalls = 0
         hold = False  # after EAGAIN/EBUSY: wait for completions (freeing kernel resources) before submitting
         while True:
-            queued = self.queued
-            in_kernel = self.in_flight - queued
-            want = min(min_complete - len(out), self.in_flight) if out is not None else 0
+            in_flight, queued = self.in_flight, self.queued
+            in_kernel = in_flight - queued
+            want = min(min_complete - len(out), in_flight) if out is not None else 0
             to_submit = 0 if hold and in_kernel else queued
             if hold and in_kernel and out is not None:
                 want = max(want, 1)
@@ -374,7 +378,7 @@ class IoUring:
     # -- completion ----------------------------------------------------------
     def reap(self) -> list[tuple[int, int]]:
         """Return [(user_data, res)] for every posted completion and free their slots."""
-        head = _plain_load(self._cq_head)
+        head = self._cq_head_now.value
         tail = self._load_acquire(self._cq_tail)  # orders the CQE reads below after it
         out = []
         while head != tail:
@@ -391,7 +395,7 @@ class IoUring:
         without SQPOLL, the kernel reads the SQ ring only inside io_uring_enter() called by the
         one thread driving this ring, and that thread is here."""
         head = self._load_acquire(self._sq_head)
-        n = (_plain_load(self._sq_tail) - head) & _WRAP
+        n = (self._sq_tail_now.value - head) & _WRAP
         if n:
             self._store_release(self._sq_tail, head)
         return n
