@@ -502,11 +502,17 @@ def test_short_transfers_in_buffered_mode_with_unaligned_lengths(backend, tmp_pa
 
 def test_fault_plan_validation(io_small_options):
     for bad in (dict(op="both"), dict(fail_at_request=0), dict(short_every=-1), dict(short_bytes=0),
-                dict(errno=0), dict(fail_at_request=True)):
+                dict(errno=0), dict(fail_at_request=True), dict(enter_errno=-1), dict(enter_fail_at=0),
+                dict(enter_fail_times=0), dict(raise_at_call=0), dict(raise_times=0), dict(raise_type=ValueError()),
+                dict(raise_type=int)):
         with pytest.raises(InvalidOptionError):
             FaultPlan(**bad)
     with pytest.raises(InvalidOptionError):
         FaultInjectingEngine(io_small_options(), FaultPlan(), backend="gds")
+    with pytest.raises(InvalidOptionError, match="io_uring"):
+        FaultInjectingEngine(io_small_options(), FaultPlan(enter_errno=errno.EAGAIN), backend="posix")
+    with FaultInjectingEngine(io_small_options(), backend="posix") as eng, pytest.raises(InvalidOptionError):
+        eng.reset(FaultPlan(enter_errno=0))
     with pytest.raises(Exception):
         FaultPlan().op = "read"  # frozen
 

@@ -196,16 +196,16 @@ class _UringBackend:
 
     def quiesce(self) -> bool:
         """Withdraw queued requests, wait for submitted ones. False: the kernel would not let us."""
-        try:
-            self.ring.drain()
-        except uring.RingError:
-            return False
-        return True
+        return self._succeeds(self.ring.drain)
 
     def close(self) -> bool:
         """Close the ring; False when requests may outlive it (see IoUring.close)."""
+        return self._succeeds(self.ring.close)
+
+    @staticmethod
+    def _succeeds(step) -> bool:
         try:
-            self.ring.close()
+            step()
         except uring.RingError:
             return False
         return True

@@ -226,10 +226,8 @@ class FaultInjectingEngine(StagedEngine):
                  backend: str = "io_uring", reason: str = ""):
         if backend not in _BACKENDS:
             raise InvalidOptionError(f"backend={backend!r} is unknown: choose one of {', '.join(_BACKENDS)}")
-        self.plan = plan if plan is not None else FaultPlan()
-        if not isinstance(self.plan, FaultPlan):
-            raise InvalidOptionError(f"plan must be a FaultPlan, got {type(self.plan).__name__}")
         self.backend_kind = backend
+        self.plan = self._checked(plan if plan is not None else FaultPlan())
         self.name = f"fault-injecting({backend})"
         self.events: list[FaultEvent] = []
         self.requests = 0
@@ -243,12 +241,17 @@ class FaultInjectingEngine(StagedEngine):
                 else PosixEngine._make_backend(self, pool))
         return _FaultBackend(real, self)
 
+    def _checked(self, plan: FaultPlan) -> FaultPlan:
+        if not isinstance(plan, FaultPlan):
+            raise InvalidOptionError(f"plan must be a FaultPlan, got {type(plan).__name__}")
+        if plan.enter_errno is not None and self.backend_kind != "io_uring":
+            raise InvalidOptionError("FaultPlan.enter_errno fails io_uring_enter calls: use backend='io_uring'")
+        return plan
+
     def reset(self, plan: FaultPlan | None = None) -> None:
         """Start counting requests from 1 again, optionally following another plan."""
         if plan is not None:
-            if not isinstance(plan, FaultPlan):
-                raise InvalidOptionError(f"plan must be a FaultPlan, got {type(plan).__name__}")
-            self.plan = plan
+            self.plan = self._checked(plan)
         self.events = []
         self.requests = 0
         self.matched = 0
