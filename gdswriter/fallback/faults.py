@@ -68,7 +68,8 @@ _BACKENDS = ("io_uring", "posix")
 
 @dataclass(frozen=True)
 class FaultPlan:
-    """Which requests to fault. Requests are counted from 1, only those matching ``op``."""
+    """Which requests and backend calls to fault (see the module docstring). Requests are counted
+    from 1, only those matching ``op``; backend calls from 1, all of them."""
 
     fail_at_request: int | None = None
     errno: int = _errno.EIO
