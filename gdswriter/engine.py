@@ -4,6 +4,13 @@ An engine writes a whole file from an ordered list of spans (byte offset ->
 source bytes) and reads spans back into destination memory, computing the
 crc32c of every span while its bytes stream through the engine's buffers.
 Sources and destinations are flat uint8 tensors on the CPU or a GPU.
+
+When write_file or read_file returns or raises, nothing the engine started can
+still act on the file, its descriptor number, or the spans' memory: a failed or
+interrupted transfer is stopped and waited for (or, where the kernel does not
+allow that, its descriptor and memory are kept for good) before the call ends.
+Data files are regular files: engines never follow a symbolic link at the
+path and never open a FIFO, socket, device or directory there.
 """
 
 from __future__ import annotations
@@ -87,11 +94,16 @@ class IOEngine(abc.ABC):
         """Create (or replace) ``path`` holding ``spans``; gaps read as zeros; the file is
         exactly ``size`` bytes (default: the end of the last span). With ``durable`` the
         data and size are on stable storage when this returns (fdatasync). Returns the
-        crc32c of each span. On failure the partial file is removed and a typed error raised."""
+        crc32c of each span. On failure the partial file is removed and a typed error raised
+        (EngineIOError, with the path, offset and errno; NotRegularFileError where a symbolic
+        link or special file sits at ``path``, which is left untouched); KeyboardInterrupt
+        propagates as itself, after the same cleanup."""
 
     @abc.abstractmethod
     def read_file(self, path: str | os.PathLike, spans: Sequence[ReadSpan]) -> list[int]:
-        """Fill each span's ``out`` from ``path``; returns the crc32c of each span's bytes."""
+        """Fill each span's ``out`` from ``path``; returns the crc32c of each span's bytes.
+        A path holding a symbolic link or special file raises DataFileNotRegularError (a
+        CorruptCheckpointError: the checkpoint was damaged or tampered with)."""
 
     @property
     @abc.abstractmethod

@@ -187,3 +187,28 @@ class ReadOnlyRootError(CheckpointError, PermissionError):
 
 class NothingToLoadError(StateMismatchError):
     """The checkpoint holds no state that fits the live objects (nothing would be loaded)."""
+
+
+class NotRegularFileError(EngineIOError):
+    """Where gdswriter writes a file, the path holds a symbolic link, directory, FIFO, socket or
+    device. gdswriter never follows the link and touches nothing there."""
+
+    def __init__(self, path: str, kind: str, errno: int = _errno.EINVAL, hint: str = ""):
+        super().__init__(errno, path, 0, "open", hint or (
+            f"{path} is a {kind}, not a regular file; gdswriter writes only regular files and never follows "
+            f"symbolic links, so it left it untouched: remove it, or choose another root"))
+        self._init_args = (path, kind, errno, hint)
+        self.kind = kind
+
+
+class DataFileNotRegularError(NotRegularFileError, CorruptCheckpointError):
+    """A checkpoint's data file is a symbolic link or not a regular file. gdswriter writes data
+    files only as regular files, so the checkpoint was damaged or tampered with: like any
+    corrupt checkpoint, load an earlier step or restore the file."""
+
+    def __init__(self, path: str, kind: str, errno: int = _errno.EINVAL):
+        super().__init__(path, kind, errno,
+                         f"{path} is a {kind}, not the regular file gdswriter wrote, and gdswriter does not read "
+                         f"through it: the checkpoint was damaged or tampered with; load an earlier step or "
+                         f"restore the file")
+        self._init_args = (path, kind, errno)

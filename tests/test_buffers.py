@@ -1,5 +1,7 @@
 """The staging buffer pool: alignment, page locking, and the unlocked fallback."""
 
+import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -9,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from gdswriter.fallback.buffers import AlignedBufferPool
+from gdswriter.fallback.buffers import CUDA_HOST_REGISTER_PORTABLE, AlignedBufferPool
 
 
 @pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 3 << 20])
@@ -96,3 +98,145 @@ def test_refused_mlock_falls_back_to_unlocked_memory_and_says_so_once(tmp_path):
     assert "INFO io_uring False False" in r.stdout
     assert r.stderr.count("mlock of") == 1, r.stderr
     assert r.stderr.count("buffer registration refused") == 1, r.stderr
+
+
+# ---------------------------------------------------------------------------
+# CUDA registration: lazy, with the tensor's device current, portable
+# ---------------------------------------------------------------------------
+_NO_CUDA_CHILD = textwrap.dedent(r"""
+    import sys, torch
+    calls = []
+
+    class FakeCudart:  # what torch.cuda.cudart() gives on a GPU machine, recording every call
+        def __getattr__(self, name):
+            return lambda *args: calls.append(name) or 0
+
+    real_lazy_init = torch.cuda._lazy_init
+
+    def lazy_init():
+        calls.append("torch.cuda._lazy_init")
+        return real_lazy_init()
+
+    # A GPU machine, as far as code that asks is concerned.
+    torch.cuda.is_available = lambda: True
+    torch.cuda.device_count = lambda: 8
+    torch.cuda.cudart = lambda: calls.append("cudart") or FakeCudart()
+    torch.cuda._lazy_init = lazy_init
+
+    from gdswriter import EngineOptions, GDSCheckpointer, ReadSpan, WriteSpan, create_engine
+    from gdswriter.options import CheckpointOptions
+
+    root = sys.argv[1]
+    opts = EngineOptions(buffer_bytes=1 << 20, request_bytes=256 << 10, num_buffers=2)
+    for kind in ("io_uring", "posix"):
+        with create_engine(EngineOptions(**{**opts.__dict__, "engine": kind})) as eng:
+            src = torch.randint(0, 256, (3_000_001,), dtype=torch.uint8)
+            eng.write_file(f"{root}/{kind}.bin", [WriteSpan(0, src)])
+            out = torch.empty_like(src)
+            eng.read_file(f"{root}/{kind}.bin", [ReadSpan(0, out)])
+            assert torch.equal(out, src)
+    model = torch.nn.Linear(300, 300)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 300)).sum().backward()
+    opt.step()
+    with GDSCheckpointer(model, opt, root=f"{root}/ck", options=CheckpointOptions(engine=opts)) as ck:
+        ck.save(1)
+        ck.load(1)
+    print("CUDA CALLS", calls, torch.cuda.is_initialized())
+""")
+
+
+def test_cpu_only_save_and_load_never_touch_cuda(tmp_path):
+    """On a machine with GPUs (torch.cuda.is_available() forced True, cudart faked), a job
+    whose state is all on the CPU never calls the CUDA runtime and never initialises CUDA:
+    no context on GPU 0 for every rank, no pinned-memory registration."""
+    r = subprocess.run([sys.executable, "-c", _NO_CUDA_CHILD, str(tmp_path)], capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CUDA CALLS [] False" in r.stdout, r.stdout
+
+
+class _FakeCuda:
+    """torch.cuda.cudart() and torch.cuda.device(), recording what the pool asks for."""
+
+    def __init__(self, monkeypatch, rc: int = 0):
+        self.current, self.calls, self.rc = None, [], rc
+        fake = self
+
+        class Cudart:
+            def cudaHostRegister(self, ptr, size, flags):
+                fake.calls.append(("register", ptr, size, flags, fake.current))
+                return fake.rc
+
+            def cudaHostUnregister(self, ptr):
+                fake.calls.append(("unregister", ptr, fake.current))
+                return 0
+
+        @contextlib.contextmanager
+        def device(d):
+            before, fake.current = fake.current, d
+            try:
+                yield
+            finally:
+                fake.current = before
+
+        monkeypatch.setattr(torch.cuda, "cudart", lambda: Cudart())
+        monkeypatch.setattr(torch.cuda, "device", device)
+
+
+def test_pool_registers_once_portable_with_the_tensors_device_current(monkeypatch):
+    fake = _FakeCuda(monkeypatch)
+    gpu3 = torch.device("cuda", 3)
+    with AlignedBufferPool(64 << 10, 3) as pool:
+        assert not pool.cuda_pinned and fake.calls == []  # nothing at creation
+        base, size = pool.buffers[0].address, pool.size * 3
+        assert pool.pin_for_cuda(gpu3) is True and pool.cuda_pinned
+        assert pool.pin_for_cuda(torch.device("cuda", 0)) is True  # once: portable to every device
+        assert fake.calls == [("register", base, size, CUDA_HOST_REGISTER_PORTABLE, gpu3)]
+        assert CUDA_HOST_REGISTER_PORTABLE == 1  # cudaHostRegisterPortable
+    assert fake.calls[1:] == [("unregister", base, gpu3)]  # unregistered where it was registered
+
+
+def test_pool_registration_refused_is_said_once_and_not_retried(monkeypatch, caplog, io_fresh_log_once):
+    fake = _FakeCuda(monkeypatch, rc=2)
+    with caplog.at_level(logging.WARNING, logger="gdswriter"), AlignedBufferPool(64 << 10, 2) as pool:
+        assert pool.pin_for_cuda(torch.device("cuda", 1)) is False
+        assert pool.pin_for_cuda(torch.device("cuda", 1)) is False
+    assert [c[0] for c in fake.calls] == ["register"]  # never unregistered: it was not registered
+    assert caplog.text.count("cudaHostRegister failed") == 1
+
+
+class _FakeCudaTensor:
+    """Enough of a CUDA tensor for the engine's memory check (no GPU here)."""
+
+    is_cpu, is_meta, is_cuda = False, False, True
+
+    def __init__(self, index: int):
+        self.device = torch.device("cuda", index)
+
+
+def test_engine_pins_its_staging_buffers_at_the_first_cuda_tensor_only(monkeypatch, io_small_options):
+    from gdswriter.fallback.engine import PosixEngine
+
+    fake = _FakeCuda(monkeypatch)
+    with PosixEngine(io_small_options()) as eng:
+        eng._prepare_memory([torch.zeros(10, dtype=torch.uint8)] * 3)
+        assert fake.calls == [] and not eng._pool.cuda_pinned
+        eng._prepare_memory([torch.zeros(10, dtype=torch.uint8), _FakeCudaTensor(5), _FakeCudaTensor(2)])
+        eng._prepare_memory([_FakeCudaTensor(0)])
+        assert [(c[0], c[3], c[4]) for c in fake.calls] == [("register", 1, torch.device("cuda", 5))]
+
+
+def test_meta_tensors_are_refused_with_a_typed_error(tmp_path, io_small_options):
+    from gdswriter.engine import ReadSpan, WriteSpan
+    from gdswriter.errors import InvalidOptionError
+    from gdswriter.fallback.engine import IoUringEngine
+
+    meta = torch.empty(5000, dtype=torch.uint8, device="meta")
+    with IoUringEngine(io_small_options()) as eng:
+        with pytest.raises(InvalidOptionError, match="meta device"):
+            eng.write_file(tmp_path / "m.bin", [WriteSpan(0, meta)])
+        assert not (tmp_path / "m.bin").exists()
+        eng.write_file(tmp_path / "m.bin", [WriteSpan(0, torch.ones(5000, dtype=torch.uint8))])
+        with pytest.raises(InvalidOptionError, match="meta device"):
+            eng.read_file(tmp_path / "m.bin", [ReadSpan(0, meta)])

@@ -9,11 +9,15 @@ injected through FaultInjectingEngine, so they are covered without root.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import json
 import logging
 import os
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -27,11 +31,14 @@ import gdswriter.fallback.engine as engine_mod
 import gdswriter.fallback.uring as uring_mod
 from gdswriter.engine import ReadSpan, WriteSpan
 from gdswriter.engine_select import create_engine
-from gdswriter.errors import (CorruptCheckpointError, EngineIOError, EngineUnavailableError, InvalidOptionError,
-                              ShortIOError, TruncatedFileError)
+from gdswriter.errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOError,
+                              EngineUnavailableError, InvalidOptionError, NotRegularFileError, ShortIOError,
+                              TruncatedFileError)
 from gdswriter.fallback.engine import IoUringEngine, PosixEngine
 from gdswriter.fallback.faults import FaultEvent, FaultInjectingEngine, FaultPlan
 from gdswriter.options import EngineOptions, KiB, MiB
+from test_engine_contract import host_tensor
+from test_uring import deadline
 
 REPO = Path(__file__).resolve().parent.parent
 REQUEST = 64 * KiB
@@ -495,13 +502,389 @@ def test_short_transfers_in_buffered_mode_with_unaligned_lengths(backend, tmp_pa
 
 def test_fault_plan_validation(io_small_options):
     for bad in (dict(op="both"), dict(fail_at_request=0), dict(short_every=-1), dict(short_bytes=0),
-                dict(errno=0), dict(fail_at_request=True)):
+                dict(errno=0), dict(fail_at_request=True), dict(enter_errno=-1), dict(enter_fail_at=0),
+                dict(enter_fail_times=0), dict(raise_at_call=0), dict(raise_times=0), dict(raise_type=ValueError()),
+                dict(raise_type=int)):
         with pytest.raises(InvalidOptionError):
             FaultPlan(**bad)
     with pytest.raises(InvalidOptionError):
         FaultInjectingEngine(io_small_options(), FaultPlan(), backend="gds")
+    with pytest.raises(InvalidOptionError, match="io_uring"):
+        FaultInjectingEngine(io_small_options(), FaultPlan(enter_errno=errno.EAGAIN), backend="posix")
+    with FaultInjectingEngine(io_small_options(), backend="posix") as eng, pytest.raises(InvalidOptionError):
+        eng.reset(FaultPlan(enter_errno=0))
     with pytest.raises(Exception):
         FaultPlan().op = "read"  # frozen
+
+
+# ---------------------------------------------------------------------------
+# Failures between the pipeline and the kernel: io_uring_enter errors, Ctrl-C, exceptions.
+# After each: a typed error (or the KeyboardInterrupt itself), the failed file removed, and
+# nothing the failed transfer queued or had in flight reaches anything else: neither the next
+# file of the same engine nor a file opened meanwhile on the descriptor number it used.
+# ---------------------------------------------------------------------------
+FAILED = 2 * MiB + 4097  # 33 requests of 64 KiB: many enter calls, requests queued and in flight
+
+
+def lowest_free_fd() -> int:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+def fail_then_prove_isolation(eng, tmp_path, op: str, expect: type[BaseException], errno_: int | None = None):
+    """Run one transfer that must fail with ``expect``; then open an innocent file (on the fd
+    number the failed transfer used, where the engine closed it) and write it; then use the
+    same engine again. Every byte of both files must be their own. Returns whether the engine
+    closed the failed transfer's fd (False: it kept it open for good) and the faults injected."""
+    path = tmp_path / "failed.bin"
+    data = rand(FAILED, seed=11)
+    if op == "read":
+        plan, eng.plan = eng.plan, FaultPlan()
+        assert eng.write_file(path, [WriteSpan(0, data)]) == [crc(data)]
+        eng.reset(plan)
+    out = torch.zeros(FAILED, dtype=torch.uint8)
+    free = lowest_free_fd()
+    with deadline(60), pytest.raises(expect) as ei:
+        eng.write_file(path, [WriteSpan(0, data)]) if op == "write" else eng.read_file(path, [ReadSpan(0, out)])
+    e = ei.value
+    if isinstance(e, EngineIOError):
+        assert e.path == str(path) and 0 <= e.offset < FAILED and str(path) in str(e)
+        if errno_ is not None:
+            assert e.errno == errno_
+    assert not isinstance(e, KeyError) and type(e) not in (OSError, BlockingIOError, InterruptedError)
+    assert path.exists() == (op == "read"), "a failed write must remove its file; a failed read keeps it"
+    if not eng._broken:  # (else everything the old requests may touch is kept for good)
+        assert_drained(eng)  # nothing left that could still write into ``out`` or the staging buffers
+    faults = eng.faults
+
+    innocent = tmp_path / "innocent.bin"
+    ifd = os.open(innocent, os.O_RDWR | os.O_CREAT, 0o644)
+    closed = ifd == free
+    if not closed:  # kept open for good: the fd still names the failed file, nothing else
+        assert os.fstat(free).st_ino == os.stat(path).st_ino if op == "read" else os.fstat(free).st_nlink == 0
+    theirs = os.urandom(FAILED + 5000)
+    try:
+        assert os.pwrite(ifd, theirs, 0) == len(theirs)
+        eng.reset(FaultPlan())
+        with deadline(60):
+            roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=12))
+            roundtrip(eng, tmp_path / "small.bin", rand(5000, seed=13))
+        assert_drained(eng)
+        assert os.pread(ifd, len(theirs) + 1, 0) == theirs, "another file received the failed transfer's bytes"
+    finally:
+        os.close(ifd)
+    return closed, faults
+
+
+@pytest.fixture
+def fast_ring_retries(monkeypatch):
+    monkeypatch.setattr(uring_mod, "_BACKOFF_S", 1e-4)
+    monkeypatch.setattr(uring_mod, "_BACKOFF_MAX_S", 1e-3)
+
+
+@contextlib.contextmanager
+def stuck_request(eng):
+    """The first io_uring_enter under a plan that fails enter calls queues, besides the
+    pipeline's requests, a read from an empty pipe (the next call submits it): a request the
+    kernel does not complete, as on a hung device, until the pipe is closed."""
+    ring = eng._backend.real.ring
+    rpipe, wpipe = os.pipe()
+    buf = ctypes.create_string_buffer(16)
+    real, fired = ring._enter, []
+
+    def enter(*args):
+        if not fired and eng.plan.enter_errno is not None:
+            fired.append(ring.prep(uring_mod.OP_READ, rpipe, ctypes.addressof(buf), 16, 0, user_data=1 << 62))
+        return real(*args)
+
+    ring._enter = enter
+    try:
+        yield
+    finally:
+        os.close(wpipe)  # the read completes (end of file) in the ring that keeps it
+        os.close(rpipe)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("err", [errno.EAGAIN, errno.EBUSY, 0, errno.EFAULT])
+@pytest.mark.parametrize("stuck", [False, True], ids=["completing", "stuck"])
+def test_enter_failing_for_good_mid_transfer(tmp_path, io_small_options, fast_ring_retries, op, err, stuck):
+    """io_uring_enter fails from the 3rd call on, also while the engine cleans up (the kernel
+    cannot allocate requests and never recovers, returns 0 forever, or a hard error): a typed
+    EngineIOError after bounded retries. Requests the kernel completes anyway are reaped; when
+    one is stuck, nothing proves the ring idle: the fd stays open for good, the old buffers and
+    tensors are kept, and the engine goes on with a fresh ring."""
+    plan = FaultPlan(enter_errno=err, enter_fail_at=3, enter_fail_times=10**9)
+    # queue_depth 12 on a 16-entry ring: room for the stuck request at any time
+    with FaultInjectingEngine(io_small_options(queue_depth=12), plan) as eng:
+        kept_before = len(engine_mod._KEPT)
+        old_pool, old_backend = eng._pool, eng._backend
+        with stuck_request(eng) if stuck else contextlib.nullcontext():
+            closed, faults = fail_then_prove_isolation(eng, tmp_path, op, EngineIOError, err or errno.EAGAIN)
+            assert faults["enter"] >= (1 if err == errno.EFAULT else uring_mod._STALL_RETRIES)
+            if stuck:
+                assert not closed
+                backend, pool, fd, spans = engine_mod._KEPT[-1]
+                assert len(engine_mod._KEPT) == kept_before + 1
+                assert (backend, pool) == (old_backend, old_pool) and eng._pool is not old_pool
+                assert pool._mm is not None and pool.buffers, "buffers the kernel may still use were released"
+                assert spans and os.fstat(fd)  # the tensors are referenced, the fd open
+        if stuck:  # closing the engine does not release what is kept either
+            eng.close()
+            assert pool._mm is not None and os.fstat(fd)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("err,times", [(errno.EAGAIN, 3), (errno.EBUSY, 3), (errno.EINTR, 300), (0, 5)])
+def test_enter_failing_for_a_while_is_absorbed(tmp_path, io_small_options, fast_ring_retries, op, err, times):
+    """Transient EAGAIN/EBUSY (reap, wait, retry), an EINTR storm, a few calls taking nothing:
+    the transfer succeeds with the right bytes."""
+    plan = FaultPlan(enter_errno=err, enter_fail_at=4, enter_fail_times=times)
+    data = rand(FAILED, seed=5)
+    path = tmp_path / "transient.bin"
+    with FaultInjectingEngine(io_small_options(), plan) as eng:
+        if op == "read":
+            eng.reset(FaultPlan())
+            eng.write_file(path, [WriteSpan(0, data)])
+            eng.reset(plan)
+        with deadline(60):
+            if op == "write":
+                assert eng.write_file(path, [WriteSpan(0, data)]) == [crc(data)]
+            out = torch.zeros_like(data)
+            assert eng.read_file(path, [ReadSpan(0, out)]) == [crc(data)]
+        assert torch.equal(out, data) and path.read_bytes() == data.numpy().tobytes()
+        assert eng.faults["enter"] == times
+        assert_drained(eng)
+
+
+INTERRUPT_POINTS = [1, 2, 3, 4, 5, 6]  # a read here takes 6 enter calls, a write 11 to 13
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("after", [True, False], ids=["after-syscall", "before-syscall"])
+@pytest.mark.parametrize("at", INTERRUPT_POINTS)
+def test_ctrl_c_between_io_uring_syscalls(tmp_path, io_small_options, op, after, at):
+    """KeyboardInterrupt at the at-th io_uring_enter (just after it returned, its result lost,
+    or just before it, requests queued), and once more during the cleanup: it propagates as
+    itself; the engine waited for everything it had submitted and withdrew the rest."""
+    plan = FaultPlan(raise_at_call=at, raise_times=2, raise_after=after)
+    with FaultInjectingEngine(io_small_options(), plan) as eng:
+        closed, faults = fail_then_prove_isolation(eng, tmp_path, op, KeyboardInterrupt)
+        assert closed and faults["raise"] in (1, 2)  # 1: the cleanup needed no call
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("at", [1, 2, 4, 9, 20, 35])  # of about 40 calls
+def test_ctrl_c_in_the_posix_pipeline(tmp_path, io_small_options, op, at):
+    """KeyboardInterrupt at a POSIX backend call (submit, wait), and again during the cleanup:
+    no worker thread writes into the fd after write_file returns, even on a reused number."""
+    plan = FaultPlan(raise_at_call=at, raise_times=2)
+    with FaultInjectingEngine(io_small_options(), plan, backend="posix") as eng:
+        closed, faults = fail_then_prove_isolation(eng, tmp_path, op, KeyboardInterrupt)
+        assert closed and faults["raise"] in (1, 2)  # 1: the cleanup needed no call
+
+
+class _InterruptedQueue:
+    """The POSIX backend's completion queue, with Ctrl-C landing inside wait() right after it
+    took the at-th completion: the backend's count of requests in flight is then one too high."""
+
+    def __init__(self, real, at: int):
+        self.real, self.at, self.taken = real, at, 0
+
+    def get(self):
+        item = self.real.get()
+        self.taken += 1
+        if self.taken == self.at:
+            raise KeyboardInterrupt("injected inside wait()")
+        return item
+
+    def get_nowait(self):
+        return self.real.get_nowait()
+
+    def put(self, item):
+        self.real.put(item)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("at", [1, 3])
+def test_posix_cleanup_does_not_trust_its_counts(tmp_path, io_small_options, op, at):
+    """Cleanup proves the workers idle by cancelling what they did not start and joining them,
+    not by counting completions (a count an interruption left wrong would wait forever)."""
+    with FaultInjectingEngine(io_small_options(), FaultPlan(), backend="posix") as eng:
+        real = eng._backend.real
+        if op == "read":
+            eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))])
+        real._done = _InterruptedQueue(real._done, at)
+        with deadline(20), pytest.raises(KeyboardInterrupt):
+            (eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))]) if op == "write" else
+             eng.read_file(tmp_path / "failed.bin", [ReadSpan(0, torch.zeros(FAILED, dtype=torch.uint8))]))
+        assert not eng._broken
+        assert_drained(eng)
+        roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=12))
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("backend_kind", BACKENDS)
+def test_exception_in_the_pipeline(tmp_path, io_small_options, monkeypatch, op, backend_kind):
+    """Any exception while requests are in flight (here a failing copy of the 5th staged piece;
+    memory 64 bytes into a page is staged whole) propagates as itself, after the same cleanup."""
+    real, calls = engine_mod._copy, []
+
+    def copy(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise RuntimeError("copy failed (injected)")
+        real(*args)
+
+    with FaultInjectingEngine(io_small_options(), FaultPlan(), backend=backend_kind) as eng:
+        if op == "read":  # the file first, with the real copy
+            eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))])
+        monkeypatch.setattr(engine_mod, "_copy", copy)
+        data = host_tensor(FAILED, "aligned+64", gen=torch.Generator().manual_seed(11))
+        with pytest.raises(RuntimeError, match="injected"):
+            (eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, data)]) if op == "write" else
+             eng.read_file(tmp_path / "failed.bin", [ReadSpan(0, host_tensor(FAILED, "aligned+64", fill=0))]))
+        monkeypatch.setattr(engine_mod, "_copy", real)
+        assert_drained(eng)
+        assert (tmp_path / "failed.bin").exists() == (op == "read")
+        roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=12))
+
+
+def test_an_interruption_that_skipped_the_cleanup_is_caught_at_the_next_call(tmp_path, io_small_options):
+    """Should Ctrl-C land where no cleanup runs (between a syscall and the handler), the next
+    call finds requests still in the ring and waits them out before it starts."""
+    with FaultInjectingEngine(io_small_options()) as eng:
+        ring = eng._backend.real.ring
+        fd = os.open(tmp_path / "orphan.bin", os.O_RDWR | os.O_CREAT, 0o644)
+        src = rand(256 * KiB)
+        try:
+            for i in range(4):
+                ring.prep(uring_mod.OP_WRITE, fd, src.data_ptr() + i * 64 * KiB, 64 * KiB, i * 64 * KiB, 10**6 + i)
+            ring.submit()
+            assert ring.in_flight == 4
+            roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=3))  # no KeyError: stale completions reaped
+            assert ring.in_flight == 0
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------
+# Hostile paths: symbolic links and special files where a data file should be
+# ---------------------------------------------------------------------------
+def plant(kind: str, path: Path, target: Path) -> object:
+    """Put a ``kind`` at ``path`` (``target``: an innocent regular file). Returns what must stay
+    alive while the test runs (a listening socket)."""
+    if kind == "symlink":
+        path.symlink_to(target)
+    elif kind == "dangling symlink":
+        path.symlink_to(target.with_name("nothing-here"))
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "FIFO with a reader":
+        os.mkfifo(path)
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(path))
+        sock.listen()
+        return sock
+    elif kind == "character device":
+        try:
+            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null
+        except PermissionError:
+            pytest.skip("mknod needs CAP_MKNOD")
+    return None
+
+
+HOSTILE = ["symlink", "dangling symlink", "directory", "FIFO", "FIFO with a reader", "socket", "character device"]
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_write_refuses_what_is_not_a_regular_file_and_touches_nothing(backend, tmp_path, io_small_options, kind):
+    """A planted link or special file is refused with a typed error before any I/O or
+    truncation; an innocent file it points at keeps its bytes; what was planted stays."""
+    innocent = tmp_path / "innocent.bin"
+    innocent.write_bytes(b"precious" * 1000)
+    before = os.stat(innocent)
+    path = tmp_path / "data.bin"
+    keep = plant(kind, path, innocent)
+    try:
+        with plain_engine(backend, io_small_options()) as eng, deadline(30):
+            with pytest.raises(NotRegularFileError) as ei:
+                eng.write_file(path, [WriteSpan(0, rand(MiB + 5))])
+            e = ei.value
+            assert isinstance(e, EngineIOError) and not isinstance(e, CorruptCheckpointError)
+            assert e.path == str(path) and e.kind == kind.replace("dangling ", "").replace(" with a reader", "") \
+                .replace("symlink", "symbolic link")
+            assert e.errno == {"symlink": errno.ELOOP, "dangling symlink": errno.ELOOP,
+                               "directory": errno.EISDIR}.get(kind, errno.EINVAL)
+            assert "not a regular file" in str(e) and "untouched" in str(e)
+            roundtrip(eng, tmp_path / "fine.bin", rand(5000))  # the engine is unaffected
+        assert innocent.read_bytes() == b"precious" * 1000
+        after = os.stat(innocent)
+        assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+        assert os.path.lexists(path) and stat.S_IFMT(os.lstat(path).st_mode) != stat.S_IFREG
+        assert not (tmp_path / "nothing-here").exists(), "created a file through a dangling link"
+        if kind == "FIFO with a reader":
+            try:
+                got = os.read(keep, 100)  # b"": the writer end was opened and closed, nothing written
+            except BlockingIOError:
+                got = b""
+            assert got == b"", "bytes were written into the FIFO"
+    finally:
+        if isinstance(keep, int):
+            os.close(keep)
+        elif keep is not None:
+            keep.close()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "FIFO", "socket", "character device"])
+def test_read_refuses_a_data_file_that_is_not_a_regular_file(backend, tmp_path, io_small_options, kind):
+    """Reading, a link or special file where a data file should be is a damaged checkpoint:
+    DataFileNotRegularError is both an EngineIOError and a CorruptCheckpointError (the caller's
+    action is the same as for any corrupt checkpoint: load an earlier step). Even a link to a
+    file holding exactly the right bytes is refused, and a FIFO never blocks the read."""
+    data = rand(MiB + 5)
+    with plain_engine(backend, io_small_options()) as eng, deadline(30):
+        eng.write_file(tmp_path / "real.bin", [WriteSpan(0, data)])
+        path = tmp_path / "data.bin"
+        keep = plant(kind, path, tmp_path / "real.bin")
+        out = torch.zeros_like(data)
+        try:
+            with pytest.raises(DataFileNotRegularError) as ei:
+                eng.read_file(path, [ReadSpan(0, out)])
+        finally:
+            if keep is not None:
+                keep.close()
+        e = ei.value
+        assert isinstance(e, CorruptCheckpointError) and isinstance(e, EngineIOError) and e.path == str(path)
+        assert "tampered" in str(e) and "earlier step" in str(e)
+        assert not out.any(), "bytes were read through it"
+        assert eng.read_file(tmp_path / "real.bin", [ReadSpan(0, out)]) == [crc(data)]
+
+
+def test_load_refuses_a_symlinked_data_file(tmp_path):
+    """End to end: a checkpoint whose data file was swapped for a link to an identical copy
+    does not load; the error is a CorruptCheckpointError."""
+    from gdswriter import GDSCheckpointer
+
+    model = torch.nn.Linear(64, 64)
+    with GDSCheckpointer(model, None, root=tmp_path / "ck") as ck:
+        ck.save(1)
+    data_files = [p for p in (tmp_path / "ck").rglob("*") if p.is_file() and p.suffix not in (".json", ".lock")
+                  and p.stat().st_size >= 64 * 64 * 4]
+    assert data_files, list((tmp_path / "ck").rglob("*"))
+    victim = data_files[0]
+    copy = tmp_path / "copy.bin"
+    shutil.copyfile(victim, copy)
+    victim.unlink()
+    victim.symlink_to(copy)
+    with GDSCheckpointer(torch.nn.Linear(64, 64), None, root=tmp_path / "ck") as ck, \
+            pytest.raises(CorruptCheckpointError):
+        ck.load(1)
 
 
 # ---------------------------------------------------------------------------
@@ -536,6 +919,7 @@ def test_file_shrinking_during_read_is_short_io(backend, tmp_path, io_small_opti
         class _Stat:
             def __init__(self, st):
                 self.st_size = st.st_size + 200_000
+                self.st_mode = st.st_mode
 
         monkeypatch.setattr(engine_mod.os, "fstat", lambda fd: _Stat(real_fstat(fd)))
         with pytest.raises(ShortIOError) as ei:

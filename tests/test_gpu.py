@@ -92,3 +92,67 @@ def test_cuda_model_through_every_engine_verifies(tmp_path, engine):
         assert info.cuda_path == ("gds" if info.gpu_direct else "staged")
     print(f"\n{engine}: engine {info.name}, CUDA path {info.cuda_path}, files by {sorted(names)}; {info.reason}")
     assert main(["verify", str(tmp_path)]) == 0
+
+
+def test_staging_buffers_are_registered_at_the_first_cuda_tensor_only(tmp_path):
+    """CPU tensors never register the pool with CUDA; the first CUDA tensor does (portable)."""
+    with create_engine(SMALL) as eng:
+        pool = eng._pool
+        assert not pool.cuda_pinned
+        host = torch.randint(0, 256, ((3 << 20) + 5,), dtype=torch.uint8)
+        eng.write_file(tmp_path / "cpu", [WriteSpan(0, host)])
+        eng.read_file(tmp_path / "cpu", [ReadSpan(0, torch.empty_like(host))])
+        assert not pool.cuda_pinned
+        src = host.cuda()
+        eng.write_file(tmp_path / "gpu", [WriteSpan(0, src)])
+        assert pool.cuda_pinned and pool._cuda_device == src.device
+        out = torch.empty_like(src)
+        eng.read_file(tmp_path / "gpu", [ReadSpan(0, out)])
+        assert torch.equal(out, src)
+
+
+def test_every_gpu_through_an_engine_created_on_another_thread(tmp_path):
+    """An engine made on a background thread (where device 0 is current) serves tensors on every
+    GPU: registration happens with the first CUDA tensor's device current and is portable."""
+    import threading
+
+    made = {}
+    t = threading.Thread(target=lambda: made.setdefault("eng", create_engine(SMALL)))
+    t.start()
+    t.join()
+    eng = made["eng"]
+    try:
+        last = torch.cuda.device_count() - 1
+        for d in range(last, -1, -1):  # the highest device first: it is the one registered with
+            src = torch.randint(0, 256, ((3 << 20) + 5,), dtype=torch.uint8, device=f"cuda:{d}")
+            crc_w = eng.write_file(tmp_path / f"d{d}", [WriteSpan(4096, src)])
+            out = torch.empty_like(src)
+            assert eng.read_file(tmp_path / f"d{d}", [ReadSpan(4096, out)]) == crc_w
+            assert torch.equal(out, src), f"cuda:{d}"
+        assert eng._pool._cuda_device == torch.device("cuda", last)
+    finally:
+        eng.close()
+
+
+_CPU_JOB = """
+import sys, torch
+from gdswriter import GDSCheckpointer
+model = torch.nn.Linear(256, 256)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(2, 256)).sum().backward()
+opt.step()
+with GDSCheckpointer(model, opt, root=sys.argv[1]) as ck:
+    ck.save(1)
+    ck.load(1)
+print("INITIALIZED", torch.cuda.is_initialized())
+"""
+
+
+def test_cpu_only_job_on_a_gpu_machine_never_initialises_cuda(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _CPU_JOB, str(tmp_path / "ck")], capture_output=True, text=True,
+                       timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "INITIALIZED False" in r.stdout, r.stdout

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
+import signal
+import threading
 
 import pytest
 import torch
@@ -61,7 +64,7 @@ def test_write_then_read(ring, tmp_path):
     payload = os.urandom(10_000)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        src, addr = cbuf(payload)
+        _src, addr = cbuf(payload)
         ring.prep(uring.OP_WRITE, fd, addr, len(payload), 100, user_data=42)
         assert ring.in_flight == 1
         assert ring.wait(1) == [(42, len(payload))]
@@ -179,7 +182,7 @@ def test_close_drains_in_flight_and_is_idempotent(tmp_path):
     try:
         for i in range(4):
             r.prep(uring.OP_WRITE, fd, a, 50_000, i * 50_000, user_data=i)
-        r.enter(0)  # submitted, not waited for
+        r.submit()  # submitted, not waited for
         r.close()
         assert r.in_flight == 0 and r.fd == -1
         r.close()
@@ -216,3 +219,256 @@ def test_engine_keeps_more_requests_than_ring_entries_in_its_backlog(tmp_path, m
         o = eng.options
         assert max(seen) == min(depth, o.num_buffers * o.requests_per_buffer)
         assert ring.in_flight == 0
+
+
+# ---------------------------------------------------------------------------
+# Failures of io_uring_enter, on a real ring: the syscall is wrapped, the kernel is real.
+# ---------------------------------------------------------------------------
+class Hung(BaseException):
+    """Raised by ``deadline`` (a BaseException: no ``except Exception`` swallows it)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail instead of hanging when the body runs longer than ``seconds`` (a spin, a lost wakeup).
+    A limit on the test, not a timed assert: the body is expected to take a fraction of it.
+    Raised again every second after that: cleanup code that outlasts a few interruptions
+    gives up too."""
+    def on_alarm(signum, frame):
+        raise Hung(f"still running after {seconds} s: a spin or a hang")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture
+def fast_backoff(monkeypatch):
+    """Keep the bounded retries of a stalled ring short in tests."""
+    monkeypatch.setattr(uring, "_BACKOFF_S", 1e-4)
+    monkeypatch.setattr(uring, "_BACKOFF_MAX_S", 1e-3)
+
+
+class ScriptedEnter:
+    """Replaces ring._enter: answers the first calls from ``script`` (an int is returned as the
+    syscall's result without calling the kernel, None passes the call through), then passes
+    every call through. Records (to_submit, min_complete, result) of every call."""
+
+    def __init__(self, ring: uring.IoUring, script):
+        self.real, self.script, self.calls = ring._enter, list(script), []
+        ring._enter = self
+
+    def __call__(self, to_submit, min_complete, flags):
+        answer = self.script.pop(0) if self.script else None
+        ret = self.real(to_submit, min_complete, flags) if answer is None else answer
+        self.calls.append((to_submit, min_complete, ret))
+        return ret
+
+
+def write_requests(ring, fd, n: int, first: int = 0, size: int = 8192):
+    """Queue writes number first..first+n-1 (user_data = number), each of its own bytes at its
+    own offset; returns the buffers (keep them alive)."""
+    bufs = [cbuf(bytes([i + 1]) * size) for i in range(first, first + n)]
+    for i, (_, addr) in enumerate(bufs, first):
+        ring.prep(uring.OP_WRITE, fd, addr, size, i * size, user_data=i)
+    return bufs
+
+
+def test_eagain_waits_for_completions_before_submitting_again(ring, tmp_path):
+    """As liburing advises: under EAGAIN/EBUSY (the kernel cannot allocate requests, or its
+    completion queue is full) with requests in the kernel, wait for one of them to complete
+    (freeing kernel resources) before submitting again. A read from an empty pipe stays in the
+    kernel until a thread feeds the pipe."""
+    rpipe, wpipe = os.pipe()
+    fd = os.open(tmp_path / "eagain.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        pipe_buf, pipe_addr = cbuf(bytes(5))
+        ring.prep(uring.OP_READ, rpipe, pipe_addr, 5, 0, user_data=100)
+        ring.submit()
+        assert ring.queued == 0 and ring.in_flight == 1
+        keep = write_requests(ring, fd, 3)
+        scripted = ScriptedEnter(ring, [-errno.EAGAIN, -errno.EBUSY])
+        feeder = threading.Timer(0.3, os.write, (wpipe, b"hello"))
+        feeder.start()
+        with deadline(20):
+            got = wait_for(ring, 4)
+        feeder.join()
+        assert got == {100: 5, 0: 8192, 1: 8192, 2: 8192} and pipe_buf.raw == b"hello"
+        (s0, _, r0), (s1, m1, r1), (s2, m2, r2) = scripted.calls[:3]
+        assert (s0, r0) == (3, -errno.EAGAIN)
+        assert (s1, r1) == (0, -errno.EBUSY) and m1 >= 1  # waits, submitting nothing
+        assert (s2, r2) == (0, 0) and m2 >= 1  # the real wait: returns once the pipe read completed
+        assert scripted.calls[3][0] == 3  # only then the writes go in
+        assert os.pread(fd, 3 * 8192, 0) == b"".join(b.raw for b, _ in keep)
+    finally:
+        for f in (fd, rpipe, wpipe):
+            os.close(f)
+
+
+def test_eintr_storm_is_retried_without_error(ring, tmp_path):
+    fd = os.open(tmp_path / "eintr.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        keep = write_requests(ring, fd, 5)
+        scripted = ScriptedEnter(ring, [-errno.EINTR] * 200)
+        with deadline(20):
+            got = wait_for(ring, 5)
+        assert got == {i: 8192 for i in range(5)} and len(scripted.calls) > 200
+        assert os.pread(fd, 5 * 8192, 0) == b"".join(b.raw for b, _ in keep)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("answer", [0, -errno.EAGAIN, -errno.EBUSY])
+@pytest.mark.parametrize("in_kernel", [False, True], ids=["idle-kernel", "request-in-kernel"])
+def test_no_progress_is_retried_a_bounded_number_of_times_then_typed(ring, tmp_path, fast_backoff, answer,
+                                                                      in_kernel):
+    """io_uring_enter taking and completing nothing (0, or EAGAIN/EBUSY, also when the wait
+    for a request still in the kernel fails the same way) never spins forever: bounded retries
+    with backoff, then RingError. A read from an empty pipe stays in the kernel."""
+    rpipe, wpipe = os.pipe()
+    fd = os.open(tmp_path / "stall.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    _pipe_buf, pipe_addr = cbuf(bytes(5))
+    try:
+        if in_kernel:
+            ring.prep(uring.OP_READ, rpipe, pipe_addr, 5, 0, user_data=100)
+            ring.submit()
+        keep = write_requests(ring, fd, 3)
+        scripted = ScriptedEnter(ring, [answer] * 10_000)
+        with deadline(20):
+            with pytest.raises(uring.RingError) as ei:
+                ring.wait(1)
+            assert uring._STALL_RETRIES + 1 <= len(scripted.calls) <= uring._STALL_RETRIES + 2
+            assert ei.value.errno == (errno.EAGAIN if answer == 0 else -answer) and "no progress" in str(ei.value)
+            assert isinstance(ei.value, OSError)
+            if not in_kernel:
+                with pytest.raises(uring.RingError):
+                    ring.submit()  # submit() alone is bounded too
+            # The ring is intact: the SQEs are still queued, and a healthy kernel takes them.
+            assert ring.queued == 3 and ring.in_flight == 3 + in_kernel
+            scripted.script.clear()
+            os.write(wpipe, b"hello")
+            assert wait_for(ring, 3 + in_kernel) == {0: 8192, 1: 8192, 2: 8192, **({100: 5} if in_kernel else {})}
+        del keep
+    finally:
+        for f in (fd, rpipe, wpipe):
+            os.close(f)
+
+
+def test_hard_enter_error_raises_ring_error(ring, tmp_path):
+    keep = write_requests(ring, -1, 1)
+    ScriptedEnter(ring, [-errno.EFAULT])
+    with pytest.raises(uring.RingError) as ei:
+        ring.wait(1)
+    assert ei.value.errno == errno.EFAULT
+    assert wait_for(ring, 1) == {0: -errno.EBADF}  # retried by the caller: the request was still queued
+    del keep
+
+
+def test_withdraw_takes_back_what_the_kernel_has_not_seen(ring, tmp_path):
+    path = tmp_path / "withdraw.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        keep = write_requests(ring, fd, 2)
+        ring.submit()
+        keep += write_requests(ring, fd, 3, first=2)  # queued, never submitted
+        assert (ring.queued, ring.in_flight) == (3, 5)
+        assert ring.withdraw() == 3
+        assert (ring.queued, ring.in_flight, ring.sq_space()) == (0, 2, ring.sq_entries)
+        assert wait_for(ring, 2) == {0: 8192, 1: 8192}
+        ring.submit()
+        ring.wait(0)
+        assert os.fstat(fd).st_size == 2 * 8192, "a withdrawn request reached the kernel"
+        # The ring carries on where it stands.
+        keep += write_requests(ring, fd, 1, first=9)
+        assert wait_for(ring, 1) == {9: 8192}
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("interrupt_after", [True, False])
+def test_counts_survive_an_interruption_between_syscall_and_bookkeeping(ring, tmp_path, interrupt_after):
+    """Ctrl-C right after io_uring_enter returned (its result lost) or right before it: the
+    ring's counts come from the ring itself, so they stay right, and drain() ends everything."""
+    fd = os.open(tmp_path / "intr.bin", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        keep = write_requests(ring, fd, 6)
+        real = ring._enter
+
+        def interrupted(*args):
+            if interrupt_after:
+                real(*args)
+            raise KeyboardInterrupt
+
+        ring._enter = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            ring.wait(6)
+        ring._enter = real
+        assert ring.queued == (6 if not interrupt_after else 0)
+        assert ring.in_flight == 6
+        with deadline(20):
+            ring.drain()
+        assert (ring.queued, ring.in_flight) == (0, 0)
+        assert os.fstat(fd).st_size == (6 * 8192 if interrupt_after else 0)
+        del keep
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------
+# Memory ordering
+# ---------------------------------------------------------------------------
+def test_x86_64_uses_plain_accesses_and_others_a_real_barrier():
+    import platform
+
+    orderings = uring.available_orderings()
+    if platform.machine() == "x86_64":
+        assert uring.ORDERING.name == orderings["plain"].name and "TSO" in uring.ORDERING.name
+    else:
+        assert uring.ORDERING.name in (orderings.get("libatomic", orderings.get("membarrier")).name,)
+    assert "membarrier" in orderings  # the fallback exists on every kernel with io_uring
+
+
+@pytest.mark.parametrize("kind", sorted(uring.available_orderings()))
+def test_ordering_helpers_load_and_store_the_right_values(kind):
+    o = uring.available_orderings()[kind]
+    cells = (ctypes.c_uint32 * 4)(11, 22, 33, 44)
+    addr = ctypes.addressof(cells) + 4
+    assert o.load_acquire(addr) == 22
+    for v in (0, 1, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 123456789):
+        o.store_release(addr, v)
+        assert cells[1] == v and o.load_acquire(addr) == v
+    assert (cells[0], cells[2], cells[3]) == (11, 33, 44)  # exactly 4 bytes touched
+
+
+@pytest.mark.parametrize("kind", sorted(uring.available_orderings()))
+def test_ring_works_under_load_with_every_ordering(kind, tmp_path):
+    """Buffered I/O, so most completions are posted by io-wq workers on other CPUs after the
+    syscall returned: the acquire/release path is what reads them. Many wraps of the rings."""
+    r = uring.IoUring(8, ordering=uring.available_orderings()[kind])
+    path = tmp_path / f"load-{kind}.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    n, size = 400, 4096
+    payload = os.urandom(n * size)
+    _src, addr = cbuf(payload)
+    dst, daddr = cbuf(bytes(n * size))
+    try:
+        with deadline(60):
+            for op, base in ((uring.OP_WRITE, addr), (uring.OP_READ, daddr)):
+                done, nxt = {}, 0
+                while len(done) < n:
+                    while nxt < n and r.sq_space() > 0 and r.in_flight < r.sq_entries:
+                        r.prep(op, fd, base + nxt * size, size, nxt * size, user_data=nxt)
+                        nxt += 1
+                    for ud, res in r.wait(1):
+                        assert ud not in done
+                        done[ud] = res
+                assert done == {i: size for i in range(n)}
+        assert dst.raw == payload
+        assert r.in_flight == 0
+    finally:
+        os.close(fd)
+        r.close()

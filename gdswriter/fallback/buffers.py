@@ -1,10 +1,17 @@
 """A pool of 4 KiB-aligned, page-locked host staging buffers.
 
 Anonymous mmap gives page alignment; mlock keeps the pages resident so the
-kernel can DMA without faulting; on a CUDA machine the pages are also
-registered with the CUDA runtime (cudaHostRegister) so device-to-host copies
-into them are asynchronous. Where mlock is refused (RLIMIT_MEMLOCK) the pool
-works on unlocked memory and says so once.
+kernel can DMA without faulting. Where mlock is refused (RLIMIT_MEMLOCK) the
+pool works on unlocked memory and says so once.
+
+CUDA: the pool is registered with the CUDA runtime (cudaHostRegister, so that
+copies between a GPU and the buffers are DMA from page-locked memory) only when
+the engine first stages a CUDA tensor, never at creation: asking
+torch.cuda.is_available() and registering up front initialised CUDA in CPU-only
+jobs, and registered with whatever device was current on the thread creating the
+engine (GPU 0 on every rank). Registration runs with the tensor's device
+current and with cudaHostRegisterPortable, so the buffers count as page-locked
+for every device's context.
 
 By default the pool starts on a 2 MiB boundary and asks for transparent huge
 pages (MADV_HUGEPAGE): a request then spans a few physically contiguous
@@ -32,6 +39,7 @@ _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
 
 
 @dataclass(eq=False)
@@ -48,8 +56,7 @@ class StagingBuffer:
 class AlignedBufferPool:
     """``count`` buffers of ``size`` bytes each (size rounded up to 4 KiB)."""
 
-    def __init__(self, size: int, count: int, *, lock_memory: bool = True, pin_for_cuda: bool | None = None,
-                 huge_pages: bool = True):
+    def __init__(self, size: int, count: int, *, lock_memory: bool = True, huge_pages: bool = True):
         self.size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         self.count = count
         total = self.size * count
@@ -71,6 +78,7 @@ class AlignedBufferPool:
         whole = memoryview(self._mm)[skip:skip + total]
         self.locked = False
         self.cuda_pinned = False
+        self._cuda_device: torch.device | None = None  # the device current when registration was tried
         if lock_memory:
             if _libc.mlock(ctypes.c_void_p(self._base), ctypes.c_size_t(total)) == 0:
                 self.locked = True
@@ -79,13 +87,6 @@ class AlignedBufferPool:
                 log_once("mlock", f"gdswriter: mlock of {total} staging bytes refused "
                                   f"({os.strerror(e)}); using unlocked aligned memory. Raise `ulimit -l` "
                                   f"(RLIMIT_MEMLOCK) for page-locked buffers")
-        if pin_for_cuda is None:
-            pin_for_cuda = torch.cuda.is_available()
-        if pin_for_cuda:
-            rc = torch.cuda.cudart().cudaHostRegister(self._base, total, 0)
-            self.cuda_pinned = int(rc) == 0
-            if not self.cuda_pinned:
-                log_once("cudaHostRegister", f"gdswriter: cudaHostRegister failed ({rc}); device copies will be synchronous")
         self.buffers = [
             StagingBuffer(i, self._base + i * self.size, self.size, whole[i * self.size:(i + 1) * self.size],
                           torch.frombuffer(whole[i * self.size:(i + 1) * self.size], dtype=torch.uint8))
@@ -96,11 +97,26 @@ class AlignedBufferPool:
     def regions(self) -> list[tuple[int, int]]:
         return [(b.address, b.size) for b in self.buffers]
 
+    def pin_for_cuda(self, device: torch.device) -> bool:
+        """Register the pool with CUDA, ``device`` current, portable to every device; tried once
+        (later calls return the first outcome). Returns whether the pool is registered."""
+        if self._cuda_device is not None or self._mm is None:
+            return self.cuda_pinned
+        self._cuda_device = device
+        with torch.cuda.device(device):
+            rc = torch.cuda.cudart().cudaHostRegister(self._base, self.size * self.count, CUDA_HOST_REGISTER_PORTABLE)
+        self.cuda_pinned = int(rc) == 0
+        if not self.cuda_pinned:
+            log_once("cudaHostRegister", f"gdswriter: cudaHostRegister failed ({rc}); copies between GPUs and "
+                                         f"the staging buffers will go through pageable memory (slower)")
+        return self.cuda_pinned
+
     def close(self) -> None:
         if self._mm is None:
             return
         if self.cuda_pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._base)
+            with torch.cuda.device(self._cuda_device):
+                torch.cuda.cudart().cudaHostUnregister(self._base)
         for b in self.buffers:
             b.tensor = None  # type: ignore[assignment]
             b.view.release()

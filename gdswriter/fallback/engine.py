@@ -12,14 +12,25 @@ its whole 4 KiB blocks straight between the tensor and the file, and only the
 crc32c pass touches them on the CPU. Its last partial block, if any, is staged like
 any small span. The memory alignment comes from statx (512 bytes on a virtio disk,
 4 on NVMe, where torch's 64-byte-aligned tensors qualify); 4 KiB when unreported.
+
+Device memory: only tensors on device "cpu" are host memory (memmove, zero-copy).
+Any other device goes through torch's copy_ into or out of one staging buffer at a
+time (memory stays bounded): CUDA, with the buffers registered as page-locked at the
+first CUDA tensor (buffers.py), and XPU, MPS or any device torch copies to and from
+the host, whose pointers are never read as host memory. Meta tensors hold no data
+and are refused (InvalidOptionError).
+
+Failures: see StagedEngine. Data files: see StagedEngine._open.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import os
 import queue
+import stat
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +39,9 @@ from typing import Sequence
 import crc32c as _crc32c
 
 from ..engine import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans
-from ..errors import (EngineIOError, EngineUnavailableError, GDSWriterError, InvalidOptionError, ShortIOError,
-                      TruncatedFileError)
-from ..options import ALIGN, EngineOptions, log_once
+from ..errors import (DataFileNotRegularError, EngineIOError, EngineUnavailableError, GDSWriterError,
+                      InvalidOptionError, NotRegularFileError, ShortIOError, TruncatedFileError)
+from ..options import ALIGN, EngineOptions, log, log_once
 from . import uring
 from .buffers import AlignedBufferPool, StagingBuffer
 from .dio import direct_io_alignment
@@ -61,26 +72,76 @@ def _direct_length(t, file_off: int, memory_alignment: int) -> int:
     return n if n >= ZERO_COPY_MIN else 0
 
 
+_QUIESCE_TRIES = 5  # interruptions (Ctrl-C) tolerated while quiescing before giving up and keeping everything
+_KEPT: list[tuple] = []  # what quiesced-unclean backends may still touch: never released (see StagedEngine)
+
+
+def _keep_forever(*things) -> None:
+    """Keep ``things`` (a backend, its pool, an fd number, spans) alive and open for the rest of
+    the process: requests that could not be waited for may still use them."""
+    _KEPT.append(things)
+    log.warning("gdswriter: I/O requests could not be waited for after a failure; their file descriptor, "
+                "staging buffers and tensors are kept (never freed) so that nothing else can receive their "
+                "bytes. The engine continues with fresh buffers. Check the kernel log (dmesg)")
+
+
+def _ring_failed(e: OSError, path: str, reqs: dict) -> EngineIOError:
+    """io_uring_enter failed: the typed error, at the lowest file offset still outstanding."""
+    offset = min((r.file_off for r in reqs.values()), default=0)
+    hint = ""
+    if e.errno in (errno.EAGAIN, errno.EBUSY):
+        hint = ("the kernel would not take more io_uring requests (memory pressure, or too many in flight): "
+                "lower queue_depth (GDSWRITER_QUEUE_DEPTH), retry, or use engine='posix'")
+    return EngineIOError(e.errno, path, offset, "io_uring_enter", hint)
+
+
+_FILE_KINDS = ((stat.S_ISLNK, "symbolic link", errno.ELOOP), (stat.S_ISDIR, "directory", errno.EISDIR),
+               (stat.S_ISFIFO, "FIFO", errno.EINVAL), (stat.S_ISSOCK, "socket", errno.EINVAL),
+               (stat.S_ISCHR, "character device", errno.EINVAL), (stat.S_ISBLK, "block device", errno.EINVAL))
+
+
+def _not_regular(path: str, mode: int, write: bool) -> NotRegularFileError:
+    """The typed refusal of a path holding something other than a regular file. Reading, it is a
+    damaged checkpoint (DataFileNotRegularError, a CorruptCheckpointError: load an earlier step)."""
+    kind, err = next(((k, e) for test, k, e in _FILE_KINDS if test(mode)), ("special file", errno.EINVAL))
+    return NotRegularFileError(path, kind, err) if write else DataFileNotRegularError(path, kind, err)
+
+
+def _open_error(e: OSError, path: str, write: bool) -> EngineIOError:
+    """The typed error for a failed open. A symbolic link (ELOOP under O_NOFOLLOW), a socket or
+    a FIFO without reader (ENXIO), a directory (EISDIR) are named as such."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        return _not_regular(path, mode, write)
+    return EngineIOError(e.errno, path, 0, "open")
+
+
 def _direct_buffer(t) -> StagingBuffer:
     """Host tensor ``t`` (flat uint8, aligned) seen as an unregistered buffer the backends can use."""
     return StagingBuffer(-1, t.data_ptr(), t.numel(), memoryview(t.numpy()), t)
 
 
 def _copy(dst, dst_off: int, src, src_off: int, n: int) -> None:
-    """Copy n bytes between flat uint8 tensors. Host to host uses memmove (releases the GIL,
-    one thread, ~memory speed); torch's copy_ splits small copies across threads and ran
-    4x slower on a loaded 2-core machine. Device memory goes through copy_."""
-    if dst.is_cuda or src.is_cuda:
-        dst[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
-    else:
+    """Copy n bytes between flat uint8 tensors. Host to host (both on device "cpu") uses memmove
+    (releases the GIL, one thread, ~memory speed); torch's copy_ splits small copies across
+    threads and ran 4x slower on a loaded 2-core machine. Any other device (CUDA, and XPU, MPS
+    or whatever else torch can copy to and from the host) goes through copy_, which reaches
+    its memory through its own runtime; a device pointer is never read as host memory."""
+    if dst.is_cpu and src.is_cpu:
         ctypes.memmove(dst.data_ptr() + dst_off, src.data_ptr() + src_off, n)
+    else:
+        dst[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
 
 
 def _stage_in(buf: StagingBuffer, lo: int, src, src_off: int, n: int, crc: int) -> int:
     """Copy n bytes of ``src`` into ``buf`` at ``lo``; return ``crc`` extended over them. Host
     memory goes in cache-sized pieces, each checksummed right after its copy: 25% less CPU
-    than one pass of each over DRAM (measured here: 4.1 against 3.3 GiB/s)."""
-    step = n if src.is_cuda else _FUSED
+    than one pass of each over DRAM (measured here: 4.1 against 3.3 GiB/s). Device memory
+    moves in one copy (at most one staging buffer: memory stays bounded)."""
+    step = _FUSED if src.is_cpu else n
     for k in range(0, n, step):
         m = min(step, n - k)
         _copy(buf.tensor, lo + k, src, src_off + k, m)
@@ -90,7 +151,7 @@ def _stage_in(buf: StagingBuffer, lo: int, src, src_off: int, n: int, crc: int) 
 
 def _stage_out(buf: StagingBuffer, lo: int, dst, dst_off: int, n: int, crc: int) -> int:
     """The reverse of _stage_in: checksum each piece of ``buf``, then copy it out of cache."""
-    step = n if dst.is_cuda else _FUSED
+    step = _FUSED if dst.is_cpu else n
     for k in range(0, n, step):
         m = min(step, n - k)
         crc = _crc(buf.view[lo + k:lo + k + m], crc)
@@ -128,24 +189,44 @@ class _UringBackend:
                            file_off, tag)
 
     def flush(self) -> None:
-        self.ring.enter(0)
+        self.ring.submit()
 
     def wait(self, min_n: int = 1) -> list[tuple[int, int]]:
         return self.ring.wait(min_n)
 
-    def close(self) -> None:
-        self.ring.close()
+    def quiesce(self) -> bool:
+        """Withdraw queued requests, wait for submitted ones. False: the kernel would not let us."""
+        return self._succeeds(self.ring.drain)
+
+    def close(self) -> bool:
+        """Close the ring; False when requests may outlive it (see IoUring.close)."""
+        return self._succeeds(self.ring.close)
+
+    @staticmethod
+    def _succeeds(step) -> bool:
+        try:
+            step()
+        except uring.RingError:
+            return False
+        return True
 
 
 class _PosixBackend:
-    """A thread pool of pread/pwrite: works wherever files work."""
+    """A thread pool of pread/pwrite: works wherever files work.
+
+    ``in_flight`` is raised before a request is handed to the pool and lowered after its
+    completion was taken, so an interruption can leave it too high (then the engine
+    quiesces), never too low."""
 
     def __init__(self, depth: int):
         self.capacity = depth
-        self.in_flight = 0
-        self._pool = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="gdswriter-io")
-        self._done: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self.registered = False
+        self._start()
+
+    def _start(self) -> None:
+        self.in_flight = 0
+        self._pool = ThreadPoolExecutor(max_workers=self.capacity, thread_name_prefix="gdswriter-io")
+        self._done: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
 
     def _run(self, write: bool, fd: int, view: memoryview, file_off: int, tag: int) -> None:
         try:
@@ -173,10 +254,16 @@ class _PosixBackend:
         self.in_flight -= len(out)
         return out
 
-    def close(self) -> None:
-        while self.in_flight:
-            self.wait(1)
-        self._pool.shutdown(wait=True)
+    def quiesce(self) -> bool:
+        """Cancel the requests no worker started and wait for the workers to finish the ones
+        they run (joining the threads proves it), then start a fresh pool: always True."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._start()
+        return True
+
+    def close(self) -> bool:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        return True
 
 
 # ---------------------------------------------------------------------------
@@ -200,27 +287,40 @@ class _Chunk:
 
 
 class StagedEngine(IOEngine):
-    """Shared pipeline; subclasses choose the backend."""
+    """Shared pipeline; subclasses choose the backend.
+
+    After a failure: when a transfer stops early (an I/O error, a failed io_uring_enter, Ctrl-C,
+    any exception), the backend is quiesced before the file is closed, so no request, in the
+    kernel or in a worker thread, can act on the fd (or on another file that reuses its number)
+    or on memory the caller gets back. Then the engine is clean and usable again. Where the
+    backend cannot prove that (io_uring_enter keeps failing), everything the old requests may
+    still touch is kept for good: the fd is never closed, the staging buffers and the spans'
+    tensors are never freed (a leak, logged, on a path that needs a misbehaving kernel), and
+    the next call builds a fresh backend and pool.
+    """
 
     name = "staged"
 
     def __init__(self, options: EngineOptions | None = None, *, reason: str = ""):
         self.options = options or EngineOptions.from_env()
-        o = self.options
-        self._pool = AlignedBufferPool(o.buffer_bytes, o.num_buffers, lock_memory=o.lock_memory,
-                                       huge_pages=o.huge_pages)
-        try:
-            self._backend = self._make_backend()
-        except BaseException:
-            self._pool.close()
-            raise
+        self._pool, self._backend = self._build()
+        self._broken = False  # the backend may still have requests in the kernel: see _quiesce
         self._reason = reason
-        self._last_memory_alignment = ALIGN if o.direct_io else 0  # 0: the last file was buffered
+        self._last_memory_alignment = ALIGN if self.options.direct_io else 0  # 0: the last file was buffered
         self._lock = threading.Lock()
         self._tags = 0
         self._backlog: deque = deque()
 
-    def _make_backend(self):
+    def _build(self) -> tuple[AlignedBufferPool, object]:
+        o = self.options
+        pool = AlignedBufferPool(o.buffer_bytes, o.num_buffers, lock_memory=o.lock_memory, huge_pages=o.huge_pages)
+        try:
+            return pool, self._make_backend(pool)
+        except BaseException:
+            pool.close()
+            raise
+
+    def _make_backend(self, pool: AlignedBufferPool):
         raise NotImplementedError
 
     @property
@@ -231,47 +331,136 @@ class StagedEngine(IOEngine):
     def _check_open(self) -> None:
         if self._backend is None:
             raise GDSWriterError(f"this {self.name} engine is closed: create a new one")
+        if not self._broken and (self._backlog or self._backend.in_flight):
+            # A transfer was cut short before its cleanup could run (Ctrl-C at the worst moment).
+            _, interrupted = self._quiesce(())
+            if interrupted is not None:
+                raise interrupted
+        if self._broken:
+            self._pool, self._backend = self._build()
+            self._broken = False
 
     def close(self) -> None:
-        if self._backend is not None:
-            self._backend.close()
-            self._backend = None
+        if self._backend is None:
+            return
+        backend, self._backend = self._backend, None
+        if self._broken:
+            return  # backend and pool are kept for good (see _quiesce)
+        if backend.close():
             self._pool.close()
+        else:
+            _keep_forever(backend, self._pool)
+
+    # -- after a failure -----------------------------------------------------
+    def _quiesce(self, spans: Sequence, fd: int = -1) -> tuple[bool, BaseException | None]:
+        """Stop what the failed transfer left queued or in flight and make sure nothing can act
+        on ``fd``, the staging buffers or the spans' memory any more. An exception raised while
+        waiting (a second Ctrl-C) does not cut this short: it is returned, for the caller to raise
+        once the engine is safe. Returns (clean, that exception): not clean means the backend
+        could not prove it, and all of it is kept for good (see the class docstring)."""
+        self._backlog.clear()
+        interrupted = None
+        clean = False
+        for _ in range(_QUIESCE_TRIES):
+            try:
+                clean = self._backend.quiesce()
+                break
+            except BaseException as e:  # noqa: BLE001 - finish tearing down first, raise it after
+                interrupted = interrupted or e
+        if not clean:
+            _keep_forever(self._backend, self._pool, fd, tuple(spans))
+            self._broken = True
+        return clean, interrupted
+
+    def _release(self, fd: int, ok: bool, spans: Sequence) -> None:
+        """Close ``fd`` at the end of a transfer; after a failure, only once nothing can act on
+        it (else it stays open, so its number is never reused while a request may name it)."""
+        interrupted = None
+        if not ok or self._backlog or self._backend.in_flight:
+            clean, interrupted = self._quiesce(spans, fd)
+            if not clean:
+                fd = -1
+        if fd >= 0:
+            os.close(fd)
+        if interrupted is not None:
+            raise interrupted
+
+    def _prepare_memory(self, tensors) -> None:
+        """Refuse span memory the engine cannot move; register the staging buffers with CUDA
+        when the first CUDA tensor comes (never before: CPU-only jobs never touch CUDA)."""
+        for t in tensors:
+            if t.is_cpu:
+                continue
+            if t.is_meta:
+                raise InvalidOptionError("a span's tensor is on the meta device and holds no data: materialize it "
+                                         "(e.g. module.to_empty(device=...)) before saving or loading into it")
+            if t.is_cuda and not self._pool.cuda_pinned:
+                self._pool.pin_for_cuda(t.device)
 
     # -- files -------------------------------------------------------------
-    def _open(self, path: str, flags: int) -> tuple[int, int]:
-        """Open ``path``, with O_DIRECT where asked for and possible. Returns the fd and the
-        host-memory alignment its direct I/O needs (0: buffered). The engine's requests and
-        the format are aligned to 4 KiB, so a file needing more is used buffered."""
-        flags |= os.O_CLOEXEC
-        where = os.path.dirname(os.path.abspath(path))
-        if self.options.direct_io:
-            try:
-                fd = os.open(path, flags | os.O_DIRECT, 0o644)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise EngineIOError(e.errno, path, 0, "open") from e
-                log_once(f"nodirect:{where}", f"gdswriter: the file system under {where} refuses O_DIRECT; "
-                                              f"using buffered I/O followed by fsync there")
-            else:
-                need = direct_io_alignment(fd)
-                if need is None:
-                    return fd, ALIGN
-                if need.memory <= ALIGN and need.offset <= ALIGN:
-                    return fd, need.memory
-                os.close(fd)
-                log_once(f"bigdirect:{where}",
-                         f"gdswriter: O_DIRECT under {where} needs {need.offset}-byte aligned offsets and "
-                         f"{need.memory}-byte aligned memory, more than the 4 KiB gdswriter aligns to; "
-                         f"using buffered I/O followed by fsync there")
-        try:
-            return os.open(path, flags, 0o644), 0
-        except OSError as e:
-            raise EngineIOError(e.errno, path, 0, "open") from e
+    def _open(self, path: str, write: bool) -> tuple[int, int]:
+        """Open ``path`` for writing (created, or emptied) or reading, with O_DIRECT where asked
+        for and possible. Returns the fd and the host-memory alignment its direct I/O needs
+        (0: buffered). The engine's requests and the format are aligned to 4 KiB, so a file
+        needing more is used buffered.
 
-    def _opened(self, path: str, flags: int) -> tuple[int, int]:
+        Only a regular file is used: the open never follows a symbolic link (O_NOFOLLOW), and
+        anything else found at ``path`` (directory, FIFO, socket, device) is refused by fstat
+        before any I/O; O_NONBLOCK keeps a planted FIFO or device from blocking the open. The
+        file is emptied only after that check (no O_TRUNC), so nothing else is ever truncated."""
+        flags = ((os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY) | (
+            os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+        where = os.path.dirname(os.path.abspath(path))
+        direct = self.options.direct_io
+        try:
+            fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
+            refused = False
+        except OSError as e:
+            if not (direct and e.errno == errno.EINVAL):
+                raise _open_error(e, path, write) from e
+            try:
+                fd = os.open(path, flags, 0o644)
+            except OSError as e2:
+                raise _open_error(e2, path, write) from e2
+            direct, refused = False, True
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise _not_regular(path, mode, write)
+            # Back to blocking: io_uring fails requests on an O_NONBLOCK file with EAGAIN.
+            keep = fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK
+            memory_alignment = ALIGN if direct else 0
+            need = direct_io_alignment(fd) if direct else None
+            if need is not None:
+                if need.memory <= ALIGN and need.offset <= ALIGN:
+                    memory_alignment = need.memory
+                else:
+                    keep &= ~os.O_DIRECT
+                    memory_alignment = 0
+                    log_once(f"bigdirect:{where}",
+                             f"gdswriter: O_DIRECT under {where} needs {need.offset}-byte aligned offsets and "
+                             f"{need.memory}-byte aligned memory, more than the 4 KiB gdswriter aligns to; "
+                             f"using buffered I/O followed by fsync there")
+            fcntl.fcntl(fd, fcntl.F_SETFL, keep)
+            if write:
+                os.ftruncate(fd, 0)
+        except GDSWriterError:
+            os.close(fd)
+            raise
+        except OSError as e:
+            os.close(fd)
+            raise EngineIOError(e.errno, path, 0, "open") from e
+        except BaseException:
+            os.close(fd)
+            raise
+        if refused:
+            log_once(f"nodirect:{where}", f"gdswriter: the file system under {where} refuses O_DIRECT; "
+                                          f"using buffered I/O followed by fsync there")
+        return fd, memory_alignment
+
+    def _opened(self, path: str, write: bool) -> tuple[int, int]:
         """_open, remembering for ``info`` how the file was opened."""
-        fd, memory_alignment = self._open(path, flags)
+        fd, memory_alignment = self._open(path, write)
         self._last_memory_alignment = memory_alignment
         return fd, memory_alignment
 
@@ -316,15 +505,6 @@ class StagedEngine(IOEngine):
         self._backend.flush()
         return finished
 
-    def _drain(self) -> None:
-        """After an error: wait out everything in flight (the kernel may still touch our buffers)."""
-        self._backlog.clear()
-        while self._backend.in_flight:
-            try:
-                self._backend.wait(1)
-            except Exception:
-                break
-
     def _queue_chunk(self, write: bool, fd: int, chunk: _Chunk, file_size: int | None, reqs) -> None:
         step = self.options.request_bytes
         for start in range(0, chunk.length, step):
@@ -345,7 +525,8 @@ class StagedEngine(IOEngine):
             raise InvalidOptionError(f"size={size} is smaller than the end of the last span ({end})")
         with self._lock:
             self._check_open()
-            fd, memory_alignment = self._opened(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            self._prepare_memory(s.data for s in spans)
+            fd, memory_alignment = self._opened(path, write=True)
             direct = memory_alignment > 0
             ok = False
             try:
@@ -359,12 +540,14 @@ class StagedEngine(IOEngine):
                 ok = True
                 return crcs
             finally:
-                os.close(fd)
-                if not ok:
-                    try:
-                        os.unlink(path)
-                    except OSError:
-                        pass
+                try:
+                    self._release(fd, ok, spans)
+                finally:
+                    if not ok:
+                        try:
+                            os.unlink(path)
+                        except OSError:
+                            pass
 
     def _write_fd(self, fd: int, path: str, spans: Sequence[WriteSpan], size: int, memory_alignment: int) -> list[int]:
         total = _align_up(size) if memory_alignment else size
@@ -398,9 +581,8 @@ class StagedEngine(IOEngine):
                 self._backend.flush()
             while reqs:
                 self._complete(True, fd, path, reqs, 1)
-        except BaseException:
-            self._drain()
-            raise
+        except uring.RingError as e:  # the caller (write_file) quiesces the backend before closing fd
+            raise _ring_failed(e, path, reqs) from e
         return crcs
 
     def _write_plan(self, spans: Sequence[WriteSpan], total: int, memory_alignment: int) -> list[tuple[int, int, int]]:
@@ -448,15 +630,19 @@ class StagedEngine(IOEngine):
         path = os.fspath(path)
         with self._lock:
             self._check_open()
-            fd, memory_alignment = self._opened(path, os.O_RDONLY)
+            self._prepare_memory(s.out for s in spans)
+            fd, memory_alignment = self._opened(path, write=False)
+            ok = False
             try:
                 size = os.fstat(fd).st_size
                 need = max((s.end for s in spans), default=0)
                 if size < need:
                     raise TruncatedFileError(path, need, size)
-                return self._read_fd(fd, path, spans, size, memory_alignment)
+                crcs = self._read_fd(fd, path, spans, size, memory_alignment)
+                ok = True
+                return crcs
             finally:
-                os.close(fd)
+                self._release(fd, ok, spans)
 
     def _read_chunks(self, spans: Sequence[ReadSpan], memory_alignment: int) -> list[tuple[int, int, int]]:
         """Merge the spans into extents (4 KiB-aligned under O_DIRECT, ``memory_alignment`` > 0),
@@ -523,9 +709,8 @@ class StagedEngine(IOEngine):
                         si = self._drain_chunk(c, spans, si, crcs)
                         free.append(c.buf)
                     next_drain += 1
-        except BaseException:
-            self._drain()
-            raise
+        except uring.RingError as e:  # the caller (read_file) quiesces the backend before closing fd
+            raise _ring_failed(e, path, reqs) from e
         return crcs
 
     @staticmethod
@@ -551,12 +736,12 @@ class IoUringEngine(StagedEngine):
 
     name = "io_uring"
 
-    def _make_backend(self):
+    def _make_backend(self, pool: AlignedBufferPool):
         why = uring.probe()
         if why:
             raise EngineUnavailableError(errno.ENOTSUP, f"io_uring is unavailable: {why}. Use engine='posix' "
                                                         f"(GDSWRITER_ENGINE=posix)")
-        return _UringBackend(self.options.queue_depth, self._pool, self.options.register_buffers)
+        return _UringBackend(self.options.queue_depth, pool, self.options.register_buffers)
 
 
 class PosixEngine(StagedEngine):
@@ -564,5 +749,5 @@ class PosixEngine(StagedEngine):
 
     name = "posix"
 
-    def _make_backend(self):
+    def _make_backend(self, pool: AlignedBufferPool):
         return _PosixBackend(self.options.queue_depth)
