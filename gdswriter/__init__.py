@@ -7,14 +7,15 @@
 
 from .bench import BenchOptions, BenchResult, run_bench
 from .checkpointer import GDSCheckpointer, LoadResult, SaveHandle
+from .dist import DistOptions
 from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from .engine_select import create_engine
-from .dist import DistOptions
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
-                     CollectiveFailedError, CorruptCheckpointError, EngineIOError, EngineUnavailableError,
-                     GDSWriterError, InvalidOptionError, NothingToLoadError, RankFailedError, ReadOnlyRootError,
-                     RootUnavailableError, ShortIOError, StateMismatchError, TruncatedFileError,
-                     UnreachableDataError, UnsafePathError, UnsupportedFormatVersionError, UnsupportedObjectError)
+                     CollectiveFailedError, CorruptCheckpointError, DataFileNotRegularError, EngineIOError,
+                     EngineUnavailableError, GDSWriterError, InvalidOptionError, NothingToLoadError,
+                     NotRegularFileError, RankFailedError, ReadOnlyRootError, RootUnavailableError, ShortIOError,
+                     StateMismatchError, TruncatedFileError, UnreachableDataError, UnsafePathError,
+                     UnsupportedFormatVersionError, UnsupportedObjectError)
 from .options import CheckpointOptions, EngineOptions
 from .restore import load_state
 
@@ -27,7 +28,7 @@ __all__ = [
     "ChecksumMismatchError", "CorruptCheckpointError", "EngineIOError", "EngineUnavailableError",
     "InvalidOptionError", "NothingToLoadError", "ReadOnlyRootError", "RootUnavailableError", "ShortIOError",
     "StateMismatchError", "TruncatedFileError", "UnsafePathError", "UnsupportedFormatVersionError",
-    "UnsupportedObjectError", "LoadResult",
+    "UnsupportedObjectError", "NotRegularFileError", "DataFileNotRegularError",
     "DistOptions", "GDSStorageWriter", "GDSStorageReader", "CollectiveFailedError", "RankFailedError",
     "UnreachableDataError",
     "BenchOptions", "BenchResult", "run_bench",
