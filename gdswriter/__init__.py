@@ -5,7 +5,7 @@
     ckpt.load()                # latest committed step, in place
 """
 
-from .checkpointer import GDSCheckpointer, SaveHandle
+from .checkpointer import GDSCheckpointer, SaveHandle, SaveStats
 from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from .engine_select import create_engine
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
@@ -18,7 +18,7 @@ from .restore import load_state
 __version__ = "0.1.0"
 
 __all__ = [
-    "GDSCheckpointer", "CheckpointOptions", "SaveHandle", "load_state",
+    "GDSCheckpointer", "CheckpointOptions", "SaveHandle", "SaveStats", "load_state",
     "EngineOptions", "EngineInfo", "IOEngine", "ReadSpan", "WriteSpan", "create_engine",
     "GDSWriterError", "CheckpointError", "CheckpointLockedError", "CheckpointNotFoundError",
     "ChecksumMismatchError", "CorruptCheckpointError", "EngineIOError", "EngineUnavailableError",

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# GPU checks for a CUDA machine (e.g. the device tool's H200): the GPU tests plus a short
-# save/load benchmark of a CUDA-resident model. A few minutes. Output also lands in $OUT if set.
+# GPU checks for a CUDA machine (e.g. the device tool's H200): the GPU tests, a short
+# save/load benchmark of a CUDA-resident model, and the training-loop overlap benchmark
+# (checkpoint every iteration; GDSWRITER_TRAINING_SIZE, default 1G). A few minutes. Output
+# also lands in $OUT if set.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.gpu-out}; mkdir -p "$OUT"
@@ -9,7 +11,7 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps -e . 2>&1 | tail -2
 python3 -c "import crc32c" 2>/dev/null || python3 -m pip install -q crc32c
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pytest -q -m gpu tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
+python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_overlap_gpu.py 2>&1 | tee "$OUT/gpu-tests.log"
 GDSWRITER_BENCH_SIZES=${GDSWRITER_BENCH_SIZES:-4G} python3 - <<'PY' 2>&1 | tee "$OUT/gpu-bench.txt"
 import os, time, tempfile, torch
 from gdswriter import GDSCheckpointer
@@ -33,3 +35,5 @@ dt = time.perf_counter() - t
 print(f"torch.save + fsync: {nbytes/dt/1e9:.2f} GB/s")
 os.system(f"rm -rf {d}")
 PY
+python3 benchmarks/training_loop.py --device cuda --size "${GDSWRITER_TRAINING_SIZE:-1G}" --iters 20 --rounds 4 \
+  --dir "$PWD" 2>&1 | tee "$OUT/training-loop.txt"

@@ -629,18 +629,30 @@ def _failing_engines(ck, monkeypatch, err=errno.ENOSPC, gate=None):
         monkeypatch.setattr(e, "write_file", boom)
 
 
-def test_save_async_handle_result_and_done(tmp_path):
+def gate_engines(ck, monkeypatch) -> threading.Event:
+    """Hold every engine's write_file until the returned event is set."""
+    gate = threading.Event()
+    for e in ck._engine_list():
+        real = e.write_file
+
+        def held(path, spans, *, _real=real, **kw):
+            assert gate.wait(60), "the test never opened the gate"
+            return _real(path, spans, **kw)
+
+        monkeypatch.setattr(e, "write_file", held)
+    return gate
+
+
+def test_save_async_handle_result_and_done(tmp_path, monkeypatch):
     state = {"w": torch.randn(1 << 16)}
     with ckpt(state, None, tmp_path) as ck:
-        gate = threading.Event()
-        blocker = ck._executor.submit(gate.wait, 30)
+        gate = gate_engines(ck, monkeypatch)
         h = ck.save_async(4, metadata={"a": 1})
         assert h.step == 4 and not h.done()
         with pytest.raises(FutureTimeout):
             h.result(timeout=0.05)
         assert not h.done()
         gate.set()
-        blocker.result()
         assert h.result(timeout=60) == 4 and h.done()
         assert h.exception() is None
         assert ck.steps() == [4]
@@ -713,8 +725,8 @@ def test_multiple_roots(tmp_path):
         assert ck.roots == roots
     m = manifest_of(roots[0], 2)
     files = m["files"]
-    assert sorted((r, p) for r, p, _ in files) == sorted((r, f"data-r{r}-f{k}.bin") for r in range(3) for k in range(2))
-    sizes = [s for _, _, s in files]
+    assert sorted((r, p) for r, p, *_ in files) == sorted((r, f"data-r{r}-f{k}.bin") for r in range(3) for k in range(2))
+    sizes = [s for _, _, s, *_ in files]
     n_storages = sum(1 for s in m["storages"] if s["nbytes"])
     assert max(sizes) - min(sizes) <= 4096 * n_storages
     assert max(sizes) - min(sizes) <= 2 * 4096  # balanced to within a couple of alignment units
@@ -724,7 +736,7 @@ def test_multiple_roots(tmp_path):
         assert {f"data-r{i}-f0.bin", f"data-r{i}-f1.bin"} <= names
         assert (MANIFEST_NAME in names) == (i == 0)
         assert ("latest" in os.listdir(r)) == (i == 0)
-        for _, p, size in (f for f in files if f[0] == i):
+        for _, p, size, *_ in (f for f in files if f[0] == i):
             assert os.path.getsize(r / step_dir_name(2) / p) == size
 
     model2, opt2, sched2, _ = M.build(1)
