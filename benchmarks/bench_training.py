@@ -77,6 +77,7 @@ def test_training_loop(benchmark, size, case, trainer, workdir):
                  "step ms mean": round(r.mean_step * 1e3, 2),
                  "step ms median": round(statistics.median(r.step_s) * 1e3, 2)})
     if case != "none":
+        info["save call ms median"] = round(statistics.median(r.call_s) * 1e3, 2)
         info["blocked ms per save"] = round(r.blocked_per_save * 1e3, 2)
         base = _BASE.get(size.label)
         if base:

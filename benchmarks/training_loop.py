@@ -18,10 +18,11 @@ overlap is for. Cases:
                        GPU), FileSystemWriter(thread_count=4, sync_files=True); the optimizer
                        step waits for the staging, the next save for the previous upload
 
-Every checkpoint is durable (fsync) and the last two are kept. For each case: mean step time,
-time the loop was blocked per save (inside the save call and waiting before the optimizer
-step; for gdswriter, SaveHandle.stats.blocked_s, which counts both), and the overhead of the
-mean step time against "none". On a GPU the step time is taken after the training stream
+Every checkpoint is durable (fsync) and the last two are kept. For each case: mean and median
+step time, the save call's own time (median; for gdswriter, save_async), the time the loop
+was blocked per save (in the save call and waiting before the optimizer step; for gdswriter,
+SaveHandle.stats.blocked_s, which counts both), and the overhead of the mean step time
+against "none". On a GPU the step time is taken after the training stream
 (not the whole device) is synchronized, so copies on side streams are not counted unless
 the training stream waited for them.
 
@@ -38,7 +39,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,8 +51,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer  # noqa: E402
-from gdswriter.units import parse_size  # noqa: E402
+from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer
+from gdswriter.units import parse_size
 
 # DCP says this on every single-process save (also from its upload thread)
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
@@ -256,7 +256,8 @@ def make_saver(case: str, root: Path, model, opt, device: str) -> Saver:
 class LoopResult:
     case: str
     step_s: list[float]
-    blocked_s: list[float] = field(default_factory=list)
+    blocked_s: list[float] = field(default_factory=list)  # per save: in the save call + before the step
+    call_s: list[float] = field(default_factory=list)  # per save: the save call alone
 
     @property
     def mean_step(self) -> float:
@@ -283,17 +284,23 @@ def run_cases(cases: list[str], base: Path, model, opt, batch: int, iters: int, 
                 for it in range(n + (WARMUP if r == 0 else 0)):
                     t = time.perf_counter()
                     b = train_step(model, opt, batch, device, saver.before_step)
+                    c = time.perf_counter()
                     b += saver.save(len(res.step_s))
+                    c = time.perf_counter() - c
                     sync(device)
                     if r > 0 or it >= WARMUP:
                         res.step_s.append(time.perf_counter() - t)
                         res.blocked_s.append(b)
+                        res.call_s.append(c)
                 saver.drain()
     finally:
         for case, saver in savers.items():
             measured = saver.close()
             if measured is not None:  # the saver counted its own blocked time, per save (warm-up first)
                 results[case].blocked_s = measured[WARMUP:]
+    for r in results.values():
+        if r.case == "none":
+            r.blocked_s, r.call_s = [], []
     return [results[c] for c in cases]
 
 
@@ -310,33 +317,35 @@ def write_seconds(root: Path, model, opt) -> float:
     return min(times)
 
 
-def calibrate(root: Path, model, opt, device: str, max_batch: int = 4096) -> tuple[int, float, float]:
-    """The batch whose training step takes about one checkpoint write: (batch, write s, step s)."""
+def calibrate(root: Path, model, opt, device: str, max_batch: int = 1024) -> tuple[int, float, float]:
+    """The batch whose training step takes about one checkpoint write: (batch, write s, step s
+    at the largest batch timed). At most ``max_batch`` sequences (GPU memory)."""
     for _ in range(WARMUP):
         train_step(model, opt, 2, device)
     sync(device)
     w = write_seconds(root, model, opt)
     batch, step = 2, 0.0
-    for _ in range(8):  # grow until a step is long enough to time, then scale linearly
+    while True:  # grow until a step is long enough to time, then scale linearly
         t = time.perf_counter()
         train_step(model, opt, batch, device)
         sync(device)
         step = time.perf_counter() - t
         if step > w / 4 or batch >= max_batch:
             break
-        batch *= 4
-    batch = max(1, min(max_batch, round(batch * w / step)))
-    return batch, w, step
+        batch = min(max_batch, batch * 4)
+    return max(1, min(max_batch, round(batch * w / step))), w, step
 
 
 def table(results: list[LoopResult]) -> str:
     base = next((r.mean_step for r in results if r.case == "none"), None)
-    lines = ["| case | step ms (mean) | step ms (median) | blocked ms / save | overhead vs none |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| case | step ms (mean) | step ms (median) | save call ms (median) | blocked ms / save (mean) "
+             "| overhead vs none (mean step) |", "|---|---:|---:|---:|---:|---:|"]
     for r in results:
-        over = f"{(r.mean_step / base - 1) * 100:+.1f}%" if base and r.case != "none" else ""
-        blocked = f"{r.blocked_per_save * 1e3:.1f}" if r.case != "none" else ""
-        lines.append(f"| {r.case} | {r.mean_step * 1e3:.1f} | {statistics.median(r.step_s) * 1e3:.1f} | "
+        saving = r.case != "none"
+        over = f"{(r.mean_step / base - 1) * 100:+.1f}%" if base and saving else ""
+        call = f"{statistics.median(r.call_s) * 1e3:.1f}" if saving and r.call_s else ""
+        blocked = f"{r.blocked_per_save * 1e3:.1f}" if saving else ""
+        lines.append(f"| {r.case} | {r.mean_step * 1e3:.1f} | {statistics.median(r.step_s) * 1e3:.1f} | {call} | "
                      f"{blocked} | {over} |")
     return "\n".join(lines)
 

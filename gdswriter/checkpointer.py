@@ -32,11 +32,12 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .engine import IOEngine
 from .engine_select import create_engine
@@ -283,12 +284,13 @@ class GDSCheckpointer:
                 handle, snap = self._jobs[0]
             try:
                 self._run(handle, snap)
-            finally:
-                with self._jobs_cv:
-                    self._jobs.popleft()
-                    self._jobs_cv.notify_all()
-                    if not self._jobs:
-                        return
+            except BaseException:  # _run finishes the handle; never leave the queue behind a bug
+                log.exception("gdswriter: the save thread failed after step %d", handle.step)
+            with self._jobs_cv:
+                self._jobs.popleft()
+                self._jobs_cv.notify_all()
+                if not self._jobs:
+                    return
 
     def _run(self, handle: SaveHandle, snap: Snapshot) -> None:
         """One save, then its retention. The handle is finished whatever happens."""
@@ -435,7 +437,7 @@ class GDSCheckpointer:
             self._lock.release()
             _open_checkpointers.discard(self)
 
-    def __enter__(self) -> "GDSCheckpointer":
+    def __enter__(self) -> GDSCheckpointer:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -464,7 +466,7 @@ def _plain_json(metadata: Any) -> dict:
 # Saves in flight when the interpreter exits are finished first: this runs before
 # concurrent.futures shuts its thread pools down (which a multi-root save uses), as
 # threading's exit hooks run in reverse order of registration.
-_open_checkpointers: "weakref.WeakSet[GDSCheckpointer]" = weakref.WeakSet()
+_open_checkpointers: weakref.WeakSet[GDSCheckpointer] = weakref.WeakSet()
 
 
 def _finish_saves_at_exit() -> None:

@@ -60,7 +60,10 @@ class SpanGuards:
     last byte, ``hold(j)``/``unhold(j)`` around each request that writes straight from span
     j's memory, and ``release_all()`` when the file is done or failed. A span is released
     when it is read and no request holds it, so a producer streaming through a bounded
-    buffer can reuse that memory while the file is still being written."""
+    buffer can reuse that memory while the file is still being written. While it waits for a
+    span, an engine holds at most the span it is in and what its next staging buffer covers
+    (and reaps its requests, releasing what they held): a producer must let that much be
+    ready and unreleased at once."""
 
     def __init__(self, spans: Sequence[WriteSpan]):
         self._spans = spans
@@ -70,7 +73,7 @@ class SpanGuards:
         self._released = [s.guard is None for s in spans]
 
     @classmethod
-    def of(cls, spans: Sequence[WriteSpan]) -> "SpanGuards | None":
+    def of(cls, spans: Sequence[WriteSpan]) -> SpanGuards | None:
         """None when no span has a guard (the engine then skips all of this)."""
         return cls(spans) if any(s.guard is not None for s in spans) else None
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Collection, Sequence
+from typing import Any
 
 import torch
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator, Sequence
 
 import torch
 
@@ -71,7 +71,7 @@ class _Stopped(Exception):
 class _Piece:
     """A file range [lo, hi) laid out at ``ring`` in the pool; the SpanGuard of its spans."""
 
-    __slots__ = ("ring_state", "root", "lo", "hi", "copies", "ring", "blockers", "users", "ready", "events", "freed")
+    __slots__ = ("blockers", "copies", "events", "freed", "hi", "lo", "ready", "ring", "ring_state", "root", "users")
 
     def __init__(self, ring_state: _Ring, root: int, lo: int):
         self.ring_state, self.root, self.lo, self.hi = ring_state, root, lo, lo
@@ -165,6 +165,11 @@ class HostSnapshotPool:
         ring = _Ring()
         n_roots = len({f.target.root for f in plan.files})
         need = sum(_align_up(f.size) for f in plan.files)
+        if not need:  # nothing but empty tensors: nothing to copy
+            release.set()
+            yield [[(c, WriteSpan(c.file_offset, torch.empty(0, dtype=torch.uint8))) for c in f.chunks]
+                   for f in plan.files]
+            return
         devices = sorted(snap.ready)
         buf = self._reserve(need, n_roots, devices[0] if devices else None)
         piece = max(ALIGN, min(PIECE_MAX, buf.size // (4 * n_roots)) // ALIGN * ALIGN)

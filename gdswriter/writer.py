@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import nullcontext
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
-from typing import Any, Callable, ContextManager, Mapping, Sequence
+from typing import Any
 
 from .cuda import streams
 from .engine import IOEngine, WriteSpan
@@ -126,7 +127,7 @@ def live_spans(snap: Snapshot, plan: SavePlan) -> list[list[tuple[PlannedChunk, 
 
 
 def write_files(plan: SavePlan, spans: Sequence[Sequence[tuple[PlannedChunk, WriteSpan]]], pending: PendingCommit,
-                engines: Sequence[IOEngine], context: Callable[[], ContextManager] = nullcontext
+                engines: Sequence[IOEngine], context: Callable[[], AbstractContextManager] = nullcontext
                 ) -> dict[PlannedChunk, int]:
     """Write every file of ``plan`` into the pending step; returns each chunk's crc32c.
     ``spans[f]``: file f's chunks (the plan's, or pieces of them: the host pool cuts chunks

@@ -23,10 +23,8 @@ import torch
 from torch import nn
 
 import _models as M
-import gdswriter.snapshot_pool as snapshot_pool
-from gdswriter import EngineIOError, GDSCheckpointer, UnsupportedObjectError, load_state
+from gdswriter import EngineIOError, GDSCheckpointer, UnsupportedObjectError, load_state, snapshot_pool
 from gdswriter.fallback.faults import FaultInjectingEngine, FaultPlan
-from gdswriter.format.commit import step_dir_name
 from gdswriter.options import KiB, MiB
 
 TESTS = Path(__file__).resolve().parent
@@ -87,17 +85,28 @@ def assert_same(got: dict, want: dict) -> None:
     assert not bad, f"differ from the values at save_async: {bad}"
 
 
-def hold_engines(ck) -> threading.Event:
-    """Every engine's write_file waits until the returned event is set."""
-    gate = threading.Event()
+class Gate(threading.Event):
+    """An event that a ``with`` block sets when it ends, also on a failed assertion (so that a
+    failing test does not leave a held save for close() to wait on)."""
+
+    def __enter__(self) -> Gate:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.set()
+
+
+def hold_engines(ck) -> Gate:
+    """Every engine's write_file waits until the returned gate is set."""
+    gate = Gate()
     for e in ck._engine_list():
         e.write_file = lambda *a, _real=e.write_file, **kw: (gate.wait(60), _real(*a, **kw))[1]
     return gate
 
 
-def hold_copier(monkeypatch) -> threading.Event:
-    """The host pool's copier waits until the returned event is set."""
-    gate = threading.Event()
+def hold_copier(monkeypatch) -> Gate:
+    """The host pool's copier waits until the returned gate is set."""
+    gate = Gate()
     real = snapshot_pool._copy_all
     monkeypatch.setattr(snapshot_pool, "_copy_all", lambda *a: (gate.wait(60), real(*a)))
     return gate
@@ -186,26 +195,26 @@ def test_step_waits_while_the_save_needs_the_tensors_and_not_after(tmp_path, mon
     model, opt = build()
     train(model, opt, 1)
     with GDSCheckpointer(model, opt, tmp_path, options=options(snapshot=mode)) as ck:
-        gate = hold_engines(ck) if mode == "live" else hold_copier(monkeypatch)
-        h = ck.save_async(1)
-        before = model.inp.weight.detach().clone()
-        t = stepper(model, opt)
-        t.join(0.5)
-        assert t.is_alive(), "optimizer.step() ran while the save still needed the live tensors"
-        assert torch.equal(model.inp.weight.detach(), before) and not h.snapshotted()
-        gate.set()
-        t.join(60)
-        assert not t.is_alive() and h.result(timeout=60) == 1
-        assert not torch.equal(model.inp.weight.detach(), before)
-        blocked = h.stats.blocked_s
-        assert blocked > 0
-        # no save in flight: a step does not wait, even with the engines held again
-        gate.clear()
-        t = stepper(model, opt)
-        t.join(60)
-        assert not t.is_alive()
-        assert h.stats.blocked_s == blocked
-        gate.set()
+        with hold_engines(ck) if mode == "live" else hold_copier(monkeypatch) as gate:
+            h = ck.save_async(1)
+            before = model.inp.weight.detach().clone()
+            t = stepper(model, opt)
+            t.join(0.5)
+            assert t.is_alive(), "optimizer.step() ran while the save still needed the live tensors"
+            assert torch.equal(model.inp.weight.detach(), before) and not h.snapshotted()
+            gate.set()
+            t.join(60)
+            assert not t.is_alive() and h.result(timeout=60) == 1
+            assert not torch.equal(model.inp.weight.detach(), before)
+            blocked = h.stats.blocked_s
+            assert blocked > 0
+            # no save in flight: a step does not wait, even with the engines held again
+            gate.clear()
+            t = stepper(model, opt)
+            t.join(60)
+            assert not t.is_alive()
+            assert h.stats.blocked_s == blocked
+            gate.set()
 
 
 def test_close_removes_the_hook_and_a_replaced_optimizer_gets_it(tmp_path):
@@ -229,18 +238,18 @@ def test_two_checkpointers_on_one_optimizer(tmp_path, monkeypatch):
     want = state_of(model, opt)
     a = GDSCheckpointer(model, opt, tmp_path / "a", options=options(snapshot="live"))
     b = GDSCheckpointer(model, opt, tmp_path / "b", options=options(snapshot="host"))
-    gate_a, gate_b = hold_engines(a), hold_copier(monkeypatch)
-    ha, hb = a.save_async(1), b.save_async(1)
-    assert len(opt._optimizer_step_pre_hooks) == 2
-    t = stepper(model, opt)
-    gate_a.set()  # a's save may finish; b still holds the tensors
-    ha.result(timeout=60)
-    t.join(0.5)
-    assert t.is_alive(), "the step must also wait for the second checkpointer's save"
-    gate_b.set()
-    t.join(60)
-    assert not t.is_alive()
-    hb.result(timeout=60)
+    with hold_engines(a) as gate_a, hold_copier(monkeypatch) as gate_b:
+        ha, hb = a.save_async(1), b.save_async(1)
+        assert len(opt._optimizer_step_pre_hooks) == 2
+        t = stepper(model, opt)
+        gate_a.set()  # a's save may finish; b still holds the tensors
+        ha.result(timeout=60)
+        t.join(0.5)
+        assert t.is_alive(), "the step must also wait for the second checkpointer's save"
+        gate_b.set()
+        t.join(60)
+        assert not t.is_alive()
+        hb.result(timeout=60)
     assert_same(saved_state(tmp_path / "a", 1), want)
     assert_same(saved_state(tmp_path / "b", 1), want)
     a.close()
@@ -324,16 +333,16 @@ def test_a_failing_copy_aborts_the_save_with_its_own_error(tmp_path, monkeypatch
 # ----------------------------------------------------------------------------- busy policy, back-pressure
 def test_skip_policy_reports_the_skipped_step(tmp_path, caplog):
     with GDSCheckpointer({"w": torch.randn(1000)}, None, tmp_path, options=options(on_busy="skip")) as ck:
-        gate = hold_engines(ck)
-        h1 = ck.save_async(1)
-        with caplog.at_level(logging.WARNING, logger="gdswriter"):
-            h2 = ck.save_async(2)
-        assert h2.skipped and h2.done() and h2.result() is None and h2.snapshotted()
-        assert "step 2 not saved: step 1 is still being saved" in caplog.text
-        gate.set()
-        assert h1.result(timeout=60) == 1 and not h1.skipped
-        assert ck.save(3) == 3
-        assert ck.steps() == [1, 3]
+        with hold_engines(ck) as gate:
+            h1 = ck.save_async(1)
+            with caplog.at_level(logging.WARNING, logger="gdswriter"):
+                h2 = ck.save_async(2)
+            assert h2.skipped and h2.done() and h2.result() is None and h2.snapshotted()
+            assert "step 2 not saved: step 1 is still being saved" in caplog.text
+            gate.set()
+            assert h1.result(timeout=60) == 1 and not h1.skipped
+            assert ck.save(3) == 3
+            assert ck.steps() == [1, 3]
 
 
 def test_wait_policy_bounds_what_is_queued(tmp_path):
@@ -341,25 +350,25 @@ def test_wait_policy_bounds_what_is_queued(tmp_path):
     runs, one waits, and the third call blocks until the first is done."""
     state = {"w": torch.zeros(100_000)}
     with GDSCheckpointer(state, None, tmp_path, options=options(snapshot="live")) as ck:
-        gate = hold_engines(ck)
-        seen = []
-        handles = []
+        with hold_engines(ck) as gate:
+            seen = []
+            handles = []
 
-        def caller():
-            for s in range(12):
-                handles.append(ck.save_async(s))
-                seen.append(len(ck._jobs))
+            def caller():
+                for s in range(12):
+                    handles.append(ck.save_async(s))
+                    seen.append(len(ck._jobs))
 
-        t = threading.Thread(target=caller, daemon=True)
-        t.start()
-        t.join(0.5)
-        assert t.is_alive() and len(handles) == 2, "the third save_async must wait while two are in flight"
-        gate.set()
-        t.join(120)
-        assert not t.is_alive()
-        ck.wait()
-        assert max(seen) <= 2 and [h.result() for h in handles] == list(range(12))
-        assert ck.steps() == list(range(12))
+            t = threading.Thread(target=caller, daemon=True)
+            t.start()
+            t.join(0.5)
+            assert t.is_alive() and len(handles) == 2, "the third save_async must wait while two are in flight"
+            gate.set()
+            t.join(120)
+            assert not t.is_alive()
+            ck.wait()
+            assert max(seen) <= 2 and [h.result() for h in handles] == list(range(12))
+            assert ck.steps() == list(range(12))
 
 
 # ----------------------------------------------------------------------------- close and exit
@@ -518,6 +527,9 @@ def test_state_larger_than_the_pool_streams_through_it(tmp_path, caplog, io_fres
     base = M.crash_base(24 << 20)
     state = M.crash_state(base)
     M.crash_fill(state, base, 7)
+    g = torch.Generator().manual_seed(5)
+    small = {f"s{i}": torch.randint(0, 1 << 30, (1 + i * 37 % 3001,), generator=g) for i in range(200)}
+    state["small"] = small
     with caplog.at_level(logging.INFO, logger="gdswriter"), \
             GDSCheckpointer(state, None, [tmp_path / "a", tmp_path / "b"],
                             options=options(snapshot="host", snapshot_pool_bytes=3 * MiB, files_per_root=2)) as ck:
@@ -527,6 +539,16 @@ def test_state_larger_than_the_pool_streams_through_it(tmp_path, caplog, io_fres
     assert caplog.text.count("it streams through the pool") == 1
     _, st = load_state([tmp_path / "a", tmp_path / "b"], 7)
     assert M.crash_matches(st["model"], base, 7)
+    assert all(torch.equal(st["model"]["small"][k], v) for k, v in small.items())
+
+
+@pytest.mark.parametrize("mode", ["host", "live"])
+def test_states_without_bytes(tmp_path, mode):
+    for step, state in enumerate(({"x": 1}, {"e": torch.zeros(0), "s": torch.zeros(2, 0)}), 1):
+        with GDSCheckpointer(state, None, tmp_path, options=options(snapshot=mode)) as ck:
+            assert ck.save_async(step).result(timeout=60) == step
+        got = load_state(tmp_path, step)[1]["model"]
+        assert got.keys() == state.keys()
 
 
 def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
@@ -550,12 +572,14 @@ def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
         real_copy(buf, at, src)
 
     monkeypatch.setattr(snapshot_pool, "_copy_in", copy_in)
+    monkeypatch.setattr(snapshot_pool, "PIECE_MAX", 1 * MiB)  # pieces of 1 MiB; the pool holds all of them
     base = M.crash_base(8 << 20)
     state = M.crash_state(base)
     M.crash_fill(state, base, 3)
-    with GDSCheckpointer(state, None, tmp_path, options=options(snapshot="host", snapshot_pool_bytes=2 * MiB)) as ck:
+    with GDSCheckpointer(state, None, tmp_path, options=options(snapshot="host")) as ck:
         ck.save(3)
-    assert len(order) >= 4 and seen == [True], (len(order), seen)
+        assert ck._snapshot_pool.capacity >= 8 * MiB
+    assert len(order) >= 8 and seen == [True], (len(order), seen)
     assert M.crash_matches(load_state(tmp_path)[1]["model"], base, 3)
 
 
@@ -568,7 +592,7 @@ def test_save_async_copies_nothing_on_the_callers_thread(tmp_path, monkeypatch):
     gate = hold_copier(monkeypatch)
     model, opt = build()
     train(model, opt, 1)
-    with GDSCheckpointer(model, opt, tmp_path, options=options(snapshot="host")) as ck:
+    with GDSCheckpointer(model, opt, tmp_path, options=options(snapshot="host")) as ck, gate:
         h = ck.save_async(1)
         assert not h.snapshotted() and threads == set()
         gate.set()
@@ -596,17 +620,17 @@ def test_handle_reports_stats_and_logs_them(tmp_path, caplog):
 def test_metadata_is_captured_whole_at_the_call(tmp_path):
     meta = {"tags": ["a"], "nested": {"x": [1, {"y": 2}]}}
     with GDSCheckpointer({"w": torch.ones(10)}, None, tmp_path, options=options()) as ck:
-        gate = hold_engines(ck)
-        h = ck.save_async(1, metadata=meta)
-        meta["tags"].append("later")
-        meta["nested"]["x"][1]["y"] = 99
-        meta["new"] = True
-        gate.set()
-        h.result(timeout=60)
-        with pytest.raises(UnsupportedObjectError, match="metadata"):
-            ck.save_async(2, metadata=["not", "a", "dict"])
-    from gdswriter.restore import read_manifest
+        with hold_engines(ck) as gate:
+            h = ck.save_async(1, metadata=meta)
+            meta["tags"].append("later")
+            meta["nested"]["x"][1]["y"] = 99
+            meta["new"] = True
+            gate.set()
+            h.result(timeout=60)
+            with pytest.raises(UnsupportedObjectError, match="metadata"):
+                ck.save_async(2, metadata=["not", "a", "dict"])
     from gdswriter.format.commit import CommitProtocol
+    from gdswriter.restore import read_manifest
     assert read_manifest(CommitProtocol([tmp_path]), 1).metadata == {"tags": ["a"], "nested": {"x": [1, {"y": 2}]}}
 
 
@@ -617,8 +641,8 @@ def test_arrays_sharing_memory_smaller_view_first(tmp_path, wrap):
     state = {"b": w(a[:5]), "a": w(a), "mid": w(a[3:9]), "c": w(a[990:])}
     with GDSCheckpointer(state, None, tmp_path, options=options()) as ck:
         ck.save(1)
-    from gdswriter.restore import read_manifest
     from gdswriter.format.commit import CommitProtocol
+    from gdswriter.restore import read_manifest
     assert len(read_manifest(CommitProtocol([tmp_path]), 1).storages) == 1  # one allocation, written once
     _, st = load_state(tmp_path)
     for k, v in state.items():
@@ -676,3 +700,14 @@ def test_cpu_only_state_makes_no_cuda_call(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "CALLS [] False" in proc.stdout, proc.stdout
     assert load_state(tmp_path)[0] == 4
+
+
+def test_training_loop_benchmark_script_runs(tmp_path):
+    """benchmarks/training_loop.py (what gpu_check.sh runs on a GPU), tiny: every case gets a row."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "training_loop.py"), "--size", "4M", "--iters", "2",
+                           "--rounds", "2", "--batch", "1", "--dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    for case in ("none", "gdswriter live", "gdswriter host", "torch.save thread", "dcp.async_save"):
+        assert f"| {case} |" in proc.stdout, proc.stdout
+    assert "overhead vs none" in proc.stdout and list(tmp_path.iterdir()) == []

@@ -18,8 +18,8 @@ The snapshot protocol, per device:
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from typing import Iterable, Iterator, Mapping
 
 import torch
 
@@ -27,7 +27,7 @@ from ..options import log_once
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context, not only the caller's
 
-_side: dict[int, "torch.cuda.Stream"] = {}
+_side: dict[int, torch.cuda.Stream] = {}
 _side_lock = threading.Lock()
 
 
@@ -36,7 +36,7 @@ def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
     return sorted({t.device.index for t in tensors if t.device.type == "cuda"})
 
 
-def record_ready(devices: Iterable[int]) -> dict[int, "torch.cuda.Event"]:
+def record_ready(devices: Iterable[int]) -> dict[int, torch.cuda.Event]:
     """An event on each device's current stream, recorded now (step 1 above)."""
     events = {}
     for d in devices:
@@ -47,7 +47,7 @@ def record_ready(devices: Iterable[int]) -> dict[int, "torch.cuda.Event"]:
     return events
 
 
-def side_stream(device: int) -> "torch.cuda.Stream":
+def side_stream(device: int) -> torch.cuda.Stream:
     """This process's copy stream on ``device`` (created once; shared by every save)."""
     with _side_lock:
         s = _side.get(device)
@@ -58,7 +58,7 @@ def side_stream(device: int) -> "torch.cuda.Stream":
 
 
 @contextmanager
-def on_side_streams(ready: Mapping[int, "torch.cuda.Event"]) -> Iterator[None]:
+def on_side_streams(ready: Mapping[int, torch.cuda.Event]) -> Iterator[None]:
     """In this thread, make each device's side stream current after it waits on ``ready[device]``:
     copies issued inside (``copy_`` uses the source device's current stream) start only
     once the work before the event is done (step 2 above)."""
@@ -70,7 +70,7 @@ def on_side_streams(ready: Mapping[int, "torch.cuda.Event"]) -> Iterator[None]:
         yield
 
 
-def record_side(devices: Iterable[int]) -> dict[int, "torch.cuda.Event"]:
+def record_side(devices: Iterable[int]) -> dict[int, torch.cuda.Event]:
     """An event on each device's side stream: everything copied there so far (step 3 above)."""
     events = {}
     for d in devices:
@@ -81,18 +81,18 @@ def record_side(devices: Iterable[int]) -> dict[int, "torch.cuda.Event"]:
     return events
 
 
-def stream_wait(events: Mapping[int, "torch.cuda.Event"]) -> None:
+def stream_wait(events: Mapping[int, torch.cuda.Event]) -> None:
     """Make the calling thread's current stream on each device wait for ``events``; the host
     does not wait."""
     for d, ev in events.items():
         torch.cuda.current_stream(d).wait_event(ev)
 
 
-def events_done(events: Mapping[int, "torch.cuda.Event"]) -> bool:
+def events_done(events: Mapping[int, torch.cuda.Event]) -> bool:
     return all(ev.query() for ev in events.values())
 
 
-def host_wait(events: Mapping[int, "torch.cuda.Event"]) -> None:
+def host_wait(events: Mapping[int, torch.cuda.Event]) -> None:
     for ev in events.values():
         ev.synchronize()
 
