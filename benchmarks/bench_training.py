@@ -25,6 +25,9 @@ import torch
 import _util
 import training_loop as TL
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled",
+                                        "ignore:Detected an existing checkpoint")
+
 SUITE = "training"
 _BASE: dict[str, float] = {}  # size label -> mean step s of "none"
 

@@ -326,10 +326,13 @@ def calibrate(root: Path, model, opt, device: str, max_batch: int = 1024) -> tup
     w = write_seconds(root, model, opt)
     batch, step = 2, 0.0
     while True:  # grow until a step is long enough to time, then scale linearly
-        t = time.perf_counter()
-        train_step(model, opt, batch, device)
-        sync(device)
-        step = time.perf_counter() - t
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            train_step(model, opt, batch, device)
+            sync(device)
+            times.append(time.perf_counter() - t)
+        step = statistics.median(times)
         if step > w / 4 or batch >= max_batch:
             break
         batch = min(max_batch, batch * 4)
@@ -359,7 +362,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", default="auto", help="sequences per step, or 'auto': one step ~ one checkpoint write")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from: {', '.join(CASES)}")
     ap.add_argument("--dir", default=None, help="where checkpoints go (a directory on the disk under test)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads for training (default: torch's; on a small CPU box leave a core "
+                         "for the background saves)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: no CUDA device")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]

@@ -55,6 +55,7 @@ log = logging.getLogger("gdswriter")
 __all__ = ["CheckpointOptions", "GDSCheckpointer", "SaveHandle", "SaveStats", "load_state"]
 
 QUEUED_MAX = 1  # saves waiting behind the running one (on_busy="wait"); save_async blocks beyond
+WORKER_IDLE_S = 10.0  # the save thread ends after this long without a save
 
 
 # ----------------------------------------------------------------------------- handle
@@ -212,6 +213,7 @@ class GDSCheckpointer:
                                                lock_memory=o.engine.lock_memory)
         self._jobs: deque[tuple[SaveHandle, Snapshot]] = deque()  # the first runs, the others wait
         self._jobs_cv = threading.Condition()
+        self._worker = False  # a save thread is running (see _work)
         self._submit_lock = threading.Lock()
         self._hook = None
         self._hooked: Any = None
@@ -272,15 +274,23 @@ class GDSCheckpointer:
                                  if not h.done() or (not h.reported and h.exception() is not None)] + [handle]
             with self._jobs_cv:
                 self._jobs.append((handle, snap))
-                if len(self._jobs) == 1:  # no worker: start one (it ends when the queue is empty)
-                    threading.Thread(target=self._work, name="gdswriter-save", daemon=False).start()
+                self._jobs_cv.notify_all()
+                if not self._worker:
+                    self._worker = True
+                    threading.Thread(target=self._work, name="gdswriter-save", daemon=True).start()
         handle._blocked += time.perf_counter() - t0
         return handle
 
     def _work(self) -> None:
-        """The save thread: run queued saves in order; exit when none is left."""
+        """The save thread: run queued saves in order. It stays for the next save (starting a
+        thread would cost save_async milliseconds), and ends when the checkpointer is closed
+        or no save came for WORKER_IDLE_S. A daemon: saves in flight at interpreter exit are
+        waited for by _finish_saves_at_exit."""
         while True:
             with self._jobs_cv:
+                if not self._jobs_cv.wait_for(lambda: self._jobs or self._closed, WORKER_IDLE_S) or not self._jobs:
+                    self._worker = False
+                    return
                 handle, snap = self._jobs[0]
             try:
                 self._run(handle, snap)
@@ -289,8 +299,6 @@ class GDSCheckpointer:
             with self._jobs_cv:
                 self._jobs.popleft()
                 self._jobs_cv.notify_all()
-                if not self._jobs:
-                    return
 
     def _run(self, handle: SaveHandle, snap: Snapshot) -> None:
         """One save, then its retention. The handle is finished whatever happens."""
@@ -430,6 +438,8 @@ class GDSCheckpointer:
             self.wait()
         finally:
             self._drain()
+            with self._jobs_cv:
+                self._jobs_cv.notify_all()  # the save thread sees _closed and ends
             self._snapshot_pool.close()
             for e in self._engines:
                 e.close()
@@ -479,5 +489,5 @@ def _finish_saves_at_exit() -> None:
 
 try:
     threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
-except (AttributeError, RuntimeError):  # no such hook in this Python: the save thread is non-daemon
+except (AttributeError, RuntimeError):  # no such hook in this Python: atexit also runs before daemon threads stop
     atexit.register(_finish_saves_at_exit)

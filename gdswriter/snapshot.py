@@ -34,16 +34,31 @@ CAPTURE_MAX = 1 * MiB  # unprotected extents up to this size are copied at the c
 CAPTURE_BUDGET = 64 * MiB  # ...up to this many bytes per snapshot
 
 
-@dataclass
 class Extent:
-    """The bytes one group of saved tensors views, as a flat uint8 tensor: live memory, or a
-    copy taken at the call (``captured``). ``keepalive`` holds the tensors whose memory a raw
-    view points into."""
+    """The bytes one group of saved tensors views, as a flat uint8 tensor (``flat``): live
+    memory, or a copy taken at the call (``captured``). A view of a storage is made when
+    first asked for, on the save thread (save_async only notes storage, offset and length).
+    ``keepalive`` holds the tensors whose memory a raw view points into."""
 
-    flat: torch.Tensor
-    first_tensor: str
-    captured: bool = False
-    keepalive: tuple = field(default=(), repr=False)
+    __slots__ = ("_flat", "_view", "captured", "device", "first_tensor", "keepalive", "nbytes")
+
+    def __init__(self, first_tensor: str, *, flat: torch.Tensor | None = None,
+                 view: tuple[torch.UntypedStorage, torch.device, int, int] | None = None, keepalive: tuple = ()):
+        self.first_tensor, self.captured, self.keepalive = first_tensor, False, keepalive
+        self._flat, self._view = flat, view
+        self.nbytes = flat.numel() if flat is not None else view[3]  # type: ignore[index]
+        self.device = flat.device if flat is not None else view[1]  # type: ignore[index]
+
+    @property
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = flat_bytes(*self._view)  # type: ignore[misc]
+        return self._flat
+
+    def replace(self, flat: torch.Tensor) -> None:
+        """Hold ``flat`` (a copy taken now) instead of the live bytes."""
+        self._flat, self._view, self.captured, self.keepalive = flat, None, True, ()
+        self.device = flat.device
 
 
 @dataclass
@@ -60,7 +75,7 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.flat.numel() for e in self.extents)
+        return sum(e.nbytes for e in self.extents)
 
 
 def flat_bytes(storage: torch.UntypedStorage, device: torch.device, start: int, nbytes: int) -> torch.Tensor:
@@ -71,6 +86,8 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.storage_offset() * t.element_size()
     if t.numel() == 0:
         return start, start
+    if t.is_contiguous():
+        return start, start + t.numel() * t.element_size()
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
 
@@ -148,14 +165,12 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
     only CPU and CUDA memory can be read in the background."""
     tree, tensors = encode_state(state)
     names, kinds = _tensor_names(tree, len(tensors))
-    for i, t in enumerate(tensors):
-        t = t.detach()
+    for i, t in enumerate(tensors):  # only bytes are read: no autograd (detach) needed, except below
         if t.is_quantized:
             raise UnsupportedObjectError(names[i], t, "quantized tensors are not supported: save t.dequantize() "
                                                       "and the quantization parameters instead")
         if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
-            t = t.resolve_conj().resolve_neg()
-        tensors[i] = t
+            tensors[i] = t.detach().resolve_conj().resolve_neg()
     extents, placed = _group_by_allocation(tensors, names)
     records = []
     for i, t in enumerate(tensors):
@@ -163,7 +178,7 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
         records.append(TensorRecord(names[i] or f"<tensor {i}>", sid, off, dtype_to_name(t.dtype), tuple(t.shape),
                                     tuple(t.stride()), str(t.device), kinds[i]))
     _capture(extents, placed, tensors, protected)
-    ready = streams.record_ready(streams.cuda_devices(e.flat for e in extents))
+    ready = streams.record_ready(streams.cuda_devices(e.device for e in extents))
     return Snapshot(step, tree, extents, records, dict(metadata or {}), ready)
 
 
@@ -178,13 +193,13 @@ def _capture(extents: list[Extent], placed: list[tuple[int, int]], tensors: list
             unguarded.discard(placed[i][0])
     budget = CAPTURE_BUDGET
     for sid, ext in enumerate(extents):
-        n = ext.flat.numel()
-        if ext.flat.device.type not in ("cpu", "cuda"):
-            log_once(f"host-copy:{ext.flat.device.type}", f"gdswriter: {ext.flat.device.type} tensors are copied to "
-                                                          f"host memory when save_async is called (synchronously)")
-            ext.flat, ext.captured, ext.keepalive = ext.flat.to("cpu"), True, ()
+        n, kind = ext.nbytes, ext.device.type
+        if kind not in ("cpu", "cuda"):
+            log_once(f"host-copy:{kind}", f"gdswriter: {kind} tensors are copied to host memory when save_async "
+                                          f"is called (synchronously)")
+            ext.replace(ext.flat.to("cpu"))
         elif sid in unguarded and 0 < n <= min(CAPTURE_MAX, budget):
-            ext.flat, ext.captured, ext.keepalive = ext.flat.clone(), True, ()
+            ext.replace(ext.flat.clone())
             budget -= n
 
 
@@ -198,16 +213,17 @@ def _group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple
     devices such a group is split by storage (each piece saved whole, so the bytes are right
     and only the sharing is not restored)."""
     found: list[tuple[Extent, list[tuple[int, int]]]] = []  # each extent with its (tensor, byte offset)s
-    by_device: dict[torch.device, list[tuple[int, int, int]]] = {}
+    by_device: dict[torch.device, list[_Member]] = {}
     for i, t in enumerate(tensors):
         lo, hi = byte_span(t)
-        base = t.untyped_storage().data_ptr()
+        st = t.untyped_storage()
+        base = st.data_ptr()
         if hi == lo or not base:  # no bytes: an empty extent of its own
-            found.append((Extent(torch.empty(0, dtype=torch.uint8), names[i]), [(i, 0)]))
+            found.append((Extent(names[i], flat=torch.empty(0, dtype=torch.uint8)), [(i, 0)]))
         else:
-            by_device.setdefault(t.device, []).append((base + lo, base + hi, i))
+            by_device.setdefault(t.device, []).append((base + lo, base + hi, i, st))
     for device, members in by_device.items():
-        members.sort()
+        members.sort(key=lambda m: (m[0], m[1], m[2]))
         group, end = [members[0]], members[0][1]
         for m in members[1:]:
             if m[0] >= end:
@@ -224,16 +240,20 @@ def _group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple
     return [e for e, _ in found], placed
 
 
-def _add_group(group: list[tuple[int, int, int]], tensors: list[torch.Tensor], names: list[str],
-               device: torch.device, found: list) -> None:
+_Member = tuple  # (first byte's address, end address, tensor index, its UntypedStorage)
+
+
+def _add_group(group: list[_Member], tensors: list[torch.Tensor], names: list[str], device: torch.device,
+               found: list) -> None:
+    if len(group) == 1:  # the usual case: a tensor that shares its memory with no other
+        _view_storage(group, group[0][3], tensors, names, device, found)
+        return
     lo = min(g[0] for g in group)
     hi = max(g[1] for g in group)
-    first = names[min(g[2] for g in group)]
-    storages = {}
-    for _, _, i in group:
-        st = tensors[i].untyped_storage()
-        storages.setdefault(st.data_ptr(), (st, []))[1].append(i)
-    for st, _ in storages.values():  # a storage that holds the whole range: view it (the usual case)
+    storages: dict[int, tuple[torch.UntypedStorage, list[_Member]]] = {}
+    for g in group:
+        storages.setdefault(g[3].data_ptr(), (g[3], []))[1].append(g)
+    for st, _ in storages.values():  # a storage that holds the whole range: view it
         if st.data_ptr() <= lo and hi <= st.data_ptr() + st.nbytes() and _view_storage(group, st, tensors, names,
                                                                                       device, found):
             return
@@ -241,27 +261,27 @@ def _add_group(group: list[tuple[int, int, int]], tensors: list[torch.Tensor], n
         start = max(lo // STORAGE_ALIGN * STORAGE_ALIGN, min(storages))
         if _fits(group, tensors, start):
             raw = torch.frombuffer((ctypes.c_char * (hi - start)).from_address(start), dtype=torch.uint8)
-            found.append((Extent(raw, first, keepalive=tuple(tensors[i] for *_, i in group)),
-                          [(i, a - start) for a, _, i in group]))
+            found.append((Extent(names[min(g[2] for g in group)], flat=raw,
+                                 keepalive=tuple(tensors[g[2]] for g in group)), [(g[2], g[0] - start) for g in group]))
             return
-    for st, members in storages.values():  # each storage covers its own views
-        part = [g for g in group if g[2] in members]
+    for st, part in storages.values():  # each storage covers its own views
         _view_storage(part, st, tensors, names, device, found)
 
 
-def _view_storage(group: list[tuple[int, int, int]], st: torch.UntypedStorage, tensors: list[torch.Tensor],
-                  names: list[str], device: torch.device, found: list) -> bool:
+def _view_storage(group: list[_Member], st: torch.UntypedStorage, tensors: list[torch.Tensor], names: list[str],
+                  device: torch.device, found: list) -> bool:
     """Place ``group`` as one extent viewing storage ``st`` from the 16-byte boundary at or below
-    its first byte; False if a member would not start a whole number of its elements in."""
+    its first byte; False if a member would not start a whole number of its elements in (the
+    members of ``st`` itself always do)."""
     base = st.data_ptr()
     start = (min(g[0] for g in group) - base) // STORAGE_ALIGN * STORAGE_ALIGN
     if not _fits(group, tensors, base + start):
         return False
-    flat = flat_bytes(st, device, start, max(g[1] for g in group) - base - start)
-    found.append((Extent(flat, names[min(g[2] for g in group)]), [(i, a - base - start) for a, _, i in group]))
+    view = (st, device, start, max(g[1] for g in group) - base - start)
+    found.append((Extent(names[min(g[2] for g in group)], view=view), [(g[2], g[0] - base - start) for g in group]))
     return True
 
 
-def _fits(group, tensors: list[torch.Tensor], start: int) -> bool:
+def _fits(group: list[_Member], tensors: list[torch.Tensor], start: int) -> bool:
     """Every member starts a whole number of its elements after ``start`` (so it can be rebuilt)."""
-    return all((a - start) % tensors[i].element_size() == 0 for a, _, i in group)
+    return all((g[0] - start) % tensors[g[2]].element_size() == 0 for g in group)

@@ -83,7 +83,7 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
     (mode "live", CUDA extents on side streams behind ``snap.ready``). ``release`` (optional)
     is set when the extents' memory is no longer needed, or the save failed."""
     release = release if release is not None else Release()
-    plan: SavePlan = plan_save([e.flat.numel() for e in snap.extents], targets)
+    plan: SavePlan = plan_save([e.nbytes for e in snap.extents], targets)
     try:
         pending: PendingCommit = protocol.begin(snap.step)
     except BaseException as e:
@@ -106,7 +106,7 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
         for c in sorted(crcs, key=lambda c: (c.storage, c.storage_offset)):
             by_storage.setdefault(c.storage, []).append(
                 ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[c]))
-        storages = [StorageRecord(ext.flat.numel(), tuple(by_storage[sid])) for sid, ext in enumerate(snap.extents)]
+        storages = [StorageRecord(ext.nbytes, tuple(by_storage[sid])) for sid, ext in enumerate(snap.extents)]
         files = tuple(FileRecord(f.target.root, f.target.name, f.size, {"engine": engines[f.target.root].info.name})
                       for f in plan.files)
         manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),

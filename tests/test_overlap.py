@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -274,8 +275,11 @@ def test_engine_failure_surfaces_once_at_the_next_optimizer_step(tmp_path, mode)
         fault_engine(ck, FaultPlan(fail_at_request=2, errno=errno.ENOSPC, op="write"))
         h = ck.save_async(2)
         model(torch.randn(4, 513)).sum().backward()
+        deadline = time.monotonic() + 60
+        while not h.done() and time.monotonic() < deadline:  # (live mode: the step itself would wait)
+            time.sleep(0.01)
         with pytest.raises(EngineIOError) as ei:
-            opt.step()  # waits for the save (it fails meanwhile) and reports its error
+            opt.step()  # the first step after the failure reports it
         assert ei.value.errno == errno.ENOSPC and "file system is full" in str(ei.value)
         with pytest.raises(EngineIOError):
             h.result(timeout=60)  # the handle's own result always says what happened to it
@@ -361,6 +365,9 @@ def test_wait_policy_bounds_what_is_queued(tmp_path):
 
             t = threading.Thread(target=caller, daemon=True)
             t.start()
+            deadline = time.monotonic() + 60
+            while len(handles) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
             t.join(0.5)
             assert t.is_alive() and len(handles) == 2, "the third save_async must wait while two are in flight"
             gate.set()
@@ -444,7 +451,6 @@ def test_sigkill_during_a_pipelined_save_keeps_the_previous_step(tmp_path, delay
     """32 MiB through an 8 MiB pool, killed while copying and writing step 2: step 1 (and any
     step that committed) stays loadable and exact; nothing half-written is visible."""
     import signal
-    import time
 
     proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(tmp_path)], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

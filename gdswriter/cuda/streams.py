@@ -31,9 +31,9 @@ _side: dict[int, torch.cuda.Stream] = {}
 _side_lock = threading.Lock()
 
 
-def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[int]:
-    """Indices of the CUDA devices holding any of ``tensors`` (sorted). Makes no CUDA call."""
-    return sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+def cuda_devices(devices: Iterable[torch.device]) -> list[int]:
+    """Indices of the CUDA devices among ``devices`` (sorted). Makes no CUDA call."""
+    return sorted({d.index for d in devices if d.type == "cuda"})
 
 
 def record_ready(devices: Iterable[int]) -> dict[int, torch.cuda.Event]:
