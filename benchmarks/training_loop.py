@@ -3,8 +3,8 @@
 A small transformer (torch.nn.TransformerEncoder, embedding and head) with AdamW, sized so
 that model + optimizer state is about ``--size`` bytes, trains for ``--iters`` iterations and
 saves a checkpoint after every optimizer step. The batch is chosen so that one training step
-takes about as long as one durable write of the checkpoint (``--batch auto``), the case the
-overlap is for. Cases:
+takes about as long as (at least) one durable write of the checkpoint (``--batch auto``),
+the case the overlap is for: the write fits within a step. Cases:
 
   none                 no checkpoint (the reference)
   gdswriter live       GDSCheckpointer(snapshot="live").save_async: the engine writes from the
@@ -318,8 +318,8 @@ def write_seconds(root: Path, model, opt) -> float:
 
 
 def calibrate(root: Path, model, opt, device: str, max_batch: int = 1024) -> tuple[int, float, float]:
-    """The batch whose training step takes about one checkpoint write: (batch, write s, step s
-    at the largest batch timed). At most ``max_batch`` sequences (GPU memory)."""
+    """The smallest batch whose training step takes at least one checkpoint write: (batch,
+    write s, step s at the largest batch timed). At most ``max_batch`` sequences (GPU memory)."""
     for _ in range(WARMUP):
         train_step(model, opt, 2, device)
     sync(device)
@@ -336,7 +336,7 @@ def calibrate(root: Path, model, opt, device: str, max_batch: int = 1024) -> tup
         if step > w / 4 or batch >= max_batch:
             break
         batch = min(max_batch, batch * 4)
-    return max(1, min(max_batch, round(batch * w / step))), w, step
+    return max(1, min(max_batch, math.ceil(batch * w / step))), w, step  # a step at least as long as a write
 
 
 def table(results: list[LoopResult]) -> str:

@@ -26,7 +26,6 @@ in "host" mode, the training stream waits on the copies' events; the host does n
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import threading
 import time
@@ -41,12 +40,12 @@ from typing import Any
 
 from .engine import IOEngine
 from .engine_select import create_engine
-from .errors import GDSWriterError, InvalidOptionError, UnsupportedObjectError
+from .errors import GDSWriterError, InvalidOptionError
 from .format.commit import CommitProtocol, RootLock, normalize_roots
 from .options import CheckpointOptions
 from .restore import LiveState, load_state, restore_into
 from .rng import rng_state
-from .snapshot import Snapshot, hint_unaligned, take_snapshot, tensors_of
+from .snapshot import Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
 from .snapshot_pool import HostSnapshotPool
 from .writer import Release, file_targets, write_and_commit
 
@@ -213,7 +212,8 @@ class GDSCheckpointer:
                                                lock_memory=o.engine.lock_memory)
         self._jobs: deque[tuple[SaveHandle, Snapshot]] = deque()  # the first runs, the others wait
         self._jobs_cv = threading.Condition()
-        self._worker = False  # a save thread is running (see _work)
+        self._worker: threading.Thread | None = None  # the save thread, while it runs (see _work)
+        self._stopping = False
         self._submit_lock = threading.Lock()
         self._hook = None
         self._hooked: Any = None
@@ -253,7 +253,7 @@ class GDSCheckpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise InvalidOptionError(f"step must be an integer >= 0, got {step!r}")
         self._raise_unreported()
-        metadata = _plain_json(metadata)
+        metadata = plain_json(metadata)  # now: later changes to the caller's objects do not reach the step
         mode = self.options.snapshot
         with self._submit_lock:
             with self._jobs_cv:
@@ -275,21 +275,21 @@ class GDSCheckpointer:
             with self._jobs_cv:
                 self._jobs.append((handle, snap))
                 self._jobs_cv.notify_all()
-                if not self._worker:
-                    self._worker = True
-                    threading.Thread(target=self._work, name="gdswriter-save", daemon=True).start()
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work, name="gdswriter-save", daemon=True)
+                    self._worker.start()
         handle._blocked += time.perf_counter() - t0
         return handle
 
     def _work(self) -> None:
         """The save thread: run queued saves in order. It stays for the next save (starting a
-        thread would cost save_async milliseconds), and ends when the checkpointer is closed
-        or no save came for WORKER_IDLE_S. A daemon: saves in flight at interpreter exit are
-        waited for by _finish_saves_at_exit."""
+        thread would cost save_async milliseconds), and ends when no save came for
+        WORKER_IDLE_S or when _stop_worker asks (close, interpreter exit: a daemon thread still
+        alive when the interpreter finalizes can abort the process)."""
         while True:
             with self._jobs_cv:
-                if not self._jobs_cv.wait_for(lambda: self._jobs or self._closed, WORKER_IDLE_S) or not self._jobs:
-                    self._worker = False
+                if not self._jobs_cv.wait_for(lambda: self._jobs or self._stopping, WORKER_IDLE_S) or not self._jobs:
+                    self._worker = None
                     return
                 handle, snap = self._jobs[0]
             try:
@@ -395,6 +395,15 @@ class GDSCheckpointer:
             while self._jobs:
                 self._jobs_cv.wait()
 
+    def _stop_worker(self) -> None:
+        """Make the save thread end once no save is queued, and wait for it."""
+        with self._jobs_cv:
+            self._stopping = True
+            self._jobs_cv.notify_all()
+            worker = self._worker
+        if worker is not None:
+            worker.join()
+
     def _quiesce(self) -> None:
         self._drain()
         self._wait_retention()
@@ -438,8 +447,7 @@ class GDSCheckpointer:
             self.wait()
         finally:
             self._drain()
-            with self._jobs_cv:
-                self._jobs_cv.notify_all()  # the save thread sees _closed and ends
+            self._stop_worker()
             self._snapshot_pool.close()
             for e in self._engines:
                 e.close()
@@ -460,19 +468,6 @@ class GDSCheckpointer:
                 log.exception("gdswriter: a background save also failed while handling another error")
 
 
-def _plain_json(metadata: Any) -> dict:
-    """A deep copy of ``metadata`` as the manifest will hold it (plain JSON, so later changes
-    to the caller's objects do not reach the saved step)."""
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, dict):
-        raise UnsupportedObjectError("metadata", metadata, "metadata must be a dict of plain JSON values")
-    try:
-        return json.loads(json.dumps(metadata, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise UnsupportedObjectError("metadata", metadata, f"metadata must be plain JSON: {e}") from e
-
-
 # Saves in flight when the interpreter exits are finished first: this runs before
 # concurrent.futures shuts its thread pools down (which a multi-root save uses), as
 # threading's exit hooks run in reverse order of registration.
@@ -485,6 +480,8 @@ def _finish_saves_at_exit() -> None:
             ck._quiesce()
         except BaseException:
             log.exception("gdswriter: a save failed while the interpreter exited")
+        finally:
+            ck._stop_worker()
 
 
 try:

@@ -13,6 +13,7 @@ values belong to (cuda/streams.py).
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
@@ -155,10 +156,23 @@ def tensors_of(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+def plain_json(metadata: Any) -> dict:
+    """A deep copy of ``metadata`` as the manifest will hold it (plain JSON, so later changes
+    to the caller's objects do not reach the saved step)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise UnsupportedObjectError("metadata", metadata, "metadata must be a dict of plain JSON values")
+    try:
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise UnsupportedObjectError("metadata", metadata, f"metadata must be plain JSON: {e}") from e
+
+
 def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                   protected: Collection[torch.Tensor] = ()) -> Snapshot:
     """Encode ``state`` and group its tensors by the allocation they view; copies nothing but
-    small unprotected tensors. ``protected``: tensors that something else keeps unchanged until
+    small unprotected tensors (and ``metadata``, plain JSON, deep). ``protected``: tensors that something else keeps unchanged until
     the save releases them (the optimizer's parameters and state, held by the checkpointer's
     step pre-hook); other extents up to CAPTURE_MAX bytes are copied now. Extents on a device
     that is neither the CPU nor CUDA (XPU, MPS...) are copied to the CPU now (synchronously):
@@ -179,7 +193,7 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                                     tuple(t.stride()), str(t.device), kinds[i]))
     _capture(extents, placed, tensors, protected)
     ready = streams.record_ready(streams.cuda_devices(e.device for e in extents))
-    return Snapshot(step, tree, extents, records, dict(metadata or {}), ready)
+    return Snapshot(step, tree, extents, records, plain_json(metadata), ready)
 
 
 def _capture(extents: list[Extent], placed: list[tuple[int, int]], tensors: list[torch.Tensor],
