@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -472,6 +473,8 @@ class GDSCheckpointer:
 # concurrent.futures shuts its thread pools down (which a multi-root save uses), as
 # threading's exit hooks run in reverse order of registration.
 _open_checkpointers: weakref.WeakSet[GDSCheckpointer] = weakref.WeakSet()
+# A forked child has none of the parent's save threads: it must not wait for their saves.
+os.register_at_fork(after_in_child=_open_checkpointers.clear)
 
 
 def _finish_saves_at_exit() -> None:

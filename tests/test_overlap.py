@@ -449,6 +449,35 @@ def test_exit_right_after_close_is_clean(tmp_path):
         assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+FORK_CHILD = textwrap.dedent("""
+    import os, sys, time, torch
+    import _models as M
+    from gdswriter import GDSCheckpointer
+    ck = GDSCheckpointer({"w": torch.ones(100_000)}, None, sys.argv[1], options=M.small_options())
+    for e in ck._engine_list():
+        e.write_file = lambda *a, _real=e.write_file, **kw: (time.sleep(1), _real(*a, **kw))[1]
+    h = ck.save_async(1)
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a normal exit, while the parent's save (whose thread the child lacks) runs
+    deadline = time.monotonic() + 60
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            sys.exit("the forked child hung at exit waiting for the parent's save")
+        time.sleep(0.05)
+    h.result()
+    ck.close()
+    print("OK")
+""")
+
+
+def test_a_forked_child_does_not_wait_for_the_parents_saves(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", FORK_CHILD, str(tmp_path)], env=ENV, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
+
+
 KILL_CHILD = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
