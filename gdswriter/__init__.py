@@ -6,7 +6,7 @@
 """
 
 from .bench import BenchOptions, BenchResult, run_bench
-from .checkpointer import GDSCheckpointer, LoadResult, SaveHandle
+from .checkpointer import GDSCheckpointer, LoadResult, SaveHandle, SaveStats
 from .dist import DistOptions
 from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from .engine_select import create_engine
@@ -22,7 +22,7 @@ from .restore import load_state
 __version__ = "0.1.0"
 
 __all__ = [
-    "GDSCheckpointer", "CheckpointOptions", "LoadResult", "SaveHandle", "load_state",
+    "GDSCheckpointer", "CheckpointOptions", "LoadResult", "SaveHandle", "SaveStats", "load_state",
     "EngineOptions", "EngineInfo", "IOEngine", "ReadSpan", "WriteSpan", "create_engine",
     "GDSWriterError", "CheckpointError", "CheckpointLockedError", "CheckpointNotFoundError",
     "ChecksumMismatchError", "CorruptCheckpointError", "EngineIOError", "EngineUnavailableError",

@@ -1,51 +1,107 @@
-"""GDSCheckpointer: save, load and resume training state, crash-safe.
+"""GDSCheckpointer: save, load and resume training state, crash-safe, while training goes on.
 
 The facade over the pipeline: collect state -> snapshot (snapshot.py) -> plan, write and
-commit (writer.py) -> retention; load reads a committed step back (restore.py).
-``save(step)`` is ``save_async(step).result()``.
+commit (writer.py; through the host snapshot pool, snapshot_pool.py, in "host" mode) ->
+retention; load reads a committed step back (restore.py). ``save(step)`` is
+``save_async(step).result()``.
+
+Saving while training goes on. ``save_async(step)`` records what to save (tensor
+references, their layout, the state's other values by value, an event per GPU on the
+current stream) and returns; the bytes move in the background. Until the save has
+*released* the tensors (``handle.snapshotted()``: in "host" mode once they are copied into
+the host pool, in "live" mode once they are written), their memory must keep the saved
+values. The checkpointer enforces this for the optimizer it was given: a step pre-hook
+makes ``optimizer.step()`` (also through GradScaler.step) wait for the release (on a GPU,
+in "host" mode, the training stream waits on the copies' events; the host does not). So:
+
+* forward, backward, ``zero_grad``, data loading, LR scheduler and GradScaler updates may
+  run right after save_async (their values were captured at the call);
+* module buffers and extra-state tensors the optimizer does not update (BatchNorm running
+  statistics, counters) are copied at the call when they are small (up to 1 MiB each);
+* anything else that changes a saved tensor in place outside ``optimizer.step()`` (an
+  in-place edit of parameters, an EMA of weights kept in extra state, large buffers,
+  another optimizer) must wait: ``handle.wait_snapshotted()`` first.
 """
 
 from __future__ import annotations
 
-import json
+import atexit
 import logging
+import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+import time
+import weakref
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from .engine import IOEngine
 from .engine_select import create_engine
-from .errors import GDSWriterError, InvalidOptionError, ReadOnlyRootError, UnsupportedObjectError
+from .errors import GDSWriterError, InvalidOptionError, ReadOnlyRootError
 from .format.commit import CommitProtocol, RootLock, normalize_roots, normalize_step
 from .options import CheckpointOptions
 from .restore import LiveState, LoadResult, load_state, restore_into, restore_newest_intact
 from .rng import rng_state
-from .snapshot import Snapshot, hint_unaligned, take_snapshot
+from .snapshot import Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
+from .snapshot_pool import HostSnapshotPool
 from .dist import DistOptions, is_multi_rank, session_for as dist_session_for  # [dist hook]
 from .dist import load_into as dist_load_into  # [dist hook]
-from .writer import file_targets, write_and_commit
+from .writer import Release, file_targets, write_and_commit
 
 log = logging.getLogger("gdswriter")
 
-__all__ = ["CheckpointOptions", "GDSCheckpointer", "LoadResult", "SaveHandle", "load_state"]
+__all__ = ["CheckpointOptions", "GDSCheckpointer", "LoadResult", "SaveHandle", "SaveStats", "load_state"]
+
+QUEUED_MAX = 1  # saves waiting behind the running one (on_busy="wait"); save_async blocks beyond
+WORKER_IDLE_S = 10.0  # the save thread ends after this long without a save
 
 
 # ----------------------------------------------------------------------------- handle
-class SaveHandle:
-    """A save in progress. ``result(timeout)`` returns the step once it is durable and committed."""
+@dataclass(frozen=True)
+class SaveStats:
+    """How one save went. ``blocked_s``: time training was blocked by it (save_async itself,
+    plus optimizer steps that waited for it); ``snapshot_s``: from the start of the save until
+    it released the live tensors; ``write_s``: from its start until the step was committed."""
 
-    def __init__(self, step: int, future: Future, owner: "GDSCheckpointer"):
-        self.step = step
-        self._future = future
-        self._owner = owner
+    step: int
+    mode: str
+    nbytes: int
+    blocked_s: float
+    snapshot_s: float
+    write_s: float
+
+    @property
+    def gbps(self) -> float:
+        """Bytes written per second of write_s, in GB/s (1e9)."""
+        return self.nbytes / self.write_s / 1e9 if self.write_s > 0 else 0.0
+
+
+class SaveHandle:
+    """A save in progress. ``result(timeout)`` returns the step once it is durable and committed
+    (None if the save was ``skipped``, see CheckpointOptions.on_busy); ``snapshotted()`` says
+    whether the save still needs the live tensors; ``stats`` is set once it is done."""
+
+    def __init__(self, step: int, mode: str, *, skipped: bool = False):
+        self.step, self.mode, self.skipped = step, mode, skipped
+        self._future: Future = Future()
+        self._release = Release()
+        self._blocked = 0.0
+        self._nbytes = 0
+        self._started: float | None = None
         self.reported = False
+        self.stats: SaveStats | None = None
+        if skipped:
+            self._release.set()
+            self._future.set_result(None)
 
     def done(self) -> bool:
         return self._future.done()
 
-    def result(self, timeout: float | None = None) -> int:
+    def result(self, timeout: float | None = None) -> int | None:
         """Wait (concurrent.futures.TimeoutError after ``timeout`` s); re-raises the save's own error."""
         try:
             return self._future.result(timeout)
@@ -57,6 +113,25 @@ class SaveHandle:
 
     def exception(self) -> BaseException | None:
         return self._future.exception() if self._future.done() else None
+
+    def snapshotted(self) -> bool:
+        """True once the save no longer reads the live tensors (copied, or written, or failed):
+        from then on they may be changed in any way."""
+        return self._release.is_set()
+
+    def wait_snapshotted(self, timeout: float | None = None) -> bool:
+        """Block until ``snapshotted()`` (False after ``timeout`` s)."""
+        return self._release.wait(timeout)
+
+    def _finish(self, error: BaseException | None) -> None:
+        now = time.perf_counter()
+        started = self._started if self._started is not None else now
+        released = self._release.at if self._release.at is not None else now
+        self.stats = SaveStats(self.step, self.mode, self._nbytes, self._blocked, released - started, now - started)
+        if error is None:
+            self._future.set_result(self.step)
+        else:
+            self._future.set_exception(error)
 
 
 # ----------------------------------------------------------------------------- checkpointer
@@ -120,12 +195,12 @@ class GDSCheckpointer:
         if removed:
             log.info("gdswriter: removed %d leftover(s) of interrupted saves under %s", len(removed), roots[0])
         self._engines: list[IOEngine] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gdswriter-save")
         self.last_load: LoadResult | None = None
         self._handles: list[SaveHandle] = []
         self._retention: Future | None = None
         self._mutex = threading.Lock()
         self._closed = False
+        self._init_saving()
 
     # -- info ----------------------------------------------------------------
     @property
@@ -151,6 +226,19 @@ class GDSCheckpointer:
             return self._engines
 
     # -- save ----------------------------------------------------------------
+    def _init_saving(self) -> None:
+        o = self.options
+        self._snapshot_pool = HostSnapshotPool(o.snapshot_pool_bytes, window=o.engine.buffer_bytes,
+                                               lock_memory=o.engine.lock_memory)
+        self._jobs: deque[tuple[SaveHandle, Snapshot]] = deque()  # the first runs, the others wait
+        self._jobs_cv = threading.Condition()
+        self._worker: threading.Thread | None = None  # the save thread, while it runs (see _work)
+        self._stopping = False
+        self._submit_lock = threading.Lock()
+        self._hook = None
+        self._hooked: Any = None
+        _open_checkpointers.add(self)
+
     def _collect(self) -> dict:
         state: dict[str, Any] = {}
         for name, obj in (("model", self.model), ("optimizer", self.optimizer)):
@@ -162,42 +250,143 @@ class GDSCheckpointer:
             state["rng"] = rng_state()
         return state
 
-    def save(self, step: int, *, metadata: dict | None = None) -> int:
-        """Write step ``step``; returns once it is durable and committed."""
-        return self._submit(step, metadata, copy=False).result()
+    def save(self, step: int, *, metadata: dict | None = None) -> int | None:
+        """Write step ``step``; returns it once it is durable and committed. Exactly
+        ``save_async(step, metadata=metadata).result()`` (so None if skipped, on_busy="skip")."""
+        return self.save_async(step, metadata=metadata).result()
 
     def save_async(self, step: int, *, metadata: dict | None = None) -> SaveHandle:
-        """Start saving ``step``; returns a handle (``result(timeout)``, ``done()``).
+        """Start saving ``step``; returns a SaveHandle within milliseconds, whatever the state's
+        size: only references, the layout and the state's other values are taken now.
 
-        Contract: the state is snapshotted before this returns (tensor bytes are
-        copied to host memory), so the caller may mutate parameters and optimizer
-        state, e.g. run the next optimizer step, as soon as it returns. The write
-        and the commit run in the background, in submission order. A background
-        failure is raised once: by ``handle.result()``, or else by the next
-        ``save``/``save_async``/``wait``/``close``.
+        The live tensors must keep their values until ``handle.snapshotted()``; the next
+        ``optimizer.step()`` waits for that by itself (see the module docstring for what else
+        may and may not run meanwhile). ``metadata`` (plain JSON) is copied now. While an
+        earlier save runs, CheckpointOptions.on_busy decides: "wait" queues this one behind
+        it (save_async blocks only if another one is already queued), "skip" saves nothing
+        and says so. A background failure is raised once: by ``handle.result()``, or else by
+        the next ``save``/``save_async``/``wait``/``close`` or optimizer step.
         """
-        return self._submit(step, metadata, copy=True)
-
-    def _submit(self, step: int, metadata: dict | None, *, copy: bool) -> SaveHandle:
+        t0 = time.perf_counter()
         if self._closed:
             raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
         step = self._save_step(step)
         self._raise_unreported()
-        if metadata is not None:
-            try:
-                json.dumps(metadata, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise UnsupportedObjectError("metadata", metadata, f"metadata must be plain JSON: {e}") from e
-        state = self._collect()
-        if self._dist is not None:  # [dist hook] DTensors -> their local shards (and where they lie)
-            state = self._dist.prepare(state, step)
-        snap = take_snapshot(state, step, copy=copy, metadata=metadata)
-        handle = SaveHandle(step, self._executor.submit(self._write_and_commit, snap), self)
-        with self._mutex:
-            # Keep only handles whose outcome someone may still need: running, or failed unreported.
-            self._handles = [h for h in self._handles
-                             if not h.done() or (not h.reported and h.exception() is not None)] + [handle]
+        metadata = plain_json(metadata)  # now: later changes to the caller's objects do not reach the step
+        mode = self.options.snapshot
+        with self._submit_lock:
+            with self._jobs_cv:
+                running = [h.step for h, _ in self._jobs if not h.done()]
+                if running and self.options.on_busy == "skip":
+                    log.warning("gdswriter: step %d not saved: step %d is still being saved (on_busy='skip')",
+                                step, running[-1])
+                    return SaveHandle(step, mode, skipped=True)
+                while len(self._jobs) > QUEUED_MAX:
+                    self._jobs_cv.wait()
+            protected = tensors_of(self.optimizer) if self._hook_optimizer() else ()
+            state = self._collect()
+            if self._dist is not None:  # [dist hook] DTensors -> their local shards (and where they lie)
+                state = self._dist.prepare(state, step)
+            snap = take_snapshot(state, step, metadata=metadata, protected=protected)
+            handle = SaveHandle(step, mode)
+            handle._nbytes = snap.nbytes
+            with self._mutex:
+                # Keep only handles whose outcome someone may still need: running, or failed unreported.
+                self._handles = [h for h in self._handles
+                                 if not h.done() or (not h.reported and h.exception() is not None)] + [handle]
+            with self._jobs_cv:
+                self._jobs.append((handle, snap))
+                self._jobs_cv.notify_all()
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work, name="gdswriter-save", daemon=True)
+                    self._worker.start()
+        handle._blocked += time.perf_counter() - t0
         return handle
+
+    def _work(self) -> None:
+        """The save thread: run queued saves in order. It stays for the next save (starting a
+        thread would cost save_async milliseconds), and ends when no save came for
+        WORKER_IDLE_S or when _stop_worker asks (close, interpreter exit: a daemon thread still
+        alive when the interpreter finalizes can abort the process)."""
+        while True:
+            with self._jobs_cv:
+                if not self._jobs_cv.wait_for(lambda: self._jobs or self._stopping, WORKER_IDLE_S) or not self._jobs:
+                    self._worker = None
+                    return
+                handle, snap = self._jobs[0]
+            try:
+                self._run(handle, snap)
+            except BaseException:  # _run finishes the handle; never leave the queue behind a bug
+                log.exception("gdswriter: the save thread failed after step %d", handle.step)
+            with self._jobs_cv:
+                self._jobs.popleft()
+                self._jobs_cv.notify_all()
+
+    def _run(self, handle: SaveHandle, snap: Snapshot) -> None:
+        """One save, then its retention. The handle is finished whatever happens."""
+        handle._started = time.perf_counter()
+        retention: Future = Future()
+        try:
+            engines = self._engine_list()
+            pool = self._snapshot_pool if handle.mode == "host" else None
+            if self._dist is not None:  # [dist hook] every rank writes its share; one commit (dist/save.py)
+                self._dist.write_and_commit(snap, engines, self.options.files_per_root, pool=pool,
+                                            release=handle._release)
+            else:
+                write_and_commit(snap, self.protocol, engines, file_targets(len(self.protocol.roots),
+                                                                            self.options.files_per_root),
+                                 pool=pool, release=handle._release)
+            if pool is None:
+                hint_unaligned([e.flat for e in snap.extents if not e.captured], self.options.engine, engines[0].info)
+            # Deleting old steps can take long (unlink of large files, discard): the save is done at
+            # its commit; wait()/steps() wait for the deletions.
+            self._retention = retention
+        except BaseException as e:
+            handle._release.set(error=e)
+            handle._finish(e)
+            return
+        handle._finish(None)
+        st = handle.stats
+        log.log(self.options.stats_log_level, "gdswriter: step %d saved (%s snapshot): training blocked %.1f ms, "
+                "snapshot %.3f s, write %.3f s, %.1f MiB, %.2f GB/s", st.step, st.mode, st.blocked_s * 1e3,
+                st.snapshot_s, st.write_s, st.nbytes / 2**20, st.gbps)
+        try:
+            self._apply_retention(snap.step)
+        except BaseException as e:
+            retention.set_exception(e)
+        else:
+            retention.set_result(None)
+
+    def _hook_optimizer(self) -> bool:
+        """Keep the step pre-hook on the current optimizer (moved if it was replaced). False if
+        the optimizer has none (not a torch.optim.Optimizer): nothing then enforces the wait."""
+        opt = self.optimizer
+        if opt is self._hooked:
+            return self._hook is not None
+        if self._hook is not None:
+            self._hook.remove()
+        self._hook, self._hooked = None, opt
+        if hasattr(opt, "register_step_pre_hook"):
+            ref = weakref.ref(self)
+
+            def before_step(optimizer, args, kwargs) -> None:
+                ck = ref()
+                if ck is not None:
+                    ck._before_optimizer_step()
+
+            self._hook = opt.register_step_pre_hook(before_step)
+        return self._hook is not None
+
+    def _before_optimizer_step(self) -> None:
+        """The step pre-hook: the step may change the tensors once every save in flight has
+        released them; a background failure not yet reported is raised here."""
+        with self._jobs_cv:
+            pending = [h for h, _ in self._jobs]
+        for h in pending:
+            t0 = time.perf_counter()
+            h._release.wait_stream_ordered()
+            h._blocked += time.perf_counter() - t0
+        self._raise_unreported()
 
     def _save_step(self, step: Any) -> int:
         """The step to save as a plain int (InvalidOptionError if it is not one); ReadOnlyRootError
@@ -207,19 +396,6 @@ class GDSCheckpointer:
             raise ReadOnlyRootError(self._read_only.errno, f"cannot save step {step}: "
                                                            f"{self._read_only.strerror}") from self._read_only
         return step
-
-    def _write_and_commit(self, snap: Snapshot) -> int:
-        engines = self._engine_list()
-        if self._dist is not None:  # [dist hook] every rank writes its share; one commit (dist/save.py)
-            self._dist.write_and_commit(snap, engines, self.options.files_per_root)
-        else:
-            write_and_commit(snap, self.protocol, engines, file_targets(len(self.protocol.roots),
-                                                                       self.options.files_per_root))
-        hint_unaligned([e.flat for e in snap.extents], self.options.engine, engines[0].info)
-        # Deleting old steps can take long (unlink of large files, discard): it runs as the
-        # worker's next task, so the save is done at its commit; wait()/steps() wait for it.
-        self._retention = self._executor.submit(self._apply_retention, snap.step)
-        return snap.step
 
     def _apply_retention(self, newest: int) -> None:
         """Delete committed steps the policy no longer keeps (never ``newest``). A failure
@@ -243,18 +419,30 @@ class GDSCheckpointer:
     # -- waiting ---------------------------------------------------------------
     def _raise_unreported(self) -> None:
         with self._mutex:
-            failed = [h for h in self._handles if h.done() and not h.reported and h.exception() is not None]
+            failed = [h for h in self._handles
+                      if not h.reported and (h._release.error is not None or h.exception() is not None)]
             for h in failed:
                 h.reported = True
         if failed:
-            raise failed[0].exception()  # type: ignore[misc]
+            raise failed[0]._release.error or failed[0].exception()  # type: ignore[misc]
+
+    def _drain(self) -> None:
+        """Wait until no save is running or queued."""
+        with self._jobs_cv:
+            while self._jobs:
+                self._jobs_cv.wait()
+
+    def _stop_worker(self) -> None:
+        """Make the save thread end once no save is queued, and wait for it."""
+        with self._jobs_cv:
+            self._stopping = True
+            self._jobs_cv.notify_all()
+            worker = self._worker
+        if worker is not None:
+            worker.join()
 
     def _quiesce(self) -> None:
-        for h in list(self._handles):
-            try:
-                h._future.result()
-            except BaseException:
-                pass
+        self._drain()
         self._wait_retention()
 
     def wait(self) -> None:
@@ -306,22 +494,29 @@ class GDSCheckpointer:
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:
-        """Wait for outstanding saves, release engines and the root lock. Raises an
-        unreported background error after releasing everything."""
+        """Wait for outstanding saves, remove the optimizer hook, release the snapshot pool,
+        engines and the root lock. Raises an unreported background error after releasing
+        everything."""
         if self._closed:
             return
         self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         try:
             self.wait()
         finally:
-            self._executor.shutdown(wait=True)
+            self._drain()
+            self._stop_worker()
+            self._snapshot_pool.close()
             for e in self._engines:
                 e.close()
             self._engines = []
             if self._lock is not None:
                 self._lock.release()
+            _open_checkpointers.discard(self)
 
-    def __enter__(self) -> "GDSCheckpointer":
+    def __enter__(self) -> GDSCheckpointer:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -332,3 +527,27 @@ class GDSCheckpointer:
                 self.close()
             except Exception:
                 log.exception("gdswriter: a background save also failed while handling another error")
+
+
+# Saves in flight when the interpreter exits are finished first: this runs before
+# concurrent.futures shuts its thread pools down (which a multi-root save uses), as
+# threading's exit hooks run in reverse order of registration.
+_open_checkpointers: weakref.WeakSet[GDSCheckpointer] = weakref.WeakSet()
+# A forked child has none of the parent's save threads: it must not wait for their saves.
+os.register_at_fork(after_in_child=_open_checkpointers.clear)
+
+
+def _finish_saves_at_exit() -> None:
+    for ck in list(_open_checkpointers):
+        try:
+            ck._quiesce()
+        except BaseException:
+            log.exception("gdswriter: a save failed while the interpreter exited")
+        finally:
+            ck._stop_worker()
+
+
+try:
+    threading._register_atexit(_finish_saves_at_exit)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # no such hook in this Python: atexit also runs before daemon threads stop
+    atexit.register(_finish_saves_at_exit)

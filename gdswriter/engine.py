@@ -16,25 +16,110 @@ path and never open a FIFO, socket, device or directory there.
 from __future__ import annotations
 
 import abc
+import bisect
 import os
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import torch
 
 from .errors import InvalidOptionError
 
 
+class SpanGuard(Protocol):
+    """Says when a span's bytes may be read, and hears when they no longer are (see WriteSpan)."""
+
+    def is_ready(self) -> bool:
+        """True once the bytes are valid; raises the producer's error if they never will be."""
+
+    def wait_ready(self) -> None:
+        """Block until the bytes are valid; raises the producer's error if they never will be."""
+
+    def release(self) -> None:
+        """The engine will not read the bytes again (called once per span)."""
+
+
 @dataclass(frozen=True)
 class WriteSpan:
-    """Write ``data`` (flat uint8 tensor) at byte ``offset`` of the file."""
+    """Write ``data`` (flat uint8 tensor) at byte ``offset`` of the file.
+
+    ``guard`` (optional) lets a producer fill ``data`` while the file is being written (the
+    host snapshot's pipelined copy): an engine whose ``honours_span_guards`` is True reads
+    ``data`` only after ``guard`` says it is ready and calls ``guard.release()`` once it will
+    not read it again, at the latest before ``write_file`` returns or raises (SpanGuards
+    does the bookkeeping).
+    """
 
     offset: int
     data: torch.Tensor
+    guard: SpanGuard | None = field(default=None, compare=False)
 
     @property
     def end(self) -> int:
         return self.offset + self.data.numel()
+
+
+class SpanGuards:
+    """An engine's bookkeeping of its spans' guards during one ``write_file``.
+
+    The engine asks ``ready(lo, hi)`` (or ``wait(lo, hi)``) before it reads file range
+    [lo, hi) from the spans, tells ``read(j)`` when it has read (copied or queued) span j's
+    last byte, ``hold(j)``/``unhold(j)`` around each request that writes straight from span
+    j's memory, and ``release_all()`` when the file is done or failed. A span is released
+    when it is read and no request holds it, so a producer streaming through a bounded
+    buffer can reuse that memory while the file is still being written. While it waits for a
+    span, an engine holds at most the span it is in and what its next staging buffer covers
+    (and reaps its requests, releasing what they held): a producer must let that much be
+    ready and unreleased at once."""
+
+    def __init__(self, spans: Sequence[WriteSpan]):
+        self._spans = spans
+        self._starts = [s.offset for s in spans]
+        self._holds = [0] * len(spans)
+        self._read = [False] * len(spans)
+        self._released = [s.guard is None for s in spans]
+
+    @classmethod
+    def of(cls, spans: Sequence[WriteSpan]) -> SpanGuards | None:
+        """None when no span has a guard (the engine then skips all of this)."""
+        return cls(spans) if any(s.guard is not None for s in spans) else None
+
+    def _overlapping(self, lo: int, hi: int):
+        j = max(bisect.bisect_right(self._starts, lo) - 1, 0)
+        while j < len(self._spans) and self._spans[j].offset < hi:
+            s = self._spans[j]
+            if s.guard is not None and s.end > lo and not self._released[j]:
+                yield s.guard
+            j += 1
+
+    def ready(self, lo: int, hi: int) -> bool:
+        return all(g.is_ready() for g in self._overlapping(lo, hi))
+
+    def wait(self, lo: int, hi: int) -> None:
+        for g in self._overlapping(lo, hi):
+            g.wait_ready()
+
+    def _maybe_release(self, j: int) -> None:
+        if self._read[j] and not self._holds[j] and not self._released[j]:
+            self._released[j] = True
+            self._spans[j].guard.release()  # type: ignore[union-attr]
+
+    def read(self, j: int) -> None:
+        self._read[j] = True
+        self._maybe_release(j)
+
+    def hold(self, j: int) -> None:
+        self._holds[j] += 1
+
+    def unhold(self, j: int) -> None:
+        self._holds[j] -= 1
+        self._maybe_release(j)
+
+    def release_all(self) -> None:
+        for j, s in enumerate(self._spans):
+            if not self._released[j]:
+                self._released[j] = True
+                s.guard.release()  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -87,6 +172,9 @@ class IOEngine(abc.ABC):
     """Moves bytes between memory and files. Not thread-safe: one caller at a time."""
 
     name: str = "abstract"
+    # True when write_file follows WriteSpan.guard (reads a guarded span only once it is ready,
+    # releases it when done). Writers give guarded spans only to engines that do.
+    honours_span_guards: bool = False
 
     @abc.abstractmethod
     def write_file(self, path: str | os.PathLike, spans: Sequence[WriteSpan], *, size: int | None = None,

@@ -134,9 +134,21 @@ class EngineOptions:
         return cls(**values)
 
 
+SNAPSHOT_MODES = ("host", "live")
+BUSY_POLICIES = ("wait", "skip")
+
+
+def _env_word(name: str, default: str) -> str:
+    return os.environ[name].strip().lower() if name in os.environ else default
+
+
+def _env_size(name: str, default: int) -> int:
+    return _env_int(name, os.environ[name]) if name in os.environ else default
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointOptions:
-    """What a GDSCheckpointer keeps and checks.
+    """What a GDSCheckpointer keeps and checks, and how a save overlaps training.
 
     keep_last: keep only the newest N committed steps (None: keep all). Steps above the one
         just saved (left by a rolled-back run) are never deleted by retention.
@@ -145,6 +157,22 @@ class CheckpointOptions:
     verify: check every chunk's crc32c on load (cheap: computed while bytes stream).
     files_per_root: data files (writers) per root directory.
     engine: how bytes move (EngineOptions; default from GDSWRITER_* variables).
+    snapshot: how a save holds the bytes it writes while training goes on
+        (GDSWRITER_SNAPSHOT):
+        "host" (default): copied into a reusable host pool (pinned where the state is on a
+            GPU), chunk by chunk while the files are written; the next optimizer step waits
+            only for the copy;
+        "live": no copy; the engine writes straight from the live tensors; the next
+            optimizer step waits until every byte is written.
+    snapshot_pool_bytes: the most host memory the "host" pool takes
+        (GDSWRITER_SNAPSHOT_POOL_BYTES, e.g. 8G; default 4 GiB). It is allocated at the first
+        host-mode save with the state's size, up to this bound, and reused; a larger state
+        streams through it (the optimizer step then also waits for the disk to free room).
+    on_busy: what save_async does while an earlier save is still running: "wait" (default;
+        the new save is queued behind it, and save_async blocks only if one is already
+        queued) or "skip" (no save; the handle says ``skipped`` and a warning is logged).
+    stats_log_level: the logging level of each save's one-line report (time training was
+        blocked, snapshot and write time, bytes, GB/s); default DEBUG.
     """
 
     keep_last: int | None = None
@@ -153,6 +181,10 @@ class CheckpointOptions:
     verify: bool = True
     files_per_root: int = 1
     engine: EngineOptions = field(default_factory=EngineOptions.from_env)
+    snapshot: str = field(default_factory=lambda: _env_word("GDSWRITER_SNAPSHOT", "host"))
+    snapshot_pool_bytes: int = field(default_factory=lambda: _env_size("GDSWRITER_SNAPSHOT_POOL_BYTES", 4 * GiB))
+    on_busy: str = "wait"
+    stats_log_level: int = logging.DEBUG
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every"):
@@ -163,6 +195,18 @@ class CheckpointOptions:
             raise InvalidOptionError(f"files_per_root={self.files_per_root!r} must be an integer >= 1")
         if not isinstance(self.engine, EngineOptions):
             raise InvalidOptionError("engine must be an EngineOptions instance")
+        if self.snapshot not in SNAPSHOT_MODES:
+            raise InvalidOptionError(f"snapshot={self.snapshot!r} is unknown (GDSWRITER_SNAPSHOT?): choose "
+                                     f"{' or '.join(map(repr, SNAPSHOT_MODES))}")
+        v = self.snapshot_pool_bytes
+        if not isinstance(v, int) or isinstance(v, bool) or v < ALIGN:
+            raise InvalidOptionError(f"snapshot_pool_bytes={v!r} must be an integer >= {ALIGN} "
+                                     f"(GDSWRITER_SNAPSHOT_POOL_BYTES takes sizes like 8G)")
+        if self.on_busy not in BUSY_POLICIES:
+            raise InvalidOptionError(f"on_busy={self.on_busy!r} is unknown: choose 'wait' or 'skip'")
+        if not isinstance(self.stats_log_level, int) or isinstance(self.stats_log_level, bool):
+            raise InvalidOptionError(f"stats_log_level={self.stats_log_level!r} must be a logging level "
+                                     f"such as logging.INFO")
 
     def retained(self, steps: Sequence[int], newest: int) -> set[int]:
         """Which of the committed ``steps`` the retention policy keeps, ``newest`` having just

@@ -1,44 +1,82 @@
-"""Snapshots: what a save records of the live state, and (optionally) host copies of its bytes.
+"""Snapshots: what a save records of the live state, at the call, without moving its bytes.
 
-``take_snapshot`` encodes the state tree (no pickle), groups its tensors by the storage
-they view (tied weights and views are written once) and describes each group as one
-flat byte extent. The writer (writer.py) then streams those extents to the data files.
+``take_snapshot`` encodes the state tree (no pickle; every non-tensor value is captured by
+value), groups its tensors by the allocation they view (tied weights, views and numpy arrays
+sharing memory are written once) and describes each group as one flat byte extent of live
+memory. Tensors the optimizer does not update (module buffers such as BatchNorm statistics,
+extra state) that are small are copied right away, because training changes them before the
+next optimizer step; the rest stays live, and the save (writer.py) copies or writes it in the
+background. On a GPU an event on each device's current stream marks the point the saved
+values belong to (cuda/streams.py).
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import logging
-from dataclasses import dataclass
-from typing import Any, Sequence
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from .cuda import streams
 from .engine import EngineInfo
 from .errors import UnsupportedObjectError
 from .fallback.engine import ZERO_COPY_MIN
 from .format.dtypes import dtype_to_name
 from .format.manifest import TensorRecord
 from .format.state_codec import encode_state
-from .options import ALIGN, EngineOptions, log_once
+from .options import EngineOptions, MiB, log_once
 
 STORAGE_ALIGN = 16  # extents start at a multiple of the largest item size, so every view stays valid
+CAPTURE_MAX = 1 * MiB  # unprotected extents up to this size are copied at the call...
+CAPTURE_BUDGET = 64 * MiB  # ...up to this many bytes per snapshot
 
 
-@dataclass
 class Extent:
-    """The byte range of one storage that the saved tensors view, as a flat uint8 tensor."""
+    """The bytes one group of saved tensors views, as a flat uint8 tensor (``flat``): live
+    memory, or a copy taken at the call (``captured``). A view of a storage is made when
+    first asked for, on the save thread (save_async only notes storage, offset and length).
+    ``keepalive`` holds the tensors whose memory a raw view points into."""
 
-    flat: torch.Tensor
-    first_tensor: str
+    __slots__ = ("_flat", "_view", "captured", "device", "first_tensor", "keepalive", "nbytes")
+
+    def __init__(self, first_tensor: str, *, flat: torch.Tensor | None = None,
+                 view: tuple[torch.UntypedStorage, torch.device, int, int] | None = None, keepalive: tuple = ()):
+        self.first_tensor, self.captured, self.keepalive = first_tensor, False, keepalive
+        self._flat, self._view = flat, view
+        self.nbytes = flat.numel() if flat is not None else view[3]  # type: ignore[index]
+        self.device = flat.device if flat is not None else view[1]  # type: ignore[index]
+
+    @property
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = flat_bytes(*self._view)  # type: ignore[misc]
+        return self._flat
+
+    def replace(self, flat: torch.Tensor) -> None:
+        """Hold ``flat`` (a copy taken now) instead of the live bytes."""
+        self._flat, self._view, self.captured, self.keepalive = flat, None, True, ()
+        self.device = flat.device
 
 
 @dataclass
 class Snapshot:
+    """A save's view of the state: the encoded tree, the extents to write, one record per
+    tensor, the metadata, and per CUDA device the event the extents' bytes are valid after."""
+
     step: int
     tree: Any
     extents: list[Extent]
     records: list[TensorRecord]
     metadata: dict
+    ready: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.extents)
 
 
 def flat_bytes(storage: torch.UntypedStorage, device: torch.device, start: int, nbytes: int) -> torch.Tensor:
@@ -49,6 +87,8 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.storage_offset() * t.element_size()
     if t.numel() == 0:
         return start, start
+    if t.is_contiguous():
+        return start, start + t.numel() * t.element_size()
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
 
@@ -84,18 +124,6 @@ def _tensor_names(tree: Any, n: int) -> tuple[list[str], list[str]]:
     return names, kinds
 
 
-def host_copy(flat: torch.Tensor) -> torch.Tensor:
-    """A page-aligned host copy of flat uint8 ``flat`` (pinned when it lives on a GPU; the
-    caller synchronizes). Aligned, the engine writes it with no staging copy (zero-copy).
-    torch's copy_ splits the copy and its page faults across threads: 2.6-3.0 GB/s here
-    against 1.3 GB/s for a single-threaded memmove into freshly mapped pages."""
-    raw = torch.empty(flat.numel() + ALIGN, dtype=torch.uint8, pin_memory=flat.is_cuda)
-    start = (-raw.data_ptr()) % ALIGN
-    host = raw[start:start + flat.numel()]
-    host.copy_(flat, non_blocking=flat.is_cuda)
-    return host
-
-
 _ALIGN_HINT_MIN = 64 << 20
 
 
@@ -119,44 +147,155 @@ def hint_unaligned(flats: Sequence[torch.Tensor], options: EngineOptions, info: 
                  f"them straight between memory and file, with half the CPU work", logging.INFO)
 
 
-def take_snapshot(state: Any, step: int, *, copy: bool, metadata: dict | None = None) -> Snapshot:
-    """Encode ``state`` and group its tensors by storage. With ``copy`` the bytes are
-    cloned to host memory so the caller may mutate its tensors once this returns."""
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor an optimizer can change: its parameters and its state (no copies)."""
+    out = [p for g in getattr(obj, "param_groups", ()) for p in g.get("params", ()) if isinstance(p, torch.Tensor)]
+    for st in getattr(obj, "state", {}).values():
+        if isinstance(st, dict):
+            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def plain_json(metadata: Any) -> dict:
+    """A deep copy of ``metadata`` as the manifest will hold it (plain JSON, so later changes
+    to the caller's objects do not reach the saved step)."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise UnsupportedObjectError("metadata", metadata, "metadata must be a dict of plain JSON values")
+    try:
+        return json.loads(json.dumps(metadata, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise UnsupportedObjectError("metadata", metadata, f"metadata must be plain JSON: {e}") from e
+
+
+def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
+                  protected: Collection[torch.Tensor] = ()) -> Snapshot:
+    """Encode ``state`` and group its tensors by the allocation they view; copies nothing but
+    small unprotected tensors (and ``metadata``, plain JSON, deep). ``protected``: tensors that something else keeps unchanged until
+    the save releases them (the optimizer's parameters and state, held by the checkpointer's
+    step pre-hook); other extents up to CAPTURE_MAX bytes are copied now. Extents on a device
+    that is neither the CPU nor CUDA (XPU, MPS...) are copied to the CPU now (synchronously):
+    only CPU and CUDA memory can be read in the background."""
     tree, tensors = encode_state(state)
     names, kinds = _tensor_names(tree, len(tensors))
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        t = t.detach()
+    for i, t in enumerate(tensors):  # only bytes are read: no autograd (detach) needed, except below
         if t.is_quantized:
             raise UnsupportedObjectError(names[i], t, "quantized tensors are not supported: save t.dequantize() "
                                                       "and the quantization parameters instead")
         if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
-            t = t.resolve_conj().resolve_neg()
-        tensors[i] = t
+            tensors[i] = t.detach().resolve_conj().resolve_neg()
+    extents, placed = _group_by_allocation(tensors, names)
+    records = []
+    for i, t in enumerate(tensors):
+        sid, off = placed[i]
+        records.append(TensorRecord(names[i] or f"<tensor {i}>", sid, off, dtype_to_name(t.dtype), tuple(t.shape),
+                                    tuple(t.stride()), str(t.device), kinds[i]))
+    _capture(extents, placed, tensors, protected)
+    ready = streams.record_ready(streams.cuda_devices(e.device for e in extents))
+    return Snapshot(step, tree, extents, records, plain_json(metadata), ready)
+
+
+def _capture(extents: list[Extent], placed: list[tuple[int, int]], tensors: list[torch.Tensor],
+             protected: Collection[torch.Tensor]) -> None:
+    """Copy, now, the extents that the caller may change before the save reads them (see
+    take_snapshot), and those on devices the background cannot read."""
+    guarded = {t.untyped_storage().data_ptr() for t in protected if t.device.type != "meta"}
+    unguarded = set(range(len(extents)))
+    for i, t in enumerate(tensors):
+        if t.untyped_storage().data_ptr() in guarded:
+            unguarded.discard(placed[i][0])
+    budget = CAPTURE_BUDGET
+    for sid, ext in enumerate(extents):
+        n, kind = ext.nbytes, ext.device.type
+        if kind not in ("cpu", "cuda"):
+            log_once(f"host-copy:{kind}", f"gdswriter: {kind} tensors are copied to host memory when save_async "
+                                          f"is called (synchronously)")
+            ext.replace(ext.flat.to("cpu"))
+        elif sid in unguarded and 0 < n <= min(CAPTURE_MAX, budget):
+            ext.replace(ext.flat.clone())
+            budget -= n
+
+
+def _group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple[list[Extent], list[tuple[int, int]]]:
+    """Extents of ``tensors`` and, per tensor, (extent index, byte offset in it).
+
+    Tensors whose bytes overlap in memory (views of one storage, or numpy arrays and their
+    views wrapped by torch.from_numpy, which give separate torch storages over the same
+    memory) share one extent: the byte range [first, last) they view together, taken from a
+    storage that covers it. CPU memory that no single storage covers is viewed raw; on other
+    devices such a group is split by storage (each piece saved whole, so the bytes are right
+    and only the sharing is not restored)."""
+    found: list[tuple[Extent, list[tuple[int, int]]]] = []  # each extent with its (tensor, byte offset)s
+    by_device: dict[torch.device, list[_Member]] = {}
+    for i, t in enumerate(tensors):
+        lo, hi = byte_span(t)
         st = t.untyped_storage()
-        key = (str(t.device), st.data_ptr()) if st.nbytes() and st.data_ptr() else ("empty", i)
-        groups.setdefault(key, []).append(i)
-    extents: list[Extent] = []
-    records: list[TensorRecord | None] = [None] * len(tensors)
-    for members in groups.values():
-        spans = [byte_span(tensors[i]) for i in members]
-        live = [s for s, i in zip(spans, members) if tensors[i].numel()]
-        lo = min(s[0] for s in live) // STORAGE_ALIGN * STORAGE_ALIGN if live else 0
-        hi = max(s[1] for s in live) if live else 0
-        first = tensors[members[0]]
-        flat = flat_bytes(first.untyped_storage(), first.device, lo, hi - lo) if hi > lo else \
-            torch.empty(0, dtype=torch.uint8)
-        if copy and flat.numel():
-            flat = host_copy(flat)
-        sid = len(extents)
-        extents.append(Extent(flat, names[members[0]]))
-        for i, (start, _) in zip(members, spans):
-            t = tensors[i]
-            off = start - lo if t.numel() else 0
-            records[i] = TensorRecord(names[i] or f"<tensor {i}>", sid, off, dtype_to_name(t.dtype), tuple(t.shape),
-                                      tuple(t.stride()), str(t.device), kinds[i])
-    if copy and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return Snapshot(step, tree, extents, records, dict(metadata or {}))  # type: ignore[arg-type]
+        base = st.data_ptr()
+        if hi == lo or not base:  # no bytes: an empty extent of its own
+            found.append((Extent(names[i], flat=torch.empty(0, dtype=torch.uint8)), [(i, 0)]))
+        else:
+            by_device.setdefault(t.device, []).append((base + lo, base + hi, i, st))
+    for device, members in by_device.items():
+        members.sort(key=lambda m: (m[0], m[1], m[2]))
+        group, end = [members[0]], members[0][1]
+        for m in members[1:]:
+            if m[0] >= end:
+                _add_group(group, tensors, names, device, found)
+                group, end = [], 0
+            group.append(m)
+            end = max(end, m[1])
+        _add_group(group, tensors, names, device, found)
+    found.sort(key=lambda f: min(i for i, _ in f[1]))  # in the order the state names them
+    placed: list[tuple[int, int]] = [(0, 0)] * len(tensors)
+    for sid, (_, members) in enumerate(found):
+        for i, off in members:
+            placed[i] = (sid, off)
+    return [e for e, _ in found], placed
 
 
+_Member = tuple  # (first byte's address, end address, tensor index, its UntypedStorage)
+
+
+def _add_group(group: list[_Member], tensors: list[torch.Tensor], names: list[str], device: torch.device,
+               found: list) -> None:
+    if len(group) == 1:  # the usual case: a tensor that shares its memory with no other
+        _view_storage(group, group[0][3], tensors, names, device, found)
+        return
+    lo = min(g[0] for g in group)
+    hi = max(g[1] for g in group)
+    storages: dict[int, tuple[torch.UntypedStorage, list[_Member]]] = {}
+    for g in group:
+        storages.setdefault(g[3].data_ptr(), (g[3], []))[1].append(g)
+    for st, _ in storages.values():  # a storage that holds the whole range: view it
+        if st.data_ptr() <= lo and hi <= st.data_ptr() + st.nbytes() and _view_storage(group, st, tensors, names,
+                                                                                      device, found):
+            return
+    if device.type == "cpu":  # numpy views none of which covers the others: view the memory itself
+        start = max(lo // STORAGE_ALIGN * STORAGE_ALIGN, min(storages))
+        if _fits(group, tensors, start):
+            raw = torch.frombuffer((ctypes.c_char * (hi - start)).from_address(start), dtype=torch.uint8)
+            found.append((Extent(names[min(g[2] for g in group)], flat=raw,
+                                 keepalive=tuple(tensors[g[2]] for g in group)), [(g[2], g[0] - start) for g in group]))
+            return
+    for st, part in storages.values():  # each storage covers its own views
+        _view_storage(part, st, tensors, names, device, found)
+
+
+def _view_storage(group: list[_Member], st: torch.UntypedStorage, tensors: list[torch.Tensor], names: list[str],
+                  device: torch.device, found: list) -> bool:
+    """Place ``group`` as one extent viewing storage ``st`` from the 16-byte boundary at or below
+    its first byte; False if a member would not start a whole number of its elements in (the
+    members of ``st`` itself always do)."""
+    base = st.data_ptr()
+    start = (min(g[0] for g in group) - base) // STORAGE_ALIGN * STORAGE_ALIGN
+    if not _fits(group, tensors, base + start):
+        return False
+    view = (st, device, start, max(g[1] for g in group) - base - start)
+    found.append((Extent(names[min(g[2] for g in group)], view=view), [(g[2], g[0] - base - start) for g in group]))
+    return True
+
+
+def _fits(group: list[_Member], tensors: list[torch.Tensor], start: int) -> bool:
+    """Every member starts a whole number of its elements after ``start`` (so it can be rebuilt)."""
+    return all((g[0] - start) % tensors[g[2]].element_size() == 0 for g in group)

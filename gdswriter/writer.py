@@ -1,70 +1,167 @@
-"""Writing a snapshot: plan -> engines -> manifest -> commit.
+"""Writing a snapshot: plan -> engines write files -> manifest -> commit.
 
-The planner (planner/assign.py) cuts the snapshot's extents into chunks per data file;
-each root's engine writes its files durably (files on different roots in parallel);
+The planner (planner/assign.py) slices the snapshot's extents into files; each
+root's engine writes its files durably (files on different roots in parallel);
 the manifest records every chunk's crc32c; the commit protocol (format/commit.py)
 makes the step visible atomically.
+
+``write_and_commit`` is the one entry point that turns a Snapshot into a committed step.
+The bytes come straight from the snapshot's extents (live) or through a host snapshot pool
+(snapshot_pool.py), copied piece by piece while the files are written. Either way a
+``Release`` says when the saved tensors' own memory is no longer needed, which is when
+training may change them again.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from time import perf_counter
+from typing import Any
 
+from .cuda import streams
 from .engine import IOEngine, WriteSpan
 from .format.commit import CommitProtocol, PendingCommit
 from .format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
+from .options import log_once
 from .planner.assign import FileTarget, PlannedChunk, SavePlan, plan_save
 from .restore import run_per_file
 from .snapshot import Snapshot
+from .snapshot_pool import HostSnapshotPool
 
 
 def file_targets(n_roots: int, files_per_root: int) -> list[FileTarget]:
     return [FileTarget(r, f"data-r{r}-f{k}.bin") for r in range(n_roots) for k in range(files_per_root)]
 
 
+class Release:
+    """Set once a save no longer needs the saved tensors' own memory: in live mode when every
+    file is written, in host mode when every byte is copied (from a GPU: when every copy is
+    queued on the side streams, complete once ``events`` are). A failed save sets it too,
+    with ``error``, so that nothing waits for it forever."""
+
+    def __init__(self) -> None:
+        self._flag = threading.Event()
+        self.events: Mapping[int, Any] = {}
+        self.error: BaseException | None = None
+        self.at: float | None = None  # perf_counter() when set
+
+    def set(self, events: Mapping[int, Any] | None = None, *, error: BaseException | None = None) -> None:
+        if self.error is None:
+            self.error = error
+        if not self._flag.is_set():
+            self.events = dict(events or {})
+            self.at = perf_counter()
+            self._flag.set()
+
+    def is_set(self) -> bool:
+        return self._flag.is_set() and streams.events_done(self.events)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block the host until released (copies complete); False after ``timeout`` s."""
+        if not self._flag.wait(timeout):
+            return False
+        streams.host_wait(self.events)
+        return True
+
+    def wait_stream_ordered(self) -> None:
+        """Block the host only until released on the host; GPU copies still running are waited
+        for by the calling thread's current streams (no host synchronize)."""
+        self._flag.wait()
+        streams.stream_wait(self.events)
+
+
 def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence[IOEngine],
-                     targets: Sequence[FileTarget]) -> Manifest:
-    """Write ``snap`` as step ``snap.step`` under ``protocol``'s roots and commit it."""
-    plan: SavePlan = plan_save([e.flat.numel() for e in snap.extents], targets)
-    pending: PendingCommit = protocol.begin(snap.step)
+                     targets: Sequence[FileTarget], *, pool: HostSnapshotPool | None = None,
+                     release: Release | None = None) -> Manifest:
+    """Write ``snap`` as step ``snap.step`` under ``protocol``'s roots and commit it.
+
+    ``pool``: copy the bytes through this host snapshot pool (mode "host"; only with engines
+    that honour span guards, else live); None: the engines read the extents themselves
+    (mode "live", CUDA extents on side streams behind ``snap.ready``). ``release`` (optional)
+    is set when the extents' memory is no longer needed, or the save failed."""
+    release = release if release is not None else Release()
+    plan: SavePlan = plan_save([e.nbytes for e in snap.extents], targets)
     try:
-        crcs = write_files(plan, snap, pending, engines)
+        pending: PendingCommit = protocol.begin(snap.step)
+    except BaseException as e:
+        release.set(error=e)
+        raise
+    try:
+        written_by: dict[int, str] = {}
+        crcs = write_snapshot_files(snap, plan, pending, engines, pool=pool, release=release, written_by=written_by)
         by_storage: dict[int, list[ChunkRecord]] = {}
-        for c in sorted((c for f in plan.files for c in f.chunks), key=lambda c: (c.storage, c.storage_offset)):
+        for c in sorted(crcs, key=lambda c: (c.storage, c.storage_offset)):
             by_storage.setdefault(c.storage, []).append(
                 ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[c]))
-        storages = [StorageRecord(ext.flat.numel(), tuple(by_storage[sid])) for sid, ext in enumerate(snap.extents)]
-        files = tuple(FileRecord(f.target.root, f.target.name, f.size, {"engine": engines[f.target.root].info.name})
-                      for f in plan.files)
+        storages = [StorageRecord(ext.nbytes, tuple(by_storage[sid])) for sid, ext in enumerate(snap.extents)]
+        files = tuple(FileRecord(f.target.root, f.target.name, f.size,
+                                 {"engine": written_by.get(fid, engines[f.target.root].info.name)})
+                      for fid, f in enumerate(plan.files))
         manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
                             state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
         pending.commit(manifest.to_json_bytes())
-    except BaseException:
+    except BaseException as e:
+        release.set(error=e)
         if not pending.finished:
             pending.abort()
         raise
     return manifest
 
 
-def write_files(plan: SavePlan, snap: Snapshot, pending: PendingCommit,
-                engines: Sequence[IOEngine]) -> dict[PlannedChunk, int]:
-    """Write every file of ``plan`` into the pending step; returns each chunk's crc32c."""
+def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit, engines: Sequence[IOEngine], *,
+                         pool: HostSnapshotPool | None = None, release: Release,
+                         written_by: dict[int, str] | None = None) -> dict[PlannedChunk, int]:
+    """Write the files of ``plan`` (over ``snap``'s extents) into the pending step: through
+    ``pool`` (host mode) or from the extents themselves (live mode), setting ``release`` once
+    their memory is free. Returns each chunk's crc32c; ``written_by`` gets each file's engine."""
+    if pool is not None and not all(e.honours_span_guards for e in engines):
+        names = ", ".join(sorted({e.name for e in engines if not e.honours_span_guards}))
+        log_once(f"no-guards:{names}", f"gdswriter: engine {names} cannot write from a host snapshot while it "
+                                       f"is copied; writing from live memory (the optimizer step waits for the "
+                                       f"write)")
+        pool = None
+    if pool is None:
+        crcs = write_files(plan, live_spans(snap, plan), pending, engines,
+                           lambda: streams.on_side_streams(snap.ready), written_by)
+        release.set()
+        return crcs
+    with pool.stream(snap, plan, release) as spans:
+        return write_files(plan, spans, pending, engines, nullcontext, written_by)
+
+
+def live_spans(snap: Snapshot, plan: SavePlan) -> list[list[tuple[PlannedChunk, WriteSpan]]]:
+    """Per file of ``plan``, its chunks with spans that view the snapshot's own extents."""
+    return [[(c, WriteSpan(c.file_offset, snap.extents[c.storage].flat[c.storage_offset:c.storage_offset + c.length]))
+             for c in fp.chunks] for fp in plan.files]
+
+
+def write_files(plan: SavePlan, spans: Sequence[Sequence[tuple[PlannedChunk, WriteSpan]]], pending: PendingCommit,
+                engines: Sequence[IOEngine], context: Callable[[], AbstractContextManager] = nullcontext,
+                written_by: dict[int, str] | None = None) -> dict[PlannedChunk, int]:
+    """Write every file of ``plan`` into the pending step; returns each chunk's crc32c.
+    ``spans[f]``: file f's chunks (the plan's, or pieces of them: the host pool cuts chunks
+    where its pieces end) with the span that writes each, in file order. ``context`` is
+    entered around each root's writes, in that root's thread. ``written_by`` (optional) gets,
+    per file, the engine that really wrote it (an engine may change paths from file to file)."""
     # Keyed by the chunk itself: a zero-byte storage's empty chunk shares its file_offset
     # with the next chunk, so (file, file_offset) is not unique.
     crcs: dict[PlannedChunk, int] = {}
 
-    def write_one(fid: int) -> None:
-        fp = plan.files[fid]
-        spans = [WriteSpan(c.file_offset, snap.extents[c.storage].flat[c.storage_offset:c.storage_offset + c.length])
-                 for c in fp.chunks]
-        got = engines[fp.target.root].write_file(pending.dirs[fp.target.root] / fp.target.name, spans, size=fp.size)
-        for c, crc in zip(fp.chunks, got):
-            crcs[c] = crc
+    def write_root(r: int) -> None:
+        with context():
+            for fid in by_root[r]:
+                fp = plan.files[fid]
+                got = engines[r].write_file(pending.dirs[r] / fp.target.name, [s for _, s in spans[fid]], size=fp.size)
+                crcs.update(zip((c for c, _ in spans[fid]), got))
+                if written_by is not None:
+                    written_by[fid] = engines[r].info.name
 
     # Files on different roots (SSDs) are written in parallel; files sharing a root take turns.
     by_root: dict[int, list[int]] = {}
     for fid, f in enumerate(plan.files):
         by_root.setdefault(f.target.root, []).append(fid)
-    run_per_file(lambda r: [write_one(fid) for fid in by_root[r]], sorted(by_root), len(by_root))
+    run_per_file(write_root, sorted(by_root), len(by_root))
     return crcs

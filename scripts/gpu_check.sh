@@ -15,7 +15,8 @@
 # number of failed sections.
 #
 # Knobs: GDS_BENCH_SIZE (8G), GDS_BENCH_BUDGET (seconds for the benchmark, 150),
-# GDS_BENCH_DIR (.bench-tmp/gpu-check), GDS_DOCTOR_TEST_SIZE (256M), GDS_TESTS_TIMEOUT (180).
+# GDS_BENCH_DIR (.bench-tmp/gpu-check), GDS_DOCTOR_TEST_SIZE (256M), GDS_TESTS_TIMEOUT (180),
+# GDSWRITER_TRAINING_SIZE (state size of the training-loop benchmark, 1G).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-.gpu-out}
@@ -109,7 +110,8 @@ elif ! "$PY" -c "import pytest" 2>/dev/null; then
     FAILED=$((FAILED + 1))
 else
     run gpu-tests "${GDS_TESTS_TIMEOUT:-180}" "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
-        --junitxml="$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_gpu_checksum.py tests/test_gds_engine.py
+        --junitxml="$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_gpu_checksum.py tests/test_gds_engine.py \
+        tests/test_overlap_gpu.py tests/test_topology.py tests/test_dist_gpu.py
 fi
 
 section "benchmark: durable save + cold load of GPU tensors"
@@ -121,10 +123,13 @@ else
         --time-budget "$budget" --json "$OUT/bench.json"
 fi
 
-# --- HOOK (integrator): the overlap helper's training-loop benchmark goes here, e.g.
-# section "training loop overlap (CUDA)"
-# run training-loop 120 "$PY" benchmarks/training_loop.py --device cuda
-# --- end HOOK
+section "training loop: checkpoint every iteration (CUDA model)"
+if [ "$HAS_CUDA" -eq 0 ]; then
+    skip training "no CUDA device"
+else
+    run training 240 "$PY" benchmarks/training_loop.py --device cuda --size "${GDSWRITER_TRAINING_SIZE:-1G}" \
+        --iters 20 --rounds 4 --dir "$BENCH_DIR"
+fi
 
 rm -rf "$BENCH_DIR"
 

@@ -629,18 +629,30 @@ def _failing_engines(ck, monkeypatch, err=errno.ENOSPC, gate=None):
         monkeypatch.setattr(e, "write_file", boom)
 
 
-def test_save_async_handle_result_and_done(tmp_path):
+def gate_engines(ck, monkeypatch) -> threading.Event:
+    """Hold every engine's write_file until the returned event is set."""
+    gate = threading.Event()
+    for e in ck._engine_list():
+        real = e.write_file
+
+        def held(path, spans, *, _real=real, **kw):
+            assert gate.wait(60), "the test never opened the gate"
+            return _real(path, spans, **kw)
+
+        monkeypatch.setattr(e, "write_file", held)
+    return gate
+
+
+def test_save_async_handle_result_and_done(tmp_path, monkeypatch):
     state = {"w": torch.randn(1 << 16)}
     with ckpt(state, None, tmp_path) as ck:
-        gate = threading.Event()
-        blocker = ck._executor.submit(gate.wait, 30)
+        gate = gate_engines(ck, monkeypatch)
         h = ck.save_async(4, metadata={"a": 1})
         assert h.step == 4 and not h.done()
         with pytest.raises(FutureTimeout):
             h.result(timeout=0.05)
         assert not h.done()
         gate.set()
-        blocker.result()
         assert h.result(timeout=60) == 4 and h.done()
         assert h.exception() is None
         assert ck.steps() == [4]

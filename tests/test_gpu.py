@@ -36,9 +36,10 @@ def test_checkpointer_saves_and_loads_cuda_model_in_place(tmp_path):
     with GDSCheckpointer(model, opt, root=tmp_path, options=CheckpointOptions(engine=SMALL)) as ck:
         ck.save(1)
         h = ck.save_async(2)
+        h.wait_snapshotted()
         with torch.no_grad():
             for p in model.parameters():
-                p.zero_()  # allowed right after save_async returns
+                p.zero_()  # an edit outside optimizer.step(): allowed once the save is snapshotted
         h.result()
         ck.load(2)
     for k, v in model.state_dict().items():

@@ -138,19 +138,20 @@ def test_save_async_snapshot_is_taken_before_return(tmp_path):
     model, opt, sched, scaler = M.build(0)
     M.train_steps(model, opt, sched, 2, scaler)
     before = _snapshot(model, opt)
-    with GDSCheckpointer(model, opt, tmp_path, state={"sched": sched}, options=M.small_options()) as ck:
-        # Hold the (single) background writer so that the write of the snapshot certainly
-        # happens after the mutation below: if save_async did not copy, the mutated bytes
-        # would be written.
+    with GDSCheckpointer(model, opt, tmp_path, state={"sched": sched},
+                         options=M.small_options(snapshot="host")) as ck:
+        # Hold the engines so that the write of the snapshot certainly happens after the
+        # mutation below: if the snapshot were not copied before the optimizer step, the
+        # mutated bytes would be written.
         gate = threading.Event()
-        blocker = ck._executor.submit(gate.wait, 30)
+        for e in ck._engine_list():
+            e.write_file = lambda *a, _real=e.write_file, **kw: (gate.wait(30), _real(*a, **kw))[1]
         handle = ck.save_async(2)
         assert not handle.done()
         M.train_steps(model, opt, sched, 1, scaler)  # optimizer.step() mutates params and moments in place
         after = _snapshot(model, opt)
         assert any(not torch.equal(before[k], after[k]) for k in before)
         gate.set()
-        blocker.result()
         assert handle.result(timeout=60) == 2
         assert handle.done()
     step, state = load_state(tmp_path)

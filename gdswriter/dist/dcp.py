@@ -49,7 +49,7 @@ from ..planner.assign import FileTarget, plan_save
 from ..planner.ranks import RankItem, plan_rank_slices
 from ..restore import host_buffer
 from ..snapshot import Extent, Snapshot
-from ..writer import write_files
+from ..writer import live_spans, write_files
 from .assemble import build_manifest, record_json
 from .commit import RankCommit
 from .dcp_codec import metadata_from_json, metadata_to_json
@@ -280,16 +280,16 @@ class GDSStorageWriter(_Collective, StorageWriter):
             targets = [FileTarget(i, f"data-rank{rank}-r{g}-f{k}.bin")
                        for i, g in enumerate(layout.local_to_global) for k in range(self.options.files_per_root)]
             fplan = plan_save([s[3].numel() for s in sources], targets)
-            crcs = write_files(fplan, Snapshot(rc.step, None, [Extent(s[3], "") for s in sources], [], {}), rc,
-                               engines)
-            names = [e.info.name for e in engines]
+            pieces = Snapshot(rc.step, None, [Extent("", flat=s[3]) for s in sources], [], {})
+            written_by: dict[int, str] = {}
+            crcs = write_files(fplan, live_spans(pieces, fplan), rc, engines, written_by=written_by)
         finally:
             for e in engines:
                 e.close()
         host = socket.gethostname()
         return {
             "files": [[layout.local_to_global[f.target.root], f.target.name, f.size,
-                       {"engine": names[f.target.root], "rank": rank, "host": host}] for f in fplan.files],
+                       {"engine": written_by[fid], "rank": rank, "host": host}] for fid, f in enumerate(fplan.files)],
             "chunks": [[sources[c.storage][0], fid, c.file_offset, sources[c.storage][1] + c.storage_offset,
                         c.length, crcs[c]] for fid, f in enumerate(fplan.files) for c in f.chunks],
             "records": [[item, record_json(_record(wi, item, resolved[item].numel()))]

@@ -25,7 +25,8 @@ from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from ..planner.assign import FileTarget, plan_save
 from ..planner.ranks import RankItem, plan_rank_slices
 from ..snapshot import Extent, Snapshot
-from ..writer import write_files
+from ..snapshot_pool import HostSnapshotPool
+from ..writer import Release, write_snapshot_files
 from .assemble import build_manifest, record_json
 from .commit import RankCommit
 from .group import Coordinator
@@ -63,9 +64,14 @@ def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Seque
 
 
 def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shards: dict[str, ShardInfo],
-                    engines: Sequence[IOEngine], *, files_per_root: int, replicated: Sequence[str]) -> Manifest | None:
+                    engines: Sequence[IOEngine], *, files_per_root: int, replicated: Sequence[str],
+                    pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest | None:
     """Collective: write ``snap`` as step ``snap.step`` with every rank and commit it once.
-    Returns the manifest on rank 0 (None elsewhere); raises on every rank if any rank failed."""
+    Returns the manifest on rank 0 (None elsewhere); raises on every rank if any rank failed.
+    ``pool``/``release`` as in writer.write_and_commit: this rank's pieces go through the host
+    snapshot pool (host mode) or straight from the extents (live), and ``release`` is set once
+    the live tensors are free (or the save failed)."""
+    release = release if release is not None else Release()
     rank, what = coord.rank, f"saving step {snap.step}"
     keys, by_storage = storage_keys(snap, shards, replicated, rank)
     everyone = coord.all_gather({"token": secrets.token_hex(4),
@@ -93,13 +99,15 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shar
         targets = [FileTarget(i, f"data-rank{rank}-r{g}-f{k}.bin")
                    for i, g in enumerate(layout.local_to_global) for k in range(files_per_root)]
         fplan = plan_save([p.length for p in pieces], targets)
-        flats = [snap.extents[storage_of[p.item]].flat[p.offset:p.offset + p.length] for p in pieces]
-        crcs = write_files(fplan, Snapshot(snap.step, None, [Extent(f, "") for f in flats], [], {}), rc, engines)
+        mine = Snapshot(snap.step, None, [Extent("", flat=snap.extents[storage_of[p.item]].flat[p.offset:p.offset + p.length])
+                                          for p in pieces], [], {}, ready=snap.ready)
+        written_by: dict[int, str] = {}
+        crcs = write_snapshot_files(mine, fplan, rc, engines, pool=pool, release=release, written_by=written_by)
         host = socket.gethostname()
         position = {i: pos for members in by_storage.values() for pos, i in enumerate(members)}
         outcome = {
             "files": [[layout.local_to_global[f.target.root], f.target.name, f.size,
-                       {"engine": engines[f.target.root].info.name, "rank": rank, "host": host}] for f in fplan.files],
+                       {"engine": written_by[fid], "rank": rank, "host": host}] for fid, f in enumerate(fplan.files)],
             "chunks": [[pieces[c.storage].item, fid, c.file_offset, pieces[c.storage].offset + c.storage_offset,
                         c.length, crcs[c]] for fid, f in enumerate(fplan.files) for c in f.chunks],
             "records": [[g, record_json(_with_shard(snap.records[i], shards))]
@@ -109,6 +117,7 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shar
         }
     except Exception as e:  # noqa: BLE001 - every failure goes to the vote, so all ranks abort together
         outcome = e
+        release.set(error=e)
     reports = rc.vote(outcome)
     manifest, error = None, None
     if reports is not None:

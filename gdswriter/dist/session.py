@@ -22,6 +22,8 @@ from ..format.commit import CommitProtocol, step_dir_name
 from ..format.manifest import Manifest, ShardInfo
 from ..restore import LiveState
 from ..snapshot import Snapshot
+from ..snapshot_pool import HostSnapshotPool
+from ..writer import Release
 from .commit import _retire
 from .group import Coordinator, describe, raise_failures
 from .load import collective_load
@@ -90,10 +92,12 @@ class DistSession:
                     return shards
         raise GDSWriterError(f"internal: no prepared state for step {step} (call prepare() before the snapshot)")
 
-    def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int) -> Manifest | None:
+    def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int, *,
+                         pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest | None:
         """Collective: write and commit ``snap`` with every rank (dist/save.py)."""
         manifest = collective_save(self.coord, self.layout, snap, self._shards_of(snap.step), engines,
-                                   files_per_root=files_per_root, replicated=self.options.replicated)
+                                   files_per_root=files_per_root, replicated=self.options.replicated,
+                                   pool=pool, release=release)
         self._learn(set(self.protocol.known) | {snap.step}, snap.step)
         return manifest
 

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import crc32c as _crc32c
 
-from ..engine import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans
+from ..engine import EngineInfo, IOEngine, ReadSpan, SpanGuards, WriteSpan, check_spans
 from ..errors import (DataFileNotRegularError, EngineIOError, EngineUnavailableError, GDSWriterError,
                       InvalidOptionError, NotRegularFileError, ShortIOError, TruncatedFileError)
 from ..options import ALIGN, EngineOptions, log, log_once
@@ -300,6 +300,7 @@ class StagedEngine(IOEngine):
     """
 
     name = "staged"
+    honours_span_guards = True
 
     def __init__(self, options: EngineOptions | None = None, *, reason: str = ""):
         self.options = options or EngineOptions.from_env()
@@ -563,19 +564,30 @@ class StagedEngine(IOEngine):
         window = 2 * len(free)  # chunks in flight at most (zero-copy ones need no staging buffer)
         outstanding = 0
         si = 0
+        guards = SpanGuards.of(spans)  # spans whose bytes a producer is still filling (WriteSpan.guard)
         try:
             for off, n, j in self._write_plan(spans, total, memory_alignment):
-                while outstanding >= window or (j < 0 and not free):
+                while outstanding >= window or (j < 0 and not free) or (guards and not guards.ready(off, off + n)):
+                    if not reqs:  # only the producer can make progress
+                        guards.wait(off, off + n)  # type: ignore[union-attr]
+                        continue
                     finished = self._complete(True, fd, path, reqs, 1)
                     outstanding -= len(finished)
                     free.extend(c.buf for c in finished if c.span < 0)
+                    for c in finished if guards else ():
+                        if c.span >= 0:
+                            guards.unhold(c.span)
                 if j >= 0:  # the span's own aligned bytes: checksum them, then write them as they are
                     s = spans[j]
                     buf = _direct_buffer(s.data[off - s.offset:off - s.offset + n])
                     crcs[j] = _crc(buf.view, crcs[j])
+                    if guards:
+                        guards.hold(j)
+                        if off + n == s.end:
+                            guards.read(j)
                 else:
                     buf = free.pop()
-                    si = self._fill(buf, off, n, spans, si, crcs)
+                    si = self._fill(buf, off, n, spans, si, crcs, guards)
                 self._queue_chunk(True, fd, _Chunk(off, n, buf, j), None, reqs)
                 outstanding += 1
                 self._backend.flush()
@@ -583,6 +595,11 @@ class StagedEngine(IOEngine):
                 self._complete(True, fd, path, reqs, 1)
         except uring.RingError as e:  # the caller (write_file) quiesces the backend before closing fd
             raise _ring_failed(e, path, reqs) from e
+        finally:
+            # Written spans are the kernel's to read until quiesced; releasing them early can at worst
+            # let a producer change bytes of a file that failed and is being removed.
+            if guards:
+                guards.release_all()
         return crcs
 
     def _write_plan(self, spans: Sequence[WriteSpan], total: int, memory_alignment: int) -> list[tuple[int, int, int]]:
@@ -606,8 +623,10 @@ class StagedEngine(IOEngine):
         return pieces
 
     @staticmethod
-    def _fill(buf: StagingBuffer, file_off: int, n: int, spans: Sequence[WriteSpan], si: int, crcs: list[int]) -> int:
-        """Copy the spans' bytes that fall in [file_off, file_off+n) into ``buf``; zero the gaps."""
+    def _fill(buf: StagingBuffer, file_off: int, n: int, spans: Sequence[WriteSpan], si: int, crcs: list[int],
+              guards: SpanGuards | None = None) -> int:
+        """Copy the spans' bytes that fall in [file_off, file_off+n) into ``buf``; zero the gaps.
+        ``guards``: told when a span's last byte is copied."""
         pos, end = file_off, file_off + n
         while pos < end:
             while si < len(spans) and spans[si].end <= pos:
@@ -622,6 +641,8 @@ class StagedEngine(IOEngine):
             a, b = pos - s.offset, min(s.end, end) - s.offset
             crcs[si] = _stage_in(buf, pos - file_off, s.data, a, b - a, crcs[si])
             pos = s.offset + b
+            if guards and pos == s.end:
+                guards.read(si)
         return si
 
     # -- read --------------------------------------------------------------

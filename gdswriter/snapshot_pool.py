@@ -1,0 +1,280 @@
+"""The host snapshot: a bounded, reusable pool that a save copies the live tensors into while
+the same save writes the copied bytes to the files (snapshot mode "host").
+
+The pool is one page-aligned region (fallback/buffers.py: huge-page aligned, mlocked where
+allowed; registered with CUDA, portable, when the state holds CUDA tensors). It is allocated
+at the first host-mode save with the space the save needs, up to ``bound``, and reused by
+every later save; it grows only when a later state needs more, never past ``bound``.
+
+A save lays its files out in the pool piece by piece: each file is cut at multiples of
+the piece size, and a piece keeps the file's own layout, so every span sits in the pool at
+the same 4 KiB phase as in the file and large spans are written zero-copy from it. Pieces
+take the pool in turn, as a ring: a piece that does not fit waits until the pieces it
+would overwrite were written (the engine releases each span once it will not read it
+again; engine.SpanGuards). One copier thread fills the pieces in the order the engines
+write them (round-robin over roots); the engines start writing a piece as soon as it is
+filled. On the CPU the copier uses memmove (the GIL is released while it copies); from a GPU
+it queues device-to-host copies on each device's side stream, behind the event save_async
+recorded, and a piece is ready when its copy event completes.
+
+Deadlock freedom: an engine waiting for a piece keeps at most the spans of its current
+staging buffer and of the span it is in (it reaps its finished requests while it waits),
+so with a pool of at least 4 x roots x max(piece, staging buffer) bytes the piece the
+copier needs next never overlaps what a waiting engine holds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+
+from .cuda import streams
+from .engine import WriteSpan
+from .fallback.buffers import HUGE_PAGE, AlignedBufferPool, StagingBuffer
+from .options import ALIGN, MiB, log_once
+from .planner.assign import PlannedChunk, SavePlan
+from .snapshot import Snapshot
+
+log = logging.getLogger("gdswriter")
+
+PIECE_MAX = 16 * MiB  # a piece is written while the next one is copied
+
+
+def _align_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+class _Ring:
+    """What the copier and the engines share: one condition, and the first error."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        with self.cv:
+            if self.error is None:
+                self.error = error
+            self.cv.notify_all()
+
+
+class _Stopped(Exception):
+    """The save failed elsewhere: the copier stops."""
+
+
+class _Piece:
+    """A file range [lo, hi) laid out at ``ring`` in the pool; the SpanGuard of its spans."""
+
+    __slots__ = ("blockers", "copies", "events", "freed", "hi", "lo", "ready", "ring", "ring_state", "root", "users")
+
+    def __init__(self, ring_state: _Ring, root: int, lo: int):
+        self.ring_state, self.root, self.lo, self.hi = ring_state, root, lo, lo
+        self.copies: list[tuple[int, torch.Tensor]] = []  # (offset in the piece, source bytes)
+        self.ring = 0
+        self.blockers: list[_Piece] = []  # earlier pieces whose pool range this one reuses
+        self.users = 0  # spans not yet released
+        self.ready = False
+        self.events: dict = {}
+        self.freed = False
+
+    @property
+    def length(self) -> int:
+        return _align_up(self.hi - self.lo)
+
+    # -- SpanGuard ----------------------------------------------------------------
+    def is_ready(self) -> bool:
+        if not self.ready:
+            if self.ring_state.error is not None:
+                raise self.ring_state.error
+            return False
+        return streams.events_done(self.events)
+
+    def wait_ready(self) -> None:
+        st = self.ring_state
+        with st.cv:
+            while not self.ready and st.error is None:
+                st.cv.wait()
+            if not self.ready:
+                raise st.error  # type: ignore[misc]
+        streams.host_wait(self.events)
+
+    def release(self) -> None:
+        with self.ring_state.cv:
+            self.users -= 1
+            if self.users == 0:
+                self.freed = True
+                self.ring_state.cv.notify_all()
+
+
+class HostSnapshotPool:
+    """Host memory for "host" snapshots, at most ``bound`` bytes (see the module docstring).
+    ``window``: the engines' staging buffer size (the pool is never smaller than what
+    keeps the pipeline deadlock-free: 4 x roots x window, or the state's size if smaller)."""
+
+    def __init__(self, bound: int, *, window: int, lock_memory: bool):
+        self.bound, self.window, self.lock_memory = bound, window, lock_memory
+        self._mem: AlignedBufferPool | None = None
+        self._pinned: int | None = None  # the CUDA device it was registered under
+
+    @property
+    def capacity(self) -> int:
+        return self._mem.size if self._mem is not None else 0
+
+    def _reserve(self, need: int, n_roots: int, cuda_device: int | None) -> StagingBuffer:
+        floor = 4 * n_roots * self.window
+        want = min(need, max(self.bound, floor))
+        if need > want:
+            log_once(f"snapshot-streams:{self.bound}",
+                     f"gdswriter: the checkpoint ({need / MiB:.0f} MiB) is larger than the snapshot pool "
+                     f"({want / MiB:.0f} MiB, snapshot_pool_bytes): it streams through the pool, so the optimizer "
+                     f"step after save_async also waits until all but the pool's worth is written", logging.INFO)
+        if self.bound < floor < need:
+            log_once("snapshot-floor", f"gdswriter: snapshot_pool_bytes={self.bound} is below the {floor / MiB:.0f} "
+                                       f"MiB the pipeline needs with {n_roots} root(s) and {self.window >> 20} MiB "
+                                       f"staging buffers; using {floor / MiB:.0f} MiB", logging.INFO)
+        if self._mem is None or self._mem.size < want:
+            self.close()
+            size = _align_up(want, HUGE_PAGE)
+            log.debug("gdswriter: allocating a %d MiB host snapshot pool", size >> 20)
+            self._mem = AlignedBufferPool(size, 1, lock_memory=self.lock_memory, pin_for_cuda=False)
+        buf = self._mem.buffers[0]
+        if cuda_device is not None and self._pinned is None and streams.pin(buf.address, buf.size, cuda_device):
+            self._pinned = cuda_device
+        return buf
+
+    def close(self) -> None:
+        if self._mem is None:
+            return
+        if self._pinned is not None:
+            streams.unpin(self._mem.buffers[0].address, self._pinned)
+            self._pinned = None
+        self._mem.close()
+        self._mem = None
+
+    @contextmanager
+    def stream(self, snap: Snapshot, plan: SavePlan, release) -> Iterator[list[list[tuple[PlannedChunk, WriteSpan]]]]:
+        """Per file of ``plan``, its chunks, cut where pieces end, each with the span that
+        writes it from the pool (guarded by its piece), while a copier thread fills them; ``release`` is set once every byte is copied (on a GPU: queued,
+        with the side streams' events). Leaving with an error stops the copier."""
+        ring = _Ring()
+        n_roots = len({f.target.root for f in plan.files})
+        need = sum(_align_up(f.size) for f in plan.files)
+        if not need:  # nothing but empty tensors: nothing to copy
+            release.set()
+            yield [[(c, WriteSpan(c.file_offset, torch.empty(0, dtype=torch.uint8))) for c in f.chunks]
+                   for f in plan.files]
+            return
+        devices = sorted(snap.ready)
+        buf = self._reserve(need, n_roots, devices[0] if devices else None)
+        piece = max(ALIGN, min(PIECE_MAX, buf.size // (4 * n_roots)) // ALIGN * ALIGN)
+        order, placements = _layout(snap, plan, ring, piece)
+        _allocate(order, buf.size)
+        spans = [[(c, WriteSpan(c.file_offset, buf.tensor[p.ring + c.file_offset - p.lo:][:c.length], guard=p))
+                  if p is not None else (c, WriteSpan(c.file_offset, buf.tensor[:0])) for c, p in per_file]
+                 for per_file in placements]
+        copier = threading.Thread(target=_copy_all, args=(snap, order, ring, buf, release),
+                                  name="gdswriter-snapshot", daemon=False)
+        copier.start()
+        try:
+            yield spans
+        except BaseException as e:
+            ring.fail(e)
+            raise
+        finally:
+            copier.join()
+        if ring.error is not None:  # the copier failed after the engines had every byte
+            raise ring.error
+
+
+def _layout(snap: Snapshot, plan: SavePlan, ring: _Ring, piece: int):
+    """Cut every file into pieces; returns the pieces in copy order (round-robin over roots,
+    each root's files in plan order) and, per file, its chunks cut at piece ends, each with
+    its piece (None for an empty chunk)."""
+    per_root: dict[int, list[_Piece]] = {}
+    placements = []
+    for fp in plan.files:
+        pieces: dict[int, _Piece] = {}
+        spans = []
+        for c in fp.chunks:
+            if c.length == 0:
+                spans.append((c, None))
+                continue
+            flat = snap.extents[c.storage].flat
+            pos, end = c.file_offset, c.file_offset + c.length
+            while pos < end:
+                k = pos // piece
+                cut = min(end, (k + 1) * piece)
+                p = pieces.get(k)
+                if p is None:
+                    p = pieces[k] = _Piece(ring, fp.target.root, k * piece)
+                    per_root.setdefault(fp.target.root, []).append(p)
+                src = c.storage_offset + pos - c.file_offset
+                p.copies.append((pos - p.lo, flat[src:src + cut - pos]))
+                p.hi = max(p.hi, cut)
+                p.users += 1
+                spans.append((replace(c, storage_offset=src, length=cut - pos, file_offset=pos), p))
+                pos = cut
+        placements.append(spans)
+    queues = [per_root[r] for r in sorted(per_root)]
+    order = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    return order, placements
+
+
+def _allocate(order: Sequence[_Piece], capacity: int) -> None:
+    """Give each piece its place in the pool, in turn (a ring); a piece waits for the earlier
+    pieces whose range it reuses (its blockers)."""
+    cursor = 0
+    for k, p in enumerate(order):
+        n = p.length
+        if cursor + n > capacity:
+            cursor = 0
+        p.ring = cursor
+        cursor += n
+        seen, j = 0, k - 1
+        while j >= 0 and seen < 2 * capacity:  # a lap of the ring covers less than 2 x capacity
+            q = order[j]
+            seen += q.length
+            if q.ring < p.ring + n and p.ring < q.ring + q.length:
+                p.blockers.append(q)
+            j -= 1
+
+
+def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: StagingBuffer, release) -> None:
+    """The copier thread: fill every piece in order, then set ``release``."""
+    try:
+        used: set[int] = set()
+        with streams.on_side_streams(snap.ready):
+            for p in order:
+                with ring.cv:
+                    while ring.error is None and not all(b.freed for b in p.blockers):
+                        ring.cv.wait()
+                    if ring.error is not None:
+                        raise _Stopped
+                devices = {src.device.index for _, src in p.copies if src.is_cuda}
+                for rel, src in p.copies:
+                    _copy_in(buf, p.ring + rel, src)
+                events = streams.record_side(sorted(devices)) if devices else {}
+                with ring.cv:
+                    p.events, p.ready = events, True
+                    ring.cv.notify_all()
+                used |= devices
+            release.set(streams.record_side(sorted(used)) if used else {})
+    except _Stopped:
+        pass
+    except BaseException as e:
+        ring.fail(e)
+
+
+def _copy_in(buf: StagingBuffer, at: int, src: torch.Tensor) -> None:
+    """Copy flat uint8 ``src`` into the pool at byte ``at``: memmove from host memory (the GIL is
+    released meanwhile), an asynchronous copy on the current (side) stream from a GPU."""
+    if src.is_cuda:
+        buf.tensor[at:at + src.numel()].copy_(src, non_blocking=True)
+    else:
+        ctypes.memmove(buf.address + at, src.data_ptr(), src.numel())
