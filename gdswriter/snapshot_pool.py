@@ -120,7 +120,6 @@ class HostSnapshotPool:
     def __init__(self, bound: int, *, window: int, lock_memory: bool):
         self.bound, self.window, self.lock_memory = bound, window, lock_memory
         self._mem: AlignedBufferPool | None = None
-        self._pinned: int | None = None  # the CUDA device it was registered under
 
     @property
     def capacity(self) -> int:
@@ -142,18 +141,14 @@ class HostSnapshotPool:
             self.close()
             size = _align_up(want, HUGE_PAGE)
             log.debug("gdswriter: allocating a %d MiB host snapshot pool", size >> 20)
-            self._mem = AlignedBufferPool(size, 1, lock_memory=self.lock_memory, pin_for_cuda=False)
-        buf = self._mem.buffers[0]
-        if cuda_device is not None and self._pinned is None and streams.pin(buf.address, buf.size, cuda_device):
-            self._pinned = cuda_device
-        return buf
+            self._mem = AlignedBufferPool(size, 1, lock_memory=self.lock_memory)
+        if cuda_device is not None:  # registered once, portable to every GPU, unregistered by close()
+            self._mem.pin_for_cuda(torch.device("cuda", cuda_device))
+        return self._mem.buffers[0]
 
     def close(self) -> None:
         if self._mem is None:
             return
-        if self._pinned is not None:
-            streams.unpin(self._mem.buffers[0].address, self._pinned)
-            self._pinned = None
         self._mem.close()
         self._mem = None
 

@@ -23,9 +23,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from ..options import log_once
 
-CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every context, not only the caller's
 
 _side: dict[int, torch.cuda.Stream] = {}
 _side_lock = threading.Lock()
@@ -95,21 +93,3 @@ def events_done(events: Mapping[int, torch.cuda.Event]) -> bool:
 def host_wait(events: Mapping[int, torch.cuda.Event]) -> None:
     for ev in events.values():
         ev.synchronize()
-
-
-def pin(address: int, nbytes: int, device: int) -> bool:
-    """Page-lock host memory for device-to-host copies (cudaHostRegister, portable, so any GPU
-    of the process may copy into it). False (and one log line) when the driver refuses: copies
-    into it are then synchronous, still correct."""
-    with torch.cuda.device(device):
-        rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, CUDA_HOST_REGISTER_PORTABLE)
-    if int(rc) != 0:
-        log_once("snapshot-pin", f"gdswriter: cudaHostRegister of the {nbytes >> 20} MiB snapshot pool failed "
-                                 f"({rc}); device-to-host snapshot copies will be synchronous")
-        return False
-    return True
-
-
-def unpin(address: int, device: int) -> None:
-    with torch.cuda.device(device):
-        torch.cuda.cudart().cudaHostUnregister(address)
