@@ -148,12 +148,18 @@ def hint_unaligned(flats: Sequence[torch.Tensor], options: EngineOptions, info: 
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """Every tensor an optimizer can change: its parameters and its state (no copies)."""
+    """Every tensor an optimizer can change: its parameters and its state (no copies; a
+    DTensor's local shard, which is what the step changes in place)."""
     out = [p for g in getattr(obj, "param_groups", ()) for p in g.get("params", ()) if isinstance(p, torch.Tensor)]
     for st in getattr(obj, "state", {}).values():
         if isinstance(st, dict):
             out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-    return out
+    return [_local(t) for t in out]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # DTensor (FSDP2, tensor parallelism)
+    return to_local() if callable(to_local) else t
 
 
 def plain_json(metadata: Any) -> dict:

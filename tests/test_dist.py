@@ -263,7 +263,7 @@ def _failure_worker(rank: int, world: int, roots: list[str], out: str, timeout: 
     ck = GDSCheckpointer(model, opt, root=roots[rank], options=_options(),
                          dist_options=DistOptions(timeout_s=timeout))
     ck.save(1)
-    original = save_mod.write_files
+    original = save_mod.write_snapshot_files
 
     def out_of_space(*a, **k):
         if rank == 1:
@@ -277,19 +277,19 @@ def _failure_worker(rank: int, world: int, roots: list[str], out: str, timeout: 
         return crcs
 
     result: dict = {}
-    save_mod.write_files = out_of_space
+    save_mod.write_snapshot_files = out_of_space
     try:
         ck.save(2)
     except Exception as e:  # noqa: BLE001 - the test looks at what each rank got
         result["raised"] = [type(e).__name__, str(e)]
-    save_mod.write_files = original
+    save_mod.write_snapshot_files = original
     result["steps_after_raise"] = ck.steps()
     result["tmp_after_raise"] = sorted(n for n in os.listdir(roots[rank]) if n.startswith(".tmp-"))
     _train(model, opt, 1)
     ck.save(3)  # a rank that raised leaves the job able to save again
     if rank == 0:
         torch.save(_tensors(model, opt), Path(out, "expected3.pt"))
-    save_mod.write_files = killed_after_writing
+    save_mod.write_snapshot_files = killed_after_writing
     _train(model, opt, 2)
     start = time.monotonic()
     try:
@@ -342,14 +342,14 @@ def _hang_worker(rank: int, world: int, root: str, timeout: float) -> dict:
     model, opt = _ddp_model()
     ck = GDSCheckpointer(model, opt, root=root, options=_options(), dist_options=DistOptions(timeout_s=timeout))
     ck.save(1)
-    original = save_mod.write_files
+    original = save_mod.write_snapshot_files
 
     def stuck(*a, **k):
         if rank == 1:
             time.sleep(3 * timeout)  # a hung rank (a stuck disk, a dead NFS server...)
         return original(*a, **k)
 
-    save_mod.write_files = stuck
+    save_mod.write_snapshot_files = stuck
     start = time.monotonic()
     errors = []
     for _ in range(2):  # the second save fails at once: the coordination group is known broken

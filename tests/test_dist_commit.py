@@ -31,7 +31,7 @@ def _session(roots):
 def _save(session, state, step, engines):
     from gdswriter.snapshot import take_snapshot
 
-    snap = take_snapshot(session.prepare(state, step), step, copy=False)
+    snap = take_snapshot(session.prepare(state, step), step)
     return session.write_and_commit(snap, engines, 2)
 
 
@@ -83,7 +83,7 @@ def test_failed_write_commits_nothing(tmp_path, engines, monkeypatch):
     def full_disk(*a, **k):
         raise EngineIOError(28, str(roots[1] / "x"), 0, "write")
 
-    monkeypatch.setattr(save_mod, "write_files", full_disk)
+    monkeypatch.setattr(save_mod, "write_snapshot_files", full_disk)
     with pytest.raises(EngineIOError, match="No space left"):
         _save(s, _state(2), 2, engines)
     assert s.protocol.committed_steps() == [1] and (roots[0] / "latest").read_text() == "1\n"

@@ -108,8 +108,10 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shar
         outcome = {
             "files": [[layout.local_to_global[f.target.root], f.target.name, f.size,
                        {"engine": written_by[fid], "rank": rank, "host": host}] for fid, f in enumerate(fplan.files)],
-            "chunks": [[pieces[c.storage].item, fid, c.file_offset, pieces[c.storage].offset + c.storage_offset,
-                        c.length, crcs[c]] for fid, f in enumerate(fplan.files) for c in f.chunks],
+            # the chunks written, which the host pool may have cut where its pieces end
+            "chunks": [[pieces[c.storage].item, c.file, c.file_offset, pieces[c.storage].offset + c.storage_offset,
+                        c.length, crc] for c, crc in sorted(crcs.items(), key=lambda x: (x[0].file, x[0].file_offset,
+                                                                                            x[0].storage_offset))],
             "records": [[g, record_json(_with_shard(snap.records[i], shards))]
                         for sid, g in enumerate(item_of) if min(holders[g]) == rank for i in by_storage.get(sid, [])],
             "tree": snap.tree,
