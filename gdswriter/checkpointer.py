@@ -135,6 +135,20 @@ class SaveHandle:
 
 
 # ----------------------------------------------------------------------------- checkpointer
+def _hookable(opt: Any) -> Any:
+    """The torch.optim.Optimizer whose step ``opt.step()`` runs, to hang the pre-hook on: ``opt``
+    itself, or the optimizer a wrapper holds (accelerate's AcceleratedOptimizer, Lightning's
+    LightningOptimizer subclass torch's Optimizer without initialising its hooks and step the
+    wrapped one). None when there is none (a custom object: nothing enforces the wait)."""
+    for _ in range(4):
+        if opt is None:
+            return None
+        if hasattr(opt, "register_step_pre_hook") and hasattr(opt, "_optimizer_step_pre_hooks"):
+            return opt
+        opt = getattr(opt, "optimizer", None) or getattr(opt, "_optimizer", None)
+    return None
+
+
 class GDSCheckpointer:
     """Save and load a model, an optimizer and any extra state under ``root``.
 
@@ -366,7 +380,8 @@ class GDSCheckpointer:
         if self._hook is not None:
             self._hook.remove()
         self._hook, self._hooked = None, opt
-        if hasattr(opt, "register_step_pre_hook"):
+        target = _hookable(opt)
+        if target is not None:
             ref = weakref.ref(self)
 
             def before_step(optimizer, args, kwargs) -> None:
@@ -374,7 +389,7 @@ class GDSCheckpointer:
                 if ck is not None:
                     ck._before_optimizer_step()
 
-            self._hook = opt.register_step_pre_hook(before_step)
+            self._hook = target.register_step_pre_hook(before_step)
         return self._hook is not None
 
     def _before_optimizer_step(self) -> None:

@@ -233,6 +233,54 @@ def test_close_removes_the_hook_and_a_replaced_optimizer_gets_it(tmp_path):
     train(model, opt2, 1)  # works without the checkpointer
 
 
+class WrappedOptimizer(torch.optim.Optimizer):
+    """Like accelerate's AcceleratedOptimizer and Lightning's LightningOptimizer: a torch
+    Optimizer subclass that never ran Optimizer.__init__ (so it has no hook tables of its own)
+    and steps the optimizer it wraps."""
+
+    def __init__(self, optimizer):  # noqa: D107 - deliberately no super().__init__()
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, sd):
+        self.optimizer.load_state_dict(sd)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.optimizer.zero_grad(set_to_none)
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+def test_a_wrapped_optimizer_is_guarded_through_the_one_it_wraps(tmp_path):
+    model, inner = build()
+    opt = WrappedOptimizer(inner)
+    train(model, opt, 1)
+    want = state_of(model, inner)
+    with GDSCheckpointer(model, opt, tmp_path, options=options(snapshot="live")) as ck:
+        with hold_engines(ck) as gate:
+            h = ck.save_async(1)
+            assert len(inner._optimizer_step_pre_hooks) == 1
+            t = stepper(model, opt)
+            t.join(0.5)
+            assert t.is_alive(), "the wrapper's step ran while the save still needed the live tensors"
+            gate.set()
+            t.join(60)
+            assert h.result(timeout=60) == 1
+    assert not inner._optimizer_step_pre_hooks
+    assert_same(saved_state(tmp_path, 1), want)
+
+
 def test_two_checkpointers_on_one_optimizer(tmp_path, monkeypatch):
     model, opt = build()
     train(model, opt, 1)
