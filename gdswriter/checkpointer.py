@@ -43,7 +43,11 @@ from .engine import IOEngine
 from .engine_select import create_engine
 from .errors import GDSWriterError, InvalidOptionError, ReadOnlyRootError
 from .format.commit import CommitProtocol, RootLock, normalize_roots, normalize_step
-from .options import CheckpointOptions
+from .options import CheckpointOptions, log_once
+from .planner.affinity import plan_for_save
+from .planner.assign import SavePlan, plan_save
+from .planner.discover import discover
+from .planner.topology import Topology
 from .restore import LiveState, LoadResult, load_state, restore_into, restore_newest_intact
 from .rng import rng_state
 from .snapshot import Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
@@ -251,6 +255,7 @@ class GDSCheckpointer:
         self._submit_lock = threading.Lock()
         self._hook = None
         self._hooked: Any = None
+        self._topology: Topology | None = None  # discovered at the first save of GPU state
         _open_checkpointers.add(self)
 
     def _collect(self) -> dict:
@@ -347,9 +352,9 @@ class GDSCheckpointer:
                 self._dist.write_and_commit(snap, engines, self.options.files_per_root, pool=pool,
                                             release=handle._release)
             else:
-                write_and_commit(snap, self.protocol, engines, file_targets(len(self.protocol.roots),
-                                                                            self.options.files_per_root),
-                                 pool=pool, release=handle._release)
+                targets = file_targets(len(self.protocol.roots), self.options.files_per_root)
+                write_and_commit(snap, self.protocol, engines, targets, pool=pool, release=handle._release,
+                                 plan=self._plan(snap, targets))
             if pool is None:
                 hint_unaligned([e.flat for e in snap.extents if not e.captured], self.options.engine, engines[0].info)
             # Deleting old steps can take long (unlink of large files, discard): the save is done at
@@ -370,6 +375,23 @@ class GDSCheckpointer:
             retention.set_exception(e)
         else:
             retention.set_result(None)
+
+    def _plan(self, snap: Snapshot, targets: list) -> SavePlan:
+        """Which bytes go to which file: the topology planner's GPU-local plan when storages live
+        on GPUs (each GPU writes to its nearest root; the topology is discovered once), else the
+        balanced plan. A planner failure falls back to the balanced plan, with a warning: where
+        bytes go is an optimisation, never a reason not to save."""
+        sizes, devices = [e.nbytes for e in snap.extents], [str(e.device) for e in snap.extents]
+        if not any(d.startswith("cuda") for d in devices):
+            return plan_save(sizes, targets)
+        try:
+            if self._topology is None:
+                self._topology = discover(roots=self.protocol.roots)
+            return plan_for_save(sizes, devices, self.protocol.roots, targets, self._topology)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log_once("topology-plan", f"gdswriter: the topology planner failed ({type(e).__name__}: {e}); "
+                                      f"balancing bytes across the roots without GPU locality")
+            return plan_save(sizes, targets)
 
     def _hook_optimizer(self) -> bool:
         """Keep the step pre-hook on the current optimizer (moved if it was replaced). False if

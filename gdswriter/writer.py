@@ -75,15 +75,17 @@ class Release:
 
 def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence[IOEngine],
                      targets: Sequence[FileTarget], *, pool: HostSnapshotPool | None = None,
-                     release: Release | None = None) -> Manifest:
+                     release: Release | None = None, plan: SavePlan | None = None) -> Manifest:
     """Write ``snap`` as step ``snap.step`` under ``protocol``'s roots and commit it.
 
     ``pool``: copy the bytes through this host snapshot pool (mode "host"; only with engines
     that honour span guards, else live); None: the engines read the extents themselves
     (mode "live", CUDA extents on side streams behind ``snap.ready``). ``release`` (optional)
-    is set when the extents' memory is no longer needed, or the save failed."""
+    is set when the extents' memory is no longer needed, or the save failed. ``plan``: which
+    bytes go to which file (default: plan_save over ``targets``; the checkpointer passes the
+    topology planner's GPU-local plan when the state is on GPUs)."""
     release = release if release is not None else Release()
-    plan: SavePlan = plan_save([e.nbytes for e in snap.extents], targets)
+    plan = plan if plan is not None else plan_save([e.nbytes for e in snap.extents], targets)
     try:
         pending: PendingCommit = protocol.begin(snap.step)
     except BaseException as e:
@@ -98,7 +100,8 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
                 ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[c]))
         storages = [StorageRecord(ext.nbytes, tuple(by_storage[sid])) for sid, ext in enumerate(snap.extents)]
         files = tuple(FileRecord(f.target.root, f.target.name, f.size,
-                                 {"engine": written_by.get(fid, engines[f.target.root].info.name)})
+                                 {"engine": written_by.get(fid, engines[f.target.root].info.name),
+                                  **({"gpu": f.gpu} if f.gpu is not None else {})})
                       for fid, f in enumerate(plan.files))
         manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
                             state=snap.tree, created_unix=time.time(), metadata=snap.metadata)

@@ -963,3 +963,32 @@ def test_page_aligned_live_tensors_skip_the_staging_copy(tmp_path):
         assert int(written) <= 64 * 1024 and int(read) <= 64 * 1024, proc.stdout
     else:
         assert int(written) >= 4 << 20, proc.stdout  # buffered I/O: everything is staged
+
+
+def test_gpu_local_plans_are_written_and_recorded(tmp_path, monkeypatch):
+    """The save path takes the topology planner's plan as it is (one file per GPU and root,
+    several files on one root) and records which GPU wrote each file. CUDA tensors cannot
+    exist here: the storages are CPU tensors presented to the planner as cuda:0..3, on the
+    replayed two-socket 4-GPU server."""
+    from gdswriter.planner.affinity import plan_for_save
+    from gdswriter.planner.topology import Topology
+
+    topo = Topology.load(Path(__file__).parent / "data" / "topologies" / "two_socket_4gpu.json")
+    roots = [tmp_path / "a", tmp_path / "b"]
+    model = {f"w{i}": torch.randn(1000 + 37 * i) for i in range(8)}
+    want = {k: v.clone() for k, v in model.items()}
+    with ckpt(model, None, roots) as ck:
+        def gpu_local(snap, targets):
+            devices = [f"cuda:{i % 4}" for i in range(len(snap.extents))]
+            return plan_for_save([e.nbytes for e in snap.extents], devices, ck.protocol.roots, targets, topo,
+                                 cuda_gpus={g: g for g in range(4)})
+
+        monkeypatch.setattr(ck, "_plan", gpu_local)
+        ck.save(1)
+        for v in model.values():
+            v.zero_()
+        assert ck.load() == 1
+    assert all(torch.equal(model[k], want[k]) for k in want)
+    m = manifest_of(roots[0], 1)
+    names = sorted(f[1] for f in m["files"])
+    assert all("-gpu" in n for n in names) and sorted(f[3]["gpu"] for f in m["files"]) == [0, 1, 2, 3], names
