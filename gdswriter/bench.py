@@ -237,7 +237,7 @@ class Methods:
 
             flat, meta = safetensors_view(m, o)
             save_file(flat, p, metadata=meta)
-            _fsync_path(p)
+            fsync_path(p)
         elif case == "gdswriter":
             self.step += 1
             self.gds.save(self.step)
@@ -259,7 +259,7 @@ class Methods:
             torch.save(collect(self.model, self.opt), writer)
         finally:
             writer.close()
-        _fsync_path(p)
+        fsync_path(p)
 
     def _fastpersist_buffers(self):
         """The libaio handle and pinned I/O buffer, made once (outside the timed saves after the first)."""
@@ -309,7 +309,8 @@ class Methods:
             raise ValueError(case)
 
 
-def _fsync_path(p: Path) -> None:
+def fsync_path(p: Path) -> None:
+    """Flush a file written by another library (its save ends durable, as gdswriter's does)."""
     fd = os.open(p, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -17,10 +17,14 @@ in "host" mode, the training stream waits on the copies' events; the host does n
 * forward, backward, ``zero_grad``, data loading, LR scheduler and GradScaler updates may
   run right after save_async (their values were captured at the call);
 * module buffers and extra-state tensors the optimizer does not update (BatchNorm running
-  statistics, counters) are copied at the call when they are small (up to 1 MiB each);
+  statistics, counters) are copied at the call when they are small (up to 1 MiB each, and
+  64 MiB per save in all: beyond that they stay live, with a one-time warning);
 * anything else that changes a saved tensor in place outside ``optimizer.step()`` (an
   in-place edit of parameters, an EMA of weights kept in extra state, large buffers,
   another optimizer) must wait: ``handle.wait_snapshotted()`` first.
+
+A save that fails in the background raises its error once (see ``save_async``); one that
+nobody asked about before the interpreter exits is logged as an error then.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ import weakref
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,7 +90,9 @@ class SaveStats:
 class SaveHandle:
     """A save in progress. ``result(timeout)`` returns the step once it is durable and committed
     (None if the save was ``skipped``, see CheckpointOptions.on_busy); ``snapshotted()`` says
-    whether the save still needs the live tensors; ``stats`` is set once it is done."""
+    whether the save still needs the live tensors; ``stats`` is set once it is done (None for
+    a skipped save); ``mode`` is, once it is done, the snapshot mode the save really used
+    ("live" where the engines cannot write from the host pool)."""
 
     def __init__(self, step: int, mode: str, *, skipped: bool = False):
         self.step, self.mode, self.skipped = step, mode, skipped
@@ -109,10 +114,11 @@ class SaveHandle:
         """Wait (concurrent.futures.TimeoutError after ``timeout`` s); re-raises the save's own error."""
         try:
             return self._future.result(timeout)
-        except FutureTimeout:
-            raise
-        except BaseException:
-            self.reported = True
+        except BaseException as e:
+            # By identity, not by type: since Python 3.11 the wait's TimeoutError is also the
+            # type of the save's own OSError(ETIMEDOUT).
+            if e is self.exception():
+                self.reported = True
             raise
 
     def exception(self) -> BaseException | None:
@@ -131,6 +137,7 @@ class SaveHandle:
         now = time.perf_counter()
         started = self._started if self._started is not None else now
         released = self._release.at if self._release.at is not None else now
+        self.mode = self._release.mode or self.mode
         self.stats = SaveStats(self.step, self.mode, self._nbytes, self._blocked, released - started, now - started)
         if error is None:
             self._future.set_result(self.step)
@@ -139,6 +146,13 @@ class SaveHandle:
 
 
 # ----------------------------------------------------------------------------- checkpointer
+def _skip_across_ranks() -> InvalidOptionError:
+    return InvalidOptionError(
+        "on_busy='skip' cannot be used by a checkpointer of several ranks: each rank would decide alone "
+        "whether its previous save is still running, so the ranks would save different steps and their "
+        "collective saves would no longer match. Use on_busy='wait' (the default)")
+
+
 def _hookable(opt: Any) -> Any:
     """The torch.optim.Optimizer whose step ``opt.step()`` runs, to hang the pre-hook on: ``opt``
     itself, or the optimizer a wrapper holds (accelerate's AcceleratedOptimizer, Lightning's
@@ -196,6 +210,10 @@ class GDSCheckpointer:
         # [dist hook] under torch.distributed (or with process_group=) the ranks agree on the roots, each
         # locks and cleans the ones it leads (gdswriter/dist/session.py); else one process owns them all.
         self._dist = dist_session_for(roots, process_group, dist_options)
+        if self._dist is not None and opts.on_busy == "skip":
+            if self._dist.lock is not None:
+                self._dist.lock.release()
+            raise _skip_across_ranks()
         # A writer locks the roots and cleans leftovers; roots it cannot write (read-only file
         # system, no permission) are opened for loading only: no lock, nothing cleaned.
         self._lock: RootLock | None = None
@@ -213,6 +231,7 @@ class GDSCheckpointer:
         if removed:
             log.info("gdswriter: removed %d leftover(s) of interrupted saves under %s", len(removed), roots[0])
         self._engines: list[IOEngine] = []
+        self._engines_closed = False
         self.last_load: LoadResult | None = None
         self._handles: list[SaveHandle] = []
         self._retention: Future | None = None
@@ -227,6 +246,7 @@ class GDSCheckpointer:
 
     @property
     def engine_info(self):
+        self._check_open()
         return self._engine_list()[0].info
 
     def steps(self) -> list[int]:
@@ -237,8 +257,14 @@ class GDSCheckpointer:
     def latest_step(self) -> int | None:
         return self.protocol.latest()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
+
     def _engine_list(self) -> list[IOEngine]:
         with self._mutex:
+            if self._engines_closed:  # engines made now would never be closed
+                raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
             if not self._engines:
                 self._engines = [create_engine(self.options.engine) for _ in self.protocol.roots]
             return self._engines
@@ -287,8 +313,9 @@ class GDSCheckpointer:
         the next ``save``/``save_async``/``wait``/``close`` or optimizer step.
         """
         t0 = time.perf_counter()
-        if self._closed:
-            raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
+        self._check_open()
+        if self._dist is not None and self.options.on_busy == "skip":  # options replaced after __init__
+            raise _skip_across_ranks()
         step = self._save_step(step)
         self._raise_unreported()
         metadata = plain_json(metadata)  # now: later changes to the caller's objects do not reach the step
@@ -317,8 +344,23 @@ class GDSCheckpointer:
                 self._jobs.append((handle, snap))
                 self._jobs_cv.notify_all()
                 if self._worker is None:
-                    self._worker = threading.Thread(target=self._work, name="gdswriter-save", daemon=True)
-                    self._worker.start()
+                    # Published only once started: a job no thread runs, or a worker that does not
+                    # exist, would make the optimizer step, close() and later saves wait forever.
+                    worker = threading.Thread(target=self._work, name="gdswriter-save", daemon=True)
+                    try:
+                        worker.start()
+                    except BaseException as e:  # RuntimeError "can't start new thread"
+                        self._jobs.pop()
+                        self._jobs_cv.notify_all()
+                        err = GDSWriterError(
+                            f"step {step} not saved: the save thread could not start ({type(e).__name__}: {e}). "
+                            f"The process is likely at its thread limit (ulimit -u, the cgroup's pids.max): end "
+                            f"threads it no longer needs or raise the limit, then save again")
+                        handle.reported = True  # raised here, not again later
+                        handle._release.set(error=err)
+                        handle._finish(err)
+                        raise err from e
+                    self._worker = worker
         handle._blocked += time.perf_counter() - t0
         return handle
 
@@ -339,6 +381,9 @@ class GDSCheckpointer:
                 log.exception("gdswriter: the save thread failed after step %d", handle.step)
             with self._jobs_cv:
                 self._jobs.popleft()
+                # Let go of the snapshot (its captured copies, the storages it keeps alive) now,
+                # not when the next save or the idle timeout ends this frame.
+                del handle, snap
                 self._jobs_cv.notify_all()
 
     def _run(self, handle: SaveHandle, snap: Snapshot) -> None:
@@ -371,10 +416,12 @@ class GDSCheckpointer:
                 st.snapshot_s, st.write_s, st.nbytes / 2**20, st.gbps)
         try:
             self._apply_retention(snap.step)
-        except BaseException as e:
-            retention.set_exception(e)
-        else:
-            retention.set_result(None)
+        except Exception as e:  # noqa: BLE001 - nothing is lost: the step is retried after the next save
+            log.warning("gdswriter: deleting the steps that retention drops after step %d under %s failed "
+                        "(%s: %s); nothing is lost, they are deleted after the next save", snap.step,
+                        self.protocol.primary, type(e).__name__, e)
+        finally:
+            retention.set_result(None)  # steps()/wait() wait for it; its failure is not theirs
 
     def _plan(self, snap: Snapshot, targets: list) -> SavePlan:
         """Which bytes go to which file: the topology planner's GPU-local plan when storages live
@@ -454,14 +501,41 @@ class GDSCheckpointer:
             pending.result()
 
     # -- waiting ---------------------------------------------------------------
-    def _raise_unreported(self) -> None:
+    def _take_unreported(self) -> list[SaveHandle]:
+        """The failed saves nobody was told about yet, now marked told."""
         with self._mutex:
             failed = [h for h in self._handles
                       if not h.reported and (h._release.error is not None or h.exception() is not None)]
             for h in failed:
                 h.reported = True
-        if failed:
-            raise failed[0]._release.error or failed[0].exception()  # type: ignore[misc]
+        return failed
+
+    def _raise_unreported(self) -> None:
+        """Raise the first unreported failure with its own type (the handle's own error once it is
+        done; its release's while it finishes); the others found with it are logged."""
+        failed = self._take_unreported()
+        if not failed:
+            return
+        for h in failed[1:]:
+            e = h.exception() or h._release.error
+            log.error("gdswriter: step %d was not saved either: %s: %s", h.step, type(e).__name__, e)
+        first = failed[0]
+        raise (first.exception() if first.done() else first._release.error)  # type: ignore[misc]
+
+    def _log_unreported(self) -> None:
+        """At interpreter exit: nobody is left to raise a failure to, so log each one."""
+        failed = self._take_unreported()
+        if not failed:
+            return
+        try:
+            latest = self.protocol.latest()
+        except Exception:  # noqa: BLE001 - only for the message
+            latest = "unknown"
+        for h in failed:
+            e = h.exception() or h._release.error
+            log.error("gdswriter: step %d was NOT saved (%s: %s); the newest committed step is %s. The error was "
+                      "not reported before the interpreter exited: call save(), handle.result(), wait() or "
+                      "close() to get such errors raised", h.step, type(e).__name__, e, latest, exc_info=e)
 
     def _drain(self) -> None:
         """Wait until no save is running or queued."""
@@ -513,6 +587,7 @@ class GDSCheckpointer:
         ``fallback=True`` (with ``step=None``): if the latest step is damaged (manifest, files,
         checksums), warn naming the problem and load the newest intact older step instead.
         """
+        self._check_open()
         self._quiesce()
         if self._dist is not None or is_multi_rank(self.protocol, step):  # [dist hook] collective / resharding load
             return dist_load_into(self, step, strict=strict, verify=self.options.verify if verify is None else verify)
@@ -546,9 +621,10 @@ class GDSCheckpointer:
             self._drain()
             self._stop_worker()
             self._snapshot_pool.close()
-            for e in self._engines:
+            with self._mutex:
+                engines, self._engines, self._engines_closed = self._engines, [], True
+            for e in engines:
                 e.close()
-            self._engines = []
             if self._lock is not None:
                 self._lock.release()
             _open_checkpointers.discard(self)
@@ -582,6 +658,7 @@ def _finish_saves_at_exit() -> None:
             log.exception("gdswriter: a save failed while the interpreter exited")
         finally:
             ck._stop_worker()
+        ck._log_unreported()
 
 
 try:

@@ -146,6 +146,17 @@ def check_spans(spans: Sequence[WriteSpan] | Sequence[ReadSpan]) -> None:
         prev_end = s.end
 
 
+def checked_write_size(spans: Sequence[WriteSpan], size: int | None) -> int:
+    """The size a write_file call leaves the file at (``size``, default: the end of the last
+    span), after checking the spans; InvalidOptionError if ``size`` would cut a span off."""
+    check_spans(spans)
+    end = spans[-1].end if spans else 0
+    size = end if size is None else size
+    if size < end:
+        raise InvalidOptionError(f"size={size} is smaller than the end of the last span ({end})")
+    return size
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """What the user can see about the engine that moves their bytes."""

@@ -46,6 +46,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 import torch
 
 from .engine import fsync_dir
+from .format.commit import exchange_paths
 from .errors import GDSWriterError, InvalidOptionError
 
 # torch dtype -> safetensors dtype name. float4_e2m1fn_x2 is stored as "F4" with the last
@@ -459,8 +460,10 @@ def _hf_config(manifest, config: str | os.PathLike | None) -> Path | dict:
 
 def _write_hf_dir(out: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, str], config: Path | dict, *,
                   overwrite: bool, on_written) -> int:
-    """Write the directory in a temporary sibling, fsync it, rename it into place; returns the
-    bytes of model.safetensors. An existing ``out`` is replaced only with ``overwrite``."""
+    """Write the directory in a temporary sibling (every file fsynced, every name durable), then
+    give it the name ``out``; returns the bytes of model.safetensors. An existing ``out`` is
+    replaced only with ``overwrite``: swapped atomically (renameat2 RENAME_EXCHANGE) where the
+    file system can, else moved aside first and put back if the new one cannot take its place."""
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise InvalidOptionError(f"directory {parent} does not exist: create it first")
@@ -478,21 +481,32 @@ def _write_hf_dir(out: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[
         else:
             with atomic_output(tmp / "config.json") as f, open(config, "rb") as src:
                 shutil.copyfileobj(src, f)
+        # Each file was fsynced and its name made durable in tmp (atomic_output fsyncs tmp).
         size = write_safetensors(tmp / HF_WEIGHTS, tensors, meta, on_written=on_written)
-        fsync_dir(tmp)
-        old = None
         if out.exists() or out.is_symlink():
             if not overwrite:
                 raise OutputExistsError(errno.EEXIST, f"{out} exists: pass --force to replace it")
-            old = parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-            os.rename(out, old)
-        os.rename(tmp, out)
+            if not exchange_paths(tmp, out):  # no atomic swap here: move the old one aside first
+                old = parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+                os.rename(out, old)
+                try:
+                    os.rename(tmp, out)
+                except OSError:
+                    os.rename(old, out)
+                    raise
+                tmp = old  # removed below, once the new one is durable
+        else:
+            os.rename(tmp, out)
         fsync_dir(parent)
-        if old is not None and old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
-        elif old is not None:
-            old.unlink()
         return size
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        _remove_entry(tmp)  # what is left under the temporary name: the failed new one, or the old one
+
+
+def _remove_entry(path: Path) -> None:
+    """Remove a directory tree, file or link if there is one (best effort: a leftover temporary)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.is_symlink() or path.exists():
+        with contextlib.suppress(OSError):
+            path.unlink()

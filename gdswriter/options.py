@@ -168,9 +168,14 @@ class CheckpointOptions:
         (GDSWRITER_SNAPSHOT_POOL_BYTES, e.g. 8G; default 4 GiB). It is allocated at the first
         host-mode save with the state's size, up to this bound, and reused; a larger state
         streams through it (the optimizer step then also waits for the disk to free room).
+        The pool never takes less than the streaming pipeline needs to be deadlock-free,
+        4 x roots x engine.buffer_bytes (or the state's size if smaller): a lower bound is
+        raised to that, with a one-time note in the log.
     on_busy: what save_async does while an earlier save is still running: "wait" (default;
         the new save is queued behind it, and save_async blocks only if one is already
         queued) or "skip" (no save; the handle says ``skipped`` and a warning is logged).
+        A checkpointer of several ranks refuses "skip" (each rank would decide alone, and
+        the ranks would save different steps).
     stats_log_level: the logging level of each save's one-line report (time training was
         blocked, snapshot and write time, bytes, GB/s); default DEBUG.
     """

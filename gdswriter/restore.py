@@ -33,7 +33,7 @@ from .errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptChec
                      UnsupportedFormatVersionError)
 from .format.commit import CommitProtocol, normalize_roots, read_regular_file
 from .format.dtypes import dtype_from_name, dtype_to_name
-from .format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
+from .format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, Manifest
 from .format.state_codec import decode_state
 from .options import EngineOptions
 from .rng import set_rng_state
@@ -71,7 +71,7 @@ def read_manifest_bytes(protocol: CommitProtocol, step: int) -> bytes:
     """The raw manifest of committed ``step`` (a regular file; links are refused)."""
     path = protocol.step_dir(step) / MANIFEST_NAME
     try:
-        return read_regular_file(path)
+        return read_regular_file(path, MANIFEST_MAX_BYTES)
     except FileNotFoundError as e:
         raise CheckpointNotFoundError(errno.ENOENT, f"{path} is missing: step {step} is not committed (deleted "
                                                     f"meanwhile?)") from e

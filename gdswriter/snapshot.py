@@ -4,10 +4,11 @@
 value), groups its tensors by the allocation they view (tied weights, views and numpy arrays
 sharing memory are written once) and describes each group as one flat byte extent of live
 memory. Tensors the optimizer does not update (module buffers such as BatchNorm statistics,
-extra state) that are small are copied right away, because training changes them before the
-next optimizer step; the rest stays live, and the save (writer.py) copies or writes it in the
-background. On a GPU an event on each device's current stream marks the point the saved
-values belong to (cuda/streams.py).
+extra state) that are small are copied right away (up to CAPTURE_MAX each, CAPTURE_BUDGET per
+save; beyond the budget they stay live, with a one-time warning), because training changes
+them before the next optimizer step; the rest stays live, and the save (writer.py) copies or
+writes it in the background. On a GPU an event on each device's current stream marks the
+point the saved values belong to (cuda/streams.py).
 """
 
 from __future__ import annotations
@@ -212,15 +213,25 @@ def _capture(extents: list[Extent], placed: list[tuple[int, int]], tensors: list
         if t.untyped_storage().data_ptr() in guarded:
             unguarded.discard(placed[i][0])
     budget = CAPTURE_BUDGET
+    left_live: list[str] = []
     for sid, ext in enumerate(extents):
         n, kind = ext.nbytes, ext.device.type
         if kind not in ("cpu", "cuda"):
             log_once(f"host-copy:{kind}", f"gdswriter: {kind} tensors are copied to host memory when save_async "
                                           f"is called (synchronously)")
             ext.replace(ext.flat.to("cpu"))
-        elif sid in unguarded and 0 < n <= min(CAPTURE_MAX, budget):
-            ext.replace(ext.flat.clone())
-            budget -= n
+        elif sid in unguarded and 0 < n <= CAPTURE_MAX:
+            if n <= budget:
+                ext.replace(ext.flat.clone())
+                budget -= n
+            else:
+                left_live.append(ext.first_tensor)
+    if left_live:
+        log_once("capture-budget", f"gdswriter: {len(left_live)} small tensor(s) the optimizer does not update "
+                                   f"(e.g. {left_live[0]}) were not copied at save_async: such copies are limited "
+                                   f"to {CAPTURE_BUDGET // MiB} MiB per save. Until handle.snapshotted() they must "
+                                   f"not change: call handle.wait_snapshotted() before a forward pass that "
+                                   f"updates them")
 
 
 def _group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple[list[Extent], list[tuple[int, int]]]:

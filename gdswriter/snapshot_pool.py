@@ -20,7 +20,9 @@ recorded, and a piece is ready when its copy event completes.
 Deadlock freedom: an engine waiting for a piece keeps at most the spans of its current
 staging buffer and of the span it is in (it reaps its finished requests while it waits),
 so with a pool of at least 4 x roots x max(piece, staging buffer) bytes the piece the
-copier needs next never overlaps what a waiting engine holds.
+copier needs next never overlaps what a waiting engine holds. An engine that fails holds the
+room of the pieces it will never write: the save stops at once (``stream``'s stop), so that
+the copier and the other engines do not wait for it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -153,17 +155,22 @@ class HostSnapshotPool:
         self._mem = None
 
     @contextmanager
-    def stream(self, snap: Snapshot, plan: SavePlan, release) -> Iterator[list[list[tuple[PlannedChunk, WriteSpan]]]]:
-        """Per file of ``plan``, its chunks, cut where pieces end, each with the span that
-        writes it from the pool (guarded by its piece), while a copier thread fills them; ``release`` is set once every byte is copied (on a GPU: queued,
-        with the side streams' events). Leaving with an error stops the copier."""
+    def stream(self, snap: Snapshot, plan: SavePlan, release
+               ) -> Iterator[tuple[list[list[tuple[PlannedChunk, WriteSpan]]], Callable[[BaseException], None]]]:
+        """Yields (spans, stop). ``spans``: per file of ``plan``, its chunks, cut where pieces
+        end, each with the span that writes it from the pool (guarded by its piece), while a
+        copier thread fills them; ``release`` is set once every byte is copied (on a GPU:
+        queued, with the side streams' events). ``stop(error)`` fails the save at once: the
+        copier stops and engines waiting for a piece raise ``error``. Call it as soon as one
+        engine fails (its unwritten files hold room the copier waits for; the others would wait
+        for the copier forever). Leaving with an error stops the copier too."""
         ring = _Ring()
         n_roots = len({f.target.root for f in plan.files})
         need = sum(_align_up(f.size) for f in plan.files)
         if not need:  # nothing but empty tensors: nothing to copy
             release.set()
-            yield [[(c, WriteSpan(c.file_offset, torch.empty(0, dtype=torch.uint8))) for c in f.chunks]
-                   for f in plan.files]
+            yield ([[(c, WriteSpan(c.file_offset, torch.empty(0, dtype=torch.uint8))) for c in f.chunks]
+                    for f in plan.files], ring.fail)
             return
         devices = sorted(snap.ready)
         buf = self._reserve(need, n_roots, devices[0] if devices else None)
@@ -177,7 +184,7 @@ class HostSnapshotPool:
                                   name="gdswriter-snapshot", daemon=False)
         copier.start()
         try:
-            yield spans
+            yield spans, ring.fail
         except BaseException as e:
             ring.fail(e)
             raise

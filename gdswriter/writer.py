@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 from typing import Any
@@ -27,7 +28,6 @@ from .format.commit import CommitProtocol, PendingCommit
 from .format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
 from .options import log_once
 from .planner.assign import FileTarget, PlannedChunk, SavePlan, plan_save
-from .restore import run_per_file
 from .snapshot import Snapshot
 from .snapshot_pool import HostSnapshotPool
 
@@ -40,13 +40,15 @@ class Release:
     """Set once a save no longer needs the saved tensors' own memory: in live mode when every
     file is written, in host mode when every byte is copied (from a GPU: when every copy is
     queued on the side streams, complete once ``events`` are). A failed save sets it too,
-    with ``error``, so that nothing waits for it forever."""
+    with ``error``, so that nothing waits for it forever. ``mode``: the snapshot mode the
+    save really used ("live" where the engines cannot write from the host pool)."""
 
     def __init__(self) -> None:
         self._flag = threading.Event()
         self.events: Mapping[int, Any] = {}
         self.error: BaseException | None = None
         self.at: float | None = None  # perf_counter() when set
+        self.mode: str | None = None  # set by write_snapshot_files
 
     def set(self, events: Mapping[int, Any] | None = None, *, error: BaseException | None = None) -> None:
         if self.error is None:
@@ -126,13 +128,14 @@ def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit,
                                        f"is copied; writing from live memory (the optimizer step waits for the "
                                        f"write)")
         pool = None
+    release.mode = "live" if pool is None else "host"
     if pool is None:
         crcs = write_files(plan, live_spans(snap, plan), pending, engines,
                            lambda: streams.on_side_streams(snap.ready), written_by)
         release.set()
         return crcs
-    with pool.stream(snap, plan, release) as spans:
-        return write_files(plan, spans, pending, engines, nullcontext, written_by)
+    with pool.stream(snap, plan, release) as (spans, stop):
+        return write_files(plan, spans, pending, engines, nullcontext, written_by, abort=stop)
 
 
 def live_spans(snap: Snapshot, plan: SavePlan) -> list[list[tuple[PlannedChunk, WriteSpan]]]:
@@ -143,28 +146,54 @@ def live_spans(snap: Snapshot, plan: SavePlan) -> list[list[tuple[PlannedChunk, 
 
 def write_files(plan: SavePlan, spans: Sequence[Sequence[tuple[PlannedChunk, WriteSpan]]], pending: PendingCommit,
                 engines: Sequence[IOEngine], context: Callable[[], AbstractContextManager] = nullcontext,
-                written_by: dict[int, str] | None = None) -> dict[PlannedChunk, int]:
+                written_by: dict[int, str] | None = None,
+                abort: Callable[[BaseException], None] | None = None) -> dict[PlannedChunk, int]:
     """Write every file of ``plan`` into the pending step; returns each chunk's crc32c.
     ``spans[f]``: file f's chunks (the plan's, or pieces of them: the host pool cuts chunks
     where its pieces end) with the span that writes each, in file order. ``context`` is
     entered around each root's writes, in that root's thread. ``written_by`` (optional) gets,
-    per file, the engine that really wrote it (an engine may change paths from file to file)."""
+    per file, the engine that really wrote it (an engine may change paths from file to file).
+    ``abort`` (optional) gets a root's error at once, in that root's thread: the other roots
+    may wait for what the failed root would have made possible (the host pool's copier waits
+    for the room its unwritten files hold), so their producer must give up now. Raises the
+    first root's error (the cause) once every root's thread has ended."""
     # Keyed by the chunk itself: a zero-byte storage's empty chunk shares its file_offset
     # with the next chunk, so (file, file_offset) is not unique.
     crcs: dict[PlannedChunk, int] = {}
+    first: list[BaseException] = []  # the roots' errors, in the order they happened
+    first_lock = threading.Lock()
 
     def write_root(r: int) -> None:
-        with context():
-            for fid in by_root[r]:
-                fp = plan.files[fid]
-                got = engines[r].write_file(pending.dirs[r] / fp.target.name, [s for _, s in spans[fid]], size=fp.size)
-                crcs.update(zip((c for c, _ in spans[fid]), got))
-                if written_by is not None:
-                    written_by[fid] = engines[r].info.name
+        try:
+            with context():
+                for fid in by_root[r]:
+                    fp = plan.files[fid]
+                    got = engines[r].write_file(pending.dirs[r] / fp.target.name, [s for _, s in spans[fid]],
+                                                size=fp.size)
+                    crcs.update(zip((c for c, _ in spans[fid]), got))
+                    if written_by is not None:
+                        written_by[fid] = engines[r].info.name
+        except BaseException as e:
+            with first_lock:
+                first.append(e)
+            if abort is not None:
+                abort(e)
+            raise
 
     # Files on different roots (SSDs) are written in parallel; files sharing a root take turns.
     by_root: dict[int, list[int]] = {}
     for fid, f in enumerate(plan.files):
         by_root.setdefault(f.target.root, []).append(fid)
-    run_per_file(write_root, sorted(by_root), len(by_root))
+    roots = sorted(by_root)
+    if len(roots) <= 1:
+        for r in roots:
+            write_root(r)
+        return crcs
+    # Every root's thread is joined before returning: they write into the pending step, which
+    # the caller aborts on an error.
+    with ThreadPoolExecutor(max_workers=len(roots), thread_name_prefix="gdswriter-file") as ex:
+        for r in roots:
+            ex.submit(write_root, r)
+    if first:
+        raise first[0]
     return crcs

@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer  # noqa: E402
+from gdswriter.bench import fsync_path  # noqa: E402
 from gdswriter.measure import fio_reference  # noqa: E402
 from gdswriter.pagecache import drop_caches, evict  # noqa: E402
 from gdswriter.units import parse_size  # noqa: E402
@@ -256,7 +257,7 @@ class Safetensors(Method):
         import safetensors.torch
 
         safetensors.torch.save_file(state, str(d / "model.safetensors"))
-        _fsync(d / "model.safetensors")
+        fsync_path(d / "model.safetensors")
 
     def load(self, state, d):
         import safetensors.torch
@@ -292,14 +293,6 @@ class TorchSave(Method):
 
     def load(self, state, d):
         return torch.load(d / "model.pt", map_location=next(iter(state.values())).device, weights_only=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager

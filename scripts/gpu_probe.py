@@ -226,7 +226,7 @@ def bandwidth(args):
         dst.zero_()
         _timed("pinned + O_DIRECT pwrite x4", n, pw_write, pw_read, path, check)
         print(f"   D2H {RESULTS.get('d2h_pinned_gbps', 0):.1f} GB/s, H2D {RESULTS.get('h2d_pinned_gbps', 0):.1f} GB/s (pinned)")
-        del pinned
+        pinned = None  # free it (the closures above are not called again)
     except Exception:  # noqa: BLE001
         traceback.print_exc(limit=3, file=sys.stdout)
 

@@ -15,6 +15,7 @@ import crc32c
 import numpy as np
 import pytest
 import torch
+from test_uring import deadline
 
 from gdswriter import GDSCheckpointer, load_state
 from gdswriter.checkpointer import CheckpointOptions
@@ -149,6 +150,27 @@ def test_ls_missing_root_and_damaged_manifest(capsys, ckpt, tmp_path):
     rc, out, _ = _run(capsys, "ls", root)
     assert rc == 1 and "DAMAGED" in out
     assert re.search(r"^\s+2\s.*latest", out, re.M)
+
+
+def test_ls_reads_a_hostile_latest_file_safely(capsys, ckpt):
+    """A FIFO, or a link, planted as `latest` must neither hang nor steer `ls`: it is read like
+    every small file gdswriter writes (no link followed, never blocking), and ignored."""
+    root, _ = ckpt
+    os.unlink(root / "latest")
+    os.mkfifo(root / "latest")
+    with deadline(30):
+        rc, out, err = _run(capsys, "ls", root)
+    assert rc == 0, err
+    assert re.search(r"^\s+2\s.*latest", out, re.M) and "not committed" not in out
+    os.unlink(root / "latest")
+    (root / "elsewhere").write_text("7\n")
+    os.symlink("elsewhere", root / "latest")
+    rc, out, err = _run(capsys, "ls", root)
+    assert rc == 0 and "names step 7" not in out, out
+    os.unlink(root / "latest")
+    (root / "latest").write_text("7\n")  # a plain file naming a step that is not committed: noted
+    rc, out, _ = _run(capsys, "ls", root)
+    assert "'latest' names step 7, which is not committed" in out
 
 
 # ----------------------------------------------------------------------------- inspect

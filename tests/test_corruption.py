@@ -222,6 +222,23 @@ def test_damaged_manifest(two_steps, damage):
     assert_step_intact(root, 1)
 
 
+def test_a_huge_manifest_is_refused_before_it_is_read(two_steps, capsys):
+    """A manifest.json of a terabyte (sparse here) is damage: refused by its size with a typed
+    error before its bytes are read into memory, by load, by opening the root to save, and by
+    the command line."""
+    root = two_steps
+    with open(mpath(root, 2), "r+b") as f:
+        f.truncate(1 << 40)
+    with pytest.raises(CorruptCheckpointError, match="more than the"):
+        load_state(root)
+    with GDSCheckpointer({"w": torch.zeros(1)}, None, root, options=M.small_options()) as ck:
+        with pytest.raises(CorruptCheckpointError):
+            ck.load()
+        assert ck.steps() == [1, 2]
+    assert cli_main(["ls", str(root)]) == 1 and "DAMAGED" in capsys.readouterr().out
+    assert_step_intact(root, 1)
+
+
 @pytest.mark.parametrize("edit", ["step", "chunk_crc", "nbytes", "shape", "state", "metadata", "whitespace"])
 def test_manifest_self_checksum(two_steps, edit):
     root = two_steps

@@ -14,8 +14,8 @@ import torch
 from gdswriter.dist import DistOptions, open_session
 from gdswriter.dist.group import Coordinator
 from gdswriter.dist.roots import ROOT_ID_NAME, discover_layout, root_identity
-from gdswriter.errors import CheckpointLockedError, EngineIOError, UnreachableDataError
-from gdswriter.format.commit import OWNER_NAME
+from gdswriter.errors import CheckpointLockedError, EngineIOError, RootUnavailableError, UnreachableDataError
+from gdswriter.format.commit import OWNER_ID_NAME, OWNER_NAME
 from gdswriter.format.manifest import Manifest
 from gdswriter.restore import LiveState
 
@@ -56,8 +56,9 @@ def test_two_roots_commit_resave_and_load(tmp_path, engines):
     m = _save(s, _state(1), 5, engines)
     assert m.version == (1, 2) and [r.ranks for r in m.dist.roots] == [(0,), (0,)]
     names = sorted(os.listdir(roots[1] / "step_000000000005"))
-    assert names == ["data-rank0-r1-f0.bin", "data-rank0-r1-f1.bin", OWNER_NAME]
+    assert names == ["data-rank0-r1-f0.bin", "data-rank0-r1-f1.bin", OWNER_ID_NAME, OWNER_NAME]
     assert (roots[1] / "step_000000000005" / OWNER_NAME).read_text() == f"{roots[0].resolve()}\n"
+    assert (roots[1] / "step_000000000005" / OWNER_ID_NAME).read_text() == f"{root_identity(roots[0])}\n"
     assert (roots[0] / "latest").read_text() == "5\n" and s.protocol.committed_steps() == [5]
     _save(s, _state(2), 5, engines)  # a re-save replaces the step on both roots
     assert [n for r in roots for n in os.listdir(r) if n.startswith((".tmp-", ".trash-"))] == []
@@ -160,3 +161,99 @@ def test_open_removes_leftovers_of_interrupted_saves(tmp_path, engines):
     assert sorted(os.listdir(roots[0])) == [ROOT_ID_NAME, ".gdswriter.lock", "latest", "step_000000000001"]
     assert sorted(os.listdir(roots[1])) == [ROOT_ID_NAME, ".gdswriter.lock", "step_000000000001",
                                             "step_000000000009"]
+
+
+def _step_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and "step_" in str(p))
+
+
+def test_steps_of_another_primary_at_the_same_path_are_never_cleaned(tmp_path, engines):
+    """The primary's path now holds another disk (node-local roots, rank 0 on another node, or an
+    unmounted disk): secondary steps naming that path but the old primary's id are not this
+    checkpoint's leftovers. With no committed step on the primary the open refuses; with some,
+    the foreign steps are left alone."""
+    a, c, d = tmp_path / "a", tmp_path / "c", tmp_path / "d"
+    s = _session([a, c])
+    _save(s, _state(1), 1, engines)
+    _save(s, _state(2), 2, engines)
+    s.lock.release()
+    before = _step_files(c)
+    a.rename(tmp_path / "old-a")  # another disk at the primary's path
+    with pytest.raises(RootUnavailableError, match=r"holds no committed step.*steps \[1, 2\]"):
+        _session([a, c])
+    assert _step_files(c) == before
+    s = _session([a, d])  # the new disk gets a checkpoint of its own
+    _save(s, _state(3), 5, engines)
+    s.lock.release()
+    s = _session([a, c])
+    assert _step_files(c) == before, "steps written for the other primary (by id) stay"
+    s.lock.release()
+
+
+def test_an_fsync_failure_after_the_commit_rename_uncommits_the_step(tmp_path, engines, monkeypatch):
+    """The primary's step_S is visible once renamed; if fsync of the root then fails, the save
+    fails: the step must be un-committed before the leaders hear of it, and its secondary data
+    kept, so no visible step ever lacks its data files."""
+    import gdswriter.dist.commit as commit_mod
+    from gdswriter.format.commit import CommitProtocol
+
+    roots = [tmp_path / "a", tmp_path / "b"]
+    s = _session(roots)
+    _save(s, _state(1), 1, engines)
+    real = commit_mod.fsync_dir
+
+    def failing(path):
+        if Path(path) == roots[0] and (roots[0] / "step_000000000002").exists():
+            raise OSError(5, "Input/output error", str(path))
+        return real(path)
+
+    monkeypatch.setattr(commit_mod, "fsync_dir", failing)
+    with pytest.raises(EngineIOError, match="Input/output error") as info:
+        _save(s, _state(2), 2, engines)
+    assert isinstance(info.value.__cause__, OSError)
+    monkeypatch.setattr(commit_mod, "fsync_dir", real)
+    protocol = CommitProtocol(roots)
+    assert protocol.committed_steps() == [1] and (roots[0] / "latest").read_text() == "1\n"
+    assert (roots[1] / "step_000000000002").is_dir(), "kept: were the rename durable after all, step 2 is whole"
+    for step in protocol.committed_steps():  # every visible step has all its data files
+        m = Manifest.from_json_bytes((roots[0] / f"step_{step:012d}" / "manifest.json").read_bytes())
+        assert all((roots[f.root] / f"step_{step:012d}" / f.path).is_file() for f in m.files)
+    s.lock.release()
+    _session(roots).lock.release()  # the next open removes the uncommitted secondary step 2
+    assert not (roots[1] / "step_000000000002").exists()
+
+
+def test_a_latest_file_that_cannot_move_leaves_the_step_committed(tmp_path, engines, monkeypatch, caplog):
+    import gdswriter.dist.commit as commit_mod
+
+    roots = [tmp_path / "a"]
+    s = _session(roots)
+    _save(s, _state(1), 1, engines)
+    real = commit_mod._atomic_write
+
+    def failing(path, data):
+        if Path(path).name == "latest":
+            raise OSError(28, "No space left on device", str(path))
+        return real(path, data)
+
+    monkeypatch.setattr(commit_mod, "_atomic_write", failing)
+    assert _save(s, _state(2), 2, engines) is not None, "the save succeeds: the step is committed"
+    assert s.protocol.committed_steps() == [1, 2] and (roots[0] / "latest").read_text() == "1\n"
+    assert "could not be updated" in caplog.text
+    s.lock.release()
+
+
+def test_an_error_raised_later_keeps_its_os_cause(tmp_path, engines, monkeypatch):
+    import gdswriter.dist.commit as commit_mod
+
+    roots = [tmp_path / "a", tmp_path / "b"]
+    s = _session(roots)
+
+    def failing(path, data):
+        raise OSError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(commit_mod, "_write_durable", failing)
+    with pytest.raises(EngineIOError, match="Permission denied") as info:
+        _save(s, _state(1), 1, engines)
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == 13
+    s.lock.release()

@@ -12,7 +12,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
 
 RANK_TIMEOUT_S = 240  # a whole multi-rank scenario; a hang fails the test instead of blocking CI
 

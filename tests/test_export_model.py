@@ -4,8 +4,10 @@ without editing keys. Real checkpoints in tmp_path; real transformers models bui
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +199,38 @@ def test_hf_dir_with_config_directory_and_force(capsys, tmp_path):
     assert rc == 0, err
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporaries left
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_hf_dir_replacement_never_leaves_the_name_empty(capsys, tmp_path, monkeypatch, exchange):
+    """--force swaps the new directory in atomically where the file system can (renameat2
+    exchange); elsewhere the old one is moved aside, and put back if the new one cannot take
+    its name: at no point does a failure leave no directory under the output's name."""
+    import gdswriter.export as export
+
+    model = _llama()
+    _save(tmp_path / "ck", model)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"old": true}')
+    config = tmp_path / "config.json"
+    model.config.to_json_file(config)
+    if not exchange:
+        monkeypatch.setattr(export, "exchange_paths", lambda a, b: False)
+        real_rename = os.rename
+
+        def rename(src, dst):
+            if Path(src).name.startswith(".hf.tmp-"):
+                raise OSError(errno.EIO, "injected", str(src))
+            return real_rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", rename)
+        rc, _, err = _run(capsys, "export", tmp_path / "ck", "--to", "hf", "--config", config, out, "--force")
+        assert rc == 1 and "injected" in err
+        assert json.loads((out / "config.json").read_text()) == {"old": True}, "the old output was not put back"
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+        monkeypatch.setattr(os, "rename", real_rename)
+    rc, _, err = _run(capsys, "export", tmp_path / "ck", "--to", "hf", "--config", config, out, "--force")
+    assert rc == 0, err
+    _same(model, transformers.LlamaForCausalLM.from_pretrained(out))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

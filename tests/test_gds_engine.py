@@ -39,10 +39,13 @@ from test_engine_contract import (  # noqa: F401 - imported test cases run here 
     test_size_smaller_than_spans_is_rejected,
 )
 
+from test_engine_faults import HOSTILE, deadline, plant
+
 import gdswriter.cuda.gds as gds
 from gdswriter.engine import ReadSpan, WriteSpan, check_spans
 from gdswriter.engine_select import create_engine
-from gdswriter.errors import EngineIOError, EngineUnavailableError, TruncatedFileError
+from gdswriter.errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOError, EngineUnavailableError,
+                              NotRegularFileError, TruncatedFileError)
 from gdswriter.fallback.engine import IoUringEngine, PosixEngine
 from gdswriter.options import ALIGN, EngineOptions, KiB, MiB
 
@@ -394,6 +397,57 @@ def test_open_errors_are_typed(fake, tmp_path, gen):
         with pytest.raises(EngineIOError) as ei:
             eng.read_file(tmp_path / "missing.bin", [ReadSpan(0, torch.empty(10, dtype=torch.uint8))])
         assert ei.value.errno == errno.ENOENT
+
+
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_hostile_paths_are_refused_before_kvikio_opens_them(fake, tmp_path, gen, kind):
+    """KvikIO opens by name and follows links: the engine checks the path first, as the host
+    engines do (tests/test_engine_faults.py), so a planted link or special file is refused
+    with the same typed errors, nothing is truncated through it, and a FIFO never blocks."""
+    innocent = tmp_path / "innocent.bin"
+    innocent.write_bytes(b"precious" * 1000)
+    path = tmp_path / "data.bin"
+    keep = plant(kind, path, innocent)
+    try:
+        with gds.GdsEngine(small_options()) as eng, deadline(30):
+            with pytest.raises(NotRegularFileError) as ei:
+                eng.write_file(path, [WriteSpan(0, rand(50_000, gen))])
+            assert not isinstance(ei.value, CorruptCheckpointError) and ei.value.path == str(path)
+            if kind not in ("dangling symlink", "FIFO with a reader"):
+                out = torch.zeros(5000, dtype=torch.uint8)
+                with pytest.raises(DataFileNotRegularError):
+                    eng.read_file(path, [ReadSpan(0, out)])
+                assert not out.any()
+        assert innocent.read_bytes() == b"precious" * 1000
+        assert not [c for c in fake.calls if c[0] in ("write", "read")], "KvikIO was given the path"
+    finally:
+        if isinstance(keep, int):
+            os.close(keep)
+        elif keep is not None:
+            keep.close()
+
+
+def test_an_interrupted_drain_still_waits_for_every_request():
+    """A second Ctrl-C while the engine waits out its requests after an error: every request
+    is still waited for before the interruption goes on (the file is closed next, and KvikIO's
+    threads must be done with its descriptor and the memory)."""
+    class Fut:
+        def __init__(self, interrupts: int):
+            self.interrupts, self.done = interrupts, False
+
+        def get(self):
+            if self.interrupts:
+                self.interrupts -= 1
+                raise KeyboardInterrupt
+            self.done = True
+            return 0
+
+    reqs = gds._Requests("f.bin", write=True)
+    futs = [Fut(2), Fut(0), Fut(1)]
+    reqs.pending = {i: (None, f) for i, f in enumerate(futs)}
+    with pytest.raises(KeyboardInterrupt):
+        reqs.drain()
+    assert all(f.done for f in futs) and not reqs.pending
 
 
 def test_truncated_file_is_refused_before_reading(fake, tmp_path, gen):

@@ -35,7 +35,9 @@ Scenarios: one root where the file system accepts O_DIRECT and RENAME_EXCHANGE (
 fdatasync and the exchange path), one root where it refuses both (buffered I/O + fsync, and the
 re-save fallback), two roots in two directories of one mount, and a root that does not exist
 yet (``mnt/new/run/ssd0``: the checkpointer creates it, then saves 1 and 2; its name and its
-parents' must be durable before a returned save counts as durable).
+parents' must be durable before a returned save counts as durable), the same with two roots
+(the first save also marks them), and two ranks of a gloo process group saving to two roots
+together (the multi-rank commit protocol of dist/commit.py; rank 0 exports).
 
 ``scripts/sync_mutations.py`` removes each fsync/fdatasync/directory fsync of gdswriter in turn
 and checks that this test fails.
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import random
 import re
@@ -67,7 +70,7 @@ from powerloss.harness import (
 )
 
 SETUP = [["save", 1, 1], ["save", 2, 2]]
-PLAN = [["save", 3, 3], ["save", 3, 4], ["save", 4, 5], ["wait"], ["export", 4]]
+PLAN = [["save", 3, 3], ["save", 3, 4], ["save", 4, 5], ["wait"], ["export", 4], ["export-hf", 4]]
 OPTIONS = {"keep_last": 2, "files_per_root": 2}
 # The committed {step: gen} states the plan passes through, in order.
 STATES_EXCHANGE = [{1: 1, 2: 2}, {1: 1, 2: 2, 3: 3}, {2: 2, 3: 3}, {2: 2, 3: 4}, {2: 2, 3: 4, 4: 5}, {3: 4, 4: 5}]
@@ -91,6 +94,7 @@ class Scenario:
     exchange: bool = True  # the file system accepts renameat2(RENAME_EXCHANGE)
     engine: str = "auto"
     fresh: bool = False  # the roots (and their parent) do not exist before the run
+    ranks: int = 1  # processes in the job's gloo group: every rank saves (dist/commit.py's protocol)
 
     @property
     def plan(self) -> list[list]:
@@ -100,7 +104,8 @@ class Scenario:
     def states(self) -> list[dict[int, int]]:
         if self.fresh:
             return FRESH_STATES
-        return STATES_EXCHANGE if self.exchange and self.n_roots == 1 else STATES_NO_EXCHANGE
+        one_root = self.n_roots == 1 and self.ranks == 1  # a multi-rank re-save un-commits, then commits
+        return STATES_EXCHANGE if self.exchange and one_root else STATES_NO_EXCHANGE
 
     @property
     def acked(self) -> dict[str, dict[int, int]]:
@@ -108,9 +113,11 @@ class Scenario:
 
 
 SCENARIOS = [Scenario("fresh-root", fresh=True),
+             Scenario("fresh-two-roots", fresh=True, n_roots=2),  # the first save also marks the roots
              Scenario("one-root"),
              Scenario("one-root-buffered-no-exchange", direct=False, exchange=False, engine="posix"),
-             Scenario("two-roots", n_roots=2)]
+             Scenario("two-roots", n_roots=2),
+             Scenario("two-ranks-two-roots", n_roots=2, ranks=2)]
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -408,7 +415,7 @@ class Checker:
 
     def job(self, actions, progress: Path) -> dict:
         return {"roots": [str(r) for r in self.roots()], "actions": actions, "progress": str(progress),
-                "options": {**OPTIONS, "engine": {"engine": self.sc.engine}}}
+                "options": {**OPTIONS, "engine": {"engine": self.sc.engine}, "ranks": self.sc.ranks}}
 
     def make_base(self) -> Path:
         with self.mount("base") as fs:
@@ -467,7 +474,7 @@ class Checker:
         self.check_s += time.monotonic() - t0
 
     def check_image(self, where: str, lines: list[str]) -> None:
-        from powerloss.app import EXPORT_DIR, export_name, make_net
+        from powerloss.app import EXPORT_DIR, HF_CONFIG, export_name, hf_export_name, make_net
 
         from gdswriter import GDSCheckpointer, load_state
         from gdswriter.cli import main as cli_main
@@ -517,6 +524,19 @@ class Checker:
                 rc = cli_main(argv)
             assert rc == 0, f"gdswriter verify --all exit {rc}: {out.getvalue()[-2000:]}; {where}"
 
+        hf = self.mnt / EXPORT_DIR / hf_export_name(4)
+        if "exported-hf 4" in lines:
+            assert hf.is_dir(), f"the Hugging Face export was acknowledged, and is gone; {where}"
+        if hf.exists():  # under its final name: complete, whatever the cut
+            from safetensors.torch import load_file
+            try:
+                assert json.loads((hf / "config.json").read_text()) == HF_CONFIG
+                flat = load_file(str(hf / "model.safetensors"))
+            except Exception as e:
+                pytest.fail(f"{hf} exists under its final name, and is damaged ({type(e).__name__}: {e}); {where}")
+            model, _ = self.expected(5)
+            assert flat.keys() == model.keys() and all(torch.equal(flat[k], v) for k, v in model.items()), (
+                f"{hf}: the weights are not step 4's; {where}")
         export = self.mnt / EXPORT_DIR / export_name(4)
         if "exported 4" in lines:
             assert export.exists(), f"the export was acknowledged, and is gone; {where}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -72,8 +71,8 @@ def run(args) -> int:
                 out(f"  no committed steps: {p} is a secondary root of {owner}; list that root instead")
             else:
                 out("  no committed steps")
-        with contextlib.suppress(OSError, ValueError):
-            named = int((p / LATEST_NAME).read_text().strip())
+        named = protocol.latest_named()
+        if named is not None:
             if named != latest:
                 out(f"  note: '{LATEST_NAME}' names step {named}, which is not committed; the newest committed "
                      f"step counts as latest")

@@ -40,6 +40,7 @@ import glob
 import json
 import os
 import re
+import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -47,9 +48,9 @@ from typing import Callable, Sequence
 import crc32c as _crc32c
 import torch
 
-from ..engine import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans
-from ..errors import (_HINTS, EngineIOError, EngineUnavailableError, GDSWriterError, InvalidOptionError,
-                      ShortIOError, TruncatedFileError)
+from ..engine import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans, checked_write_size
+from ..errors import (_HINTS, EngineIOError, EngineUnavailableError, GDSWriterError, ShortIOError, TruncatedFileError)
+from ..fallback.engine import _not_regular, _open_error
 from ..options import ALIGN, EngineOptions, log_once
 from .checksum import crc32c_tensors
 
@@ -330,6 +331,31 @@ def _errno_of(e: BaseException) -> int:
     return errno.EIO
 
 
+def _regular_file(path: str, write: bool) -> int:
+    """Check, before KvikIO opens ``path`` by name, that it is a regular file (created empty
+    when writing; returns its size): as the host engines do, never follow a symbolic link and
+    refuse a FIFO, device or directory (O_NONBLOCK: a planted FIFO cannot block this open).
+    KvikIO's own open then finds the file this call checked, barring a concurrent swap."""
+    flags = ((os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY) | (
+        os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        raise _open_error(e, path, write) from e
+    try:
+        try:
+            st = os.fstat(fd)
+            regular = stat.S_ISREG(st.st_mode)
+            if regular and write:
+                os.ftruncate(fd, 0)
+        except OSError as e:
+            raise EngineIOError(e.errno, path, 0, "open") from e
+        if not regular:
+            raise _not_regular(path, st.st_mode, write)
+        return 0 if write else st.st_size
+    finally:
+        os.close(fd)
+
 def _io_error(e: BaseException, path: str, offset: int, what: str) -> EngineIOError:
     code = _errno_of(e)
     hint = " ".join(x for x in (_HINTS.get(code, ""), f"(KvikIO: {' '.join(str(e).split())})") if x)
@@ -502,12 +528,8 @@ class GdsEngine(IOEngine):
 
     # -- write -------------------------------------------------------------
     def write_file(self, path, spans: Sequence[WriteSpan], *, size: int | None = None, durable: bool = True) -> list[int]:
-        check_spans(spans)
+        size = checked_write_size(spans, size)
         path = os.fspath(path)
-        end = spans[-1].end if spans else 0
-        size = end if size is None else size
-        if size < end:
-            raise InvalidOptionError(f"size={size} is smaller than the end of the last span ({end})")
         with self._lock:
             self._check_open()
             if not any(_on_gpu(s.data) for s in spans):
@@ -520,6 +542,7 @@ class GdsEngine(IOEngine):
             before = self._monitor.get() if self._monitor is not None else None
             pieces = plan_io([(s.offset, s.data.numel()) for s in spans], buffer_bytes=self.options.buffer_bytes)
             ok = False
+            _regular_file(path, write=True)
             try:
                 f = self._kvikio.CuFile(path, "w")
             except Exception as e:
@@ -582,10 +605,7 @@ class GdsEngine(IOEngine):
                 crcs = host.read_file(path, spans)
                 self._last_name = host.info.name
                 return crcs
-            try:
-                file_size = os.stat(path).st_size
-            except OSError as e:
-                raise EngineIOError(e.errno, path, 0, "open") from e
+            file_size = _regular_file(path, write=False)
             need = max((s.end for s in spans), default=0)
             if file_size < need:
                 raise TruncatedFileError(path, need, file_size)
@@ -687,8 +707,20 @@ class _Requests:
             self.wait(key)
 
     def drain(self) -> None:
-        """After an error: wait out every request (KvikIO threads may still touch the memory)."""
+        """After an error: wait out every request, since KvikIO's threads may still use the file
+        and the memory. An interruption (a second Ctrl-C) is held until all have returned, then
+        re-raised: the caller closes the file next, and its descriptor must be idle by then."""
+        interrupted: BaseException | None = None
         for _, fut in self.pending.values():
-            with contextlib.suppress(Exception):
-                fut.get()
+            for _attempt in range(1000):  # each interruption re-waits; a finished future returns at once
+                try:
+                    fut.get()
+                except Exception:  # noqa: BLE001 - the first error is already being raised
+                    pass
+                except BaseException as e:  # noqa: BLE001 - re-raised below, once nothing is in flight
+                    interrupted = interrupted or e
+                    continue
+                break
         self.pending.clear()
+        if interrupted is not None:
+            raise interrupted

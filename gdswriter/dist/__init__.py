@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import GDSWriterError, InvalidOptionError
 from ..options import EngineOptions
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.commit import read_regular_file
+from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
 from .group import Coordinator
 from .options import DistOptions
 from .roots import discover_layout, root_identity
@@ -45,12 +46,8 @@ def session_for(roots: Sequence[Path], process_group: Any = None, options: DistO
     if not initialised:
         raise InvalidOptionError("DistOptions(collective=True) needs torch.distributed: call "
                                  "torch.distributed.init_process_group first")
-    for r in roots:
-        try:
-            r.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
-                                     f"directory") from e
+    # The roots are made inside the first collective (discover_layout): a rank that cannot create
+    # one makes every rank raise at once, rather than leaving the others to wait out the timeout.
     return open_session(roots, Coordinator.for_group(process_group, timeout_s=options.timeout_s), options)
 
 
@@ -60,7 +57,7 @@ def is_multi_rank(protocol: Any, step: int | None) -> bool:
     reports the problem in its own words."""
     try:
         path = protocol.step_dir(protocol.require(step)) / MANIFEST_NAME
-        return Manifest.from_json_bytes(path.read_bytes(), where=str(path)).dist is not None
+        return Manifest.from_json_bytes(read_regular_file(path, MANIFEST_MAX_BYTES), where=str(path)).dist is not None
     except (GDSWriterError, OSError, ValueError):
         return False
 

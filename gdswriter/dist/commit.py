@@ -3,16 +3,19 @@
 Step S, with roots in the table every rank agrees on (roots.py; the primary first):
 
 1. every rank makes ``.tmp-step_S-<token>`` on each of its roots (ranks sharing a root share
-   that directory; the root's leader also writes ``primary-root`` into secondary ones) and
-   writes its own data files there, each fdatasynced;
+   that directory; the root's leader also writes ``primary-root`` and ``primary-id`` into
+   secondary ones) and writes its own data files there, each fdatasynced;
 2. vote: rank 0 gathers every rank's outcome. On any failure it tells every rank, each
    root's leader removes the temporary directory, and every rank raises. When step S is
    already committed, rank 0 un-commits it here (primary first, as commit.py does);
 3. each root's leader fsyncs its temporary directory (every rank's files are in it now); on a
    secondary root it renames it to ``step_S`` and fsyncs the root. Rank 0 gathers the outcome;
 4. rank 0 writes manifest.json into the primary's temporary directory (fsync) and renames it
-   to ``step_S``: the commit point;
-5. announce: rank 0 tells every rank whether the step committed; then ``latest`` moves.
+   to ``step_S``: the commit point. If the root's fsync then fails, rank 0 un-commits the step
+   (retires the primary ``step_S``) before reporting the failure, so that no visible step
+   loses its secondary data; if it cannot, the step stays committed (with a warning);
+5. announce: rank 0 tells every rank whether the step committed; then ``latest`` moves (a
+   failure there is logged: the step is committed, readers fall back to the newest step).
 
 A rank that dies or hangs makes a collective fail (CollectiveFailedError on the others,
 within the timeout) before step 4, so nothing is committed and the previous step stays the
@@ -23,6 +26,7 @@ primary manifest) is removed when the roots are next opened.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -33,7 +37,18 @@ from ..errors import EngineIOError, RankFailedError
 from ..format.commit import LATEST_NAME, TMP_PREFIX, CommitProtocol, _atomic_write, _write_durable, step_dir_name
 from ..format.manifest import MANIFEST_NAME
 from .group import Coordinator, describe
-from .roots import OWNER_NAME, RootLayout, owned, owner_text
+from .roots import RootLayout, owned, owner_files
+
+log = logging.getLogger("gdswriter")
+
+
+def _io_error(e: OSError, path: Path, what: str) -> EngineIOError:
+    """``e`` as an EngineIOError (kept if it is one), its cause kept for when it is raised later."""
+    if isinstance(e, EngineIOError):
+        return e
+    err = EngineIOError(e.errno or errno.EIO, e.filename or path, 0, what)
+    err.__cause__ = e
+    return err
 
 
 def _retire(path: Path) -> None:
@@ -55,13 +70,15 @@ class RankCommit:
         self.renamed: list[Path] = []
         self.secondary_failures: dict[int, str] = {}
         self.committed = False
+        self.keep_secondaries = False  # rank 0: a failure after the commit rename keeps secondary step_S
         try:
             for i, d in enumerate(self.dirs):
                 d.mkdir(exist_ok=True)
                 if layout.leads(i) and not layout.is_primary(i):
-                    _write_durable(d / OWNER_NAME, owner_text(layout))
+                    for name, data in owner_files(layout).items():
+                        _write_durable(d / name, data)
         except OSError as e:
-            self.setup_error = EngineIOError(e.errno or errno.EIO, e.filename or d, 0, "mkdir")
+            self.setup_error = _io_error(e, d, "mkdir")
 
     # -- 2 and 3 -----------------------------------------------------------------
     def vote(self, outcome: Any) -> list[Any] | None:
@@ -81,7 +98,7 @@ class RankCommit:
                     try:
                         _retire(final)  # re-saving step S: un-commit the old one first
                     except OSError as e:
-                        error = EngineIOError(e.errno or errno.EIO, final, 0, "un-commit the old step")
+                        error = _io_error(e, final, "un-commit the old step")
                         failures = {0: describe(error)}
             decision = self.coord.broadcast([[r, m] for r, m in failures.items()], f"{self.what} (decision)")
         except BaseException:
@@ -99,8 +116,7 @@ class RankCommit:
                 if not self.layout.is_primary(i):
                     self._publish_secondary(i)
         except OSError as e:
-            self.local_error = e if isinstance(e, EngineIOError) else EngineIOError(
-                e.errno or errno.EIO, e.filename or self.dirs[0], 0, "commit")
+            self.local_error = _io_error(e, self.dirs[0], "commit")
         statuses = self.coord.gather(describe(self.local_error) if self.local_error else None,
                                      f"{self.what} (secondary roots)")
         if statuses is not None:
@@ -137,30 +153,57 @@ class RankCommit:
         try:
             _atomic_write(self.dirs[0] / MANIFEST_NAME, manifest_bytes)
             os.rename(self.dirs[0], final)
-            fsync_dir(primary)
         except OSError as e:
             self.abort()
             if isinstance(e, EngineIOError):
                 raise
             raise EngineIOError(e.errno or errno.EIO, e.filename or primary, 0, "commit") from e
+        try:
+            fsync_dir(primary)
+        except OSError as e:
+            # The step is visible, but whether the rename is durable is unknown: un-commit it, and keep
+            # the secondary step_S directories (announce() leaves them; the next open removes them
+            # unless the rename turns out to have survived), so no step can be visible without its data.
+            self.keep_secondaries = True
+            try:
+                _retire(final)
+            except OSError as e2:
+                if final.exists():  # still visible: it stays committed, with all its data
+                    self.committed = True
+                    log.warning("gdswriter: step %d is committed under %s, but fsync of the root failed (%s) and "
+                                "it could not be un-committed (%s): it may not survive a power cut; check the "
+                                "drive", self.step, primary, e, e2)
+                    return
+            raise EngineIOError(e.errno or errno.EIO, e.filename or primary, 0, "commit (fsync of the root)",
+                                "the step was un-committed; check the drive (dmesg) and save again") from e
         self.committed = True
 
     def move_latest(self) -> None:
-        """Rank 0, after the commit: point ``latest`` at the step."""
-        _atomic_write(self.layout.local_paths[0] / LATEST_NAME, f"{self.step}\n".encode())
+        """Rank 0, after the commit: point ``latest`` at the step. A failure is logged, not raised:
+        the step is committed (``latest`` only names the default step to load, as after a crash
+        between the commit and ``latest``: docs/format.md section 6)."""
+        try:
+            _atomic_write(self.layout.local_paths[0] / LATEST_NAME, f"{self.step}\n".encode())
+        except OSError as e:
+            log.warning("gdswriter: step %d is committed, but %s could not be updated (%s): a load without a step "
+                        "picks the step it still names until a later save moves it; check the drive", self.step,
+                        self.layout.local_paths[0] / LATEST_NAME, e)
 
     def announce(self, error: BaseException | None) -> None:
         """Collective: rank 0's outcome (``error`` there) reaches every rank; all raise if the step
-        was not committed (secondary directories renamed in step 3 are removed again)."""
+        was not committed (secondary directories renamed in step 3 are removed again, unless the
+        failure came after the commit rename: then the next open decides, see commit())."""
         failures = None
         if self.coord.rank == 0 and error is not None:
             failures = self.secondary_failures or {0: describe(error)}
-        failures = self.coord.broadcast(failures and [[r, m] for r, m in failures.items()],
-                                        f"{self.what} (commit)")
+        msg = self.coord.broadcast({"failures": failures and [[r, m] for r, m in failures.items()],
+                                    "keep": self.keep_secondaries}, f"{self.what} (commit)")
+        failures = msg["failures"]
         if not failures:
             return
-        for path in self.renamed:
-            shutil.rmtree(path, ignore_errors=True)
+        if not msg["keep"]:
+            for path in self.renamed:
+                shutil.rmtree(path, ignore_errors=True)
         self.abort()
         if error is not None:
             raise error

@@ -153,16 +153,11 @@ class GDSStorageWriter(_Collective, StorageWriter):
             raise InvalidOptionError("GDSStorageWriter commits one step for all ranks: dcp.save(use_collectives=False) "
                                      "(a metadata file per rank) is not supported; use FileSystemWriter for that")
         coord = self.coordinator()
+        failed = None  # reported in open_session's first collective, so every rank raises at once
         if "rank" in kwargs and kwargs["rank"] != coord.rank:
-            raise InvalidOptionError(f"DCP saves as rank {kwargs['rank']} but this writer's group has it as rank "
-                                     f"{coord.rank}: pass the same process_group (single_process=True for no_dist)")
-        for r in self.roots:
-            try:
-                r.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
-                                         f"directory") from e
-        self._session = open_session(self.roots, coord, self.dist_options)
+            failed = InvalidOptionError(f"DCP saves as rank {kwargs['rank']} but this writer's group has it as rank "
+                                        f"{coord.rank}: pass the same process_group (single_process=True for no_dist)")
+        self._session = open_session(self.roots, coord, self.dist_options, failed=failed)  # makes missing roots
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Name this rank's tensor chunks, so that the global plan sees which ranks hold each."""
@@ -403,11 +398,26 @@ class GDSStorageReader(_Collective, StorageReader):
         if self._loaded is None:
             raise InvalidOptionError("read_data before read_metadata: use this reader through dcp.load")
         m, layout, where = self._loaded
-        records = [m.tensors[where[req.storage_index]] for req in plan.items]
-        buffers = {s: host_buffer(m.storages[s].nbytes) for s in sorted({r.storage for r in records})}
-        with create_engine(self.engine_options) as engine:
-            fetch_storages(self.coordinator(), manifest_reach(m, layout), m, buffers, engine, verify=self.verify,
+        coord = self.coordinator()
+        records, buffers, error, engine = [], {}, None, None
+        try:  # this rank's part before the first collective: a failure here reaches every rank
+            for req in plan.items:
+                if req.storage_index not in where:
+                    raise CorruptCheckpointError(f"step {m.step}: DCP asks for {req.storage_index}, which the "
+                                                 f"checkpoint's DCP metadata does not map to a record")
+                records.append(m.tensors[where[req.storage_index]])
+            buffers = {s: host_buffer(m.storages[s].nbytes) for s in sorted({r.storage for r in records})}
+            engine = create_engine(self.engine_options)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
+        try:
+            coord.agree(error, f"dcp.load of step {m.step} (planning)", hint="nothing was loaded")
+            assert engine is not None
+            fetch_storages(coord, manifest_reach(m, layout), m, buffers, engine, verify=self.verify,
                            what=f"dcp.load of step {m.step}")
+        finally:
+            if engine is not None:
+                engine.close()
         for req, rec in zip(plan.items, records):
             buf = buffers[rec.storage]
             if req.type == LoadItemType.BYTE_IO:

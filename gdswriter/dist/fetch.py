@@ -1,7 +1,8 @@
 """Reading a multi-rank step when each rank sees only some of its roots.
 
 Roots may be node-local: a rank cannot open files another node wrote. A manifest's roots are
-matched to this rank's roots by identity (``.gdswriter-root``; by path when a root has none).
+matched to this rank's roots by identity (``.gdswriter-root``; by path only for a local root
+that has none, since one path on every node is a different disk on each).
 Each rank reads, through its engine, the chunks it needs that lie on roots it reaches; every
 other chunk it needs is read by a rank that reaches it (the least loaded one) and sent over
 the coordination group. Chunks are checked against their crc32c where they are read, and
@@ -34,22 +35,22 @@ class Reach:
 
 
 def manifest_reach(m: Manifest, layout: RootLayout) -> Reach:
-    """Match the manifest's roots to this rank's: by the ids recorded in a multi-rank manifest
-    (by path when no id matches); a single-process checkpoint's roots are rank 0's, in order."""
+    """Match the manifest's roots to this rank's: by the ids recorded in a multi-rank manifest;
+    by path only where a root has no id (a local root without ``.gdswriter-root``, read as a
+    "path:" pseudo-id): node-local disks mounted at one path on every node are different roots.
+    A single-process checkpoint's roots are rank 0's, in order."""
     if m.dist is None:
         rank0 = [g for g, info in enumerate(layout.table) if 0 in info.ranks]
         n = 1 + max((f.root for f in m.files), default=0)
         return Reach(tuple(layout.local_paths[i] if g < len(rank0) and (i := layout.local_of(rank0[g])) is not None
                            else None for g in range(n)))
-    resolved = [str(p.resolve()) for p in layout.local_paths]
+    unmarked = {str(p.resolve()): p for p, i in zip(layout.local_paths, layout.local_ids) if i.startswith("path:")}
     paths: list[Path | None] = []
     for info in m.dist.roots:
         if info.id in layout.local_ids:
             paths.append(layout.local_paths[layout.local_ids.index(info.id)])
-        elif info.path in resolved:
-            paths.append(layout.local_paths[resolved.index(info.path)])
         else:
-            paths.append(None)
+            paths.append(unmarked.get(info.path))
     return Reach(tuple(paths))
 
 

@@ -18,9 +18,9 @@ import torch
 
 from ..engine import IOEngine
 from ..errors import InvalidOptionError
-from ..format.commit import CommitProtocol
+from ..format.commit import CommitProtocol, read_regular_file
 from ..format.dtypes import dtype_from_name
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
 from ..format.state_codec import decode_state
 from ..restore import LiveState, apply_state, host_buffer, plan_restore, tensors_from_storages
 from .assemble import tree_for_rank
@@ -38,7 +38,7 @@ def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int |
     if coord.rank == 0:
         try:
             step = protocol.require(step)
-            msg = {"step": step, "manifest": (protocol.step_dir(step) / MANIFEST_NAME).read_text()}
+            msg = {"step": step, "manifest": read_regular_file(protocol.step_dir(step) / MANIFEST_NAME, MANIFEST_MAX_BYTES).decode()}
         except Exception as e:  # noqa: BLE001 - every rank raises below
             error, msg = e, {"error": describe(e)}
     msg = coord.broadcast(msg, f"{what} (manifest)")

@@ -21,10 +21,13 @@ class DistOptions:
         spends writing its share of a save.
     replicated: top-level state names (GDSCheckpointer's "model", "optimizer", "extra",
         "rng") whose plain tensors are identical on every rank of the process group, as
-        with DDP. They are written once, split across the ranks. Tensors elsewhere are
-        rank-local (each rank writes and loads its own). DTensors are always written once
-        per replica group, wherever they are. Pass ``replicated=()`` when ranks hold
-        different plain tensors under the same names (e.g. pipeline stages).
+        with DDP. They are written once, split across the ranks. Every rank MUST hold
+        bit-identical values there: gdswriter does not compare them (each rank writes a
+        different byte range), so differing values are saved as a silent mix of the ranks'
+        tensors. Tensors elsewhere are rank-local (each rank writes and loads its own).
+        DTensors are always written once per replica group of their mesh, wherever they
+        are. Pass ``replicated=()`` when ranks hold different plain tensors under the same
+        names (e.g. pipeline stages, or DDP with per-rank buffers).
     """
 
     collective: bool | None = None

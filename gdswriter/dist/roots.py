@@ -14,14 +14,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..engine import fsync_dir
-from ..errors import EngineIOError, InvalidOptionError
-from ..format.commit import OWNER_NAME, ROOT_MARKER_NAME, CommitProtocol, RootLock
+from ..errors import EngineIOError, InvalidOptionError, RootUnavailableError
+from ..format.commit import (OWNER_ID_NAME, OWNER_NAME, ROOT_MARKER_NAME, CommitProtocol, RootLock, _step_dirs,
+                             step_owner)
 from ..format.commit import root_identity as commit_root_identity
 from ..format.manifest import RootInfo
 from .group import Coordinator, describe, raise_failures
@@ -77,12 +76,24 @@ class RootLayout:
         return [i for i in range(len(self.local_paths)) if self.leads(i)]
 
 
-def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool = True) -> RootLayout:
-    """Collective: every rank's roots' ids -> the shared root table. Without ``create`` (reading
-    only), a root without an id stands for itself, by path."""
+def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool = True,
+                    failed: BaseException | None = None) -> RootLayout:
+    """Collective: every rank's roots' ids -> the shared root table. With ``create`` (writing)
+    missing roots are made; without (reading only), a root without an id stands for itself, by
+    path. ``failed``: an error this rank hit before this first collective, reported here so that
+    every rank raises at once instead of waiting out the timeout."""
     mine: dict = {}
-    error = None
+    error = failed
     try:
+        if failed is not None:
+            raise failed
+        if create:
+            for r in roots:
+                try:
+                    r.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
+                                             f"directory") from e
         ids = [root_identity(r, create) or f"path:{r.resolve()}" for r in roots]
         if len(set(ids)) != len(ids):
             raise InvalidOptionError(f"roots {[str(r) for r in roots]} name one directory twice (through a link): "
@@ -134,21 +145,43 @@ class _LedRoots(CommitProtocol):
 def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
     """Remove what interrupted saves left on the roots this rank leads (commit.py's cleaning:
     temporary and trash entries, secondary step directories of this checkpoint whose step
-    rank 0 has not committed)."""
+    rank 0 has not committed). Refuses (RootUnavailableError, nothing removed) when the primary
+    has no committed step while a led secondary root holds steps that name the primary's path
+    but not its id: they belong to another primary at that path (node-local disks, or an
+    unmounted primary disk), and cleaning them would destroy that checkpoint's data."""
+    if not committed:
+        for i in layout.led:
+            if layout.is_primary(i):
+                continue
+            root = layout.local_paths[i]
+            held = [s for s, d in _step_dirs(root) for path, owner_id in [step_owner(d)]
+                    if path == layout.primary_identity and owner_id != layout.table[0].id]
+            if held:
+                raise RootUnavailableError(
+                    errno.ENOENT,
+                    f"primary checkpoint root {layout.primary_identity} (id {layout.table[0].id}) holds no committed "
+                    f"step, but secondary root {root} holds {len(held)} step director{'y' if len(held) == 1 else 'ies'} "
+                    f"(steps {held[:5]}{' ...' if len(held) > 5 else ''}) written for another primary root at that "
+                    f"path: is the right disk mounted there, and is rank 0 on the node that saved them? Start the job "
+                    f"as it was saved (or mount the disk) and open the checkpoint again. gdswriter refuses to write "
+                    f"(and never cleans) these roots until then; if that checkpoint is really abandoned, move those "
+                    f"directories out of {root} yourself")
     removed = _LedRoots(layout, committed).clean_leftovers()
     if removed:
         log.info("gdswriter: rank %d removed %d leftover(s) of interrupted saves", layout.rank, len(removed))
     return removed
 
 
-def owner_text(layout: RootLayout) -> bytes:
-    """The ``primary-root`` file of a secondary step directory of this checkpoint."""
-    return (layout.primary_identity + "\n").encode()
+def owner_files(layout: RootLayout) -> dict[str, bytes]:
+    """The owner files of a secondary step directory of this checkpoint: the primary's path
+    (``primary-root``) and its id (``primary-id``), as format/commit.py writes them."""
+    return {OWNER_NAME: (layout.primary_identity + "\n").encode(), OWNER_ID_NAME: (layout.table[0].id + "\n").encode()}
 
 
 def owned(layout: RootLayout, step_dir: Path) -> bool:
-    """True when a secondary step directory was written for this checkpoint's primary root."""
-    try:
-        return (step_dir / OWNER_NAME).read_bytes() == owner_text(layout)
-    except OSError:
-        return False
+    """True when a secondary step directory was written for this checkpoint's primary root: by
+    the primary's id when it names one, else (written before ids were recorded) by its path."""
+    path, owner_id = step_owner(step_dir)
+    if owner_id is not None:
+        return owner_id == layout.table[0].id
+    return path == layout.primary_identity

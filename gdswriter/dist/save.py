@@ -1,8 +1,9 @@
 """A GDSCheckpointer save across ranks: every rank's snapshot -> one committed step.
 
 1. Each rank names its storages: replicated ones (plain tensors under DistOptions.replicated,
-   identical on every rank) by their content description, DTensor shards by their block,
-   everything else by rank; ranks exchange the names and sizes (one all_gather).
+   identical on every rank) by their content description, DTensor shards by their block and
+   device mesh, everything else by rank; ranks exchange the step, the names and sizes (one
+   all_gather) and all refuse the save if they are not saving the same step.
 2. The storages become items with holder sets; plan_rank_slices gives each rank its byte
    ranges (replicated state split across ranks, shards written once per replica group).
 3. Each rank lays its ranges out in its own data files (plan_save over its roots; names carry
@@ -20,7 +21,7 @@ from dataclasses import replace
 from typing import Sequence
 
 from ..engine import IOEngine
-from ..errors import UnsupportedObjectError
+from ..errors import RankFailedError, UnsupportedObjectError
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from ..planner.assign import FileTarget, plan_save
 from ..planner.ranks import RankItem, plan_rank_slices
@@ -29,14 +30,16 @@ from ..snapshot_pool import HostSnapshotPool
 from ..writer import Release, write_snapshot_files
 from .assemble import build_manifest, record_json
 from .commit import RankCommit
-from .group import Coordinator
+from .group import Coordinator, describe, raise_failures
 from .roots import RootLayout
 
 
-def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Sequence[str], rank: int
-                 ) -> tuple[list[str], dict[int, list[int]]]:
+def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Sequence[str], rank: int,
+                 meshes: dict[str, list[int]] | None = None) -> tuple[list[str], dict[int, list[int]]]:
     """A name per storage that equals another rank's exactly when both hold the same bytes, and
-    the record indices of each storage."""
+    the record indices of each storage. ``meshes``: the global ranks of each DTensor's device
+    mesh (a block of one name on another mesh, e.g. another pipeline stage, is other data)."""
+    meshes = meshes or {}
     by_storage: dict[int, list[int]] = {}
     for i, rec in enumerate(snap.records):
         by_storage.setdefault(rec.storage, []).append(i)
@@ -49,7 +52,8 @@ def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Seque
     for sid, ext in enumerate(snap.extents):
         recs = [snap.records[i] for i in by_storage.get(sid, [])]
         desc = [[r.name, r.byte_offset, r.dtype, list(r.shape), list(r.stride), r.kind,
-                 [list(shards[r.name].global_shape), list(shards[r.name].offsets)] if r.name in shards else None]
+                 [list(shards[r.name].global_shape), list(shards[r.name].offsets), meshes.get(r.name)]
+                 if r.name in shards else None]
                 for r in recs]
         if any(r.name in shards for r in recs):
             kind = "S"  # a block of a DTensor: the same on every replica
@@ -65,18 +69,36 @@ def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Seque
 
 def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shards: dict[str, ShardInfo],
                     engines: Sequence[IOEngine], *, files_per_root: int, replicated: Sequence[str],
-                    pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest | None:
+                    pool: HostSnapshotPool | None = None, release: Release | None = None,
+                    meshes: dict[str, list[int]] | None = None) -> Manifest | None:
     """Collective: write ``snap`` as step ``snap.step`` with every rank and commit it once.
     Returns the manifest on rank 0 (None elsewhere); raises on every rank if any rank failed.
     ``pool``/``release`` as in writer.write_and_commit: this rank's pieces go through the host
     snapshot pool (host mode) or straight from the extents (live), and ``release`` is set once
-    the live tensors are free (or the save failed)."""
+    the live tensors are free (or the save failed). ``meshes``: see storage_keys."""
     release = release if release is not None else Release()
     rank, what = coord.rank, f"saving step {snap.step}"
-    keys, by_storage = storage_keys(snap, shards, replicated, rank)
-    everyone = coord.all_gather({"token": secrets.token_hex(4),
-                                 "items": [[k, e.flat.numel()] for k, e in zip(keys, snap.extents)]},
-                                f"{what} (plan)")
+    mine: dict = {}
+    error: BaseException | None = None
+    try:
+        keys, by_storage = storage_keys(snap, shards, replicated, rank, meshes)
+        mine = {"step": snap.step, "token": secrets.token_hex(4),
+                "items": [[k, e.flat.numel()] for k, e in zip(keys, snap.extents)]}
+    except Exception as e:  # noqa: BLE001 - every rank learns of it in the plan
+        error, mine = e, {"step": snap.step, "error": describe(e)}
+    everyone = coord.all_gather(mine, f"{what} (plan)")
+    try:
+        steps = [x["step"] for x in everyone]
+        if len(set(steps)) > 1:  # collectives pair by order: a rank that skipped or lost a save is out of step
+            raise RankFailedError(what, {r: f"saving step {s}" for r, s in enumerate(steps) if s != snap.step},
+                                  f"the ranks are not saving the same step (steps by rank: {steps}), so nothing "
+                                  f"was committed: every rank must call save()/save_async() for the same steps in "
+                                  f"the same order (no on_busy='skip'; a rank whose save_async raised must not go "
+                                  f"on alone); restart the job from the latest committed step")
+        raise_failures([x.get("error") for x in everyone], error, what)
+    except BaseException as e:
+        release.set(error=e)
+        raise
     index: dict[str, int] = {}
     sizes: list[int] = []
     holders: list[list[int]] = []

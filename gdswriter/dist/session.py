@@ -66,7 +66,7 @@ class DistSession:
     def __init__(self, coord: Coordinator, layout: RootLayout, lock: Any, options: DistOptions):
         self.coord, self.layout, self.lock, self.options = coord, layout, lock, options
         self.protocol = RankProtocol(layout)
-        self._shards: collections.deque[tuple[int, dict[str, ShardInfo]]] = collections.deque()
+        self._shards: collections.deque[tuple[int, dict[str, ShardInfo], dict[str, list[int]]]] = collections.deque()
         self._mutex = threading.Lock()
 
     @property
@@ -78,46 +78,56 @@ class DistSession:
 
     # -- save ----------------------------------------------------------------
     def prepare(self, state: Any, step: int) -> Any:
-        """Replace DTensors by their local shards (remembered for this step's write)."""
-        prepared, shards = split_dtensors(state)
+        """Replace DTensors by their local shards (remembered, with their meshes, for this step's write)."""
+        prepared, shards, meshes = split_dtensors(state)
         with self._mutex:
-            self._shards.append((step, shards))
+            self._shards.append((step, shards, meshes))
         return prepared
 
-    def _shards_of(self, step: int) -> dict[str, ShardInfo]:
+    def _shards_of(self, step: int) -> tuple[dict[str, ShardInfo], dict[str, list[int]]]:
         with self._mutex:
             while self._shards:  # entries of snapshots that failed after prepare() are skipped
-                s, shards = self._shards.popleft()
+                s, shards, meshes = self._shards.popleft()
                 if s == step:
-                    return shards
+                    return shards, meshes
         raise GDSWriterError(f"internal: no prepared state for step {step} (call prepare() before the snapshot)")
 
     def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int, *,
                          pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest | None:
         """Collective: write and commit ``snap`` with every rank (dist/save.py)."""
-        manifest = collective_save(self.coord, self.layout, snap, self._shards_of(snap.step), engines,
-                                   files_per_root=files_per_root, replicated=self.options.replicated,
-                                   pool=pool, release=release)
+        shards, meshes = self._shards_of(snap.step)
+        manifest = collective_save(self.coord, self.layout, snap, shards, engines, files_per_root=files_per_root,
+                                   replicated=self.options.replicated, pool=pool, release=release, meshes=meshes)
         self._learn(set(self.protocol.known) | {snap.step}, snap.step)
         return manifest
 
     def apply_retention(self, newest: int, retained: Callable[[list[int], int], Any]) -> None:
         """Collective: rank 0 un-commits the steps the policy drops (primary first), then every
-        root's leader deletes their secondary directories. I/O failures are logged, not raised."""
-        drop: list[int] = []
+        root's leader deletes their secondary directories. I/O failures deleting a step are logged,
+        not raised; any other failure on rank 0 (the policy, listing the steps) raises on every rank."""
+        what = f"retention after step {newest}"
+        mine: dict = {}
+        error = None
         if self.rank == 0:
-            steps = self.protocol.committed_steps()
-            keep = retained(steps, newest)
-            for s in steps:
-                if s not in keep:
-                    try:
-                        _retire(self.protocol.step_dir(s))
-                        drop.append(s)
-                    except OSError as e:
-                        log.warning("gdswriter: could not delete old step %d under %s: %s", s, self.protocol.primary, e)
-        msg = self.coord.broadcast({"drop": drop, "committed": self.protocol.committed_steps() if self.rank == 0
-                                    else [], "latest": self.protocol.latest() if self.rank == 0 else None},
-                                   f"retention after step {newest}")
+            try:
+                drop: list[int] = []
+                steps = self.protocol.committed_steps()
+                keep = retained(steps, newest)
+                for s in steps:
+                    if s not in keep:
+                        try:
+                            _retire(self.protocol.step_dir(s))
+                            drop.append(s)
+                        except OSError as e:
+                            log.warning("gdswriter: could not delete old step %d under %s: %s", s,
+                                        self.protocol.primary, e)
+                mine = {"drop": drop, "committed": self.protocol.committed_steps(), "latest": self.protocol.latest()}
+            except Exception as e:  # noqa: BLE001 - every rank learns of it
+                error, mine = e, {"error": describe(e)}
+        msg = self.coord.broadcast(mine, what)
+        if "error" in msg:
+            raise_failures([msg["error"]], error, what, hint="no step was deleted on the secondary roots; the "
+                                                             "retention runs again after the next save")
         for s in msg["drop"]:
             for i in self.layout.led:
                 path = self.layout.local_paths[i] / step_dir_name(s)
@@ -135,9 +145,11 @@ class DistSession:
                                verify=verify)
 
 
-def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions) -> DistSession:
-    """Collective: agree on the roots, lock the ones this rank leads, clean their leftovers."""
-    layout = discover_layout(coord, roots)
+def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions,
+                 failed: BaseException | None = None) -> DistSession:
+    """Collective: agree on the roots, lock the ones this rank leads, clean their leftovers.
+    ``failed``: an error this rank hit before (reported in the first collective: every rank raises)."""
+    layout = discover_layout(coord, roots, failed=failed)
     lock, error, mine = None, None, {}
     try:
         lock = lock_led(layout)
@@ -154,7 +166,17 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
         if lock is not None:
             lock.release()
         raise
+    error = None
+    try:
+        clean_led(layout, everyone[0]["committed"])
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    try:
+        coord.agree(error, "opening the checkpoint roots (cleaning)",
+                    hint="no committed step was touched; fix the failing rank's roots and open again")
+    except BaseException:
+        lock.release()
+        raise
     session = DistSession(coord, layout, lock, options)
     session._learn(everyone[0]["committed"], everyone[0]["latest"])
-    clean_led(layout, everyone[0]["committed"])
     return session

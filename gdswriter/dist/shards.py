@@ -62,15 +62,19 @@ def dtensor_block(t: Any, path: str = "") -> tuple[tuple[int, ...], tuple[int, .
     return tuple(int(o) for o in offsets), tuple(int(n) for n in shape)
 
 
-def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo]]:
+def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo], dict[str, list[int]]]:
     """``state`` with every DTensor replaced by its local tensor (containers on the way copied,
-    keeping their type and ``_metadata``), and {key path: its block}."""
+    keeping their type and ``_metadata``), {key path: its block} and {key path: the global ranks
+    of its device mesh} (DTensors of one name on different meshes, e.g. pipeline stages, are
+    different tensors)."""
     found: dict[str, ShardInfo] = {}
+    meshes: dict[str, list[int]] = {}
 
     def walk(v: Any, p: str) -> Any:
         if is_dtensor(v):
             offsets, _ = dtensor_block(v, p)
             found[p] = ShardInfo(tuple(v.shape), offsets)
+            meshes[p] = [int(r) for r in v.device_mesh.mesh.flatten().tolist()]
             return v.to_local()
         if isinstance(v, dict):
             out = type(v)((k, walk(x, join(p, k))) for k, x in v.items())
@@ -81,7 +85,7 @@ def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo
             return type(v)(walk(x, join(p, i)) for i, x in enumerate(v))
         return v
 
-    return walk(state, path), found
+    return walk(state, path), found, meshes
 
 
 def target_block(template: Any, global_shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...],

@@ -38,7 +38,7 @@ from typing import Sequence
 
 import crc32c as _crc32c
 
-from ..engine import EngineInfo, IOEngine, ReadSpan, SpanGuards, WriteSpan, check_spans
+from ..engine import EngineInfo, IOEngine, ReadSpan, SpanGuards, WriteSpan, check_spans, checked_write_size
 from ..errors import (DataFileNotRegularError, EngineIOError, EngineUnavailableError, GDSWriterError,
                       InvalidOptionError, NotRegularFileError, ShortIOError, TruncatedFileError)
 from ..options import ALIGN, EngineOptions, log, log_once
@@ -518,12 +518,8 @@ class StagedEngine(IOEngine):
 
     # -- write -------------------------------------------------------------
     def write_file(self, path, spans: Sequence[WriteSpan], *, size: int | None = None, durable: bool = True) -> list[int]:
-        check_spans(spans)
+        size = checked_write_size(spans, size)
         path = os.fspath(path)
-        end = spans[-1].end if spans else 0
-        size = end if size is None else size
-        if size < end:
-            raise InvalidOptionError(f"size={size} is smaller than the end of the last span ({end})")
         with self._lock:
             self._check_open()
             self._prepare_memory(s.data for s in spans)

@@ -64,7 +64,7 @@ from typing import Any, Sequence
 from ..engine import fsync_dir, fsync_parents
 from ..errors import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
                       InvalidOptionError, ReadOnlyRootError, RootUnavailableError, UnsafePathError)
-from .manifest import MANIFEST_NAME, Manifest
+from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
 
 log = logging.getLogger("gdswriter")
 
@@ -139,7 +139,7 @@ def read_regular_file(path: str | os.PathLike, limit: int | None = None) -> byte
                                          f"it is damaged")
         chunks, size = [], 0
         while True:
-            b = os.read(fd, max(st.st_size - size, 0) + 65536)
+            b = os.read(fd, min(max(st.st_size - size, 0) + 65536, 16 << 20))  # bounded: it may grow
             if not b:
                 break
             chunks.append(b)
@@ -455,11 +455,17 @@ class CommitProtocol:
         """Steps whose primary directory holds a manifest, ascending."""
         return [s for s, d in _step_dirs(self.primary) if _is_regular(d / MANIFEST_NAME)]
 
+    def latest_named(self) -> int | None:
+        """The step the ``latest`` file names, committed or not (None: absent or unreadable; it
+        is read like every small file here: no link followed, size bounded, never blocking)."""
+        text = _read_small_text(self.primary / LATEST_NAME)
+        return int(text) if text is not None and re.fullmatch(r"[0-9]+", text) else None
+
     def latest(self) -> int | None:
         """The step ``latest`` names if it is committed, else the newest committed step."""
-        text = _read_small_text(self.primary / LATEST_NAME)
-        if text is not None and re.fullmatch(r"[0-9]+", text) and self.is_committed(int(text)):
-            return int(text)
+        named = self.latest_named()
+        if named is not None and self.is_committed(named):
+            return named
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
@@ -510,7 +516,7 @@ class CommitProtocol:
         if latest is None:
             return set()
         try:
-            m = Manifest.from_json_bytes(read_regular_file(self.step_dir(latest) / MANIFEST_NAME))
+            m = Manifest.from_json_bytes(read_regular_file(self.step_dir(latest) / MANIFEST_NAME, MANIFEST_MAX_BYTES))
         except (OSError, CorruptCheckpointError, ValueError):
             return set()
         return {f.root for f in m.files}

@@ -32,6 +32,7 @@ _QUANTIZED = {d for d in (getattr(torch, n, None) for n in ("qint8", "quint8", "
               if d is not None}
 INT64_LIMIT = 1 << 63  # sizes, strides and offsets are int64 in torch
 EXPANDED_VIEW_MAX_BYTES = 64 << 20
+MANIFEST_MAX_BYTES = 1 << 30  # far beyond a real manifest (~300 B per tensor); a bigger one is damaged
 """A view whose elements overlap (an ``expand()``ed tensor, stride 0) may present more bytes than
 its storage holds, up to this many (or its storage's size, if larger). Beyond, a manifest is
 damaged: a few bytes on disk must not become gigabytes in memory when a reader materialises it."""

@@ -3,12 +3,14 @@
 ``python -m powerloss.app`` is a fork server: it imports torch and gdswriter once, then for
 each job (a JSON line on stdin) forks a child that runs the job's actions against the mount
 and exits; the server answers ``{"pid": N}`` when the child starts and ``{"exit": CODE}``
-when it ends. A child whose file system lost power fails with EIO and exits non-zero.
+when it ends. A child whose file system lost power fails with EIO and exits non-zero. In a job
+of several ranks (``options["ranks"]``) the child forks the other ranks, joins them in a gloo
+process group, and ends when they all have.
 
-The child writes what it has finished to the job's progress file (outside the mount), one
-line each, flushed: ``opened``, ``saved STEP GEN``, ``waited``, ``exported STEP``,
-``closed``. A finished action was acknowledged to the application, so what it made durable
-must survive any later power cut: the test holds the file system to that.
+The child (rank 0) writes what it has finished to the job's progress file (outside the
+mount), one line each, flushed: ``opened``, ``saved STEP GEN``, ``waited``, ``exported STEP``,
+``exported-hf STEP``, ``closed``. A finished action was acknowledged to the application, so
+what it made durable must survive any later power cut: the test holds the file system to that.
 
 The saved state is a small model (an nn.Module of ~1.5 MiB) and extra state, every byte a
 function of a generation number ``gen``; ``expected(gen)`` rebuilds it for the checks.
@@ -30,6 +32,13 @@ EXPORT_DIR = "exports"
 
 def export_name(step: int) -> str:
     return f"step{step}.safetensors"
+
+
+def hf_export_name(step: int) -> str:
+    return f"step{step}-hf"
+
+
+HF_CONFIG = {"model_type": "powerloss-test", "note": "any config.json: the export copies it"}
 
 
 def make_net() -> nn.Module:
@@ -57,7 +66,10 @@ def expected(gen: int) -> tuple[dict[str, torch.Tensor], dict]:
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, extra
 
 
-def run_actions(roots: list[str], actions: list[list], options: dict, progress) -> None:
+def run_actions(roots: list[str], actions: list[list], options: dict, progress, workdir: str,
+                rank: int = 0) -> None:
+    """Run the job's actions; ``workdir`` (outside the mount) holds the job's own files. In a
+    job of several ranks (a process group is up) every rank saves, rank 0 alone exports."""
     import _models as M
 
     from gdswriter import GDSCheckpointer
@@ -65,10 +77,16 @@ def run_actions(roots: list[str], actions: list[list], options: dict, progress) 
 
     net, extra = make_net(), {}
     engine = M.small_engine(**options.pop("engine", {}))
-    ck = GDSCheckpointer(net, None, roots, state={"progress": extra}, options=M.small_options(engine=engine,
-                                                                                              **options))
+    dist_options = None
+    if options.pop("ranks", 1) > 1:
+        from gdswriter.dist import DistOptions
+        dist_options = DistOptions(timeout_s=RANK_TIMEOUT_S)
+    ck = GDSCheckpointer(net, None, roots, state={"progress": extra}, dist_options=dist_options,
+                         options=M.small_options(engine=engine, **options))
     progress("opened")
     for action in actions:
+        if rank and action[0].startswith("export"):
+            continue
         if action[0] == "save":
             _, step, gen = action
             fill(net, extra, gen)
@@ -82,27 +100,77 @@ def run_actions(roots: list[str], actions: list[list], options: dict, progress) 
             export_step(roots, step, "safetensors", os.path.join(os.path.dirname(roots[0]), EXPORT_DIR,
                                                                  export_name(step)))
             progress(f"exported {step}")
+        elif action[0] == "export-hf":  # a from_pretrained directory (config.json + model.safetensors)
+            step = action[1]
+            config = os.path.join(workdir, "config.json")
+            with open(config, "w") as f:
+                json.dump(HF_CONFIG, f)
+            export_step(roots, step, "hf", os.path.join(os.path.dirname(roots[0]), EXPORT_DIR, hf_export_name(step)),
+                        config=config)
+            progress(f"exported-hf {step}")
         else:
             raise ValueError(f"unknown action {action!r}")
     ck.close()
     progress("closed")
 
 
+RANK_TIMEOUT_S = 20  # a collective whose peer is stuck fails after this (a dead peer fails it at once)
+
+
+def _join_group(job: dict) -> tuple[int, list[int] | None]:
+    """For a job of ``options["ranks"]`` ranks: fork the other ranks and join them in a gloo
+    process group (its store is a file next to the progress file, outside the mount). Returns
+    (this process's rank, None) in the forked ranks, (0, pids of the others) in rank 0."""
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    world = job.get("options", {}).get("ranks", 1)
+    if world == 1:
+        return 0, None
+    rank, peers = 0, []
+    for r in range(1, world):
+        pid = os.fork()
+        if pid == 0:
+            import ctypes
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # die with rank 0
+            rank, peers = r, []
+            break
+        peers.append(pid)
+    store = dist.FileStore(job["progress"] + ".store", world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=RANK_TIMEOUT_S))
+    return rank, peers if rank == 0 else None
+
+
 def _child(job: dict) -> int:
-    with open(job["progress"], "a", buffering=1) as out:
+    rank, peers = _join_group(job)
+    path = job["progress"] + (f".rank{rank}" if rank else "")
+    with open(path, "a", buffering=1) as out:
         os.dup2(out.fileno(), 2)  # gdswriter's warnings and tracebacks go to the progress file too
 
         def progress(line: str) -> None:
             out.write(line + "\n")
             out.flush()
 
+        code = 1
         try:
-            run_actions(job["roots"], job["actions"], dict(job.get("options", {})), progress)
-            return 0
+            run_actions(job["roots"], job["actions"], dict(job.get("options", {})), progress,
+                        os.path.dirname(job["progress"]), rank)
+            code = 0
         except BaseException as e:
             progress(f"error {type(e).__name__}: {e}".replace("\n", " "))
             traceback.print_exc()
-            return 1
+        if rank == 0:  # a job ends when its every rank has: none may touch the next run's mount
+            for pid in peers or ():
+                if code:
+                    os.kill(pid, 9)
+                _, status = os.waitpid(pid, 0)
+                if os.waitstatus_to_exitcode(status) != 0 and code == 0:
+                    progress(f"error rank {peers.index(pid) + 1} exited with {os.waitstatus_to_exitcode(status)}")
+                    code = 1
+        return code
 
 
 def serve() -> int:
