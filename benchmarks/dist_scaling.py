@@ -5,7 +5,9 @@ For 1, 2 and 4 ranks (processes joined by gloo on 127.0.0.1) holding one replica
 every rank is given all of them), measure:
 
   gdswriter      GDSCheckpointer.save(step): collective; the replicated bytes are split across
-                 the ranks (planner/ranks.py), each rank writes its share to every root
+                 the ranks (planner/ranks.py), each rank writes its share to every root. One
+                 checkpointer serves every round (as in training: its engines and buffers exist
+                 before the first timed save); load() reads back into the live state
   gdswriter-dcp  dcp.save through GDSStorageWriter (the same split and commit, DCP's planning)
   dcp-fs         dcp.save(FileSystemWriter(dir, sync_files=True)): DCP gives each replicated
                  tensor, whole, to one rank; it takes one directory, so it runs with one root
@@ -108,31 +110,53 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-        from gdswriter import GDSCheckpointer
+        from gdswriter import CheckpointOptions, GDSCheckpointer
         from gdswriter.dist import GDSStorageReader, GDSStorageWriter
+        from gdswriter.format.commit import step_dir_name
 
         warnings.filterwarnings("ignore")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=600))
         state = make_state(size)
         target = {k: torch.empty_like(v) for k, v in state.items()}
+        reference = {k: v.clone() for k, v in state.items()}
         results: dict = {"bytes": state_bytes(state), "cases": {}}
         for nroots in roots_list:
             for case in CASES:
                 if case == "dcp-fs" and nroots > 1:
                     continue
                 saves, loads, mine = [], [], []
+                ck = None
                 for rnd in range(rounds):
                     dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-{rnd}-root{i}") for i in range(nroots)]
                     if case == "gdswriter":
-                        with GDSCheckpointer(state, root=dirs) as ck:
-                            saves.append(_timed(ck.save, rnd))
+                        # One checkpointer for all rounds, as a training job keeps one: its engines and
+                        # buffers are made before the first timed save (the other cases keep nothing).
+                        if ck is None:
+                            dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
+                            ck = GDSCheckpointer(state, root=dirs, options=CheckpointOptions(keep_last=1))
+                            ck.engine_info
+                        dirs = [str(r) for r in ck.protocol.roots]
+                        saves.append(_timed(ck.save, rnd))
+                        ck.wait()  # retention (keep_last=1) has deleted the previous round's step
+                        step_dirs = [os.path.join(d, step_dir_name(rnd)) for d in dirs]
                         # one process writes data-r<root>-f<k>.bin (the single-process path)
-                        mine.append(_rank_bytes(dirs, f"data-rank{rank}-*" if world > 1 else "data-*"))
+                        mine.append(_rank_bytes(step_dirs, f"data-rank{rank}-*" if world > 1 else "data-*"))
+                        dist.barrier()
                         if rank == 0:
-                            _evict(dirs)
-                        with GDSCheckpointer(target, root=dirs) as ck:
-                            loads.append(_timed(ck.load, rnd))
+                            _evict(step_dirs)
+                        for t in state.values():
+                            t.zero_()
+                        loads.append(_timed(ck.load, rnd))  # into the live state, as a resumed job does
+                        assert all(torch.equal(state[k], v) for k, v in reference.items()), f"{case}: load differs"
+                        dist.barrier()
+                        if rnd == rounds - 1:
+                            ck.close()
+                            dist.barrier()
+                            if rank == 0:
+                                for d in dirs:
+                                    shutil.rmtree(d, ignore_errors=True)
+                        continue
                     elif case == "gdswriter-dcp":
                         saves.append(_timed(dcp.save, state, storage_writer=GDSStorageWriter(dirs, rnd)))
                         mine.append(_rank_bytes(dirs, f"data-rank{rank}-*"))
