@@ -63,12 +63,6 @@ def bench_sort_key(item):
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def workdir(bench_root, size):
-    with _util.size_workdir(bench_root, size, SUITE) as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
 def trained(size, workdir):
     # Live state (1x) + a loaded copy (torch.load, gdswriter's optimizer buffers: up to 1x).
     _util.require_memory(int(2.3 * size.nbytes), f"checkpoint benchmark {size} (live state + one loaded copy)")

@@ -55,12 +55,6 @@ def bench_sort_key(item):
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def workdir(bench_root, size):
-    with _util.size_workdir(bench_root, size, SUITE) as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
 def source(size):
     """Random bytes to write (one per size) and their crc32c."""
     _util.require_memory(int(2.2 * size.nbytes), f"engine benchmark {size} (source + read destination)")

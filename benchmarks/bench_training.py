@@ -41,12 +41,6 @@ def _device() -> str:
 
 
 @pytest.fixture(scope="module")
-def workdir(bench_root, size):
-    with _util.size_workdir(bench_root, size, SUITE) as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
 def trainer(size, workdir):
     device = _device()
     if device == "cuda" and not torch.cuda.is_available():

@@ -94,6 +94,13 @@ def bench_root() -> Path:
                 pass
 
 
+@pytest.fixture(scope="module")
+def workdir(bench_root, size, request):
+    """The suite's directory for one size (the module's SUITE names it), removed after the size."""
+    with _util.size_workdir(bench_root, size, request.module.SUITE) as d:
+        yield d
+
+
 @pytest.fixture(scope="session")
 def rounds() -> int:
     try:
