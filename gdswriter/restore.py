@@ -441,7 +441,8 @@ def _plan_tensor_dict(plan: _Plan, name: str, live_sd: Mapping, saved: Any, stri
     if not isinstance(saved, Mapping):
         raise StateMismatchError(f"{name}: the checkpoint holds a {type(saved).__name__} for it, expected a dict")
     pairs = match_keys(saved.keys(), live_sd.keys())
-    missing = [k for k in live_sd if k not in set(pairs.values())]
+    matched = set(pairs.values())
+    missing = [k for k in live_sd if k not in matched]
     unexpected = [k for k in saved if k not in pairs]
     mismatched = [(s, lk) for s, lk in pairs.items()
                   if (isinstance(saved[s], torch.Tensor) or isinstance(live_sd[lk], torch.Tensor)) and not (
