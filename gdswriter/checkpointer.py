@@ -398,7 +398,7 @@ class GDSCheckpointer:
                                             release=handle._release)
             else:
                 targets = file_targets(len(self.protocol.roots), self.options.files_per_root)
-                write_and_commit(snap, self.protocol, engines, targets, pool=pool, release=handle._release,
+                write_and_commit(snap, self.protocol, engines, pool=pool, release=handle._release,
                                  plan=self._plan(snap, targets))
             if pool is None:
                 hint_unaligned([e.flat for e in snap.extents if not e.captured], self.options.engine, engines[0].info)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 from typing import Any
@@ -27,7 +26,8 @@ from .engine import IOEngine, WriteSpan
 from .format.commit import CommitProtocol, PendingCommit
 from .format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
 from .options import log_once
-from .planner.assign import FileTarget, PlannedChunk, SavePlan, plan_save
+from .planner.assign import FileTarget, PlannedChunk, SavePlan
+from .restore import run_per_file
 from .snapshot import Snapshot
 from .snapshot_pool import HostSnapshotPool
 
@@ -75,19 +75,16 @@ class Release:
         streams.stream_wait(self.events)
 
 
-def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence[IOEngine],
-                     targets: Sequence[FileTarget], *, pool: HostSnapshotPool | None = None,
-                     release: Release | None = None, plan: SavePlan | None = None) -> Manifest:
+def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence[IOEngine], *, plan: SavePlan,
+                     release: Release, pool: HostSnapshotPool | None = None) -> Manifest:
     """Write ``snap`` as step ``snap.step`` under ``protocol``'s roots and commit it.
 
     ``pool``: copy the bytes through this host snapshot pool (mode "host"; only with engines
     that honour span guards, else live); None: the engines read the extents themselves
-    (mode "live", CUDA extents on side streams behind ``snap.ready``). ``release`` (optional)
-    is set when the extents' memory is no longer needed, or the save failed. ``plan``: which
-    bytes go to which file (default: plan_save over ``targets``; the checkpointer passes the
-    topology planner's GPU-local plan when the state is on GPUs)."""
-    release = release if release is not None else Release()
-    plan = plan if plan is not None else plan_save([e.nbytes for e in snap.extents], targets)
+    (mode "live", CUDA extents on side streams behind ``snap.ready``). ``release`` is set
+    when the extents' memory is no longer needed, or the save failed. ``plan``: which bytes go
+    to which file (the checkpointer's: the topology planner's GPU-local plan when the state is
+    on GPUs, else plan_save's balanced one)."""
     try:
         pending: PendingCommit = protocol.begin(snap.step)
     except BaseException as e:
@@ -102,7 +99,7 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
                 ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[c]))
         storages = [StorageRecord(ext.nbytes, tuple(by_storage[sid])) for sid, ext in enumerate(snap.extents)]
         files = tuple(FileRecord(f.target.root, f.target.name, f.size,
-                                 {"engine": written_by.get(fid, engines[f.target.root].info.name),
+                                 {"engine": written_by[fid],
                                   **({"gpu": f.gpu} if f.gpu is not None else {})})
                       for fid, f in enumerate(plan.files))
         manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
@@ -118,7 +115,7 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
 
 def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit, engines: Sequence[IOEngine], *,
                          pool: HostSnapshotPool | None = None, release: Release,
-                         written_by: dict[int, str] | None = None) -> dict[PlannedChunk, int]:
+                         written_by: dict[int, str]) -> dict[PlannedChunk, int]:
     """Write the files of ``plan`` (over ``snap``'s extents) into the pending step: through
     ``pool`` (host mode) or from the extents themselves (live mode), setting ``release`` once
     their memory is free. Returns each chunk's crc32c; ``written_by`` gets each file's engine."""
@@ -130,12 +127,12 @@ def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit,
         pool = None
     release.mode = "live" if pool is None else "host"
     if pool is None:
-        crcs = write_files(plan, live_spans(snap, plan), pending, engines,
-                           lambda: streams.on_side_streams(snap.ready), written_by)
+        crcs = write_files(plan, live_spans(snap, plan), pending, engines, written_by,
+                           lambda: streams.on_side_streams(snap.ready))
         release.set()
         return crcs
     with pool.stream(snap, plan, release) as (spans, stop):
-        return write_files(plan, spans, pending, engines, nullcontext, written_by, abort=stop)
+        return write_files(plan, spans, pending, engines, written_by, abort=stop)
 
 
 def live_spans(snap: Snapshot, plan: SavePlan) -> list[list[tuple[PlannedChunk, WriteSpan]]]:
@@ -145,13 +142,13 @@ def live_spans(snap: Snapshot, plan: SavePlan) -> list[list[tuple[PlannedChunk, 
 
 
 def write_files(plan: SavePlan, spans: Sequence[Sequence[tuple[PlannedChunk, WriteSpan]]], pending: PendingCommit,
-                engines: Sequence[IOEngine], context: Callable[[], AbstractContextManager] = nullcontext,
-                written_by: dict[int, str] | None = None,
+                engines: Sequence[IOEngine], written_by: dict[int, str],
+                context: Callable[[], AbstractContextManager] = nullcontext,
                 abort: Callable[[BaseException], None] | None = None) -> dict[PlannedChunk, int]:
     """Write every file of ``plan`` into the pending step; returns each chunk's crc32c.
     ``spans[f]``: file f's chunks (the plan's, or pieces of them: the host pool cuts chunks
     where its pieces end) with the span that writes each, in file order. ``context`` is
-    entered around each root's writes, in that root's thread. ``written_by`` (optional) gets,
+    entered around each root's writes, in that root's thread. ``written_by`` gets,
     per file, the engine that really wrote it (an engine may change paths from file to file).
     ``abort`` (optional) gets a root's error at once, in that root's thread: the other roots
     may wait for what the failed root would have made possible (the host pool's copier waits
@@ -171,29 +168,20 @@ def write_files(plan: SavePlan, spans: Sequence[Sequence[tuple[PlannedChunk, Wri
                     got = engines[r].write_file(pending.dirs[r] / fp.target.name, [s for _, s in spans[fid]],
                                                 size=fp.size)
                     crcs.update(zip((c for c, _ in spans[fid]), got))
-                    if written_by is not None:
-                        written_by[fid] = engines[r].info.name
-        except BaseException as e:
+                    written_by[fid] = engines[r].info.name
+        except BaseException as e:  # kept, not raised: every root's thread must end first
             with first_lock:
                 first.append(e)
             if abort is not None:
                 abort(e)
-            raise
 
     # Files on different roots (SSDs) are written in parallel; files sharing a root take turns.
+    # Every root's thread has ended when run_per_file returns: they write into the pending step,
+    # which the caller aborts on an error.
     by_root: dict[int, list[int]] = {}
     for fid, f in enumerate(plan.files):
         by_root.setdefault(f.target.root, []).append(fid)
-    roots = sorted(by_root)
-    if len(roots) <= 1:
-        for r in roots:
-            write_root(r)
-        return crcs
-    # Every root's thread is joined before returning: they write into the pending step, which
-    # the caller aborts on an error.
-    with ThreadPoolExecutor(max_workers=len(roots), thread_name_prefix="gdswriter-file") as ex:
-        for r in roots:
-            ex.submit(write_root, r)
+    run_per_file(write_root, sorted(by_root), len(by_root))
     if first:
         raise first[0]
     return crcs
