@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import GDSWriterError, InvalidOptionError
 from ..options import EngineOptions
-from ..format.commit import read_regular_file
-from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
+from ..restore import parse_manifest, read_manifest_bytes
 from .group import Coordinator
 from .options import DistOptions
 from .roots import discover_layout, root_identity
@@ -56,8 +55,8 @@ def is_multi_rank(protocol: Any, step: int | None) -> bool:
     False when it cannot tell (no such step, a damaged manifest): the single-process path then
     reports the problem in its own words."""
     try:
-        path = protocol.step_dir(protocol.require(step)) / MANIFEST_NAME
-        return Manifest.from_json_bytes(read_regular_file(path, MANIFEST_MAX_BYTES), where=str(path)).dist is not None
+        step = protocol.require(step)
+        return parse_manifest(protocol, step, read_manifest_bytes(protocol, step)).dist is not None
     except (GDSWriterError, OSError, ValueError):
         return False
 

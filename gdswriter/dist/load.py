@@ -18,11 +18,12 @@ import torch
 
 from ..engine import IOEngine
 from ..errors import InvalidOptionError
-from ..format.commit import CommitProtocol, read_regular_file
+from ..format.commit import CommitProtocol
 from ..format.dtypes import dtype_from_name
-from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
+from ..format.manifest import Manifest
 from ..format.state_codec import decode_state
-from ..restore import LiveState, apply_state, host_buffer, plan_restore, tensors_from_storages
+from ..restore import (LiveState, apply_state, host_buffer, parse_manifest, plan_restore, read_manifest_bytes,
+                       tensors_from_storages)
 from .assemble import tree_for_rank
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, describe
@@ -38,15 +39,14 @@ def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int |
     if coord.rank == 0:
         try:
             step = protocol.require(step)
-            msg = {"step": step, "manifest": read_regular_file(protocol.step_dir(step) / MANIFEST_NAME, MANIFEST_MAX_BYTES).decode()}
+            msg = {"step": step, "manifest": read_manifest_bytes(protocol, step).decode()}
         except Exception as e:  # noqa: BLE001 - every rank raises below
             error, msg = e, {"error": describe(e)}
     msg = coord.broadcast(msg, f"{what} (manifest)")
     if "error" in msg:
         coord.agree(error or RuntimeError(msg["error"]) if coord.rank == 0 else None, what,
                     hint="the live state was not changed")
-    return msg["step"], Manifest.from_json_bytes(msg["manifest"].encode(),
-                                                 where=f"{protocol.primary}/step {msg['step']} manifest")
+    return msg["step"], parse_manifest(protocol, msg["step"], msg["manifest"].encode())
 
 
 def tensor_refs(tree: Any) -> list[int]:
