@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import errno
-import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError
-from ..format.commit import CommitProtocol, normalize_roots, parse_step_dir, step_owner
+from ..format.commit import CommitProtocol, _step_dirs, normalize_roots, step_owner
 from ..format.manifest import Manifest
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
@@ -73,19 +72,17 @@ def check_roots(protocol: CommitProtocol, step: int, m: Manifest) -> None:
 
 
 def secondary_owner(root: Path) -> str | None:
-    """If ``root`` holds secondary step directories, the primary root they name."""
-    for _, d in sorted((parse_step_dir(n), root / n) for n in _listdir(root) if parse_step_dir(n) is not None):
+    """If ``root`` holds secondary step directories, the primary root they name (None also
+    when ``root`` cannot be listed: this only adds a hint to ``ls``)."""
+    try:
+        step_dirs = _step_dirs(root)
+    except OSError:
+        return None
+    for _, d in step_dirs:
         path, _ = step_owner(d)
         if path:
             return path
     return None
-
-
-def _listdir(root: Path) -> list[str]:
-    try:
-        return os.listdir(root)
-    except OSError:
-        return []
 
 
 def is_contiguous(rec) -> bool:
