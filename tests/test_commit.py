@@ -172,8 +172,9 @@ def test_delete_uncommits_primary_first(tmp_path, monkeypatch):
     p = CommitProtocol(rs)
     do_commit(p, 1)
     order = []
-    real = p._retire
-    monkeypatch.setattr(p, "_retire", lambda path: (order.append(path), real(path)))
+    import gdswriter.format.commit as commit_mod
+    real = commit_mod.retire
+    monkeypatch.setattr(commit_mod, "retire", lambda path: (order.append(path), real(path)))
     p.delete_step(1)
     assert order == [rs[0] / step_dir_name(1), rs[1] / step_dir_name(1)]
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from ..engine import fsync_dir
 from ..errors import EngineIOError, RankFailedError
-from ..format.commit import LATEST_NAME, TMP_PREFIX, CommitProtocol, _atomic_write, _write_durable, step_dir_name
+from ..format.commit import LATEST_NAME, TMP_PREFIX, _atomic_write, _write_durable, retire, step_dir_name
 from ..format.manifest import MANIFEST_NAME
 from .group import Coordinator, describe
 from .roots import RootLayout, owned, owner_files
@@ -49,11 +49,6 @@ def _io_error(e: OSError, path: Path, what: str) -> EngineIOError:
     err = EngineIOError(e.errno or errno.EIO, e.filename or path, 0, what)
     err.__cause__ = e
     return err
-
-
-def _retire(path: Path) -> None:
-    """Move a step directory out of the way atomically and delete it (commit.py's way)."""
-    CommitProtocol([path.parent])._retire(path)
 
 
 class RankCommit:
@@ -96,7 +91,7 @@ class RankCommit:
                 final = self.layout.local_paths[0] / step_dir_name(self.step)
                 if not failures and final.exists():
                     try:
-                        _retire(final)  # re-saving step S: un-commit the old one first
+                        retire(final)  # re-saving step S: un-commit the old one first
                     except OSError as e:
                         error = _io_error(e, final, "un-commit the old step")
                         failures = {0: describe(error)}
@@ -131,7 +126,7 @@ class RankCommit:
                                     f"it holds step {self.step} of another checkpoint (not written for primary "
                                     f"root {self.layout.primary_identity}); give each checkpoint its own "
                                     f"directory on every root")
-            _retire(final)
+            retire(final)
         os.rename(self.dirs[i], final)
         fsync_dir(self.layout.local_paths[i])
         self.renamed.append(final)
@@ -166,7 +161,7 @@ class RankCommit:
             # unless the rename turns out to have survived), so no step can be visible without its data.
             self.keep_secondaries = True
             try:
-                _retire(final)
+                retire(final)
             except OSError as e2:
                 if final.exists():  # still visible: it stays committed, with all its data
                     self.committed = True

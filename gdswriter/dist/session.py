@@ -18,13 +18,12 @@ from typing import Any, Callable, Sequence
 
 from ..engine import IOEngine
 from ..errors import CheckpointNotFoundError, GDSWriterError
-from ..format.commit import CommitProtocol, step_dir_name
+from ..format.commit import CommitProtocol, retire, step_dir_name
 from ..format.manifest import Manifest, ShardInfo
 from ..restore import LiveState
 from ..snapshot import Snapshot
 from ..snapshot_pool import HostSnapshotPool
 from ..writer import Release
-from .commit import _retire
 from .group import Coordinator, describe, raise_failures
 from .load import collective_load
 from .options import DistOptions
@@ -116,7 +115,7 @@ class DistSession:
                 for s in steps:
                     if s not in keep:
                         try:
-                            _retire(self.protocol.step_dir(s))
+                            retire(self.protocol.step_dir(s))
                             drop.append(s)
                         except OSError as e:
                             log.warning("gdswriter: could not delete old step %d under %s: %s", s,
@@ -133,7 +132,7 @@ class DistSession:
                 path = self.layout.local_paths[i] / step_dir_name(s)
                 if not self.layout.is_primary(i) and path.exists() and owned(self.layout, path):
                     try:
-                        _retire(path)
+                        retire(path)
                     except OSError as e:
                         log.warning("gdswriter: could not delete old step %d under %s: %s", s, path.parent, e)
         self._learn(msg["committed"], msg["latest"])

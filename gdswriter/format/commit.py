@@ -381,9 +381,9 @@ class PendingCommit:
                 # A new step, or a re-save on several roots (or without exchange): un-commit an old
                 # step S (primary first, as delete_step does) before its secondary bytes are
                 # replaced, so that a crash cannot pair the old manifest with the new data files.
-                p._retire(p.roots[0] / final)
+                retire(p.roots[0] / final)
                 for root, d in list(zip(p.roots, self.dirs))[1:]:
-                    p._retire(root / final)
+                    retire(root / final)
                     os.rename(d, root / final)
                     fsync_dir(root)
                 os.rename(self.dirs[0], p.roots[0] / final)
@@ -426,6 +426,17 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     except (FileNotFoundError, NotADirectoryError):
         return []
     return sorted((s, root / n) for n in names if (s := parse_step_dir(n)) is not None)
+
+
+def retire(path: Path) -> None:
+    """Move an existing directory out of the way (atomic, durable), then delete it: a step
+    un-committed this way is never seen half-deleted, even after a crash."""
+    if not path.exists():
+        return
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 class CommitProtocol:
@@ -487,19 +498,10 @@ class CommitProtocol:
             return []
         return [latest] + [s for s in reversed(self.committed_steps()) if s < latest]
 
-    def _retire(self, path: Path) -> None:
-        """Move an existing directory out of the way (atomic), then delete it."""
-        if not path.exists():
-            return
-        trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{secrets.token_hex(4)}")
-        os.rename(path, trash)
-        fsync_dir(path.parent)
-        shutil.rmtree(trash, ignore_errors=True)
-
     def delete_step(self, step: int) -> None:
         """Un-commit (primary first), then remove the step's bytes from every root."""
         for i in range(len(self.roots)):
-            self._retire(self.step_dir(step, i))
+            retire(self.step_dir(step, i))
 
     # -- identity -----------------------------------------------------------------
     def _owned(self, step_dir: Path) -> bool:
