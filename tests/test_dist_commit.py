@@ -244,7 +244,7 @@ def test_a_latest_file_that_cannot_move_leaves_the_step_committed(tmp_path, engi
 
 
 def test_an_error_raised_later_keeps_its_os_cause(tmp_path, engines, monkeypatch):
-    import gdswriter.dist.commit as commit_mod
+    import gdswriter.format.commit as commit_mod  # the owner files of secondary roots are written through it
 
     roots = [tmp_path / "a", tmp_path / "b"]
     s = _session(roots)

@@ -34,10 +34,10 @@ from typing import Any
 
 from ..engine import fsync_dir
 from ..errors import EngineIOError, RankFailedError
-from ..format.commit import LATEST_NAME, TMP_PREFIX, _atomic_write, _write_durable, retire, step_dir_name
+from ..format.commit import LATEST_NAME, TMP_PREFIX, _atomic_write, retire, step_dir_name
 from ..format.manifest import MANIFEST_NAME
 from .group import Coordinator, describe
-from .roots import RootLayout, owned, owner_files
+from .roots import RootLayout, owned, write_owner_files
 
 log = logging.getLogger("gdswriter")
 
@@ -70,8 +70,7 @@ class RankCommit:
             for i, d in enumerate(self.dirs):
                 d.mkdir(exist_ok=True)
                 if layout.leads(i) and not layout.is_primary(i):
-                    for name, data in owner_files(layout).items():
-                        _write_durable(d / name, data)
+                    write_owner_files(layout, d)
         except OSError as e:
             self.setup_error = _io_error(e, d, "mkdir")
 

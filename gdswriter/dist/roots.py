@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import EngineIOError, InvalidOptionError, RootUnavailableError
-from ..format.commit import (OWNER_ID_NAME, OWNER_NAME, ROOT_MARKER_NAME, CommitProtocol, RootLock, _step_dirs,
-                             step_owner)
+from ..format.commit import (ROOT_MARKER_NAME, CommitProtocol, RootLock, _step_dirs, owned_by, step_owner,
+                             write_owner)
 from ..format.commit import root_identity as commit_root_identity
 from ..format.manifest import RootInfo
 from .group import Coordinator, describe, raise_failures
@@ -172,16 +172,13 @@ def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
     return removed
 
 
-def owner_files(layout: RootLayout) -> dict[str, bytes]:
-    """The owner files of a secondary step directory of this checkpoint: the primary's path
-    (``primary-root``) and its id (``primary-id``), as format/commit.py writes them."""
-    return {OWNER_NAME: (layout.primary_identity + "\n").encode(), OWNER_ID_NAME: (layout.table[0].id + "\n").encode()}
+def write_owner_files(layout: RootLayout, step_dir: Path) -> None:
+    """Record in a secondary step directory of this checkpoint its primary: the primary's path
+    and id, as format/commit.py records them."""
+    write_owner(step_dir, layout.primary_identity, layout.table[0].id)
 
 
 def owned(layout: RootLayout, step_dir: Path) -> bool:
     """True when a secondary step directory was written for this checkpoint's primary root: by
     the primary's id when it names one, else (written before ids were recorded) by its path."""
-    path, owner_id = step_owner(step_dir)
-    if owner_id is not None:
-        return owner_id == layout.table[0].id
-    return path == layout.primary_identity
+    return owned_by(step_dir, layout.primary_identity, layout.table[0].id)

@@ -347,8 +347,7 @@ class PendingCommit:
                 d.mkdir()
                 self.dirs.append(d)
                 if root != protocol.primary:
-                    _write_durable(d / OWNER_NAME, (protocol.identity + "\n").encode())
-                    _write_durable(d / OWNER_ID_NAME, (protocol.primary_id + "\n").encode())
+                    write_owner(d, protocol.identity, protocol.primary_id)
         except OSError as e:
             self.abort()
             raise EngineIOError(e.errno or errno.EIO, e.filename or protocol.roots[0], 0, "mkdir") from e
@@ -417,6 +416,21 @@ def step_owner(step_dir: Path) -> tuple[str | None, str | None]:
     id_path = step_dir / OWNER_ID_NAME
     owner_id = (_read_small_text(id_path) or "") if os.path.lexists(id_path) else None
     return _read_small_text(step_dir / OWNER_NAME), owner_id
+
+
+def write_owner(step_dir: Path, primary_path: str, primary_id: str) -> None:
+    """Record, durably, which primary root a secondary step directory is written for."""
+    _write_durable(step_dir / OWNER_NAME, (primary_path + "\n").encode())
+    _write_durable(step_dir / OWNER_ID_NAME, (primary_id + "\n").encode())
+
+
+def owned_by(step_dir: Path, primary_path: str, primary_id: str | None) -> bool:
+    """True when a secondary step directory was written for this primary root: it names the
+    primary's identity, or (written before identities existed) the primary's path."""
+    path, owner_id = step_owner(step_dir)
+    if owner_id is not None:
+        return owner_id == primary_id
+    return path == primary_path
 
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
@@ -505,12 +519,7 @@ class CommitProtocol:
 
     # -- identity -----------------------------------------------------------------
     def _owned(self, step_dir: Path) -> bool:
-        """True when a secondary step directory was written for this primary root: it names the
-        primary's identity, or (written before identities existed) the primary's path."""
-        path, owner_id = step_owner(step_dir)
-        if owner_id is not None:
-            return owner_id == self.primary_id
-        return path == self.identity
+        return owned_by(step_dir, self.identity, self.primary_id)
 
     def _latest_file_roots(self) -> set[int]:
         """Root indices that hold data files of the latest committed step (empty if unreadable)."""
