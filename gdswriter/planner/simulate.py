@@ -61,9 +61,6 @@ class Simulation:
         """{resource: bytes} for one kind: 'ssd', 'gpu', 'up', 'down', 'root', 'socket'."""
         return {r: b for r, b in self.load if r.split(" ", 1)[0] == kind}
 
-    def peak(self, kind: str) -> float:
-        return max(self.bytes_of(kind).values(), default=0.0)
-
     def total(self, kind: str) -> float:
         return sum(self.bytes_of(kind).values())
 
