@@ -21,7 +21,9 @@ the case the overlap is for: the write fits within a step. Cases:
 Every checkpoint is durable (fsync) and the last two are kept. For each case: mean and median
 step time, the save call's own time (median; for gdswriter, save_async), the time the loop
 was blocked per save (in the save call and waiting before the optimizer step; for gdswriter,
-SaveHandle.stats.blocked_s, which counts both), and the overhead of the mean step time
+SaveHandle.stats.blocked_s, which counts both), the write's own time (median, from its start
+to durable; gdswriter and torch.save: a write longer than the step means the write did not fit
+within it, and the next save waited for it), and the overhead of the mean step time
 against "none". On a GPU the step time is taken after the training stream
 (not the whole device) is synchronized, so copies on side streams are not counted unless
 the training stream waited for them.
@@ -122,6 +124,7 @@ class Saver:
 
     def __init__(self, root: Path, model, opt, device: str):
         self.root, self.model, self.opt, self.device = root, model, opt, device
+        self.write_s: list[float] = []  # per save, where the saver can tell: from the write's start to durable
 
     def before_step(self) -> float:
         return 0.0
@@ -153,6 +156,7 @@ class GdsSaver(Saver):
 
     def close(self) -> list[float]:
         self.ck.close()
+        self.write_s = [h.stats.write_s for h in self.handles if h.stats is not None]
         return [h.stats.blocked_s for h in self.handles if h.stats is not None]
 
 
@@ -174,10 +178,12 @@ class TorchSaveThread(Saver):
         self.pending: Future | None = None
 
     def _write(self, state: dict, path: Path) -> None:
+        t = time.perf_counter()
         with open(path, "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        self.write_s.append(time.perf_counter() - t)
 
     def save(self, it: int) -> float:
         t = time.perf_counter()
@@ -258,6 +264,7 @@ class LoopResult:
     step_s: list[float]
     blocked_s: list[float] = field(default_factory=list)  # per save: in the save call + before the step
     call_s: list[float] = field(default_factory=list)  # per save: the save call alone
+    write_s: list[float] = field(default_factory=list)  # per save: its write, start to durable (where known)
 
     @property
     def mean_step(self) -> float:
@@ -298,6 +305,7 @@ def run_cases(cases: list[str], base: Path, model, opt, batch: int, iters: int, 
             measured = saver.close()
             if measured is not None:  # the saver counted its own blocked time, per save (warm-up first)
                 results[case].blocked_s = measured[WARMUP:]
+            results[case].write_s = saver.write_s[WARMUP:]
     for r in results.values():
         if r.case == "none":
             r.blocked_s, r.call_s = [], []
@@ -342,14 +350,15 @@ def calibrate(root: Path, model, opt, device: str, max_batch: int = 1024) -> tup
 def table(results: list[LoopResult]) -> str:
     base = next((r.mean_step for r in results if r.case == "none"), None)
     lines = ["| case | step ms (mean) | step ms (median) | save call ms (median) | blocked ms / save (mean) "
-             "| overhead vs none (mean step) |", "|---|---:|---:|---:|---:|---:|"]
+             "| write ms (median) | overhead vs none (mean step) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         saving = r.case != "none"
         over = f"{(r.mean_step / base - 1) * 100:+.1f}%" if base and saving else ""
         call = f"{statistics.median(r.call_s) * 1e3:.1f}" if saving and r.call_s else ""
         blocked = f"{r.blocked_per_save * 1e3:.1f}" if saving else ""
+        write = f"{statistics.median(r.write_s) * 1e3:.0f}" if saving and r.write_s else ""
         lines.append(f"| {r.case} | {r.mean_step * 1e3:.1f} | {statistics.median(r.step_s) * 1e3:.1f} | {call} | "
-                     f"{blocked} | {over} |")
+                     f"{blocked} | {write} | {over} |")
     return "\n".join(lines)
 
 
@@ -388,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
               f"AdamW), batch {batch} x {SEQ} tokens, {args.iters} iterations per case in {args.rounds} rounds, a "
               f"checkpoint after each; "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+        if args.device == "cpu":
+            aligned = next(model.parameters()).data_ptr() % 4096 == 0
+            print(f"large CPU tensors page-aligned: {'yes' if aligned else 'no'} (THP_MEM_ALLOC_ENABLE="
+                  f"{os.environ.get('THP_MEM_ALLOC_ENABLE', '')!s}; live mode writes page-aligned tensors "
+                  f"zero-copy)", flush=True)
         results = run_cases(cases, base, model, opt, batch, args.iters, args.device, max(1, min(args.rounds, args.iters)))
         print(table(results))
     finally:

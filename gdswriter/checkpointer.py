@@ -53,7 +53,7 @@ from .planner.discover import discover
 from .planner.topology import Topology
 from .restore import LiveState, LoadResult, load_state, restore_into, restore_newest_intact
 from .rng import rng_state
-from .snapshot import Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
+from .snapshot import LayoutCache, Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
 from .snapshot_pool import HostSnapshotPool
 from .dist import DistOptions, is_multi_rank, session_for as dist_session_for  # [dist hook]
 from .dist import load_into as dist_load_into  # [dist hook]
@@ -282,6 +282,7 @@ class GDSCheckpointer:
         self._hook = None
         self._hooked: Any = None
         self._topology: Topology | None = None  # discovered at the first save of GPU state
+        self._layout = LayoutCache()  # the last save's layout, reused while the tensors stay put
         _open_checkpointers.add(self)
 
     def _collect(self) -> dict:
@@ -333,7 +334,7 @@ class GDSCheckpointer:
             state = self._collect()
             if self._dist is not None:  # [dist hook] DTensors -> their local shards (and where they lie)
                 state = self._dist.prepare(state, step)
-            snap = take_snapshot(state, step, metadata=metadata, protected=protected)
+            snap = take_snapshot(state, step, metadata=metadata, protected=protected, layout=self._layout)
             handle = SaveHandle(step, mode)
             handle._nbytes = snap.nbytes
             with self._mutex:

@@ -1,0 +1,110 @@
+"""The save call reuses the previous save's layout (snapshot.LayoutCache) only while it is the
+layout a fresh computation would give: every change of a tensor's storage, offset, shape,
+stride, dtype, key path or kind lays the state out anew, and a training loop lays it out once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import _models as M
+from gdswriter import GDSCheckpointer, load_state
+from gdswriter import snapshot as S
+
+
+def base_state() -> dict:
+    w = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    big = torch.arange(100, dtype=torch.int16)
+    a = np.arange(100, dtype=np.float64)
+    return {"w": w, "tied": w, "row": w[2], "col": w[:, 3], "big": big, "tail": big[10:20],
+            # two storages over one array: "nx"'s covers both views, so the pair is one extent of it
+            "nx": torch.from_numpy(a)[:60], "ny": torch.from_numpy(a[50:]),
+            "empty": torch.empty(0), "scalar": torch.tensor(5), "n": 3}
+
+
+def _numpy_sharing(s: dict) -> dict:
+    a = np.arange(64, dtype=np.float64)
+    return {**s, "x": a[:5], "y": a[3:9], "bytes": a.view(np.uint8)[20:30]}  # no array covers the rest: raw memory
+
+
+# Each changes one thing the layout depends on (or nothing), so that each part of the cache's key is needed.
+CHANGES = {
+    "nothing": lambda s: s,
+    "a value that is not a tensor": lambda s: {**s, "n": 4},
+    "new storage": lambda s: {**s, "w": s["w"].clone()},
+    "untied": lambda s: {**s, "tied": s["w"].clone()},
+    "storage size": lambda s: {**s, "nx": torch.from_numpy(s["nx"].numpy())},  # same address, 480 bytes not 800
+    "offset": lambda s: {**s, "tail": s["big"][11:21]},
+    "shape": lambda s: {**s, "tail": s["big"][10:19]},
+    "stride": lambda s: {**s, "col": s["w"].as_strided((8,), (7,), 3)},
+    "dtype": lambda s: {**s, "big": s["big"].view(torch.float16)},
+    "kind": lambda s: {**s, "big": s["big"].numpy()},
+    "key path": lambda s: {("W" if k == "w" else k): v for k, v in s.items()},
+    "order": lambda s: dict(reversed(list(s.items()))),
+    "added": lambda s: {**s, "more": torch.ones(3)},
+    "removed": lambda s: {k: v for k, v in s.items() if k != "row"},
+    "numpy sharing memory": _numpy_sharing,
+}
+
+
+def layout(snap: S.Snapshot) -> tuple:
+    """What a save writes: every extent's memory (or captured bytes) and every tensor record."""
+    extents = [(e.device, e.nbytes, e.first_tensor, e.captured,
+                e.flat.numpy().tobytes() if e.captured else e.flat.data_ptr()) for e in snap.extents]
+    return extents, snap.records
+
+
+@pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.parametrize("first", ["base", "numpy sharing memory"])
+def test_the_reused_layout_is_the_fresh_one(change, first):
+    state = base_state() if first == "base" else _numpy_sharing(base_state())
+    cache = S.LayoutCache()
+    assert layout(S.take_snapshot(state, 1, layout=cache)) == layout(S.take_snapshot(state, 1))
+    changed = CHANGES[change](state)
+    assert layout(S.take_snapshot(changed, 2, layout=cache)) == layout(S.take_snapshot(changed, 2))
+    again = S.take_snapshot(changed, 3, layout=cache)  # the cache now holds the changed layout (or nothing)
+    assert layout(again) == layout(S.take_snapshot(changed, 3))
+
+
+def test_an_unchanged_state_is_laid_out_once(monkeypatch):
+    calls = []
+    real = S._group_by_allocation
+    monkeypatch.setattr(S, "_group_by_allocation", lambda *a: calls.append(1) or real(*a))
+    state, cache = base_state(), S.LayoutCache()
+    for step in range(3):
+        S.take_snapshot({**state, "n": step}, step, layout=cache)
+    assert len(calls) == 1
+    S.take_snapshot(CHANGES["untied"](state), 4, layout=cache)
+    assert len(calls) == 2
+    S.take_snapshot(_numpy_sharing(state), 5, layout=cache)  # raw memory is never cached
+    S.take_snapshot(_numpy_sharing(state), 6, layout=cache)
+    assert len(calls) == 4
+
+
+def test_a_training_loop_lays_out_once_and_a_replaced_tensor_is_saved_right(tmp_path, monkeypatch):
+    calls = []
+    real = S._group_by_allocation
+    monkeypatch.setattr(S, "_group_by_allocation", lambda *a: calls.append(1) or real(*a))
+    model, opt, sched, _ = M.build(0, scaler=False)
+    with GDSCheckpointer(model, opt, tmp_path, options=M.small_options()) as ck:
+        M.train_steps(model, opt, sched, 1)
+        for step in range(1, 4):
+            ck.save_async(step)
+            M.train_steps(model, opt, sched, 1)
+        ck.wait()
+        assert len(calls) == 1
+        # Tie the head to the embedding, as language models do, then replace a parameter's
+        # storage: both change which bytes the saved tensors are.
+        model.head.weight = model.emb.weight
+        model.ln_f.weight = nn.Parameter(torch.full_like(model.ln_f.weight, 7.0))
+        ck.save(4)
+        assert len(calls) == 2
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+    _, state = load_state(tmp_path, step=4)
+    for k, v in expected.items():
+        assert torch.equal(state["model"][k], v), k
+    assert state["model"]["head.weight"].untyped_storage().data_ptr() == \
+        state["model"]["emb.weight"].untyped_storage().data_ptr()
