@@ -13,7 +13,9 @@ take the pool in turn, as a ring: a piece that does not fit waits until the piec
 would overwrite were written (the engine releases each span once it will not read it
 again; engine.SpanGuards). One copier thread fills the pieces in the order the engines
 write them (round-robin over roots); the engines start writing a piece as soon as it is
-filled. On the CPU the copier uses memmove (the GIL is released while it copies); from a GPU
+filled. On the CPU the copier uses memmove and checksums each cache-sized piece of the copy
+right after it (the GIL is released for both), and the engines take those checksums
+(SpanGuard.checksum) instead of reading the bytes from memory a second time; from a GPU
 it queues device-to-host copies on each device's side stream, behind the event save_async
 recorded, and a piece is ready when its copy event completes.
 
@@ -35,10 +37,12 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
+from crc32c import crc32c as _crc32c
 
 from .cuda import streams
 from .engine import WriteSpan
 from .fallback.buffers import HUGE_PAGE, AlignedBufferPool, StagingBuffer
+from .fallback.engine import FUSED_BYTES
 from .options import ALIGN, MiB, log_once
 from .planner.assign import PlannedChunk, SavePlan
 from .snapshot import Snapshot
@@ -73,11 +77,13 @@ class _Stopped(Exception):
 class _Piece:
     """A file range [lo, hi) laid out at ``ring`` in the pool; the SpanGuard of its spans."""
 
-    __slots__ = ("blockers", "copies", "events", "freed", "hi", "lo", "ready", "ring", "ring_state", "root", "users")
+    __slots__ = ("blockers", "copies", "crcs", "events", "freed", "hi", "lo", "ready", "ring", "ring_state", "root",
+                 "users")
 
     def __init__(self, ring_state: _Ring, root: int, lo: int):
         self.ring_state, self.root, self.lo, self.hi = ring_state, root, lo, lo
         self.copies: list[tuple[int, torch.Tensor]] = []  # (offset in the piece, source bytes)
+        self.crcs: dict[tuple[int, int], int] = {}  # (offset in the piece, length) -> crc32c, as copied
         self.ring = 0
         self.blockers: list[_Piece] = []  # earlier pieces whose pool range this one reuses
         self.users = 0  # spans not yet released
@@ -105,6 +111,10 @@ class _Piece:
             if not self.ready:
                 raise st.error  # type: ignore[misc]
         streams.host_wait(self.events)
+
+    def checksum(self, span: WriteSpan) -> int | None:
+        """The crc32c the copier computed of ``span``'s bytes as it copied them (host memory)."""
+        return self.crcs.get((span.offset - self.lo, span.data.numel()))
 
     def release(self) -> None:
         with self.ring_state.cv:
@@ -260,7 +270,9 @@ def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: Staging
                         raise _Stopped
                 devices = {src.device.index for _, src in p.copies if src.is_cuda}
                 for rel, src in p.copies:
-                    _copy_in(buf, p.ring + rel, src)
+                    crc = _copy_in(buf, p.ring + rel, src)
+                    if crc is not None:
+                        p.crcs[rel, src.numel()] = crc
                 events = streams.record_side(sorted(devices)) if devices else {}
                 with ring.cv:
                     p.events, p.ready = events, True
@@ -273,10 +285,19 @@ def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: Staging
         ring.fail(e)
 
 
-def _copy_in(buf: StagingBuffer, at: int, src: torch.Tensor) -> None:
-    """Copy flat uint8 ``src`` into the pool at byte ``at``: memmove from host memory (the GIL is
-    released meanwhile), an asynchronous copy on the current (side) stream from a GPU."""
+def _copy_in(buf: StagingBuffer, at: int, src: torch.Tensor) -> int | None:
+    """Copy flat uint8 ``src`` into the pool at byte ``at``. From host memory: memmove and
+    crc32c by turns, a cache-sized piece at a time (the GIL is released meanwhile), so the
+    checksum reads the copy from cache and the engine need not read it from memory again;
+    returns the crc32c. From a GPU: an asynchronous copy on the current (side) stream (None:
+    the bytes are not there yet)."""
+    n = src.numel()
     if src.is_cuda:
-        buf.tensor[at:at + src.numel()].copy_(src, non_blocking=True)
-    else:
-        ctypes.memmove(buf.address + at, src.data_ptr(), src.numel())
+        buf.tensor[at:at + n].copy_(src, non_blocking=True)
+        return None
+    crc, addr = 0, src.data_ptr()
+    for k in range(0, n, FUSED_BYTES):
+        m = min(FUSED_BYTES, n - k)
+        ctypes.memmove(buf.address + at + k, addr + k, m)
+        crc = _crc32c(buf.view[at + k:at + k + m], crc)
+    return crc
