@@ -695,7 +695,6 @@ class StagedEngine(IOEngine):
     def _read_fd(self, fd: int, path: str, spans: Sequence[ReadSpan], size: int, memory_alignment: int) -> list[int]:
         chunks = self._read_chunks(spans, memory_alignment)
         crcs = [0] * len(spans)
-        given: dict[int, int] = {}  # spans whose crc32c their producer supplied (SpanGuard.checksum)
         reqs: dict[int, _Request] = {}
         free = list(self._pool.buffers)
         window = 2 * len(free)  # chunks read ahead of the one being drained
