@@ -17,6 +17,11 @@ the case the overlap is for: the write fits within a step. Cases:
                        DefaultStager async staging (pinned memory and non-blocking copies on a
                        GPU), FileSystemWriter(thread_count=4, sync_files=True); the optimizer
                        step waits for the staging, the next save for the previous upload
+  copy+crc only        a reference, not a way to save: a background thread copies the state's
+                       bytes into a host buffer and checksums them (crc32c), as gdswriter's host
+                       snapshot does, but writes nothing; the optimizer step waits for it. What
+                       touching the bytes alone costs training on this machine (CPU, memory
+                       bandwidth), below which no host snapshot can go
 
 Every checkpoint is durable (fsync) and the last two are kept. For each case: mean and median
 step time, the save call's own time (median; for gdswriter, save_async), the time the loop
@@ -35,6 +40,7 @@ the training stream waited for them.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import os
 import shutil
@@ -48,19 +54,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer
+from gdswriter.fallback.engine import FUSED_BYTES
 from gdswriter.units import parse_size
 
 # DCP says this on every single-process save (also from its upload thread)
 warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
 warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint")
 
-CASES = ("none", "gdswriter live", "gdswriter host", "torch.save thread", "dcp.async_save")
+CASES = ("none", "gdswriter live", "gdswriter host", "torch.save thread", "dcp.async_save", "copy+crc only")
 VOCAB, SEQ, HEADS = 4096, 128, 8
 WARMUP = 2
 
@@ -245,6 +253,60 @@ class DcpSaver(Saver):
         self.stager.close()
 
 
+class CopyAndChecksum(Saver):
+    """Copy and checksum the state's bytes in a background thread, into a buffer allocated
+    once, in the pieces gdswriter's copier uses (host memory: memmove then crc32c of each
+    cache-sized piece; GPU memory: one device-to-host copy per tensor, then crc32c)."""
+
+    def __init__(self, root, model, opt, device):
+        super().__init__(root, model, opt, device)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="copy-crc")
+        self.pending: Future | None = None
+        self.buf: torch.Tensor | None = None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        state = [*self.model.state_dict().values()]
+        state += [v for st in self.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return [t.detach().reshape(-1).view(torch.uint8) for t in state if t.numel()]
+
+    def _run(self, tensors: list[torch.Tensor]) -> None:
+        at, view = 0, memoryview(self.buf.numpy())
+        for t in tensors:
+            n = t.numel()
+            if t.is_cpu:
+                for k in range(0, n, FUSED_BYTES):
+                    m = min(FUSED_BYTES, n - k)
+                    ctypes.memmove(self.buf.data_ptr() + at + k, t.data_ptr() + k, m)
+                    crc32c.crc32c(view[at + k:at + k + m])
+            else:
+                self.buf[at:at + n].copy_(t)
+                crc32c.crc32c(view[at:at + n])
+            at += n
+
+    def before_step(self) -> float:
+        t = time.perf_counter()
+        self.drain()
+        return time.perf_counter() - t
+
+    def save(self, it: int) -> float:
+        t = time.perf_counter()
+        self.drain()
+        tensors = self._tensors()
+        if self.buf is None:
+            self.buf = torch.empty(sum(x.numel() for x in tensors), dtype=torch.uint8)
+        self.pending = self.pool.submit(self._run, tensors)
+        return time.perf_counter() - t
+
+    def drain(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def close(self) -> None:
+        self.drain()
+        self.pool.shutdown()
+
+
 def make_saver(case: str, root: Path, model, opt, device: str) -> Saver:
     if case == "none":
         return Saver(root, model, opt, device)
@@ -254,6 +316,8 @@ def make_saver(case: str, root: Path, model, opt, device: str) -> Saver:
         return TorchSaveThread(root, model, opt, device)
     if case == "dcp.async_save":
         return DcpSaver(root, model, opt, device)
+    if case == "copy+crc only":
+        return CopyAndChecksum(root, model, opt, device)
     raise ValueError(f"unknown case {case!r}: choose from {', '.join(CASES)}")
 
 

@@ -188,9 +188,11 @@ class LayoutCache:
 
     def __init__(self) -> None:
         self.key: tuple | None = None
-        self.recipe: list[tuple[int, torch.device, int, int, str]] = []  # per extent: (tensor whose storage
-        self.records: list[TensorRecord] = []                              # it views or -1 if empty, device,
-        self.placed: list[tuple[int, int]] = []                           # start, nbytes, first tensor's name)
+        # per extent: (index of a tensor whose storage it views, -1 if empty; device; start; nbytes;
+        # its first tensor's name)
+        self.recipe: list[tuple[int, torch.device, int, int, str]] = []
+        self.records: list[TensorRecord] = []
+        self.placed: list[tuple[int, int]] = []  # per tensor: (extent index, byte offset in it)
 
     @staticmethod
     def key_of(tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str]) -> tuple:

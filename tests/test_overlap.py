@@ -817,6 +817,6 @@ def test_training_loop_benchmark_script_runs(tmp_path):
                            "--rounds", "2", "--batch", "1", "--dir", str(tmp_path)], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    for case in ("none", "gdswriter live", "gdswriter host", "torch.save thread", "dcp.async_save"):
+    for case in ("none", "gdswriter live", "gdswriter host", "torch.save thread", "dcp.async_save", "copy+crc only"):
         assert f"| {case} |" in proc.stdout, proc.stdout
     assert "overhead vs none" in proc.stdout and list(tmp_path.iterdir()) == []
