@@ -51,7 +51,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _MERGE_GAP = 1 << 20  # read through gaps smaller than this rather than issuing another request
 ZERO_COPY_MIN = 1 << 20  # smaller spans are cheaper to coalesce through the staging buffers
-FUSED_BYTES = 256 << 10  # copy and checksum this much at a time, so the checksum reads cache, not DRAM
+FUSED_BYTES = 1 << 20  # copy and checksum this much at a time, so the checksum reads cache (L2), not DRAM;
+# 1 MiB pieces cost the same CPU as 256 KiB ones here, with a quarter of the Python iterations
 
 
 def _align_up(n: int) -> int:
