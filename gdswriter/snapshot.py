@@ -210,15 +210,14 @@ class LayoutCache:
                    for src, device, start, n, name in self.recipe]
         return extents, self.placed, list(self.records)
 
-    def remember(self, key: tuple, tensors: Sequence[torch.Tensor], extents: Sequence[Extent],
-                 placed: list[tuple[int, int]], records: list[TensorRecord]) -> None:
+    def remember(self, key: tuple, extents: Sequence[Extent], placed: list[tuple[int, int]],
+                 records: list[TensorRecord]) -> None:
         """Keep this layout (before any extent is captured), unless an extent views raw memory
         (numpy arrays sharing memory that no single storage covers): those are laid out anew."""
         self.key = None
         source = {}  # a tensor per (storage address, size, device): any of them views the same bytes
-        for i, t in enumerate(tensors):
-            st = t.untyped_storage()
-            source.setdefault((st.data_ptr(), st.nbytes(), t.device), i)
+        for i, (ptr, nbytes, *_, device) in enumerate(key[2]):
+            source.setdefault((ptr, nbytes, device), i)
         recipe = []
         for e in extents:
             if e._view is not None:
@@ -260,7 +259,7 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
             records.append(TensorRecord(names[i] or f"<tensor {i}>", sid, off, dtype_to_name(t.dtype),
                                         tuple(t.shape), tuple(t.stride()), str(t.device), kinds[i]))
         if layout is not None:
-            layout.remember(key, tensors, extents, placed, records)
+            layout.remember(key, extents, placed, records)
     _capture(extents, placed, tensors, protected)
     ready = streams.record_ready(streams.cuda_devices(e.device for e in extents))
     return Snapshot(step, tree, extents, records, plain_json(metadata), ready)

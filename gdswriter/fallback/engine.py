@@ -137,7 +137,7 @@ def _copy(dst, dst_off: int, src, src_off: int, n: int) -> None:
         dst[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
 
 
-def _stage_in(buf: StagingBuffer, lo: int, src, src_off: int, n: int, crc: int) -> int:
+def stage_in(buf: StagingBuffer, lo: int, src, src_off: int, n: int, crc: int) -> int:
     """Copy n bytes of ``src`` into ``buf`` at ``lo``; return ``crc`` extended over them. Host
     memory goes in cache-sized pieces, each checksummed right after its copy: 25% less CPU
     than one pass of each over DRAM (measured here: 4.1 against 3.3 GiB/s). Device memory
@@ -151,7 +151,7 @@ def _stage_in(buf: StagingBuffer, lo: int, src, src_off: int, n: int, crc: int) 
 
 
 def _stage_out(buf: StagingBuffer, lo: int, dst, dst_off: int, n: int, crc: int) -> int:
-    """The reverse of _stage_in: checksum each piece of ``buf``, then copy it out of cache."""
+    """The reverse of stage_in: checksum each piece of ``buf``, then copy it out of cache."""
     step = FUSED_BYTES if dst.is_cpu else n
     for k in range(0, n, step):
         m = min(step, n - k)
@@ -578,10 +578,12 @@ class StagedEngine(IOEngine):
                 if j >= 0:  # the span's own aligned bytes: checksum them, then write them as they are
                     s = spans[j]
                     buf = _direct_buffer(s.data[off - s.offset:off - s.offset + n])
-                    if j not in given and (known := guards.checksum(j) if guards else None) is not None:
-                        given[j] = known  # the producer checksummed them as it copied them (cache-hot)
                     if j not in given:
-                        crcs[j] = _crc(buf.view, crcs[j])
+                        known = guards.checksum(j) if guards else None
+                        if known is None:
+                            crcs[j] = _crc(buf.view, crcs[j])
+                        else:  # the producer checksummed them as it copied them (cache-hot)
+                            given[j] = known
                     if guards:
                         guards.hold(j)
                         if off + n == s.end:
@@ -642,7 +644,7 @@ class StagedEngine(IOEngine):
                 ctypes.memset(buf.address + pos - file_off, 0, s.offset - pos)
                 pos = s.offset
             a, b = pos - s.offset, min(s.end, end) - s.offset
-            crcs[si] = _stage_in(buf, pos - file_off, s.data, a, b - a, crcs[si])
+            crcs[si] = stage_in(buf, pos - file_off, s.data, a, b - a, crcs[si])
             pos = s.offset + b
             if guards and pos == s.end:
                 guards.read(si)
