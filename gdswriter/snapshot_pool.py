@@ -29,6 +29,7 @@ the copier and the other engines do not wait for it.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -36,11 +37,12 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
+from crc32c import crc32c as _crc32c
 
 from .cuda import streams
 from .engine import WriteSpan
 from .fallback.buffers import HUGE_PAGE, AlignedBufferPool, StagingBuffer
-from .fallback.engine import stage_in
+from .fallback.engine import FUSED_BYTES
 from .options import ALIGN, MiB, log_once
 from .planner.assign import PlannedChunk, SavePlan
 from .snapshot import Snapshot
@@ -284,12 +286,20 @@ def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: Staging
 
 
 def _copy_in(buf: StagingBuffer, at: int, src: torch.Tensor) -> int | None:
-    """Copy flat uint8 ``src`` into the pool at byte ``at``. From host memory: as the engines
-    stage bytes (fallback.engine.stage_in: memmove and crc32c by turns, a cache-sized piece at
-    a time, the GIL released meanwhile), so the checksum reads the copy from cache and the
-    engine need not read it from memory again; returns the crc32c. From a GPU: an
-    asynchronous copy on the current (side) stream (None: the bytes are not there yet)."""
+    """Copy flat uint8 ``src`` into the pool at byte ``at``. From host memory: memmove and
+    crc32c by turns, a cache-sized piece at a time (the GIL is released meanwhile), so the
+    checksum reads the copy from cache and the engine need not read it from memory again;
+    returns the crc32c. The same loop as the engines' staging copy (fallback.engine._stage_in),
+    kept apart because it is not engine staging: what the engines stage is counted through
+    their own copy (tests rely on that). From a GPU: an asynchronous copy on the current
+    (side) stream (None: the bytes are not there yet)."""
+    n = src.numel()
     if src.is_cuda:
-        buf.tensor[at:at + src.numel()].copy_(src, non_blocking=True)
+        buf.tensor[at:at + n].copy_(src, non_blocking=True)
         return None
-    return stage_in(buf, at, src, 0, src.numel(), 0)
+    crc, addr = 0, src.data_ptr()
+    for k in range(0, n, FUSED_BYTES):
+        m = min(FUSED_BYTES, n - k)
+        ctypes.memmove(buf.address + at + k, addr + k, m)
+        crc = _crc32c(buf.view[at + k:at + k + m], crc)
+    return crc

@@ -137,7 +137,7 @@ def _copy(dst, dst_off: int, src, src_off: int, n: int) -> None:
         dst[dst_off:dst_off + n].copy_(src[src_off:src_off + n])
 
 
-def stage_in(buf: StagingBuffer, lo: int, src, src_off: int, n: int, crc: int) -> int:
+def _stage_in(buf: StagingBuffer, lo: int, src, src_off: int, n: int, crc: int) -> int:
     """Copy n bytes of ``src`` into ``buf`` at ``lo``; return ``crc`` extended over them. Host
     memory goes in cache-sized pieces, each checksummed right after its copy: 25% less CPU
     than one pass of each over DRAM (measured here: 4.1 against 3.3 GiB/s). Device memory
@@ -151,7 +151,7 @@ def stage_in(buf: StagingBuffer, lo: int, src, src_off: int, n: int, crc: int) -
 
 
 def _stage_out(buf: StagingBuffer, lo: int, dst, dst_off: int, n: int, crc: int) -> int:
-    """The reverse of stage_in: checksum each piece of ``buf``, then copy it out of cache."""
+    """The reverse of _stage_in: checksum each piece of ``buf``, then copy it out of cache."""
     step = FUSED_BYTES if dst.is_cpu else n
     for k in range(0, n, step):
         m = min(step, n - k)
@@ -644,7 +644,7 @@ class StagedEngine(IOEngine):
                 ctypes.memset(buf.address + pos - file_off, 0, s.offset - pos)
                 pos = s.offset
             a, b = pos - s.offset, min(s.end, end) - s.offset
-            crcs[si] = stage_in(buf, pos - file_off, s.data, a, b - a, crcs[si])
+            crcs[si] = _stage_in(buf, pos - file_off, s.data, a, b - a, crcs[si])
             pos = s.offset + b
             if guards and pos == s.end:
                 guards.read(si)
