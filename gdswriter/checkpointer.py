@@ -283,6 +283,7 @@ class GDSCheckpointer:
         self._hooked: Any = None
         self._topology: Topology | None = None  # discovered at the first save of GPU state
         self._layout = LayoutCache()  # the last save's layout, reused while the tensors stay put
+        self._last_plan: tuple[tuple, SavePlan] | None = None  # (what it was planned from, the plan)
         _open_checkpointers.add(self)
 
     def _collect(self) -> dict:
@@ -430,6 +431,16 @@ class GDSCheckpointer:
         balanced plan. A planner failure falls back to the balanced plan, with a warning: where
         bytes go is an optimisation, never a reason not to save."""
         sizes, devices = [e.nbytes for e in snap.extents], [str(e.device) for e in snap.extents]
+        # A plan is a function of these (the topology is discovered once): in a training loop
+        # every save after the first reuses the last one.
+        key = (sizes, devices, targets)
+        if self._last_plan is not None and self._last_plan[0] == key:
+            return self._last_plan[1]
+        plan = self._new_plan(sizes, devices, targets)
+        self._last_plan = (key, plan)
+        return plan
+
+    def _new_plan(self, sizes: list[int], devices: list[str], targets: list) -> SavePlan:
         if not any(d.startswith("cuda") for d in devices):
             return plan_save(sizes, targets)
         try:

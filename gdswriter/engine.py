@@ -38,11 +38,6 @@ class SpanGuard(Protocol):
     def release(self) -> None:
         """The engine will not read the bytes again (called once per span)."""
 
-    def checksum(self, span: WriteSpan) -> int | None:
-        """Optional: the crc32c of ``span``'s bytes if the producer computed it while it filled
-        them (asked once the span is ready), else None. The bytes stay as they are until the
-        span is released, so an engine may return this instead of reading them again."""
-
 
 @dataclass(frozen=True)
 class WriteSpan:
@@ -53,11 +48,16 @@ class WriteSpan:
     ``data`` only after ``guard`` says it is ready and calls ``guard.release()`` once it will
     not read it again, at the latest before ``write_file`` returns or raises (SpanGuards
     does the bookkeeping).
+
+    ``checksum`` False: the caller needs no crc32c of these bytes (their producer keeps its
+    own, e.g. the host snapshot's copier, per tensor chunk): an engine may skip computing it
+    and then returns 0 for the span.
     """
 
     offset: int
     data: torch.Tensor
     guard: SpanGuard | None = field(default=None, compare=False)
+    checksum: bool = True
 
     @property
     def end(self) -> int:
@@ -68,8 +68,7 @@ class SpanGuards:
     """An engine's bookkeeping of its spans' guards during one ``write_file``.
 
     The engine asks ``ready(lo, hi)`` (or ``wait(lo, hi)``) before it reads file range
-    [lo, hi) from the spans (then ``checksum(j)``, whether the producer already knows span j's
-    crc32c), tells ``read(j)`` when it has read (copied or queued) span j's
+    [lo, hi) from the spans, tells ``read(j)`` when it has read (copied or queued) span j's
     last byte, ``hold(j)``/``unhold(j)`` around each request that writes straight from span
     j's memory, and ``release_all()`` when the file is done or failed. A span is released
     when it is read and no request holds it, so a producer streaming through a bounded
@@ -113,12 +112,6 @@ class SpanGuards:
     def read(self, j: int) -> None:
         self._read[j] = True
         self._maybe_release(j)
-
-    def checksum(self, j: int) -> int | None:
-        """Span j's crc32c as its producer computed it, if its guard offers one (it is ready)."""
-        s = self._spans[j]
-        given = getattr(s.guard, "checksum", None)
-        return given(s) if given is not None else None
 
     def hold(self, j: int) -> None:
         self._holds[j] += 1

@@ -7,17 +7,19 @@ at the first host-mode save with the space the save needs, up to ``bound``, and 
 every later save; it grows only when a later state needs more, never past ``bound``.
 
 A save lays its files out in the pool piece by piece: each file is cut at multiples of
-the piece size, and a piece keeps the file's own layout, so every span sits in the pool at
-the same 4 KiB phase as in the file and large spans are written zero-copy from it. Pieces
-take the pool in turn, as a ring: a piece that does not fit waits until the pieces it
-would overwrite were written (the engine releases each span once it will not read it
-again; engine.SpanGuards). One copier thread fills the pieces in the order the engines
-write them (round-robin over roots); the engines start writing a piece as soon as it is
-filled. On the CPU the copier uses memmove and checksums each cache-sized piece of the copy
-right after it (the GIL is released for both), and the engines take those checksums
-(SpanGuard.checksum) instead of reading the bytes from memory a second time; from a GPU
-it queues device-to-host copies on each device's side stream, behind the event save_async
-recorded, and a piece is ready when its copy event completes.
+the piece size, and a piece is the file's own bytes for its range (the copier zeroes the
+alignment gaps between chunks), so it sits in the pool at the same 4 KiB phase as in the
+file and the engine writes it as one span, zero-copy. Pieces take the pool in turn, as a
+ring: a piece that does not fit waits until the pieces it would overwrite were written
+(the engine releases each span once it will not read it again; engine.SpanGuards). One
+copier thread fills the pieces in the order the engines write them (round-robin over
+roots); the engines start writing a piece as soon as it is filled. The pool keeps each
+chunk's crc32c, so the engines checksum nothing (WriteSpan.checksum False). On the CPU the
+copier uses memmove and checksums each cache-sized piece of the copy right after it (the
+GIL is released for both), reading the copy from cache; from a GPU it queues
+device-to-host copies on each device's side stream, behind the event save_async recorded;
+a piece is ready when its copy events complete, and its chunks are then checksummed from
+the pool.
 
 Deadlock freedom: an engine waiting for a piece keeps at most the spans of its current
 staging buffer and of the span it is in (it reaps its finished requests while it waits),
@@ -57,11 +59,13 @@ def _align_up(n: int, a: int = ALIGN) -> int:
 
 
 class _Ring:
-    """What the copier and the engines share: one condition, and the first error."""
+    """What the copier and the engines share: one condition, the first error, and the pool's
+    bytes (``view``, set once the pool is reserved)."""
 
     def __init__(self) -> None:
         self.cv = threading.Condition()
         self.error: BaseException | None = None
+        self.view: memoryview | None = None
 
     def fail(self, error: BaseException) -> None:
         with self.cv:
@@ -75,18 +79,23 @@ class _Stopped(Exception):
 
 
 class _Piece:
-    """A file range [lo, hi) laid out at ``ring`` in the pool; the SpanGuard of its spans."""
+    """A file range [lo, hi) laid out at ``ring`` in the pool, written by the engine as one span
+    (so its gaps, the alignment padding between chunks, are zeroed by the copier); the
+    SpanGuard of that span. ``crcs`` holds the crc32c of every chunk copied into it: computed
+    by the copier as it copies from host memory, or, for a copy from a GPU, from the pool once
+    the copy's events completed (the first time the engine finds the piece ready)."""
 
-    __slots__ = ("blockers", "copies", "crcs", "events", "freed", "hi", "lo", "ready", "ring", "ring_state", "root",
-                 "users")
+    __slots__ = ("blockers", "copies", "crcs", "events", "freed", "gaps", "hi", "lo", "ready", "ring", "ring_state",
+                 "root", "unsummed")
 
     def __init__(self, ring_state: _Ring, root: int, lo: int):
         self.ring_state, self.root, self.lo, self.hi = ring_state, root, lo, lo
         self.copies: list[tuple[int, torch.Tensor]] = []  # (offset in the piece, source bytes)
-        self.crcs: dict[tuple[int, int], int] = {}  # (offset in the piece, length) -> crc32c, as copied
+        self.gaps: list[tuple[int, int]] = []  # (offset in the piece, length) of bytes no copy fills
+        self.crcs: dict[tuple[int, int], int] = {}  # (offset in the piece, length) -> crc32c of that copy
+        self.unsummed: list[tuple[int, int]] = []  # copies from a GPU whose crc32c is still to compute
         self.ring = 0
         self.blockers: list[_Piece] = []  # earlier pieces whose pool range this one reuses
-        self.users = 0  # spans not yet released
         self.ready = False
         self.events: dict = {}
         self.freed = False
@@ -95,13 +104,29 @@ class _Piece:
     def length(self) -> int:
         return _align_up(self.hi - self.lo)
 
+    def add(self, rel: int, src: torch.Tensor) -> None:
+        """Lay ``src`` at ``rel`` (file order: after every earlier copy)."""
+        end = self.hi - self.lo
+        if rel > end:
+            self.gaps.append((end, rel - end))
+        self.copies.append((rel, src))
+        self.hi = self.lo + rel + src.numel()
+
+    def _summed(self) -> bool:
+        """Checksum the copies from a GPU now that their bytes are in the pool."""
+        view, at = self.ring_state.view, self.ring
+        for rel, n in self.unsummed:
+            self.crcs[rel, n] = _crc32c(view[at + rel:at + rel + n])  # type: ignore[index]
+        self.unsummed = []
+        return True
+
     # -- SpanGuard ----------------------------------------------------------------
     def is_ready(self) -> bool:
         if not self.ready:
             if self.ring_state.error is not None:
                 raise self.ring_state.error
             return False
-        return streams.events_done(self.events)
+        return streams.events_done(self.events) and (not self.unsummed or self._summed())
 
     def wait_ready(self) -> None:
         st = self.ring_state
@@ -111,17 +136,13 @@ class _Piece:
             if not self.ready:
                 raise st.error  # type: ignore[misc]
         streams.host_wait(self.events)
-
-    def checksum(self, span: WriteSpan) -> int | None:
-        """The crc32c the copier computed of ``span``'s bytes as it copied them (host memory)."""
-        return self.crcs.get((span.offset - self.lo, span.data.numel()))
+        if self.unsummed:
+            self._summed()
 
     def release(self) -> None:
         with self.ring_state.cv:
-            self.users -= 1
-            if self.users == 0:
-                self.freed = True
-                self.ring_state.cv.notify_all()
+            self.freed = True
+            self.ring_state.cv.notify_all()
 
 
 class HostSnapshotPool:
@@ -165,36 +186,35 @@ class HostSnapshotPool:
         self._mem = None
 
     @contextmanager
-    def stream(self, snap: Snapshot, plan: SavePlan, release
-               ) -> Iterator[tuple[list[list[tuple[PlannedChunk, WriteSpan]]], Callable[[BaseException], None]]]:
-        """Yields (spans, stop). ``spans``: per file of ``plan``, its chunks, cut where pieces
-        end, each with the span that writes it from the pool (guarded by its piece), while a
-        copier thread fills them; ``release`` is set once every byte is copied (on a GPU:
-        queued, with the side streams' events). ``stop(error)`` fails the save at once: the
-        copier stops and engines waiting for a piece raise ``error``. Call it as soon as one
-        engine fails (its unwritten files hold room the copier waits for; the others would wait
-        for the copier forever). Leaving with an error stops the copier too."""
+    def stream(self, snap: Snapshot, plan: SavePlan, release) -> Iterator[PoolStream]:
+        """Yields a PoolStream: per file of ``plan``, the spans that write it from the pool
+        (one per piece, guarded by the piece), while a copier thread fills them; ``release``
+        is set once every byte is copied (on a GPU: queued, with the side streams' events).
+        ``stop(error)`` fails the save at once: the copier stops and engines waiting for a
+        piece raise ``error``. Call it as soon as one engine fails (its unwritten files hold
+        room the copier waits for; the others would wait for the copier forever). Leaving with
+        an error stops the copier too. Once every file is written, ``chunk_crcs()`` gives the
+        crc32c of every chunk of ``plan``, cut where pieces end."""
         ring = _Ring()
         n_roots = len({f.target.root for f in plan.files})
         need = sum(_align_up(f.size) for f in plan.files)
         if not need:  # nothing but empty tensors: nothing to copy
             release.set()
-            yield ([[(c, WriteSpan(c.file_offset, torch.empty(0, dtype=torch.uint8))) for c in f.chunks]
-                    for f in plan.files], ring.fail)
+            yield PoolStream([[] for _ in plan.files], ring.fail, {c: ((), 0) for f in plan.files for c in f.chunks})
             return
         devices = sorted(snap.ready)
         buf = self._reserve(need, n_roots, devices[0] if devices else None)
+        ring.view = buf.view
         piece = max(ALIGN, min(PIECE_MAX, buf.size // (4 * n_roots)) // ALIGN * ALIGN)
-        order, placements = _layout(snap, plan, ring, piece)
+        order, pieces_per_file, chunks = _layout(snap, plan, ring, piece)
         _allocate(order, buf.size)
-        spans = [[(c, WriteSpan(c.file_offset, buf.tensor[p.ring + c.file_offset - p.lo:][:c.length], guard=p))
-                  if p is not None else (c, WriteSpan(c.file_offset, buf.tensor[:0])) for c, p in per_file]
-                 for per_file in placements]
+        spans = [[(p, WriteSpan(p.lo, buf.tensor[p.ring:p.ring + p.hi - p.lo], guard=p, checksum=False))
+                  for p in pieces] for pieces in pieces_per_file]
         copier = threading.Thread(target=_copy_all, args=(snap, order, ring, buf, release),
                                   name="gdswriter-snapshot", daemon=False)
         copier.start()
         try:
-            yield spans, ring.fail
+            yield PoolStream(spans, ring.fail, chunks)
         except BaseException as e:
             ring.fail(e)
             raise
@@ -204,18 +224,30 @@ class HostSnapshotPool:
             raise ring.error
 
 
+class PoolStream:
+    """What a save writes through the pool (see HostSnapshotPool.stream)."""
+
+    def __init__(self, spans: list[list[tuple[_Piece, WriteSpan]]], stop: Callable[[BaseException], None],
+                 chunks: dict[PlannedChunk, tuple[tuple[_Piece, int] | tuple[()], int]]):
+        self.spans, self.stop, self._chunks = spans, stop, chunks
+
+    def chunk_crcs(self) -> dict[PlannedChunk, int]:
+        """Every chunk's crc32c, as its bytes were copied into the pool (0 for an empty chunk)."""
+        return {c: where[0].crcs[where[1], n] if where else 0 for c, (where, n) in self._chunks.items()}
+
+
 def _layout(snap: Snapshot, plan: SavePlan, ring: _Ring, piece: int):
     """Cut every file into pieces; returns the pieces in copy order (round-robin over roots,
-    each root's files in plan order) and, per file, its chunks cut at piece ends, each with
-    its piece (None for an empty chunk)."""
+    each root's files in plan order), each file's pieces, and every chunk of the plan, cut at
+    piece ends, with where it lies: ((its piece, its offset there) or () if empty, length)."""
     per_root: dict[int, list[_Piece]] = {}
-    placements = []
+    per_file = []
+    chunks: dict[PlannedChunk, tuple[tuple[_Piece, int] | tuple[()], int]] = {}
     for fp in plan.files:
         pieces: dict[int, _Piece] = {}
-        spans = []
         for c in fp.chunks:
             if c.length == 0:
-                spans.append((c, None))
+                chunks[c] = ((), 0)
                 continue
             flat = snap.extents[c.storage].flat
             pos, end = c.file_offset, c.file_offset + c.length
@@ -227,15 +259,14 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: _Ring, piece: int):
                     p = pieces[k] = _Piece(ring, fp.target.root, k * piece)
                     per_root.setdefault(fp.target.root, []).append(p)
                 src = c.storage_offset + pos - c.file_offset
-                p.copies.append((pos - p.lo, flat[src:src + cut - pos]))
-                p.hi = max(p.hi, cut)
-                p.users += 1
-                spans.append((replace(c, storage_offset=src, length=cut - pos, file_offset=pos), p))
+                p.add(pos - p.lo, flat[src:src + cut - pos])
+                part = c if cut - pos == c.length else replace(c, storage_offset=src, length=cut - pos, file_offset=pos)
+                chunks[part] = ((p, pos - p.lo), cut - pos)
                 pos = cut
-        placements.append(spans)
+        per_file.append(list(pieces.values()))
     queues = [per_root[r] for r in sorted(per_root)]
     order = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
-    return order, placements
+    return order, per_file, chunks
 
 
 def _allocate(order: Sequence[_Piece], capacity: int) -> None:
@@ -269,9 +300,13 @@ def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: Staging
                     if ring.error is not None:
                         raise _Stopped
                 devices = {src.device.index for _, src in p.copies if src.is_cuda}
+                for rel, n in p.gaps:
+                    ctypes.memset(buf.address + p.ring + rel, 0, n)
                 for rel, src in p.copies:
                     crc = _copy_in(buf, p.ring + rel, src)
-                    if crc is not None:
+                    if crc is None:
+                        p.unsummed.append((rel, src.numel()))
+                    else:
                         p.crcs[rel, src.numel()] = crc
                 events = streams.record_side(sorted(devices)) if devices else {}
                 with ring.cv:

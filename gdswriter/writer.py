@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 from typing import Any
@@ -131,8 +131,9 @@ def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit,
                            lambda: streams.on_side_streams(snap.ready))
         release.set()
         return crcs
-    with pool.stream(snap, plan, release) as (spans, stop):
-        return write_files(plan, spans, pending, engines, written_by, abort=stop)
+    with pool.stream(snap, plan, release) as stream:
+        write_files(plan, stream.spans, pending, engines, written_by, abort=stream.stop)
+    return stream.chunk_crcs()
 
 
 def live_spans(snap: Snapshot, plan: SavePlan) -> list[list[tuple[PlannedChunk, WriteSpan]]]:
@@ -141,13 +142,14 @@ def live_spans(snap: Snapshot, plan: SavePlan) -> list[list[tuple[PlannedChunk, 
              for c in fp.chunks] for fp in plan.files]
 
 
-def write_files(plan: SavePlan, spans: Sequence[Sequence[tuple[PlannedChunk, WriteSpan]]], pending: PendingCommit,
+def write_files(plan: SavePlan, spans: Sequence[Sequence[tuple[Hashable, WriteSpan]]], pending: PendingCommit,
                 engines: Sequence[IOEngine], written_by: dict[int, str],
                 context: Callable[[], AbstractContextManager] = nullcontext,
-                abort: Callable[[BaseException], None] | None = None) -> dict[PlannedChunk, int]:
-    """Write every file of ``plan`` into the pending step; returns each chunk's crc32c.
-    ``spans[f]``: file f's chunks (the plan's, or pieces of them: the host pool cuts chunks
-    where its pieces end) with the span that writes each, in file order. ``context`` is
+                abort: Callable[[BaseException], None] | None = None) -> dict[Hashable, int]:
+    """Write every file of ``plan`` into the pending step; returns the crc32c the engines gave
+    for each span, keyed by what ``spans`` pairs it with. ``spans[f]``: file f's spans, in file
+    order, each with its key: the plan's chunk it writes (live), or the host pool's piece
+    (whose chunks' checksums the pool keeps). ``context`` is
     entered around each root's writes, in that root's thread. ``written_by`` gets,
     per file, the engine that really wrote it (an engine may change paths from file to file).
     ``abort`` (optional) gets a root's error at once, in that root's thread: the other roots
@@ -156,7 +158,7 @@ def write_files(plan: SavePlan, spans: Sequence[Sequence[tuple[PlannedChunk, Wri
     first root's error (the cause) once every root's thread has ended."""
     # Keyed by the chunk itself: a zero-byte storage's empty chunk shares its file_offset
     # with the next chunk, so (file, file_offset) is not unique.
-    crcs: dict[PlannedChunk, int] = {}
+    crcs: dict[Hashable, int] = {}
     first: list[BaseException] = []  # the roots' errors, in the order they happened
     first_lock = threading.Lock()
 

@@ -108,3 +108,19 @@ def test_a_training_loop_lays_out_once_and_a_replaced_tensor_is_saved_right(tmp_
         assert torch.equal(state["model"][k], v), k
     assert state["model"]["head.weight"].untyped_storage().data_ptr() == \
         state["model"]["emb.weight"].untyped_storage().data_ptr()
+
+
+def test_storages_of_new_sizes_are_planned_anew(tmp_path):
+    """The save plan is reused only for the same storage sizes, devices and files: a tensor
+    replaced by one of another size (as many storages as before) gets a plan of its own."""
+    g = torch.Generator().manual_seed(3)
+    state = {"a": torch.randn(10, generator=g), "b": torch.randn(300_000, generator=g)}
+    saved = {}
+    with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
+        for step, n in enumerate((10, 10, 5000, 3), 1):
+            state["a"] = torch.randn(n, generator=g)
+            ck.save(step)
+            saved[step] = {k: v.clone() for k, v in state.items()}
+    for step, want in saved.items():
+        got = load_state(tmp_path, step=step)[1]["model"]
+        assert all(torch.equal(got[k], v) for k, v in want.items()), step

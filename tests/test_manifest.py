@@ -10,6 +10,7 @@ import math
 import os
 import random
 import types
+from dataclasses import replace
 
 import crc32c
 import pytest
@@ -19,7 +20,8 @@ from hypothesis import HealthCheck, assume, example, given, settings, strategies
 import _models as M
 import gdswriter.restore as restore_mod
 import gdswriter.writer as writer_mod
-from gdswriter import CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, load_state
+from gdswriter import (CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, UnsupportedObjectError,
+                       load_state)
 from gdswriter.cli import main as cli_main
 from gdswriter.format.commit import CommitProtocol, step_dir_name
 from gdswriter.format.dtypes import dtype_from_name
@@ -90,6 +92,36 @@ def test_golden_manifest_bytes(tmp_path, monkeypatch):
     body = json.loads(GOLDEN_MANIFEST)
     crc = body.pop("manifest_crc32c")
     assert crc == crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _reference_bytes(m: Manifest) -> bytes:
+    """The manifest file as json.dumps writes the whole body at once (what to_json_bytes,
+    which encodes the tensor table once per layout, must equal byte for byte)."""
+    body = json.loads(m.to_json_bytes())
+    del body["manifest_crc32c"]
+    body["tensors"] = [{"name": t.name, "storage": t.storage, "byte_offset": t.byte_offset, "dtype": t.dtype,
+                        "shape": list(t.shape), "stride": list(t.stride), "device": t.device, "kind": t.kind}
+                       for t in m.tensors]
+    body["manifest_crc32c"] = crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return (json.dumps(body, separators=(",", ":")) + "\n").encode()
+
+
+def test_a_reused_tensor_table_stands_only_for_the_same_records_and_storages():
+    """Saves with the same records reuse the encoded, checked tensor table; any other record or
+    storage size gets its own, and a view that no longer fits its storage is refused."""
+    m = Manifest.from_json_bytes(GOLDEN_MANIFEST)
+    tensors, storages = list(m.tensors), list(m.storages)
+    renamed = tensors[:1] + [TensorRecord("model/other", 0, 4, "int32", (5,), (1,), "cpu", "tensor")] + tensors[2:]
+    cases = [m, m, replace(m, tensors=tuple(renamed)), m, replace(m, step=43, metadata={"x": [1]}),
+             replace(m, storages=(StorageRecord(32, (ChunkRecord(0, 0, 0, 32, 0),)), *storages[1:])), m]
+    for case in cases:
+        got = case.to_json_bytes()
+        assert got == _reference_bytes(case)
+        assert Manifest.from_json_bytes(got).tensors == case.tensors
+    shrunk = replace(m, storages=(StorageRecord(20, storages[0].chunks), *storages[1:]))  # ids needs 24 bytes
+    with pytest.raises(UnsupportedObjectError, match="past the end of its storage"):
+        shrunk.to_json_bytes()
+    assert m.to_json_bytes() == GOLDEN_MANIFEST
 
 
 def test_golden_manifest_parses_and_loads(tmp_path):

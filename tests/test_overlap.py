@@ -651,6 +651,43 @@ def test_state_larger_than_the_pool_streams_through_it(tmp_path, caplog, io_fres
     assert all(torch.equal(st["model"]["small"][k], v) for k, v in small.items())
 
 
+def test_host_mode_writes_the_same_files_as_live_mode(tmp_path):
+    """The pool's pieces are written whole, gaps included: the copier zeroes the gaps between
+    chunks, so stale pool bytes (here 0xFF from an earlier save of other tensors) never reach
+    a file, and a host-mode step is byte for byte the live-mode step of the same state."""
+    g = torch.Generator().manual_seed(11)
+    state: dict = {"old": torch.full((16 << 20,), 255, dtype=torch.uint8)}  # the pool: 16 MiB, kept
+    sizes = [1, 4095, 4097, 3 << 20, 70_001, 1 << 20, 12_345, (2 << 20) + 3]
+    new = {f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for i, n in enumerate(sizes)}
+    with GDSCheckpointer(state, None, tmp_path / "host", options=options(snapshot="host")) as ck:
+        ck.save(1)  # fills the pool with 0xFF
+        state.clear()
+        state.update(new)
+        ck.save(2)
+    with GDSCheckpointer(dict(new), None, tmp_path / "live", options=options(snapshot="live")) as ck:
+        ck.save(2)
+    host, live = (sorted((tmp_path / m / "step_000000000002").glob("data-*")) for m in ("host", "live"))
+    assert [p.name for p in host] == [p.name for p in live] and host
+    for h, v in zip(host, live):
+        assert h.read_bytes() == v.read_bytes(), h.name
+    got = load_state(tmp_path / "host", 2)[1]["model"]
+    assert all(torch.equal(got[k], v) for k, v in new.items())
+
+
+def test_copies_checksummed_after_the_copy_get_their_checksums_from_the_pool(tmp_path, monkeypatch):
+    """A copy from a GPU is asynchronous: the copier cannot checksum it as it goes, and the
+    piece computes its chunks' crc32c from the pool once the engine finds it ready. Here the
+    host copies take that path (the copier reports no checksum); the step must verify."""
+    real = snapshot_pool._copy_in
+    monkeypatch.setattr(snapshot_pool, "_copy_in", lambda buf, at, src: (real(buf, at, src), None)[1])
+    model, opt = build()
+    train(model, opt, 1)
+    want = state_of(model, opt)
+    with GDSCheckpointer(model, opt, tmp_path, options=options(snapshot="host", snapshot_pool_bytes=1 * MiB)) as ck:
+        ck.save(1)
+    assert_same(saved_state(tmp_path, 1), want)
+
+
 @pytest.mark.parametrize("mode", ["host", "live"])
 def test_states_without_bytes(tmp_path, mode):
     for step, state in enumerate(({"x": 1}, {"e": torch.zeros(0), "s": torch.zeros(2, 0)}), 1):

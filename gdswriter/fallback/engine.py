@@ -556,7 +556,6 @@ class StagedEngine(IOEngine):
                     raise EngineIOError(e, path, 0, "preallocate")
                 # EOPNOTSUPP etc.: the file system cannot preallocate; the writes still work.
         crcs = [0] * len(spans)
-        given: dict[int, int] = {}  # spans whose crc32c their producer supplied (SpanGuard.checksum)
         reqs: dict[int, _Request] = {}
         free = list(self._pool.buffers)
         window = 2 * len(free)  # chunks in flight at most (zero-copy ones need no staging buffer)
@@ -578,12 +577,8 @@ class StagedEngine(IOEngine):
                 if j >= 0:  # the span's own aligned bytes: checksum them, then write them as they are
                     s = spans[j]
                     buf = _direct_buffer(s.data[off - s.offset:off - s.offset + n])
-                    if j not in given:
-                        known = guards.checksum(j) if guards else None
-                        if known is None:
-                            crcs[j] = _crc(buf.view, crcs[j])
-                        else:  # the producer checksummed them as it copied them (cache-hot)
-                            given[j] = known
+                    if s.checksum:
+                        crcs[j] = _crc(buf.view, crcs[j])
                     if guards:
                         guards.hold(j)
                         if off + n == s.end:
@@ -596,8 +591,6 @@ class StagedEngine(IOEngine):
                 self._backend.flush()
             while reqs:
                 self._complete(True, fd, path, reqs, 1)
-            for j, known in given.items():
-                crcs[j] = known
         except uring.RingError as e:  # the caller (write_file) quiesces the backend before closing fd
             raise _ring_failed(e, path, reqs) from e
         finally:
@@ -644,7 +637,10 @@ class StagedEngine(IOEngine):
                 ctypes.memset(buf.address + pos - file_off, 0, s.offset - pos)
                 pos = s.offset
             a, b = pos - s.offset, min(s.end, end) - s.offset
-            crcs[si] = _stage_in(buf, pos - file_off, s.data, a, b - a, crcs[si])
+            if s.checksum:
+                crcs[si] = _stage_in(buf, pos - file_off, s.data, a, b - a, crcs[si])
+            else:
+                _copy(buf.tensor, pos - file_off, s.data, a, b - a)
             pos = s.offset + b
             if guards and pos == s.end:
                 guards.read(si)

@@ -179,11 +179,7 @@ class Manifest:
     def to_json_bytes(self) -> bytes:
         """The manifest file's bytes. Refuses (UnsupportedObjectError) a tensor a reader would
         refuse, so that nothing is committed that cannot be loaded back."""
-        for t in self.tensors:
-            why = t.problem(self.storages[t.storage].nbytes) if t.storage < len(self.storages) else "no storage"
-            if why:
-                raise UnsupportedObjectError(t.name, None, f"it would be saved with {why}; save t.contiguous() "
-                                             f"(or the tensor before expand())", type_name="torch.Tensor")
+        canonical_tensors, plain_tensors = _tensor_table(self.tensors, self.storages)
         body = {
             "format": FORMAT_NAME,
             "version": list(self.version),
@@ -195,12 +191,7 @@ class Manifest:
                 {"nbytes": s.nbytes,
                  "chunks": [[c.file, c.file_offset, c.storage_offset, c.length, c.crc32c] for c in s.chunks]}
                 for s in self.storages],
-            "tensors": [
-                {"name": t.name, "storage": t.storage, "byte_offset": t.byte_offset, "dtype": t.dtype,
-                 "shape": list(t.shape), "stride": list(t.stride), "device": t.device, "kind": t.kind,
-                 **({"shard": {"global_shape": list(t.shard.global_shape), "offsets": list(t.shard.offsets)}}
-                    if t.shard is not None else {})}
-                for t in self.tensors],
+            "tensors": None,  # encoded by _tensor_table
             "state": self.state,
         }
         if self.dist is not None:
@@ -209,9 +200,12 @@ class Manifest:
                             "roots": [{"id": r.id, "path": r.path, "ranks": list(r.ranks)} for r in d.roots],
                             "rank_states": [[r, pairs] for r, pairs in sorted(d.rank_states.items())],
                             **({"dcp": d.dcp} if d.dcp is not None else {})}
-        text = _canonical(body)
-        body["manifest_crc32c"] = _crc32c.crc32c(text)
-        return (json.dumps(body, separators=(",", ":"), allow_nan=False) + "\n").encode()
+        # The same text as json.dumps of the whole body, one top-level entry at a time, so that
+        # the tensor table is encoded once per layout rather than twice per save.
+        canonical = {k: canonical_tensors if k == "tensors" else _json(v, sort_keys=True) for k, v in body.items()}
+        crc = _crc32c.crc32c(_join(sorted(canonical.items())).encode())
+        plain = [(k, plain_tensors if k == "tensors" else _json(v)) for k, v in body.items()]
+        return (_join([*plain, ("manifest_crc32c", str(crc))]) + "\n").encode()
 
     @classmethod
     def from_json_bytes(cls, raw: bytes, where: str = "manifest") -> "Manifest":
@@ -301,6 +295,44 @@ class Manifest:
 
 def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _json(value: Any, *, sort_keys: bool = False) -> str:
+    return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False)
+
+
+def _join(entries: list[tuple[str, str]]) -> str:
+    """A JSON object from (key, encoded value) pairs, as json.dumps with compact separators writes it."""
+    return "{" + ",".join(f"{_json(k)}:{v}" for k, v in entries) + "}"
+
+
+# The last tensor table: (records, their storages' sizes, canonical text, file text). A
+# training loop's saves have the same records (the same objects: snapshot.LayoutCache), so
+# each is checked and encoded once, not at every save.
+_last_table: tuple[tuple[TensorRecord, ...], tuple[int, ...], str, str] | None = None
+
+
+def _tensor_table(tensors: tuple[TensorRecord, ...], storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
+    """The manifest's "tensors" entry, encoded with sorted keys (for the checksum) and as
+    written; refuses (UnsupportedObjectError) a record a reader would refuse."""
+    global _last_table
+    sizes = tuple(s.nbytes for s in storages)
+    last = _last_table
+    if last is not None and last[1] == sizes and last[0] == tensors:
+        return last[2], last[3]
+    for t in tensors:
+        why = t.problem(sizes[t.storage]) if t.storage < len(sizes) else "no storage"
+        if why:
+            raise UnsupportedObjectError(t.name, None, f"it would be saved with {why}; save t.contiguous() "
+                                         f"(or the tensor before expand())", type_name="torch.Tensor")
+    rows = [{"name": t.name, "storage": t.storage, "byte_offset": t.byte_offset, "dtype": t.dtype,
+             "shape": list(t.shape), "stride": list(t.stride), "device": t.device, "kind": t.kind,
+             **({"shard": {"global_shape": list(t.shard.global_shape), "offsets": list(t.shard.offsets)}}
+                if t.shard is not None else {})}
+            for t in tensors]
+    canonical, plain = _json(rows, sort_keys=True), _json(rows)
+    _last_table = (tuple(tensors), sizes, canonical, plain)
+    return canonical, plain
 
 
 def _is_int(v: Any) -> bool:
