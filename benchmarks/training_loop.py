@@ -296,15 +296,25 @@ class CopyAndChecksum(Saver):
 
     def before_step(self) -> float:
         t = time.perf_counter()
-        self.drain()
+        self._wait_for_copy()
         return time.perf_counter() - t
+
+    def _wait_for_copy(self) -> None:
+        self.drain()
+
+    def _new_buffer(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.uint8)
+
+    def _starting(self, it: int) -> None:
+        """Called in save before the background work is queued."""
 
     def save(self, it: int) -> float:
         t = time.perf_counter()
         self.drain()
         tensors = self._tensors()
         if self.buf is None:
-            self.buf = torch.empty(sum(x.numel() for x in tensors), dtype=torch.uint8)
+            self.buf = self._new_buffer(sum(x.numel() for x in tensors))
+        self._starting(it)
         self.pending = self.pool.submit(self._run, tensors)
         return time.perf_counter() - t
 
@@ -329,6 +339,7 @@ class CopyChecksumAndWrite(CopyAndChecksum):
         self.copied = threading.Event()
         self.copied.set()
         self.mem: mmap.mmap | None = None
+        self.saves = 0
         root.mkdir(parents=True, exist_ok=True)
 
     def _run(self, tensors: list[torch.Tensor]) -> None:
@@ -354,23 +365,16 @@ class CopyChecksumAndWrite(CopyAndChecksum):
             os.close(fd)
         self.write_s.append(time.perf_counter() - t)
 
-    def before_step(self) -> float:
-        t = time.perf_counter()
+    def _wait_for_copy(self) -> None:
         self.copied.wait()
-        return time.perf_counter() - t
 
-    def save(self, it: int) -> float:
-        t = time.perf_counter()
-        self.drain()
-        tensors = self._tensors()
-        if self.buf is None:
-            n = sum(x.numel() for x in tensors)
-            self.mem = mmap.mmap(-1, -(-n // 4096) * 4096)  # page-aligned, as O_DIRECT needs
-            self.buf = torch.frombuffer(self.mem, dtype=torch.uint8)[:n]
+    def _new_buffer(self, n: int) -> torch.Tensor:
+        self.mem = mmap.mmap(-1, -(-n // 4096) * 4096)  # page-aligned, as O_DIRECT needs
+        return torch.frombuffer(self.mem, dtype=torch.uint8)[:n]
+
+    def _starting(self, it: int) -> None:
         self.saves = it
         self.copied.clear()
-        self.pending = self.pool.submit(self._run, tensors)
-        return time.perf_counter() - t
 
 
 def make_saver(case: str, root: Path, model, opt, device: str) -> Saver:
