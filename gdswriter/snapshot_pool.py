@@ -105,12 +105,13 @@ class _Piece:
         return _align_up(self.hi - self.lo)
 
     def add(self, rel: int, src: torch.Tensor) -> None:
-        """Lay ``src`` at ``rel`` (file order: after every earlier copy)."""
+        """Lay ``src`` at ``rel``. Every byte below ``hi`` that no copy fills lies in a gap (in
+        any order of adding; a gap may also hold copies: the copier zeroes gaps first)."""
         end = self.hi - self.lo
         if rel > end:
             self.gaps.append((end, rel - end))
         self.copies.append((rel, src))
-        self.hi = self.lo + rel + src.numel()
+        self.hi = max(self.hi, self.lo + rel + src.numel())
 
     def _summed(self) -> bool:
         """Checksum the copies from a GPU now that their bytes are in the pool."""
