@@ -28,7 +28,7 @@ from .errors import UnsupportedObjectError
 from .fallback.engine import ZERO_COPY_MIN
 from .format.dtypes import dtype_to_name
 from .format.manifest import TensorRecord
-from .format.state_codec import encode_state
+from .format.state_codec import encode_state_named
 from .options import EngineOptions, MiB, log_once
 
 STORAGE_ALIGN = 16  # extents start at a multiple of the largest item size, so every view stays valid
@@ -92,37 +92,6 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
         return start, start + t.numel() * t.element_size()
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
-
-
-def _tensor_names(tree: Any, n: int) -> tuple[list[str], list[str]]:
-    """Key path and kind ("tensor"/"ndarray") of each tensor index's first appearance in ``tree``."""
-    names, kinds = [""] * n, ["tensor"] * n
-
-    def walk(v: Any, path: str, depth: int) -> None:
-        if depth > 400:
-            return
-        if isinstance(v, list):
-            for i, x in enumerate(v):
-                walk(x, f"{path}/{i}" if path else str(i), depth + 1)
-        elif isinstance(v, dict):
-            if len(v) == 1 and ("$tensor" in v or "$ndarray" in v):
-                kind = "tensor" if "$tensor" in v else "ndarray"
-                i = v["$" + kind]
-                if isinstance(i, int) and 0 <= i < n and not names[i]:
-                    names[i], kinds[i] = path or "<root>", kind
-                return
-            entries = v.get("$dict", v.get("$odict"))
-            if isinstance(entries, list):
-                for kv in entries:
-                    if isinstance(kv, list) and len(kv) == 2:
-                        k = kv[0] if isinstance(kv[0], (str, int, float, bool)) or kv[0] is None else repr(kv[0])
-                        walk(kv[1], f"{path}/{k}" if path else str(k), depth + 1)
-                return
-            for k, x in v.items():
-                walk(x, path, depth + 1)
-
-    walk(tree, "", 0)
-    return names, kinds
 
 
 _ALIGN_HINT_MIN = 64 << 20
@@ -239,8 +208,7 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
     that is neither the CPU nor CUDA (XPU, MPS...) are copied to the CPU now (synchronously):
     only CPU and CUDA memory can be read in the background. ``layout``: the previous save's
     layout, reused where it still applies and replaced where it does not."""
-    tree, tensors = encode_state(state)
-    names, kinds = _tensor_names(tree, len(tensors))
+    tree, tensors, names, kinds = encode_state_named(state)
     for i, t in enumerate(tensors):  # only bytes are read: no autograd (detach) needed, except below
         if t.is_quantized:
             raise UnsupportedObjectError(names[i], t, "quantized tensors are not supported: save t.dequantize() "

@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 
 from gdswriter.errors import CorruptCheckpointError, UnsupportedObjectError
 from gdswriter.format.dtypes import all_dtypes, dtype_from_name, dtype_to_name
-from gdswriter.format.state_codec import MAX_DEPTH, decode_state, encode_state
+from gdswriter.format.state_codec import MAX_DEPTH, decode_state, encode_state, encode_state_named
 
 JSON_SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -377,3 +377,25 @@ def test_roundtrip_plain_values(obj):
     back, _, tensors = roundtrip(obj)
     assert not tensors
     assert same(back, obj)
+
+
+def test_tensors_are_named_by_their_first_key_path():
+    """Each tensor's manifest name is the key path of its first place in the state; a key
+    the tree stores as an object (tuple, huge int, non-finite float) appears as that
+    object's repr; an OrderedDict's _metadata names nothing (e is named where it is met
+    next, at the key "" of the root: "<root>")."""
+    a, b, c, d, e, f, g = (torch.full((2,), float(i)) for i in range(7))
+    odict = collections.OrderedDict([("w", d)])
+    odict._metadata = {"": {"x": e}}  # type: ignore[attr-defined]
+    arr = np.arange(3)
+    state = {"model": {"a": a, "tied": a, "list": [b, (c,)]}, (1, "x"): f, 2**70: g, float("inf"): d,
+             None: {"z": arr}, True: [1.5, b], 3: odict, "": e}
+    tree, tensors, names, kinds = encode_state_named(state)
+    assert len(tensors) == 8 and all(x is y for x, y in zip(tensors[:6] + tensors[7:], [a, b, c, f, g, d, e]))
+    assert tensors[6].data_ptr() == arr.ctypes.data
+    assert names == ["model/a", "model/list/0", "model/list/1/0", "{'$tuple': [1, 'x']}",
+                     "{'$int': '0x400000000000000000'}", "{'$float': 'inf'}", "None/z", "<root>"]
+    assert kinds == ["tensor"] * 6 + ["ndarray", "tensor"]
+    assert encode_state_named(a)[2] == ["<root>"]
+    assert encode_state_named(odict)[2] == ["w", ""]  # the manifest then says "<tensor 1>"
+    assert encode_state(state)[0] == tree

@@ -72,6 +72,16 @@ def encode_state(obj: object, *, key_path: str = "") -> tuple[object, list[torch
     return enc.enc(obj, key_path, 0), enc.tensors
 
 
+def encode_state_named(obj: object) -> tuple[object, list[torch.Tensor], list[str], list[str]]:
+    """encode_state, plus each tensor's name and kind ("tensor" or "ndarray"), from its first
+    place in the tree: its key path, "/"-joined, where a key that the tree stores as an
+    object (a tuple, an int beyond 2**53, a non-finite float) appears as that object's repr;
+    "<root>" for the state itself."""
+    enc = _Encoder()
+    tree = enc.enc(obj, "", 0, "")
+    return tree, enc.tensors, enc.names, enc.kinds
+
+
 def _join(path: str, part: object) -> str:
     return f"{path}/{part}" if path else str(part)
 
@@ -106,17 +116,25 @@ def _is_key(k: object) -> bool:
 class _Encoder:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
+        self.names: list[str] = []  # per tensor: see encode_state_named ("" when not asked for)
+        self.kinds: list[str] = []
         self.index: dict[int, int] = {}      # id(tensor or ndarray) -> index in self.tensors
         self.active: set[int] = set()       # ids of containers on the current path (cycle guard)
 
-    def add(self, key: object, tensor: torch.Tensor) -> int:
+    def add(self, key: object, tensor: torch.Tensor, name: str | None, kind: str) -> int:
         i = self.index.get(id(key))
         if i is None:
             i = self.index[id(key)] = len(self.tensors)
             self.tensors.append(tensor)
+            self.names.append("" if name is None else name or "<root>")
+            self.kinds.append(kind)
+        elif name is not None and not self.names[i]:  # first met where nothing is named (_metadata)
+            self.names[i] = name or "<root>"
         return i
 
-    def enc(self, obj: Any, path: str, depth: int) -> object:
+    def enc(self, obj: Any, path: str, depth: int, name: str | None = None) -> object:
+        """``path``: the key path for error messages; ``name``: the one tensors are named by
+        (None: names not asked for)."""
         t = type(obj)
         if obj is None or t is bool or t is str:
             return obj
@@ -127,9 +145,9 @@ class _Encoder:
         if t is bytes:
             return {"$bytes": base64.b64encode(obj).decode("ascii")}
         if isinstance(obj, torch.Tensor):
-            return {"$tensor": self.add(obj, self.check_tensor(obj, path))}
+            return {"$tensor": self.add(obj, self.check_tensor(obj, path), name, "tensor")}
         if t is np.ndarray:
-            return {"$ndarray": self.add(obj, self.array_tensor(obj, path))}
+            return {"$ndarray": self.add(obj, self.array_tensor(obj, path), name, "ndarray")}
         if isinstance(obj, np.generic):
             return {"$npscalar": self.np_scalar(obj, path)}
         if t is torch.dtype:
@@ -146,16 +164,21 @@ class _Encoder:
         self.active.add(id(obj))
         try:
             if t is list or t is tuple:
-                items = [self.enc(v, _join(path, i), depth + 1) for i, v in enumerate(obj)]
+                if name is None:
+                    items = [self.enc(v, _join(path, i), depth + 1) for i, v in enumerate(obj)]
+                else:
+                    items = [self.enc(v, _join(path, i), depth + 1, _join(name, i)) for i, v in enumerate(obj)]
                 return items if t is list else {"$tuple": items}
             if t is torch.Size:
                 return {"$size": [_enc_int(int(v)) for v in obj]}
             pairs = []
             for k, v in obj.items():
-                if not _is_key(k):
+                if type(k) is not str and not _is_key(k):
                     raise UnsupportedObjectError(_join(path, repr(k)), k, "dict keys must be str, int, float, "
                                                  "bool, None or tuples of those")
-                pairs.append([self.enc(k, path, depth + 1), self.enc(v, _join(path, k), depth + 1)])
+                ek = self.enc(k, path, depth + 1)
+                child = None if name is None else _join(name, k if type(ek) is not dict else repr(ek))
+                pairs.append([ek, self.enc(v, _join(path, k), depth + 1, child)])
             if t is dict:
                 return {"$dict": pairs}
             out: dict[str, object] = {"$odict": pairs}
