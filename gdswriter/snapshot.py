@@ -202,7 +202,8 @@ class LayoutCache:
 def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                   protected: Collection[torch.Tensor] = (), layout: LayoutCache | None = None) -> Snapshot:
     """Encode ``state`` and group its tensors by the allocation they view; copies nothing but
-    small unprotected tensors (and ``metadata``, plain JSON, deep). ``protected``: tensors that something else keeps unchanged until
+    small unprotected tensors. ``metadata``: what plain_json made of the caller's, kept as it
+    is (the caller copied it, deep, before it waited for room). ``protected``: tensors that something else keeps unchanged until
     the save releases them (the optimizer's parameters and state, held by the checkpointer's
     step pre-hook); other extents up to CAPTURE_MAX bytes are copied now. Extents on a device
     that is neither the CPU nor CUDA (XPU, MPS...) are copied to the CPU now (synchronously):
@@ -228,19 +229,21 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                                         tuple(t.shape), tuple(t.stride()), str(t.device), kinds[i]))
         if layout is not None:
             layout.remember(key, extents, placed, records)
-    _capture(extents, placed, tensors, protected)
+    ptrs = [k[0] for k in key[2]] if key is not None else [t.untyped_storage().data_ptr() for t in tensors]
+    _capture(extents, placed, ptrs, protected)
     ready = streams.record_ready(streams.cuda_devices(e.device for e in extents))
-    return Snapshot(step, tree, extents, records, plain_json(metadata), ready)
+    return Snapshot(step, tree, extents, records, {} if metadata is None else metadata, ready)
 
 
-def _capture(extents: list[Extent], placed: list[tuple[int, int]], tensors: list[torch.Tensor],
+def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs: list[int],
              protected: Collection[torch.Tensor]) -> None:
     """Copy, now, the extents that the caller may change before the save reads them (see
-    take_snapshot), and those on devices the background cannot read."""
+    take_snapshot), and those on devices the background cannot read. ``storage_ptrs``: the
+    address of each saved tensor's storage."""
     guarded = {t.untyped_storage().data_ptr() for t in protected if t.device.type != "meta"}
     unguarded = set(range(len(extents)))
-    for i, t in enumerate(tensors):
-        if t.untyped_storage().data_ptr() in guarded:
+    for i, ptr in enumerate(storage_ptrs):
+        if ptr in guarded:
             unguarded.discard(placed[i][0])
     budget = CAPTURE_BUDGET
     left_live: list[str] = []
