@@ -128,7 +128,8 @@ if [ "$HAS_CUDA" -eq 0 ]; then
     skip training "no CUDA device"
 else
     run training 240 "$PY" benchmarks/training_loop.py --device cuda --size "${GDSWRITER_TRAINING_SIZE:-1G}" \
-        --iters 20 --rounds 4 --dir "$BENCH_DIR"
+        --iters 20 --rounds 4 --dir "$BENCH_DIR" \
+        --cases "none,gdswriter live,gdswriter host,torch.save thread,dcp.async_save,copy+crc only"
 fi
 
 rm -rf "$BENCH_DIR"
