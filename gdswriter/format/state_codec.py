@@ -134,7 +134,7 @@ class _Encoder:
 
     def enc(self, obj: Any, path: str, depth: int, name: str | None = None) -> object:
         """``path``: the key path for error messages; ``name``: the one tensors are named by
-        (None: names not asked for)."""
+        (None: names not asked for; while they agree, ``name`` is ``path``, one string)."""
         t = type(obj)
         if obj is None or t is bool or t is str:
             return obj
@@ -164,10 +164,11 @@ class _Encoder:
         self.active.add(id(obj))
         try:
             if t is list or t is tuple:
-                if name is None:
-                    items = [self.enc(v, _join(path, i), depth + 1) for i, v in enumerate(obj)]
-                else:
-                    items = [self.enc(v, _join(path, i), depth + 1, _join(name, i)) for i, v in enumerate(obj)]
+                items = []
+                for i, v in enumerate(obj):
+                    at = _join(path, i)
+                    items.append(self.enc(v, at, depth + 1,
+                                          at if name is path else None if name is None else _join(name, i)))
                 return items if t is list else {"$tuple": items}
             if t is torch.Size:
                 return {"$size": [_enc_int(int(v)) for v in obj]}
@@ -177,8 +178,14 @@ class _Encoder:
                     raise UnsupportedObjectError(_join(path, repr(k)), k, "dict keys must be str, int, float, "
                                                  "bool, None or tuples of those")
                 ek = self.enc(k, path, depth + 1)
-                child = None if name is None else _join(name, k if type(ek) is not dict else repr(ek))
-                pairs.append([ek, self.enc(v, _join(path, k), depth + 1, child)])
+                at = _join(path, k)
+                if name is None:
+                    child = None
+                elif name is path and type(ek) is not dict:  # the name is the path (the same string)
+                    child = at
+                else:  # a key stored as an object is named by its repr in the tree
+                    child = _join(name, k if type(ek) is not dict else repr(ek))
+                pairs.append([ek, self.enc(v, at, depth + 1, child)])
             if t is dict:
                 return {"$dict": pairs}
             out: dict[str, object] = {"$odict": pairs}
