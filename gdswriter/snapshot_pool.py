@@ -113,13 +113,12 @@ class _Piece:
         self.copies.append((rel, src))
         self.hi = max(self.hi, self.lo + rel + src.numel())
 
-    def _summed(self) -> bool:
+    def _sum_device_copies(self) -> None:
         """Checksum the copies from a GPU now that their bytes are in the pool."""
         view, at = self.ring_state.view, self.ring
         for rel, n in self.unsummed:
             self.crcs[rel, n] = _crc32c(view[at + rel:at + rel + n])  # type: ignore[index]
         self.unsummed = []
-        return True
 
     # -- SpanGuard ----------------------------------------------------------------
     def is_ready(self) -> bool:
@@ -127,7 +126,11 @@ class _Piece:
             if self.ring_state.error is not None:
                 raise self.ring_state.error
             return False
-        return streams.events_done(self.events) and (not self.unsummed or self._summed())
+        if not streams.events_done(self.events):
+            return False
+        if self.unsummed:
+            self._sum_device_copies()
+        return True
 
     def wait_ready(self) -> None:
         st = self.ring_state
@@ -138,7 +141,7 @@ class _Piece:
                 raise st.error  # type: ignore[misc]
         streams.host_wait(self.events)
         if self.unsummed:
-            self._summed()
+            self._sum_device_copies()
 
     def release(self) -> None:
         with self.ring_state.cv:
