@@ -55,7 +55,7 @@ from .restore import LiveState, LoadResult, load_state, restore_into, restore_ne
 from .rng import rng_state
 from .snapshot import LayoutCache, Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
 from .snapshot_pool import HostSnapshotPool
-from .dist import DistOptions, is_multi_rank, session_for as dist_session_for  # [dist hook]
+from .dist import DistOptions, peek_manifest, session_for as dist_session_for  # [dist hook]
 from .dist import load_into as dist_load_into  # [dist hook]
 from .writer import Release, file_targets, write_and_commit
 
@@ -601,11 +601,12 @@ class GDSCheckpointer:
         """
         self._check_open()
         self._quiesce()
-        if self._dist is not None or is_multi_rank(self.protocol, step):  # [dist hook] collective / resharding load
-            return dist_load_into(self, step, strict=strict, verify=self.options.verify if verify is None else verify)
         verify = self.options.verify if verify is None else verify
+        peeked = None if self._dist is not None else peek_manifest(self.protocol, step)
+        if self._dist is not None or (peeked is not None and peeked.dist is not None):  # [dist hook] collective load
+            return dist_load_into(self, step, strict=strict, verify=verify)
         live = LiveState(self.model, self.optimizer, self.extra, restore_rng=self.options.save_rng)
-        kw = dict(strict=strict, verify=verify, engine_options=self.options.engine, atomic=atomic)
+        kw = dict(strict=strict, verify=verify, engine_options=self.options.engine, atomic=atomic, manifest=peeked)
         if fallback:
             if step is not None:
                 raise InvalidOptionError("load(fallback=True) chooses the step itself (the newest intact one): "

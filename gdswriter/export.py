@@ -335,31 +335,6 @@ def untie(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return kept, tied
 
 
-def read_selected(protocol, manifest, indices: Sequence[int] | None, *, verify: bool = True, engine_options=None,
-                  progress=None) -> list[torch.Tensor | None]:
-    """The tensors of ``manifest`` at ``indices`` (None: all) as fresh CPU tensors, reading only
-    the storages they view; other positions are None. ``progress`` (a gdswriter.progress.Progress)
-    counts the bytes read."""
-    from .engine_select import create_engine
-    from .format.manifest import StorageRecord
-    from .restore import host_buffer, read_storages, tensors_from_storages
-
-    wanted = set(range(len(manifest.tensors)) if indices is None else indices)
-    needed = {manifest.tensors[i].storage for i in wanted}
-    storages = tuple(s if sid in needed else StorageRecord(0, ()) for sid, s in enumerate(manifest.storages))
-    part = dataclasses.replace(manifest, storages=storages)
-    buffers = [host_buffer(s.nbytes) for s in storages]
-    with create_engine(engine_options) as engine:
-        read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
-    order = sorted(wanted)
-    views = tensors_from_storages(dataclasses.replace(part, tensors=tuple(manifest.tensors[i] for i in order)),
-                                  buffers)
-    out: list[torch.Tensor | None] = [None] * len(manifest.tensors)
-    for i, t in zip(order, views):
-        out[i] = t
-    return out
-
-
 def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, out: str | os.PathLike, *,
                 overwrite: bool = False, verify: bool = True, nested: bool = False, model_only: bool = False,
                 config: str | os.PathLike | None = None, engine_options=None, progress: bool = True) -> ExportResult:
@@ -378,7 +353,7 @@ def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, 
     from .format.dtypes import dtype_from_name
     from .format.state_codec import decode_state
     from .progress import Progress
-    from .restore import read_manifest
+    from .restore import read_manifest, read_tensors
 
     if fmt not in FORMATS:
         raise InvalidOptionError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")
@@ -403,8 +378,8 @@ def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, 
     needed = {manifest.tensors[i].storage for i in chosen}
     with Progress(f"export step {step}: read", total=sum(manifest.storages[s].nbytes for s in needed),
                   quiet=not progress) as bar:
-        tensors = read_selected(protocol, manifest, chosen if model_only else None, verify=verify,
-                                engine_options=engine_options, progress=bar)
+        tensors = read_tensors(protocol, manifest, chosen if model_only else None, verify=verify,
+                               engine_options=engine_options, progress=bar)
     renamed: dict[str, str] = {}
     tied: dict[str, str] = {}
     if model_only:

@@ -20,7 +20,7 @@ import re
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -33,7 +33,7 @@ from .errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptChec
                      UnsupportedFormatVersionError)
 from .format.commit import CommitProtocol, normalize_roots, read_regular_file
 from .format.dtypes import dtype_from_name, dtype_to_name
-from .format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, Manifest
+from .format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, Manifest, StorageRecord
 from .format.state_codec import decode_state
 from .options import EngineOptions
 from .rng import set_rng_state
@@ -190,14 +190,29 @@ def load_state(root: str | os.PathLike | Sequence[str | os.PathLike], step: int 
                                                            engine_options=engine_options))
 
 
-def read_tensors(protocol: CommitProtocol, manifest: Manifest, *, verify: bool = True,
-                 engine_options: EngineOptions | None = None) -> list[torch.Tensor]:
-    """Every tensor of ``manifest`` (from read_manifest: files checked) as a fresh CPU tensor
-    (views of shared storages stay shared)."""
-    buffers = [host_buffer(s.nbytes) for s in manifest.storages]
+def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence[int] | None = None, *,
+                 verify: bool = True, engine_options: EngineOptions | None = None,
+                 progress: Any = None) -> list[torch.Tensor | None]:
+    """The tensors of ``manifest`` (from read_manifest: files checked) at ``indices`` (None: all)
+    as fresh CPU tensors, reading only the storages they view (views of a shared storage stay
+    shared); other positions are None. ``progress`` (a gdswriter.progress.Progress) counts the
+    bytes read."""
+    part = manifest
+    if indices is not None:  # the other storages become empty: nothing to read or allocate
+        wanted = sorted(set(indices))
+        needed = {manifest.tensors[i].storage for i in wanted}
+        part = replace(manifest, storages=tuple(s if sid in needed else StorageRecord(0, ())
+                                                for sid, s in enumerate(manifest.storages)))
+    buffers = [host_buffer(s.nbytes) for s in part.storages]
     with create_engine(engine_options) as engine:
-        read_storages(protocol, manifest, buffers, [engine], verify=verify)
-    return tensors_from_storages(manifest, buffers)
+        read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
+    if indices is None:
+        return tensors_from_storages(part, buffers)  # type: ignore[return-value]
+    out: list[torch.Tensor | None] = [None] * len(manifest.tensors)
+    views = tensors_from_storages(replace(part, tensors=tuple(manifest.tensors[i] for i in wanted)), buffers)
+    for i, t in zip(wanted, views):
+        out[i] = t
+    return out
 
 
 # ----------------------------------------------------------------------------- verify
@@ -691,12 +706,16 @@ def _load_dict(target: dict, saved: Mapping, keys: Mapping, dropped: set) -> Non
 
 def restore_into(live: LiveState, protocol: CommitProtocol, step: int, engines: Sequence[IOEngine], *,
                  strict: bool, verify: bool, engine_options: EngineOptions, atomic: bool | None = None,
-                 scan_first: bool = False) -> LoadResult:
+                 scan_first: bool = False, manifest: Manifest | None = None) -> LoadResult:
     """Restore ``live`` in place from committed ``step`` (see GDSCheckpointer.load). Nothing
     live changes before the plan is made; with ``atomic`` nothing changes before every byte
     is verified. ``scan_first``: a non-atomic load first re-hashes the step (bounded memory),
-    so that damage found by checksums leaves the live state untouched too."""
-    manifest = read_manifest(protocol, step)
+    so that damage found by checksums leaves the live state untouched too. ``manifest``: the
+    step's manifest already parsed (parse_manifest), used when it describes ``step``."""
+    if manifest is None or manifest.step != step:
+        manifest = read_manifest(protocol, step)
+    else:
+        check_data_files(protocol, manifest)
     plan = plan_restore(decode_state(manifest.state, placeholder_tensors(manifest)), live, strict)
     tensors_live = live_tensors(live, plan)
     optimizer_state = live_optimizer_state(live.optimizer) if "optimizer" in plan.apply else {}
@@ -742,16 +761,17 @@ _DAMAGE = (CorruptCheckpointError, UnsupportedFormatVersionError, CheckpointNotF
 
 def restore_newest_intact(live: LiveState, protocol: CommitProtocol, engines: Sequence[IOEngine], *,
                           strict: bool, verify: bool, engine_options: EngineOptions,
-                          atomic: bool | None = None) -> LoadResult:
+                          atomic: bool | None = None, manifest: Manifest | None = None) -> LoadResult:
     """Restore the newest intact step: the latest first, then older committed ones; a damaged
     step (manifest, files, checksums, an I/O error reading it) is skipped with a warning naming
-    the problem, without changing the live state. A state mismatch is no damage: it is raised."""
+    the problem, without changing the live state. A state mismatch is no damage: it is raised.
+    ``manifest``: one step's manifest already parsed, as restore_into takes it."""
     damaged: list[int] = []
     problems: list[str] = []
     for step in protocol.fallback_order():
         try:
             result = restore_into(live, protocol, step, engines, strict=strict, verify=verify,
-                                  engine_options=engine_options, atomic=atomic, scan_first=True)
+                                  engine_options=engine_options, atomic=atomic, scan_first=True, manifest=manifest)
         except _DAMAGE as e:
             if isinstance(e, EngineIOError) and not isinstance(e, CorruptCheckpointError) and e.errno != errno.EIO:
                 raise

@@ -418,3 +418,27 @@ def test_a_read_only_root_loads_and_refuses_to_save(tmp_path):
         with ckpt(live, None, mnt / "never") as ck:
             with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
                 ck.load()
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_load_parses_the_manifest_once_and_still_checks_the_data_files(tmp_path, monkeypatch, fallback):
+    """Choosing between the single-process and the multi-rank path reads the manifest; the
+    restore then uses that parse, and still checks the data files against it first."""
+    from gdswriter.format.manifest import Manifest
+
+    root, want = _three_steps(tmp_path)
+    parses = []
+    real = Manifest.from_json_bytes.__func__
+    monkeypatch.setattr(Manifest, "from_json_bytes",
+                        classmethod(lambda cls, *a, **k: (parses.append(1), real(cls, *a, **k))[1]))
+    model, opt = trained(5, (64, 128, 8))
+    with ckpt(model, opt, root, files_per_root=2) as ck:
+        assert ck.load(fallback=fallback) == 3
+        assert len(parses) == 1
+        for k, v in want[3].items():
+            assert torch.equal(everything(model)[k], v), k
+        body = json.loads((root / step_dir_name(3) / MANIFEST_NAME).read_bytes())
+        with open(root / step_dir_name(3) / body["files"][0][1], "ab") as fh:
+            fh.write(b"x")  # the file no longer has its recorded size
+        with pytest.raises(CorruptCheckpointError, match="the manifest says"):
+            ck.load(3)

@@ -23,6 +23,7 @@ from .session import DistSession, open_session
 
 if TYPE_CHECKING:
     from ..checkpointer import GDSCheckpointer
+    from ..format.manifest import Manifest
     from .dcp import GDSStorageReader, GDSStorageWriter
 
 __all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "load_state", "open_session",
@@ -50,15 +51,16 @@ def session_for(roots: Sequence[Path], process_group: Any = None, options: DistO
     return open_session(roots, Coordinator.for_group(process_group, timeout_s=options.timeout_s), options)
 
 
-def is_multi_rank(protocol: Any, step: int | None) -> bool:
-    """Whether ``step`` (None: the latest) was saved by several ranks (a format 1.2 manifest with "dist").
-    False when it cannot tell (no such step, a damaged manifest): the single-process path then
+def peek_manifest(protocol: Any, step: int | None) -> Manifest | None:
+    """The parsed manifest of ``step`` (None: the latest), for a load to choose its path (several
+    ranks saved it when its ``dist`` is set) and then restore from without parsing it again.
+    None when it cannot tell (no such step, a damaged manifest): the single-process path then
     reports the problem in its own words."""
     try:
         step = protocol.require(step)
-        return parse_manifest(protocol, step, read_manifest_bytes(protocol, step)).dist is not None
+        return parse_manifest(protocol, step, read_manifest_bytes(protocol, step))
     except (GDSWriterError, OSError, ValueError):
-        return False
+        return None
 
 
 def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify: bool) -> int:
