@@ -35,7 +35,7 @@ from typing import Any
 from ..engine import fsync_dir
 from ..errors import EngineIOError, RankFailedError
 from ..format.commit import LATEST_NAME, TMP_PREFIX, _atomic_write, retire, step_dir_name
-from ..format.manifest import MANIFEST_NAME
+from ..format.manifest import MANIFEST_NAME, Manifest
 from .group import Coordinator, describe
 from .roots import RootLayout, owned, write_owner_files
 
@@ -139,6 +139,13 @@ class RankCommit:
             raise RankFailedError(f"{self.what} (secondary roots)", self.secondary_failures)
 
     # -- 4 and 5 -----------------------------------------------------------------
+    def commit_manifest(self, manifest: Manifest) -> None:
+        """Rank 0: commit the step with ``manifest``, once its JSON has been read back: a step is never
+        committed with a manifest that cannot load."""
+        data = manifest.to_json_bytes()
+        Manifest.from_json_bytes(data, where=f"the manifest of step {self.step}")
+        self.commit(data)
+
     def commit(self, manifest_bytes: bytes) -> None:
         """Rank 0: write the manifest and make the step visible (the commit point)."""
         self.check_secondaries()

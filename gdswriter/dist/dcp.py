@@ -26,7 +26,6 @@ import io
 import json
 import os
 import secrets
-import socket
 import uuid
 from dataclasses import replace
 from typing import Any, Sequence
@@ -45,8 +44,7 @@ from ..format.commit import CommitProtocol, normalize_roots
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from ..options import CheckpointOptions, EngineOptions
-from ..planner.assign import FileTarget, plan_save
-from ..planner.ranks import RankItem, plan_rank_slices
+from ..planner.assign import plan_save
 from ..restore import host_buffer
 from ..snapshot import Extent, Snapshot
 from ..writer import live_spans, write_files
@@ -57,6 +55,7 @@ from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, describe
 from .load import broadcast_manifest
 from .options import DistOptions
+from .rankfiles import file_entries, group_held, rank_targets
 from .roots import discover_layout
 from .session import DistSession, open_session
 
@@ -177,18 +176,12 @@ class GDSStorageWriter(_Collective, StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Number every item: tensor chunks, split over the ranks holding them (planner/ranks.py),
         then BytesIO items, written whole by the rank DCP's deduplication gave them to."""
-        index: dict[str, int] = {}
+        held = group_held(plan.storage_data["held"] for plan in plans)
         items: list[list] = []  # [key, nbytes (None for BytesIO), fqn, offsets (None for BytesIO)]
-        holders: list[list[int]] = []
-        for r, plan in enumerate(plans):
-            for key, n in plan.storage_data["held"]:
-                g = index.setdefault(key, len(items))
-                if g == len(items):
-                    fqn, offsets, _, _ = json.loads(key)
-                    items.append([key, n, fqn, offsets])
-                    holders.append([])
-                holders[g].append(r)
-        split = plan_rank_slices([RankItem(it[1], tuple(h)) for it, h in zip(items, holders)], len(plans))
+        for key, n in zip(held.index, held.sizes):
+            fqn, offsets, _, _ = json.loads(key)
+            items.append([key, n, fqn, offsets])
+        split = held.split(len(plans))
         pieces = [[[p.item, p.offset, p.length] for p in split.of_rank(r)] for r in range(len(plans))]
         for r, plan in enumerate(plans):
             for wi in plan.items:
@@ -229,9 +222,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
         try:
             rc = self._save["commit"]
             manifest = _dcp_manifest(rc.step, self._save, metadata)
-            data = manifest.to_json_bytes()
-            Manifest.from_json_bytes(data, where=f"the manifest of step {rc.step}")  # never commit what cannot load
-            rc.commit(data)
+            rc.commit_manifest(manifest)
             rc.move_latest()
         finally:
             self.close()
@@ -272,19 +263,15 @@ class GDSStorageWriter(_Collective, StorageWriter):
             sources.append((item, offset, wi, flat[offset:offset + length] if length is not None else flat))
         engines = [create_engine(self.options.engine) for _ in layout.local_paths]
         try:
-            targets = [FileTarget(i, f"data-rank{rank}-r{g}-f{k}.bin")
-                       for i, g in enumerate(layout.local_to_global) for k in range(self.options.files_per_root)]
-            fplan = plan_save([s[3].numel() for s in sources], targets)
+            fplan = plan_save([s[3].numel() for s in sources], rank_targets(layout, rank, self.options.files_per_root))
             pieces = Snapshot(rc.step, None, [Extent("", flat=s[3]) for s in sources], [], {})
             written_by: dict[int, str] = {}
             crcs = write_files(fplan, live_spans(pieces, fplan), rc, engines, written_by=written_by)
         finally:
             for e in engines:
                 e.close()
-        host = socket.gethostname()
         return {
-            "files": [[layout.local_to_global[f.target.root], f.target.name, f.size,
-                       {"engine": written_by[fid], "rank": rank, "host": host}] for fid, f in enumerate(fplan.files)],
+            "files": file_entries(layout, fplan, written_by, rank),
             "chunks": [[sources[c.storage][0], fid, c.file_offset, sources[c.storage][1] + c.storage_offset,
                         c.length, crcs[c]] for fid, f in enumerate(fplan.files) for c in f.chunks],
             "records": [[item, record_json(_record(wi, item, resolved[item].numel()))]

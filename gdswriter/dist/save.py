@@ -16,21 +16,20 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-import socket
 from dataclasses import replace
 from typing import Sequence
 
 from ..engine import IOEngine
 from ..errors import RankFailedError, UnsupportedObjectError
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
-from ..planner.assign import FileTarget, plan_save
-from ..planner.ranks import RankItem, plan_rank_slices
+from ..planner.assign import plan_save
 from ..snapshot import Extent, Snapshot
 from ..snapshot_pool import HostSnapshotPool
 from ..writer import Release, write_snapshot_files
 from .assemble import build_manifest, record_json
 from .commit import RankCommit
 from .group import Coordinator, describe, raise_failures
+from .rankfiles import file_entries, group_held, rank_targets
 from .roots import RootLayout
 
 
@@ -99,18 +98,9 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shar
     except BaseException as e:
         release.set(error=e)
         raise
-    index: dict[str, int] = {}
-    sizes: list[int] = []
-    holders: list[list[int]] = []
-    for r, x in enumerate(everyone):
-        for k, n in x["items"]:
-            g = index.setdefault(k, len(sizes))
-            if g == len(sizes):
-                sizes.append(n)
-                holders.append([])
-            holders[g].append(r)
-    plan = plan_rank_slices([RankItem(n, tuple(h)) for n, h in zip(sizes, holders)], coord.world_size)
-    item_of = [index[k] for k in keys]
+    held = group_held(x["items"] for x in everyone)
+    plan = held.split(coord.world_size)
+    item_of = [held.index[k] for k in keys]
     storage_of = {g: sid for sid, g in enumerate(item_of)}
     pieces = plan.of_rank(rank)
     rc = RankCommit(coord, layout, snap.step, everyone[0]["token"])
@@ -118,24 +108,20 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shar
     try:
         if rc.setup_error is not None:
             raise rc.setup_error
-        targets = [FileTarget(i, f"data-rank{rank}-r{g}-f{k}.bin")
-                   for i, g in enumerate(layout.local_to_global) for k in range(files_per_root)]
-        fplan = plan_save([p.length for p in pieces], targets)
+        fplan = plan_save([p.length for p in pieces], rank_targets(layout, rank, files_per_root))
         mine = Snapshot(snap.step, None, [Extent("", flat=snap.extents[storage_of[p.item]].flat[p.offset:p.offset + p.length])
                                           for p in pieces], [], {}, ready=snap.ready)
         written_by: dict[int, str] = {}
         crcs = write_snapshot_files(mine, fplan, rc, engines, pool=pool, release=release, written_by=written_by)
-        host = socket.gethostname()
         position = {i: pos for members in by_storage.values() for pos, i in enumerate(members)}
         outcome = {
-            "files": [[layout.local_to_global[f.target.root], f.target.name, f.size,
-                       {"engine": written_by[fid], "rank": rank, "host": host}] for fid, f in enumerate(fplan.files)],
+            "files": file_entries(layout, fplan, written_by, rank),
             # the chunks written, which the host pool may have cut where its pieces end
             "chunks": [[pieces[c.storage].item, c.file, c.file_offset, pieces[c.storage].offset + c.storage_offset,
                         c.length, crc] for c, crc in sorted(crcs.items(), key=lambda x: (x[0].file, x[0].file_offset,
                                                                                             x[0].storage_offset))],
-            "records": [[g, record_json(_with_shard(snap.records[i], shards))]
-                        for sid, g in enumerate(item_of) if min(holders[g]) == rank for i in by_storage.get(sid, [])],
+            "records": [[g, record_json(_with_shard(snap.records[i], shards))] for sid, g in enumerate(item_of)
+                        if min(held.holders[g]) == rank for i in by_storage.get(sid, [])],
             "tree": snap.tree,
             "tensors": [[item_of[rec.storage], position[i]] for i, rec in enumerate(snap.records)],
         }
@@ -146,11 +132,9 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shar
     manifest, error = None, None
     if reports is not None:
         try:
-            manifest = build_manifest(snap.step, sizes, reports, layout.table, layout="gdswriter",
+            manifest = build_manifest(snap.step, held.sizes, reports, layout.table, layout="gdswriter",
                                       metadata=snap.metadata)
-            data = manifest.to_json_bytes()
-            Manifest.from_json_bytes(data, where=f"the manifest of step {snap.step}")  # never commit what cannot load
-            rc.commit(data)
+            rc.commit_manifest(manifest)
         except Exception as e:  # noqa: BLE001 - announced to every rank
             error = e
     rc.announce(error)

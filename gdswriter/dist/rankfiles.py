@@ -1,0 +1,61 @@
+"""What GDSCheckpointer's multi-rank save (save.py) and the DCP plug-in (dcp.py) do alike per rank.
+
+Both have every rank report the items it holds as (key, nbytes), split the items over their
+holders (planner/ranks.py), lay each rank's pieces out in that rank's own data files, and report
+those files to rank 0 for the manifest (assemble.py). The file names and the report's entries
+are part of the on-disk format (docs/format.md section 9), so they are written in one place.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from ..planner.assign import FileTarget, SavePlan
+from ..planner.ranks import RankItem, RankPlan, plan_rank_slices
+from .roots import RootLayout
+
+
+@dataclass(frozen=True)
+class HeldItems:
+    """The items of every rank's report, numbered in the order first reported."""
+
+    index: dict[str, int]     # key -> item number
+    sizes: list[int]          # bytes of each item, as its first holder reported them
+    holders: list[list[int]]  # the ranks holding each item, in rank order
+
+    def split(self, world_size: int) -> RankPlan:
+        """Which rank writes which bytes of each item: every byte once, bytes balanced over the ranks."""
+        return plan_rank_slices([RankItem(n, tuple(h)) for n, h in zip(self.sizes, self.holders)], world_size)
+
+
+def group_held(held: Iterable[Iterable[Sequence[Any]]]) -> HeldItems:
+    """Group the ``[key, nbytes]`` items each rank reports (rank order) into one global list, so
+    that an item held by several ranks (same key) is one item with several holders."""
+    index: dict[str, int] = {}
+    sizes: list[int] = []
+    holders: list[list[int]] = []
+    for r, items in enumerate(held):
+        for k, n in items:
+            g = index.setdefault(k, len(sizes))
+            if g == len(sizes):
+                sizes.append(n)
+                holders.append([])
+            holders[g].append(r)
+    return HeldItems(index, sizes, holders)
+
+
+def rank_targets(layout: RootLayout, rank: int, files_per_root: int) -> list[FileTarget]:
+    """This rank's data files: ``files_per_root`` on each of its roots, named by rank, global root
+    and number, so that ranks sharing a root never write the same file."""
+    return [FileTarget(i, f"data-rank{rank}-r{g}-f{k}.bin")
+            for i, g in enumerate(layout.local_to_global) for k in range(files_per_root)]
+
+
+def file_entries(layout: RootLayout, fplan: SavePlan, written_by: dict[int, str], rank: int) -> list[list[Any]]:
+    """The "files" entry of this rank's report to rank 0: each file of ``fplan`` as its global
+    root, name, size and who wrote it (engine, rank, host), as the manifest records it."""
+    host = socket.gethostname()
+    return [[layout.local_to_global[f.target.root], f.target.name, f.size,
+             {"engine": written_by[fid], "rank": rank, "host": host}] for fid, f in enumerate(fplan.files)]
