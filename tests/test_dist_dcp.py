@@ -133,6 +133,40 @@ def test_read_write_tensor_and_blob_then_the_gdswriter_command(tmp_path, capsys)
     assert torch.equal(flat["linear_1.weight"], saved["linear_1.weight"])
 
 
+def test_a_writer_keeps_its_engines_from_save_to_save_until_closed(tmp_path, monkeypatch):
+    """Engines (rings, page-locked buffers) are built at a writer's first save and reused by the
+    next ones; close() releases them; a pickled writer (DCP's process mode) carries none; a
+    failed write drops them, so the next save starts from fresh ones."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import gdswriter.dist.dcp as dcp_mod
+
+    built = []
+    real = dcp_mod.create_engine
+    monkeypatch.setattr(dcp_mod, "create_engine", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    w = writer(tmp_path)
+    saved = MyTestModule().state_dict()
+    for step in (1, 2, 3):
+        saved["linear_1.bias"] = torch.full((5,), float(step))
+        dcp.save(saved, storage_writer=w, checkpoint_id=step, no_dist=True)
+    assert len(built) == 1 and w._engines == built
+    loaded = MyTestModule().state_dict()
+    dcp.load(loaded, storage_reader=reader(tmp_path, 2), no_dist=True)
+    assert torch.equal(loaded["linear_1.bias"], torch.full((5,), 2.0))
+    assert pickle.loads(pickle.dumps(w))._engines is None
+    w.close()
+    assert w._engines is None and built[0]._backend is None  # closed: no ring, no buffers
+    monkeypatch.setattr(dcp_mod, "write_files", lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space")))
+    with pytest.raises(CheckpointException) as ei:
+        dcp.save(saved, storage_writer=w, checkpoint_id=4, no_dist=True)
+    assert "No space" in repr(ei.value.failures)
+    assert w._engines is None and built[-1] is not built[0] and built[-1]._backend is None
+    assert sorted(int(p.name.split("_")[1]) for p in tmp_path.glob("step_*")) == [1, 2, 3]
+
+
 def test_async_save_thread_mode_one_process(tmp_path):
     import torch.distributed.checkpoint as dcp
 

@@ -15,9 +15,10 @@ planner/ranks.py, as GDSCheckpointer does. The commit is dist/commit.py's: data 
 made durable and secondary roots published inside ``write_data`` (two votes over the
 coordination group), and the coordinator commits in ``finish``.
 
-The writer and reader hold no open resources between saves and pickle as their arguments,
-so DCP's process-based async_save can ship them to its checkpoint process; rings, buffers,
-locks and the coordination group open there on first use.
+Between saves the writer keeps only its engines (io_uring rings and page-locked staging
+buffers, which take 25-150 ms to build per root; ``close()`` releases them). The writer and
+reader pickle as their arguments, so DCP's process-based async_save can ship them to its
+checkpoint process; engines, locks and the coordination group open there on first use.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from ..engine import IOEngine
 from ..engine_select import create_engine
 from ..errors import CorruptCheckpointError, InvalidOptionError, RankFailedError
 from ..format.commit import CommitProtocol, normalize_roots
@@ -74,7 +76,7 @@ def _step_of(checkpoint_id: Any) -> int | None:
 class _Collective:
     """What the writer and reader share: roots, options, and a coordinator opened on first use."""
 
-    _OPEN = ("_coord", "_session", "_items", "_save", "_loaded")  # resources and per-save state: never pickled
+    _OPEN = ("_coord", "_session", "_items", "_save", "_loaded", "_engines")  # resources, per-save state: not pickled
 
     def __init__(self, root: Any, step: int | None, process_group: Any, single_process: bool,
                  dist_options: DistOptions | None):
@@ -136,10 +138,11 @@ class GDSStorageWriter(_Collective, StorageWriter):
         self._session: DistSession | None = None
         self._items: dict[str, Any] = {}   # chunk key -> this rank's WriteItem
         self._save: dict | None = None     # step, commit and reports of the save in progress
+        self._engines: list[IOEngine] | None = None  # one per local root, kept from save to save
 
     # -- DCP calls, in order -----------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        self.close()
+        self._end_save()
         self._override = _step_of(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
@@ -147,7 +150,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
         return StorageMeta(checkpoint_id=str(self.roots[0]), save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.close()
+        self._end_save()
         if kwargs.get("use_collectives", True) is False:
             raise InvalidOptionError("GDSStorageWriter commits one step for all ranks: dcp.save(use_collectives=False) "
                                      "(a metadata file per rank) is not supported; use FileSystemWriter for that")
@@ -210,7 +213,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
                               "items": plan.storage_data["items"]}
         finally:
             if self._save is None:  # rank 0 keeps its lock until finish()
-                self.close()
+                self._end_save()
         fut: Future[list[WriteResult]] = Future()
         fut.set_result([WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items])
         return fut
@@ -225,7 +228,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
             rc.commit_manifest(manifest)
             rc.move_latest()
         finally:
-            self.close()
+            self._end_save()
 
     # -- internals -----------------------------------------------------------
     def _begin(self, session: DistSession) -> RankCommit:
@@ -261,15 +264,15 @@ class GDSStorageWriter(_Collective, StorageWriter):
                 resolved[item] = _flat(planner.resolve_data(wi))
             flat = resolved[item]
             sources.append((item, offset, wi, flat[offset:offset + length] if length is not None else flat))
-        engines = [create_engine(self.options.engine) for _ in layout.local_paths]
+        engines = self._engines_for(len(layout.local_paths))
         try:
             fplan = plan_save([s[3].numel() for s in sources], rank_targets(layout, rank, self.options.files_per_root))
             pieces = Snapshot(rc.step, None, [Extent("", flat=s[3]) for s in sources], [], {})
             written_by: dict[int, str] = {}
             crcs = write_files(fplan, live_spans(pieces, fplan), rc, engines, written_by=written_by)
-        finally:
-            for e in engines:
-                e.close()
+        except BaseException:
+            self._close_engines()  # the next save starts from fresh ones
+            raise
         return {
             "files": file_entries(layout, fplan, written_by, rank),
             "chunks": [[sources[c.storage][0], fid, c.file_offset, sources[c.storage][1] + c.storage_offset,
@@ -279,7 +282,29 @@ class GDSStorageWriter(_Collective, StorageWriter):
             "sizes": [[item, flat.numel()] for item, flat in resolved.items() if items[item][1] is None],
         }
 
-    def close(self) -> None:
+    def _engines_for(self, roots: int) -> list[IOEngine]:
+        """The writer's engines, one per local root, built at the first save and kept for the next
+        ones: building an engine (ring, page-locked staging buffers) costs 25-150 ms here."""
+        if self._engines is not None and len(self._engines) == roots:
+            return self._engines
+        self._close_engines()
+        engines: list[IOEngine] = []
+        try:
+            for _ in range(roots):
+                engines.append(create_engine(self.options.engine))
+        except BaseException:
+            for e in engines:
+                e.close()
+            raise
+        self._engines = engines
+        return engines
+
+    def _close_engines(self) -> None:
+        engines, self._engines = self._engines or [], None
+        for e in engines:
+            e.close()
+
+    def _end_save(self) -> None:
         """Release what a save holds (its locks). DCP calls nothing after a failed save, so the
         next save's set_up, reset() and garbage collection also do."""
         if self._session is not None:
@@ -287,8 +312,14 @@ class GDSStorageWriter(_Collective, StorageWriter):
             self._session = None
         self._save = None
 
+    def close(self) -> None:
+        """Release everything the writer holds: a save's locks and the engines kept between saves
+        (the next save builds new ones)."""
+        self._end_save()
+        self._close_engines()
+
     def __del__(self) -> None:
-        if getattr(self, "_session", None) is not None:
+        if getattr(self, "_session", None) is not None or getattr(self, "_engines", None):
             self.close()
 
 
