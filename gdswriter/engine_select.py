@@ -44,13 +44,14 @@ def create_engine(options: EngineOptions | None = None) -> IOEngine:
                          host_engine=lambda: _host_engine(dataclasses.replace(options, engine="auto")),
                          reason=f"requested (engine={options.engine!r})")
     if options.engine == "auto":
-        from .cuda.gds import GdsEngine, gpu_direct_unavailable
+        from .cuda.gds import GdsEngine, gpu_direct_probe
 
-        why_not = gpu_direct_unavailable()
-        if why_not is None:
-            return GdsEngine(options, require_gpu_direct=True, host_engine=lambda: _host_engine(options))
-        if why_not != "no CUDA device":
-            reason = (f"GPUDirect Storage unavailable ({why_not}); CUDA tensors go through page-locked host "
+        probe = gpu_direct_probe()
+        if not isinstance(probe, str):  # GDS works: the engine reuses the status the probe collected
+            return GdsEngine(options, require_gpu_direct=True, host_engine=lambda: _host_engine(options),
+                             status=probe)
+        if probe != "no CUDA device":
+            reason = (f"GPUDirect Storage unavailable ({probe}); CUDA tensors go through page-locked host "
                       f"buffers, faster than KvikIO's compat mode")
             log_once("no-gds", f"gdswriter: {reason}", logging.INFO)
             return _host_engine(options, reason)

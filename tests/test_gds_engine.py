@@ -531,6 +531,20 @@ def test_auto_takes_gds_where_it_truly_works(monkeypatch, tmp_path, gen):
         assert isinstance(eng, IoUringEngine)
 
 
+@pytest.mark.parametrize("engine", ["auto", "gds", "kvikio"])
+def test_gds_status_is_collected_once_per_engine(monkeypatch, tmp_path, engine):
+    """auto's probe hands the status it collected to the engine rather than both asking KvikIO."""
+    fake_gds(monkeypatch, tmp_path)
+    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    calls = []
+    real = gds.gds_status
+    monkeypatch.setattr(gds, "gds_status", lambda *a: calls.append(a) or real(*a))
+    with create_engine(small_options(engine=engine)) as eng:
+        assert isinstance(eng, gds.GdsEngine) and eng.info.gpu_direct
+    assert len(calls) == 1
+    assert gds.gpu_direct_unavailable() is None and len(calls) == 2  # the public probe still answers
+
+
 def test_explicit_choices(fake, tmp_path, gen):
     with create_engine(small_options(engine="kvikio")) as eng:
         assert isinstance(eng, gds.GdsEngine) and eng.info.name == "kvikio-compat"

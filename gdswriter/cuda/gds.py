@@ -40,7 +40,6 @@ import glob
 import json
 import os
 import re
-import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -50,7 +49,7 @@ import torch
 
 from ..engine import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans, checked_write_size
 from ..errors import (_HINTS, EngineIOError, EngineUnavailableError, GDSWriterError, ShortIOError, TruncatedFileError)
-from ..fallback.engine import _not_regular, _open_error
+from ..fallback.engine import open_regular
 from ..options import ALIGN, EngineOptions, log_once
 from .checksum import crc32c_tensors
 
@@ -217,9 +216,10 @@ def gds_status(kvikio=None) -> GdsStatus:
         notes=tuple(notes))
 
 
-def gpu_direct_unavailable() -> str | None:
-    """None when true GDS can run here, else why not. Cheap where it obviously cannot (no
-    CUDA, or neither nvidia-fs nor P2PDMA): KvikIO is imported only when it might."""
+def gpu_direct_probe() -> GdsStatus | str:
+    """The GdsStatus when true GDS can run here (for GdsEngine's ``status``: collected once),
+    else why not. Cheap where it obviously cannot (no CUDA, or neither nvidia-fs nor P2PDMA):
+    KvikIO is imported only when it might."""
     if not _cuda_available():
         return "no CUDA device"
     if nvidia_fs_driver() is None and not read_cufile_json().prop("use_pci_p2pdma", False):
@@ -228,7 +228,13 @@ def gpu_direct_unavailable() -> str | None:
         status = gds_status()
     except EngineUnavailableError as e:
         return e.strerror
-    return status.reason or None
+    return status if status.gpu_direct else status.reason
+
+
+def gpu_direct_unavailable() -> str | None:
+    """None when true GDS can run here, else why not (gpu_direct_probe without the status)."""
+    probe = gpu_direct_probe()
+    return probe if isinstance(probe, str) else None
 
 
 # ---------------------------------------------------------------------------
@@ -333,26 +339,14 @@ def _errno_of(e: BaseException) -> int:
 
 def _regular_file(path: str, write: bool) -> int:
     """Check, before KvikIO opens ``path`` by name, that it is a regular file (created empty
-    when writing; returns its size): as the host engines do, never follow a symbolic link and
-    refuse a FIFO, device or directory (O_NONBLOCK: a planted FIFO cannot block this open).
-    KvikIO's own open then finds the file this call checked, barring a concurrent swap."""
-    flags = ((os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY) | (
-        os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    when writing; returns its size): as the host engines do (open_regular), never follow a
+    symbolic link and refuse a FIFO, device or directory. KvikIO's own open then finds the
+    file this call checked, barring a concurrent swap."""
+    fd, _ = open_regular(path, write)
     try:
-        fd = os.open(path, flags, 0o644)
+        return 0 if write else os.fstat(fd).st_size
     except OSError as e:
-        raise _open_error(e, path, write) from e
-    try:
-        try:
-            st = os.fstat(fd)
-            regular = stat.S_ISREG(st.st_mode)
-            if regular and write:
-                os.ftruncate(fd, 0)
-        except OSError as e:
-            raise EngineIOError(e.errno, path, 0, "open") from e
-        if not regular:
-            raise _not_regular(path, st.st_mode, write)
-        return 0 if write else st.st_size
+        raise EngineIOError(e.errno, path, 0, "open") from e
     finally:
         os.close(fd)
 
@@ -385,10 +379,11 @@ class GdsEngine(IOEngine):
     name = GDS
 
     def __init__(self, options: EngineOptions | None = None, *, require_gpu_direct: bool = False,
-                 host_engine: Callable[[], IOEngine] | None = None, reason: str = ""):
+                 host_engine: Callable[[], IOEngine] | None = None, reason: str = "", status: GdsStatus | None = None):
+        """``status``: gds_status() already collected (by gpu_direct_probe), else collected here."""
         self.options = options or EngineOptions.from_env()
         self._kvikio = import_kvikio()
-        self.status = gds_status(self._kvikio)
+        self.status = status if status is not None else gds_status(self._kvikio)
         if require_gpu_direct and not self.status.gpu_direct:
             raise EngineUnavailableError(
                 errno.ENOTSUP, f"GPUDirect Storage is unavailable: {self.status.reason}. `gdswriter doctor` says "

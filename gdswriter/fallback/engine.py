@@ -20,11 +20,12 @@ first CUDA tensor (buffers.py), and XPU, MPS or any device torch copies to and f
 the host, whose pointers are never read as host memory. Meta tensors hold no data
 and are refused (InvalidOptionError).
 
-Failures: see StagedEngine. Data files: see StagedEngine._open.
+Failures: see StagedEngine. Data files: see StagedEngine._open and open_regular.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -118,6 +119,50 @@ def _open_error(e: OSError, path: str, write: bool) -> EngineIOError:
     if mode is not None and not stat.S_ISREG(mode):
         return _not_regular(path, mode, write)
     return EngineIOError(e.errno, path, 0, "open")
+
+
+@contextlib.contextmanager
+def _closed_on_failure(fd: int, path: str):
+    """Close ``fd`` when the block fails (it never reaches the caller); an OSError that is not
+    already typed becomes the failed open's EngineIOError."""
+    try:
+        yield
+    except BaseException as e:
+        os.close(fd)
+        if isinstance(e, OSError) and not isinstance(e, GDSWriterError):
+            raise EngineIOError(e.errno, path, 0, "open") from e
+        raise
+
+
+def open_regular(path: str, write: bool, *, direct: bool = False) -> tuple[int, bool]:
+    """Open ``path`` for writing (created, or emptied) or reading, only if it is a regular file;
+    returns the fd (still O_NONBLOCK) and whether O_DIRECT (asked for with ``direct``) took:
+    a file system refusing it (EINVAL) gets the file opened again without it.
+
+    The open never follows a symbolic link (O_NOFOLLOW), and anything else found at ``path``
+    (directory, FIFO, socket, device) is refused by fstat before any I/O; O_NONBLOCK keeps a
+    planted FIFO or device from blocking the open. The file is emptied only after that check
+    (no O_TRUNC), so nothing else is ever truncated. Failures are typed (_open_error,
+    _not_regular), and the fd is closed."""
+    flags = ((os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY) | (
+        os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
+    except OSError as e:
+        if not (direct and e.errno == errno.EINVAL):
+            raise _open_error(e, path, write) from e
+        try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as e2:
+            raise _open_error(e2, path, write) from e2
+        direct = False
+    with _closed_on_failure(fd, path):
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode, write)
+        if write:
+            os.ftruncate(fd, 0)
+    return fd, direct
 
 
 def _direct_buffer(t) -> StagingBuffer:
@@ -404,31 +449,10 @@ class StagedEngine(IOEngine):
         """Open ``path`` for writing (created, or emptied) or reading, with O_DIRECT where asked
         for and possible. Returns the fd and the host-memory alignment its direct I/O needs
         (0: buffered). The engine's requests and the format are aligned to 4 KiB, so a file
-        needing more is used buffered.
-
-        Only a regular file is used: the open never follows a symbolic link (O_NOFOLLOW), and
-        anything else found at ``path`` (directory, FIFO, socket, device) is refused by fstat
-        before any I/O; O_NONBLOCK keeps a planted FIFO or device from blocking the open. The
-        file is emptied only after that check (no O_TRUNC), so nothing else is ever truncated."""
-        flags = ((os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY) | (
-            os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+        needing more is used buffered. Only a regular file is used: see open_regular."""
         where = os.path.dirname(os.path.abspath(path))
-        direct = self.options.direct_io
-        try:
-            fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
-            refused = False
-        except OSError as e:
-            if not (direct and e.errno == errno.EINVAL):
-                raise _open_error(e, path, write) from e
-            try:
-                fd = os.open(path, flags, 0o644)
-            except OSError as e2:
-                raise _open_error(e2, path, write) from e2
-            direct, refused = False, True
-        try:
-            mode = os.fstat(fd).st_mode
-            if not stat.S_ISREG(mode):
-                raise _not_regular(path, mode, write)
+        fd, direct = open_regular(path, write, direct=self.options.direct_io)
+        with _closed_on_failure(fd, path):
             # Back to blocking: io_uring fails requests on an O_NONBLOCK file with EAGAIN.
             keep = fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK
             memory_alignment = ALIGN if direct else 0
@@ -444,18 +468,7 @@ class StagedEngine(IOEngine):
                              f"{need.memory}-byte aligned memory, more than the 4 KiB gdswriter aligns to; "
                              f"using buffered I/O followed by fsync there")
             fcntl.fcntl(fd, fcntl.F_SETFL, keep)
-            if write:
-                os.ftruncate(fd, 0)
-        except GDSWriterError:
-            os.close(fd)
-            raise
-        except OSError as e:
-            os.close(fd)
-            raise EngineIOError(e.errno, path, 0, "open") from e
-        except BaseException:
-            os.close(fd)
-            raise
-        if refused:
+        if self.options.direct_io and not direct:
             log_once(f"nodirect:{where}", f"gdswriter: the file system under {where} refuses O_DIRECT; "
                                           f"using buffered I/O followed by fsync there")
         return fd, memory_alignment
