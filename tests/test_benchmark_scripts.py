@@ -68,3 +68,11 @@ def test_report_tables_and_png(tmp_path):
     assert "### Checkpoint save (durable)" in out and "| gdswriter.save | 2G |" in out
     assert "| 4.09x |" in out  # gdswriter.save 1.1 s against torch.save 4.5 s (medians): 4.5 / 1.1
     assert f"chart: {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_write_interference(tmp_path):
+    out = run_script("write_interference.py", "--size", "8M", "--memory", "8M", "--dim", "64", "--matmuls", "2",
+                     "--blocks", "1", "--rounds", "2", "--dir", str(tmp_path))
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "%" in line]
+    assert len(rows) == 3 and "GB/s" in out and "of a CPU" in out, out
+    assert list(tmp_path.iterdir()) == []  # its scratch directory is removed
