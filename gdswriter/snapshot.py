@@ -203,12 +203,13 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                   protected: Collection[torch.Tensor] = (), layout: LayoutCache | None = None) -> Snapshot:
     """Encode ``state`` and group its tensors by the allocation they view; copies nothing but
     small unprotected tensors. ``metadata``: what plain_json made of the caller's, kept as it
-    is (the caller copied it, deep, before it waited for room). ``protected``: tensors that something else keeps unchanged until
-    the save releases them (the optimizer's parameters and state, held by the checkpointer's
-    step pre-hook); other extents up to CAPTURE_MAX bytes are copied now. Extents on a device
-    that is neither the CPU nor CUDA (XPU, MPS...) are copied to the CPU now (synchronously):
-    only CPU and CUDA memory can be read in the background. ``layout``: the previous save's
-    layout, reused where it still applies and replaced where it does not."""
+    is (the caller copied it, deep, before it waited for room). ``protected``: tensors that
+    something else keeps unchanged until the save releases them (the optimizer's parameters
+    and state, held by the checkpointer's step pre-hook); other extents up to CAPTURE_MAX
+    bytes are copied now. Extents on a device that is neither the CPU nor CUDA (XPU, MPS...)
+    are copied to the CPU now (synchronously): only CPU and CUDA memory can be read in the
+    background. ``layout``: the previous save's layout, reused where it still applies and
+    replaced where it does not."""
     tree, tensors, names, kinds = encode_state_named(state)
     for i, t in enumerate(tensors):  # only bytes are read: no autograd (detach) needed, except below
         if t.is_quantized:

@@ -149,9 +149,9 @@ def write_files(plan: SavePlan, spans: Sequence[Sequence[tuple[Hashable, WriteSp
     """Write every file of ``plan`` into the pending step; returns the crc32c the engines gave
     for each span, keyed by what ``spans`` pairs it with. ``spans[f]``: file f's spans, in file
     order, each with its key: the plan's chunk it writes (live), or the host pool's piece
-    (whose chunks' checksums the pool keeps). ``context`` is
-    entered around each root's writes, in that root's thread. ``written_by`` gets,
-    per file, the engine that really wrote it (an engine may change paths from file to file).
+    (whose chunks' checksums the pool keeps). ``context`` is entered around each root's
+    writes, in that root's thread. ``written_by`` gets, per file, the engine that really
+    wrote it (an engine may change paths from file to file).
     ``abort`` (optional) gets a root's error at once, in that root's thread: the other roots
     may wait for what the failed root would have made possible (the host pool's copier waits
     for the room its unwritten files hold), so their producer must give up now. Raises the
