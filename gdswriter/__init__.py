@@ -18,8 +18,7 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
                      UnsupportedFormatVersionError, UnsupportedObjectError)
 from .options import CheckpointOptions, EngineOptions
 from .restore import load_state
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "GDSCheckpointer", "CheckpointOptions", "LoadResult", "SaveHandle", "SaveStats", "load_state",
