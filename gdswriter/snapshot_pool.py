@@ -11,7 +11,8 @@ the piece size, and a piece is the file's own bytes for its range (the copier ze
 alignment gaps between chunks), so it sits in the pool at the same 4 KiB phase as in the
 file and the engine writes it as one span, zero-copy. Pieces take the pool in turn, as a
 ring: a piece that does not fit waits until the pieces it would overwrite were written
-(the engine releases each span once it will not read it again; engine.SpanGuards). One
+(the engine releases each span once it will not read it again; engine.SpanGuards): for
+each of its bytes, the last piece that held it, however many laps back (_allocate). One
 copier thread fills the pieces in the order the engines write them (round-robin over
 roots); the engines start writing a piece as soon as it is filled. The pool keeps each
 chunk's crc32c, so the engines checksum nothing (WriteSpan.checksum False). On the CPU the
@@ -31,6 +32,7 @@ the copier and the other engines do not wait for it.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import threading
@@ -274,22 +276,50 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: _Ring, piece: int):
 
 
 def _allocate(order: Sequence[_Piece], capacity: int) -> None:
-    """Give each piece its place in the pool, in turn (a ring); a piece waits for the earlier
-    pieces whose range it reuses (its blockers)."""
+    """Give each piece its place in the pool, in turn (a ring: a piece that does not fit before
+    the end starts again at 0, leaving the tail as it is); a piece waits for the earlier pieces
+    whose range it reuses (its blockers).
+
+    The blockers of piece p at [p.ring, p.ring + n) are, for every byte of that range, the
+    last earlier piece that wrote it (if any): p is filled only once they are freed, and each
+    of them was filled only once the last writer before it was freed, so every earlier
+    piece that overlaps p is freed before p is filled (transitively). The last writers are
+    kept as an interval map of the pool (sorted, disjoint [start, end) -> piece): p's
+    blockers are the pieces of the intervals that meet its range, which p then replaces
+    (cutting the intervals it covers partly). The old bytes a range reuses need not be one
+    lap old: a ring that wraps early (the next piece did not fit) leaves its tail alone for
+    any number of laps, and the piece that finally reaches it again must wait for the
+    tail's last writer however far back that is (with unequal pieces, a state larger than
+    the pool and a root whose engine lags behind the others, a scan back over a bounded
+    number of bytes missed it and overwrote bytes not yet written). Per piece: two binary
+    searches, and amortised O(1) intervals added and removed (a piece adds at most three,
+    each is removed once); the list slices move at most as many entries as the map holds
+    (at most one per 4 KiB of pool)."""
+    starts: list[int] = []  # the intervals' starts, sorted
+    ends: list[int] = []  # their ends (sorted too: the intervals are disjoint)
+    writers: list[_Piece] = []  # the last piece that wrote each interval
     cursor = 0
-    for k, p in enumerate(order):
+    for p in order:
         n = p.length
         if cursor + n > capacity:
             cursor = 0
-        p.ring = cursor
-        cursor += n
-        seen, j = 0, k - 1
-        while j >= 0 and seen < 2 * capacity:  # a lap of the ring covers less than 2 x capacity
-            q = order[j]
-            seen += q.length
-            if q.ring < p.ring + n and p.ring < q.ring + q.length:
+        lo, hi = cursor, cursor + n
+        p.ring, cursor = lo, hi
+        i = bisect.bisect_right(ends, lo)  # the first interval that ends after lo
+        j = bisect.bisect_left(starts, hi)  # the first interval that starts at or after hi
+        for q in writers[i:j]:
+            if all(b is not q for b in p.blockers):  # a piece cut in two by a later one may meet p twice
                 p.blockers.append(q)
-            j -= 1
+        s_new, e_new, w_new = [lo], [hi], [p]
+        if i < j and starts[i] < lo:  # the first interval met keeps its part below lo
+            s_new.insert(0, starts[i])
+            e_new.insert(0, lo)
+            w_new.insert(0, writers[i])
+        if i < j and ends[j - 1] > hi:  # the last one its part from hi
+            s_new.append(hi)
+            e_new.append(ends[j - 1])
+            w_new.append(writers[j - 1])
+        starts[i:j], ends[i:j], writers[i:j] = s_new, e_new, w_new
 
 
 def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: StagingBuffer, release) -> None:
