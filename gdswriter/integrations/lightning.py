@@ -73,7 +73,7 @@ MODEL_KEY = "state_dict"
 EXTRA_KEY = "lightning"
 TYPES_KEY = "lightning_types"
 _TAGS = ("namespace", "attribute_dict", "path")
-_STACK_DEPTH = 64  # frames searched for the Strategy that called the plug-in
+_STACK_DEPTH = 16  # frames searched for the Strategy that called the plug-in
 
 
 # ----------------------------------------------------------------------------- types Lightning stores
@@ -220,9 +220,11 @@ class GDSCheckpointIO(CheckpointIO):
         for _ in range(_STACK_DEPTH):
             if frame is None:
                 break
-            obj = frame.f_locals.get("self")
-            if isinstance(obj, Strategy) and getattr(obj, "_checkpoint_io", None) is self:
-                return list(obj.optimizers)
+            if frame.f_code.co_name == "save_checkpoint":  # Strategy's (or Trainer's) own: only their locals
+                obj = frame.f_locals.get("self")
+                strategy = obj if isinstance(obj, Strategy) else getattr(obj, "strategy", None)
+                if isinstance(strategy, Strategy) and getattr(strategy, "_checkpoint_io", None) is self:
+                    return list(strategy.optimizers)
             frame = frame.f_back
         return []
 
