@@ -293,3 +293,26 @@ def test_a_save_outside_a_trainer_returns_once_the_tensors_are_copied(tmp_path, 
         opener.cancel()
     io.teardown()
     assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], want)
+
+
+def test_a_failed_save_in_fit_is_raised_by_the_next_optimizer_step_once(tmp_path, monkeypatch):
+    """The trainer's optimizer carries the save's pre-hook, so a save that failed in the
+    background is raised by the next optimizer step (that step does not run), and only there:
+    the plug-in's teardown, which Lightning runs while it handles that error, does not raise it
+    again (that would cut Lightning's own teardown short)."""
+    from gdswriter import checkpointer
+
+    def broken(*a, **k):
+        raise EngineIOError(28, str(tmp_path / "f"), 0, "write")
+
+    monkeypatch.setattr(checkpointer, "write_and_commit", broken)
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(12, 1024)), batch_size=4)
+    io = GDSCheckpointIO()
+    trainer = _trainer(tmp_path, 1, plugins=[io],
+                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1)])
+    with pytest.raises(EngineIOError, match="No space left") as e:
+        trainer.fit(Big(), data)
+    assert any(f.name == "_before_optimizer_step" for f in e.traceback), "not raised by the optimizer step"
+    assert trainer.global_step == 1 and trainer.state.stage is None, "Lightning's teardown did not finish"
+    io.teardown()  # nothing left to report

@@ -24,8 +24,9 @@ the call: the trainer's optimizers (those of the Strategy that called the plug-i
 checkpointer's step pre-hook, so their next ``step()`` waits until the save has copied the
 parameters and optimizer state into its host pool; every saved tensor no such optimizer
 holds (large buffers, frozen weights; everything when the plug-in is called by hand, outside
-a Trainer) is copied before ``save_checkpoint`` returns. A failed background save is raised
-once, by the next optimizer step, ``save_checkpoint`` or ``teardown``, with its own type.
+a Trainer) is copied (in "live" snapshot mode: written) before ``save_checkpoint`` returns.
+A failed background save is raised once, by the next optimizer step, ``save_checkpoint`` or
+``teardown``, with its own type.
 ``async_save=False`` makes every save return durable and committed.
 
 What is stored. The checkpoint dict's ``state_dict`` is the checkpoint's model (so ``gdswriter
