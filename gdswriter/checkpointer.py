@@ -661,7 +661,7 @@ class GDSCheckpointer:
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:
-        """Wait for outstanding saves, remove the optimizer hook, release the snapshot pool,
+        """Wait for outstanding saves, remove the optimizer hooks, release the snapshot pool,
         engines and the root lock. Raises an unreported background error after releasing
         everything."""
         if self._closed:

@@ -211,11 +211,11 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
     is (the caller copied it, deep, before it waited for room). ``protected``: tensors that
     something else keeps unchanged until the save releases them (the optimizer's parameters
     and state, held by the checkpointer's step pre-hook); other extents up to CAPTURE_MAX
-    bytes are copied now; those that stay live unguarded are named in ``Snapshot.unguarded``
-    (whoever called this must keep them unchanged until the save releases them: the
-    checkpointer waits for that). Extents on a device that is neither the CPU nor CUDA (XPU, MPS...)
-    are copied to the CPU now (synchronously): only CPU and CUDA memory can be read in the
-    background. ``layout``: the previous save's layout, reused where it still applies and
+    bytes are copied now, and those that stay live unguarded are named in
+    ``Snapshot.unguarded`` (the caller must keep them unchanged until the save releases
+    them: the checkpointer waits for that). Extents on a device that is neither the CPU nor
+    CUDA (XPU, MPS...) are copied to the CPU now (synchronously): only CPU and CUDA memory
+    can be read in the background. ``layout``: the previous save's layout, reused where it still applies and
     replaced where it does not."""
     tree, tensors, names, kinds = encode_state_named(state)
     for i, t in enumerate(tensors):  # only bytes are read: no autograd (detach) needed, except below

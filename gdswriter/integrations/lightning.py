@@ -26,8 +26,8 @@ parameters and optimizer state into its host pool; every saved tensor no such op
 holds (large buffers, frozen weights; everything when the plug-in is called by hand, outside
 a Trainer) is copied (in "live" snapshot mode: written) before ``save_checkpoint`` returns.
 A failed background save is raised once, by the next optimizer step, ``save_checkpoint`` or
-``teardown``, with its own type.
-``async_save=False`` makes every save return durable and committed.
+``teardown``, with its own type. ``async_save=False`` makes every save return durable and
+committed.
 
 What is stored. The checkpoint dict's ``state_dict`` is the checkpoint's model (so ``gdswriter
 export --model-only`` gives the LightningModule's weights); everything else (epoch, global
