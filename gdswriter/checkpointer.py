@@ -10,18 +10,27 @@ references, their layout, the state's other values by value, an event per GPU on
 current stream) and returns; the bytes move in the background. Until the save has
 *released* the tensors (``handle.snapshotted()``: in "host" mode once they are copied into
 the host pool, in "live" mode once they are written), their memory must keep the saved
-values. The checkpointer enforces this for the optimizer it was given: a step pre-hook
-makes ``optimizer.step()`` (also through GradScaler.step) wait for the release (on a GPU,
-in "host" mode, the training stream waits on the copies' events; the host does not). So:
+values. The checkpointer enforces this for the optimizers it guards (the one it was given,
+every optimizer among the ``state=`` objects, and those an integration adds, e.g.
+Lightning's): a step pre-hook makes their ``step()`` (also through GradScaler.step) wait
+for the release (on a GPU, in "host" mode, the training stream waits on the copies' events;
+the host does not). Everything else cannot be guarded, so save_async holds it itself:
 
 * forward, backward, ``zero_grad``, data loading, LR scheduler and GradScaler updates may
   run right after save_async (their values were captured at the call);
-* module buffers and extra-state tensors the optimizer does not update (BatchNorm running
+* module buffers and extra-state tensors no guarded optimizer updates (BatchNorm running
   statistics, counters) are copied at the call when they are small (up to 1 MiB each, and
-  64 MiB per save in all: beyond that they stay live, with a one-time warning);
-* anything else that changes a saved tensor in place outside ``optimizer.step()`` (an
-  in-place edit of parameters, an EMA of weights kept in extra state, large buffers,
-  another optimizer) must wait: ``handle.wait_snapshotted()`` first.
+  64 MiB per save in all);
+* every other saved tensor no guarded optimizer holds (large buffers, frozen parameters, a
+  state dict of tensors, the tensors of a checkpointer without a hookable optimizer)
+  stays live, and save_async returns only once the save has released it (in "host" mode:
+  once it is copied into the host pool; the files are still written in the background; in
+  "live" mode: once it is written). So no save is ever torn, whatever changes these tensors
+  after save_async returned. Giving the checkpointer the optimizer that updates them lets
+  save_async return at once again;
+* what a guarded optimizer holds may change only through its ``step()``: anything that
+  edits those tensors in place otherwise (parameters changed by hand) must call
+  ``handle.wait_snapshotted()`` first.
 
 A save that fails in the background raises its error once (see ``save_async``); one that
 nobody asked about before the interpreter exits is logged as an error then.
@@ -153,6 +162,16 @@ def _skip_across_ranks() -> InvalidOptionError:
         "collective saves would no longer match. Use on_busy='wait' (the default)")
 
 
+def _guard_targets(objects: Any) -> list:
+    """The distinct optimizers to hang the pre-hook on for ``objects`` (see _hookable)."""
+    out: list = []
+    for obj in objects:
+        target = _hookable(obj)
+        if target is not None and all(target is not t for t in out):
+            out.append(target)
+    return out
+
+
 def _hookable(opt: Any) -> Any:
     """The torch.optim.Optimizer whose step ``opt.step()`` runs, to hang the pre-hook on: ``opt``
     itself, or the optimizer a wrapper holds (accelerate's AcceleratedOptimizer, Lightning's
@@ -279,8 +298,8 @@ class GDSCheckpointer:
         self._worker: threading.Thread | None = None  # the save thread, while it runs (see _work)
         self._stopping = False
         self._submit_lock = threading.Lock()
-        self._hook = None
-        self._hooked: Any = None
+        self._hooks: list[tuple[Any, Any]] = []  # (optimizer, its step pre-hook's handle)
+        self._also_guard: tuple = ()  # optimizers an integration adds (Lightning's trainer's)
         self._topology: Topology | None = None  # discovered at the first save of GPU state
         self._layout = LayoutCache()  # the last save's layout, reused while the tensors stay put
         self._last_plan: tuple[tuple, SavePlan] | None = None  # (what it was planned from, the plan)
@@ -304,11 +323,14 @@ class GDSCheckpointer:
 
     def save_async(self, step: int, *, metadata: dict | None = None) -> SaveHandle:
         """Start saving ``step``; returns a SaveHandle within milliseconds, whatever the state's
-        size: only references, the layout and the state's other values are taken now.
+        size, when an optimizer hook guards every large tensor saved: only references, the
+        layout and the state's other values are taken now (else it also waits for the copy,
+        or in "live" mode the write, of the tensors nothing guards).
 
-        The live tensors must keep their values until ``handle.snapshotted()``; the next
-        ``optimizer.step()`` waits for that by itself (see the module docstring for what else
-        may and may not run meanwhile). ``metadata`` (plain JSON) is copied now. While an
+        The live tensors must keep their values until ``handle.snapshotted()``: the next
+        step of a guarded optimizer waits for that by itself, and saved tensors that no
+        guarded optimizer holds are released before save_async returns (see the module
+        docstring). ``metadata`` (plain JSON) is copied now. While an
         earlier save runs, CheckpointOptions.on_busy decides: "wait" queues this one behind
         it (save_async blocks only if another one is already queued), "skip" saves nothing
         and says so. A background failure is raised once: by ``handle.result()``, or else by
@@ -331,7 +353,7 @@ class GDSCheckpointer:
                     return SaveHandle(step, mode, skipped=True)
                 while len(self._jobs) > QUEUED_MAX:
                     self._jobs_cv.wait()
-            protected = tensors_of(self.optimizer) if self._hook_optimizer() else ()
+            protected = [t for opt in self._hook_optimizers() for t in tensors_of(opt)]
             state = self._collect()
             if self._dist is not None:  # [dist hook] DTensors -> their local shards (and where they lie)
                 state = self._dist.prepare(state, step)
@@ -363,8 +385,22 @@ class GDSCheckpointer:
                         handle._finish(err)
                         raise err from e
                     self._worker = worker
+        if snap.unguarded:
+            self._hold_unguarded(handle, snap)
         handle._blocked += time.perf_counter() - t0
         return handle
+
+    def _hold_unguarded(self, handle: SaveHandle, snap: Snapshot) -> None:
+        """Wait until the save has released the live tensors that no optimizer hook guards:
+        nothing else would keep them unchanged while the save reads them (stream-ordered on
+        a GPU, as the hook waits). A failure sets the release too; it is reported as usual."""
+        names = snap.unguarded
+        log_once("save-async-unguarded",
+                 f"gdswriter: save_async waits until the save has {'written' if handle.mode == 'live' else 'copied'} "
+                 f"{len(names)} live tensor(s) that no optimizer step hook guards (e.g. {names[0]}): they could "
+                 f"change before the save read them. Give the checkpointer the optimizer that updates them "
+                 f"(optimizer=, or in state=) to make save_async return at once", logging.INFO)
+        handle._release.wait_stream_ordered()
 
     def _work(self) -> None:
         """The save thread: run queued saves in order. It stays for the next save (starting a
@@ -452,26 +488,32 @@ class GDSCheckpointer:
                                       f"balancing bytes across the roots without GPU locality")
             return plan_save(sizes, targets)
 
-    def _hook_optimizer(self) -> bool:
-        """Keep the step pre-hook on the current optimizer (moved if it was replaced). False if
-        the optimizer has none (not a torch.optim.Optimizer): nothing then enforces the wait."""
-        opt = self.optimizer
-        if opt is self._hooked:
-            return self._hook is not None
-        if self._hook is not None:
-            self._hook.remove()
-        self._hook, self._hooked = None, opt
-        target = _hookable(opt)
-        if target is not None:
-            ref = weakref.ref(self)
+    def _hook_optimizers(self) -> list:
+        """Keep the step pre-hook on every optimizer this checkpointer guards: ``optimizer``,
+        the optimizers among the ``state=`` objects (those with param_groups) and
+        ``_also_guard``; a replaced one loses it, a new one gets it. Returns the optimizers
+        hooked; objects that are no torch.optim.Optimizer (nor wrap one) have no step hooks,
+        so their tensors stay unguarded (save_async then waits for them, see _hold_unguarded)."""
+        targets = _guard_targets([self.optimizer, *(v for v in self.extra.values() if hasattr(v, "param_groups")),
+                                  *self._also_guard])
+        kept = []
+        for opt, hook in self._hooks:
+            if any(opt is t for t in targets):
+                kept.append((opt, hook))
+            else:
+                hook.remove()
+        ref = weakref.ref(self)
 
-            def before_step(optimizer, args, kwargs) -> None:
-                ck = ref()
-                if ck is not None:
-                    ck._before_optimizer_step()
+        def before_step(optimizer, args, kwargs) -> None:
+            ck = ref()
+            if ck is not None:
+                ck._before_optimizer_step()
 
-            self._hook = target.register_step_pre_hook(before_step)
-        return self._hook is not None
+        for t in targets:
+            if all(t is not opt for opt, _ in kept):
+                kept.append((t, t.register_step_pre_hook(before_step)))
+        self._hooks = kept
+        return targets
 
     def _before_optimizer_step(self) -> None:
         """The step pre-hook: the step may change the tensors once every save in flight has
@@ -619,15 +661,15 @@ class GDSCheckpointer:
 
     # -- lifecycle -------------------------------------------------------------
     def close(self) -> None:
-        """Wait for outstanding saves, remove the optimizer hook, release the snapshot pool,
+        """Wait for outstanding saves, remove the optimizer hooks, release the snapshot pool,
         engines and the root lock. Raises an unreported background error after releasing
         everything."""
         if self._closed:
             return
         self._closed = True
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for _, hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         try:
             self.wait()
         finally:

@@ -5,10 +5,12 @@ value), groups its tensors by the allocation they view (tied weights, views and 
 sharing memory are written once) and describes each group as one flat byte extent of live
 memory. Tensors the optimizer does not update (module buffers such as BatchNorm statistics,
 extra state) that are small are copied right away (up to CAPTURE_MAX each, CAPTURE_BUDGET per
-save; beyond the budget they stay live, with a one-time warning), because training changes
-them before the next optimizer step; the rest stays live, and the save (writer.py) copies or
-writes it in the background. On a GPU an event on each device's current stream marks the
-point the saved values belong to (cuda/streams.py).
+save; beyond the budget they stay live), because training changes them before the next
+optimizer step; the rest stays live, and the save (writer.py) copies or writes it in the
+background. ``Snapshot.unguarded`` names the live extents that no optimizer step pre-hook
+guards (nothing holds their memory unchanged while the save reads it): the checkpointer
+waits, in save_async, until the save has released those. On a GPU an event on each device's
+current stream marks the point the saved values belong to (cuda/streams.py).
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class Extent:
 @dataclass
 class Snapshot:
     """A save's view of the state: the encoded tree, the extents to write, one record per
-    tensor, the metadata, and per CUDA device the event the extents' bytes are valid after."""
+    tensor, the metadata, and per CUDA device the event the extents' bytes are valid after.
+    ``unguarded``: the first tensor of each extent that stays live although no optimizer hook
+    guards it (see take_snapshot's ``protected``)."""
 
     step: int
     tree: Any
@@ -74,6 +78,7 @@ class Snapshot:
     records: list[TensorRecord]
     metadata: dict
     ready: dict[int, Any] = field(default_factory=dict)
+    unguarded: list[str] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -206,9 +211,11 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
     is (the caller copied it, deep, before it waited for room). ``protected``: tensors that
     something else keeps unchanged until the save releases them (the optimizer's parameters
     and state, held by the checkpointer's step pre-hook); other extents up to CAPTURE_MAX
-    bytes are copied now. Extents on a device that is neither the CPU nor CUDA (XPU, MPS...)
-    are copied to the CPU now (synchronously): only CPU and CUDA memory can be read in the
-    background. ``layout``: the previous save's layout, reused where it still applies and
+    bytes are copied now, and those that stay live unguarded are named in
+    ``Snapshot.unguarded`` (the caller must keep them unchanged until the save releases
+    them: the checkpointer waits for that). Extents on a device that is neither the CPU nor
+    CUDA (XPU, MPS...) are copied to the CPU now (synchronously): only CPU and CUDA memory
+    can be read in the background. ``layout``: the previous save's layout, reused where it still applies and
     replaced where it does not."""
     tree, tensors, names, kinds = encode_state_named(state)
     for i, t in enumerate(tensors):  # only bytes are read: no autograd (detach) needed, except below
@@ -231,16 +238,17 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
         if layout is not None:
             layout.remember(key, extents, placed, records)
     ptrs = [k[0] for k in key[2]] if key is not None else [t.untyped_storage().data_ptr() for t in tensors]
-    _capture(extents, placed, ptrs, protected)
+    unguarded = _capture(extents, placed, ptrs, protected)
     ready = streams.record_ready(streams.cuda_devices(e.device for e in extents))
-    return Snapshot(step, tree, extents, records, {} if metadata is None else metadata, ready)
+    return Snapshot(step, tree, extents, records, {} if metadata is None else metadata, ready, unguarded)
 
 
 def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs: list[int],
-             protected: Collection[torch.Tensor]) -> None:
+             protected: Collection[torch.Tensor]) -> list[str]:
     """Copy, now, the extents that the caller may change before the save reads them (see
     take_snapshot), and those on devices the background cannot read. ``storage_ptrs``: the
-    address of each saved tensor's storage."""
+    address of each saved tensor's storage. Returns the first tensor of each extent left live
+    that ``protected`` does not cover (larger than CAPTURE_MAX, or beyond the budget)."""
     guarded = {t.untyped_storage().data_ptr() for t in protected if t.device.type != "meta"}
     unguarded = set(range(len(extents)))
     for i, ptr in enumerate(storage_ptrs):
@@ -254,18 +262,13 @@ def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs:
             log_once(f"host-copy:{kind}", f"gdswriter: {kind} tensors are copied to host memory when save_async "
                                           f"is called (synchronously)")
             ext.replace(ext.flat.to("cpu"))
-        elif sid in unguarded and 0 < n <= CAPTURE_MAX:
-            if n <= budget:
+        elif sid in unguarded and 0 < n:
+            if n <= CAPTURE_MAX and n <= budget:
                 ext.replace(ext.flat.clone())
                 budget -= n
             else:
                 left_live.append(ext.first_tensor)
-    if left_live:
-        log_once("capture-budget", f"gdswriter: {len(left_live)} small tensor(s) the optimizer does not update "
-                                   f"(e.g. {left_live[0]}) were not copied at save_async: such copies are limited "
-                                   f"to {CAPTURE_BUDGET // MiB} MiB per save. Until handle.snapshotted() they must "
-                                   f"not change: call handle.wait_snapshotted() before a forward pass that "
-                                   f"updates them")
+    return left_live
 
 
 def _group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple[list[Extent], list[tuple[int, int]]]:

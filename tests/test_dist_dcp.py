@@ -178,6 +178,24 @@ def test_async_save_thread_mode_one_process(tmp_path):
     assert_state_dict_equal(loaded, saved)
 
 
+def test_async_save_holds_the_values_at_the_call(tmp_path):
+    """Issue 22 item 3, for the DCP writer: dcp.async_save (torch 2.13) stages the state dict to
+    CPU memory before it returns (DefaultStager: GDSStorageWriter is no AsyncStager), and the
+    writer reads only that copy, so changes made at once to the live 8 MiB tensor (above
+    every small-copy threshold) do not reach the saved step."""
+    import torch.distributed.checkpoint as dcp
+
+    live = {"w": torch.randn(2048, 1024), "b": torch.randn(7)}
+    want = {k: v.clone() for k, v in live.items()}
+    fut = dcp.async_save(live, storage_writer=writer(tmp_path, step=5), no_dist=True)
+    for v in live.values():
+        v.add_(1.0)
+    fut.result()
+    loaded = {k: torch.empty_like(v) for k, v in want.items()}
+    dcp.load(loaded, storage_reader=reader(tmp_path, 5), no_dist=True)
+    assert_state_dict_equal(loaded, want)
+
+
 def test_metadata_codec_refuses_damage(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import MetadataIndex

@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import enum
 import logging
+import threading
 import warnings
 from pathlib import Path
 
@@ -198,3 +199,120 @@ def test_resaving_a_path_keeps_one_step_and_plain_files_are_refused(tmp_path):
     assert GDSCheckpointIO(read_torch_files=True).load_checkpoint(old)["global_step"] == 3
     io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 5}, old)  # replaces the old file
     assert old.is_dir() and io.load_checkpoint(old)["global_step"] == 5
+
+
+# ----------------------------------------------------------------------------- issue 22 item 3: torn saves
+class Big(L.LightningModule):
+    """A 1024 x 1024 float32 weight (4 MiB) and its two AdamW moments: far above the 1 MiB that
+    save_async copies at the call (snapshot.CAPTURE_MAX), so only a guard keeps them unchanged
+    while the save copies them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(1024, 1024)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.lin(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Record(L.Callback):
+    """The weights and optimizer state as each checkpoint is taken (on_save_checkpoint runs in
+    dump_checkpoint, just before the plug-in's save_checkpoint), by global step; and, at each
+    batch after the first, whether the trainer's optimizer carries a save's step pre-hook."""
+
+    def __init__(self):
+        self.at: dict[int, dict] = {}
+        self.hooked: list[bool] = []
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        opt = trainer.optimizers[0].state_dict()["state"]
+        self.at[trainer.global_step] = {
+            "weights": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "optimizer": {i: {k: v.clone() for k, v in st.items()} for i, st in opt.items()}}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step > 0:
+            self.hooked.append(bool(trainer.optimizers[0]._optimizer_step_pre_hooks))
+
+
+def test_fit_saving_every_step_async_saves_exactly_each_steps_weights(tmp_path):
+    """Issue 22 item 3: the checkpointer was made without the trainer's optimizer, so the next
+    optimizer.step() changed the 4 MiB weight and moments while the copier still read them
+    (16 of 20 checkpoints held the next step's values, and verify passed). Every checkpoint
+    must hold exactly the values of the step it names."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 1024)
+    data = DataLoader(TensorDataset(x.repeat(12, 1)), batch_size=4)  # 12 short steps
+    rec = Record()
+    ckpts = tmp_path / "ckpts"
+    trainer = _trainer(tmp_path, 1, plugins=[GDSCheckpointIO()],
+                       callbacks=[rec, ModelCheckpoint(dirpath=ckpts, every_n_train_steps=1, save_top_k=-1)])
+    trainer.fit(Big(), data)
+    assert sorted(rec.at) == list(range(1, 13))
+    io = GDSCheckpointIO()
+    torn = []
+    for step, want in rec.at.items():
+        (path,) = ckpts.glob(f"*step={step}.ckpt")
+        ck = io.load_checkpoint(path)
+        got = {"weights": dict(ck["state_dict"]),
+               "optimizer": {i: dict(st) for i, st in ck["optimizer_states"][0]["state"].items()}}
+        assert ck["global_step"] == step
+        same = all(torch.equal(got["weights"][k], v) for k, v in want["weights"].items()) and all(
+            torch.equal(got["optimizer"][i][k], v) for i, st in want["optimizer"].items() for k, v in st.items())
+        if not same:
+            torn.append(step)
+    assert not torn, f"checkpoints not holding the weights of the step they name: {torn}"
+    # ...because the trainer's optimizer was hooked (save_checkpoint returned at once), not only
+    # because save_async waited for the copy
+    assert rec.hooked and all(rec.hooked), "the trainer's optimizer must carry the pending save's step pre-hook"
+
+
+def test_a_save_outside_a_trainer_returns_once_the_tensors_are_copied(tmp_path, monkeypatch):
+    """Called by hand, the plug-in has no optimizer to hook: save_checkpoint must not return
+    before the copier has read the tensors (here it is held for 0.3 s, then the tensor is
+    changed at once)."""
+    from gdswriter import snapshot_pool
+
+    gate = threading.Event()
+    real = snapshot_pool._copy_all
+    monkeypatch.setattr(snapshot_pool, "_copy_all", lambda *a: (gate.wait(60), real(*a)))
+    w = torch.arange(2 * 1024 * 1024, dtype=torch.float32)  # 8 MiB
+    want = w.clone()
+    io = GDSCheckpointIO()
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
+    try:
+        io.save_checkpoint({"state_dict": {"w": w}, "global_step": 1}, tmp_path / "a.ckpt")
+        w.add_(1.0)  # what the next optimizer step would do
+    finally:
+        gate.set()
+        opener.cancel()
+    io.teardown()
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], want)
+
+
+def test_a_failed_save_in_fit_is_raised_by_the_next_optimizer_step_once(tmp_path, monkeypatch):
+    """The trainer's optimizer carries the save's pre-hook, so a save that failed in the
+    background is raised by the next optimizer step (that step does not run), and only there:
+    the plug-in's teardown, which Lightning runs while it handles that error, does not raise it
+    again (that would cut Lightning's own teardown short)."""
+    from gdswriter import checkpointer
+
+    def broken(*a, **k):
+        raise EngineIOError(28, str(tmp_path / "f"), 0, "write")
+
+    monkeypatch.setattr(checkpointer, "write_and_commit", broken)
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(12, 1024)), batch_size=4)
+    io = GDSCheckpointIO()
+    trainer = _trainer(tmp_path, 1, plugins=[io],
+                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1)])
+    with pytest.raises(EngineIOError, match="No space left") as e:
+        trainer.fit(Big(), data)
+    assert any(f.name == "_before_optimizer_step" for f in e.traceback), "not raised by the optimizer step"
+    assert trainer.global_step == 1 and trainer.state.stage is None, "Lightning's teardown did not finish"
+    io.teardown()  # nothing left to report

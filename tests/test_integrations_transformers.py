@@ -15,6 +15,7 @@ from _trees import assert_same_tree
 
 transformers = pytest.importorskip("transformers")
 
+from gdswriter import load_state  # noqa: E402
 from gdswriter.cli import main  # noqa: E402
 from gdswriter.integrations.transformers import GDS_DIR, GDSCheckpointing, GDSTrainer  # noqa: E402
 
@@ -135,3 +136,49 @@ def test_mixin_composes_with_a_trainer_subclass(tmp_path):
     t = Mine(model=_model(8), args=_args(tmp_path, max_steps=4), train_dataset=_data())
     t.train()
     assert (tmp_path / "checkpoint-4" / GDS_DIR / "latest").exists()
+
+
+class RecordEachStep(transformers.TrainerCallback):
+    """The weights and optimizer state at each step's end (on_step_end runs right before the
+    Trainer saves that step), by global step."""
+
+    def __init__(self):
+        self.trainer = None
+        self.at: dict[int, dict] = {}
+
+    def on_step_end(self, args, state, control, **kw):
+        opt = self.trainer.optimizer.state_dict()["state"]
+        self.at[state.global_step] = {
+            "weights": {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()},
+            "optimizer": {i: {k: v.clone() for k, v in st.items()} for i, st in opt.items()}}
+        return control
+
+
+def test_each_checkpoint_holds_exactly_the_weights_of_its_step(tmp_path):
+    """Issue 22 item 3, for the Hugging Face Trainer: saved every step, with a 4 MiB embedding
+    (above every small-copy threshold) and its AdamW moments, each checkpoint-N holds exactly
+    the weights and optimizer state at step N (the save returns durable before training goes
+    on: GDSCheckpointing saves with ckpt.save, not save_async)."""
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=256, vocab_size=4096, n_positions=16,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(3)
+    model = transformers.GPT2LMHeadModel(cfg)
+    assert model.transformer.wte.weight.numel() * 4 == 4 << 20
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 4096, (10, 12), generator=g)
+    rec = RecordEachStep()
+    trainer = GDSTrainer(model=model, args=_args(tmp_path, max_steps=5, save_steps=1, warmup_steps=0),
+                         train_dataset=[{"input_ids": r, "labels": r} for r in ids], callbacks=[rec])
+    rec.trainer = trainer
+    trainer.train()
+    assert sorted(rec.at) == [1, 2, 3, 4, 5]
+    torn = []
+    for step, want in rec.at.items():
+        _, st = load_state(tmp_path / f"checkpoint-{step}" / GDS_DIR)
+        got_w, got_o = st["model"], st["optimizer"]["state"]
+        assert got_w.keys() == want["weights"].keys() and got_o.keys() == want["optimizer"].keys()
+        same = all(torch.equal(got_w[k], v) for k, v in want["weights"].items()) and all(
+            torch.equal(got_o[i][k], v) for i, s in want["optimizer"].items() for k, v in s.items())
+        if not same:
+            torn.append(step)
+    assert not torn, f"checkpoints not holding the weights of the step they name: {torn}"

@@ -309,6 +309,101 @@ def test_two_checkpointers_on_one_optimizer(tmp_path, monkeypatch):
     assert not opt._optimizer_step_pre_hooks
 
 
+# ----------------------------------------------------------------------------- tensors no hook guards
+class EMA:
+    """An exponential moving average of a weight, kept as ``state=`` (4 MiB: above what
+    save_async copies at the call), updated in place as training scripts do."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.shadow = weight.detach().clone()
+
+    def update(self, weight: torch.Tensor) -> None:
+        self.shadow.mul_(0.9).add_(weight.detach(), alpha=0.1)
+
+    def state_dict(self) -> dict:
+        return {"shadow": self.shadow}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.shadow.copy_(sd["shadow"])
+
+
+@pytest.mark.parametrize("mode", ["live", "host"])
+def test_tensors_no_optimizer_hook_guards_are_released_before_save_async_returns(tmp_path, monkeypatch, mode):
+    """Issue 22 item 3: a checkpointer without an optimizer (a dict of tensors, as Lightning's
+    plug-in made one) or state it cannot hook (an EMA kept in state=) returned from save_async
+    while the save still read those tensors, and changes made right after reached the saved
+    step. save_async now returns only once the save released them; the save is held for
+    0.3 s, and the tensors are changed the moment save_async returns."""
+    big = torch.randn(1024, 1024)  # 4 MiB
+    model, opt = build()
+    train(model, opt, 1)
+    ema = EMA(model.inp.weight)
+    cases = [(tmp_path / "dict", {"w": big}, None, {}), (tmp_path / "ema", model, opt, {"ema": ema})]
+    for root, state, optimizer, extra in cases:
+        want = {"w": big.clone(), "shadow": ema.shadow.clone()}
+        with GDSCheckpointer(state, optimizer, root, state=extra, options=options(snapshot=mode)) as ck:
+            with hold_engines(ck) if mode == "live" else hold_copier(monkeypatch) as gate:
+                threading.Timer(0.3, gate.set).start()
+                h = ck.save_async(1)
+                released = h.snapshotted()
+                big.add_(1.0)
+                ema.update(model.inp.weight * 2)
+                assert h.result(timeout=60) == 1
+            monkeypatch.undo()
+        _, st = load_state(root, 1)
+        if optimizer is None:
+            same = torch.equal(st["model"]["w"], want["w"])
+            assert same, "a change after save_async reached the saved step"
+        else:
+            same = torch.equal(st["extra"]["ema"]["shadow"], want["shadow"])
+            assert same, "the EMA's update after save_async reached the saved step"
+            assert not opt._optimizer_step_pre_hooks
+        assert released, "save_async returned before the save released the tensors no hook guards"
+
+
+class GAN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.g = nn.Linear(1024, 1024)  # 4 MiB each, with 8 MiB of AdamW moments each
+        self.d = nn.Linear(1024, 1024)
+
+
+def test_an_optimizer_given_in_state_is_guarded_too(tmp_path, monkeypatch):
+    """Two optimizers (a GAN's generator and discriminator): the second one, given in state=,
+    gets the step pre-hook as the first does, so save_async returns at once and its step
+    waits for the save (before, nothing guarded it and its step reached the saved step)."""
+    torch.manual_seed(0)
+    net = GAN()
+    opt_g = torch.optim.AdamW(net.g.parameters(), lr=1e-2)
+    opt_d = torch.optim.AdamW(net.d.parameters(), lr=1e-2)
+
+    def step(opt):
+        net.d(net.g(torch.randn(4, 1024))).pow(2).mean().backward()
+        opt.step()
+
+    step(opt_g)
+    step(opt_d)
+    want = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    want_d = {i: {k: v.clone() for k, v in st.items()} for i, st in opt_d.state_dict()["state"].items()}
+    gate = hold_copier(monkeypatch)
+    with GDSCheckpointer(net, opt_g, tmp_path, state={"opt_d": opt_d}, options=options(snapshot="host")) as ck, gate:
+        h = ck.save_async(1)
+        assert not h.snapshotted(), "save_async waited although every saved tensor is guarded"
+        assert len(opt_d._optimizer_step_pre_hooks) == 1 and len(opt_g._optimizer_step_pre_hooks) == 1
+        t = threading.Thread(target=step, args=(opt_d,), daemon=True)
+        t.start()
+        t.join(0.5)
+        assert t.is_alive(), "the second optimizer's step ran while the save still needed its tensors"
+        gate.set()
+        t.join(60)
+        assert not t.is_alive() and h.result(timeout=60) == 1
+    assert not opt_d._optimizer_step_pre_hooks
+    _, st = load_state(tmp_path, 1)
+    assert all(torch.equal(st["model"][k], v) for k, v in want.items())
+    got_d = st["extra"]["opt_d"]["state"]
+    assert all(torch.equal(got_d[i][k], v) for i, s in want_d.items() for k, v in s.items())
+
+
 # ----------------------------------------------------------------------------- failures
 def fault_engine(ck, plan: FaultPlan) -> None:
     ck._engines = [FaultInjectingEngine(ck.options.engine, plan)]

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import _models as M
-from gdswriter import EngineIOError, GDSCheckpointer
+from gdswriter import EngineIOError, GDSCheckpointer, load_state
 from gdswriter import checkpointer as checkpointer_mod
 from gdswriter import snapshot as snapshot_mod
 from gdswriter.errors import GDSWriterError
@@ -269,14 +269,23 @@ def test_a_save_that_falls_back_to_live_mode_says_so(tmp_path, monkeypatch):
         assert h.mode == "host" and h.stats.mode == "host"
 
 
-def test_small_buffers_past_the_capture_budget_get_a_warning(tmp_path, monkeypatch, caplog, io_fresh_log_once):
+def test_small_buffers_past_the_capture_budget_are_copied_before_save_async_returns(tmp_path, monkeypatch, caplog,
+                                                                                    io_fresh_log_once):
+    """Past the budget they used to stay live with a warning, and a change right after
+    save_async reached the step (issue 22 item 3): save_async now returns once the save has
+    copied them, and says so once."""
     monkeypatch.setattr(snapshot_mod, "CAPTURE_BUDGET", 8 * KiB)
     state = {f"b{i}": torch.ones(1024) for i in range(4)}  # 4 KiB each: two fit
-    with caplog.at_level(logging.WARNING, logger="gdswriter"), \
+    with caplog.at_level(logging.INFO, logger="gdswriter"), \
             GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
-        ck.save(1)
-    assert "2 small tensor(s) the optimizer does not update" in caplog.text
-    assert "were not copied at save_async" in caplog.text
+        h = ck.save_async(1)
+        assert h.snapshotted()
+        for t in state.values():
+            t.add_(1.0)
+        assert h.result(timeout=60) == 1
+    assert "save_async waits until the save has copied 2 live tensor(s) that no optimizer step hook guards" \
+        in caplog.text
+    assert all(torch.equal(v, torch.ones(1024)) for v in load_state(tmp_path, 1)[1]["model"].values())
 
 
 def test_on_busy_skip_is_refused_with_several_ranks(tmp_path):

@@ -16,12 +16,18 @@ bypasses plug-ins: use ``GDSCheckpointIO().load_checkpoint(path)`` and
 ``model.load_state_dict(ckpt["state_dict"])`` instead, or ``gdswriter export PATH --to
 safetensors --model-only`` for the weights alone.
 
-Asynchronous saves (default). ``save_checkpoint`` snapshots the state before it returns (see
+Asynchronous saves (default). ``save_checkpoint`` records the state and returns (see
 ``GDSCheckpointer.save_async``), so training goes on while the files are written; a save to a
 path waits for an earlier save to the same path, loading or removing a path waits for its
-save, and ``teardown`` (end of fit) waits for all. A failed background save is raised once, by
-the next ``save_checkpoint`` or by ``teardown``, with its own type. ``async_save=False`` makes
-every save return durable and committed.
+save, and ``teardown`` (end of fit) waits for all. The saved step holds exactly the values at
+the call: the trainer's optimizers (those of the Strategy that called the plug-in) get the
+checkpointer's step pre-hook, so their next ``step()`` waits until the save has copied the
+parameters and optimizer state into its host pool; every saved tensor no such optimizer
+holds (large buffers, frozen weights; everything when the plug-in is called by hand, outside
+a Trainer) is copied (in "live" snapshot mode: written) before ``save_checkpoint`` returns.
+A failed background save is raised once, by the next optimizer step, ``save_checkpoint`` or
+``teardown``, with its own type. ``async_save=False`` makes every save return durable and
+committed.
 
 What is stored. The checkpoint dict's ``state_dict`` is the checkpoint's model (so ``gdswriter
 export --model-only`` gives the LightningModule's weights); everything else (epoch, global
@@ -45,6 +51,7 @@ import logging
 import os
 import pathlib
 import shutil
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -52,6 +59,7 @@ from typing import Any, Callable
 import torch
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.strategies import Strategy
 
 from ..checkpointer import GDSCheckpointer, SaveHandle
 from ..errors import CorruptCheckpointError, InvalidOptionError, UnsupportedObjectError
@@ -66,6 +74,7 @@ MODEL_KEY = "state_dict"
 EXTRA_KEY = "lightning"
 TYPES_KEY = "lightning_types"
 _TAGS = ("namespace", "attribute_dict", "path")
+_STACK_DEPTH = 16  # frames searched for the Strategy that called the plug-in
 
 
 # ----------------------------------------------------------------------------- types Lightning stores
@@ -185,6 +194,10 @@ class GDSCheckpointIO(CheckpointIO):
             root.unlink()
         ckpt = GDSCheckpointer(checkpoint.get(MODEL_KEY, {}), root=root, options=self.options, keep_last=1,
                                state={EXTRA_KEY: rest, TYPES_KEY: {"tags": tags}})
+        # The dict holds the live parameters and optimizer state, not copies: the trainer's
+        # optimizers must not step before the save has copied them (the checkpointer hooks them;
+        # what they do not hold, save_async copies before it returns).
+        ckpt._also_guard = tuple(self._trainer_optimizers())
         try:
             handle = ckpt.save_async(step) if self.async_save else None
             if handle is None:
@@ -198,6 +211,23 @@ class GDSCheckpointIO(CheckpointIO):
         else:
             with self._mutex:
                 self._pending.append((root, ckpt, handle))
+
+    def _trainer_optimizers(self) -> list:
+        """The optimizers of the Lightning Strategy whose save_checkpoint called this plug-in,
+        found on the calling thread's stack (Lightning hands a CheckpointIO neither the trainer
+        nor the strategy); none when the plug-in was called otherwise (by hand, or from
+        AsyncCheckpointIO's thread, which saves copies)."""
+        frame = sys._getframe(1)
+        for _ in range(_STACK_DEPTH):
+            if frame is None:
+                break
+            if frame.f_code.co_name == "save_checkpoint":  # Strategy's (or Trainer's) own: only their locals
+                obj = frame.f_locals.get("self")
+                strategy = obj if isinstance(obj, Strategy) else getattr(obj, "strategy", None)
+                if isinstance(strategy, Strategy) and getattr(strategy, "_checkpoint_io", None) is self:
+                    return list(strategy.optimizers)
+            frame = frame.f_back
+        return []
 
     @staticmethod
     def _drop_other_steps(ckpt: GDSCheckpointer, step: int) -> None:
@@ -213,11 +243,13 @@ class GDSCheckpointIO(CheckpointIO):
             chosen = [p for p in self._pending if which(p[0]) or p[2].done()]
             self._pending = [p for p in self._pending if p not in chosen]
         for _, ckpt, handle in chosen:
+            told = handle.reported  # raised already, by an optimizer step's pre-hook
             try:
                 handle.result()
                 self._drop_other_steps(ckpt, handle.step)
             except BaseException as e:  # noqa: BLE001 - kept to be raised below
-                self._errors.append(e)
+                if not (told and e is handle.exception()):
+                    self._errors.append(e)
             finally:
                 try:
                     ckpt.close()
