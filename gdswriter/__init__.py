@@ -16,6 +16,7 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
                      NotRegularFileError, RankFailedError, ReadOnlyRootError, RootUnavailableError, ShortIOError,
                      StateMismatchError, TruncatedFileError, UnreachableDataError, UnsafePathError,
                      UnsupportedFormatVersionError, UnsupportedObjectError)
+from .errors import CollectiveMismatchError
 from .options import CheckpointOptions, EngineOptions
 from .restore import load_state
 from ._version import __version__
@@ -28,7 +29,8 @@ __all__ = [
     "InvalidOptionError", "NothingToLoadError", "ReadOnlyRootError", "RootUnavailableError", "ShortIOError",
     "StateMismatchError", "TruncatedFileError", "UnsafePathError", "UnsupportedFormatVersionError",
     "UnsupportedObjectError", "NotRegularFileError", "DataFileNotRegularError",
-    "DistOptions", "GDSStorageWriter", "GDSStorageReader", "CollectiveFailedError", "RankFailedError",
+    "DistOptions", "GDSStorageWriter", "GDSStorageReader", "CollectiveFailedError", "CollectiveMismatchError",
+    "RankFailedError",
     "UnreachableDataError",
     "BenchOptions", "BenchResult", "run_bench",
     "__version__",

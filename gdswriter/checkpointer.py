@@ -228,10 +228,13 @@ class GDSCheckpointer:
         roots = normalize_roots(root)
         # [dist hook] under torch.distributed (or with process_group=) the ranks agree on the roots, each
         # locks and cleans the ones it leads (gdswriter/dist/session.py); else one process owns them all.
-        self._dist = dist_session_for(roots, process_group, dist_options)
+        # Each checkpointer has a coordination channel of its own (a gloo group, created here: construct
+        # checkpointers in the same order on every rank, as any process group; released by close()).
+        held = [n for n, o in (("model", model), ("optimizer", optimizer)) if o is not None]
+        label = f"GDSCheckpointer({', '.join(held + [f'state[{k!r}]' for k in self.extra])})"
+        self._dist = dist_session_for(roots, process_group, dist_options, label=label)
         if self._dist is not None and opts.on_busy == "skip":
-            if self._dist.lock is not None:
-                self._dist.lock.release()
+            self._dist.close()
             raise _skip_across_ranks()
         # A writer locks the roots and cleans leftovers; roots it cannot write (read-only file
         # system, no permission) are opened for loading only: no lock, nothing cleaned.
@@ -682,6 +685,8 @@ class GDSCheckpointer:
                 e.close()
             if self._lock is not None:
                 self._lock.release()
+            if self._dist is not None:  # [dist hook] its locks and its coordination channel
+                self._dist.close()
             _open_checkpointers.discard(self)
 
     def __enter__(self) -> GDSCheckpointer:

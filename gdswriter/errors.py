@@ -166,6 +166,11 @@ class CollectiveFailedError(_Rebuildable, GDSWriterError, ConnectionError):
         return self.args[0] if self.args else ""
 
 
+class CollectiveMismatchError(GDSWriterError, RuntimeError):
+    """The ranks of a process group are not creating the same checkpoint coordination channel:
+    their GDSCheckpointers (or first DCP saves with gdswriter's plug-in) come in different orders."""
+
+
 class UnreachableDataError(CheckpointError, FileNotFoundError):
     """A data file of a multi-rank checkpoint is on a root that no rank of this job can read."""
 

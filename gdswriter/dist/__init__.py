@@ -30,11 +30,13 @@ __all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter",
            "root_identity"]
 
 
-def session_for(roots: Sequence[Path], process_group: Any = None, options: DistOptions | None = None
-                ) -> DistSession | None:
+def session_for(roots: Sequence[Path], process_group: Any = None, options: DistOptions | None = None, *,
+                label: str = "GDSCheckpointer") -> DistSession | None:
     """GDSCheckpointer's multi-rank session (collective), or None for a single process (see
     DistOptions.collective: by default, when no ``process_group`` is given and torch.distributed
-    is not initialised or has one rank)."""
+    is not initialised or has one rank). The session has a coordination channel of its own
+    (group.py; ``label`` names the checkpointer in a CollectiveMismatchError), released by its
+    close(): every rank must construct its checkpointers in the same order."""
     import torch.distributed as dist
 
     options = options or DistOptions.from_env()
@@ -48,7 +50,12 @@ def session_for(roots: Sequence[Path], process_group: Any = None, options: DistO
                                  "torch.distributed.init_process_group first")
     # The roots are made inside the first collective (discover_layout): a rank that cannot create
     # one makes every rank raise at once, rather than leaving the others to wait out the timeout.
-    return open_session(roots, Coordinator.for_group(process_group, timeout_s=options.timeout_s), options)
+    coord = Coordinator.create(process_group, timeout_s=options.timeout_s, label=label)
+    try:
+        return open_session(roots, coord, options)
+    except BaseException:
+        coord.close()
+        raise
 
 
 def peek_manifest(protocol: Any, step: int | None) -> Manifest | None:

@@ -1,12 +1,32 @@
 """The coordination channel of a multi-rank checkpoint.
 
 Every checkpoint collective (who holds what, votes, the commit decision, chunks sent to a
-rank that cannot read them) runs over one dedicated gloo group per process group, created
-once, with an explicit timeout: a rank that dies or hangs turns into CollectiveFailedError
-on the others within the timeout instead of a hang, and the training's own (NCCL) group is
-never touched. Messages are JSON, sent as byte tensors: nothing is pickled.
+rank that cannot read them) runs over a dedicated gloo group with an explicit timeout: a rank
+that dies or hangs turns into CollectiveFailedError on the others within the timeout instead
+of a hang, and the training's own (NCCL) group is never touched. Messages are JSON, sent as
+byte tensors: nothing is pickled.
 
-After a failed collective the group is marked broken: a rank may have left it half way, so
+Each GDSCheckpointer has a channel of its own (``Coordinator.create``, from its constructor:
+one gloo group per checkpointer, not per save; its close() hands the group back to a pool that
+the next checkpointer on the same process group takes it from). Its save thread and
+its loads then never share a group with another checkpointer's save thread: two threads
+issuing collectives on one group would pair them up differently on each rank (a hang until
+the timeout, or gloo aborting the process). Within a channel, collectives run one thread at a
+time (a lock), and a checkpointer runs them in program order (its saves one after another in
+its save thread; load waits for them first). The DCP plug-in shares one channel per process
+group and timeout (``Coordinator.for_group``), made at its first save or load: DCP's own
+collectives over the process group already need its saves and loads to run one at a time
+(an async_save's future waited for before the next one).
+
+Creating a gloo group is a collective over the group's ranks, matched by creation order (as
+any ``torch.distributed.new_group``): every rank must construct (and close) its checkpointers
+in the same order. The first collective of a new channel compares what each rank creates it
+for (its number among this process group's channels and a label: the state names of the
+checkpointer, or the DCP plug-in); a mismatch raises CollectiveMismatchError on every rank at
+once, before anything is written. (Two checkpointers of the same state names swapped cannot
+be told apart this way.)
+
+After a failed collective the channel is marked broken: a rank may have left it half way, so
 any later use fails at once with the same typed error (restart the job).
 """
 
@@ -20,7 +40,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 
-from ..errors import CollectiveFailedError, RankFailedError
+from ..errors import CollectiveFailedError, CollectiveMismatchError, GDSWriterError, RankFailedError
 
 
 def describe(e: BaseException) -> str:
@@ -44,25 +64,59 @@ class Coordinator:
     """Object collectives among the ranks of one process group (``rank`` and ``world_size`` are
     in that group). ``solo()`` is the one-process case: every collective is trivial."""
 
-    _cache: ClassVar[dict[tuple[int, float], Coordinator]] = {}
-    _cache_lock: ClassVar[threading.Lock] = threading.Lock()
+    _shared: ClassVar[dict[tuple[int, float], Coordinator]] = {}  # for_group's channels (the DCP plug-in)
+    _created: ClassVar[dict[int, list]] = {}  # id(process group) -> [the group, channels created on it]
+    # (id(process group), timeout) -> (the process group, gloo groups closed, the first closed first)
+    _free: ClassVar[dict[tuple[int, float], tuple[Any, list]]] = {}
+    _cache_lock: ClassVar[threading.RLock] = threading.RLock()  # channels are created one at a time
 
-    def __init__(self, group: Any, ranks: Sequence[int], rank: int, timeout_s: float, source: Any = None):
+    def __init__(self, group: Any, ranks: Sequence[int], rank: int, timeout_s: float, source: Any = None,
+                 *, owned: bool = False):
         self.group, self.global_ranks, self.rank = group, list(ranks), rank
         self.world_size = len(self.global_ranks)
         self.timeout_s = timeout_s
         self._source = source  # the process group this one coordinates (kept alive for the cache)
+        self._owned = owned  # the gloo group is this channel's alone: close() hands it back to the pool
         self._broken: str | None = None
+        self._closed = False
+        self._serial = threading.RLock()  # one thread at a time in this channel's collectives
 
     @classmethod
     def solo(cls) -> "Coordinator":
         return cls(None, [0], 0, 1.0)
 
     @classmethod
+    def create(cls, process_group: Any = None, *, timeout_s: float, label: str) -> "Coordinator":
+        """A new channel of its own over ``process_group`` (default: the default group), for one
+        GDSCheckpointer (``label`` says which, e.g. "GDSCheckpointer(model, optimizer)"); close()
+        releases it. Collective: every rank of the group creates (and closes) its channels in the
+        same order (CollectiveMismatchError on every rank otherwise). Without an initialised
+        torch.distributed, or with one rank, the solo coordinator."""
+        return cls._new(process_group, timeout_s, label, owned=True)
+
+    @classmethod
     def for_group(cls, process_group: Any = None, *, timeout_s: float) -> "Coordinator":
-        """The coordinator of ``process_group`` (default: the default group), creating its gloo
-        group on first use; every rank of the group must call this at the same point the first time.
-        Without an initialised torch.distributed, the solo coordinator."""
+        """The shared channel of ``process_group`` (default: the default group) and ``timeout_s``,
+        which the DCP plug-in uses, created on first use; every rank of the group must call this
+        at the same point the first time (see create). Never closed. Without an initialised
+        torch.distributed, the solo coordinator."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return cls.solo()
+        pg = process_group if process_group is not None else dist.group.WORLD
+        key = (id(pg), float(timeout_s))
+        with cls._cache_lock:
+            hit = cls._shared.get(key)
+            if hit is not None and hit._source is pg:
+                return hit
+            coord = cls._new(process_group, timeout_s, "the DCP plug-in (GDSStorageWriter/GDSStorageReader)",
+                             owned=False)
+            cls._shared[key] = coord
+            return coord
+
+    @classmethod
+    def _new(cls, process_group: Any, timeout_s: float, label: str, *, owned: bool) -> "Coordinator":
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -71,16 +125,59 @@ class Coordinator:
         ranks = dist.get_process_group_ranks(pg)
         if len(ranks) == 1:
             return cls.solo()
-        key = (id(pg), float(timeout_s))
+        what = f"creating the checkpoint coordination group of {label}"
         with cls._cache_lock:
-            hit = cls._cache.get(key)
-            if hit is not None and hit._source is pg:
-                return hit
-            group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
-                                   use_local_synchronization=True)
-            coord = cls(group, ranks, dist.get_rank(pg), timeout_s, source=pg)
-            cls._cache[key] = coord
-            return coord
+            entry = cls._created.get(id(pg))
+            if entry is None or entry[0] is not pg:
+                entry = cls._created[id(pg)] = [pg, 0]
+            entry[1] += 1
+            number = entry[1]
+            source, free = cls._free.get((id(pg), float(timeout_s)), (None, []))
+            if source is pg and free:
+                group = free.pop(0)  # every rank closed the same channels in the same order
+            else:
+                try:
+                    group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                                           use_local_synchronization=True)
+                except Exception as e:  # noqa: BLE001 - a rank that never creates its group: a store timeout
+                    raise CollectiveFailedError(what, timeout_s, describe(e)) from e
+        coord = cls(group, ranks, dist.get_rank(pg), timeout_s, source=pg, owned=owned)
+        try:
+            mine = {"number": number, "label": label}
+            everyone = coord.all_gather(mine, what)
+            if any(x != mine for x in everyone):
+                odd = [r for r, x in enumerate(everyone) if x != everyone[0]][:3]
+                shown = "; ".join(f"rank {r}: its channel #{everyone[r]['number']}, for {everyone[r]['label']}"
+                                  for r in [0, *odd])
+                raise CollectiveMismatchError(
+                    f"{what}: the ranks are creating different checkpoint coordination channels ({shown}). "
+                    f"Construct (and close) every GDSCheckpointer, and make the first save or load with "
+                    f"gdswriter's DCP plug-in, in the same order on every rank of the process group, as with "
+                    f"any torch.distributed process group; nothing was written")
+        except BaseException:
+            coord.close()
+            raise
+        return coord
+
+    def close(self) -> None:
+        """Give up this channel (local, not a collective: after its last collective). Its own gloo
+        group, unless broken (a collective may still be in flight there), goes back to a pool the
+        next ``create`` on the same process group and timeout takes it from, instead of creating
+        one. Not destroyed: torch names a group made with ``use_local_synchronization`` after the
+        number of live groups, so destroying one makes the next one reuse its name and its stale
+        rendezvous keys (gloo's connectFullMesh then times out). A shared channel stays open.
+        Idempotent; a closed channel's collectives raise."""
+        with self._serial:
+            if self.group is None or not self._owned or self._closed:
+                return
+            self._closed = True
+            if self._broken is not None:
+                return
+            key = (id(self._source), float(self.timeout_s))
+            with Coordinator._cache_lock:
+                if Coordinator._free.get(key, (None,))[0] is not self._source:
+                    Coordinator._free[key] = (self._source, [])
+                Coordinator._free[key][1].append(self.group)
 
     @property
     def solo_mode(self) -> bool:
@@ -88,14 +185,18 @@ class Coordinator:
 
     # -- plumbing ------------------------------------------------------------
     def _run(self, what: str, fn: Callable[[], Any]) -> Any:
-        if self._broken is not None:
-            raise CollectiveFailedError(what, self.timeout_s, f"an earlier checkpoint collective failed: "
-                                                               f"{self._broken}")
-        try:
-            return fn()
-        except Exception as e:  # noqa: BLE001 - gloo reports a lost peer as RuntimeError/DistError
-            self._broken = describe(e)
-            raise CollectiveFailedError(what, self.timeout_s, self._broken) from e
+        with self._serial:
+            if self._closed:
+                raise GDSWriterError(f"{what}: this checkpointer's coordination channel is closed (the "
+                                     f"GDSCheckpointer was closed): create a new one")
+            if self._broken is not None:
+                raise CollectiveFailedError(what, self.timeout_s, f"an earlier checkpoint collective failed: "
+                                                                   f"{self._broken}")
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - gloo reports a lost peer as RuntimeError/DistError
+                self._broken = describe(e)
+                raise CollectiveFailedError(what, self.timeout_s, self._broken) from e
 
     @staticmethod
     def _encode(obj: Any) -> torch.Tensor:

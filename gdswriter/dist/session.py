@@ -4,7 +4,12 @@
 ones this rank leads and cleans their leftovers. Then, on every rank in the same order:
 ``prepare`` (DTensors -> local shards) before the snapshot, ``write_and_commit`` and
 ``apply_retention`` in the save worker, ``load``. ``protocol`` answers steps()/latest_step()
-on every rank, also where the primary root is another node's disk.
+on every rank, also where the primary root is another node's disk. ``close`` (from
+GDSCheckpointer.close) releases the locks and the checkpointer's own coordination channel.
+
+Each session has a channel of its own (group.py): another checkpointer's save thread never
+shares its collectives. Its collective operations (a save's writes and commit, a retention,
+a load) run one at a time, each whole (a lock), as every rank issues them in the same order.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ class DistSession:
         self.protocol = RankProtocol(layout)
         self._shards: collections.deque[tuple[int, dict[str, ShardInfo], dict[str, list[int]]]] = collections.deque()
         self._mutex = threading.Lock()
+        self._serial = threading.Lock()  # one collective operation at a time (the module docstring)
 
     @property
     def rank(self) -> int:
@@ -95,15 +101,20 @@ class DistSession:
                          pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest | None:
         """Collective: write and commit ``snap`` with every rank (dist/save.py)."""
         shards, meshes = self._shards_of(snap.step)
-        manifest = collective_save(self.coord, self.layout, snap, shards, engines, files_per_root=files_per_root,
-                                   replicated=self.options.replicated, pool=pool, release=release, meshes=meshes)
-        self._learn(set(self.protocol.known) | {snap.step}, snap.step)
+        with self._serial:
+            manifest = collective_save(self.coord, self.layout, snap, shards, engines, files_per_root=files_per_root,
+                                       replicated=self.options.replicated, pool=pool, release=release, meshes=meshes)
+            self._learn(set(self.protocol.known) | {snap.step}, snap.step)
         return manifest
 
     def apply_retention(self, newest: int, retained: Callable[[list[int], int], Any]) -> None:
         """Collective: rank 0 un-commits the steps the policy drops (primary first), then every
         root's leader deletes their secondary directories. I/O failures deleting a step are logged,
         not raised; any other failure on rank 0 (the policy, listing the steps) raises on every rank."""
+        with self._serial:
+            self._apply_retention(newest, retained)
+
+    def _apply_retention(self, newest: int, retained: Callable[[list[int], int], Any]) -> None:
         what = f"retention after step {newest}"
         mine: dict = {}
         error = None
@@ -140,8 +151,17 @@ class DistSession:
     # -- load ----------------------------------------------------------------
     def load(self, live: LiveState, live_state: dict, step: int | None, engine: IOEngine, *, strict: bool,
              verify: bool) -> int:
-        return collective_load(self.coord, self.layout, self.protocol, live, live_state, step, engine, strict=strict,
-                               verify=verify)
+        with self._serial:
+            return collective_load(self.coord, self.layout, self.protocol, live, live_state, step, engine,
+                                   strict=strict, verify=verify)
+
+    def close(self) -> None:
+        """Release the roots' locks and this checkpointer's coordination channel (local; after its
+        last collective). Idempotent."""
+        with self._serial:
+            if self.lock is not None:
+                self.lock.release()
+            self.coord.close()
 
 
 def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions,

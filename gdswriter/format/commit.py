@@ -57,6 +57,7 @@ import shutil
 import socket
 import stat
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -302,15 +303,26 @@ def _open_lock_file(path: Path) -> int:
 
 class RootLock:
     """An exclusive flock on every root, so two writers cannot interleave commits. Taking it
-    also makes each root's own name durable (its parents are fsynced)."""
+    also makes each root's own name durable (its parents are fsynced).
+
+    A flock belongs to the open file description, which a forked child shares (O_CLOEXEC only
+    acts at exec): while any process keeps a descriptor of it, closing ours would not drop the
+    lock. So ``release`` unlocks explicitly (LOCK_UN, for every holder) before closing, and a
+    forked child (a DataLoader worker, a persistent one outliving the checkpointer) closes its
+    inherited descriptors at once (at fork), without unlocking: it never holds the root, also
+    not after its parent died."""
 
     def __init__(self, roots: Sequence[Path]):
         self._fds: list[int] = []
+        self._paths: list[Path] = []
+        self._pid = os.getpid()  # the process that took the lock: the only one that unlocks it
+        _live_locks.add(self)
         try:
             for root in roots:
                 path = root / LOCK_NAME
                 fd = _open_lock_file(path)
                 self._fds.append(fd)
+                self._paths.append(path)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError as e:
@@ -327,9 +339,38 @@ class RootLock:
             raise
 
     def release(self) -> None:
-        for fd in self._fds:
-            os.close(fd)  # closing drops the flock
-        self._fds = []
+        """Unlock every root (in the process that locked them; see the class docstring) and close
+        the descriptors. Idempotent."""
+        fds, paths, self._fds, self._paths = self._fds, self._paths, [], []
+        for fd, path in zip(fds, paths):
+            if os.getpid() == self._pid:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except OSError as e:  # closing still drops it once no other process holds the descriptor
+                    log.warning("gdswriter: could not unlock %s (%s); it stays locked while a process forked "
+                                "from this one keeps it open", path, e)
+            os.close(fd)
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close the inherited descriptors, leaving the parent's lock alone."""
+        fds, self._fds, self._paths = self._fds, [], []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError as e:  # the child's copy is gone either way (EBADF: it was closed already)
+                log.debug("gdswriter: closing an inherited root lock descriptor in a forked child: %s", e)
+
+
+_live_locks: weakref.WeakSet[RootLock] = weakref.WeakSet()
+
+
+def _forget_locks_in_child() -> None:
+    for lock in list(_live_locks):
+        lock._forget_in_child()
+    _live_locks.clear()
+
+
+os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 class PendingCommit:
