@@ -45,7 +45,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -207,12 +207,16 @@ class GDSCheckpointer:
     all (gdswriter/dist/; ``dist_options``: DistOptions, e.g. the timeout). Pass
     ``dist_options=DistOptions(collective=False)`` for a checkpointer of one process
     only (e.g. created on rank 0 alone).
+
+    ``guard``: optimizers that update saved tensors but are not saved by this checkpointer
+    (an integration's trainer's, say): their ``step()`` waits for a save's snapshot, as the
+    optimizer given does (see the module docstring), so save_async need not copy first.
     """
 
     def __init__(self, model: Any = None, optimizer: Any = None, root: Any = "ckpts", *,
                  state: Mapping[str, Any] | None = None, options: CheckpointOptions | None = None,
                  keep_last: int | None = None, keep_every: int | None = None, save_rng: bool | None = None,
-                 process_group: Any = None, dist_options: DistOptions | None = None):
+                 process_group: Any = None, dist_options: DistOptions | None = None, guard: Sequence[Any] = ()):
         opts = options or CheckpointOptions()
         overrides = {k: v for k, v in (("keep_last", keep_last), ("keep_every", keep_every),
                                        ("save_rng", save_rng)) if v is not None}
@@ -221,6 +225,7 @@ class GDSCheckpointer:
         self.options = opts
         self.model, self.optimizer = model, optimizer
         self.extra = dict(state or {})
+        self._also_guard = tuple(guard)  # optimizers to guard that are not saved here (Lightning's trainer's)
         for name, obj in [("model", model), ("optimizer", optimizer), *self.extra.items()]:
             if obj is not None and not (hasattr(obj, "state_dict") or isinstance(obj, dict)):
                 raise InvalidOptionError(f"{name}: expected an object with state_dict()/load_state_dict() or a dict, "
@@ -302,7 +307,6 @@ class GDSCheckpointer:
         self._stopping = False
         self._submit_lock = threading.Lock()
         self._hooks: list[tuple[Any, Any]] = []  # (optimizer, its step pre-hook's handle)
-        self._also_guard: tuple = ()  # optimizers an integration adds (Lightning's trainer's)
         self._topology: Topology | None = None  # discovered at the first save of GPU state
         self._layout = LayoutCache()  # the last save's layout, reused while the tensors stay put
         self._last_plan: tuple[tuple, SavePlan] | None = None  # (what it was planned from, the plan)
@@ -494,7 +498,7 @@ class GDSCheckpointer:
     def _hook_optimizers(self) -> list:
         """Keep the step pre-hook on every optimizer this checkpointer guards: ``optimizer``,
         the optimizers among the ``state=`` objects (those with param_groups) and
-        ``_also_guard``; a replaced one loses it, a new one gets it. Returns the optimizers
+        ``guard=``; a replaced one loses it, a new one gets it. Returns the optimizers
         hooked; objects that are no torch.optim.Optimizer (nor wrap one) have no step hooks,
         so their tensors stay unguarded (save_async then waits for them, see _hold_unguarded)."""
         targets = _guard_targets([self.optimizer, *(v for v in self.extra.values() if hasattr(v, "param_groups")),

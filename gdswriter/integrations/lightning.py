@@ -192,12 +192,12 @@ class GDSCheckpointIO(CheckpointIO):
         step = int(checkpoint.get("global_step", 0))
         if root.is_symlink() or root.is_file():  # a save_last link, or a torch.save file from before
             root.unlink()
-        ckpt = GDSCheckpointer(checkpoint.get(MODEL_KEY, {}), root=root, options=self.options, keep_last=1,
-                               state={EXTRA_KEY: rest, TYPES_KEY: {"tags": tags}})
         # The dict holds the live parameters and optimizer state, not copies: the trainer's
         # optimizers must not step before the save has copied them (the checkpointer hooks them;
         # what they do not hold, save_async copies before it returns).
-        ckpt._also_guard = tuple(self._trainer_optimizers())
+        ckpt = GDSCheckpointer(checkpoint.get(MODEL_KEY, {}), root=root, options=self.options, keep_last=1,
+                               state={EXTRA_KEY: rest, TYPES_KEY: {"tags": tags}},
+                               guard=self._trainer_optimizers())
         try:
             handle = ckpt.save_async(step) if self.async_save else None
             if handle is None:
