@@ -21,6 +21,7 @@ import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -33,7 +34,7 @@ from .errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptChec
                      UnsupportedFormatVersionError)
 from .format.commit import CommitProtocol, normalize_roots, read_regular_file
 from .format.dtypes import dtype_from_name, dtype_to_name
-from .format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, Manifest, StorageRecord
+from .format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
 from .format.state_codec import decode_state
 from .options import EngineOptions
 from .rng import set_rng_state
@@ -97,9 +98,15 @@ def check_data_files(protocol: CommitProtocol, manifest: Manifest) -> None:
             raise CorruptCheckpointError(
                 f"{path} names data file {f.path} on root #{f.root}, but only {len(protocol.roots)} root(s) "
                 f"were given: pass the same list of roots that saved it")
+    check_file_sizes((protocol.step_dir(manifest.step, rec.root) / rec.path, rec) for rec in manifest.files)
+
+
+def check_file_sizes(files: Iterable[tuple[Path, FileRecord]]) -> None:
+    """Each (path, record): a regular file (not a link) of exactly the recorded size, and no two
+    of them the same file. check_data_files for every file of a step; a multi-rank load checks
+    the files each rank reads (dist/fetch.py), before any rank allocates."""
     seen: dict[tuple[int, int], str] = {}
-    for rec in manifest.files:
-        path = protocol.step_dir(manifest.step, rec.root) / rec.path
+    for path, rec in files:
         try:
             st = os.lstat(path)
         except FileNotFoundError as e:

@@ -22,7 +22,7 @@ from ..format.commit import CommitProtocol
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
 from ..format.state_codec import decode_state
-from ..restore import (LiveState, apply_state, host_buffer, parse_manifest, plan_restore, read_manifest_bytes,
+from ..restore import (LiveState, apply_state, parse_manifest, plan_restore, read_manifest_bytes,
                        tensors_from_storages)
 from .assemble import tree_for_rank
 from .fetch import fetch_storages, manifest_reach
@@ -94,7 +94,7 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
     """Collective: the state this rank saved in ``m``, its sharded tensors assembled as the
     ``templates`` (live tensors by key path) hold them now; the whole tensor without one."""
     unchanged = "the live state was not changed"
-    buffers: dict[int, torch.Tensor] = {}
+    needed: set[int] = set()
     jobs: dict[str, tuple] = {}
     refs: list[int] = []
     tree = None
@@ -102,7 +102,6 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
     try:
         tree = tree_for_rank(m, coord.rank)
         refs = tensor_refs(tree)
-        needed: set[int] = set()
         for i in refs:
             rec = m.tensors[i]
             if rec.shard is None:
@@ -113,11 +112,11 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
                           and overlap(offsets, shape, r.shard.offsets, r.shape) is not None]
                 needed.update(m.tensors[j].storage for j in blocks)
                 jobs[rec.name] = (offsets, shape, wrap, blocks)
-        buffers = {s: host_buffer(m.storages[s].nbytes) for s in sorted(needed)}
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (planning)", hint=unchanged)
-    fetch_storages(coord, manifest_reach(m, layout), m, buffers, engine, verify=verify, what=what)
+    # buffers are allocated once every rank has checked the files it reads (fetch_storages)
+    buffers = fetch_storages(coord, manifest_reach(m, layout), m, needed, engine, verify=verify, what=what)
     error, state = None, None
     try:
         views = [i for i in refs if m.tensors[i].shard is None]
