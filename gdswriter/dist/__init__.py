@@ -24,6 +24,7 @@ from .session import DistSession, open_session
 if TYPE_CHECKING:
     from ..checkpointer import GDSCheckpointer
     from ..format.manifest import Manifest
+    from ..restore import LoadResult
     from .dcp import GDSStorageReader, GDSStorageWriter
 
 __all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "load_state", "open_session",
@@ -63,21 +64,28 @@ def peek_manifest(protocol: Any, step: int | None) -> Manifest | None:
         return None
 
 
-def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify: bool) -> int:
-    """GDSCheckpointer.load of a multi-rank checkpoint, on its ranks or in one process."""
+def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify: bool, fallback: bool = False,
+              atomic: bool | None = None) -> LoadResult:
+    """GDSCheckpointer.load of a multi-rank checkpoint, on its ranks or in one process. The load
+    reads into fresh buffers and verifies them before any live tensor changes on any rank: it is
+    atomic whatever ``atomic`` says. ``fallback``: the newest intact step, as every rank agrees."""
     from ..restore import LiveState
-    from .load import collective_load
+    from .load import collective_restore
 
+    if fallback and step is not None:
+        raise InvalidOptionError("load(fallback=True) chooses the step itself (the newest intact one): "
+                                 "pass step=None, or load a given step without fallback")
     live = LiveState(ckpt.model, ckpt.optimizer, ckpt.extra, restore_rng=ckpt.options.save_rng)
     live_state = ckpt._collect()
     engine = ckpt._engine_list()[0]
     session: DistSession | None = ckpt._dist
     if session is not None:
-        return session.load(live, live_state, step, engine, strict=strict, verify=verify)
-    coord = Coordinator.solo()
-    layout = discover_layout(coord, ckpt.roots, create=False)
-    return collective_load(coord, layout, ckpt.protocol, live, live_state, step, engine, strict=strict,
-                           verify=verify)
+        coord, layout, protocol = session.coord, session.layout, session.protocol
+    else:
+        coord = Coordinator.solo()
+        layout, protocol = discover_layout(coord, ckpt.roots, create=False), ckpt.protocol
+    return collective_restore(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify,
+                              fallback=fallback)
 
 
 def load_state(root: Any, step: int | None = None, *, verify: bool = True,
