@@ -126,10 +126,47 @@ def check_file_sizes(files: Iterable[tuple[Path, FileRecord]]) -> None:
                                          f"damaged or was tampered with; load an earlier step")
 
 
+def step_gone(protocol: CommitProtocol, manifest: Manifest) -> bool:
+    """True when the step ``manifest`` describes is no longer committed as that manifest: un-committed
+    (a running checkpointer's retention, delete_step) or replaced by a new save of the same step.
+    A reader that hits a missing file asks this: then it lost a race, the checkpoint is not damaged."""
+    try:
+        raw = read_manifest_bytes(protocol, manifest.step)
+    except CheckpointNotFoundError:
+        return True
+    except (GDSWriterError, OSError):
+        return False  # unreadable now: damage, reported as it was found
+    try:
+        return parse_manifest(protocol, manifest.step, raw) != manifest
+    except (GDSWriterError, ValueError):
+        return False
+
+
+def deleted_while_reading(protocol: CommitProtocol, manifest: Manifest,
+                          e: BaseException) -> CheckpointNotFoundError | None:
+    """For failure ``e`` reading ``manifest``'s step: the CheckpointNotFoundError to raise instead
+    when the step was deleted (or saved again) meanwhile, its files going with it; None when it
+    is still committed as read (then a missing or short file is damage, ``e`` stands)."""
+    if isinstance(e, CheckpointNotFoundError) or not isinstance(e, (CorruptCheckpointError, OSError)):
+        return None
+    if not step_gone(protocol, manifest):
+        return None
+    return CheckpointNotFoundError(errno.ENOENT, f"step {manifest.step} under {protocol.primary} was deleted (or "
+                                                 f"saved again) while it was being read, by a running "
+                                                 f"checkpointer's retention (keep_last?): read a newer step "
+                                                 f"({' '.join(str(e).split())})")
+
+
 def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
     """The validated manifest of committed ``step``, its data files checked (check_data_files)."""
     m = parse_manifest(protocol, step, read_manifest_bytes(protocol, step))
-    check_data_files(protocol, m)
+    try:
+        check_data_files(protocol, m)
+    except CorruptCheckpointError as e:
+        gone = deleted_while_reading(protocol, m, e)
+        if gone is None:
+            raise
+        raise gone from e
     return m
 
 
@@ -189,12 +226,25 @@ def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
 def load_state(root: str | os.PathLike | Sequence[str | os.PathLike], step: int | None = None, *,
                verify: bool = True, engine_options: EngineOptions | None = None) -> tuple[int, Any]:
     """Read a checkpoint into fresh CPU tensors: returns (step, state) where state is the saved
-    tree (``{"model": ..., "optimizer": ..., ...}``). Never unpickles; takes no lock."""
+    tree (``{"model": ..., "optimizer": ..., ...}``). Never unpickles; takes no lock.
+
+    Beside a running checkpointer, the step may be deleted while it is read (retention): that is
+    CheckpointNotFoundError, and with ``step`` None the newest step is then tried once more."""
     protocol = CommitProtocol(normalize_roots(root))
-    step = protocol.require(step)
-    manifest = read_manifest(protocol, step)
-    return step, decode_state(manifest.state, read_tensors(protocol, manifest, verify=verify,
-                                                           engine_options=engine_options))
+
+    def read(step: int) -> tuple[int, Any]:
+        manifest = read_manifest(protocol, step)
+        return step, decode_state(manifest.state, read_tensors(protocol, manifest, verify=verify,
+                                                               engine_options=engine_options))
+
+    resolved = protocol.require(step)
+    try:
+        return read(resolved)
+    except CheckpointNotFoundError as e:
+        if step is not None:
+            raise
+        log.info("gdswriter: step %d was deleted while it was being read (%s); reading the newest step", resolved, e)
+    return read(protocol.require(None))
 
 
 def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence[int] | None = None, *,
@@ -211,8 +261,14 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
         part = replace(manifest, storages=tuple(s if sid in needed else StorageRecord(0, ())
                                                 for sid, s in enumerate(manifest.storages)))
     buffers = [host_buffer(s.nbytes) for s in part.storages]
-    with create_engine(engine_options) as engine:
-        read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
+    try:
+        with create_engine(engine_options) as engine:
+            read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
+    except (CorruptCheckpointError, OSError) as e:
+        gone = deleted_while_reading(protocol, manifest, e)
+        if gone is None:
+            raise
+        raise gone from e
     if indices is None:
         return tensors_from_storages(part, buffers)  # type: ignore[return-value]
     out: list[torch.Tensor | None] = [None] * len(manifest.tensors)
