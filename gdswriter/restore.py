@@ -8,6 +8,11 @@ the data files through the engines into per-storage buffers and checks each chun
 what ``GDSCheckpointer.load`` promises: it plans the whole load first (``plan_restore``: every
 key, shape, dtype and the optimizer's structure, with no byte moved), then reads, then hands
 each object its state.
+
+Readers take no lock, so a running checkpointer's retention may delete the step being read:
+a missing file (or any failure reading it) of a step that is no longer committed as it was
+read (``step_gone``) is CheckpointNotFoundError, while the same in a step still committed is
+damage (CorruptCheckpointError), as before.
 """
 
 from __future__ import annotations
@@ -137,9 +142,12 @@ def step_gone(protocol: CommitProtocol, manifest: Manifest) -> bool:
     except (GDSWriterError, OSError):
         return False  # unreadable now: damage, reported as it was found
     try:
-        return parse_manifest(protocol, manifest.step, raw) != manifest
+        now = parse_manifest(protocol, manifest.step, raw)
     except (GDSWriterError, ValueError):
         return False
+    # What a new save changes (the state tree is left out: a NaN in it never equals itself)
+    return (now.created_unix, now.files, now.storages, now.tensors) != \
+        (manifest.created_unix, manifest.files, manifest.storages, manifest.tensors)
 
 
 def deleted_while_reading(protocol: CommitProtocol, manifest: Manifest,
