@@ -93,17 +93,38 @@ def load_state(root: Any, step: int | None = None, *, verify: bool = True,
     """Read a checkpoint into fresh CPU tensors in one process, like gdswriter.load_state, with
     a multi-rank step's sharded tensors (DTensor shards, DCP chunks) assembled whole; the state
     is rank 0's (a DCP step's: {fqn: tensor, BytesIO items as uint8 tensors}). ``root``: every
-    root of the checkpoint (those of all nodes), the primary first. Never unpickles; no lock."""
+    root of the checkpoint (those of all nodes), the primary first. Never unpickles; no lock.
+    A step deleted while it is read (a running job's retention) is CheckpointNotFoundError, and
+    with ``step`` None the newest step is tried once more, as gdswriter.load_state does."""
     from ..engine_select import create_engine
+    from ..errors import CheckpointNotFoundError, CorruptCheckpointError
     from ..format.commit import CommitProtocol, normalize_roots
+    from ..restore import deleted_while_reading
     from .load import broadcast_manifest, rebuild_state
 
     roots = normalize_roots(root)
     coord = Coordinator.solo()
     layout = discover_layout(coord, roots, create=False)
-    step, m = broadcast_manifest(coord, CommitProtocol(roots), step, "load_state")
-    with create_engine(engine_options) as engine:
-        return step, rebuild_state(coord, layout, m, {}, None, engine, verify=verify, what=f"load_state of step {step}")
+    protocol = CommitProtocol(roots)
+
+    def read(step: int | None) -> tuple[int, Any]:
+        step, m = broadcast_manifest(coord, protocol, step, "load_state")
+        try:
+            with create_engine(engine_options) as engine:
+                return step, rebuild_state(coord, layout, m, {}, None, engine, verify=verify,
+                                           what=f"load_state of step {step}")
+        except (CorruptCheckpointError, OSError) as e:
+            gone = deleted_while_reading(protocol, m, e)
+            if gone is None:
+                raise
+            raise gone from e
+
+    if step is not None:
+        return read(step)
+    try:
+        return read(None)
+    except CheckpointNotFoundError:
+        return read(None)  # the newest step was deleted while it was read: once more, on the newest
 
 
 def __getattr__(name: str) -> Any:
