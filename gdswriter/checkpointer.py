@@ -647,13 +647,22 @@ class GDSCheckpointer:
 
         ``fallback=True`` (with ``step=None``): if the latest step is damaged (manifest, files,
         checksums), warn naming the problem and load the newest intact older step instead.
+
+        A multi-rank checkpoint (on its ranks, or in one process) always loads atomically: every
+        rank reads into fresh buffers and verifies them, and all agree, before any live tensor
+        changes; with ``fallback`` every rank lands on the same step.
         """
         self._check_open()
         self._quiesce()
         verify = self.options.verify if verify is None else verify
         peeked = None if self._dist is not None else peek_manifest(self.protocol, step)
-        if self._dist is not None or (peeked is not None and peeked.dist is not None):  # [dist hook] collective load
-            return dist_load_into(self, step, strict=strict, verify=verify)
+        multi_rank = peeked is not None and peeked.dist is not None
+        if peeked is None and fallback and self._dist is None:  # the latest manifest is damaged: ask an older one
+            older = (peek_manifest(self.protocol, s) for s in self.protocol.fallback_order()[1:])
+            multi_rank = next((m.dist is not None for m in older if m is not None), False)
+        if self._dist is not None or multi_rank:  # [dist hook] collective load
+            self.last_load = dist_load_into(self, step, strict=strict, verify=verify, fallback=fallback, atomic=atomic)
+            return self.last_load.step
         live = LiveState(self.model, self.optimizer, self.extra, restore_rng=self.options.save_rng)
         kw = dict(strict=strict, verify=verify, engine_options=self.options.engine, atomic=atomic, manifest=peeked)
         if fallback:

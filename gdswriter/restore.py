@@ -8,6 +8,11 @@ the data files through the engines into per-storage buffers and checks each chun
 what ``GDSCheckpointer.load`` promises: it plans the whole load first (``plan_restore``: every
 key, shape, dtype and the optimizer's structure, with no byte moved), then reads, then hands
 each object its state.
+
+Readers take no lock, so a running checkpointer's retention may delete the step being read:
+a missing file (or any failure reading it) of a step that is no longer committed as it was
+read (``step_gone``) is CheckpointNotFoundError, while the same in a step still committed is
+damage (CorruptCheckpointError), as before.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -33,7 +39,7 @@ from .errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptChec
                      UnsupportedFormatVersionError)
 from .format.commit import CommitProtocol, normalize_roots, read_regular_file
 from .format.dtypes import dtype_from_name, dtype_to_name
-from .format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, Manifest, StorageRecord
+from .format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
 from .format.state_codec import decode_state
 from .options import EngineOptions
 from .rng import set_rng_state
@@ -97,9 +103,15 @@ def check_data_files(protocol: CommitProtocol, manifest: Manifest) -> None:
             raise CorruptCheckpointError(
                 f"{path} names data file {f.path} on root #{f.root}, but only {len(protocol.roots)} root(s) "
                 f"were given: pass the same list of roots that saved it")
+    check_file_sizes((protocol.step_dir(manifest.step, rec.root) / rec.path, rec) for rec in manifest.files)
+
+
+def check_file_sizes(files: Iterable[tuple[Path, FileRecord]]) -> None:
+    """Each (path, record): a regular file (not a link) of exactly the recorded size, and no two
+    of them the same file. check_data_files for every file of a step; a multi-rank load checks
+    the files each rank reads (dist/fetch.py), before any rank allocates."""
     seen: dict[tuple[int, int], str] = {}
-    for rec in manifest.files:
-        path = protocol.step_dir(manifest.step, rec.root) / rec.path
+    for path, rec in files:
         try:
             st = os.lstat(path)
         except FileNotFoundError as e:
@@ -119,10 +131,50 @@ def check_data_files(protocol: CommitProtocol, manifest: Manifest) -> None:
                                          f"damaged or was tampered with; load an earlier step")
 
 
+def step_gone(protocol: CommitProtocol, manifest: Manifest) -> bool:
+    """True when the step ``manifest`` describes is no longer committed as that manifest: un-committed
+    (a running checkpointer's retention, delete_step) or replaced by a new save of the same step.
+    A reader that hits a missing file asks this: then it lost a race, the checkpoint is not damaged."""
+    try:
+        raw = read_manifest_bytes(protocol, manifest.step)
+    except CheckpointNotFoundError:
+        return True
+    except (GDSWriterError, OSError):
+        return False  # unreadable now: damage, reported as it was found
+    try:
+        now = parse_manifest(protocol, manifest.step, raw)
+    except (GDSWriterError, ValueError):
+        return False
+    # What a new save changes (the state tree is left out: a NaN in it never equals itself)
+    return (now.created_unix, now.files, now.storages, now.tensors) != \
+        (manifest.created_unix, manifest.files, manifest.storages, manifest.tensors)
+
+
+def deleted_while_reading(protocol: CommitProtocol, manifest: Manifest,
+                          e: BaseException) -> CheckpointNotFoundError | None:
+    """For failure ``e`` reading ``manifest``'s step: the CheckpointNotFoundError to raise instead
+    when the step was deleted (or saved again) meanwhile, its files going with it; None when it
+    is still committed as read (then a missing or short file is damage, ``e`` stands)."""
+    if isinstance(e, CheckpointNotFoundError) or not isinstance(e, (CorruptCheckpointError, OSError)):
+        return None
+    if not step_gone(protocol, manifest):
+        return None
+    return CheckpointNotFoundError(errno.ENOENT, f"step {manifest.step} under {protocol.primary} was deleted (or "
+                                                 f"saved again) while it was being read, by a running "
+                                                 f"checkpointer's retention (keep_last?): read a newer step "
+                                                 f"({' '.join(str(e).split())})")
+
+
 def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
     """The validated manifest of committed ``step``, its data files checked (check_data_files)."""
     m = parse_manifest(protocol, step, read_manifest_bytes(protocol, step))
-    check_data_files(protocol, m)
+    try:
+        check_data_files(protocol, m)
+    except CorruptCheckpointError as e:
+        gone = deleted_while_reading(protocol, m, e)
+        if gone is None:
+            raise
+        raise gone from e
     return m
 
 
@@ -182,12 +234,25 @@ def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
 def load_state(root: str | os.PathLike | Sequence[str | os.PathLike], step: int | None = None, *,
                verify: bool = True, engine_options: EngineOptions | None = None) -> tuple[int, Any]:
     """Read a checkpoint into fresh CPU tensors: returns (step, state) where state is the saved
-    tree (``{"model": ..., "optimizer": ..., ...}``). Never unpickles; takes no lock."""
+    tree (``{"model": ..., "optimizer": ..., ...}``). Never unpickles; takes no lock.
+
+    Beside a running checkpointer, the step may be deleted while it is read (retention): that is
+    CheckpointNotFoundError, and with ``step`` None the newest step is then tried once more."""
     protocol = CommitProtocol(normalize_roots(root))
-    step = protocol.require(step)
-    manifest = read_manifest(protocol, step)
-    return step, decode_state(manifest.state, read_tensors(protocol, manifest, verify=verify,
-                                                           engine_options=engine_options))
+
+    def read(step: int) -> tuple[int, Any]:
+        manifest = read_manifest(protocol, step)
+        return step, decode_state(manifest.state, read_tensors(protocol, manifest, verify=verify,
+                                                               engine_options=engine_options))
+
+    resolved = protocol.require(step)
+    try:
+        return read(resolved)
+    except CheckpointNotFoundError as e:
+        if step is not None:
+            raise
+        log.info("gdswriter: step %d was deleted while it was being read (%s); reading the newest step", resolved, e)
+    return read(protocol.require(None))
 
 
 def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence[int] | None = None, *,
@@ -204,8 +269,14 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
         part = replace(manifest, storages=tuple(s if sid in needed else StorageRecord(0, ())
                                                 for sid, s in enumerate(manifest.storages)))
     buffers = [host_buffer(s.nbytes) for s in part.storages]
-    with create_engine(engine_options) as engine:
-        read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
+    try:
+        with create_engine(engine_options) as engine:
+            read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
+    except (CorruptCheckpointError, OSError) as e:
+        gone = deleted_while_reading(protocol, manifest, e)
+        if gone is None:
+            raise
+        raise gone from e
     if indices is None:
         return tensors_from_storages(part, buffers)  # type: ignore[return-value]
     out: list[torch.Tensor | None] = [None] * len(manifest.tensors)

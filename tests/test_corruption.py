@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import _models as M
+from test_dist_harness import run_ranks
 import gdswriter.restore as restore_mod
 from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, TruncatedFileError,
                        UnsupportedFormatVersionError, UnsupportedObjectError, load_state)
@@ -511,3 +512,169 @@ def test_one_data_file_counted_twice_is_refused(two_steps, how):
     with pytest.raises(CorruptCheckpointError, match=match):
         load_state(root)
     assert_step_intact(root, 1)
+
+
+# ----------------------------------------------------------------------------- hostile multi-rank manifests
+CLAIM = 256 << 20  # what the hostile manifests claim; the files hold ~1.3 MiB
+GROWTH_LIMIT = CLAIM // 4
+
+
+def inflate(root: Path, step: int, claim: int) -> None:
+    """Make a multi-rank manifest (valid self-checksum) claim ``claim`` bytes for its largest
+    storage: the chunk that ends both its storage and its data file grows, and so do the
+    storage and the file's recorded size. The files on disk stay as they are."""
+    b = body(root, step)
+    ends: dict[int, int] = {}
+    for s in b["storages"]:
+        for f, off, _, n, _ in s["chunks"]:
+            ends[f] = max(ends.get(f, 0), off + n)
+    s = max(b["storages"], key=lambda s: s["nbytes"])
+    c = max(s["chunks"], key=lambda c: c[2])
+    assert c[1] + c[3] == ends[c[0]], "the storage's last chunk ends its file"
+    extra = claim - s["nbytes"]
+    c[3] += extra
+    s["nbytes"] += extra
+    b["files"][c[0]][2] += extra
+    rewrite(root, step, b)
+
+
+def huge_shard(root: Path, step: int) -> None:
+    """Record the largest tensor as a block of a 4 TiB global tensor (the block fits in it)."""
+    b = body(root, step)
+    t = max(b["tensors"], key=lambda t: b["storages"][t["storage"]]["nbytes"])
+    t["shard"] = {"global_shape": [1 << 40] + t["shape"][1:], "offsets": [0] * len(t["shape"])}
+    rewrite(root, step, b)
+
+
+def _rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process, in bytes."""
+    status = Path("/proc/self/status").read_text()
+    return tuple(int(status.split(k)[1].split()[0]) * 1024 for k in ("VmRSS:", "VmHWM:"))  # type: ignore[return-value]
+
+
+def measured(fn) -> dict:
+    """Run ``fn`` with the peak RSS reset first (clear_refs 5): its error type (and those it wraps:
+    RankFailedError's failures, DCP's CheckpointException) and by how much the peak grew."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before, _ = _rss()
+    kind, text = "ok", ""
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        inner = [x for x, _ in e.failures.values()] if hasattr(e, "failures") and isinstance(e.failures, dict) \
+            and all(isinstance(v, tuple) for v in e.failures.values()) else [e]
+        kind = ",".join(sorted({type(x).__name__ for x in inner}))
+        text = " ".join("; ".join(str(x) for x in inner).split())[:2000]
+    return {"error": kind, "text": text, "growth": _rss()[1] - before}
+
+
+def _hostile_dist_worker(rank: int, world: int, tmp: str) -> dict:
+    """2 ranks: save a GDSCheckpointer step and a DCP step (a replicated 1.25 MiB tensor, split
+    across both ranks' files), keep pristine copies, inflate both manifests, then load each on
+    both ranks (the collective GDSCheckpointer load, dcp.load through GDSStorageReader)."""
+    import shutil
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter import CheckpointOptions, GDSCheckpointer
+    from gdswriter.dist import DistOptions, GDSStorageReader, GDSStorageWriter
+
+    tmp_p = Path(tmp)
+    torch.manual_seed(0)
+    model = {"w": torch.randn(512, 640)}
+    with GDSCheckpointer(model, None, tmp_p / "ck", options=M.small_options(),
+                         dist_options=DistOptions(timeout_s=60)) as ck:
+        ck.save(1)
+    dcp.save({"w": model["w"]}, storage_writer=GDSStorageWriter(tmp_p / "dcp", step=1, options=CheckpointOptions(
+        engine=M.small_engine()), dist_options=DistOptions(timeout_s=60)))
+    dist.barrier()
+    if rank == 0:
+        for name in ("ck", "dcp"):
+            shutil.copytree(tmp_p / name, tmp_p / f"{name}-pristine")
+            inflate(tmp_p / name, 1, CLAIM)
+        shutil.copytree(tmp_p / "ck-pristine", tmp_p / "ck-shard")
+        huge_shard(tmp_p / "ck-shard", 1)
+    dist.barrier()
+    live = {"w": torch.zeros(512, 640)}
+    ck = GDSCheckpointer(live, None, tmp_p / "ck", options=M.small_options(), dist_options=DistOptions(timeout_s=60))
+    out = {"ck.load": measured(ck.load)}
+    out["untouched"] = not live["w"].any().item()
+    ck.close()
+    reader = GDSStorageReader(tmp_p / "dcp", engine_options=M.small_engine(), dist_options=DistOptions(timeout_s=60))
+    out["dcp.load"] = measured(lambda: dcp.load({"w": torch.zeros(512, 640)}, storage_reader=reader))
+    return out
+
+
+HOSTILE_DIST_CHILD = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import gdswriter.dist, gdswriter.dist.dcp
+    from gdswriter import GDSCheckpointer, load_state
+    from gdswriter.cli import main
+    from gdswriter.dist import GDSStorageReader
+    from gdswriter.export import export_step
+    import _models as M
+    from test_corruption import measured
+
+    tmp = Path(sys.argv[1])
+
+    def readers(name):
+        root = str(tmp / name)
+        out = tmp / f"{name}.out"
+        if name.startswith("dcp"):
+            yield "dcp.load", lambda: dcp.load({"w": torch.zeros(512, 640)}, no_dist=True,
+                                               storage_reader=GDSStorageReader(root, engine_options=M.small_engine()))
+        else:
+            ck = GDSCheckpointer({"w": torch.zeros(512, 640)}, None, root, options=M.small_options())
+            yield "GDSCheckpointer.load", ck.load
+            ck.close()
+        yield "load_state", lambda: load_state(root)
+        yield "dist.load_state", lambda: gdswriter.dist.load_state(root)
+        yield "export_step", lambda: export_step([root], None, "safetensors", f"{out}.st", overwrite=True)
+        for cmd in (["verify", root], ["export", root, "--to", "torch", f"{out}.pt", "--force"], ["inspect", root]):
+            yield "gdswriter " + cmd[0], lambda cmd=cmd: sys.exit(main(cmd))
+
+    for name in ("ck-pristine", "dcp-pristine", "ck", "dcp", "ck-shard"):  # pristine first: warms every path up
+        for what, fn in readers(name):
+            print(json.dumps({"root": name, "reader": what, **measured(fn)}), flush=True)
+""")
+
+
+def test_hostile_multi_rank_manifests_are_refused_by_every_reader_before_allocating(tmp_path):
+    """Issue 22, 6: a multi-rank manifest claiming far more than its files made the collective
+    load and the DCP reader allocate (and populate) the claim before any check. Every reader,
+    on 2 ranks and in one process, refuses the same hostile manifests with a typed error, and
+    its peak memory grows by far less than the claim."""
+    res = run_ranks(2, _hostile_dist_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, r in enumerate(res):
+        for what in ("ck.load", "dcp.load"):
+            x = r[what]
+            assert x["error"] in ("TruncatedFileError", "RankFailedError"), (rank, what, x)
+            assert "TruncatedFileError" in x["text"] or "truncated" in x["text"], (rank, what, x)
+            assert x["growth"] < GROWTH_LIMIT, (rank, what, x)
+        assert r["untouched"], "the live tensor was not changed"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]),
+               GDSWRITER_BUFFER_BYTES=str(256 << 10), GDSWRITER_REQUEST_BYTES=str(64 << 10),
+               GDSWRITER_NUM_BUFFERS="2")
+    proc = subprocess.run([sys.executable, "-c", HOSTILE_DIST_CHILD, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"root"')]
+    got = {(x["root"], x["reader"]): x for x in rows}
+    assert len(got) == 5 * 7, proc.stdout
+    for (root, what), x in got.items():
+        assert x["growth"] < GROWTH_LIMIT, x  # whatever the reader and the manifest
+        cli = what.startswith("gdswriter ")
+        if root.endswith("pristine"):  # the readers work
+            assert (x["error"], x["text"]) == ("SystemExit", "0") if cli else x["error"] == "ok", x
+        elif root in ("ck", "dcp"):  # the claim is refused, before any allocation
+            if cli:  # exit status 1 (corrupt); inspect shows the manifest and reads no data file
+                assert (x["error"], x["text"]) == ("SystemExit", "0" if what == "gdswriter inspect" else "1"), x
+            else:
+                assert x["error"] == "TruncatedFileError" and "655360 bytes on disk" in x["text"], x
+    for what in ("GDSCheckpointer.load", "dist.load_state"):  # the readers that assemble a sharded tensor
+        x = got[("ck-shard", what)]
+        assert x["error"] == "CorruptCheckpointError" and "cover 327680 of the" in x["text"], x

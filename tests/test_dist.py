@@ -13,6 +13,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from test_dist_harness import run_ranks
@@ -370,3 +371,132 @@ def test_hung_rank_times_out(tmp_path):
     assert timeout - 0.5 <= first < 2 * timeout + 5 and second - first < 1, res
     assert [e[0] for e in res[1]["errors"]] == ["CollectiveFailedError"] * 2, res
     assert res[0]["steps"] == [1] and (Path(root) / "latest").read_text() == "1\n"
+
+
+# ----------------------------------------------------------------------------- fallback and atomic loads
+def _fallback_state(rank: int, seed: int) -> tuple[torch.nn.Module, dict]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(512, 640)  # 1.25 MiB of weights: above every small-copy threshold
+    mine = {"count": torch.full((300_000,), float(rank * 1000 + seed))}  # rank-local (1.2 MB), saved per rank
+    return model, mine
+
+
+def _values(model: torch.nn.Module, mine: dict) -> dict[str, torch.Tensor]:
+    return {**{f"model/{k}": v.clone() for k, v in model.state_dict().items()}, "count": mine["count"].clone()}
+
+
+def _flip(root: Path, step: int, tensors: set[int] | None = None, name: str | None = None) -> str:
+    """Flip one byte of step ``step``'s data: in the first chunk of a tensor of index in
+    ``tensors``, or of the tensor named ``name``; returns the damaged file."""
+    from gdswriter.format.manifest import Manifest
+
+    d = root / f"step_{step:012d}"
+    m = Manifest.from_json_bytes((d / "manifest.json").read_bytes())
+    i = next(i for i, t in enumerate(m.tensors) if (tensors is not None and i in tensors) or t.name == name)
+    c = next(c for c in m.storages[m.tensors[i].storage].chunks if c.length)
+    path = d / m.files[c.file].path
+    with open(path, "r+b") as f:
+        f.seek(c.file_offset)
+        b = f.read(1)
+        f.seek(c.file_offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return str(path)
+
+
+def _fallback_worker(rank: int, world: int, root: str, out: str) -> dict:
+    import logging
+
+    import torch.distributed as dist
+
+    from gdswriter import GDSCheckpointer
+    from gdswriter.dist.assemble import tree_for_rank
+    from gdswriter.dist.load import tensor_refs
+    from gdswriter.format.manifest import Manifest
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("gdswriter").addHandler(handler)
+    model, mine = _fallback_state(rank, 1)
+    ck = GDSCheckpointer(model, None, root=root, state={"mine": mine}, options=_options())
+    ck.save(1)
+    at1 = _values(model, mine)
+    fresh, fresh_mine = _fallback_state(rank, 2)
+    model.load_state_dict(fresh.state_dict())
+    mine["count"].copy_(fresh_mine["count"])
+    ck.save(2)
+    res: dict = {}
+    dist.barrier()
+    if rank == 0:  # damage a tensor only rank 1 saved and loads: only rank 1 finds it
+        m = Manifest.from_json_bytes(Path(root, "step_000000000002", "manifest.json").read_bytes())
+        only1 = set(tensor_refs(tree_for_rank(m, 1))) - set(tensor_refs(tree_for_rank(m, 0)))
+        res["damaged"] = _flip(Path(root), 2, tensors=only1)
+    dist.barrier()
+    sentinel, sentinel_mine = _fallback_state(rank, 3)
+    model.load_state_dict(sentinel.state_dict())
+    mine["count"].copy_(sentinel_mine["count"])
+    res["fallback"] = ck.load(fallback=True, atomic=True)
+    res["damaged_steps"] = list(ck.last_load.damaged)
+    res["atomic"] = ck.last_load.atomic
+    res["equal_at1"] = _same(_values(model, mine), at1)
+    res["warnings"] = [r for r in records if "damaged" in r]
+    dist.barrier()
+    if rank == 0:  # now the shared model weight too: both ranks find damage
+        _flip(Path(root), 2, name="model/weight")
+    dist.barrier()
+    model.load_state_dict(sentinel.state_dict())
+    mine["count"].copy_(sentinel_mine["count"])
+    before = _values(model, mine)
+    try:
+        ck.load(atomic=True)
+        res["atomic_load"] = "loaded"
+    except Exception as e:  # noqa: BLE001
+        res["atomic_load"] = type(e).__name__
+    res["untouched"] = _same(_values(model, mine), before)
+    res["fallback2"] = ck.load(fallback=True)
+    res["equal_at1_2"] = _same(_values(model, mine), at1)
+    if rank == 0:
+        torch.save(at1, Path(out, "at1.pt"))
+    ck.close()
+    return res
+
+
+def test_fallback_and_atomic_loads_of_a_multi_rank_checkpoint(tmp_path, caplog):
+    """Issue 22, 7: load(fallback=True) and atomic= were ignored for multi-rank checkpoints (a
+    damaged latest step raised ChecksumMismatchError). On 2 ranks, damage only one rank sees
+    makes every rank fall back to the same intact step, with the warning; a damaged step loaded
+    with atomic=True leaves every live tensor untouched. In one process, the same."""
+    import logging
+
+    from gdswriter import ChecksumMismatchError, GDSCheckpointer
+
+    root = tmp_path / "shared"
+    res = run_ranks(2, _fallback_worker, str(root), str(tmp_path), out=tmp_path / "ranks")
+    for r, x in enumerate(res):
+        assert x["fallback"] == 1 and x["damaged_steps"] == [2] and x["atomic"], (r, x)
+        assert x["equal_at1"] == [], (r, x)
+        assert any("step 2" in w and "trying an older step" in w for w in x["warnings"]), (r, x)
+        assert any("loaded step 1, the newest intact step" in w for w in x["warnings"]), (r, x)
+        assert x["atomic_load"] in ("ChecksumMismatchError", "RankFailedError"), (r, x)
+        assert x["untouched"] == [], (r, x)
+        assert x["fallback2"] == 1 and x["equal_at1_2"] == [], (r, x)
+    assert "rank1" in res[0]["damaged"], "the damage was in a file only rank 1 reads"
+    at1 = torch.load(tmp_path / "at1.pt")
+    # one process: rank 0's state of the newest intact step
+    model, mine = _fallback_state(0, 3)
+    with GDSCheckpointer(model, None, root=root, state={"mine": mine}, options=_options()) as ck:
+        before = _values(model, mine)
+        with pytest.raises(ChecksumMismatchError):
+            ck.load(atomic=True)
+        assert _same(_values(model, mine), before) == []
+        with caplog.at_level(logging.WARNING, logger="gdswriter"):
+            assert ck.load(fallback=True, atomic=True) == 1
+        assert ck.last_load.damaged == (2,) and ck.last_load.step == 1 and ck.last_load.atomic
+        assert _same(_values(model, mine), at1) == []
+        assert "step 2 under" in caplog.text and "checksum mismatch" in caplog.text, caplog.text
+        assert "loaded step 1, the newest intact step" in caplog.text, caplog.text
+        # the latest manifest itself damaged: the one-process load still finds the multi-rank step 1
+        Path(root, "step_000000000002", "manifest.json").write_text("{")
+        model.load_state_dict(_fallback_state(0, 3)[0].state_dict())
+        assert ck.load(fallback=True) == 1 and ck.last_load.damaged == (2,)
+        assert _same(_values(model, mine), at1) == []

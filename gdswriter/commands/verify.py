@@ -30,7 +30,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..engine_select import create_engine
     from ..options import EngineOptions
-    from ..restore import verify_step
+    from ..restore import step_gone, verify_step
 
     roots = open_roots(args.root, args.secondary)
     protocol = CommitProtocol(roots)
@@ -45,6 +45,7 @@ def run(args) -> int:
     with create_engine(EngineOptions.from_env()) as engine:
         for step in steps:
             problems: list[str] = []
+            m = None
             try:
                 _, m, _ = load_manifest(protocol, step)
                 check_roots(protocol, step, m)
@@ -56,7 +57,8 @@ def run(args) -> int:
             except (CorruptCheckpointError, UnsupportedFormatVersionError) as e:
                 stats = None
                 problems.append(str(e))
-            if problems and not protocol.is_committed(step):
+            # Problems of a step deleted (or saved again) meanwhile are a race with retention, not damage.
+            if problems and (not protocol.is_committed(step) if m is None else step_gone(protocol, m)):
                 vanished += 1
                 out(f"step {step}: deleted while being verified (a running checkpointer's retention?); skipped")
                 continue

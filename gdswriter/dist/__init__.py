@@ -24,6 +24,7 @@ from .session import DistSession, open_session
 if TYPE_CHECKING:
     from ..checkpointer import GDSCheckpointer
     from ..format.manifest import Manifest
+    from ..restore import LoadResult
     from .dcp import GDSStorageReader, GDSStorageWriter
 
 __all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "load_state", "open_session",
@@ -70,21 +71,28 @@ def peek_manifest(protocol: Any, step: int | None) -> Manifest | None:
         return None
 
 
-def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify: bool) -> int:
-    """GDSCheckpointer.load of a multi-rank checkpoint, on its ranks or in one process."""
+def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify: bool, fallback: bool = False,
+              atomic: bool | None = None) -> LoadResult:
+    """GDSCheckpointer.load of a multi-rank checkpoint, on its ranks or in one process. The load
+    reads into fresh buffers and verifies them before any live tensor changes on any rank: it is
+    atomic whatever ``atomic`` says. ``fallback``: the newest intact step, as every rank agrees."""
     from ..restore import LiveState
-    from .load import collective_load
+    from .load import collective_restore
 
+    if fallback and step is not None:
+        raise InvalidOptionError("load(fallback=True) chooses the step itself (the newest intact one): "
+                                 "pass step=None, or load a given step without fallback")
     live = LiveState(ckpt.model, ckpt.optimizer, ckpt.extra, restore_rng=ckpt.options.save_rng)
     live_state = ckpt._collect()
     engine = ckpt._engine_list()[0]
     session: DistSession | None = ckpt._dist
     if session is not None:
-        return session.load(live, live_state, step, engine, strict=strict, verify=verify)
-    coord = Coordinator.solo()
-    layout = discover_layout(coord, ckpt.roots, create=False)
-    return collective_load(coord, layout, ckpt.protocol, live, live_state, step, engine, strict=strict,
-                           verify=verify)
+        coord, layout, protocol = session.coord, session.layout, session.protocol
+    else:
+        coord = Coordinator.solo()
+        layout, protocol = discover_layout(coord, ckpt.roots, create=False), ckpt.protocol
+    return collective_restore(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify,
+                              fallback=fallback)
 
 
 def load_state(root: Any, step: int | None = None, *, verify: bool = True,
@@ -92,17 +100,38 @@ def load_state(root: Any, step: int | None = None, *, verify: bool = True,
     """Read a checkpoint into fresh CPU tensors in one process, like gdswriter.load_state, with
     a multi-rank step's sharded tensors (DTensor shards, DCP chunks) assembled whole; the state
     is rank 0's (a DCP step's: {fqn: tensor, BytesIO items as uint8 tensors}). ``root``: every
-    root of the checkpoint (those of all nodes), the primary first. Never unpickles; no lock."""
+    root of the checkpoint (those of all nodes), the primary first. Never unpickles; no lock.
+    A step deleted while it is read (a running job's retention) is CheckpointNotFoundError, and
+    with ``step`` None the newest step is tried once more, as gdswriter.load_state does."""
     from ..engine_select import create_engine
+    from ..errors import CheckpointNotFoundError, CorruptCheckpointError
     from ..format.commit import CommitProtocol, normalize_roots
+    from ..restore import deleted_while_reading
     from .load import broadcast_manifest, rebuild_state
 
     roots = normalize_roots(root)
     coord = Coordinator.solo()
     layout = discover_layout(coord, roots, create=False)
-    step, m = broadcast_manifest(coord, CommitProtocol(roots), step, "load_state")
-    with create_engine(engine_options) as engine:
-        return step, rebuild_state(coord, layout, m, {}, None, engine, verify=verify, what=f"load_state of step {step}")
+    protocol = CommitProtocol(roots)
+
+    def read(step: int | None) -> tuple[int, Any]:
+        step, m = broadcast_manifest(coord, protocol, step, "load_state")
+        try:
+            with create_engine(engine_options) as engine:
+                return step, rebuild_state(coord, layout, m, {}, None, engine, verify=verify,
+                                           what=f"load_state of step {step}")
+        except (CorruptCheckpointError, OSError) as e:
+            gone = deleted_while_reading(protocol, m, e)
+            if gone is None:
+                raise
+            raise gone from e
+
+    if step is not None:
+        return read(step)
+    try:
+        return read(None)
+    except CheckpointNotFoundError:
+        return read(None)  # the newest step was deleted while it was read: once more, on the newest
 
 
 def __getattr__(name: str) -> Any:

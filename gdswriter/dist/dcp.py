@@ -417,22 +417,22 @@ class GDSStorageReader(_Collective, StorageReader):
             raise InvalidOptionError("read_data before read_metadata: use this reader through dcp.load")
         m, layout, where = self._loaded
         coord = self.coordinator()
-        records, buffers, error, engine = [], {}, None, None
+        records, error, engine = [], None, None
         try:  # this rank's part before the first collective: a failure here reaches every rank
             for req in plan.items:
                 if req.storage_index not in where:
                     raise CorruptCheckpointError(f"step {m.step}: DCP asks for {req.storage_index}, which the "
                                                  f"checkpoint's DCP metadata does not map to a record")
                 records.append(m.tensors[where[req.storage_index]])
-            buffers = {s: host_buffer(m.storages[s].nbytes) for s in sorted({r.storage for r in records})}
             engine = create_engine(self.engine_options)
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
         try:
             coord.agree(error, f"dcp.load of step {m.step} (planning)", hint="nothing was loaded")
             assert engine is not None
-            fetch_storages(coord, manifest_reach(m, layout), m, buffers, engine, verify=self.verify,
-                           what=f"dcp.load of step {m.step}")
+            # the buffers are allocated once every rank has checked the files it reads against the manifest
+            buffers = fetch_storages(coord, manifest_reach(m, layout), m, {r.storage for r in records}, engine,
+                                     verify=self.verify, what=f"dcp.load of step {m.step}", alloc=host_buffer)
         finally:
             if engine is not None:
                 engine.close()

@@ -5,24 +5,27 @@ matched to this rank's roots by identity (``.gdswriter-root``; by path only for 
 that has none, since one path on every node is a different disk on each).
 Each rank reads, through its engine, the chunks it needs that lie on roots it reaches; every
 other chunk it needs is read by a rank that reaches it (the least loaded one) and sent over
-the coordination group. Chunks are checked against their crc32c where they are read, and
-again where they arrive. All ranks agree on failure: if one fails, all raise.
+the coordination group. Before any rank allocates a buffer, each rank checks the files it
+reads against their recorded sizes and all ranks agree on the outcome, so a manifest claiming
+more than its files hold is refused before it costs memory anywhere. Chunks are checked
+against their crc32c where they are read, and again where they arrive. All ranks agree on
+failure: if one fails, all raise.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 import crc32c as _crc32c
 import torch
 
 from ..engine import IOEngine
 from ..errors import ChecksumMismatchError, UnreachableDataError
-from ..format.commit import CommitProtocol
+from ..format.commit import CommitProtocol, step_dir_name
 from ..format.manifest import ChunkRecord, Manifest, StorageRecord, TensorRecord
-from ..restore import read_storages
+from ..restore import check_file_sizes, host_buffer, read_storages
 from .group import Coordinator, Transfer
 from .roots import RootLayout
 
@@ -73,11 +76,25 @@ def _read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, tor
     read_storages(protocol, view, [dest for _, _, dest in wanted], [engine], verify=verify)
 
 
-def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, needed: dict[int, torch.Tensor],
-                   engine: IOEngine, *, verify: bool, what: str) -> None:
-    """Collective: fill ``needed`` ({storage: flat uint8 buffer of its nbytes}) on every rank."""
+def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
+    """The data files ``files`` (indices into ``m.files``, on roots this rank reaches) are regular
+    files of their recorded sizes (restore.check_file_sizes)."""
+    step_dir = step_dir_name(m.step)
+    paths = {f: reach.paths[m.files[f].root] for f in sorted(files)}
+    check_file_sizes((p / step_dir / m.files[f].path, m.files[f]) for f, p in paths.items() if p is not None)
+
+
+def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,
+                   verify: bool, what: str, alloc: Callable[[int], torch.Tensor] = host_buffer
+                   ) -> dict[int, torch.Tensor]:
+    """Collective: {storage: flat uint8 buffer of its nbytes, filled} for ``storages`` on every rank.
+
+    Nothing is allocated before every rank has checked the files it reads (for itself or for
+    others) against the manifest (check_reached_files): what a load allocates is then bounded by
+    the real files, on every rank, whatever a damaged manifest claims. ``alloc`` makes a buffer."""
+    needed = sorted(set(storages))
     local, remote = [], []
-    for s in sorted(needed):
+    for s in needed:
         for ci, c in enumerate(m.storages[s].chunks):
             if c.length:
                 (local if reach.paths[m.files[c.file].root] is not None else remote).append([s, ci])
@@ -101,14 +118,23 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, needed: dict[i
             load[src] += c.length
             moves.append((src, dst, s, ci))
     rank = coord.rank
+    mine = [(s, ci) for s, ci in local] + [(s, ci) for src, _, s, ci in moves if src == rank]
+    error = None
+    try:  # every file this rank reads, checked before any rank allocates a byte for it
+        check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci in mine})
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    coord.agree(error, f"{what} (checking the data files)", hint="the live state was not changed")
+    buffers: dict[int, torch.Tensor] = {}
     sends: dict[tuple[int, int], torch.Tensor] = {}
     error = None
     try:
-        wanted = [(s, ci, _slice(needed[s], m.storages[s].chunks[ci])) for s, ci in local]
+        buffers = {s: alloc(m.storages[s].nbytes) for s in needed}
+        wanted = [(s, ci, _slice(buffers[s], m.storages[s].chunks[ci])) for s, ci in local]
         sends = {(s, ci): dest for s, ci, dest in wanted}  # a chunk this rank reads for itself is sent from there
         for src, _, s, ci in moves:
             if src == rank and (s, ci) not in sends:
-                sends[(s, ci)] = torch.empty(m.storages[s].chunks[ci].length, dtype=torch.uint8)
+                sends[(s, ci)] = alloc(m.storages[s].chunks[ci].length)
                 wanted.append((s, ci, sends[(s, ci)]))
         _read_chunks(m, reach, wanted, engine, verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
@@ -119,18 +145,19 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, needed: dict[i
         if rank == src:
             transfers.append(Transfer(src, dst, tag, sends[(s, ci)]))
         elif rank == dst:
-            transfers.append(Transfer(src, dst, tag, _slice(needed[s], m.storages[s].chunks[ci])))
+            transfers.append(Transfer(src, dst, tag, _slice(buffers[s], m.storages[s].chunks[ci])))
     coord.exchange(transfers, f"{what} (sending chunks)")
     error = None
     if verify:
         for src, dst, s, ci in moves:
             c = m.storages[s].chunks[ci]
-            got = _crc32c.crc32c(_slice(needed[s], c).numpy()) if dst == rank else c.crc32c
+            got = _crc32c.crc32c(_slice(buffers[s], c).numpy()) if dst == rank else c.crc32c
             if got != c.crc32c:
                 error = ChecksumMismatchError(f"<chunk received from rank {src}>", f"<storage {s}>", c.file_offset,
                                               c.length, c.crc32c, got)
                 break
     coord.agree(error, f"{what} (checking received chunks)", hint="the live state was not changed")
+    return buffers
 
 
 def _slice(buf: torch.Tensor, c: ChunkRecord) -> torch.Tensor:

@@ -6,29 +6,42 @@ saved (rank 0's, with its own top-level entries; a rank the save did not have ta
 sharded tensor the block its live tensor holds now (a DTensor's shard on the current mesh, or
 the whole tensor for a plain one), assembled from the saved blocks that intersect it. The
 storages are fetched (dist/fetch.py: read where reachable, sent by another rank where not),
-the state is rebuilt and handed to the live objects as a single-process load does.
+the state is rebuilt and handed to the live objects as a single-process load does. Nothing
+live changes before every rank has read and verified its part into fresh buffers and every
+rank agrees the plan fits (a collective load is always atomic).
+
+``load(fallback=True)``: rank 0's fallback order (the latest step, then older ones) is every
+rank's. After a failed step each rank says how it saw the failure (damage, another error, or
+only that a peer failed), and every rank decides from the same gathered answers: the next
+step when some rank found damage and none failed otherwise, else all raise. So every rank
+ends on the same step, or raises, and none waits for a collective the others skipped.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..engine import IOEngine
-from ..errors import InvalidOptionError
+from ..errors import (CollectiveFailedError, CorruptCheckpointError, EngineIOError, InvalidOptionError,
+                      RankFailedError)
 from ..format.commit import CommitProtocol
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
 from ..format.state_codec import decode_state
-from ..restore import (LiveState, apply_state, host_buffer, parse_manifest, plan_restore, read_manifest_bytes,
-                       tensors_from_storages)
+from ..restore import (_DAMAGE, LiveState, LoadResult, apply_state, parse_manifest, plan_restore,
+                       read_manifest_bytes, tensors_from_storages)
 from .assemble import tree_for_rank
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, describe
 from .roots import RootLayout
 from .shards import assemble, join, leaves, overlap, target_block
+
+log = logging.getLogger("gdswriter")
 
 
 def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str
@@ -94,7 +107,7 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
     """Collective: the state this rank saved in ``m``, its sharded tensors assembled as the
     ``templates`` (live tensors by key path) hold them now; the whole tensor without one."""
     unchanged = "the live state was not changed"
-    buffers: dict[int, torch.Tensor] = {}
+    needed: set[int] = set()
     jobs: dict[str, tuple] = {}
     refs: list[int] = []
     tree = None
@@ -102,7 +115,6 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
     try:
         tree = tree_for_rank(m, coord.rank)
         refs = tensor_refs(tree)
-        needed: set[int] = set()
         for i in refs:
             rec = m.tensors[i]
             if rec.shard is None:
@@ -113,11 +125,11 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
                           and overlap(offsets, shape, r.shard.offsets, r.shape) is not None]
                 needed.update(m.tensors[j].storage for j in blocks)
                 jobs[rec.name] = (offsets, shape, wrap, blocks)
-        buffers = {s: host_buffer(m.storages[s].nbytes) for s in sorted(needed)}
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (planning)", hint=unchanged)
-    fetch_storages(coord, manifest_reach(m, layout), m, buffers, engine, verify=verify, what=what)
+    # buffers are allocated once every rank has checked the files it reads (fetch_storages)
+    buffers = fetch_storages(coord, manifest_reach(m, layout), m, needed, engine, verify=verify, what=what)
     error, state = None, None
     try:
         views = [i for i in refs if m.tensors[i].shard is None]
@@ -139,10 +151,10 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
     return state
 
 
-def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
-                    live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> int:
-    """Collective: restore ``live`` on every rank from ``step`` (None: the latest); returns the
-    step. ``live_state`` is what saving ``live`` would collect (its tensors say what each rank needs)."""
+def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState, live_state: dict,
+             step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> tuple[int, Any, Any]:
+    """Collective: (step, state, plan) of ``step`` (None: the latest), read, verified and checked
+    against the live state on every rank; nothing live has changed yet."""
     step, m = broadcast_manifest(coord, protocol, step, "loading" if step is None else f"loading step {step}")
     what = f"loading step {step}"
     error = None
@@ -158,10 +170,96 @@ def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProt
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (checking the live state)", hint="the live state was not changed")
+    return step, state, plan
+
+
+def _verdict(e: BaseException) -> str | None:
+    """How this rank saw a failed attempt at loading a step: "damage" (the step's manifest, files,
+    checksums or an EIO reading them: restore.restore_newest_intact's test), "other" (a failure
+    of its own that is no damage), None (it only learnt that another rank failed)."""
+    if isinstance(e, RankFailedError):
+        return None
+    if isinstance(e, _DAMAGE) and not (isinstance(e, EngineIOError) and not isinstance(e, CorruptCheckpointError)
+                                       and e.errno != errno.EIO):
+        return "damage"
+    return "other"
+
+
+def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
+                   live_state: dict, engine: IOEngine, *, strict: bool, verify: bool
+                   ) -> tuple[int, Any, Any, tuple[int, ...]]:
+    """Collective _prepare of the newest intact step (load(fallback=True)). Rank 0's fallback
+    order is every rank's; after a failed step every rank says how it saw the failure and all
+    decide alike from the same answers: the next step when some rank found damage and none
+    failed otherwise, else every rank raises."""
+    order: dict = {}
+    error = None
+    if coord.rank == 0:
+        try:
+            order = {"steps": protocol.fallback_order()}
+        except Exception as e:  # noqa: BLE001 - every rank raises below
+            error, order = e, {"error": describe(e)}
+    order = coord.broadcast(order, "loading the newest intact step (steps)")
+    if "error" in order:
+        coord.agree(error or RuntimeError(order["error"]) if coord.rank == 0 else None,
+                    "loading the newest intact step (steps)", hint="the live state was not changed")
+    if not order["steps"]:  # no committed step: the usual CheckpointNotFoundError, on every rank
+        return (*_prepare(coord, layout, protocol, live, live_state, None, engine, strict=strict, verify=verify), ())
+    damaged: list[int] = []
+    problems: list[str] = []
+    for step in order["steps"]:
+        try:
+            return (*_prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify),
+                    tuple(damaged))
+        except CollectiveFailedError:
+            raise  # the group is broken: no further collective can agree on anything
+        except Exception as e:  # noqa: BLE001 - decided together below
+            failure = e
+        verdicts = coord.all_gather(_verdict(failure), f"loading step {step} (deciding whether to fall back)")
+        if "other" in verdicts or "damage" not in verdicts:
+            raise failure
+        found = " ".join(str(failure).split()) if _verdict(failure) == "damage" else \
+            f"rank(s) {[r for r, v in enumerate(verdicts) if v == 'damage']} found it damaged"
+        log.warning("gdswriter: step %d under %s is damaged, trying an older step: %s", step, protocol.primary, found)
+        damaged.append(step)
+        problems.append(f"step {step}: {found}")
+        del failure
+    raise CorruptCheckpointError(f"no intact step under {protocol.primary}: " + "; ".join(problems))
+
+
+def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
+                       live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
+                       fallback: bool = False) -> LoadResult:
+    """Collective: restore ``live`` on every rank from ``step`` (None: the latest; with
+    ``fallback`` the newest intact step, see GDSCheckpointer.load). ``live_state`` is what saving
+    ``live`` would collect (its tensors say what each rank needs).
+
+    Always atomic: every rank reads into fresh buffers and verifies every chunk, and all ranks
+    agree that every rank did, before any live tensor changes (load(atomic=...) has nothing to
+    add), so a damaged step leaves the live state untouched on every rank."""
+    damaged: tuple[int, ...] = ()
+    if fallback:
+        step, state, plan, damaged = _newest_intact(coord, layout, protocol, live, live_state, engine, strict=strict,
+                                                    verify=verify)
+        if damaged:
+            log.warning("gdswriter: loaded step %d, the newest intact step (passed over damaged step(s) %s)",
+                        step, list(damaged))
+    else:
+        step, state, plan = _prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict,
+                                     verify=verify)
+    error = None
     try:
         apply_state(live, state, plan)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    coord.agree(error, f"{what} (applying)", hint="ranks that did not fail loaded the step; fix the problem and "
-                                                  "load again")
-    return step
+    coord.agree(error, f"loading step {step} (applying)", hint="ranks that did not fail loaded the step; fix the "
+                                                               "problem and load again")
+    return LoadResult(step, tuple(plan.loaded), tuple(plan.skipped), tuple(plan.missing), tuple(plan.unexpected),
+                      atomic=verify, damaged=damaged)
+
+
+def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
+                    live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> int:
+    """collective_restore of ``step`` (None: the latest); returns the step."""
+    return collective_restore(coord, layout, protocol, live, live_state, step, engine, strict=strict,
+                              verify=verify).step

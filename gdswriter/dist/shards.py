@@ -118,22 +118,29 @@ def assemble(name: str, offsets: Sequence[int], shape: Sequence[int], dtype: tor
              saved: Sequence[tuple[ShardInfo, torch.Tensor]]) -> torch.Tensor:
     """The block [offsets, offsets + shape) of global tensor ``name`` from the saved blocks that
     intersect it; CorruptCheckpointError when they do not cover it."""
-    out = torch.empty(tuple(shape), dtype=dtype)
+    hits = []
     covered = 0
     for info, data in saved:
         hit = overlap(offsets, shape, info.offsets, data.shape)
         if hit is None:
             continue
-        lo, hi = hit
+        hits.append((info, data, hit))
+        n = 1
+        for l, h in zip(*hit):
+            n *= h - l
+        covered += n
+    total = 1
+    for n in shape:
+        total *= n
+    # Checked before the block is allocated: its shape comes from the manifest (the global shape),
+    # and saved blocks that cannot fill it must not make a few bytes on disk a huge allocation.
+    if covered != total:
+        raise CorruptCheckpointError(f"the saved shards of {name!r} cover {covered} of the {total} elements "
+                                     f"of the block {list(offsets)} + {list(shape)} this rank needs: the checkpoint "
+                                     f"is incomplete")
+    out = torch.empty(tuple(shape), dtype=dtype)
+    for info, data, (lo, hi) in hits:
         dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
         src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, info.offsets))
         out[dst] = data[src]
-        n = 1
-        for l, h in zip(lo, hi):
-            n *= h - l
-        covered += n
-    if covered != out.numel():
-        raise CorruptCheckpointError(f"the saved shards of {name!r} cover {covered} of the {out.numel()} elements "
-                                     f"of the block {list(offsets)} + {list(shape)} this rank needs: the checkpoint "
-                                     f"is incomplete")
     return out
