@@ -48,7 +48,8 @@ def session_for(roots: Sequence[Path], process_group: Any = None, options: DistO
                                  "torch.distributed.init_process_group first")
     # The roots are made inside the first collective (discover_layout): a rank that cannot create
     # one makes every rank raise at once, rather than leaving the others to wait out the timeout.
-    return open_session(roots, Coordinator.for_group(process_group, timeout_s=options.timeout_s), options)
+    return open_session(roots, Coordinator.for_group(process_group, timeout_s=options.timeout_s), options,
+                        movable_primary=True)
 
 
 def peek_manifest(protocol: Any, step: int | None) -> Manifest | None:

@@ -31,20 +31,21 @@ from .roots import RootLayout
 from .shards import assemble, join, leaves, overlap, target_block
 
 
-def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str
+def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str, src: int = 0
                        ) -> tuple[int, Manifest]:
-    """Collective: rank 0 resolves ``step`` (None: the latest) and sends its manifest to every rank."""
+    """Collective: rank ``src`` (the primary rank: it sees the primary root) resolves ``step``
+    (None: the latest) and sends its manifest to every rank."""
     msg: dict = {}
     error = None
-    if coord.rank == 0:
+    if coord.rank == src:
         try:
             step = protocol.require(step)
             msg = {"step": step, "manifest": read_manifest_bytes(protocol, step).decode()}
         except Exception as e:  # noqa: BLE001 - every rank raises below
             error, msg = e, {"error": describe(e)}
-    msg = coord.broadcast(msg, f"{what} (manifest)")
+    msg = coord.broadcast(msg, f"{what} (manifest)", src=src)
     if "error" in msg:
-        coord.agree(error or RuntimeError(msg["error"]) if coord.rank == 0 else None, what,
+        coord.agree(error or RuntimeError(msg["error"]) if coord.rank == src else None, what,
                     hint="the live state was not changed")
     return msg["step"], parse_manifest(protocol, msg["step"], msg["manifest"].encode())
 
@@ -143,7 +144,8 @@ def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProt
                     live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> int:
     """Collective: restore ``live`` on every rank from ``step`` (None: the latest); returns the
     step. ``live_state`` is what saving ``live`` would collect (its tensors say what each rank needs)."""
-    step, m = broadcast_manifest(coord, protocol, step, "loading" if step is None else f"loading step {step}")
+    step, m = broadcast_manifest(coord, protocol, step, "loading" if step is None else f"loading step {step}",
+                                 src=layout.primary_rank)
     what = f"loading step {step}"
     error = None
     if m.dist is not None and m.dist.layout != "gdswriter":

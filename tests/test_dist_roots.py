@@ -1,0 +1,156 @@
+"""Which directory is which root, on real ranks (gloo on CPU): node-local roots with rank 0
+landing on the other node after a restart (the job must find its checkpoint there, and no
+save may touch another primary's data)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_dist_harness import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+TIMEOUT_S = 60.0
+
+
+def _options():
+    from _models import small_options
+
+    return small_options()
+
+
+def _dist_options():
+    from gdswriter.dist import DistOptions
+
+    return DistOptions(timeout_s=TIMEOUT_S)
+
+
+def _model(seed: int):
+    # 512x1024 float32 = 2 MiB: above every small-copy threshold, split over both ranks' files
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16))
+
+
+def _caught(fn) -> list[str] | None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the test looks at what each rank got
+        return [type(e).__name__, str(e)]
+    return None
+
+
+def _same(model, seed: int) -> bool:
+    ref = _model(seed)
+    return all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
+def _tree(root: Path) -> list[str]:
+    """Every step entry under ``root`` with its size: what a save must not change."""
+    return sorted(f"{p.relative_to(root)}:{p.stat().st_size if p.is_file() else 'd'}" for p in root.rglob("*")
+                  if "step_" in str(p.relative_to(root)))
+
+
+# ----------------------------------------------------------------------------- 1. rank 0 on the other node
+def _swap_worker(rank: int, world: int, roots: list[str], job: str) -> dict:
+    from gdswriter import GDSCheckpointer
+
+    if job == "save":  # job 1: step 1 (seed 1), step 2 (seed 2)
+        model = _model(1)
+        with GDSCheckpointer(model, root=roots[rank], options=_options(), dist_options=_dist_options()) as ck:
+            ck.save(1)
+            model.load_state_dict(_model(2).state_dict())
+            ck.save(2)
+        return {}
+    if job == "refused":
+        out = {"open": _caught(lambda: GDSCheckpointer(_model(0), root=roots[rank], options=_options(),
+                                                       dist_options=_dist_options()).close())}
+        return out
+    if job == "foreign":  # re-save step 2 where a secondary step_2 is another checkpoint's
+        model = _model(3)
+        with GDSCheckpointer(model, root=roots[rank], options=_options(), dist_options=_dist_options()) as ck:
+            return {"resave": _caught(lambda: ck.save(2)), "steps": ck.steps()}
+    # job 2: restarted with rank 0 on the node that was rank 1's
+    model = _model(0)
+    ck = GDSCheckpointer(model, root=roots[rank], options=_options(), dist_options=_dist_options())
+    out = {"latest": ck.latest_step(), "steps": ck.steps()}
+    out["loaded"] = ck.load()
+    out["equal2"] = _same(model, 2)
+    model.load_state_dict(_model(3).state_dict())
+    out["resave"] = _caught(lambda: ck.save(2))  # a step the old run also saved
+    model.load_state_dict(_model(4).state_dict())
+    out["save4"] = _caught(lambda: ck.save(4))
+    out["after"] = ck.steps()
+    ck.close()
+    return out
+
+
+def test_restart_with_rank_0_on_the_other_node_finds_the_checkpoint(tmp_path):
+    """Node-local roots: job 1 saved with rank 0 on node 0; the restart puts rank 0 on node 1,
+    whose root holds only node 0's secondary step directories. Before: no rank saw a checkpoint
+    (latest_step() None, the job started from scratch), and re-saving step 2 retired node 1's
+    secondary step_2 before failing with EEXIST on node 0, so step 2 never loaded again. Now
+    the root holding the manifests is the primary whichever rank has it: the job loads step 2,
+    re-saves it and saves step 4 there, and the roots in their original order load every step."""
+    from gdswriter import GDSCheckpointer
+
+    n0, n1 = tmp_path / "node0" / "ckpts", tmp_path / "node1" / "ckpts"
+    run_ranks(2, _swap_worker, [str(n0), str(n1)], "save", out=tmp_path / "job1")
+    res = run_ranks(2, _swap_worker, [str(n1), str(n0)], "resume", out=tmp_path / "job2")
+    for x in res:
+        assert x["latest"] == 2 and x["steps"] == [1, 2], x
+        assert x["loaded"] == 2 and x["equal2"], x
+        assert x["resave"] is None and x["save4"] is None, x
+        assert x["after"] == [1, 2, 4], x
+    assert sorted(n for n in os.listdir(n0) if n.startswith("step_")) == [f"step_{s:012d}" for s in (1, 2, 4)]
+    assert not [n for n in os.listdir(n0) + os.listdir(n1) if n.startswith((".tmp-", ".trash-"))]
+    for step, seed in ((1, 1), (2, 3), (4, 4)):  # node 0's root is still the primary, whole
+        model = _model(0)
+        with GDSCheckpointer(model, root=[n0, n1], options=_options()) as ck:
+            assert ck.steps() == [1, 2, 4] and ck.load(step) == step
+        assert _same(model, seed), step
+
+
+def test_rank_0_on_a_node_without_the_primary_refuses_and_changes_nothing(tmp_path):
+    """Rank 0 now has node 1's root (node 0's secondary steps only) and node 0 is not in the job:
+    before, the job started from scratch and its save of step 2 retired node 0's secondary
+    step_2 on that root. Every rank must refuse to open (RootUnavailableError naming the other
+    primary's id), before any root is changed."""
+    from gdswriter.dist.roots import root_identity
+
+    n0, n1, n2 = (tmp_path / f"node{r}" / "ckpts" for r in range(3))
+    run_ranks(2, _swap_worker, [str(n0), str(n1)], "save", out=tmp_path / "job1")
+    before = _tree(n1)
+    res = run_ranks(2, _swap_worker, [str(n1), str(n2)], "refused", out=tmp_path / "job2")
+    r0, r1 = res[0]["open"], res[1]["open"]
+    assert r0 and r0[0] == "RootUnavailableError", res
+    assert root_identity(n0, create=False) in r0[1] and "rank 0 is probably on another node" in r0[1], r0
+    assert r1 and r1[0] == "RankFailedError" and "rank 0: RootUnavailableError" in r1[1], r1
+    assert _tree(n1) == before
+
+
+def test_resaving_a_step_whose_secondary_is_another_checkpoints_keeps_the_committed_step(tmp_path):
+    """Node 1's step_2 is another checkpoint's (it names another primary id). Re-saving step 2
+    un-committed node 0's step_2 first and only then met node 1's directory (EEXIST): the
+    committed step 2 was gone. The secondary must be checked before the vote un-commits."""
+    from gdswriter import GDSCheckpointer
+
+    n0, n1 = tmp_path / "node0" / "ckpts", tmp_path / "node1" / "ckpts"
+    run_ranks(2, _swap_worker, [str(n0), str(n1)], "save", out=tmp_path / "job1")
+    owner = n1 / "step_000000000002" / "primary-id"
+    owner.write_text("f" * 32 + "\n")  # another checkpoint's step 2 on that root
+    before = _tree(n0), _tree(n1)
+    res = run_ranks(2, _swap_worker, [str(n0), str(n1)], "foreign", out=tmp_path / "job2")
+    assert res[0]["steps"] == res[1]["steps"] == [1, 2], res
+    assert (_tree(n0), _tree(n1)) == before
+    r0, r1 = res[0]["resave"], res[1]["resave"]
+    assert r1 and r1[0] == "EngineIOError" and "another checkpoint" in r1[1] and "nothing was changed" in r1[1], res
+    assert r0 and r0[0] == "RankFailedError" and "rank 1: EngineIOError" in r0[1], r0
+    owner.write_text(Path(n0, ".gdswriter-root").read_text().split('"id":"')[1][:32] + "\n")
+    model = _model(0)
+    with GDSCheckpointer(model, root=[n0, n1], options=_options()) as ck:
+        assert ck.load(2) == 2
+    assert _same(model, 2)
