@@ -1,10 +1,12 @@
 """Which directory is which root, on real ranks (gloo on CPU): node-local roots with rank 0
 landing on the other node after a restart (the job must find its checkpoint there, and no
-save may touch another primary's data)."""
+save may touch another primary's data), and a root copied with its identity marker (two
+directories with one id must be refused before a step commits that could never load)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -154,3 +156,39 @@ def test_resaving_a_step_whose_secondary_is_another_checkpoints_keeps_the_commit
     with GDSCheckpointer(model, root=[n0, n1], options=_options()) as ck:
         assert ck.load(2) == 2
     assert _same(model, 2)
+
+
+# ----------------------------------------------------------------------------- 2. a root copied with its marker
+def _copied_worker(rank: int, world: int, roots: list[str]) -> dict:
+    from gdswriter import GDSCheckpointer
+
+    model = _model(1)
+    ck = GDSCheckpointer(model, root=roots[rank], options=_options(), dist_options=_dist_options())
+    out = {"save": _caught(lambda: ck.save(1)), "steps": ck.steps()}
+    ck.close()
+    return out
+
+
+def test_a_root_copied_with_its_marker_is_refused_before_a_step_commits(tmp_path):
+    """Node 1's root is a copy of node 0's (rsync -a, a machine image): one id, two directories.
+    Before: the ranks took them for one shared root, rank 1's files stayed in a temporary
+    directory nobody renamed, and step 1 committed on every rank but could never load. Now
+    every rank refuses the save before writing: rank 1 says the two roots carry one id and how
+    to give the copy its own; nothing is committed or left behind."""
+    from gdswriter import GDSCheckpointer
+    from gdswriter.dist.roots import root_identity
+
+    n0, n1 = tmp_path / "node0" / "ckpts", tmp_path / "node1" / "ckpts"
+    n0.mkdir(parents=True)
+    ident = root_identity(n0)
+    shutil.copytree(n0, n1)  # keeps .gdswriter-root
+    res = run_ranks(2, _copied_worker, [str(n0), str(n1)], out=tmp_path / "ranks")
+    r0, r1 = res[0]["save"], res[1]["save"]
+    assert r1 and r1[0] == "RootUnavailableError", res
+    assert ident in r1[1] and "same identity" in r1[1] and str(n1) in r1[1] and "remove its .gdswriter-root" in r1[1]
+    assert r0 and r0[0] == "RankFailedError" and "rank 1: RootUnavailableError" in r0[1], r0
+    assert res[0]["steps"] == res[1]["steps"] == []
+    for root in (n0, n1):
+        assert not [n for n in os.listdir(root) if n.startswith(("step_", ".tmp-"))], os.listdir(root)
+    with GDSCheckpointer(_model(0), root=n0, options=_options()) as ck:
+        assert ck.steps() == []

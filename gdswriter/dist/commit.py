@@ -4,9 +4,14 @@ Step S, with roots in the table every rank agrees on (roots.py; the primary firs
 *primary rank*, the leader of the primary root: rank 0, unless the roots were opened with
 rank 0 on another node than the primary's disk (roots.py ``choose_primary``):
 
-1. every rank makes ``.tmp-step_S-<token>`` on each of its roots (ranks sharing a root share
-   that directory; the root's leader also writes ``primary-root`` and ``primary-id`` into
-   secondary ones) and writes its own data files there, each fdatasynced;
+1. each root's leader makes ``.tmp-step_S-<token>`` on it (a fresh token: the name never
+   existed before) and, on a secondary root, writes ``primary-root`` and ``primary-id`` into
+   it. Where ranks share a root, the others do not create that directory: after one
+   collective they must find it in their own root (a root copied with its ``.gdswriter-root``
+   marker is another directory with the same id, and would not have it), and every rank
+   learns in a second collective whether all did, before any data is written. A crash here
+   leaves empty temporary directories (removed at the next open). Then every rank writes its
+   own data files there, each fdatasynced;
 2. vote: P gathers every rank's outcome; each secondary root's leader first checks that a
    ``step_S`` already there was written for this primary (one of another checkpoint is
    refused: nothing is un-committed). On any failure P tells every rank, each root's leader
@@ -39,7 +44,7 @@ from typing import Any
 
 from ..engine import fsync_dir
 from ..errors import EngineIOError, RankFailedError, RootUnavailableError
-from ..format.commit import LATEST_NAME, TMP_PREFIX, _atomic_write, retire, step_dir_name, step_owner
+from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, _atomic_write, retire, step_dir_name, step_owner
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .group import Coordinator, describe
 from .roots import RootLayout, owned, write_owner_files
@@ -58,7 +63,8 @@ def _io_error(e: OSError, path: Path, what: str) -> EngineIOError:
 
 class RankCommit:
     """This rank's part of committing step ``step``: ``dirs`` (one temporary directory per local
-    root) to write into, then vote(), commit() on the primary rank (``coordinates``), announce()."""
+    root) to write into, then vote(), commit() on the primary rank (``coordinates``), announce().
+    Collective from the start: with shared roots, construction runs step 1's two collectives."""
 
     def __init__(self, coord: Coordinator, layout: RootLayout, step: int, token: str):
         self.coord, self.layout, self.step = coord, layout, step
@@ -74,13 +80,53 @@ class RankCommit:
         self.secondary_failures: dict[int, str] = {}
         self.committed = False
         self.keep_secondaries = False  # primary rank: a failure after the commit rename keeps secondary step_S
+        d = self.dirs[0]
         try:
             for i, d in enumerate(self.dirs):
-                d.mkdir(exist_ok=True)
-                if layout.leads(i) and not layout.is_primary(i):
-                    write_owner_files(layout, d)
+                if layout.leads(i):  # only the leader creates it: the others must find it (step 1)
+                    d.mkdir()
+                    if not layout.is_primary(i):
+                        write_owner_files(layout, d)
         except OSError as e:
             self.setup_error = _io_error(e, d, "mkdir")
+        if layout.shares_roots:
+            self._check_shared()
+
+    def _check_shared(self) -> None:
+        """Step 1 where ranks share roots: after the leaders made the temporary directories, every
+        rank finds each one it does not lead in its own root, and all learn whether every rank did
+        (a failure becomes this rank's setup_error: the rank writes nothing and reports it in the vote)."""
+        what = f"{self.what} (temporary directories)"
+        problem: BaseException | None = None
+        try:
+            made = self.coord.all_gather(describe(self.setup_error) if self.setup_error else None, what)
+            if self.setup_error is None and all(x is None for x in made):
+                for i, d in enumerate(self.dirs):
+                    if not self.layout.leads(i) and not d.is_dir():
+                        problem = self._not_shared(i)
+                        break
+            found = self.coord.all_gather(describe(problem) if problem else None, f"{self.what} (shared roots)")
+        except Exception as e:  # noqa: BLE001 - a failed collective: the vote fails on every rank too
+            self.setup_error = self.setup_error or e
+            return
+        failures = {r: m for r, m in enumerate(made) if m is not None} or {
+            r: m for r, m in enumerate(found) if m is not None}
+        if self.setup_error is None and problem is None and failures:
+            problem = RankFailedError(what, failures)
+        self.setup_error = self.setup_error or problem
+
+    def _not_shared(self, i: int) -> RootUnavailableError:
+        g = self.layout.local_to_global[i]
+        info, mine = self.layout.table[g], self.layout.local_paths[i]
+        return RootUnavailableError(
+            errno.EEXIST,
+            f"checkpoint root {mine} (rank {self.coord.rank}) and root {info.path} (rank {self.layout.leader(g)}) carry "
+            f"the same identity (id {info.id} in {ROOT_MARKER_NAME}), so gdswriter took them for one shared root, but "
+            f"they are two directories: the temporary directory rank {self.layout.leader(g)} just made there "
+            f"({self.dirs[i].name}) is not in {mine}. One is probably a copy (rsync -a, cp -a, a machine image). Give "
+            f"the copy its own identity: empty it, or remove its {ROOT_MARKER_NAME} (a new id is written when it is "
+            f"next opened; move its step directories away first if you keep them); nothing was written for step "
+            f"{self.step}")
 
     # -- 2 and 3 -----------------------------------------------------------------
     def vote(self, outcome: Any) -> list[Any] | None:

@@ -20,6 +20,11 @@ else the root that rank 0's first root's secondary directories name. Its leader 
 *primary rank*, rank 0 unless the job was restarted this way) then does what rank 0 does
 otherwise: gathers the votes, writes the manifest, moves ``latest``, applies retention and
 reads the manifest for a load. Nothing is written before every rank agrees on the table.
+
+An id is taken to be one root seen by several ranks; a root copied with its marker (rsync -a,
+a machine image) breaks that. Each save checks it (dist/commit.py): the leader creates the
+step's temporary directory, under a name no earlier save used, and every other rank sharing
+the root must find that directory in its own root before anything is written.
 """
 
 from __future__ import annotations
@@ -78,6 +83,11 @@ class RootLayout:
         """The rank that leads the primary: it commits steps and reads manifests (rank 0 unless
         choose_primary moved the primary to another rank's root)."""
         return self.leader(0)
+
+    @property
+    def shares_roots(self) -> bool:
+        """Whether some root is seen by more than one rank."""
+        return any(len(info.ranks) > 1 for info in self.table)
 
     def with_primary(self, g: int) -> "RootLayout":
         """This layout with table root ``g`` as the primary (moved to the front, the other roots
