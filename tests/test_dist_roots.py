@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,10 @@ def _swap_worker(rank: int, world: int, roots: list[str], job: str) -> dict:
     model.load_state_dict(_model(4).state_dict())
     out["save4"] = _caught(lambda: ck.save(4))
     out["after"] = ck.steps()
+    ck.options = replace(ck.options, keep_last=3)  # retention runs on the primary's rank
+    model.load_state_dict(_model(5).state_dict())
+    out["save5"] = _caught(lambda: ck.save(5))
+    out["kept"] = ck.steps()
     ck.close()
     return out
 
@@ -96,7 +101,8 @@ def test_restart_with_rank_0_on_the_other_node_finds_the_checkpoint(tmp_path):
     (latest_step() None, the job started from scratch), and re-saving step 2 retired node 1's
     secondary step_2 before failing with EEXIST on node 0, so step 2 never loaded again. Now
     the root holding the manifests is the primary whichever rank has it: the job loads step 2,
-    re-saves it and saves step 4 there, and the roots in their original order load every step."""
+    re-saves it, saves steps 4 and 5 there (retention dropping step 1 on both nodes), and the
+    roots in their original order load every step."""
     from gdswriter import GDSCheckpointer
 
     n0, n1 = tmp_path / "node0" / "ckpts", tmp_path / "node1" / "ckpts"
@@ -105,14 +111,15 @@ def test_restart_with_rank_0_on_the_other_node_finds_the_checkpoint(tmp_path):
     for x in res:
         assert x["latest"] == 2 and x["steps"] == [1, 2], x
         assert x["loaded"] == 2 and x["equal2"], x
-        assert x["resave"] is None and x["save4"] is None, x
-        assert x["after"] == [1, 2, 4], x
-    assert sorted(n for n in os.listdir(n0) if n.startswith("step_")) == [f"step_{s:012d}" for s in (1, 2, 4)]
-    assert not [n for n in os.listdir(n0) + os.listdir(n1) if n.startswith((".tmp-", ".trash-"))]
-    for step, seed in ((1, 1), (2, 3), (4, 4)):  # node 0's root is still the primary, whole
+        assert x["resave"] is None and x["save4"] is None and x["save5"] is None, x
+        assert x["after"] == [1, 2, 4] and x["kept"] == [2, 4, 5], x
+    for root in (n0, n1):  # step 1 retired on both nodes
+        assert sorted(n for n in os.listdir(root) if n.startswith("step_")) == [f"step_{s:012d}" for s in (2, 4, 5)]
+        assert not [n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-"))]
+    for step, seed in ((2, 3), (4, 4), (5, 5)):  # node 0's root is still the primary, whole
         model = _model(0)
         with GDSCheckpointer(model, root=[n0, n1], options=_options()) as ck:
-            assert ck.steps() == [1, 2, 4] and ck.load(step) == step
+            assert ck.steps() == [2, 4, 5] and ck.load(step) == step
         assert _same(model, seed), step
 
 
@@ -156,6 +163,31 @@ def test_resaving_a_step_whose_secondary_is_another_checkpoints_keeps_the_commit
     with GDSCheckpointer(model, root=[n0, n1], options=_options()) as ck:
         assert ck.load(2) == 2
     assert _same(model, 2)
+
+
+def _dcp_worker(rank: int, world: int, roots: list[str], save: bool) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from _models import small_engine
+    from gdswriter import CheckpointOptions
+    from gdswriter.dist import GDSStorageWriter
+
+    sd = {"rep": torch.arange(300_000.0)}  # 1.2 MB
+    writer = GDSStorageWriter(roots[rank], 1 if save else 2, options=CheckpointOptions(engine=small_engine()),
+                              dist_options=_dist_options())
+    return {"save": _caught(lambda: dcp.save(sd, storage_writer=writer))}
+
+
+def test_dcp_save_with_rank_0_on_the_other_node_is_refused(tmp_path):
+    """dcp.save commits on rank 0 (DCP's coordinator): with the primary's root on rank 1 now, it
+    must refuse before anything is written (before: it started a new checkpoint on node 1)."""
+    n0, n1 = tmp_path / "node0" / "ckpts", tmp_path / "node1" / "ckpts"
+    assert run_ranks(2, _dcp_worker, [str(n0), str(n1)], True, out=tmp_path / "job1") == [{"save": None}] * 2
+    before = _tree(n0), _tree(n1)
+    res = run_ranks(2, _dcp_worker, [str(n1), str(n0)], False, out=tmp_path / "job2")
+    for x in res:
+        assert x["save"] and "RootUnavailableError" in x["save"][1] and "dcp.save commits on rank 0" in x["save"][1], x
+    assert (_tree(n0), _tree(n1)) == before
 
 
 # ----------------------------------------------------------------------------- 2. a root copied with its marker
