@@ -1,7 +1,9 @@
 """Which directory is which root, on real ranks (gloo on CPU): node-local roots with rank 0
 landing on the other node after a restart (the job must find its checkpoint there, and no
 save may touch another primary's data), and a root copied with its identity marker (two
-directories with one id must be refused before a step commits that could never load)."""
+directories with one id must be refused before a step commits that could never load). The
+last tests run in one process (solo coordinator): two roots given in another order, and a
+primary step directory that is another primary's secondary data."""
 
 from __future__ import annotations
 
@@ -224,3 +226,76 @@ def test_a_root_copied_with_its_marker_is_refused_before_a_step_commits(tmp_path
         assert not [n for n in os.listdir(root) if n.startswith(("step_", ".tmp-"))], os.listdir(root)
     with GDSCheckpointer(_model(0), root=n0, options=_options()) as ck:
         assert ck.steps() == []
+
+
+# ----------------------------------------------------------------------------- one process, two roots (solo coordinator)
+def _session(roots):
+    from gdswriter.dist import DistOptions, open_session
+    from gdswriter.dist.group import Coordinator
+
+    for r in roots:
+        Path(r).mkdir(parents=True, exist_ok=True)
+    return open_session([Path(r) for r in roots], Coordinator.solo(), DistOptions(), movable_primary=True)
+
+
+def _state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    return {"model": {"w": torch.randn(600, 500)}}  # 1.2 MB
+
+
+def _save(session, step: int, seed: int) -> None:
+    from gdswriter.engine_select import create_engine
+    from gdswriter.snapshot import take_snapshot
+    from _models import small_engine
+
+    engines = [create_engine(small_engine()) for _ in range(2)]
+    try:
+        session.write_and_commit(take_snapshot(session.prepare(_state(seed), step), step), engines, 1)
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_roots_given_in_another_order_keep_their_primary(tmp_path):
+    """One rank, two roots passed the other way round: the root holding the manifests stays the
+    primary (before: the first root was taken for it, and no step was found)."""
+    from gdswriter.dist.roots import root_identity
+    from gdswriter.engine_select import create_engine
+    from gdswriter.restore import LiveState
+    from _models import small_engine
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    s = _session([a, b])
+    _save(s, 1, 1)
+    s.lock.release()
+    s = _session([b, a])
+    assert s.protocol.committed_steps() == [1] and s.protocol.latest() == 1 and s.layout.table[0].path == str(a)
+    _save(s, 2, 2)
+    assert (a / "step_000000000002" / "manifest.json").is_file() and (a / "latest").read_text() == "2\n"
+    assert (b / "step_000000000002" / "primary-id").read_text() == f"{root_identity(a)}\n"
+    live = {"w": torch.zeros(600, 500)}
+    with create_engine(small_engine()) as engine:
+        assert s.load(LiveState(live, None, {}), {"model": live}, 1, engine, strict=False, verify=True) == 1
+    assert torch.equal(live["w"], _state(1)["model"]["w"])
+    s.lock.release()
+
+
+def test_a_primary_step_that_is_another_primarys_secondary_is_never_removed(tmp_path):
+    """The primary holds step_5 without a manifest that names another primary (its secondary
+    data). Saving step 5 un-committed it, that is deleted it, before: it must be refused."""
+    from gdswriter.errors import EngineIOError
+    from gdswriter.format.commit import OWNER_ID_NAME, OWNER_NAME
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    s = _session([a, b])
+    _save(s, 1, 1)
+    foreign = a / "step_000000000005"
+    foreign.mkdir()
+    (foreign / OWNER_NAME).write_text("/elsewhere/ckpts\n")
+    (foreign / OWNER_ID_NAME).write_text("f" * 32 + "\n")
+    (foreign / "data-rank0-r1-f0.bin").write_bytes(b"x" * 5000)
+    before = _tree(a), _tree(b)
+    with pytest.raises(EngineIOError, match="secondary data of another primary root"):
+        _save(s, 5, 5)
+    assert (_tree(a), _tree(b)) == before and s.protocol.committed_steps() == [1]
+    s.lock.release()

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import fsync_dir
-from ..errors import EngineIOError, RankFailedError, RootUnavailableError
+from ..errors import EngineIOError, GDSWriterError, RankFailedError, RootUnavailableError
 from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, _atomic_write, retire, step_dir_name, step_owner
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .group import Coordinator, describe
@@ -120,8 +120,8 @@ class RankCommit:
         info, mine = self.layout.table[g], self.layout.local_paths[i]
         return RootUnavailableError(
             errno.EEXIST,
-            f"checkpoint root {mine} (rank {self.coord.rank}) and root {info.path} (rank {self.layout.leader(g)}) carry "
-            f"the same identity (id {info.id} in {ROOT_MARKER_NAME}), so gdswriter took them for one shared root, but "
+            f"checkpoint root {mine} (rank {self.coord.rank}) and root {info.path} (rank {self.layout.leader(g)}) "
+            f"carry the same identity (id {info.id} in {ROOT_MARKER_NAME}), so gdswriter took them for one shared root, but "
             f"they are two directories: the temporary directory rank {self.layout.leader(g)} just made there "
             f"({self.dirs[i].name}) is not in {mine}. One is probably a copy (rsync -a, cp -a, a machine image). Give "
             f"the copy its own identity: empty it, or remove its {ROOT_MARKER_NAME} (a new id is written when it is "
@@ -231,8 +231,8 @@ class RankCommit:
     def commit(self, manifest_bytes: bytes) -> None:
         """The primary rank: write the manifest and make the step visible (the commit point)."""
         if not self.coordinates or self.primary_index is None:
-            raise RootUnavailableError(errno.ENOENT, f"internal: rank {self.coord.rank} cannot commit step {self.step}: "
-                                                     f"the primary root is rank {self.p}'s")
+            raise GDSWriterError(f"internal: rank {self.coord.rank} cannot commit step {self.step}: the primary "
+                                 f"root is rank {self.p}'s")
         self.check_secondaries()
         primary = self.layout.local_paths[self.primary_index]
         final = primary / step_dir_name(self.step)

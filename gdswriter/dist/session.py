@@ -37,9 +37,10 @@ log = logging.getLogger("gdswriter")
 
 
 class RankProtocol(CommitProtocol):
-    """This rank's roots (in its order), with the committed steps of the whole checkpoint: read
-    from the primary root where this rank sees it (``primary`` and ``step_dir(s)`` are then that
-    root's, whichever of this rank's roots it is), else as the primary rank last reported them."""
+    """This rank's roots (``roots`` in its order), with the committed steps of the whole
+    checkpoint: read from the primary root where this rank sees it (``primary`` and
+    ``step_dir(s)`` are then that root's, whichever of this rank's roots it is), else as the
+    primary rank last reported them."""
 
     def __init__(self, layout: RootLayout):
         super().__init__(layout.local_paths)
@@ -48,14 +49,17 @@ class RankProtocol(CommitProtocol):
         self.primary_here = self.primary_index is not None
         self.known: list[int] = []
         self.known_latest: int | None = None
+        first = self.primary_index or 0
+        self._order = [first] + [i for i in range(len(self.roots)) if i != first]  # the primary first
 
     @property
     def primary(self) -> Path:
-        return self.roots[self.primary_index if self.primary_index is not None else 0]
+        return self.roots[self._order[0]]
 
     def step_dir(self, step: int, root: int = 0) -> Path:
-        """The step's directory on local root ``root``; root 0 stands for the primary."""
-        return (self.primary if root == 0 else self.roots[root]) / step_dir_name(step)
+        """The step's directory on this rank's ``root``-th root counting the primary first (root
+        0 is the primary where this rank sees it), as CommitProtocol numbers them."""
+        return self.roots[self._order[root]] / step_dir_name(step)
 
     def committed_steps(self) -> list[int]:
         return super().committed_steps() if self.primary_here else list(self.known)
