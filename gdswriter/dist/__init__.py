@@ -53,7 +53,7 @@ def session_for(roots: Sequence[Path], process_group: Any = None, options: DistO
     # one makes every rank raise at once, rather than leaving the others to wait out the timeout.
     coord = Coordinator.create(process_group, timeout_s=options.timeout_s, label=label)
     try:
-        return open_session(roots, coord, options)
+        return open_session(roots, coord, options, movable_primary=True)
     except BaseException:
         coord.close()
         raise

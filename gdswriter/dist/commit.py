@@ -1,20 +1,30 @@
 """The commit protocol of a multi-rank step: format/commit.py's protocol, spread over ranks.
 
-Step S, with roots in the table every rank agrees on (roots.py; the primary first):
+Step S, with roots in the table every rank agrees on (roots.py; the primary first). P is the
+*primary rank*, the leader of the primary root: rank 0, unless the roots were opened with
+rank 0 on another node than the primary's disk (roots.py ``choose_primary``):
 
-1. every rank makes ``.tmp-step_S-<token>`` on each of its roots (ranks sharing a root share
-   that directory; the root's leader also writes ``primary-root`` and ``primary-id`` into
-   secondary ones) and writes its own data files there, each fdatasynced;
-2. vote: rank 0 gathers every rank's outcome. On any failure it tells every rank, each
-   root's leader removes the temporary directory, and every rank raises. When step S is
-   already committed, rank 0 un-commits it here (primary first, as commit.py does);
+1. each root's leader makes ``.tmp-step_S-<token>`` on it (a fresh token: the name never
+   existed before) and, on a secondary root, writes ``primary-root`` and ``primary-id`` into
+   it. Where ranks share a root, the others do not create that directory: after one
+   collective they must find it in their own root (a root copied with its ``.gdswriter-root``
+   marker is another directory with the same id, and would not have it), and every rank
+   learns in a second collective whether all did, before any data is written. A crash here
+   leaves empty temporary directories (removed at the next open). Then every rank writes its
+   own data files there, each fdatasynced;
+2. vote: P gathers every rank's outcome; each secondary root's leader first checks that a
+   ``step_S`` already there was written for this primary (one of another checkpoint is
+   refused: nothing is un-committed). On any failure P tells every rank, each root's leader
+   removes the temporary directory, and every rank raises. When step S is already committed,
+   P un-commits it here (primary first, as commit.py does); a primary ``step_S`` without a
+   manifest that another primary wrote (its secondary data) is refused, never removed;
 3. each root's leader fsyncs its temporary directory (every rank's files are in it now); on a
-   secondary root it renames it to ``step_S`` and fsyncs the root. Rank 0 gathers the outcome;
-4. rank 0 writes manifest.json into the primary's temporary directory (fsync) and renames it
-   to ``step_S``: the commit point. If the root's fsync then fails, rank 0 un-commits the step
+   secondary root it renames it to ``step_S`` and fsyncs the root. P gathers the outcome;
+4. P writes manifest.json into the primary's temporary directory (fsync) and renames it
+   to ``step_S``: the commit point. If the root's fsync then fails, P un-commits the step
    (retires the primary ``step_S``) before reporting the failure, so that no visible step
    loses its secondary data; if it cannot, the step stays committed (with a warning);
-5. announce: rank 0 tells every rank whether the step committed; then ``latest`` moves (a
+5. announce: P tells every rank whether the step committed; then ``latest`` moves (a
    failure there is logged: the step is committed, readers fall back to the newest step).
 
 A rank that dies or hangs makes a collective fail (CollectiveFailedError on the others,
@@ -33,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from ..engine import fsync_dir
-from ..errors import EngineIOError, RankFailedError
-from ..format.commit import LATEST_NAME, TMP_PREFIX, _atomic_write, retire, step_dir_name
+from ..errors import EngineIOError, GDSWriterError, RankFailedError, RootUnavailableError
+from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, _atomic_write, retire, step_dir_name, step_owner
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .group import Coordinator, describe
 from .roots import RootLayout, owned, write_owner_files
@@ -53,11 +63,15 @@ def _io_error(e: OSError, path: Path, what: str) -> EngineIOError:
 
 class RankCommit:
     """This rank's part of committing step ``step``: ``dirs`` (one temporary directory per local
-    root) to write into, then vote(), commit() on rank 0, announce()."""
+    root) to write into, then vote(), commit() on the primary rank (``coordinates``), announce().
+    Collective from the start: with shared roots, construction runs step 1's two collectives."""
 
     def __init__(self, coord: Coordinator, layout: RootLayout, step: int, token: str):
         self.coord, self.layout, self.step = coord, layout, step
         self.what = f"saving step {step}"
+        self.p = layout.primary_rank
+        self.coordinates = coord.rank == self.p
+        self.primary_index = layout.local_of(0)  # where this rank sees the primary (the primary rank does)
         name = f"{TMP_PREFIX}{step_dir_name(step)}-{token}"
         self.dirs = [root / name for root in layout.local_paths]
         self.setup_error: BaseException | None = None  # reported in the vote, never raised alone
@@ -65,36 +79,85 @@ class RankCommit:
         self.renamed: list[Path] = []
         self.secondary_failures: dict[int, str] = {}
         self.committed = False
-        self.keep_secondaries = False  # rank 0: a failure after the commit rename keeps secondary step_S
+        self.keep_secondaries = False  # primary rank: a failure after the commit rename keeps secondary step_S
+        d = self.dirs[0]
         try:
             for i, d in enumerate(self.dirs):
-                d.mkdir(exist_ok=True)
-                if layout.leads(i) and not layout.is_primary(i):
-                    write_owner_files(layout, d)
+                if layout.leads(i):  # only the leader creates it: the others must find it (step 1)
+                    d.mkdir()
+                    if not layout.is_primary(i):
+                        write_owner_files(layout, d)
         except OSError as e:
             self.setup_error = _io_error(e, d, "mkdir")
+        if layout.shares_roots:
+            self._check_shared()
+
+    def _check_shared(self) -> None:
+        """Step 1 where ranks share roots: after the leaders made the temporary directories, every
+        rank finds each one it does not lead in its own root, and all learn whether every rank did
+        (a failure becomes this rank's setup_error: the rank writes nothing and reports it in the vote)."""
+        what = f"{self.what} (temporary directories)"
+        problem: BaseException | None = None
+        try:
+            made = self.coord.all_gather(describe(self.setup_error) if self.setup_error else None, what)
+            if self.setup_error is None and all(x is None for x in made):
+                for i, d in enumerate(self.dirs):
+                    if not self.layout.leads(i) and not d.is_dir():
+                        problem = self._not_shared(i)
+                        break
+            found = self.coord.all_gather(describe(problem) if problem else None, f"{self.what} (shared roots)")
+        except Exception as e:  # noqa: BLE001 - a failed collective: the vote fails on every rank too
+            self.setup_error = self.setup_error or e
+            return
+        failures = {r: m for r, m in enumerate(made) if m is not None} or {
+            r: m for r, m in enumerate(found) if m is not None}
+        if self.setup_error is None and problem is None and failures:
+            problem = RankFailedError(what, failures)
+        self.setup_error = self.setup_error or problem
+
+    def _not_shared(self, i: int) -> RootUnavailableError:
+        g = self.layout.local_to_global[i]
+        info, mine = self.layout.table[g], self.layout.local_paths[i]
+        return RootUnavailableError(
+            errno.EEXIST,
+            f"checkpoint root {mine} (rank {self.coord.rank}) and root {info.path} (rank {self.layout.leader(g)}) "
+            f"carry the same identity (id {info.id} in {ROOT_MARKER_NAME}), so gdswriter took them for one shared root, but "
+            f"they are two directories: the temporary directory rank {self.layout.leader(g)} just made there "
+            f"({self.dirs[i].name}) is not in {mine}. One is probably a copy (rsync -a, cp -a, a machine image). Give "
+            f"the copy its own identity: empty it, or remove its {ROOT_MARKER_NAME} (a new id is written when it is "
+            f"next opened; move its step directories away first if you keep them); nothing was written for step "
+            f"{self.step}")
 
     # -- 2 and 3 -----------------------------------------------------------------
     def vote(self, outcome: Any) -> list[Any] | None:
-        """Collective. ``outcome`` is what this rank reports to rank 0 (JSON), or the exception
-        that stopped it. Returns every rank's report on rank 0, None elsewhere; raises on every
+        """Collective. ``outcome`` is what this rank reports to the primary rank (JSON), or the
+        exception that stopped it. Returns every rank's report there, None elsewhere; raises on every
         rank if any rank failed. Then the secondary roots are renamed (step 3)."""
         error = self.setup_error or (outcome if isinstance(outcome, BaseException) else None)
+        if error is None:
+            try:  # before the primary un-commits anything: a step_S of another checkpoint is refused here
+                for i in self.layout.led:
+                    if not self.layout.is_primary(i):
+                        self._check_secondary_final(i)
+            except OSError as e:
+                error = _io_error(e, self.dirs[i], "commit")
         try:
             gathered = self.coord.gather({"error": describe(error)} if error else {"report": outcome},
-                                         f"{self.what} (vote)")
+                                         f"{self.what} (vote)", dst=self.p)
             failures: dict[int, str] = {}
-            if self.coord.rank == 0:
-                assert gathered is not None
+            if self.coordinates:
+                assert gathered is not None and self.primary_index is not None
                 failures = {r: x["error"] for r, x in enumerate(gathered) if "error" in x}
-                final = self.layout.local_paths[0] / step_dir_name(self.step)
+                final = self.layout.local_paths[self.primary_index] / step_dir_name(self.step)
                 if not failures and final.exists():
                     try:
+                        self._check_primary_final(final)
                         retire(final)  # re-saving step S: un-commit the old one first
                     except OSError as e:
                         error = _io_error(e, final, "un-commit the old step")
-                        failures = {0: describe(error)}
-            decision = self.coord.broadcast([[r, m] for r, m in failures.items()], f"{self.what} (decision)")
+                        failures = {self.coord.rank: describe(error)}
+            decision = self.coord.broadcast([[r, m] for r, m in failures.items()], f"{self.what} (decision)",
+                                            src=self.p)
         except BaseException:
             self.abort()
             raise
@@ -112,26 +175,45 @@ class RankCommit:
         except OSError as e:
             self.local_error = _io_error(e, self.dirs[0], "commit")
         statuses = self.coord.gather(describe(self.local_error) if self.local_error else None,
-                                     f"{self.what} (secondary roots)")
+                                     f"{self.what} (secondary roots)", dst=self.p)
         if statuses is not None:
             self.secondary_failures = {r: s for r, s in enumerate(statuses) if s is not None}
         return [x["report"] for x in gathered] if gathered is not None else None
 
+    def _check_secondary_final(self, i: int) -> None:
+        """Refuse (EngineIOError EEXIST) a secondary ``step_S`` that was not written for this
+        checkpoint's primary: it is another checkpoint's data (or a primary's committed step)."""
+        final = self.layout.local_paths[i] / step_dir_name(self.step)
+        if final.exists() and not owned(self.layout, final):
+            raise EngineIOError(errno.EEXIST, final, 0, "commit",
+                                f"it holds step {self.step} of another checkpoint (not written for primary "
+                                f"root {self.layout.primary_identity}, id {self.layout.table[0].id}); nothing was "
+                                f"changed: give each checkpoint its own directory on every root")
+
+    def _check_primary_final(self, final: Path) -> None:
+        """Refuse (EngineIOError EEXIST) to un-commit a primary ``step_S`` that holds no manifest
+        but names another primary root: it is that primary's secondary data, not a step of ours."""
+        if (final / MANIFEST_NAME).exists():
+            return
+        path, owner_id = step_owner(final)
+        if (path, owner_id) != (None, None) and not owned(self.layout, final):
+            raise EngineIOError(errno.EEXIST, final, 0, "commit",
+                                f"it is not a step of this checkpoint but step {self.step}'s secondary data of "
+                                f"another primary root (id {owner_id or 'not recorded'}, at {path}); nothing was "
+                                f"changed: is rank 0 on another node than when it was saved? Open the checkpoint "
+                                f"with that primary's node in the job, or move the directory away yourself")
+
     def _publish_secondary(self, i: int) -> None:
         final = self.layout.local_paths[i] / step_dir_name(self.step)
         if final.exists():
-            if not owned(self.layout, final):
-                raise EngineIOError(errno.EEXIST, final, 0, "commit",
-                                    f"it holds step {self.step} of another checkpoint (not written for primary "
-                                    f"root {self.layout.primary_identity}); give each checkpoint its own "
-                                    f"directory on every root")
+            self._check_secondary_final(i)
             retire(final)
         os.rename(self.dirs[i], final)
         fsync_dir(self.layout.local_paths[i])
         self.renamed.append(final)
 
     def check_secondaries(self) -> None:
-        """Rank 0: raise if a secondary root could not be published (nothing is committed)."""
+        """The primary rank: raise if a secondary root could not be published (nothing is committed)."""
         if self.secondary_failures:
             self.abort()
             if self.local_error is not None:
@@ -140,20 +222,23 @@ class RankCommit:
 
     # -- 4 and 5 -----------------------------------------------------------------
     def commit_manifest(self, manifest: Manifest) -> None:
-        """Rank 0: commit the step with ``manifest``, once its JSON has been read back: a step is never
+        """The primary rank: commit the step with ``manifest``, once its JSON has been read back: a step is never
         committed with a manifest that cannot load."""
         data = manifest.to_json_bytes()
         Manifest.from_json_bytes(data, where=f"the manifest of step {self.step}")
         self.commit(data)
 
     def commit(self, manifest_bytes: bytes) -> None:
-        """Rank 0: write the manifest and make the step visible (the commit point)."""
+        """The primary rank: write the manifest and make the step visible (the commit point)."""
+        if not self.coordinates or self.primary_index is None:
+            raise GDSWriterError(f"internal: rank {self.coord.rank} cannot commit step {self.step}: the primary "
+                                 f"root is rank {self.p}'s")
         self.check_secondaries()
-        primary = self.layout.local_paths[0]
+        primary = self.layout.local_paths[self.primary_index]
         final = primary / step_dir_name(self.step)
         try:
-            _atomic_write(self.dirs[0] / MANIFEST_NAME, manifest_bytes)
-            os.rename(self.dirs[0], final)
+            _atomic_write(self.dirs[self.primary_index] / MANIFEST_NAME, manifest_bytes)
+            os.rename(self.dirs[self.primary_index], final)
         except OSError as e:
             self.abort()
             if isinstance(e, EngineIOError):
@@ -180,25 +265,27 @@ class RankCommit:
         self.committed = True
 
     def move_latest(self) -> None:
-        """Rank 0, after the commit: point ``latest`` at the step. A failure is logged, not raised:
+        """The primary rank, after the commit: point ``latest`` at the step. A failure is logged, not raised:
         the step is committed (``latest`` only names the default step to load, as after a crash
         between the commit and ``latest``: docs/format.md section 6)."""
+        assert self.primary_index is not None
+        latest = self.layout.local_paths[self.primary_index] / LATEST_NAME
         try:
-            _atomic_write(self.layout.local_paths[0] / LATEST_NAME, f"{self.step}\n".encode())
+            _atomic_write(latest, f"{self.step}\n".encode())
         except OSError as e:
             log.warning("gdswriter: step %d is committed, but %s could not be updated (%s): a load without a step "
                         "picks the step it still names until a later save moves it; check the drive", self.step,
-                        self.layout.local_paths[0] / LATEST_NAME, e)
+                        latest, e)
 
     def announce(self, error: BaseException | None) -> None:
-        """Collective: rank 0's outcome (``error`` there) reaches every rank; all raise if the step
+        """Collective: the primary rank's outcome (``error`` there) reaches every rank; all raise if the step
         was not committed (secondary directories renamed in step 3 are removed again, unless the
         failure came after the commit rename: then the next open decides, see commit())."""
         failures = None
-        if self.coord.rank == 0 and error is not None:
-            failures = self.secondary_failures or {0: describe(error)}
+        if self.coordinates and error is not None:
+            failures = self.secondary_failures or {self.coord.rank: describe(error)}
         msg = self.coord.broadcast({"failures": failures and [[r, m] for r, m in failures.items()],
-                                    "keep": self.keep_secondaries}, f"{self.what} (commit)")
+                                    "keep": self.keep_secondaries}, f"{self.what} (commit)", src=self.p)
         failures = msg["failures"]
         if not failures:
             return

@@ -44,20 +44,21 @@ from .shards import assemble, join, leaves, overlap, target_block
 log = logging.getLogger("gdswriter")
 
 
-def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str
+def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str, src: int = 0
                        ) -> tuple[int, Manifest]:
-    """Collective: rank 0 resolves ``step`` (None: the latest) and sends its manifest to every rank."""
+    """Collective: rank ``src`` (the primary rank: it sees the primary root) resolves ``step``
+    (None: the latest) and sends its manifest to every rank."""
     msg: dict = {}
     error = None
-    if coord.rank == 0:
+    if coord.rank == src:
         try:
             step = protocol.require(step)
             msg = {"step": step, "manifest": read_manifest_bytes(protocol, step).decode()}
         except Exception as e:  # noqa: BLE001 - every rank raises below
             error, msg = e, {"error": describe(e)}
-    msg = coord.broadcast(msg, f"{what} (manifest)")
+    msg = coord.broadcast(msg, f"{what} (manifest)", src=src)
     if "error" in msg:
-        coord.agree(error or RuntimeError(msg["error"]) if coord.rank == 0 else None, what,
+        coord.agree(error or RuntimeError(msg["error"]) if coord.rank == src else None, what,
                     hint="the live state was not changed")
     return msg["step"], parse_manifest(protocol, msg["step"], msg["manifest"].encode())
 
@@ -155,7 +156,8 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
              step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> tuple[int, Any, Any]:
     """Collective: (step, state, plan) of ``step`` (None: the latest), read, verified and checked
     against the live state on every rank; nothing live has changed yet."""
-    step, m = broadcast_manifest(coord, protocol, step, "loading" if step is None else f"loading step {step}")
+    step, m = broadcast_manifest(coord, protocol, step, "loading" if step is None else f"loading step {step}",
+                                 src=layout.primary_rank)
     what = f"loading step {step}"
     error = None
     if m.dist is not None and m.dist.layout != "gdswriter":
@@ -188,20 +190,21 @@ def _verdict(e: BaseException) -> str | None:
 def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
                    live_state: dict, engine: IOEngine, *, strict: bool, verify: bool
                    ) -> tuple[int, Any, Any, tuple[int, ...]]:
-    """Collective _prepare of the newest intact step (load(fallback=True)). Rank 0's fallback
-    order is every rank's; after a failed step every rank says how it saw the failure and all
+    """Collective _prepare of the newest intact step (load(fallback=True)). The primary rank's
+    fallback order is every rank's; after a failed step every rank says how it saw the failure and all
     decide alike from the same answers: the next step when some rank found damage and none
     failed otherwise, else every rank raises."""
     order: dict = {}
     error = None
-    if coord.rank == 0:
+    src = layout.primary_rank  # the rank that reads the primary root (rank 0 unless a restart moved it)
+    if coord.rank == src:
         try:
             order = {"steps": protocol.fallback_order()}
         except Exception as e:  # noqa: BLE001 - every rank raises below
             error, order = e, {"error": describe(e)}
-    order = coord.broadcast(order, "loading the newest intact step (steps)")
+    order = coord.broadcast(order, "loading the newest intact step (steps)", src=src)
     if "error" in order:
-        coord.agree(error or RuntimeError(order["error"]) if coord.rank == 0 else None,
+        coord.agree(error or RuntimeError(order["error"]) if coord.rank == src else None,
                     "loading the newest intact step (steps)", hint="the live state was not changed")
     if not order["steps"]:  # no committed step: the usual CheckpointNotFoundError, on every rank
         return (*_prepare(coord, layout, protocol, live, live_state, None, engine, strict=strict, verify=verify), ())

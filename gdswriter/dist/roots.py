@@ -4,9 +4,27 @@ Each rank is given its own list of roots (directories on its SSDs). Two ranks ma
 directory (a shared file system, or ranks of one node), or the same path may be two disks
 (node-local SSDs on different nodes). A root's identity is therefore an id stored inside it
 (``.gdswriter-root``, created once), not its path: ranks exchange the ids of their roots and
-agree on one table of distinct roots, the primary (rank 0's first root) first. Each root is
-led by the lowest rank that sees it: that rank locks it, cleans it, and commits its step
-directory; the other ranks sharing it only write their own files there.
+agree on one table of distinct roots, the primary first. Each root is led by the lowest rank
+that sees it: that rank locks it, cleans it, and commits its step directory; the other ranks
+sharing it only write their own files there.
+
+Which root is the primary (the one holding the manifests) is decided when the roots are
+opened (``choose_primary``), from what is on them, not from the rank order alone: node ranks
+are not kept across restarts (torchrun's rendezvous may put rank 0 on another node), so rank
+0's first root may be a disk that holds only secondary step directories of the checkpoint
+while the primary's manifests are on another node's disk. Each root's leader reports the
+steps committed on it and the primary ids its secondary step directories name; the primary
+is rank 0's first root when that holds a committed step (or nothing says otherwise), else the
+one root of the job that holds committed steps (the one the secondaries name, if several do),
+else the root that rank 0's first root's secondary directories name. Its leader (the
+*primary rank*, rank 0 unless the job was restarted this way) then does what rank 0 does
+otherwise: gathers the votes, writes the manifest, moves ``latest``, applies retention and
+reads the manifest for a load. Nothing is written before every rank agrees on the table.
+
+An id is taken to be one root seen by several ranks; a root copied with its marker (rsync -a,
+a machine image) breaks that. Each save checks it (dist/commit.py): the leader creates the
+step's temporary directory, under a name no earlier save used, and every other rank sharing
+the root must find that directory in its own root before anything is written.
 """
 
 from __future__ import annotations
@@ -22,7 +40,7 @@ from ..errors import EngineIOError, InvalidOptionError, RootUnavailableError
 from ..format.commit import (ROOT_MARKER_NAME, CommitProtocol, RootLock, _step_dirs, owned_by, step_owner,
                              write_owner)
 from ..format.commit import root_identity as commit_root_identity
-from ..format.manifest import RootInfo
+from ..format.manifest import MANIFEST_NAME, RootInfo
 from .group import Coordinator, describe, raise_failures
 
 log = logging.getLogger("gdswriter")
@@ -59,6 +77,27 @@ class RootLayout:
 
     def leader(self, g: int) -> int:
         return min(self.table[g].ranks)
+
+    @property
+    def primary_rank(self) -> int:
+        """The rank that leads the primary: it commits steps and reads manifests (rank 0 unless
+        choose_primary moved the primary to another rank's root)."""
+        return self.leader(0)
+
+    @property
+    def shares_roots(self) -> bool:
+        """Whether some root is seen by more than one rank."""
+        return any(len(info.ranks) > 1 for info in self.table)
+
+    def with_primary(self, g: int) -> "RootLayout":
+        """This layout with table root ``g`` as the primary (moved to the front, the other roots
+        keeping their order)."""
+        if g == 0:
+            return self
+        order = [g] + [h for h in range(len(self.table)) if h != g]
+        new_of = {old: new for new, old in enumerate(order)}
+        return RootLayout(self.rank, self.world_size, tuple(self.table[h] for h in order), self.local_paths,
+                          self.local_ids, tuple(new_of[h] for h in self.local_to_global), self.table[g].path)
 
     def leads(self, i: int) -> bool:
         """Whether this rank leads its local root ``i``."""
@@ -119,6 +158,49 @@ def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool =
                       tuple(order[rid] for rid in ids), everyone[0]["roots"][0][1])
 
 
+def probe_led(layout: RootLayout) -> dict:
+    """What the roots this rank leads hold, for choose_primary: per table root (str index), the
+    steps committed on it (as if it were a primary), the step ``latest`` names there, and the
+    primary ids that its secondary step directories name. Reads only."""
+    out = {}
+    for i in layout.led:
+        root = layout.local_paths[i]
+        probe = CommitProtocol([root])
+        names = {owner_id for s, d in _step_dirs(root) if not (d / MANIFEST_NAME).exists()
+                 for _, owner_id in [step_owner(d)] if owner_id}
+        out[str(layout.local_to_global[i])] = {"committed": probe.committed_steps(), "latest": probe.latest(),
+                                               "names": sorted(names)}
+    return out
+
+
+def choose_primary(layout: RootLayout, probes: dict) -> RootLayout:
+    """The layout with the job's primary first (module docstring), from every leader's
+    ``probe_led`` (merged: one entry per table root). Every rank computes the same from the
+    same probes. RootUnavailableError when several roots hold committed steps and none of them
+    is rank 0's first root: which checkpoint to continue is then not the roots' to say."""
+    table = layout.table
+    committed = [probes[str(g)]["committed"] for g in range(len(table))]
+    if committed[0]:
+        return layout
+    named = {i for p in probes.values() for i in p["names"]}
+    holders = [g for g in range(len(table)) if committed[g]]
+    if holders:
+        pick = [g for g in holders if table[g].id in named] or holders
+        if len(pick) > 1:
+            where = "; ".join(f"{table[g].path} (id {table[g].id}, rank {min(table[g].ranks)}): steps "
+                              f"{committed[g][-3:]}" for g in pick)
+            raise RootUnavailableError(
+                errno.EEXIST,
+                f"rank 0's first root {table[0].path} holds no committed step, and several other roots of this job "
+                f"hold committed steps of different checkpoints ({where}): gdswriter cannot tell which one to "
+                f"continue. Give each rank the roots it was saved with (rank 0 on the node holding the checkpoint's "
+                f"primary), or move the other checkpoint's steps away; nothing was changed")
+        return layout.with_primary(pick[0])
+    by_id = {info.id: g for g, info in enumerate(table)}
+    mine = sorted({by_id[i] for i in probes["0"]["names"] if i in by_id and by_id[i] != 0})
+    return layout.with_primary(mine[0]) if len(mine) == 1 else layout
+
+
 def lock_led(layout: RootLayout) -> RootLock:
     """Lock the roots this rank leads (CheckpointLockedError if another job holds one)."""
     return RootLock([layout.local_paths[i] for i in layout.led])
@@ -126,7 +208,7 @@ def lock_led(layout: RootLayout) -> RootLock:
 
 class _LedRoots(CommitProtocol):
     """The roots one rank leads, as commit.py's cleaning sees a checkpoint's roots: the primary
-    first (a path that does not exist when another rank leads it), the steps rank 0 committed,
+    first (a path that does not exist when another rank leads it), the steps the primary committed,
     and the primary's identity that secondary step directories name."""
 
     def __init__(self, layout: RootLayout, committed: Sequence[int]):
@@ -145,15 +227,36 @@ class _LedRoots(CommitProtocol):
 def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
     """Remove what interrupted saves left on the roots this rank leads (commit.py's cleaning:
     temporary and trash entries, secondary step directories of this checkpoint whose step
-    rank 0 has not committed). Refuses (RootUnavailableError, nothing removed) when the primary
-    has no committed step while a led secondary root holds steps that name the primary's path
-    but not its id: they belong to another primary at that path (node-local disks, or an
-    unmounted primary disk), and cleaning them would destroy that checkpoint's data."""
+    the primary has not committed). Refuses (RootUnavailableError, nothing removed) when the
+    primary has no committed step while
+    - the primary itself holds step directories that another primary wrote as its secondary
+      ones (rank 0 is on another node than at the save, and no root of this job is the
+      primary they name: writing there would destroy them), or
+    - a led secondary root holds steps that name the primary's path but not its id: they
+      belong to another primary at that path (node-local disks, or an unmounted primary
+      disk), and cleaning them would destroy that checkpoint's data."""
     if not committed:
         for i in layout.led:
-            if layout.is_primary(i):
-                continue
             root = layout.local_paths[i]
+            if layout.is_primary(i):
+                foreign = [(s, owner_id) for s, d in _step_dirs(root) if not (d / MANIFEST_NAME).exists()
+                           for path, owner_id in [step_owner(d)]
+                           if (path, owner_id) != (None, None) and not owned(layout, d)]
+                if foreign:
+                    ids = sorted({owner_id or "(none recorded)" for _, owner_id in foreign})
+                    steps = [s for s, _ in foreign]
+                    raise RootUnavailableError(
+                        errno.ENOENT,
+                        f"primary checkpoint root {root} (id {layout.table[0].id}, rank {layout.rank}'s root) holds no "
+                        f"committed step, only {len(steps)} step director{'y' if len(steps) == 1 else 'ies'} (steps "
+                        f"{steps[:5]}{' ...' if len(steps) > 5 else ''}) that another primary root (id "
+                        f"{', '.join(ids)}) wrote there as its secondary data, and no root of this job is that "
+                        f"primary: rank 0 is probably on another node than when they were saved (node ranks are not "
+                        f"kept across restarts). Start the job with the node that holds the primary's disk among its "
+                        f"nodes (its rank then finds the checkpoint), or mount that disk. gdswriter refuses to write "
+                        f"(and never cleans) these roots until then; if that checkpoint is really abandoned, move "
+                        f"those directories out of {root} yourself")
+                continue
             held = [s for s, d in _step_dirs(root) for path, owner_id in [step_owner(d)]
                     if path == layout.primary_identity and owner_id != layout.table[0].id]
             if held:

@@ -8,7 +8,8 @@
    ranges (replicated state split across ranks, shards written once per replica group).
 3. Each rank lays its ranges out in its own data files (plan_save over its roots; names carry
    the rank) and writes them through its engines into the step's temporary directories.
-4. The two-phase commit of dist/commit.py; rank 0 builds the manifest (dist/assemble.py).
+4. The two-phase commit of dist/commit.py; the primary rank (rank 0 unless the primary root
+   is another rank's: roots.py) builds the manifest (dist/assemble.py).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shar
                     pool: HostSnapshotPool | None = None, release: Release | None = None,
                     meshes: dict[str, list[int]] | None = None) -> Manifest | None:
     """Collective: write ``snap`` as step ``snap.step`` with every rank and commit it once.
-    Returns the manifest on rank 0 (None elsewhere); raises on every rank if any rank failed.
+    Returns the manifest on the primary rank (None elsewhere); raises on every rank if any rank failed.
     ``pool``/``release`` as in writer.write_and_commit: this rank's pieces go through the host
     snapshot pool (host mode) or straight from the extents (live), and ``release`` is set once
     the live tensors are free (or the save failed). ``meshes``: see storage_keys."""
@@ -138,7 +139,7 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shar
         except Exception as e:  # noqa: BLE001 - announced to every rank
             error = e
     rc.announce(error)
-    if rank == 0:
+    if rc.coordinates:
         rc.move_latest()
     return manifest
 

@@ -1,11 +1,13 @@
 """GDSCheckpointer under torch.distributed: what its hooks delegate to.
 
 ``open_session`` (collective, from GDSCheckpointer.__init__) agrees on the roots, locks the
-ones this rank leads and cleans their leftovers. Then, on every rank in the same order:
-``prepare`` (DTensors -> local shards) before the snapshot, ``write_and_commit`` and
-``apply_retention`` in the save worker, ``load``. ``protocol`` answers steps()/latest_step()
-on every rank, also where the primary root is another node's disk. ``close`` (from
-GDSCheckpointer.close) releases the locks and the checkpointer's own coordination channel.
+ones this rank leads, finds which root holds the checkpoint's manifests (roots.py
+``choose_primary``: not necessarily rank 0's after a restart put rank 0 on another node) and
+cleans their leftovers. Then, on every rank in the same order: ``prepare`` (DTensors -> local
+shards) before the snapshot, ``write_and_commit`` and ``apply_retention`` in the save worker,
+``load``. ``protocol`` answers steps()/latest_step() on every rank, also where the primary
+root is another node's disk. ``close`` (from GDSCheckpointer.close) releases the locks and the
+checkpointer's own coordination channel.
 
 Each session has a channel of its own (group.py): another checkpointer's save thread never
 shares its collectives. Its collective operations (a save's writes and commit, a retention,
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..engine import IOEngine
-from ..errors import CheckpointNotFoundError, GDSWriterError
+from ..errors import CheckpointNotFoundError, GDSWriterError, RootUnavailableError
 from ..format.commit import CommitProtocol, retire, step_dir_name
 from ..format.manifest import Manifest, ShardInfo
 from ..restore import LiveState
@@ -32,7 +34,7 @@ from ..writer import Release
 from .group import Coordinator, describe, raise_failures
 from .load import collective_load
 from .options import DistOptions
-from .roots import RootLayout, clean_led, discover_layout, lock_led, owned
+from .roots import RootLayout, choose_primary, clean_led, discover_layout, lock_led, owned, probe_led
 from .save import collective_save
 from .shards import split_dtensors
 
@@ -40,15 +42,29 @@ log = logging.getLogger("gdswriter")
 
 
 class RankProtocol(CommitProtocol):
-    """This rank's roots, with the committed steps of the whole checkpoint: read from the
-    primary root where this rank sees it as its first root, else as rank 0 last reported them."""
+    """This rank's roots (``roots`` in its order), with the committed steps of the whole
+    checkpoint: read from the primary root where this rank sees it (``primary`` and
+    ``step_dir(s)`` are then that root's, whichever of this rank's roots it is), else as the
+    primary rank last reported them."""
 
     def __init__(self, layout: RootLayout):
         super().__init__(layout.local_paths)
         self.identity = layout.primary_identity
-        self.primary_here = layout.local_to_global[0] == 0
+        self.primary_index = layout.local_of(0)
+        self.primary_here = self.primary_index is not None
         self.known: list[int] = []
         self.known_latest: int | None = None
+        first = self.primary_index or 0
+        self._order = [first] + [i for i in range(len(self.roots)) if i != first]  # the primary first
+
+    @property
+    def primary(self) -> Path:
+        return self.roots[self._order[0]]
+
+    def step_dir(self, step: int, root: int = 0) -> Path:
+        """The step's directory on this rank's ``root``-th root counting the primary first (root
+        0 is the primary where this rank sees it), as CommitProtocol numbers them."""
+        return self.roots[self._order[root]] / step_dir_name(step)
 
     def committed_steps(self) -> list[int]:
         return super().committed_steps() if self.primary_here else list(self.known)
@@ -108,9 +124,10 @@ class DistSession:
         return manifest
 
     def apply_retention(self, newest: int, retained: Callable[[list[int], int], Any]) -> None:
-        """Collective: rank 0 un-commits the steps the policy drops (primary first), then every
-        root's leader deletes their secondary directories. I/O failures deleting a step are logged,
-        not raised; any other failure on rank 0 (the policy, listing the steps) raises on every rank."""
+        """Collective: the primary rank un-commits the steps the policy drops (primary first), then
+        every root's leader deletes their secondary directories. I/O failures deleting a step are
+        logged, not raised; any other failure on the primary rank (the policy, listing the steps)
+        raises on every rank."""
         with self._serial:
             self._apply_retention(newest, retained)
 
@@ -118,7 +135,7 @@ class DistSession:
         what = f"retention after step {newest}"
         mine: dict = {}
         error = None
-        if self.rank == 0:
+        if self.rank == self.layout.primary_rank:
             try:
                 drop: list[int] = []
                 steps = self.protocol.committed_steps()
@@ -134,7 +151,7 @@ class DistSession:
                 mine = {"drop": drop, "committed": self.protocol.committed_steps(), "latest": self.protocol.latest()}
             except Exception as e:  # noqa: BLE001 - every rank learns of it
                 error, mine = e, {"error": describe(e)}
-        msg = self.coord.broadcast(mine, what)
+        msg = self.coord.broadcast(mine, what, src=self.layout.primary_rank)
         if "error" in msg:
             raise_failures([msg["error"]], error, what, hint="no step was deleted on the secondary roots; the "
                                                              "retention runs again after the next save")
@@ -165,16 +182,17 @@ class DistSession:
 
 
 def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions,
-                 failed: BaseException | None = None) -> DistSession:
-    """Collective: agree on the roots, lock the ones this rank leads, clean their leftovers.
-    ``failed``: an error this rank hit before (reported in the first collective: every rank raises)."""
+                 failed: BaseException | None = None, *, movable_primary: bool = False) -> DistSession:
+    """Collective: agree on the roots, lock the ones this rank leads, choose the primary (the
+    root holding the checkpoint's manifests: roots.py ``choose_primary``), clean the leftovers.
+    ``failed``: an error this rank hit before (reported in the first collective: every rank raises).
+    ``movable_primary``: the caller lets another rank than rank 0 commit (GDSCheckpointer does;
+    DCP's coordinator, which commits in finish(), is rank 0, so it refuses a primary elsewhere)."""
     layout = discover_layout(coord, roots, failed=failed)
     lock, error, mine = None, None, {}
     try:
         lock = lock_led(layout)
-        if coord.rank == 0:
-            probe = CommitProtocol([layout.local_paths[0]])
-            mine = {"committed": probe.committed_steps(), "latest": probe.latest()}
+        mine = {"probes": probe_led(layout)}
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     everyone = coord.all_gather({"error": describe(error)} if error else mine, "opening the roots (locks)")
@@ -185,9 +203,26 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
         if lock is not None:
             lock.release()
         raise
+    assert lock is not None
+    try:  # every rank decides the same from the same probes: all raise or none
+        probes = {g: p for x in everyone for g, p in x["probes"].items()}
+        first = layout
+        layout = choose_primary(first, probes)
+        if layout.primary_rank != 0 and not movable_primary:
+            info = layout.table[0]
+            raise RootUnavailableError(
+                errno.ENOENT,
+                f"the checkpoint's primary root (id {info.id}, holding its manifests) is rank "
+                f"{layout.primary_rank}'s {info.path}, not one of rank 0's roots: rank 0 is on another node than "
+                f"when it was saved. dcp.save commits on rank 0: start the job with rank 0 on the node that holds "
+                f"that root (or give rank 0 that root first); nothing was changed")
+    except BaseException:
+        lock.release()
+        raise
+    primary = probes[str(first.table.index(layout.table[0]))]  # probes name the roots by their index in ``first``
     error = None
     try:
-        clean_led(layout, everyone[0]["committed"])
+        clean_led(layout, primary["committed"])
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     try:
@@ -196,6 +231,11 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
     except BaseException:
         lock.release()
         raise
+    if layout.primary_rank != 0 and coord.rank == 0:
+        log.warning("gdswriter: the checkpoint's primary root %s (id %s, with its manifests) is rank %d's, not rank "
+                    "0's (rank 0 is on another node than when it was saved): rank %d commits the steps and reads "
+                    "the manifests", layout.table[0].path, layout.table[0].id, layout.primary_rank,
+                    layout.primary_rank)
     session = DistSession(coord, layout, lock, options)
-    session._learn(everyone[0]["committed"], everyone[0]["latest"])
+    session._learn(primary["committed"], primary["latest"])
     return session
