@@ -192,6 +192,29 @@ def test_dcp_save_with_rank_0_on_the_other_node_is_refused(tmp_path):
     assert (_tree(n0), _tree(n1)) == before
 
 
+def _dcp_load_worker(rank: int, world: int, roots: list[str]) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from _models import small_engine
+    from gdswriter.dist import GDSStorageReader
+
+    sd = {"rep": torch.zeros(300_000)}
+    reader = GDSStorageReader(roots[rank], engine_options=small_engine(), dist_options=_dist_options())
+    error = _caught(lambda: dcp.load(sd, storage_reader=reader))
+    return {"load": error, "same": error is None and torch.equal(sd["rep"], torch.arange(300_000.0))}
+
+
+def test_dcp_load_with_rank_0_on_the_other_node_finds_the_checkpoint(tmp_path):
+    """dcp.load reads the manifest through the rank that holds the primary root, as
+    GDSCheckpointer does (before: rank 0 looked only at its own root and found no checkpoint)."""
+    n0, n1 = tmp_path / "node0" / "ckpts", tmp_path / "node1" / "ckpts"
+    assert run_ranks(2, _dcp_worker, [str(n0), str(n1)], True, out=tmp_path / "job1") == [{"save": None}] * 2
+    before = _tree(n0), _tree(n1)
+    res = run_ranks(2, _dcp_load_worker, [str(n1), str(n0)], out=tmp_path / "job2")
+    assert res == [{"load": None, "same": True}] * 2, res
+    assert (_tree(n0), _tree(n1)) == before
+
+
 # ----------------------------------------------------------------------------- 2. a root copied with its marker
 def _copied_worker(rank: int, world: int, roots: list[str]) -> dict:
     from gdswriter import GDSCheckpointer

@@ -42,7 +42,7 @@ from torch.futures import Future
 from ..engine import IOEngine
 from ..engine_select import create_engine
 from ..errors import CorruptCheckpointError, InvalidOptionError, RankFailedError
-from ..format.commit import CommitProtocol, normalize_roots
+from ..format.commit import normalize_roots
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from ..options import CheckpointOptions, EngineOptions
@@ -58,8 +58,8 @@ from .group import Coordinator, describe
 from .load import broadcast_manifest
 from .options import DistOptions
 from .rankfiles import file_entries, group_held, rank_targets
-from .roots import discover_layout
-from .session import DistSession, open_session
+from .roots import choose_primary, discover_layout, probe_led
+from .session import DistSession, RankProtocol, open_session
 
 
 def _step_of(checkpoint_id: Any) -> int | None:
@@ -385,11 +385,15 @@ class GDSStorageReader(_Collective, StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any) -> Metadata:
-        """Collective: rank 0 reads the manifest and sends it to every rank."""
+        """Collective: the primary rank reads the manifest and sends it to every rank. The primary
+        is the root holding the manifests (roots.choose_primary, as GDSCheckpointer finds it):
+        rank 0's first root, unless a restart put rank 0 on another node."""
         coord = self.coordinator()
         layout = discover_layout(coord, self.roots, create=False)
+        probes = coord.all_gather(probe_led(layout), "dcp.load (finding the primary root)")
+        layout = choose_primary(layout, {g: p for x in probes for g, p in x.items()})
         step = self._override if self._override is not None else self.step
-        step, m = broadcast_manifest(coord, CommitProtocol(self.roots), step, "dcp.load")
+        step, m = broadcast_manifest(coord, RankProtocol(layout), step, "dcp.load", src=layout.primary_rank)
         if m.dist is None or m.dist.layout != "dcp" or m.dist.dcp is None:
             raise CorruptCheckpointError(f"step {step} under {self.roots[0]} was not saved through DCP: load it with "
                                          f"GDSCheckpointer.load or gdswriter.load_state")
