@@ -111,7 +111,7 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
         from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
         from gdswriter import CheckpointOptions, GDSCheckpointer
-        from gdswriter.dist import GDSStorageReader, GDSStorageWriter
+        from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
         from gdswriter.format.commit import step_dir_name
 
         warnings.filterwarnings("ignore")

@@ -7,7 +7,7 @@
 
 from .bench import BenchOptions, BenchResult, run_bench
 from .checkpointer import GDSCheckpointer, LoadResult, SaveHandle, SaveStats
-from .dist import DistOptions
+from .distributed import DistOptions
 from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from .engine_select import create_engine
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
@@ -38,9 +38,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The DCP plug-in (gdswriter.dist.dcp) imports torch.distributed.checkpoint: loaded on first use."""
+    """The DCP plug-in (gdswriter.distributed.dcp) imports torch.distributed.checkpoint: loaded on first use."""
     if name in ("GDSStorageWriter", "GDSStorageReader"):
-        from .dist import dcp
+        from .distributed import dcp
 
         return getattr(dcp, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

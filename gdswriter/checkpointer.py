@@ -64,8 +64,8 @@ from .restore import LiveState, LoadResult, load_state, restore_into, restore_ne
 from .rng import rng_state
 from .snapshot import LayoutCache, Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
 from .snapshot_pool import HostSnapshotPool
-from .dist import DistOptions, peek_manifest, session_for as dist_session_for  # [dist hook]
-from .dist import load_into as dist_load_into  # [dist hook]
+from .distributed import DistOptions, peek_manifest, session_for as dist_session_for  # [dist hook]
+from .distributed import load_into as dist_load_into  # [dist hook]
 from .writer import Release, file_targets, write_and_commit
 
 log = logging.getLogger("gdswriter")
@@ -204,7 +204,7 @@ class GDSCheckpointer:
     ``process_group=``) every rank creates one, with its own ``root`` (shared or
     node-local), and save/load are collective: replicated state is written once,
     split across the ranks, DTensor shards once per replica group, one commit for
-    all (gdswriter/dist/; ``dist_options``: DistOptions, e.g. the timeout). Pass
+    all (gdswriter/distributed/; ``dist_options``: DistOptions, e.g. the timeout). Pass
     ``dist_options=DistOptions(collective=False)`` for a checkpointer of one process
     only (e.g. created on rank 0 alone).
 
@@ -232,7 +232,7 @@ class GDSCheckpointer:
                                          f"got {type(obj).__name__}")
         roots = normalize_roots(root)
         # [dist hook] under torch.distributed (or with process_group=) the ranks agree on the roots, each
-        # locks and cleans the ones it leads (gdswriter/dist/session.py); else one process owns them all.
+        # locks and cleans the ones it leads (gdswriter/distributed/session.py); else one process owns them all.
         # Each checkpointer has a coordination channel of its own (a gloo group, created here: construct
         # checkpointers in the same order on every rank, as any process group; released by close()).
         held = [n for n, o in (("model", model), ("optimizer", optimizer)) if o is not None]

@@ -578,7 +578,7 @@ def _hostile_dist_worker(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from gdswriter import CheckpointOptions, GDSCheckpointer
-    from gdswriter.dist import DistOptions, GDSStorageReader, GDSStorageWriter
+    from gdswriter.distributed import DistOptions, GDSStorageReader, GDSStorageWriter
 
     tmp_p = Path(tmp)
     torch.manual_seed(0)
@@ -611,10 +611,10 @@ HOSTILE_DIST_CHILD = textwrap.dedent("""
     from pathlib import Path
     import torch
     import torch.distributed.checkpoint as dcp
-    import gdswriter.dist, gdswriter.dist.dcp
+    import gdswriter.distributed, gdswriter.distributed.dcp
     from gdswriter import GDSCheckpointer, load_state
     from gdswriter.cli import main
-    from gdswriter.dist import GDSStorageReader
+    from gdswriter.distributed import GDSStorageReader
     from gdswriter.export import export_step
     import _models as M
     from test_corruption import measured
@@ -632,7 +632,7 @@ HOSTILE_DIST_CHILD = textwrap.dedent("""
             yield "GDSCheckpointer.load", ck.load
             ck.close()
         yield "load_state", lambda: load_state(root)
-        yield "dist.load_state", lambda: gdswriter.dist.load_state(root)
+        yield "dist.load_state", lambda: gdswriter.distributed.load_state(root)
         yield "export_step", lambda: export_step([root], None, "safetensors", f"{out}.st", overwrite=True)
         for cmd in (["verify", root], ["export", root, "--to", "torch", f"{out}.pt", "--force"], ["inspect", root]):
             yield "gdswriter " + cmd[0], lambda cmd=cmd: sys.exit(main(cmd))

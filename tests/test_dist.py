@@ -223,7 +223,7 @@ def test_fsdp2_and_dtensor_reshard_4_to_2_to_1(tmp_path):
     one process into a plain model; a 2-D-mesh DTensor (Shard over tp, Replicate over dp) is
     written once per replica group and comes back on a 1-D mesh, then whole."""
     from gdswriter import GDSCheckpointer
-    from gdswriter.dist import load_state
+    from gdswriter.distributed import load_state
     from gdswriter.format.manifest import Manifest
 
     root = str(tmp_path / "shared")
@@ -255,9 +255,9 @@ def test_fsdp2_and_dtensor_reshard_4_to_2_to_1(tmp_path):
 
 # ----------------------------------------------------------------------------- failures mid-save
 def _failure_worker(rank: int, world: int, roots: list[str], out: str, timeout: float) -> dict:
-    import gdswriter.dist.save as save_mod
+    import gdswriter.distributed.save as save_mod
     from gdswriter import GDSCheckpointer
-    from gdswriter.dist import DistOptions
+    from gdswriter.distributed import DistOptions
     from gdswriter.errors import EngineIOError
 
     model, opt = _ddp_model()
@@ -308,8 +308,8 @@ def test_rank_raising_then_rank_killed_mid_save(tmp_path):
     save works. A rank SIGKILLed mid-save: the survivor gets CollectiveFailedError at once (the
     peer's connections close), step 3 stays the latest, and the next open removes the leftovers."""
     from gdswriter import GDSCheckpointer
-    from gdswriter.dist import DistOptions, open_session
-    from gdswriter.dist.group import Coordinator
+    from gdswriter.distributed import DistOptions, open_session
+    from gdswriter.distributed.group import Coordinator
 
     roots = _roots(tmp_path, 2, private=True)
     res = run_ranks(2, _failure_worker, roots, str(tmp_path), 60.0, out=tmp_path / "ranks", killed=(1,))
@@ -336,9 +336,9 @@ def test_rank_raising_then_rank_killed_mid_save(tmp_path):
 
 
 def _hang_worker(rank: int, world: int, root: str, timeout: float) -> dict:
-    import gdswriter.dist.save as save_mod
+    import gdswriter.distributed.save as save_mod
     from gdswriter import GDSCheckpointer
-    from gdswriter.dist import DistOptions
+    from gdswriter.distributed import DistOptions
 
     model, opt = _ddp_model()
     ck = GDSCheckpointer(model, opt, root=root, options=_options(), dist_options=DistOptions(timeout_s=timeout))
@@ -409,8 +409,8 @@ def _fallback_worker(rank: int, world: int, root: str, out: str) -> dict:
     import torch.distributed as dist
 
     from gdswriter import GDSCheckpointer
-    from gdswriter.dist.assemble import tree_for_rank
-    from gdswriter.dist.load import tensor_refs
+    from gdswriter.distributed.assemble import tree_for_rank
+    from gdswriter.distributed.load import tensor_refs
     from gdswriter.format.manifest import Manifest
 
     records: list[str] = []

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gdswriter.dist import DistOptions, open_session
-from gdswriter.dist.group import Coordinator
-from gdswriter.dist.roots import ROOT_ID_NAME, discover_layout, root_identity
+from gdswriter.distributed import DistOptions, open_session
+from gdswriter.distributed.group import Coordinator
+from gdswriter.distributed.roots import ROOT_ID_NAME, discover_layout, root_identity
 from gdswriter.errors import CheckpointLockedError, EngineIOError, RootUnavailableError, UnreachableDataError
 from gdswriter.format.commit import OWNER_ID_NAME, OWNER_NAME
 from gdswriter.format.manifest import Manifest
@@ -63,7 +63,7 @@ def test_two_roots_commit_resave_and_load(tmp_path, engines):
     _save(s, _state(2), 5, engines)  # a re-save replaces the step on both roots
     assert [n for r in roots for n in os.listdir(r) if n.startswith((".tmp-", ".trash-"))] == []
     live = {"w": torch.zeros(300, 50), "b": torch.zeros(7)}
-    from gdswriter.dist.load import collective_load
+    from gdswriter.distributed.load import collective_load
 
     extra: dict = {"n": 0}
     layout = discover_layout(Coordinator.solo(), roots, create=False)
@@ -75,7 +75,7 @@ def test_two_roots_commit_resave_and_load(tmp_path, engines):
 
 
 def test_failed_write_commits_nothing(tmp_path, engines, monkeypatch):
-    import gdswriter.dist.save as save_mod
+    import gdswriter.distributed.save as save_mod
 
     roots = [tmp_path / "a", tmp_path / "b"]
     s = _session(roots)
@@ -133,7 +133,7 @@ def test_a_root_no_rank_reaches_is_a_typed_error(tmp_path, engines):
     (roots[1] / ROOT_ID_NAME).unlink()
     moved = tmp_path / "elsewhere"
     roots[1].rename(moved)  # the second root is gone (another node's disk)
-    from gdswriter.dist.load import collective_load
+    from gdswriter.distributed.load import collective_load
     from gdswriter.format.commit import CommitProtocol
 
     layout = discover_layout(Coordinator.solo(), [roots[0]], create=False)
@@ -194,7 +194,7 @@ def test_an_fsync_failure_after_the_commit_rename_uncommits_the_step(tmp_path, e
     """The primary's step_S is visible once renamed; if fsync of the root then fails, the save
     fails: the step must be un-committed before the leaders hear of it, and its secondary data
     kept, so no visible step ever lacks its data files."""
-    import gdswriter.dist.commit as commit_mod
+    import gdswriter.distributed.commit as commit_mod
     from gdswriter.format.commit import CommitProtocol
 
     roots = [tmp_path / "a", tmp_path / "b"]
@@ -224,7 +224,7 @@ def test_an_fsync_failure_after_the_commit_rename_uncommits_the_step(tmp_path, e
 
 
 def test_a_latest_file_that_cannot_move_leaves_the_step_committed(tmp_path, engines, monkeypatch, caplog):
-    import gdswriter.dist.commit as commit_mod
+    import gdswriter.distributed.commit as commit_mod
 
     roots = [tmp_path / "a"]
     s = _session(roots)

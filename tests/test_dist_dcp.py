@@ -26,13 +26,13 @@ def _engine():
 
 def writer(root: Any, step: int | None = None, **kw):
     from gdswriter import CheckpointOptions
-    from gdswriter.dist import GDSStorageWriter
+    from gdswriter.distributed import GDSStorageWriter
 
     return GDSStorageWriter(root, step, options=CheckpointOptions(engine=_engine()), **kw)
 
 
 def reader(root: Any, step: int | None = None, **kw):
-    from gdswriter.dist import GDSStorageReader
+    from gdswriter.distributed import GDSStorageReader
 
     return GDSStorageReader(root, step, engine_options=_engine(), **kw)
 
@@ -142,7 +142,7 @@ def test_a_writer_keeps_its_engines_from_save_to_save_until_closed(tmp_path, mon
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    import gdswriter.dist.dcp as dcp_mod
+    import gdswriter.distributed.dcp as dcp_mod
 
     built = []
     real = dcp_mod.create_engine
@@ -200,7 +200,7 @@ def test_metadata_codec_refuses_damage(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from gdswriter.dist.dcp_codec import metadata_from_json, metadata_to_json
+    from gdswriter.distributed.dcp_codec import metadata_from_json, metadata_to_json
     from gdswriter.errors import CorruptCheckpointError
 
     md = dcp.save(MyTestModule().state_dict(), storage_writer=writer(tmp_path))
@@ -361,7 +361,7 @@ def test_dcp_scenarios_on_2_and_4_ranks(tmp_path):
     node-local roots loaded back through the exchange of chunks between ranks."""
     import torch.distributed.checkpoint as dcp
 
-    from gdswriter.dist import load_state
+    from gdswriter.distributed import load_state
 
     res4 = run_ranks(4, _four_rank_save, str(tmp_path), out=tmp_path / "r4")
     assert all(x["ok"] for x in res4), res4

@@ -23,7 +23,7 @@ def _gpu_worker(rank: int, world: int, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from gdswriter import GDSCheckpointer
-    from gdswriter.dist import GDSStorageReader, GDSStorageWriter
+    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
 
     torch.cuda.set_device(0)
     model = _model()

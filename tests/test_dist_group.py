@@ -1,4 +1,4 @@
-"""Each GDSCheckpointer of a multi-rank job has its own coordination channel (gdswriter/dist/group.py):
+"""Each GDSCheckpointer of a multi-rank job has its own coordination channel (gdswriter/distributed/group.py):
 two checkpointers (training state and an EMA) saving concurrently on 2 real ranks, and checkpointers
 constructed in a different order on the ranks (a clear error, not a hang)."""
 
@@ -41,7 +41,7 @@ def _two_checkpointers_worker(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
     from _models import small_options
     from gdswriter import GDSCheckpointer
-    from gdswriter.dist import DistOptions
+    from gdswriter.distributed import DistOptions
 
     created = []
     new_group = dist.new_group
@@ -105,7 +105,7 @@ def test_two_checkpointers_save_async_concurrently_two_ranks(tmp_path):
 def _swapped_worker(rank: int, world: int, root: str) -> dict:
     from _models import small_options
     from gdswriter import GDSCheckpointer
-    from gdswriter.dist import DistOptions
+    from gdswriter.distributed import DistOptions
     from gdswriter import CollectiveMismatchError
 
     model, opt = _model()

@@ -69,7 +69,7 @@ def run_ranks(world: int, fn: Callable, *args: Any, out: Path, killed: tuple[int
 
 
 def _echo(rank: int, world: int, word: str) -> dict:
-    from gdswriter.dist.group import Coordinator
+    from gdswriter.distributed.group import Coordinator
 
     coord = Coordinator.for_group(timeout_s=30)
     return {"all": coord.all_gather([rank, word], "echo"), "root": coord.gather(rank * 10, "gather"),

@@ -29,7 +29,7 @@ def _options():
 
 
 def _dist_options():
-    from gdswriter.dist import DistOptions
+    from gdswriter.distributed import DistOptions
 
     return DistOptions(timeout_s=TIMEOUT_S)
 
@@ -130,7 +130,7 @@ def test_rank_0_on_a_node_without_the_primary_refuses_and_changes_nothing(tmp_pa
     before, the job started from scratch and its save of step 2 retired node 0's secondary
     step_2 on that root. Every rank must refuse to open (RootUnavailableError naming the other
     primary's id), before any root is changed."""
-    from gdswriter.dist.roots import root_identity
+    from gdswriter.distributed.roots import root_identity
 
     n0, n1, n2 = (tmp_path / f"node{r}" / "ckpts" for r in range(3))
     run_ranks(2, _swap_worker, [str(n0), str(n1)], "save", out=tmp_path / "job1")
@@ -172,7 +172,7 @@ def _dcp_worker(rank: int, world: int, roots: list[str], save: bool) -> dict:
 
     from _models import small_engine
     from gdswriter import CheckpointOptions
-    from gdswriter.dist import GDSStorageWriter
+    from gdswriter.distributed import GDSStorageWriter
 
     sd = {"rep": torch.arange(300_000.0)}  # 1.2 MB
     writer = GDSStorageWriter(roots[rank], 1 if save else 2, options=CheckpointOptions(engine=small_engine()),
@@ -196,7 +196,7 @@ def _dcp_load_worker(rank: int, world: int, roots: list[str]) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from _models import small_engine
-    from gdswriter.dist import GDSStorageReader
+    from gdswriter.distributed import GDSStorageReader
 
     sd = {"rep": torch.zeros(300_000)}
     reader = GDSStorageReader(roots[rank], engine_options=small_engine(), dist_options=_dist_options())
@@ -233,7 +233,7 @@ def test_a_root_copied_with_its_marker_is_refused_before_a_step_commits(tmp_path
     every rank refuses the save before writing: rank 1 says the two roots carry one id and how
     to give the copy its own; nothing is committed or left behind."""
     from gdswriter import GDSCheckpointer
-    from gdswriter.dist.roots import root_identity
+    from gdswriter.distributed.roots import root_identity
 
     n0, n1 = tmp_path / "node0" / "ckpts", tmp_path / "node1" / "ckpts"
     n0.mkdir(parents=True)
@@ -253,8 +253,8 @@ def test_a_root_copied_with_its_marker_is_refused_before_a_step_commits(tmp_path
 
 # ----------------------------------------------------------------------------- one process, two roots (solo coordinator)
 def _session(roots):
-    from gdswriter.dist import DistOptions, open_session
-    from gdswriter.dist.group import Coordinator
+    from gdswriter.distributed import DistOptions, open_session
+    from gdswriter.distributed.group import Coordinator
 
     for r in roots:
         Path(r).mkdir(parents=True, exist_ok=True)
@@ -282,7 +282,7 @@ def _save(session, step: int, seed: int) -> None:
 def test_roots_given_in_another_order_keep_their_primary(tmp_path):
     """One rank, two roots passed the other way round: the root holding the manifests stays the
     primary (before: the first root was taken for it, and no step was found)."""
-    from gdswriter.dist.roots import root_identity
+    from gdswriter.distributed.roots import root_identity
     from gdswriter.engine_select import create_engine
     from gdswriter.restore import LiveState
     from _models import small_engine

@@ -28,7 +28,7 @@ def _options():
 
 
 def _dist_options():
-    from gdswriter.dist import DistOptions
+    from gdswriter.distributed import DistOptions
 
     return DistOptions(timeout_s=TIMEOUT_S)
 
@@ -180,7 +180,7 @@ def _dcp_node_worker(rank: int, world: int, tmp: str, roots: list[list[str]], sa
 
     from _models import small_engine
     from gdswriter import CheckpointOptions
-    from gdswriter.dist import GDSStorageReader, GDSStorageWriter
+    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
 
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(16 * 300.0).reshape(16, 300)
@@ -199,7 +199,7 @@ def test_a_root_at_the_path_of_another_nodes_root_is_not_that_root(tmp_path):
     """Rank 1's root now sits at the path where the save's root #1 was, but it is another disk (its
     own id): rank 1 must not read root #1's files there (they are not there) but get them from
     rank 0, which has that disk under another path."""
-    from gdswriter.dist.roots import root_identity
+    from gdswriter.distributed.roots import root_identity
 
     n0, n1 = tmp_path / "node0", tmp_path / "node1"
     run_ranks(2, _dcp_node_worker, str(tmp_path), [[str(n0)], [str(n1)]], True, out=tmp_path / "save")
@@ -214,8 +214,8 @@ def test_a_root_at_the_path_of_another_nodes_root_is_not_that_root(tmp_path):
 def test_manifest_roots_match_by_path_only_without_an_id(tmp_path):
     from types import SimpleNamespace
 
-    from gdswriter.dist.fetch import manifest_reach
-    from gdswriter.dist.roots import RootLayout
+    from gdswriter.distributed.fetch import manifest_reach
+    from gdswriter.distributed.roots import RootLayout
     from gdswriter.format.manifest import RootInfo
 
     mine, unmarked = tmp_path / "mine", tmp_path / "unmarked"
@@ -232,10 +232,10 @@ def test_manifest_roots_match_by_path_only_without_an_id(tmp_path):
 def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    import gdswriter.dist.dcp as dcp_mod
+    import gdswriter.distributed.dcp as dcp_mod
     from _models import small_engine
     from gdswriter import CheckpointOptions, GDSCheckpointer
-    from gdswriter.dist import GDSStorageReader, GDSStorageWriter
+    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
 
     out: dict = {}
     good = str(Path(tmp, "good"))
@@ -302,7 +302,7 @@ def test_a_dcp_save_that_never_finishes_releases_its_lock(tmp_path):
 
     from _models import small_engine
     from gdswriter import CheckpointOptions
-    from gdswriter.dist import GDSStorageWriter
+    from gdswriter.distributed import GDSStorageWriter
 
     def writer(step):
         return GDSStorageWriter(tmp_path, step, options=CheckpointOptions(engine=small_engine()))

@@ -467,14 +467,14 @@ def _retention_saver(root: str, stop: str) -> None:
 def test_a_reader_racing_retention_gets_checkpoint_not_found(tmp_path, capsys, monkeypatch):
     """Issue 22, 8: beside a job saving with keep_last=1, about half the loads that lost their
     step to retention raised a raw EngineIOError (ENOENT) or CorruptCheckpointError
-    ("incomplete"). Every such failure is CheckpointNotFoundError (load_state, gdswriter.dist.
+    ("incomplete"). Every such failure is CheckpointNotFoundError (load_state, gdswriter.distributed.
     load_state, export_step; `gdswriter verify`/`export` exit with status 2), what loads is the
     state saved at that step, and load_state(root) with no step retries on the newest step, so
     it succeeds."""
     import multiprocessing as mp
     import time
 
-    import gdswriter.dist
+    import gdswriter.distributed
     from gdswriter.cli import main
     from gdswriter.errors import CheckpointNotFoundError
     from gdswriter.format.commit import CommitProtocol
@@ -508,7 +508,7 @@ def test_a_reader_racing_retention_gets_checkpoint_not_found(tmp_path, capsys, m
                     got, st = load_state(root, engine_options=engine)
                     assert bool((st["model"]["w"] == float(got)).all()) and got >= step, kind
                 elif kind == "dist.load_state":  # the multi-rank reader, in one process
-                    got, st = gdswriter.dist.load_state(root, step, engine_options=engine)
+                    got, st = gdswriter.distributed.load_state(root, step, engine_options=engine)
                     assert got == step and bool((st["model"]["w"] == float(step)).all()), kind
                 elif kind == "export_step":
                     export_step([root], step, "safetensors", tmp_path / "out.st", overwrite=True,

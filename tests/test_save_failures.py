@@ -295,7 +295,7 @@ def test_on_busy_skip_is_refused_with_several_ranks(tmp_path):
         import sys, torch, torch.distributed as dist
         import _models as M
         from gdswriter import GDSCheckpointer
-        from gdswriter.dist import DistOptions
+        from gdswriter.distributed import DistOptions
         from gdswriter.errors import InvalidOptionError
         dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/store", rank=0, world_size=1)
         kw = dict(dist_options=DistOptions(collective=True, timeout_s=60))

@@ -79,7 +79,7 @@ def run_actions(roots: list[str], actions: list[list], options: dict, progress, 
     engine = M.small_engine(**options.pop("engine", {}))
     dist_options = None
     if options.pop("ranks", 1) > 1:
-        from gdswriter.dist import DistOptions
+        from gdswriter.distributed import DistOptions
         dist_options = DistOptions(timeout_s=RANK_TIMEOUT_S)
     ck = GDSCheckpointer(net, None, roots, state={"progress": extra}, dist_options=dist_options,
                          options=M.small_options(engine=engine, **options))
