@@ -35,7 +35,7 @@ from _util import RESULTS, RoundTimer, finish, ratio
 
 from gdswriter import EngineOptions, ReadSpan, WriteSpan
 from gdswriter.errors import EngineUnavailableError
-from gdswriter.fallback.engine import IoUringEngine, PosixEngine
+from gdswriter.engines.staged import IoUringEngine, PosixEngine
 
 SUITE = "engine"
 CASES = {  # param id -> display name; references first (see bench_sort_key)

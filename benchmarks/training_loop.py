@@ -68,7 +68,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer
-from gdswriter.fallback.engine import FUSED_BYTES
+from gdswriter.engines.staged import FUSED_BYTES
 from gdswriter.units import parse_size
 
 # DCP says this on every single-process save (also from its upload thread)

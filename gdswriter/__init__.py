@@ -8,8 +8,8 @@
 from .bench import BenchOptions, BenchResult, run_bench
 from .checkpointer import GDSCheckpointer, LoadResult, SaveHandle, SaveStats
 from .distributed import DistOptions
-from .engine import EngineInfo, IOEngine, ReadSpan, WriteSpan
-from .engine_select import create_engine
+from .engines.base import EngineInfo, IOEngine, ReadSpan, WriteSpan
+from .engines.select import create_engine
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
                      CollectiveFailedError, CorruptCheckpointError, DataFileNotRegularError, EngineIOError,
                      EngineUnavailableError, GDSWriterError, InvalidOptionError, NothingToLoadError,

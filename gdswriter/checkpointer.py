@@ -51,8 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .engine import IOEngine
-from .engine_select import create_engine
+from .engines.base import IOEngine
+from .engines.select import create_engine
 from .errors import GDSWriterError, InvalidOptionError, ReadOnlyRootError
 from .format.commit import CommitProtocol, RootLock, normalize_roots, normalize_step
 from .options import CheckpointOptions, log_once

@@ -26,9 +26,9 @@ from typing import Sequence
 
 import crc32c as _crc32c
 
-from .cuda import gds
+from .engines import kvikio as gds
 from .errors import GDSWriterError
-from .fallback import dio, uring
+from .engines import dio, uring
 from .measure import mount_entry
 from .options import EngineOptions
 from .pagecache import evict
@@ -225,7 +225,7 @@ def check_thp() -> list[Finding]:
 
 
 def check_auto_engine(options: EngineOptions) -> list[Finding]:
-    from .engine_select import create_engine
+    from .engines.select import create_engine
 
     try:
         with create_engine(options) as eng:
@@ -377,8 +377,8 @@ def _io_test(target: Path, name: str, engine: str, nbytes: int, options: EngineO
 
     import torch
 
-    from .engine import ReadSpan, WriteSpan
-    from .engine_select import create_engine
+    from .engines.base import ReadSpan, WriteSpan
+    from .engines.select import create_engine
 
     check = f"{engine} write/read"
     device = "cuda" if engine == "kvikio" else "cpu"

@@ -45,7 +45,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from .engine import fsync_dir
+from .engines.base import fsync_dir
 from .format.commit import exchange_paths
 from .errors import GDSWriterError, InvalidOptionError
 

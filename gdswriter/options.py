@@ -63,7 +63,7 @@ class EngineOptions:
     preallocate: fallocate() the file before writing.
     register_buffers: register staging buffers with io_uring (READ/WRITE_FIXED).
     lock_memory: mlock() the staging buffers (page-locked; pinned for CUDA when available).
-    huge_pages: ask for transparent huge pages for the staging buffers (see fallback/buffers.py).
+    huge_pages: ask for transparent huge pages for the staging buffers (see engines/buffers.py).
     zero_copy: under O_DIRECT, move large spans in 4 KiB-aligned host memory straight between
         the tensor and the file instead of through the staging buffers (half the CPU work).
     """

@@ -20,7 +20,7 @@ import time
 from typing import Sequence, TextIO
 
 from .crc import crc32c_combine
-from .engine import ReadSpan
+from .engines.base import ReadSpan
 from .units import human
 
 PIECE_BYTES = 256 << 20

@@ -32,8 +32,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from .crc import crc32c_combine
-from .engine import IOEngine, ReadSpan
-from .engine_select import create_engine
+from .engines.base import IOEngine, ReadSpan
+from .engines.select import create_engine
 from .errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, EngineIOError,
                      GDSWriterError, NothingToLoadError, StateMismatchError, TruncatedFileError,
                      UnsupportedFormatVersionError)

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from .cuda import streams
-from .engine import EngineInfo
+from .engines.base import EngineInfo
 from .errors import UnsupportedObjectError
-from .fallback.engine import ZERO_COPY_MIN
+from .engines.staged import ZERO_COPY_MIN
 from .format.dtypes import dtype_to_name
 from .format.manifest import TensorRecord
 from .format.state_codec import encode_state_named

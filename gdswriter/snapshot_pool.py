@@ -1,7 +1,7 @@
 """The host snapshot: a bounded, reusable pool that a save copies the live tensors into while
 the same save writes the copied bytes to the files (snapshot mode "host").
 
-The pool is one page-aligned region (fallback/buffers.py: huge-page aligned, mlocked where
+The pool is one page-aligned region (engines/buffers.py: huge-page aligned, mlocked where
 allowed; registered with CUDA, portable, when the state holds CUDA tensors). It is allocated
 at the first host-mode save with the space the save needs, up to ``bound``, and reused by
 every later save; it grows only when a later state needs more, never past ``bound``.
@@ -44,9 +44,9 @@ import torch
 from crc32c import crc32c as _crc32c
 
 from .cuda import streams
-from .engine import WriteSpan
-from .fallback.buffers import HUGE_PAGE, AlignedBufferPool, StagingBuffer
-from .fallback.engine import FUSED_BYTES
+from .engines.base import WriteSpan
+from .engines.buffers import HUGE_PAGE, AlignedBufferPool, StagingBuffer
+from .engines.staged import FUSED_BYTES
 from .options import ALIGN, MiB, log_once
 from .planner.assign import PlannedChunk, SavePlan
 from .snapshot import Snapshot
@@ -358,7 +358,7 @@ def _copy_in(buf: StagingBuffer, at: int, src: torch.Tensor) -> int | None:
     """Copy flat uint8 ``src`` into the pool at byte ``at``. From host memory: memmove and
     crc32c by turns, a cache-sized piece at a time (the GIL is released meanwhile), so the
     checksum reads the copy from cache and the engine need not read it from memory again;
-    returns the crc32c. The same loop as the engines' staging copy (fallback.engine._stage_in),
+    returns the crc32c. The same loop as the engines' staging copy (engines.staged._stage_in),
     kept apart because it is not engine staging: what the engines stage is counted through
     their own copy (tests rely on that). From a GPU: an asynchronous copy on the current
     (side) stream (None: the bytes are not there yet)."""

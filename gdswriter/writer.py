@@ -22,7 +22,7 @@ from time import perf_counter
 from typing import Any
 
 from .cuda import streams
-from .engine import IOEngine, WriteSpan
+from .engines.base import IOEngine, WriteSpan
 from .format.commit import CommitProtocol, PendingCommit
 from .format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
 from .options import log_once

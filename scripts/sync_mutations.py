@@ -53,7 +53,7 @@ EXEMPT = {
         "ends, so that the benchmark compares like with like; the file is a scratch file of the benchmark",
     ("bench.py", "fsync_path"):
         "measurement, not durability: ends a compared method's (DCP's, safetensors') save durably, as above",
-    ("cuda/gds.py", "GdsEngine.write_file"):
+    ("engines/kvikio.py", "GdsEngine.write_file"):
         "cannot run here: the GDS engine needs KvikIO and libcuda.so.1, and this test runs without a GPU. "
         "tests/test_gds_engine.py::test_durable_write_syncs_the_file (KvikIO replaced by a stand-in that "
         "writes through the file descriptor) fails when this fdatasync is removed",
@@ -170,7 +170,7 @@ def _first_complaint(out: str) -> str:
 
 def check_import(scratch: Path) -> None:
     env = dict(os.environ, PYTHONPATH=str(scratch), PYTHONDONTWRITEBYTECODE="1")
-    got = subprocess.run([sys.executable, "-c", "import gdswriter.engine as e; print(e.__file__)"], cwd=scratch,
+    got = subprocess.run([sys.executable, "-c", "import gdswriter.engines.base as e; print(e.__file__)"], cwd=scratch,
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
     if not Path(got).resolve().is_relative_to(scratch.resolve()):
         raise SystemExit(f"the scratch copy is not what gets imported (got {got}); the results would be meaningless")

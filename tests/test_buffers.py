@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 
-from gdswriter.fallback.buffers import CUDA_HOST_REGISTER_PORTABLE, AlignedBufferPool
+from gdswriter.engines.buffers import CUDA_HOST_REGISTER_PORTABLE, AlignedBufferPool
 
 
 @pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 3 << 20])
@@ -216,7 +216,7 @@ class _FakeCudaTensor:
 
 
 def test_engine_pins_its_staging_buffers_at_the_first_cuda_tensor_only(monkeypatch, io_small_options):
-    from gdswriter.fallback.engine import PosixEngine
+    from gdswriter.engines.staged import PosixEngine
 
     fake = _FakeCuda(monkeypatch)
     with PosixEngine(io_small_options()) as eng:
@@ -228,9 +228,9 @@ def test_engine_pins_its_staging_buffers_at_the_first_cuda_tensor_only(monkeypat
 
 
 def test_meta_tensors_are_refused_with_a_typed_error(tmp_path, io_small_options):
-    from gdswriter.engine import ReadSpan, WriteSpan
+    from gdswriter.engines.base import ReadSpan, WriteSpan
     from gdswriter.errors import InvalidOptionError
-    from gdswriter.fallback.engine import IoUringEngine
+    from gdswriter.engines.staged import IoUringEngine
 
     meta = torch.empty(5000, dtype=torch.uint8, device="meta")
     with IoUringEngine(io_small_options()) as eng:

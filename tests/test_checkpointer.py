@@ -859,7 +859,7 @@ def test_load_reads_model_and_optimizer_state_in_place(tmp_path):
 def test_async_snapshot_and_fresh_buffers_skip_the_staging_copy(tmp_path, monkeypatch):
     """save_async snapshots are page-aligned, so their large storages are written zero-copy,
     and a resume into a fresh optimizer reads its state zero-copy; both bit-exact."""
-    import gdswriter.fallback.engine as staged
+    import gdswriter.engines.staged as staged
 
     torch.manual_seed(0)
     model = nn.Linear(1023, 517)  # 2 MiB + odd bytes of weight: zero-copy blocks plus a staged tail
@@ -928,7 +928,7 @@ def test_small_unaligned_state_gets_no_hint(tmp_path, caplog, io_fresh_log_once)
 _THP_SCRIPT = r"""
 import sys, torch
 from torch import nn
-import gdswriter.fallback.engine as staged
+import gdswriter.engines.staged as staged
 from gdswriter import GDSCheckpointer
 
 model = nn.Linear(1024, 1024)  # 4 MiB weight

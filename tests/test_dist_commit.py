@@ -37,7 +37,7 @@ def _save(session, state, step, engines):
 
 @pytest.fixture
 def engines():
-    from gdswriter.engine_select import create_engine
+    from gdswriter.engines.select import create_engine
 
     made = [create_engine(small_engine()) for _ in range(2)]
     yield made

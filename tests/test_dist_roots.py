@@ -267,7 +267,7 @@ def _state(seed: int) -> dict:
 
 
 def _save(session, step: int, seed: int) -> None:
-    from gdswriter.engine_select import create_engine
+    from gdswriter.engines.select import create_engine
     from gdswriter.snapshot import take_snapshot
     from _models import small_engine
 
@@ -283,7 +283,7 @@ def test_roots_given_in_another_order_keep_their_primary(tmp_path):
     """One rank, two roots passed the other way round: the root holding the manifests stays the
     primary (before: the first root was taken for it, and no step was found)."""
     from gdswriter.distributed.roots import root_identity
-    from gdswriter.engine_select import create_engine
+    from gdswriter.engines.select import create_engine
     from gdswriter.restore import LiveState
     from _models import small_engine
 

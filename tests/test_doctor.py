@@ -16,10 +16,10 @@ import pytest
 from _fake_kvikio import FakeKvikio
 from test_gds_engine import isolate_from_host
 
-import gdswriter.cuda.gds as gds
+import gdswriter.engines.kvikio as gds
 import gdswriter.doctor as doctor
 from gdswriter.cli import main
-from gdswriter.fallback import uring
+from gdswriter.engines import uring
 
 
 def run_json(capsys, *args) -> tuple[int, dict]:

@@ -1,4 +1,4 @@
-"""One contract suite for every staged engine (gdswriter.engine.IOEngine).
+"""One contract suite for every staged engine (gdswriter.engines.base.IOEngine).
 
 Each engine writes files from spans and reads spans back; the bytes on disk, the
 bytes read back and the crc32c of every span must be right for every layout.
@@ -17,10 +17,10 @@ import crc32c
 import pytest
 import torch
 
-from gdswriter.engine import ReadSpan, WriteSpan
+from gdswriter.engines.base import ReadSpan, WriteSpan
 from gdswriter.errors import InvalidOptionError
-from gdswriter.fallback.engine import IoUringEngine, PosixEngine
-from gdswriter.fallback.faults import FaultInjectingEngine, FaultPlan
+from gdswriter.engines.staged import IoUringEngine, PosixEngine
+from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
 from gdswriter.options import ALIGN, KiB, MiB
 
 REQUEST = 64 * KiB
@@ -401,7 +401,7 @@ def test_zero_copy_taken_only_where_it_can_be(make_engine, tmp_path, gen, monkey
     """Count the bytes that pass through the staging buffers: under O_DIRECT, memory that the
     kernel accepts for direct I/O stages only its last partial block (unless zero_copy=False);
     everything else is staged whole."""
-    import gdswriter.fallback.engine as staged
+    import gdswriter.engines.staged as staged
 
     eng = make_engine(zero_copy=zero_copy)
     n = 2 * MiB + 123

@@ -27,15 +27,15 @@ import crc32c
 import pytest
 import torch
 
-import gdswriter.fallback.engine as engine_mod
-import gdswriter.fallback.uring as uring_mod
-from gdswriter.engine import ReadSpan, WriteSpan
-from gdswriter.engine_select import create_engine
+import gdswriter.engines.staged as engine_mod
+import gdswriter.engines.uring as uring_mod
+from gdswriter.engines.base import ReadSpan, WriteSpan
+from gdswriter.engines.select import create_engine
 from gdswriter.errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOError,
                               EngineUnavailableError, InvalidOptionError, NotRegularFileError, ShortIOError,
                               TruncatedFileError)
-from gdswriter.fallback.engine import IoUringEngine, PosixEngine
-from gdswriter.fallback.faults import FaultEvent, FaultInjectingEngine, FaultPlan
+from gdswriter.engines.staged import IoUringEngine, PosixEngine
+from gdswriter.testing.faults import FaultEvent, FaultInjectingEngine, FaultPlan
 from gdswriter.options import EngineOptions, KiB, MiB
 from test_engine_contract import host_tensor
 from test_uring import deadline
@@ -118,9 +118,9 @@ def test_unwritable_directory_non_root(tmp_path, io_small_options):
 _CHILD = textwrap.dedent(r'''
     import errno, json, os, shutil, subprocess, sys, traceback
     import torch
-    from gdswriter.engine import ReadSpan, WriteSpan
+    from gdswriter.engines.base import ReadSpan, WriteSpan
     from gdswriter.errors import EngineIOError
-    from gdswriter.fallback.engine import IoUringEngine, PosixEngine
+    from gdswriter.engines.staged import IoUringEngine, PosixEngine
     from gdswriter.options import EngineOptions, KiB, MiB
 
     base = sys.argv[1]
@@ -328,7 +328,7 @@ def test_o_direct_refused_falls_back_to_buffered(backend, tmp_path, monkeypatch,
 def test_statx_direct_io_alignment_agrees_with_the_kernel(tmp_path):
     """What direct_io_alignment reads from statx is what O_DIRECT really accepts: memory and
     offsets at the reported alignment pass, at half of it EINVAL."""
-    from gdswriter.fallback.dio import direct_io_alignment
+    from gdswriter.engines.dio import direct_io_alignment
     from test_engine_contract import direct_pwrite_errno
 
     path = tmp_path / "dio.bin"
@@ -354,7 +354,7 @@ def test_statx_report_decides_direct_io_and_zero_copy(backend, tmp_path, monkeyp
     """The file system's report (faked here: no local file system needs more than 4 KiB) decides:
     nothing said -> O_DIRECT with 4 KiB-aligned zero-copy; more than 4 KiB needed -> buffered I/O
     with a warning (gdswriter aligns to 4 KiB); less -> zero-copy from memory that aligned."""
-    from gdswriter.fallback.dio import DirectIOAlignment
+    from gdswriter.engines.dio import DirectIOAlignment
 
     fake = {"none": None, "8K offsets": DirectIOAlignment(512, 8192), "8K memory": DirectIOAlignment(8192, 512),
             "512 memory": DirectIOAlignment(512, 512)}[reported]

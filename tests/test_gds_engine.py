@@ -1,4 +1,4 @@
-"""The KvikIO (GDS) engine, gdswriter/cuda/gds.py.
+"""The KvikIO (GDS) engine, gdswriter/engines/kvikio.py.
 
 On a GPU machine with KvikIO, the engine contract suite's cases (imported from
 test_engine_contract.py) run against the real engine with every span in CUDA memory, and
@@ -41,12 +41,12 @@ from test_engine_contract import (  # noqa: F401 - imported test cases run here 
 
 from test_engine_faults import HOSTILE, deadline, plant
 
-import gdswriter.cuda.gds as gds
-from gdswriter.engine import ReadSpan, WriteSpan, check_spans
-from gdswriter.engine_select import create_engine
+import gdswriter.engines.kvikio as gds
+from gdswriter.engines.base import ReadSpan, WriteSpan, check_spans
+from gdswriter.engines.select import create_engine
 from gdswriter.errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOError, EngineUnavailableError,
                               NotRegularFileError, TruncatedFileError)
-from gdswriter.fallback.engine import IoUringEngine, PosixEngine
+from gdswriter.engines.staged import IoUringEngine, PosixEngine
 from gdswriter.options import ALIGN, EngineOptions, KiB, MiB
 
 HAS_CUDA = torch.cuda.is_available()

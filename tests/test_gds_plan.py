@@ -1,4 +1,4 @@
-"""The GDS engine's I/O plan (gdswriter/cuda/gds.py plan_io), a pure function: every span
+"""The GDS engine's I/O plan (gdswriter/engines/kvikio.py plan_io), a pure function: every span
 byte in exactly one request, requests 4 KiB-aligned and never sharing a block, staged
 requests within the staging buffer."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import gdswriter.cuda.gds as gds
+import gdswriter.engines.kvikio as gds
 from gdswriter.options import ALIGN, KiB, MiB
 
 

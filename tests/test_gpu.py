@@ -51,7 +51,7 @@ def test_checkpointer_saves_and_loads_cuda_model_in_place(tmp_path):
 # --- GPU-direct work (issue 12): every engine on a CUDA model, the manifest's per-file engine,
 # the fallback's cudaHostRegister'ed pool, and `gdswriter verify` on what the GPU checksummed.
 def _kvikio_missing() -> bool:
-    from gdswriter.cuda.gds import import_kvikio
+    from gdswriter.engines.kvikio import import_kvikio
     from gdswriter.errors import EngineUnavailableError
 
     try:
@@ -64,7 +64,7 @@ def _kvikio_missing() -> bool:
 @pytest.mark.parametrize("engine", ["auto", "io_uring", "kvikio"])
 def test_cuda_model_through_every_engine_verifies(tmp_path, engine):
     from gdswriter.cli import main
-    from gdswriter.cuda.gds import gds_status
+    from gdswriter.engines.kvikio import gds_status
     from gdswriter.format.commit import CommitProtocol
     from gdswriter.restore import read_manifest
 

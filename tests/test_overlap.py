@@ -25,7 +25,7 @@ from torch import nn
 
 import _models as M
 from gdswriter import EngineIOError, GDSCheckpointer, UnsupportedObjectError, load_state, snapshot_pool
-from gdswriter.fallback.faults import FaultInjectingEngine, FaultPlan
+from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
 from gdswriter.options import KiB, MiB
 
 TESTS = Path(__file__).resolve().parent

@@ -12,10 +12,10 @@ import crc32c
 import pytest
 import torch
 
-from gdswriter.engine import WriteSpan
+from gdswriter.engines.base import WriteSpan
 from gdswriter.errors import EngineIOError
-from gdswriter.fallback import engine as fallback_engine
-from gdswriter.fallback.faults import FaultInjectingEngine, FaultPlan
+from gdswriter.engines import staged as staged_module
+from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
 from gdswriter.options import ALIGN, KiB, MiB
 from test_engine_contract import BUFFER, ENGINES, _build
 
@@ -164,8 +164,8 @@ def test_spans_whose_checksum_the_producer_keeps_are_written_but_not_checksummed
     the bytes are written all the same, the span's crc32c is 0 or its true value, and the
     io_uring/POSIX engines spend no checksum on it, whether written zero-copy or staged."""
     summed = []
-    real = fallback_engine._crc
-    monkeypatch.setattr(fallback_engine, "_crc", lambda view, crc: (summed.append(len(view)), real(view, crc))[1])
+    real = staged_module._crc
+    monkeypatch.setattr(staged_module, "_crc", lambda view, crc: (summed.append(len(view)), real(view, crc))[1])
     gen = torch.Generator().manual_seed(9)
     eng = _build(engine_kind, io_small_options)
     try:
@@ -175,7 +175,7 @@ def test_spans_whose_checksum_the_producer_keeps_are_written_but_not_checksummed
         prod.thread.start()
         crcs = eng.write_file(tmp_path / "f", spans)
         prod.thread.join(WAIT_S)
-        staged_engine = isinstance(eng, fallback_engine.StagedEngine)
+        staged_engine = isinstance(eng, staged_module.StagedEngine)
     finally:
         eng.close()
     assert prod.problems == []

@@ -59,7 +59,7 @@ RING_CHILD = """
     from concurrent.futures import TimeoutError as FutureTimeout
     import _models as M
     from gdswriter import EngineIOError, GDSCheckpointer, load_state
-    from gdswriter.fallback.faults import FaultInjectingEngine, FaultPlan
+    from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
     from gdswriter.options import KiB, MiB
     roots = sys.argv[1:3]
     base = M.crash_base(16 << 20)
@@ -102,7 +102,7 @@ EXIT_CHILD = """
     import errno, sys, torch
     import _models as M
     from gdswriter import GDSCheckpointer
-    from gdswriter.fallback.faults import FaultInjectingEngine, FaultPlan
+    from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
     ck = GDSCheckpointer({"w": torch.randn(100_000)}, None, sys.argv[1], options=M.small_options())
     ck.save(4)
     engines = ck._engine_list()

@@ -1,4 +1,4 @@
-"""Low-level tests of the raw io_uring ring (gdswriter.fallback.uring) on real files."""
+"""Low-level tests of the raw io_uring ring (gdswriter.engines.uring) on real files."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import threading
 import pytest
 import torch
 
-from gdswriter.engine import ReadSpan, WriteSpan
-from gdswriter.fallback import uring
-from gdswriter.fallback.buffers import AlignedBufferPool
-from gdswriter.fallback.engine import IoUringEngine
+from gdswriter.engines.base import ReadSpan, WriteSpan
+from gdswriter.engines import uring
+from gdswriter.engines.buffers import AlignedBufferPool
+from gdswriter.engines.staged import IoUringEngine
 from gdswriter.options import KiB, MiB
 from test_engine_contract import host_tensor
 

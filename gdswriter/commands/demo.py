@@ -38,8 +38,8 @@ def register(sub) -> None:
 def run(args) -> int:
     import torch
 
-    from ..engine import ReadSpan, WriteSpan
-    from ..engine_select import create_engine
+    from ..engines.base import ReadSpan, WriteSpan
+    from ..engines.select import create_engine
     from ..options import EngineOptions
 
     size = -(-parse_size(args.size) // 4096) * 4096

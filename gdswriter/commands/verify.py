@@ -28,7 +28,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from ..engine_select import create_engine
+    from ..engines.select import create_engine
     from ..options import EngineOptions
     from ..restore import step_gone, verify_step
 

@@ -103,7 +103,7 @@ def load_state(root: Any, step: int | None = None, *, verify: bool = True,
     root of the checkpoint (those of all nodes), the primary first. Never unpickles; no lock.
     A step deleted while it is read (a running job's retention) is CheckpointNotFoundError, and
     with ``step`` None the newest step is tried once more, as gdswriter.load_state does."""
-    from ..engine_select import create_engine
+    from ..engines.select import create_engine
     from ..errors import CheckpointNotFoundError, CorruptCheckpointError
     from ..format.commit import CommitProtocol, normalize_roots
     from ..restore import deleted_while_reading

@@ -42,7 +42,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..engine import fsync_dir
+from ..engines.base import fsync_dir
 from ..errors import EngineIOError, GDSWriterError, RankFailedError, RootUnavailableError
 from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, _atomic_write, retire, step_dir_name, step_owner
 from ..format.manifest import MANIFEST_NAME, Manifest

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..engine import IOEngine
-from ..engine_select import create_engine
+from ..engines.base import IOEngine
+from ..engines.select import create_engine
 from ..errors import CorruptCheckpointError, InvalidOptionError, RankFailedError
 from ..format.commit import normalize_roots
 from ..format.dtypes import dtype_from_name, dtype_to_name

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 import crc32c as _crc32c
 import torch
 
-from ..engine import IOEngine
+from ..engines.base import IOEngine
 from ..errors import ChecksumMismatchError, UnreachableDataError
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.manifest import ChunkRecord, Manifest, StorageRecord, TensorRecord

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..engine import IOEngine
+from ..engines.base import IOEngine
 from ..errors import (CollectiveFailedError, CorruptCheckpointError, EngineIOError, InvalidOptionError,
                       RankFailedError)
 from ..format.commit import CommitProtocol

@@ -20,7 +20,7 @@ import secrets
 from dataclasses import replace
 from typing import Sequence
 
-from ..engine import IOEngine
+from ..engines.base import IOEngine
 from ..errors import RankFailedError, UnsupportedObjectError
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from ..planner.assign import plan_save

@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..engine import IOEngine
+from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, GDSWriterError, RootUnavailableError
 from ..format.commit import CommitProtocol, retire, step_dir_name
 from ..format.manifest import Manifest, ShardInfo

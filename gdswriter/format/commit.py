@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..engine import fsync_dir, fsync_parents
+from ..engines.base import fsync_dir, fsync_parents
 from ..errors import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
                       InvalidOptionError, ReadOnlyRootError, RootUnavailableError, UnsafePathError)
 from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest

@@ -39,7 +39,7 @@ from typing import Sequence
 
 import crc32c as _crc32c
 
-from ..engine import EngineInfo, IOEngine, ReadSpan, SpanGuards, WriteSpan, check_spans, checked_write_size
+from .base import EngineInfo, IOEngine, ReadSpan, SpanGuards, WriteSpan, check_spans, checked_write_size
 from ..errors import (DataFileNotRegularError, EngineIOError, EngineUnavailableError, GDSWriterError,
                       InvalidOptionError, NotRegularFileError, ShortIOError, TruncatedFileError)
 from ..options import ALIGN, EngineOptions, log, log_once

@@ -57,8 +57,8 @@ from typing import Literal
 
 from ..errors import InvalidOptionError
 from ..options import ALIGN, EngineOptions
-from .buffers import AlignedBufferPool, StagingBuffer
-from .engine import IoUringEngine, PosixEngine, StagedEngine
+from ..engines.buffers import AlignedBufferPool, StagingBuffer
+from ..engines.staged import IoUringEngine, PosixEngine, StagedEngine
 
 __all__ = ["FaultPlan", "FaultEvent", "FaultInjectingEngine"]
 

@@ -47,11 +47,11 @@ from typing import Callable, Sequence
 import crc32c as _crc32c
 import torch
 
-from ..engine import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans, checked_write_size
+from .base import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans, checked_write_size
 from ..errors import (_HINTS, EngineIOError, EngineUnavailableError, GDSWriterError, ShortIOError, TruncatedFileError)
-from ..fallback.engine import open_regular
+from .staged import open_regular
 from ..options import ALIGN, EngineOptions, log_once
-from .checksum import crc32c_tensors
+from ..cuda.checksum import crc32c_tensors
 
 DIRECT_MIN = 64 << 10  # a span's aligned body at least this large moves in place; smaller is staged
 MERGE_GAP = 1 << 20  # staged pieces closer than this share one request (gap zeroed / read through)

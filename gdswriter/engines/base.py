@@ -23,7 +23,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .errors import InvalidOptionError
+from ..errors import InvalidOptionError
 
 
 class SpanGuard(Protocol):

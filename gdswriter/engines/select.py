@@ -15,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from .engine import IOEngine
-from .fallback import uring
-from .fallback.engine import IoUringEngine, PosixEngine
-from .options import EngineOptions, log_once
+from .base import IOEngine
+from . import uring
+from .staged import IoUringEngine, PosixEngine
+from ..options import EngineOptions, log_once
 
 
 def _host_engine(options: EngineOptions, reason: str = "") -> IOEngine:
@@ -38,13 +38,13 @@ def create_engine(options: EngineOptions | None = None) -> IOEngine:
     """The best engine this machine allows for ``options`` (default: from GDSWRITER_* env)."""
     options = options or EngineOptions.from_env()
     if options.engine in ("gds", "kvikio"):
-        from .cuda.gds import GdsEngine
+        from .kvikio import GdsEngine
 
         return GdsEngine(options, require_gpu_direct=options.engine == "gds",
                          host_engine=lambda: _host_engine(dataclasses.replace(options, engine="auto")),
                          reason=f"requested (engine={options.engine!r})")
     if options.engine == "auto":
-        from .cuda.gds import GdsEngine, gpu_direct_probe
+        from .kvikio import GdsEngine, gpu_direct_probe
 
         probe = gpu_direct_probe()
         if not isinstance(probe, str):  # GDS works: the engine reuses the status the probe collected
