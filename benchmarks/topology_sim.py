@@ -28,12 +28,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run against the checkout this script is in
 
-from gdswriter.commands._common import table
-from gdswriter.planner.affinity import (Writer, distance_label, place_roots, plan_affinity, plan_round_robin,
-                                        root_distances)
-from gdswriter.planner.simulate import LinkModel, simulate
-from gdswriter.planner.topology import Topology
-from gdswriter.units import human, parse_size
+from gdswriter.commands._common import table  # noqa: E402 - after the sys.path line above
+from gdswriter.planner.affinity import (  # noqa: E402 - after the sys.path line above
+    Writer, distance_label, place_roots, plan_affinity, plan_round_robin, root_distances)
+from gdswriter.planner.simulate import LinkModel, simulate  # noqa: E402 - after the sys.path line above
+from gdswriter.planner.topology import Topology  # noqa: E402 - after the sys.path line above
+from gdswriter.units import human, parse_size  # noqa: E402 - after the sys.path line above
 
 FIXTURES = REPO / "tests" / "data" / "topologies"
 

@@ -117,9 +117,13 @@ def _gbps(nbytes, dt):
 
 
 def _timed(label, nbytes, write, read, path, check):
-    t = time.perf_counter(); write(); dt_w = time.perf_counter() - t
+    t = time.perf_counter()
+    write()
+    dt_w = time.perf_counter() - t
     cold = drop_caches()
-    t = time.perf_counter(); read(); dt_r = time.perf_counter() - t
+    t = time.perf_counter()
+    read()
+    dt_r = time.perf_counter() - t
     ok = check()
     RESULTS[label] = {"write_gbps": nbytes / dt_w / 1e9, "read_gbps": nbytes / dt_r / 1e9, "ok": ok}
     print(f"   {label:<34} write {_gbps(nbytes, dt_w)}  read{' (cold)' if cold else ''} {_gbps(nbytes, dt_r)}  ok={ok}", flush=True)
@@ -141,7 +145,8 @@ def bandwidth(args):
 
     def fsync_path():
         fd = os.open(path, os.O_RDONLY)
-        os.fsync(fd); os.close(fd)
+        os.fsync(fd)
+        os.close(fd)
 
     try:
         import kvikio
@@ -195,7 +200,8 @@ def bandwidth(args):
 
         def pw_write():
             t = time.perf_counter()
-            pinned.copy_(src); torch.cuda.synchronize()
+            pinned.copy_(src)
+            torch.cuda.synchronize()
             RESULTS["d2h_pinned_gbps"] = n / (time.perf_counter() - t) / 1e9
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
             mv = memoryview(pinned.numpy())
@@ -205,8 +211,12 @@ def bandwidth(args):
                 for o in offs[k::4]:
                     assert os.pwrite(fd, mv[o:o + chunk], o) == min(chunk, n - o)
             ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-            [t.start() for t in ts]; [t.join() for t in ts]
-            os.fsync(fd); os.close(fd)
+            for th in ts:
+                th.start()
+            for th in ts:
+                th.join()
+            os.fsync(fd)
+            os.close(fd)
 
         def pw_read():
             fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -217,10 +227,14 @@ def bandwidth(args):
                 for o in offs[k::4]:
                     assert os.preadv(fd, [mv[o:o + chunk]], o) == min(chunk, n - o)
             ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-            [t.start() for t in ts]; [t.join() for t in ts]
+            for th in ts:
+                th.start()
+            for th in ts:
+                th.join()
             os.close(fd)
             t = time.perf_counter()
-            dst.copy_(pinned); torch.cuda.synchronize()
+            dst.copy_(pinned)
+            torch.cuda.synchronize()
             RESULTS["h2d_pinned_gbps"] = n / (time.perf_counter() - t) / 1e9
 
         dst.zero_()
@@ -245,12 +259,15 @@ def bandwidth(args):
     try:
         def ts_write():
             with open(path, "wb") as f:
-                torch.save(src, f); f.flush(); os.fsync(f.fileno())
+                torch.save(src, f)
+                f.flush()
+                os.fsync(f.fileno())
 
         out = {}
 
         def ts_read():
-            out["t"] = torch.load(path, map_location="cuda"); torch.cuda.synchronize()
+            out["t"] = torch.load(path, map_location="cuda")
+            torch.cuda.synchronize()
         _timed("torch.save + fsync / torch.load", n, ts_write, ts_read, path, lambda: bool(torch.equal(out["t"], src)))
     except Exception:  # noqa: BLE001
         traceback.print_exc(limit=3, file=sys.stdout)

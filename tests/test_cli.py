@@ -117,12 +117,12 @@ def test_ls_lists_steps_sizes_and_latest(capsys, ckpt):
     root, expected = ckpt
     rc, out, err = _run(capsys, "ls", root)
     assert rc == 0, err
-    lines = [l for l in out.splitlines() if re.match(r"\s+\d+\s", l)]
-    assert [l.split()[0] for l in lines] == ["1", "2"]
+    lines = [line for line in out.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert [line.split()[0] for line in lines] == ["1", "2"]
     assert "latest" in lines[1] and "latest" not in lines[0]
-    assert all(str(len(expected)) in l.split() for l in lines)  # tensor count
-    assert all(re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", l) for l in lines)
-    assert all(re.search(r"KiB|MiB", l) for l in lines)
+    assert all(str(len(expected)) in line.split() for line in lines)  # tensor count
+    assert all(re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", line) for line in lines)
+    assert all(re.search(r"KiB|MiB", line) for line in lines)
 
 
 def test_ls_json_and_several_roots(capsys, ckpt, tmp_path):

@@ -111,7 +111,7 @@ def overlap(a_off: Sequence[int], a_shape: Sequence[int], b_off: Sequence[int], 
     """The intersection [lo, hi) of two blocks, or None when it is empty."""
     lo = tuple(max(a, b) for a, b in zip(a_off, b_off))
     hi = tuple(min(a + m, b + n) for a, m, b, n in zip(a_off, a_shape, b_off, b_shape))
-    return (lo, hi) if all(h > l for l, h in zip(lo, hi)) else None
+    return (lo, hi) if all(h > low for low, h in zip(lo, hi)) else None
 
 
 def assemble(name: str, offsets: Sequence[int], shape: Sequence[int], dtype: torch.dtype,
@@ -126,8 +126,8 @@ def assemble(name: str, offsets: Sequence[int], shape: Sequence[int], dtype: tor
             continue
         hits.append((info, data, hit))
         n = 1
-        for l, h in zip(*hit):
-            n *= h - l
+        for low, h in zip(*hit):
+            n *= h - low
         covered += n
     total = 1
     for n in shape:
@@ -140,7 +140,7 @@ def assemble(name: str, offsets: Sequence[int], shape: Sequence[int], dtype: tor
                                      f"is incomplete")
     out = torch.empty(tuple(shape), dtype=dtype)
     for info, data, (lo, hi) in hits:
-        dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets))
-        src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, info.offsets))
+        dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))
+        src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, info.offsets))
         out[dst] = data[src]
     return out
