@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from gdswriter import units
-from gdswriter.bench import quiesce, remove, settle  # noqa: F401  (for the suites)
+from gdswriter.tools.bench import quiesce, remove, settle  # noqa: F401  (for the suites)
 from gdswriter.errors import GDSWriterError
-from gdswriter.measure import FioError, mem_available  # noqa: F401  (FioError: for the suites)
-from gdswriter.measure import evict_paths as evict  # noqa: F401  (cold reads: files or whole trees)
-from gdswriter.measure import fio_bandwidth as fio_run  # noqa: F401  (bytes/s of one fio job)
+from gdswriter.tools.measure import FioError, mem_available  # noqa: F401  (FioError: for the suites)
+from gdswriter.tools.measure import evict_paths as evict  # noqa: F401  (cold reads: files or whole trees)
+from gdswriter.tools.measure import fio_bandwidth as fio_run  # noqa: F401  (bytes/s of one fio job)
 from gdswriter.units import human  # noqa: F401
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

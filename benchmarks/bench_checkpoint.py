@@ -36,8 +36,8 @@ import _util
 from _util import RESULTS, RoundTimer, finish, ratio
 
 from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer
-from gdswriter.bench import Canary, build_state, plan_layers, state_bytes
-from gdswriter.bench import Methods as Formats
+from gdswriter.tools.bench import Canary, build_state, plan_layers, state_bytes
+from gdswriter.tools.bench import Methods as Formats
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -58,7 +58,7 @@ def bench_sort_key(item):
 
 
 # The state (build_state, state_bytes, plan_layers), the load check (Canary) and how each
-# format saves and loads (Formats) live in gdswriter/bench.py, shared with `gdswriter bench`.
+# format saves and loads (Formats) live in gdswriter/tools/bench.py, shared with `gdswriter bench`.
 
 
 # ----------------------------------------------------------------------------- fixtures

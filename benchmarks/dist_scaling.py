@@ -68,7 +68,7 @@ def state_bytes(state: dict) -> int:
 
 
 def _evict(dirs) -> None:
-    from gdswriter import pagecache
+    from gdswriter.tools import pagecache
 
     for d in dirs:
         for base, _, files in os.walk(d):

@@ -1,7 +1,7 @@
 """Checkpoint save/load vs torch.save, DCP (4 threads) and safetensors, interleaved round by round.
 
 The same state and methods as bench_checkpoint.py and ``gdswriter bench`` (all three use
-gdswriter/bench.py), but each round runs every method's durable save and then its cold load
+gdswriter/tools/bench.py), but each round runs every method's durable save and then its cold load
 before the next method, in an order rotated from round to round, so every ratio compares runs
 minutes apart at most, not a whole suite apart.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 
 import _util  # noqa: E402
 
-from gdswriter.bench import CEILING, BenchOptions, run_bench  # noqa: E402
+from gdswriter.tools.bench import CEILING, BenchOptions, run_bench  # noqa: E402
 from gdswriter.units import parse_size  # noqa: E402
 
 

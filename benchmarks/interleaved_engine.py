@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from gdswriter import ReadSpan, WriteSpan, create_engine
-from gdswriter.measure import fio_bandwidth
+from gdswriter.tools.measure import fio_bandwidth
 from gdswriter.units import parse_size
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

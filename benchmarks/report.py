@@ -174,7 +174,7 @@ FAMILIES = {"torch": ("torch.save", "torch.load"), "dcp t1": ("dcp.save t1", Non
 
 def spread(row: dict | None):
     """Median GB/s with the slowest and fastest rounds' GB/s (fio rows: fio's own figure only)."""
-    from gdswriter.bench import Spread
+    from gdswriter.tools.bench import Spread
 
     if row is None:
         return None
@@ -186,7 +186,7 @@ def spread(row: dict | None):
 
 def chart(rows, path: str, title: str) -> Path:
     """The checkpoint save/load chart of ``rows`` (see the module doc) as a PNG at ``path``."""
-    from gdswriter.bench import bar_chart
+    from gdswriter.tools.bench import bar_chart
 
     sizes = sizes_of(rows)
     groups = [f for f, (s, ld) in FAMILIES.items()

@@ -60,13 +60,13 @@ from .planner.affinity import plan_for_save
 from .planner.assign import SavePlan, plan_save
 from .planner.discover import discover
 from .planner.topology import Topology
-from .restore import LiveState, LoadResult, load_state, restore_into, restore_newest_intact
+from .load.restore import LiveState, LoadResult, load_state, restore_into, restore_newest_intact
 from .rng import rng_state
-from .snapshot import LayoutCache, Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
-from .snapshot_pool import HostSnapshotPool
+from .save.snapshot import LayoutCache, Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
+from .save.pool import HostSnapshotPool
 from .distributed import DistOptions, peek_manifest, session_for as dist_session_for  # [dist hook]
 from .distributed import load_into as dist_load_into  # [dist hook]
-from .writer import Release, file_targets, write_and_commit
+from .save.writer import Release, file_targets, write_and_commit
 
 log = logging.getLogger("gdswriter")
 

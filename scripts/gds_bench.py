@@ -46,9 +46,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer  # noqa: E402
-from gdswriter.bench import fsync_path  # noqa: E402
-from gdswriter.measure import fio_reference  # noqa: E402
-from gdswriter.pagecache import drop_caches, evict  # noqa: E402
+from gdswriter.tools.bench import fsync_path  # noqa: E402
+from gdswriter.tools.measure import fio_reference  # noqa: E402
+from gdswriter.tools.pagecache import drop_caches, evict  # noqa: E402
 from gdswriter.units import parse_size  # noqa: E402
 
 MiB = 1 << 20
@@ -144,7 +144,7 @@ class Gdswriter(Method):
 
     def describe(self, d):
         from gdswriter.format.commit import CommitProtocol
-        from gdswriter.restore import read_manifest
+        from gdswriter.load.restore import read_manifest
 
         info = self.ck.engine_info
         files = read_manifest(CommitProtocol([d]), 1).files

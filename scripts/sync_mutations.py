@@ -42,22 +42,22 @@ SYNC_FLAGS = {"O_SYNC", "O_DSYNC"}
 
 # (file relative to gdswriter/, enclosing [Class.]function) -> why removing the call cannot fail the test.
 EXEMPT = {
-    ("measure.py", "builtin_reference"):
+    ("tools/measure.py", "builtin_reference"):
         "benchmark reference, not durability: it times a plain write loop including the flush to the device "
         "(as fio's --end_fsync=1 does) into a scratch file that is deleted; nothing is ever read back from it",
-    ("bench.py", "quiesce"):
+    ("tools/bench.py", "quiesce"):
         "measurement, not durability: `gdswriter bench` flushes every dirty page of the machine before a "
         "timed write so that foreign writeback does not land in the timing",
-    ("bench.py", "Methods.save"):
+    ("tools/bench.py", "Methods.save"):
         "measurement, not durability: ends the compared method's (torch.save's) save durably, as gdswriter's "
         "ends, so that the benchmark compares like with like; the file is a scratch file of the benchmark",
-    ("bench.py", "fsync_path"):
+    ("tools/bench.py", "fsync_path"):
         "measurement, not durability: ends a compared method's (DCP's, safetensors') save durably, as above",
     ("engines/kvikio.py", "GdsEngine.write_file"):
         "cannot run here: the GDS engine needs KvikIO and libcuda.so.1, and this test runs without a GPU. "
         "tests/test_gds_engine.py::test_durable_write_syncs_the_file (KvikIO replaced by a stand-in that "
         "writes through the file descriptor) fails when this fdatasync is removed",
-    ("pagecache.py", "evict"):
+    ("tools/pagecache.py", "evict"):
         "measurement, not durability: cleans the pages of a file that is already durable so that "
         "POSIX_FADV_DONTNEED can drop them before a cold-read measurement (demo, benchmarks); an error is ignored",
     ("format/commit.py", "CommitProtocol.clean_leftovers"):

@@ -1,5 +1,5 @@
-"""`gdswriter bench` (gdswriter/bench.py, commands/bench.py) and the disk ceiling references
-(gdswriter/measure.py), at tiny sizes on real files. Speed is never checked, only what is
+"""`gdswriter bench` (gdswriter/tools/bench.py, commands/bench.py) and the disk ceiling references
+(gdswriter/tools/measure.py), at tiny sizes on real files. Speed is never checked, only what is
 measured and reported."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from gdswriter import bench, measure
-from gdswriter.bench import CEILING, BenchOptions, LoadCheckError, run_bench
+from gdswriter.tools import bench, measure
+from gdswriter.tools.bench import CEILING, BenchOptions, LoadCheckError, run_bench
 from gdswriter.cli import main
 from gdswriter.errors import InvalidOptionError
 from gdswriter.units import MiB

@@ -16,7 +16,7 @@ import torch
 
 import _models as M
 from test_dist_harness import run_ranks
-import gdswriter.restore as restore_mod
+import gdswriter.load.restore as restore_mod
 from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, TruncatedFileError,
                        UnsupportedFormatVersionError, UnsupportedObjectError, load_state)
 from gdswriter.cli import main as cli_main

@@ -17,7 +17,7 @@ from gdswriter.distributed.roots import ROOT_ID_NAME, discover_layout, root_iden
 from gdswriter.errors import CheckpointLockedError, EngineIOError, RootUnavailableError, UnreachableDataError
 from gdswriter.format.commit import OWNER_ID_NAME, OWNER_NAME
 from gdswriter.format.manifest import Manifest
-from gdswriter.restore import LiveState
+from gdswriter.load.restore import LiveState
 
 from _models import small_engine
 
@@ -29,7 +29,7 @@ def _session(roots):
 
 
 def _save(session, state, step, engines):
-    from gdswriter.snapshot import take_snapshot
+    from gdswriter.save.snapshot import take_snapshot
 
     snap = take_snapshot(session.prepare(state, step), step)
     return session.write_and_commit(snap, engines, 2)

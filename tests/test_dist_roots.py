@@ -268,7 +268,7 @@ def _state(seed: int) -> dict:
 
 def _save(session, step: int, seed: int) -> None:
     from gdswriter.engines.select import create_engine
-    from gdswriter.snapshot import take_snapshot
+    from gdswriter.save.snapshot import take_snapshot
     from _models import small_engine
 
     engines = [create_engine(small_engine()) for _ in range(2)]
@@ -284,7 +284,7 @@ def test_roots_given_in_another_order_keep_their_primary(tmp_path):
     primary (before: the first root was taken for it, and no step was found)."""
     from gdswriter.distributed.roots import root_identity
     from gdswriter.engines.select import create_engine
-    from gdswriter.restore import LiveState
+    from gdswriter.load.restore import LiveState
     from _models import small_engine
 
     a, b = tmp_path / "a", tmp_path / "b"

@@ -17,7 +17,7 @@ from _fake_kvikio import FakeKvikio
 from test_gds_engine import isolate_from_host
 
 import gdswriter.engines.kvikio as gds
-import gdswriter.doctor as doctor
+import gdswriter.tools.doctor as doctor
 from gdswriter.cli import main
 from gdswriter.engines import uring
 

@@ -275,7 +275,7 @@ def test_a_save_outside_a_trainer_returns_once_the_tensors_are_copied(tmp_path, 
     """Called by hand, the plug-in has no optimizer to hook: save_checkpoint must not return
     before the copier has read the tensors (here it is held for 0.3 s, then the tensor is
     changed at once)."""
-    from gdswriter import snapshot_pool
+    from gdswriter.save import pool as snapshot_pool
 
     gate = threading.Event()
     real = snapshot_pool._copy_all

@@ -12,7 +12,7 @@ from torch import nn
 
 import _models as M
 from gdswriter import GDSCheckpointer, load_state
-from gdswriter import snapshot as S
+from gdswriter.save import snapshot as S
 
 
 def base_state() -> dict:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import _models as M
-import gdswriter.restore as restore_mod
+import gdswriter.load.restore as restore_mod
 from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, InvalidOptionError,
                        LoadResult, NothingToLoadError, ReadOnlyRootError, StateMismatchError, load_state)
 from gdswriter.export import export_step

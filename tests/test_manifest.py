@@ -18,8 +18,8 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
 import _models as M
-import gdswriter.restore as restore_mod
-import gdswriter.writer as writer_mod
+import gdswriter.load.restore as restore_mod
+import gdswriter.save.writer as writer_mod
 from gdswriter import (CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, UnsupportedObjectError,
                        load_state)
 from gdswriter.cli import main as cli_main
@@ -29,7 +29,7 @@ from gdswriter.format.manifest import (FORMAT_VERSION, MANIFEST_NAME, ChunkRecor
                                        StorageRecord, TensorRecord, _canonical)
 from gdswriter.format.state_codec import decode_state
 from gdswriter.options import EngineOptions
-from gdswriter.restore import tensors_from_storages
+from gdswriter.load.restore import tensors_from_storages
 
 
 # What gdswriter 0.1 wrote (format 1.0): readers of later versions must keep reading it.

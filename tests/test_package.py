@@ -29,3 +29,34 @@ def test_the_old_name_of_the_multi_rank_package_still_imports_and_warns():
     assert GDSStorageWriter is gdswriter.GDSStorageWriter
     with pytest.raises(ImportError):
         from gdswriter.dist import nothing_of_that_name  # noqa: F401
+
+
+def _modules_after(code: str) -> set[str]:
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys, json\nprint(json.dumps(sorted(sys.modules)))"],
+                         capture_output=True, text=True, check=True).stdout
+    return set(json.loads(out.splitlines()[-1]))
+
+
+def test_import_gdswriter_loads_no_tool_cli_multi_rank_module_nor_torch():
+    loaded = _modules_after("import gdswriter")
+    ours = {m for m in loaded if m.startswith("gdswriter")}
+    assert ours <= {"gdswriter", "gdswriter._version", "gdswriter.errors"}, ours
+    assert "torch" not in loaded
+
+
+def test_the_checkpointer_loads_no_tool_cli_or_integration_module():
+    loaded = _modules_after("from gdswriter import GDSCheckpointer, load_state")
+    above = [m for m in loaded if m.startswith(("gdswriter.tools", "gdswriter.commands", "gdswriter.cli",
+                                                "gdswriter.integrations", "gdswriter.testing"))]
+    assert above == []
+
+
+def test_the_benchmark_names_moved_to_tools_and_still_resolve_with_a_warning():
+    from gdswriter.tools.bench import run_bench
+
+    with pytest.warns(DeprecationWarning, match="gdswriter.tools.bench"):
+        assert gdswriter.run_bench is run_bench
+    assert "run_bench" not in gdswriter.__all__

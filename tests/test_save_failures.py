@@ -25,7 +25,7 @@ import torch
 import _models as M
 from gdswriter import EngineIOError, GDSCheckpointer, load_state
 from gdswriter import checkpointer as checkpointer_mod
-from gdswriter import snapshot as snapshot_mod
+from gdswriter.save import snapshot as snapshot_mod
 from gdswriter.errors import GDSWriterError
 from gdswriter.options import KiB
 

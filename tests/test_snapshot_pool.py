@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gdswriter import GDSCheckpointer, load_state, snapshot_pool
+from gdswriter import GDSCheckpointer, load_state
+from gdswriter.save import pool as snapshot_pool
 from gdswriter.options import ALIGN, KiB, MiB
 from gdswriter.planner.assign import FilePlan, FileTarget, SavePlan, cut_stream
 

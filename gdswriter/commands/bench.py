@@ -1,4 +1,4 @@
-"""`gdswriter bench`: checkpoint save/load methods compared on this node's disk (gdswriter/bench.py)."""
+"""`gdswriter bench`: checkpoint save/load methods compared on this node's disk (gdswriter/tools/bench.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from ..bench import COMPARABLE, BenchOptions, plot, run_bench, steps_of
+from ..tools.bench import COMPARABLE, BenchOptions, plot, run_bench, steps_of
 from ..progress import Progress
 from ..units import human, parse_size
 from ._common import EXIT_OK, UsageError, out

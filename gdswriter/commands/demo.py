@@ -12,7 +12,7 @@ from pathlib import Path
 import crc32c as _crc32c
 
 from .. import __version__
-from ..measure import cold, disk_reference, mem_available, mount_of
+from ..tools.measure import cold, disk_reference, mem_available, mount_of
 from ..units import GiB, MiB, gbps, human, parse_size
 from ._common import EXIT_CORRUPT, EXIT_OK, UsageError, out, table, yes_no
 

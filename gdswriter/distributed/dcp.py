@@ -47,9 +47,9 @@ from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from ..options import CheckpointOptions, EngineOptions
 from ..planner.assign import plan_save
-from ..restore import host_buffer
-from ..snapshot import Extent, Snapshot
-from ..writer import live_spans, write_files
+from ..load.restore import host_buffer
+from ..save.snapshot import Extent, Snapshot
+from ..save.writer import live_spans, write_files
 from .assemble import build_manifest, record_json
 from .commit import RankCommit
 from .dcp_codec import metadata_from_json, metadata_to_json

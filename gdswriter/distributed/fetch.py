@@ -25,7 +25,7 @@ from ..engines.base import IOEngine
 from ..errors import ChecksumMismatchError, UnreachableDataError
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.manifest import ChunkRecord, Manifest, StorageRecord, TensorRecord
-from ..restore import check_file_sizes, host_buffer, read_storages
+from ..load.restore import check_file_sizes, host_buffer, read_storages
 from .group import Coordinator, Transfer
 from .roots import RootLayout
 

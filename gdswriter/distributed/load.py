@@ -33,7 +33,7 @@ from ..format.commit import CommitProtocol
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
 from ..format.state_codec import decode_state
-from ..restore import (_DAMAGE, LiveState, LoadResult, apply_state, parse_manifest, plan_restore,
+from ..load.restore import (_DAMAGE, LiveState, LoadResult, apply_state, parse_manifest, plan_restore,
                        read_manifest_bytes, tensors_from_storages)
 from .assemble import tree_for_rank
 from .fetch import fetch_storages, manifest_reach

@@ -24,9 +24,9 @@ from ..engines.base import IOEngine
 from ..errors import RankFailedError, UnsupportedObjectError
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from ..planner.assign import plan_save
-from ..snapshot import Extent, Snapshot
-from ..snapshot_pool import HostSnapshotPool
-from ..writer import Release, write_snapshot_files
+from ..save.snapshot import Extent, Snapshot
+from ..save.pool import HostSnapshotPool
+from ..save.writer import Release, write_snapshot_files
 from .assemble import build_manifest, record_json
 from .commit import RankCommit
 from .group import Coordinator, describe, raise_failures

@@ -27,10 +27,10 @@ from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, GDSWriterError, RootUnavailableError
 from ..format.commit import CommitProtocol, retire, step_dir_name
 from ..format.manifest import Manifest, ShardInfo
-from ..restore import LiveState
-from ..snapshot import Snapshot
-from ..snapshot_pool import HostSnapshotPool
-from ..writer import Release
+from ..load.restore import LiveState
+from ..save.snapshot import Snapshot
+from ..save.pool import HostSnapshotPool
+from ..save.writer import Release
 from .group import Coordinator, describe, raise_failures
 from .load import collective_load
 from .options import DistOptions

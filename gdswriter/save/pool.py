@@ -43,12 +43,12 @@ from dataclasses import replace
 import torch
 from crc32c import crc32c as _crc32c
 
-from .cuda import streams
-from .engines.base import WriteSpan
-from .engines.buffers import HUGE_PAGE, AlignedBufferPool, StagingBuffer
-from .engines.staged import FUSED_BYTES
-from .options import ALIGN, MiB, log_once
-from .planner.assign import PlannedChunk, SavePlan
+from ..cuda import streams
+from ..engines.base import WriteSpan
+from ..engines.buffers import HUGE_PAGE, AlignedBufferPool, StagingBuffer
+from ..engines.staged import FUSED_BYTES
+from ..options import ALIGN, MiB, log_once
+from ..planner.assign import PlannedChunk, SavePlan
 from .snapshot import Snapshot
 
 log = logging.getLogger("gdswriter")

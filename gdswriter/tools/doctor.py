@@ -26,13 +26,13 @@ from typing import Sequence
 
 import crc32c as _crc32c
 
-from .engines import kvikio as gds
-from .errors import GDSWriterError
-from .engines import dio, uring
+from ..engines import kvikio as gds
+from ..errors import GDSWriterError
+from ..engines import dio, uring
 from .measure import mount_entry
-from .options import EngineOptions
+from ..options import EngineOptions
 from .pagecache import evict
-from .units import MiB, human
+from ..units import MiB, human
 
 OK, WARN, FAIL = "OK", "WARN", "FAIL"
 MACHINE = "machine"
@@ -225,7 +225,7 @@ def check_thp() -> list[Finding]:
 
 
 def check_auto_engine(options: EngineOptions) -> list[Finding]:
-    from .engines.select import create_engine
+    from ..engines.select import create_engine
 
     try:
         with create_engine(options) as eng:
@@ -377,8 +377,8 @@ def _io_test(target: Path, name: str, engine: str, nbytes: int, options: EngineO
 
     import torch
 
-    from .engines.base import ReadSpan, WriteSpan
-    from .engines.select import create_engine
+    from ..engines.base import ReadSpan, WriteSpan
+    from ..engines.select import create_engine
 
     check = f"{engine} write/read"
     device = "cuda" if engine == "kvikio" else "cpu"

@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
-from .cuda import streams
-from .engines.base import EngineInfo
-from .errors import UnsupportedObjectError
-from .engines.staged import ZERO_COPY_MIN
-from .format.dtypes import dtype_to_name
-from .format.manifest import TensorRecord
-from .format.state_codec import encode_state_named
-from .options import EngineOptions, MiB, log_once
+from ..cuda import streams
+from ..engines.base import EngineInfo
+from ..errors import UnsupportedObjectError
+from ..engines.staged import ZERO_COPY_MIN
+from ..format.dtypes import dtype_to_name
+from ..format.manifest import TensorRecord
+from ..format.state_codec import encode_state_named
+from ..options import EngineOptions, MiB, log_once
 
 STORAGE_ALIGN = 16  # extents start at a multiple of the largest item size, so every view stays valid
 CAPTURE_MAX = 1 * MiB  # unprotected extents up to this size are copied at the call...

@@ -15,7 +15,7 @@ safetensors    ``save_file`` (optimizer state flattened) + fsync      ``load_fil
 deepspeed      ``torch.save`` into DeepSpeed's FastPersist writer     ``torch.load`` (FastPersist only writes)
                (``deepspeed.io.FastFileWriter``, libaio) + fsync
 ceiling        the disk itself, same bytes: fio when installed, else gdswriter's built-in multi-queue O_DIRECT
-               loop (gdswriter.measure)
+               loop (gdswriter.tools.measure)
 =============  ====================================================  ===========================================
 
 Rounds are interleaved (each round runs every method's save and then its cold load, in an
@@ -44,10 +44,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .errors import GDSWriterError, InvalidOptionError
+from ..errors import GDSWriterError, InvalidOptionError
 from .measure import (FIO_NAME, Reference, builtin_reference, disk_reference, evict_paths, fio_reference,
                       mem_available, mount_of)
-from .units import GiB, KiB, MiB, human
+from ..units import GiB, KiB, MiB, human
 
 METHODS = ("gdswriter", "torch", "dcp", "safetensors", "deepspeed")
 COMPARABLE = METHODS[1:]
@@ -405,7 +405,7 @@ class BenchResult:
                                "median": s.median, "min": s.min, "max": s.max,
                                "x_ceiling": self.ratio(m, kind, CEILING), "x_torch": self.ratio(m, kind, "torch")}
             methods[m] = entry
-        from . import __version__
+        from .. import __version__
 
         return {"gdswriter": __version__, "date": self.date, "host": self.host, "directory": self.directory,
                 "filesystem": self.filesystem, "bytes": self.bytes, "rounds": self.rounds,
@@ -496,8 +496,8 @@ def run_bench(opts: BenchOptions, *, step: Step | None = None) -> BenchResult:
     """Measure every method of ``opts`` and the disk's ceiling, interleaved round by round.
     ``step(note)`` is called after each timed operation (progress). Everything written is
     removed afterwards. InvalidOptionError when disk or memory cannot hold the run."""
-    from .checkpointer import GDSCheckpointer
-    from .options import CheckpointOptions
+    from ..checkpointer import GDSCheckpointer
+    from ..options import CheckpointOptions
 
     step = step or (lambda note: None)
     directory = Path(opts.directory)
@@ -617,7 +617,7 @@ def bar_chart(path: str | os.PathLike, groups: Sequence[str], series: dict[str, 
 
 def plot(result: BenchResult, path: str | os.PathLike) -> Path:
     """The bench's chart: save and load GB/s per method (median, min-max), ceiling as lines."""
-    from . import __version__
+    from .. import __version__
 
     methods = [m for m in result.methods if m != CEILING]
     ceiling = {f"disk ceiling write ({'fio' if result.ceiling == FIO_NAME else 'built-in'})":

@@ -31,19 +31,19 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from .crc import crc32c_combine
-from .engines.base import IOEngine, ReadSpan
-from .engines.select import create_engine
-from .errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, EngineIOError,
+from ..crc import crc32c_combine
+from ..engines.base import IOEngine, ReadSpan
+from ..engines.select import create_engine
+from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, EngineIOError,
                      GDSWriterError, NothingToLoadError, StateMismatchError, TruncatedFileError,
                      UnsupportedFormatVersionError)
-from .format.commit import CommitProtocol, normalize_roots, read_regular_file
-from .format.dtypes import dtype_from_name, dtype_to_name
-from .format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
-from .format.state_codec import decode_state
-from .options import EngineOptions
-from .rng import set_rng_state
-from .snapshot import flat_bytes, hint_unaligned
+from ..format.commit import CommitProtocol, normalize_roots, read_regular_file
+from ..format.dtypes import dtype_from_name, dtype_to_name
+from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
+from ..format.state_codec import decode_state
+from ..options import EngineOptions
+from ..rng import set_rng_state
+from ..save.snapshot import flat_bytes, hint_unaligned
 
 log = logging.getLogger("gdswriter")
 

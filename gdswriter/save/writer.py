@@ -21,15 +21,15 @@ from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 from typing import Any
 
-from .cuda import streams
-from .engines.base import IOEngine, WriteSpan
-from .format.commit import CommitProtocol, PendingCommit
-from .format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
-from .options import log_once
-from .planner.assign import FileTarget, PlannedChunk, SavePlan
-from .restore import run_per_file
+from ..cuda import streams
+from ..engines.base import IOEngine, WriteSpan
+from ..format.commit import CommitProtocol, PendingCommit
+from ..format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
+from ..options import log_once
+from ..planner.assign import FileTarget, PlannedChunk, SavePlan
+from ..load.restore import run_per_file
 from .snapshot import Snapshot
-from .snapshot_pool import HostSnapshotPool
+from .pool import HostSnapshotPool
 
 
 def file_targets(n_roots: int, files_per_root: int) -> list[FileTarget]:

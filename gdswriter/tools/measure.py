@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .pagecache import drop_caches, evict
-from .units import KiB, MiB
+from ..units import KiB, MiB
 
 
 def cold(path: str | os.PathLike, state: dict) -> None:
