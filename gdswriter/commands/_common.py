@@ -7,15 +7,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
 from ..format.commit import CommitProtocol, _step_dirs, normalize_roots, step_owner
 from ..format.manifest import Manifest
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(GDSWriterError):
-    """Bad command-line input that argparse cannot catch (exit status 2)."""
 
 
 def when(unix: float) -> str:
