@@ -392,7 +392,7 @@ def owned_by(step_dir: Path, primary_path: str, primary_id: str | None) -> bool:
     return path == primary_path
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, directory) of every step directory in ``root``, ascending; none if it does not exist."""
     try:
         names = os.listdir(root)
@@ -437,7 +437,7 @@ class CommitProtocol:
 
     def committed_steps(self) -> list[int]:
         """Steps whose primary directory holds a manifest, ascending."""
-        return [s for s, d in _step_dirs(self.primary) if _is_regular(d / MANIFEST_NAME)]
+        return [s for s, d in step_dirs(self.primary) if _is_regular(d / MANIFEST_NAME)]
 
     def latest_named(self) -> int | None:
         """The step the ``latest`` file names, committed or not (None: absent or unreadable; it
@@ -506,7 +506,7 @@ class CommitProtocol:
         if not primary.is_dir() or root_identity(primary) is None:
             committed = self.committed_steps()
             for root in self.roots[1:]:
-                refs = [(s, owner_id) for s, d in _step_dirs(root) for path, owner_id in [step_owner(d)]
+                refs = [(s, owner_id) for s, d in step_dirs(root) for path, owner_id in [step_owner(d)]
                         if path == self.identity]
                 held = [s for s, owner_id in refs if owner_id is not None or not committed]
                 if held:
@@ -521,7 +521,7 @@ class CommitProtocol:
                         f"then; if the primary's data is really lost, move those directories out of {root} yourself")
         need = None
         for i, root in enumerate(self.roots[1:], 1):
-            if root.is_dir() and (root_identity(root) is not None or _step_dirs(root)):
+            if root.is_dir() and (root_identity(root) is not None or step_dirs(root)):
                 continue
             need = self._latest_file_roots() if need is None else need
             if i in need:
@@ -546,7 +546,7 @@ class CommitProtocol:
         if self.primary_id is None:
             self.primary_id = ids[0].id
             for root in self.roots[1:]:
-                foreign = [s for s, d in _step_dirs(root) for path, owner_id in [step_owner(d)]
+                foreign = [s for s, d in step_dirs(root) for path, owner_id in [step_owner(d)]
                            if path == self.identity and owner_id and owner_id != self.primary_id]
                 if foreign:
                     log.warning("gdswriter: secondary root %s holds %d step directories (steps %s) written for "
