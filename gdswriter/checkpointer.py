@@ -55,7 +55,8 @@ from .engines.base import IOEngine
 from .engines.select import create_engine
 from .errors import GDSWriterError, InvalidOptionError, ReadOnlyRootError
 from .format.commit import CommitProtocol, RootLock, normalize_roots, normalize_step
-from .options import CheckpointOptions, log_once
+from .options import CheckpointOptions
+from ._log import log_once
 from .planner.affinity import plan_for_save
 from .planner.assign import SavePlan, plan_save
 from .planner.discover import discover

@@ -27,7 +27,8 @@ import sys
 from typing import Sequence
 
 from . import __version__
-from .commands._common import EXIT_CORRUPT, EXIT_USAGE, UsageError
+from .commands._common import EXIT_CORRUPT, EXIT_USAGE
+from .errors import UsageError
 from .errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, UnsupportedObjectError
 
 COMMANDS = ("ls", "inspect", "verify", "export", "demo", "bench", "doctor", "topology")
@@ -83,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gdswriter: error: {_error_text(e)}", file=sys.stderr)
         return EXIT_USAGE
     except GDSWriterError as e:
-        from .export import OutputExistsError, UnsupportedDtypeError
+        from .errors import OutputExistsError, UnsupportedDtypeError
 
         print(f"gdswriter: error: {_error_text(e)}", file=sys.stderr)
         return EXIT_USAGE if isinstance(e, (OutputExistsError, UnsupportedDtypeError)) else EXIT_CORRUPT

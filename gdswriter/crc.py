@@ -7,7 +7,7 @@ import functools
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, reflected
 
 
-def _gf2_times(mat, vec: int) -> int:
+def gf2_times(mat, vec: int) -> int:
     s, i = 0, 0
     while vec:
         if vec & 1:
@@ -18,7 +18,7 @@ def _gf2_times(mat, vec: int) -> int:
 
 
 def _gf2_square(mat) -> list[int]:
-    return [_gf2_times(mat, mat[n]) for n in range(32)]
+    return [gf2_times(mat, mat[n]) for n in range(32)]
 
 
 @functools.cache
@@ -39,7 +39,7 @@ def crc32c_shift(crc: int, nbytes: int) -> int:
     p = 0
     while nbytes > 0:
         if nbytes & 1:
-            crc = _gf2_times(zeros_operator(p), crc)
+            crc = gf2_times(zeros_operator(p), crc)
         nbytes >>= 1
         p += 1
     return crc

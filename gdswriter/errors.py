@@ -217,3 +217,30 @@ class DataFileNotRegularError(NotRegularFileError, CorruptCheckpointError):
                          f"through it: the checkpoint was damaged or tampered with; load an earlier step or "
                          f"restore the file")
         self._init_args = (path, kind, errno)
+
+
+# Raised by the exporter, the CLI and the tools (gdswriter/export.py, commands/, tools/).
+class OutputExistsError(GDSWriterError, FileExistsError):
+    """The export destination exists and overwriting was not allowed."""
+
+
+class UnsupportedDtypeError(GDSWriterError, TypeError):
+    """A tensor's dtype has no equivalent in the export format."""
+
+
+class LoadCheckError(GDSWriterError, AssertionError):
+    """A method's load did not bring back the state its save stored."""
+
+
+class FioError(RuntimeError):
+    """fio ran but gave no bandwidth (it failed, or its job reported an error)."""
+
+
+class UsageError(GDSWriterError):
+    """Bad command-line input that argparse cannot catch (exit status 2)."""
+
+
+# Internal: never leaves the io_uring engine (it raises EngineIOError naming the file and offset).
+class RingError(OSError):
+    """io_uring_enter failed in a way retrying does not cure. Internal: the engine raises it
+    as EngineIOError naming the file and offset."""

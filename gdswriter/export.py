@@ -45,9 +45,8 @@ from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from .engines.base import fsync_dir
-from .format.commit import exchange_paths
-from .errors import GDSWriterError, InvalidOptionError
+from .fs import exchange_paths, fsync_dir
+from .errors import GDSWriterError, InvalidOptionError, OutputExistsError, UnsupportedDtypeError
 
 # torch dtype -> safetensors dtype name. float4_e2m1fn_x2 is stored as "F4" with the last
 # dimension counted in 4-bit elements (twice the torch size), as the safetensors package does.
@@ -65,14 +64,6 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 _PACKED_X2 = {"F4"}  # two elements per byte: shape's last dimension is doubled in the header
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors reader refuses larger headers
-
-
-class OutputExistsError(GDSWriterError, FileExistsError):
-    """The export destination exists and overwriting was not allowed."""
-
-
-class UnsupportedDtypeError(GDSWriterError, TypeError):
-    """A tensor's dtype has no equivalent in the export format."""
 
 
 def safetensors_dtype(dtype: torch.dtype, name: str = "") -> str:

@@ -10,20 +10,10 @@ from typing import Sequence
 
 from .errors import InvalidOptionError
 
-log = logging.getLogger("gdswriter")
-_said: set[str] = set()
-
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALIGN = 4096  # every direct request is aligned to this (covers 512 B and 4 KiB logical blocks)
 
 ENGINES = ("auto", "io_uring", "posix", "gds", "kvikio")
-
-
-def log_once(key: str, message: str, level: int = logging.WARNING) -> None:
-    """Log ``message`` the first time ``key`` is seen in this process."""
-    if key not in _said:
-        _said.add(key)
-        log.log(level, message)
 
 
 def _env_bool(name: str, raw: str) -> bool:

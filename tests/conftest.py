@@ -23,6 +23,6 @@ def io_small_options():
 @pytest.fixture
 def io_fresh_log_once(monkeypatch):
     """Forget which one-time warnings were already logged, so caplog sees them again."""
-    import gdswriter.options
+    import gdswriter._log
 
-    monkeypatch.setattr(gdswriter.options, "_said", set())
+    monkeypatch.setattr(gdswriter._log, "_said", set())  # the one-time registry: no public way to reset it

@@ -179,6 +179,7 @@ DRIVER = textwrap.dedent("""
     torch.set_num_threads(1)   # no thread pools before fork
     import _models as M
     import gdswriter.format.commit as C
+    import gdswriter.fs as F  # atomic_write (manifest, latest) fsyncs its directory through gdswriter.fs
     from gdswriter import GDSCheckpointer
 
     out, n_roots, SIZE = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -211,6 +212,7 @@ DRIVER = textwrap.dedent("""
         os.rename = hook(os.rename)
         os.replace = hook(os.replace)
         C.fsync_dir = hook(C.fsync_dir)
+        F.fsync_dir = hook(F.fsync_dir)
         C.shutil.rmtree = hook(shutil.rmtree)
         C.exchange_paths = hook(C.exchange_paths)
         state = M.crash_state(base)

@@ -266,7 +266,7 @@ def test_model_random_images_only_mix_pending_changes():
 
 # ----------------------------------------------------------------------------- the FUSE file system
 def _fsync_dir(path) -> None:
-    """Not gdswriter.engines.base.fsync_dir: scripts/sync_mutations.py removes that one's fsync, and
+    """Not gdswriter.fs.fsync_dir: scripts/sync_mutations.py removes that one's fsync, and
     the tests of the file system itself must not fail for it."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -7,15 +7,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError
-from ..format.commit import CommitProtocol, _step_dirs, normalize_roots, step_owner
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from ..format.commit import CommitProtocol, step_dirs, normalize_roots, step_owner
 from ..format.manifest import Manifest
 
 EXIT_OK, EXIT_CORRUPT, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(GDSWriterError):
-    """Bad command-line input that argparse cannot catch (exit status 2)."""
 
 
 def when(unix: float) -> str:
@@ -75,10 +71,10 @@ def secondary_owner(root: Path) -> str | None:
     """If ``root`` holds secondary step directories, the primary root they name (None also
     when ``root`` cannot be listed: this only adds a hint to ``ls``)."""
     try:
-        step_dirs = _step_dirs(root)
+        found = step_dirs(root)
     except OSError:
         return None
-    for _, d in step_dirs:
+    for _, d in found:
         path, _ = step_owner(d)
         if path:
             return path

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..crc import _gf2_times, crc32c_shift, zeros_operator
+from ..crc import gf2_times, crc32c_shift, zeros_operator
 from ..errors import InvalidOptionError
 
 ROW = 4096  # bytes per row: the position table is ROW x 256 x 4 bytes = 4 MiB (fits a GPU's L2)
@@ -74,7 +74,7 @@ def _operator_table(op: Sequence[int]) -> np.ndarray:
 
 def _compose(a: Sequence[int], b: Sequence[int]) -> list[int]:
     """The operator "b, then a"."""
-    return [_gf2_times(a, b[n]) for n in range(32)]
+    return [gf2_times(a, b[n]) for n in range(32)]
 
 
 @functools.lru_cache(maxsize=_MAX_DIGITS)

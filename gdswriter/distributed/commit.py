@@ -42,9 +42,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..engines.base import fsync_dir
 from ..errors import EngineIOError, GDSWriterError, RankFailedError, RootUnavailableError
-from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, _atomic_write, retire, step_dir_name, step_owner
+from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, retire, step_dir_name, step_owner
+from ..fs import atomic_write, fsync_dir
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .group import Coordinator, describe
 from .roots import RootLayout, owned, write_owner_files
@@ -237,7 +237,7 @@ class RankCommit:
         primary = self.layout.local_paths[self.primary_index]
         final = primary / step_dir_name(self.step)
         try:
-            _atomic_write(self.dirs[self.primary_index] / MANIFEST_NAME, manifest_bytes)
+            atomic_write(self.dirs[self.primary_index] / MANIFEST_NAME, manifest_bytes)
             os.rename(self.dirs[self.primary_index], final)
         except OSError as e:
             self.abort()
@@ -271,7 +271,7 @@ class RankCommit:
         assert self.primary_index is not None
         latest = self.layout.local_paths[self.primary_index] / LATEST_NAME
         try:
-            _atomic_write(latest, f"{self.step}\n".encode())
+            atomic_write(latest, f"{self.step}\n".encode())
         except OSError as e:
             log.warning("gdswriter: step %d is committed, but %s could not be updated (%s): a load without a step "
                         "picks the step it still names until a later save moves it; check the drive", self.step,

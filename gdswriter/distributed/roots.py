@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..errors import EngineIOError, InvalidOptionError, RootUnavailableError
-from ..format.commit import (ROOT_MARKER_NAME, CommitProtocol, RootLock, _step_dirs, owned_by, step_owner,
+from ..format.commit import (ROOT_MARKER_NAME, CommitProtocol, RootLock, step_dirs, owned_by, step_owner,
                              write_owner)
 from ..format.commit import root_identity as commit_root_identity
 from ..format.manifest import MANIFEST_NAME, RootInfo
@@ -166,7 +166,7 @@ def probe_led(layout: RootLayout) -> dict:
     for i in layout.led:
         root = layout.local_paths[i]
         probe = CommitProtocol([root])
-        names = {owner_id for s, d in _step_dirs(root) if not (d / MANIFEST_NAME).exists()
+        names = {owner_id for s, d in step_dirs(root) if not (d / MANIFEST_NAME).exists()
                  for _, owner_id in [step_owner(d)] if owner_id}
         out[str(layout.local_to_global[i])] = {"committed": probe.committed_steps(), "latest": probe.latest(),
                                                "names": sorted(names)}
@@ -239,7 +239,7 @@ def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
         for i in layout.led:
             root = layout.local_paths[i]
             if layout.is_primary(i):
-                foreign = [(s, owner_id) for s, d in _step_dirs(root) if not (d / MANIFEST_NAME).exists()
+                foreign = [(s, owner_id) for s, d in step_dirs(root) if not (d / MANIFEST_NAME).exists()
                            for path, owner_id in [step_owner(d)]
                            if (path, owner_id) != (None, None) and not owned(layout, d)]
                 if foreign:
@@ -257,7 +257,7 @@ def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
                         f"(and never cleans) these roots until then; if that checkpoint is really abandoned, move "
                         f"those directories out of {root} yourself")
                 continue
-            held = [s for s, d in _step_dirs(root) for path, owner_id in [step_owner(d)]
+            held = [s for s, d in step_dirs(root) for path, owner_id in [step_owner(d)]
                     if path == layout.primary_identity and owner_id != layout.table[0].id]
             if held:
                 raise RootUnavailableError(

@@ -222,29 +222,3 @@ class IOEngine(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    """fsync a directory so that entries created/renamed in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_parents(path: str | os.PathLike) -> None:
-    """fsync every directory above ``path`` up to its file system's mount point, so that a
-    directory created with ``mkdir -p`` (and what gets committed in it) survives a power cut.
-    Directories this process may not read (EACCES) cannot have been created by it: skipped."""
-    child = os.path.realpath(path)
-    dev = os.stat(child).st_dev
-    while True:
-        parent = os.path.dirname(child)
-        if parent == child or os.stat(parent).st_dev != dev:
-            return
-        try:
-            fsync_dir(parent)
-        except PermissionError:
-            pass
-        child = parent

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..options import log_once
+from .._log import log_once
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]

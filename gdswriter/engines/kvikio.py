@@ -49,8 +49,9 @@ import torch
 
 from .base import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans, checked_write_size
 from ..errors import (_HINTS, EngineIOError, EngineUnavailableError, GDSWriterError, ShortIOError, TruncatedFileError)
-from .staged import open_regular
-from ..options import ALIGN, EngineOptions, log_once
+from ..fs import open_regular
+from ..options import ALIGN, EngineOptions
+from .._log import log_once
 from ..cuda.checksum import crc32c_tensors
 
 DIRECT_MIN = 64 << 10  # a span's aligned body at least this large moves in place; smaller is staged

@@ -18,7 +18,8 @@ import logging
 from .base import IOEngine
 from . import uring
 from .staged import IoUringEngine, PosixEngine
-from ..options import EngineOptions, log_once
+from ..options import EngineOptions
+from .._log import log_once
 
 
 def _host_engine(options: EngineOptions, reason: str = "") -> IOEngine:

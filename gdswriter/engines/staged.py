@@ -25,13 +25,11 @@ Failures: see StagedEngine. Data files: see StagedEngine._open and open_regular.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
 import os
 import queue
-import stat
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -40,12 +38,14 @@ from typing import Sequence
 import crc32c as _crc32c
 
 from .base import EngineInfo, IOEngine, ReadSpan, SpanGuards, WriteSpan, check_spans, checked_write_size
-from ..errors import (DataFileNotRegularError, EngineIOError, EngineUnavailableError, GDSWriterError,
-                      InvalidOptionError, NotRegularFileError, ShortIOError, TruncatedFileError)
-from ..options import ALIGN, EngineOptions, log, log_once
+from ..errors import (EngineIOError, EngineUnavailableError, GDSWriterError,
+                      InvalidOptionError, ShortIOError, TruncatedFileError)
+from ..options import ALIGN, EngineOptions
+from .._log import log, log_once
 from . import uring
 from .buffers import AlignedBufferPool, StagingBuffer
 from .dio import direct_io_alignment
+from ..fs import closed_on_failure, open_regular
 
 _crc = _crc32c.crc32c
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -95,74 +95,6 @@ def _ring_failed(e: OSError, path: str, reqs: dict) -> EngineIOError:
         hint = ("the kernel would not take more io_uring requests (memory pressure, or too many in flight): "
                 "lower queue_depth (GDSWRITER_QUEUE_DEPTH), retry, or use engine='posix'")
     return EngineIOError(e.errno, path, offset, "io_uring_enter", hint)
-
-
-_FILE_KINDS = ((stat.S_ISLNK, "symbolic link", errno.ELOOP), (stat.S_ISDIR, "directory", errno.EISDIR),
-               (stat.S_ISFIFO, "FIFO", errno.EINVAL), (stat.S_ISSOCK, "socket", errno.EINVAL),
-               (stat.S_ISCHR, "character device", errno.EINVAL), (stat.S_ISBLK, "block device", errno.EINVAL))
-
-
-def _not_regular(path: str, mode: int, write: bool) -> NotRegularFileError:
-    """The typed refusal of a path holding something other than a regular file. Reading, it is a
-    damaged checkpoint (DataFileNotRegularError, a CorruptCheckpointError: load an earlier step)."""
-    kind, err = next(((k, e) for test, k, e in _FILE_KINDS if test(mode)), ("special file", errno.EINVAL))
-    return NotRegularFileError(path, kind, err) if write else DataFileNotRegularError(path, kind, err)
-
-
-def _open_error(e: OSError, path: str, write: bool) -> EngineIOError:
-    """The typed error for a failed open. A symbolic link (ELOOP under O_NOFOLLOW), a socket or
-    a FIFO without reader (ENXIO), a directory (EISDIR) are named as such."""
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        mode = None
-    if mode is not None and not stat.S_ISREG(mode):
-        return _not_regular(path, mode, write)
-    return EngineIOError(e.errno, path, 0, "open")
-
-
-@contextlib.contextmanager
-def _closed_on_failure(fd: int, path: str):
-    """Close ``fd`` when the block fails (it never reaches the caller); an OSError that is not
-    already typed becomes the failed open's EngineIOError."""
-    try:
-        yield
-    except BaseException as e:
-        os.close(fd)
-        if isinstance(e, OSError) and not isinstance(e, GDSWriterError):
-            raise EngineIOError(e.errno, path, 0, "open") from e
-        raise
-
-
-def open_regular(path: str, write: bool, *, direct: bool = False) -> tuple[int, bool]:
-    """Open ``path`` for writing (created, or emptied) or reading, only if it is a regular file;
-    returns the fd (still O_NONBLOCK) and whether O_DIRECT (asked for with ``direct``) took:
-    a file system refusing it (EINVAL) gets the file opened again without it.
-
-    The open never follows a symbolic link (O_NOFOLLOW), and anything else found at ``path``
-    (directory, FIFO, socket, device) is refused by fstat before any I/O; O_NONBLOCK keeps a
-    planted FIFO or device from blocking the open. The file is emptied only after that check
-    (no O_TRUNC), so nothing else is ever truncated. Failures are typed (_open_error,
-    _not_regular), and the fd is closed."""
-    flags = ((os.O_WRONLY | os.O_CREAT) if write else os.O_RDONLY) | (
-        os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
-    try:
-        fd = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
-    except OSError as e:
-        if not (direct and e.errno == errno.EINVAL):
-            raise _open_error(e, path, write) from e
-        try:
-            fd = os.open(path, flags, 0o644)
-        except OSError as e2:
-            raise _open_error(e2, path, write) from e2
-        direct = False
-    with _closed_on_failure(fd, path):
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise _not_regular(path, mode, write)
-        if write:
-            os.ftruncate(fd, 0)
-    return fd, direct
 
 
 def _direct_buffer(t) -> StagingBuffer:
@@ -452,7 +384,7 @@ class StagedEngine(IOEngine):
         needing more is used buffered. Only a regular file is used: see open_regular."""
         where = os.path.dirname(os.path.abspath(path))
         fd, direct = open_regular(path, write, direct=self.options.direct_io)
-        with _closed_on_failure(fd, path):
+        with closed_on_failure(fd, path):
             # Back to blocking: io_uring fails requests on an O_NONBLOCK file with EAGAIN.
             keep = fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK
             memory_alignment = ALIGN if direct else 0

@@ -59,6 +59,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import RingError
+
 SYS_IO_URING_SETUP = 425
 SYS_IO_URING_ENTER = 426
 SYS_IO_URING_REGISTER = 427
@@ -88,11 +90,6 @@ _WRAP = 0xFFFFFFFF  # ring indices are free-running u32
 _STALL_RETRIES = 12
 _BACKOFF_S = 0.001
 _BACKOFF_MAX_S = 0.25
-
-
-class RingError(OSError):
-    """io_uring_enter failed in a way retrying does not cure. Internal: the engine raises it
-    as EngineIOError naming the file and offset."""
 
 
 class _SqOffsets(ctypes.Structure):

@@ -44,7 +44,6 @@ disk looks like, and cleaning then would destroy the data of every committed ste
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
@@ -62,7 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..engines.base import fsync_dir, fsync_parents
+from ..fs import TMP_PREFIX, atomic_write, exchange_paths, fsync_dir, fsync_parents, read_regular_file, write_durable
 from ..errors import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
                       InvalidOptionError, ReadOnlyRootError, RootUnavailableError, UnsafePathError)
 from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
@@ -72,7 +71,6 @@ log = logging.getLogger("gdswriter")
 STEP_RE = re.compile(r"^step_(\d{12,})$")
 LATEST_NAME = "latest"
 LOCK_NAME = ".gdswriter.lock"
-TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 OWNER_NAME = "primary-root"  # in secondary step directories: which primary root they belong to (path)
 OWNER_ID_NAME = "primary-id"  # ... and its identity (the id in its ROOT_MARKER_NAME)
@@ -118,40 +116,6 @@ def normalize_roots(root: Any) -> list[Path]:
     return paths
 
 
-def read_regular_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
-    """The bytes of ``path``, which must be a regular file reached without following a symbolic
-    link in its last component (FileNotFoundError if it does not exist). UnsafePathError for a
-    link or special file (a FIFO would block, a device never ends); CorruptCheckpointError when
-    it holds more than ``limit`` bytes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symbolic link: gdswriter does not follow links it did not "
-                                  f"create; remove it (or replace it with the file it points to)") from e
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"{path} is not a regular file: the checkpoint is damaged or was tampered "
-                                  f"with; remove it")
-        if limit is not None and st.st_size > limit:
-            raise CorruptCheckpointError(f"{path} is {st.st_size} bytes, more than the {limit} it can hold: "
-                                         f"it is damaged")
-        chunks, size = [], 0
-        while True:
-            b = os.read(fd, min(max(st.st_size - size, 0) + 65536, 16 << 20))  # bounded: it may grow
-            if not b:
-                break
-            chunks.append(b)
-            size += len(b)
-            if limit is not None and size > limit:
-                raise CorruptCheckpointError(f"{path} holds more than {limit} bytes: it is damaged")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
 def _read_small_text(path: Path) -> str | None:
     """A small gdswriter-written text file (owner, marker, `latest`) stripped; None when it is
     missing, unreadable, not a regular file or not UTF-8 (the callers treat all those as absent)."""
@@ -159,52 +123,6 @@ def _read_small_text(path: Path) -> str | None:
         return read_regular_file(path, _SMALL_FILE_MAX).decode().strip()
     except (OSError, CorruptCheckpointError, UnicodeDecodeError):
         return None
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    """Create ``path`` holding ``data`` and fsync it (its directory is fsynced by the caller)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a fsynced temporary file and rename, then fsync the directory."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{secrets.token_hex(4)}")
-    try:
-        _write_durable(tmp, data)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as e:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise EngineIOError(e.errno or errno.EIO, path, 0, "write") from e
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def exchange_paths(a: Path, b: Path) -> bool:
-    """Atomically swap two existing directory entries (renameat2 RENAME_EXCHANGE). False when
-    the C library or the file system cannot; any other failure raises OSError."""
-    fn = getattr(_libc, "renameat2", None)
-    if fn is None:
-        return False
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    e = ctypes.get_errno()
-    if e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(e, os.strerror(e), str(a), None, str(b))
 
 
 def _link_no_clobber(tmp: Path, final: Path) -> bool:
@@ -276,7 +194,7 @@ def root_identity(path: str | os.PathLike, create: bool = False) -> RootIdentity
                 return None
         ident = RootIdentity(secrets.token_hex(16), time.time(), socket.gethostname(), str(root.resolve()))
         tmp = root / f"{TMP_PREFIX}{ROOT_MARKER_NAME}-{secrets.token_hex(4)}"
-        _write_durable(tmp, ident.to_json_bytes())
+        write_durable(tmp, ident.to_json_bytes())
         if _link_no_clobber(tmp, marker):
             fsync_dir(root)
             return ident
@@ -407,7 +325,7 @@ class PendingCommit:
                                         f"it holds step {self.step} of another checkpoint (not written for primary "
                                         f"root {p.identity}); give each checkpoint its own directory on every root")
             # The manifest goes in before anything is renamed: in a temporary directory it commits nothing.
-            _atomic_write(self.dirs[0] / MANIFEST_NAME, manifest_bytes)
+            atomic_write(self.dirs[0] / MANIFEST_NAME, manifest_bytes)
             if (p.roots[0] / final / MANIFEST_NAME).exists() and self.step not in p.overwritten:
                 p.overwritten.add(self.step)
                 log.warning("gdswriter: step %d is already committed under %s: replacing it with the new save "
@@ -433,7 +351,7 @@ class PendingCommit:
                 raise
             raise EngineIOError(e.errno or errno.EIO, e.filename or p.roots[0], 0, "commit") from e
         self.finished = True
-        _atomic_write(p.roots[0] / LATEST_NAME, f"{self.step}\n".encode())
+        atomic_write(p.roots[0] / LATEST_NAME, f"{self.step}\n".encode())
 
     def abort(self) -> None:
         """Remove the temporary directories (best effort; leftovers are cleaned on the next open)."""
@@ -461,8 +379,8 @@ def step_owner(step_dir: Path) -> tuple[str | None, str | None]:
 
 def write_owner(step_dir: Path, primary_path: str, primary_id: str) -> None:
     """Record, durably, which primary root a secondary step directory is written for."""
-    _write_durable(step_dir / OWNER_NAME, (primary_path + "\n").encode())
-    _write_durable(step_dir / OWNER_ID_NAME, (primary_id + "\n").encode())
+    write_durable(step_dir / OWNER_NAME, (primary_path + "\n").encode())
+    write_durable(step_dir / OWNER_ID_NAME, (primary_id + "\n").encode())
 
 
 def owned_by(step_dir: Path, primary_path: str, primary_id: str | None) -> bool:
@@ -474,7 +392,7 @@ def owned_by(step_dir: Path, primary_path: str, primary_id: str | None) -> bool:
     return path == primary_path
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+def step_dirs(root: Path) -> list[tuple[int, Path]]:
     """(step, directory) of every step directory in ``root``, ascending; none if it does not exist."""
     try:
         names = os.listdir(root)
@@ -519,7 +437,7 @@ class CommitProtocol:
 
     def committed_steps(self) -> list[int]:
         """Steps whose primary directory holds a manifest, ascending."""
-        return [s for s, d in _step_dirs(self.primary) if _is_regular(d / MANIFEST_NAME)]
+        return [s for s, d in step_dirs(self.primary) if _is_regular(d / MANIFEST_NAME)]
 
     def latest_named(self) -> int | None:
         """The step the ``latest`` file names, committed or not (None: absent or unreadable; it
@@ -588,7 +506,7 @@ class CommitProtocol:
         if not primary.is_dir() or root_identity(primary) is None:
             committed = self.committed_steps()
             for root in self.roots[1:]:
-                refs = [(s, owner_id) for s, d in _step_dirs(root) for path, owner_id in [step_owner(d)]
+                refs = [(s, owner_id) for s, d in step_dirs(root) for path, owner_id in [step_owner(d)]
                         if path == self.identity]
                 held = [s for s, owner_id in refs if owner_id is not None or not committed]
                 if held:
@@ -603,7 +521,7 @@ class CommitProtocol:
                         f"then; if the primary's data is really lost, move those directories out of {root} yourself")
         need = None
         for i, root in enumerate(self.roots[1:], 1):
-            if root.is_dir() and (root_identity(root) is not None or _step_dirs(root)):
+            if root.is_dir() and (root_identity(root) is not None or step_dirs(root)):
                 continue
             need = self._latest_file_roots() if need is None else need
             if i in need:
@@ -628,7 +546,7 @@ class CommitProtocol:
         if self.primary_id is None:
             self.primary_id = ids[0].id
             for root in self.roots[1:]:
-                foreign = [s for s, d in _step_dirs(root) for path, owner_id in [step_owner(d)]
+                foreign = [s for s, d in step_dirs(root) for path, owner_id in [step_owner(d)]
                            if path == self.identity and owner_id and owner_id != self.primary_id]
                 if foreign:
                     log.warning("gdswriter: secondary root %s holds %d step directories (steps %s) written for "

@@ -37,7 +37,8 @@ from ..engines.select import create_engine
 from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, EngineIOError,
                      GDSWriterError, NothingToLoadError, StateMismatchError, TruncatedFileError,
                      UnsupportedFormatVersionError)
-from ..format.commit import CommitProtocol, normalize_roots, read_regular_file
+from ..format.commit import CommitProtocol, normalize_roots
+from ..fs import read_regular_file
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
 from ..format.state_codec import decode_state

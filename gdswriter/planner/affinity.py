@@ -31,7 +31,7 @@ from fractions import Fraction
 
 from ..errors import InvalidOptionError
 from ..units import human
-from .assign import DEFAULT_ALIGN, FilePlan, FileTarget, PlannedChunk, SavePlan, _align_up, cut_stream, plan_save
+from .assign import DEFAULT_ALIGN, FilePlan, FileTarget, PlannedChunk, SavePlan, align_up, cut_stream, plan_save
 from .topology import Distance, Mount, Topology
 
 
@@ -298,7 +298,7 @@ def _writers(storage_sizes: Sequence[int], storage_writers: Sequence[Writer],
         raise InvalidOptionError("storage sizes must be >= 0")
     writers = sorted(set(storage_writers), key=lambda w: (w.gpu is None, w.gpu if w.gpu is not None else 0, w.label))
     mine = [[sid for sid, w in enumerate(storage_writers) if w == wr] for wr in writers]
-    supply = [sum(_align_up(storage_sizes[s], align) for s in sids) // align for sids in mine]
+    supply = [sum(align_up(storage_sizes[s], align) for s in sids) // align for sids in mine]
     return writers, mine, supply
 
 

@@ -60,7 +60,7 @@ class SavePlan:
                       key=lambda c: c.storage_offset)
 
 
-def _align_up(n: int, a: int) -> int:
+def align_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
 
@@ -73,7 +73,7 @@ def plan_save(storage_sizes: Sequence[int], targets: Sequence[FileTarget], *, al
     if not targets:
         raise InvalidOptionError("plan_save needs at least one target file")
     _check_sizes(storage_sizes, align)
-    total = sum(_align_up(s, align) for s in storage_sizes)
+    total = sum(align_up(s, align) for s in storage_sizes)
     n = len(targets)
     # File f takes the stream's [cut[f], cut[f+1]): each cut is the aligned point at or below
     # the exact f/n share, so the shares differ by at most one alignment unit (a rounded-up
@@ -128,6 +128,6 @@ def cut_stream(storage_sizes: Sequence[int], shares: Sequence[int], *, align: in
                 length = max(align, (done + length) // align * align - done)
                 length = min(length, size - done)
             per_file[f].append(PlannedChunk(sid, done, length, f, fill[f]))
-            fill[f] += _align_up(length, align)
+            fill[f] += align_up(length, align)
             done += length
     return per_file

@@ -47,7 +47,8 @@ from ..cuda import streams
 from ..engines.base import WriteSpan
 from ..engines.buffers import HUGE_PAGE, AlignedBufferPool, StagingBuffer
 from ..engines.staged import FUSED_BYTES
-from ..options import ALIGN, MiB, log_once
+from ..options import ALIGN, MiB
+from .._log import log_once
 from ..planner.assign import PlannedChunk, SavePlan
 from .snapshot import Snapshot
 

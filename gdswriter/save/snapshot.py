@@ -31,7 +31,8 @@ from ..engines.staged import ZERO_COPY_MIN
 from ..format.dtypes import dtype_to_name
 from ..format.manifest import TensorRecord
 from ..format.state_codec import encode_state_named
-from ..options import EngineOptions, MiB, log_once
+from ..options import EngineOptions, MiB
+from .._log import log_once
 
 STORAGE_ALIGN = 16  # extents start at a multiple of the largest item size, so every view stays valid
 CAPTURE_MAX = 1 * MiB  # unprotected extents up to this size are copied at the call...

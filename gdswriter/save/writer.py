@@ -25,7 +25,7 @@ from ..cuda import streams
 from ..engines.base import IOEngine, WriteSpan
 from ..format.commit import CommitProtocol, PendingCommit
 from ..format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
-from ..options import log_once
+from .._log import log_once
 from ..planner.assign import FileTarget, PlannedChunk, SavePlan
 from ..load.restore import run_per_file
 from .snapshot import Snapshot

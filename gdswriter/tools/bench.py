@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import GDSWriterError, InvalidOptionError
+from ..errors import InvalidOptionError, LoadCheckError
 from .measure import (FIO_NAME, Reference, builtin_reference, disk_reference, evict_paths, fio_reference,
                       mem_available, mount_of)
 from ..units import GiB, KiB, MiB, human
@@ -103,10 +103,6 @@ def safetensors_view(model, opt) -> tuple[dict[str, torch.Tensor], dict[str, str
         for k, v in st.items():
             flat[f"optimizer.state.{pid}.{k}"] = v
     return flat, {"param_groups": json.dumps(osd["param_groups"])}
-
-
-class LoadCheckError(GDSWriterError, AssertionError):
-    """A method's load did not bring back the state its save stored."""
 
 
 class Canary:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .pagecache import drop_caches, evict
+from ..errors import FioError
 from ..units import KiB, MiB
 
 
@@ -181,10 +182,6 @@ def _pread_all(fd: int, view: memoryview, offset: int, need: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, f"preadv read nothing at byte {offset + got} ({need - got} more expected)")
         got += n
-
-
-class FioError(RuntimeError):
-    """fio ran but gave no bandwidth (it failed, or its job reported an error)."""
 
 
 def fio_bandwidth(kind: str, path: str | os.PathLike, nbytes: int, *, timeout: float | None = None) -> float:
