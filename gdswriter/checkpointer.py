@@ -62,11 +62,12 @@ from .planner.discover import discover
 from .planner.topology import Topology
 from .load.restore import LiveState, LoadResult, load_state, restore_into, restore_newest_intact
 from .rng import rng_state
-from .save.snapshot import LayoutCache, Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
+from .save.snapshot import LayoutCache, Snapshot, plain_json, take_snapshot, tensors_of
 from .save.pool import HostSnapshotPool
 from .distributed import DistOptions, peek_manifest, session_for as dist_session_for  # [dist hook]
 from .distributed import load_into as dist_load_into  # [dist hook]
 from .save.writer import Release, file_targets, write_and_commit
+from .tensors import hint_unaligned
 
 log = logging.getLogger("gdswriter")
 

@@ -24,7 +24,6 @@ import os
 import re
 import stat
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -43,7 +42,8 @@ from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, Fi
 from ..format.state_codec import decode_state
 from ..options import EngineOptions
 from ..rng import set_rng_state
-from ..save.snapshot import flat_bytes, hint_unaligned
+from ..tensors import flat_bytes, hint_unaligned
+from ..threads import run_per_file
 
 log = logging.getLogger("gdswriter")
 
@@ -203,14 +203,6 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
                                                 c.crc32c, got)
 
     run_per_file(read_one, sorted(per_file), len(engines))
-
-
-def run_per_file(fn, file_ids: Sequence[int], parallel: int) -> list:
-    """Run ``fn`` for each file; files on different engines run in parallel threads."""
-    if parallel <= 1 or len(file_ids) <= 1:
-        return [fn(f) for f in file_ids]
-    with ThreadPoolExecutor(max_workers=min(parallel, len(file_ids)), thread_name_prefix="gdswriter-file") as ex:
-        return list(ex.map(fn, file_ids))
 
 
 def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
