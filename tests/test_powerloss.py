@@ -479,7 +479,7 @@ class Checker:
         from gdswriter import GDSCheckpointer, load_state
         from gdswriter.cli import main as cli_main
         from gdswriter.format.commit import CommitProtocol, parse_step_dir
-        from gdswriter.load.restore import read_manifest
+        from gdswriter.load.reader import read_manifest
 
         roots = self.roots()
         proto = CommitProtocol(roots)
