@@ -2,7 +2,7 @@
 
 ``GDSCheckpointer.load`` reads the live tensors through fresh buffers, verifies every crc32c,
 then copies into the live tensors (``atomic=True``: a damaged step leaves the model as it
-was), for states up to ``restore.ATOMIC_LOAD_MAX_BYTES``; above, it reads straight into the
+was), for states up to ``load.policy.ATOMIC_LOAD_MAX_BYTES``; above, it reads straight into the
 live tensors (``atomic=False``, zero-copy, a mid-load checksum failure can leave them partly
 overwritten). This script times both on the same step, cold (page cache evicted, device
 settled before each round), alternating the two, and prints the medians.

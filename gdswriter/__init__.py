@@ -27,7 +27,7 @@ _LAZY = {
     "GDSCheckpointer": ".checkpointer", "LoadResult": ".checkpointer", "SaveHandle": ".checkpointer",
     "SaveStats": ".checkpointer",
     "CheckpointOptions": ".options", "EngineOptions": ".options",
-    "load_state": ".load.restore",
+    "load_state": ".load.reader",
     "EngineInfo": ".engines.base", "IOEngine": ".engines.base", "ReadSpan": ".engines.base",
     "WriteSpan": ".engines.base", "create_engine": ".engines.select",
     "DistOptions": ".distributed.options",

@@ -2,7 +2,7 @@
 
 The facade over the pipeline: collect state -> snapshot (snapshot.py) -> plan, write and
 commit (writer.py; through the host snapshot pool, snapshot_pool.py, in "host" mode) ->
-retention; load reads a committed step back (restore.py). ``save(step)`` is
+retention; load reads a committed step back (load/). ``save(step)`` is
 ``save_async(step).result()``.
 
 Saving while training goes on. ``save_async(step)`` records what to save (tensor
@@ -61,13 +61,16 @@ from .planner.affinity import plan_for_save
 from .planner.assign import SavePlan, plan_save
 from .planner.discover import discover
 from .planner.topology import Topology
-from .load.restore import LiveState, LoadResult, load_state, restore_into, restore_newest_intact
+from .load.apply import LiveState, LoadResult
+from .load.policy import restore_into, restore_newest_intact
+from .load.reader import load_state
 from .rng import rng_state
-from .save.snapshot import LayoutCache, Snapshot, hint_unaligned, plain_json, take_snapshot, tensors_of
+from .save.snapshot import LayoutCache, Snapshot, plain_json, take_snapshot, tensors_of
 from .save.pool import HostSnapshotPool
 from .distributed import DistOptions, peek_manifest, session_for as dist_session_for  # [dist hook]
 from .distributed import load_into as dist_load_into  # [dist hook]
 from .save.writer import Release, file_targets, write_and_commit
+from .tensors import hint_unaligned
 
 log = logging.getLogger("gdswriter")
 
@@ -639,7 +642,7 @@ class GDSCheckpointer:
         is skipped when a parameter it updates is not loaded, and NothingToLoadError is raised
         if no model tensor (or nothing at all) would be loaded.
 
-        ``atomic`` (default: for states up to restore.ATOMIC_LOAD_MAX_BYTES): read into fresh
+        ``atomic`` (default: for states up to load.policy.ATOMIC_LOAD_MAX_BYTES): read into fresh
         buffers and verify every checksum before copying into the live tensors, so a damaged
         step leaves them untouched. Otherwise tensors are read straight into the live parameters
         (zero-copy) and a ChecksumMismatchError can leave those read in place (model tensors, a

@@ -344,7 +344,7 @@ def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, 
     from .format.dtypes import dtype_from_name
     from .format.state_codec import decode_state
     from .progress import Progress
-    from .load.restore import read_manifest, read_tensors
+    from .load.reader import read_manifest, read_tensors
 
     if fmt not in FORMATS:
         raise InvalidOptionError(f"unknown export format {fmt!r}: choose one of {', '.join(FORMATS)}")

@@ -144,7 +144,7 @@ class Gdswriter(Method):
 
     def describe(self, d):
         from gdswriter.format.commit import CommitProtocol
-        from gdswriter.load.restore import read_manifest
+        from gdswriter.load.reader import read_manifest
 
         info = self.ck.engine_info
         files = read_manifest(CommitProtocol([d]), 1).files

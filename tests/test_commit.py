@@ -570,6 +570,6 @@ def test_linked_manifest_and_latest_are_not_followed(tmp_path):
     assert p.committed_steps() == [1] and p.latest() == 1
     with pytest.raises(CheckpointNotFoundError):
         load_state(root, 2)
-    from gdswriter.load.restore import read_manifest_bytes
+    from gdswriter.load.reader import read_manifest_bytes
     with pytest.raises(UnsafePathError, match="symbolic link"):
         read_manifest_bytes(p, 2)

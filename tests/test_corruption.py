@@ -16,7 +16,7 @@ import torch
 
 import _models as M
 from test_dist_harness import run_ranks
-import gdswriter.load.restore as restore_mod
+import gdswriter.load.reader as reader_mod
 from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, TruncatedFileError,
                        UnsupportedFormatVersionError, UnsupportedObjectError, load_state)
 from gdswriter.cli import main as cli_main
@@ -424,8 +424,8 @@ def test_hostile_sizes_reach_no_buffer_in_process(tmp_path, monkeypatch):
     root = tmp_path / "ck"
     hostile_checkpoint(root, 3 << 30)
     asked = []
-    real = restore_mod.host_buffer
-    monkeypatch.setattr(restore_mod, "host_buffer", lambda n: (asked.append(n), real(n))[1])
+    real = reader_mod.host_buffer
+    monkeypatch.setattr(reader_mod, "host_buffer", lambda n: (asked.append(n), real(n))[1])
     with pytest.raises(CorruptCheckpointError, match="16 bytes on disk, 3221225472 needed"):
         load_state(root)
     assert asked == []

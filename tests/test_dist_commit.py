@@ -17,7 +17,7 @@ from gdswriter.distributed.roots import ROOT_ID_NAME, discover_layout, root_iden
 from gdswriter.errors import CheckpointLockedError, EngineIOError, RootUnavailableError, UnreachableDataError
 from gdswriter.format.commit import OWNER_ID_NAME, OWNER_NAME
 from gdswriter.format.manifest import Manifest
-from gdswriter.load.restore import LiveState
+from gdswriter.load.apply import LiveState
 
 from _models import small_engine
 

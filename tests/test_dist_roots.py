@@ -284,7 +284,7 @@ def test_roots_given_in_another_order_keep_their_primary(tmp_path):
     primary (before: the first root was taken for it, and no step was found)."""
     from gdswriter.distributed.roots import root_identity
     from gdswriter.engines.select import create_engine
-    from gdswriter.load.restore import LiveState
+    from gdswriter.load.apply import LiveState
     from _models import small_engine
 
     a, b = tmp_path / "a", tmp_path / "b"

@@ -561,7 +561,7 @@ def test_checkpoint_written_through_kvikio_verifies_on_the_cpu(fake, tmp_path, m
     from gdswriter import CheckpointOptions, GDSCheckpointer
     from gdswriter.cli import main
     from gdswriter.format.commit import CommitProtocol
-    from gdswriter.load.restore import read_manifest
+    from gdswriter.load.reader import read_manifest
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.LayerNorm(200), torch.nn.Linear(200, 7))

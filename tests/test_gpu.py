@@ -66,7 +66,7 @@ def test_cuda_model_through_every_engine_verifies(tmp_path, engine):
     from gdswriter.cli import main
     from gdswriter.engines.kvikio import gds_status
     from gdswriter.format.commit import CommitProtocol
-    from gdswriter.load.restore import read_manifest
+    from gdswriter.load.reader import read_manifest
 
     if engine == "kvikio" and _kvikio_missing():
         pytest.skip("KvikIO is not installed")

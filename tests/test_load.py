@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import _models as M
-import gdswriter.load.restore as restore_mod
+import gdswriter.load.policy as policy_mod
 from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, InvalidOptionError,
                        LoadResult, NothingToLoadError, ReadOnlyRootError, StateMismatchError, load_state)
 from gdswriter.export import export_step
@@ -317,8 +317,8 @@ def test_fallback_loads_the_newest_intact_step(tmp_path, caplog, monkeypatch):
         assert "step 3" in caplog.text and "checksum mismatch" in caplog.text and "newest intact step" in caplog.text
         # read in place (large states): the damaged step is re-hashed first, never read into the model
         read = []
-        real = restore_mod.read_storages
-        monkeypatch.setattr(restore_mod, "read_storages", lambda p, m, *a, **k: (read.append(m.step), real(p, m, *a, **k)))
+        real = policy_mod.read_storages
+        monkeypatch.setattr(policy_mod, "read_storages", lambda p, m, *a, **k: (read.append(m.step), real(p, m, *a, **k)))
         assert ck.load(fallback=True, atomic=False) == 2
         assert read == [2]
         # a damaged manifest is passed over the same way

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
 import _models as M
-import gdswriter.load.restore as restore_mod
+import gdswriter.load.reader as reader_mod
 import gdswriter.save.writer as writer_mod
 from gdswriter import (CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, UnsupportedObjectError,
                        load_state)
@@ -29,7 +29,7 @@ from gdswriter.format.manifest import (FORMAT_VERSION, MANIFEST_NAME, ChunkRecor
                                        StorageRecord, TensorRecord, _canonical)
 from gdswriter.format.state_codec import decode_state
 from gdswriter.options import EngineOptions
-from gdswriter.load.restore import tensors_from_storages
+from gdswriter.load.reader import tensors_from_storages
 
 
 # What gdswriter 0.1 wrote (format 1.0): readers of later versions must keep reading it.
@@ -465,8 +465,8 @@ def test_fuzz_structured_checkpoints(tmp_path_factory, monkeypatch, ckpt, fields
     for k, v in SMALL_ENGINE.items():
         monkeypatch.setenv(k, v)
     asked: list[int] = []
-    real_buffer = restore_mod.host_buffer
-    monkeypatch.setattr(restore_mod, "host_buffer", lambda n: (asked.append(n), real_buffer(n))[1])
+    real_buffer = reader_mod.host_buffer
+    monkeypatch.setattr(reader_mod, "host_buffer", lambda n: (asked.append(n), real_buffer(n))[1])
     try:
         step, state = load_state(root)
     except ALLOWED:
@@ -477,8 +477,8 @@ def test_fuzz_structured_checkpoints(tmp_path_factory, monkeypatch, ckpt, fields
     if loaded:
         # the load is correct: every tensor is what the (possibly edited) manifest says over these files
         protocol = CommitProtocol([root])
-        m = restore_mod.read_manifest(protocol, step)
-        got = restore_mod.read_tensors(protocol, m, engine_options=EngineOptions.from_env())
+        m = reader_mod.read_manifest(protocol, step)
+        got = reader_mod.read_tensors(protocol, m, engine_options=EngineOptions.from_env())
         raw = json.loads((step_dir / MANIFEST_NAME).read_bytes())
         for t, g in zip(raw["tensors"], got):
             assert torch.equal(_raw(g), _raw(_naive_tensor(step_dir, raw, t))), t["name"]

@@ -872,7 +872,7 @@ def test_metadata_is_captured_whole_at_the_call(tmp_path):
             with pytest.raises(UnsupportedObjectError, match="metadata"):
                 ck.save_async(2, metadata=["not", "a", "dict"])
     from gdswriter.format.commit import CommitProtocol
-    from gdswriter.load.restore import read_manifest
+    from gdswriter.load.reader import read_manifest
     assert read_manifest(CommitProtocol([tmp_path]), 1).metadata == {"tags": ["a"], "nested": {"x": [1, {"y": 2}]}}
 
 
@@ -884,7 +884,7 @@ def test_arrays_sharing_memory_smaller_view_first(tmp_path, wrap):
     with GDSCheckpointer(state, None, tmp_path, options=options()) as ck:
         ck.save(1)
     from gdswriter.format.commit import CommitProtocol
-    from gdswriter.load.restore import read_manifest
+    from gdswriter.load.reader import read_manifest
     assert len(read_manifest(CommitProtocol([tmp_path]), 1).storages) == 1  # one allocation, written once
     _, st = load_state(tmp_path)
     for k, v in state.items():

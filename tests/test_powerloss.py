@@ -317,7 +317,7 @@ def test_fuse_direct_io_and_exchange_are_accepted_or_refused(fuse, tmp_path):
                 direct = True
             except OSError:
                 direct = False
-            from gdswriter.format.commit import exchange_paths
+            from gdswriter.fs import exchange_paths
             swapped = exchange_paths(mnt / "a", mnt / "b")
             assert (direct, swapped) == (not refuse, not refuse)
             assert (mnt / "a").read_bytes() == (b"a" if refuse else b"b")
@@ -479,7 +479,7 @@ class Checker:
         from gdswriter import GDSCheckpointer, load_state
         from gdswriter.cli import main as cli_main
         from gdswriter.format.commit import CommitProtocol, parse_step_dir
-        from gdswriter.load.restore import read_manifest
+        from gdswriter.load.reader import read_manifest
 
         roots = self.roots()
         proto = CommitProtocol(roots)

@@ -48,7 +48,7 @@ def open_roots(primary: str, secondary: Sequence[str] = ()) -> list[Path]:
 
 def load_manifest(protocol: CommitProtocol, step: int | None) -> tuple[int, Manifest, int]:
     """Resolve ``step`` (None: latest) and parse its manifest: (step, manifest, manifest bytes)."""
-    from ..load.restore import parse_manifest, read_manifest_bytes
+    from ..load.reader import parse_manifest, read_manifest_bytes
 
     step = protocol.require(step)
     try:

@@ -30,7 +30,8 @@ def register(sub) -> None:
 def run(args) -> int:
     from ..engines.select import create_engine
     from ..options import EngineOptions
-    from ..load.restore import step_gone, verify_step
+    from ..load.reader import step_gone
+    from ..load.verify import verify_step
 
     roots = open_roots(args.root, args.secondary)
     protocol = CommitProtocol(roots)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from ..errors import GDSWriterError, InvalidOptionError
 from ..options import EngineOptions
-from ..load.restore import parse_manifest, read_manifest_bytes
+from ..load.reader import parse_manifest, read_manifest_bytes
 from .group import Coordinator
 from .options import DistOptions
 from .roots import discover_layout, root_identity
@@ -24,7 +24,7 @@ from .session import DistSession, open_session
 if TYPE_CHECKING:
     from ..checkpointer import GDSCheckpointer
     from ..format.manifest import Manifest
-    from ..load.restore import LoadResult
+    from ..load.apply import LoadResult
     from .dcp import GDSStorageReader, GDSStorageWriter
 
 __all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "load_state", "open_session",
@@ -76,7 +76,7 @@ def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify
     """GDSCheckpointer.load of a multi-rank checkpoint, on its ranks or in one process. The load
     reads into fresh buffers and verifies them before any live tensor changes on any rank: it is
     atomic whatever ``atomic`` says. ``fallback``: the newest intact step, as every rank agrees."""
-    from ..load.restore import LiveState
+    from ..load.apply import LiveState
     from .load import collective_restore
 
     if fallback and step is not None:
@@ -106,7 +106,7 @@ def load_state(root: Any, step: int | None = None, *, verify: bool = True,
     from ..engines.select import create_engine
     from ..errors import CheckpointNotFoundError, CorruptCheckpointError
     from ..format.commit import CommitProtocol, normalize_roots
-    from ..load.restore import deleted_while_reading
+    from ..load.reader import deleted_while_reading
     from .load import broadcast_manifest, rebuild_state
 
     roots = normalize_roots(root)

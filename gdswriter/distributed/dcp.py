@@ -47,7 +47,7 @@ from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from ..options import CheckpointOptions, EngineOptions
 from ..planner.assign import plan_save
-from ..load.restore import host_buffer
+from ..load.reader import host_buffer
 from ..save.snapshot import Extent, Snapshot
 from ..save.writer import live_spans, write_files
 from .assemble import build_manifest, record_json

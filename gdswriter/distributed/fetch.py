@@ -25,7 +25,7 @@ from ..engines.base import IOEngine
 from ..errors import ChecksumMismatchError, UnreachableDataError
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.manifest import ChunkRecord, Manifest, StorageRecord, TensorRecord
-from ..load.restore import check_file_sizes, host_buffer, read_storages
+from ..load.reader import check_file_sizes, host_buffer, read_storages
 from .group import Coordinator, Transfer
 from .roots import RootLayout
 
@@ -60,7 +60,7 @@ def manifest_reach(m: Manifest, layout: RootLayout) -> Reach:
 def _read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, torch.Tensor]], engine: IOEngine,
                  *, verify: bool) -> None:
     """Read chunks (storage, chunk index, destination) from the roots this rank reaches, through
-    restore.read_storages: each chunk is presented to it as a storage of its own."""
+    load.reader.read_storages: each chunk is presented to it as a storage of its own."""
     if not wanted:
         return
     names: dict[int, str] = {}
@@ -78,7 +78,7 @@ def _read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, tor
 
 def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
     """The data files ``files`` (indices into ``m.files``, on roots this rank reaches) are regular
-    files of their recorded sizes (restore.check_file_sizes)."""
+    files of their recorded sizes (load.reader.check_file_sizes)."""
     step_dir = step_dir_name(m.step)
     paths = {f: reach.paths[m.files[f].root] for f in sorted(files)}
     check_file_sizes((p / step_dir / m.files[f].path, m.files[f]) for f, p in paths.items() if p is not None)

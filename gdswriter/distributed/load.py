@@ -33,8 +33,9 @@ from ..format.commit import CommitProtocol
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import Manifest
 from ..format.state_codec import decode_state
-from ..load.restore import (_DAMAGE, LiveState, LoadResult, apply_state, parse_manifest, plan_restore,
-                       read_manifest_bytes, tensors_from_storages)
+from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
+from ..load.policy import DAMAGE
+from ..load.reader import parse_manifest, read_manifest_bytes, tensors_from_storages
 from .assemble import tree_for_rank
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, describe
@@ -177,11 +178,11 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
 
 def _verdict(e: BaseException) -> str | None:
     """How this rank saw a failed attempt at loading a step: "damage" (the step's manifest, files,
-    checksums or an EIO reading them: restore.restore_newest_intact's test), "other" (a failure
+    checksums or an EIO reading them: load.policy.restore_newest_intact's test), "other" (a failure
     of its own that is no damage), None (it only learnt that another rank failed)."""
     if isinstance(e, RankFailedError):
         return None
-    if isinstance(e, _DAMAGE) and not (isinstance(e, EngineIOError) and not isinstance(e, CorruptCheckpointError)
+    if isinstance(e, DAMAGE) and not (isinstance(e, EngineIOError) and not isinstance(e, CorruptCheckpointError)
                                        and e.errno != errno.EIO):
         return "damage"
     return "other"

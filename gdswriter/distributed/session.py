@@ -27,7 +27,7 @@ from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, GDSWriterError, RootUnavailableError
 from ..format.commit import CommitProtocol, retire, step_dir_name
 from ..format.manifest import Manifest, ShardInfo
-from ..load.restore import LiveState
+from ..load.apply import LiveState
 from ..save.snapshot import Snapshot
 from ..save.pool import HostSnapshotPool
 from ..save.writer import Release

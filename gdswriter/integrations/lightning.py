@@ -64,7 +64,7 @@ from lightning.pytorch.strategies import Strategy
 from ..checkpointer import GDSCheckpointer, SaveHandle
 from ..errors import CorruptCheckpointError, InvalidOptionError, UnsupportedObjectError
 from ..options import CheckpointOptions
-from ..load.restore import load_state
+from ..load.reader import load_state
 
 log = logging.getLogger("gdswriter")
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,14 +24,13 @@ from typing import Any
 import torch
 
 from ..cuda import streams
-from ..engines.base import EngineInfo
 from ..errors import UnsupportedObjectError
-from ..engines.staged import ZERO_COPY_MIN
 from ..format.dtypes import dtype_to_name
 from ..format.manifest import TensorRecord
 from ..format.state_codec import encode_state_named
-from ..options import EngineOptions, MiB
+from ..options import MiB
 from .._log import log_once
+from ..tensors import flat_bytes
 
 STORAGE_ALIGN = 16  # extents start at a multiple of the largest item size, so every view stays valid
 CAPTURE_MAX = 1 * MiB  # unprotected extents up to this size are copied at the call...
@@ -86,10 +84,6 @@ class Snapshot:
         return sum(e.nbytes for e in self.extents)
 
 
-def flat_bytes(storage: torch.UntypedStorage, device: torch.device, start: int, nbytes: int) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, start, (nbytes,), (1,))
-
-
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.storage_offset() * t.element_size()
     if t.numel() == 0:
@@ -98,29 +92,6 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
         return start, start + t.numel() * t.element_size()
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
-
-
-_ALIGN_HINT_MIN = 64 << 20
-
-
-def hint_unaligned(flats: Sequence[torch.Tensor], options: EngineOptions, info: EngineInfo) -> None:
-    """Count the bytes of large host tensors in ``flats`` that missed zero-copy only because their
-    memory is less aligned than O_DIRECT needs on this file system (``info``: the engine after the
-    I/O); from 64 MiB on, say once per process (at INFO level) how to align them. torch's CPU
-    allocator puts large tensors 64 bytes into a page unless THP_MEM_ALLOC_ENABLE=1 is set: enough
-    for NVMe (4-byte DMA alignment), not for a disk that needs 512 bytes, where the staging copy then
-    costs CPU (half the work of a transfer; with the huge-page staging pool, not bandwidth here)."""
-    align = info.direct_memory_alignment
-    if not (options.zero_copy and info.direct_io and align):
-        return
-    staged = sum(f.numel() for f in flats
-                 if f.device.type == "cpu" and f.numel() >= ZERO_COPY_MIN and f.data_ptr() % align)
-    if staged >= _ALIGN_HINT_MIN:
-        log_once("unaligned-live-tensors",
-                 f"gdswriter: {staged / 2**20:.0f} MiB of live CPU tensors are not {align}-byte aligned, as "
-                 f"O_DIRECT needs on this file system, so they are copied through the staging buffers. Start "
-                 f"the process with THP_MEM_ALLOC_ENABLE=1 (torch then page-aligns large CPU tensors) to move "
-                 f"them straight between memory and file, with half the CPU work", logging.INFO)
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:

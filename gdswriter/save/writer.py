@@ -27,7 +27,7 @@ from ..format.commit import CommitProtocol, PendingCommit
 from ..format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
 from .._log import log_once
 from ..planner.assign import FileTarget, PlannedChunk, SavePlan
-from ..load.restore import run_per_file
+from ..threads import run_per_file
 from .snapshot import Snapshot
 from .pool import HostSnapshotPool
 

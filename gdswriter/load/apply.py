@@ -1,0 +1,386 @@
+"""Applying: match a saved state tree to the live objects and hand it to them.
+
+``plan_restore`` decides everything a restore does from the saved structure and the live
+objects (every key, shape, dtype and the optimizer's structure), before any byte is read;
+``live_tensors``, ``live_optimizer_state`` and ``match_live`` find the storages that can be
+read straight into live tensors; ``apply_state`` hands each planned object its state. Also
+the types a restore takes and gives: ``LiveState``, ``LoadResult``.
+
+No I/O: it imports format/, rng and tensors.py, never reader, verify, policy, gdswriter.save
+or anything above them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from ..errors import CorruptCheckpointError, NothingToLoadError, StateMismatchError
+from ..format.dtypes import dtype_to_name
+from ..format.manifest import Manifest
+from ..rng import set_rng_state
+from ..tensors import flat_bytes
+
+log = logging.getLogger("gdswriter")
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """What a checkpointer restores into: the model, the optimizer, extra named objects."""
+
+    model: Any
+    optimizer: Any
+    extra: Mapping[str, Any]
+    restore_rng: bool = False
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What ``GDSCheckpointer.load`` did (``checkpointer.last_load``). Names are "/"-joined
+    paths as in the manifest: ``model/<key>`` (the live model's key), ``optimizer``,
+    ``extra/<name>`` (``extra/<name>/<key>`` inside a dict or module), ``rng``.
+
+    loaded: restored. skipped: in the checkpoint and live, but not restored (shape/dtype
+    mismatch; an optimizer whose parameters were not all loaded). missing: live, not in the
+    checkpoint. unexpected: in the checkpoint, not live (a dict target receives them as new keys,
+    so for dicts they are in ``loaded`` too).
+    atomic: every byte was verified before the first live tensor changed. damaged: steps
+    ``load(fallback=True)`` passed over, newest first."""
+
+    step: int
+    loaded: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    atomic: bool = False
+    damaged: tuple[int, ...] = ()
+
+
+_COMPILED = re.compile(r"(^|\.)_orig_mod\.")
+
+
+def _uncompiled(key: Any) -> Any:
+    """``key`` without torch.compile's ``_orig_mod.`` components (compiled module state_dict keys)."""
+    return _COMPILED.sub(r"\1", key) if isinstance(key, str) else key
+
+
+def match_keys(saved: Iterable, live: Iterable) -> dict:
+    """{saved key: live key}: equal keys, then keys equal once torch.compile's ``_orig_mod.``
+    components are dropped, so a compiled model's checkpoint loads into the plain model and back."""
+    live = list(live)
+    live_set, out, used = set(live), {}, set()
+    rest = []
+    for k in saved:
+        if k in live_set:
+            out[k] = k
+            used.add(k)
+        else:
+            rest.append(k)
+    plain: dict[Any, list] = {}
+    for k in live:
+        if k not in used:
+            plain.setdefault(_uncompiled(k), []).append(k)
+    for k in rest:
+        cands = plain.get(_uncompiled(k), [])
+        if len(cands) == 1 and cands[0] not in used:
+            out[k] = cands[0]
+            used.add(cands[0])
+    return out
+
+
+def prefix_hint(missing: Sequence, unexpected: Sequence) -> str:
+    """Why keys may differ, when every unexpected key is a missing key with one prefix added
+    (or the other way round): a wrapped model (DistributedDataParallel's ``module.``...)."""
+    miss = [k for k in missing if isinstance(k, str)]
+    unexp = [k for k in unexpected if isinstance(k, str)]
+    if not miss or not unexp:
+        return ""
+    for longer, shorter, whose in ((unexp, miss, "checkpoint's"), (miss, unexp, "live model's")):
+        short = set(shorter)
+        for k in shorter:
+            if not longer[0].endswith(k):
+                continue
+            prefix = longer[0][:len(longer[0]) - len(k)]
+            if prefix.endswith(".") and all(x.startswith(prefix) and x[len(prefix):] in short for x in longer):
+                cause = " (DistributedDataParallel/DataParallel wraps models in .module)" if prefix == "module." else ""
+                return f"; the keys differ by a prefix {prefix!r}: the {whose} keys carry it{cause}"
+    return ""
+
+
+@dataclass
+class _Plan:
+    """What restore_into will do, decided before any byte moves."""
+
+    keys: dict[str, dict] = field(default_factory=dict)  # target name -> {saved key: live key} to load
+    dropped: dict[str, set] = field(default_factory=dict)  # target name -> saved keys skipped (mismatch)
+    apply: set[str] = field(default_factory=set)           # target names whose saved state gets applied
+    loaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def _short(keys: Sequence) -> str:
+    return f"{list(keys[:10])}" + (f" and {len(keys) - 10} more" if len(keys) > 10 else "")
+
+
+def _desc(v: Any) -> str:
+    return f"{dtype_to_name(v.dtype)}{list(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+def _plan_tensor_dict(plan: _Plan, name: str, live_sd: Mapping, saved: Any, strict: bool, *,
+                      module: bool) -> None:
+    """Match a module's state_dict (``module``) or a plain dict target with its saved dict."""
+    if not isinstance(saved, Mapping):
+        raise StateMismatchError(f"{name}: the checkpoint holds a {type(saved).__name__} for it, expected a dict")
+    pairs = match_keys(saved.keys(), live_sd.keys())
+    matched = set(pairs.values())
+    missing = [k for k in live_sd if k not in matched]
+    unexpected = [k for k in saved if k not in pairs]
+    mismatched = [(s, lk) for s, lk in pairs.items()
+                  if (isinstance(saved[s], torch.Tensor) or isinstance(live_sd[lk], torch.Tensor)) and not (
+                      isinstance(saved[s], torch.Tensor) and isinstance(live_sd[lk], torch.Tensor)
+                      and saved[s].shape == live_sd[lk].shape and saved[s].dtype == live_sd[lk].dtype)]
+    hint = prefix_hint(missing, unexpected)
+    if strict and (missing or (unexpected and module) or mismatched):
+        parts = []
+        if mismatched:
+            s, lk = mismatched[0]
+            parts.append(f"{name}/{lk}: checkpoint has {_desc(saved[s])}, the live tensor is {_desc(live_sd[lk])}"
+                         + (f" (and {len(mismatched) - 1} more mismatched)" if len(mismatched) > 1 else ""))
+        if module and (missing or unexpected):
+            parts.append(f"{name}: missing keys {_short(missing)}, unexpected keys {_short(unexpected)}")
+        elif missing:
+            parts.append(f"{name}: keys {_short(missing)} are missing from the checkpoint")
+        raise StateMismatchError("; ".join(parts) + hint + "; pass strict=False to load the keys that match")
+    bad = {s for s, _ in mismatched}
+    good = {s: lk for s, lk in pairs.items() if s not in bad}
+    live_tensors = [k for k, v in live_sd.items() if isinstance(v, torch.Tensor)]
+    if live_tensors and not any(isinstance(live_sd[lk], torch.Tensor) for lk in good.values()):
+        raise NothingToLoadError(f"{name}: none of its {len(live_tensors)} tensors is in the checkpoint "
+                                 f"(saved keys e.g. {_short(list(saved)[:3])}, live keys e.g. "
+                                 f"{_short(live_tensors[:3])}){hint}; refusing to load nothing into it")
+    for s, lk in mismatched:
+        log.warning("gdswriter: %s/%s skipped: saved %s, live %s", name, lk, _desc(saved[s]), _desc(live_sd[lk]))
+    if missing or unexpected:
+        log.warning("gdswriter: %s: missing keys %s, unexpected keys %s%s", name, _short(missing),
+                    _short(unexpected), hint)
+    plan.keys[name] = good
+    plan.dropped[name] = bad
+    plan.apply.add(name)
+    plan.loaded += [f"{name}/{lk}" for lk in good.values()]
+    if not module:  # a dict target receives the keys it lacks
+        plan.loaded += [f"{name}/{k}" for k in unexpected]
+    plan.skipped += [f"{name}/{lk}" for _, lk in mismatched]
+    plan.missing += [f"{name}/{k}" for k in missing]
+    plan.unexpected += [f"{name}/{k}" for k in unexpected]
+
+
+def _plan_optimizer(plan: _Plan, live: LiveState, saved: Any, strict: bool) -> None:
+    """Check a torch optimizer's saved structure against the live one: parameter groups, parameters
+    per group, and the state of a resumed optimizer (keys, shapes); and that every model parameter
+    it updates is loaded. Other optimizer types are left to their load_state_dict."""
+    opt = live.optimizer
+    if not isinstance(opt, torch.optim.Optimizer):
+        plan.apply.add("optimizer")
+        plan.loaded.append("optimizer")
+        return
+    problem = ""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("state"), Mapping) or not isinstance(groups, list) \
+            or not all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+        problem = "the saved state is not a torch optimizer state_dict"
+    elif len(groups) != len(opt.param_groups):
+        problem = f"the checkpoint has {len(groups)} parameter group(s), the live optimizer {len(opt.param_groups)}"
+    elif [len(g["params"]) for g in groups] != [len(g["params"]) for g in opt.param_groups]:
+        problem = (f"parameters per group differ: checkpoint {[len(g['params']) for g in groups]}, live "
+                   f"{[len(g['params']) for g in opt.param_groups]}")
+    else:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        saved_ids = [i for g in groups for i in g["params"]]
+        names = {}
+        if isinstance(live.model, torch.nn.Module):
+            names = {id(p): f"model/{k}" for k, p in live.model.named_parameters(remove_duplicate=False)}
+        loaded = set(plan.loaded)
+        for sid, p in zip(saved_ids, params):
+            pname = names.get(id(p))
+            if pname is not None and pname not in loaded:
+                problem = (f"it updates {pname}, which is not loaded: its state would not fit; load the optimizer "
+                           f"only with a model that loads completely")
+                break
+            have, want = opt.state.get(p), saved["state"].get(sid)
+            if have and isinstance(want, Mapping):
+                ht = {k: tuple(v.shape) for k, v in have.items() if isinstance(v, torch.Tensor)}
+                wt = {k: tuple(v.shape) for k, v in want.items() if isinstance(v, torch.Tensor)}
+                if ht != wt:
+                    problem = (f"the state of parameter {pname or sid} differs: checkpoint {wt}, live {ht} (another "
+                               f"model or optimizer?)")
+                    break
+    if problem:
+        if strict:
+            raise StateMismatchError(f"optimizer: {problem}; pass strict=False to skip the optimizer")
+        log.warning("gdswriter: optimizer skipped: %s", problem)
+        plan.skipped.append("optimizer")
+        return
+    plan.apply.add("optimizer")
+    plan.loaded.append("optimizer")
+
+
+def plan_restore(skeleton: Any, live: LiveState, strict: bool) -> _Plan:
+    """Decide everything a restore does, from the saved structure (``skeleton``: the state tree
+    decoded over placeholder tensors) and the live objects, before any byte is read. Raises
+    StateMismatchError (strict) or NothingToLoadError."""
+    if not isinstance(skeleton, dict):
+        raise CorruptCheckpointError("the saved state is not a dict; it was not written by GDSCheckpointer")
+    plan = _Plan()
+    saved_extra = skeleton.get("extra") if isinstance(skeleton.get("extra"), dict) else {}
+    targets = [("model", live.model, skeleton.get("model"))]
+    targets += [(f"extra/{k}", v, saved_extra.get(k)) for k, v in live.extra.items()]
+    for name, obj, saved in targets:
+        if obj is None:
+            continue
+        if saved is None:
+            if strict:
+                raise StateMismatchError(f"{name}: the checkpoint holds no state for it; pass strict=False to "
+                                         f"load the rest")
+            log.warning("gdswriter: %s is not in the checkpoint; left as is", name)
+            plan.missing.append(name)
+        elif isinstance(obj, torch.nn.Module):
+            _plan_tensor_dict(plan, name, obj.state_dict(), saved, strict, module=True)
+        elif isinstance(obj, dict):
+            _plan_tensor_dict(plan, name, obj, saved, strict, module=False)
+        else:
+            plan.apply.add(name)
+            plan.loaded.append(name)
+    if live.optimizer is not None:
+        saved = skeleton.get("optimizer")
+        if saved is None:
+            if strict:
+                raise StateMismatchError("optimizer: the checkpoint holds no state for it; pass strict=False to "
+                                         "load the rest")
+            log.warning("gdswriter: optimizer is not in the checkpoint; left as is")
+            plan.missing.append("optimizer")
+        elif isinstance(live.optimizer, dict):
+            _plan_tensor_dict(plan, "optimizer", live.optimizer, saved, strict, module=False)
+        else:
+            _plan_optimizer(plan, live, saved, strict)
+    if live.restore_rng and "rng" in skeleton:
+        plan.apply.add("rng")
+        plan.loaded.append("rng")
+    if not plan.loaded and (plan.skipped or plan.missing):
+        raise NothingToLoadError(f"nothing in the checkpoint fits the live state (saved: {sorted(map(str, skeleton))}; "
+                                 f"missing: {_short(plan.missing)}, skipped: {_short(plan.skipped)}); refusing to load "
+                                 f"nothing")
+    return plan
+
+
+def live_tensors(live: LiveState, plan: _Plan) -> dict[str, torch.Tensor]:
+    """Manifest name ("model/<saved key>") -> live tensor, for the planned tensors that can be
+    filled in place (model, dict and module extras)."""
+    out: dict[str, torch.Tensor] = {}
+    sources = [("model", live.model)] + [(f"extra/{k}", v) for k, v in live.extra.items()]
+    for name, obj in sources:
+        if name not in plan.keys:
+            continue
+        sd = obj.state_dict() if isinstance(obj, torch.nn.Module) else obj
+        for saved_key, live_key in plan.keys[name].items():
+            v = sd[live_key]
+            if isinstance(v, torch.Tensor) and v.layout == torch.strided and not v.is_meta:
+                out[f"{name}/{saved_key}"] = v.detach()
+    return out
+
+
+def live_optimizer_state(optimizer: Any) -> dict[str, torch.Tensor]:
+    """The live optimizer's state tensors (exp_avg, ...), named as in the manifest. Filled in
+    place when they match (a resumed optimizer that already stepped), else left alone:
+    load_state_dict replaces them, so a mismatch here is no error."""
+    if optimizer is None or not hasattr(optimizer, "state_dict"):
+        return {}
+    state = optimizer.state_dict().get("state")
+    if not isinstance(state, dict):
+        return {}
+    return {f"optimizer/state/{pid}/{k}": v for pid, st in state.items() if isinstance(st, dict)
+            for k, v in st.items() if isinstance(v, torch.Tensor) and v.layout == torch.strided}
+
+
+def match_live(manifest: Manifest, live: Mapping[str, torch.Tensor]) -> dict[int, tuple[int, torch.Tensor]]:
+    """Storages that can be read straight into a live tensor: {storage: (tensor record, flat view)}:
+    the storage's only tensor, same dtype, shape and strides, contiguous, the whole storage."""
+    users: dict[int, int] = {}
+    seen: dict[str, int] = {}
+    for t in manifest.tensors:
+        users[t.storage] = users.get(t.storage, 0) + 1
+        seen[t.name] = seen.get(t.name, 0) + 1
+    direct = {}
+    for i, rec in enumerate(manifest.tensors):
+        lt = live.get(rec.name)
+        if lt is None or seen[rec.name] > 1:  # an ambiguous name is never read in place
+            continue
+        if dtype_to_name(lt.dtype) != rec.dtype or tuple(lt.shape) != rec.shape:
+            continue
+        nbytes = lt.numel() * lt.element_size()
+        if (users[rec.storage] == 1 and lt.is_contiguous() and rec.byte_offset == 0
+                and manifest.storages[rec.storage].nbytes == nbytes and nbytes
+                and rec.stride == tuple(lt.stride()) and not lt.is_conj() and not lt.is_neg()):
+            direct[rec.storage] = (i, flat_bytes(lt.untyped_storage(), lt.device,
+                                                  lt.storage_offset() * lt.element_size(), nbytes))
+    return direct
+
+
+def apply_state(live: LiveState, state: dict, plan: _Plan) -> None:
+    """Hand each planned object its saved state (load_state_dict, or in-place copies for dicts)."""
+    saved_extra = state.get("extra") or {}
+    targets = [("model", live.model, state.get("model"))]
+    targets += [(f"extra/{k}", v, saved_extra.get(k)) for k, v in live.extra.items()]
+    targets.insert(1, ("optimizer", live.optimizer, state.get("optimizer")))  # after the model, as planned
+    for name, obj, saved in targets:
+        if name not in plan.apply:
+            continue
+        if isinstance(obj, torch.nn.Module):
+            _load_module(name, obj, saved, plan.keys[name])
+        elif isinstance(obj, dict):
+            _load_dict(obj, saved, plan.keys[name], plan.dropped[name])
+        else:
+            try:
+                obj.load_state_dict(saved)
+            except (ValueError, KeyError, RuntimeError, TypeError) as e:
+                raise StateMismatchError(f"{name}: load_state_dict refused the saved state: {e}") from e
+    if "rng" in plan.apply:
+        set_rng_state(state["rng"])
+
+
+def _load_module(name: str, module: torch.nn.Module, saved: Mapping, keys: Mapping) -> None:
+    """load_state_dict with the planned keys, renamed to the live module's (``_orig_mod.``)."""
+    usable: Any = type(saved)() if isinstance(saved, dict) else {}
+    for saved_key, live_key in keys.items():
+        usable[live_key] = saved[saved_key]
+    meta = getattr(saved, "_metadata", None)
+    if isinstance(meta, Mapping):  # module versions, keyed by module prefix: rename them the same way
+        live_meta = getattr(module.state_dict(), "_metadata", {}) or {}
+        prefixes = match_keys([f"{k}." for k in meta], [f"{k}." for k in live_meta])
+        usable._metadata = type(meta)((prefixes.get(f"{k}.", f"{k}.")[:-1], v) for k, v in meta.items())
+    try:
+        module.load_state_dict(usable, strict=False)
+    except RuntimeError as e:
+        raise StateMismatchError(f"{name}: {e}") from e
+
+
+def _load_dict(target: dict, saved: Mapping, keys: Mapping, dropped: set) -> None:
+    """Fill a plain dict target: planned tensors are copied in place, other planned values and
+    keys the target lacks are set; ``dropped`` (mismatched) saved keys are left out."""
+    for saved_key, v in saved.items():
+        if saved_key in dropped:
+            continue
+        live_key = keys.get(saved_key, saved_key)
+        cur = target.get(live_key)
+        if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
+            # An expanded tensor (stride 0) cannot be written in place: take the restored view.
+            if not any(s == 0 and n > 1 for n, s in zip(cur.shape, cur.stride())):
+                with torch.no_grad():
+                    cur.copy_(v)
+                continue
+        target[live_key] = v
