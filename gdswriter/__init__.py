@@ -24,8 +24,8 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
 
 # name -> the module that defines it, imported on first use
 _LAZY = {
-    "GDSCheckpointer": ".checkpointer", "LoadResult": ".checkpointer", "SaveHandle": ".checkpointer",
-    "SaveStats": ".checkpointer",
+    "GDSCheckpointer": ".checkpointer", "LoadResult": ".checkpointer",
+    "SaveHandle": ".save.handle", "SaveStats": ".save.handle",
     "CheckpointOptions": ".options", "EngineOptions": ".options",
     "load_state": ".load.reader",
     "EngineInfo": ".engines.base", "IOEngine": ".engines.base", "ReadSpan": ".engines.base",

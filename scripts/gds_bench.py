@@ -149,7 +149,7 @@ class Gdswriter(Method):
         info = self.ck.engine_info
         files = read_manifest(CommitProtocol([d]), 1).files
         written_by = "/".join(sorted({f.info.get("engine", "?") for f in files}))
-        pool = getattr(self.ck._engine_list()[0], "_pool", None)
+        pool = getattr(self.ck.engines[0], "_pool", None)
         pinned = f"; staging pool cudaHostRegister'ed: {pool.cuda_pinned}" if pool is not None else ""
         return f"engine {info.name}, CUDA path {info.cuda_path}; manifest: files by {written_by}{pinned}"
 

@@ -467,7 +467,7 @@ def test_retention_deletes_only_after_the_newer_commit(tmp_path, monkeypatch):
         def boom(path, spans, **kw):
             raise EngineIOError(errno.ENOSPC, path, 0, "write")
 
-        for e in ck._engine_list():
+        for e in ck.engines:
             monkeypatch.setattr(e, "write_file", boom)
         with pytest.raises(EngineIOError):
             ck.save(3)
@@ -625,14 +625,14 @@ def _failing_engines(ck, monkeypatch, err=errno.ENOSPC, gate=None):
             gate.wait(30)
         raise EngineIOError(err, path, 0, "write")
 
-    for e in ck._engine_list():
+    for e in ck.engines:
         monkeypatch.setattr(e, "write_file", boom)
 
 
 def gate_engines(ck, monkeypatch) -> threading.Event:
     """Hold every engine's write_file until the returned event is set."""
     gate = threading.Event()
-    for e in ck._engine_list():
+    for e in ck.engines:
         real = e.write_file
 
         def held(path, spans, *, _real=real, **kw):
@@ -983,7 +983,7 @@ def test_gpu_local_plans_are_written_and_recorded(tmp_path, monkeypatch):
             return plan_for_save([e.nbytes for e in snap.extents], devices, ck.protocol.roots, targets, topo,
                                  cuda_gpus={g: g for g in range(4)})
 
-        monkeypatch.setattr(ck, "_plan", gpu_local)
+        monkeypatch.setattr(ck._session, "_plan", gpu_local)
         ck.save(1)
         for v in model.values():
             v.zero_()
@@ -992,3 +992,26 @@ def test_gpu_local_plans_are_written_and_recorded(tmp_path, monkeypatch):
     m = manifest_of(roots[0], 1)
     names = sorted(f[1] for f in m["files"])
     assert all("-gpu" in n for n in names) and sorted(f[3]["gpu"] for f in m["files"]) == [0, 1, 2, 3], names
+
+
+def test_engines_given_are_used_one_per_root_and_closed_by_close(tmp_path):
+    """engines=: the checkpointer writes and reads through the engines it is given (one per root,
+    in root order) and closes them as its own; a wrong count is refused, saying what to pass."""
+    from gdswriter import create_engine
+
+    roots = [tmp_path / "a", tmp_path / "b"]
+    opts = M.small_options()
+    with pytest.raises(InvalidOptionError, match="one IOEngine per root"):
+        GDSCheckpointer({"w": torch.ones(10)}, None, roots, options=opts, engines=[create_engine(opts.engine)])
+    engines = [create_engine(opts.engine) for _ in roots]
+    closed = []
+    for e in engines:
+        e.close = lambda _real=e.close, _e=e: (closed.append(_e), _real())[1]
+    model = {"w": torch.arange(100_000, dtype=torch.float32)}
+    with GDSCheckpointer(model, None, roots, options=opts, engines=engines) as ck:
+        assert ck.engines == tuple(engines)
+        ck.save(1)
+        model["w"].zero_()
+        assert ck.load() == 1
+    assert torch.equal(model["w"], torch.arange(100_000, dtype=torch.float32))
+    assert closed == engines

@@ -298,7 +298,8 @@ def test_roots_given_in_another_order_keep_their_primary(tmp_path):
     assert (b / "step_000000000002" / "primary-id").read_text() == f"{root_identity(a)}\n"
     live = {"w": torch.zeros(600, 500)}
     with create_engine(small_engine()) as engine:
-        assert s.load(LiveState(live, None, {}), {"model": live}, 1, engine, strict=False, verify=True) == 1
+        assert s.load(LiveState(live, None, {}), lambda: {"model": live}, 1, lambda: [engine], strict=False,
+                      verify=True).step == 1
     assert torch.equal(live["w"], _state(1)["model"]["w"])
     s.lock.release()
 

@@ -258,7 +258,7 @@ def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
     def policy(steps, newest):
         raise ValueError("a broken retention policy")
 
-    out["retention"] = _caught(lambda: ck._dist.apply_retention(1, policy))
+    out["retention"] = _caught(lambda: ck._session.apply_retention(1, policy))
     ck.save(2)
     out["steps"] = ck.steps()
     ck.close()

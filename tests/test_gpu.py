@@ -83,7 +83,7 @@ def test_cuda_model_through_every_engine_verifies(tmp_path, engine):
                 p.fill_(0)
         ck.load(1)
         if info.cuda_path == "staged":
-            pool = ck._engine_list()[0]._pool
+            pool = ck.engines[0]._pool
             assert pool.cuda_pinned, "the staging pool must be cudaHostRegister'ed on a GPU machine"
     assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items())
     names = {f.info["engine"] for f in read_manifest(CommitProtocol([tmp_path]), 1).files}

@@ -166,13 +166,13 @@ def test_types_that_would_need_pickle_are_refused_by_key_path(tmp_path, value, f
 
 
 def test_a_failed_background_save_is_raised_once(tmp_path, monkeypatch):
-    import gdswriter.checkpointer as checkpointer
+    import gdswriter.session as session
 
     def broken(*a, **k):
         raise EngineIOError(28, str(tmp_path / "f"), 0, "write")
 
     io = GDSCheckpointIO()
-    monkeypatch.setattr(checkpointer, "write_and_commit", broken)
+    monkeypatch.setattr(session, "write_and_commit", broken)
     io.save_checkpoint({"state_dict": {"w": torch.ones(3)}, "global_step": 1}, tmp_path / "a.ckpt")  # returns
     with pytest.raises(EngineIOError, match="No space left"):
         io.teardown()
@@ -300,12 +300,12 @@ def test_a_failed_save_in_fit_is_raised_by_the_next_optimizer_step_once(tmp_path
     background is raised by the next optimizer step (that step does not run), and only there:
     the plug-in's teardown, which Lightning runs while it handles that error, does not raise it
     again (that would cut Lightning's own teardown short)."""
-    from gdswriter import checkpointer
+    from gdswriter import session
 
     def broken(*a, **k):
         raise EngineIOError(28, str(tmp_path / "f"), 0, "write")
 
-    monkeypatch.setattr(checkpointer, "write_and_commit", broken)
+    monkeypatch.setattr(session, "write_and_commit", broken)
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(12, 1024)), batch_size=4)
     io = GDSCheckpointIO()

@@ -101,7 +101,7 @@ class Gate(threading.Event):
 def hold_engines(ck) -> Gate:
     """Every engine's write_file waits until the returned gate is set."""
     gate = Gate()
-    for e in ck._engine_list():
+    for e in ck.engines:
         e.write_file = lambda *a, _real=e.write_file, **kw: (gate.wait(60), _real(*a, **kw))[1]
     return gate
 
@@ -407,14 +407,16 @@ def test_an_optimizer_given_in_state_is_guarded_too(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- failures
 def fault_engine(ck, plan: FaultPlan) -> None:
-    ck._engines = [FaultInjectingEngine(ck.options.engine, plan)]
+    """The checkpointer's FaultInjectingEngine (given as engines=) follows ``plan`` from now on."""
+    ck.engines[0].reset(plan)
 
 
 @pytest.mark.parametrize("mode", ["live", "host"])
 def test_engine_failure_surfaces_once_at_the_next_optimizer_step(tmp_path, mode):
     model, opt = build()
     train(model, opt, 1)
-    with GDSCheckpointer(model, opt, tmp_path, options=options(snapshot=mode)) as ck:
+    opts = options(snapshot=mode)
+    with GDSCheckpointer(model, opt, tmp_path, options=opts, engines=[FaultInjectingEngine(opts.engine)]) as ck:
         ck.save(1)
         fault_engine(ck, FaultPlan(fail_at_request=2, errno=errno.ENOSPC, op="write"))
         h = ck.save_async(2)
@@ -435,7 +437,9 @@ def test_engine_failure_surfaces_once_at_the_next_optimizer_step(tmp_path, mode)
 
 
 def test_engine_failure_surfaces_at_the_next_save_async_wait_or_result(tmp_path):
-    with GDSCheckpointer({"w": torch.randn(300_000)}, None, tmp_path, options=options()) as ck:
+    opts = options()
+    with GDSCheckpointer({"w": torch.randn(300_000)}, None, tmp_path, options=opts,
+                         engines=[FaultInjectingEngine(opts.engine)]) as ck:
         fault_engine(ck, FaultPlan(fail_at_request=1, errno=errno.EIO, op="write"))
         h = ck.save_async(1)
         h._future.exception(timeout=60)
@@ -505,7 +509,7 @@ def test_wait_policy_bounds_what_is_queued(tmp_path):
             def caller():
                 for s in range(12):
                     handles.append(ck.save_async(s))
-                    seen.append(len(ck._jobs))
+                    seen.append(len(ck._queue.jobs))
 
             t = threading.Thread(target=caller, daemon=True)
             t.start()
@@ -533,7 +537,7 @@ def test_close_with_saves_in_flight_finishes_them(tmp_path):
         want[s] = state_of(model, opt)
         ck.save_async(s)
     threading.Timer(0.2, gate.set).start()
-    worker = ck._worker
+    worker = ck._queue.worker
     ck.close()
     assert not opt._optimizer_step_pre_hooks
     assert worker is not None and not worker.is_alive(), "close() must end the save thread"
@@ -555,7 +559,7 @@ EXIT_CHILD = textwrap.dedent("""
         state = M.crash_state(base)
         M.crash_fill(state, base, 1)
         ck = GDSCheckpointer(state, None, roots, options=M.small_options(engine=M.small_engine(engine=engine)))
-        for e in ck._engine_list():  # slow writes: the saves are surely in flight at the exit
+        for e in ck.engines:  # slow writes: the saves are surely in flight at the exit
             e.write_file = lambda *a, _real=e.write_file, **kw: (time.sleep(0.5), _real(*a, **kw))[1]
         handles.append(ck.save_async(1, metadata={"gen": 1}))
     print("SUBMITTED", [h.done() for h in handles], flush=True)
@@ -598,7 +602,7 @@ FORK_CHILD = textwrap.dedent("""
     import _models as M
     from gdswriter import GDSCheckpointer
     ck = GDSCheckpointer({"w": torch.ones(100_000)}, None, sys.argv[1], options=M.small_options())
-    for e in ck._engine_list():
+    for e in ck.engines:
         e.write_file = lambda *a, _real=e.write_file, **kw: (time.sleep(1), _real(*a, **kw))[1]
     h = ck.save_async(1)
     pid = os.fork()
@@ -911,7 +915,7 @@ NO_CUDA_CHILD = textwrap.dedent("""
     import _models as M
     from gdswriter import GDSCheckpointer
     ck = GDSCheckpointer(M.build(0)[0], None, sys.argv[1], options=M.small_options())
-    ck._engine_list()  # the engines' staging pools are not the snapshot path's business
+    ck.engines  # the engines' staging pools are not the snapshot path's business
     calls = []
     def trap(name):
         def f(*a, **k):

@@ -54,6 +54,40 @@ def test_the_checkpointer_loads_no_tool_cli_or_integration_module():
     assert above == []
 
 
+def test_a_single_process_checkpointer_loads_no_multi_rank_module(tmp_path):
+    """Constructing, saving and loading in one process (no torch.distributed init) never imports
+    gdswriter.distributed: the session is chosen without it (gdswriter/session.py)."""
+    loaded = _modules_after(f"""
+import torch
+from gdswriter import GDSCheckpointer
+ck = GDSCheckpointer({{"w": torch.ones(8)}}, None, {str(tmp_path)!r})
+ck.save(1)
+assert ck.load() == 1
+ck.close()""")
+    assert "gdswriter.checkpointer" in loaded and "gdswriter.session" in loaded
+    assert [m for m in loaded if m.startswith("gdswriter.distributed") or m == "gdswriter.dist"] == []
+
+
+def test_both_sessions_have_what_the_checkpointer_asks_of_a_session():
+    import inspect
+
+    from gdswriter.distributed.session import DistSession
+    from gdswriter.session import LocalSession, Session
+
+    asked = {n: inspect.signature(f) for n, f in vars(Session).items() if inspect.isfunction(f) and n[0] != "_"}
+    assert {"prepare", "write_and_commit", "apply_retention", "load", "close"} <= set(asked)
+    for impl in (LocalSession, DistSession):
+        for name, sig in asked.items():
+            assert list(inspect.signature(getattr(impl, name)).parameters) == list(sig.parameters), (impl, name)
+
+
+def test_the_save_handle_types_keep_their_names():
+    from gdswriter import SaveHandle, SaveStats
+    from gdswriter.checkpointer import SaveHandle as from_checkpointer
+
+    assert SaveHandle is from_checkpointer and SaveStats.__module__ == "gdswriter.save.handle"
+
+
 def test_the_benchmark_names_moved_to_tools_and_still_resolve_with_a_warning():
     from gdswriter.tools.bench import run_bench
 

@@ -144,7 +144,7 @@ def test_save_async_snapshot_is_taken_before_return(tmp_path):
         # mutation below: if the snapshot were not copied before the optimizer step, the
         # mutated bytes would be written.
         gate = threading.Event()
-        for e in ck._engine_list():
+        for e in ck.engines:
             e.write_file = lambda *a, _real=e.write_file, **kw: (gate.wait(30), _real(*a, **kw))[1]
         handle = ck.save_async(2)
         assert not handle.done()

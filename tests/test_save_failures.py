@@ -49,7 +49,7 @@ def failing_writes(ck, monkeypatch, errnos: list[int], gate: threading.Event | N
         raise OSError(err, os.strerror(err), str(path)) if err == errno.ETIMEDOUT else \
             EngineIOError(err, path, 0, "write")
 
-    for e in ck._engine_list():
+    for e in ck.engines:
         monkeypatch.setattr(e, "write_file", boom)
 
 
@@ -58,7 +58,7 @@ RING_CHILD = """
     import errno, os, sys
     from concurrent.futures import TimeoutError as FutureTimeout
     import _models as M
-    from gdswriter import EngineIOError, GDSCheckpointer, load_state
+    from gdswriter import EngineIOError, GDSCheckpointer, create_engine, load_state
     from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
     from gdswriter.options import KiB, MiB
     roots = sys.argv[1:3]
@@ -67,10 +67,10 @@ RING_CHILD = """
     # 16 MiB through a 1 MiB pool (ring reuse), 2 roots x 2 files, 64 KiB staging buffers
     opts = M.small_options(snapshot="host", snapshot_pool_bytes=1 * MiB, files_per_root=2,
                            engine=M.small_engine(buffer_bytes=64 * KiB, request_bytes=64 * KiB))
-    ck = GDSCheckpointer(state, None, roots, options=opts)
-    engines = ck._engine_list()
-    engines[1].close()  # root 1's first write fails: ENOSPC
-    engines[1] = FaultInjectingEngine(opts.engine, FaultPlan(fail_at_request=1, errno=errno.ENOSPC, op="write"))
+    # root 1's first write fails: ENOSPC
+    engines = [create_engine(opts.engine),
+               FaultInjectingEngine(opts.engine, FaultPlan(fail_at_request=1, errno=errno.ENOSPC, op="write"))]
+    ck = GDSCheckpointer(state, None, roots, options=opts, engines=engines)
     h = ck.save_async(1)
     try:
         h.result(timeout=90)
@@ -103,11 +103,11 @@ EXIT_CHILD = """
     import _models as M
     from gdswriter import GDSCheckpointer
     from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
-    ck = GDSCheckpointer({"w": torch.randn(100_000)}, None, sys.argv[1], options=M.small_options())
+    opts = M.small_options()
+    fault = FaultInjectingEngine(opts.engine)
+    ck = GDSCheckpointer({"w": torch.randn(100_000)}, None, sys.argv[1], options=opts, engines=[fault])
     ck.save(4)
-    engines = ck._engine_list()
-    engines[0].close()
-    engines[0] = FaultInjectingEngine(ck.options.engine, FaultPlan(fail_at_request=1, errno=errno.ENOSPC, op="write"))
+    fault.reset(FaultPlan(fail_at_request=1, errno=errno.ENOSPC, op="write"))
     ck.save_async(5)
     print("SUBMITTED", flush=True)
     # the script ends: nobody asks how step 5 went
@@ -224,14 +224,16 @@ def test_a_save_failing_with_etimedout_is_reported_once(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- 7, 8: lifecycle
-def test_a_closed_checkpointer_makes_no_engines(tmp_path):
+def test_a_closed_checkpointer_makes_no_engines(tmp_path, monkeypatch):
     ck = GDSCheckpointer({"w": torch.ones(10)}, None, tmp_path, options=M.small_options())
     ck.save(1)
     ck.close()
-    for use in (ck.load, lambda: ck.engine_info, lambda: ck.save_async(2), ck._engine_list):
+    made = []
+    monkeypatch.setattr(checkpointer_mod, "create_engine", lambda *a, **k: made.append(a) or None)
+    for use in (ck.load, lambda: ck.engine_info, lambda: ck.save_async(2), lambda: ck.engines):
         with pytest.raises(GDSWriterError, match="closed: create a new one"):
             use()
-    assert ck._engines == []
+    assert made == []
     assert ck.steps() == [1]  # reading what is committed needs no engine
 
 
@@ -251,14 +253,14 @@ def test_the_save_thread_lets_go_of_the_snapshot(tmp_path, monkeypatch):
         ck.save_async(1).result(timeout=60)
         ck.wait()
         gc.collect()
-        assert ck._worker is not None and ck._worker.is_alive()
+        assert ck._queue.worker is not None and ck._queue.worker.is_alive()
         assert refs[0]() is None, "the idle save thread still holds the snapshot"
 
 
 # ----------------------------------------------------------------------------- 9: what is reported
 def test_a_save_that_falls_back_to_live_mode_says_so(tmp_path, monkeypatch):
     with GDSCheckpointer({"w": torch.ones(1000)}, None, tmp_path, options=M.small_options(snapshot="host")) as ck:
-        for e in ck._engine_list():
+        for e in ck.engines:
             monkeypatch.setattr(e, "honours_span_guards", False)
         h = ck.save_async(1)
         assert h.result(timeout=60) == 1

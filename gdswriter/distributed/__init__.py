@@ -13,18 +13,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from ..errors import GDSWriterError, InvalidOptionError
+from ..errors import InvalidOptionError
 from ..options import EngineOptions
-from ..load.reader import parse_manifest, read_manifest_bytes
 from .group import Coordinator
 from .options import DistOptions
 from .roots import discover_layout, root_identity
 from .session import DistSession, open_session
 
 if TYPE_CHECKING:
-    from ..checkpointer import GDSCheckpointer
-    from ..format.manifest import Manifest
-    from ..load.apply import LoadResult
+    from ..engines.base import IOEngine
+    from ..format.commit import CommitProtocol
+    from ..load.apply import LiveState, LoadResult
     from .dcp import GDSStorageReader, GDSStorageWriter
 
 __all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "load_state", "open_session",
@@ -33,9 +32,9 @@ __all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter",
 
 def session_for(roots: Sequence[Path], process_group: Any = None, options: DistOptions | None = None, *,
                 label: str = "GDSCheckpointer") -> DistSession | None:
-    """GDSCheckpointer's multi-rank session (collective), or None for a single process (see
-    DistOptions.collective: by default, when no ``process_group`` is given and torch.distributed
-    is not initialised or has one rank). The session has a coordination channel of its own
+    """GDSCheckpointer's multi-rank session (collective; asked for by gdswriter.session's
+    open_session), or None for a single process (see DistOptions.collective: by default, when
+    no ``process_group`` is given and torch.distributed is not initialised or has one rank). The session has a coordination channel of its own
     (group.py; ``label`` names the checkpointer in a CollectiveMismatchError), released by its
     close(): every rank must construct its checkpointers in the same order."""
     import torch.distributed as dist
@@ -59,38 +58,15 @@ def session_for(roots: Sequence[Path], process_group: Any = None, options: DistO
         raise
 
 
-def peek_manifest(protocol: Any, step: int | None) -> Manifest | None:
-    """The parsed manifest of ``step`` (None: the latest), for a load to choose its path (several
-    ranks saved it when its ``dist`` is set) and then restore from without parsing it again.
-    None when it cannot tell (no such step, a damaged manifest): the single-process path then
-    reports the problem in its own words."""
-    try:
-        step = protocol.require(step)
-        return parse_manifest(protocol, step, read_manifest_bytes(protocol, step))
-    except (GDSWriterError, OSError, ValueError):
-        return None
-
-
-def load_into(ckpt: "GDSCheckpointer", step: int | None, *, strict: bool, verify: bool, fallback: bool = False,
-              atomic: bool | None = None) -> LoadResult:
-    """GDSCheckpointer.load of a multi-rank checkpoint, on its ranks or in one process. The load
-    reads into fresh buffers and verifies them before any live tensor changes on any rank: it is
-    atomic whatever ``atomic`` says. ``fallback``: the newest intact step, as every rank agrees."""
-    from ..load.apply import LiveState
+def load_in_one_process(protocol: CommitProtocol, live: LiveState, live_state: dict, step: int | None,
+                        engine: IOEngine, *, strict: bool, verify: bool, fallback: bool = False) -> LoadResult:
+    """GDSCheckpointer.load of a multi-rank checkpoint in one process (gdswriter/session.py's
+    LocalSession), from ``protocol``'s roots. It reads into fresh buffers and verifies them
+    before any live tensor changes: it is atomic. ``fallback``: the newest intact step."""
     from .load import collective_restore
 
-    if fallback and step is not None:
-        raise InvalidOptionError("load(fallback=True) chooses the step itself (the newest intact one): "
-                                 "pass step=None, or load a given step without fallback")
-    live = LiveState(ckpt.model, ckpt.optimizer, ckpt.extra, restore_rng=ckpt.options.save_rng)
-    live_state = ckpt._collect()
-    engine = ckpt._engine_list()[0]
-    session: DistSession | None = ckpt._dist
-    if session is not None:
-        coord, layout, protocol = session.coord, session.layout, session.protocol
-    else:
-        coord = Coordinator.solo()
-        layout, protocol = discover_layout(coord, ckpt.roots, create=False), ckpt.protocol
+    coord = Coordinator.solo()
+    layout = discover_layout(coord, list(protocol.roots), create=False)
     return collective_restore(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify,
                               fallback=fallback)
 

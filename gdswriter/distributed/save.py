@@ -26,7 +26,8 @@ from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from ..planner.assign import plan_save
 from ..save.snapshot import Extent, Snapshot
 from ..save.pool import HostSnapshotPool
-from ..save.writer import Release, write_snapshot_files
+from ..save.handle import Release
+from ..save.writer import write_snapshot_files
 from .assemble import build_manifest, record_json
 from .commit import RankCommit
 from .group import Coordinator, describe, raise_failures

@@ -1,9 +1,9 @@
-"""GDSCheckpointer under torch.distributed: what its hooks delegate to.
+"""GDSCheckpointer under torch.distributed: its multi-rank Session (gdswriter/session.py).
 
-``open_session`` (collective, from GDSCheckpointer.__init__) agrees on the roots, locks the
-ones this rank leads, finds which root holds the checkpoint's manifests (roots.py
-``choose_primary``: not necessarily rank 0's after a restart put rank 0 on another node) and
-cleans their leftovers. Then, on every rank in the same order: ``prepare`` (DTensors -> local
+``open_session`` (collective, from GDSCheckpointer.__init__ through gdswriter.session's
+open_session) agrees on the roots, locks the ones this rank leads, finds which root holds
+the checkpoint's manifests (roots.py ``choose_primary``: not necessarily rank 0's after a
+restart put rank 0 on another node) and cleans their leftovers. Then, on every rank in the same order: ``prepare`` (DTensors -> local
 shards) before the snapshot, ``write_and_commit`` and ``apply_retention`` in the save worker,
 ``load``. ``protocol`` answers steps()/latest_step() on every rank, also where the primary
 root is another node's disk. ``close`` (from GDSCheckpointer.close) releases the locks and the
@@ -24,15 +24,16 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..engines.base import IOEngine
-from ..errors import CheckpointNotFoundError, GDSWriterError, RootUnavailableError
+from ..errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, RootUnavailableError
 from ..format.commit import CommitProtocol, retire, step_dir_name
 from ..format.manifest import Manifest, ShardInfo
-from ..load.apply import LiveState
+from ..load.apply import LiveState, LoadResult
+from ..options import CheckpointOptions, EngineOptions
 from ..save.snapshot import Snapshot
 from ..save.pool import HostSnapshotPool
-from ..save.writer import Release
+from ..save.handle import Release
 from .group import Coordinator, describe, raise_failures
-from .load import collective_load
+from .load import collective_restore
 from .options import DistOptions
 from .roots import RootLayout, choose_primary, clean_led, discover_layout, lock_led, owned, probe_led
 from .save import collective_save
@@ -83,6 +84,8 @@ class RankProtocol(CommitProtocol):
 
 
 class DistSession:
+    """The Session of a checkpointer on every rank of a process group (the module docstring)."""
+
     def __init__(self, coord: Coordinator, layout: RootLayout, lock: Any, options: DistOptions):
         self.coord, self.layout, self.lock, self.options = coord, layout, lock, options
         self.protocol = RankProtocol(layout)
@@ -96,6 +99,16 @@ class DistSession:
 
     def _learn(self, committed: Sequence[int], latest: int | None) -> None:
         self.protocol.known, self.protocol.known_latest = sorted(committed), latest
+
+    def check_options(self, options: CheckpointOptions) -> None:
+        if options.on_busy == "skip":
+            raise InvalidOptionError(
+                "on_busy='skip' cannot be used by a checkpointer of several ranks: each rank would decide alone "
+                "whether its previous save is still running, so the ranks would save different steps and their "
+                "collective saves would no longer match. Use on_busy='wait' (the default)")
+
+    def check_writable(self, step: int) -> None:
+        pass
 
     # -- save ----------------------------------------------------------------
     def prepare(self, state: Any, step: int) -> Any:
@@ -166,11 +179,17 @@ class DistSession:
         self._learn(msg["committed"], msg["latest"])
 
     # -- load ----------------------------------------------------------------
-    def load(self, live: LiveState, live_state: dict, step: int | None, engine: IOEngine, *, strict: bool,
-             verify: bool) -> int:
+    def load(self, live: LiveState, state: Callable[[], dict], step: int | None,
+             engines: Callable[[], Sequence[IOEngine]], *, strict: bool, verify: bool, fallback: bool = False,
+             atomic: bool | None = None, engine_options: EngineOptions | None = None) -> LoadResult:
+        """Collective: every rank reads into fresh buffers and verifies them, and all agree, before
+        any live tensor changes on any rank (atomic, whatever ``atomic`` says); ``fallback``: the
+        newest intact step, as every rank agrees (load.py). ``state()``: this rank's live
+        state; the first of ``engines()`` reads."""
         with self._serial:
-            return collective_load(self.coord, self.layout, self.protocol, live, live_state, step, engine,
-                                   strict=strict, verify=verify)
+            live_state = state()
+            return collective_restore(self.coord, self.layout, self.protocol, live, live_state, step, engines()[0],
+                                      strict=strict, verify=verify, fallback=fallback)
 
     def close(self) -> None:
         """Release the roots' locks and this checkpointer's coordination channel (local; after its

@@ -7,19 +7,17 @@ makes the step visible atomically.
 
 ``write_and_commit`` is the one entry point that turns a Snapshot into a committed step.
 The bytes come straight from the snapshot's extents (live) or through a host snapshot pool
-(snapshot_pool.py), copied piece by piece while the files are written. Either way a
-``Release`` says when the saved tensors' own memory is no longer needed, which is when
-training may change them again.
+(pool.py), copied piece by piece while the files are written. Either way a
+``Release`` (handle.py) says when the saved tensors' own memory is no longer needed, which
+is when training may change them again.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from time import perf_counter
-from typing import Any
 
 from ..cuda import streams
 from ..engines.base import IOEngine, WriteSpan
@@ -28,51 +26,13 @@ from ..format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
 from .._log import log_once
 from ..planner.assign import FileTarget, PlannedChunk, SavePlan
 from ..threads import run_per_file
+from .handle import Release
 from .snapshot import Snapshot
 from .pool import HostSnapshotPool
 
 
 def file_targets(n_roots: int, files_per_root: int) -> list[FileTarget]:
     return [FileTarget(r, f"data-r{r}-f{k}.bin") for r in range(n_roots) for k in range(files_per_root)]
-
-
-class Release:
-    """Set once a save no longer needs the saved tensors' own memory: in live mode when every
-    file is written, in host mode when every byte is copied (from a GPU: when every copy is
-    queued on the side streams, complete once ``events`` are). A failed save sets it too,
-    with ``error``, so that nothing waits for it forever. ``mode``: the snapshot mode the
-    save really used ("live" where the engines cannot write from the host pool)."""
-
-    def __init__(self) -> None:
-        self._flag = threading.Event()
-        self.events: Mapping[int, Any] = {}
-        self.error: BaseException | None = None
-        self.at: float | None = None  # perf_counter() when set
-        self.mode: str | None = None  # set by write_snapshot_files
-
-    def set(self, events: Mapping[int, Any] | None = None, *, error: BaseException | None = None) -> None:
-        if self.error is None:
-            self.error = error
-        if not self._flag.is_set():
-            self.events = dict(events or {})
-            self.at = perf_counter()
-            self._flag.set()
-
-    def is_set(self) -> bool:
-        return self._flag.is_set() and streams.events_done(self.events)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block the host until released (copies complete); False after ``timeout`` s."""
-        if not self._flag.wait(timeout):
-            return False
-        streams.host_wait(self.events)
-        return True
-
-    def wait_stream_ordered(self) -> None:
-        """Block the host only until released on the host; GPU copies still running are waited
-        for by the calling thread's current streams (no host synchronize)."""
-        self._flag.wait()
-        streams.stream_wait(self.events)
 
 
 def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence[IOEngine], *, plan: SavePlan,

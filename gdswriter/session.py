@@ -1,0 +1,227 @@
+"""The session under a GDSCheckpointer: who owns its roots, and how a step is written,
+committed, retained and loaded there.
+
+``Session`` is what the checkpointer asks of it. Two implementations: ``LocalSession`` (this
+module: one process owns every root) and ``DistSession`` (gdswriter/distributed/session.py:
+every rank of a process group, collective). ``open_session`` chooses; the multi-rank package is
+imported only for a multi-rank session, or to load a multi-rank checkpoint in one process.
+
+The order of the calls, the same on every rank: ``prepare`` (in save_async, before the
+snapshot), ``write_and_commit`` and ``apply_retention`` (in the save thread, one save at a
+time), ``load`` (once no save runs), ``close``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .engines.base import IOEngine
+from .errors import GDSWriterError, ReadOnlyRootError
+from .format.commit import CommitProtocol, RootLock
+from .format.manifest import Manifest
+from ._log import log_once
+from .load.apply import LiveState, LoadResult
+from .load.policy import restore_into, restore_newest_intact
+from .load.reader import parse_manifest, read_manifest_bytes
+from .options import CheckpointOptions, EngineOptions
+from .planner.affinity import plan_for_save
+from .planner.assign import SavePlan, plan_save
+from .planner.discover import discover
+from .planner.topology import Topology
+from .save.handle import Release
+from .save.pool import HostSnapshotPool
+from .save.snapshot import Snapshot
+from .save.writer import file_targets, write_and_commit
+
+if TYPE_CHECKING:
+    from .distributed.options import DistOptions
+
+log = logging.getLogger("gdswriter")
+
+TIMEOUT_ENV = "GDSWRITER_DIST_TIMEOUT"  # DistOptions.from_env's (distributed/options.py)
+
+__all__ = ["LocalSession", "Session", "open_session", "peek_manifest"]
+
+
+class Session(Protocol):
+    """What GDSCheckpointer needs of the roots it saves to (see the module docstring).
+
+    ``protocol``: the commit protocol, answering committed_steps()/latest() (on every rank);
+    ``lock``: the roots' lock this process holds (None: none, e.g. opened for loading only)."""
+
+    protocol: CommitProtocol
+    lock: RootLock | None
+
+    def check_options(self, options: CheckpointOptions) -> None:
+        """InvalidOptionError for options this session cannot honour."""
+
+    def check_writable(self, step: int) -> None:
+        """ReadOnlyRootError when ``step`` cannot be saved (roots opened for loading only)."""
+
+    def prepare(self, state: Any, step: int) -> Any:
+        """The state to snapshot for ``step`` (multi-rank: DTensors replaced by their local shards)."""
+
+    def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int, *,
+                         pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest | None:
+        """Write ``snap`` (one engine per root; through ``pool`` in host mode) and commit it;
+        ``release`` is set once the saved tensors' memory is free (or the save failed)."""
+
+    def apply_retention(self, newest: int, retained: Callable[[list[int], int], Any]) -> None:
+        """Delete the committed steps ``retained(steps, newest)`` drops (never ``newest``)."""
+
+    def load(self, live: LiveState, state: Callable[[], dict], step: int | None,
+             engines: Callable[[], Sequence[IOEngine]], *, strict: bool, verify: bool, fallback: bool = False,
+             atomic: bool | None = None, engine_options: EngineOptions | None = None) -> LoadResult:
+        """Restore ``live`` in place from ``step`` (None: the latest; ``fallback``: the newest
+        intact). ``state()``: the live state as saved (its tensors' shapes), ``engines()``: the
+        engines, both asked for only when needed."""
+
+    def close(self) -> None:
+        """Release the lock (and a multi-rank session's coordination channel). Idempotent."""
+
+
+def open_session(roots: Sequence[Path], process_group: Any = None, dist_options: DistOptions | None = None, *,
+                 label: str = "GDSCheckpointer") -> Session:
+    """GDSCheckpointer's session: a DistSession (collective) under torch.distributed with
+    several ranks, or with ``process_group`` (see DistOptions.collective), else a LocalSession.
+    Only the first imports gdswriter.distributed."""
+    collective = None if dist_options is None else dist_options.collective
+    if collective is False or (collective is None and process_group is None and not _several_ranks()):
+        if dist_options is None and os.environ.get(TIMEOUT_ENV, "").strip():
+            from .distributed.options import DistOptions
+
+            DistOptions.from_env()  # a malformed value is an error here too, as on several ranks
+        return LocalSession(roots)
+    from .distributed import session_for
+
+    session = session_for(roots, process_group, dist_options, label=label)
+    return LocalSession(roots) if session is None else session
+
+
+def _several_ranks() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def peek_manifest(protocol: CommitProtocol, step: int | None) -> Manifest | None:
+    """The parsed manifest of ``step`` (None: the latest), for a load to choose its path (several
+    ranks saved it when its ``dist`` is set) and then restore from without parsing it again.
+    None when it cannot tell (no such step, a damaged manifest): the single-process path then
+    reports the problem in its own words."""
+    try:
+        step = protocol.require(step)
+        return parse_manifest(protocol, step, read_manifest_bytes(protocol, step))
+    except (GDSWriterError, OSError, ValueError):
+        return None
+
+
+class LocalSession:
+    """One process owns the roots. Opening them locks them and removes the leftovers of
+    crashed saves; roots it cannot write (read-only file system, no permission) are opened for
+    loading only: no lock, nothing cleaned, and saving raises ReadOnlyRootError."""
+
+    def __init__(self, roots: Sequence[Path]):
+        self.protocol = CommitProtocol(roots)
+        self.lock: RootLock | None = None
+        self.read_only: ReadOnlyRootError | None = None
+        removed: list = []
+        try:
+            self.lock, removed = self.protocol.open_writer()
+        except ReadOnlyRootError as e:
+            self.read_only = e
+            log.info("gdswriter: %s", e)
+        if removed:
+            log.info("gdswriter: removed %d leftover(s) of interrupted saves under %s", len(removed), roots[0])
+        self._topology: Topology | None = None  # discovered at the first save of GPU state
+        self._last_plan: tuple[tuple, SavePlan] | None = None  # (what it was planned from, the plan)
+
+    def check_options(self, options: CheckpointOptions) -> None:
+        pass
+
+    def check_writable(self, step: int) -> None:
+        if self.read_only is not None:
+            raise ReadOnlyRootError(self.read_only.errno, f"cannot save step {step}: "
+                                                          f"{self.read_only.strerror}") from self.read_only
+
+    def prepare(self, state: Any, step: int) -> Any:
+        return state
+
+    # -- save ----------------------------------------------------------------
+    def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int, *,
+                         pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest:
+        """Plan (see _plan), write and commit ``snap`` (save/writer.py)."""
+        targets = file_targets(len(self.protocol.roots), files_per_root)
+        return write_and_commit(snap, self.protocol, engines, pool=pool, release=release or Release(),
+                                plan=self._plan(snap, targets))
+
+    def _plan(self, snap: Snapshot, targets: list) -> SavePlan:
+        """Which bytes go to which file: the topology planner's GPU-local plan when storages live
+        on GPUs (each GPU writes to its nearest root; the topology is discovered once), else the
+        balanced plan. A planner failure falls back to the balanced plan, with a warning: where
+        bytes go is an optimisation, never a reason not to save."""
+        sizes, devices = [e.nbytes for e in snap.extents], [str(e.device) for e in snap.extents]
+        # A plan is a function of these (the topology is discovered once): in a training loop
+        # every save after the first reuses the last one.
+        key = (sizes, devices, targets)
+        if self._last_plan is not None and self._last_plan[0] == key:
+            return self._last_plan[1]
+        plan = self._new_plan(sizes, devices, targets)
+        self._last_plan = (key, plan)
+        return plan
+
+    def _new_plan(self, sizes: list[int], devices: list[str], targets: list) -> SavePlan:
+        if not any(d.startswith("cuda") for d in devices):
+            return plan_save(sizes, targets)
+        try:
+            if self._topology is None:
+                self._topology = discover(roots=self.protocol.roots)
+            return plan_for_save(sizes, devices, self.protocol.roots, targets, self._topology)
+        except Exception as e:  # noqa: BLE001 - see _plan's docstring
+            log_once("topology-plan", f"gdswriter: the topology planner failed ({type(e).__name__}: {e}); "
+                                      f"balancing bytes across the roots without GPU locality")
+            return plan_save(sizes, targets)
+
+    def apply_retention(self, newest: int, retained: Callable[[list[int], int], Any]) -> None:
+        """Delete committed steps the policy no longer keeps (never ``newest``). A step that
+        cannot be deleted is logged and retried after the next save."""
+        steps = self.protocol.committed_steps()
+        keep = retained(steps, newest)
+        for s in steps:
+            if s not in keep:
+                try:
+                    self.protocol.delete_step(s)
+                except OSError as e:
+                    log.warning("gdswriter: could not delete old step %d under %s: %s", s, self.protocol.primary, e)
+
+    # -- load ----------------------------------------------------------------
+    def load(self, live: LiveState, state: Callable[[], dict], step: int | None,
+             engines: Callable[[], Sequence[IOEngine]], *, strict: bool, verify: bool, fallback: bool = False,
+             atomic: bool | None = None, engine_options: EngineOptions | None = None) -> LoadResult:
+        """A checkpoint of one process, or a multi-rank one read in this process (always
+        atomic then: see GDSCheckpointer.load)."""
+        peeked = peek_manifest(self.protocol, step)
+        multi_rank = peeked is not None and peeked.dist is not None
+        if peeked is None and fallback:  # the latest manifest is damaged: ask an older one
+            older = (peek_manifest(self.protocol, s) for s in self.protocol.fallback_order()[1:])
+            multi_rank = next((m.dist is not None for m in older if m is not None), False)
+        if multi_rank:
+            from .distributed import load_in_one_process
+
+            live_state = state()
+            return load_in_one_process(self.protocol, live, live_state, step, engines()[0], strict=strict,
+                                       verify=verify, fallback=fallback)
+        kw = dict(strict=strict, verify=verify, engine_options=engine_options or EngineOptions(), atomic=atomic,
+                  manifest=peeked)
+        if fallback:
+            return restore_newest_intact(live, self.protocol, engines(), **kw)
+        return restore_into(live, self.protocol, self.protocol.require(step), engines(), **kw)
+
+    def close(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+
