@@ -1,8 +1,12 @@
-"""Shared test fixtures."""
+"""Shared test fixtures. Shared helpers live in tests/support/ (no test module imports another)."""
 
 from __future__ import annotations
 
 import pytest
+
+# Helpers in tests/support assert too: rewrite them, as pytest does for test modules, so that
+# their failures show the values compared.
+pytest.register_assert_rewrite("support")
 
 
 # --- I/O engine tests (test_engine_contract.py, test_engine_faults.py, test_uring.py) ---

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-import _models as M
+from support import models as M
 from gdswriter import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
                        GDSCheckpointer, GDSWriterError, InvalidOptionError, StateMismatchError,
                        UnsupportedObjectError, load_state)
@@ -532,7 +532,7 @@ def test_two_checkpointers_on_one_root_lock(tmp_path):
 
 LOCK_CHILD = textwrap.dedent("""
     import sys, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer, CheckpointLockedError
     try:
         ck = GDSCheckpointer({"w": torch.ones(1)}, None, sys.argv[1], options=M.small_options())

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-import _models as M
+from support import models as M
 from gdswriter import GDSCheckpointer, load_state
 from gdswriter.format.commit import CommitProtocol, parse_step_dir
 from gdswriter.format.manifest import MANIFEST_NAME
@@ -77,7 +77,7 @@ KILL_CHILD = textwrap.dedent("""
     import sys
     import torch
     torch.set_num_threads(1)
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
 
     roots, mib = sys.argv[1].split(","), int(sys.argv[2])
@@ -177,7 +177,7 @@ DRIVER = textwrap.dedent("""
     import json, os, shutil, sys
     import torch
     torch.set_num_threads(1)   # no thread pools before fork
-    import _models as M
+    from support import models as M
     import gdswriter.format.commit as C
     from gdswriter import GDSCheckpointer
 

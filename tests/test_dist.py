@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_dist_harness import run_ranks
+from support.ranks import run_ranks
 
 
 # ----------------------------------------------------------------------------- helpers (run in ranks too)
 def _options(**kw):
-    from _models import small_options
+    from support.models import small_options
 
     return small_options(**kw)
 

@@ -19,7 +19,7 @@ from gdswriter.format.commit import OWNER_ID_NAME, OWNER_NAME
 from gdswriter.format.manifest import Manifest
 from gdswriter.load.restore import LiveState
 
-from _models import small_engine
+from support.models import small_engine
 
 
 def _session(roots):

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from test_dist_harness import run_ranks
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def _engine():
-    from _models import small_engine
+    from support.models import small_engine
 
     return small_engine()
 

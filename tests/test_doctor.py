@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _fake_kvikio import FakeKvikio
-from test_gds_engine import isolate_from_host
+from support.fake_kvikio import FakeKvikio
+from support.engines import isolate_from_host
 
 import gdswriter.engines.kvikio as gds
 import gdswriter.tools.doctor as doctor

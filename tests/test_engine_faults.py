@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -37,8 +36,8 @@ from gdswriter.errors import (CorruptCheckpointError, DataFileNotRegularError, E
 from gdswriter.engines.staged import IoUringEngine, PosixEngine
 from gdswriter.testing.faults import FaultEvent, FaultInjectingEngine, FaultPlan
 from gdswriter.options import EngineOptions, KiB, MiB
-from test_engine_contract import host_tensor
-from test_uring import deadline
+from support.engines import HOSTILE, host_tensor, plant
+from support.timeouts import deadline
 
 REPO = Path(__file__).resolve().parent.parent
 REQUEST = 64 * KiB
@@ -329,7 +328,7 @@ def test_statx_direct_io_alignment_agrees_with_the_kernel(tmp_path):
     """What direct_io_alignment reads from statx is what O_DIRECT really accepts: memory and
     offsets at the reported alignment pass, at half of it EINVAL."""
     from gdswriter.engines.dio import direct_io_alignment
-    from test_engine_contract import direct_pwrite_errno
+    from support.engines import direct_pwrite_errno
 
     path = tmp_path / "dio.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
@@ -772,36 +771,6 @@ def test_an_interruption_that_skipped_the_cleanup_is_caught_at_the_next_call(tmp
 # ---------------------------------------------------------------------------
 # Hostile paths: symbolic links and special files where a data file should be
 # ---------------------------------------------------------------------------
-def plant(kind: str, path: Path, target: Path) -> object:
-    """Put a ``kind`` at ``path`` (``target``: an innocent regular file). Returns what must stay
-    alive while the test runs (a listening socket)."""
-    if kind == "symlink":
-        path.symlink_to(target)
-    elif kind == "dangling symlink":
-        path.symlink_to(target.with_name("nothing-here"))
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "FIFO":
-        os.mkfifo(path)
-    elif kind == "FIFO with a reader":
-        os.mkfifo(path)
-        return os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    elif kind == "socket":
-        sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(path))
-        sock.listen()
-        return sock
-    elif kind == "character device":
-        try:
-            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null
-        except PermissionError:
-            pytest.skip("mknod needs CAP_MKNOD")
-    return None
-
-
-HOSTILE = ["symlink", "dangling symlink", "directory", "FIFO", "FIFO with a reader", "socket", "character device"]
-
-
 @pytest.mark.parametrize("kind", HOSTILE)
 def test_write_refuses_what_is_not_a_regular_file_and_touches_nothing(backend, tmp_path, io_small_options, kind):
     """A planted link or special file is refused with a typed error before any I/O or

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trees import assert_same_tree
+from support.trees import assert_same_tree
 
 L = pytest.importorskip("lightning")
 from lightning.fabric.utilities.data import AttributeDict  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import _models as M
+from support import models as M
 from gdswriter import GDSCheckpointer, load_state
 from gdswriter.save import snapshot as S
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-import _models as M
+from support import models as M
 from gdswriter import EngineIOError, GDSCheckpointer, UnsupportedObjectError, load_state
 from gdswriter.save import pool as snapshot_pool
 from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
@@ -545,7 +545,7 @@ def test_close_with_saves_in_flight_finishes_them(tmp_path):
 
 EXIT_CHILD = textwrap.dedent("""
     import sys, time
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     base = M.crash_base(8 << 20)
     handles = []
@@ -575,7 +575,7 @@ def test_interpreter_exit_finishes_saves_in_flight(tmp_path):
 
 CLOSE_CHILD = textwrap.dedent("""
     import sys, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     ck = GDSCheckpointer({"w": torch.ones(10)}, None, sys.argv[1], options=M.small_options())
     ck.save(1)
@@ -595,7 +595,7 @@ def test_exit_right_after_close_is_clean(tmp_path):
 
 FORK_CHILD = textwrap.dedent("""
     import os, sys, time, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     ck = GDSCheckpointer({"w": torch.ones(100_000)}, None, sys.argv[1], options=M.small_options())
     for e in ck._engine_list():
@@ -625,7 +625,7 @@ def test_a_forked_child_does_not_wait_for_the_parents_saves(tmp_path):
 KILL_CHILD = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     root = sys.argv[1]
     base = M.crash_base(32 << 20)
@@ -675,7 +675,7 @@ def test_sigkill_during_a_pipelined_save_keeps_the_previous_step(tmp_path, delay
 # ----------------------------------------------------------------------------- memory
 RSS_CHILD = textwrap.dedent("""
     import os, sys, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     page = os.sysconf("SC_PAGE_SIZE")
     rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
@@ -908,7 +908,7 @@ def test_overlapping_views_none_covering_the_others(tmp_path):
 
 NO_CUDA_CHILD = textwrap.dedent("""
     import sys, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     ck = GDSCheckpointer(M.build(0)[0], None, sys.argv[1], options=M.small_options())
     ck._engine_list()  # the engines' staging pools are not the snapshot path's business

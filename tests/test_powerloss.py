@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _models as M
+from support import models as M
 import pytest
 import torch
 from powerloss import model as pm

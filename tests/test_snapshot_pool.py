@@ -12,7 +12,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-import _models as M
+from support import models as M
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
