@@ -29,4 +29,5 @@ def io_fresh_log_once(monkeypatch):
     """Forget which one-time warnings were already logged, so caplog sees them again."""
     import gdswriter.options
 
+    # The once-only log set is private to options.py: no public reset, and one would serve tests only.
     monkeypatch.setattr(gdswriter.options, "_said", set())

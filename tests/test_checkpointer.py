@@ -872,6 +872,7 @@ def test_async_snapshot_and_fresh_buffers_skip_the_staging_copy(tmp_path, monkey
         sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
     copied = []
     real_copy = staged._copy
+    # Counting the bytes staged: the staging copy is internal to the engine, no public seam.
     monkeypatch.setattr(staged, "_copy", lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k)))
 
     with GDSCheckpointer(model, opt, root=tmp_path / "ck") as ck:
@@ -983,6 +984,7 @@ def test_gpu_local_plans_are_written_and_recorded(tmp_path, monkeypatch):
             return plan_for_save([e.nbytes for e in snap.extents], devices, ck.protocol.roots, targets, topo,
                                  cuda_gpus={g: g for g in range(4)})
 
+        # A GPU-local plan on a CPU machine: the checkpointer takes no plan from outside (an argument for tests only).
         monkeypatch.setattr(ck, "_plan", gpu_local)
         ck.save(1)
         for v in model.values():

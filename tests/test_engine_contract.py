@@ -350,6 +350,7 @@ def test_zero_copy_taken_only_where_it_can_be(make_staged_engine, tmp_path, gen,
     spans = [WriteSpan(0, host_tensor(n, memory, gen=gen))]
     staged_bytes = []
     real_copy = staged._copy
+    # Counting the bytes staged: the staging copy is internal to the engine, no public seam.
     monkeypatch.setattr(staged, "_copy", lambda d, do, s, so, k: (staged_bytes.append(k), real_copy(d, do, s, so, k)))
     path = tmp_path / "zc.bin"
     write_and_check(eng, path, spans)

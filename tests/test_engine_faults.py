@@ -360,6 +360,7 @@ def test_statx_report_decides_direct_io_and_zero_copy(backend, tmp_path, monkeyp
     monkeypatch.setattr(engine_mod, "direct_io_alignment", lambda fd: fake)
     copied = []
     real_copy = engine_mod._copy
+    # Counting the bytes staged: the staging copy is internal to the engine, no public seam.
     monkeypatch.setattr(engine_mod, "_copy", lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k)))
     def at_512(t):  # 512 bytes into a page
         return t[512 + (-t.data_ptr()) % 4096:][:3 * MiB + 5]
@@ -578,6 +579,7 @@ def fail_then_prove_isolation(eng, tmp_path, op: str, expect: type[BaseException
 
 @pytest.fixture
 def fast_ring_retries(monkeypatch):
+    # Short ring backoff: module constants, not options (an option would widen EngineOptions for tests only).
     monkeypatch.setattr(uring_mod, "_BACKOFF_S", 1e-4)
     monkeypatch.setattr(uring_mod, "_BACKOFF_MAX_S", 1e-3)
 
@@ -739,6 +741,7 @@ def test_exception_in_the_pipeline(tmp_path, io_small_options, monkeypatch, op, 
     with FaultInjectingEngine(io_small_options(), FaultPlan(), backend=backend_kind) as eng:
         if op == "read":  # the file first, with the real copy
             eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))])
+        # Fault injection at the staging copy (undone below): no public seam (one would widen the API for tests only).
         monkeypatch.setattr(engine_mod, "_copy", copy)
         data = host_tensor(FAILED, "aligned+64", gen=torch.Generator().manual_seed(11))
         with pytest.raises(RuntimeError, match="injected"):

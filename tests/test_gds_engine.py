@@ -20,7 +20,7 @@ import crc32c
 import pytest
 import torch
 from support.engines import (HOSTILE, disk, image, install_fake_kvikio, isolate_from_host, kvikio_importable, plant,
-                             rand)
+                             pretend_cuda, rand)
 from support.fake_kvikio import CompatMode, FakeKvikio
 from support.timeouts import deadline
 
@@ -367,6 +367,7 @@ def test_mixed_file_device_and_host_spans(monkeypatch, tmp_path, gen):
     device = {s.data.data_ptr() for s in spans[::2]}
     outs = [ReadSpan(s.offset, torch.zeros_like(s.data)) for s in spans]
     device |= {o.out.data_ptr() for o in outs[::2]}
+    # Which spans count as device memory (no CUDA here): decided by _on_gpu alone, no public seam.
     monkeypatch.setattr(gds, "_on_gpu", lambda t: t.data_ptr() in device)
     with gds.GdsEngine(small_options(), host_engine=lambda: pytest.fail("a mixed file went to the host engine")) as eng:
         write_and_check(eng, tmp_path / "m.bin", spans)
@@ -379,14 +380,14 @@ def test_mixed_file_device_and_host_spans(monkeypatch, tmp_path, gen):
 # Engine selection
 # ---------------------------------------------------------------------------
 def test_auto_without_cuda_is_gdswriters_own_engine(fake, monkeypatch):
-    monkeypatch.setattr(gds, "_cuda_available", lambda: False)
+    pretend_cuda(monkeypatch, False)
     with create_engine(small_options(engine="auto")) as eng:
         assert eng.info.name in ("io_uring", "posix") and eng.info.cuda_path == "staged"
         assert "GPUDirect" not in eng.info.reason
 
 
 def test_auto_on_a_gpu_without_gds_takes_the_pinned_path_and_says_why(fake, monkeypatch):
-    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    pretend_cuda(monkeypatch, True)
     with create_engine(small_options(engine="auto")) as eng:
         assert isinstance(eng, (IoUringEngine, PosixEngine))
         assert "GPUDirect Storage unavailable" in eng.info.reason and "nvidia-fs" in eng.info.reason
@@ -394,7 +395,7 @@ def test_auto_on_a_gpu_without_gds_takes_the_pinned_path_and_says_why(fake, monk
 
 def test_auto_takes_gds_where_it_truly_works(monkeypatch, tmp_path, gen):
     fake_gds(monkeypatch, tmp_path)
-    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    pretend_cuda(monkeypatch, True)
     with create_engine(small_options(engine="auto")) as eng:
         assert isinstance(eng, gds.GdsEngine) and eng.info.name == "gds" and eng.info.gpu_direct
     monkeypatch.setenv("GDSWRITER_ENGINE", "io_uring")  # the user's override wins
@@ -406,7 +407,7 @@ def test_auto_takes_gds_where_it_truly_works(monkeypatch, tmp_path, gen):
 def test_gds_status_is_collected_once_per_engine(monkeypatch, tmp_path, engine):
     """auto's probe hands the status it collected to the engine rather than both asking KvikIO."""
     fake_gds(monkeypatch, tmp_path)
-    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    pretend_cuda(monkeypatch, True)
     calls = []
     real = gds.gds_status
     monkeypatch.setattr(gds, "gds_status", lambda *a: calls.append(a) or real(*a))

@@ -110,6 +110,7 @@ def hold_copier(monkeypatch) -> Gate:
     """The host pool's copier waits until the returned gate is set."""
     gate = Gate()
     real = snapshot_pool._copy_all
+    # Holding the copier, the snapshot pool's own thread: no public hook (one would widen the API for tests only).
     monkeypatch.setattr(snapshot_pool, "_copy_all", lambda *a: (gate.wait(60), real(*a)))
     return gate
 
@@ -464,6 +465,7 @@ def test_a_failing_copy_aborts_the_save_with_its_own_error(tmp_path, monkeypatch
             raise MemoryError("injected copy failure")
         real(buf, at, src)
 
+    # Fault injection at the copier: no public seam, and adding one would widen the API for tests only.
     monkeypatch.setattr(snapshot_pool, "_copy_in", flaky)
     model, opt = build()
     train(model, opt, 1)
@@ -775,6 +777,7 @@ def test_copies_checksummed_after_the_copy_get_their_checksums_from_the_pool(tmp
     piece computes its chunks' crc32c from the pool once the engine finds it ready. Here the
     host copies take that path (the copier reports no checksum); the step must verify."""
     real = snapshot_pool._copy_in
+    # The GPU copies' path (the copier gives no checksum) on host tensors: the copier is internal, no public seam.
     monkeypatch.setattr(snapshot_pool, "_copy_in", lambda buf, at, src: (real(buf, at, src), None)[1])
     model, opt = build()
     train(model, opt, 1)
@@ -798,6 +801,7 @@ def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
     earlier piece: without the chunk-by-chunk pipeline (writing only after the whole copy)
     that would never happen."""
     freed = threading.Event()
+    # Watching pieces being freed and allocated inside the pool (here and below): internal to save/pool.py, no seam.
     real_release = snapshot_pool._Piece.release
     monkeypatch.setattr(snapshot_pool._Piece, "release", lambda self: (freed.set(), real_release(self))[1])
     order = []
@@ -813,6 +817,7 @@ def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
             seen.append(freed.wait(30))
         real_copy(buf, at, src)
 
+    # Holding the copier at one copy: the copier is internal to the pool, no public seam.
     monkeypatch.setattr(snapshot_pool, "_copy_in", copy_in)
     monkeypatch.setattr(snapshot_pool, "PIECE_MAX", 1 * MiB)  # pieces of 1 MiB; the pool holds all of them
     base = M.crash_base(8 << 20)
@@ -829,6 +834,7 @@ def test_save_async_copies_nothing_on_the_callers_thread(tmp_path, monkeypatch):
     """The bytes move on the copier thread; save_async returns while the copier is held."""
     threads = set()
     real = snapshot_pool._copy_in
+    # Which thread copies shows only at the copier: internal to the pool, no public seam.
     monkeypatch.setattr(snapshot_pool, "_copy_in",
                         lambda b, at, src: (threads.add(threading.current_thread().name), real(b, at, src))[1])
     gate = hold_copier(monkeypatch)

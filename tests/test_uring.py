@@ -226,6 +226,7 @@ def test_engine_keeps_more_requests_than_ring_entries_in_its_backlog(tmp_path, m
 @pytest.fixture
 def fast_backoff(monkeypatch):
     """Keep the bounded retries of a stalled ring short in tests."""
+    # Short ring backoff: module constants, not options (an option would widen EngineOptions for tests only).
     monkeypatch.setattr(uring, "_BACKOFF_S", 1e-4)
     monkeypatch.setattr(uring, "_BACKOFF_MAX_S", 1e-3)
 

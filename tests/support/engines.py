@@ -100,6 +100,15 @@ def take_host_tensors_for_device_memory(monkeypatch) -> None:
     monkeypatch.setattr(gds, "_on_gpu", lambda t: True)
 
 
+def pretend_cuda(monkeypatch, available: bool) -> None:
+    """Whether gdswriter (the KvikIO engine, engine selection, the doctor) sees a CUDA device."""
+    import gdswriter.engines.kvikio as gds
+
+    # The one place gdswriter asks: no public seam, and patching torch.cuda.is_available instead
+    # would reach torch's own code as well.
+    monkeypatch.setattr(gds, "_cuda_available", lambda: available)
+
+
 def install_fake_kvikio(monkeypatch, tmp_path, **kw) -> FakeKvikio:
     """The fake KvikIO in place of the real one, the probes isolated from this machine, host
     tensors taken for device memory. Compat mode (no nvidia-fs, cuFile says no GDS) unless
