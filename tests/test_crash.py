@@ -254,6 +254,7 @@ VALID = {2: [{1, 2}, {1, 2, 3}, {2, 3}, {2}, {2, 3, 4}, {3, 4}],
          1: [{1, 2}, {1, 2, 3}, {2, 3}, {2, 3, 4}, {3, 4}]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_roots", [1, 2])
 def test_crash_at_every_protocol_point(tmp_path, n_roots):
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), str(n_roots), str(DRIVER_BYTES)], env=ENV, capture_output=True,
