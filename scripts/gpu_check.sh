@@ -110,8 +110,8 @@ elif ! "$PY" -c "import pytest" 2>/dev/null; then
     FAILED=$((FAILED + 1))
 else
     run gpu-tests "${GDS_TESTS_TIMEOUT:-180}" "$PY" -m pytest -q -m gpu -p no:cacheprovider -rs \
-        --junitxml="$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_gpu_checksum.py tests/test_gds_engine.py \
-        tests/test_overlap_gpu.py tests/test_topology.py tests/test_dist_gpu.py
+        --junitxml="$OUT/gpu-tests.xml" tests/test_gpu.py tests/test_gpu_checksum.py tests/test_engine_contract.py \
+        tests/test_gds_engine.py tests/test_overlap_gpu.py tests/test_topology.py tests/test_dist_gpu.py
 fi
 
 section "benchmark: durable save + cold load of GPU tensors"

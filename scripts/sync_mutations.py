@@ -144,7 +144,8 @@ def run_test(scratch: Path, timeout: float, pytest_args: list[str]) -> tuple[str
     """Run the power-loss test against the copy in ``scratch``: ("passed"|"failed"|"timeout", summary, s)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(scratch), os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", str(TEST), *pytest_args]
+    # -m "": the whole file, the slow power-cut scenarios included (pyproject's addopts leave them out).
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "", str(TEST), *pytest_args]
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout,

@@ -1,8 +1,12 @@
-"""Shared test fixtures."""
+"""Shared test fixtures. Shared helpers live in tests/support/ (no test module imports another)."""
 
 from __future__ import annotations
 
 import pytest
+
+# Helpers in tests/support assert too: rewrite them, as pytest does for test modules, so that
+# their failures show the values compared.
+pytest.register_assert_rewrite("support")
 
 
 # --- I/O engine tests (test_engine_contract.py, test_engine_faults.py, test_uring.py) ---
@@ -25,4 +29,5 @@ def io_fresh_log_once(monkeypatch):
     """Forget which one-time warnings were already logged, so caplog sees them again."""
     import gdswriter._log
 
-    monkeypatch.setattr(gdswriter._log, "_said", set())  # the one-time registry: no public way to reset it
+    # The once-only log set is private to _log.py: no public reset, and one would serve tests only.
+    monkeypatch.setattr(gdswriter._log, "_said", set())

@@ -19,6 +19,7 @@ def run_script(name: str, *args: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # about 16 s: the benchmark script end to end
 def test_staging_placement(tmp_path):
     out = run_script("staging_placement.py", "--size", "8M", "--ballast", "32M", "--wait", "0",
                      "--rounds", "2", "--dir", str(tmp_path))

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-import _models as M
+from support import models as M
 from gdswriter import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
                        GDSCheckpointer, GDSWriterError, InvalidOptionError, StateMismatchError,
                        UnsupportedObjectError, load_state)
@@ -532,7 +532,7 @@ def test_two_checkpointers_on_one_root_lock(tmp_path):
 
 LOCK_CHILD = textwrap.dedent("""
     import sys, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer, CheckpointLockedError
     try:
         ck = GDSCheckpointer({"w": torch.ones(1)}, None, sys.argv[1], options=M.small_options())
@@ -872,6 +872,7 @@ def test_async_snapshot_and_fresh_buffers_skip_the_staging_copy(tmp_path, monkey
         sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
     copied = []
     real_copy = staged._copy
+    # Counting the bytes staged: the staging copy is internal to the engine, no public seam.
     monkeypatch.setattr(staged, "_copy", lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k)))
 
     with GDSCheckpointer(model, opt, root=tmp_path / "ck") as ck:
@@ -983,6 +984,7 @@ def test_gpu_local_plans_are_written_and_recorded(tmp_path, monkeypatch):
             return plan_for_save([e.nbytes for e in snap.extents], devices, ck.protocol.roots, targets, topo,
                                  cuda_gpus={g: g for g in range(4)})
 
+        # A GPU-local plan on a CPU machine: the session takes no plan from outside (an argument for tests only).
         monkeypatch.setattr(ck._session, "_plan", gpu_local)
         ck.save(1)
         for v in model.values():

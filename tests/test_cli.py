@@ -15,7 +15,7 @@ import crc32c
 import numpy as np
 import pytest
 import torch
-from test_uring import deadline
+from support.timeouts import deadline
 
 from gdswriter import GDSCheckpointer, load_state
 from gdswriter.checkpointer import CheckpointOptions

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import _models as M
+from support import models as M
 import gdswriter.format.commit as commit_mod
 from gdswriter import GDSCheckpointer, RootUnavailableError, UnsafePathError, load_state
 from gdswriter.errors import CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError

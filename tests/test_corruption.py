@@ -14,8 +14,8 @@ import crc32c
 import pytest
 import torch
 
-import _models as M
-from test_dist_harness import run_ranks
+from support import models as M
+from support.ranks import run_ranks
 import gdswriter.load.reader as reader_mod
 from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, TruncatedFileError,
                        UnsupportedFormatVersionError, UnsupportedObjectError, load_state)
@@ -379,7 +379,7 @@ HOSTILE_CHILD = textwrap.dedent("""
     from gdswriter import CorruptCheckpointError, GDSCheckpointer, load_state
     from gdswriter.cli import main
     from gdswriter.export import export_step
-    import _models as M
+    from support import models as M
 
     # From here on the process may map at most 1 GiB more than it has: a 3 GiB claim that reached
     # an allocation would fail with MemoryError / ENOMEM instead of CorruptCheckpointError.
@@ -616,7 +616,7 @@ HOSTILE_DIST_CHILD = textwrap.dedent("""
     from gdswriter.cli import main
     from gdswriter.distributed import GDSStorageReader
     from gdswriter.export import export_step
-    import _models as M
+    from support import models as M
     from test_corruption import measured
 
     tmp = Path(sys.argv[1])

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-import _models as M
+from support import models as M
 from gdswriter import GDSCheckpointer, load_state
 from gdswriter.format.commit import CommitProtocol, parse_step_dir
 from gdswriter.format.manifest import MANIFEST_NAME
@@ -77,7 +77,7 @@ KILL_CHILD = textwrap.dedent("""
     import sys
     import torch
     torch.set_num_threads(1)
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
 
     roots, mib = sys.argv[1].split(","), int(sys.argv[2])
@@ -177,7 +177,7 @@ DRIVER = textwrap.dedent("""
     import json, os, shutil, sys
     import torch
     torch.set_num_threads(1)   # no thread pools before fork
-    import _models as M
+    from support import models as M
     import gdswriter.format.commit as C
     import gdswriter.fs as F  # atomic_write (manifest, latest) fsyncs its directory through gdswriter.fs
     from gdswriter import GDSCheckpointer
@@ -256,6 +256,7 @@ VALID = {2: [{1, 2}, {1, 2, 3}, {2, 3}, {2}, {2, 3, 4}, {3, 4}],
          1: [{1, 2}, {1, 2, 3}, {2, 3}, {2, 3, 4}, {3, 4}]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_roots", [1, 2])
 def test_crash_at_every_protocol_point(tmp_path, n_roots):
     proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), str(n_roots), str(DRIVER_BYTES)], env=ENV, capture_output=True,

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_dist_harness import run_ranks
+from support.ranks import run_ranks
 
 
 # ----------------------------------------------------------------------------- helpers (run in ranks too)
 def _options(**kw):
-    from _models import small_options
+    from support.models import small_options
 
     return small_options(**kw)
 
@@ -362,6 +362,7 @@ def _hang_worker(rank: int, world: int, root: str, timeout: float) -> dict:
     return {"errors": errors, "steps": ck.steps()}
 
 
+@pytest.mark.slow  # about 13 s: ranks wait out their collective timeouts
 def test_hung_rank_times_out(tmp_path):
     timeout = 3.0
     root = str(tmp_path / "shared")

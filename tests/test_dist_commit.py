@@ -19,7 +19,7 @@ from gdswriter.format.commit import OWNER_ID_NAME, OWNER_NAME
 from gdswriter.format.manifest import Manifest
 from gdswriter.load.apply import LiveState
 
-from _models import small_engine
+from support.models import small_engine
 
 
 def _session(roots):
@@ -236,6 +236,7 @@ def test_a_latest_file_that_cannot_move_leaves_the_step_committed(tmp_path, engi
             raise OSError(28, "No space left on device", str(path))
         return real(path, data)
 
+    # Fault injection at the commit's own durable writes: no public seam (FaultInjectingEngine covers data files only).
     monkeypatch.setattr(commit_mod, "atomic_write", failing)
     assert _save(s, _state(2), 2, engines) is not None, "the save succeeds: the step is committed"
     assert s.protocol.committed_steps() == [1, 2] and (roots[0] / "latest").read_text() == "1\n"
@@ -252,6 +253,7 @@ def test_an_error_raised_later_keeps_its_os_cause(tmp_path, engines, monkeypatch
     def failing(path, data):
         raise OSError(13, "Permission denied", str(path))
 
+    # Fault injection at the commit's own durable writes: no public seam (FaultInjectingEngine covers data files only).
     monkeypatch.setattr(commit_mod, "write_durable", failing)
     with pytest.raises(EngineIOError, match="Permission denied") as info:
         _save(s, _state(1), 1, engines)

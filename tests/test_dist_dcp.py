@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 
-from test_dist_harness import run_ranks
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def _engine():
-    from _models import small_engine
+    from support.models import small_engine
 
     return small_engine()
 
@@ -354,6 +354,7 @@ def _four_rank_save(rank: int, world: int, tmp: str) -> dict:
     return {"ok": ok, "bytes": mine}
 
 
+@pytest.mark.slow  # about 16 s: a dozen DCP scenarios on spawned ranks
 def test_dcp_scenarios_on_2_and_4_ranks(tmp_path):
     """DCP's CPU scenarios on 2 ranks (ShardedTensor round trip and resharding between four shard
     layouts, row- to column-wise, bytes, sharded <-> plain tensors, async_save thread and process

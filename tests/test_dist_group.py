@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from test_dist_harness import run_ranks
+from support.ranks import run_ranks
 
 TIMEOUT_S = 20.0  # a collective that pairs up wrongly fails within this, not after the default 600 s
 
@@ -39,7 +39,7 @@ def _diff(a: dict, b: dict) -> list[str]:
 
 def _two_checkpointers_worker(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
-    from _models import small_options
+    from support.models import small_options
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import DistOptions
 
@@ -103,7 +103,7 @@ def test_two_checkpointers_save_async_concurrently_two_ranks(tmp_path):
 
 
 def _swapped_worker(rank: int, world: int, root: str) -> dict:
-    from _models import small_options
+    from support.models import small_options
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import DistOptions
     from gdswriter import CollectiveMismatchError

@@ -1,71 +1,9 @@
-"""Running a function on N real ranks: spawned processes joined by torch.distributed (gloo on
-127.0.0.1). Used by the other test_dist*.py files; its own tests check the harness itself."""
+"""The multi-rank harness (tests/support/ranks.py: spawned processes joined by
+torch.distributed, gloo on 127.0.0.1) checked on its own."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import sys
-import traceback
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable
-
-
-RANK_TIMEOUT_S = 240  # a whole multi-rank scenario; a hang fails the test instead of blocking CI
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn: Callable, rank: int, world: int, port: int, out: str, args: tuple) -> None:
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
-        result = fn(rank, world, *args)
-        Path(out, f"result-{rank}.json").write_text(json.dumps(result))
-    except BaseException:  # noqa: BLE001 - the parent reports it
-        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)  # no destroy_process_group: a peer may be gone on purpose (the SIGKILL tests)
-
-
-def run_ranks(world: int, fn: Callable, *args: Any, out: Path, killed: tuple[int, ...] = ()) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; returns each rank's (JSON)
-    result, None for the ranks in ``killed`` (which must die of SIGKILL)."""
-    import multiprocessing as mp
-
-    out.mkdir(parents=True, exist_ok=True)
-    for p in out.glob("result-*.json"):
-        p.unlink()
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(out), args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(RANK_TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = {r: (out / f"error-{r}.txt").read_text() for r in range(world) if (out / f"error-{r}.txt").exists()}
-    assert not hung, f"ranks {hung} hung; errors: {errors}"
-    assert not errors, "\n".join(f"--- rank {r} ---\n{t}" for r, t in errors.items())
-    codes = [p.exitcode for p in procs]
-    assert codes == [-9 if r in killed else 0 for r in range(world)], codes
-    return [None if r in killed else json.loads((out / f"result-{r}.json").read_text()) for r in range(world)]
+from support.ranks import run_ranks
 
 
 def _echo(rank: int, world: int, word: str) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_dist_harness import run_ranks
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -23,7 +23,7 @@ TIMEOUT_S = 60.0
 
 
 def _options():
-    from _models import small_options
+    from support.models import small_options
 
     return small_options()
 
@@ -170,7 +170,7 @@ def test_resaving_a_step_whose_secondary_is_another_checkpoints_keeps_the_commit
 def _dcp_worker(rank: int, world: int, roots: list[str], save: bool) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from _models import small_engine
+    from support.models import small_engine
     from gdswriter import CheckpointOptions
     from gdswriter.distributed import GDSStorageWriter
 
@@ -195,7 +195,7 @@ def test_dcp_save_with_rank_0_on_the_other_node_is_refused(tmp_path):
 def _dcp_load_worker(rank: int, world: int, roots: list[str]) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from _models import small_engine
+    from support.models import small_engine
     from gdswriter.distributed import GDSStorageReader
 
     sd = {"rep": torch.zeros(300_000)}
@@ -269,7 +269,7 @@ def _state(seed: int) -> dict:
 def _save(session, step: int, seed: int) -> None:
     from gdswriter.engines.select import create_engine
     from gdswriter.save.snapshot import take_snapshot
-    from _models import small_engine
+    from support.models import small_engine
 
     engines = [create_engine(small_engine()) for _ in range(2)]
     try:
@@ -285,7 +285,7 @@ def test_roots_given_in_another_order_keep_their_primary(tmp_path):
     from gdswriter.distributed.roots import root_identity
     from gdswriter.engines.select import create_engine
     from gdswriter.load.apply import LiveState
-    from _models import small_engine
+    from support.models import small_engine
 
     a, b = tmp_path / "a", tmp_path / "b"
     s = _session([a, b])

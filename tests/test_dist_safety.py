@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_dist_harness import run_ranks
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -22,7 +22,7 @@ TIMEOUT_S = 60.0  # a rank waiting this long is the defect these tests look for
 
 
 def _options():
-    from _models import small_options
+    from support.models import small_options
 
     return small_options()
 
@@ -178,7 +178,7 @@ def _dcp_node_worker(rank: int, world: int, tmp: str, roots: list[list[str]], sa
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from _models import small_engine
+    from support.models import small_engine
     from gdswriter import CheckpointOptions
     from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
 
@@ -233,7 +233,7 @@ def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import gdswriter.distributed.dcp as dcp_mod
-    from _models import small_engine
+    from support.models import small_engine
     from gdswriter import CheckpointOptions, GDSCheckpointer
     from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
 
@@ -300,7 +300,7 @@ def test_a_dcp_save_that_never_finishes_releases_its_lock(tmp_path):
     still holds the primary's lock. The next reset() or garbage collection must release it."""
     import torch.distributed.checkpoint as dcp
 
-    from _models import small_engine
+    from support.models import small_engine
     from gdswriter import CheckpointOptions
     from gdswriter.distributed import GDSStorageWriter
 

@@ -13,10 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from _fake_kvikio import FakeKvikio
-from test_gds_engine import isolate_from_host
+from support.fake_kvikio import FakeKvikio
+from support.engines import isolate_from_host, pretend_cuda
 
-import gdswriter.engines.kvikio as gds
 import gdswriter.tools.doctor as doctor
 from gdswriter.cli import main
 from gdswriter.engines import uring
@@ -34,7 +33,7 @@ def by_check(report: dict, scope: str) -> dict[str, dict]:
 @pytest.fixture(autouse=True)
 def cpu_only(monkeypatch):
     """Whatever machine runs this, the doctor sees no GPU unless a test says otherwise."""
-    monkeypatch.setattr(gds, "_cuda_available", lambda: False)
+    pretend_cuda(monkeypatch, False)
 
 
 def test_real_checks_on_a_real_directory(capsys, tmp_path):
@@ -130,6 +129,7 @@ def test_io_uring_disabled_warns_with_the_fix_and_tests_posix_only(capsys, tmp_p
 
 def test_low_mlock_limit_warns(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda r: (64 << 10, 64 << 10))
+    # CAP_IPC_LOCK comes from /proc/self/status: the doctor takes no other /proc, so its probe is replaced.
     monkeypatch.setattr(doctor, "_can_lock_any", lambda: False)
     (f,) = doctor.check_memlock(doctor.EngineOptions())
     assert f.status == "WARN" and "memlock=-1" in f.fix and f.data["soft_limit"] == 64 << 10
@@ -146,6 +146,7 @@ def test_capability_parse_matches_the_kernel():
 
 def test_transparent_huge_pages_off_warns(monkeypatch):
     real = doctor._read
+    # The doctor reads sysfs through _read: it takes no other root, so the one file is redirected (no public seam).
     monkeypatch.setattr(doctor, "_read", lambda p: "always madvise [never]" if "transparent_hugepage" in p else real(p))
     (f,) = doctor.check_thp()
     assert f.status == "WARN" and f.data["mode"] == "never" and "madvise" in f.fix
@@ -171,7 +172,7 @@ def test_gpu_node_without_nvidia_fs(monkeypatch, tmp_path):
     isolate_from_host(monkeypatch, tmp_path, cufile={"properties": {"allow_compat_mode": True,
                                                                     "max_direct_io_size_kb": 16384,
                                                                     "use_poll_mode": False}})
-    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    pretend_cuda(monkeypatch, True)
     monkeypatch.setattr(doctor, "find_cufile", lambda: "/usr/local/cuda/lib64/libcufile.so.0")
     checks = {f.check: f for f in doctor.check_gds()}
     assert checks["cufile library"].status == "OK"
@@ -185,7 +186,7 @@ def test_gpu_node_without_nvidia_fs(monkeypatch, tmp_path):
 def test_gpu_node_with_true_gds(monkeypatch, tmp_path):
     FakeKvikio(gds_available=True).install(monkeypatch)
     isolate_from_host(monkeypatch, tmp_path, nvidia_fs=True, cufile={"properties": {"allow_compat_mode": False}})
-    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    pretend_cuda(monkeypatch, True)
     checks = {f.check: f for f in doctor.check_gds()}
     assert checks["nvidia-fs driver"].status == "OK"
     assert checks["kvikio"].status == "OK" and "GPUDirect Storage active" in checks["kvikio"].summary
@@ -197,7 +198,7 @@ def test_gpu_node_problems(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "kvikio", None)
     isolate_from_host(monkeypatch, tmp_path)
     (tmp_path / "cufile.json").write_text("{ broken")
-    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    pretend_cuda(monkeypatch, True)
     checks = {f.check: f for f in doctor.check_gds()}
     assert checks["kvikio"].status == "WARN" and "pip install 'gdswriter[" in checks["kvikio"].fix
     assert checks["cufile.json"].status == "WARN" and "JSON" in checks["cufile.json"].summary

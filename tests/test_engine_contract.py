@@ -1,15 +1,18 @@
-"""One contract suite for every staged engine (gdswriter.engines.base.IOEngine).
+"""One contract suite for every engine (gdswriter.engines.base.IOEngine).
 
 Each engine writes files from spans and reads spans back; the bytes on disk, the
 bytes read back and the crc32c of every span must be right for every layout.
 Runs over: io_uring (O_DIRECT), POSIX threads, the fault-injecting engine making
 every other request a real short transfer (io_uring + O_DIRECT, and POSIX +
-buffered with unaligned short lengths) and io_uring with buffered I/O.
+buffered with unaligned short lengths) and io_uring with buffered I/O; and, except
+for the cases that count the staged engines' requests and staging copies, the KvikIO
+(GDS) engine: its device path with a stand-in for KvikIO and host tensors taken for
+device memory everywhere, and on a GPU the real engine with CUDA spans, CUDA and host
+spans mixed, and gdswriter's own engines with CUDA spans (tests/support/engines.py).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 
@@ -19,43 +22,41 @@ import torch
 
 from gdswriter.engines.base import ReadSpan, WriteSpan
 from gdswriter.errors import InvalidOptionError
-from gdswriter.engines.staged import IoUringEngine, PosixEngine
 from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
-from gdswriter.options import ALIGN, KiB, MiB
-
-REQUEST = 64 * KiB
-BUFFER = 256 * KiB
-POOL = 3 * BUFFER
-
-ENGINES = ["io_uring", "posix", "faulty-short", "faulty-short-posix-buffered", "io_uring-buffered"]
+from gdswriter.options import ALIGN, MiB
+from support.engines import (BUFFER, ENGINES, KVIKIO_KINDS, POOL, REQUEST, build_engine, crc, disk, host_tensor, image,
+                             kernel_takes_direct_io_from, kvikio_engine_factory, rand)
 
 
-def _build(kind: str, options):
-    if kind == "io_uring":
-        return IoUringEngine(options(engine="io_uring"))
-    if kind == "posix":
-        return PosixEngine(options(engine="posix"))
-    if kind == "faulty-short":  # every 2nd request moves only 4 KiB (aligned for O_DIRECT)
-        return FaultInjectingEngine(options(), FaultPlan(short_every=2, short_bytes=4096))
-    if kind == "faulty-short-posix-buffered":  # every 3rd request moves only 1000 bytes (unaligned)
-        return FaultInjectingEngine(options(direct_io=False), FaultPlan(short_every=3, short_bytes=1000),
-                                    backend="posix")
-    if kind == "io_uring-buffered":
-        return IoUringEngine(options(engine="io_uring", direct_io=False))
-    raise AssertionError(kind)
-
-
-@pytest.fixture(params=ENGINES)
-def make_engine(request, io_small_options):
-    """make_engine(**option_overrides) -> engine of this parameter's kind (closed after the test)."""
+def staged_factory(kind: str, io_small_options):
     made = []
 
     def make(**overrides):
-        eng = _build(request.param, lambda **kw: io_small_options(**{**overrides, **kw}))
+        eng = build_engine(kind, lambda **kw: io_small_options(**{**overrides, **kw}))
         made.append(eng)
         return eng
 
-    make.kind = request.param
+    make.kind = kind
+    return make, made
+
+
+@pytest.fixture(params=ENGINES + KVIKIO_KINDS)
+def make_engine(request, io_small_options, monkeypatch, tmp_path):
+    """make_engine(**option_overrides) -> engine of this parameter's kind (closed after the test):
+    a staged engine or one of the KvikIO engine's kinds."""
+    if request.param in ENGINES:
+        make, made = staged_factory(request.param, io_small_options)
+    else:
+        make, made = kvikio_engine_factory(request.param, io_small_options, monkeypatch, tmp_path)
+    yield make
+    for eng in made:
+        eng.close()
+
+
+@pytest.fixture(params=ENGINES)
+def make_staged_engine(request, io_small_options):
+    """As make_engine, staged engines only: for the cases that count their requests or staging copies."""
+    make, made = staged_factory(request.param, io_small_options)
     yield make
     for eng in made:
         eng.close()
@@ -64,27 +65,6 @@ def make_engine(request, io_small_options):
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
-
-
-def rand(n: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
-
-
-def crc(t: torch.Tensor) -> int:
-    return crc32c.crc32c(t.numpy().tobytes())
-
-
-def image(spans, size: int) -> bytes:
-    """What the file must hold: the spans' bytes, zeros everywhere else."""
-    out = bytearray(size)
-    for s in spans:
-        out[s.offset:s.end] = s.data.numpy().tobytes()
-    return bytes(out)
-
-
-def disk(path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def write_and_check(eng, path, spans, size=None):
@@ -168,8 +148,8 @@ def test_empty_span_list(make_engine, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["aligned", "packed"])
-def test_many_small_spans_coalesce(make_engine, tmp_path, gen, monkeypatch, layout):
-    eng = make_engine()
+def test_many_small_spans_coalesce(make_staged_engine, tmp_path, gen, monkeypatch, layout):
+    eng = make_staged_engine()
     rnd = random.Random(7)
     spans, off = [], (0 if layout == "aligned" else 7)
     for _ in range(3000):
@@ -188,8 +168,8 @@ def test_many_small_spans_coalesce(make_engine, tmp_path, gen, monkeypatch, layo
     reads = counter.reads - sum(e.kind == "short" and not e.write for e in events)
     # Coalesced: a handful of large requests, not one per tensor.
     assert writes < len(spans) / 10 and reads < len(spans) / 10, counter.calls
-    assert writes == requests_needed(make_engine.kind, end)
-    assert reads <= requests_needed(make_engine.kind, end) + 1
+    assert writes == requests_needed(make_staged_engine.kind, end)
+    assert reads <= requests_needed(make_staged_engine.kind, end) + 1
 
 
 def test_gaps_and_explicit_size(make_engine, tmp_path, gen):
@@ -217,8 +197,8 @@ def test_size_smaller_than_spans_is_rejected(make_engine, tmp_path, gen):
 
 
 @pytest.mark.parametrize("depth", [1, 2, 16])
-def test_queue_depths(make_engine, tmp_path, gen, monkeypatch, depth):
-    eng = make_engine(queue_depth=depth)
+def test_queue_depths(make_staged_engine, tmp_path, gen, monkeypatch, depth):
+    eng = make_staged_engine(queue_depth=depth)
     rnd = random.Random(depth)
     spans, off = [], 0
     while off < 2 * MiB:
@@ -332,22 +312,6 @@ MEMORY_KINDS = ["aligned", "aligned+512", "aligned+64", "default"]
 BIG = [1 * MiB, 1 * MiB + 3 * ALIGN, 2 * MiB + 123, 3 * MiB - 1]
 
 
-def host_tensor(n: int, kind: str, fill=None, gen=None) -> torch.Tensor:
-    """A flat uint8 tensor of n bytes: page-aligned, page-aligned + 512 or + 64 (what torch's
-    allocator gives large tensors), or wherever torch puts it."""
-    if kind == "default":
-        t = torch.empty(n, dtype=torch.uint8)
-    else:
-        raw = torch.empty(n + 2 * ALIGN, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % ALIGN + {"aligned": 0, "aligned+512": 512, "aligned+64": 64}[kind]
-        t = raw[start:start + n]
-    if fill is not None:
-        t.fill_(fill)
-    else:
-        t.copy_(rand(n, gen))
-    return t
-
-
 def big_layout(kind: str, gen) -> list[WriteSpan]:
     """Small and large spans mixed, large ones at 4 KiB-aligned offsets, tails unaligned."""
     spans, off = [WriteSpan(0, rand(100, gen))], ALIGN
@@ -373,41 +337,20 @@ def test_large_spans_in_every_memory_kind(make_engine, tmp_path, gen, memory):
             assert torch.equal(w.data, r.out), f"{out_kind}: span at {w.offset} read back wrong"
 
 
-def direct_pwrite_errno(path, memory_misalign: int, file_off: int = 0) -> int:
-    """Ask the kernel itself, not statx: O_DIRECT pwrite of 4 KiB from memory ``memory_misalign``
-    bytes into a page, at ``file_off`` of ``path``. 0 when it is taken, else the errno."""
-    raw = torch.zeros(3 * ALIGN, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % ALIGN + memory_misalign
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
-    try:
-        assert os.pwrite(fd, memoryview(raw[start:start + ALIGN].numpy()), file_off) == ALIGN
-        return 0
-    except OSError as e:
-        return e.errno
-    finally:
-        os.close(fd)
-
-
-def kernel_takes_direct_io_from(t: torch.Tensor, directory) -> bool:
-    """Does O_DIRECT take memory that sits where ``t`` does within its page, in ``directory``?"""
-    err = direct_pwrite_errno(directory / "probe.bin", t.data_ptr() % ALIGN)
-    assert err in (0, errno.EINVAL), os.strerror(err)
-    return err == 0
-
-
 @pytest.mark.parametrize("zero_copy", [True, False])
 @pytest.mark.parametrize("memory", MEMORY_KINDS)
-def test_zero_copy_taken_only_where_it_can_be(make_engine, tmp_path, gen, monkeypatch, memory, zero_copy):
+def test_zero_copy_taken_only_where_it_can_be(make_staged_engine, tmp_path, gen, monkeypatch, memory, zero_copy):
     """Count the bytes that pass through the staging buffers: under O_DIRECT, memory that the
     kernel accepts for direct I/O stages only its last partial block (unless zero_copy=False);
     everything else is staged whole."""
     import gdswriter.engines.staged as staged
 
-    eng = make_engine(zero_copy=zero_copy)
+    eng = make_staged_engine(zero_copy=zero_copy)
     n = 2 * MiB + 123
     spans = [WriteSpan(0, host_tensor(n, memory, gen=gen))]
     staged_bytes = []
     real_copy = staged._copy
+    # Counting the bytes staged: the staging copy is internal to the engine, no public seam.
     monkeypatch.setattr(staged, "_copy", lambda d, do, s, so, k: (staged_bytes.append(k), real_copy(d, do, s, so, k)))
     path = tmp_path / "zc.bin"
     write_and_check(eng, path, spans)
@@ -418,11 +361,11 @@ def test_zero_copy_taken_only_where_it_can_be(make_engine, tmp_path, gen, monkey
     assert torch.equal(out, spans[0].data)
 
     def staged_expected(t):
-        taken = zero_copy and uses_direct(make_engine.kind) and kernel_takes_direct_io_from(t, tmp_path)
+        taken = zero_copy and uses_direct(make_staged_engine.kind) and kernel_takes_direct_io_from(t, tmp_path)
         return 123 if taken else n
 
     assert (written, sum(staged_bytes)) == (staged_expected(spans[0].data), staged_expected(out))
-    if memory == "aligned" and zero_copy and uses_direct(make_engine.kind):
+    if memory == "aligned" and zero_copy and uses_direct(make_staged_engine.kind):
         assert (written, sum(staged_bytes)) == (123, 123), "page-aligned memory must go zero-copy"
 
 

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -37,8 +36,8 @@ from gdswriter.errors import (CorruptCheckpointError, DataFileNotRegularError, E
 from gdswriter.engines.staged import IoUringEngine, PosixEngine
 from gdswriter.testing.faults import FaultEvent, FaultInjectingEngine, FaultPlan
 from gdswriter.options import EngineOptions, KiB, MiB
-from test_engine_contract import host_tensor
-from test_uring import deadline
+from support.engines import HOSTILE, host_tensor, plant
+from support.timeouts import deadline
 
 REPO = Path(__file__).resolve().parent.parent
 REQUEST = 64 * KiB
@@ -329,7 +328,7 @@ def test_statx_direct_io_alignment_agrees_with_the_kernel(tmp_path):
     """What direct_io_alignment reads from statx is what O_DIRECT really accepts: memory and
     offsets at the reported alignment pass, at half of it EINVAL."""
     from gdswriter.engines.dio import direct_io_alignment
-    from test_engine_contract import direct_pwrite_errno
+    from support.engines import direct_pwrite_errno
 
     path = tmp_path / "dio.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
@@ -361,6 +360,7 @@ def test_statx_report_decides_direct_io_and_zero_copy(backend, tmp_path, monkeyp
     monkeypatch.setattr(engine_mod, "direct_io_alignment", lambda fd: fake)
     copied = []
     real_copy = engine_mod._copy
+    # Counting the bytes staged: the staging copy is internal to the engine, no public seam.
     monkeypatch.setattr(engine_mod, "_copy", lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k)))
     def at_512(t):  # 512 bytes into a page
         return t[512 + (-t.data_ptr()) % 4096:][:3 * MiB + 5]
@@ -579,6 +579,7 @@ def fail_then_prove_isolation(eng, tmp_path, op: str, expect: type[BaseException
 
 @pytest.fixture
 def fast_ring_retries(monkeypatch):
+    # Short ring backoff: module constants, not options (an option would widen EngineOptions for tests only).
     monkeypatch.setattr(uring_mod, "_BACKOFF_S", 1e-4)
     monkeypatch.setattr(uring_mod, "_BACKOFF_MAX_S", 1e-3)
 
@@ -740,6 +741,7 @@ def test_exception_in_the_pipeline(tmp_path, io_small_options, monkeypatch, op, 
     with FaultInjectingEngine(io_small_options(), FaultPlan(), backend=backend_kind) as eng:
         if op == "read":  # the file first, with the real copy
             eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))])
+        # Fault injection at the staging copy (undone below): no public seam (one would widen the API for tests only).
         monkeypatch.setattr(engine_mod, "_copy", copy)
         data = host_tensor(FAILED, "aligned+64", gen=torch.Generator().manual_seed(11))
         with pytest.raises(RuntimeError, match="injected"):
@@ -772,36 +774,6 @@ def test_an_interruption_that_skipped_the_cleanup_is_caught_at_the_next_call(tmp
 # ---------------------------------------------------------------------------
 # Hostile paths: symbolic links and special files where a data file should be
 # ---------------------------------------------------------------------------
-def plant(kind: str, path: Path, target: Path) -> object:
-    """Put a ``kind`` at ``path`` (``target``: an innocent regular file). Returns what must stay
-    alive while the test runs (a listening socket)."""
-    if kind == "symlink":
-        path.symlink_to(target)
-    elif kind == "dangling symlink":
-        path.symlink_to(target.with_name("nothing-here"))
-    elif kind == "directory":
-        path.mkdir()
-    elif kind == "FIFO":
-        os.mkfifo(path)
-    elif kind == "FIFO with a reader":
-        os.mkfifo(path)
-        return os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    elif kind == "socket":
-        sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(path))
-        sock.listen()
-        return sock
-    elif kind == "character device":
-        try:
-            os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # /dev/null
-        except PermissionError:
-            pytest.skip("mknod needs CAP_MKNOD")
-    return None
-
-
-HOSTILE = ["symlink", "dangling symlink", "directory", "FIFO", "FIFO with a reader", "socket", "character device"]
-
-
 @pytest.mark.parametrize("kind", HOSTILE)
 def test_write_refuses_what_is_not_a_regular_file_and_touches_nothing(backend, tmp_path, io_small_options, kind):
     """A planted link or special file is refused with a typed error before any I/O or

@@ -1,18 +1,17 @@
 """The KvikIO (GDS) engine, gdswriter/engines/kvikio.py.
 
-On a GPU machine with KvikIO, the engine contract suite's cases (imported from
-test_engine_contract.py) run against the real engine with every span in CUDA memory, and
-with CUDA and host spans mixed in one file. Everywhere, the same cases run against the
-engine's device path with a stand-in for KvikIO (tests/_fake_kvikio.py: KvikIO cannot
-even import without an NVIDIA driver) and host tensors taken for device memory, and the
-adapter's own logic is tested: the I/O plan, which path really runs, error mapping,
-durability, mixed files, engine selection.
+The engine contract suite (test_engine_contract.py) runs its cases against this engine too
+(support/engines.py's KVIKIO_KINDS): everywhere against the engine's device path with a
+stand-in for KvikIO (tests/support/fake_kvikio.py: KvikIO cannot even import without an
+NVIDIA driver) and host tensors taken for device memory; on a GPU machine with KvikIO
+against the real engine with every span in CUDA memory, and with CUDA and host spans mixed
+in one file. Here, the adapter's own logic is tested: the I/O plan, which path really runs,
+error mapping, durability, mixed files, engine selection.
 """
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import random
 import sys
@@ -20,29 +19,13 @@ import sys
 import crc32c
 import pytest
 import torch
-from _fake_kvikio import CompatMode, FakeKvikio
-from test_engine_contract import (  # noqa: F401 - imported test cases run here with this module's make_engine
-    disk,
-    image,
-    rand,
-    test_bad_spans_rejected,
-    test_close_is_idempotent_and_context_manager,
-    test_empty_span_list,
-    test_engine_reused_across_many_files,
-    test_gaps_and_explicit_size,
-    test_large_spans_in_every_memory_kind,
-    test_not_durable_write,
-    test_read_subset_of_spans,
-    test_read_unaligned_ranges,
-    test_rewrite_truncates,
-    test_single_span_roundtrip,
-    test_size_smaller_than_spans_is_rejected,
-)
-
-from test_engine_faults import HOSTILE, deadline, plant
+from support.engines import (HOSTILE, disk, image, install_fake_kvikio, isolate_from_host, kvikio_importable, plant,
+                             pretend_cuda, rand)
+from support.fake_kvikio import CompatMode, FakeKvikio
+from support.timeouts import deadline
 
 import gdswriter.engines.kvikio as gds
-from gdswriter.engines.base import ReadSpan, WriteSpan, check_spans
+from gdswriter.engines.base import ReadSpan, WriteSpan
 from gdswriter.engines.select import create_engine
 from gdswriter.errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOError, EngineUnavailableError,
                               NotRegularFileError, TruncatedFileError)
@@ -52,127 +35,15 @@ from gdswriter.options import ALIGN, EngineOptions, KiB, MiB
 HAS_CUDA = torch.cuda.is_available()
 
 
-def _kvikio_importable() -> bool:
-    try:
-        gds.import_kvikio()
-        return True
-    except EngineUnavailableError:
-        return False
-
-
-GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
-
-
-# ---------------------------------------------------------------------------
-# Fixtures
-# ---------------------------------------------------------------------------
-def isolate_from_host(monkeypatch, tmp_path, *, nvidia_fs: bool = False, cufile: dict | None = None) -> None:
-    """Point the engine's probes at test files instead of this machine's /proc, /dev and /etc."""
-    proc = tmp_path / "nvidia-fs-version"
-    if nvidia_fs:
-        proc.write_text("version: 2.26.6\n")
-    monkeypatch.setattr(gds, "NVIDIA_FS_PROC", str(proc))
-    monkeypatch.setattr(gds, "NVIDIA_FS_DEV", str(tmp_path / "no-such-dev-nvidia-fs*"))
-    cf = tmp_path / "cufile.json"
-    if cufile is not None:
-        cf.write_text(json.dumps(cufile))
-    monkeypatch.setattr(gds, "CUFILE_JSON_DEFAULT", str(cf))
-    monkeypatch.delenv("CUFILE_ENV_PATH_JSON", raising=False)
-    monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
-    monkeypatch.delenv("KVIKIO_TASK_SIZE", raising=False)
-
-
 @pytest.fixture
 def fake(monkeypatch, tmp_path):
     """KvikIO in compat mode (no nvidia-fs, cuFile says no GDS), host tensors taken for device memory."""
-    f = FakeKvikio()
-    f.install(monkeypatch)
-    isolate_from_host(monkeypatch, tmp_path)
-    monkeypatch.setattr(gds, "_on_gpu", lambda t: True)
-    return f
+    return install_fake_kvikio(monkeypatch, tmp_path)
 
 
 def fake_gds(monkeypatch, tmp_path, **kw) -> FakeKvikio:
     """KvikIO in GDS mode: nvidia-fs loaded, cuFile says GDS works."""
-    f = FakeKvikio(gds_available=True, **kw)
-    f.install(monkeypatch)
-    isolate_from_host(monkeypatch, tmp_path, nvidia_fs=True)
-    monkeypatch.setattr(gds, "_on_gpu", lambda t: True)
-    return f
-
-
-class CudaMemory:
-    """The engine seen through host tensors: each span is copied to CUDA memory (with
-    ``mixed``, every other span stays in host memory) before the engine sees it, and read
-    spans are copied back. Runs the contract's host-tensor cases on the device path."""
-
-    def __init__(self, engine, *, mixed: bool):
-        self.engine, self.mixed = engine, mixed
-
-    def _device(self, i: int) -> str:
-        return "cpu" if self.mixed and i % 2 else "cuda"
-
-    def write_file(self, path, spans, *, size=None, durable=True):
-        check_spans(spans)
-        moved = [WriteSpan(s.offset, s.data.to(self._device(i))) for i, s in enumerate(spans)]
-        return self.engine.write_file(path, moved, size=size, durable=durable)
-
-    def read_file(self, path, spans):
-        check_spans(spans)
-        moved = [ReadSpan(s.offset, s.out.to(self._device(i))) for i, s in enumerate(spans)]
-        crcs = self.engine.read_file(path, moved)
-        for s, m in zip(spans, moved):
-            s.out.copy_(m.out)
-        return crcs
-
-    @property
-    def info(self):
-        return self.engine.info
-
-    def close(self):
-        self.engine.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-# fake-device: the KvikIO engine's device path with the stand-in, host tensors taken for device
-# memory. On a GPU: the KvikIO engine with CUDA spans, and mixed CUDA + host spans; and
-# gdswriter's own engines with CUDA spans (pinned staging, D2H/H2D copies).
-KINDS = ["fake-device", pytest.param("cuda", marks=GPU), pytest.param("cuda-mixed", marks=GPU),
-         pytest.param("cuda-io_uring", marks=GPU), pytest.param("cuda-posix", marks=GPU)]
-
-
-@pytest.fixture(params=KINDS)
-def make_engine(request, io_small_options, monkeypatch, tmp_path):
-    """make_engine(**option_overrides): an engine of this kind, for the imported contract cases."""
-    kind = request.param
-    if kind == "fake-device":
-        request.getfixturevalue("fake")
-    elif kind in ("cuda", "cuda-mixed") and not _kvikio_importable():
-        pytest.skip("KvikIO is not installed (pip install 'gdswriter[gds-cu13]')")
-    made = []
-
-    def make(**overrides):
-        opts = io_small_options(**overrides)
-        if kind == "cuda-io_uring":
-            eng = IoUringEngine(opts)
-        elif kind == "cuda-posix":
-            eng = PosixEngine(opts)
-        else:
-            eng = gds.GdsEngine(opts, host_engine=lambda: PosixEngine(opts))
-        wrapped = eng if kind == "fake-device" else CudaMemory(eng, mixed=kind == "cuda-mixed")
-        made.append(wrapped)
-        return wrapped
-
-    # The contract's cases expect O_DIRECT exactly from kinds named like gdswriter's engines.
-    make.kind = kind.removeprefix("cuda-") if kind in ("cuda-io_uring", "cuda-posix") else kind
-    yield make
-    for e in made:
-        e.close()
+    return install_fake_kvikio(monkeypatch, tmp_path, gds_available=True, **kw)
 
 
 @pytest.fixture
@@ -496,6 +367,7 @@ def test_mixed_file_device_and_host_spans(monkeypatch, tmp_path, gen):
     device = {s.data.data_ptr() for s in spans[::2]}
     outs = [ReadSpan(s.offset, torch.zeros_like(s.data)) for s in spans]
     device |= {o.out.data_ptr() for o in outs[::2]}
+    # Which spans count as device memory (no CUDA here): decided by _on_gpu alone, no public seam.
     monkeypatch.setattr(gds, "_on_gpu", lambda t: t.data_ptr() in device)
     with gds.GdsEngine(small_options(), host_engine=lambda: pytest.fail("a mixed file went to the host engine")) as eng:
         write_and_check(eng, tmp_path / "m.bin", spans)
@@ -508,14 +380,14 @@ def test_mixed_file_device_and_host_spans(monkeypatch, tmp_path, gen):
 # Engine selection
 # ---------------------------------------------------------------------------
 def test_auto_without_cuda_is_gdswriters_own_engine(fake, monkeypatch):
-    monkeypatch.setattr(gds, "_cuda_available", lambda: False)
+    pretend_cuda(monkeypatch, False)
     with create_engine(small_options(engine="auto")) as eng:
         assert eng.info.name in ("io_uring", "posix") and eng.info.cuda_path == "staged"
         assert "GPUDirect" not in eng.info.reason
 
 
 def test_auto_on_a_gpu_without_gds_takes_the_pinned_path_and_says_why(fake, monkeypatch):
-    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    pretend_cuda(monkeypatch, True)
     with create_engine(small_options(engine="auto")) as eng:
         assert isinstance(eng, (IoUringEngine, PosixEngine))
         assert "GPUDirect Storage unavailable" in eng.info.reason and "nvidia-fs" in eng.info.reason
@@ -523,7 +395,7 @@ def test_auto_on_a_gpu_without_gds_takes_the_pinned_path_and_says_why(fake, monk
 
 def test_auto_takes_gds_where_it_truly_works(monkeypatch, tmp_path, gen):
     fake_gds(monkeypatch, tmp_path)
-    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    pretend_cuda(monkeypatch, True)
     with create_engine(small_options(engine="auto")) as eng:
         assert isinstance(eng, gds.GdsEngine) and eng.info.name == "gds" and eng.info.gpu_direct
     monkeypatch.setenv("GDSWRITER_ENGINE", "io_uring")  # the user's override wins
@@ -535,7 +407,7 @@ def test_auto_takes_gds_where_it_truly_works(monkeypatch, tmp_path, gen):
 def test_gds_status_is_collected_once_per_engine(monkeypatch, tmp_path, engine):
     """auto's probe hands the status it collected to the engine rather than both asking KvikIO."""
     fake_gds(monkeypatch, tmp_path)
-    monkeypatch.setattr(gds, "_cuda_available", lambda: True)
+    pretend_cuda(monkeypatch, True)
     calls = []
     real = gds.gds_status
     monkeypatch.setattr(gds, "gds_status", lambda *a: calls.append(a) or real(*a))
@@ -590,7 +462,7 @@ def test_writes_wait_for_the_producing_stream(tmp_path):
     checkpointer's worker gets them): the file holds the final bytes, not the earlier zeros."""
     import threading
 
-    if not _kvikio_importable():
+    if not kvikio_importable():
         pytest.skip("KvikIO is not installed")
     n = 64 << 20
     t = torch.zeros(n, dtype=torch.uint8, device="cuda")
@@ -618,7 +490,7 @@ def test_writes_wait_for_the_producing_stream(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_real_kvikio_reports_the_path_it_takes():
-    if not _kvikio_importable():
+    if not kvikio_importable():
         pytest.skip("KvikIO is not installed")
     status = gds.gds_status()
     with create_engine(EngineOptions(engine="kvikio")) as eng:

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a CUDA device")
 
 
+@pytest.mark.slow  # about 14 s: the whole GPU check script, doctor included
 def test_gpu_check_without_cuda_skips_gpu_sections_and_exits_0(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GDS_DOCTOR_TEST_SIZE": "2M",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _trees import assert_same_tree
+from support.trees import assert_same_tree
 
 L = pytest.importorskip("lightning")
 from lightning.fabric.utilities.data import AttributeDict  # noqa: E402
@@ -279,6 +279,7 @@ def test_a_save_outside_a_trainer_returns_once_the_tensors_are_copied(tmp_path, 
 
     gate = threading.Event()
     real = snapshot_pool._copy_all
+    # Holding the copier, the snapshot pool's own thread: no public hook (one would widen the API for tests only).
     monkeypatch.setattr(snapshot_pool, "_copy_all", lambda *a: (gate.wait(60), real(*a)))
     w = torch.arange(2 * 1024 * 1024, dtype=torch.float32)  # 8 MiB
     want = w.clone()

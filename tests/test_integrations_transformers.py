@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from _trees import assert_same_tree
+from support.trees import assert_same_tree
 
 transformers = pytest.importorskip("transformers")
 

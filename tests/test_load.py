@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-import _models as M
+from support import models as M
 import gdswriter.load.policy as policy_mod
 from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, InvalidOptionError,
                        LoadResult, NothingToLoadError, ReadOnlyRootError, StateMismatchError, load_state)

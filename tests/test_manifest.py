@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
-import _models as M
+from support import models as M
 import gdswriter.load.reader as reader_mod
 import gdswriter.save.writer as writer_mod
 from gdswriter import (CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, UnsupportedObjectError,

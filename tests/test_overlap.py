@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-import _models as M
+from support import models as M
 from gdswriter import EngineIOError, GDSCheckpointer, UnsupportedObjectError, load_state
 from gdswriter.save import pool as snapshot_pool
 from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
@@ -110,6 +110,7 @@ def hold_copier(monkeypatch) -> Gate:
     """The host pool's copier waits until the returned gate is set."""
     gate = Gate()
     real = snapshot_pool._copy_all
+    # Holding the copier, the snapshot pool's own thread: no public hook (one would widen the API for tests only).
     monkeypatch.setattr(snapshot_pool, "_copy_all", lambda *a: (gate.wait(60), real(*a)))
     return gate
 
@@ -468,6 +469,7 @@ def test_a_failing_copy_aborts_the_save_with_its_own_error(tmp_path, monkeypatch
             raise MemoryError("injected copy failure")
         real(buf, at, src)
 
+    # Fault injection at the copier: no public seam, and adding one would widen the API for tests only.
     monkeypatch.setattr(snapshot_pool, "_copy_in", flaky)
     model, opt = build()
     train(model, opt, 1)
@@ -549,7 +551,7 @@ def test_close_with_saves_in_flight_finishes_them(tmp_path):
 
 EXIT_CHILD = textwrap.dedent("""
     import sys, time
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     base = M.crash_base(8 << 20)
     handles = []
@@ -579,7 +581,7 @@ def test_interpreter_exit_finishes_saves_in_flight(tmp_path):
 
 CLOSE_CHILD = textwrap.dedent("""
     import sys, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     ck = GDSCheckpointer({"w": torch.ones(10)}, None, sys.argv[1], options=M.small_options())
     ck.save(1)
@@ -599,7 +601,7 @@ def test_exit_right_after_close_is_clean(tmp_path):
 
 FORK_CHILD = textwrap.dedent("""
     import os, sys, time, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     ck = GDSCheckpointer({"w": torch.ones(100_000)}, None, sys.argv[1], options=M.small_options())
     for e in ck.engines:
@@ -629,7 +631,7 @@ def test_a_forked_child_does_not_wait_for_the_parents_saves(tmp_path):
 KILL_CHILD = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     root = sys.argv[1]
     base = M.crash_base(32 << 20)
@@ -679,7 +681,7 @@ def test_sigkill_during_a_pipelined_save_keeps_the_previous_step(tmp_path, delay
 # ----------------------------------------------------------------------------- memory
 RSS_CHILD = textwrap.dedent("""
     import os, sys, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     page = os.sysconf("SC_PAGE_SIZE")
     rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page
@@ -779,6 +781,7 @@ def test_copies_checksummed_after_the_copy_get_their_checksums_from_the_pool(tmp
     piece computes its chunks' crc32c from the pool once the engine finds it ready. Here the
     host copies take that path (the copier reports no checksum); the step must verify."""
     real = snapshot_pool._copy_in
+    # The GPU copies' path (the copier gives no checksum) on host tensors: the copier is internal, no public seam.
     monkeypatch.setattr(snapshot_pool, "_copy_in", lambda buf, at, src: (real(buf, at, src), None)[1])
     model, opt = build()
     train(model, opt, 1)
@@ -802,6 +805,7 @@ def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
     earlier piece: without the chunk-by-chunk pipeline (writing only after the whole copy)
     that would never happen."""
     freed = threading.Event()
+    # Watching pieces being freed and allocated inside the pool (here and below): internal to save/pool.py, no seam.
     real_release = snapshot_pool._Piece.release
     monkeypatch.setattr(snapshot_pool._Piece, "release", lambda self: (freed.set(), real_release(self))[1])
     order = []
@@ -817,6 +821,7 @@ def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
             seen.append(freed.wait(30))
         real_copy(buf, at, src)
 
+    # Holding the copier at one copy: the copier is internal to the pool, no public seam.
     monkeypatch.setattr(snapshot_pool, "_copy_in", copy_in)
     monkeypatch.setattr(snapshot_pool, "PIECE_MAX", 1 * MiB)  # pieces of 1 MiB; the pool holds all of them
     base = M.crash_base(8 << 20)
@@ -833,6 +838,7 @@ def test_save_async_copies_nothing_on_the_callers_thread(tmp_path, monkeypatch):
     """The bytes move on the copier thread; save_async returns while the copier is held."""
     threads = set()
     real = snapshot_pool._copy_in
+    # Which thread copies shows only at the copier: internal to the pool, no public seam.
     monkeypatch.setattr(snapshot_pool, "_copy_in",
                         lambda b, at, src: (threads.add(threading.current_thread().name), real(b, at, src))[1])
     gate = hold_copier(monkeypatch)
@@ -912,7 +918,7 @@ def test_overlapping_views_none_covering_the_others(tmp_path):
 
 NO_CUDA_CHILD = textwrap.dedent("""
     import sys, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     ck = GDSCheckpointer(M.build(0)[0], None, sys.argv[1], options=M.small_options())
     ck.engines  # the engines' staging pools are not the snapshot path's business

@@ -17,7 +17,7 @@ from gdswriter.errors import EngineIOError
 from gdswriter.engines import staged as staged_module
 from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
 from gdswriter.options import ALIGN, KiB, MiB
-from test_engine_contract import BUFFER, ENGINES, _build
+from support.engines import BUFFER, ENGINES, build_engine
 
 WAIT_S = 30
 
@@ -114,7 +114,7 @@ def guarded_spans(gen, limit_extra: int, fail_at=None):
 @pytest.mark.parametrize("engine_kind", ENGINES)
 def test_guarded_spans_are_read_only_when_ready_and_released_in_time(tmp_path, io_small_options, engine_kind):
     gen = torch.Generator().manual_seed(7)
-    eng = _build(engine_kind, io_small_options)
+    eng = build_engine(engine_kind, io_small_options)
     try:
         assert eng.honours_span_guards
         prod, spans, offsets, sources = guarded_spans(gen, 2 * BUFFER)
@@ -140,7 +140,7 @@ def test_failures_release_every_guard(tmp_path, io_small_options, fail):
         prod, spans, _, _ = guarded_spans(gen, 2 * BUFFER)
         expect = EngineIOError
     else:
-        eng = _build("io_uring", io_small_options)
+        eng = build_engine("io_uring", io_small_options)
         prod, spans, _, _ = guarded_spans(gen, 2 * BUFFER, fail_at=4)
         expect = RuntimeError
     try:
@@ -165,9 +165,10 @@ def test_spans_whose_checksum_the_producer_keeps_are_written_but_not_checksummed
     io_uring/POSIX engines spend no checksum on it, whether written zero-copy or staged."""
     summed = []
     real = staged_module._crc
+    # Counting the bytes checksummed: the engines' crc32c is internal to them, no public seam.
     monkeypatch.setattr(staged_module, "_crc", lambda view, crc: (summed.append(len(view)), real(view, crc))[1])
     gen = torch.Generator().manual_seed(9)
-    eng = _build(engine_kind, io_small_options)
+    eng = build_engine(engine_kind, io_small_options)
     try:
         prod, spans, offsets, sources = guarded_spans(gen, 2 * BUFFER)
         keep = [k % 3 != 0 for k in range(len(spans))]  # the producer keeps two spans' checksums in three

@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _models as M
+from support import models as M
 import pytest
 import torch
 from powerloss import model as pm
@@ -578,6 +578,7 @@ def _short(path: str) -> str:
     return re.sub(r"(\.(?:tmp|trash)-[^/]*?)-[0-9]+-[0-9a-f]{8}|-[0-9a-f]{8}$", r"\1", path)
 
 
+@pytest.mark.slow  # minutes in all: run with -m slow (.ci/run does)
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_power_cut_at_every_sync_and_at_random(tmp_path, app, scenario, monkeypatch):
     for knob, value in (("BUFFER_BYTES", "256K"), ("NUM_BUFFERS", "3"), ("REQUEST_BYTES", "64K")):

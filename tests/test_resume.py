@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-import _models as M
+from support import models as M
 from gdswriter import GDSCheckpointer, load_state
 
 TESTS = Path(__file__).resolve().parent
@@ -35,7 +35,7 @@ RESUME_CHILD = textwrap.dedent("""
     import sys, random
     import numpy as np
     import torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
 
     root, out = sys.argv[1], sys.argv[2]

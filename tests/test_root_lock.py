@@ -12,7 +12,7 @@ import sys
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from _models import small_options
+from support.models import small_options
 from gdswriter import GDSCheckpointer, load_state
 from gdswriter.format.commit import LOCK_NAME
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import _models as M
+from support import models as M
 from gdswriter import EngineIOError, GDSCheckpointer, load_state
 from gdswriter import checkpointer as checkpointer_mod
 from gdswriter.save import snapshot as snapshot_mod
@@ -57,7 +57,7 @@ def failing_writes(ck, monkeypatch, errnos: list[int], gate: threading.Event | N
 RING_CHILD = """
     import errno, os, sys
     from concurrent.futures import TimeoutError as FutureTimeout
-    import _models as M
+    from support import models as M
     from gdswriter import EngineIOError, GDSCheckpointer, create_engine, load_state
     from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
     from gdswriter.options import KiB, MiB
@@ -100,7 +100,7 @@ def test_a_root_failing_while_the_others_wait_for_the_pool_fails_the_save(tmp_pa
 # ----------------------------------------------------------------------------- 2: exit
 EXIT_CHILD = """
     import errno, sys, torch
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
     opts = M.small_options()
@@ -125,7 +125,7 @@ def test_a_failed_save_nobody_asked_about_is_logged_at_exit(tmp_path):
 # ----------------------------------------------------------------------------- 3: thread start
 THREAD_CHILD = """
     import sys, threading
-    import _models as M
+    from support import models as M
     from gdswriter import GDSCheckpointer
     from gdswriter.errors import GDSWriterError
     model, opt, sched, _ = M.build(0, scaler=False)
@@ -295,7 +295,7 @@ def test_on_busy_skip_is_refused_with_several_ranks(tmp_path):
     skip on their own would save different steps."""
     proc = run_child("""
         import sys, torch, torch.distributed as dist
-        import _models as M
+        from support import models as M
         from gdswriter import GDSCheckpointer
         from gdswriter.distributed import DistOptions
         from gdswriter.errors import InvalidOptionError

@@ -12,7 +12,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-import _models as M
+from support import models as M
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -197,6 +197,7 @@ def test_lagging_root_piece_is_not_overwritten_before_it_is_written(tmp_path: Pa
         watch.order, watch.capacity = list(order), capacity
         watch.lagging = [p for p in order if p.root == 1][-1]
 
+    # Watching the pool's pieces and their allocation: internal to save/pool.py, no public seam.
     monkeypatch.setattr(snapshot_pool, "_Piece", WatchedPiece)
     monkeypatch.setattr(snapshot_pool, "_allocate", allocate)
 
@@ -207,6 +208,7 @@ def test_lagging_root_piece_is_not_overwritten_before_it_is_written(tmp_path: Pa
     roots = [tmp_path / "a", tmp_path / "b"]
     with GDSCheckpointer(state, None, roots, options=M.small_options(snapshot="host",
                                                                       snapshot_pool_bytes=2 * MiB)) as ck:
+        # A plan that makes one root lag: the session takes no plan from outside (an argument for tests only).
         monkeypatch.setattr(ck._session, "_new_plan", lambda sizes, devices, targets: plan)
         e0, e1 = ck.engines
         root0_files = sum(1 for f in plan.files if f.target.root == 0)

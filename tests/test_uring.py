@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import os
-import signal
 import threading
 
 import pytest
@@ -17,7 +15,8 @@ from gdswriter.engines import uring
 from gdswriter.engines.buffers import AlignedBufferPool
 from gdswriter.engines.staged import IoUringEngine
 from gdswriter.options import KiB, MiB
-from test_engine_contract import host_tensor
+from support.engines import host_tensor
+from support.timeouts import deadline
 
 _why = uring.probe()
 pytestmark = pytest.mark.skipif(_why is not None, reason=f"io_uring unavailable: {_why}")
@@ -224,31 +223,10 @@ def test_engine_keeps_more_requests_than_ring_entries_in_its_backlog(tmp_path, m
 # ---------------------------------------------------------------------------
 # Failures of io_uring_enter, on a real ring: the syscall is wrapped, the kernel is real.
 # ---------------------------------------------------------------------------
-class Hung(BaseException):
-    """Raised by ``deadline`` (a BaseException: no ``except Exception`` swallows it)."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Fail instead of hanging when the body runs longer than ``seconds`` (a spin, a lost wakeup).
-    A limit on the test, not a timed assert: the body is expected to take a fraction of it.
-    Raised again every second after that: cleanup code that outlasts a few interruptions
-    gives up too."""
-    def on_alarm(signum, frame):
-        raise Hung(f"still running after {seconds} s: a spin or a hang")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 @pytest.fixture
 def fast_backoff(monkeypatch):
     """Keep the bounded retries of a stalled ring short in tests."""
+    # Short ring backoff: module constants, not options (an option would widen EngineOptions for tests only).
     monkeypatch.setattr(uring, "_BACKOFF_S", 1e-4)
     monkeypatch.setattr(uring, "_BACKOFF_MAX_S", 1e-3)
 

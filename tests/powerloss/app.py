@@ -70,7 +70,7 @@ def run_actions(roots: list[str], actions: list[list], options: dict, progress, 
                 rank: int = 0) -> None:
     """Run the job's actions; ``workdir`` (outside the mount) holds the job's own files. In a
     job of several ranks (a process group is up) every rank saves, rank 0 alone exports."""
-    import _models as M
+    from support import models as M
 
     from gdswriter import GDSCheckpointer
     from gdswriter.export import export_step
