@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.ranks import run_ranks
+from support.ranks import caught, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -39,13 +39,6 @@ def _model(seed: int):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 16))
 
-
-def _caught(fn) -> list[str] | None:
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - the test looks at what each rank got
-        return [type(e).__name__, str(e)]
-    return None
 
 
 def _same(model, seed: int) -> bool:
@@ -71,13 +64,13 @@ def _swap_worker(rank: int, world: int, roots: list[str], job: str) -> dict:
             ck.save(2)
         return {}
     if job == "refused":
-        out = {"open": _caught(lambda: GDSCheckpointer(_model(0), root=roots[rank], options=_options(),
+        out = {"open": caught(lambda: GDSCheckpointer(_model(0), root=roots[rank], options=_options(),
                                                        dist_options=_dist_options()).close())}
         return out
     if job == "foreign":  # re-save step 2 where a secondary step_2 is another checkpoint's
         model = _model(3)
         with GDSCheckpointer(model, root=roots[rank], options=_options(), dist_options=_dist_options()) as ck:
-            return {"resave": _caught(lambda: ck.save(2)), "steps": ck.steps()}
+            return {"resave": caught(lambda: ck.save(2)), "steps": ck.steps()}
     # job 2: restarted with rank 0 on the node that was rank 1's
     model = _model(0)
     ck = GDSCheckpointer(model, root=roots[rank], options=_options(), dist_options=_dist_options())
@@ -85,13 +78,13 @@ def _swap_worker(rank: int, world: int, roots: list[str], job: str) -> dict:
     out["loaded"] = ck.load()
     out["equal2"] = _same(model, 2)
     model.load_state_dict(_model(3).state_dict())
-    out["resave"] = _caught(lambda: ck.save(2))  # a step the old run also saved
+    out["resave"] = caught(lambda: ck.save(2))  # a step the old run also saved
     model.load_state_dict(_model(4).state_dict())
-    out["save4"] = _caught(lambda: ck.save(4))
+    out["save4"] = caught(lambda: ck.save(4))
     out["after"] = ck.steps()
     ck.options = replace(ck.options, keep_last=3)  # retention runs on the primary's rank
     model.load_state_dict(_model(5).state_dict())
-    out["save5"] = _caught(lambda: ck.save(5))
+    out["save5"] = caught(lambda: ck.save(5))
     out["kept"] = ck.steps()
     ck.close()
     return out
@@ -177,7 +170,7 @@ def _dcp_worker(rank: int, world: int, roots: list[str], save: bool) -> dict:
     sd = {"rep": torch.arange(300_000.0)}  # 1.2 MB
     writer = GDSStorageWriter(roots[rank], 1 if save else 2, options=CheckpointOptions(engine=small_engine()),
                               dist_options=_dist_options())
-    return {"save": _caught(lambda: dcp.save(sd, storage_writer=writer))}
+    return {"save": caught(lambda: dcp.save(sd, storage_writer=writer))}
 
 
 def test_dcp_save_with_rank_0_on_the_other_node_is_refused(tmp_path):
@@ -200,7 +193,7 @@ def _dcp_load_worker(rank: int, world: int, roots: list[str]) -> dict:
 
     sd = {"rep": torch.zeros(300_000)}
     reader = GDSStorageReader(roots[rank], engine_options=small_engine(), dist_options=_dist_options())
-    error = _caught(lambda: dcp.load(sd, storage_reader=reader))
+    error = caught(lambda: dcp.load(sd, storage_reader=reader))
     return {"load": error, "same": error is None and torch.equal(sd["rep"], torch.arange(300_000.0))}
 
 
@@ -221,7 +214,7 @@ def _copied_worker(rank: int, world: int, roots: list[str]) -> dict:
 
     model = _model(1)
     ck = GDSCheckpointer(model, root=roots[rank], options=_options(), dist_options=_dist_options())
-    out = {"save": _caught(lambda: ck.save(1)), "steps": ck.steps()}
+    out = {"save": caught(lambda: ck.save(1)), "steps": ck.steps()}
     ck.close()
     return out
 

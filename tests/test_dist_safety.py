@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.ranks import run_ranks
+from support.ranks import caught, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -38,14 +38,6 @@ def _model(seed: int = 0):
     return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32))
 
 
-def _caught(fn) -> list[str] | None:
-    """[type name, message] of what ``fn`` raised (DCP raises a BaseException), None if nothing."""
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - the test looks at what each rank got
-        return [type(e).__name__, str(e)]
-    return None
-
 
 def _storage_bytes(root: Path, m, rec) -> bytes:
     """A tensor record's bytes, read from the data files as the manifest places them."""
@@ -68,7 +60,7 @@ def _out_of_step_worker(rank: int, world: int, roots: list[str]) -> dict:
     ck = GDSCheckpointer(model, root=roots[rank], options=_options(), dist_options=_dist_options())
     ck.save(1)
     # as after a per-rank on_busy="skip", or a save_async that raised on one rank only
-    raised = _caught(lambda: ck.save(2 if rank == 0 else 3))
+    raised = caught(lambda: ck.save(2 if rank == 0 else 3))
     after = ck.steps()
     ck.save(4)  # ranks that raised together are in step again
     result = {"raised": raised, "after": after, "steps": ck.steps()}
@@ -141,7 +133,7 @@ def _node_local_worker(rank: int, world: int, roots: list[str], save: bool) -> d
     def open_roots():
         GDSCheckpointer(model, root=roots[rank], options=_options(), dist_options=_dist_options()).close()
 
-    raised = _caught(open_roots)
+    raised = caught(open_roots)
     RootLock([Path(roots[rank])]).release()  # the failed open released its lock
     return {"raised": raised}
 
@@ -241,12 +233,12 @@ def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
     good = str(Path(tmp, "good"))
     # a root that cannot be created, on one rank only (before: the others waited in the group's creation)
     bad = str(Path(tmp, "a-file", "ckpt")) if rank == 1 else good
-    out["open"] = _caught(lambda: GDSCheckpointer(_model(), root=bad, options=_options(),
+    out["open"] = caught(lambda: GDSCheckpointer(_model(), root=bad, options=_options(),
                                                   dist_options=_dist_options()))
     # DCP's rank differs from the writer's group on one rank (before: the others waited in open_session)
     w = GDSStorageWriter(Path(tmp, "dcp"), options=CheckpointOptions(engine=small_engine()),
                          dist_options=_dist_options())
-    out["set_up"] = _caught(lambda: w.set_up_storage_writer(rank == 0, rank=rank if rank == 0 else 7))
+    out["set_up"] = caught(lambda: w.set_up_storage_writer(rank == 0, rank=rank if rank == 0 else 7))
     w.close()
     sd = {"rep": torch.arange(5000.0)}
     dcp.save(sd, storage_writer=w)  # the coordination group still works
@@ -258,7 +250,7 @@ def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
     def policy(steps, newest):
         raise ValueError("a broken retention policy")
 
-    out["retention"] = _caught(lambda: ck._session.apply_retention(1, policy))
+    out["retention"] = caught(lambda: ck._session.apply_retention(1, policy))
     ck.save(2)
     out["steps"] = ck.steps()
     ck.close()
@@ -269,7 +261,7 @@ def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
 
         dcp_mod.host_buffer = no_memory
     back = {"rep": torch.zeros(5000)}
-    out["read"] = _caught(lambda: dcp.load(back, storage_reader=GDSStorageReader(
+    out["read"] = caught(lambda: dcp.load(back, storage_reader=GDSStorageReader(
         Path(tmp, "dcp"), engine_options=small_engine(), dist_options=_dist_options())))
     return out
 
@@ -314,7 +306,7 @@ def test_a_dcp_save_that_never_finishes_releases_its_lock(tmp_path):
     for release in ("reset", "gc"):
         w = writer(1)
         w.finish = stopped  # what DCP does when a rank fails after write_data: finish never runs
-        assert "DCP failed before finish" in _caught(lambda: dcp.save(sd, storage_writer=w, no_dist=True))[1]
+        assert "DCP failed before finish" in caught(lambda: dcp.save(sd, storage_writer=w, no_dist=True))[1]
         assert w._session is not None, "the save still holds the lock"
         if release == "reset":
             w.reset()

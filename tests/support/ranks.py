@@ -69,3 +69,13 @@ def run_ranks(world: int, fn: Callable, *args: Any, out: Path, killed: tuple[int
     codes = [p.exitcode for p in procs]
     assert codes == [-9 if r in killed else 0 for r in range(world)], codes
     return [None if r in killed else json.loads((out / f"result-{r}.json").read_text()) for r in range(world)]
+
+
+def caught(fn: Callable[[], Any]) -> list[str] | None:
+    """[type name, message] of what ``fn`` raised (DCP raises a BaseException), None if nothing:
+    what a rank reports back to the test."""
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - the test looks at what each rank got
+        return [type(e).__name__, str(e)]
+    return None
