@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Sequence
 
-from . import __version__
+from ._version import __version__
 from .commands._common import EXIT_CORRUPT, EXIT_USAGE
 from .errors import UsageError
 from .errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, UnsupportedObjectError

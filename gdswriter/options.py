@@ -6,14 +6,15 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 from .errors import InvalidOptionError
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 ALIGN = 4096  # every direct request is aligned to this (covers 512 B and 4 KiB logical blocks)
 
-ENGINES = ("auto", "io_uring", "posix", "gds", "kvikio")
+EngineKind = Literal["auto", "io_uring", "posix", "gds", "kvikio"]
+ENGINES: tuple[str, ...] = get_args(EngineKind)
 
 
 def _env_bool(name: str, raw: str) -> bool:
@@ -58,7 +59,7 @@ class EngineOptions:
         the tensor and the file instead of through the staging buffers (half the CPU work).
     """
 
-    engine: str = "auto"
+    engine: EngineKind = "auto"
     queue_depth: int = 32
     request_bytes: int = 1 * MiB
     buffer_bytes: int = 16 * MiB
@@ -124,8 +125,10 @@ class EngineOptions:
         return cls(**values)
 
 
-SNAPSHOT_MODES = ("host", "live")
-BUSY_POLICIES = ("wait", "skip")
+SnapshotMode = Literal["host", "live"]
+BusyPolicy = Literal["wait", "skip"]
+SNAPSHOT_MODES: tuple[str, ...] = get_args(SnapshotMode)
+BUSY_POLICIES: tuple[str, ...] = get_args(BusyPolicy)
 
 
 def _env_word(name: str, default: str) -> str:
@@ -176,9 +179,9 @@ class CheckpointOptions:
     verify: bool = True
     files_per_root: int = 1
     engine: EngineOptions = field(default_factory=EngineOptions.from_env)
-    snapshot: str = field(default_factory=lambda: _env_word("GDSWRITER_SNAPSHOT", "host"))
+    snapshot: SnapshotMode = field(default_factory=lambda: _env_word("GDSWRITER_SNAPSHOT", "host"))
     snapshot_pool_bytes: int = field(default_factory=lambda: _env_size("GDSWRITER_SNAPSHOT_POOL_BYTES", 4 * GiB))
-    on_busy: str = "wait"
+    on_busy: BusyPolicy = "wait"
     stats_log_level: int = logging.DEBUG
 
     def __post_init__(self) -> None:

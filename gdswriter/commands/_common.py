@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UsageError
+from ..errors import CheckpointNotFoundError, UsageError
 from ..format.commit import CommitProtocol, step_dirs, normalize_roots, step_owner
 from ..format.manifest import Manifest
 
@@ -106,18 +106,6 @@ def numel(shape: Sequence[int]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def state_keys(m: Manifest) -> list[str] | None:
-    import torch
-
-    from ..format.state_codec import decode_state
-
-    try:
-        state = decode_state(m.state, [torch.empty(0)] * len(m.tensors))
-    except CorruptCheckpointError:
-        return None
-    return [str(k) for k in state] if isinstance(state, dict) else None
 
 
 def item_size(dtype_name: str) -> int:

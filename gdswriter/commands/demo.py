@@ -11,7 +11,7 @@ from pathlib import Path
 
 import crc32c as _crc32c
 
-from .. import __version__
+from .._version import __version__
 from ..tools.measure import cold, disk_reference, mem_available, mount_of
 from ..units import GiB, MiB, gbps, human, parse_size
 from ._common import EXIT_CORRUPT, EXIT_OK, UsageError, out, table, yes_no
@@ -169,7 +169,8 @@ def _duration(seconds: float) -> str:
 def _demo_checkpoint(root: Path, ckpt_size: int, opts, cache: dict) -> bool:
     import torch
 
-    from .. import CheckpointOptions, GDSCheckpointer
+    from ..checkpointer import GDSCheckpointer
+    from ..options import CheckpointOptions
 
     d = max(64, math.isqrt(max(ckpt_size // 16, 1)) // 64 * 64)  # 4 fp32 d x d layers ~ ckpt_size
     torch.manual_seed(0)

@@ -25,7 +25,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from .. import __version__
+    from .._version import __version__
     from ..tools.doctor import FAIL, OK, run_checks, worst
 
     findings = run_checks(args.dirs or ["."], test_bytes=parse_size(args.test_size), io_test=not args.no_io_test)

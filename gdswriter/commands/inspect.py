@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 from ..format.commit import CommitProtocol
+from ..load.reader import state_keys
 from ..units import human
 from ._common import (EXIT_OK, add_roots_argument, is_contiguous, item_size, load_manifest, numel, open_roots, out,
-                      state_keys, table, tensor_ranges, when)
+                      table, tensor_ranges, when)
 
 
 def register(sub) -> None:

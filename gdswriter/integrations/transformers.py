@@ -185,8 +185,7 @@ class GDSCheckpointing:
 
 def _saved_parts(root: Path) -> set[str]:
     """Top-level parts ("model", "optimizer", "extra"...) of the latest step under ``root``."""
-    from ..commands._common import state_keys
-    from ..load.reader import read_manifest
+    from ..load.reader import read_manifest, state_keys
 
     protocol = CommitProtocol([root])
     return set(state_keys(read_manifest(protocol, protocol.require(None))) or ())

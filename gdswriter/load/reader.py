@@ -260,3 +260,12 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
     for i, t in zip(wanted, views):
         out[i] = t
     return out
+
+
+def state_keys(m: Manifest) -> list[str] | None:
+    """The top-level keys of a step's state ("model", "optimizer", ...), None when it is no dict."""
+    try:
+        state = decode_state(m.state, [torch.empty(0)] * len(m.tensors))
+    except CorruptCheckpointError:
+        return None
+    return [str(k) for k in state] if isinstance(state, dict) else None

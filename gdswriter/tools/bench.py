@@ -401,7 +401,7 @@ class BenchResult:
                                "median": s.median, "min": s.min, "max": s.max,
                                "x_ceiling": self.ratio(m, kind, CEILING), "x_torch": self.ratio(m, kind, "torch")}
             methods[m] = entry
-        from .. import __version__
+        from .._version import __version__
 
         return {"gdswriter": __version__, "date": self.date, "host": self.host, "directory": self.directory,
                 "filesystem": self.filesystem, "bytes": self.bytes, "rounds": self.rounds,
@@ -613,7 +613,7 @@ def bar_chart(path: str | os.PathLike, groups: Sequence[str], series: dict[str, 
 
 def plot(result: BenchResult, path: str | os.PathLike) -> Path:
     """The bench's chart: save and load GB/s per method (median, min-max), ceiling as lines."""
-    from .. import __version__
+    from .._version import __version__
 
     methods = [m for m in result.methods if m != CEILING]
     ceiling = {f"disk ceiling write ({'fio' if result.ceiling == FIO_NAME else 'built-in'})":
