@@ -221,7 +221,7 @@ def gpu_direct_probe() -> GdsStatus | str:
     """The GdsStatus when true GDS can run here (for GdsEngine's ``status``: collected once),
     else why not. Cheap where it obviously cannot (no CUDA, or neither nvidia-fs nor P2PDMA):
     KvikIO is imported only when it might."""
-    if not _cuda_available():
+    if not cuda_available():
         return "no CUDA device"
     if nvidia_fs_driver() is None and not read_cufile_json().prop("use_pci_p2pdma", False):
         return "the nvidia-fs driver is not loaded (no /proc/driver/nvidia-fs, no /dev/nvidia-fs*)"
@@ -359,7 +359,7 @@ def _io_error(e: BaseException, path: str, offset: int, what: str) -> EngineIOEr
     return EngineIOError(code, path, offset, f"KvikIO {what}", hint)
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     """Whether this process sees a CUDA device (tests without a GPU redirect it)."""
     return torch.cuda.is_available()
 

@@ -84,7 +84,7 @@ def check_gpus() -> list[Finding]:
         data["driver"] = pynvml.nvmlSystemGetDriverVersion()
         v = pynvml.nvmlSystemGetCudaDriverVersion_v2()
         data["driver_cuda"] = f"{v // 1000}.{v % 1000 // 10}"
-    if not gds._cuda_available():
+    if not gds.cuda_available():
         why = "this torch build has no CUDA" if not torch.version.cuda else "no CUDA device visible to torch"
         return [Finding(MACHINE, "gpu", WARN, f"{why} (torch {torch.__version__}); CUDA checks skipped, CPU tensors go "
                                      f"through io_uring",
@@ -282,7 +282,7 @@ def check_target(target: Path, *, test_bytes: int, engines: Sequence[str], optio
     os.close(fd)
     os.unlink(probe)
     out = [Finding(name, "directory", OK, "writable")]
-    out += _file_system(target, name, gds._cuda_available())
+    out += _file_system(target, name, gds.cuda_available())
     out += _direct_io(target, name)
     for engine in engines:
         out.append(_io_test(target, name, engine, test_bytes, options))
@@ -364,7 +364,7 @@ def available_engines() -> list[str]:
     KvikIO on GPU machines where it imports."""
     names = ["io_uring"] if uring.probe() is None else []
     names.append("posix")
-    if gds._cuda_available():
+    if gds.cuda_available():
         with contextlib.suppress(GDSWriterError):
             gds.import_kvikio()
             names.append("kvikio")
@@ -418,7 +418,7 @@ def run_checks(targets: Sequence[str | os.PathLike], *, test_bytes: int = 64 * M
     """Every check, machine first, then each target directory."""
     options = options or EngineOptions.from_env()
     findings = check_gpus()
-    if gds._cuda_available():
+    if gds.cuda_available():
         findings += check_gds()
     findings += check_io_uring() + check_memlock(options) + check_thp() + check_auto_engine(options)
     engines = available_engines() if io_test else []

@@ -104,9 +104,9 @@ def pretend_cuda(monkeypatch, available: bool) -> None:
     """Whether gdswriter (the KvikIO engine, engine selection, the doctor) sees a CUDA device."""
     import gdswriter.engines.kvikio as gds
 
-    # The one place gdswriter asks: no public seam, and patching torch.cuda.is_available instead
-    # would reach torch's own code as well.
-    monkeypatch.setattr(gds, "_cuda_available", lambda: available)
+    # The one place gdswriter asks (engines/kvikio.cuda_available): patching torch.cuda.is_available
+    # instead would reach torch's own code as well.
+    monkeypatch.setattr(gds, "cuda_available", lambda: available)
 
 
 def install_fake_kvikio(monkeypatch, tmp_path, **kw) -> FakeKvikio:
