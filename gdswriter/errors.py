@@ -140,13 +140,22 @@ class RankFailedError(_Rebuildable, GDSWriterError, RuntimeError):
     {rank: "ErrorType: message"} of the ranks that failed."""
 
     def __init__(self, what: str, failures: dict, hint: str = "nothing was committed; fix the failing "
-                                                              "rank's problem and save again"):
+                                                              "rank's problem and save again", *,
+                 total: int | None = None):
         self._init_args = (what, failures, hint)
-        self.what, self.failures = what, dict(failures)
+        self.what, self.failures, self.hint = what, dict(failures), hint
+        self.total = max(total or 0, len(self.failures))  # ranks that failed (``failures`` may name only some)
         shown = "; ".join(f"rank {r}: {m}" for r, m in sorted(self.failures.items())[:4])
-        more = f" (and {len(self.failures) - 4} more ranks)" if len(self.failures) > 4 else ""
-        super().__init__(f"{what} failed on {len(self.failures)} rank(s), so every rank stopped: {shown}{more}. "
+        more = f" (and {self.total - min(4, len(self.failures))} more ranks)" if self.total > 4 else ""
+        super().__init__(f"{what} failed on {self.total} rank(s), so every rank stopped: {shown}{more}. "
                          f"{hint[:1].upper()}{hint[1:]}")
+
+    def __reduce__(self):
+        return _rank_failed, (*self._init_args, self.total)
+
+
+def _rank_failed(what: str, failures: dict, hint: str, total: int) -> RankFailedError:
+    return RankFailedError(what, failures, hint, total=total)
 
 
 class CollectiveFailedError(_Rebuildable, GDSWriterError, ConnectionError):

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.steps import step_manifest
 from support.ranks import run_ranks
 
 
@@ -110,7 +111,6 @@ def _ddp_worker(rank: int, world: int, roots: list[str], out: str) -> dict:
 
 def _check_ddp(res: list[dict], world: int, roots: list[str], out: Path, capsys) -> None:
     from gdswriter import GDSCheckpointer
-    from gdswriter.format.manifest import Manifest
 
     for r, x in enumerate(res):
         assert x["diff2"] == [] and x["diff3"] == [], (r, x)
@@ -122,8 +122,8 @@ def _check_ddp(res: list[dict], world: int, roots: list[str], out: Path, capsys)
     for root in distinct:
         assert not (Path(root) / "step_000000000001").exists(), "retention removed step 1 on every root"
         assert not [n for n in os.listdir(root) if n.startswith(".tmp-")]
-    m = Manifest.from_json_bytes((Path(distinct[0]) / "step_000000000003" / "manifest.json").read_bytes())
-    assert m.version == (1, 2) and m.dist.world_size == world and len(m.dist.roots) == len(distinct)
+    m = step_manifest(distinct, 3)
+    assert m.version == (1, 3) and m.dist.world_size == world and len(m.dist.roots) == len(distinct)
     assert sorted({f.info["rank"] for f in m.files}) == list(range(world))
     for f in m.files:  # every rank writes only on its own roots
         assert world in m.dist.roots[f.root].ranks or f.info["rank"] in m.dist.roots[f.root].ranks
@@ -142,7 +142,7 @@ def _check_ddp(res: list[dict], world: int, roots: list[str], out: Path, capsys)
     rc, text = _cli(capsys, "verify", distinct[0], *sec, "--all")
     assert rc == 0 and "2 of 2 steps intact" in text, text
     doc = json.loads(_cli(capsys, "inspect", distinct[0], *sec, "--json")[1])
-    assert doc["version"] == "1.2" and len(doc["files"]) == world  # one file per rank (one root each)
+    assert doc["version"] == "1.3" and len(doc["files"]) == world  # one file per rank (one root each)
     assert _cli(capsys, "export", distinct[0], *sec, "--to", "safetensors", str(out / "x.safetensors"))[0] == 0
 
 
@@ -224,12 +224,11 @@ def test_fsdp2_and_dtensor_reshard_4_to_2_to_1(tmp_path):
     written once per replica group and comes back on a 1-D mesh, then whole."""
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import load_state
-    from gdswriter.format.manifest import Manifest
 
     root = str(tmp_path / "shared")
     res4 = run_ranks(4, _fsdp_save_worker, root, str(tmp_path), out=tmp_path / "r4")
     assert [x["local"] for x in res4] == [[18, 256]] * 3 + [[16, 256]]
-    m = Manifest.from_json_bytes((tmp_path / "shared" / "step_000000000010" / "manifest.json").read_bytes())
+    m = step_manifest(tmp_path / "shared", 10)
     tp_blocks = [t for t in m.tensors if t.name == "extra/tp/w"]
     assert sorted(t.shard.offsets for t in tp_blocks) == [(0, 0), (0, 3)], "one block per replica group"
     weight = sorted((t.shard.offsets, t.shape) for t in m.tensors if t.name == "model/2.weight")
@@ -389,10 +388,9 @@ def _values(model: torch.nn.Module, mine: dict) -> dict[str, torch.Tensor]:
 def _flip(root: Path, step: int, tensors: set[int] | None = None, name: str | None = None) -> str:
     """Flip one byte of step ``step``'s data: in the first chunk of a tensor of index in
     ``tensors``, or of the tensor named ``name``; returns the damaged file."""
-    from gdswriter.format.manifest import Manifest
 
     d = root / f"step_{step:012d}"
-    m = Manifest.from_json_bytes((d / "manifest.json").read_bytes())
+    m = step_manifest(root, step)
     i = next(i for i, t in enumerate(m.tensors) if (tensors is not None and i in tensors) or t.name == name)
     c = next(c for c in m.storages[m.tensors[i].storage].chunks if c.length)
     path = d / m.files[c.file].path
@@ -412,7 +410,6 @@ def _fallback_worker(rank: int, world: int, root: str, out: str) -> dict:
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed.assemble import tree_for_rank
     from gdswriter.distributed.load import tensor_refs
-    from gdswriter.format.manifest import Manifest
 
     records: list[str] = []
     handler = logging.Handler()
@@ -429,7 +426,7 @@ def _fallback_worker(rank: int, world: int, root: str, out: str) -> dict:
     res: dict = {}
     dist.barrier()
     if rank == 0:  # damage a tensor only rank 1 saved and loads: only rank 1 finds it
-        m = Manifest.from_json_bytes(Path(root, "step_000000000002", "manifest.json").read_bytes())
+        m = step_manifest(root, 2)
         only1 = set(tensor_refs(tree_for_rank(m, 1))) - set(tensor_refs(tree_for_rank(m, 0)))
         res["damaged"] = _flip(Path(root), 2, tensors=only1)
     dist.barrier()

@@ -16,9 +16,9 @@ from gdswriter.distributed.group import Coordinator
 from gdswriter.distributed.roots import ROOT_ID_NAME, discover_layout, root_identity
 from gdswriter.errors import CheckpointLockedError, EngineIOError, RootUnavailableError, UnreachableDataError
 from gdswriter.format.commit import OWNER_ID_NAME, OWNER_NAME
-from gdswriter.format.manifest import Manifest
 from gdswriter.load.apply import LiveState
 
+from support.steps import step_manifest
 from support.models import small_engine
 
 
@@ -54,7 +54,9 @@ def test_two_roots_commit_resave_and_load(tmp_path, engines):
     roots = [tmp_path / "a", tmp_path / "b"]
     s = _session(roots)
     m = _save(s, _state(1), 5, engines)
-    assert m.version == (1, 2) and [r.ranks for r in m.dist.roots] == [(0,), (0,)]
+    assert [r.ranks for r in m.roots] == [(0,), (0,)] and [x.name for x in m.shards] == ["manifest-rank00000.json"]
+    assert sorted(os.listdir(roots[0] / "step_000000000005")) == [
+        "data-rank0-r0-f0.bin", "data-rank0-r0-f1.bin", "manifest-rank00000.json", "manifest.json"]
     names = sorted(os.listdir(roots[1] / "step_000000000005"))
     assert names == ["data-rank0-r1-f0.bin", "data-rank0-r1-f1.bin", OWNER_ID_NAME, OWNER_NAME]
     assert (roots[1] / "step_000000000005" / OWNER_NAME).read_text() == f"{roots[0].resolve()}\n"
@@ -142,7 +144,7 @@ def test_a_root_no_rank_reaches_is_a_typed_error(tmp_path, engines):
         collective_load(Coordinator.solo(), layout, CommitProtocol([roots[0]]), LiveState(live, None, {}),
                         {"model": live}, None, engines[0], strict=False, verify=True)
     assert not live["w"].any(), "nothing was applied"
-    m = Manifest.from_json_bytes((roots[0] / "step_000000000001" / "manifest.json").read_bytes())
+    m = step_manifest(roots, 1)
     assert m.dist.roots[1].path == str(roots[1].resolve())
 
 
@@ -216,7 +218,7 @@ def test_an_fsync_failure_after_the_commit_rename_uncommits_the_step(tmp_path, e
     assert protocol.committed_steps() == [1] and (roots[0] / "latest").read_text() == "1\n"
     assert (roots[1] / "step_000000000002").is_dir(), "kept: were the rename durable after all, step 2 is whole"
     for step in protocol.committed_steps():  # every visible step has all its data files
-        m = Manifest.from_json_bytes((roots[0] / f"step_{step:012d}" / "manifest.json").read_bytes())
+        m = step_manifest(roots, step)
         assert all((roots[f.root] / f"step_{step:012d}" / f.path).is_file() for f in m.files)
     s.lock.release()
     _session(roots).lock.release()  # the next open removes the uncommitted secondary step 2

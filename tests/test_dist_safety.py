@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.steps import step_manifest
 from support.ranks import caught, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -107,12 +108,11 @@ def test_dtensors_of_one_name_on_different_meshes_are_both_saved(tmp_path):
     """Two pipeline stages hold a DTensor of the same name and block on their own meshes: they
     are different data, so both must be written (keyed by name and block only, they merged and
     one stage's values were lost)."""
-    from gdswriter.format.manifest import Manifest
 
     root = tmp_path / "shared"
     res = run_ranks(2, _pp_worker, str(root), out=tmp_path / "ranks")
     assert [x["mesh"] for x in res] == [[0], [1]]
-    m = Manifest.from_json_bytes((root / "step_000000000001" / "manifest.json").read_bytes())
+    m = step_manifest(root, 1)
     recs = [t for t in m.tensors if t.name == "extra/pp/w"]
     values = sorted(_storage_bytes(root, m, t) for t in recs)
     assert values == sorted(torch.full((4, 8), float(r + 1)).numpy().tobytes() for r in range(2)), len(recs)

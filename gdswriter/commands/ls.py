@@ -10,6 +10,9 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
 from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, CommitProtocol
+from ..format.manifest import MANIFEST_NAME
+from ..format.sharded import SHARDED_VERSION, parse_global
+from ..load.reader import read_manifest_bytes
 from ..units import human
 from ._common import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, load_manifest, out, secondary_owner, table, when
 
@@ -20,6 +23,19 @@ def register(sub) -> None:
     sp.add_argument("roots", metavar="ROOT", nargs="+")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=run)
+
+
+def _summary(protocol: CommitProtocol, step: int) -> tuple[int, int, float, str]:
+    """(bytes on disk, tensors, created, format version) of a committed step. A 1.3 step's are
+    in its global manifest (its shards may be on other nodes' roots: ls reads only this root)."""
+    raw = read_manifest_bytes(protocol, step)
+    g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
+    if g is not None:
+        v = SHARDED_VERSION
+        return int(g.totals.get("on_disk", 0)) + len(raw), int(g.totals.get("tensors", 0)), g.created_unix, \
+            f"{v[0]}.{v[1]}"
+    _, m, mbytes = load_manifest(protocol, step)
+    return sum(f.size for f in m.files) + mbytes, len(m.tensors), m.created_unix, f"{m.version[0]}.{m.version[1]}"
 
 
 def run(args) -> int:
@@ -45,11 +61,9 @@ def run(args) -> int:
         for s in steps:
             item: dict[str, Any] = {"step": s, "latest": s == latest}
             try:
-                _, m, mbytes = load_manifest(protocol, s)
-                nbytes = sum(f.size for f in m.files) + mbytes
-                item.update(bytes=nbytes, tensors=len(m.tensors), created_unix=m.created_unix,
-                            created=when(m.created_unix), version=f"{m.version[0]}.{m.version[1]}")
-                rows.append([s, human(nbytes), len(m.tensors), when(m.created_unix), "latest" if s == latest else ""])
+                nbytes, tensors, created, version = _summary(protocol, s)
+                item.update(bytes=nbytes, tensors=tensors, created_unix=created, created=when(created), version=version)
+                rows.append([s, human(nbytes), tensors, when(created), "latest" if s == latest else ""])
             except CheckpointNotFoundError:
                 continue  # deleted while listing
             except (CorruptCheckpointError, UnsupportedFormatVersionError) as e:

@@ -40,13 +40,13 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import EngineIOError, GDSWriterError, RankFailedError, RootUnavailableError
 from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, retire, step_dir_name, step_owner
 from ..fs import atomic_write, fsync_dir
 from ..format.manifest import MANIFEST_NAME, Manifest
-from .group import Coordinator, describe
+from .group import Coordinator, bounded, describe, unbound
 from .roots import RootLayout, owned, write_owner_files
 
 log = logging.getLogger("gdswriter")
@@ -95,25 +95,15 @@ class RankCommit:
     def _check_shared(self) -> None:
         """Step 1 where ranks share roots: after the leaders made the temporary directories, every
         rank finds each one it does not lead in its own root, and all learn whether every rank did
-        (a failure becomes this rank's setup_error: the rank writes nothing and reports it in the vote)."""
-        what = f"{self.what} (temporary directories)"
-        problem: BaseException | None = None
+        (a failure becomes this rank's setup_error: the rank writes nothing and reports it in the
+        vote). Two rounds of Coordinator.agree: a fixed-size answer for every rank."""
         try:
-            made = self.coord.all_gather(describe(self.setup_error) if self.setup_error else None, what)
-            if self.setup_error is None and all(x is None for x in made):
-                for i, d in enumerate(self.dirs):
-                    if not self.layout.leads(i) and not d.is_dir():
-                        problem = self._not_shared(i)
-                        break
-            found = self.coord.all_gather(describe(problem) if problem else None, f"{self.what} (shared roots)")
-        except Exception as e:  # noqa: BLE001 - a failed collective: the vote fails on every rank too
+            self.coord.agree(self.setup_error, f"{self.what} (temporary directories)", root=self.p)
+            problem = next((self._not_shared(i) for i, d in enumerate(self.dirs)
+                            if not self.layout.leads(i) and not d.is_dir()), None)
+            self.coord.agree(problem, f"{self.what} (shared roots)", root=self.p)
+        except Exception as e:  # noqa: BLE001 - its own error, another rank's, or a failed collective
             self.setup_error = self.setup_error or e
-            return
-        failures = {r: m for r, m in enumerate(made) if m is not None} or {
-            r: m for r, m in enumerate(found) if m is not None}
-        if self.setup_error is None and problem is None and failures:
-            problem = RankFailedError(what, failures)
-        self.setup_error = self.setup_error or problem
 
     def _not_shared(self, i: int) -> RootUnavailableError:
         g = self.layout.local_to_global[i]
@@ -129,10 +119,13 @@ class RankCommit:
             f"{self.step}")
 
     # -- 2 and 3 -----------------------------------------------------------------
-    def vote(self, outcome: Any) -> list[Any] | None:
+    def vote(self, outcome: Any, check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None = None
+             ) -> list[Any] | None:
         """Collective. ``outcome`` is what this rank reports to the primary rank (JSON), or the
         exception that stopped it. Returns every rank's report there, None elsewhere; raises on every
-        rank if any rank failed. Then the secondary roots are renamed (step 3)."""
+        rank if any rank failed. Then the secondary roots are renamed (step 3). ``check`` (the
+        primary rank, when every rank succeeded): (failures, hint) that refuse the reports together.
+        Only the primary receives the reports; the decision every rank receives is bounded."""
         error = self.setup_error or (outcome if isinstance(outcome, BaseException) else None)
         if error is None:
             try:  # before the primary un-commits anything: a step_S of another checkpoint is refused here
@@ -145,9 +138,14 @@ class RankCommit:
             gathered = self.coord.gather({"error": describe(error)} if error else {"report": outcome},
                                          f"{self.what} (vote)", dst=self.p)
             failures: dict[int, str] = {}
+            hint = None
             if self.coordinates:
                 assert gathered is not None and self.primary_index is not None
                 failures = {r: x["error"] for r, x in enumerate(gathered) if "error" in x}
+                if not failures and check is not None:
+                    refused = check([x["report"] for x in gathered])
+                    if refused is not None:
+                        failures, hint = refused
                 final = self.layout.local_paths[self.primary_index] / step_dir_name(self.step)
                 if not failures and final.exists():
                     try:
@@ -156,16 +154,19 @@ class RankCommit:
                     except OSError as e:
                         error = _io_error(e, final, "un-commit the old step")
                         failures = {self.coord.rank: describe(error)}
-            decision = self.coord.broadcast([[r, m] for r, m in failures.items()], f"{self.what} (decision)",
+            decision = self.coord.broadcast({**bounded(failures), "hint": hint}, f"{self.what} (decision)",
                                             src=self.p)
         except BaseException:
             self.abort()
             raise
-        if decision:
+        shown, total = unbound(decision)
+        if total:
             self.abort()
+            if decision["hint"] is not None:
+                raise RankFailedError(self.what, shown, decision["hint"], total=total)
             if error is not None:
                 raise error
-            raise RankFailedError(self.what, dict(decision))
+            raise RankFailedError(self.what, shown, total=total)
         try:
             for i in self.layout.led:
                 fsync_dir(self.dirs[i])
@@ -175,7 +176,7 @@ class RankCommit:
         except OSError as e:
             self.local_error = _io_error(e, self.dirs[0], "commit")
         statuses = self.coord.gather(describe(self.local_error) if self.local_error else None,
-                                     f"{self.what} (secondary roots)", dst=self.p)
+                                     f"{self.what} (secondary roots)", dst=self.p)  # only the primary receives
         if statuses is not None:
             self.secondary_failures = {r: s for r, s in enumerate(statuses) if s is not None}
         return [x["report"] for x in gathered] if gathered is not None else None
@@ -284,10 +285,10 @@ class RankCommit:
         failures = None
         if self.coordinates and error is not None:
             failures = self.secondary_failures or {self.coord.rank: describe(error)}
-        msg = self.coord.broadcast({"failures": failures and [[r, m] for r, m in failures.items()],
-                                    "keep": self.keep_secondaries}, f"{self.what} (commit)", src=self.p)
-        failures = msg["failures"]
-        if not failures:
+        msg = self.coord.broadcast({**bounded(failures or {}), "keep": self.keep_secondaries},
+                                   f"{self.what} (commit)", src=self.p)
+        shown, total = unbound(msg)
+        if not total:
             return
         if not msg["keep"]:
             for path in self.renamed:
@@ -297,7 +298,7 @@ class RankCommit:
             raise error
         if self.local_error is not None:
             raise self.local_error
-        raise RankFailedError(self.what, dict(failures))
+        raise RankFailedError(self.what, shown, total=total)
 
     def abort(self) -> None:
         """Remove the temporary directories this rank leads (best effort; the next open cleans the rest)."""

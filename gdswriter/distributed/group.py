@@ -60,6 +60,43 @@ class Transfer:
     tensor: torch.Tensor  # flat uint8: what src sends, or where dst receives
 
 
+@dataclass
+class TrafficStats:
+    """What this rank's checkpoint collectives moved: payload bytes it sent and received (the
+    messages' own bytes as each collective defines them: an all_gather receives every other
+    rank's message, a gather's root receives every message, a broadcast delivers the root's
+    message to each rank; size headers included) and how many collectives it joined. Tests and
+    benchmarks read it to show what a save costs a rank as the world grows."""
+
+    sent: int = 0
+    received: int = 0
+    collectives: int = 0
+
+    def add(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+        self.collectives += 1
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return self.sent, self.received, self.collectives
+
+
+MAX_SHOWN_FAILURES = 8
+"""A decision broadcast to every rank names at most this many failed ranks (and counts the
+rest), so that what a rank receives does not grow with the number of ranks that failed."""
+
+
+def bounded(failures: dict[int, str]) -> dict:
+    """A failure set as a fixed-size message: the first MAX_SHOWN_FAILURES (rank order) and the count."""
+    shown = sorted(failures.items())[:MAX_SHOWN_FAILURES]
+    return {"failed": len(failures), "shown": [[r, m] for r, m in shown]}
+
+
+def unbound(msg: dict) -> tuple[dict[int, str], int]:
+    """The (shown failures, total count) of a ``bounded`` message."""
+    return {int(r): m for r, m in msg["shown"]}, int(msg["failed"])
+
+
 class Coordinator:
     """Object collectives among the ranks of one process group (``rank`` and ``world_size`` are
     in that group). ``solo()`` is the one-process case: every collective is trivial."""
@@ -80,6 +117,7 @@ class Coordinator:
         self._broken: str | None = None
         self._closed = False
         self._serial = threading.RLock()  # one thread at a time in this channel's collectives
+        self.stats = TrafficStats()
 
     @classmethod
     def solo(cls) -> "Coordinator":
@@ -227,24 +265,37 @@ class Coordinator:
             sizes = [int(s) for s in sizes_t]
             outs = [torch.empty(max(max(sizes), 1), dtype=torch.uint8) for _ in range(self.world_size)]
             dist.all_gather(outs, self._padded(obj, sizes), group=self.group)
+            width = max(max(sizes), 1)
+            self.stats.add(8 + width, (self.world_size - 1) * (8 + width))
             return [self._decode(o, s) for o, s in zip(outs, sizes)]
 
         return self._run(what, run)
 
     def gather(self, obj: Any, what: str, dst: int = 0) -> list[Any] | None:
-        """Every rank's ``obj`` on rank ``dst`` (None elsewhere)."""
+        """Every rank's ``obj`` on rank ``dst`` (None elsewhere). Only ``dst`` receives anything
+        that grows with the world: the sizes go to it, it broadcasts the largest (8 bytes), and
+        every rank sends its message padded to that."""
         if self.solo_mode:
             return [json.loads(json.dumps(obj))]
         import torch.distributed as dist
 
         def run() -> list[Any] | None:
-            n = torch.tensor([self._encode(obj).numel()], dtype=torch.int64)
-            sizes_t = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-            dist.all_gather(sizes_t, n, group=self.group)  # every rank pads to the largest message
-            sizes = [int(s) for s in sizes_t]
-            buf = self._padded(obj, sizes)
-            outs = [torch.empty_like(buf) for _ in range(self.world_size)] if self.rank == dst else None
+            data = self._encode(obj)
+            n = torch.tensor([data.numel()], dtype=torch.int64)
+            root = self.rank == dst
+            sizes_t = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)] if root else None
+            dist.gather(n, sizes_t, group=self.group, group_dst=dst)
+            sizes = [int(s) for s in sizes_t] if sizes_t is not None else []
+            width = torch.tensor([max(max(sizes), 1) if root else 0], dtype=torch.int64)
+            dist.broadcast(width, group=self.group, group_src=dst)
+            buf = torch.zeros(int(width), dtype=torch.uint8)
+            buf[:data.numel()] = data
+            outs = [torch.empty_like(buf) for _ in range(self.world_size)] if root else None
             dist.gather(buf, outs, group=self.group, group_dst=dst)
+            if root:
+                self.stats.add(8 + 8 + int(width), (self.world_size - 1) * (8 + int(width)))
+            else:
+                self.stats.add(8 + int(width), 8)
             return [self._decode(o, s) for o, s in zip(outs, sizes)] if outs is not None else None
 
         return self._run(what, run)
@@ -263,6 +314,10 @@ class Coordinator:
             if data is not None:
                 buf[:data.numel()] = data
             dist.broadcast(buf, group=self.group, group_src=src)
+            if self.rank == src:
+                self.stats.add((self.world_size - 1) * (8 + buf.numel()), 0)
+            else:
+                self.stats.add(0, 8 + buf.numel())
             return self._decode(buf, int(n))
 
         return self._run(what, run)
@@ -282,15 +337,31 @@ class Coordinator:
                       for t in mine if t.src == self.rank]
             for w in works:
                 w.wait(timedelta(seconds=self.timeout_s))
+            self.stats.add(sum(t.tensor.numel() for t in mine if t.src == self.rank),
+                           sum(t.tensor.numel() for t in mine if t.dst == self.rank))
 
         self._run(what, run)
 
     # -- agreeing on an outcome ------------------------------------------------
-    def agree(self, error: BaseException | None, what: str, *, hint: str | None = None) -> None:
+    def agree(self, error: BaseException | None, what: str, *, hint: str | None = None, root: int = 0) -> None:
         """Collective: raise on every rank if any rank failed (its own error where it failed,
-        RankFailedError naming the failed ranks elsewhere)."""
-        outcomes = self.all_gather(None if error is None else describe(error), what)
-        raise_failures(outcomes, error, what, hint=hint)
+        RankFailedError naming the failed ranks elsewhere). The outcomes are gathered to ``root``,
+        which broadcasts a fixed-size decision (``bounded``): a rank receives the same few bytes
+        whatever the world size."""
+        outcomes = self.gather(None if error is None else describe(error), what, dst=root)
+        failures = {r: o for r, o in enumerate(outcomes) if o is not None} if outcomes is not None else {}
+        decision = self.broadcast(bounded(failures), f"{what} (decision)", src=root)
+        shown, total = unbound(decision)
+        if total:
+            if error is not None:
+                raise error
+            raise RankFailedError(what, shown, *([hint] if hint else []), total=total)
+
+    def all_true(self, flag: bool, what: str, root: int = 0) -> bool:
+        """Collective: whether ``flag`` holds on every rank (gathered to ``root``, decided there,
+        broadcast: a fixed-size answer)."""
+        flags = self.gather(bool(flag), what, dst=root)
+        return bool(self.broadcast(all(flags) if flags is not None else None, f"{what} (decision)", src=root))
 
 
 def raise_failures(outcomes: Sequence[Any], error: BaseException | None, what: str, *,

@@ -22,33 +22,51 @@ from __future__ import annotations
 import errno
 import logging
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
 from ..engines.base import IOEngine
 from ..errors import (CollectiveFailedError, CorruptCheckpointError, EngineIOError, InvalidOptionError,
-                      RankFailedError)
-from ..format.commit import CommitProtocol
+                      RankFailedError, UnreachableDataError)
+from ..format.commit import CommitProtocol, step_dir_name
 from ..format.dtypes import dtype_from_name
-from ..format.manifest import Manifest
+from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, StorageRecord, TensorRecord
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
-from ..load.reader import parse_manifest, read_manifest_bytes, tensors_from_storages
-from .assemble import tree_for_rank
+from ..format.sharded import SHARDED_VERSION, GlobalManifest, RankShard, merge, parse_global, parse_shard, read_shard
+from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
+                           tensors_from_storages)
+from ..format.assembly import tree_for_rank
 from .fetch import fetch_storages, manifest_reach
-from .group import Coordinator, describe
-from .roots import RootLayout
+from .group import Coordinator, Transfer, bounded, describe, unbound
+from .rankfiles import item_pieces
+from .roots import RootLayout, discover_layout
 from .shards import assemble, join, leaves, overlap, target_block
 
 log = logging.getLogger("gdswriter")
 
 
-def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str, src: int = 0
-                       ) -> tuple[int, Manifest]:
+def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str, src: int = 0,
+                       layout: RootLayout | None = None) -> tuple[int, Manifest]:
     """Collective: rank ``src`` (the primary rank: it sees the primary root) resolves ``step``
-    (None: the latest) and sends its manifest to every rank."""
+    (None: the latest) and sends its manifest to every rank. A 1.3 step's shards are merged
+    (``gather_merged``: each is read by a rank that reaches it, merged on ``src``) so that every
+    rank gets the whole step: the general path, for loads that reshard."""
+    step, raw = broadcast_manifest_bytes(coord, protocol, step, what, src)
+    g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
+    if g is None:
+        return step, parse_manifest(protocol, step, raw)
+    if layout is None:
+        layout = discover_layout(Coordinator.solo(), list(protocol.roots), create=False)
+    return step, gather_merged(coord, layout, g, what, src)
+
+
+def broadcast_manifest_bytes(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str,
+                             src: int = 0) -> tuple[int, bytes]:
+    """Collective: the step ``src`` resolves and its manifest.json's bytes, on every rank."""
     msg: dict = {}
     error = None
     if coord.rank == src:
@@ -61,7 +79,187 @@ def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int |
     if "error" in msg:
         coord.agree(error or RuntimeError(msg["error"]) if coord.rank == src else None, what,
                     hint="the live state was not changed")
-    return msg["step"], parse_manifest(protocol, msg["step"], msg["manifest"].encode())
+    return msg["step"], msg["manifest"].encode()
+
+
+def _shard_readers(g: GlobalManifest, layout: RootLayout) -> list[int | None]:
+    """The rank of this job that reads each shard: one of the ranks that see its root (by
+    identity, from the root table every rank holds), spread by shard number; None: no rank does."""
+    ranks_of = {info.id: info.ranks for info in layout.table}
+    out: list[int | None] = []
+    for ref in g.shards:
+        ranks = ranks_of.get(g.roots[ref.root].id, ())
+        out.append(ranks[ref.rank % len(ranks)] if ranks else None)
+    return out
+
+
+def _reach(g: GlobalManifest, layout: RootLayout) -> list[Path | None]:
+    """Where this rank finds each root of ``g`` (fetch.manifest_reach's rule)."""
+    unmarked = {str(p.resolve()): p for p, i in zip(layout.local_paths, layout.local_ids) if i.startswith("path:")}
+    return [layout.local_paths[layout.local_ids.index(info.id)] if info.id in layout.local_ids
+            else unmarked.get(info.path) for info in g.roots]
+
+
+def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, what: str, src: int) -> Manifest:
+    """Collective: the whole 1.3 step (format/sharded.py ``merge``) on every rank. Each shard is
+    read by a rank that sees its root, checked against its recorded size and crc32c, and sent to
+    ``src``, which merges and validates them and broadcasts the result. This costs what a 1.2
+    load cost (every rank receives every record); loads of the saved layout read only their own
+    shard instead (``load_own``)."""
+    readers = _shard_readers(g, layout)
+    mine: list = []
+    error = None
+    try:
+        lost = [k for k, r in enumerate(readers) if r is None]
+        if lost:
+            info = g.roots[g.shards[lost[0]].root]
+            raise UnreachableDataError(errno.ENOENT, f"{what}: rank {lost[0]}'s manifest shard is on root id {info.id} "
+                                                     f"(saved at {info.path}), which no rank of this job sees: give "
+                                                     f"some rank that root (mount it)")
+        reach = _reach(g, layout)
+        for k, r in enumerate(readers):
+            if r == coord.rank:
+                ref = g.shards[k]
+                mine.append([k, read_shard(reach[ref.root] / step_dir_name(g.step), g, ref).decode()])  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error, mine = e, []
+    got = coord.gather({"error": describe(error)} if error else {"shards": mine}, f"{what} (manifest shards)", dst=src)
+    msg: dict | None = None
+    merge_error = None
+    if got is not None:
+        failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
+        if not failures:
+            try:
+                texts = {k: t for x in got for k, t in x["shards"]}
+                shards = [parse_shard(texts[k].encode(), g, ref, f"step {g.step}'s {ref.name}")
+                          for k, ref in enumerate(g.shards)]
+                msg = {"manifest": merge(g, shards).to_json_bytes().decode()}
+            except Exception as e:  # noqa: BLE001 - every rank learns of it
+                merge_error = e
+                failures = {coord.rank: describe(e)}
+        if failures:
+            msg = bounded(failures)
+    msg = coord.broadcast(msg, f"{what} (the merged manifest)", src=src)
+    if "manifest" not in msg:
+        shown, total = unbound(msg)
+        if error is not None or merge_error is not None:
+            raise error or merge_error  # type: ignore[misc]
+        raise RankFailedError(what, shown, "the live state was not changed", total=total)
+    m = Manifest.from_json_bytes(msg["manifest"].encode(), where=f"step {g.step} (its shards merged)")
+    return replace(m, version=SHARDED_VERSION, created_unix=g.created_unix)
+
+
+def _blocks_fit(shard: RankShard, templates: dict[str, Any]) -> bool:
+    """Whether every DTensor block this rank saved is exactly the block its live tensor holds
+    now (same mesh and placements): then its own shard is all it needs of sharded state."""
+    for rec in shard.tensors:
+        if rec.shard is not None:
+            offsets, shape, _ = target_block(_template(templates, rec.name), rec.shard.global_shape)
+            if tuple(offsets) != tuple(rec.shard.offsets) or tuple(shape) != tuple(rec.shape):
+                return False
+    return True
+
+
+def _tiles(chunks: Sequence[ChunkRecord], pieces: Sequence[tuple[int, int]]) -> bool:
+    """Whether ``chunks`` cover exactly the byte ranges ``pieces`` of their item (once each)."""
+    def runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for off, n in sorted(spans):
+            if n and out and out[-1][1] == off:
+                out[-1] = (out[-1][0], off + n)
+            elif n:
+                out.append((off, off + n))
+        return out
+
+    spans = [(c.storage_offset, c.length) for c in chunks]
+    return runs(spans) == runs(list(pieces)) and sum(n for _, n in spans) == sum(n for _, n in pieces)
+
+
+def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
+             engine: IOEngine, *, verify: bool, what: str, src: int) -> Any | None:
+    """Collective: this rank's saved state from its own shard alone, when every rank can do so
+    (the same world size, its shard and data files on roots it sees, its DTensor blocks the
+    ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
+    several ranks hold are read once: each holder reads the pieces it wrote and sends them to
+    the other holders (split_stream gives every holder the same pieces with no message), so N
+    ranks loading replicated state read its bytes from disk once in total."""
+    unchanged = "the live state was not changed"
+    rank, world = coord.rank, coord.world_size
+    shard: RankShard | None = None
+    reach: list[Path | None] = []
+    ok, error = False, None
+    try:
+        if g.world_size == world:
+            reach = _reach(g, layout)
+            ref = g.shards[rank]
+            if reach[ref.root] is not None:
+                d = reach[ref.root] / step_dir_name(g.step)  # type: ignore[operator]
+                shard = parse_shard(read_shard(d, g, ref), g, ref, str(d / ref.name))
+                ok = all(reach[f.root] is not None for f in shard.files) and _blocks_fit(shard, templates)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    coord.agree(error, f"{what} (reading its manifest shard)", hint=unchanged, root=src)
+    if not coord.all_true(ok, f"{what} (loading from its own shard)", root=src):
+        return None
+    assert shard is not None
+    moves: list[tuple[int, int, int, int, int]] = []  # (src, dst, item, offset, length)
+    error = None
+    try:
+        split = item_pieces(shard.items, world)
+        for sid in sorted(range(len(shard.items)), key=lambda i: shard.items[i].key):
+            it = shard.items[sid]
+            pieces = split[sid]
+            if not _tiles(shard.chunks[sid], [(off, n) for w, off, n in pieces if w == rank]):
+                raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
+                                             f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
+                                             f"load an earlier step")
+            holders = it.holder_ranks(world)
+            for w, off, n in pieces:
+                if n and w == rank:
+                    moves += [(rank, o, sid, off, n) for o in holders if o != rank]
+                elif n:
+                    moves.append((w, rank, sid, off, n))
+        step_dir = step_dir_name(g.step)
+        check_file_sizes((reach[f.root] / step_dir / f.path, f) for f in shard.files)  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    coord.agree(error, f"{what} (checking the data files)", hint=unchanged, root=src)
+    buffers: list[torch.Tensor] = []
+    error = None
+    try:
+        buffers = [host_buffer(it.nbytes) for it in shard.items]
+        wanted = [(c, buffers[sid][c.storage_offset:c.storage_offset + c.length])
+                  for sid, cs in enumerate(shard.chunks) for c in cs if c.length]
+        view = Manifest(step=g.step, files=shard.files,
+                        storages=tuple(StorageRecord(c.length, (replace(c, storage_offset=0),)) for c, _ in wanted),
+                        tensors=tuple(TensorRecord(f"<piece of {shard.items[0].key[:16]}>", j, 0, "uint8", (c.length,),
+                                                   (1,)) for j, (c, _) in enumerate(wanted)), state=None)
+        read_storages(CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach]), view,
+                      [dest for _, dest in wanted], [engine], verify=verify)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    coord.agree(error, f"{what} (reading)", hint=unchanged, root=src)
+    tags: dict[tuple[int, int], int] = {}
+    transfers = []
+    for a, b, sid, off, n in moves:
+        tag = tags[(a, b)] = tags.get((a, b), -1) + 1
+        transfers.append(Transfer(a, b, tag, buffers[sid][off:off + n]))
+    coord.exchange(transfers, f"{what} (sending replicated pieces)")
+    error, state = None, None
+    try:
+        views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
+                         tensors=shard.tensors, state=shard.tree)
+        tensors = tensors_from_storages(views, buffers)
+        for i, rec in enumerate(shard.tensors):
+            if rec.shard is not None:
+                offsets, shape, wrap = target_block(_template(templates, rec.name), rec.shard.global_shape)
+                tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
+                                           [(rec.shard, tensors[i])]))
+        state = decode_state(shard.tree, tensors)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged, root=src)
+    return state
 
 
 def tensor_refs(tree: Any) -> list[int]:
@@ -157,17 +355,22 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
              step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> tuple[int, Any, Any]:
     """Collective: (step, state, plan) of ``step`` (None: the latest), read, verified and checked
     against the live state on every rank; nothing live has changed yet."""
-    step, m = broadcast_manifest(coord, protocol, step, "loading" if step is None else f"loading step {step}",
-                                 src=layout.primary_rank)
+    src = layout.primary_rank
+    step, raw = broadcast_manifest_bytes(coord, protocol, step, "loading" if step is None else f"loading step {step}",
+                                         src=src)
     what = f"loading step {step}"
-    error = None
-    if m.dist is not None and m.dist.layout != "gdswriter":
-        error = InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "
-                                   f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
-    coord.agree(error, what, hint="the live state was not changed")
-    state = rebuild_state(coord, layout, m, live_templates(live_state, live.optimizer), live.optimizer, engine,
-                          verify=verify, what=what)
-    plan = None
+    templates = live_templates(live_state, live.optimizer)
+    g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
+    state = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src)
+    if state is None:
+        m = parse_manifest(protocol, step, raw) if g is None else gather_merged(coord, layout, g, what, src)
+        error = None
+        if m.dist is not None and m.dist.layout != "gdswriter":
+            error = InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "
+                                       f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
+        coord.agree(error, what, hint="the live state was not changed")
+        state = rebuild_state(coord, layout, m, templates, live.optimizer, engine, verify=verify, what=what)
+    plan, error = None, None
     try:  # every key, shape and dtype is checked on every rank before any live byte changes
         plan = plan_restore(state, live, strict)
     except Exception as e:  # noqa: BLE001 - every rank learns of it

@@ -8,12 +8,14 @@ are part of the on-disk format (docs/format.md section 9), so they are written i
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from ..planner.assign import FileTarget, SavePlan
-from ..planner.ranks import RankItem, RankPlan, plan_rank_slices
+from ..format.sharded import ItemRecord
+from ..planner.ranks import RankItem, RankPlan, plan_rank_slices, split_stream
 from .roots import RootLayout
 
 
@@ -59,3 +61,27 @@ def file_entries(layout: RootLayout, fplan: SavePlan, written_by: dict[int, str]
     host = socket.gethostname()
     return [[layout.local_to_global[f.target.root], f.target.name, f.size,
              {"engine": written_by[fid], "rank": rank, "host": host}] for fid, f in enumerate(fplan.files)]
+
+
+def item_pieces(items: Sequence[ItemRecord], world_size: int) -> list[list[tuple[int, int, int]]]:
+    """Per item, (rank, offset, length) of each piece as its holders write it: all of it by its
+    one holder; items several ranks hold are grouped by holder set, and each set (in key order)
+    is split over its holders by split_stream, seeded by the set. Every holder of a set holds
+    the same items (the vote checks a digest of them), so save and load compute the same pieces
+    on every holder, and no rank needs another's records to know who wrote which bytes."""
+    out: list[list[tuple[int, int, int]]] = [[] for _ in items]
+    sets: dict[tuple[int, ...] | None, list[int]] = {}
+    for i, it in enumerate(items):
+        holders = list(it.holder_ranks(world_size))
+        if len(holders) == 1:
+            out[i] = [(holders[0], 0, it.nbytes)]
+        else:
+            sets.setdefault(it.holders, []).append(i)
+    for key, members in sets.items():
+        members.sort(key=lambda i: items[i].key)
+        holders = list(items[members[0]].holder_ranks(world_size))
+        seed = int(hashlib.sha256(repr(key).encode()).hexdigest()[:8], 16)
+        split = split_stream([items[i].nbytes for i in members], len(holders), seed)
+        for i, pieces in zip(members, split):
+            out[i] = [(holders[h], off, n) for h, off, n in pieces]
+    return out

@@ -1,15 +1,25 @@
 """A GDSCheckpointer save across ranks: every rank's snapshot -> one committed step.
 
-1. Each rank names its storages: replicated ones (plain tensors under DistOptions.replicated,
-   identical on every rank) by their content description, DTensor shards by their block and
-   device mesh, everything else by rank; ranks exchange the step, the names and sizes (one
-   all_gather) and all refuse the save if they are not saving the same step.
-2. The storages become items with holder sets; plan_rank_slices gives each rank its byte
-   ranges (replicated state split across ranks, shards written once per replica group).
-3. Each rank lays its ranges out in its own data files (plan_save over its roots; names carry
-   the rank) and writes them through its engines into the step's temporary directories.
-4. The two-phase commit of dist/commit.py; the primary rank (rank 0 unless the primary root
-   is another rank's: roots.py) builds the manifest (dist/assemble.py).
+What a rank sends and receives does not grow with the world size: every rank plans its own
+writes from what it holds, writes its records into a manifest shard of its own, and only a
+few hundred bytes per rank travel to the primary rank (format/sharded.py, docs/format.md 10).
+
+1. Each rank names its storages (``storage_keys``): replicated ones (plain tensors under
+   DistOptions.replicated, identical on every rank) by their content description, DTensor
+   blocks by block and device mesh, everything else by rank; each item's holders are this
+   rank alone, every rank (replicated), or the DTensor's replica group, which its mesh gives
+   (shards.replica_group). No list of items is exchanged.
+2. Each rank computes its byte ranges itself (planner/ranks.py ``split_stream``: a pure
+   function of the item's size and holders, so every holder computes the same split) and lays
+   them out in its own data files. A save whose layout is the previous save's reuses that plan
+   (``PlanCache``), as a training loop's saves do.
+3. The primary rank broadcasts the step and the save's token (a fixed-size message); a rank
+   saving another step writes nothing and says so in the vote, so no rank commits.
+4. Each rank writes its pieces, then its shard (durable, in its step directory on its first
+   root), and votes (dist/commit.py) with the shard's name, size and crc32c, its step, and a
+   digest of its items per holder set. The primary refuses the step when holders of one set
+   disagree (ranks holding different "replicated" state, or replicas of a block that differ),
+   else commits the global manifest: the root table and the shard list.
 """
 
 from __future__ import annotations
@@ -17,22 +27,38 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from dataclasses import replace
-from typing import Sequence
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import crc32c as _crc32c
 
 from ..engines.base import IOEngine
-from ..errors import RankFailedError, UnsupportedObjectError
-from ..format.manifest import Manifest, ShardInfo, TensorRecord
-from ..planner.assign import plan_save
-from ..save.snapshot import Extent, Snapshot
-from ..save.pool import HostSnapshotPool
+from ..errors import GDSWriterError, RankFailedError, UnsupportedObjectError
+from ..format.manifest import ChunkRecord, FileRecord, ShardInfo, TensorRecord
+from ..format.sharded import GlobalManifest, ItemRecord, RankShard, ShardRef, parse_global, shard_name
+from ..fs import write_durable
+from ..planner.assign import SavePlan, plan_save
 from ..save.handle import Release
+from ..save.pool import HostSnapshotPool
+from ..save.snapshot import Extent, Snapshot
 from ..save.writer import write_snapshot_files
-from .assemble import build_manifest, record_json
 from .commit import RankCommit
-from .group import Coordinator, describe, raise_failures
-from .rankfiles import file_entries, group_held, rank_targets
+from .group import Coordinator
+from .rankfiles import file_entries, item_pieces, rank_targets
 from .roots import RootLayout
+
+MAX_SHOWN_STEPS = 16
+
+
+@dataclass(frozen=True)
+class DTensors:
+    """What shards.split_dtensors found in one save's state: each DTensor's block, the ranks of
+    its device mesh and its replica group, by key path."""
+
+    shards: dict[str, ShardInfo] = field(default_factory=dict)
+    meshes: dict[str, list[int]] = field(default_factory=dict)
+    groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Sequence[str], rank: int,
@@ -68,75 +94,139 @@ def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Seque
     return keys, by_storage
 
 
-def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shards: dict[str, ShardInfo],
+@dataclass(frozen=True)
+class RankSavePlan:
+    """One rank's save, planned from its own state alone (the module docstring, steps 1-2)."""
+
+    items: tuple[ItemRecord, ...]           # per storage of the snapshot
+    pieces: tuple[tuple[int, int, int], ...]  # (storage, offset, length) this rank writes
+    fplan: SavePlan                         # the pieces laid out in this rank's files
+    tensors: tuple[TensorRecord, ...]        # the snapshot's records, with their blocks
+    digests: tuple[tuple[str, int, str], ...]  # (holder set, its size, digest of its items)
+    nbytes: int
+
+
+def _holder_set(holders: tuple[int, ...] | None) -> str:
+    return "all" if holders is None else hashlib.sha256(json.dumps(holders).encode()).hexdigest()[:16]
+
+
+def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
+                   files_per_root: int) -> RankSavePlan:
+    """This rank's plan (steps 1-2): its items with their holders, the pieces it writes of each
+    (all of a rank-local one; its split_stream share of a shared one), their file layout."""
+    rank, world = layout.rank, layout.world_size
+    keys, by_storage = storage_keys(snap, found.shards, replicated, rank, found.meshes)
+    items = []
+    for sid, key in enumerate(keys):
+        nbytes = snap.extents[sid].flat.numel()
+        if key.startswith("R"):
+            holders: tuple[int, ...] | None = None
+        elif key.startswith("S"):
+            names = [snap.records[i].name for i in by_storage.get(sid, []) if snap.records[i].name in found.groups]
+            groups = {found.groups[n] for n in names}
+            if len(groups) != 1:
+                raise UnsupportedObjectError(names[0] if names else "", None, "a storage viewed by DTensors with "
+                                             "different replica groups", type_name="DTensor")
+            holders = groups.pop()
+            holders = None if holders == tuple(range(world)) else holders
+        else:
+            holders = (rank,)
+        items.append(ItemRecord(key, nbytes, holders))
+    pieces = [(sid, off, n) for sid, split in enumerate(item_pieces(items, world)) for w, off, n in split if w == rank]
+    by_set: dict[tuple[int, ...] | None, list] = {}
+    for it in items:
+        if it.holders != (rank,):
+            by_set.setdefault(it.holders, []).append([it.key, it.nbytes])
+    digests = tuple(sorted((_holder_set(h), world if h is None else len(h),
+                            hashlib.sha256(json.dumps(sorted(v)).encode()).hexdigest()[:32])
+                           for h, v in by_set.items()))
+    fplan = plan_save([n for _, _, n in pieces], rank_targets(layout, rank, files_per_root))
+    tensors = tuple(replace(r, shard=found.shards[r.name]) if r.name in found.shards else r for r in snap.records)
+    return RankSavePlan(tuple(items), tuple(pieces), fplan, tensors, digests, sum(n for _, _, n in pieces))
+
+
+class PlanCache:
+    """The last save's plan, reused while the layout stays the same (the usual case in a training
+    loop): same records, storage sizes, DTensor blocks and groups, replicated names, roots."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: tuple[tuple, RankSavePlan] | None = None
+        self.hits = 0
+
+    @staticmethod
+    def signature(snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
+                  files_per_root: int) -> tuple:
+        return (tuple(snap.records), tuple(e.flat.numel() for e in snap.extents), tuple(found.shards.items()),
+                tuple(found.groups.items()), tuple((k, tuple(v)) for k, v in found.meshes.items()), tuple(replicated),
+                layout, files_per_root)
+
+    def plan(self, snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
+             files_per_root: int) -> RankSavePlan:
+        sig = self.signature(snap, found, replicated, layout, files_per_root)
+        with self._lock:
+            if self._last is not None and self._last[0] == sig:
+                self.hits += 1
+                return self._last[1]
+        plan = plan_rank_save(snap, found, replicated, layout, files_per_root)
+        with self._lock:
+            self._last = (sig, plan)
+        return plan
+
+
+def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, found: DTensors,
                     engines: Sequence[IOEngine], *, files_per_root: int, replicated: Sequence[str],
                     pool: HostSnapshotPool | None = None, release: Release | None = None,
-                    meshes: dict[str, list[int]] | None = None) -> Manifest | None:
+                    plans: PlanCache | None = None) -> GlobalManifest | None:
     """Collective: write ``snap`` as step ``snap.step`` with every rank and commit it once.
-    Returns the manifest on the primary rank (None elsewhere); raises on every rank if any rank failed.
-    ``pool``/``release`` as in writer.write_and_commit: this rank's pieces go through the host
-    snapshot pool (host mode) or straight from the extents (live), and ``release`` is set once
-    the live tensors are free (or the save failed). ``meshes``: see storage_keys."""
+    Returns the global manifest on the primary rank (None elsewhere); raises on every rank if
+    any rank failed. ``pool``/``release`` as in writer.write_and_commit: this rank's pieces go
+    through the host snapshot pool (host mode) or straight from the extents (live), and
+    ``release`` is set once the live tensors are free (or the save failed)."""
     release = release if release is not None else Release()
-    rank, what = coord.rank, f"saving step {snap.step}"
-    mine: dict = {}
+    plans = plans if plans is not None else PlanCache()
+    rank, p = coord.rank, layout.primary_rank
+    what = f"saving step {snap.step}"
     error: BaseException | None = None
+    plan: RankSavePlan | None = None
     try:
-        keys, by_storage = storage_keys(snap, shards, replicated, rank, meshes)
-        mine = {"step": snap.step, "token": secrets.token_hex(4),
-                "items": [[k, e.flat.numel()] for k, e in zip(keys, snap.extents)]}
-    except Exception as e:  # noqa: BLE001 - every rank learns of it in the plan
-        error, mine = e, {"step": snap.step, "error": describe(e)}
-    everyone = coord.all_gather(mine, f"{what} (plan)")
+        plan = plans.plan(snap, found, replicated, layout, files_per_root)
+    except Exception as e:  # noqa: BLE001 - reported in the vote, so all ranks abort together
+        error = e
+    # 3. the primary's step and token
+    hello = coord.broadcast({"step": snap.step, "token": secrets.token_hex(4)} if rank == p else None,
+                            f"{what} (step)", src=p)
+    in_step = hello["step"] == snap.step
+    rc = RankCommit(coord, layout, hello["step"], hello["token"])
+    outcome: Any
     try:
-        steps = [x["step"] for x in everyone]
-        if len(set(steps)) > 1:  # collectives pair by order: a rank that skipped or lost a save is out of step
-            raise RankFailedError(what, {r: f"saving step {s}" for r, s in enumerate(steps) if s != snap.step},
-                                  f"the ranks are not saving the same step (steps by rank: {steps}), so nothing "
-                                  f"was committed: every rank must call save()/save_async() for the same steps in "
-                                  f"the same order (no on_busy='skip'; a rank whose save_async raised must not go "
-                                  f"on alone); restart the job from the latest committed step")
-        raise_failures([x.get("error") for x in everyone], error, what)
-    except BaseException as e:
-        release.set(error=e)
-        raise
-    held = group_held(x["items"] for x in everyone)
-    plan = held.split(coord.world_size)
-    item_of = [held.index[k] for k in keys]
-    storage_of = {g: sid for sid, g in enumerate(item_of)}
-    pieces = plan.of_rank(rank)
-    rc = RankCommit(coord, layout, snap.step, everyone[0]["token"])
-    outcome: object
-    try:
+        if error is not None:
+            raise error
         if rc.setup_error is not None:
             raise rc.setup_error
-        fplan = plan_save([p.length for p in pieces], rank_targets(layout, rank, files_per_root))
-        mine = Snapshot(snap.step, None, [Extent("", flat=snap.extents[storage_of[p.item]].flat[p.offset:p.offset + p.length])
-                                          for p in pieces], [], {}, ready=snap.ready)
-        written_by: dict[int, str] = {}
-        crcs = write_snapshot_files(mine, fplan, rc, engines, pool=pool, release=release, written_by=written_by)
-        position = {i: pos for members in by_storage.values() for pos, i in enumerate(members)}
-        outcome = {
-            "files": file_entries(layout, fplan, written_by, rank),
-            # the chunks written, which the host pool may have cut where its pieces end
-            "chunks": [[pieces[c.storage].item, c.file, c.file_offset, pieces[c.storage].offset + c.storage_offset,
-                        c.length, crc] for c, crc in sorted(crcs.items(), key=lambda x: (x[0].file, x[0].file_offset,
-                                                                                            x[0].storage_offset))],
-            "records": [[g, record_json(_with_shard(snap.records[i], shards))] for sid, g in enumerate(item_of)
-                        if min(held.holders[g]) == rank for i in by_storage.get(sid, [])],
-            "tree": snap.tree,
-            "tensors": [[item_of[rec.storage], position[i]] for i, rec in enumerate(snap.records)],
-        }
+        if not in_step:
+            raise _OutOfStep()
+        assert plan is not None
+        outcome = _write_rank(snap, plan, layout, rc, engines, pool, release)
+    except _OutOfStep:
+        outcome = {"step": snap.step}
+        release.set(error=RankFailedError(what, {rank: f"saving step {snap.step}"}))
     except Exception as e:  # noqa: BLE001 - every failure goes to the vote, so all ranks abort together
         outcome = e
         release.set(error=e)
-    reports = rc.vote(outcome)
+    try:
+        reports = rc.vote(outcome, check=lambda reps: _check_reports(reps, hello["step"], what))
+    except RankFailedError as e:
+        if not in_step:  # this rank's own save is not the one the vote was about
+            raise RankFailedError(f"saving step {snap.step}", e.failures, e.hint, total=e.total) from e
+        raise
     manifest, error = None, None
     if reports is not None:
         try:
-            manifest = build_manifest(snap.step, held.sizes, reports, layout.table, layout="gdswriter",
-                                      metadata=snap.metadata)
-            rc.commit_manifest(manifest)
+            manifest = _global_manifest(snap, layout, reports)
+            data = manifest.to_json_bytes()
+            parse_global(data, f"the manifest of step {snap.step}")  # never committed unless it reads back
+            rc.commit(data)
         except Exception as e:  # noqa: BLE001 - announced to every rank
             error = e
     rc.announce(error)
@@ -145,5 +235,72 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, shar
     return manifest
 
 
-def _with_shard(rec: TensorRecord, shards: dict[str, ShardInfo]) -> TensorRecord:
-    return replace(rec, shard=shards[rec.name]) if rec.name in shards else rec
+class _OutOfStep(Exception):
+    """This rank saves another step than the primary rank (reported in the vote)."""
+
+
+def _write_rank(snap: Snapshot, plan: RankSavePlan, layout: RootLayout, rc: RankCommit,
+                engines: Sequence[IOEngine], pool: HostSnapshotPool | None, release: Release) -> dict:
+    """Step 4 on this rank: its pieces, then its durable shard; returns its vote report."""
+    pieces = plan.pieces
+    mine = Snapshot(snap.step, None, [Extent("", flat=snap.extents[sid].flat[off:off + n]) for sid, off, n in pieces],
+                    [], {}, ready=snap.ready)
+    written_by: dict[int, str] = {}
+    crcs = write_snapshot_files(mine, plan.fplan, rc, engines, pool=pool, release=release, written_by=written_by)
+    chunks: list[list[ChunkRecord]] = [[] for _ in plan.items]
+    for c, crc in crcs.items():  # the host pool may have cut pieces where its own pieces end
+        sid, off, _ = pieces[c.storage]
+        chunks[sid].append(ChunkRecord(c.file, c.file_offset, off + c.storage_offset, c.length, crc))
+    files = tuple(FileRecord(root, name, size, info) for root, name, size, info
+                  in file_entries(layout, plan.fplan, written_by, layout.rank))
+    shard = RankShard(snap.step, layout.rank, layout.world_size, files, plan.items,
+                      tuple(tuple(sorted(cs, key=lambda c: c.storage_offset)) for cs in chunks), plan.tensors,
+                      snap.tree)
+    data = shard.to_json_bytes()
+    name = shard_name(layout.rank)
+    write_durable(rc.dirs[0] / name, data)
+    described = sum(1 for t in plan.tensors if min(plan.items[t.storage].holder_ranks(layout.world_size)) == layout.rank)
+    return {"step": snap.step, "shard": [layout.local_to_global[0], name, len(data), _crc32c.crc32c(data)],
+            "sets": [list(d) for d in plan.digests],
+            "totals": [plan.nbytes, described, len(files), sum(f.size for f in files) + len(data)]}
+
+
+def _check_reports(reports: Sequence[dict], step: int, what: str) -> tuple[dict[int, str], str] | None:
+    """The primary rank, in the vote: (failures, hint) when the ranks cannot commit together:
+    ranks saving another step, or holders of one set of items that disagree about it."""
+    steps = [x.get("step", step) for x in reports]
+    odd = {r: f"saving step {s}" for r, s in enumerate(steps) if s != step}
+    if odd:
+        shown = steps if len(steps) <= MAX_SHOWN_STEPS else f"{steps[:MAX_SHOWN_STEPS]} ..."
+        return odd, (f"the ranks are not saving the same step (steps by rank: {shown}), so nothing was committed: "
+                     f"every rank must call save()/save_async() for the same steps in the same order (no "
+                     f"on_busy='skip'; a rank whose save_async raised must not go on alone); restart the job from "
+                     f"the latest committed step")
+    seen: dict[str, tuple[str, int, int]] = {}  # holder set -> (digest, size, first rank)
+    members: dict[str, int] = {}
+    bad: dict[int, str] = {}
+    for r, x in enumerate(reports):
+        for hs, size, digest in x.get("sets", []):
+            members[hs] = members.get(hs, 0) + 1
+            first = seen.setdefault(hs, (digest, size, r))
+            if first[0] != digest:
+                bad[r] = f"holds other {'replicated state' if hs == 'all' else 'replicas of DTensor blocks'} " \
+                         f"than rank {first[2]}"
+    for hs, (_, size, r) in seen.items():
+        if members[hs] != size and r not in bad:
+            bad[r] = f"holds {'replicated state' if hs == 'all' else 'DTensor blocks'} that only {members[hs]} of " \
+                     f"its {size} holders report"
+    if bad:
+        return bad, ("ranks that must hold identical state do not (DistOptions.replicated names state that is not "
+                     "the same on every rank, or replicas of a DTensor differ), so nothing was committed: make the "
+                     "replicated state identical (broadcast it) or leave it out of DistOptions.replicated")
+    return None
+
+
+def _global_manifest(snap: Snapshot, layout: RootLayout, reports: Sequence[dict]) -> GlobalManifest:
+    if len(reports) != layout.world_size:
+        raise GDSWriterError(f"internal: {len(reports)} reports for {layout.world_size} ranks")
+    shards = [ShardRef(r, *x["shard"]) for r, x in enumerate(reports)]
+    totals = {k: sum(x["totals"][i] for x in reports) for i, k in enumerate(("bytes", "tensors", "files", "on_disk"))}
+    return GlobalManifest.new(snap.step, layout.world_size, layout.table, shards, snap.metadata, totals)
+

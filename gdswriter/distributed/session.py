@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, RootUnavailableError
 from ..format.commit import CommitProtocol, retire, step_dir_name
-from ..format.manifest import Manifest, ShardInfo
+from ..format.manifest import Manifest
 from ..load.apply import LiveState, LoadResult
 from ..options import CheckpointOptions, EngineOptions
 from ..save.snapshot import Snapshot
@@ -36,7 +36,7 @@ from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
 from .roots import RootLayout, choose_primary, clean_led, discover_layout, lock_led, owned, probe_led
-from .save import collective_save
+from .save import DTensors, PlanCache, collective_save
 from .shards import split_dtensors
 
 log = logging.getLogger("gdswriter")
@@ -89,7 +89,8 @@ class DistSession:
     def __init__(self, coord: Coordinator, layout: RootLayout, lock: Any, options: DistOptions):
         self.coord, self.layout, self.lock, self.options = coord, layout, lock, options
         self.protocol = RankProtocol(layout)
-        self._shards: collections.deque[tuple[int, dict[str, ShardInfo], dict[str, list[int]]]] = collections.deque()
+        self._shards: collections.deque[tuple[int, DTensors]] = collections.deque()
+        self._plans = PlanCache()
         self._mutex = threading.Lock()
         self._serial = threading.Lock()  # one collective operation at a time (the module docstring)
 
@@ -113,26 +114,27 @@ class DistSession:
     # -- save ----------------------------------------------------------------
     def prepare(self, state: Any, step: int) -> Any:
         """Replace DTensors by their local shards (remembered, with their meshes, for this step's write)."""
-        prepared, shards, meshes = split_dtensors(state)
+        prepared, shards, meshes, groups = split_dtensors(state)
         with self._mutex:
-            self._shards.append((step, shards, meshes))
+            self._shards.append((step, DTensors(shards, meshes, groups)))
         return prepared
 
-    def _shards_of(self, step: int) -> tuple[dict[str, ShardInfo], dict[str, list[int]]]:
+    def _shards_of(self, step: int) -> DTensors:
         with self._mutex:
             while self._shards:  # entries of snapshots that failed after prepare() are skipped
-                s, shards, meshes = self._shards.popleft()
+                s, found = self._shards.popleft()
                 if s == step:
-                    return shards, meshes
+                    return found
         raise GDSWriterError(f"internal: no prepared state for step {step} (call prepare() before the snapshot)")
 
     def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int, *,
                          pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest | None:
         """Collective: write and commit ``snap`` with every rank (dist/save.py)."""
-        shards, meshes = self._shards_of(snap.step)
+        found = self._shards_of(snap.step)
         with self._serial:
-            manifest = collective_save(self.coord, self.layout, snap, shards, engines, files_per_root=files_per_root,
-                                       replicated=self.options.replicated, pool=pool, release=release, meshes=meshes)
+            manifest = collective_save(self.coord, self.layout, snap, found, engines, files_per_root=files_per_root,
+                                       replicated=self.options.replicated, pool=pool, release=release,
+                                       plans=self._plans)
             self._learn(set(self.protocol.known) | {snap.step}, snap.step)
         return manifest
 

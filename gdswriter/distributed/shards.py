@@ -62,19 +62,37 @@ def dtensor_block(t: Any, path: str = "") -> tuple[tuple[int, ...], tuple[int, .
     return tuple(int(o) for o in offsets), tuple(int(n) for n in shape)
 
 
-def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo], dict[str, list[int]]]:
+def replica_group(t: Any) -> tuple[int, ...]:
+    """The global ranks holding the same block as this rank's shard of DTensor ``t``: those
+    whose mesh coordinates equal this rank's on every mesh dimension ``t`` is sharded over (it
+    is replicated over the others). Computed from the mesh alone, with no message."""
+    mesh = t.device_mesh
+    here = mesh.get_coordinate()
+    if here is None:
+        raise UnsupportedObjectError("", t, "a DTensor on a device mesh this rank is not part of")
+    index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(t.placements, here))
+    return tuple(sorted(int(r) for r in mesh.mesh[index].flatten().tolist()))
+
+
+def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo], dict[str, list[int]],
+                                                         dict[str, tuple[int, ...]]]:
     """``state`` with every DTensor replaced by its local tensor (containers on the way copied,
-    keeping their type and ``_metadata``), {key path: its block} and {key path: the global ranks
+    keeping their type and ``_metadata``), {key path: its block}, {key path: the global ranks
     of its device mesh} (DTensors of one name on different meshes, e.g. pipeline stages, are
-    different tensors)."""
+    different tensors) and {key path: its replica group} (replica_group)."""
     found: dict[str, ShardInfo] = {}
     meshes: dict[str, list[int]] = {}
+    groups: dict[str, tuple[int, ...]] = {}
+    seen: dict[tuple, tuple[list[int], tuple[int, ...]]] = {}  # per (mesh, placements): computed once
 
     def walk(v: Any, p: str) -> Any:
         if is_dtensor(v):
             offsets, _ = dtensor_block(v, p)
             found[p] = ShardInfo(tuple(v.shape), offsets)
-            meshes[p] = [int(r) for r in v.device_mesh.mesh.flatten().tolist()]
+            key = (id(v.device_mesh), tuple(v.placements))
+            if key not in seen:
+                seen[key] = ([int(r) for r in v.device_mesh.mesh.flatten().tolist()], replica_group(v))
+            meshes[p], groups[p] = seen[key]
             return v.to_local()
         if isinstance(v, dict):
             out = type(v)((k, walk(x, join(p, k))) for k, x in v.items())
@@ -85,7 +103,7 @@ def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo
             return type(v)(walk(x, join(p, i)) for i, x in enumerate(v))
         return v
 
-    return walk(state, path), found, meshes
+    return walk(state, path), found, meshes, groups
 
 
 def target_block(template: Any, global_shape: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...],

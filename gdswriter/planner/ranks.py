@@ -113,3 +113,42 @@ def plan_rank_slices(items: Sequence[RankItem], world_size: int, *, align: int =
             start += n
     pieces.sort(key=lambda p: (p.item, p.offset))
     return RankPlan(tuple(pieces), tuple(loads))
+
+
+SPLIT_MIN_SHARE = 256 << 10
+"""Items held by several ranks are cut into shares of at least this many bytes (fewer holders
+write, when the items are small): smaller pieces cost more in per-request overhead than the
+parallel write saves."""
+
+
+def split_stream(sizes: Sequence[int], holders: int, seed: int, *, align: int = DEFAULT_ALIGN,
+                 min_share: int = SPLIT_MIN_SHARE) -> list[list[tuple[int, int, int]]]:
+    """Which of ``holders`` ranks (numbered 0..holders-1 in the holders' rank order) writes which
+    bytes of items of ``sizes`` that all of them hold identically: per item, [(holder, offset,
+    length)] in offset order, covering it once. A pure function of its arguments, so every
+    holder computes the same split from what it holds, with no message. The items are laid end
+    to end (in the order given) in a stream cut into equal shares of at least ``min_share``
+    bytes, cuts inside an item on ``align`` boundaries (so each piece starts aligned), the shares
+    given out from holder ``seed % holders`` on (seed: a hash of the holder set, so that sets
+    with few shares do not all land on their first holder)."""
+    if holders < 1 or any(n < 0 for n in sizes):
+        raise InvalidOptionError(f"split_stream: needs sizes >= 0 and at least one holder (got {holders})")
+    if align < 1 or align & (align - 1):
+        raise InvalidOptionError(f"align={align} must be a power of two")
+    total = sum(sizes)
+    share = max(-(-total // holders), min_share, 1)
+    share = -(-share // align) * align
+    out: list[list[tuple[int, int, int]]] = []
+    start = 0  # stream position of the current item
+    for n in sizes:
+        cuts = [0]
+        for boundary in range((start // share + 1) * share, start + n, share):
+            off = (boundary - start) // align * align  # a cut too near the item's start moves on
+            if off > cuts[-1]:
+                cuts.append(off)
+        cuts.append(n)
+        # each piece goes to the share that holds its last byte
+        pieces = [((seed + (start + max(b, a + 1) - 1) // share) % holders, a, b - a) for a, b in zip(cuts, cuts[1:])]
+        out.append(pieces)
+        start += n
+    return out

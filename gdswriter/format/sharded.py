@@ -1,0 +1,455 @@
+"""Format 1.3: a multi-rank step as one small global manifest and one manifest shard per rank.
+
+A 1.2 manifest held every rank's records, so its size (and what rank 0 gathered and every
+loading rank received) grew with the world size times the tensors per rank. In 1.3:
+
+* each rank writes ``manifest-rank<R>.json`` (a **shard**: ``RankShard``) into its step
+  directory on its first root, durably, before the vote: its data files, the items (storages)
+  it holds with their holders, the chunks it wrote, the records of every tensor it holds and
+  its state tree. Its size depends on the rank's own state only;
+* the step's ``manifest.json`` (``GlobalManifest``, the commit point, written by the primary
+  rank as before) holds the root table and, per rank, where its shard is with its size and
+  crc32c: a few dozen bytes per rank (about 1 MiB at 16,384 ranks), nothing per tensor.
+
+Items are named by keys that equal across ranks exactly when they hold the same bytes
+(distributed/save.py ``storage_keys``): ``L<rank>:<n>`` for rank-local state, ``R<digest>``
+for replicated state (every rank), ``S<digest>`` for a DTensor block (its replica group).
+Several holders split an item with planner/ranks.py ``split_stream``, each holder writing its
+pieces and recording them in its own shard.
+
+``merge`` turns a global manifest and every shard back into the in-memory ``Manifest`` a
+1.2 step parses to, so the single-process readers (load_state, ``gdswriter`` ls/inspect/
+verify/export) read 1.3 through the code they already had; a multi-rank load of the same
+layout reads only its own shard (distributed/load.py). docs/format.md section 10.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import crc32c as _crc32c
+
+from ..errors import CorruptCheckpointError, UnreachableDataError
+from ..fs import read_regular_file
+from .assembly import build_manifest
+from .commit import root_identity, step_dir_name
+from .manifest import (FORMAT_NAME, INT64_LIMIT, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, RootInfo,
+                       ShardInfo, TensorRecord)
+
+SHARDED_VERSION = (1, 3)
+SHARD_FORMAT = "gdswriter-shard"
+ONLY_THIS_RANK = -1  # an item's holders: the writing rank alone
+EVERY_RANK = -2      # an item's holders: every rank of the world
+MAX_KEY_CHARS = 256
+
+
+def shard_name(rank: int) -> str:
+    """The file name of rank ``rank``'s manifest shard (in its step directory on its first root)."""
+    return f"manifest-rank{rank:05d}.json"
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """An item (storage) a rank holds: its key, size and holders (None: every rank)."""
+
+    key: str
+    nbytes: int
+    holders: tuple[int, ...] | None
+
+    def holder_ranks(self, world_size: int) -> Sequence[int]:
+        return range(world_size) if self.holders is None else self.holders
+
+
+@dataclass(frozen=True)
+class RankShard:
+    """What one rank wrote for a step and what it holds (the module docstring). ``chunks[i]``
+    are the pieces of item i this rank wrote (``file`` indexes ``files``; ``storage_offset`` is
+    the offset in the item); ``tensors`` are views of items (``storage`` indexes ``items``)."""
+
+    step: int
+    rank: int
+    world_size: int
+    files: tuple[FileRecord, ...]
+    items: tuple[ItemRecord, ...]
+    chunks: tuple[tuple[ChunkRecord, ...], ...]
+    tensors: tuple[TensorRecord, ...]
+    tree: Any
+
+    def to_json_bytes(self) -> bytes:
+        groups: dict[tuple[int, ...], int] = {}
+        items = []
+        for it in self.items:
+            if it.holders is None:
+                ref = EVERY_RANK
+            elif it.holders == (self.rank,):
+                ref = ONLY_THIS_RANK
+            else:
+                ref = groups.setdefault(it.holders, len(groups))
+            items.append([it.key, it.nbytes, ref])
+        body = {
+            "format": SHARD_FORMAT, "version": list(SHARDED_VERSION), "step": self.step, "rank": self.rank,
+            "world_size": self.world_size,
+            "groups": [list(g) for g in groups],
+            "items": items,
+            "files": [[f.root, f.path, f.size] + ([dict(f.info)] if f.info else []) for f in self.files],
+            "chunks": [[i, c.file, c.file_offset, c.storage_offset, c.length, c.crc32c]
+                       for i, cs in enumerate(self.chunks) for c in cs],
+            "tensors": [[t.storage, t.name, t.byte_offset, t.dtype, list(t.shape), list(t.stride), t.device, t.kind,
+                         [list(t.shard.global_shape), list(t.shard.offsets)] if t.shard is not None else None]
+                        for t in self.tensors],
+            "tree": self.tree,
+        }
+        return (json.dumps(body, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, *, where: str, step: int, rank: int, world_size: int,
+                        n_roots: int) -> "RankShard":
+        """Parse and validate a shard that must be rank ``rank``'s of ``step`` in a world of
+        ``world_size`` whose root table has ``n_roots`` roots; damage is CorruptCheckpointError."""
+        try:
+            return _parse_shard(json.loads(raw), where, step, rank, world_size, n_roots)
+        except CorruptCheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError,
+                UnicodeDecodeError) as e:
+            raise CorruptCheckpointError(f"{where} is malformed ({type(e).__name__}: {e}); the checkpoint is "
+                                         f"damaged: load an earlier step") from e
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """Where rank ``rank``'s shard is: file ``name`` in the step directory on root ``root``."""
+
+    rank: int
+    root: int
+    name: str
+    size: int
+    crc32c: int
+
+
+@dataclass(frozen=True)
+class GlobalManifest:
+    """The manifest.json of a 1.3 step (the module docstring). ``totals`` are for people and
+    tools, over all ranks: "bytes" of state, "tensors" (each shared one once), data "files",
+    and "on_disk" (the data files' and shards' sizes)."""
+
+    step: int
+    world_size: int
+    roots: tuple[RootInfo, ...]
+    shards: tuple[ShardRef, ...]
+    metadata: dict
+    created_unix: float
+    totals: dict
+
+    def to_json_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT_NAME, "version": list(SHARDED_VERSION), "step": self.step,
+            "created_unix": self.created_unix, "metadata": self.metadata,
+            "dist": {"world_size": self.world_size, "layout": "gdswriter",
+                     "roots": [{"id": r.id, "path": r.path, "ranks": _ranks_json(r.ranks, self.world_size)}
+                               for r in self.roots]},
+            "shards": [[s.root, s.name, s.size, s.crc32c] for s in self.shards],
+            "totals": self.totals,
+        }
+        crc = _crc32c.crc32c(_canonical(body))
+        return (json.dumps({**body, "manifest_crc32c": crc}, separators=(",", ":"), allow_nan=False) + "\n").encode()
+
+    @classmethod
+    def from_body(cls, body: dict, where: str) -> "GlobalManifest":
+        """Validate a parsed manifest.json whose version is 1.3 or later (format.manifest checks
+        the format name and major version first)."""
+        try:
+            return _parse_global(body, where)
+        except CorruptCheckpointError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError) as e:
+            raise CorruptCheckpointError(f"{where} is malformed ({type(e).__name__}: {e}); the checkpoint is "
+                                         f"damaged: load an earlier step") from e
+
+    @staticmethod
+    def new(step: int, world_size: int, roots: Sequence[RootInfo], shards: Sequence[ShardRef], metadata: dict,
+            totals: dict) -> "GlobalManifest":
+        return GlobalManifest(step, world_size, tuple(roots), tuple(shards), dict(metadata), time.time(),
+                              dict(totals))
+
+
+def is_sharded(body: Any) -> bool:
+    """Whether a parsed manifest.json is a 1.3 global manifest (it lists shards)."""
+    return isinstance(body, dict) and "shards" in body
+
+
+def parse_global(raw: bytes, where: str) -> GlobalManifest | None:
+    """The global manifest in ``raw``, or None when ``raw`` is a 1.0-1.2 manifest (parse that
+    with Manifest.from_json_bytes). Damage is CorruptCheckpointError."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where} is not valid JSON ({e}); the checkpoint is damaged: "
+                                     f"load an earlier step") from e
+    if not is_sharded(body):
+        return None
+    return GlobalManifest.from_body(body, where)
+
+
+def check_shard_bytes(ref: ShardRef, raw: bytes, where: str) -> None:
+    """A shard file's bytes are the ones the global manifest recorded (size and crc32c)."""
+    if len(raw) != ref.size or _crc32c.crc32c(raw) != ref.crc32c:
+        raise CorruptCheckpointError(f"{where}: {len(raw)} bytes with crc32c {_crc32c.crc32c(raw):#010x}, the step's "
+                                     f"{MANIFEST_NAME} recorded {ref.size} bytes with {ref.crc32c:#010x}: the "
+                                     f"checkpoint is damaged; load an earlier step")
+
+
+def merge(g: GlobalManifest, shards: Sequence[RankShard]) -> Manifest:
+    """The whole step as one in-memory Manifest (as a 1.2 step parses), from the global manifest
+    and every rank's shard (rank order). Every item must be covered exactly once by the pieces
+    its holders wrote, and holders must agree on its size: CorruptCheckpointError otherwise."""
+    if len(shards) != g.world_size:
+        raise CorruptCheckpointError(f"step {g.step}: {len(shards)} shards for a world of {g.world_size}")
+    index: dict[str, int] = {}
+    sizes: list[int] = []
+    reports = []
+    for sh in shards:
+        local = []
+        for it in sh.items:
+            n = index.setdefault(it.key, len(sizes))
+            if n == len(sizes):
+                sizes.append(it.nbytes)
+            elif sizes[n] != it.nbytes:
+                raise CorruptCheckpointError(f"step {g.step}: item {it.key[:40]} is {sizes[n]} bytes in one shard and "
+                                             f"{it.nbytes} in rank {sh.rank}'s: the checkpoint is damaged")
+            local.append(n)
+        first_holder = [min(it.holder_ranks(g.world_size)) == sh.rank for it in sh.items]
+        position: dict[int, int] = {}
+        tensors = []
+        for t in sh.tensors:
+            pos = position.get(t.storage, 0)
+            position[t.storage] = pos + 1
+            tensors.append([local[t.storage], pos])
+        reports.append({
+            "files": [[f.root, f.path, f.size, f.info] for f in sh.files],
+            "chunks": [[local[i], c.file, c.file_offset, c.storage_offset, c.length, c.crc32c]
+                       for i, cs in enumerate(sh.chunks) for c in cs],
+            "records": [[local[t.storage], _record_row(t)] for t in sh.tensors if first_holder[t.storage]],
+            "tree": sh.tree,
+            "tensors": tensors,
+        })
+    m = build_manifest(g.step, sizes, reports, g.roots, layout="gdswriter", metadata=g.metadata)
+    # Through the 1.2 validation: coverage of every storage, chunk bounds, views inside storages.
+    try:
+        data = m.to_json_bytes()
+    except Exception as e:  # noqa: BLE001 - a record no reader accepts: the shards are damaged
+        raise CorruptCheckpointError(f"step {g.step}: the shards describe a tensor no reader accepts ({e}); the "
+                                     f"checkpoint is damaged: load an earlier step") from e
+    merged = Manifest.from_json_bytes(data, where=f"step {g.step} (its {g.world_size} manifest shards merged)")
+    return Manifest(step=merged.step, files=merged.files, storages=merged.storages, tensors=merged.tensors,
+                    state=merged.state, created_unix=g.created_unix, metadata=merged.metadata,
+                    version=SHARDED_VERSION, dist=merged.dist)
+
+
+def _record_row(t: TensorRecord) -> list:
+    shard = [list(t.shard.global_shape), list(t.shard.offsets)] if t.shard is not None else None
+    return [t.name, t.byte_offset, t.dtype, list(t.shape), list(t.stride), t.device, t.kind, shard]
+
+
+# -- validation ---------------------------------------------------------------------------
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _ranks_json(ranks: tuple[int, ...], world_size: int) -> Any:
+    """A root's ranks: "all" when every rank wrote to it (one shared root), else the list."""
+    return "all" if len(ranks) == world_size and ranks == tuple(range(world_size)) else list(ranks)
+
+
+def _int(v: Any, what: str, limit: int = INT64_LIMIT) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
+        raise ValueError(f"{what}: expected an integer in [0, {limit}), got {v!r}")
+    return v
+
+
+def _text(v: Any, what: str, limit: int = MAX_KEY_CHARS) -> str:
+    if not isinstance(v, str) or len(v) > limit:
+        raise ValueError(f"{what}: expected a string of at most {limit} characters")
+    return v
+
+
+def _list(v: Any, what: str) -> list:
+    if not isinstance(v, list):
+        raise ValueError(f"{what}: expected a list, got {type(v).__name__}")
+    return v
+
+
+def _plain_name(v: Any) -> str:
+    s = _text(v, "a file name")
+    if not s or "/" in s or "\\" in s or s in (".", "..") or "\0" in s:
+        raise ValueError(f"data file name {s!r} is not a plain file name")
+    return s
+
+
+def _parse_global(body: dict, where: str) -> GlobalManifest:
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
+
+    expected = body.pop("manifest_crc32c", None)
+    if not isinstance(expected, int) or _crc32c.crc32c(_canonical(body)) != expected:
+        raise bad("manifest checksum does not match its content")
+    d = body["dist"]
+    world = _int(d["world_size"], "dist.world_size")
+    if world < 1 or d["layout"] != "gdswriter":
+        raise bad(f"dist: world_size {world} or layout {d['layout']!r} is invalid for a sharded manifest")
+    roots = []
+    for r in _list(d["roots"], "dist.roots"):
+        ranks = tuple(range(world)) if r["ranks"] == "all" else tuple(_int(x, "a root's rank", world)
+                                                                        for x in _list(r["ranks"], "ranks"))
+        roots.append(RootInfo(_text(r["id"], "a root id"), _text(r["path"], "a root path", 4096), ranks))
+    if not roots:
+        raise bad("no root table")
+    shards = []
+    for rank, x in enumerate(_list(body["shards"], "shards")):
+        root, name, size, crc = _list(x, "a shard entry")
+        shards.append(ShardRef(rank, _int(root, "a shard's root", len(roots)), _plain_name(name),
+                               _int(size, "a shard's size"), _int(crc, "a shard's crc32c", 1 << 32)))
+        if not name.endswith(".json"):
+            raise bad(f"shard file name {name!r}")
+    if len(shards) != world:
+        raise bad(f"{len(shards)} shards listed for a world of {world} ranks")
+    metadata, totals = body.get("metadata", {}), body.get("totals", {})
+    created = body.get("created_unix", 0.0)
+    if not isinstance(metadata, dict) or not isinstance(totals, dict) or not isinstance(created, (int, float)):
+        raise bad("metadata, totals or created_unix has the wrong type")
+    return GlobalManifest(_int(body["step"], "step"), world, tuple(roots), tuple(shards), metadata, float(created),
+                          totals)
+
+
+def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
+
+    if not isinstance(body, dict) or body.get("format") != SHARD_FORMAT:
+        raise bad("not a gdswriter manifest shard")
+    if (body["step"], body["rank"], body["world_size"]) != (step, rank, world):
+        raise bad(f"it is rank {body['rank']}'s shard of step {body['step']} (world {body['world_size']}), not rank "
+                  f"{rank}'s of step {step} (world {world})")
+    groups = []
+    for g in _list(body["groups"], "groups"):
+        ranks = tuple(_int(x, "a holder rank", world) for x in _list(g, "a group"))
+        if len(ranks) < 2 or list(ranks) != sorted(set(ranks)) or rank not in ranks:
+            raise bad(f"holder group {list(ranks)[:8]} is not a sorted set of ranks including rank {rank}")
+        groups.append(ranks)
+    items = []
+    for x in _list(body["items"], "items"):
+        key, nbytes, ref = _list(x, "an item")
+        if isinstance(ref, bool) or not isinstance(ref, int) or not EVERY_RANK <= ref < len(groups):
+            raise bad(f"an item's holders {ref!r}")
+        holders = None if ref == EVERY_RANK else (rank,) if ref == ONLY_THIS_RANK else groups[ref]
+        items.append(ItemRecord(_text(key, "an item key"), _int(nbytes, "an item's size"), holders))
+    if len({it.key for it in items}) != len(items):
+        raise bad("an item is listed twice")
+    files = []
+    for x in _list(body["files"], "files"):
+        x = _list(x, "a file entry")
+        info = x[3] if len(x) > 3 else {}
+        if len(x) not in (3, 4) or not isinstance(info, dict) or len(info) > 16 or not all(
+                v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 256)
+                for v in info.values()):
+            raise bad("a data file entry is [root, name, size] or [root, name, size, {info}] of short scalars")
+        files.append(FileRecord(_int(x[0], "a file's root", n_roots), _plain_name(x[1]), _int(x[2], "a file size"),
+                                dict(info)))
+    if len({(f.root, f.path) for f in files}) != len(files):
+        raise bad("a data file is listed twice")
+    chunks: list[list[ChunkRecord]] = [[] for _ in items]
+    in_files: list[tuple[int, int, int]] = []
+    for x in _list(body["chunks"], "chunks"):
+        i, f, fo, so, ln, crc = _list(x, "a chunk")
+        i, f = _int(i, "a chunk's item", len(items)), _int(f, "a chunk's file", len(files))
+        c = ChunkRecord(f, _int(fo, "file offset"), _int(so, "item offset"), _int(ln, "length"),
+                        _int(crc, "crc32c", 1 << 32))
+        if c.file_offset + c.length > files[f].size or c.storage_offset + c.length > items[i].nbytes:
+            raise bad(f"a chunk of item {i} runs past the end of {files[f].path} or of its item")
+        chunks[i].append(c)
+        if c.length:
+            in_files.append((f, c.file_offset, c.file_offset + c.length))
+    for cs in chunks:
+        cs.sort(key=lambda c: c.storage_offset)
+        if any(a.storage_offset + a.length > b.storage_offset for a, b in zip(cs, cs[1:])):
+            raise bad("two chunks of one item overlap")
+    in_files.sort()
+    if any(fa == fb and sb < ea for (fa, _, ea), (fb, sb, _) in zip(in_files, in_files[1:])):
+        raise bad("two chunks overlap in one data file")
+    tensors = []
+    for x in _list(body["tensors"], "tensors"):
+        i, name, byte_offset, dtype, shape, stride, device, kind, shard = _list(x, "a tensor")
+        i = _int(i, "a tensor's item", len(items))
+        rec = TensorRecord(_text(name, "a tensor name", 4096), i, _int(byte_offset, "byte_offset"),
+                           _text(dtype, "a dtype"), tuple(_int(v, "a dimension") for v in _list(shape, "shape")),
+                           tuple(_int(v, "a stride") for v in _list(stride, "stride")), _text(device, "a device"),
+                           _text(kind, "a kind"))
+        if rec.kind not in ("tensor", "ndarray"):
+            raise bad(f"tensor {rec.name[:200]!r} has kind {rec.kind!r}")
+        why = rec.problem(items[i].nbytes)
+        if why:
+            raise bad(f"tensor {rec.name[:200]!r} has {why}")
+        if shard is not None:
+            gshape = tuple(_int(v, "a global dimension") for v in _list(shard[0], "global shape"))
+            offsets = tuple(_int(v, "an offset") for v in _list(shard[1], "offsets"))
+            if len(gshape) != len(rec.shape) or len(offsets) != len(rec.shape) or any(
+                    o + n > s for o, n, s in zip(offsets, rec.shape, gshape)):
+                raise bad(f"tensor {rec.name[:200]!r}: its block does not fit in its global shape")
+            rec = TensorRecord(rec.name, rec.storage, rec.byte_offset, rec.dtype, rec.shape, rec.stride, rec.device,
+                               rec.kind, ShardInfo(gshape, offsets))
+        tensors.append(rec)
+    return RankShard(step, rank, world, tuple(files), tuple(items), tuple(tuple(cs) for cs in chunks),
+                     tuple(tensors), body["tree"])
+
+
+def match_roots(saved: Sequence[RootInfo], roots: Sequence[Path]) -> list[Path | None]:
+    """Where each saved root is among ``roots`` (directories given to one process): by the id
+    in its ``.gdswriter-root``, else by path for a root that has no marker; None where absent."""
+    ids: dict[str, Path] = {}
+    paths: dict[str, Path] = {}
+    for r in roots:
+        ident = root_identity(r, create=False) if r.is_dir() else None
+        if ident is not None:
+            ids.setdefault(ident.id, r)
+        else:
+            paths.setdefault(str(r.resolve()), r)
+    return [ids.get(info.id) or paths.get(info.path) for info in saved]
+
+
+def read_shard(where: Path, g: GlobalManifest, ref: ShardRef) -> bytes:
+    """The bytes of shard ``ref`` in step directory ``where`` (a regular file, size and crc32c as
+    recorded; CheckpointNotFoundError when missing: the step may have been deleted meanwhile)."""
+    path = where / ref.name
+    try:
+        raw = read_regular_file(path, ref.size)
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"manifest shard {path} of step {g.step} (rank {ref.rank}) is missing: the "
+                                     f"checkpoint is incomplete, or its root is not the one given here") from e
+    check_shard_bytes(ref, raw, str(path))
+    return raw
+
+
+def parse_shard(raw: bytes, g: GlobalManifest, ref: ShardRef, where: str) -> RankShard:
+    return RankShard.from_json_bytes(raw, where=where, step=g.step, rank=ref.rank, world_size=g.world_size,
+                                     n_roots=len(g.roots))
+
+
+def load_merged(g: GlobalManifest, roots: Sequence[Path]) -> Manifest:
+    """The whole step (merge) in one process that sees every root among ``roots``."""
+    where = match_roots(g.roots, roots)
+    shards = []
+    for ref in g.shards:
+        root = where[ref.root]
+        if root is None:
+            info = g.roots[ref.root]
+            raise UnreachableDataError(errno.ENOENT, f"step {g.step}: rank {ref.rank}'s manifest shard is on root id "
+                                                     f"{info.id} (saved at {info.path}), which is not among the "
+                                                     f"roots given: pass every node's roots, the primary first")
+        d = root / step_dir_name(g.step)
+        shards.append(parse_shard(read_shard(d, g, ref), g, ref, str(d / ref.name)))
+    return merge(g, shards)
