@@ -519,11 +519,45 @@ CLAIM = 256 << 20  # what the hostile manifests claim; the files hold ~1.3 MiB
 GROWTH_LIMIT = CLAIM // 4
 
 
+def _shards(root: Path, step: int) -> tuple[dict, list[dict]]:
+    """A 1.3 step's global manifest body and its shards' bodies (one shared root)."""
+    g = body(root, step)
+    return g, [json.loads((root / step_dir_name(step) / name).read_bytes()) for _, name, _, _ in g["shards"]]
+
+
+def _rewrite_shards(root: Path, step: int, g: dict, shards: list[dict]) -> None:
+    """Write the shards and a global manifest recording their new sizes and crc32c, with a correct
+    self-checksum (as a malicious writer would)."""
+    for entry, sb in zip(g["shards"], shards):
+        raw = (json.dumps(sb, separators=(",", ":")) + "\n").encode()
+        (root / step_dir_name(step) / entry[1]).write_bytes(raw)
+        entry[2], entry[3] = len(raw), crc32c.crc32c(raw)
+    rewrite(root, step, g)
+
+
 def inflate(root: Path, step: int, claim: int) -> None:
-    """Make a multi-rank manifest (valid self-checksum) claim ``claim`` bytes for its largest
-    storage: the chunk that ends both its storage and its data file grows, and so do the
-    storage and the file's recorded size. The files on disk stay as they are."""
+    """Make a multi-rank step (valid checksums) claim ``claim`` bytes for its largest storage: the
+    chunk that ends both its storage and its data file grows, and so do the storage and the
+    file's recorded size. The files on disk stay as they are. A 1.3 step: in every shard holding
+    that item, the writer of its last piece growing its chunk and file."""
     b = body(root, step)
+    if "shards" in b:
+        g, shards = _shards(root, step)
+        key, nbytes = max(((k, n) for sb in shards for k, n, _ in sb["items"]), key=lambda x: x[1])
+        extra = claim - nbytes
+        for sb in shards:
+            for it in sb["items"]:
+                if it[0] == key:
+                    item = sb["items"].index(it)
+                    it[1] += extra
+                    last = [c for c in sb["chunks"] if c[0] == item and c[3] + c[4] == nbytes]
+                    if last:
+                        c = last[0]
+                        assert c[2] + c[4] == max(x[2] + x[4] for x in sb["chunks"] if x[1] == c[1]), "ends its file"
+                        c[4] += extra
+                        sb["files"][c[1]][2] += extra
+        _rewrite_shards(root, step, g, shards)
+        return
     ends: dict[int, int] = {}
     for s in b["storages"]:
         for f, off, _, n, _ in s["chunks"]:
@@ -539,11 +573,13 @@ def inflate(root: Path, step: int, claim: int) -> None:
 
 
 def huge_shard(root: Path, step: int) -> None:
-    """Record the largest tensor as a block of a 4 TiB global tensor (the block fits in it)."""
-    b = body(root, step)
-    t = max(b["tensors"], key=lambda t: b["storages"][t["storage"]]["nbytes"])
-    t["shard"] = {"global_shape": [1 << 40] + t["shape"][1:], "offsets": [0] * len(t["shape"])}
-    rewrite(root, step, b)
+    """Record the largest tensor as a block of a 4 TiB global tensor (the block fits in it), in
+    every shard of a 1.3 step."""
+    g, shards = _shards(root, step)
+    for sb in shards:
+        t = max(sb["tensors"], key=lambda t: sb["items"][t[0]][1])
+        t[8] = [[1 << 40] + t[4][1:], [0] * len(t[4])]
+    _rewrite_shards(root, step, g, shards)
 
 
 def _rss() -> tuple[int, int]:
@@ -650,11 +686,14 @@ def test_hostile_multi_rank_manifests_are_refused_by_every_reader_before_allocat
     its peak memory grows by far less than the claim."""
     res = run_ranks(2, _hostile_dist_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, r in enumerate(res):
+        x = r["dcp.load"]
+        assert x["error"] in ("TruncatedFileError", "RankFailedError"), (rank, x)
+        assert "TruncatedFileError" in x["text"] or "truncated" in x["text"], (rank, x)
+        x = r["ck.load"]  # a 1.3 step: the grown item no longer splits into the pieces each shard records
+        assert x["error"] in ("CorruptCheckpointError", "RankFailedError"), (rank, x)
+        assert "does not record exactly the pieces" in x["text"], (rank, x)
         for what in ("ck.load", "dcp.load"):
-            x = r[what]
-            assert x["error"] in ("TruncatedFileError", "RankFailedError"), (rank, what, x)
-            assert "TruncatedFileError" in x["text"] or "truncated" in x["text"], (rank, what, x)
-            assert x["growth"] < GROWTH_LIMIT, (rank, what, x)
+            assert r[what]["growth"] < GROWTH_LIMIT, (rank, what, r[what])
         assert r["untouched"], "the live tensor was not changed"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]),
                GDSWRITER_BUFFER_BYTES=str(256 << 10), GDSWRITER_REQUEST_BYTES=str(64 << 10),
