@@ -117,6 +117,57 @@ def test_four_ranks_loading_replicated_state_read_its_bytes_once(tmp_path):
     assert sum(1 for x in res if x["read"]) >= 3, res  # and by several ranks
 
 
+# ----------------------------------------------------------------------------- the format's recipe
+def _recipe_worker(rank: int, world: int, root: str) -> dict:
+    from gdswriter import GDSCheckpointer
+
+    model = _replicated_model(seed=2)
+    mine = {"count": torch.full((300_000,), float(rank))}
+    with GDSCheckpointer(model, root=root, state={"mine": mine}, options=_options(),
+                         dist_options=_dist_options()) as ck:
+        ck.save(4)
+    return {}
+
+
+def test_the_format_docs_recipe_reads_a_sharded_two_rank_step(tmp_path):
+    """docs/format.md section 8's recipe (without gdswriter) reads rank 0's part of a 1.3 step,
+    the replicated model's pieces coming from both ranks' files, equal to what load_state reads."""
+    import re
+    from pathlib import Path
+
+    import numpy as np
+
+    from gdswriter.distributed import load_state
+
+    root = tmp_path / "shared"
+    run_ranks(2, _recipe_worker, str(root), out=tmp_path / "ranks")
+    text = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+    section = text[text.index("## 8. Reading a checkpoint without gdswriter"):text.index("## 9.")]
+    ns: dict = {}
+    for code in re.findall(r"```python\n(.*?)```", section, re.S):
+        exec(compile(code, "docs/format.md", "exec"), ns)
+    step, state, manifest = ns["read_checkpoint"]([str(root)])
+    assert step == 4 and manifest["version"] == [1, 3]
+    _, ref = load_state(root)
+
+    def arrays(tree, path=""):
+        if isinstance(tree, dict):
+            for k, v in tree.items():
+                yield from arrays(v, f"{path}/{k}")
+        elif isinstance(tree, (torch.Tensor, np.ndarray)):
+            yield path, np.asarray(tree)
+
+    got, want = dict(arrays(state)), dict(arrays(ref))
+    assert sorted(got) == sorted(want) and len(want) >= 5, (sorted(got), sorted(want))
+    for k in want:
+        assert np.array_equal(got[k], want[k]), k
+    assert any(k.endswith("count") and (got[k] == 0.0).all() and got[k].size == 300_000 for k in got), "rank 0's own"
+    m = json.loads((root / "step_000000000004" / "manifest.json").read_text())
+    rank1 = json.loads((root / "step_000000000004" / m["shards"][1][1]).read_text())
+    assert any(c[4] for c in rank1["chunks"] if rank1["items"][c[0]][0].startswith("R")), \
+        "rank 1 wrote part of the replicated model: the recipe took pieces from both ranks' shards"
+
+
 # ----------------------------------------------------------------------------- the pure parts
 def test_split_stream_covers_every_item_once_on_aligned_cuts_and_balances():
     rng = random.Random(7)
@@ -198,15 +249,15 @@ def test_a_shard_whose_bytes_differ_from_the_recorded_ones_is_refused():
 
 
 def test_the_vote_refuses_ranks_out_of_step_and_holders_that_disagree():
-    from gdswriter.distributed.save import _check_reports
+    from gdswriter.distributed.save import check_reports
 
     ok = [{"step": 3, "sets": [["all", 2, "d1"]]}, {"step": 3, "sets": [["all", 2, "d1"]]}]
-    assert _check_reports(ok, 3, "saving step 3") is None
-    failures, hint = _check_reports([ok[0], {**ok[1], "step": 4}], 3, "saving step 3")
+    assert check_reports(ok, 3, "saving step 3") is None
+    failures, hint = check_reports([ok[0], {**ok[1], "step": 4}], 3, "saving step 3")
     assert failures == {1: "saving step 4"} and "[3, 4]" in hint
-    failures, hint = _check_reports([ok[0], {"step": 3, "sets": [["all", 2, "d2"]]}], 3, "saving step 3")
+    failures, hint = check_reports([ok[0], {"step": 3, "sets": [["all", 2, "d2"]]}], 3, "saving step 3")
     assert list(failures) == [1] and "replicated" in hint
-    failures, _ = _check_reports([ok[0], {"step": 3, "sets": []}], 3, "saving step 3")
+    failures, _ = check_reports([ok[0], {"step": 3, "sets": []}], 3, "saving step 3")
     assert list(failures) == [0], "a holder set that one of its holders does not report"
 
 

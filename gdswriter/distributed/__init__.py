@@ -1,10 +1,12 @@
 """Multi-rank checkpoints: GDSCheckpointer under torch.distributed, and a DCP storage plug-in.
 
 Every rank writes a disjoint, byte-balanced part of the step into its own files on its own
-roots (FastPersist's parallel writes); rank 0 builds the one manifest and the step commits
-once, atomically across ranks and roots (commit.py). Loading works on any world size
+roots (FastPersist's parallel writes), planned by itself (save.py), and its records into a
+manifest shard of its own; the primary rank commits the step once, atomically across ranks
+and roots, with a global manifest listing the shards (commit.py, format/sharded.py). What a
+rank sends and receives does not grow with the world size. Loading works on any world size
 (load.py), also when each rank sees only its node's disks (fetch.py). The on-disk layout is
-docs/format.md section 9. ``GDSStorageWriter``/``GDSStorageReader`` (dcp.py) put
+docs/format.md sections 9 and 10. ``GDSStorageWriter``/``GDSStorageReader`` (dcp.py) put
 torch.distributed.checkpoint on the same engine, format and commit protocol.
 """
 

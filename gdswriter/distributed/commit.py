@@ -11,8 +11,10 @@ rank 0 on another node than the primary's disk (roots.py ``choose_primary``):
    marker is another directory with the same id, and would not have it), and every rank
    learns in a second collective whether all did, before any data is written. A crash here
    leaves empty temporary directories (removed at the next open). Then every rank writes its
-   own data files there, each fdatasynced;
-2. vote: P gathers every rank's outcome; each secondary root's leader first checks that a
+   own data files there, each fdatasynced, and (a GDSCheckpointer save, format 1.3) its
+   manifest shard, fsynced: it is published with the directory, like the data;
+2. vote: P gathers every rank's outcome (a GDSCheckpointer save: its shard's name, size and
+   crc32c and digests of what it holds, a few hundred bytes; save.py checks them); each secondary root's leader first checks that a
    ``step_S`` already there was written for this primary (one of another checkpoint is
    refused: nothing is un-committed). On any failure P tells every rank, each root's leader
    removes the temporary directory, and every rank raises. When step S is already committed,
@@ -20,12 +22,15 @@ rank 0 on another node than the primary's disk (roots.py ``choose_primary``):
    manifest that another primary wrote (its secondary data) is refused, never removed;
 3. each root's leader fsyncs its temporary directory (every rank's files are in it now); on a
    secondary root it renames it to ``step_S`` and fsyncs the root. P gathers the outcome;
-4. P writes manifest.json into the primary's temporary directory (fsync) and renames it
+4. P writes manifest.json (a 1.3 step's global manifest: the shard list) into the primary's temporary directory (fsync) and renames it
    to ``step_S``: the commit point. If the root's fsync then fails, P un-commits the step
    (retires the primary ``step_S``) before reporting the failure, so that no visible step
    loses its secondary data; if it cannot, the step stays committed (with a warning);
 5. announce: P tells every rank whether the step committed; then ``latest`` moves (a
    failure there is logged: the step is committed, readers fall back to the newest step).
+
+Only P receives what grows with the world (the gathered outcomes); every decision it sends
+is of fixed size (group.py ``bounded``: at most a few failed ranks named, the rest counted).
 
 A rank that dies or hangs makes a collective fail (CollectiveFailedError on the others,
 within the timeout) before step 4, so nothing is committed and the previous step stays the

@@ -93,7 +93,7 @@ def _shard_readers(g: GlobalManifest, layout: RootLayout) -> list[int | None]:
     return out
 
 
-def _reach(g: GlobalManifest, layout: RootLayout) -> list[Path | None]:
+def reach_of(g: GlobalManifest, layout: RootLayout) -> list[Path | None]:
     """Where this rank finds each root of ``g`` (fetch.manifest_reach's rule)."""
     unmarked = {str(p.resolve()): p for p, i in zip(layout.local_paths, layout.local_ids) if i.startswith("path:")}
     return [layout.local_paths[layout.local_ids.index(info.id)] if info.id in layout.local_ids
@@ -116,7 +116,7 @@ def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, wha
             raise UnreachableDataError(errno.ENOENT, f"{what}: rank {lost[0]}'s manifest shard is on root id {info.id} "
                                                      f"(saved at {info.path}), which no rank of this job sees: give "
                                                      f"some rank that root (mount it)")
-        reach = _reach(g, layout)
+        reach = reach_of(g, layout)
         for k, r in enumerate(readers):
             if r == coord.rank:
                 ref = g.shards[k]
@@ -190,7 +190,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     ok, error = False, None
     try:
         if g.world_size == world:
-            reach = _reach(g, layout)
+            reach = reach_of(g, layout)
             ref = g.shards[rank]
             if reach[ref.root] is not None:
                 d = reach[ref.root] / step_dir_name(g.step)  # type: ignore[operator]

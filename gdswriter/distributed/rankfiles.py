@@ -72,16 +72,14 @@ def item_pieces(items: Sequence[ItemRecord], world_size: int) -> list[list[tuple
     out: list[list[tuple[int, int, int]]] = [[] for _ in items]
     sets: dict[tuple[int, ...] | None, list[int]] = {}
     for i, it in enumerate(items):
-        holders = list(it.holder_ranks(world_size))
-        if len(holders) == 1:
-            out[i] = [(holders[0], 0, it.nbytes)]
+        if it.holder_count(world_size) == 1:
+            out[i] = [(it.first_holder, 0, it.nbytes)]
         else:
             sets.setdefault(it.holders, []).append(i)
-    for key, members in sets.items():
+    for key, members in sets.items():  # key None: every rank (never listed: the world may be large)
         members.sort(key=lambda i: items[i].key)
-        holders = list(items[members[0]].holder_ranks(world_size))
         seed = int(hashlib.sha256(repr(key).encode()).hexdigest()[:8], 16)
-        split = split_stream([items[i].nbytes for i in members], len(holders), seed)
+        split = split_stream([items[i].nbytes for i in members], items[members[0]].holder_count(world_size), seed)
         for i, pieces in zip(members, split):
-            out[i] = [(holders[h], off, n) for h, off, n in pieces]
+            out[i] = [(h if key is None else key[h], off, n) for h, off, n in pieces]
     return out

@@ -36,7 +36,7 @@ import crc32c as _crc32c
 from ..engines.base import IOEngine
 from ..errors import GDSWriterError, RankFailedError, UnsupportedObjectError
 from ..format.manifest import ChunkRecord, FileRecord, ShardInfo, TensorRecord
-from ..format.sharded import GlobalManifest, ItemRecord, RankShard, ShardRef, parse_global, shard_name
+from ..format.sharded import GlobalManifest, ItemRecord, RankShard, ShardRef, ShardStatic, parse_global, shard_name
 from ..fs import write_durable
 from ..planner.assign import SavePlan, plan_save
 from ..save.handle import Release
@@ -57,15 +57,15 @@ class DTensors:
     its device mesh and its replica group, by key path."""
 
     shards: dict[str, ShardInfo] = field(default_factory=dict)
-    meshes: dict[str, list[int]] = field(default_factory=dict)
+    meshes: dict[str, str] = field(default_factory=dict)
     groups: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Sequence[str], rank: int,
-                 meshes: dict[str, list[int]] | None = None) -> tuple[list[str], dict[int, list[int]]]:
+                 meshes: dict[str, str] | None = None) -> tuple[list[str], dict[int, list[int]]]:
     """A name per storage that equals another rank's exactly when both hold the same bytes, and
-    the record indices of each storage. ``meshes``: the global ranks of each DTensor's device
-    mesh (a block of one name on another mesh, e.g. another pipeline stage, is other data)."""
+    the record indices of each storage. ``meshes``: each DTensor's device mesh (shards.mesh_id:
+    a block of one name on another mesh, e.g. another pipeline stage, is other data)."""
     meshes = meshes or {}
     by_storage: dict[int, list[int]] = {}
     for i, rec in enumerate(snap.records):
@@ -89,7 +89,7 @@ def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Seque
         else:
             keys.append(f"L{rank}:{sid}")
             continue
-        digest = hashlib.sha256(json.dumps([desc, ext.flat.numel()]).encode()).hexdigest()[:32]
+        digest = hashlib.sha256(json.dumps([desc, ext.nbytes]).encode()).hexdigest()[:32]
         keys.append(f"{kind}{digest}")
     return keys, by_storage
 
@@ -104,6 +104,7 @@ class RankSavePlan:
     tensors: tuple[TensorRecord, ...]        # the snapshot's records, with their blocks
     digests: tuple[tuple[str, int, str], ...]  # (holder set, its size, digest of its items)
     nbytes: int
+    static: ShardStatic                      # the shard's parts that only the layout decides, encoded
 
 
 def _holder_set(holders: tuple[int, ...] | None) -> str:
@@ -118,7 +119,7 @@ def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], l
     keys, by_storage = storage_keys(snap, found.shards, replicated, rank, found.meshes)
     items = []
     for sid, key in enumerate(keys):
-        nbytes = snap.extents[sid].flat.numel()
+        nbytes = snap.extents[sid].nbytes
         if key.startswith("R"):
             holders: tuple[int, ...] | None = None
         elif key.startswith("S"):
@@ -128,7 +129,7 @@ def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], l
                 raise UnsupportedObjectError(names[0] if names else "", None, "a storage viewed by DTensors with "
                                              "different replica groups", type_name="DTensor")
             holders = groups.pop()
-            holders = None if holders == tuple(range(world)) else holders
+            holders = None if len(holders) == world else holders  # a sorted set of ranks: all of them
         else:
             holders = (rank,)
         items.append(ItemRecord(key, nbytes, holders))
@@ -142,7 +143,8 @@ def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], l
                            for h, v in by_set.items()))
     fplan = plan_save([n for _, _, n in pieces], rank_targets(layout, rank, files_per_root))
     tensors = tuple(replace(r, shard=found.shards[r.name]) if r.name in found.shards else r for r in snap.records)
-    return RankSavePlan(tuple(items), tuple(pieces), fplan, tensors, digests, sum(n for _, _, n in pieces))
+    return RankSavePlan(tuple(items), tuple(pieces), fplan, tensors, digests, sum(n for _, _, n in pieces),
+                        ShardStatic.of(rank, tuple(items), tensors))
 
 
 class PlanCache:
@@ -157,8 +159,8 @@ class PlanCache:
     @staticmethod
     def signature(snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
                   files_per_root: int) -> tuple:
-        return (tuple(snap.records), tuple(e.flat.numel() for e in snap.extents), tuple(found.shards.items()),
-                tuple(found.groups.items()), tuple((k, tuple(v)) for k, v in found.meshes.items()), tuple(replicated),
+        return (tuple(snap.records), tuple(e.nbytes for e in snap.extents), tuple(found.shards.items()),
+                tuple(found.groups.items()), tuple(found.meshes.items()), tuple(replicated),
                 layout, files_per_root)
 
     def plan(self, snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
@@ -215,7 +217,7 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, foun
         outcome = e
         release.set(error=e)
     try:
-        reports = rc.vote(outcome, check=lambda reps: _check_reports(reps, hello["step"], what))
+        reports = rc.vote(outcome, check=lambda reps: check_reports(reps, hello["step"], what))
     except RankFailedError as e:
         if not in_step:  # this rank's own save is not the one the vote was about
             raise RankFailedError(f"saving step {snap.step}", e.failures, e.hint, total=e.total) from e
@@ -243,7 +245,9 @@ def _write_rank(snap: Snapshot, plan: RankSavePlan, layout: RootLayout, rc: Rank
                 engines: Sequence[IOEngine], pool: HostSnapshotPool | None, release: Release) -> dict:
     """Step 4 on this rank: its pieces, then its durable shard; returns its vote report."""
     pieces = plan.pieces
-    mine = Snapshot(snap.step, None, [Extent("", flat=snap.extents[sid].flat[off:off + n]) for sid, off, n in pieces],
+    extents = snap.extents  # a whole item is its own extent; a piece, a view of it
+    mine = Snapshot(snap.step, None, [extents[sid] if off == 0 and n == extents[sid].nbytes
+                                      else Extent("", flat=extents[sid].flat[off:off + n]) for sid, off, n in pieces],
                     [], {}, ready=snap.ready)
     written_by: dict[int, str] = {}
     crcs = write_snapshot_files(mine, plan.fplan, rc, engines, pool=pool, release=release, written_by=written_by)
@@ -256,16 +260,16 @@ def _write_rank(snap: Snapshot, plan: RankSavePlan, layout: RootLayout, rc: Rank
     shard = RankShard(snap.step, layout.rank, layout.world_size, files, plan.items,
                       tuple(tuple(sorted(cs, key=lambda c: c.storage_offset)) for cs in chunks), plan.tensors,
                       snap.tree)
-    data = shard.to_json_bytes()
+    data = shard.to_json_bytes(static=plan.static)
     name = shard_name(layout.rank)
     write_durable(rc.dirs[0] / name, data)
-    described = sum(1 for t in plan.tensors if min(plan.items[t.storage].holder_ranks(layout.world_size)) == layout.rank)
+    described = sum(1 for t in plan.tensors if plan.items[t.storage].first_holder == layout.rank)
     return {"step": snap.step, "shard": [layout.local_to_global[0], name, len(data), _crc32c.crc32c(data)],
             "sets": [list(d) for d in plan.digests],
             "totals": [plan.nbytes, described, len(files), sum(f.size for f in files) + len(data)]}
 
 
-def _check_reports(reports: Sequence[dict], step: int, what: str) -> tuple[dict[int, str], str] | None:
+def check_reports(reports: Sequence[dict], step: int, what: str) -> tuple[dict[int, str], str] | None:
     """The primary rank, in the vote: (failures, hint) when the ranks cannot commit together:
     ranks saving another step, or holders of one set of items that disagree about it."""
     steps = [x.get("step", step) for x in reports]

@@ -9,6 +9,8 @@ from the intersecting saved blocks, whatever world size and placements saved the
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -74,16 +76,23 @@ def replica_group(t: Any) -> tuple[int, ...]:
     return tuple(sorted(int(r) for r in mesh.mesh[index].flatten().tolist()))
 
 
-def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo], dict[str, list[int]],
+def mesh_id(ranks: Sequence[int], shape: Sequence[int]) -> str:
+    """A short name for a device mesh (its shape and global ranks), so that what names a block
+    does not grow with the mesh's size."""
+    return hashlib.sha256(json.dumps([list(shape), list(ranks)]).encode()).hexdigest()[:16]
+
+
+def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo], dict[str, str],
                                                          dict[str, tuple[int, ...]]]:
     """``state`` with every DTensor replaced by its local tensor (containers on the way copied,
-    keeping their type and ``_metadata``), {key path: its block}, {key path: the global ranks
-    of its device mesh} (DTensors of one name on different meshes, e.g. pipeline stages, are
-    different tensors) and {key path: its replica group} (replica_group)."""
+    keeping their type and ``_metadata``), {key path: its block}, {key path: its device mesh's
+    mesh_id} (DTensors of one name on different meshes, e.g. pipeline stages, are different
+    tensors) and {key path: its replica group} (replica_group). Each mesh and placement is
+    looked at once, not once per tensor."""
     found: dict[str, ShardInfo] = {}
-    meshes: dict[str, list[int]] = {}
+    meshes: dict[str, str] = {}
     groups: dict[str, tuple[int, ...]] = {}
-    seen: dict[tuple, tuple[list[int], tuple[int, ...]]] = {}  # per (mesh, placements): computed once
+    seen: dict[tuple, tuple[str, tuple[int, ...]]] = {}  # per (mesh, placements): computed once
 
     def walk(v: Any, p: str) -> Any:
         if is_dtensor(v):
@@ -91,7 +100,8 @@ def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo
             found[p] = ShardInfo(tuple(v.shape), offsets)
             key = (id(v.device_mesh), tuple(v.placements))
             if key not in seen:
-                seen[key] = ([int(r) for r in v.device_mesh.mesh.flatten().tolist()], replica_group(v))
+                mesh = v.device_mesh.mesh
+                seen[key] = (mesh_id(mesh.flatten().tolist(), mesh.shape), replica_group(v))
             meshes[p], groups[p] = seen[key]
             return v.to_local()
         if isinstance(v, dict):

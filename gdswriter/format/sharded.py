@@ -64,6 +64,14 @@ class ItemRecord:
     def holder_ranks(self, world_size: int) -> Sequence[int]:
         return range(world_size) if self.holders is None else self.holders
 
+    def holder_count(self, world_size: int) -> int:
+        return world_size if self.holders is None else len(self.holders)
+
+    @property
+    def first_holder(self) -> int:
+        """The lowest holder (it describes the item's tensors in a merged manifest)."""
+        return 0 if self.holders is None else self.holders[0]
+
 
 @dataclass(frozen=True)
 class RankShard:
@@ -80,31 +88,18 @@ class RankShard:
     tensors: tuple[TensorRecord, ...]
     tree: Any
 
-    def to_json_bytes(self) -> bytes:
-        groups: dict[tuple[int, ...], int] = {}
-        items = []
-        for it in self.items:
-            if it.holders is None:
-                ref = EVERY_RANK
-            elif it.holders == (self.rank,):
-                ref = ONLY_THIS_RANK
-            else:
-                ref = groups.setdefault(it.holders, len(groups))
-            items.append([it.key, it.nbytes, ref])
-        body = {
-            "format": SHARD_FORMAT, "version": list(SHARDED_VERSION), "step": self.step, "rank": self.rank,
-            "world_size": self.world_size,
-            "groups": [list(g) for g in groups],
-            "items": items,
-            "files": [[f.root, f.path, f.size] + ([dict(f.info)] if f.info else []) for f in self.files],
-            "chunks": [[i, c.file, c.file_offset, c.storage_offset, c.length, c.crc32c]
-                       for i, cs in enumerate(self.chunks) for c in cs],
-            "tensors": [[t.storage, t.name, t.byte_offset, t.dtype, list(t.shape), list(t.stride), t.device, t.kind,
-                         [list(t.shard.global_shape), list(t.shard.offsets)] if t.shard is not None else None]
-                        for t in self.tensors],
-            "tree": self.tree,
-        }
-        return (json.dumps(body, separators=(",", ":"), allow_nan=False) + "\n").encode()
+    def to_json_bytes(self, static: ShardStatic | None = None) -> bytes:
+        """The shard file's bytes. ``static``: ShardStatic.of(rank, items, tensors) computed
+        before (a training loop's saves share it), else made here."""
+        if static is None or static.key != (self.rank, self.items, self.tensors):
+            static = ShardStatic.of(self.rank, self.items, self.tensors)
+        head = _json({"format": SHARD_FORMAT, "version": list(SHARDED_VERSION), "step": self.step, "rank": self.rank,
+                      "world_size": self.world_size})
+        files = _json([[f.root, f.path, f.size] + ([dict(f.info)] if f.info else []) for f in self.files])
+        chunks = _json([[i, c.file, c.file_offset, c.storage_offset, c.length, c.crc32c]
+                        for i, cs in enumerate(self.chunks) for c in cs])
+        return (f'{head[:-1]},"groups":{static.groups},"items":{static.items},"files":{files},"chunks":{chunks},'
+                f'"tensors":{static.tensors},"tree":{_json(self.tree)}}}\n').encode()
 
     @classmethod
     def from_json_bytes(cls, raw: bytes, *, where: str, step: int, rank: int, world_size: int,
@@ -119,6 +114,38 @@ class RankShard:
                 UnicodeDecodeError) as e:
             raise CorruptCheckpointError(f"{where} is malformed ({type(e).__name__}: {e}); the checkpoint is "
                                          f"damaged: load an earlier step") from e
+
+
+@dataclass(frozen=True)
+class ShardStatic:
+    """A shard's holder groups, items and tensor records, encoded: what the layout alone decides
+    (the plan of a save keeps it, so that a training loop's saves encode only chunks and tree)."""
+
+    key: tuple
+    groups: str
+    items: str
+    tensors: str
+
+    @staticmethod
+    def of(rank: int, items: tuple[ItemRecord, ...], tensors: tuple[TensorRecord, ...]) -> "ShardStatic":
+        groups: dict[tuple[int, ...], int] = {}
+        rows = []
+        for it in items:
+            if it.holders is None:
+                ref = EVERY_RANK
+            elif it.holders == (rank,):
+                ref = ONLY_THIS_RANK
+            else:
+                ref = groups.setdefault(it.holders, len(groups))
+            rows.append([it.key, it.nbytes, ref])
+        trows = [[t.storage, t.name, t.byte_offset, t.dtype, list(t.shape), list(t.stride), t.device, t.kind,
+                  [list(t.shard.global_shape), list(t.shard.offsets)] if t.shard is not None else None]
+                 for t in tensors]
+        return ShardStatic((rank, items, tensors), _json([list(g) for g in groups]), _json(rows), _json(trows))
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
 @dataclass(frozen=True)
@@ -223,7 +250,7 @@ def merge(g: GlobalManifest, shards: Sequence[RankShard]) -> Manifest:
                 raise CorruptCheckpointError(f"step {g.step}: item {it.key[:40]} is {sizes[n]} bytes in one shard and "
                                              f"{it.nbytes} in rank {sh.rank}'s: the checkpoint is damaged")
             local.append(n)
-        first_holder = [min(it.holder_ranks(g.world_size)) == sh.rank for it in sh.items]
+        first_holder = [it.first_holder == sh.rank for it in sh.items]
         position: dict[int, int] = {}
         tensors = []
         for t in sh.tensors:

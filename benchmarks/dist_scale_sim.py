@@ -1,0 +1,240 @@
+"""What a multi-rank save and load cost one rank as the world grows, simulated in one process.
+
+For each world size W, rank 0 and a typical rank (rank W // 2) run the real code of a
+GDSCheckpointer save (distributed/save.py: planning, writing their pieces and shard, the vote,
+rank 0's commit) and of a load's planning (reading the global manifest and the rank's own shard,
+working out its pieces and transfers), on an in-process coordinator
+(gdswriter/testing/simcoord.py) that plays the other W - 1 ranks: their vote reports are the
+typical rank's, with their rank, shard and root put in. Every rank has its own root (one NVMe
+per GPU) and holds 2,000 tensors:
+
+* ``fsdp``: 1,950 FSDP2-like blocks of sharded parameters (a rank's own) + 50 small tensors
+  replicated on every rank (DistOptions.replicated);
+* ``ddp``: all 2,000 replicated on every rank.
+
+Reported per W: CPU time of a save on the typical rank (first, with planning; then cached)
+and on rank 0 (its commit of W reports), without the snapshot and the data writes (timed
+apart: they depend on the state, not on W), the whole save's too, the bytes each sends and
+receives in the save's collectives, the global manifest's size, and the bytes a rank reads to plan its load. DCP's
+anchor: its DefaultSavePlanner's global plan over W local plans of 2,000 items (rank 0's work in
+every dcp.save), without and with its plan caching (the second save of an unchanged layout).
+
+    python benchmarks/dist_scale_sim.py                       # W = 8, 64, 512, 4096, 16384
+    python benchmarks/dist_scale_sim.py --worlds 8,64 --dcp-max 64 --markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from gdswriter.distributed.load import reach_of
+from gdswriter.distributed.rankfiles import item_pieces
+from gdswriter.distributed.roots import RootLayout
+from gdswriter.distributed import save as save_mod
+from gdswriter.distributed.save import DTensors, PlanCache, collective_save
+from gdswriter.engines.select import create_engine
+from gdswriter.format.commit import step_dir_name
+from gdswriter.format.manifest import MANIFEST_NAME, RootInfo, ShardInfo
+from gdswriter.format.sharded import parse_global, parse_shard, read_shard, shard_name
+from gdswriter.options import EngineOptions, KiB
+from gdswriter.save.snapshot import LayoutCache, take_snapshot
+from gdswriter.testing.simcoord import Peers, SimCoordinator
+
+TENSORS = 2000
+REPLICATED = 50
+ELEMS = 256  # per tensor: the counts matter here, not the bytes
+
+
+def state_of(kind: str, rank: int, world: int) -> tuple[dict, DTensors, tuple[str, ...]]:
+    """A rank's state (plain local tensors, as prepare() leaves them) and what its DTensors were."""
+    g = torch.Generator().manual_seed(rank)
+    if kind == "ddp":
+        g = torch.Generator().manual_seed(0)  # the same on every rank
+        model = {f"layer{i}.weight": torch.randn(ELEMS, generator=g) for i in range(TENSORS)}
+        return {"model": model}, DTensors(), ("model",)
+    blocks = {f"layer{i}.weight": torch.randn(ELEMS // 8, 8, generator=g) for i in range(TENSORS - REPLICATED)}
+    shards = {f"model/{k}": ShardInfo((world * v.shape[0], 8), (rank * v.shape[0], 0)) for k, v in blocks.items()}
+    g0 = torch.Generator().manual_seed(0)
+    shared = {f"norm{i}": torch.randn(ELEMS, generator=g0) for i in range(REPLICATED)}
+    found = DTensors(shards, {k: "mesh-fsdp" for k in shards}, {k: (rank,) for k in shards})
+    return {"model": blocks, "replicated": shared}, found, ("replicated",)
+
+
+def layout_of(rank: int, world: int, roots: dict[int, Path]) -> RootLayout:
+    table = tuple(RootInfo(f"{r:032x}", str(roots.get(r, f"/sim/nvme{r}")), (r,)) for r in range(world))
+    return RootLayout(rank, world, table, (roots[rank],), (table[rank].id,), (rank,), table[0].path)
+
+
+def report_of(world: int):
+    def of(rank: int, template: dict) -> dict:
+        out = json.loads(json.dumps(template))
+        out["shard"][0], out["shard"][1] = rank, shard_name(rank)
+        return out
+    return of
+
+
+class _DataWrites:
+    """Times the data writes of a save (save.write_snapshot_files), to report them apart from
+    the planning, shard and commit work around them."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self._write = save_mod.write_snapshot_files
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.process_time()
+        try:
+            return self._write(*args, **kwargs)
+        finally:
+            self.cpu_s += time.process_time() - t0
+
+
+def run_rank(kind: str, rank: int, world: int, roots: dict[int, Path], peers: Peers, engine, steps=(1, 2)) -> dict:
+    state, found, replicated = state_of(kind, rank, world)
+    layout = layout_of(rank, world, roots)
+    coord = SimCoordinator(rank, world, peers)
+    plans, cache = PlanCache(), LayoutCache()
+    writes = _DataWrites()
+    save_mod.write_snapshot_files = writes  # timed apart (the module's own name for it)
+    out: dict = {}
+    try:
+        for n, step in enumerate(steps):
+            peers.step = step
+            before = coord.stats.snapshot()
+            writes.cpu_s = coord.peer_cpu_s = 0.0
+            t0 = time.process_time()
+            snap = take_snapshot(state, step, layout=cache)
+            t1 = time.process_time()
+            collective_save(coord, layout, snap, found, [engine], files_per_root=1, replicated=replicated,
+                            plans=plans)
+            t2 = time.process_time() - coord.peer_cpu_s
+            sent, received, rounds = (a - b for a, b in zip(coord.stats.snapshot(), before))
+            out["first" if n == 0 else "cached"] = {
+                "cpu_s": t2 - t0, "snapshot_s": t1 - t0, "data_write_s": writes.cpu_s,
+                "coordination_s": t2 - t1 - writes.cpu_s, "sent": sent, "received": received, "rounds": rounds}
+    finally:
+        save_mod.write_snapshot_files = writes._write
+    return out
+
+
+def plan_load(rank: int, world: int, roots: dict[int, Path], step: int) -> dict:
+    """The load's planning on ``rank``: the global manifest and its own shard, its pieces and transfers."""
+    layout = layout_of(rank, world, roots)
+    t0 = time.process_time()
+    raw = (roots[0] / step_dir_name(step) / MANIFEST_NAME).read_bytes()
+    g = parse_global(raw, "sim")
+    ref = g.shards[rank]
+    where = reach_of(g, layout)[ref.root]
+    data = read_shard(where / step_dir_name(step), g, ref)
+    shard = parse_shard(data, g, ref, "sim")
+    pieces = item_pieces(shard.items, world)
+    transfers = sum(len(list(shard.items[i].holder_ranks(world))) - 1 for i, p in enumerate(pieces)
+                    for w, _, n in p if n and w == rank)
+    return {"cpu_s": time.process_time() - t0, "read": len(raw) + len(data), "manifest": len(raw),
+            "shard": len(data), "sends": transfers}
+
+
+def dcp_anchor(world: int, cached: bool) -> float:
+    """Seconds of DCP's DefaultSavePlanner.create_global_plan over ``world`` local plans of TENSORS
+    FSDP-like items (with ``cached``: a second call after an unchanged first, as plan caching does)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
+
+    rows = ELEMS // 8
+
+    def plan(r: int) -> SavePlan:
+        return SavePlan([WriteItem(index=MetadataIndex(f"model.layer{i}.weight", torch.Size([r * rows, 0])),
+                                   type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size([r * rows, 0]),
+                                                                                        torch.Size([rows, 8])),
+                                                               properties=TensorProperties(dtype=torch.float32),
+                                                               size=torch.Size([world * rows, 8])))
+                         for i in range(TENSORS)])
+
+    plans = [plan(r) for r in range(world)]
+    for d in (SavePlanner._cached_all_plans, SavePlanner._cached_global_plan, SavePlanner._cached_metadata,
+              SavePlanner._cached_final_save_plan, SavePlanner._cached_save_plan):
+        d.clear()
+    planner = DefaultSavePlanner(flatten_state_dict=False, enable_plan_caching=cached)
+    t0 = time.perf_counter()
+    planner.create_global_plan(plans)
+    if not cached:
+        return time.perf_counter() - t0
+    unchanged = [SavePlan([], usable=False)] * world  # what ranks send when their plan did not change
+    t0 = time.perf_counter()
+    planner.create_global_plan(unchanged)
+    return time.perf_counter() - t0
+
+
+def simulate(kind: str, world: int, base: Path, engine) -> dict:
+    typical = world // 2
+    roots = {0: base / "rank0", typical: base / f"rank{typical}"}
+    for p in roots.values():
+        p.mkdir(parents=True, exist_ok=True)
+    peers = Peers(1)
+    t = run_rank(kind, typical, world, roots, peers, engine)
+    peers_0 = Peers(1, report_of=report_of(world), template=peers.last_report)
+    r0 = run_rank(kind, 0, world, roots, peers_0, engine)
+    manifest = (roots[0] / step_dir_name(2) / MANIFEST_NAME).stat().st_size
+    return {"kind": kind, "world": world, "typical": t, "rank0": r0, "manifest": manifest,
+            "load": plan_load(typical, world, roots, 2)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", default="8,64,512,4096,16384")
+    ap.add_argument("--kinds", default="fsdp,ddp")
+    ap.add_argument("--dcp-max", type=int, default=512, help="largest W for DCP's planner (it is O(W x tensors))")
+    ap.add_argument("--dir", default=None, help="where the simulated ranks' roots go (default: a temporary dir)")
+    ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    args = ap.parse_args(argv)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    engine = create_engine(EngineOptions(buffer_bytes=256 * KiB, request_bytes=64 * KiB, num_buffers=2))
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        for kind in args.kinds.split(","):
+            for w in worlds:
+                r = simulate(kind, w, Path(tmp) / f"{kind}-{w}", engine)
+                if kind == "fsdp" and w <= args.dcp_max:
+                    r["dcp_s"], r["dcp_cached_s"] = dcp_anchor(w, False), dcp_anchor(w, True)
+                rows.append(r)
+                print(json.dumps(r), file=sys.stderr, flush=True)
+    engine.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    head = ["state", "W", "typical: plan+shard+commit CPU first / cached (ms)", "typical: whole save cached (ms)",
+            "typical sends / receives (B)", "rounds", "rank 0: plan+shard+commit cached (ms)", "rank 0 receives (KiB)",
+            "global manifest (KiB)", "load plan reads (KiB)", "load plan CPU (ms)", "DCP global plan / cached (ms)"]
+    table = [head]
+    for r in rows:
+        t, z = r["typical"], r["rank0"]
+        dcp = f"{r['dcp_s'] * 1e3:.0f} / {r['dcp_cached_s'] * 1e3:.1f}" if "dcp_s" in r else "not run"
+        table.append([r["kind"], r["world"],
+                      f"{t['first']['coordination_s'] * 1e3:.0f} / {t['cached']['coordination_s'] * 1e3:.0f}",
+                      f"{t['cached']['cpu_s'] * 1e3:.0f}", f"{t['cached']['sent']} / {t['cached']['received']}",
+                      t["cached"]["rounds"], f"{z['cached']['coordination_s'] * 1e3:.0f}",
+                      f"{z['cached']['received'] / 1024:.0f}", f"{r['manifest'] / 1024:.0f}",
+                      f"{r['load']['read'] / 1024:.0f}", f"{r['load']['cpu_s'] * 1e3:.0f}", dcp])
+    if args.markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for row in table[1:]:
+            print("| " + " | ".join(str(x) for x in row) + " |")
+    else:
+        widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
+        for row in table:
+            print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
