@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from gdswriter.distributed.load import reach_of
+from gdswriter.distributed.load import reach_of, relay
 from gdswriter.distributed.rankfiles import item_pieces
 from gdswriter.distributed.roots import RootLayout
 from gdswriter.distributed import save as save_mod
@@ -135,8 +135,9 @@ def plan_load(rank: int, world: int, roots: dict[int, Path], step: int) -> dict:
     data = read_shard(where / step_dir_name(step), g, ref)
     shard = parse_shard(data, g, ref, "sim")
     pieces = item_pieces(shard.items, world)
-    transfers = sum(len(list(shard.items[i].holder_ranks(world))) - 1 for i, p in enumerate(pieces)
-                    for w, _, n in p if n and w == rank)
+    transfers = sum(1 for i, p in enumerate(pieces) for w, _, n in p
+                    if n and shard.items[i].holder_count(world) > 1
+                    for _, a, _ in relay(shard.items[i], w, rank, world) if a == rank)
     return {"cpu_s": time.process_time() - t0, "read": len(raw) + len(data), "manifest": len(raw),
             "shard": len(data), "sends": transfers}
 

@@ -117,6 +117,31 @@ def test_four_ranks_loading_replicated_state_read_its_bytes_once(tmp_path):
     assert sum(1 for x in res if x["read"]) >= 3, res  # and by several ranks
 
 
+# ----------------------------------------------------------------------------- replicated state that is not
+def _mismatch_worker(rank: int, world: int, root: str) -> dict:
+    from gdswriter import GDSCheckpointer
+    from support.ranks import caught
+
+    model = _replicated_model()
+    with GDSCheckpointer(model, root=root, options=_options(), dist_options=_dist_options()) as ck:
+        ck.save(1)
+        if rank == 1:  # rank 1's "replicated" model grows a layer: the ranks no longer hold the same state
+            model.append(torch.nn.Linear(512, 8))
+        raised = caught(lambda: ck.save(2))
+        return {"raised": raised, "steps": ck.steps()}
+
+
+def test_ranks_holding_different_replicated_state_commit_nothing(tmp_path):
+    """Each rank plans its share of the replicated state from its own copy: if the copies differ
+    in structure, the pieces would not add up. The vote compares a digest per holder set, and
+    every rank refuses the step."""
+    res = run_ranks(2, _mismatch_worker, str(tmp_path / "shared"), out=tmp_path / "ranks")
+    for x in res:
+        assert x["raised"] is not None and x["raised"][0] == "RankFailedError", x
+        assert "replicated" in x["raised"][1] and "nothing was committed" in x["raised"][1], x
+        assert x["steps"] == [1], x
+
+
 # ----------------------------------------------------------------------------- the format's recipe
 def _recipe_worker(rank: int, world: int, root: str) -> dict:
     from gdswriter import GDSCheckpointer

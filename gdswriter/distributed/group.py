@@ -182,11 +182,14 @@ class Coordinator:
         coord = cls(group, ranks, dist.get_rank(pg), timeout_s, source=pg, owned=owned)
         try:
             mine = {"number": number, "label": label}
-            everyone = coord.all_gather(mine, what)
-            if any(x != mine for x in everyone):
+            everyone = coord.gather(mine, what, dst=0)  # rank 0 compares; every rank gets its verdict
+            shown = None
+            if everyone is not None and any(x != everyone[0] for x in everyone):
                 odd = [r for r, x in enumerate(everyone) if x != everyone[0]][:3]
                 shown = "; ".join(f"rank {r}: its channel #{everyone[r]['number']}, for {everyone[r]['label']}"
                                   for r in [0, *odd])
+            shown = coord.broadcast(shown, f"{what} (verdict)", src=0)
+            if shown is not None:
                 raise CollectiveMismatchError(
                     f"{what}: the ranks are creating different checkpoint coordination channels ({shown}). "
                     f"Construct (and close) every GDSCheckpointer, and make the first save or load with "

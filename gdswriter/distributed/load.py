@@ -36,7 +36,7 @@ from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, StorageRecor
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
-from ..format.sharded import SHARDED_VERSION, GlobalManifest, RankShard, merge, parse_global, parse_shard, read_shard
+from ..format.sharded import SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, merge, parse_global, parse_shard, read_shard
 from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
                            tensors_from_storages)
 from ..format.assembly import tree_for_rank
@@ -175,14 +175,40 @@ def _tiles(chunks: Sequence[ChunkRecord], pieces: Sequence[tuple[int, int]]) -> 
     return runs(spans) == runs(list(pieces)) and sum(n for _, n in spans) == sum(n for _, n in pieces)
 
 
+def relay(item: ItemRecord, writer: int, rank: int, world: int) -> list[tuple[int, int, int]]:
+    """(round, src, dst) of the transfers ``rank`` takes part in to spread a piece of ``item``
+    from its ``writer`` to every other holder: a binomial tree over the holders in rank order
+    starting at the writer, so a rank sends a piece at most log2(holders) times and every rank
+    computes its part of the same schedule in O(log holders), with no message. In round k, the
+    holders at tree positions below 2**k send to those 2**k further on."""
+    n = item.holder_count(world)
+    if item.holders is None:
+        index, at = rank, (lambda i: i)
+    else:
+        index, at = item.holders.index(rank), (lambda i: item.holders[i])  # type: ignore[union-attr]
+    origin = writer if item.holders is None else item.holders.index(writer)
+    p = (index - origin) % n  # this rank's position in the tree
+    out = []
+    k = 0
+    while (1 << k) < n:
+        step = 1 << k
+        if p < step and p + step < n:
+            out.append((k, rank, at((origin + p + step) % n)))
+        elif step <= p < 2 * step:
+            out.append((k, at((origin + p - step) % n), rank))
+        k += 1
+    return out
+
+
 def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
              engine: IOEngine, *, verify: bool, what: str, src: int) -> Any | None:
     """Collective: this rank's saved state from its own shard alone, when every rank can do so
     (the same world size, its shard and data files on roots it sees, its DTensor blocks the
     ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
     several ranks hold are read once: each holder reads the pieces it wrote and sends them to
-    the other holders (split_stream gives every holder the same pieces with no message), so N
-    ranks loading replicated state read its bytes from disk once in total."""
+    the other holders (split_stream gives every holder the same pieces with no message; each
+    piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
+    bytes from disk once in total."""
     unchanged = "the live state was not changed"
     rank, world = coord.rank, coord.world_size
     shard: RankShard | None = None
@@ -202,7 +228,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     if not coord.all_true(ok, f"{what} (loading from its own shard)", root=src):
         return None
     assert shard is not None
-    moves: list[tuple[int, int, int, int, int]] = []  # (src, dst, item, offset, length)
+    rounds: list[list[tuple[int, int, int, int, int]]] = []  # per round: (src, dst, item, offset, length)
     error = None
     try:
         split = item_pieces(shard.items, world)
@@ -213,12 +239,12 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                 raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
                                              f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
                                              f"load an earlier step")
-            holders = it.holder_ranks(world)
             for w, off, n in pieces:
-                if n and w == rank:
-                    moves += [(rank, o, sid, off, n) for o in holders if o != rank]
-                elif n:
-                    moves.append((w, rank, sid, off, n))
+                if n and it.holder_count(world) > 1:
+                    for k, a, b in relay(it, w, rank, world):
+                        while len(rounds) <= k:
+                            rounds.append([])
+                        rounds[k].append((a, b, sid, off, n))
         step_dir = step_dir_name(g.step)
         check_file_sizes((reach[f.root] / step_dir / f.path, f) for f in shard.files)  # type: ignore[operator]
     except Exception as e:  # noqa: BLE001 - every rank learns of it
@@ -239,12 +265,13 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (reading)", hint=unchanged, root=src)
-    tags: dict[tuple[int, int], int] = {}
-    transfers = []
-    for a, b, sid, off, n in moves:
-        tag = tags[(a, b)] = tags.get((a, b), -1) + 1
-        transfers.append(Transfer(a, b, tag, buffers[sid][off:off + n]))
-    coord.exchange(transfers, f"{what} (sending replicated pieces)")
+    tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
+    for k, moves in enumerate(rounds):  # a rank runs the rounds of the deepest tree it is in
+        transfers = []
+        for a, b, sid, off, n in moves:
+            tag = tags[(a, b)] = tags.get((a, b), -1) + 1
+            transfers.append(Transfer(a, b, tag, buffers[sid][off:off + n]))
+        coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
     error, state = None, None
     try:
         views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
