@@ -77,3 +77,20 @@ def test_write_interference(tmp_path):
     rows = [line for line in out.splitlines() if line.startswith("| ") and "%" in line]
     assert len(rows) == 3 and "GB/s" in out and "of a CPU" in out, out
     assert list(tmp_path.iterdir()) == []  # its scratch directory is removed
+
+
+def test_dist_scale_sim(tmp_path):
+    """Two small simulated worlds: the table comes out, a typical rank's save exchanges the same
+    few hundred bytes in both, and the global manifest grows with the ranks."""
+    out = tmp_path / "sim.json"
+    text = run_script("dist_scale_sim.py", "--worlds", "4,32", "--kinds", "fsdp,ddp", "--dcp-max", "4", "--dir",
+                str(tmp_path), "--json", str(out))
+    assert "global manifest" in text and "DCP global plan" in text, text
+    rows = json.loads(out.read_text())
+    assert [(r["kind"], r["world"]) for r in rows] == [("fsdp", 4), ("fsdp", 32), ("ddp", 4), ("ddp", 32)]
+    for kind in ("fsdp", "ddp"):
+        small, large = (r for r in rows if r["kind"] == kind)
+        assert small["typical"]["cached"]["received"] == large["typical"]["cached"]["received"] < 4096, rows
+        assert small["manifest"] < large["manifest"], rows
+        assert large["load"]["read"] == large["load"]["manifest"] + large["load"]["shard"], rows
+    assert "dcp_s" in rows[0] and "dcp_s" not in rows[1]

@@ -93,7 +93,7 @@ def load_state(root: Any, step: int | None = None, *, verify: bool = True,
     protocol = CommitProtocol(roots)
 
     def read(step: int | None) -> tuple[int, Any]:
-        step, m = broadcast_manifest(coord, protocol, step, "load_state")
+        step, m = broadcast_manifest(coord, protocol, step, "load_state", layout=layout)
         try:
             with create_engine(engine_options) as engine:
                 return step, rebuild_state(coord, layout, m, {}, None, engine, verify=verify,

@@ -1,14 +1,20 @@
 """A GDSCheckpointer load across ranks, on any world size.
 
-Rank 0 reads the manifest and sends it to every rank. Each rank takes the state tree it
-saved (rank 0's, with its own top-level entries; a rank the save did not have takes rank
-0's), and works out what it needs: every plain tensor its tree references, and of each
-sharded tensor the block its live tensor holds now (a DTensor's shard on the current mesh, or
-the whole tensor for a plain one), assembled from the saved blocks that intersect it. The
-storages are fetched (dist/fetch.py: read where reachable, sent by another rank where not),
-the state is rebuilt and handed to the live objects as a single-process load does. Nothing
-live changes before every rank has read and verified its part into fresh buffers and every
-rank agrees the plan fits (a collective load is always atomic).
+The primary rank reads the step's manifest and sends it to every rank. A 1.3 step (format/
+sharded.py) loaded by the ranks that saved it, with the same placements and roots, takes the
+short path (``load_own``): each rank reads only its own manifest shard and the pieces it wrote,
+and the holders of shared items (replicated state, replicated DTensor blocks) pass each other
+their pieces, so replicated bytes are read from disk once in total. Otherwise (another world
+size or placements, roots moved between nodes, or a 1.0-1.2 step) every rank works from the
+whole step (a 1.3 step's shards merged: ``gather_merged``): each rank takes the state tree it
+saved (a rank the save did not have takes rank 0's), and works out what it needs: every plain
+tensor its tree references, and of each sharded tensor the block its live tensor holds now (a
+DTensor's shard on the current mesh, or the whole tensor for a plain one), assembled from the
+saved blocks that intersect it. The storages are fetched (dist/fetch.py: read where reachable,
+sent by another rank where not). Either way the state is rebuilt and handed to the live
+objects as a single-process load does, and nothing live changes before every rank has read
+and verified its part into fresh buffers and every rank agrees the plan fits (a collective
+load is always atomic).
 
 ``load(fallback=True)``: rank 0's fallback order (the latest step, then older ones) is every
 rank's. After a failed step each rank says how it saw the failure (damage, another error, or
@@ -30,16 +36,17 @@ import torch
 from ..engines.base import IOEngine
 from ..errors import (CollectiveFailedError, CorruptCheckpointError, EngineIOError, InvalidOptionError,
                       RankFailedError, UnreachableDataError)
+from ..format.assembly import tree_for_rank
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, StorageRecord, TensorRecord
+from ..format.sharded import (SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, merge, parse_global, parse_shard,
+                              read_shard)
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
-from ..format.sharded import SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, merge, parse_global, parse_shard, read_shard
 from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
                            tensors_from_storages)
-from ..format.assembly import tree_for_rank
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, Transfer, bounded, describe, unbound
 from .rankfiles import item_pieces
