@@ -1,0 +1,299 @@
+"""The DeepSpeed checkpoint engine (gdswriter/integrations/deepspeed.py) with real DeepSpeed engines
+on the CPU (DS_ACCELERATOR=cpu, gloo): ZeRO stages 0, 1 and 2 on one rank, ZeRO-2 on two. Each
+scenario runs in fresh processes (tests/support/ranks.py), as DeepSpeed initialises
+torch.distributed. Saved and loaded states are compared with the state at the save, bit for bit,
+and a resumed run with an uninterrupted one."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed")
+
+from support.ranks import run_ranks  # noqa: E402
+from support.trees import assert_same_tree  # noqa: E402
+
+from gdswriter.errors import CorruptCheckpointError, UnsupportedObjectError  # noqa: E402
+from gdswriter.integrations.deepspeed import ROOT_NAME, from_plain, to_plain  # noqa: E402
+
+HIDDEN = 1024  # the first layer's weight is 512 x 1024 fp32: 2 MiB, above every small-copy threshold
+
+
+@pytest.fixture(autouse=True)
+def _cpu_accelerator(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # inherited by the spawned ranks
+
+
+# ----------------------------------------------------------------------------- helpers (run in the ranks)
+def _engine(stage: int, world: int, **ds_extra):
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}, "steps_per_print": 10**9,
+           "gradient_clipping": 1.0, **ds_extra}
+    os.environ.setdefault("LOCAL_RANK", str(torch.distributed.get_rank()))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def _train(engine, steps: range) -> None:
+    rank = torch.distributed.get_rank()
+    for i in steps:
+        g = torch.Generator().manual_seed(1000 * i + rank)
+        loss = engine(torch.randn(4, 512, generator=g)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return type(x)((k, _clone(v)) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    return x
+
+
+def _state(engine) -> dict:
+    """The engine's model and optimizer state (clones), in plain values (to_plain: a ZeRO loss
+    scaler object compares by its fields)."""
+    return to_plain(_clone({"model": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                            "global_steps": engine.global_steps}))
+
+
+class _Gate(threading.Event):
+    """Holds every data-file write of the engines made below until set."""
+
+
+_GATE = _Gate()
+
+
+def _gated_engines():
+    from gdswriter.options import EngineOptions
+    from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
+
+    class Gated(FaultInjectingEngine):
+        def write_file(self, *args, **kwargs):
+            _GATE.wait()
+            return super().write_file(*args, **kwargs)
+
+    return [Gated(EngineOptions(), FaultPlan())]
+
+
+class _KillNow(BaseException):
+    """Raised by the fault engine at a chosen backend call: kill -9 of this process, there."""
+
+    def __init__(self, *args):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killing_engines():
+    from gdswriter.options import EngineOptions
+    from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
+
+    # the 2nd backend call of the tag's save: its first data file is partly written, nothing committed
+    return [FaultInjectingEngine(EngineOptions(), FaultPlan(raise_at_call=2, raise_type=_KillNow))]
+
+
+class Color(enum.Enum):
+    RED = 1
+
+
+# ----------------------------------------------------------------------------- scenarios
+def _roundtrip(rank: int, world: int, stage: int, save_dir: str, async_save: bool) -> dict:
+    """Train, save tag "a", train on (while the save may still run), wait; a fresh engine loads
+    the tag `latest` names: model and optimizer equal the state at the save, bit for bit, and both
+    engines trained on stay equal."""
+    from gdswriter.integrations.deepspeed import use_gdswriter
+
+    engine = _engine(stage, world)
+    ckpt = use_gdswriter(engine, async_save=async_save)
+    _train(engine, range(3))
+    args = argparse.Namespace(lr=1e-3, data=Path("/data/train"), layers=[1, 2])
+    client = {"args": args, "seen": {3, 1}, "epoch": 7, "rng": torch.get_rng_state()}
+    engine.save_checkpoint(save_dir, tag="a", client_state=client)
+    at_save = _state(engine)
+    _train(engine, range(3, 5))  # changes every saved tensor, maybe before the save has written them
+    ckpt.wait()
+    assert Path(save_dir, "latest").read_text() == "a"
+
+    fresh = _engine(stage, world)
+    use_gdswriter(fresh)
+    path, loaded_client = fresh.load_checkpoint(save_dir)
+    assert path is not None
+    assert_same_tree(_state(fresh), at_save)
+    assert loaded_client["args"] == args and loaded_client["seen"] == {1, 3} and loaded_client["epoch"] == 7
+    assert torch.equal(loaded_client["rng"], client["rng"])
+    _train(fresh, range(3, 5))
+    assert_same_tree(_state(fresh), _state(engine))
+    files = sorted(p.name for p in Path(save_dir, "a").iterdir())
+    return {"files": files, "zero": type(engine.optimizer).__name__}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_save_load_bit_exact(tmp_path, stage):
+    """One rank, each ZeRO stage the CPU runs: the tag round-trips bit-exact (model, optimizer,
+    fp32 partitions, loss scaler, global step, client_state with a Namespace, a path and a set)."""
+    (res,) = run_ranks(1, _roundtrip, stage, str(tmp_path / "ckpts"), True, out=tmp_path / "out")
+    expected = ["mp_rank_00_model_states.pt", ROOT_NAME]
+    if stage > 0:
+        expected.append("zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        assert res["zero"] == "DeepSpeedZeroOptimizer"
+    assert res["files"] == sorted(expected)
+
+
+@pytest.mark.slow  # about 20 s: two ranks, four DeepSpeed engines
+def test_two_ranks_zero2_one_step(tmp_path):
+    """Two ranks, ZeRO-2 (each rank holds its own optimizer partition), blocking saves: both
+    ranks' files are one committed gdswriter step, and each rank gets its own partition back."""
+    save_dir = tmp_path / "ckpts"
+    res = run_ranks(2, _roundtrip, 2, str(save_dir), False, out=tmp_path / "out")
+    assert res[0]["files"] == sorted(["mp_rank_00_model_states.pt", ROOT_NAME,
+                                      "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                      "zero_pp_rank_1_mp_rank_00_optim_states.pt"])
+    from gdswriter.format.commit import CommitProtocol
+    from gdswriter.load.reader import read_manifest
+
+    protocol = CommitProtocol([save_dir / "a" / ROOT_NAME])
+    (step,) = protocol.committed_steps()
+    m = read_manifest(protocol, step)
+    assert m.dist is not None and m.dist.world_size == 2 and m.metadata["deepspeed_tag"] == "a"
+
+
+def _async_overlap(rank: int, world: int, save_dir: str) -> dict:
+    """Tag "a" durable; tag "b" saved while its writes are held: training steps run meanwhile,
+    `latest` names "a" and "b" is not committed; released, "b" is durable, `latest` names it and
+    it loads as it was at its save."""
+    from gdswriter.format.commit import CommitProtocol
+    from gdswriter.integrations.deepspeed import use_gdswriter
+
+    engine = _engine(1, world)
+    _GATE.set()
+    ckpt = use_gdswriter(engine, make_engines=_gated_engines)
+    _train(engine, range(2))
+    engine.save_checkpoint(save_dir, tag="a")
+    ckpt.wait()
+    _GATE.clear()
+    _train(engine, range(2, 3))
+    engine.save_checkpoint(save_dir, tag="b")  # returns with the writes held
+    at_b = _state(engine)
+    _train(engine, range(3, 6))                 # three optimizer steps while "b" is being saved
+    overlapped = {"latest": Path(save_dir, "latest").read_text(),
+                  "b_committed": CommitProtocol([Path(save_dir, "b", ROOT_NAME)]).committed_steps()}
+    _GATE.set()
+    ckpt.wait()
+    fresh = _engine(1, world)
+    use_gdswriter(fresh)
+    fresh.load_checkpoint(save_dir)
+    assert_same_tree(_state(fresh), at_b)
+    return {**overlapped, "latest_after": Path(save_dir, "latest").read_text(),
+            "b_after": CommitProtocol([Path(save_dir, "b", ROOT_NAME)]).committed_steps()}
+
+
+def test_async_save_overlaps_training_and_is_durable_once_committed(tmp_path):
+    (res,) = run_ranks(1, _async_overlap, str(tmp_path / "ckpts"), out=tmp_path / "out")
+    assert res == {"latest": "a", "b_committed": [], "latest_after": "b", "b_after": [0]}
+
+
+def _killed_during_save(rank: int, world: int, save_dir: str) -> None:
+    from gdswriter.integrations.deepspeed import use_gdswriter
+
+    engine = _engine(2, world)
+    kill = {"on": False}
+    ckpt = use_gdswriter(engine, make_engines=lambda: _killing_engines() if kill["on"] else _gated_engines())
+    _GATE.set()
+    _train(engine, range(3))
+    engine.save_checkpoint(save_dir, tag="a")
+    ckpt.wait()
+    _train(engine, range(3, 5))
+    kill["on"] = True
+    engine.save_checkpoint(save_dir, tag="b")  # killed (SIGKILL) in the middle of writing "b"
+    ckpt.wait()
+    raise AssertionError("not killed")
+
+
+def _resume_after_kill(rank: int, world: int, save_dir: str) -> dict:
+    from gdswriter.errors import CheckpointNotFoundError
+    from gdswriter.integrations.deepspeed import use_gdswriter
+
+    resumed = _engine(2, world)
+    use_gdswriter(resumed)
+    path, _ = resumed.load_checkpoint(save_dir)  # `latest`
+    _train(resumed, range(3, 8))
+    straight = _engine(2, world)
+    _train(straight, range(8))
+    assert_same_tree(_state(resumed), _state(straight))
+    try:
+        resumed.load_checkpoint(save_dir, tag="b")
+        b = "loaded"
+    except CheckpointNotFoundError as e:
+        b = str(e)
+    return {"path": path, "b": b}
+
+
+@pytest.mark.slow  # about 35 s: three processes, four DeepSpeed engines
+def test_kill_during_save_leaves_previous_tag_and_resume_is_exact(tmp_path):
+    """kill -9 while tag "b"'s data files are being written: `latest` still names "a", which loads,
+    and the run resumed from it matches an uninterrupted run bit for bit; "b" is refused clearly."""
+    save_dir = tmp_path / "ckpts"
+    run_ranks(1, _killed_during_save, str(save_dir), out=tmp_path / "out1", killed=(0,))
+    assert Path(save_dir, "latest").read_text() == "a"
+    (res,) = run_ranks(1, _resume_after_kill, str(save_dir), out=tmp_path / "out2")
+    assert res["path"].endswith("a/mp_rank_00_model_states.pt")
+    assert "never committed" in res["b"]
+
+
+def _refused(rank: int, world: int, save_dir: str) -> list:
+    from gdswriter.integrations.deepspeed import use_gdswriter
+
+    engine = _engine(0, world)
+    use_gdswriter(engine, async_save=False)
+    _train(engine, range(1))
+    engine.save_checkpoint(save_dir, tag="a")
+    try:
+        engine.save_checkpoint(save_dir, tag="b", client_state={"cfg": {"color": Color.RED}})
+    except UnsupportedObjectError as e:
+        return [str(e), Path(save_dir, "latest").read_text(), (Path(save_dir) / "b" / ROOT_NAME).exists()]
+    raise AssertionError("not refused")
+
+
+def test_unsupported_client_state_is_refused_with_its_key_path(tmp_path):
+    (res,) = run_ranks(1, _refused, str(tmp_path / "ckpts"), out=tmp_path / "out")
+    msg, latest, b_root = res
+    assert "mp_rank_00_model_states.pt/cfg/color" in msg and ".value" in msg, msg
+    assert latest == "a" and not b_root
+
+
+# ----------------------------------------------------------------------------- the codec, in this process
+def test_plain_codec_roundtrip_and_damage():
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=100, min_scale=1.0, delayed_shift=2,
+                               consecutive_hysteresis=False, raise_error_at_min_scale=True, dtype=torch.float16)
+    obj = {"stage": ZeroStageEnum.gradients, "scaler": scaler, "frag": fragment_address(numel=3, start=5),
+           "ns": argparse.Namespace(a=1), "p": Path("/x"), "s": frozenset({"a"})}
+    tags: list = []
+    plain = to_plain(obj, "f.pt", tags)
+    back = from_plain(plain, tags)
+    assert back["stage"] is ZeroStageEnum.gradients and back["frag"] == fragment_address(numel=3, start=5)
+    assert type(back["scaler"]) is DynamicLossScaler and vars(back["scaler"]) == vars(scaler)
+    assert back["ns"] == argparse.Namespace(a=1) and back["p"] == Path("/x") and back["s"] == frozenset({"a"})
+    with pytest.raises(CorruptCheckpointError, match="does not rebuild"):
+        from_plain({"x": 1}, [[["x"], "enum", "os.system"]])
+    with pytest.raises(CorruptCheckpointError):
+        from_plain({"x": 1}, [[["y"], "path", None]])
+    with pytest.raises(UnsupportedObjectError, match="f.pt/k"):
+        to_plain({"k": object()}, "f.pt")
