@@ -29,8 +29,10 @@ dicts DeepSpeed hands to ``save()`` (references to the live tensors: the engine 
 not to clone them) and starts the step (``GDSCheckpointer.save_async``); the files are written
 in the background. The engine's optimizer (the torch optimizer inside a ZeRO or mixed-precision
 wrapper) gets gdswriter's step pre-hook: its next ``step()`` waits until the save has copied the
-tensors it updates into gdswriter's host pool; the other saved tensors (a ZeRO model's 16-bit
-weights, buffers) are copied before ``save_checkpoint`` returns. Only one tag is in flight: the
+tensors it updates into gdswriter's host pool (under ZeRO 1/2 also the model's weights, which
+the ZeRO optimizer rewrites after that step: ``StepGuard``); the other saved tensors (large
+buffers, and the weights under ZeRO-3 or a mixed-precision wrapper) are copied before
+``save_checkpoint`` returns. Only one tag is in flight: the
 next ``save_checkpoint`` first waits for the previous tag to be durable. ``load_checkpoint``,
 ``engine.destroy()`` and ``ckpt.wait()`` wait for every save; a failed background save is raised
 once, by the next ``save_checkpoint``, ``load_checkpoint``, ``engine.step()`` (through the
@@ -94,12 +96,14 @@ from ..options import CheckpointOptions
 
 log = logging.getLogger("gdswriter")
 
-__all__ = ["GDSCheckpointEngine", "use_gdswriter", "to_plain", "from_plain", "ROOT_NAME"]
+__all__ = ["GDSCheckpointEngine", "ROOT_NAME", "StepGuard", "engine_guard", "from_plain", "load_file", "to_plain",
+           "use_gdswriter"]
 
 ENGINE_NAME = "GDSCheckpointEngine"
 ROOT_NAME = "gdswriter"            # SAVE_DIR/TAG/gdswriter: the tag's gdswriter root
 FILES_KEY = "deepspeed"            # state["extra"][FILES_KEY][file name] = that file's state dict
 TYPES_KEY = "deepspeed_types"      # state["extra"][TYPES_KEY][file name] = to_plain's tags
+TAG_KEY = "deepspeed_tag"         # a step's metadata: the tag it holds
 MARKER_KIND = "gdswriter-deepspeed-file"
 MARKER_MAX_BYTES = 4096
 
@@ -277,54 +281,79 @@ def _rank_trees(m: Any) -> list[tuple[int, Any]]:
     return [(r, tree_for_rank(m, r)) for r in range(m.dist.world_size)]
 
 
-def _marker(name: str, rank: int) -> bytes:
-    return (json.dumps({"kind": MARKER_KIND, "root": ROOT_NAME, "file": name, "rank": rank,
-                        "note": "DeepSpeed checkpoint file stored in the gdswriter step under ./" + ROOT_NAME +
-                        " (gdswriter ls/verify/inspect read it; DeepSpeed loads it through "
-                        "gdswriter.integrations.deepspeed)"}, indent=1) + "\n").encode()
+def _marker(tag: str, name: str, rank: int, step: int | None) -> bytes:
+    return (json.dumps({"kind": MARKER_KIND, "tag": tag, "file": name, "rank": rank, "step": step,
+                        "note": f"a DeepSpeed checkpoint file kept in the gdswriter step {step} of ../{ROOT_NAME} "
+                                f"(gdswriter ls/verify/inspect read it; DeepSpeed loads it through "
+                                f"gdswriter.integrations.deepspeed)"}, indent=1) + "\n").encode()
 
 
-def _is_marker(path: Path) -> bool:
+def _read_marker(path: Path) -> dict | None:
+    """The marker file at ``path`` as a dict, None when it is none (absent, or another file)."""
     try:
         with open(path, "rb") as f:
             head = f.read(MARKER_MAX_BYTES + 1)
     except OSError:
-        return False
+        return None
     if len(head) > MARKER_MAX_BYTES:
-        return False
+        return None
     try:
-        return json.loads(head).get("kind") == MARKER_KIND
-    except (ValueError, AttributeError):
-        return False
+        marker = json.loads(head)
+    except ValueError:
+        return None
+    return marker if isinstance(marker, dict) and marker.get("kind") == MARKER_KIND else None
+
+
+def _tag_of(protocol: CommitProtocol, step: int) -> Any:
+    return read_manifest(protocol, step).metadata.get(TAG_KEY)
+
+
+def tag_step(save_dir: str | os.PathLike, tag: str) -> int | None:
+    """The committed step of ``SAVE_DIR/gdswriter`` that holds ``tag`` (the newest), or None.
+    Reads the manifests, newest first: for when a marker file does not say."""
+    protocol = CommitProtocol([Path(os.fspath(save_dir)).absolute() / ROOT_NAME])
+    for step in reversed(protocol.committed_steps()):
+        try:
+            if _tag_of(protocol, step) == tag:
+                return step
+        except (CheckpointNotFoundError, CorruptCheckpointError):
+            continue  # deleted meanwhile, or damaged: not this tag's
+    return None
 
 
 def load_file(path: str | os.PathLike, *, verify: bool = True, options: CheckpointOptions | None = None) -> Any:
     """The state dict DeepSpeed saved as ``path`` (``SAVE_DIR/TAG/NAME``), read from the tag's
-    committed gdswriter step into fresh CPU tensors; never unpickles. Whichever rank saved it."""
+    committed gdswriter step in ``SAVE_DIR/gdswriter`` into fresh CPU tensors, whichever rank
+    saved it; never unpickles. The marker file at ``path`` names the step; without one (or
+    when it names no committed step of this tag) the newest committed step of the tag is used."""
     p = Path(os.fspath(path)).absolute()
-    root = p.parent / ROOT_NAME
+    tag, save_dir = p.parent.name, p.parent.parent
+    root = save_dir / ROOT_NAME
     if not root.is_dir():
-        raise CheckpointNotFoundError(f"{p}: no gdswriter checkpoint for this tag ({root} does not exist): was the "
+        raise CheckpointNotFoundError(f"{p}: no gdswriter checkpoint in {save_dir} ({root} does not exist): was the "
                                       f"tag saved through gdswriter.integrations.deepspeed?")
     protocol = CommitProtocol([root])
-    try:
-        step = protocol.require(None)
-    except CheckpointNotFoundError as e:
-        raise CheckpointNotFoundError(f"{p}: the tag {p.parent.name!r} was never committed (a save that crashed or "
-                                      f"was killed?): load the tag `latest` names, or another one") from e
+    marker = _read_marker(p) or {}
+    step = marker.get("step")
+    if not (isinstance(step, int) and not isinstance(step, bool) and protocol.is_committed(step)
+            and marker.get("tag") == tag and _tag_of(protocol, step) == tag):
+        step = tag_step(save_dir, tag)
+    if step is None:
+        raise CheckpointNotFoundError(f"{p}: the tag {tag!r} was never committed (a save that crashed or was "
+                                      f"killed?): load the tag `latest` names, or another one")
     m = read_manifest(protocol, step)
     name = p.name
+    engine_options = (options or CheckpointOptions()).engine
     for rank, tree in _rank_trees(m):
         sub = _entry(_entry(_entry(tree, "extra"), FILES_KEY), name)
         if sub is None:
             continue
         types = _entry(_entry(_entry(tree, "extra"), TYPES_KEY), name)
-        engine_options = (options or CheckpointOptions()).engine
         tensors = read_tensors(protocol, m, tensor_refs(sub), verify=verify, engine_options=engine_options)
         obj = decode_state(sub, tensors)  # type: ignore[arg-type]
         return from_plain(obj, decode_state(types, []) if types is not None else [])
     held = sorted({n for _, tree in _rank_trees(m) for n in _file_names(tree)})
-    raise CheckpointNotFoundError(f"{p}: the tag's step {step} holds no file {name!r} (it holds {held})")
+    raise CheckpointNotFoundError(f"{p}: step {step} (tag {tag!r}) holds no file {name!r}; it holds {held}")
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
@@ -344,19 +373,29 @@ def _to_device(obj: Any, device: torch.device) -> Any:
 class _Tag:
     """One tag being collected (between create and the end of save_checkpoint), then saved."""
 
-    def __init__(self, info: CheckpointCommitInfo):
+    def __init__(self, info: CheckpointCommitInfo, started: float):
         self.info = info
-        self.dir = Path(os.fspath(info.save_dir)).absolute() / str(info.tag)
+        self.tag = str(info.tag)
+        self.save_dir = Path(os.fspath(info.save_dir)).absolute()
+        self.dir = self.save_dir / self.tag
         self.files: dict[str, Any] = {}
         self.types: dict[str, list] = {}
-        self.ckpt: GDSCheckpointer | None = None
         self.handle: SaveHandle | None = None
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.started = 0.0          # perf_counter() when save_checkpoint began
+        self.started = started      # perf_counter() when save_checkpoint began
         self.blocked_s = 0.0        # save_checkpoint's time
         self.async_s = 0.0          # of which in GDSCheckpointer.save_async
         self.durable_s: float | None = None   # seconds from then until durable and `latest` written
+
+
+class _SaveDir:
+    """The checkpointer of one SAVE_DIR (root SAVE_DIR/gdswriter), kept for every tag saved
+    there so that its host pool and I/O engines are made once; ``files``/``types`` are the state
+    it saves, refilled for each tag."""
+
+    def __init__(self, ckpt: GDSCheckpointer, files: dict, types: dict):
+        self.ckpt, self.files, self.types = ckpt, files, types
 
 
 class GDSCheckpointEngine(CheckpointEngine):
@@ -365,12 +404,12 @@ class GDSCheckpointEngine(CheckpointEngine):
     the end of ``save_checkpoint`` is when a tag's step starts, and DeepSpeed has no hook there.
 
     async_save: return from save_checkpoint once the state is snapshotted (default); False: once
-        durable. options: CheckpointOptions of every tag's checkpointer (engine, verify, snapshot
-        pool...; keep_last is 1: a tag is one step). guard: the optimizers that update the saved
-        tensors (use_gdswriter passes the engine's). dist_options: DistOptions (the timeout); the
-        ranks' state is always rank-local. read_torch_files: load paths that are torch.save files
-        (unpickles; off by default). make_engines: a callable returning the I/O engines of one
-        tag's checkpointer (GDSCheckpointer's ``engines=``; for tests)."""
+        durable. options: CheckpointOptions of the checkpointers (engine, verify, snapshot pool...;
+        keep_last/keep_every are not used: a step lives while its tag does). guard: the optimizers
+        that update the saved tensors (use_gdswriter passes engine_guard(engine)). dist_options:
+        DistOptions (the timeout); the ranks' state is always rank-local. read_torch_files: load
+        paths that are torch.save files (unpickles; off by default). make_engines: a callable
+        returning the I/O engines of a SAVE_DIR's checkpointer (GDSCheckpointer's ``engines=``)."""
 
     def __init__(self, config_params: Any = None, *, async_save: bool = True,
                  options: CheckpointOptions | None = None, guard: Sequence[Any] = (),
@@ -385,7 +424,10 @@ class GDSCheckpointEngine(CheckpointEngine):
         if dist_options is not None and not isinstance(dist_options, DistOptions):
             raise InvalidOptionError(f"dist_options must be a DistOptions, got {type(dist_options).__name__}")
         self.async_save = async_save
-        self.options = options or CheckpointOptions()
+        opts = options or CheckpointOptions()
+        if opts.keep_last is not None or opts.keep_every is not None:
+            opts = dataclasses.replace(opts, keep_last=None, keep_every=None)
+        self.options = opts
         self.guard = tuple(g for g in guard if g is not None)
         base = dist_options or DistOptions.from_env()
         self.dist_options = DistOptions(collective=base.collective, timeout_s=base.timeout_s, replicated=())
@@ -393,23 +435,28 @@ class GDSCheckpointEngine(CheckpointEngine):
         self.make_engines = make_engines
         self.attached = False
         self._in_save = False       # inside a wrapped save_checkpoint
+        self._save_started = 0.0
         self._open: _Tag | None = None
         self._inflight: _Tag | None = None
         self._last: _Tag | None = None
+        self._failed: _Tag | None = None
+        self._dirs: dict[Path, _SaveDir] = {}
         self._mutex = threading.Lock()
-        self._save_started = 0.0
 
     # -- DeepSpeed's interface -------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
         if not self._in_save:
             self._open = None   # save_16bit_model: its files are torch.save exports
             return
-        self._open = _Tag(info)
-        self._open.started = self._save_started
+        tag = str(info.tag)
+        if not tag or tag in (".", "..") or "/" in tag or tag == ROOT_NAME:
+            raise InvalidOptionError(f"checkpoint tag {tag!r}: gdswriter keeps each tag in a directory of its own "
+                                     f"under save_dir: use a tag without '/' other than {ROOT_NAME!r}")
+        self._open = _Tag(info, self._save_started)
 
     def save(self, state_dict: Any, path: str) -> None:
         tag = self._open
-        if tag is None:  # not a save_checkpoint tag (save_16bit_model, a pipeline save by hand): a torch file
+        if tag is None:  # not a save_checkpoint tag (save_16bit_model): a torch file, as DeepSpeed's own
             torch.save(state_dict, path)
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
@@ -417,18 +464,18 @@ class GDSCheckpointEngine(CheckpointEngine):
             return
         p = Path(os.fspath(path)).absolute()
         if p.parent != tag.dir:
-            raise InvalidOptionError(f"DeepSpeed saved {p} for tag {tag.info.tag!r}, outside the tag's directory "
+            raise InvalidOptionError(f"DeepSpeed saved {p} for tag {tag.tag!r}, outside the tag's directory "
                                      f"{tag.dir}: gdswriter keeps a tag's files in one directory")
         tags: list = []
         tag.files[p.name] = to_plain(state_dict, p.name, tags)
         tag.types[p.name] = tags
-        if not p.exists() or _is_marker(p):
-            p.write_bytes(_marker(p.name, _rank()))  # DeepSpeed's loader globs for it; made durable on commit
+        if not p.exists():  # DeepSpeed's loader globs for it; rewritten, durable, with the step once committed
+            p.write_bytes(_marker(tag.tag, p.name, _rank(), None))
 
     def load(self, path: str, map_location: Any = None) -> Any:
         self.wait()
         p = Path(os.fspath(path))
-        if p.is_file() and not _is_marker(p):
+        if p.is_file() and _read_marker(p) is None:
             if not self.read_torch_files:
                 raise InvalidOptionError(f"{p} is not a gdswriter checkpoint file (a torch.save file from before "
                                          f"gdswriter?): loading it would unpickle; pass read_torch_files=True to "
@@ -465,8 +512,13 @@ class GDSCheckpointEngine(CheckpointEngine):
         return False
 
     def cleanup(self) -> None:
-        """engine.destroy(): wait for the tag in flight."""
-        self.wait()
+        """engine.destroy(): wait for the tag in flight, then close the checkpointers."""
+        try:
+            self.wait()
+        finally:
+            dirs, self._dirs = self._dirs, {}
+            for d in dirs.values():
+                d.ckpt.close()
 
     # -- gdswriter's side -----------------------------------------------------
     def wait(self) -> None:
@@ -474,25 +526,25 @@ class GDSCheckpointEngine(CheckpointEngine):
         tag = self._inflight
         if tag is not None and tag.thread is not None:
             tag.thread.join()
-        self._retire()
         self._raise_failed()
 
     @property
     def last_save(self) -> dict | None:
-        """The last tag's figures: ``tag``, ``blocked_s`` (save_checkpoint's time plus the optimizer
-        step's wait for the snapshot), ``durable_s`` (from save_checkpoint's start until durable
-        and ``latest`` written; None while in flight), ``stats`` (gdswriter's SaveStats)."""
+        """The last tag's figures: ``tag``, ``step``, ``blocked_s`` (save_checkpoint's time plus
+        the optimizer step's wait for the snapshot), ``durable_s`` (from save_checkpoint's start
+        until durable and ``latest`` written; None while in flight), ``stats`` (a SaveStats)."""
         tag = self._inflight or self._last
         if tag is None or tag.handle is None:
             return None
         blocked = tag.blocked_s + tag.handle.blocked_s - tag.async_s
-        return {"tag": tag.info.tag, "blocked_s": blocked, "durable_s": tag.durable_s,
+        return {"tag": tag.tag, "step": tag.handle.step, "blocked_s": blocked, "durable_s": tag.durable_s,
                 "stats": tag.handle.stats}
 
     def attach(self, engine: Any) -> None:
         """Wrap ``engine.save_checkpoint`` and ``engine.load_checkpoint`` (instance attributes; the
         class is untouched): a tag's step starts when save_checkpoint ends, and loading waits for
-        the saves in flight first, so that DeepSpeed reads a current ``latest``."""
+        the saves in flight first, so that DeepSpeed reads a current ``latest``. While
+        ``engine.checkpoint_engine`` is another engine, save_checkpoint is DeepSpeed's own."""
         if self.attached:
             raise InvalidOptionError("this GDSCheckpointEngine is attached to an engine already: create one per "
                                      "DeepSpeed engine (use_gdswriter does)")
@@ -500,6 +552,8 @@ class GDSCheckpointEngine(CheckpointEngine):
 
         @functools.wraps(save)
         def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            if engine.checkpoint_engine is not self:  # replaced since: DeepSpeed's own behaviour
+                return save(*args, **kwargs)
             self._begin()
             try:
                 out = save(*args, **kwargs)
@@ -523,27 +577,36 @@ class GDSCheckpointEngine(CheckpointEngine):
         self.wait()  # one tag in flight: `latest` moves in tag order
         self._in_save, self._open = True, None
 
+    def _save_dir(self, save_dir: Path) -> _SaveDir:
+        """The checkpointer of ``save_dir`` (made on its first tag: collective, as every rank saves)."""
+        d = self._dirs.get(save_dir)
+        if d is None:
+            files: dict = {}
+            types: dict = {}
+            ckpt = GDSCheckpointer(None, None, root=save_dir / ROOT_NAME, options=self.options,
+                                   state={FILES_KEY: files, TYPES_KEY: types}, guard=self.guard,
+                                   dist_options=self.dist_options,
+                                   engines=list(self.make_engines()) if self.make_engines else None)
+            d = self._dirs[save_dir] = _SaveDir(ckpt, files, types)
+        return d
+
     def _end(self) -> None:
         tag, self._in_save, self._open = self._open, False, None
         if tag is None:
             raise GDSWriterError("DeepSpeed's save_checkpoint did not call the checkpoint engine's create(): this "
                                  "DeepSpeed version is not supported by gdswriter.integrations.deepspeed")
-        root = tag.dir / ROOT_NAME
-        ckpt = GDSCheckpointer(None, None, root=root, options=self.options, keep_last=1,
-                               state={FILES_KEY: tag.files, TYPES_KEY: tag.types}, guard=self.guard,
-                               dist_options=self.dist_options,
-                               engines=list(self.make_engines()) if self.make_engines else None)
-        tag.ckpt = ckpt
+        d = self._save_dir(tag.save_dir)
+        latest = d.ckpt.latest_step()
+        d.files.update(tag.files)
+        d.types.update(tag.types)
         try:
-            latest = ckpt.latest_step()
-            step = 0 if latest is None else latest + 1
             t0 = time.perf_counter()
-            tag.handle = ckpt.save_async(step, metadata={"deepspeed_tag": str(tag.info.tag)})
+            tag.handle = d.ckpt.save_async(0 if latest is None else latest + 1, metadata={TAG_KEY: tag.tag})
             tag.async_s = time.perf_counter() - t0  # also counted in handle.blocked_s
-        except BaseException:
-            ckpt.close()
-            raise
-        tag.files = tag.types = {}  # the checkpointer holds what it needs
+        finally:
+            d.files.clear()  # the snapshot holds what it saves
+            d.types.clear()
+            tag.files = tag.types = {}
         tag.thread = threading.Thread(target=self._finish, args=(tag,), name="gdswriter-deepspeed", daemon=False)
         self._inflight = tag
         tag.thread.start()
@@ -553,47 +616,85 @@ class GDSCheckpointEngine(CheckpointEngine):
 
     def _finish(self, tag: _Tag) -> None:
         """In a thread of its own: wait until the tag's step is committed; then, on global rank 0,
-        make the marker files durable and write ``latest``. Records the failure, if any."""
+        make the marker files (naming the step) durable, write ``latest``, and delete the steps
+        no tag needs any more (this tag's older one; those of tag directories removed). Records
+        the failure, if any: the next save_checkpoint, engine step, load or wait raises it."""
         try:
             step = tag.handle.result()  # type: ignore[union-attr]
             if _rank() == 0:
-                protocol = CommitProtocol([tag.dir / ROOT_NAME])
+                protocol = CommitProtocol([tag.save_dir / ROOT_NAME])
                 m = read_manifest(protocol, step)  # type: ignore[arg-type]
                 for rank, tree in _rank_trees(m):
                     for name in _file_names(tree):
-                        atomic_write(tag.dir / name, _marker(name, rank))
+                        atomic_write(tag.dir / name, _marker(tag.tag, name, rank, step))
                 if tag.info.save_latest:
-                    atomic_write(Path(os.fspath(tag.info.save_dir)).absolute() / "latest", str(tag.info.tag).encode())
+                    atomic_write(tag.save_dir / "latest", tag.tag.encode())
             tag.durable_s = time.perf_counter() - tag.started
+            if _rank() == 0:
+                self._drop_unused(protocol, tag, step)  # type: ignore[arg-type]
         except BaseException as e:  # noqa: BLE001 - raised in the training thread, once
             tag.error = e
             log.error("gdswriter: DeepSpeed tag %r was NOT saved (%s: %s); `latest` still names the previous tag",
-                      tag.info.tag, type(e).__name__, e)
+                      tag.tag, type(e).__name__, e)
 
-    def _retire(self) -> None:
-        """Close the checkpointer of a finished tag (in the training thread: it removes its
-        optimizer hook)."""
-        with self._mutex:
-            tag = self._inflight
-            if tag is None or (tag.thread is not None and tag.thread.is_alive()):
-                return
-            self._inflight, self._last = None, tag
-        if tag.ckpt is not None:
+    @staticmethod
+    def _drop_unused(protocol: CommitProtocol, tag: _Tag, newest: int) -> None:
+        """Delete the committed steps older than ``newest`` that hold ``tag`` (saved again) or a
+        tag whose directory is gone (removed by the user, as DeepSpeed users prune tags). A
+        failure is logged: nothing is lost, the next save tries again."""
+        for step in protocol.committed_steps():
+            if step >= newest:
+                continue
             try:
-                tag.ckpt.close()
-            except BaseException as e:  # noqa: BLE001 - the same failure the thread recorded, or a new one
-                tag.error = tag.error or e
-            tag.ckpt = None
-        if tag.error is not None:
-            self._failed = tag
-
-    _failed: _Tag | None = None
+                held = _tag_of(protocol, step)
+                if held == tag.tag or not (isinstance(held, str) and (tag.save_dir / held).is_dir()):
+                    protocol.delete_step(step)
+            except Exception as e:  # noqa: BLE001 - retention is best effort
+                log.warning("gdswriter: could not delete the unused step %d under %s (%s: %s); it is retried after "
+                            "the next save", step, protocol.primary, type(e).__name__, e)
 
     def _raise_failed(self) -> None:
-        self._retire()
-        tag, self._failed = self._failed, None
-        if tag is not None and tag.error is not None:
-            raise tag.error
+        with self._mutex:
+            tag = self._inflight
+            if tag is not None and not (tag.thread is not None and tag.thread.is_alive()):
+                self._inflight, self._last = None, tag
+                if tag.error is not None:
+                    self._failed = tag
+            failed, self._failed = self._failed, None
+        if failed is not None and failed.error is not None:
+            raise failed.error
+
+
+class StepGuard:
+    """What a ZeRO stage 1/2 optimizer's step changes, for GDSCheckpointer's ``guard=``: the
+    parameters and state of the torch optimizer inside it, whose step pre-hook it hooks, and the
+    model's weights, which the ZeRO optimizer rewrites only after that inner step (from the
+    updated fp32 partition; forward and backward leave them unchanged). So save_checkpoint need
+    not copy the weights before it returns: the inner step waits for the snapshot."""
+
+    def __init__(self, inner: Any, weights: Sequence[torch.Tensor]):
+        self._inner = inner
+        self._optimizer_step_pre_hooks = inner._optimizer_step_pre_hooks
+        self.param_groups = [{"params": [p for g in inner.param_groups for p in g["params"]] + list(weights)}]
+        self.state = inner.state
+
+    def register_step_pre_hook(self, hook: Callable) -> Any:
+        return self._inner.register_step_pre_hook(hook)
+
+
+def engine_guard(engine: Any) -> list:
+    """The optimizers to guard for a DeepSpeed ``engine``: a StepGuard for a ZeRO stage 1/2
+    optimizer around a torch optimizer, else the engine's optimizer (gdswriter hooks the torch
+    optimizer inside a wrapper; what that one does not hold is copied before save returns)."""
+    opt = getattr(engine, "optimizer", None)
+    if opt is None:
+        return []
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    inner = getattr(opt, "optimizer", None)
+    if isinstance(opt, DeepSpeedZeroOptimizer) and isinstance(inner, torch.optim.Optimizer):
+        return [StepGuard(inner, list(engine.module.parameters()))]
+    return [opt]
 
 
 def _rank() -> int:
@@ -612,9 +713,8 @@ def use_gdswriter(engine: Any, *, async_save: bool = True, options: CheckpointOp
     old = getattr(engine, "checkpoint_engine", None)
     if isinstance(old, GDSCheckpointEngine):
         raise InvalidOptionError("this DeepSpeed engine checkpoints through gdswriter already")
-    optimizer = getattr(engine, "optimizer", None)
     ce = GDSCheckpointEngine(getattr(engine, "_config", None), async_save=async_save, options=options,
-                             guard=[optimizer] if optimizer is not None else [], dist_options=dist_options,
+                             guard=engine_guard(engine), dist_options=dist_options,
                              read_torch_files=read_torch_files, make_engines=make_engines)
     if old is not None and old.is_decoupled():
         old.cleanup()  # DeepSpeed's decoupled engine runs a writer process: finish and end it
