@@ -77,3 +77,13 @@ def test_write_interference(tmp_path):
     rows = [line for line in out.splitlines() if line.startswith("| ") and "%" in line]
     assert len(rows) == 3 and "GB/s" in out and "of a CPU" in out, out
     assert list(tmp_path.iterdir()) == []  # its scratch directory is removed
+
+
+@pytest.mark.slow  # about 20 s: DeepSpeed's start-up, then three saves
+def test_deepspeed_saves(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = run_script("deepspeed_saves.py", "--size", "4M", "--rounds", "1", "--dir", str(tmp_path))
+    for method in ("torch", "gdswriter async", "gdswriter blocking"):
+        assert f"  {method} " in out, out
+    assert "gdswriter async vs torch: blocked" in out, out
+    assert list(tmp_path.iterdir()) == []

@@ -99,6 +99,34 @@ class _KillNow(BaseException):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _live_snapshot(rank: int, world: int, save_dir: str) -> dict:
+    """snapshot="live" (no host copy): the writes of tag "a" are held for a second after
+    save_checkpoint returned; the next optimizer step (ZeRO-1: the inner torch optimizer's, which
+    also guards the weights) must wait until they are written, so "a" loads as it was at its save."""
+    from gdswriter.integrations.deepspeed import use_gdswriter
+    from gdswriter.options import CheckpointOptions
+
+    engine = _engine(1, world)
+    ckpt = use_gdswriter(engine, make_engines=_gated_engines, options=CheckpointOptions(snapshot="live"))
+    _train(engine, range(2))
+    _GATE.clear()
+    engine.save_checkpoint(save_dir, tag="a")
+    at_a = _state(engine)
+    threading.Timer(1.0, _GATE.set).start()  # no assert on time: only the order of the writes and the steps
+    _train(engine, range(2, 4))
+    ckpt.wait()
+    fresh = _engine(1, world)
+    use_gdswriter(fresh)
+    fresh.load_checkpoint(save_dir)
+    assert_same_tree(_state(fresh), at_a)
+    return {"blocked_s": ckpt.last_save["blocked_s"] > 0}
+
+
+def test_live_snapshot_optimizer_step_waits_for_the_write(tmp_path):
+    (res,) = run_ranks(1, _live_snapshot, str(tmp_path / "ckpts"), out=tmp_path / "out")
+    assert res == {"blocked_s": True}
+
+
 _ENGINES: list = []
 
 
@@ -153,15 +181,18 @@ def _roundtrip(rank: int, world: int, stage: int, save_dir: str, async_save: boo
     return {"files": files, "zero": type(engine.optimizer).__name__, "step": ckpt.last_save["step"]}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+# ZeRO-1 in the default run; the other stages with the slow scenarios (a DeepSpeed start-up costs ~10 s)
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow),
+                                   pytest.param(3, marks=pytest.mark.slow)])
 def test_save_load_bit_exact(tmp_path, stage):
-    """One rank, each ZeRO stage the CPU runs: the tag round-trips bit-exact (model, optimizer,
-    fp32 partitions, loss scaler, global step, client_state with a Namespace, a path and a set)."""
+    """One rank, each ZeRO stage (all four run on the CPU): the tag round-trips bit-exact (model,
+    optimizer, fp32 partitions, loss scaler, global step, client_state with a Namespace, a path and
+    a set), and the engines trained on from it stay equal."""
     (res,) = run_ranks(1, _roundtrip, stage, str(tmp_path / "ckpts"), True, out=tmp_path / "out")
-    expected = ["mp_rank_00_model_states.pt"]
+    expected = ["zero_pp_rank_0_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"]
     if stage > 0:
         expected.append("zero_pp_rank_0_mp_rank_00_optim_states.pt")
-        assert res["zero"] == "DeepSpeedZeroOptimizer"
+    assert res["zero"] == ["AdamW", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3"][stage]
     assert res["files"] == sorted(expected)
 
 
@@ -265,7 +296,10 @@ def test_kill_during_save_leaves_previous_tag_and_resume_is_exact(tmp_path, seco
     assert res["b"] == "loaded" if second == "a" else "never committed" in res["b"]
 
 
-def _refused(rank: int, world: int, save_dir: str) -> list:
+def _refused_and_retention(rank: int, world: int, save_dir: str) -> list:
+    import shutil
+
+    from gdswriter.format.commit import CommitProtocol
     from gdswriter.integrations.deepspeed import use_gdswriter
 
     engine = _engine(0, world)
@@ -274,18 +308,30 @@ def _refused(rank: int, world: int, save_dir: str) -> list:
     engine.save_checkpoint(save_dir, tag="a")
     try:
         engine.save_checkpoint(save_dir, tag="b", client_state={"cfg": {"color": Color.RED}})
+        raise AssertionError("not refused")
     except UnsupportedObjectError as e:
-        from gdswriter.format.commit import CommitProtocol
+        refused = [str(e), Path(save_dir, "latest").read_text()]
 
-        return [str(e), Path(save_dir, "latest").read_text(), CommitProtocol([Path(save_dir, ROOT_NAME)]).committed_steps()]
-    raise AssertionError("not refused")
+    def steps() -> list[int]:
+        return CommitProtocol([Path(save_dir, ROOT_NAME)]).committed_steps()
+
+    after_refusal = steps()
+    engine.save_checkpoint(save_dir, tag="a")  # again: its older step goes once the new one is committed
+    engine.save_checkpoint(save_dir, tag="c")
+    resaved = steps()
+    shutil.rmtree(Path(save_dir, "c"))         # a user prunes a tag: its step goes at the next save
+    engine.save_checkpoint(save_dir, tag="d")
+    return [*refused, after_refusal, resaved, steps()]
 
 
-def test_unsupported_client_state_is_refused_with_its_key_path(tmp_path):
-    (res,) = run_ranks(1, _refused, str(tmp_path / "ckpts"), out=tmp_path / "out")
-    msg, latest, steps = res
+def test_unsupported_state_refused_and_unused_steps_dropped(tmp_path):
+    """A client_state enum is refused at save_checkpoint with its file and key path, before
+    anything is written; re-saving a tag, or removing a tag's directory, frees its step."""
+    (res,) = run_ranks(1, _refused_and_retention, str(tmp_path / "ckpts"), out=tmp_path / "out")
+    msg, latest, after_refusal, resaved, pruned = res
     assert "mp_rank_00_model_states.pt/cfg/color" in msg and ".value" in msg, msg
-    assert latest == "a" and steps == [0]
+    assert latest == "a" and after_refusal == [0]
+    assert resaved == [1, 2] and pruned == [1, 3]
 
 
 # ----------------------------------------------------------------------------- the codec, in this process

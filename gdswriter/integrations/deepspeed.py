@@ -9,12 +9,16 @@
     ckpt.wait()                                       # everything durable (also done by load and destroy)
 
 One tag, one step. Everything DeepSpeed saves for a tag (the model states, every rank's ZeRO
-optimizer partition, expert and pipeline layer files) becomes ONE gdswriter step in the root
-``SAVE_DIR/TAG/gdswriter`` (checksummed, never pickled; ``gdswriter ls/verify/inspect`` read it),
-committed once for all ranks (under torch.distributed the ranks vote, as any multi-rank
-gdswriter save). ``SAVE_DIR/TAG/`` keeps DeepSpeed's file names as small JSON marker files (what
-DeepSpeed's loader globs for, and what a person sees); the data is in the step. Re-saving a tag
-commits a new step and then drops the older one, so a crash leaves one of them complete.
+optimizer partition, expert and pipeline layer files) becomes ONE gdswriter step of the root
+``SAVE_DIR/gdswriter`` (checksummed, never pickled; ``gdswriter ls/verify/inspect`` read it, and
+each step's metadata names its tag), committed once for all ranks (under torch.distributed the
+ranks vote, as in any multi-rank gdswriter save). One checkpointer per SAVE_DIR serves every tag,
+so its host pool and I/O engines are made once. ``SAVE_DIR/TAG/`` keeps DeepSpeed's file names
+as small JSON marker files naming the step (what DeepSpeed's loader globs for, and what a person
+sees); the data is in the step. A step lives while its tag does: re-saving a tag commits a new
+step and only then drops the older one (so a crash leaves one of them), and the step of a tag
+directory you removed is dropped at the next save. One process at a time saves to a SAVE_DIR
+(gdswriter's root lock; ``engine.destroy()`` releases it).
 
 ``latest``. DeepSpeed writes ``SAVE_DIR/latest`` itself (truncate, write, no fsync), right after
 its checkpoint engine says "committed". Here the engine tells DeepSpeed it is decoupled and has
@@ -22,7 +26,8 @@ nothing for it to commit, so DeepSpeed never writes it: gdswriter writes ``lates
 0, temporary file, fsync, rename) once the tag's step is committed and the marker files are
 durable. So after a kill -9 or a power cut during a save, ``latest`` names the previous tag, which
 loads; the tag being saved is invisible (its directory may hold marker files of a step that was
-never committed: loading that tag explicitly raises CheckpointNotFoundError).
+never committed: loading that tag explicitly raises CheckpointNotFoundError). A marker file that
+already names a committed step is rewritten only once the new step is committed.
 
 Asynchronous saves (``async_save=True``, the default). ``save_checkpoint`` collects the state
 dicts DeepSpeed hands to ``save()`` (references to the live tensors: the engine asks DeepSpeed
