@@ -1,5 +1,5 @@
 """The DeepSpeed checkpoint engine (gdswriter/integrations/deepspeed.py) with real DeepSpeed engines
-on the CPU (DS_ACCELERATOR=cpu, gloo): ZeRO stages 0, 1 and 2 on one rank, ZeRO-2 on two. Each
+on the CPU (DS_ACCELERATOR=cpu, gloo): ZeRO stages 0 to 3 on one rank, ZeRO-2 on two. Each
 scenario runs in fresh processes (tests/support/ranks.py), as DeepSpeed initialises
 torch.distributed. Saved and loaded states are compared with the state at the save, bit for bit,
 and a resumed run with an uninterrupted one."""
@@ -356,3 +356,24 @@ def test_plain_codec_roundtrip_and_damage():
         from_plain({"x": 1}, [[["y"], "path", None]])
     with pytest.raises(UnsupportedObjectError, match="f.pt/k"):
         to_plain({"k": object()}, "f.pt")
+
+
+def test_engine_refuses_what_it_cannot_do_safely(tmp_path):
+    """Without use_gdswriter nothing would mark a tag's end: create() refuses. A torch.save file
+    is not unpickled unless asked. A tag with no gdswriter root is CheckpointNotFoundError."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from gdswriter.errors import CheckpointNotFoundError, InvalidOptionError
+    from gdswriter.integrations.deepspeed import GDSCheckpointEngine
+
+    ce = GDSCheckpointEngine()
+    with pytest.raises(InvalidOptionError, match="use_gdswriter"):
+        ce.create(CheckpointCommitInfo(tag="a", save_dir=str(tmp_path), save_latest=True))
+    (tmp_path / "a").mkdir()
+    torch.save({"w": torch.ones(2)}, tmp_path / "a" / "mp_rank_00_model_states.pt")
+    with pytest.raises(InvalidOptionError, match="read_torch_files=True"):
+        ce.load(str(tmp_path / "a" / "mp_rank_00_model_states.pt"))
+    assert torch.equal(GDSCheckpointEngine(read_torch_files=True).load(
+        str(tmp_path / "a" / "mp_rank_00_model_states.pt"))["w"], torch.ones(2))
+    with pytest.raises(CheckpointNotFoundError, match="no gdswriter checkpoint"):
+        ce.load(str(tmp_path / "b" / "mp_rank_00_model_states.pt"))

@@ -105,7 +105,7 @@ __all__ = ["GDSCheckpointEngine", "ROOT_NAME", "StepGuard", "engine_guard", "fro
            "use_gdswriter"]
 
 ENGINE_NAME = "GDSCheckpointEngine"
-ROOT_NAME = "gdswriter"            # SAVE_DIR/TAG/gdswriter: the tag's gdswriter root
+ROOT_NAME = "gdswriter"            # SAVE_DIR/gdswriter: the gdswriter root of SAVE_DIR's tags
 FILES_KEY = "deepspeed"            # state["extra"][FILES_KEY][file name] = that file's state dict
 TYPES_KEY = "deepspeed_types"      # state["extra"][TYPES_KEY][file name] = to_plain's tags
 TAG_KEY = "deepspeed_tag"         # a step's metadata: the tag it holds
@@ -450,6 +450,9 @@ class GDSCheckpointEngine(CheckpointEngine):
 
     # -- DeepSpeed's interface -------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
+        if not self.attached:
+            raise InvalidOptionError("GDSCheckpointEngine must be attached to its DeepSpeed engine: call "
+                                     "use_gdswriter(engine) instead of setting engine.checkpoint_engine")
         if not self._in_save:
             self._open = None   # save_16bit_model: its files are torch.save exports
             return
@@ -583,9 +586,12 @@ class GDSCheckpointEngine(CheckpointEngine):
         self._in_save, self._open = True, None
 
     def _save_dir(self, save_dir: Path) -> _SaveDir:
-        """The checkpointer of ``save_dir`` (made on its first tag: collective, as every rank saves)."""
+        """The checkpointer of ``save_dir``, made on its first tag (collective, as every rank saves);
+        the one of another SAVE_DIR is closed then (nothing is in flight: _begin waited)."""
         d = self._dirs.get(save_dir)
         if d is None:
+            for other in list(self._dirs):
+                self._dirs.pop(other).ckpt.close()
             files: dict = {}
             types: dict = {}
             ckpt = GDSCheckpointer(None, None, root=save_dir / ROOT_NAME, options=self.options,
