@@ -198,10 +198,10 @@ def test_save_load_bit_exact(tmp_path, stage):
 
 @pytest.mark.slow  # about 20 s: two ranks, four DeepSpeed engines
 def test_two_ranks_zero2_one_step(tmp_path):
-    """Two ranks, ZeRO-2 (each rank holds its own optimizer partition), blocking saves: both
+    """Two ranks, ZeRO-2 (each rank holds its own optimizer partition), asynchronous saves: both
     ranks' files are one committed gdswriter step, and each rank gets its own partition back."""
     save_dir = tmp_path / "ckpts"
-    res = run_ranks(2, _roundtrip, 2, str(save_dir), False, out=tmp_path / "out")
+    res = run_ranks(2, _roundtrip, 2, str(save_dir), True, out=tmp_path / "out")
     assert res[0]["files"] == sorted(["mp_rank_00_model_states.pt",
                                       "zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                       "zero_pp_rank_1_mp_rank_00_optim_states.pt"])

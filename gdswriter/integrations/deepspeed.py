@@ -70,6 +70,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import datetime
 import enum
 import functools
 import importlib
@@ -447,6 +448,7 @@ class GDSCheckpointEngine(CheckpointEngine):
         self._failed: _Tag | None = None
         self._dirs: dict[Path, _SaveDir] = {}
         self._mutex = threading.Lock()
+        self._group: Any = None     # a gloo group of its own, for the end of each tag (several ranks)
 
     # -- DeepSpeed's interface -------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -576,6 +578,12 @@ class GDSCheckpointEngine(CheckpointEngine):
             self.wait()
             return load(*args, **kwargs)
 
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # collective, like use_gdswriter's call on every rank; a channel that the training's own
+            # collectives never share, for the tags' completion threads
+            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.dist_options.timeout_s))
         engine.save_checkpoint = save_checkpoint
         engine.load_checkpoint = load_checkpoint
         self.attached = True
@@ -627,26 +635,46 @@ class GDSCheckpointEngine(CheckpointEngine):
 
     def _finish(self, tag: _Tag) -> None:
         """In a thread of its own: wait until the tag's step is committed; then, on global rank 0,
-        make the marker files (naming the step) durable, write ``latest``, and delete the steps
-        no tag needs any more (this tag's older one; those of tag directories removed). Records
-        the failure, if any: the next save_checkpoint, engine step, load or wait raises it."""
+        make the marker files (naming the step) durable and write ``latest``. With several ranks,
+        every rank's thread then waits for rank 0's (an all_reduce of their failures), so that
+        wait() returns on every rank with ``latest`` written, as DeepSpeed's own save_checkpoint
+        does with its barrier. Last, rank 0 deletes the steps no tag needs any more (this tag's
+        older one; those of tag directories removed). Records the failure, if any: the next
+        save_checkpoint, engine step, load or wait raises it."""
         try:
-            step = tag.handle.result()  # type: ignore[union-attr]
-            if _rank() == 0:
-                protocol = CommitProtocol([tag.save_dir / ROOT_NAME])
-                m = read_manifest(protocol, step)  # type: ignore[arg-type]
-                for rank, tree in _rank_trees(m):
-                    for name in _file_names(tree):
-                        atomic_write(tag.dir / name, _marker(tag.tag, name, rank, step))
-                if tag.info.save_latest:
-                    atomic_write(tag.save_dir / "latest", tag.tag.encode())
-            tag.durable_s = time.perf_counter() - tag.started
-            if _rank() == 0:
-                self._drop_unused(protocol, tag, step)  # type: ignore[arg-type]
+            self._complete(tag)
         except BaseException as e:  # noqa: BLE001 - raised in the training thread, once
             tag.error = e
+        if self._group is not None:
+            import torch.distributed as dist
+
+            flag = torch.tensor([0 if tag.error is None else 1])
+            try:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+                if flag.item() and tag.error is None:
+                    tag.error = GDSWriterError(f"DeepSpeed tag {tag.tag!r}: another rank failed to finish it "
+                                               f"(see its log); `latest` may still name the previous tag")
+            except BaseException as e:  # noqa: BLE001 - a rank died or hung
+                tag.error = tag.error or e
+        if tag.error is not None:
+            e = tag.error
             log.error("gdswriter: DeepSpeed tag %r was NOT saved (%s: %s); `latest` still names the previous tag",
                       tag.tag, type(e).__name__, e)
+            return
+        tag.durable_s = time.perf_counter() - tag.started
+        if _rank() == 0:
+            self._drop_unused(CommitProtocol([tag.save_dir / ROOT_NAME]), tag, tag.handle.step)  # type: ignore[union-attr]
+
+    def _complete(self, tag: _Tag) -> None:
+        """The tag's step committed; on global rank 0, its marker files and ``latest`` written."""
+        step = tag.handle.result()  # type: ignore[union-attr]
+        if _rank() == 0:
+            m = read_manifest(CommitProtocol([tag.save_dir / ROOT_NAME]), step)  # type: ignore[arg-type]
+            for rank, tree in _rank_trees(m):
+                for name in _file_names(tree):
+                    atomic_write(tag.dir / name, _marker(tag.tag, name, rank, step))
+            if tag.info.save_latest:
+                atomic_write(tag.save_dir / "latest", tag.tag.encode())
 
     @staticmethod
     def _drop_unused(protocol: CommitProtocol, tag: _Tag, newest: int) -> None:
