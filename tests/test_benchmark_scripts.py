@@ -94,3 +94,13 @@ def test_dist_scale_sim(tmp_path):
         assert small["manifest"] < large["manifest"], rows
         assert large["load"]["read"] == large["load"]["manifest"] + large["load"]["shard"], rows
     assert "dcp_s" in rows[0] and "dcp_s" not in rows[1]
+
+
+@pytest.mark.slow  # about 20 s: DeepSpeed's start-up, then three saves
+def test_deepspeed_saves(tmp_path):
+    pytest.importorskip("deepspeed")
+    out = run_script("deepspeed_saves.py", "--size", "4M", "--rounds", "1", "--dir", str(tmp_path))
+    for method in ("torch", "gdswriter async", "gdswriter blocking"):
+        assert f"  {method} " in out, out
+    assert "gdswriter async vs torch: blocked" in out, out
+    assert list(tmp_path.iterdir()) == []
