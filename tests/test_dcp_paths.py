@@ -326,6 +326,7 @@ def _torchtitan_ranks(rank: int, world: int, tmp: str) -> dict:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     import gdswriter.distributed.dcp as dcp_mod
     from gdswriter import CheckpointOptions
@@ -349,7 +350,8 @@ def _torchtitan_ranks(rank: int, world: int, tmp: str) -> dict:
                          checkpoint_id=os.path.join(folder, "step-2"), process_group=pg)
     _train(model, opt, 3)  # training goes on while the save runs
     fut.result()  # maybe_wait_for_saving
-    # step 3's save fails on rank 1 half way (the disk is full): no .metadata in step-3
+    # step 3's save fails on rank 1 half way (the disk is full): no .metadata in step-3, which
+    # the lookup must skip (a crash before the commit leaves the same)
     real = dcp_mod.write_files
     if rank == 1:
         dcp_mod.write_files = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
@@ -359,6 +361,14 @@ def _torchtitan_ranks(rank: int, world: int, tmp: str) -> dict:
     except CheckpointException:
         failed = True
     dcp_mod.write_files = real
+    # async_mode="async_with_pinned_mem": DCP's checkpoint process (the writer, pickled, coordinates
+    # there over that process's default group, which DCP builds over pg's ranks)
+    _train(model, opt, 4)
+    expected4 = _full(model, opt)
+    fut = dcp.async_save(states(model, opt, 4), storage_writer=storage_writer,
+                         checkpoint_id=os.path.join(folder, "step-4"), process_group=pg,
+                         async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    fut.result()
     # a model-only checkpoint with a "model" entry, for `gdswriter export --model-only`
     dcp.save({"model": get_model_state_dict(model)}, storage_writer=storage_writer,
              checkpoint_id=os.path.join(tmp, "final", "step-3"))
@@ -367,33 +377,39 @@ def _torchtitan_ranks(rank: int, world: int, tmp: str) -> dict:
         torch.save({k: v for k, v in final.items() if k.startswith("model.")}, os.path.join(tmp, "final.pt"))
     storage_writer.close()
 
-    # the restart: find the last complete step as torchtitan does, then _load
+    # the restart: find the last complete step as torchtitan does, then _load (and step 2 too)
     load_step = _find_load_step(folder)
     model, opt = _fsdp(world, seed=9)
     _train(model, opt, 1)  # an optimizer with state to load into (torchtitan: init_optim_state)
-    sd = states(model, opt, 0)
-    dcp.load(sd, checkpoint_id=os.path.join(folder, f"step-{load_step}"), storage_reader=GDSStorageReader())
-    set_model_state_dict(model, {k: v for k, v in sd.items() if k not in ("optimizer", "train_state")})
-    set_optimizer_state_dict(model, opt, sd["optimizer"])
-    got = _full(model, opt)
-    same = got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
-    return {"failed": failed, "load_step": load_step, "same": same, "train_step": sd["train_state"]["step"],
+    same, steps = [], []
+    reader = GDSStorageReader()
+    for step, want in ((load_step, expected4), (2, expected)):
+        sd = states(model, opt, 0)
+        dcp.load(sd, checkpoint_id=os.path.join(folder, f"step-{step}"), storage_reader=reader)
+        set_model_state_dict(model, {k: v for k, v in sd.items() if k not in ("optimizer", "train_state")})
+        set_optimizer_state_dict(model, opt, sd["optimizer"])
+        got = _full(model, opt)
+        same.append(got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got))
+        steps.append(sd["train_state"]["step"])
+    reader.close()
+    return {"failed": failed, "load_step": load_step, "same": same, "train_steps": steps,
             "shard_bytes": model[0].weight.to_local().numel() * 4}
 
 
 @pytest.mark.slow  # about 28 s here: two spawned ranks, FSDP2, four saves and a load
 def test_torchtitan_checkpoint_manager_calls_on_2_ranks(tmp_path, capsys):
-    """torchtitan's calls (dcp.save and dcp.async_save with checkpoint_id=folder/step-N on its
-    gloo group, the .metadata lookup of the last step, dcp.load) with an FSDP2 model on 2 gloo
-    ranks: a save that fails on one rank leaves no .metadata, the lookup takes the step before,
-    and the resumed model and optimizer equal the state at that step bit for bit. The "model"
-    checkpoint exports with --model-only into whole tensors that equal the trained model's."""
+    """torchtitan's calls (dcp.save, and dcp.async_save in thread and process modes, with
+    checkpoint_id=folder/step-N on its gloo group; the .metadata lookup of the last step;
+    dcp.load) with an FSDP2 model on 2 gloo ranks: a save that fails on one rank leaves no
+    .metadata, so the lookup skips it; the resumed model and optimizer equal the state of the
+    step loaded, bit for bit. The "model" checkpoint exports with --model-only into whole tensors
+    that equal the trained model's."""
     from safetensors.torch import load_file
 
     res = run_ranks(2, _torchtitan_ranks, str(tmp_path), out=tmp_path / "r")
     assert all(r["failed"] for r in res), res
-    assert [r["load_step"] for r in res] == [2, 2] and all(r["same"] for r in res), res
-    assert res[0]["train_step"] == 2 and res[0]["shard_bytes"] > MIB
+    assert [r["load_step"] for r in res] == [4, 4] and all(r["same"] == [True, True] for r in res), res
+    assert res[0]["train_steps"] == [4, 2] and res[0]["shard_bytes"] > MIB
     assert (tmp_path / "checkpoint" / "step-3").is_dir() and not (tmp_path / "checkpoint" / "step-3" /
                                                                   ".metadata").exists()
     out = tmp_path / "model.safetensors"
