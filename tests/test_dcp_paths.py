@@ -108,6 +108,34 @@ def test_a_path_checkpoint_id_names_one_checkpoint_that_the_command_sees(tmp_pat
     assert not GDSStorageReader.validate_checkpoint_id("gs://bucket/ckpt")
 
 
+def test_a_path_under_the_first_of_several_roots_is_stored_under_each(tmp_path):
+    """A writer striping over two SSDs takes a path under its first root and stores the
+    checkpoint at the same relative path under both (data files on each, the manifest and the
+    marker on the first); a path elsewhere is refused by reset(), before DCP's collectives."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import GDSStorageWriter
+    from gdswriter.errors import InvalidOptionError
+
+    roots = [tmp_path / "nvme0", tmp_path / "nvme1"]
+    sd = _state(6)
+    w = GDSStorageWriter(roots, options=CheckpointOptions(engine=_engine(), files_per_root=1))
+    dcp.save(sd, checkpoint_id=roots[0] / "job" / "step-4", storage_writer=w, no_dist=True)
+    for i, r in enumerate(roots):
+        step_dir = r / "job" / "step-4" / "step_000000000004"
+        assert any(step_dir.glob("data-*")), i
+        assert (step_dir / "manifest.json").exists() == (i == 0)
+    assert (roots[0] / "job" / "step-4" / ".metadata").exists() and not (roots[1] / "job" / "step-4" /
+                                                                        ".metadata").exists()
+    with pytest.raises(InvalidOptionError, match="not under this plug-in's first root"):
+        dcp.save(sd, checkpoint_id=tmp_path / "elsewhere", storage_writer=w, no_dist=True)
+    w.close()
+    got = _zeros(sd)
+    dcp.load(got, checkpoint_id=roots[0] / "job" / "step-4", storage_reader=reader(roots), no_dist=True)
+    assert _equal(got, sd)
+
+
 def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path, caplog):
     """DCP's test_overwrite (test/distributed/checkpoint/e2e/test_e2e_save_and_load.py) with
     GDSStorageWriter: overwrite=True replaces (with a warning), overwrite=False raises "Checkpoint
@@ -330,7 +358,8 @@ def _torchtitan_ranks(rank: int, world: int, tmp: str) -> dict:
 
     import gdswriter.distributed.dcp as dcp_mod
     from gdswriter import CheckpointOptions
-    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
+    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter, dcp_errors
+    from gdswriter.errors import CheckpointExistsError
 
     folder = os.path.join(tmp, "checkpoint")
     pg = dist.new_group(backend="gloo")  # CheckpointManager.__init__ for async_mode="async"
@@ -369,6 +398,15 @@ def _torchtitan_ranks(rank: int, world: int, tmp: str) -> dict:
                          checkpoint_id=os.path.join(folder, "step-4"), process_group=pg,
                          async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     fut.result()
+    # overwrite=False: every rank raises gdswriter's CheckpointExistsError, step-2 stays as it was
+    refused = ""
+    try:
+        with dcp_errors():
+            dcp.save(states(model, opt, 4), checkpoint_id=os.path.join(folder, "step-2"),
+                     storage_writer=GDSStorageWriter(process_group=pg, overwrite=False,
+                                                     options=CheckpointOptions(engine=_engine())))
+    except CheckpointExistsError as e:
+        refused = str(e)
     # a model-only checkpoint with a "model" entry, for `gdswriter export --model-only`
     dcp.save({"model": get_model_state_dict(model)}, storage_writer=storage_writer,
              checkpoint_id=os.path.join(tmp, "final", "step-3"))
@@ -392,7 +430,7 @@ def _torchtitan_ranks(rank: int, world: int, tmp: str) -> dict:
         same.append(got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got))
         steps.append(sd["train_state"]["step"])
     reader.close()
-    return {"failed": failed, "load_step": load_step, "same": same, "train_steps": steps,
+    return {"failed": failed, "refused": refused, "load_step": load_step, "same": same, "train_steps": steps,
             "shard_bytes": model[0].weight.to_local().numel() * 4}
 
 
@@ -401,13 +439,14 @@ def test_torchtitan_checkpoint_manager_calls_on_2_ranks(tmp_path, capsys):
     """torchtitan's calls (dcp.save, and dcp.async_save in thread and process modes, with
     checkpoint_id=folder/step-N on its gloo group; the .metadata lookup of the last step;
     dcp.load) with an FSDP2 model on 2 gloo ranks: a save that fails on one rank leaves no
-    .metadata, so the lookup skips it; the resumed model and optimizer equal the state of the
-    step loaded, bit for bit. The "model" checkpoint exports with --model-only into whole tensors
+    .metadata, so the lookup skips it; overwrite=False refuses a step again on both ranks; the
+    resumed model and optimizer equal the state of the step loaded, bit for bit. The "model" checkpoint exports with --model-only into whole tensors
     that equal the trained model's."""
     from safetensors.torch import load_file
 
     res = run_ranks(2, _torchtitan_ranks, str(tmp_path), out=tmp_path / "r")
     assert all(r["failed"] for r in res), res
+    assert all("Checkpoint already exists" in r["refused"] for r in res), res
     assert [r["load_step"] for r in res] == [4, 4] and all(r["same"] == [True, True] for r in res), res
     assert res[0]["train_steps"] == [4, 2] and res[0]["shard_bytes"] > MIB
     assert (tmp_path / "checkpoint" / "step-3").is_dir() and not (tmp_path / "checkpoint" / "step-3" /
