@@ -98,6 +98,10 @@ class CheckpointLockedError(CheckpointError, BlockingIOError):
     """Another process holds the checkpoint root."""
 
 
+class CheckpointExistsError(CheckpointError, FileExistsError):
+    """A save with overwrite=False met a checkpoint already there (the DCP writer)."""
+
+
 class UnsupportedObjectError(GDSWriterError, TypeError):
     """State holds an object the format cannot store without pickle."""
 

@@ -9,6 +9,10 @@ e.g. an embedding and an LM head) are stored once in safetensors, under the firs
 ``safetensors.torch.save_model`` and ``save_pretrained`` do; ``safetensors.torch.load_model``
 and ``from_pretrained`` re-tie them. A torch.save file keeps both keys on one storage.
 
+A step saved through DCP (GDSStorageWriter) exports under DCP's flattened names ("model.0.weight",
+"optim.state.0.exp_avg"), every tensor whole whichever ranks saved its shards; model only, the
+items under its state's "model" entry, under the model's own keys.
+
 The safetensors writer is implemented here (no dependency on the ``safetensors``
 package). The format is::
 
@@ -356,6 +360,11 @@ def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, 
     protocol = CommitProtocol([Path(os.fspath(r)) for r in roots])
     step = protocol.require(step)
     manifest = read_manifest(protocol, step)
+    dcp = manifest.dist is not None and manifest.dist.layout == "dcp"
+    if dcp and not nested:  # DCP's flattened items, each tensor whole (its ranks' chunks assembled)
+        return _export_dcp_step(protocol.roots, manifest, fmt, out, overwrite=overwrite, verify=verify,
+                                model_only=model_only, config=config, engine_options=engine_options,
+                                progress=progress)
     keys, skipped = model_indices(manifest) if model_only else ({}, [])
     chosen = sorted(set(keys.values())) if model_only else range(len(manifest.tensors))
     if fmt != "torch":  # refuse before reading gigabytes
@@ -385,6 +394,18 @@ def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, 
         obj = decode_state(manifest.state, tensors) if nested else flat
         size = write_torch(out, obj, overwrite=overwrite, check_weights_only=nested)
         return ExportResult(out, step, fmt, len(flat), size, renamed, tied, tuple(skipped))
+    return _write_flat(out, step, fmt, flat, meta, hf_config, overwrite=overwrite, model_only=model_only,
+                       renamed=renamed, skipped=skipped, progress=progress)
+
+
+def _write_flat(out: Path, step: int, fmt: str, flat: dict[str, torch.Tensor], meta: dict, hf_config: Any, *,
+                overwrite: bool, model_only: bool, renamed: dict, skipped: Sequence[str], progress: bool
+                ) -> ExportResult:
+    """Write {name: tensor} as a safetensors file or a Hugging Face directory (ties stored once
+    for a model)."""
+    from .progress import Progress
+
+    tied: dict[str, str] = {}
     if model_only:
         flat, tied = untie(flat)
         if tied:
@@ -397,6 +418,44 @@ def export_step(roots: Sequence[str | os.PathLike], step: int | None, fmt: str, 
         else:
             size = _write_hf_dir(out, flat, meta, hf_config, overwrite=overwrite, on_written=bar.advance)
     return ExportResult(out, step, fmt, len(flat), size, renamed, tied, tuple(skipped))
+
+
+def _export_dcp_step(roots: Sequence[Path], manifest, fmt: str, out: str | os.PathLike, *, overwrite: bool,
+                     verify: bool, model_only: bool, config: Any, engine_options: Any, progress: bool) -> ExportResult:
+    """export_step of a step saved through DCP (GDSStorageWriter): its items under DCP's
+    flattened names ("model.0.weight", "optim.state.0.exp_avg"), each tensor whole, however
+    many ranks saved its shards. Model only: the items under the state's "model" entry, under the
+    model's own keys (``dcp.save({"model": model.state_dict(), ...})``), only their bytes read."""
+    from .distributed.dcp import dcp_items, dcp_model_keys, read_dcp_items
+    from .format.dtypes import dtype_from_name
+
+    step, out = manifest.step, Path(os.fspath(out))
+    items = dcp_items(manifest)
+    if model_only:
+        keys = dcp_model_keys(manifest)
+        if not keys:
+            shown = sorted({k.split(".")[0] for k in items})[:8]
+            raise InvalidOptionError(f"step {step} (saved through DCP) holds no \"model\" entry (its top-level keys: "
+                                     f"{', '.join(shown)}): save dcp.save({{\"model\": model.state_dict(), ...}}), "
+                                     f"or export the whole state instead (drop --model-only)")
+    else:
+        keys = {f: f for f in items}
+    fqns = list(keys)
+    if fmt != "torch":  # refuse before reading gigabytes
+        for f in fqns:
+            safetensors_dtype(dtype_from_name(manifest.tensors[items[f]].dtype), f)
+    if not overwrite and (out.exists() or out.is_symlink()):
+        raise OutputExistsError(errno.EEXIST, f"{out} exists: pass --force to replace it")
+    hf_config = _hf_config(manifest, config) if fmt == "hf" else None
+    got = read_dcp_items(roots, manifest, fqns, verify=verify, engine_options=engine_options)
+    flat = {keys[f]: got[f] for f in fqns}
+    meta = {"format": "pt", "gdswriter_step": str(step),
+            "gdswriter_format_version": f"{manifest.version[0]}.{manifest.version[1]}"}
+    if fmt == "torch":
+        size = write_torch(out, flat, overwrite=overwrite)
+        return ExportResult(out, step, fmt, len(flat), size, {})
+    return _write_flat(out, step, fmt, flat, meta, hf_config, overwrite=overwrite, model_only=model_only,
+                       renamed={}, skipped=(), progress=progress)
 
 
 # ----------------------------------------------------------------------------- Hugging Face directory

@@ -104,3 +104,14 @@ def test_deepspeed_saves(tmp_path):
         assert f"  {method} " in out, out
     assert "gdswriter async vs torch: blocked" in out, out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_dcp_reader(tmp_path):
+    """benchmarks/dcp_reader.py: the three readers, each load checked bit for bit by the script."""
+    out = run_script("dcp_reader.py", "--sizes", "4M", "--rounds", "2", "--settle", "0", "--json",
+                     "--dir", str(tmp_path))
+    rows = json.loads(out[out.index("["):])
+    assert [r["bytes"] for r in rows] == [4 << 20]
+    assert set(rows[0]["gib_s"]) == {"FileSystemReader", "GDSStorageReader", "GDSCheckpointer.load"}
+    assert all(len(v) == 2 for v in rows[0]["rounds"].values())
+    assert list(tmp_path.iterdir()) == []

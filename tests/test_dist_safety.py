@@ -261,8 +261,8 @@ def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
 
         dcp_mod.host_buffer = no_memory
     back = {"rep": torch.zeros(5000)}
-    out["read"] = caught(lambda: dcp.load(back, storage_reader=GDSStorageReader(
-        Path(tmp, "dcp"), engine_options=small_engine(), dist_options=_dist_options())))
+    out["read"] = caught(lambda: dcp.load(back, storage_reader=GDSStorageReader(  # atomic: through buffers
+        Path(tmp, "dcp"), engine_options=small_engine(), dist_options=_dist_options(), atomic=True)))
     return out
 
 

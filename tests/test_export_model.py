@@ -234,3 +234,46 @@ def test_hf_dir_replacement_never_leaves_the_name_empty(capsys, tmp_path, monkey
     assert rc == 0, err
     _same(model, transformers.LlamaForCausalLM.from_pretrained(out))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_model_only_export_of_a_dcp_step_with_a_model_entry(capsys, tmp_path):
+    """Issue 26 item 4: a step saved with dcp.save({"model": ..., "optim": ...}) through
+    GDSStorageWriter exports --model-only under the model's own keys (from DCP's planner data),
+    loads with safetensors' load_model, reads only the model's bytes (damage in the optimizer's
+    does not stop it); a DCP step without a "model" entry is refused naming its keys."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from gdswriter.distributed import GDSStorageWriter
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.ReLU(), torch.nn.Linear(512, 300))  # 2 MiB
+    opt = _trained(model)
+    path = tmp_path / "checkpoint" / "step-7"
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt), "step": 7},
+             checkpoint_id=path, storage_writer=GDSStorageWriter(), no_dist=True)
+    m = Manifest.from_json_bytes((path / "step_000000000007" / MANIFEST_NAME).read_bytes())
+    rec = next(t for t in m.tensors if t.name.endswith("exp_avg_sq"))
+    chunk = m.storages[rec.storage].chunks[0]
+    with open(path / "step_000000000007" / m.files[chunk.file].path, "r+b") as f:
+        f.seek(chunk.file_offset + 9)
+        b = f.read(1)
+        f.seek(chunk.file_offset + 9)
+        f.write(bytes([b[0] ^ 0xFF]))
+    out = tmp_path / "model.safetensors"
+    rc, text, err = _run(capsys, "export", path, "--to", "safetensors", "--model-only", out)
+    assert rc == 0, err
+    assert "7" in text and "the model's state_dict" in text
+    fresh = torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.ReLU(), torch.nn.Linear(512, 300))
+    missing, unexpected = safetensors_torch.load_model(fresh, out)
+    assert not missing and not unexpected
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    rc, _, err = _run(capsys, "export", path, "--to", "safetensors", tmp_path / "all.st")
+    assert rc == 1 and "checksum mismatch" in err  # the whole state reads the damaged optimizer bytes
+
+    flat = tmp_path / "flat"
+    dcp.save(dict(model.state_dict()), checkpoint_id=flat, storage_writer=GDSStorageWriter(), no_dist=True)
+    rc, _, err = _run(capsys, "export", flat, "--to", "safetensors", "--model-only", tmp_path / "x")
+    assert rc == 2 and 'no "model" entry' in err and "0, 2" in err

@@ -26,10 +26,10 @@ if TYPE_CHECKING:
     from ..engines.base import IOEngine
     from ..format.commit import CommitProtocol
     from ..load.apply import LiveState, LoadResult
-    from .dcp import GDSStorageReader, GDSStorageWriter
+    from .dcp import GDSStorageReader, GDSStorageWriter, dcp_errors
 
-__all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "load_state", "open_session",
-           "root_identity"]
+__all__ = ["DistOptions", "DistSession", "GDSStorageReader", "GDSStorageWriter", "dcp_errors", "load_state",
+           "open_session", "root_identity"]
 
 
 def session_for(roots: Sequence[Path], process_group: Any = None, options: DistOptions | None = None, *,
@@ -114,7 +114,7 @@ def load_state(root: Any, step: int | None = None, *, verify: bool = True,
 
 def __getattr__(name: str) -> Any:
     """The DCP plug-in loads torch.distributed.checkpoint, so it is imported on first use."""
-    if name in ("GDSStorageWriter", "GDSStorageReader"):
+    if name in ("GDSStorageWriter", "GDSStorageReader", "dcp_errors"):
         from . import dcp
 
         return getattr(dcp, name)

@@ -9,14 +9,16 @@ the coordination group. Before any rank allocates a buffer, each rank checks the
 reads against their recorded sizes and all ranks agree on the outcome, so a manifest claiming
 more than its files hold is refused before it costs memory anywhere. Chunks are checked
 against their crc32c where they are read, and again where they arrive. All ranks agree on
-failure: if one fails, all raise.
+failure: if one fails, all raise. A caller may name storages to read in place (``into``: the
+DCP reader hands DCP's own target tensors, saving a buffer and a copy); those are the only
+memory a failed fetch can leave partly written.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import crc32c as _crc32c
 import torch
@@ -85,13 +87,23 @@ def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
 
 
 def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,
-                   verify: bool, what: str, alloc: Callable[[int], torch.Tensor] = host_buffer
-                   ) -> dict[int, torch.Tensor]:
+                   verify: bool, what: str, alloc: Callable[[int], torch.Tensor] = host_buffer,
+                   into: Mapping[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
     """Collective: {storage: flat uint8 buffer of its nbytes, filled} for ``storages`` on every rank.
 
     Nothing is allocated before every rank has checked the files it reads (for itself or for
     others) against the manifest (check_reached_files): what a load allocates is then bounded by
-    the real files, on every rank, whatever a damaged manifest claims. ``alloc`` makes a buffer."""
+    the real files, on every rank, whatever a damaged manifest claims. ``alloc`` makes a buffer;
+    ``into`` gives the buffer of some storages (flat uint8 CPU tensors of their nbytes, e.g. the
+    caller's live tensors): those are filled in place, and a failure may leave them partly
+    written (the hints of the errors say so)."""
+    into = into or {}
+    for s, t in into.items():
+        if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != m.storages[s].nbytes:
+            raise ValueError(f"fetch_storages: the buffer given for storage {s} is not a flat uint8 tensor of its "
+                             f"{m.storages[s].nbytes} bytes")
+    untouched = "the live state was not changed" if not into else \
+        "tensors read in place may be partly overwritten: load again"
     needed = sorted(set(storages))
     local, remote = [], []
     for s in needed:
@@ -129,7 +141,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
     sends: dict[tuple[int, int], torch.Tensor] = {}
     error = None
     try:
-        buffers = {s: alloc(m.storages[s].nbytes) for s in needed}
+        buffers = {s: into[s] if s in into else alloc(m.storages[s].nbytes) for s in needed}
         wanted = [(s, ci, _slice(buffers[s], m.storages[s].chunks[ci])) for s, ci in local]
         sends = {(s, ci): dest for s, ci, dest in wanted}  # a chunk this rank reads for itself is sent from there
         for src, _, s, ci in moves:
@@ -139,7 +151,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
         _read_chunks(m, reach, wanted, engine, verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = e
-    coord.agree(error, f"{what} (reading)", hint="the live state was not changed")
+    coord.agree(error, f"{what} (reading)", hint=untouched)
     transfers = []
     for tag, (src, dst, s, ci) in enumerate(moves):
         if rank == src:
@@ -156,7 +168,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
                 error = ChecksumMismatchError(f"<chunk received from rank {src}>", f"<storage {s}>", c.file_offset,
                                               c.length, c.crc32c, got)
                 break
-    coord.agree(error, f"{what} (checking received chunks)", hint="the live state was not changed")
+    coord.agree(error, f"{what} (checking received chunks)", hint=untouched)
     return buffers
 
 
