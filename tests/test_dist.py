@@ -408,7 +408,7 @@ def _fallback_worker(rank: int, world: int, root: str, out: str) -> dict:
     import torch.distributed as dist
 
     from gdswriter import GDSCheckpointer
-    from gdswriter.distributed.assemble import tree_for_rank
+    from gdswriter.format.assembly import tree_for_rank
     from gdswriter.distributed.load import tensor_refs
 
     records: list[str] = []

@@ -94,7 +94,7 @@ from ..planner.assign import plan_save
 from ..load.reader import host_buffer
 from ..save.snapshot import Extent, Snapshot
 from ..save.writer import live_spans, write_files
-from .assemble import build_manifest, record_json
+from ..format.assembly import build_manifest, record_json
 from .commit import RankCommit
 from .dcp_codec import metadata_from_json, metadata_to_json
 from .fetch import fetch_storages, manifest_reach

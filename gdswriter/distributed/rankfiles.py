@@ -1,9 +1,11 @@
 """What GDSCheckpointer's multi-rank save (save.py) and the DCP plug-in (dcp.py) do alike per rank.
 
-Both have every rank report the items it holds as (key, nbytes), split the items over their
-holders (planner/ranks.py), lay each rank's pieces out in that rank's own data files, and report
-those files to rank 0 for the manifest (assemble.py). The file names and the report's entries
-are part of the on-disk format (docs/format.md section 9), so they are written in one place.
+Both split the items several ranks hold over their holders (planner/ranks.py: the DCP plug-in
+from every rank's report of (key, nbytes), ``group_held``; GDSCheckpointer from each rank's own
+items, ``item_pieces``), lay each rank's pieces out in that rank's own data files, and record
+those files for the manifest (format/assembly.py, format/sharded.py). The file names and the
+entries are part of the on-disk format (docs/format.md sections 9 and 10), so they are written
+in one place.
 """
 
 from __future__ import annotations

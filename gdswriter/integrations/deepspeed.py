@@ -88,7 +88,7 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from ..checkpointer import GDSCheckpointer, SaveHandle
-from ..distributed.assemble import tree_for_rank
+from ..format.assembly import tree_for_rank
 from ..distributed.load import tensor_refs
 from ..distributed.options import DistOptions
 from ..engines.base import IOEngine
