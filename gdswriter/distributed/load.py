@@ -49,7 +49,7 @@ from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_m
                            tensors_from_storages)
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, Transfer, bounded, describe, unbound
-from .rankfiles import item_pieces
+from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces
 from .roots import RootLayout, discover_layout
 from .shards import assemble, join, leaves, overlap, target_block
 
@@ -232,7 +232,22 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (reading its manifest shard)", hint=unchanged, root=src)
-    if not coord.all_true(ok, f"{what} (loading from its own shard)", root=src):
+    # every rank can load from its own shard, and the holders of each set of shared items agree
+    # on what it holds (else the pieces they would pass each other would not match)
+    sets = holder_set_digests(shard.items, rank, world) if shard is not None else []
+    got = coord.gather({"ok": ok, "sets": sets}, f"{what} (loading from its own shard)", dst=src)
+    verdict = None
+    if got is not None:
+        bad = disagreeing_holders([x["sets"] for x in got]) if all(x["ok"] for x in got) else {}
+        verdict = {"own": all(x["ok"] for x in got), **bounded(bad)}
+    verdict = coord.broadcast(verdict, f"{what} (loading from its own shard) (decision)", src=src)
+    shown, total = unbound(verdict)
+    if total:
+        raise CorruptCheckpointError(f"{what}: the ranks' manifest shards disagree about the state they share "
+                                     f"({'; '.join(f'rank {r} {m}' for r, m in sorted(shown.items()))}"
+                                     f"{f' and {total - len(shown)} more' if total > len(shown) else ''}): the "
+                                     f"checkpoint is damaged; load an earlier step")
+    if not verdict["own"]:
         return None
     assert shard is not None
     rounds: list[list[tuple[int, int, int, int, int]]] = []  # per round: (src, dst, item, offset, length)

@@ -11,6 +11,7 @@ in one place.
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -85,3 +86,40 @@ def item_pieces(items: Sequence[ItemRecord], world_size: int) -> list[list[tuple
         for i, pieces in zip(members, split):
             out[i] = [(h if key is None else key[h], off, n) for h, off, n in pieces]
     return out
+
+
+def holder_set_digests(items: Sequence[ItemRecord], rank: int, world_size: int) -> tuple[tuple[str, int, str], ...]:
+    """Per holder set of the items ``rank`` shares with other ranks: (its name, its size, a digest
+    of its items' keys and sizes). The holders of a set must report the same digest, each holder
+    of the set reporting it: that is what lets each of them compute item_pieces alone."""
+    by_set: dict[tuple[int, ...] | None, list] = {}
+    for it in items:
+        if it.holders != (rank,):
+            by_set.setdefault(it.holders, []).append([it.key, it.nbytes])
+    return tuple(sorted((_set_name(h), world_size if h is None else len(h),
+                         hashlib.sha256(json.dumps(sorted(v)).encode()).hexdigest()[:32]) for h, v in by_set.items()))
+
+
+def _set_name(holders: tuple[int, ...] | None) -> str:
+    return "all" if holders is None else hashlib.sha256(json.dumps(holders).encode()).hexdigest()[:16]
+
+
+def disagreeing_holders(reports: Sequence[Sequence[Sequence[Any]]]) -> dict[int, str]:
+    """Given each rank's holder_set_digests (rank order), {rank: why} for ranks whose digest of a
+    set differs from the set's first reporter's, and for sets that fewer ranks report than the
+    set has holders (named by its first reporter)."""
+    seen: dict[str, tuple[str, int, int]] = {}  # set -> (digest, size, first rank)
+    members: dict[str, int] = {}
+    bad: dict[int, str] = {}
+    for r, sets in enumerate(reports):
+        for name, size, digest in sets:
+            members[name] = members.get(name, 0) + 1
+            first = seen.setdefault(name, (digest, size, r))
+            if first[0] != digest:
+                bad[r] = f"holds other {'replicated state' if name == 'all' else 'replicas of DTensor blocks'} " \
+                         f"than rank {first[2]}"
+    for name, (_, size, r) in seen.items():
+        if members[name] != size and r not in bad:
+            bad[r] = f"holds {'replicated state' if name == 'all' else 'DTensor blocks'} that only {members[name]} " \
+                     f"of its {size} holders report"
+    return bad

@@ -45,7 +45,7 @@ from ..save.snapshot import Extent, Snapshot
 from ..save.writer import write_snapshot_files
 from .commit import RankCommit
 from .group import Coordinator
-from .rankfiles import file_entries, item_pieces, rank_targets
+from .rankfiles import disagreeing_holders, file_entries, holder_set_digests, item_pieces, rank_targets
 from .roots import RootLayout
 
 MAX_SHOWN_STEPS = 16
@@ -107,10 +107,6 @@ class RankSavePlan:
     static: ShardStatic                      # the shard's parts that only the layout decides, encoded
 
 
-def _holder_set(holders: tuple[int, ...] | None) -> str:
-    return "all" if holders is None else hashlib.sha256(json.dumps(holders).encode()).hexdigest()[:16]
-
-
 def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
                    files_per_root: int) -> RankSavePlan:
     """This rank's plan (steps 1-2): its items with their holders, the pieces it writes of each
@@ -134,13 +130,7 @@ def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], l
             holders = (rank,)
         items.append(ItemRecord(key, nbytes, holders))
     pieces = [(sid, off, n) for sid, split in enumerate(item_pieces(items, world)) for w, off, n in split if w == rank]
-    by_set: dict[tuple[int, ...] | None, list] = {}
-    for it in items:
-        if it.holders != (rank,):
-            by_set.setdefault(it.holders, []).append([it.key, it.nbytes])
-    digests = tuple(sorted((_holder_set(h), world if h is None else len(h),
-                            hashlib.sha256(json.dumps(sorted(v)).encode()).hexdigest()[:32])
-                           for h, v in by_set.items()))
+    digests = holder_set_digests(items, rank, world)
     fplan = plan_save([n for _, _, n in pieces], rank_targets(layout, rank, files_per_root))
     tensors = tuple(replace(r, shard=found.shards[r.name]) if r.name in found.shards else r for r in snap.records)
     return RankSavePlan(tuple(items), tuple(pieces), fplan, tensors, digests, sum(n for _, _, n in pieces),
@@ -280,20 +270,7 @@ def check_reports(reports: Sequence[dict], step: int, what: str) -> tuple[dict[i
                      f"every rank must call save()/save_async() for the same steps in the same order (no "
                      f"on_busy='skip'; a rank whose save_async raised must not go on alone); restart the job from "
                      f"the latest committed step")
-    seen: dict[str, tuple[str, int, int]] = {}  # holder set -> (digest, size, first rank)
-    members: dict[str, int] = {}
-    bad: dict[int, str] = {}
-    for r, x in enumerate(reports):
-        for hs, size, digest in x.get("sets", []):
-            members[hs] = members.get(hs, 0) + 1
-            first = seen.setdefault(hs, (digest, size, r))
-            if first[0] != digest:
-                bad[r] = f"holds other {'replicated state' if hs == 'all' else 'replicas of DTensor blocks'} " \
-                         f"than rank {first[2]}"
-    for hs, (_, size, r) in seen.items():
-        if members[hs] != size and r not in bad:
-            bad[r] = f"holds {'replicated state' if hs == 'all' else 'DTensor blocks'} that only {members[hs]} of " \
-                     f"its {size} holders report"
+    bad = disagreeing_holders([x.get("sets", []) for x in reports])
     if bad:
         return bad, ("ranks that must hold identical state do not (DistOptions.replicated names state that is not "
                      "the same on every rank, or replicas of a DTensor differ), so nothing was committed: make the "
