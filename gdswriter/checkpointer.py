@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .engines.base import IOEngine
-from .engines.select import create_engine
+from .engines.select import create_engine, sized_for
 from .errors import GDSWriterError, InvalidOptionError
 from .format.commit import normalize_roots, normalize_step
 from .load.apply import LiveState, LoadResult
@@ -173,13 +173,17 @@ class GDSCheckpointer:
             raise
         self.protocol = self._session.protocol
         self._engines: list[IOEngine] = engines or []
+        self._small_engines: list[IOEngine] = []  # for small loads while the engines are not built (sized_for)
         self._engines_closed = False
+        self._building: threading.Thread | None = None
         self.last_load: LoadResult | None = None
         self._handles: list[SaveHandle] = []
         self._retention: Future | None = None
         self._mutex = threading.Lock()
         self._closed = False
         self._init_saving()
+        if not self._engines and self._session.lock is not None:
+            self._build_engines_ahead()
 
     # -- info ----------------------------------------------------------------
     @property
@@ -210,13 +214,54 @@ class GDSCheckpointer:
         if self._closed:
             raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
 
+    def _build_engines_ahead(self) -> None:
+        """Build the engines on a helper thread now, off the first save's critical path (their
+        page-locked staging buffers take 0.03-0.45 s to map and lock here); _engine_list waits
+        for it. A failure there is left for _engine_list to meet again, in the caller's thread."""
+        def build() -> None:
+            try:
+                made = [create_engine(self.options.engine) for _ in self.protocol.roots]
+            except Exception as e:  # noqa: BLE001 - _engine_list builds them again and raises it there
+                log.debug("gdswriter: building the engines ahead failed (%s: %s)", type(e).__name__, e)
+                return
+            with self._mutex:
+                if self._engines or self._engines_closed:
+                    keep = []  # someone built them meanwhile, or closed the checkpointer
+                else:
+                    self._engines, keep = made, made
+            for e in made:
+                if all(e is not k for k in keep):
+                    e.close()
+
+        self._building = threading.Thread(target=build, name="gdswriter-engines", daemon=True)
+        self._building.start()
+
     def _engine_list(self) -> list[IOEngine]:
+        building = self._building
+        if building is not None:
+            building.join()
         with self._mutex:
             if self._engines_closed:  # engines made now would never be closed
                 raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
             if not self._engines:
                 self._engines = [create_engine(self.options.engine) for _ in self.protocol.roots]
             return self._engines
+
+    def _load_engines(self, nbytes: int | None = None) -> list[IOEngine]:
+        """The engines a load of ``nbytes`` uses: the checkpointer's when they are built (or the
+        load is large), else small ones of its own (engines/select.py: sized_for), kept for the
+        next small load and closed by close()."""
+        with self._mutex:
+            ready = bool(self._engines)
+        if ready or nbytes is None or sized_for(self.options.engine, nbytes) is self.options.engine:
+            return self._engine_list()
+        with self._mutex:
+            if self._engines_closed:
+                raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
+            if not self._small_engines:
+                small = sized_for(self.options.engine, nbytes)
+                self._small_engines = [create_engine(small) for _ in self.protocol.roots]
+            return self._small_engines
 
     # -- save ----------------------------------------------------------------
     def _init_saving(self) -> None:
@@ -229,6 +274,7 @@ class GDSCheckpointer:
         self._layout = LayoutCache()  # the last save's layout, reused while the tensors stay put
 
     def _collect(self) -> dict:
+        """The state to save: the objects' state_dict()s (timed apart in save_async: SaveStats.state_dict_s)."""
         state: dict[str, Any] = {}
         for name, obj in (("model", self.model), ("optimizer", self.optimizer)):
             if obj is not None:
@@ -241,8 +287,11 @@ class GDSCheckpointer:
 
     def save(self, step: int, *, metadata: dict | None = None) -> int | None:
         """Write step ``step``; returns it once it is durable and committed. Exactly
-        ``save_async(step, metadata=metadata).result()`` (so None if skipped, on_busy="skip")."""
-        return self.save_async(step, metadata=metadata).result()
+        ``save_async(step, metadata=metadata).result()`` (so None if skipped, on_busy="skip"),
+        except that a blocking save never has the host pool of the state's size reserved: its
+        caller waits for the whole write anyway, so it streams through the pool's small ring
+        when no full pool is there (save/pool.py), at the same speed, with no memory set aside."""
+        return self._submit(step, metadata, blocking=True).result()
 
     def save_async(self, step: int, *, metadata: dict | None = None) -> SaveHandle:
         """Start saving ``step``; returns a SaveHandle within milliseconds, whatever the state's
@@ -259,6 +308,10 @@ class GDSCheckpointer:
         and says so. A background failure is raised once: by ``handle.result()``, or else by
         the next ``save``/``save_async``/``wait``/``close`` or optimizer step.
         """
+        return self._submit(step, metadata, blocking=False)
+
+    def _submit(self, step: int, metadata: dict | None, *, blocking: bool) -> SaveHandle:
+        """save_async; ``blocking``: for save(), whose caller waits for the result."""
         t0 = time.perf_counter()
         self._check_open()
         self._session.check_options(self.options)  # options may be replaced after __init__
@@ -273,11 +326,14 @@ class GDSCheckpointer:
                             step, running)
                 return SaveHandle(step, mode, skipped=True)
             protected = [t for opt in self._hook_optimizers() for t in tensors_of(opt)]
+            t1 = time.perf_counter()
+            collected = self._collect()
+            state_dict_s = time.perf_counter() - t1
             # DTensors -> their local shards (and where they lie) under torch.distributed
-            state = self._session.prepare(self._collect(), step)
+            state = self._session.prepare(collected, step)
             snap = take_snapshot(state, step, metadata=metadata, protected=protected, layout=self._layout)
             handle = SaveHandle(step, mode)
-            handle.nbytes = snap.nbytes
+            handle.nbytes, handle.state_dict_s, handle.blocking = snap.nbytes, state_dict_s, blocking
             with self._mutex:
                 # Keep only handles whose outcome someone may still need: running, or failed unreported.
                 self._handles = [h for h in self._handles
@@ -308,6 +364,8 @@ class GDSCheckpointer:
         try:
             engines = self._engine_list()
             pool = self._snapshot_pool if handle.mode == "host" else None
+            if pool is not None:  # saves run one at a time here: the flag is this save's
+                pool.grow = not handle.blocking
             self._session.write_and_commit(snap, engines, self.options.files_per_root, pool=pool,
                                            release=handle.release)
             if pool is None:
@@ -470,7 +528,7 @@ class GDSCheckpointer:
             raise InvalidOptionError("load(fallback=True) chooses the step itself (the newest intact one): "
                                      "pass step=None, or load a given step without fallback")
         live = LiveState(self.model, self.optimizer, self.extra, restore_rng=self.options.save_rng)
-        self.last_load = self._session.load(live, self._collect, step, self._engine_list, strict=strict,
+        self.last_load = self._session.load(live, self._collect, step, self._load_engines, strict=strict,
                                             verify=verify, fallback=fallback, atomic=atomic,
                                             engine_options=self.options.engine)
         return self.last_load.step
@@ -494,6 +552,11 @@ class GDSCheckpointer:
             self._snapshot_pool.close()
             with self._mutex:
                 engines, self._engines, self._engines_closed = self._engines, [], True
+                engines += self._small_engines
+                self._small_engines = []
+            building = self._building
+            if building is not None:  # it closes what it made: the engines are closed now
+                building.join()
             for e in engines:
                 e.close()
             self._session.close()  # its locks (multi-rank: and its coordination channel)
