@@ -10,9 +10,9 @@ Reserving it stays off the critical path. Fresh memory is slow to map, touch and
 this project's VM 2 GiB took 4-5 s, more than writing them; pinning for CUDA runs at about
 4 GB/s), so a save never waits for a pool larger than STREAM_BYTES: when the pool it needs
 is not there yet, the save streams through a small ring of STREAM_BYTES (or the deadlock
-floor below, if larger) at the disk's speed, and, after an asynchronous save (``grow``), a
-helper thread reserves the full pool, which the next save that starts after it is ready
-takes over. A blocking save (``grow`` False) never asks for it: its caller waits for the
+floor below, if larger) at the disk's speed, and, once an asynchronous save (``grow``) is
+committed, a helper thread reserves the full pool (``reserve_ahead``), which the next save
+that starts after it is ready takes over (until then saves keep streaming through the ring). A blocking save (``grow`` False) never asks for it: its caller waits for the
 whole write anyway, and the small ring is as fast. What a process holds between saves:
 per open checkpointer, one pool of min(state, bound) bytes once an asynchronous save has
 asked for it (else at most the small ring), and the one kept pool below.
@@ -233,6 +233,7 @@ class HostSnapshotPool:
         self._grown: AlignedBufferPool | None = None  # reserved by the helper, taken by the next save
         self._growing = 0  # the size the helper is reserving (0: none running)
         self._helper: threading.Thread | None = None
+        self._wanted: tuple[int, int | None] | None = None  # (size, CUDA device) the last save lacked
         self._closed = False
 
     @property
@@ -304,6 +305,14 @@ class HostSnapshotPool:
             self._mem.close()
             self._mem = None
 
+    def reserve_ahead(self) -> None:
+        """After a save that streamed through the small ring with ``grow`` set: reserve the full
+        pool on a helper thread, for the next save to take (called once the save is committed,
+        so that the helper's page faults and mlock do not slow the save itself)."""
+        wanted, self._wanted = self._wanted, None
+        if wanted is not None:
+            self._reserve_ahead(*wanted)
+
     def _reserve_ahead(self, size: int, cuda_device: int | None) -> None:
         """Reserve a pool of ``size`` bytes on a helper thread, for the next save to take."""
         with self._lock:
@@ -338,8 +347,12 @@ class HostSnapshotPool:
         self._helper.start()
 
     def close(self) -> None:
-        """Stop using the pool: it goes to the process's kept slot (see the module docstring),
-        as does a pool the helper reserved; a helper still running frees what it makes."""
+        """Stop using the pool: wait for a reservation in progress (seconds at most: one region
+        mapped and locked), then hand the pool, or the larger one the helper reserved, to the
+        process's kept slot (see the module docstring)."""
+        helper = self._helper
+        if helper is not None and helper is not threading.current_thread():
+            helper.join()
         with self._lock:
             self._closed = True
             grown, self._grown = self._grown, None
@@ -386,8 +399,8 @@ class HostSnapshotPool:
             copier.join()
         if ring.error is not None:  # the copier failed after the engines had every byte
             raise ring.error
-        if self.grow and buf.size < full:  # streamed through the ring: reserve the full pool for the next save
-            self._reserve_ahead(full, device)
+        if self.grow and buf.size < full:  # streamed through the ring: the full pool, for reserve_ahead
+            self._wanted = (full, device)
 
 
 class PoolStream:
