@@ -366,9 +366,9 @@ class GDSCheckpointer:
             handle.release.set(error=e)
             handle.finish(e)
             return
-        handle.finish(None)
-        if pool is not None:  # a save that streamed through the small ring: the full pool, off the critical path
+        if pool is not None:  # committed, streamed through the small ring: the full pool, off the critical path
             pool.reserve_ahead()
+        handle.finish(None)
         st = handle.stats
         log.log(self.options.stats_log_level, "gdswriter: step %d saved (%s snapshot): training blocked %.1f ms, "
                 "snapshot %.3f s, write %.3f s, %.1f MiB, %.2f GB/s", st.step, st.mode, st.blocked_s * 1e3,

@@ -351,6 +351,8 @@ class _Decoder:
             return [self.dec(x, depth + 1) for x in v]
         if t is not dict:
             raise _bad(f"unexpected {t.__qualname__} in state tree")
+        if len(v) == 1 and "$tensor" in v:  # the most common tagged value: no tag search
+            return self.tensor(v["$tensor"])
         keys = set(v)
         tag = next((k for k in keys if k in _TAGS), None)
         if tag is None or keys != ({tag, "meta"} if tag == "$odict" and "meta" in keys else {tag}):
@@ -363,9 +365,11 @@ class _Decoder:
             for pair in x:
                 if type(pair) is not list or len(pair) != 2:
                     raise _bad(f"{tag} entry {_show(pair)} is not a [key, value] pair")
-                key = self.dec(pair[0], depth + 1)
-                if not _is_key(key):
-                    raise _bad(f"dict key {_show(key)} has a type keys cannot have")
+                key = pair[0]
+                if type(key) is not str:  # a str key is itself (dec and _is_key need not ask)
+                    key = self.dec(key, depth + 1)
+                    if not _is_key(key):
+                        raise _bad(f"dict key {_show(key)} has a type keys cannot have")
                 if key in out:
                     raise _bad(f"duplicate dict key {_show(key)}")
                 out[key] = self.dec(pair[1], depth + 1)

@@ -343,8 +343,9 @@ class HostSnapshotPool:
             if mem is not None:  # closed meanwhile, or replaced: nobody takes it
                 mem.close()
 
-        self._helper = threading.Thread(target=reserve, name="gdswriter-pool-reserve", daemon=True)
-        self._helper.start()
+        helper = threading.Thread(target=reserve, name="gdswriter-pool-reserve", daemon=True)
+        helper.start()
+        self._helper = helper  # started: wait_reserved and close may join it
 
     def close(self) -> None:
         """Stop using the pool: wait for a reservation in progress (seconds at most: one region
