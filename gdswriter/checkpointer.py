@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .engines.base import IOEngine
-from .engines.select import create_engine, sized_for
+from .engines.select import create_engine, for_pool_writes, sized_for
 from .errors import GDSWriterError, InvalidOptionError
 from .format.commit import normalize_roots, normalize_step
 from .load.apply import LiveState, LoadResult
@@ -173,7 +173,9 @@ class GDSCheckpointer:
             raise
         self.protocol = self._session.protocol
         self._engines: list[IOEngine] = engines or []
-        self._small_engines: list[IOEngine] = []  # for small loads while the engines are not built (sized_for)
+        # Engines with fewer staging buffers, per their options, while the engines are not built:
+        # for host-mode saves (for_pool_writes) and small loads (sized_for)
+        self._small_engines: dict[Any, list[IOEngine]] = {}
         self._engines_closed = False
         self.last_load: LoadResult | None = None
         self._handles: list[SaveHandle] = []
@@ -224,33 +226,33 @@ class GDSCheckpointer:
         load is large), else small ones (see _small_engine_list)."""
         if self._engines_ready() or nbytes is None or sized_for(self.options.engine, nbytes) is self.options.engine:
             return self._engine_list()
-        return self._small_engine_list()
+        return self._small_engine_list(sized_for(self.options.engine, nbytes))
 
     def _save_engines(self, mode: str) -> list[IOEngine]:
         """The engines a save uses: the checkpointer's once they are built (by a live-mode save,
         a large load, or ``engines``), else, for a host-mode save, small ones: a save through the
         host pool writes its pieces zero-copy and stages only their tails, so it runs at the same
-        speed without 8 x 16 MiB of page-locked staging buffers per root to map and lock first
+        speed with two staging buffers instead of 8 x 16 MiB per root to map and lock first
         (0.03-0.45 s here, on the first save's critical path)."""
         if mode != "host" or self._engines_ready():
             return self._engine_list()
-        small = self._small_engine_list()
+        small = self._small_engine_list(for_pool_writes(self.options.engine))
         return small if all(e.honours_span_guards for e in small) else self._engine_list()
 
     def _engines_ready(self) -> bool:
         with self._mutex:
             return bool(self._engines)
 
-    def _small_engine_list(self) -> list[IOEngine]:
-        """One engine per root with two request-sized staging buffers (engines/select.py:
-        sized_for), made once, kept for later small loads, closed by close()."""
+    def _small_engine_list(self, options) -> list[IOEngine]:
+        """One engine per root made with ``options`` (fewer staging buffers: engines/select.py),
+        made once, kept for the next time, closed by close()."""
         with self._mutex:
             if self._engines_closed:
                 raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
-            if not self._small_engines:
-                small = sized_for(self.options.engine, 0)
-                self._small_engines = [create_engine(small) for _ in self.protocol.roots]
-            return self._small_engines
+            made = self._small_engines.get(options)
+            if made is None:
+                made = self._small_engines[options] = [create_engine(options) for _ in self.protocol.roots]
+            return made
 
     # -- save ----------------------------------------------------------------
     def _init_saving(self) -> None:
@@ -544,8 +546,8 @@ class GDSCheckpointer:
             self._snapshot_pool.close()
             with self._mutex:
                 engines, self._engines, self._engines_closed = self._engines, [], True
-                engines += self._small_engines
-                self._small_engines = []
+                engines += [e for made in self._small_engines.values() for e in made]
+                self._small_engines = {}
             for e in engines:
                 e.close()
             self._session.close()  # its locks (multi-rank: and its coordination channel)

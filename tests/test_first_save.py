@@ -119,8 +119,9 @@ def test_a_closed_checkpointers_pool_is_kept_for_the_next_one(tmp_path, small_ri
 
 def test_first_host_save_writes_through_small_engines_and_a_small_load_reads_through_them(tmp_path):
     """The checkpointer's own engines (8 x 16 MiB of page-locked staging by default) are not built
-    for a host-mode save nor for a small load: both go through engines of two request-sized
-    buffers (engines/select.py: sized_for), kept for the next time; the bytes are exact."""
+    for a host-mode save nor for a small load: the save goes through engines of two staging
+    buffers (engines/select.py: for_pool_writes), the load through engines of two request-sized
+    ones (sized_for), each kept for the next time; the bytes are exact."""
     state = random_state(4 * MiB, seed=3)
     want = {k: v.clone() for k, v in state.items()}
     opts = M.small_options()
@@ -129,9 +130,9 @@ def test_first_host_save_writes_through_small_engines_and_a_small_load_reads_thr
         for v in state.values():
             v.zero_()
         ck.load(1)
-        assert ck._engines == [] and len(ck._small_engines) == 1
-        o = ck._small_engines[0].options
-        assert (o.num_buffers, o.buffer_bytes) == (2, opts.engine.request_bytes)
+        assert ck._engines == []
+        made = sorted(((o.num_buffers, o.buffer_bytes), len(e)) for o, e in ck._small_engines.items())
+        assert made == [((2, opts.engine.request_bytes), 1), ((2, opts.engine.buffer_bytes), 1)]
     assert same(state, want)
 
 

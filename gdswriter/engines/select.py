@@ -13,6 +13,8 @@ tensor to a host engine chosen here too. The engines themselves know nothing of 
 ones (8 x 16 MiB, page-locked) costs more than reading a small checkpoint (fresh memory is slow
 to touch and lock: 0.03-0.45 s measured here), so loads of up to SMALL_IO_BYTES get an engine
 with two request-sized buffers; large spans bypass the staging buffers anyway (zero-copy).
+``for_pool_writes``: an engine that writes from the host snapshot pool stages only the
+pieces' tails, and gets two buffers of the usual size (a quarter of the default staging).
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ def sized_for(options: EngineOptions, nbytes: int) -> EngineOptions:
         return options
     return dataclasses.replace(options, num_buffers=min(2, options.num_buffers),
                                buffer_bytes=options.request_bytes)
+
+
+def for_pool_writes(options: EngineOptions) -> EngineOptions:
+    """``options`` for an engine that writes from the host snapshot pool: two staging buffers
+    (the pool's pieces go zero-copy; only their tails are staged) of the usual size, so that as
+    many requests stay in flight (the engine keeps at most 2 x num_buffers chunks queued)."""
+    if options.num_buffers <= 2:
+        return options
+    return dataclasses.replace(options, num_buffers=2)
 
 
 def create_engine(options: EngineOptions | None = None) -> IOEngine:

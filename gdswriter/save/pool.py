@@ -12,10 +12,13 @@ this project's VM 2 GiB took 4-5 s, more than writing them; pinning for CUDA run
 is not there yet, the save streams through a small ring of STREAM_BYTES (or the deadlock
 floor below, if larger) at the disk's speed, and, once an asynchronous save (``grow``) is
 committed, a helper thread reserves the full pool (``reserve_ahead``), which the next save
-that starts after it is ready takes over (until then saves keep streaming through the ring). A blocking save (``grow`` False) never asks for it: its caller waits for the
+that starts after it is ready takes over (until then saves keep streaming through the
+ring; an optimizer step after such a save_async waits until all but the ring's worth is
+written). A blocking save (``grow`` False) never asks for it: its caller waits for the
 whole write anyway, and the small ring is as fast. What a process holds between saves:
 per open checkpointer, one pool of min(state, bound) bytes once an asynchronous save has
-asked for it (else at most the small ring), and the one kept pool below.
+asked for it (else at most the small ring: 64 MiB, or the floor), and the one kept pool
+below; while the helper runs, the ring and the pool it reserves.
 
 Kept for the process: ``close()`` hands the pool to a single process-wide slot instead of
 unmapping it, and the next pool that needs that much takes it (a checkpointer created per
