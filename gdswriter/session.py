@@ -74,11 +74,13 @@ class Session(Protocol):
         """Delete the committed steps ``retained(steps, newest)`` drops (never ``newest``)."""
 
     def load(self, live: LiveState, state: Callable[[], dict], step: int | None,
-             engines: Callable[[], Sequence[IOEngine]], *, strict: bool, verify: bool, fallback: bool = False,
+             engines: Callable[..., Sequence[IOEngine]], *, strict: bool, verify: bool, fallback: bool = False,
              atomic: bool | None = None, engine_options: EngineOptions | None = None) -> LoadResult:
         """Restore ``live`` in place from ``step`` (None: the latest; ``fallback``: the newest
         intact). ``state()``: the live state as saved (its tensors' shapes), ``engines()``: the
-        engines, both asked for only when needed."""
+        engines, both asked for only when needed; ``engines(nbytes)`` may be asked instead, with
+        the bytes the load reads, for engines sized to it (GDSCheckpointer's: small staging
+        buffers for a small load)."""
 
     def close(self) -> None:
         """Release the lock (and a multi-rank session's coordination channel). Idempotent."""
@@ -200,7 +202,7 @@ class LocalSession:
 
     # -- load ----------------------------------------------------------------
     def load(self, live: LiveState, state: Callable[[], dict], step: int | None,
-             engines: Callable[[], Sequence[IOEngine]], *, strict: bool, verify: bool, fallback: bool = False,
+             engines: Callable[..., Sequence[IOEngine]], *, strict: bool, verify: bool, fallback: bool = False,
              atomic: bool | None = None, engine_options: EngineOptions | None = None) -> LoadResult:
         """A checkpoint of one process, or a multi-rank one read in this process (always
         atomic then: see GDSCheckpointer.load)."""
@@ -219,7 +221,9 @@ class LocalSession:
                   manifest=peeked)
         if fallback:
             return restore_newest_intact(live, self.protocol, engines(), **kw)
-        return restore_into(live, self.protocol, self.protocol.require(step), engines(), **kw)
+        # The bytes to read, for engines(nbytes) to size its staging for (a small load needs little)
+        nbytes = sum(s.nbytes for s in peeked.storages) if peeked is not None else None
+        return restore_into(live, self.protocol, self.protocol.require(step), engines(nbytes), **kw)
 
     def close(self) -> None:
         if self.lock is not None:

@@ -31,3 +31,15 @@ def io_fresh_log_once(monkeypatch):
 
     # The once-only log set is private to _log.py: no public reset, and one would serve tests only.
     monkeypatch.setattr(gdswriter._log, "_said", set())
+
+
+@pytest.fixture(autouse=True)
+def _no_kept_snapshot_pool():
+    """Each test starts without the host snapshot pool an earlier test's checkpointer left to the
+    process (save/pool.py keeps one for the process's life): pool sizes are each test's own."""
+    yield
+    import sys
+
+    pool = sys.modules.get("gdswriter.save.pool")  # imported only by the tests that save
+    if pool is not None:
+        pool.release_kept_pool()

@@ -107,6 +107,9 @@ def test_bench_table(capsys, tmp_path):
             and line.split()[0] in ("ceiling", "gdswriter", "torch")}
     assert set(rows) == {"ceiling", "gdswriter", "torch"}, out
     assert rows["torch"][-2:] == ["1.00x", "1.00x"]  # torch against itself
+    first = [line for line in lines if line.strip().startswith("gdswriter (first save)")]
+    cells = first[0].split() if len(first) == 1 else []
+    assert cells[5::2] == ["-", "-", "-"] and cells[6].endswith("x") and cells[8].endswith("x"), out  # no load
     assert list(tmp_path.iterdir()) == []
 
 

@@ -115,3 +115,23 @@ def test_dcp_reader(tmp_path):
     assert set(rows[0]["gib_s"]) == {"FileSystemReader", "GDSStorageReader", "GDSCheckpointer.load"}
     assert all(len(v) == 2 for v in rows[0]["rounds"].values())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_first_save(tmp_path):
+    out = run_script("first_save.py", "--size", "8M", "--rounds", "1", "--no-fio", "--dir", str(tmp_path))
+    for case in ("ceiling", "first save_async", "first save", "steady save"):
+        assert any(line.startswith(f"  {case} ") and line.endswith("x") for line in out.splitlines()), (case, out)
+    assert "ceiling: built-in" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_many_tensors(tmp_path):
+    out = run_script("many_tensors.py", "--counts", "100,1000", "--size", "2M", "--rounds", "1", "--small", "1M",
+                     "--settle", "0", "--dir", str(tmp_path))
+    rows = [line for line in out.splitlines() if line.startswith("| 1")]
+    assert [r.split("|")[1].strip() for r in rows] == ["100", "1,000"], out
+    assert all(r.count(" s") >= 3 and "ms (" in r for r in rows), out
+    assert "1.00 MiB checkpoint, cold load" in out
+    for method in ("gdswriter", "torch", "dcp"):
+        assert any(line.split()[:1] == [method] and "x torch.load" in line for line in out.splitlines()), out
+    assert list(tmp_path.iterdir()) == []

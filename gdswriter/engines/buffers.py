@@ -39,6 +39,7 @@ _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
+LOCK_STEP = 64 << 20  # mlock this much at a time (see AlignedBufferPool)
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
 
 
@@ -80,10 +81,20 @@ class AlignedBufferPool:
         self.cuda_pinned = False
         self._cuda_device: torch.device | None = None  # the device current when registration was tried
         if lock_memory:
-            if _libc.mlock(ctypes.c_void_p(self._base), ctypes.c_size_t(total)) == 0:
+            # In steps of LOCK_STEP: mlock faults every page in while it holds the process's memory
+            # map lock, which blocks other threads' mmap/munmap (large allocations) until it returns.
+            done, e = 0, 0
+            while done < total:
+                n = min(LOCK_STEP, total - done)
+                if _libc.mlock(ctypes.c_void_p(self._base + done), ctypes.c_size_t(n)) != 0:
+                    e = ctypes.get_errno()
+                    break
+                done += n
+            if done == total:
                 self.locked = True
             else:
-                e = ctypes.get_errno()
+                if done:
+                    _libc.munlock(ctypes.c_void_p(self._base), ctypes.c_size_t(done))
                 log_once("mlock", f"gdswriter: mlock of {total} staging bytes refused "
                                   f"({os.strerror(e)}); using unlocked aligned memory. Raise `ulimit -l` "
                                   f"(RLIMIT_MEMLOCK) for page-locked buffers")

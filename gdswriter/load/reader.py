@@ -30,7 +30,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..engines.base import IOEngine, ReadSpan
-from ..engines.select import create_engine
+from ..engines.select import create_engine, sized_for
 from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, GDSWriterError,
                       TruncatedFileError)
 from ..format.commit import CommitProtocol, normalize_roots
@@ -249,7 +249,9 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
                                                 for sid, s in enumerate(manifest.storages)))
     buffers = [host_buffer(s.nbytes) for s in part.storages]
     try:
-        with create_engine(engine_options) as engine:
+        # A small read gets an engine with small staging buffers (engines/select.py: sized_for)
+        options = sized_for(engine_options or EngineOptions.from_env(), sum(s.nbytes for s in part.storages))
+        with create_engine(options) as engine:
             read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
     except (CorruptCheckpointError, OSError) as e:
         gone = deleted_while_reading(protocol, manifest, e)

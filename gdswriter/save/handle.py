@@ -57,7 +57,9 @@ class Release:
 class SaveStats:
     """How one save went. ``blocked_s``: time training was blocked by it (save_async itself,
     plus optimizer steps that waited for it); ``snapshot_s``: from the start of the save until
-    it released the live tensors; ``write_s``: from its start until the step was committed."""
+    it released the live tensors; ``write_s``: from its start until the step was committed.
+    ``state_dict_s``: of blocked_s, the time the saved objects' own ``state_dict()`` calls took
+    (the model's, the optimizer's, the ``state=`` objects': their cost, not gdswriter's)."""
 
     step: int
     mode: str
@@ -65,6 +67,7 @@ class SaveStats:
     blocked_s: float
     snapshot_s: float
     write_s: float
+    state_dict_s: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -81,13 +84,17 @@ class SaveHandle:
 
     What the checkpointer records on it while the save runs: ``release`` (the save's Release),
     ``nbytes``, ``started`` (perf_counter() when the save thread began it), ``blocked_s``
-    (training blocked so far); ``finish(error)`` completes it."""
+    (training blocked so far), ``state_dict_s`` (the state_dict() calls' share of it),
+    ``blocking`` (a ``save()``: its caller waits for the whole save); ``finish(error)``
+    completes it."""
 
     def __init__(self, step: int, mode: str, *, skipped: bool = False):
         self.step, self.mode, self.skipped = step, mode, skipped
         self._future: Future = Future()
         self.release = Release()
         self.blocked_s = 0.0
+        self.state_dict_s = 0.0
+        self.blocking = False
         self.nbytes = 0
         self.started: float | None = None
         self.reported = False
@@ -128,7 +135,8 @@ class SaveHandle:
         started = self.started if self.started is not None else now
         released = self.release.at if self.release.at is not None else now
         self.mode = self.release.mode or self.mode
-        self.stats = SaveStats(self.step, self.mode, self.nbytes, self.blocked_s, released - started, now - started)
+        self.stats = SaveStats(self.step, self.mode, self.nbytes, self.blocked_s, released - started, now - started,
+                               self.state_dict_s)
         if error is None:
             self._future.set_result(self.step)
         else:

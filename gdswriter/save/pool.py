@@ -2,9 +2,29 @@
 the same save writes the copied bytes to the files (snapshot mode "host").
 
 The pool is one page-aligned region (engines/buffers.py: huge-page aligned, mlocked where
-allowed; registered with CUDA, portable, when the state holds CUDA tensors). It is allocated
-at the first host-mode save with the space the save needs, up to ``bound``, and reused by
-every later save; it grows only when a later state needs more, never past ``bound``.
+allowed; registered with CUDA, portable, when the state holds CUDA tensors) of the space a
+save needs, up to ``bound``, reused by every later save; it grows only when a later state
+needs more, never past ``bound``.
+
+Reserving it stays off the critical path. Fresh memory is slow to map, touch and lock (on
+this project's VM 2 GiB took 4-5 s, more than writing them; pinning for CUDA runs at about
+4 GB/s), so a save never waits for a pool larger than STREAM_BYTES: when the pool it needs
+is not there yet, the save streams through a small ring of STREAM_BYTES (or the deadlock
+floor below, if larger) at the disk's speed, and, once an asynchronous save (``grow``) is
+committed, a helper thread reserves the full pool (``reserve_ahead``), which the next save
+that starts after it is ready takes over (until then saves keep streaming through the
+ring; an optimizer step after such a save_async waits until all but the ring's worth is
+written). A blocking save (``grow`` False) never asks for it: its caller waits for the
+whole write anyway, and the small ring is as fast. What a process holds between saves:
+per open checkpointer, one pool of min(state, bound) bytes once an asynchronous save has
+asked for it (else at most the small ring: 64 MiB, or the floor), and the one kept pool
+below; while the helper runs, the ring and the pool it reserves.
+
+Kept for the process: ``close()`` hands the pool to a single process-wide slot instead of
+unmapping it, and the next pool that needs that much takes it (a checkpointer created per
+save, as an integration may, then saves through a ready pool from its first save). The slot
+holds one pool, the largest handed to it (a smaller one is freed); ``release_kept_pool()``
+frees it. So a process never holds more than its open checkpointers' pools plus one.
 
 A save lays its files out in the pool piece by piece: each file is cut at multiples of
 the piece size, and a piece is the file's own bytes for its range (the copier zeroes the
@@ -55,6 +75,10 @@ from .snapshot import Snapshot
 log = logging.getLogger("gdswriter")
 
 PIECE_MAX = 16 * MiB  # a piece is written while the next one is copied
+STREAM_BYTES = 64 * MiB  # a save streams through this much while the full pool is not reserved yet
+
+_kept_lock = threading.Lock()
+_kept: tuple[AlignedBufferPool, bool] | None = None  # the process's kept pool, and whether it was to be locked
 
 
 def _align_up(n: int, a: int = ALIGN) -> int:
@@ -152,20 +176,88 @@ class _Piece:
             self.ring_state.cv.notify_all()
 
 
+def release_kept_pool() -> int:
+    """Free the pool kept for the process (see the module docstring); returns its size in bytes
+    (0 if none was kept). Pools of open checkpointers are theirs: close() hands them here."""
+    global _kept
+    with _kept_lock:
+        kept, _kept = _kept, None
+    if kept is None:
+        return 0
+    kept[0].close()
+    return kept[0].size
+
+
+def kept_pool_bytes() -> int:
+    """The size of the pool kept for the process (0: none)."""
+    kept = _kept
+    return kept[0].size if kept is not None else 0
+
+
+def _keep(mem: AlignedBufferPool, lock_memory: bool) -> None:
+    """Hand ``mem`` to the process's slot; the smaller of it and the one kept there is freed."""
+    global _kept
+    drop: AlignedBufferPool | None = mem
+    with _kept_lock:
+        if _kept is None or _kept[0].size < mem.size:
+            drop = _kept[0] if _kept is not None else None
+            _kept = (mem, lock_memory)
+    if drop is not None:
+        drop.close()
+
+
+def _take_kept(size: int, most: int, lock_memory: bool) -> AlignedBufferPool | None:
+    """The kept pool, if it holds ``size`` to ``most`` bytes and was locked as asked."""
+    global _kept
+    with _kept_lock:
+        if _kept is None or not size <= _kept[0].size <= most or _kept[1] != lock_memory:
+            return None
+        mem, _kept = _kept[0], None
+        return mem
+
+
+def _new_region(size: int, lock_memory: bool) -> AlignedBufferPool:
+    return AlignedBufferPool(size, 1, lock_memory=lock_memory)
+
+
 class HostSnapshotPool:
     """Host memory for "host" snapshots, at most ``bound`` bytes (see the module docstring).
     ``window``: the engines' staging buffer size (the pool is never smaller than what
-    keeps the pipeline deadlock-free: 4 x roots x window, or the state's size if smaller)."""
+    keeps the pipeline deadlock-free: 4 x roots x window, or the state's size if smaller).
+    ``grow``: whether the next save, if it has to stream through the small ring, has the
+    full pool reserved afterwards on a helper thread (the checkpointer sets it per save:
+    False for a blocking save). Saves use the pool one at a time."""
 
     def __init__(self, bound: int, *, window: int, lock_memory: bool):
         self.bound, self.window, self.lock_memory = bound, window, lock_memory
+        self.grow = True
         self._mem: AlignedBufferPool | None = None
+        self._lock = threading.Lock()  # guards what the helper thread hands over
+        self._grown: AlignedBufferPool | None = None  # reserved by the helper, taken by the next save
+        self._growing = 0  # the size the helper is reserving (0: none running)
+        self._helper: threading.Thread | None = None
+        self._wanted: tuple[int, int | None] | None = None  # (size, CUDA device) the last save lacked
+        self._closed = False
 
     @property
     def capacity(self) -> int:
         return self._mem.size if self._mem is not None else 0
 
-    def _reserve(self, need: int, n_roots: int, cuda_device: int | None) -> StagingBuffer:
+    @property
+    def reserving(self) -> bool:
+        """Whether the helper thread is reserving the full pool now."""
+        return self._growing > 0
+
+    def wait_reserved(self, timeout: float | None = None) -> bool:
+        """Wait until no helper thread reserves a pool (False after ``timeout`` s)."""
+        helper = self._helper
+        if helper is not None:
+            helper.join(timeout)
+            return not helper.is_alive()
+        return True
+
+    def _reserve(self, need: int, n_roots: int, cuda_device: int | None) -> tuple[StagingBuffer, int]:
+        """The region this save streams through, and the size the full pool would have."""
         floor = 4 * n_roots * self.window
         want = min(need, max(self.bound, floor))
         if need > want:
@@ -177,19 +269,100 @@ class HostSnapshotPool:
             log_once("snapshot-floor", f"gdswriter: snapshot_pool_bytes={self.bound} is below the {floor / MiB:.0f} "
                                        f"MiB the pipeline needs with {n_roots} root(s) and {self.window >> 20} MiB "
                                        f"staging buffers; using {floor / MiB:.0f} MiB", logging.INFO)
+        ring = min(want, max(floor, STREAM_BYTES))  # what a save streams through until the full pool is there
+        most = _align_up(max(self.bound, floor), HUGE_PAGE)  # a kept pool larger than the bound is not taken
+        self._adopt_grown()
         if self._mem is None or self._mem.size < want:
-            self.close()
-            size = _align_up(want, HUGE_PAGE)
-            log.debug("gdswriter: allocating a %d MiB host snapshot pool", size >> 20)
-            self._mem = AlignedBufferPool(size, 1, lock_memory=self.lock_memory)
+            for size in (want, ring):
+                if self._mem is not None and self._mem.size >= size:
+                    break
+                kept = _take_kept(_align_up(size, HUGE_PAGE), most, self.lock_memory)
+                if kept is not None:
+                    self._free_mem()
+                    self._mem = kept
+                    break
+            if self._mem is None or self._mem.size < ring:
+                self._free_mem()
+                size = _align_up(ring, HUGE_PAGE)
+                log.debug("gdswriter: allocating a %d MiB host snapshot pool", size >> 20)
+                self._mem = _new_region(size, self.lock_memory)
         if cuda_device is not None:  # registered once, portable to every GPU, unregistered by close()
             self._mem.pin_for_cuda(torch.device("cuda", cuda_device))
-        return self._mem.buffers[0]
+        return self._mem.buffers[0], _align_up(want, HUGE_PAGE)
+
+    def _adopt_grown(self) -> None:
+        """Take the pool the helper reserved, if it is ready and larger (the old one is free:
+        saves use the pool one at a time, and this runs at a save's start)."""
+        with self._lock:
+            grown, self._grown = self._grown, None
+        if grown is None:
+            return
+        if self._mem is not None and self._mem.size >= grown.size:
+            grown.close()
+            return
+        self._free_mem()
+        self._mem = grown
+
+    def _free_mem(self) -> None:
+        if self._mem is not None:
+            self._mem.close()
+            self._mem = None
+
+    def reserve_ahead(self) -> None:
+        """After a save that streamed through the small ring with ``grow`` set: reserve the full
+        pool on a helper thread, for the next save to take (called once the save is committed,
+        so that the helper's page faults and mlock do not slow the save itself)."""
+        wanted, self._wanted = self._wanted, None
+        if wanted is not None:
+            self._reserve_ahead(*wanted)
+
+    def _reserve_ahead(self, size: int, cuda_device: int | None) -> None:
+        """Reserve a pool of ``size`` bytes on a helper thread, for the next save to take."""
+        with self._lock:
+            if self._closed or self._growing >= size or (self._grown is not None and self._grown.size >= size):
+                return
+            if self._growing:  # a smaller one is under way: the next save asks again
+                return
+            self._growing = size
+
+        def reserve() -> None:
+            mem = None
+            try:
+                log.debug("gdswriter: reserving a %d MiB host snapshot pool ahead", size >> 20)
+                mem = _new_region(size, self.lock_memory)
+                if cuda_device is not None:
+                    mem.pin_for_cuda(torch.device("cuda", cuda_device))
+            except BaseException as e:  # noqa: BLE001 - the saves keep streaming through the ring
+                log.warning("gdswriter: reserving a %d MiB host snapshot pool failed (%s: %s); saves stream "
+                            "through a %d MiB ring", size >> 20, type(e).__name__, e, self.capacity >> 20)
+                if mem is not None:
+                    mem.close()
+                mem = None
+            with self._lock:
+                self._growing = 0
+                if mem is not None and not self._closed:
+                    old, self._grown = self._grown, mem
+                    mem = old
+            if mem is not None:  # closed meanwhile, or replaced: nobody takes it
+                mem.close()
+
+        helper = threading.Thread(target=reserve, name="gdswriter-pool-reserve", daemon=True)
+        helper.start()
+        self._helper = helper  # started: wait_reserved and close may join it
 
     def close(self) -> None:
-        if self._mem is None:
-            return
-        self._mem.close()
+        """Stop using the pool: wait for a reservation in progress (seconds at most: one region
+        mapped and locked), then hand the pool, or the larger one the helper reserved, to the
+        process's kept slot (see the module docstring)."""
+        helper = self._helper
+        if helper is not None and helper is not threading.current_thread():
+            helper.join()
+        with self._lock:
+            self._closed = True
+            grown, self._grown = self._grown, None
+        for mem in (grown, self._mem):
+            if mem is not None:
+                _keep(mem, self.lock_memory)
         self._mem = None
 
     @contextmanager
@@ -210,7 +383,8 @@ class HostSnapshotPool:
             yield PoolStream([[] for _ in plan.files], ring.fail, {c: ((), 0) for f in plan.files for c in f.chunks})
             return
         devices = sorted(snap.ready)
-        buf = self._reserve(need, n_roots, devices[0] if devices else None)
+        device = devices[0] if devices else None
+        buf, full = self._reserve(need, n_roots, device)
         ring.view = buf.view
         piece = max(ALIGN, min(PIECE_MAX, buf.size // (4 * n_roots)) // ALIGN * ALIGN)
         order, pieces_per_file, chunks = _layout(snap, plan, ring, piece)
@@ -229,6 +403,8 @@ class HostSnapshotPool:
             copier.join()
         if ring.error is not None:  # the copier failed after the engines had every byte
             raise ring.error
+        if self.grow and buf.size < full:  # streamed through the ring: the full pool, for reserve_ahead
+            self._wanted = (full, device)
 
 
 class PoolStream:

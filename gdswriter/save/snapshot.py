@@ -141,18 +141,27 @@ class LayoutCache:
         self.placed: list[tuple[int, int]] = []  # per tensor: (extent index, byte offset in it)
 
     @staticmethod
-    def key_of(tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str]) -> tuple:
+    def key_of(tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str],
+               storages: Sequence[torch.UntypedStorage] | None = None) -> tuple:
+        """What the layout is a function of; ``storages``: each tensor's untyped_storage(), if
+        the caller has them already (one call per tensor fewer)."""
+        if storages is None:
+            storages = [t.untyped_storage() for t in tensors]
         return (tuple(names), tuple(kinds),
-                tuple((st.data_ptr(), st.nbytes(), t.storage_offset(), t.dtype, t.shape, t.stride(), t.device)
-                      for t in tensors for st in (t.untyped_storage(),)))
+                tuple([(st.data_ptr(), st.nbytes(), t.storage_offset(), t.dtype, t.shape, t.stride(), t.device)
+                       for t, st in zip(tensors, storages)]))
 
-    def reuse(self, key: tuple, tensors: Sequence[torch.Tensor]) -> tuple[list[Extent], list[tuple[int, int]],
-                                                                          list[TensorRecord]] | None:
-        """The cached layout with views of ``tensors``' storages, if ``key`` is the cached one."""
+    def reuse(self, key: tuple, tensors: Sequence[torch.Tensor],
+              storages: Sequence[torch.UntypedStorage] | None = None) -> tuple[list[Extent], list[tuple[int, int]],
+                                                                                list[TensorRecord]] | None:
+        """The cached layout with views of ``tensors``' storages (``storages``, if given), if
+        ``key`` is the cached one."""
         if key != self.key:
             return None
-        extents = [Extent(name, view=(tensors[src].untyped_storage(), device, start, n)) if src >= 0
-                   else Extent(name, flat=torch.empty(0, dtype=torch.uint8))
+        if storages is None:
+            storages = [t.untyped_storage() for t in tensors]
+        empty = torch.empty(0, dtype=torch.uint8)
+        extents = [Extent(name, view=(storages[src], device, start, n)) if src >= 0 else Extent(name, flat=empty)
                    for src, device, start, n, name in self.recipe]
         return extents, self.placed, list(self.records)
 
@@ -196,8 +205,9 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                                                       "and the quantization parameters instead")
         if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
             tensors[i] = t.detach().resolve_conj().resolve_neg()
-    key = LayoutCache.key_of(tensors, names, kinds) if layout is not None else None
-    cached = layout.reuse(key, tensors) if layout is not None else None
+    storages = [t.untyped_storage() for t in tensors]
+    key = LayoutCache.key_of(tensors, names, kinds, storages) if layout is not None else None
+    cached = layout.reuse(key, tensors, storages) if layout is not None else None
     if cached is not None:
         extents, placed, records = cached
     else:
@@ -209,7 +219,7 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                                         tuple(t.shape), tuple(t.stride()), str(t.device), kinds[i]))
         if layout is not None:
             layout.remember(key, extents, placed, records)
-    ptrs = [k[0] for k in key[2]] if key is not None else [t.untyped_storage().data_ptr() for t in tensors]
+    ptrs = [k[0] for k in key[2]] if key is not None else [st.data_ptr() for st in storages]
     unguarded = _capture(extents, placed, ptrs, protected)
     ready = streams.record_ready(streams.cuda_devices(e.device for e in extents))
     return Snapshot(step, tree, extents, records, {} if metadata is None else metadata, ready, unguarded)
@@ -221,7 +231,7 @@ def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs:
     take_snapshot), and those on devices the background cannot read. ``storage_ptrs``: the
     address of each saved tensor's storage. Returns the first tensor of each extent left live
     that ``protected`` does not cover (larger than CAPTURE_MAX, or beyond the budget)."""
-    guarded = {t.untyped_storage().data_ptr() for t in protected if t.device.type != "meta"}
+    guarded = {t.untyped_storage().data_ptr() for t in protected if not t.is_meta}
     unguarded = set(range(len(extents)))
     for i, ptr in enumerate(storage_ptrs):
         if ptr in guarded:
