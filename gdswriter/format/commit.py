@@ -486,8 +486,12 @@ class CommitProtocol:
         if latest is None:
             return set()
         try:
-            m = Manifest.from_json_bytes(read_regular_file(self.step_dir(latest) / MANIFEST_NAME, MANIFEST_MAX_BYTES))
-        except (OSError, CorruptCheckpointError, ValueError):
+            raw = read_regular_file(self.step_dir(latest) / MANIFEST_NAME, MANIFEST_MAX_BYTES)
+            body = json.loads(raw)
+            if isinstance(body, dict) and "shards" in body:  # format 1.3: every root of its table holds data
+                return set(range(len(body["dist"]["roots"])))
+            m = Manifest.from_json_bytes(raw)
+        except (OSError, CorruptCheckpointError, ValueError, KeyError, TypeError):
             return set()
         return {f.root for f in m.files}
 
