@@ -90,8 +90,8 @@ def test_bench_json_and_plot(capsys, tmp_path):
             assert k["x_torch"] == pytest.approx(sorted(ratios)[0] / 2 + sorted(ratios)[1] / 2)
     assert res["methods"]["ceiling"]["save"]["x_ceiling"] == pytest.approx(1.0)
     assert res["methods"]["dcp"]["save"]["name"] == "dcp.save t4"
-    if "deepspeed" not in res["methods"]:
-        assert "DeepSpeed is not installed" in res["skipped"]["deepspeed"]
+    if "deepspeed" not in res["methods"]:  # not installed, or installed without libaio (.ci/run installs it so)
+        assert any(why in res["skipped"]["deepspeed"] for why in ("DeepSpeed is not installed", "async_io op")), res
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "d").exists()  # the directory it made is gone again
 

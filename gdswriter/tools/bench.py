@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import json
 import math
 import os
@@ -164,14 +165,18 @@ def settle(seconds: float) -> None:
 # ----------------------------------------------------------------------------- methods
 def deepspeed_missing() -> str | None:
     """Why DeepSpeed's FastPersist writer cannot run here, or None when it can."""
+    chatter = io.StringIO()  # DeepSpeed logs to stdout as it imports and probes: not into bench's output
     try:
-        from deepspeed.io import FastFileWriter, FastFileWriterConfig  # noqa: F401
-        from deepspeed.ops.op_builder import AsyncIOBuilder
+        with contextlib.redirect_stdout(chatter):
+            from deepspeed.io import FastFileWriter, FastFileWriterConfig  # noqa: F401
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            compatible = AsyncIOBuilder().is_compatible()
     except ImportError as e:
         return f"DeepSpeed is not installed (pip install deepspeed to compare its FastPersist writer): {e}"
     except Exception as e:  # noqa: BLE001 - DeepSpeed's import probes accelerators and can fail many ways
         return f"DeepSpeed does not import here: {' '.join(str(e).split())[:200]}"
-    if not AsyncIOBuilder().is_compatible():
+    if not compatible:
         return "DeepSpeed's async_io op cannot build here (it needs libaio: apt-get install libaio-dev)"
     return None
 
