@@ -32,9 +32,10 @@ committed.
 One set of engines for all saves. Each path is a root of its own, so each save has a
 GDSCheckpointer of its own; its I/O engines (staging buffers, io_uring ring: the costly part)
 come from the process's shelf (gdswriter/integrations/engines.py) and go back to it when the
-save is done, so only the first save builds them. Between saves the process holds the
-shelf's idle engines and nothing else; the host snapshot pool of a save is freed with its
-checkpointer.
+save is done, so only the first save builds them. A blocking save (``async_save=False``)
+writes straight from the live tensors (snapshot "live": no host pool, no copy); an
+asynchronous one copies into a host snapshot pool of its own, freed with its checkpointer once
+the save is done. Between saves the process holds the shelf's idle engines and nothing else.
 
 RNG (``options=CheckpointOptions(save_rng=True)``). Each save also stores the RNG state of
 torch (CPU and CUDA), Python and numpy at the call, and ``load_checkpoint`` sets the process's
@@ -215,7 +216,9 @@ class GDSCheckpointIO(CheckpointIO):
         # what they do not hold, save_async copies before it returns).
         engines = ENGINES.lease(self.options.engine, 1)  # the shelf's: built by the first save only
         try:
-            ckpt = GDSCheckpointer(checkpoint.get(MODEL_KEY, {}), root=root, options=self.options, keep_last=1,
+            # A blocking save needs no snapshot copy: it writes from the live tensors (no host pool).
+            options = self.options if self.async_save else dataclasses.replace(self.options, snapshot="live")
+            ckpt = GDSCheckpointer(checkpoint.get(MODEL_KEY, {}), root=root, options=options, keep_last=1,
                                    state={EXTRA_KEY: rest, TYPES_KEY: {"tags": tags}},
                                    guard=self._trainer_optimizers(), engines=engines)
         except BaseException:

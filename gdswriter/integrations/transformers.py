@@ -49,8 +49,10 @@ optimizer step, save or the end of ``train()``; ``gds_wait()`` waits for the sav
 ``push_to_hub`` uploads a checkpoint right after its save, so it needs synchronous saves
 (refused with ``gds_async_save``).
 
-Engines. The saves share the process's I/O engines (gdswriter/integrations/engines.py): only
-the first save builds them. ``gds_engine_factory`` (a callable taking EngineOptions and
+Engines and memory. The saves share the process's I/O engines (gdswriter/integrations/engines.py):
+only the first save builds them. A synchronous save writes straight from the live tensors
+(snapshot "live": no host pool, no copy); an asynchronous one copies into a host snapshot pool
+of its own, freed once it is done. Between saves the process holds the shelf's idle engines. ``gds_engine_factory`` (a callable taking EngineOptions and
 returning an IOEngine) builds them otherwise, e.g. a testing engine.
 
 Limits. Single-process training (one GPU or CPU): with several processes, DeepSpeed or FSDP
@@ -62,6 +64,7 @@ with transformers 5.24.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -236,10 +239,8 @@ class GDSCheckpointing:
             raise InvalidOptionError("GDSCheckpointing handles single-process training; with several processes, "
                                      "DeepSpeed or FSDP use the plain Trainer (or gdswriter's DCP storage writer)")
 
-    def _gds_engine_options(self) -> EngineOptions:
-        return (self.gds_options or CheckpointOptions()).engine
-
-    def _gds_checkpointer(self, root: Path, *, model_only: bool, rng: _RNG | None = None) -> GDSCheckpointer:
+    def _gds_checkpointer(self, root: Path, *, model_only: bool, rng: _RNG | None = None,
+                          blocking: bool = True) -> GDSCheckpointer:
         state: dict[str, Any] = {}
         optimizer = None
         if not model_only:
@@ -249,13 +250,18 @@ class GDSCheckpointing:
             if scaler is not None:
                 state["scaler"] = scaler
             state["rng"] = rng or _RNG()
-        return self._gds_open(self.model, optimizer, root=root, state=state, keep_last=1)
+        return self._gds_open(self.model, optimizer, root=root, state=state, keep_last=1, blocking=blocking)
 
-    def _gds_open(self, model: Any, optimizer: Any = None, **kw) -> GDSCheckpointer:
-        """A checkpointer on the process's shared engines (handed back when it closes)."""
-        engines = ENGINES.lease(self._gds_engine_options(), 1, self.gds_engine_factory)
+    def _gds_open(self, model: Any, optimizer: Any = None, *, blocking: bool = True, **kw) -> GDSCheckpointer:
+        """A checkpointer on the process's shared engines (handed back when it closes). A
+        ``blocking`` one (loads, synchronous saves) writes from the live tensors: nothing to
+        copy while the caller waits anyway, so no host snapshot pool."""
+        options = self.gds_options or CheckpointOptions()
+        if blocking:
+            options = dataclasses.replace(options, snapshot="live")
+        engines = ENGINES.lease(options.engine, 1, self.gds_engine_factory)
         try:
-            return GDSCheckpointer(model, optimizer, options=self.gds_options, engines=engines, **kw)
+            return GDSCheckpointer(model, optimizer, options=options, engines=engines, **kw)
         except BaseException:
             for e in engines:
                 e.close()
@@ -326,7 +332,8 @@ class GDSCheckpointing:
         the values of this moment."""
         config = getattr(self.model, "config", None)
         metadata = {HF_CONFIG_KEY: json.loads(config.to_json_string())} if config is not None else None
-        ckpt = self._gds_checkpointer(tmp / GDS_DIR, model_only=self.args.save_only_model)
+        ckpt = self._gds_checkpointer(tmp / GDS_DIR, model_only=self.args.save_only_model,
+                                      blocking=not self.gds_async_save)
         try:
             handle = ckpt.save_async(step, metadata=metadata)
             # Update `ExportableState` callbacks and `TrainerControl` state (the Trainer's own code)
