@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -342,3 +343,48 @@ def test_trainer_rss_flat_over_1000_saves(tmp_path, monkeypatch):
     assert len(built) <= 2
     growth = max(rss[50:]) - rss[50]
     assert growth < 16 * 1024, f"RSS grew by {growth} KiB over 950 saves"
+
+
+def test_a_failed_async_save_is_raised_once_and_the_previous_checkpoint_stays(tmp_path):
+    """A background save that fails (ENOSPC while writing step 8) is raised once, by the next
+    optimizer step (the checkpointer's hook) or at the latest by train(); its hidden directory
+    is removed and checkpoint-4 stays the one to resume from."""
+    from gdswriter.engines.base import IOEngine
+    from gdswriter.engines.select import create_engine
+    from gdswriter.errors import EngineIOError
+
+    class NoSpaceAt8(IOEngine):
+        def __init__(self, options):
+            self.inner = create_engine(options)
+            self.name, self.honours_span_guards = self.inner.name, self.inner.honours_span_guards
+
+        def write_file(self, path, spans, **kw):
+            if "step_000000000008" in str(path):
+                raise EngineIOError(28, str(path), 0, "write")
+            return self.inner.write_file(path, spans, **kw)
+
+        def read_file(self, path, spans):
+            return self.inner.read_file(path, spans)
+
+        @property
+        def info(self):
+            return self.inner.info
+
+        def close(self):
+            self.inner.close()
+
+    class WaitForTheFailure(transformers.TrainerCallback):
+        """Step 9 begins once the failed save is over (its hidden directory removed)."""
+
+        def on_step_begin(self, args, state, control, **kw):
+            while state.global_step == 8 and any(p.name.startswith(".gdswriter-tmp-") for p in tmp_path.iterdir()):
+                time.sleep(0.01)
+
+    t = GDSTrainer(model=hf_run.model(1), args=hf_run.args(tmp_path), train_dataset=hf_run.data(),
+                   gds_async_save=True, gds_engine_factory=NoSpaceAt8, callbacks=[WaitForTheFailure()])
+    with pytest.raises(EngineIOError, match="No space left") as e:
+        t.train()
+    assert any(f.name == "_before_optimizer_step" for f in e.traceback), "not raised by the optimizer step"
+    t.gds_wait()  # reported once: nothing left to raise
+    assert t.state.global_step == 8  # step 9's optimizer step raised it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]

@@ -2,4 +2,5 @@
 
     gdswriter.integrations.lightning      GDSCheckpointIO, a PyTorch Lightning CheckpointIO plug-in
     gdswriter.integrations.transformers   GDSCheckpointing / GDSTrainer for the Hugging Face Trainer
+    gdswriter.integrations.engines        the I/O engines both keep across saves
 """

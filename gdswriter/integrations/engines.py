@@ -11,8 +11,9 @@ own when it closes; that returns them to the shelf instead.
 
 Memory stays bounded: the shelf keeps at most ``max_idle`` idle engines per kind (2: an
 asynchronous save in flight and the next one), closes the extras, and closes everything at
-interpreter exit (``clear()`` does it earlier). Between saves a process holds those idle
-engines (their staging buffers) and nothing else of gdswriter's.
+interpreter exit (``clear()`` does it earlier); a forked child starts with an empty shelf.
+Between saves a process holds those idle engines (their staging buffers) and nothing else of
+gdswriter's.
 """
 
 from __future__ import annotations
@@ -120,6 +121,14 @@ class EngineShelf:
             e.close()
 
 
+    def forget(self) -> None:
+        """Drop the idle engines without closing them: in a forked child (a DataLoader worker,
+        say), whose copies of the parent's rings and buffers are the parent's to close."""
+        self._mutex = threading.Lock()
+        self._idle = {}
+
+
 ENGINES = EngineShelf()
 """The process's shelf, shared by GDSCheckpointIO and GDSCheckpointing."""
 atexit.register(ENGINES.clear)
+os.register_at_fork(after_in_child=ENGINES.forget)

@@ -71,6 +71,7 @@ import os
 import secrets
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -99,7 +100,7 @@ TMP_PREFIX = ".gdswriter-tmp-"
 """A checkpoint-N being written: ``.gdswriter-tmp-checkpoint-N-<hex>``, renamed once complete."""
 TRAINER_STATE_NAME = "trainer_state.json"
 
-_IN_FLIGHT: set[Path] = set()  # this process's hidden directories still being written (never cleaned)
+_IN_FLIGHT: set[Path] = set()  # this process's hidden directories still being written (not leftovers)
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
@@ -228,7 +229,7 @@ class GDSCheckpointing:
         """This trainer's background state, made on first use (a subclass's __init__ may skip ours)."""
         jobs = self.__dict__.get("_gds_bg")
         if jobs is None:
-            jobs = self.__dict__.setdefault("_gds_bg", {"queue": [], "thread": None, "errors": [], "done": [],
+            jobs = self.__dict__.setdefault("_gds_bg", {"queue": [], "thread": None, "errors": [], "failed": [], "done": [],
                                                         "cv": threading.Condition()})
         return jobs
 
@@ -276,14 +277,14 @@ class GDSCheckpointing:
         if self.gds_async_save and self.args.push_to_hub:
             raise InvalidOptionError("push_to_hub uploads each checkpoint right after its save; with "
                                      "gds_async_save=True it is not written yet: use gds_async_save=False")
-        self._gds_raise()  # a failed background save, once
         step = self.state.global_step
+        if not self._gds_room(step):
+            return
+        self._gds_raise()  # a failed background save, once
         if self.hp_search_backend is None and trial is None:
             self.store_flos()
         run_dir = Path(self._get_output_dir(trial=trial))
         final = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        if not self._gds_room(step):
-            return
         # As the Trainer: the best checkpoint's path, once its directory exists (or is this one).
         best_step = self.state.best_global_step
         if self.args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and best_step:
@@ -324,7 +325,6 @@ class GDSCheckpointing:
                 return False
             while bg["queue"]:
                 bg["cv"].wait()
-        self._gds_close_done()
         return True
 
     def _gds_write(self, step: int, tmp: Path, final: Path, run_dir: Path) -> _Job:
@@ -358,12 +358,16 @@ class GDSCheckpointing:
 
     def _gds_complete(self, job: _Job, *, close: bool) -> None:
         """Wait for ``job``'s step to commit, make its files durable, rename it into place, then
-        rotate. On failure the hidden directory goes and the error is raised. ``close``: close
-        the checkpointer here (on the training thread); the helper thread leaves that to it, as
-        closing removes the checkpointer's hook from the optimizer the training thread steps."""
+        rotate. On failure the hidden directory goes and the error is raised. ``close`` (the
+        training thread): close the checkpointer here and report the save's failure. The helper
+        thread does neither: closing removes the checkpointer's hook from the optimizer the
+        training thread steps, and that hook is what raises a failure at the next step."""
         try:
             try:
-                job.handle.result()
+                if close:
+                    job.handle.result()
+                else:
+                    _wait_unreported(job.handle)
                 job.ckpt.steps()  # waits for its retention pass, which lists the root
             finally:
                 if close:
@@ -410,13 +414,14 @@ class GDSCheckpointing:
                     bg["cv"].notify_all()
                     return
                 job = bg["queue"][0]
-            told = job.handle.reported  # raised already, by an optimizer step's pre-hook
             try:
                 self._gds_complete(job, close=False)
             except BaseException as e:  # noqa: BLE001 - raised on the training thread (_gds_raise)
-                if not (told and e is job.handle.exception()):
-                    with bg["cv"]:
-                        bg["errors"].append(e)
+                with bg["cv"]:
+                    if e is job.handle.exception():
+                        bg["failed"].append(job)  # the save's own failure: the optimizer's hook may report it
+                    else:
+                        bg["errors"].append(e)  # making it durable or renaming it failed
             finally:
                 with bg["cv"]:
                     bg["queue"].pop(0)
@@ -424,14 +429,27 @@ class GDSCheckpointing:
                     bg["cv"].notify_all()
 
     def _gds_raise(self) -> None:
-        """Raise the first background failure not reported yet (the others are logged)."""
+        """Raise the first background failure not reported yet (the others are logged), then
+        close the checkpointers of the completed saves."""
         bg = self._gds_jobs()
         with bg["cv"]:
-            errors, bg["errors"] = bg["errors"], []
-        if errors:
-            for e in errors[1:]:
-                log.error("gdswriter: another checkpoint save also failed: %s", e)
-            raise errors[0]
+            failed, errors, bg["failed"], bg["errors"] = bg["failed"], bg["errors"], [], []
+        found: list[BaseException] = []
+        try:
+            for job in failed:
+                if job.handle.reported:  # raised already, by the optimizer step's hook
+                    continue
+                try:
+                    job.handle.result()  # marks it reported: the hook will not raise it again
+                except BaseException as e:  # noqa: BLE001 - raised below
+                    found.append(e)
+            found += errors
+            if found:
+                for e in found[1:]:
+                    log.error("gdswriter: another checkpoint save also failed: %s", e)
+                raise found[0]
+        finally:
+            self._gds_close_done()
 
     def gds_wait(self) -> None:
         """Wait until every checkpoint saved so far is in place (and rotated); raise a background
@@ -440,7 +458,6 @@ class GDSCheckpointing:
         with bg["cv"]:
             while bg["thread"] is not None:
                 bg["cv"].wait()
-        self._gds_close_done()
         self._gds_raise()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
@@ -504,6 +521,18 @@ class GDSCheckpointing:
         with self._gds_open(self.model, root=Path(best) / GDS_DIR) as ckpt:
             ckpt.load()
         return None
+
+
+def _wait_unreported(handle: SaveHandle) -> None:
+    """Wait until ``handle``'s save is done without taking its failure (``result()`` would mark
+    it reported, and the optimizer step's hook would then not raise it): after the snapshot,
+    a poll every 2 ms for the commit."""
+    handle.wait_snapshotted()
+    while not handle.done():
+        time.sleep(0.002)
+    error = handle.exception()
+    if error is not None:
+        raise error
 
 
 def _remove_leftovers(run_dir: Path) -> None:
