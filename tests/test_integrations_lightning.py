@@ -415,14 +415,14 @@ def test_saves_reuse_the_engines_and_memory_stays_flat(tmp_path, monkeypatch, as
     """Issue 25: every save used to build a checkpointer with new engines (60 saves: 60 engines,
     each mapping and locking 128 MiB of staging buffers). Now the engines come from the
     process's shelf: 60 saves to 60 paths build at most two (an asynchronous save in flight
-    and the next; none when an earlier test left them idle), and RSS after the warm-up saves
-    stays within 16 MiB."""
+    and the next; none when an earlier test left them idle), and the RSS peaks of saves 35-60
+    stay within 16 MiB of those of saves 10-35."""
     built = _count_engines(monkeypatch)
     rss, last_saved_right = _save_many(tmp_path, 60, async_save)
     assert len(built) <= 2, f"{len(built)} engines built for 60 saves: the saves do not share engines"
     assert last_saved_right()
-    growth = max(rss[10:]) - rss[10]
-    assert growth < 16 * 1024, f"RSS grew by {growth} KiB over 50 saves"
+    growth = max(rss[35:]) - max(rss[10:35])  # peaks: a sample may hold a save in flight
+    assert growth < 16 * 1024, f"RSS peaks grew by {growth} KiB: {rss}"
 
 
 @pytest.mark.slow
@@ -430,5 +430,5 @@ def test_rss_flat_over_1000_saves(tmp_path):
     """Issue 25: RSS flat over 1,000 saves through the plug-in (asynchronous, each to a new path)."""
     rss, last_saved_right = _save_many(tmp_path, 1000, True)
     assert last_saved_right()
-    growth = max(rss[50:]) - rss[50]
-    assert growth < 16 * 1024, f"RSS grew by {growth} KiB over 950 saves"
+    growth = max(rss[500:]) - max(rss[50:500])  # peaks: a sample may hold a save in flight
+    assert growth < 16 * 1024, f"RSS peaks grew by {growth} KiB: {rss[::50]}"
