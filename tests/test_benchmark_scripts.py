@@ -135,3 +135,19 @@ def test_many_tensors(tmp_path):
     for method in ("gdswriter", "torch", "dcp"):
         assert any(line.split()[:1] == [method] and "x torch.load" in line for line in out.splitlines()), out
     assert list(tmp_path.iterdir()) == []
+
+
+INTEGRATION_CASES = {"lightning": ("TorchCheckpointIO", "GDSCheckpointIO ", "GDSCheckpointIO async",
+                                   "GDSCheckpointIO async vs TorchCheckpointIO: blocks"),
+                     "hf": ("Trainer ", "GDSTrainer ", "GDSTrainer async", "GDSTrainer async vs Trainer: blocks")}
+
+
+@pytest.mark.parametrize("only", [pytest.param("lightning"), pytest.param("hf", marks=pytest.mark.slow)])
+def test_integration_saves(tmp_path, only):
+    """The Lightning half runs by default (about 20 s here); the Hugging Face half is slow (40 s)."""
+    pytest.importorskip("transformers" if only == "hf" else "lightning")
+    out = run_script("integration_saves.py", "--size", "2M", "--saves", "2", "--rounds", "1", "--only", only,
+                     "--dir", str(tmp_path))
+    for case in INTEGRATION_CASES[only]:
+        assert case in out, out
+    assert list(tmp_path.iterdir()) == []  # its scratch directory is removed

@@ -317,3 +317,118 @@ def test_a_failed_save_in_fit_is_raised_by_the_next_optimizer_step_once(tmp_path
     assert any(f.name == "_before_optimizer_step" for f in e.traceback), "not raised by the optimizer step"
     assert trainer.global_step == 1 and trainer.state.stage is None, "Lightning's teardown did not finish"
     io.teardown()  # nothing left to report
+
+
+class Noisy(L.LightningModule):
+    """A 2 MiB weight (above every small-copy threshold) behind dropout, trained on shuffled
+    batches: every RNG draw of the run shows in the weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Dropout(0.3), torch.nn.Linear(512, 1024), torch.nn.Dropout(0.3),
+                                       torch.nn.Linear(1024, 1))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return torch.nn.functional.mse_loss(self.net(x), x[:, :1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3, momentum=0.9)
+
+
+def _noisy_data() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(24, 512, generator=g)), batch_size=4, shuffle=True)
+
+
+@pytest.mark.parametrize("save_rng", [True, False], ids=["save_rng", "no_rng"])
+def test_save_rng_resume_draws_what_the_uninterrupted_run_draws(tmp_path, save_rng):
+    """Issue 26 item 3: with save_rng the checkpoint's RNG state comes back on load, so a run
+    resumed in a process whose RNG went elsewhere ends bit for bit where the uninterrupted run
+    ends (dropout masks and shuffling included). Without save_rng it does not: the test's
+    check itself can fail."""
+    from gdswriter import CheckpointOptions
+
+    torch.manual_seed(5)
+    straight = Noisy()
+    t = _trainer(tmp_path / "a", 4, enable_checkpointing=False)
+    t.fit(straight, _noisy_data())
+    expected = {k: v.clone() for k, v in straight.state_dict().items()}
+
+    opts = CheckpointOptions(save_rng=save_rng)
+    torch.manual_seed(5)
+    first = Noisy()
+    t1 = _trainer(tmp_path / "b", 2, plugins=[GDSCheckpointIO(options=opts)],
+                  callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)])
+    t1.fit(first, _noisy_data())
+    torch.manual_seed(1234)  # a new process's RNG: anywhere but where the save stood
+    resumed = Noisy()
+    t2 = _trainer(tmp_path / "c", 4, plugins=[GDSCheckpointIO(options=opts)], enable_checkpointing=False)
+    t2.fit(resumed, _noisy_data(), ckpt_path=tmp_path / "ck" / "last.ckpt")
+    same = all(torch.equal(expected[k], v) for k, v in resumed.state_dict().items())
+    assert same is save_rng, "save_rng=True must resume the RNG exactly (and without it the draws differ)"
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _count_engines(monkeypatch) -> list:
+    """Counts every staged engine built from now on (the engine every save here uses: io_uring
+    or POSIX on this machine), whoever builds it: the shelf or a checkpointer."""
+    from gdswriter.engines.staged import StagedEngine
+
+    built: list = []
+    real = StagedEngine.__init__
+
+    def counting(self, *a, **k):
+        built.append(type(self).__name__)
+        real(self, *a, **k)
+
+    monkeypatch.setattr(StagedEngine, "__init__", counting)
+    return built
+
+
+def _save_many(tmp_path, n: int, async_save: bool) -> list[int]:
+    """``n`` saves of a 2 MiB state through one plug-in, each to a new path (the older one
+    removed, as top-k pruning does); RSS after each save, and a check that the last path holds
+    the last values."""
+    io = GDSCheckpointIO(async_save=async_save)
+    w = torch.zeros(512, 1024)
+    rss = []
+    prev = None
+    for i in range(n):
+        w.fill_(float(i))
+        path = tmp_path / f"step={i}.ckpt"
+        io.save_checkpoint({"state_dict": {"w": w}, "global_step": i}, path)
+        if prev is not None:
+            io.remove_checkpoint(prev)  # waits for that save
+        prev = path
+        rss.append(_rss_kib())
+    io.teardown()
+    return rss, lambda: torch.equal(io.load_checkpoint(prev)["state_dict"]["w"], w)
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_saves_reuse_the_engines_and_memory_stays_flat(tmp_path, monkeypatch, async_save):
+    """Issue 25: every save used to build a checkpointer with new engines (60 saves: 60 engines,
+    each mapping and locking 128 MiB of staging buffers). Now the engines come from the
+    process's shelf: 60 saves to 60 paths build at most two (an asynchronous save in flight
+    and the next; none when an earlier test left them idle), and the RSS peaks of saves 35-60
+    stay within 16 MiB of those of saves 10-35."""
+    built = _count_engines(monkeypatch)
+    rss, last_saved_right = _save_many(tmp_path, 60, async_save)
+    assert len(built) <= 2, f"{len(built)} engines built for 60 saves: the saves do not share engines"
+    assert last_saved_right()
+    growth = max(rss[35:]) - max(rss[10:35])  # peaks: a sample may hold a save in flight
+    assert growth < 16 * 1024, f"RSS peaks grew by {growth} KiB: {rss}"
+
+
+@pytest.mark.slow
+def test_rss_flat_over_1000_saves(tmp_path):
+    """Issue 25: RSS flat over 1,000 saves through the plug-in (asynchronous, each to a new path)."""
+    rss, last_saved_right = _save_many(tmp_path, 1000, True)
+    assert last_saved_right()
+    growth = max(rss[500:]) - max(rss[50:500])  # peaks: a sample may hold a save in flight
+    assert growth < 16 * 1024, f"RSS peaks grew by {growth} KiB: {rss[::50]}"

@@ -29,6 +29,22 @@ A failed background save is raised once, by the next optimizer step, ``save_chec
 ``teardown``, with its own type. ``async_save=False`` makes every save return durable and
 committed.
 
+One set of engines for all saves. Each path is a root of its own, so each save has a
+GDSCheckpointer of its own; its I/O engines (staging buffers, io_uring ring: the costly part)
+come from the process's shelf (gdswriter/integrations/engines.py) and go back to it when the
+save is done, so only the first save builds them. A blocking save (``async_save=False``)
+writes straight from the live tensors (snapshot "live": no host pool, no copy); an
+asynchronous one copies into a host snapshot pool of its own, freed with its checkpointer once
+the save is done. Between saves the process holds the shelf's idle engines and nothing else.
+
+RNG (``options=CheckpointOptions(save_rng=True)``). Each save also stores the RNG state of
+torch (CPU and CUDA), Python and numpy at the call, and ``load_checkpoint`` sets the process's
+RNG back to it, as ``GDSCheckpointer.load`` does: ``trainer.fit(model, ckpt_path=...)`` loads
+the checkpoint before the first batch, so a run resumed from a checkpoint saved at an epoch's
+end draws the same numbers (dropout, shuffling) as the uninterrupted run. Lightning itself
+saves no RNG state: without ``save_rng`` a resumed run draws from wherever the new process's
+seed left it.
+
 What is stored. The checkpoint dict's ``state_dict`` is the checkpoint's model (so ``gdswriter
 export --model-only`` gives the LightningModule's weights); everything else (epoch, global
 step, loops, callbacks' state, optimizer and scheduler states, hyper-parameters, precision
@@ -65,6 +81,8 @@ from ..checkpointer import GDSCheckpointer, SaveHandle
 from ..errors import CorruptCheckpointError, InvalidOptionError, UnsupportedObjectError
 from ..options import CheckpointOptions
 from ..load.reader import load_state
+from ..rng import set_rng_state
+from .engines import ENGINES
 
 log = logging.getLogger("gdswriter")
 
@@ -163,7 +181,8 @@ class GDSCheckpointIO(CheckpointIO):
     """Lightning's CheckpointIO through gdswriter (see the module doc for paths and types).
 
     async_save: snapshot and return, writing in the background (default); False: each save
-        returns durable. options: CheckpointOptions for every checkpoint (engine, verify...).
+        returns durable. options: CheckpointOptions for every checkpoint (engine, verify,
+        save_rng: store the RNG state with each save and restore it on load...).
     read_torch_files: load paths that are plain torch.save files (checkpoints written before
         this plug-in was used) with Lightning's TorchCheckpointIO; off by default, as that
         unpickles."""
@@ -195,9 +214,17 @@ class GDSCheckpointIO(CheckpointIO):
         # The dict holds the live parameters and optimizer state, not copies: the trainer's
         # optimizers must not step before the save has copied them (the checkpointer hooks them;
         # what they do not hold, save_async copies before it returns).
-        ckpt = GDSCheckpointer(checkpoint.get(MODEL_KEY, {}), root=root, options=self.options, keep_last=1,
-                               state={EXTRA_KEY: rest, TYPES_KEY: {"tags": tags}},
-                               guard=self._trainer_optimizers())
+        engines = ENGINES.lease(self.options.engine, 1)  # the shelf's: built by the first save only
+        try:
+            # A blocking save needs no snapshot copy: it writes from the live tensors (no host pool).
+            options = self.options if self.async_save else dataclasses.replace(self.options, snapshot="live")
+            ckpt = GDSCheckpointer(checkpoint.get(MODEL_KEY, {}), root=root, options=options, keep_last=1,
+                                   state={EXTRA_KEY: rest, TYPES_KEY: {"tags": tags}},
+                                   guard=self._trainer_optimizers(), engines=engines)
+        except BaseException:
+            for e in engines:
+                e.close()  # back to the shelf
+            raise
         try:
             handle = ckpt.save_async(step) if self.async_save else None
             if handle is None:
@@ -287,6 +314,12 @@ class GDSCheckpointIO(CheckpointIO):
         types = extra.get(TYPES_KEY, {"tags": []})
         checkpoint = from_plain(extra[EXTRA_KEY], types.get("tags") if isinstance(types, dict) else types)
         checkpoint[MODEL_KEY] = state.get("model", {})
+        if self.options.save_rng:
+            if isinstance(state.get("rng"), dict):
+                set_rng_state(state["rng"])  # as GDSCheckpointer.load(): the draws go on where the save stood
+            else:
+                log.info("gdswriter: %s (step %d) holds no RNG state (saved without save_rng): the process's RNG "
+                         "is left as it is", path, step)
         if map_location is not None:
             device = torch.device(map_location)
             checkpoint = _to_device(checkpoint, device)
