@@ -14,18 +14,20 @@ rank 0 on another node than the primary's disk (roots.py ``choose_primary``):
    own data files there, each fdatasynced, and (a GDSCheckpointer save, format 1.3) its
    manifest shard, fsynced: it is published with the directory, like the data;
 2. vote: P gathers every rank's outcome (a GDSCheckpointer save: its shard's name, size and
-   crc32c and digests of what it holds, a few hundred bytes; save.py checks them); each secondary root's leader first checks that a
-   ``step_S`` already there was written for this primary (one of another checkpoint is
-   refused: nothing is un-committed). On any failure P tells every rank, each root's leader
-   removes the temporary directory, and every rank raises. When step S is already committed,
-   P un-commits it here (primary first, as commit.py does); a primary ``step_S`` without a
-   manifest that another primary wrote (its secondary data) is refused, never removed;
+   crc32c and digests of what it holds, a few hundred bytes; save.py checks them); each
+   secondary root's leader first checks that a ``step_S`` already there was written for this
+   primary (one of another checkpoint is refused: nothing is un-committed). On any failure P
+   tells every rank, each root's leader removes the temporary directory, and every rank
+   raises. When step S is already committed, P un-commits it here (primary first, as
+   commit.py does); a primary ``step_S`` without a manifest that another primary wrote (its
+   secondary data) is refused, never removed;
 3. each root's leader fsyncs its temporary directory (every rank's files are in it now); on a
    secondary root it renames it to ``step_S`` and fsyncs the root. P gathers the outcome;
-4. P writes manifest.json (a 1.3 step's global manifest: the shard list) into the primary's temporary directory (fsync) and renames it
-   to ``step_S``: the commit point. If the root's fsync then fails, P un-commits the step
-   (retires the primary ``step_S``) before reporting the failure, so that no visible step
-   loses its secondary data; if it cannot, the step stays committed (with a warning);
+4. P writes manifest.json (a 1.3 step's global manifest: the shard list) into the primary's
+   temporary directory (fsync) and renames it to ``step_S``: the commit point. If the root's
+   fsync then fails, P un-commits the step (retires the primary ``step_S``) before reporting
+   the failure, so that no visible step loses its secondary data; if it cannot, the step stays
+   committed (with a warning);
 5. announce: P tells every rank whether the step committed; then ``latest`` moves (a
    failure there is logged: the step is committed, readers fall back to the newest step).
 
