@@ -263,6 +263,21 @@ def _killed_during_save(rank: int, world: int, save_dir: str, second: str) -> No
     raise AssertionError("not killed")
 
 
+def _killed_between_saves(rank: int, world: int, save_dir: str, second: str) -> None:
+    import os
+    import signal
+
+    from gdswriter.integrations.deepspeed import use_gdswriter
+
+    engine = _engine(2, world)
+    ckpt = use_gdswriter(engine)
+    _train(engine, range(3))
+    engine.save_checkpoint(save_dir, tag="a")
+    ckpt.wait()
+    _train(engine, range(3, 5))  # killed with these steps' work unsaved
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _resume_after_kill(rank: int, world: int, save_dir: str) -> dict:
     from gdswriter.errors import CheckpointNotFoundError
     from gdswriter.integrations.deepspeed import use_gdswriter
@@ -283,17 +298,19 @@ def _resume_after_kill(rank: int, world: int, save_dir: str) -> dict:
 
 
 @pytest.mark.slow  # about 35 s: three processes, four DeepSpeed engines
-@pytest.mark.parametrize("second", ["b", "a"])
+@pytest.mark.parametrize("second", ["b", "a", "between"])
 def test_kill_during_save_leaves_previous_tag_and_resume_is_exact(tmp_path, second):
     """kill -9 while the next tag's data files are being written (a new tag "b", or "a" saved
-    again, as with a fixed tag): `latest` still names "a", whose first save loads, and the run
-    resumed from it matches an uninterrupted run bit for bit; "b" is refused clearly."""
+    again, as with a fixed tag), or between saves: `latest` still names "a", whose first save
+    loads, and the run resumed from it matches an uninterrupted run bit for bit; "b" is refused
+    clearly."""
     save_dir = tmp_path / "ckpts"
-    run_ranks(1, _killed_during_save, str(save_dir), second, out=tmp_path / "out1", killed=(0,))
+    killed = _killed_between_saves if second == "between" else _killed_during_save
+    run_ranks(1, killed, str(save_dir), second, out=tmp_path / "out1", killed=(0,))
     assert Path(save_dir, "latest").read_text() == "a"
     (res,) = run_ranks(1, _resume_after_kill, str(save_dir), out=tmp_path / "out2")
     assert res["path"].endswith("a/mp_rank_00_model_states.pt")
-    assert res["b"] == "loaded" if second == "a" else "never committed" in res["b"]
+    assert res["b"] == "loaded" if second in ("a", "between") else "never committed" in res["b"]
 
 
 def _refused_and_retention(rank: int, world: int, save_dir: str) -> list:
