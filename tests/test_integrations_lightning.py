@@ -191,6 +191,44 @@ def test_a_failed_background_save_is_raised_once(tmp_path, monkeypatch):
     assert not (tmp_path / "a.ckpt").exists()
 
 
+@pytest.mark.parametrize("later_save", ["commits", "fails"])
+def test_a_removal_waits_for_the_saves_in_flight(tmp_path, monkeypatch, later_save):
+    """Lightning removes the previous top-k path as soon as the next save returns, before that
+    save is written: the removal must wait until it is committed, and keep the path when it
+    fails, so that a crash or a failed save still leaves a checkpoint to resume from (the
+    in-save-top1-async kill test shows it through a Trainer)."""
+    from gdswriter.integrations.engines import LeasedEngine
+
+    io = GDSCheckpointIO()
+    old, new = tmp_path / "epoch=0-step=1.ckpt", tmp_path / "epoch=1-step=2.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(512, 1024)}, "global_step": 1}, old)
+    io.teardown()
+    gate = threading.Event()
+    real = LeasedEngine.write_file
+
+    def held(self, path, spans, **kw):  # the later save's background write: held, then done or failed
+        if new.name in str(path):
+            gate.wait(30)
+            if later_save == "fails":
+                raise EngineIOError(28, str(path), 0, "write")
+        return real(self, path, spans, **kw)
+
+    monkeypatch.setattr(LeasedEngine, "write_file", held)  # the engines every save of the plug-in writes through
+    try:
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(512, 1024)}, "global_step": 2}, new)
+        io.remove_checkpoint(old)  # what ModelCheckpoint(save_top_k=1) does right after
+        assert io.load_checkpoint(old)["global_step"] == 1, "removed before the later save was committed"
+    finally:
+        gate.set()
+    if later_save == "fails":
+        with pytest.raises(EngineIOError, match="No space left"):
+            io.teardown()
+        assert io.load_checkpoint(old)["global_step"] == 1  # kept: the only checkpoint there is
+    else:
+        io.teardown()
+        assert not old.exists() and io.load_checkpoint(new)["global_step"] == 2
+
+
 def test_resaving_a_path_keeps_one_step_and_plain_files_are_refused(tmp_path):
     io = GDSCheckpointIO(async_save=False)
     path = tmp_path / "last.ckpt"
