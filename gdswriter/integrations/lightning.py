@@ -16,9 +16,9 @@ asks for while saves to other paths are in flight waits until they are committed
 fails); a new path whose save was cut holds no committed step, and loading it raises
 CheckpointNotFoundError (Lightning names the next save of that path ``...-v1.ckpt``; with
 ``save_last="link"`` and asynchronous saves, ``last.ckpt`` may link to that torn path: resume
-from the path before it). Everything that goes through the Trainer works (``fit/validate/test(ckpt_path=...)``,
-``"last"``, ``"best"``); ``LightningModule.load_from_checkpoint`` reads with torch.load and
-bypasses plug-ins: use ``GDSCheckpointIO().load_checkpoint(path)`` and
+from the path before it). Everything that goes through the Trainer works
+(``fit/validate/test(ckpt_path=...)``, ``"last"``, ``"best"``);
+``LightningModule.load_from_checkpoint`` reads with torch.load and bypasses plug-ins: use ``GDSCheckpointIO().load_checkpoint(path)`` and
 ``model.load_state_dict(ckpt["state_dict"])`` instead, or ``gdswriter export PATH --to
 safetensors --model-only`` for the weights alone.
 
