@@ -18,9 +18,9 @@ CheckpointNotFoundError (Lightning names the next save of that path ``...-v1.ckp
 ``save_last="link"`` and asynchronous saves, ``last.ckpt`` may link to that torn path: resume
 from the path before it). Everything that goes through the Trainer works
 (``fit/validate/test(ckpt_path=...)``, ``"last"``, ``"best"``);
-``LightningModule.load_from_checkpoint`` reads with torch.load and bypasses plug-ins: use ``GDSCheckpointIO().load_checkpoint(path)`` and
-``model.load_state_dict(ckpt["state_dict"])`` instead, or ``gdswriter export PATH --to
-safetensors --model-only`` for the weights alone.
+``LightningModule.load_from_checkpoint`` reads with torch.load and bypasses plug-ins: use
+``GDSCheckpointIO().load_checkpoint(path)`` and ``model.load_state_dict(ckpt["state_dict"])``
+instead, or ``gdswriter export PATH --to safetensors --model-only`` for the weights alone.
 
 Asynchronous saves (default). ``save_checkpoint`` records the state and returns (see
 ``GDSCheckpointer.save_async``), so training goes on while the files are written; a save to a
