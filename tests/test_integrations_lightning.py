@@ -1,6 +1,8 @@
 """The PyTorch Lightning plug-in (gdswriter/integrations/lightning.py) with a real Trainer.fit on
 the CPU: a run stopped after 2 epochs and resumed from its gdswriter checkpoint ends exactly
-where an uninterrupted run ends (weights, optimizer, scheduler, global step)."""
+where an uninterrupted run ends (weights, optimizer, scheduler, global step); a run SIGKILLed in
+a child process while a save's data file is written, or between saves, resumes from
+``ckpt_path="last"`` and ends bit for bit where the uninterrupted run ends."""
 
 from __future__ import annotations
 
@@ -9,12 +11,17 @@ import collections
 import dataclasses
 import enum
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from support import lightning_run
 from support.trees import assert_same_tree
 
 L = pytest.importorskip("lightning")
@@ -22,7 +29,7 @@ from lightning.fabric.utilities.data import AttributeDict  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from gdswriter import EngineIOError, UnsupportedObjectError  # noqa: E402
+from gdswriter import CheckpointNotFoundError, EngineIOError, UnsupportedObjectError  # noqa: E402
 from gdswriter.integrations.lightning import GDSCheckpointIO, from_plain, to_plain  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning",
@@ -182,6 +189,44 @@ def test_a_failed_background_save_is_raised_once(tmp_path, monkeypatch):
     assert io.load_checkpoint(tmp_path / "a.ckpt")["global_step"] == 2  # waits for the save to that path
     io.remove_checkpoint(tmp_path / "a.ckpt")
     assert not (tmp_path / "a.ckpt").exists()
+
+
+@pytest.mark.parametrize("later_save", ["commits", "fails"])
+def test_a_removal_waits_for_the_saves_in_flight(tmp_path, monkeypatch, later_save):
+    """Lightning removes the previous top-k path as soon as the next save returns, before that
+    save is written: the removal must wait until it is committed, and keep the path when it
+    fails, so that a crash or a failed save still leaves a checkpoint to resume from (the
+    in-save-top1-async kill test shows it through a Trainer)."""
+    from gdswriter.integrations.engines import LeasedEngine
+
+    io = GDSCheckpointIO()
+    old, new = tmp_path / "epoch=0-step=1.ckpt", tmp_path / "epoch=1-step=2.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(512, 1024)}, "global_step": 1}, old)
+    io.teardown()
+    gate = threading.Event()
+    real = LeasedEngine.write_file
+
+    def held(self, path, spans, **kw):  # the later save's background write: held, then done or failed
+        if new.name in str(path):
+            gate.wait(30)
+            if later_save == "fails":
+                raise EngineIOError(28, str(path), 0, "write")
+        return real(self, path, spans, **kw)
+
+    monkeypatch.setattr(LeasedEngine, "write_file", held)  # the engines every save of the plug-in writes through
+    try:
+        io.save_checkpoint({"state_dict": {"w": torch.zeros(512, 1024)}, "global_step": 2}, new)
+        io.remove_checkpoint(old)  # what ModelCheckpoint(save_top_k=1) does right after
+        assert io.load_checkpoint(old)["global_step"] == 1, "removed before the later save was committed"
+    finally:
+        gate.set()
+    if later_save == "fails":
+        with pytest.raises(EngineIOError, match="No space left"):
+            io.teardown()
+        assert io.load_checkpoint(old)["global_step"] == 1  # kept: the only checkpoint there is
+    else:
+        io.teardown()
+        assert not old.exists() and io.load_checkpoint(new)["global_step"] == 2
 
 
 def test_resaving_a_path_keeps_one_step_and_plain_files_are_refused(tmp_path):
@@ -432,3 +477,106 @@ def test_rss_flat_over_1000_saves(tmp_path):
     assert last_saved_right()
     growth = max(rss[500:]) - max(rss[50:500])  # peaks: a sample may hold a save in flight
     assert growth < 16 * 1024, f"RSS peaks grew by {growth} KiB: {rss[::50]}"
+
+
+# ----------------------------------------------------------------------------- issue 26: SIGKILL, resume
+TESTS = Path(__file__).resolve().parent
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+LAST_STEP = lightning_run.EPOCHS * lightning_run.STEPS_PER_EPOCH
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final state of an uninterrupted run of lightning_run's model and data, saving nothing."""
+    m = lightning_run.model(lightning_run.SEED)
+    t = lightning_run.trainer(tmp_path_factory.mktemp("straight"), enable_checkpointing=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(m, lightning_run.data())
+    assert t.global_step == LAST_STEP
+    return lightning_run.final_state(t, m)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.split("step=")[1].split(".")[0].split("-")[0])
+
+
+@pytest.mark.parametrize("mode,root,keep,async_save,step,resumes_from", [
+    pytest.param("in-save", "step=12", "all", False, 12, 6, id="in-save-new-path-sync"),
+    pytest.param("in-save", "step=12", "all", True, 12, 6, id="in-save-new-path-async", marks=pytest.mark.slow),
+    pytest.param("in-save", "last", "all", False, 12, 6, id="in-resave-of-last-sync", marks=pytest.mark.slow),
+    pytest.param("in-save", "last", "all", True, 12, 6, id="in-resave-of-last-async"),
+    pytest.param("in-save", "step=12", "top1", True, 12, 6, id="in-save-top1-async"),
+    pytest.param("between", "", "all", False, 15, 12, id="between-sync", marks=pytest.mark.slow),
+    pytest.param("between", "", "all", True, 15, 12, id="between-async", marks=pytest.mark.slow)])
+def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, uninterrupted, mode, root, keep, async_save,
+                                                          step, resumes_from):
+    """Issue 26: a real Trainer.fit in a child process (lightning_run), SIGKILLed right after a
+    data file of step 12 is written (not committed) under the new ``epoch=1-step=12.ckpt`` or
+    under ``last.ckpt`` (a re-save of a path holding step 6), or at the end of step 15 between
+    saves. The previous complete save is still there: ``last.ckpt`` holds it, and a user who
+    lists the directory and tries the newest path gets a clear CheckpointNotFoundError for the
+    torn one and loads the one before. A fresh trainer (other initial weights, other RNG)
+    resumed from it (``ckpt_path="last"``, or the listed path where ModelCheckpoint keeps one
+    checkpoint and no last.ckpt) ends bit for bit where the uninterrupted run ends: weights,
+    AdamW moments, scheduler, step, RNG.
+
+    top1 (ModelCheckpoint's default, async; the kill comes once training has gone on to step
+    13): Lightning removes epoch=0-step=6.ckpt as soon as step 12's save returns. That removal
+    used to run at once, so the kill left no committed checkpoint at all; now it waits until
+    step 12 is committed."""
+    child = subprocess.run([sys.executable, "-m", "support.lightning_run", str(tmp_path), mode,
+                            "1" if async_save else "0", str(step), root, keep],
+                           env=ENV, capture_output=True, text=True, timeout=300, cwd=TESTS)
+    assert child.returncode == -signal.SIGKILL, child.stdout[-2000:] + child.stderr[-3000:]
+    assert "KILLED" in child.stdout
+    ckpts = tmp_path / "ckpts"
+    io = GDSCheckpointIO()
+    if keep == "all":
+        assert io.load_checkpoint(ckpts / "last.ckpt")["global_step"] == resumes_from  # what "last" resumes from
+
+    # A user picking the newest checkpoint path by its step: a torn save is refused, clearly, and
+    # the one before it loads.
+    listed = sorted(ckpts.glob("epoch=*-step=*.ckpt"), key=_step_of)
+    torn = [p.name for p in listed if not (p / f"step_{_step_of(p):012d}" / "manifest.json").exists()]
+    if root == "step=12":
+        assert torn == ["epoch=1-step=12.ckpt"] and listed[-1].name == torn[0], (torn, listed)
+    else:  # killed in last.ckpt's save: epoch=1-step=12.ckpt is complete, or (async) still being written
+        assert torn == (["epoch=1-step=12.ckpt"] if async_save and mode == "in-save" else []), torn
+    while listed and listed[-1].name in torn:
+        with pytest.raises(CheckpointNotFoundError, match=f"no committed checkpoint under .*{listed[-1].name}"):
+            io.load_checkpoint(listed[-1])
+        listed.pop()
+    assert listed, "the kill left no complete checkpoint: the previous one was removed before the next committed"
+    newest = io.load_checkpoint(listed[-1])["global_step"]
+    assert newest == _step_of(listed[-1]) >= resumes_from
+
+    # the path of step 12 was left (torn, or complete: a kill in last.ckpt's save) and is saved again
+    resaved_12 = (ckpts / "epoch=1-step=12.ckpt").exists() and resumes_from < 12
+    m = lightning_run.model(99)  # other initial weights and RNG: everything must come from the checkpoint
+    t = lightning_run.trainer(tmp_path / "resumed", callbacks=[lightning_run.checkpoints(ckpts, keep)],
+                              plugins=[lightning_run.plugin(async_save)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.fit(m, lightning_run.data(), ckpt_path="last" if keep == "all" else listed[-1])
+    assert_same_tree(uninterrupted, lightning_run.final_state(t, m))
+
+    # Every path the resumed run wrote holds exactly its own step, committed, no leftover. A path
+    # the kill left stays as it was (Lightning checks that the path exists, not the plug-in, and
+    # names the re-save "...-v1.ckpt"): a torn one is still refused, its data file a hidden leftover.
+    if keep == "all":
+        assert io.load_checkpoint(ckpts / "last.ckpt")["global_step"] == LAST_STEP
+        want = ["epoch=0-step=6.ckpt", "epoch=1-step=12.ckpt", "epoch=2-step=18.ckpt", "epoch=3-step=24.ckpt"]
+        want += ["epoch=1-step=12-v1.ckpt"] if resaved_12 else []
+    else:
+        want = ["epoch=0-step=6.ckpt", "epoch=3-step=24.ckpt", *torn]  # Lightning keeps the one resumed from
+    paths = sorted(p.name for p in ckpts.glob("epoch=*-step=*.ckpt"))
+    assert paths == sorted(want)
+    for name in paths:
+        held = [p.name for p in (ckpts / name).iterdir() if p.name.startswith(("step_", ".tmp-"))]
+        if name in torn:
+            assert [h.split("-")[1] for h in held] == ["step_000000000012"], held
+            with pytest.raises(CheckpointNotFoundError):
+                io.load_checkpoint(ckpts / name)
+        else:
+            assert held == [f"step_{_step_of(ckpts / name):012d}"], (name, held)

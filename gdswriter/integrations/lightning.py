@@ -10,11 +10,17 @@ path is a gdswriter root, a directory holding one committed step (the global ste
 data files and manifest: complete or absent after a crash, checksummed, never pickled.
 Re-saving the same path (``last.ckpt``) commits the new step and drops the older one.
 ``ModelCheckpoint``'s top-k pruning removes whole directories; ``save_last="link"`` links
-them. Everything that goes through the Trainer works (``fit/validate/test(ckpt_path=...)``,
-``"last"``, ``"best"``); ``LightningModule.load_from_checkpoint`` reads with torch.load and
-bypasses plug-ins: use ``GDSCheckpointIO().load_checkpoint(path)`` and
-``model.load_state_dict(ckpt["state_dict"])`` instead, or ``gdswriter export PATH --to
-safetensors --model-only`` for the weights alone.
+them. After a crash mid-save (kill -9) the previous checkpoint still loads: a re-saved path
+(``last.ckpt``) keeps its older step until the new one is committed, and a removal Lightning
+asks for while saves to other paths are in flight waits until they are committed (kept if one
+fails); a new path whose save was cut holds no committed step, and loading it raises
+CheckpointNotFoundError (Lightning names the next save of that path ``...-v1.ckpt``; with
+``save_last="link"`` and asynchronous saves, ``last.ckpt`` may link to that torn path: resume
+from the path before it). Everything that goes through the Trainer works
+(``fit/validate/test(ckpt_path=...)``, ``"last"``, ``"best"``);
+``LightningModule.load_from_checkpoint`` reads with torch.load and bypasses plug-ins: use
+``GDSCheckpointIO().load_checkpoint(path)`` and ``model.load_state_dict(ckpt["state_dict"])``
+instead, or ``gdswriter export PATH --to safetensors --model-only`` for the weights alone.
 
 Asynchronous saves (default). ``save_checkpoint`` records the state and returns (see
 ``GDSCheckpointer.save_async``), so training goes on while the files are written; a save to a
@@ -193,6 +199,7 @@ class GDSCheckpointIO(CheckpointIO):
         self.options = options or CheckpointOptions()
         self.read_torch_files = read_torch_files
         self._pending: list[tuple[Path, GDSCheckpointer, SaveHandle]] = []
+        self._removals: list[tuple[Path, list[SaveHandle]]] = []  # deferred until those saves are committed
         self._errors: list[BaseException] = []
         self._mutex = threading.Lock()
 
@@ -204,6 +211,8 @@ class GDSCheckpointIO(CheckpointIO):
                             f"when creating it")
         root = Path(os.fspath(path)).absolute()
         self._finish(lambda p: p == root)  # also reports a failed earlier save, once
+        with self._mutex:  # a path removed, then saved again: the new save stays
+            self._removals = [r for r in self._removals if r[0] != root]
         if not isinstance(checkpoint.get(MODEL_KEY, {}), dict):
             raise InvalidOptionError(f"checkpoint[{MODEL_KEY!r}] must be a dict of tensors")
         tags: list = []
@@ -282,6 +291,7 @@ class GDSCheckpointIO(CheckpointIO):
                     ckpt.close()
                 except BaseException as e:  # noqa: BLE001
                     self._errors.append(e)
+        self._remove_when_superseded()
         if self._errors:
             first, *rest = self._errors
             self._errors = []
@@ -327,16 +337,42 @@ class GDSCheckpointIO(CheckpointIO):
 
     # -- remove / teardown ------------------------------------------------------
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """Remove ``path`` (after its own save). Lightning removes the previous top-k checkpoint
+        as soon as the next save returns: while saves to other paths are still being written,
+        the removal waits for them (done by a later call: save, load, remove, teardown), and a
+        path whose successors failed is kept, so that a crash or a failed save mid-write still
+        leaves the previous checkpoint to resume from."""
         root = Path(os.fspath(path)).absolute()
         self._finish(lambda p: p == root)
-        if root.is_symlink() or root.is_file():
-            root.unlink()
-        elif root.is_dir():
-            shutil.rmtree(root)
+        with self._mutex:
+            newer = [h for _, _, h in self._pending]
+            if newer:
+                self._removals.append((root, newer))
+        if not newer:
+            _remove_path(root)
+
+    def _remove_when_superseded(self) -> None:
+        """Carry out the deferred removals whose saves are all done: the path goes when they
+        were all committed, and stays (logged) when one of them failed."""
+        with self._mutex:
+            ready = [r for r in self._removals if all(h.done() for h in r[1])]
+            self._removals = [r for r in self._removals if r not in ready]
+        for root, handles in ready:
+            if all(h.exception() is None for h in handles):
+                _remove_path(root)
+            else:
+                log.warning("gdswriter: kept %s, which Lightning removed: a save made after it failed", root)
 
     def teardown(self) -> None:
         """Wait for every pending save; raise the first failure not reported yet."""
         self._finish(lambda p: True)
+
+
+def _remove_path(root: Path) -> None:
+    if root.is_symlink() or root.is_file():
+        root.unlink()
+    elif root.is_dir():
+        shutil.rmtree(root)
 
 
 def _to_device(obj: Any, device: torch.device) -> Any:
