@@ -459,3 +459,85 @@ def test_torchtitan_checkpoint_manager_calls_on_2_ranks(tmp_path, capsys):
     got = load_file(out)
     assert got.keys() == {k.removeprefix("model.") for k in want}
     assert all(torch.equal(got[k.removeprefix("model.")], v) for k, v in want.items())
+
+
+# ----------------------------------------------------------------------------- kill -9, torchtitan's resume
+KILL_STEPS = 6
+
+
+def _grad(step: int) -> torch.Tensor:
+    return torch.randn(768, 1024, generator=torch.Generator().manual_seed(1000 + step))
+
+
+def _train_step(state: dict, step: int) -> None:
+    """SGD with momentum, by hand: every step changes the weights and the momentum."""
+    state["m"].mul_(0.9).add_(_grad(step))
+    state["w"].sub_(0.01 * state["m"])
+    state["step"].fill_(step)
+
+
+def _fresh(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(768, 1024, generator=g), "m": torch.zeros(768, 1024), "step": torch.zeros((), dtype=torch.int64)}
+
+
+def _killed_dcp_run(rank: int, world: int, folder: str, mode: str) -> None:
+    """Train KILL_STEPS steps saving torchtitan-style (dcp.save to FOLDER/step-N every 2 steps)
+    and die of SIGKILL: while step 4's data file is written ("in-save", before its commit), or
+    at the end of step 5 ("between")."""
+    import os
+    import signal
+
+    import torch.distributed.checkpoint as dcp
+
+    import gdswriter.distributed.dcp as plugin
+
+    state = _fresh(0)
+    w = writer()
+    for step in range(1, KILL_STEPS + 1):
+        _train_step(state, step)
+        if mode == "between" and step == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if step % 2 == 0:
+            if mode == "in-save" and step == 4:
+                written = plugin.write_files
+
+                def write_then_die(*args, **kwargs):  # the data is on disk, the step not committed
+                    out = written(*args, **kwargs)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    return out
+
+                plugin.write_files = write_then_die  # private: the plug-in's own name for its writes
+            dcp.save(state, checkpoint_id=os.path.join(folder, f"step-{step}"), storage_writer=w)
+    raise AssertionError("not killed")
+
+
+@pytest.mark.parametrize("mode", ["in-save", "between"])
+def test_a_killed_dcp_run_resumes_as_torchtitan_would_bit_for_bit(tmp_path, mode):
+    """kill -9 during a save through the path idiom (or between saves): torchtitan's lookup
+    (the newest step-N with a .metadata) finds the last committed step, which loads, and the run
+    resumed from it ends bit for bit like an uninterrupted one; the torn step is refused."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import dcp_errors
+    from gdswriter.errors import CheckpointNotFoundError
+
+    folder = tmp_path / "checkpoints"
+    run_ranks(1, _killed_dcp_run, str(folder), mode, out=tmp_path / "out", killed=(0,))
+    want = {"in-save": 2, "between": 4}[mode]
+    assert _find_load_step(str(folder)) == want
+    if mode == "in-save":
+        assert (folder / "step-4").is_dir() and not (folder / "step-4" / ".metadata").exists()
+        with pytest.raises(CheckpointNotFoundError), dcp_errors():
+            dcp.load(_zeros(_fresh(0)), checkpoint_id=str(folder / "step-4"), storage_reader=reader(), no_dist=True)
+    state = _zeros(_fresh(0))
+    dcp.load(state, checkpoint_id=os.path.join(folder, f"step-{want}"), storage_reader=reader(), no_dist=True)
+    assert int(state["step"]) == want
+    for step in range(want + 1, KILL_STEPS + 1):
+        _train_step(state, step)
+    straight = _fresh(0)
+    for step in range(1, KILL_STEPS + 1):
+        _train_step(straight, step)
+    assert _equal(state, straight)
