@@ -1,6 +1,7 @@
 """Tensor helpers that saving and loading share: ``flat_bytes`` (a flat uint8 view of a
-storage's bytes, what the engines read and write) and ``hint_unaligned`` (the one-time hint
-when large live CPU tensors miss zero-copy O_DIRECT for their alignment).
+storage's bytes, what the engines read and write), ``hint_unaligned`` (the one-time hint
+when large live CPU tensors miss zero-copy O_DIRECT for their alignment) and ``to_device``
+(a loaded state moved where a framework asked for it: the integrations' map_location).
 
 Below save/ and load/, which both use it: it imports only the engines, options and torch,
 never gdswriter.save, gdswriter.load or anything above them.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -44,3 +46,21 @@ def hint_unaligned(flats: Sequence[torch.Tensor], options: EngineOptions, info: 
                  f"O_DIRECT needs on this file system, so they are copied through the staging buffers. Start "
                  f"the process with THP_MEM_ALLOC_ENABLE=1 (torch then page-aligns large CPU tensors) to move "
                  f"them straight between memory and file, with half the CPU work", logging.INFO)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples moved to ``device``; dict
+    subclasses (OrderedDict state dicts, Lightning's AttributeDict) keep their type and a
+    state dict's ``_metadata``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if type(obj) is dict:
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, dict):
+        out = type(obj)((k, to_device(v, device)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj

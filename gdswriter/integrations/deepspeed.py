@@ -99,6 +99,7 @@ from ..format.state_codec import decode_state
 from ..fs import atomic_write, fsync_dir
 from ..load.reader import read_manifest, read_tensors
 from ..options import CheckpointOptions
+from ..tensors import to_device
 
 log = logging.getLogger("gdswriter")
 
@@ -362,19 +363,6 @@ def load_file(path: str | os.PathLike, *, verify: bool = True, options: Checkpoi
     raise CheckpointNotFoundError(f"{p}: step {step} (tag {tag!r}) holds no file {name!r}; it holds {held}")
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if type(obj) in (dict, collections.OrderedDict):
-        out = type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata
-        return out
-    if type(obj) in (list, tuple):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
-
-
 # ----------------------------------------------------------------------------- the engine
 class _Tag:
     """One tag being collected (between create and the end of save_checkpoint), then saved."""
@@ -493,7 +481,7 @@ class GDSCheckpointEngine(CheckpointEngine):
             return torch.load(p, map_location=map_location, weights_only=False)
         state = load_file(p, verify=self.options.verify, options=self.options)
         if isinstance(map_location, (str, torch.device)):
-            state = _to_device(state, torch.device(map_location))
+            state = to_device(state, torch.device(map_location))
         elif map_location is not None and not callable(map_location):
             raise InvalidOptionError(f"map_location must be None, a device, a device string or a callable, got "
                                      f"{type(map_location).__name__}")

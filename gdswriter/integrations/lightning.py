@@ -88,6 +88,7 @@ from ..errors import CorruptCheckpointError, InvalidOptionError, UnsupportedObje
 from ..options import CheckpointOptions
 from ..load.reader import load_state
 from ..rng import set_rng_state
+from ..tensors import to_device
 from .engines import ENGINES
 
 log = logging.getLogger("gdswriter")
@@ -332,7 +333,7 @@ class GDSCheckpointIO(CheckpointIO):
                          "is left as it is", path, step)
         if map_location is not None:
             device = torch.device(map_location)
-            checkpoint = _to_device(checkpoint, device)
+            checkpoint = to_device(checkpoint, device)
         return checkpoint
 
     # -- remove / teardown ------------------------------------------------------
@@ -373,18 +374,3 @@ def _remove_path(root: Path) -> None:
         root.unlink()
     elif root.is_dir():
         shutil.rmtree(root)
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if type(obj) is dict:
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, dict):  # OrderedDict (state dicts), AttributeDict
-        out = type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata
-        return out
-    if type(obj) in (list, tuple):
-        return type(obj)(_to_device(v, device) for v in obj)
-    return obj
