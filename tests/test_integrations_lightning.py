@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import lightning_run
+from support.engines import count_staged_engines
 from support.trees import assert_same_tree
 
 L = pytest.importorskip("lightning")
@@ -419,22 +420,6 @@ def _rss_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
-def _count_engines(monkeypatch) -> list:
-    """Counts every staged engine built from now on (the engine every save here uses: io_uring
-    or POSIX on this machine), whoever builds it: the shelf or a checkpointer."""
-    from gdswriter.engines.staged import StagedEngine
-
-    built: list = []
-    real = StagedEngine.__init__
-
-    def counting(self, *a, **k):
-        built.append(type(self).__name__)
-        real(self, *a, **k)
-
-    monkeypatch.setattr(StagedEngine, "__init__", counting)
-    return built
-
-
 def _save_many(tmp_path, n: int, async_save: bool) -> list[int]:
     """``n`` saves of a 2 MiB state through one plug-in, each to a new path (the older one
     removed, as top-k pruning does); RSS after each save, and a check that the last path holds
@@ -462,7 +447,7 @@ def test_saves_reuse_the_engines_and_memory_stays_flat(tmp_path, monkeypatch, as
     process's shelf: 60 saves to 60 paths build at most two (an asynchronous save in flight
     and the next; none when an earlier test left them idle), and the RSS peaks of saves 35-60
     stay within 16 MiB of those of saves 10-35."""
-    built = _count_engines(monkeypatch)
+    built = count_staged_engines(monkeypatch)
     rss, last_saved_right = _save_many(tmp_path, 60, async_save)
     assert len(built) <= 2, f"{len(built)} engines built for 60 saves: the saves do not share engines"
     assert last_saved_right()

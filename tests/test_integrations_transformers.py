@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import hf_run
+from support.engines import count_staged_engines
 from support.trees import assert_same_tree
 
 transformers = pytest.importorskip("transformers")
@@ -305,16 +306,7 @@ class RecordRSS(transformers.TrainerCallback):
 def _saves_through_the_trainer(tmp_path, monkeypatch, n: int, async_save: bool) -> tuple[list[int], list]:
     """``n`` saves (one per step, save_total_limit=1) of hf_run's model (4 MiB embedding, AdamW):
     RSS after each save, and the staged engines built meanwhile (by the shelf or anyone)."""
-    from gdswriter.engines.staged import StagedEngine
-
-    built: list = []
-    real = StagedEngine.__init__
-
-    def counting(self, *a, **k):
-        built.append(type(self).__name__)
-        real(self, *a, **k)
-
-    monkeypatch.setattr(StagedEngine, "__init__", counting)
+    built = count_staged_engines(monkeypatch)
     rec = RecordRSS()
     data = hf_run.data() * (n // 8 + 1)
     t = GDSTrainer(model=hf_run.model(4), args=hf_run.args(tmp_path, max_steps=n, save_steps=1),
@@ -355,29 +347,13 @@ def test_a_failed_async_save_is_raised_once_and_the_previous_checkpoint_stays(tm
     """A background save that fails (ENOSPC while writing step 8) is raised once, by the next
     optimizer step (the checkpointer's hook) or at the latest by train(); its hidden directory
     is removed and checkpoint-4 stays the one to resume from."""
-    from gdswriter.engines.base import IOEngine
-    from gdswriter.engines.select import create_engine
     from gdswriter.errors import EngineIOError
+    from support.engines import HookedWrites
 
-    class NoSpaceAt8(IOEngine):
-        def __init__(self, options):
-            self.inner = create_engine(options)
-            self.name, self.honours_span_guards = self.inner.name, self.inner.honours_span_guards
-
-        def write_file(self, path, spans, **kw):
+    class NoSpaceAt8(HookedWrites):
+        def before(self, path):
             if "step_000000000008" in str(path):
                 raise EngineIOError(28, str(path), 0, "write")
-            return self.inner.write_file(path, spans, **kw)
-
-        def read_file(self, path, spans):
-            return self.inner.read_file(path, spans)
-
-        @property
-        def info(self):
-            return self.inner.info
-
-        def close(self):
-            self.inner.close()
 
     class WaitForTheFailure(transformers.TrainerCallback):
         """Step 9 begins once the failed save is over (its hidden directory removed)."""

@@ -19,7 +19,7 @@ import crc32c
 import pytest
 import torch
 
-from gdswriter.engines.base import ReadSpan, WriteSpan, check_spans
+from gdswriter.engines.base import IOEngine, ReadSpan, WriteSpan, check_spans
 from gdswriter.errors import EngineUnavailableError
 from gdswriter.options import ALIGN, KiB
 from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
@@ -277,3 +277,55 @@ def plant(kind: str, path: Path, target: Path) -> object:
         except PermissionError:
             pytest.skip("mknod needs CAP_MKNOD")
     return None
+
+
+# --------------------------------------------------------------------------- engines with a hook
+class HookedWrites(IOEngine):
+    """The engine ``create_engine(options)`` makes, with ``before(path)`` called before each of
+    its file writes and ``after(path)`` once the file is written (no-ops here: a test overrides
+    them to fail a write, hold it, or SIGKILL the process at a chosen file). Its class is what
+    the integrations' engine seams take (``gds_engine_factory``, the engine shelf)."""
+
+    def __init__(self, options):
+        from gdswriter.engines.select import create_engine
+
+        self.inner = create_engine(options)
+        self.name, self.honours_span_guards = self.inner.name, self.inner.honours_span_guards
+
+    def before(self, path) -> None:
+        pass
+
+    def after(self, path) -> None:
+        pass
+
+    def write_file(self, path, spans, **kw):
+        self.before(path)
+        out = self.inner.write_file(path, spans, **kw)
+        self.after(path)
+        return out
+
+    def read_file(self, path, spans):
+        return self.inner.read_file(path, spans)
+
+    @property
+    def info(self):
+        return self.inner.info
+
+    def close(self):
+        self.inner.close()
+
+
+def count_staged_engines(monkeypatch) -> list:
+    """The names of every staged engine built from now on (io_uring or POSIX on this machine),
+    whoever builds it: an engine shelf or a checkpointer."""
+    from gdswriter.engines.staged import StagedEngine
+
+    built: list = []
+    real = StagedEngine.__init__
+
+    def counting(self, *a, **k):
+        built.append(type(self).__name__)
+        real(self, *a, **k)
+
+    monkeypatch.setattr(StagedEngine, "__init__", counting)
+    return built

@@ -56,33 +56,15 @@ def final_state(trainer) -> dict:
 
 def killing_engine_factory(step: int):
     """Engines that SIGKILL the process once they have written a data file of ``step``."""
-    from gdswriter.engines.base import IOEngine
-    from gdswriter.engines.select import create_engine
+    from support.engines import HookedWrites
 
     marker = f"step_{step:012d}"
 
-    class KillAfterWrite(IOEngine):
-        def __init__(self, options):
-            self.inner = create_engine(options)
-            self.name = self.inner.name
-            self.honours_span_guards = self.inner.honours_span_guards
-
-        def write_file(self, path, spans, **kw):
-            out = self.inner.write_file(path, spans, **kw)
+    class KillAfterWrite(HookedWrites):
+        def after(self, path):
             if marker in str(path):
                 print("KILLED-IN-SAVE", path, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return out
-
-        def read_file(self, path, spans):
-            return self.inner.read_file(path, spans)
-
-        @property
-        def info(self):
-            return self.inner.info
-
-        def close(self):
-            self.inner.close()
 
     return KillAfterWrite
 

@@ -111,38 +111,24 @@ def killing_engine_factory(step: int, root: str, wait: threading.Event | None = 
     slow write, during which training goes on). ``hold_others`` (asynchronous saves, which
     write several paths at once): the writes of ``step`` to other paths wait for the kill, so
     that what it leaves does not depend on which background write got further."""
-    from gdswriter.engines.base import IOEngine
-    from gdswriter.engines.select import create_engine
+    from support.engines import HookedWrites
 
     marker = f"step_{step:012d}"
 
-    class KillAfterWrite(IOEngine):
-        def __init__(self, options):
-            self.inner = create_engine(options)
-            self.name = self.inner.name
-            self.honours_span_guards = self.inner.honours_span_guards
+    def hit(path) -> bool:
+        return marker in str(path) and root in Path(path).parent.parent.name  # ROOT/.tmp-step_S-*/data-*
 
-        def write_file(self, path, spans, **kw):
-            hit = marker in str(path) and root in Path(path).parent.parent.name  # ROOT/.tmp-step_S-*/data-*
-            if marker in str(path) and not hit and hold_others:
+    class KillAfterWrite(HookedWrites):
+        def before(self, path):
+            if marker in str(path) and not hit(path) and hold_others:
                 threading.Event().wait()  # until the kill
-            if hit and wait is not None:
+            if hit(path) and wait is not None:
                 wait.wait(60)
-            out = self.inner.write_file(path, spans, **kw)
-            if hit:
+
+        def after(self, path):
+            if hit(path):
                 print("KILLED-IN-SAVE", path, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            return out
-
-        def read_file(self, path, spans):
-            return self.inner.read_file(path, spans)
-
-        @property
-        def info(self):
-            return self.inner.info
-
-        def close(self):
-            self.inner.close()
 
     return KillAfterWrite
 
