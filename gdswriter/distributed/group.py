@@ -325,6 +325,41 @@ class Coordinator:
 
         return self._run(what, run)
 
+    def scatter(self, objs: Sequence[Any] | None, what: str, src: int = 0) -> Any:
+        """Rank ``src``'s ``objs[r]`` on each rank ``r`` (``objs`` is read on ``src`` only): an
+        answer of its own for every rank. A rank receives its message padded to the largest one
+        (whose size ``src`` broadcasts, 8 bytes): constant in the world size when every message is."""
+        if self.solo_mode:
+            assert objs is not None
+            return json.loads(json.dumps(objs[0]))
+        import torch.distributed as dist
+
+        def run() -> Any:
+            root = self.rank == src
+            datas = [self._encode(o) for o in objs] if root and objs is not None else []
+            if root and len(datas) != self.world_size:
+                raise ValueError(f"internal: scatter of {len(datas)} messages to {self.world_size} ranks")
+            width = torch.tensor([8 + max((d.numel() for d in datas), default=0)], dtype=torch.int64)
+            dist.broadcast(width, group=self.group, group_src=src)
+            n = int(width)
+            bufs = None
+            if root:
+                bufs = []
+                for d in datas:
+                    b = torch.zeros(n, dtype=torch.uint8)
+                    b[:8] = torch.tensor([d.numel()], dtype=torch.int64).view(torch.uint8)
+                    b[8:8 + d.numel()] = d
+                    bufs.append(b)
+            out = torch.empty(n, dtype=torch.uint8)
+            dist.scatter(out, bufs, group=self.group, group_src=src)
+            if root:
+                self.stats.add((self.world_size - 1) * (8 + n), 0)
+            else:
+                self.stats.add(0, 8 + n)
+            return self._decode(out[8:], int(out[:8].view(torch.int64)))
+
+        return self._run(what, run)
+
     def exchange(self, transfers: Sequence[Transfer], what: str) -> None:
         """Move bytes point to point: this rank posts every receive addressed to it, then every
         send it owes, then waits for all of them (so no order of ranks can deadlock)."""
