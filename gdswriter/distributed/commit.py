@@ -114,7 +114,7 @@ class RankCommit:
 
     def _not_shared(self, i: int) -> RootUnavailableError:
         g = self.layout.local_to_global[i]
-        info, mine = self.layout.table[g], self.layout.local_paths[i]
+        info, mine = self.layout.root(g), self.layout.local_paths[i]
         return RootUnavailableError(
             errno.EEXIST,
             f"checkpoint root {mine} (rank {self.coord.rank}) and root {info.path} (rank {self.layout.leader(g)}) "
@@ -195,7 +195,7 @@ class RankCommit:
         if final.exists() and not owned(self.layout, final):
             raise EngineIOError(errno.EEXIST, final, 0, "commit",
                                 f"it holds step {self.step} of another checkpoint (not written for primary "
-                                f"root {self.layout.primary_identity}, id {self.layout.table[0].id}); nothing was "
+                                f"root {self.layout.primary_identity}, id {self.layout.primary_id}); nothing was "
                                 f"changed: give each checkpoint its own directory on every root")
 
     def _check_primary_final(self, final: Path) -> None:

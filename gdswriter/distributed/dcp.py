@@ -102,7 +102,7 @@ from .group import Coordinator, describe
 from .load import broadcast_manifest, rebuild_state
 from .options import DistOptions
 from .rankfiles import file_entries, group_held, rank_targets
-from .roots import choose_primary, discover_layout, probe_led
+from .roots import discover_layout, probe_led, settle_primary
 from .session import DistSession, RankProtocol, open_session
 
 log = logging.getLogger("gdswriter")
@@ -695,8 +695,13 @@ class GDSStorageReader(_Collective, StorageReader):
         roots = self.current_roots()
         coord = self.coordinator()
         layout = discover_layout(coord, roots, create=False)
-        probes = coord.all_gather(probe_led(layout), "dcp.load (finding the primary root)")
-        layout = choose_primary(layout, {g: p for x in probes for g, p in x.items()})
+        probes, error = None, None
+        try:
+            probes = probe_led(layout)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
+        layout, _ = settle_primary(coord, layout, probes, error, "dcp.load (finding the primary root)",
+                                   "nothing was loaded; fix the failing rank's roots and load again")
         step = self._override if self._override is not None else (None if self._path_roots else self.step)
         step, m = broadcast_manifest(coord, RankProtocol(layout), step, "dcp.load", src=layout.primary_rank)
         if m.dist is None or m.dist.layout != "dcp" or m.dist.dcp is None:

@@ -3,8 +3,11 @@
 Each rank is given its own list of roots (directories on its SSDs). Two ranks may name one
 directory (a shared file system, or ranks of one node), or the same path may be two disks
 (node-local SSDs on different nodes). A root's identity is therefore an id stored inside it
-(``.gdswriter-root``, created once), not its path: ranks exchange the ids of their roots and
-agree on one table of distinct roots, the primary first. Each root is led by the lowest rank
+(``.gdswriter-root``, created once), not its path: the ranks send the ids of their roots to
+rank 0, which builds the one table of distinct roots (the primary first) and sends each rank
+its part of it (``discover_layout``: what a rank receives does not grow with the world; the
+whole table is held by the primary rank, which records it in each manifest, and by every
+rank only once a load needs it, ``share_table``). Each root is led by the lowest rank
 that sees it: that rank locks it, cleans it, and commits its step directory; the other ranks
 sharing it only write their own files there.
 
@@ -12,8 +15,9 @@ Which root is the primary (the one holding the manifests) is decided when the ro
 opened (``choose_primary``), from what is on them, not from the rank order alone: node ranks
 are not kept across restarts (torchrun's rendezvous may put rank 0 on another node), so rank
 0's first root may be a disk that holds only secondary step directories of the checkpoint
-while the primary's manifests are on another node's disk. Each root's leader reports the
-steps committed on it and the primary ids its secondary step directories name; the primary
+while the primary's manifests are on another node's disk. Each root's leader reports to rank
+0 the steps committed on it and the primary ids its secondary step directories name
+(``settle_primary``: rank 0 decides and every rank receives the decision alone); the primary
 is rank 0's first root when that holds a committed step (or nothing says otherwise), else the
 one root of the job that holds committed steps (the one the secondaries name, if several do),
 else the root that rank 0's first root's secondary directories name. Its leader (the
@@ -34,14 +38,14 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from ..errors import EngineIOError, InvalidOptionError, RootUnavailableError
+from ..errors import EngineIOError, InvalidOptionError, RankFailedError, RootUnavailableError
 from ..format.commit import (ROOT_MARKER_NAME, CommitProtocol, RootLock, step_dirs, owned_by, step_owner,
                              write_owner)
 from ..format.commit import root_identity as commit_root_identity
 from ..format.manifest import MANIFEST_NAME, RootInfo
-from .group import Coordinator, describe, raise_failures
+from .group import Coordinator, bounded, describe, unbound
 
 log = logging.getLogger("gdswriter")
 
@@ -63,20 +67,51 @@ def root_identity(path: str | os.PathLike, create: bool = True) -> str | None:
 
 
 @dataclass(frozen=True)
+class KnownRoot:
+    """What a rank knows of one root of the job's table: its id, the path its leader sees it
+    at, and its leader (the lowest rank that sees it)."""
+
+    id: str
+    path: str
+    leader: int
+
+
+@dataclass(frozen=True)
 class RootLayout:
-    """This rank's place in the job's roots: the table every rank agrees on (``table[0]`` is the
-    primary), this rank's own roots and their index in the table."""
+    """This rank's place in the job's roots: this rank's own roots and their index in the job's
+    table of distinct roots (index 0 is the primary). The whole ``table`` (every root with the
+    ranks that see it: O(roots) entries, which grows with the world when each node has its own
+    disks) is held only where it is needed: on the primary rank, which writes it into each
+    step's manifest, and after ``with_table`` (a load that needs it). Every rank ``known``s the
+    roots it sees and the primary, which is what it needs to save and to lead its roots."""
 
     rank: int
     world_size: int
-    table: tuple[RootInfo, ...]
+    table: tuple[RootInfo, ...]  # every root (the primary first) where held, else ()
     local_paths: tuple[Path, ...]
     local_ids: tuple[str, ...]
     local_to_global: tuple[int, ...]
     primary_identity: str  # what secondary step directories name in ``primary-root``
+    known: Mapping[int, KnownRoot] | None = None  # table index -> entry (every root where ``table`` is held)
+    root_count: int | None = None  # how many roots the table has (len(table) where held)
+    shares: bool | None = None  # whether some root is seen by more than one rank
+
+    def __post_init__(self) -> None:
+        if self.known is None:
+            object.__setattr__(self, "known", {g: KnownRoot(info.id, info.path, min(info.ranks))
+                                               for g, info in enumerate(self.table)})
+        if self.root_count is None:
+            object.__setattr__(self, "root_count", len(self.table))
+        if self.shares is None:
+            object.__setattr__(self, "shares", any(len(info.ranks) > 1 for info in self.table))
+
+    def root(self, g: int) -> KnownRoot:
+        """Table root ``g``, which this rank must know (one of its own, or the primary)."""
+        assert self.known is not None
+        return self.known[g]
 
     def leader(self, g: int) -> int:
-        return min(self.table[g].ranks)
+        return self.root(g).leader
 
     @property
     def primary_rank(self) -> int:
@@ -85,19 +120,40 @@ class RootLayout:
         return self.leader(0)
 
     @property
-    def shares_roots(self) -> bool:
-        """Whether some root is seen by more than one rank."""
-        return any(len(info.ranks) > 1 for info in self.table)
+    def primary_id(self) -> str:
+        return self.root(0).id
 
-    def with_primary(self, g: int) -> "RootLayout":
+    @property
+    def shares_roots(self) -> bool:
+        """Whether some root is seen by more than one rank (the same on every rank)."""
+        return bool(self.shares)
+
+    @property
+    def holds_table(self) -> bool:
+        return len(self.table) == self.root_count
+
+    def with_primary(self, g: int, primary: KnownRoot | None = None) -> "RootLayout":
         """This layout with table root ``g`` as the primary (moved to the front, the other roots
-        keeping their order)."""
+        keeping their order). ``primary``: root ``g``'s entry, where this rank does not know it."""
         if g == 0:
             return self
-        order = [g] + [h for h in range(len(self.table)) if h != g]
-        new_of = {old: new for new, old in enumerate(order)}
-        return RootLayout(self.rank, self.world_size, tuple(self.table[h] for h in order), self.local_paths,
-                          self.local_ids, tuple(new_of[h] for h in self.local_to_global), self.table[g].path)
+        assert self.known is not None and self.root_count is not None
+
+        def moved(h: int) -> int:
+            return 0 if h == g else h + 1 if h < g else h
+
+        new = primary or self.known[g]
+        known = {moved(h): k for h, k in self.known.items()}
+        known[0] = new
+        table = (self.table[g],) + self.table[:g] + self.table[g + 1:] if self.holds_table else ()
+        return RootLayout(self.rank, self.world_size, table, self.local_paths, self.local_ids,
+                          tuple(moved(h) for h in self.local_to_global), new.path, known, self.root_count,
+                          self.shares)
+
+    def with_whole_table(self, table: Sequence[RootInfo]) -> "RootLayout":
+        """This layout holding the whole ``table`` (in this layout's order)."""
+        return RootLayout(self.rank, self.world_size, tuple(table), self.local_paths, self.local_ids,
+                          self.local_to_global, self.primary_identity)
 
     def leads(self, i: int) -> bool:
         """Whether this rank leads its local root ``i``."""
@@ -115,14 +171,84 @@ class RootLayout:
         return [i for i in range(len(self.local_paths)) if self.leads(i)]
 
 
+def _ranges(ranks: Sequence[int]) -> list[list[int]]:
+    """Sorted ranks as [first, last] runs: one run for the ranks of a node or of a shared root."""
+    out: list[list[int]] = []
+    for r in ranks:
+        if out and out[-1][1] == r - 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    return out
+
+
+def _unranges(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    return tuple(r for a, b in runs for r in range(int(a), int(b) + 1))
+
+
+def _build_table(everyone: Sequence[dict]) -> tuple[tuple[RootInfo, ...], list[list[int]]]:
+    """The table of distinct roots (by id, in rank order: rank 0's first root first) from every
+    rank's [[id, path], ...], and each rank's roots' table indices."""
+    order: dict[str, int] = {}
+    paths: list[str] = []
+    ranks: list[list[int]] = []
+    where: list[list[int]] = []
+    for r, x in enumerate(everyone):
+        mine = []
+        for rid, path in x["roots"]:
+            if rid not in order:
+                order[rid] = len(paths)
+                paths.append(path)
+                ranks.append([])
+            ranks[order[rid]].append(r)
+            mine.append(order[rid])
+        where.append(mine)
+    return tuple(RootInfo(rid, paths[g], tuple(ranks[g])) for rid, g in order.items()), where
+
+
+def _raise_decided(msg: dict, error: BaseException | None, what: str, hint: str) -> None:
+    """Raise what a decision broadcast says: a refusal (``refused``: the error type, errno and
+    message the deciding rank raised, raised alike on every rank), or the failed ranks
+    (``bounded``: this rank's own error where it failed, RankFailedError elsewhere)."""
+    refused = msg.get("refused")
+    if refused is not None:
+        if error is not None:
+            raise error
+        kinds = {"RootUnavailableError": RootUnavailableError, "InvalidOptionError": InvalidOptionError}
+        kind = kinds.get(refused["type"])
+        if kind is RootUnavailableError:
+            raise RootUnavailableError(refused["errno"], refused["message"])
+        if kind is InvalidOptionError:
+            raise InvalidOptionError(refused["message"])
+        raise RankFailedError(what, {msg.get("rank", 0): f"{refused['type']}: {refused['message']}"}, hint)
+    if "failed" in msg:
+        shown, total = unbound(msg)
+        if total:
+            if error is not None:
+                raise error
+            raise RankFailedError(what, shown, hint, total=total)
+
+
+def _refusal(e: BaseException) -> dict:
+    """An error of the deciding rank, as every rank re-raises it (_raise_decided)."""
+    return {"type": type(e).__name__, "errno": getattr(e, "errno", None) or errno.EIO,
+            "message": e.strerror if isinstance(e, OSError) and e.strerror else str(e)}
+
+
 def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool = True,
                     failed: BaseException | None = None) -> RootLayout:
     """Collective: every rank's roots' ids -> the shared root table. With ``create`` (writing)
     missing roots are made; without (reading only), a root without an id stands for itself, by
     path. ``failed``: an error this rank hit before this first collective, reported here so that
-    every rank raises at once instead of waiting out the timeout."""
+    every rank raises at once instead of waiting out the timeout.
+
+    Rank 0 gathers every rank's ids and paths, builds the table (it leads its first root, the
+    primary until choose_primary says otherwise) and sends each rank only its part: its roots'
+    table indices and leaders, the primary's entry, the table's size and whether any root is
+    shared (a scatter). A rank receives what its own roots take, whatever the world size."""
     mine: dict = {}
     error = failed
+    ids: list[str] = []
     try:
         if failed is not None:
             raise failed
@@ -140,22 +266,34 @@ def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool =
         mine = {"roots": [[i, str(r.resolve())] for i, r in zip(ids, roots)]}
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error = e
-    everyone = coord.all_gather(mine if error is None else {"error": describe(error)}, "opening the roots")
-    raise_failures([x.get("error") for x in everyone], error, "opening the checkpoint roots",
-                   hint="no root was changed; fix the failing rank's roots and open again")
-    order: dict[str, int] = {}
-    paths: list[str] = []
-    ranks: list[list[int]] = []
-    for r, x in enumerate(everyone):
-        for rid, path in x["roots"]:
-            if rid not in order:
-                order[rid] = len(paths)
-                paths.append(path)
-                ranks.append([])
-            ranks[order[rid]].append(r)
-    table = tuple(RootInfo(rid, paths[g], tuple(ranks[g])) for rid, g in order.items())
-    return RootLayout(coord.rank, coord.world_size, table, tuple(roots), tuple(ids),
-                      tuple(order[rid] for rid in ids), everyone[0]["roots"][0][1])
+    what = "opening the roots"
+    everyone = coord.gather(mine if error is None else {"error": describe(error)}, what, dst=0)
+    parts: list | None = None
+    table: tuple[RootInfo, ...] = ()
+    if everyone is not None:
+        failures = {r: x["error"] for r, x in enumerate(everyone) if "error" in x}
+        if failures:
+            parts = [bounded(failures)] * coord.world_size
+        else:
+            table, where = _build_table(everyone)
+            first = table[0]
+            common = {"primary": [first.id, first.path, min(first.ranks)], "count": len(table),
+                      "shares": any(len(info.ranks) > 1 for info in table)}
+            parts = [{**common, "mine": [[g, table[g].path, min(table[g].ranks)] for g in where[r]]}
+                     for r in range(coord.world_size)]
+    part = coord.scatter(parts, f"{what} (the table)", src=0)
+    _raise_decided(part, error, "opening the checkpoint roots",
+                   "no root was changed; fix the failing rank's roots and open again")
+    local_to_global = tuple(g for g, _, _ in part["mine"])
+    if table:
+        return RootLayout(coord.rank, coord.world_size, table, tuple(roots), tuple(ids), local_to_global,
+                          table[0].path)
+    known = {int(g): KnownRoot(rid, path, int(leader))
+             for (g, path, leader), rid in zip(part["mine"], ids)}
+    pid, ppath, pleader = part["primary"]
+    known[0] = KnownRoot(pid, ppath, int(pleader))
+    return RootLayout(coord.rank, coord.world_size, (), tuple(roots), tuple(ids), local_to_global, ppath,
+                      known, int(part["count"]), bool(part["shares"]))
 
 
 def probe_led(layout: RootLayout) -> dict:
@@ -175,9 +313,10 @@ def probe_led(layout: RootLayout) -> dict:
 
 def choose_primary(layout: RootLayout, probes: dict) -> RootLayout:
     """The layout with the job's primary first (module docstring), from every leader's
-    ``probe_led`` (merged: one entry per table root). Every rank computes the same from the
-    same probes. RootUnavailableError when several roots hold committed steps and none of them
-    is rank 0's first root: which checkpoint to continue is then not the roots' to say."""
+    ``probe_led`` (merged: one entry per table root), on the rank holding the whole table
+    (``settle_primary`` runs it on rank 0 and sends the decision). RootUnavailableError when
+    several roots hold committed steps and none of them is rank 0's first root: which checkpoint
+    to continue is then not the roots' to say."""
     table = layout.table
     committed = [probes[str(g)]["committed"] for g in range(len(table))]
     if committed[0]:
@@ -201,6 +340,65 @@ def choose_primary(layout: RootLayout, probes: dict) -> RootLayout:
     return layout.with_primary(mine[0]) if len(mine) == 1 else layout
 
 
+def _primary_of(layout: RootLayout, probes: dict) -> int:
+    """The table index (in ``layout``) of the root choose_primary puts first."""
+    chosen = choose_primary(layout, probes)
+    return next(g for g, info in enumerate(layout.table) if info.id == chosen.table[0].id)
+
+
+def settle_primary(coord: Coordinator, layout: RootLayout, probes: dict | None, error: BaseException | None,
+                   what: str, hint: str) -> tuple[RootLayout, dict]:
+    """Collective: choose the primary (choose_primary) from every leader's ``probes`` (this
+    rank's probe_led, or ``error``: it failed before), gathered to rank 0, which holds the table
+    and decides; every rank receives the decision alone (the primary's table index, entry and
+    probe, or a bounded failure set, or the refusal that every rank raises alike). A primary
+    that moved to another rank's root then gathers every rank's roots once more, to hold the
+    table it writes into the manifests. Returns the layout and the primary's probe (its
+    committed steps and ``latest``)."""
+    got = coord.gather({"error": describe(error)} if error is not None else {"probes": probes}, what, dst=0)
+    decision: dict = {}
+    if got is not None:
+        failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
+        if failures:
+            decision = bounded(failures)
+        else:
+            merged = {g: p for x in got for g, p in x["probes"].items()}
+            try:
+                g = _primary_of(layout, merged)
+                info = layout.table[g]
+                decision = {"primary": g, "entry": [info.id, info.path, min(info.ranks)], "probe": merged[str(g)]}
+            except Exception as e:  # noqa: BLE001 - raised alike on every rank
+                error, decision = e, {"refused": _refusal(e)}
+    decision = coord.broadcast(decision, f"{what} (decision)", src=0)
+    _raise_decided(decision, error, what, hint)
+    g = int(decision["primary"])
+    pid, ppath, pleader = decision["entry"]
+    moved = layout.with_primary(g, KnownRoot(pid, ppath, int(pleader)))
+    if g != 0:  # the new primary rank builds the table again from every rank's roots (in moved's order)
+        mine = {"roots": [[i, str(r.resolve())] for i, r in zip(layout.local_ids, layout.local_paths)]}
+        everyone = coord.gather(mine, f"{what} (the primary's table)", dst=moved.primary_rank)
+        if everyone is not None:
+            table, _ = _build_table(everyone)
+            moved = moved.with_whole_table((table[g],) + table[:g] + table[g + 1:])
+    return moved, decision["probe"]
+
+
+def share_table(coord: Coordinator, layout: RootLayout, what: str) -> RootLayout:
+    """Collective: ``layout`` holding the whole table on every rank, sent by the primary rank
+    (each root's ranks as runs of consecutive ranks). O(roots) bytes per rank, for the loads
+    that need every root's ranks (reading other ranks' manifest shards to reshard, a
+    single-process checkpoint's roots): a load already receives the global manifest, which
+    lists the same roots."""
+    p = layout.primary_rank
+    msg = None
+    if coord.rank == p:
+        msg = [[info.id, info.path, _ranges(info.ranks)] for info in layout.table]
+    msg = coord.broadcast(msg, f"{what} (the root table)", src=p)
+    if layout.holds_table:
+        return layout
+    return layout.with_whole_table([RootInfo(rid, path, _unranges(runs)) for rid, path, runs in msg])
+
+
 def lock_led(layout: RootLayout) -> RootLock:
     """Lock the roots this rank leads (CheckpointLockedError if another job holds one)."""
     return RootLock([layout.local_paths[i] for i in layout.led])
@@ -217,7 +415,7 @@ class _LedRoots(CommitProtocol):
         super().__init__((primary or [layout.local_paths[0] / ".not-led-here"]) +
                          [layout.local_paths[i] for i in led if not layout.is_primary(i)])
         self.identity = layout.primary_identity
-        self.primary_id = layout.table[0].id  # the ranks agreed on the roots: cleaning claims nothing
+        self.primary_id = layout.primary_id  # the ranks agreed on the roots: cleaning claims nothing
         self._committed = sorted(committed)
 
     def committed_steps(self) -> list[int]:
@@ -247,7 +445,7 @@ def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
                     steps = [s for s, _ in foreign]
                     raise RootUnavailableError(
                         errno.ENOENT,
-                        f"primary checkpoint root {root} (id {layout.table[0].id}, rank {layout.rank}'s root) holds no "
+                        f"primary checkpoint root {root} (id {layout.primary_id}, rank {layout.rank}'s root) holds no "
                         f"committed step, only {len(steps)} step director{'y' if len(steps) == 1 else 'ies'} (steps "
                         f"{steps[:5]}{' ...' if len(steps) > 5 else ''}) that another primary root (id "
                         f"{', '.join(ids)}) wrote there as its secondary data, and no root of this job is that "
@@ -258,11 +456,11 @@ def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
                         f"those directories out of {root} yourself")
                 continue
             held = [s for s, d in step_dirs(root) for path, owner_id in [step_owner(d)]
-                    if path == layout.primary_identity and owner_id != layout.table[0].id]
+                    if path == layout.primary_identity and owner_id != layout.primary_id]
             if held:
                 raise RootUnavailableError(
                     errno.ENOENT,
-                    f"primary checkpoint root {layout.primary_identity} (id {layout.table[0].id}) holds no committed "
+                    f"primary checkpoint root {layout.primary_identity} (id {layout.primary_id}) holds no committed "
                     f"step, but secondary root {root} holds {len(held)} step director{'y' if len(held) == 1 else 'ies'} "
                     f"(steps {held[:5]}{' ...' if len(held) > 5 else ''}) written for another primary root at that "
                     f"path: is the right disk mounted there, and is rank 0 on the node that saved them? Start the job "
@@ -278,10 +476,10 @@ def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
 def write_owner_files(layout: RootLayout, step_dir: Path) -> None:
     """Record in a secondary step directory of this checkpoint its primary: the primary's path
     and id, as format/commit.py records them."""
-    write_owner(step_dir, layout.primary_identity, layout.table[0].id)
+    write_owner(step_dir, layout.primary_identity, layout.primary_id)
 
 
 def owned(layout: RootLayout, step_dir: Path) -> bool:
     """True when a secondary step directory was written for this checkpoint's primary root: by
     the primary's id when it names one, else (written before ids were recorded) by its path."""
-    return owned_by(step_dir, layout.primary_identity, layout.table[0].id)
+    return owned_by(step_dir, layout.primary_identity, layout.primary_id)

@@ -35,7 +35,7 @@ from ..save.handle import Release
 from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
-from .roots import RootLayout, choose_primary, clean_led, discover_layout, lock_led, owned, probe_led
+from .roots import RootLayout, clean_led, discover_layout, lock_led, owned, probe_led, settle_primary, share_table
 from .save import DTensors, PlanCache, collective_save
 from .shards import split_dtensors
 
@@ -93,6 +93,7 @@ class DistSession:
         self._plans = PlanCache()
         self._mutex = threading.Lock()
         self._serial = threading.Lock()  # one collective operation at a time (the module docstring)
+        self._table_shared = layout.world_size == 1  # the whole root table on every rank (share_table)
 
     @property
     def rank(self) -> int:
@@ -189,6 +190,9 @@ class DistSession:
         newest intact step, as every rank agrees (load.py). ``state()``: this rank's live
         state; the first of ``engines()`` reads."""
         with self._serial:
+            if not self._table_shared:  # once, on every rank: until then a rank holds only its own part of it
+                self.layout = share_table(self.coord, self.layout, "loading")
+                self._table_shared = True
             live_state = state()
             return collective_restore(self.coord, self.layout, self.protocol, live, live_state, step, engines()[0],
                                       strict=strict, verify=verify, fallback=fallback)
@@ -210,37 +214,29 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
     ``movable_primary``: the caller lets another rank than rank 0 commit (GDSCheckpointer does;
     DCP's coordinator, which commits in finish(), is rank 0, so it refuses a primary elsewhere)."""
     layout = discover_layout(coord, roots, failed=failed)
-    lock, error, mine = None, None, {}
+    lock, error, probes = None, None, None
     try:
         lock = lock_led(layout)
-        mine = {"probes": probe_led(layout)}
+        probes = probe_led(layout)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    everyone = coord.all_gather({"error": describe(error)} if error else mine, "opening the roots (locks)")
-    try:
-        raise_failures([x.get("error") for x in everyone], error, "opening the checkpoint roots",
-                       hint="no root was changed; close the other checkpointer or choose other roots")
+    try:  # rank 0 decides from every leader's probes; every rank receives the decision alone
+        layout, primary = settle_primary(coord, layout, probes, error, "opening the checkpoint roots",
+                                         "no root was changed; close the other checkpointer or choose other roots")
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     assert lock is not None
-    try:  # every rank decides the same from the same probes: all raise or none
-        probes = {g: p for x in everyone for g, p in x["probes"].items()}
-        first = layout
-        layout = choose_primary(first, probes)
-        if layout.primary_rank != 0 and not movable_primary:
-            info = layout.table[0]
-            raise RootUnavailableError(
-                errno.ENOENT,
-                f"the checkpoint's primary root (id {info.id}, holding its manifests) is rank "
-                f"{layout.primary_rank}'s {info.path}, not one of rank 0's roots: rank 0 is on another node than "
-                f"when it was saved. dcp.save commits on rank 0: start the job with rank 0 on the node that holds "
-                f"that root (or give rank 0 that root first); nothing was changed")
-    except BaseException:
+    if layout.primary_rank != 0 and not movable_primary:  # every rank knows the primary's entry: all raise
         lock.release()
-        raise
-    primary = probes[str(first.table.index(layout.table[0]))]  # probes name the roots by their index in ``first``
+        info = layout.root(0)
+        raise RootUnavailableError(
+            errno.ENOENT,
+            f"the checkpoint's primary root (id {info.id}, holding its manifests) is rank "
+            f"{layout.primary_rank}'s {info.path}, not one of rank 0's roots: rank 0 is on another node than "
+            f"when it was saved. dcp.save commits on rank 0: start the job with rank 0 on the node that holds "
+            f"that root (or give rank 0 that root first); nothing was changed")
     error = None
     try:
         clean_led(layout, primary["committed"])
@@ -255,7 +251,7 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
     if layout.primary_rank != 0 and coord.rank == 0:
         log.warning("gdswriter: the checkpoint's primary root %s (id %s, with its manifests) is rank %d's, not rank "
                     "0's (rank 0 is on another node than when it was saved): rank %d commits the steps and reads "
-                    "the manifests", layout.table[0].path, layout.table[0].id, layout.primary_rank,
+                    "the manifests", layout.root(0).path, layout.primary_id, layout.primary_rank,
                     layout.primary_rank)
     session = DistSession(coord, layout, lock, options)
     session._learn(primary["committed"], primary["latest"])
