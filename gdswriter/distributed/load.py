@@ -471,11 +471,19 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
             raise  # the group is broken: no further collective can agree on anything
         except Exception as e:  # noqa: BLE001 - decided together below
             failure = e
-        verdicts = coord.all_gather(_verdict(failure), f"loading step {step} (deciding whether to fall back)")
-        if "other" in verdicts or "damage" not in verdicts:
+        what = f"loading step {step} (deciding whether to fall back)"
+        verdicts = coord.gather(_verdict(failure), what, dst=src)  # decided on src: every rank gets a bounded answer
+        decision = None
+        if verdicts is not None:
+            decision = {"other": "other" in verdicts, **bounded({r: "damage" for r, v in enumerate(verdicts)
+                                                                 if v == "damage"})}
+        decision = coord.broadcast(decision, f"{what} (decision)", src=src)
+        shown, total = unbound(decision)
+        if decision["other"] or not total:
             raise failure
+        more = f" and {total - len(shown)} more" if total > len(shown) else ""
         found = " ".join(str(failure).split()) if _verdict(failure) == "damage" else \
-            f"rank(s) {[r for r, v in enumerate(verdicts) if v == 'damage']} found it damaged"
+            f"rank(s) {sorted(shown)}{more} found it damaged"
         log.warning("gdswriter: step %d under %s is damaged, trying an older step: %s", step, protocol.primary, found)
         damaged.append(step)
         problems.append(f"step {step}: {found}")
