@@ -15,7 +15,9 @@ per GPU) and holds 2,000 tensors:
 Reported per W: CPU time of a save on the typical rank (first, with planning; then cached)
 and on rank 0 (its commit of W reports), without the snapshot and the data writes (timed
 apart: they depend on the state, not on W), the whole save's too, the bytes each sends and
-receives in the save's collectives, the global manifest's size, and the bytes a rank reads to plan its load. DCP's
+receives in the save's collectives, the global manifest's size, the bytes a rank reads to plan its load, and what opening the
+roots (the first collectives of a GDSCheckpointer: the root table, the primary's choice) sends
+to a typical rank and to rank 0. DCP's
 anchor: its DefaultSavePlanner's global plan over W local plans of 2,000 items (rank 0's work in
 every dcp.save), without and with its plan caching (the second save of an unchanged layout).
 
@@ -36,7 +38,7 @@ import torch
 
 from gdswriter.distributed.load import reach_of, relay
 from gdswriter.distributed.rankfiles import item_pieces
-from gdswriter.distributed.roots import RootLayout
+from gdswriter.distributed.roots import RootLayout, discover_layout, probe_led, settle_primary
 from gdswriter.distributed import save as save_mod
 from gdswriter.distributed.save import DTensors, PlanCache, collective_save
 from gdswriter.engines.select import create_engine
@@ -175,6 +177,32 @@ def dcp_anchor(world: int, cached: bool) -> float:
     return time.perf_counter() - t0
 
 
+def simulate_open(world: int, base: Path) -> dict:
+    """What opening a checkpointer's roots coordinates (roots.discover_layout, then
+    settle_primary: the primary's choice), on rank 0 and then on the typical rank, every rank
+    with its own root: [sent, received, collectives] and CPU time of each."""
+    typical = world // 2
+
+    def message_of(rank: int, what: str, mine):
+        if what == "opening the roots":
+            return {"roots": [[f"{rank:032x}", f"/sim/nvme{rank}"]]}
+        if what == "opening the checkpoint roots" and "probes" in mine:
+            return {"probes": {str(rank): {"committed": [], "latest": None, "names": []}}}
+        return mine
+
+    peers = Peers(1, message_of=message_of)  # rank 0 first: the typical rank receives what it sent
+    out = {}
+    for rank in (0, typical):
+        root = base / f"open-rank{rank}"
+        coord = SimCoordinator(rank, world, peers)
+        t0 = time.process_time()
+        layout = discover_layout(coord, [root])
+        settle_primary(coord, layout, probe_led(layout), None, "opening the checkpoint roots", "")
+        out["rank0" if rank == 0 else "typical"] = {"cpu_s": time.process_time() - t0 - coord.peer_cpu_s,
+                                                    "stats": list(coord.stats.snapshot())}
+    return out
+
+
 def simulate(kind: str, world: int, base: Path, engine) -> dict:
     typical = world // 2
     roots = {0: base / "rank0", typical: base / f"rank{typical}"}
@@ -186,7 +214,7 @@ def simulate(kind: str, world: int, base: Path, engine) -> dict:
     r0 = run_rank(kind, 0, world, roots, peers_0, engine)
     manifest = (roots[0] / step_dir_name(2) / MANIFEST_NAME).stat().st_size
     return {"kind": kind, "world": world, "typical": t, "rank0": r0, "manifest": manifest,
-            "load": plan_load(typical, world, roots, 2)}
+            "load": plan_load(typical, world, roots, 2), "open": simulate_open(world, base)}
 
 
 def main(argv=None) -> int:
@@ -214,7 +242,8 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     head = ["state", "W", "typical: plan+shard+commit CPU first / cached (ms)", "typical: whole save cached (ms)",
             "typical sends / receives (B)", "rounds", "rank 0: plan+shard+commit cached (ms)", "rank 0 receives (KiB)",
-            "global manifest (KiB)", "load plan reads (KiB)", "load plan CPU (ms)", "DCP global plan / cached (ms)"]
+            "global manifest (KiB)", "load plan reads (KiB)", "load plan CPU (ms)",
+            "open: typical rank receives (B)", "open: rank 0 receives (KiB) / CPU (ms)", "DCP global plan / cached (ms)"]
     table = [head]
     for r in rows:
         t, z = r["typical"], r["rank0"]
@@ -224,7 +253,9 @@ def main(argv=None) -> int:
                       f"{t['cached']['cpu_s'] * 1e3:.0f}", f"{t['cached']['sent']} / {t['cached']['received']}",
                       t["cached"]["rounds"], f"{z['cached']['coordination_s'] * 1e3:.0f}",
                       f"{z['cached']['received'] / 1024:.0f}", f"{r['manifest'] / 1024:.0f}",
-                      f"{r['load']['read'] / 1024:.0f}", f"{r['load']['cpu_s'] * 1e3:.0f}", dcp])
+                      f"{r['load']['read'] / 1024:.0f}", f"{r['load']['cpu_s'] * 1e3:.0f}",
+                      r["open"]["typical"]["stats"][1],
+                      f"{r['open']['rank0']['stats'][1] / 1024:.0f} / {r['open']['rank0']['cpu_s'] * 1e3:.0f}", dcp])
     if args.markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))

@@ -29,16 +29,28 @@ class Peers:
     report (``last_report``) for the next simulated rank to use as its template."""
 
     def __init__(self, step: int, token: str = "sim00000",
-                 report_of: Callable[[int, dict], dict] | None = None, template: dict | None = None):
+                 report_of: Callable[[int, dict], dict] | None = None, template: dict | None = None,
+                 message_of: Callable[[int, str, Any], Any] | None = None):
         self.step, self.token = step, token
         self.report_of = report_of
         self.template = template
+        self.message_of = message_of  # (rank, what, this rank's message) -> rank's message, where it differs
         self.manifest: str | None = None
         self.last_report: dict | None = None
         self._made: dict[int, dict] = {}  # the other ranks' reports, made once (their cost is theirs)
+        # what a root sent when this process played it (rank 0 simulated first): a typical rank then
+        # receives what rank 0's real code sent it
+        self.sent: dict[str, Any] = {}
+        self.scattered: dict[str, list] = {}
+
+    def scatter(self, rank: int, what: str) -> Any:
+        """Rank ``rank``'s part of the scatter at ``what``, as the simulated root sent it."""
+        return self.scattered[what][rank]
 
     def broadcast(self, what: str) -> Any:
         """What the root (another rank) broadcasts at ``what``, when every rank succeeded."""
+        if what in self.sent:
+            return self.sent[what]
         if what.endswith("(step)"):
             return {"step": self.step, "token": self.token}
         if "(loading from its own shard) (decision)" in what:
@@ -57,6 +69,8 @@ class Peers:
                 report = self._made[rank] = dict(self.report_of(rank, template) if self.report_of else template)
             report["step"] = self.step
             return {"report": report}
+        if self.message_of is not None:
+            return self.message_of(rank, what, mine)
         return mine
 
 
@@ -97,9 +111,21 @@ class SimCoordinator(Coordinator):
     def broadcast(self, obj: Any, what: str, src: int = 0) -> Any:
         if self.rank == src:
             self.stats.add((self.world_size - 1) * (8 + _size(obj)), 0)
+            self.peers.sent[what] = json.loads(json.dumps(obj))
             return json.loads(json.dumps(obj))
         msg = self.peers.broadcast(what)
         self.stats.add(0, 8 + _size(msg))
+        return json.loads(json.dumps(msg))
+
+    def scatter(self, objs: Sequence[Any] | None, what: str, src: int = 0) -> Any:
+        if self.rank == src:
+            assert objs is not None
+            width = 8 + max(_size(x) for x in objs)
+            self.stats.add((self.world_size - 1) * (8 + width), 0)
+            self.peers.scattered[what] = json.loads(json.dumps(list(objs)))
+            return json.loads(json.dumps(objs[self.rank]))
+        msg = self.peers.scatter(self.rank, what)
+        self.stats.add(0, 8 + 8 + _size(msg))  # padded to the largest part, in the real scatter
         return json.loads(json.dumps(msg))
 
     def exchange(self, transfers: Sequence[Transfer], what: str) -> None:
