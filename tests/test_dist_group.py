@@ -129,3 +129,22 @@ def test_checkpointers_constructed_in_different_orders_fail_clearly(tmp_path):
         assert "same order on every rank" in r["error"], r
         assert "model, optimizer" in r["error"] and "model)" in r["error"], r
     assert not (tmp_path / "train").exists() and not (tmp_path / "ema").exists(), "nothing was created"
+
+
+def _scatter_worker(rank: int, world: int) -> dict:
+    from gdswriter.distributed.group import Coordinator
+
+    coord = Coordinator.create(timeout_s=TIMEOUT_S, label="scatter")
+    before = coord.stats.snapshot()
+    parts = [{"rank": r, "pad": "x" * (10 * r)} for r in range(world)] if rank == 1 else None
+    got = coord.scatter(parts, "scattering", src=1)
+    after = coord.stats.snapshot()
+    coord.close()
+    return {"got": got, "received": after[1] - before[1]}
+
+
+def test_scatter_gives_each_rank_its_own_message_padded_to_the_largest(tmp_path):
+    res = run_ranks(3, _scatter_worker, out=tmp_path / "ranks")
+    assert [x["got"] for x in res] == [{"rank": r, "pad": "x" * (10 * r)} for r in range(3)], res
+    widest = len('{"rank":2,"pad":""}') + 20
+    assert [x["received"] for x in res] == [8 + 8 + widest, 0, 8 + 8 + widest], res  # the width, a header, the part

@@ -36,7 +36,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -92,7 +92,7 @@ class RootLayout:
     local_ids: tuple[str, ...]
     local_to_global: tuple[int, ...]
     primary_identity: str  # what secondary step directories name in ``primary-root``
-    known: Mapping[int, KnownRoot] | None = None  # table index -> entry (every root where ``table`` is held)
+    known: Mapping[int, KnownRoot] | None = field(default=None, hash=False)  # table index -> entry (every root where ``table`` is held)
     root_count: int | None = None  # how many roots the table has (len(table) where held)
     shares: bool | None = None  # whether some root is seen by more than one rank
 
