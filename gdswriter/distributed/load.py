@@ -444,9 +444,10 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
                    live_state: dict, engine: IOEngine, *, strict: bool, verify: bool
                    ) -> tuple[int, Any, Any, tuple[int, ...]]:
     """Collective _prepare of the newest intact step (load(fallback=True)). The primary rank's
-    fallback order is every rank's; after a failed step every rank says how it saw the failure and all
-    decide alike from the same answers: the next step when some rank found damage and none
-    failed otherwise, else every rank raises."""
+    fallback order is every rank's; after a failed step every rank tells it how it saw the failure,
+    and it decides for all (a broadcast naming at most MAX_SHOWN_FAILURES damaged ranks: a rank
+    receives the same few bytes whatever the world size): the next step when some rank found
+    damage and none failed otherwise, else every rank raises."""
     order: dict = {}
     error = None
     src = layout.primary_rank  # the rank that reads the primary root (rank 0 unless a restart moved it)
