@@ -26,6 +26,7 @@ ends on the same step, or raises, and none waits for a collective the others ski
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +49,7 @@ from ..load.policy import DAMAGE
 from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
                            tensors_from_storages)
 from .fetch import fetch_storages, manifest_reach
+from . import hostshare
 from .group import Coordinator, Transfer, bounded, describe, unbound
 from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces
 from .roots import RootLayout, discover_layout
@@ -208,14 +210,16 @@ def relay(item: ItemRecord, writer: int, rank: int, world: int) -> list[tuple[in
 
 
 def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
-             engine: IOEngine, *, verify: bool, what: str, src: int) -> Any | None:
+             engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None) -> Any | None:
     """Collective: this rank's saved state from its own shard alone, when every rank can do so
     (the same world size, its shard and data files on roots it sees, its DTensor blocks the
     ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
     several ranks hold are read once: each holder reads the pieces it wrote and sends them to
     the other holders (split_stream gives every holder the same pieces with no message; each
     piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
-    bytes from disk once in total."""
+    bytes from disk once in total. When every rank sees the same tmpfs ``share_dir`` (one host),
+    the holders read their pieces into one shared file per item instead and nothing travels
+    (distributed/hostshare.py)."""
     unchanged = "the live state was not changed"
     rank, world = coord.rank, coord.world_size
     shard: RankShard | None = None
@@ -235,11 +239,15 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     # every rank can load from its own shard, and the holders of each set of shared items agree
     # on what it holds (else the pieces they would pass each other would not match)
     sets = holder_set_digests(shard.items, rank, world) if shard is not None else []
-    got = coord.gather({"ok": ok, "sets": sets}, f"{what} (loading from its own shard)", dst=src)
+    got = coord.gather({"ok": ok, "sets": sets, "host": hostshare.domain(share_dir)},
+                       f"{what} (loading from its own shard)", dst=src)
     verdict = None
     if got is not None:
         bad = disagreeing_holders([x["sets"] for x in got]) if all(x["ok"] for x in got) else {}
-        verdict = {"own": all(x["ok"] for x in got), **bounded(bad)}
+        hosts = {x["host"] for x in got}
+        one_host = world > 1 and len(hosts) == 1 and None not in hosts
+        verdict = {"own": all(x["ok"] for x in got), "share": hostshare.token() if one_host else None,
+                   **bounded(bad)}
     verdict = coord.broadcast(verdict, f"{what} (loading from its own shard) (decision)", src=src)
     shown, total = unbound(verdict)
     if total:
@@ -250,6 +258,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     if not verdict["own"]:
         return None
     assert shard is not None
+    share = _share_on_host(coord, shard, world, share_dir, verdict.get("share"), what, src)
     rounds: list[list[tuple[int, int, int, int, int]]] = []  # per round: (src, dst, item, offset, length)
     error = None
     try:
@@ -262,7 +271,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                                              f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
                                              f"load an earlier step")
             for w, off, n in pieces:
-                if n and it.holder_count(world) > 1:
+                if n and it.holder_count(world) > 1 and share is None:
                     for k, a, b in relay(it, w, rank, world):
                         while len(rounds) <= k:
                             rounds.append([])
@@ -275,8 +284,11 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     buffers: list[torch.Tensor] = []
     error = None
     try:
-        buffers = [host_buffer(it.nbytes) for it in shard.items]
-        wanted = [(c, buffers[sid][c.storage_offset:c.storage_offset + c.length])
+        # shared on this host: read into the shared file, view it through this rank's private mapping
+        buffers = [share.private[sid] if share is not None and sid in share.private else host_buffer(it.nbytes)
+                   for sid, it in enumerate(shard.items)]
+        into = [share.shared.get(sid, b) if share is not None else b for sid, b in enumerate(buffers)]
+        wanted = [(c, into[sid][c.storage_offset:c.storage_offset + c.length])
                   for sid, cs in enumerate(shard.chunks) for c in cs if c.length]
         view = Manifest(step=g.step, files=shard.files,
                         storages=tuple(StorageRecord(c.length, (replace(c, storage_offset=0),)) for c, _ in wanted),
@@ -286,6 +298,10 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                       [dest for _, dest in wanted], [engine], verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
+    wanted = into = []  # type: ignore[assignment]
+    if share is not None:
+        share.release_shared()
+    # once every rank has read (this agreement), the shared files hold every piece
     coord.agree(error, f"{what} (reading)", hint=unchanged, root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
     for k, moves in enumerate(rounds):  # a rank runs the rounds of the deepest tree it is in
@@ -309,6 +325,33 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         error = e
     coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged, root=src)
     return state
+
+
+def _share_on_host(coord: Coordinator, shard: RankShard, world: int, share_dir: str | None, token: str | None,
+                   what: str, src: int) -> hostshare.SharedItems | None:
+    """Collective: the shared files of this rank's shared items (hostshare.py) when the primary
+    found every rank on one tmpfs (``token``) and every rank could reserve them, else None on
+    every rank (the pieces then go over the process group). Their names are gone when it
+    returns (every rank has mapped them)."""
+    if token is None:
+        return None
+    share, error = None, None
+    try:
+        hostshare.clean_stale(share_dir)
+        wanted = [(sid, it) for sid, it in enumerate(shard.items) if it.nbytes and it.holder_count(world) > 1]
+        share = hostshare.SharedItems(share_dir, token, [(hashlib.sha1(it.key.encode()).hexdigest()[:20], sid,  # type: ignore[arg-type]
+                                                          it.nbytes) for sid, it in wanted])
+    except Exception as e:  # noqa: BLE001 - then no rank shares
+        error = e
+    everyone = coord.all_true(error is None, f"{what} (sharing the read on this host)", root=src)
+    if share is not None:
+        share.unlink()
+    if not everyone:
+        if error is not None:
+            log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
+                        "each other instead", what, share_dir, describe(error))
+        return None
+    return share
 
 
 def tensor_refs(tree: Any) -> list[int]:
@@ -401,7 +444,8 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
 
 
 def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState, live_state: dict,
-             step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> tuple[int, Any, Any]:
+             step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
+             share_dir: str | None = None) -> tuple[int, Any, Any]:
     """Collective: (step, state, plan) of ``step`` (None: the latest), read, verified and checked
     against the live state on every rank; nothing live has changed yet."""
     src = layout.primary_rank
@@ -410,7 +454,8 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
     what = f"loading step {step}"
     templates = live_templates(live_state, live.optimizer)
     g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
-    state = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src)
+    state = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src,
+                                                      share_dir=share_dir)
     if state is None:
         m = parse_manifest(protocol, step, raw) if g is None else gather_merged(coord, layout, g, what, src)
         error = None
@@ -441,7 +486,7 @@ def _verdict(e: BaseException) -> str | None:
 
 
 def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
-                   live_state: dict, engine: IOEngine, *, strict: bool, verify: bool
+                   live_state: dict, engine: IOEngine, *, strict: bool, verify: bool, share_dir: str | None = None
                    ) -> tuple[int, Any, Any, tuple[int, ...]]:
     """Collective _prepare of the newest intact step (load(fallback=True)). The primary rank's
     fallback order is every rank's; after a failed step every rank says how it saw the failure and all
@@ -460,13 +505,14 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
         coord.agree(error or RuntimeError(order["error"]) if coord.rank == src else None,
                     "loading the newest intact step (steps)", hint="the live state was not changed")
     if not order["steps"]:  # no committed step: the usual CheckpointNotFoundError, on every rank
-        return (*_prepare(coord, layout, protocol, live, live_state, None, engine, strict=strict, verify=verify), ())
+        return (*_prepare(coord, layout, protocol, live, live_state, None, engine, strict=strict, verify=verify,
+                                   share_dir=share_dir), ())
     damaged: list[int] = []
     problems: list[str] = []
     for step in order["steps"]:
         try:
-            return (*_prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify),
-                    tuple(damaged))
+            return (*_prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify,
+                              share_dir=share_dir), tuple(damaged))
         except CollectiveFailedError:
             raise  # the group is broken: no further collective can agree on anything
         except Exception as e:  # noqa: BLE001 - decided together below
@@ -485,24 +531,25 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
 
 def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
                        live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
-                       fallback: bool = False) -> LoadResult:
+                       fallback: bool = False, share_dir: str | None = None) -> LoadResult:
     """Collective: restore ``live`` on every rank from ``step`` (None: the latest; with
     ``fallback`` the newest intact step, see GDSCheckpointer.load). ``live_state`` is what saving
     ``live`` would collect (its tensors say what each rank needs).
 
     Always atomic: every rank reads into fresh buffers and verifies every chunk, and all ranks
     agree that every rank did, before any live tensor changes (load(atomic=...) has nothing to
-    add), so a damaged step leaves the live state untouched on every rank."""
+    add), so a damaged step leaves the live state untouched on every rank. ``share_dir``: the
+    tmpfs through which ranks on one host share what they read (DistOptions.load_share_dir)."""
     damaged: tuple[int, ...] = ()
     if fallback:
         step, state, plan, damaged = _newest_intact(coord, layout, protocol, live, live_state, engine, strict=strict,
-                                                    verify=verify)
+                                                    verify=verify, share_dir=share_dir)
         if damaged:
             log.warning("gdswriter: loaded step %d, the newest intact step (passed over damaged step(s) %s)",
                         step, list(damaged))
     else:
         step, state, plan = _prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict,
-                                     verify=verify)
+                                     verify=verify, share_dir=share_dir)
     error = None
     try:
         apply_state(live, state, plan)

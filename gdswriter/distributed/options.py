@@ -28,11 +28,17 @@ class DistOptions:
         DTensors are always written once per replica group of their mesh, wherever they
         are. Pass ``replicated=()`` when ranks hold different plain tensors under the same
         names (e.g. pipeline stages, or DDP with per-rank buffers).
+    load_share_dir: a tmpfs through which ranks that all see it (one host) share what they
+        read in a load of state several ranks hold: each reads its part of an item into one
+        shared file and nothing travels over the process group (default ``/dev/shm``; the
+        reservation falls back to the process group where it is too small). None: always
+        over the process group. Ranks on several hosts always use the process group.
     """
 
     collective: bool | None = None
     timeout_s: float = 600.0
     replicated: tuple[str, ...] = ("model", "optimizer")
+    load_share_dir: str | None = "/dev/shm"
 
     def __post_init__(self) -> None:
         if self.collective not in (None, True, False):
@@ -44,6 +50,10 @@ class DistOptions:
             raise InvalidOptionError(f"replicated={self.replicated!r} must be a tuple of top-level state names, "
                                      f"e.g. (\"model\", \"optimizer\")")
         object.__setattr__(self, "replicated", tuple(self.replicated))
+        if self.load_share_dir is not None and (not isinstance(self.load_share_dir, str) or
+                                                not self.load_share_dir.startswith("/")):
+            raise InvalidOptionError(f"load_share_dir={self.load_share_dir!r} must be an absolute path of a tmpfs "
+                                     f"(\"/dev/shm\") or None")
 
     @classmethod
     def from_env(cls, **overrides) -> "DistOptions":
