@@ -86,8 +86,13 @@ def test_what_a_rank_receives_in_a_save_is_flat_from_two_to_eight_ranks(tmp_path
 
 
 # ----------------------------------------------------------------------------- replicated state read once
-def _read_once_worker(rank: int, world: int, root: str, share: str | None) -> dict:
+def _read_once_worker(rank: int, world: int, root: str, share: str | list | None) -> dict:
+    """``share``: the tmpfs to share the load through, or one per host (a list: hosts of
+    consecutive ranks)."""
     from dataclasses import replace
+
+    if isinstance(share, list):
+        share = share[rank * len(share) // world]
 
     from gdswriter import GDSCheckpointer
 
@@ -137,6 +142,66 @@ def test_four_ranks_loading_replicated_state_read_its_bytes_once(tmp_path, share
         assert _shared_files(share) == before  # every name was unlinked
 
 
+def _mount_tmpfs(path, size: str) -> bool:
+    import subprocess
+
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _umount(*paths) -> None:
+    import subprocess
+
+    for p in paths:
+        subprocess.run(["umount", str(p)], check=False)
+
+
+def test_two_hosts_sharing_a_load_send_each_piece_across_once(tmp_path):
+    """Two "hosts" of two ranks each (two tmpfs instances, so two sharing domains): the ranks of
+    a host share what they read, and each piece crosses to the other host once, so a rank
+    receives about a quarter of the model instead of three quarters."""
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    if not (_mount_tmpfs(hosts[0], "64m") and _mount_tmpfs(hosts[1], "64m")):
+        _umount(*hosts)
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        res = run_ranks(4, _read_once_worker, str(tmp_path / "shared"), [str(h) for h in hosts],
+                        out=tmp_path / "ranks")
+        left = [p.name for h in hosts for p in h.iterdir()]
+    finally:
+        _umount(*hosts)
+    assert all(x["diff"] == [] for x in res), res
+    nbytes = res[0]["nbytes"]
+    assert nbytes <= sum(x["read"] for x in res) <= nbytes + 4 * 64 * 1024, res
+    received = [x["received"] for x in res]
+    assert all(nbytes // 8 <= r <= nbytes // 4 + 256 * 1024 for r in received), (received, nbytes)
+    assert left == []
+
+
+def test_ranks_on_hosts_of_equal_consecutive_blocks_share_else_none():
+    from gdswriter.distributed.load import host_blocks, relay_between_hosts
+
+    assert host_blocks(["a"] * 4) == 4
+    assert host_blocks(["a", "a", "b", "b", "c", "c"]) == 2
+    assert host_blocks(["a", "b", "a", "b"]) is None  # not consecutive
+    assert host_blocks(["a", "a", "b"]) is None  # unequal
+    assert host_blocks(["a", "a", "b", "b", "a", "a"]) is None  # a host twice
+    assert host_blocks(["a", "b"]) is None  # one rank per host: nothing to share
+    assert host_blocks(["a", None]) is None
+    # every other host receives each piece exactly once, from one sender per round
+    world, block = 24, 4
+    for writer in range(world):
+        got: dict[int, int] = {}
+        for rank in range(world):
+            for k, a, b in relay_between_hosts(writer, rank, world, block):
+                if b == rank:
+                    got[b] = got.get(b, 0) + 1
+                    assert a % block == b % block == writer % block
+        assert sorted(r // block for r in got) == [h for h in range(world // block) if h != writer // block]
+        assert set(got.values()) == {1}
+
+
 def _shared_files(share: str | None) -> set[str]:
     from pathlib import Path
 
@@ -180,17 +245,14 @@ def test_a_rank_writing_into_a_loaded_state_changes_no_other_ranks(tmp_path):
 def test_a_tmpfs_too_small_to_share_a_load_falls_back_to_the_process_group(tmp_path):
     """posix_fallocate refuses the reservation (ENOSPC) before any byte is read: every rank then
     passes the pieces over gloo, and the load is still bit-exact."""
-    import subprocess
-
     small = tmp_path / "small-shm"
-    small.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(small)],
-                      capture_output=True).returncode != 0:
+    if not _mount_tmpfs(small, "256k"):
+        _umount(small)
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         res = run_ranks(2, _read_once_worker, str(tmp_path / "shared"), str(small), out=tmp_path / "ranks")
     finally:
-        subprocess.run(["umount", str(small)], check=False)
+        _umount(small)
     assert all(x["diff"] == [] for x in res), res
     assert all(x["received"] >= res[0]["nbytes"] // 4 for x in res), res  # the pieces went over gloo
 

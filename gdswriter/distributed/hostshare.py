@@ -5,8 +5,10 @@ pieces it wrote, distributed/load.py ``load_own``). Where every rank of the job 
 tmpfs (one host, one IPC namespace: the usual single-node job), the pieces need not travel
 over the process group: each holder reads its pieces straight into one file per shared item
 on the tmpfs, mapped by every rank, so after the read each rank already holds the whole item
-(one copy in memory per host, no socket traffic). Elsewhere (several hosts, or ranks whose
-/dev/shm differ) the pieces go over the process group as before (``relay``).
+(one copy in memory per host, no socket traffic). On several hosts, each a block of
+consecutive ranks, a piece of state every rank holds then crosses to each other host once
+(load.py ``relay_between_hosts``) into that host's file; elsewhere the pieces go rank to rank
+over the process group (``relay``).
 
 The files live only while the ranks open them: every rank creates and maps them (O_EXCL is
 not needed: the name carries a random token the primary rank chose for this load), and all

@@ -184,29 +184,66 @@ def _tiles(chunks: Sequence[ChunkRecord], pieces: Sequence[tuple[int, int]]) -> 
     return runs(spans) == runs(list(pieces)) and sum(n for _, n in spans) == sum(n for _, n in pieces)
 
 
-def relay(item: ItemRecord, writer: int, rank: int, world: int) -> list[tuple[int, int, int]]:
-    """(round, src, dst) of the transfers ``rank`` takes part in to spread a piece of ``item``
-    from its ``writer`` to every other holder: a binomial tree over the holders in rank order
-    starting at the writer, so a rank sends a piece at most log2(holders) times and every rank
-    computes its part of the same schedule in O(log holders), with no message. In round k, the
-    holders at tree positions below 2**k send to those 2**k further on."""
-    n = item.holder_count(world)
-    if item.holders is None:
-        index, at = rank, (lambda i: i)
-    else:
-        index, at = item.holders.index(rank), (lambda i: item.holders[i])  # type: ignore[union-attr]
-    origin = writer if item.holders is None else item.holders.index(writer)
-    p = (index - origin) % n  # this rank's position in the tree
+def _tree(n: int, p: int) -> list[tuple[int, int, int]]:
+    """(round, from, to) tree positions of the transfers position ``p`` takes part in to spread
+    a piece from position 0 to all ``n``: a binomial tree, in round k the positions below 2**k
+    send to those 2**k further on, so each sends at most log2(n) times."""
     out = []
     k = 0
     while (1 << k) < n:
         step = 1 << k
         if p < step and p + step < n:
-            out.append((k, rank, at((origin + p + step) % n)))
+            out.append((k, p, p + step))
         elif step <= p < 2 * step:
-            out.append((k, at((origin + p - step) % n), rank))
+            out.append((k, p - step, p))
         k += 1
     return out
+
+
+def relay(item: ItemRecord, writer: int, rank: int, world: int) -> list[tuple[int, int, int]]:
+    """(round, src, dst) of the transfers ``rank`` takes part in to spread a piece of ``item``
+    from its ``writer`` to every other holder: a binomial tree (``_tree``) over the holders in
+    rank order starting at the writer, so every rank computes its part of the same schedule in
+    O(log holders), with no message."""
+    n = item.holder_count(world)
+    holders = item.holder_ranks(world)
+    origin = writer if item.holders is None else item.holders.index(writer)
+    index = rank if item.holders is None else item.holders.index(rank)
+
+    def at(q: int) -> int:
+        return holders[(origin + q) % n]
+
+    return [(k, at(a), at(b)) for k, a, b in _tree(n, (index - origin) % n)]
+
+
+def relay_between_hosts(writer: int, rank: int, world: int, block: int) -> list[tuple[int, int, int]]:
+    """``relay`` of a piece every rank holds when the ranks of each host (``block`` consecutive
+    ranks) share what they read (hostshare.py): the piece crosses to each other host once, to
+    the rank with the writer's local index there, down a binomial tree over the hosts."""
+    local = writer % block
+    if rank % block != local:
+        return []
+    n, origin = world // block, writer // block
+
+    def at(q: int) -> int:
+        return ((origin + q) % n) * block + local
+
+    return [(k, at(a), at(b)) for k, a, b in _tree(n, (rank // block - origin) % n)]
+
+
+def host_blocks(hosts: Sequence[str | None]) -> int | None:
+    """The size of the blocks of consecutive ranks that each share a host's tmpfs (torchrun
+    numbers a node's ranks consecutively), when every host holds one such block of the same
+    size, at least 2; else None (then the pieces go over the process group)."""
+    if not hosts or None in hosts:
+        return None
+    block = next((i for i, h in enumerate(hosts) if h != hosts[0]), len(hosts))
+    if block < 2 or len(hosts) % block:
+        return None
+    firsts = hosts[::block]
+    if len(set(firsts)) != len(firsts) or any(hosts[i] != hosts[i - i % block] for i in range(len(hosts))):
+        return None
+    return block
 
 
 def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
@@ -217,9 +254,10 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     several ranks hold are read once: each holder reads the pieces it wrote and sends them to
     the other holders (split_stream gives every holder the same pieces with no message; each
     piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
-    bytes from disk once in total. When every rank sees the same tmpfs ``share_dir`` (one host),
-    the holders read their pieces into one shared file per item instead and nothing travels
-    (distributed/hostshare.py)."""
+    bytes from disk once in total. Where the ranks of each host see one tmpfs ``share_dir``
+    (hostshare.py), the holders on a host read their pieces into one shared file per item
+    instead: on one host nothing travels, and across hosts each piece of state every rank
+    holds crosses to each other host once (``relay_between_hosts``)."""
     unchanged = "the live state was not changed"
     rank, world = coord.rank, coord.world_size
     shard: RankShard | None = None
@@ -244,10 +282,9 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     verdict = None
     if got is not None:
         bad = disagreeing_holders([x["sets"] for x in got]) if all(x["ok"] for x in got) else {}
-        hosts = {x["host"] for x in got}
-        one_host = world > 1 and len(hosts) == 1 and None not in hosts
-        verdict = {"own": all(x["ok"] for x in got), "share": hostshare.token() if one_host else None,
-                   **bounded(bad)}
+        block = host_blocks([x["host"] for x in got])
+        verdict = {"own": all(x["ok"] for x in got), "share": hostshare.token() if block else None,
+                   "block": block, **bounded(bad)}
     verdict = coord.broadcast(verdict, f"{what} (loading from its own shard) (decision)", src=src)
     shown, total = unbound(verdict)
     if total:
@@ -258,7 +295,8 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     if not verdict["own"]:
         return None
     assert shard is not None
-    share = _share_on_host(coord, shard, world, share_dir, verdict.get("share"), what, src)
+    block = verdict["block"] or world
+    share = _share_on_host(coord, shard, world, share_dir, verdict["share"], block, what, src)
     rounds: list[list[tuple[int, int, int, int, int]]] = []  # per round: (src, dst, item, offset, length)
     error = None
     try:
@@ -270,9 +308,11 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                 raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
                                              f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
                                              f"load an earlier step")
+            shared = share is not None and sid in share.private
             for w, off, n in pieces:
-                if n and it.holder_count(world) > 1 and share is None:
-                    for k, a, b in relay(it, w, rank, world):
+                if n and it.holder_count(world) > 1 and not (shared and block == world):
+                    moves = relay_between_hosts(w, rank, world, block) if shared else relay(it, w, rank, world)
+                    for k, a, b in moves:
                         while len(rounds) <= k:
                             rounds.append([])
                         rounds[k].append((a, b, sid, off, n))
@@ -298,18 +338,21 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                       [dest for _, dest in wanted], [engine], verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    wanted = into = []  # type: ignore[assignment]
-    if share is not None:
-        share.release_shared()
-    # once every rank has read (this agreement), the shared files hold every piece
+    wanted = []
+    # once every rank has read (this agreement), the shared files hold every piece read on their host
     coord.agree(error, f"{what} (reading)", hint=unchanged, root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
     for k, moves in enumerate(rounds):  # a rank runs the rounds of the deepest tree it is in
         transfers = []
-        for a, b, sid, off, n in moves:
+        for a, b, sid, off, n in moves:  # shared items travel from and into the shared files
             tag = tags[(a, b)] = tags.get((a, b), -1) + 1
-            transfers.append(Transfer(a, b, tag, buffers[sid][off:off + n]))
+            transfers.append(Transfer(a, b, tag, into[sid][off:off + n]))
         coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
+    into = []
+    if share is not None:
+        share.release_shared()
+        if block < world:  # the pieces from other hosts are in this host's files once every rank has them
+            coord.agree(None, f"{what} (pieces from other hosts)", hint=unchanged, root=src)
     error, state = None, None
     try:
         views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
@@ -328,17 +371,20 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
 
 
 def _share_on_host(coord: Coordinator, shard: RankShard, world: int, share_dir: str | None, token: str | None,
-                   what: str, src: int) -> hostshare.SharedItems | None:
+                   block: int, what: str, src: int) -> hostshare.SharedItems | None:
     """Collective: the shared files of this rank's shared items (hostshare.py) when the primary
-    found every rank on one tmpfs (``token``) and every rank could reserve them, else None on
-    every rank (the pieces then go over the process group). Their names are gone when it
-    returns (every rank has mapped them)."""
+    found each host's ranks on one tmpfs, ``block`` consecutive ranks per host (``token``), and
+    every rank could reserve them, else None on every rank (the pieces then go over the process
+    group). Shared are the items several ranks hold: on one host all of them, across hosts
+    those every rank holds (a replica group's are passed as before). Their names are gone when
+    it returns (every rank has mapped them)."""
     if token is None:
         return None
     share, error = None, None
     try:
         hostshare.clean_stale(share_dir)
-        wanted = [(sid, it) for sid, it in enumerate(shard.items) if it.nbytes and it.holder_count(world) > 1]
+        wanted = [(sid, it) for sid, it in enumerate(shard.items)
+                  if it.nbytes and it.holder_count(world) > 1 and (it.holders is None or block == world)]
         share = hostshare.SharedItems(share_dir, token, [(hashlib.sha1(it.key.encode()).hexdigest()[:20], sid,  # type: ignore[arg-type]
                                                           it.nbytes) for sid, it in wanted])
     except Exception as e:  # noqa: BLE001 - then no rank shares

@@ -28,11 +28,13 @@ class DistOptions:
         DTensors are always written once per replica group of their mesh, wherever they
         are. Pass ``replicated=()`` when ranks hold different plain tensors under the same
         names (e.g. pipeline stages, or DDP with per-rank buffers).
-    load_share_dir: a tmpfs through which ranks that all see it (one host) share what they
-        read in a load of state several ranks hold: each reads its part of an item into one
-        shared file and nothing travels over the process group (default ``/dev/shm``; the
-        reservation falls back to the process group where it is too small). None: always
-        over the process group. Ranks on several hosts always use the process group.
+    load_share_dir: a tmpfs through which the ranks of a host share what they read in a load
+        of state several ranks hold: each reads its part of an item into one shared file, so
+        on one host nothing travels over the process group, and across hosts (each a block
+        of consecutive ranks, as torchrun numbers them) each piece of state every rank holds
+        crosses to each other host once. Default ``/dev/shm``; where it is too small for the
+        reservation, or hosts are not such blocks, the pieces travel rank to rank over the
+        process group, as with None.
     """
 
     collective: bool | None = None
