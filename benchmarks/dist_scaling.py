@@ -7,7 +7,10 @@ every rank is given all of them), measure:
   gdswriter      GDSCheckpointer.save(step): collective; the replicated bytes are split across
                  the ranks (planner/ranks.py), each rank writes its share to every root. One
                  checkpointer serves every round (as in training: its engines and buffers exist
-                 before the first timed save); load() reads back into the live state
+                 before the first timed save); load() reads back into the live state. Ranks
+                 on one host share what they read through /dev/shm (DistOptions.load_share_dir)
+  gdswriter-relay  the same, with load_share_dir=None: the replicated pieces each rank read
+                 travel to the others over gloo, as they do between hosts
   gdswriter-dcp  dcp.save through GDSStorageWriter (the same split and commit, DCP's planning)
   dcp-fs         dcp.save(FileSystemWriter(dir, sync_files=True)): DCP gives each replicated
                  tensor, whole, to one rank; it takes one directory, so it runs with one root
@@ -46,7 +49,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-CASES = ("gdswriter", "gdswriter-dcp", "dcp-fs")
+CASES = ("gdswriter", "gdswriter-relay", "gdswriter-dcp", "dcp-fs")
 
 
 def make_state(nbytes: int) -> dict:
@@ -103,7 +106,7 @@ def _gather_bytes(n: int) -> list[int]:
 
 
 def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: list[int], rounds: int,
-           result_path: str) -> None:
+           result_path: str, cases: tuple[str, ...] = CASES) -> None:
     try:
         import torch
         import torch.distributed as dist
@@ -111,7 +114,7 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
         from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
         from gdswriter import CheckpointOptions, GDSCheckpointer
-        from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
+        from gdswriter.distributed import DistOptions, GDSStorageReader, GDSStorageWriter
         from gdswriter.format.commit import step_dir_name
 
         warnings.filterwarnings("ignore")
@@ -122,19 +125,21 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
         reference = {k: v.clone() for k, v in state.items()}
         results: dict = {"bytes": state_bytes(state), "cases": {}}
         for nroots in roots_list:
-            for case in CASES:
+            for case in cases:
                 if case == "dcp-fs" and nroots > 1:
                     continue
                 saves, loads, mine = [], [], []
                 ck = None
                 for rnd in range(rounds):
                     dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-{rnd}-root{i}") for i in range(nroots)]
-                    if case == "gdswriter":
+                    if case in ("gdswriter", "gdswriter-relay"):
                         # One checkpointer for all rounds, as a training job keeps one: its engines and
                         # buffers are made before the first timed save (the other cases keep nothing).
                         if ck is None:
                             dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
-                            ck = GDSCheckpointer(state, root=dirs, options=CheckpointOptions(keep_last=1))
+                            share = {"load_share_dir": None} if case == "gdswriter-relay" else {}
+                            ck = GDSCheckpointer(state, root=dirs, options=CheckpointOptions(keep_last=1),
+                                                 dist_options=DistOptions(**share))
                             ck.engine_info
                         dirs = [str(r) for r in ck.protocol.roots]
                         saves.append(_timed(ck.save, rnd))
@@ -195,11 +200,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, base: Path, size: int, roots: list[int], rounds: int) -> dict:
+def run(world: int, base: Path, size: int, roots: list[int], rounds: int, cases: tuple[str, ...] = CASES) -> dict:
     result = base / f"result-{world}.json"
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, str(base), size, roots, rounds, str(result)))
+    procs = [ctx.Process(target=worker, args=(r, world, port, str(base), size, roots, rounds, str(result), cases))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -220,20 +225,24 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="rounds per case; the median is reported (default 2)")
     ap.add_argument("--dir", default=str(HERE / ".bench-tmp"), help="where the roots go")
     ap.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    ap.add_argument("--cases", default=",".join(CASES), help=f"which cases, comma-separated (default {','.join(CASES)})")
     args = ap.parse_args(argv)
     size = parse_size(args.size)
     ranks = [int(x) for x in args.ranks.split(",")]
     roots = [int(x) for x in args.roots.split(",")]
+    cases = tuple(c for c in args.cases.split(",") if c)
+    if not cases or any(c not in CASES for c in cases):
+        ap.error(f"--cases: choose from {', '.join(CASES)}")
     base = Path(args.dir) / f"dist-scaling-{os.getpid()}"
     base.mkdir(parents=True)
     report: dict = {"size": size, "runs": {}}
     try:
         for world in ranks:
-            report["runs"][world] = run(world, base, size, roots, args.rounds)
+            report["runs"][world] = run(world, base, size, roots, args.rounds, cases)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print(f"replicated state {size / 2**20:.0f} MiB, median of {args.rounds} round(s); GB/s = 1e9 bytes/s")
-    print(f"{'ranks':>5} {'roots':>5}  {'case':<14} {'save s':>8} {'save GB/s':>10} {'bytes/rank MiB':>16} "
+    print(f"{'ranks':>5} {'roots':>5}  {'case':<16} {'save s':>8} {'save GB/s':>10} {'bytes/rank MiB':>16} "
           f"{'load s':>8} {'load GB/s':>10}")
     for world, res in report["runs"].items():
         total = res["bytes"]
@@ -242,7 +251,7 @@ def main(argv=None) -> int:
             s, ld = statistics.median(c["save_s"]), statistics.median(c["load_s"])
             per = c["rank_bytes"]
             span = f"{min(per) / 2**20:.1f}..{max(per) / 2**20:.1f}"
-            print(f"{world:>5} {nroots:>5}  {case:<14} {s:8.3f} {total / s / 1e9:10.2f} {span:>16} {ld:8.3f} "
+            print(f"{world:>5} {nroots:>5}  {case:<16} {s:8.3f} {total / s / 1e9:10.2f} {span:>16} {ld:8.3f} "
                   f"{total / ld / 1e9:10.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from gdswriter.distributed import hostshare
 from gdswriter.errors import CorruptCheckpointError, RankFailedError
 from gdswriter.format.manifest import ChunkRecord, FileRecord, RootInfo, TensorRecord
 from gdswriter.format.sharded import (GlobalManifest, ItemRecord, RankShard, ShardRef, check_shard_bytes, merge,
@@ -152,12 +153,20 @@ def test_what_a_rank_receives_opening_the_roots_and_falling_back_is_flat_from_tw
 
 
 # ----------------------------------------------------------------------------- replicated state read once
-def _read_once_worker(rank: int, world: int, root: str) -> dict:
+def _read_once_worker(rank: int, world: int, root: str, share: str | list | None) -> dict:
+    """``share``: the tmpfs to share the load through, or one per host (a list: hosts of
+    consecutive ranks)."""
+    from dataclasses import replace
+
+    if isinstance(share, list):
+        share = share[rank * len(share) // world]
+
     from gdswriter import GDSCheckpointer
 
     model = _replicated_model(seed=1)
     want = {k: v.clone() for k, v in model.state_dict().items()}
-    with GDSCheckpointer(model, root=root, options=_options(), dist_options=_dist_options()) as ck:
+    with GDSCheckpointer(model, root=root, options=_options(),
+                         dist_options=replace(_dist_options(), load_share_dir=share)) as ck:
         ck.save(1)
         for p in model.parameters():
             p.data.zero_()
@@ -170,18 +179,166 @@ def _read_once_worker(rank: int, world: int, root: str) -> dict:
             return plain(path, spans)
 
         engine.read_file = counting  # private: wraps the engine instance's method
+        stats = ck._session.coord.stats  # private: the checkpointer's coordination channel's counters
+        before = stats.snapshot()
         ck.load(1)
+        received = stats.snapshot()[1] - before[1]
     diff = [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])]
-    return {"read": read[0], "diff": diff, "nbytes": sum(v.numel() * v.element_size() for v in want.values())}
+    return {"read": read[0], "diff": diff, "nbytes": sum(v.numel() * v.element_size() for v in want.values()),
+            "received": received}
 
 
-def test_four_ranks_loading_replicated_state_read_its_bytes_once(tmp_path):
-    res = run_ranks(4, _read_once_worker, str(tmp_path / "shared"), out=tmp_path / "ranks")
+@pytest.mark.parametrize("share", ["/dev/shm", None], ids=["shared-on-the-host", "over-the-process-group"])
+def test_four_ranks_loading_replicated_state_read_its_bytes_once(tmp_path, share):
+    """Each rank reads the pieces it wrote; on one host they meet in a tmpfs file and nothing
+    travels (distributed/hostshare.py), else they travel over gloo: 3/4 of the model to each."""
+    if share is not None and hostshare.domain(share) is None:
+        pytest.skip(f"{share} is not a writable tmpfs here")
+    before = _shared_files(share)
+    res = run_ranks(4, _read_once_worker, str(tmp_path / "shared"), share, out=tmp_path / "ranks")
     assert all(x["diff"] == [] for x in res), res
     total = sum(x["read"] for x in res)
     nbytes = res[0]["nbytes"]
     assert nbytes <= total <= nbytes + 4 * 64 * 1024, (total, nbytes)  # once (alignment aside), not 4 times
     assert sum(1 for x in res if x["read"]) >= 3, res  # and by several ranks
+    received = [x["received"] for x in res]
+    if share is None:
+        assert all(r >= nbytes // 2 for r in received), (received, nbytes)
+    else:
+        assert all(r < 64 * 1024 for r in received), (received, nbytes)  # only the coordination's messages
+        assert _shared_files(share) == before  # every name was unlinked
+
+
+def _mount_tmpfs(path, size: str) -> bool:
+    import subprocess
+
+    path.mkdir()
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def _umount(*paths) -> None:
+    import subprocess
+
+    for p in paths:
+        subprocess.run(["umount", str(p)], check=False)
+
+
+def test_two_hosts_sharing_a_load_send_each_piece_across_once(tmp_path):
+    """Two "hosts" of two ranks each (two tmpfs instances, so two sharing domains): the ranks of
+    a host share what they read, and each piece crosses to the other host once, so a rank
+    receives about a quarter of the model instead of three quarters."""
+    hosts = [tmp_path / "host-a", tmp_path / "host-b"]
+    if not (_mount_tmpfs(hosts[0], "64m") and _mount_tmpfs(hosts[1], "64m")):
+        _umount(*hosts)
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        res = run_ranks(4, _read_once_worker, str(tmp_path / "shared"), [str(h) for h in hosts],
+                        out=tmp_path / "ranks")
+        left = [p.name for h in hosts for p in h.iterdir()]
+    finally:
+        _umount(*hosts)
+    assert all(x["diff"] == [] for x in res), res
+    nbytes = res[0]["nbytes"]
+    assert nbytes <= sum(x["read"] for x in res) <= nbytes + 4 * 64 * 1024, res
+    received = [x["received"] for x in res]
+    assert all(nbytes // 8 <= r <= nbytes // 4 + 256 * 1024 for r in received), (received, nbytes)
+    assert left == []
+
+
+def test_ranks_on_hosts_of_equal_consecutive_blocks_share_else_none():
+    from gdswriter.distributed.load import host_blocks, relay_between_hosts
+
+    assert host_blocks(["a"] * 4) == 4
+    assert host_blocks(["a", "a", "b", "b", "c", "c"]) == 2
+    assert host_blocks(["a", "b", "a", "b"]) is None  # not consecutive
+    assert host_blocks(["a", "a", "b"]) is None  # unequal
+    assert host_blocks(["a", "a", "b", "b", "a", "a"]) is None  # a host twice
+    assert host_blocks(["a", "b"]) is None  # one rank per host: nothing to share
+    assert host_blocks(["a", None]) is None
+    # every other host receives each piece exactly once, from one sender per round
+    world, block = 24, 4
+    for writer in range(world):
+        got: dict[int, int] = {}
+        for rank in range(world):
+            for k, a, b in relay_between_hosts(writer, rank, world, block):
+                if b == rank:
+                    got[b] = got.get(b, 0) + 1
+                    assert a % block == b % block == writer % block
+        assert sorted(r // block for r in got) == [h for h in range(world // block) if h != writer // block]
+        assert set(got.values()) == {1}
+
+
+def _shared_files(share: str | None) -> set[str]:
+    from pathlib import Path
+
+    return set() if share is None else {p.name for p in Path(share).glob(f"{hostshare.PREFIX}*")}
+
+
+# ----------------------------------------------------------------------------- what shared memory must not do
+def _alias_worker(rank: int, world: int, root: str) -> dict:
+    from gdswriter import GDSCheckpointer
+
+    model = _replicated_model(seed=3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 512)).sum().backward()
+    opt.step()
+    with GDSCheckpointer(model, opt, root=root, options=_options(), dist_options=_dist_options()) as ck:
+        ck.save(1)
+        want = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}
+    fresh = torch.optim.Adam(model.parameters(), lr=1e-3)  # no state yet: the loaded tensors become its state
+    with GDSCheckpointer(model, fresh, root=root, options=_options(), dist_options=_dist_options()) as ck:
+        ck.load(1)
+        torch.distributed.barrier()
+        state = fresh.state[next(iter(model.parameters()))]
+        if rank == 0:  # rank 0 trains on: its state changes in place
+            state["exp_avg"].add_(1.0)
+            state["exp_avg_sq"].mul_(3.0)
+        torch.distributed.barrier()
+        same = {k: bool(torch.equal(v, want[k])) for k, v in state.items()}
+    return {"same": same}
+
+
+def test_a_rank_writing_into_a_loaded_state_changes_no_other_ranks(tmp_path):
+    """Ranks on one host read replicated state into shared memory; the tensors each rank gets
+    must still be its own (torch's optimizer adopts loaded tensors without a copy)."""
+    if hostshare.domain(hostshare.DEFAULT_DIR) is None:
+        pytest.skip("/dev/shm is not a writable tmpfs here")
+    res = run_ranks(2, _alias_worker, str(tmp_path / "shared"), out=tmp_path / "ranks")
+    assert res[0]["same"]["exp_avg"] is False and res[0]["same"]["exp_avg_sq"] is False, res
+    assert all(res[1]["same"].values()), res  # rank 1 still holds what was saved
+
+
+def test_a_tmpfs_too_small_to_share_a_load_falls_back_to_the_process_group(tmp_path):
+    """posix_fallocate refuses the reservation (ENOSPC) before any byte is read: every rank then
+    passes the pieces over gloo, and the load is still bit-exact."""
+    small = tmp_path / "small-shm"
+    if not _mount_tmpfs(small, "256k"):
+        _umount(small)
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        res = run_ranks(2, _read_once_worker, str(tmp_path / "shared"), str(small), out=tmp_path / "ranks")
+    finally:
+        _umount(small)
+    assert all(x["diff"] == [] for x in res), res
+    assert all(x["received"] >= res[0]["nbytes"] // 4 for x in res), res  # the pieces went over gloo
+
+
+def test_shared_load_files_are_named_per_host_and_stale_ones_are_cleaned(tmp_path):
+    import time
+
+    assert hostshare.domain(None) is None
+    assert hostshare.domain(str(tmp_path)) is None  # ext4 (or whatever tmp is), not a tmpfs: no sharing
+    shm = hostshare.domain(hostshare.DEFAULT_DIR)
+    if shm is not None:
+        assert shm == hostshare.domain(hostshare.DEFAULT_DIR + "/")
+    old = tmp_path / f"{hostshare.PREFIX}{int(time.time()) - 2 * 86400:x}-abcd-x"
+    new = tmp_path / f"{hostshare.PREFIX}{int(time.time()):x}-abcd-x"
+    other = tmp_path / "not-ours"
+    for p in (old, new, other):
+        p.write_bytes(b"x")
+    assert hostshare.clean_stale(str(tmp_path)) == 1
+    assert not old.exists() and new.exists() and other.exists()
 
 
 # ----------------------------------------------------------------------------- replicated state that is not

@@ -26,6 +26,7 @@ ends on the same step, or raises, and none waits for a collective the others ski
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +49,7 @@ from ..load.policy import DAMAGE
 from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
                            tensors_from_storages)
 from .fetch import fetch_storages, manifest_reach
+from . import hostshare
 from .group import Coordinator, Transfer, bounded, describe, unbound
 from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces
 from .roots import RootLayout, discover_layout
@@ -182,40 +184,80 @@ def _tiles(chunks: Sequence[ChunkRecord], pieces: Sequence[tuple[int, int]]) -> 
     return runs(spans) == runs(list(pieces)) and sum(n for _, n in spans) == sum(n for _, n in pieces)
 
 
-def relay(item: ItemRecord, writer: int, rank: int, world: int) -> list[tuple[int, int, int]]:
-    """(round, src, dst) of the transfers ``rank`` takes part in to spread a piece of ``item``
-    from its ``writer`` to every other holder: a binomial tree over the holders in rank order
-    starting at the writer, so a rank sends a piece at most log2(holders) times and every rank
-    computes its part of the same schedule in O(log holders), with no message. In round k, the
-    holders at tree positions below 2**k send to those 2**k further on."""
-    n = item.holder_count(world)
-    if item.holders is None:
-        index, at = rank, (lambda i: i)
-    else:
-        index, at = item.holders.index(rank), (lambda i: item.holders[i])  # type: ignore[union-attr]
-    origin = writer if item.holders is None else item.holders.index(writer)
-    p = (index - origin) % n  # this rank's position in the tree
+def _tree(n: int, p: int) -> list[tuple[int, int, int]]:
+    """(round, from, to) tree positions of the transfers position ``p`` takes part in to spread
+    a piece from position 0 to all ``n``: a binomial tree, in round k the positions below 2**k
+    send to those 2**k further on, so each sends at most log2(n) times."""
     out = []
     k = 0
     while (1 << k) < n:
         step = 1 << k
         if p < step and p + step < n:
-            out.append((k, rank, at((origin + p + step) % n)))
+            out.append((k, p, p + step))
         elif step <= p < 2 * step:
-            out.append((k, at((origin + p - step) % n), rank))
+            out.append((k, p - step, p))
         k += 1
     return out
 
 
+def relay(item: ItemRecord, writer: int, rank: int, world: int) -> list[tuple[int, int, int]]:
+    """(round, src, dst) of the transfers ``rank`` takes part in to spread a piece of ``item``
+    from its ``writer`` to every other holder: a binomial tree (``_tree``) over the holders in
+    rank order starting at the writer, so every rank computes its part of the same schedule in
+    O(log holders), with no message."""
+    n = item.holder_count(world)
+    holders = item.holder_ranks(world)
+    origin = writer if item.holders is None else item.holders.index(writer)
+    index = rank if item.holders is None else item.holders.index(rank)
+
+    def at(q: int) -> int:
+        return holders[(origin + q) % n]
+
+    return [(k, at(a), at(b)) for k, a, b in _tree(n, (index - origin) % n)]
+
+
+def relay_between_hosts(writer: int, rank: int, world: int, block: int) -> list[tuple[int, int, int]]:
+    """``relay`` of a piece every rank holds when the ranks of each host (``block`` consecutive
+    ranks) share what they read (hostshare.py): the piece crosses to each other host once, to
+    the rank with the writer's local index there, down a binomial tree over the hosts."""
+    local = writer % block
+    if rank % block != local:
+        return []
+    n, origin = world // block, writer // block
+
+    def at(q: int) -> int:
+        return ((origin + q) % n) * block + local
+
+    return [(k, at(a), at(b)) for k, a, b in _tree(n, (rank // block - origin) % n)]
+
+
+def host_blocks(hosts: Sequence[str | None]) -> int | None:
+    """The size of the blocks of consecutive ranks that each share a host's tmpfs (torchrun
+    numbers a node's ranks consecutively), when every host holds one such block of the same
+    size, at least 2; else None (then the pieces go over the process group)."""
+    if not hosts or None in hosts:
+        return None
+    block = next((i for i, h in enumerate(hosts) if h != hosts[0]), len(hosts))
+    if block < 2 or len(hosts) % block:
+        return None
+    firsts = hosts[::block]
+    if len(set(firsts)) != len(firsts) or any(hosts[i] != hosts[i - i % block] for i in range(len(hosts))):
+        return None
+    return block
+
+
 def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
-             engine: IOEngine, *, verify: bool, what: str, src: int) -> Any | None:
+             engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None) -> Any | None:
     """Collective: this rank's saved state from its own shard alone, when every rank can do so
     (the same world size, its shard and data files on roots it sees, its DTensor blocks the
     ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
     several ranks hold are read once: each holder reads the pieces it wrote and sends them to
     the other holders (split_stream gives every holder the same pieces with no message; each
     piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
-    bytes from disk once in total."""
+    bytes from disk once in total. Where the ranks of each host see one tmpfs ``share_dir``
+    (hostshare.py), the holders on a host read their pieces into one shared file per item
+    instead: on one host nothing travels, and across hosts each piece of state every rank
+    holds crosses to each other host once (``relay_between_hosts``)."""
     unchanged = "the live state was not changed"
     rank, world = coord.rank, coord.world_size
     shard: RankShard | None = None
@@ -235,11 +277,14 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     # every rank can load from its own shard, and the holders of each set of shared items agree
     # on what it holds (else the pieces they would pass each other would not match)
     sets = holder_set_digests(shard.items, rank, world) if shard is not None else []
-    got = coord.gather({"ok": ok, "sets": sets}, f"{what} (loading from its own shard)", dst=src)
+    got = coord.gather({"ok": ok, "sets": sets, "host": hostshare.domain(share_dir)},
+                       f"{what} (loading from its own shard)", dst=src)
     verdict = None
     if got is not None:
         bad = disagreeing_holders([x["sets"] for x in got]) if all(x["ok"] for x in got) else {}
-        verdict = {"own": all(x["ok"] for x in got), **bounded(bad)}
+        block = host_blocks([x["host"] for x in got])
+        verdict = {"own": all(x["ok"] for x in got), "share": hostshare.token() if block else None,
+                   "block": block, **bounded(bad)}
     verdict = coord.broadcast(verdict, f"{what} (loading from its own shard) (decision)", src=src)
     shown, total = unbound(verdict)
     if total:
@@ -250,6 +295,8 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     if not verdict["own"]:
         return None
     assert shard is not None
+    block = verdict["block"] or world
+    share = _share_on_host(coord, shard, world, share_dir, verdict["share"], block, what, src)
     rounds: list[list[tuple[int, int, int, int, int]]] = []  # per round: (src, dst, item, offset, length)
     error = None
     try:
@@ -261,9 +308,11 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                 raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
                                              f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
                                              f"load an earlier step")
+            shared = share is not None and sid in share.private
             for w, off, n in pieces:
-                if n and it.holder_count(world) > 1:
-                    for k, a, b in relay(it, w, rank, world):
+                if n and it.holder_count(world) > 1 and not (shared and block == world):
+                    moves = relay_between_hosts(w, rank, world, block) if shared else relay(it, w, rank, world)
+                    for k, a, b in moves:
                         while len(rounds) <= k:
                             rounds.append([])
                         rounds[k].append((a, b, sid, off, n))
@@ -275,8 +324,11 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     buffers: list[torch.Tensor] = []
     error = None
     try:
-        buffers = [host_buffer(it.nbytes) for it in shard.items]
-        wanted = [(c, buffers[sid][c.storage_offset:c.storage_offset + c.length])
+        # shared on this host: read into the shared file, view it through this rank's private mapping
+        buffers = [share.private[sid] if share is not None and sid in share.private else host_buffer(it.nbytes)
+                   for sid, it in enumerate(shard.items)]
+        into = [share.shared.get(sid, b) if share is not None else b for sid, b in enumerate(buffers)]
+        wanted = [(c, into[sid][c.storage_offset:c.storage_offset + c.length])
                   for sid, cs in enumerate(shard.chunks) for c in cs if c.length]
         view = Manifest(step=g.step, files=shard.files,
                         storages=tuple(StorageRecord(c.length, (replace(c, storage_offset=0),)) for c, _ in wanted),
@@ -286,14 +338,21 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                       [dest for _, dest in wanted], [engine], verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
+    wanted = []
+    # once every rank has read (this agreement), the shared files hold every piece read on their host
     coord.agree(error, f"{what} (reading)", hint=unchanged, root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
     for k, moves in enumerate(rounds):  # a rank runs the rounds of the deepest tree it is in
         transfers = []
-        for a, b, sid, off, n in moves:
+        for a, b, sid, off, n in moves:  # shared items travel from and into the shared files
             tag = tags[(a, b)] = tags.get((a, b), -1) + 1
-            transfers.append(Transfer(a, b, tag, buffers[sid][off:off + n]))
+            transfers.append(Transfer(a, b, tag, into[sid][off:off + n]))
         coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
+    into = []
+    if share is not None:
+        share.release_shared()
+        if block < world:  # the pieces from other hosts are in this host's files once every rank has them
+            coord.agree(None, f"{what} (pieces from other hosts)", hint=unchanged, root=src)
     error, state = None, None
     try:
         views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
@@ -309,6 +368,36 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         error = e
     coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged, root=src)
     return state
+
+
+def _share_on_host(coord: Coordinator, shard: RankShard, world: int, share_dir: str | None, token: str | None,
+                   block: int, what: str, src: int) -> hostshare.SharedItems | None:
+    """Collective: the shared files of this rank's shared items (hostshare.py) when the primary
+    found each host's ranks on one tmpfs, ``block`` consecutive ranks per host (``token``), and
+    every rank could reserve them, else None on every rank (the pieces then go over the process
+    group). Shared are the items several ranks hold: on one host all of them, across hosts
+    those every rank holds (a replica group's are passed as before). Their names are gone when
+    it returns (every rank has mapped them)."""
+    if token is None:
+        return None
+    share, error = None, None
+    try:
+        hostshare.clean_stale(share_dir)
+        wanted = [(sid, it) for sid, it in enumerate(shard.items)
+                  if it.nbytes and it.holder_count(world) > 1 and (it.holders is None or block == world)]
+        share = hostshare.SharedItems(share_dir, token, [(hashlib.sha1(it.key.encode()).hexdigest()[:20], sid,  # type: ignore[arg-type]
+                                                          it.nbytes) for sid, it in wanted])
+    except Exception as e:  # noqa: BLE001 - then no rank shares
+        error = e
+    everyone = coord.all_true(error is None, f"{what} (sharing the read on this host)", root=src)
+    if share is not None:
+        share.unlink()
+    if not everyone:
+        if error is not None:
+            log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
+                        "each other instead", what, share_dir, describe(error))
+        return None
+    return share
 
 
 def tensor_refs(tree: Any) -> list[int]:
@@ -401,7 +490,8 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
 
 
 def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState, live_state: dict,
-             step: int | None, engine: IOEngine, *, strict: bool, verify: bool) -> tuple[int, Any, Any]:
+             step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
+             share_dir: str | None = None) -> tuple[int, Any, Any]:
     """Collective: (step, state, plan) of ``step`` (None: the latest), read, verified and checked
     against the live state on every rank; nothing live has changed yet."""
     src = layout.primary_rank
@@ -410,7 +500,8 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
     what = f"loading step {step}"
     templates = live_templates(live_state, live.optimizer)
     g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
-    state = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src)
+    state = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src,
+                                                      share_dir=share_dir)
     if state is None:
         m = parse_manifest(protocol, step, raw) if g is None else gather_merged(coord, layout, g, what, src)
         error = None
@@ -441,7 +532,7 @@ def _verdict(e: BaseException) -> str | None:
 
 
 def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
-                   live_state: dict, engine: IOEngine, *, strict: bool, verify: bool
+                   live_state: dict, engine: IOEngine, *, strict: bool, verify: bool, share_dir: str | None = None
                    ) -> tuple[int, Any, Any, tuple[int, ...]]:
     """Collective _prepare of the newest intact step (load(fallback=True)). The primary rank's
     fallback order is every rank's; after a failed step every rank tells it how it saw the failure,
@@ -461,13 +552,14 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
         coord.agree(error or RuntimeError(order["error"]) if coord.rank == src else None,
                     "loading the newest intact step (steps)", hint="the live state was not changed")
     if not order["steps"]:  # no committed step: the usual CheckpointNotFoundError, on every rank
-        return (*_prepare(coord, layout, protocol, live, live_state, None, engine, strict=strict, verify=verify), ())
+        return (*_prepare(coord, layout, protocol, live, live_state, None, engine, strict=strict, verify=verify,
+                                   share_dir=share_dir), ())
     damaged: list[int] = []
     problems: list[str] = []
     for step in order["steps"]:
         try:
-            return (*_prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify),
-                    tuple(damaged))
+            return (*_prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify,
+                              share_dir=share_dir), tuple(damaged))
         except CollectiveFailedError:
             raise  # the group is broken: no further collective can agree on anything
         except Exception as e:  # noqa: BLE001 - decided together below
@@ -494,24 +586,25 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
 
 def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
                        live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
-                       fallback: bool = False) -> LoadResult:
+                       fallback: bool = False, share_dir: str | None = None) -> LoadResult:
     """Collective: restore ``live`` on every rank from ``step`` (None: the latest; with
     ``fallback`` the newest intact step, see GDSCheckpointer.load). ``live_state`` is what saving
     ``live`` would collect (its tensors say what each rank needs).
 
     Always atomic: every rank reads into fresh buffers and verifies every chunk, and all ranks
     agree that every rank did, before any live tensor changes (load(atomic=...) has nothing to
-    add), so a damaged step leaves the live state untouched on every rank."""
+    add), so a damaged step leaves the live state untouched on every rank. ``share_dir``: the
+    tmpfs through which ranks on one host share what they read (DistOptions.load_share_dir)."""
     damaged: tuple[int, ...] = ()
     if fallback:
         step, state, plan, damaged = _newest_intact(coord, layout, protocol, live, live_state, engine, strict=strict,
-                                                    verify=verify)
+                                                    verify=verify, share_dir=share_dir)
         if damaged:
             log.warning("gdswriter: loaded step %d, the newest intact step (passed over damaged step(s) %s)",
                         step, list(damaged))
     else:
         step, state, plan = _prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict,
-                                     verify=verify)
+                                     verify=verify, share_dir=share_dir)
     error = None
     try:
         apply_state(live, state, plan)

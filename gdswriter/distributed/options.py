@@ -28,11 +28,19 @@ class DistOptions:
         DTensors are always written once per replica group of their mesh, wherever they
         are. Pass ``replicated=()`` when ranks hold different plain tensors under the same
         names (e.g. pipeline stages, or DDP with per-rank buffers).
+    load_share_dir: a tmpfs through which the ranks of a host share what they read in a load
+        of state several ranks hold: each reads its part of an item into one shared file, so
+        on one host nothing travels over the process group, and across hosts (each a block
+        of consecutive ranks, as torchrun numbers them) each piece of state every rank holds
+        crosses to each other host once. Default ``/dev/shm``; where it is too small for the
+        reservation, or hosts are not such blocks, the pieces travel rank to rank over the
+        process group, as with None.
     """
 
     collective: bool | None = None
     timeout_s: float = 600.0
     replicated: tuple[str, ...] = ("model", "optimizer")
+    load_share_dir: str | None = "/dev/shm"
 
     def __post_init__(self) -> None:
         if self.collective not in (None, True, False):
@@ -44,6 +52,10 @@ class DistOptions:
             raise InvalidOptionError(f"replicated={self.replicated!r} must be a tuple of top-level state names, "
                                      f"e.g. (\"model\", \"optimizer\")")
         object.__setattr__(self, "replicated", tuple(self.replicated))
+        if self.load_share_dir is not None and (not isinstance(self.load_share_dir, str) or
+                                                not self.load_share_dir.startswith("/")):
+            raise InvalidOptionError(f"load_share_dir={self.load_share_dir!r} must be an absolute path of a tmpfs "
+                                     f"(\"/dev/shm\") or None")
 
     @classmethod
     def from_env(cls, **overrides) -> "DistOptions":

@@ -195,7 +195,8 @@ class DistSession:
                 self._table_shared = True
             live_state = state()
             return collective_restore(self.coord, self.layout, self.protocol, live, live_state, step, engines()[0],
-                                      strict=strict, verify=verify, fallback=fallback)
+                                      strict=strict, verify=verify, fallback=fallback,
+                                      share_dir=self.options.load_share_dir)
 
     def close(self) -> None:
         """Release the roots' locks and this checkpointer's coordination channel (local; after its

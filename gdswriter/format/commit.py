@@ -249,9 +249,12 @@ class RootLock:
                         errno.EWOULDBLOCK,
                         f"checkpoint root {root} is in use by another GDSCheckpointer (pid {holder}); "
                         f"close that one first or give this one a different root") from e
+                # A root just made by mkdir -p must outlive a power cut: its name and its parents'
+                # are fsynced, unless an earlier holder did so (it writes its pid only after).
+                if not os.pread(fd, 1, 0):
+                    fsync_parents(root)
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-                fsync_parents(root)  # a root just made by mkdir -p must outlive a power cut
         except BaseException:
             self.release()
             raise
