@@ -13,7 +13,12 @@ builds the engines of the shelf every later save reuses).
 The state: one Linear of ``--size`` bytes of float32 weights and its AdamW moments (the
 checkpoint is about three times ``--size``), on the CPU.
 
-    .venv/bin/python benchmarks/integration_saves.py [--size 64M] [--saves 5] [--rounds 2] [--dir D]
+``--ceiling`` also measures, in each round before its cases, the disk's durable O_DIRECT write
+ceiling for the checkpoint's bytes (fio when installed, else the built-in loop, as ``gdswriter
+bench``), and prints each case's first and later saves as GB/s until durable and as a ratio to
+the ceiling of the same round (2 GiB checkpoints: ``--size 683M``).
+
+    .venv/bin/python benchmarks/integration_saves.py [--size 64M] [--saves 5] [--rounds 2] [--dir D] [--ceiling]
 """
 
 from __future__ import annotations
@@ -69,6 +74,19 @@ def _step(model: torch.nn.Module, opt) -> None:
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     opt.step()
+
+
+def _ceiling(work: Path, nbytes: int) -> float:
+    """The disk's durable O_DIRECT write ceiling for ``nbytes`` here (bytes/s), as gdswriter bench
+    measures it."""
+    from gdswriter.tools.bench import quiesce
+    from gdswriter.tools.measure import disk_reference
+
+    pattern = memoryview(torch.randint(0, 256, (4 << 20,), dtype=torch.uint8).numpy())
+    quiesce()
+    ref, _ = disk_reference(work / "ceiling.bin", nbytes, pattern, {})
+    (work / "ceiling.bin").unlink(missing_ok=True)
+    return ref.write_bps
 
 
 # ----------------------------------------------------------------------------- Hugging Face
@@ -157,6 +175,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--only", choices=sorted(CASES), help="one integration only")
     ap.add_argument("--dir", default=str(HERE))
+    ap.add_argument("--ceiling", action="store_true", help="also the disk's ceiling each round, and ratios to it")
     a = ap.parse_args()
     if a.saves < 2 or a.rounds < 1:
         raise SystemExit("--saves must be >= 2 and --rounds >= 1")
@@ -167,20 +186,29 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     work = Path(tempfile.mkdtemp(prefix="integration-saves-", dir=a.dir))
     results: dict[str, dict[str, list]] = {}
+    ceiling: list[float] = []  # bytes/s, one per round of each group
+    ckpt_bytes = 3 * (nbytes // 4 // 1024) * 4 * 1024  # the weights and two AdamW moments
     try:
         for group, (make, kinds) in CASES.items():
             if a.only and group != a.only:
                 continue
             for r in range(a.rounds):
+                if a.ceiling:
+                    ceiling.append(_ceiling(work, ckpt_bytes))
                 order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
                 for kind in order:
                     root = work / f"{group}-{kind.replace(' ', '_')}-{r}"
                     save = make(kind, root, nbytes)
                     times = [save(i) for i in range(1, a.saves + 1)]
-                    res = results.setdefault(kind, {"first": [], "blocked": [], "durable": []})
+                    res = results.setdefault(kind, {"first": [], "first_durable": [], "blocked": [], "durable": [],
+                                                    "ceiling": []})
                     res["first"].append(times[0][0])
+                    res["first_durable"].append(times[0][1])
                     res["blocked"] += [b for b, _ in times[1:]]
                     res["durable"] += [d for _, d in times[1:]]
+                    if a.ceiling:
+                        res["ceiling"] += [ceiling[-1]] * (len(times) - 1)
+                        res.setdefault("first_ceiling", []).append(ceiling[-1])
                     shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -191,6 +219,16 @@ def main() -> None:
     for kind, res in results.items():
         print(f"  {kind:24s} {statistics.median(res['first']) * 1e3:10.1f}ms "
               f"{statistics.median(res['blocked']) * 1e3:10.1f}ms {statistics.median(res['durable']) * 1e3:12.1f}ms")
+    if a.ceiling:
+        med = statistics.median
+        print(f"  durable GB/s against the disk's ceiling ({ckpt_bytes / 2**30:.2f} GiB checkpoints; ceiling median "
+              f"{med(ceiling) / 1e9:.2f} GB/s, {min(ceiling) / 1e9:.2f}-{max(ceiling) / 1e9:.2f}), ratios per round:")
+        for kind, res in results.items():
+            first = [ckpt_bytes / t / c for t, c in zip(res["first_durable"], res["first_ceiling"])]
+            later = [ckpt_bytes / t / c for t, c in zip(res["durable"], res["ceiling"])]
+            print(f"  {kind:24s} first {ckpt_bytes / med(res['first_durable']) / 1e9:5.2f} GB/s "
+                  f"({med(first):.2f}x ceiling), then {ckpt_bytes / med(res['durable']) / 1e9:5.2f} GB/s "
+                  f"({med(later):.2f}x, min {min(later):.2f}x)")
     for _, kinds in CASES.values():
         base, *others = kinds
         for o in (o for o in others if base in results):
