@@ -375,3 +375,84 @@ def test_dcp_scenarios_on_2_and_4_ranks(tmp_path):
     assert torch.equal(one["dt"], torch.arange(120.0).reshape(12, 10)) and one["blob"] == b"four ranks"
     step, whole = load_state(tmp_path / "four")  # gdswriter's own reader: DCP chunks assembled
     assert step == 0 and torch.equal(whole["dt"], one["dt"]) and torch.equal(whole["rep"], one["rep"])
+
+
+# ----------------------------------------------------------------------------- the storage side's own collectives
+_C10D = ("gather", "scatter", "broadcast", "all_gather", "all_reduce", "reduce", "all_to_all", "barrier", "send",
+         "recv", "isend", "irecv", "gather_object", "all_gather_object", "scatter_object_list",
+         "broadcast_object_list", "all_gather_into_tensor", "reduce_scatter_tensor", "monitored_barrier")
+
+
+def _count_dist_calls(fn) -> int:
+    """How many torch.distributed communication calls ``fn()`` makes on this rank (DCP's and
+    the storage layer's alike, nested ones included: gather_object counts with what it calls)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    calls = [0]
+    saved = {}
+    for name in _C10D:
+        f = getattr(c10d, name, None)
+        if f is None:
+            continue
+
+        def counted(*a, _f=f, **k):
+            calls[0] += 1
+            return _f(*a, **k)
+
+        saved[name] = (f, getattr(dist, name, None))
+        setattr(c10d, name, counted)
+        setattr(dist, name, counted)
+    try:
+        fn()
+    finally:
+        for name, (f, g) in saved.items():
+            setattr(c10d, name, f)
+            if g is not None:
+                setattr(dist, name, g)
+    return calls[0]
+
+
+def _collectives_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    sd = {"rep": torch.arange(5000.0), "other": torch.ones(300, dtype=torch.float16), "blob": b"x" * 10}
+    out: dict = {}
+    fs = [_count_dist_calls(lambda i=i: dcp.save(sd, storage_writer=FileSystemWriter(Path(tmp, f"fs{i}"))))
+          for i in range(3)]
+    out["fs"] = fs
+    for name, root in (("shared", Path(tmp, "shared")), ("node_local", Path(tmp, f"node{rank}"))):
+        w = writer(root)
+        coord = w.coordinator()
+        own, calls = [], []
+        for _ in range(3):
+            before = coord.stats.collectives
+            calls.append(_count_dist_calls(lambda: dcp.save(sd, storage_writer=w)))
+            own.append(coord.stats.collectives - before)
+        w.close()
+        back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else b"") for k, v in sd.items()}
+        dcp.load(back, storage_reader=reader(root, 2))
+        ok = all(torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v for k, v in sd.items())
+        out[name] = {"own": own, "calls": calls, "ok": ok,
+                     "step_dirs": sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp")))}
+    return out
+
+
+def test_dcp_save_adds_no_collective_of_the_storage_layer(tmp_path):
+    """A writer's saves after its first (which opens the roots) make exactly the torch.distributed
+    calls a FileSystemWriter save makes (DCP's own plan gather/scatter and result gather/broadcast),
+    and none on the writer's coordination channel: the step and token travel in DCP's plans and
+    the reports in its WriteResults. With one root every rank shares, and with node-local roots
+    (rank 1 publishes its secondary step directory inside write_data). Before, every save opened
+    the roots, broadcast the step, checked the shared roots and voted (each collective several
+    torch.distributed calls)."""
+    res = run_ranks(2, _collectives_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(res):
+        fs = x["fs"][-1]
+        for name in ("shared", "node_local"):
+            got = x[name]
+            assert got["ok"], (rank, name, got)
+            assert got["own"][0] > 0 and got["own"][1:] == [0, 0], (rank, name, got)
+            assert got["calls"][1:] == [fs, fs], (rank, name, got, x["fs"])
+            assert got["step_dirs"] == ["step_000000000000", "step_000000000001", "step_000000000002"], got
