@@ -456,3 +456,136 @@ def test_dcp_save_adds_no_collective_of_the_storage_layer(tmp_path):
             assert got["own"][0] > 0 and got["own"][1:] == [0, 0], (rank, name, got)
             assert got["calls"][1:] == [fs, fs], (rank, name, got, x["fs"])
             assert got["step_dirs"] == ["step_000000000000", "step_000000000001", "step_000000000002"], got
+
+
+def _failures_worker(rank: int, world: int, tmp: str) -> dict:
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import commit, dcp_errors
+    from gdswriter.errors import EngineIOError
+    from support.ranks import caught
+
+    root = Path(tmp, f"node{rank}")  # node-local roots: rank 1 leads its own secondary root
+    w = writer(root)
+    sd = {"rep": torch.arange(3000.0) + 0, "blob": b"one"}
+
+    def save(value: float, fail: str | None = None) -> list[str] | None:
+        sd["rep"].fill_(value)
+        real = (commit.OrderedCommit.commit_manifest, commit.OrderedCommit.publish_led)
+
+        def broken(self, *a, **k):
+            raise EngineIOError(errno.ENOSPC, str(self.dirs[0]), 0, "write")
+
+        if fail == "finish" and rank == 0:
+            commit.OrderedCommit.commit_manifest = broken
+        if fail == "publish" and rank == 1:
+            commit.OrderedCommit.publish_led = broken
+        def run() -> None:
+            with dcp_errors():
+                dcp.save(sd, storage_writer=w)
+
+        try:
+            return caught(run)
+        finally:
+            commit.OrderedCommit.commit_manifest, commit.OrderedCommit.publish_led = real
+
+    def tree() -> list[str]:
+        return sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))
+
+    out: dict = {"first": save(1.0)}
+    out["finish"] = save(2.0, "finish")  # step 1: rank 1 has published its secondary, rank 0 fails to commit
+    out["after_finish"] = tree()
+    out["publish"] = save(3.0, "publish")  # step 1 again: rank 1 fails to publish
+    out["after_publish"] = tree()
+    out["next"] = save(4.0)  # step 1, committed now; the leftovers are cleaned
+    out["after_next"] = tree()
+    out["resave"] = caught(lambda: dcp.save({**sd, "rep": torch.full((3000,), 5.0)},
+                                            storage_writer=writer(root, step=1)))  # another rank's secondary: a vote
+    back = {"rep": torch.zeros(3000), "blob": b""}
+    dcp.load(back, storage_reader=reader(root, 1))
+    out["loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
+    out["after_resave"] = tree()
+    w.close()
+    return out
+
+
+def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_path):
+    """Node-local roots (rank 1 publishes its own secondary step directory in write_data): when
+    rank 0's commit fails in finish, or rank 1's publishing fails in write_data, DCP raises on
+    both ranks and no step is committed (rank 0's root holds only step 0); the writer's next save
+    (its roots kept, no new open) removes what the failed ones left and commits; re-saving that
+    step with a new writer (rank 1 leads a secondary root: the vote path) replaces it."""
+    res = run_ranks(2, _failures_worker, str(tmp_path), out=tmp_path / "ranks")
+    r0, r1 = res
+    assert r0["first"] is None and r1["first"] is None, res
+    for x in res:
+        assert x["finish"] and x["finish"][0] in ("EngineIOError", "RankFailedError", "CheckpointException"), res
+        assert x["publish"] and x["publish"][0] in ("EngineIOError", "RankFailedError", "CheckpointException"), res
+    assert r0["finish"][0] == "EngineIOError" and r1["publish"][0] == "EngineIOError", res
+    assert r0["after_finish"] == ["step_000000000000"], r0  # nothing committed; rank 0 removed its directories
+    assert r1["after_finish"] == ["step_000000000000", "step_000000000001"], r1  # published, never committed
+    # rank 0 does not learn that rank 1 failed (DCP raises after write_data): its directory waits to be cleaned
+    assert [n for n in r0["after_publish"] if not n.startswith(".tmp-step_000000000001-")] == \
+        ["step_000000000000"], r0
+    assert r1["after_publish"] == ["step_000000000000"], r1  # its own failure removed what it made
+    assert r0["next"] is None and r1["next"] is None, res
+    assert r0["after_next"] == r1["after_next"] == ["step_000000000000", "step_000000000001"], res
+    assert r0["resave"] is None and r1["resave"] is None, res
+    assert r0["loaded"] == r1["loaded"] == [5.0, 5.0], res
+    assert r0["after_resave"] == r1["after_resave"] == ["step_000000000000", "step_000000000001"], res
+
+
+def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from support.ranks import caught
+
+    out: dict = {}
+    # a root shared by each node's two ranks (node 1's led by rank 2): the plans cannot order it, so it votes
+    root = Path(tmp, f"node{rank // 2}")
+    w = writer(root)
+    sd = {"rep": torch.arange(2000.0), "blob": b"nodes"}
+    own = []
+    for _ in range(2):
+        before = w.coordinator().stats.collectives
+        dcp.save(sd, storage_writer=w)
+        own.append(w.coordinator().stats.collectives - before)
+    w.close()
+    back = {"rep": torch.zeros(2000), "blob": b""}
+    dcp.load(back, storage_reader=reader(root, 1))
+    out["nodes"] = {"own": own, "ok": torch.equal(back["rep"], sd["rep"]) and back["blob"] == b"nodes",
+                    "steps": sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))}
+    # rank 3's root is a copy of rank 0's (one id, two directories): refused before anything commits
+    if rank == 0:
+        Path(tmp, "orig").mkdir()
+        from gdswriter.distributed.roots import root_identity
+
+        root_identity(Path(tmp, "orig"))
+        import shutil
+
+        shutil.copytree(Path(tmp, "orig"), Path(tmp, "copy"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    mine = Path(tmp, "copy" if rank == 3 else "orig")
+    out["copied"] = caught(lambda: dcp.save(sd, storage_writer=writer(mine)))
+    out["copied_tree"] = sorted(p.name for p in mine.iterdir() if p.name.startswith("step_"))
+    return out
+
+
+@pytest.mark.slow  # about 10 s: 4 spawned ranks
+def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
+    """Four ranks on two "nodes", each node's root shared by its two ranks: node 1's root is led
+    by rank 2, which DCP's plans give no order for, so these saves keep the vote (collectives of
+    the writer's own on every save); the checkpoint commits on both roots and loads. A root that
+    is a copy of rank 0's (the same id in another directory) is refused on the rank that has it,
+    with how to fix it, and nothing commits."""
+    res = run_ranks(4, _node_roots_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(res):
+        assert x["nodes"]["ok"], (rank, x)
+        assert x["nodes"]["own"][1] > 0, (rank, x)  # the vote
+        assert x["nodes"]["steps"] == ["step_000000000000", "step_000000000001"], (rank, x)
+        assert x["copied"] is not None and x["copied_tree"] == [], (rank, x)
+    assert "RootUnavailableError" in res[3]["copied"][1] and "same identity" in res[3]["copied"][1], res[3]

@@ -120,7 +120,7 @@ class RankCommit:
         except Exception as e:  # noqa: BLE001 - its own error, another rank's, or a failed collective
             self.setup_error = self.setup_error or e
 
-    def _not_shared(self, i: int) -> RootUnavailableError:
+    def _not_shared(self, i: int, outcome: str = "nothing was written for step {step}") -> RootUnavailableError:
         g = self.layout.local_to_global[i]
         info, mine = self.layout.table[g], self.layout.local_paths[i]
         return RootUnavailableError(
@@ -130,8 +130,8 @@ class RankCommit:
             f"they are two directories: the temporary directory rank {self.layout.leader(g)} just made there "
             f"({self.dirs[i].name}) is not in {mine}. One is probably a copy (rsync -a, cp -a, a machine image). Give "
             f"the copy its own identity: empty it, or remove its {ROOT_MARKER_NAME} (a new id is written when it is "
-            f"next opened; move its step directories away first if you keep them); nothing was written for step "
-            f"{self.step}")
+            f"next opened; move its step directories away first if you keep them); "
+            f"{outcome.format(step=self.step)}")
 
     # -- 2 and 3 -----------------------------------------------------------------
     def vote(self, outcome: Any, check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None = None
@@ -378,7 +378,7 @@ class OrderedCommit(RankCommit):
         """Step 1's check on the roots P leads and this rank shares: P's directory is in each."""
         for i, d in enumerate(self.dirs):
             if not self.layout.leads(i) and not d.is_dir():
-                raise self._not_shared(i)
+                raise self._not_shared(i, "this rank wrote nothing, and step {step} is not committed")
 
     def publish_led(self) -> None:
         """Step 3 on the secondary roots this rank leads, once its own files are durable: refuse
