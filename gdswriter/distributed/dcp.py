@@ -59,9 +59,10 @@ constructors' option checks and ``reset``'s check of the checkpoint_id (a URL, a
 ``dcp_errors()`` re-raises the gdswriter error inside a CheckpointException (the failing rank's
 own, before the other ranks' RankFailedError), from it, so ``except CheckpointExistsError`` works.
 
-Between saves the writer keeps only its engines (io_uring rings and page-locked staging
-buffers, which take 25-150 ms to build per root; ``close()`` releases them), and a reader its
-one engine. The writer and reader pickle as their arguments, so DCP's process-based async_save
+Between saves the writer keeps its engines (io_uring rings and page-locked staging buffers,
+which take 25-150 ms to build per root) and its opened roots (their table and identities, not
+their locks: each save takes those again, locally); ``close()`` releases both. A reader keeps
+its one engine. The writer and reader pickle as their arguments, so DCP's process-based async_save
 can ship them to its checkpoint process; engines, locks and the coordination group open there
 on first use.
 """
@@ -520,8 +521,12 @@ class GDSStorageWriter(_Collective, StorageWriter):
             raise InvalidOptionError("finish before write_data: use this writer through dcp.save")
         try:
             rc = self._save["commit"]
-            reports = _reports(results, rc.step, self._save["token"], self._save["items"])
-            manifest = _dcp_manifest(rc.step, {**self._save, "reports": reports}, metadata)
+            try:
+                reports = _reports(results, rc.step, self._save["token"], self._save["items"])
+                manifest = _dcp_manifest(rc.step, {**self._save, "reports": reports}, metadata)
+            except BaseException:
+                rc.abort()  # nothing was renamed on this rank's roots yet (OrderedCommit) or only secondaries
+                raise
             if isinstance(rc, OrderedCommit):
                 rc.commit_ordered(manifest)
             else:
