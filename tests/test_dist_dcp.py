@@ -507,6 +507,24 @@ def _failures_worker(rank: int, world: int, tmp: str) -> dict:
     dcp.load(back, storage_reader=reader(root, 1))
     out["loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
     out["after_resave"] = tree()
+    # re-saving step 1 again, rank 0's write fails: rank 1 must not have replaced its part of the committed step
+    from gdswriter.distributed.dcp import GDSStorageWriter
+
+    real_write = GDSStorageWriter._write
+
+    def failing(self, *a, **k):
+        raise EngineIOError(errno.ENOSPC, "rank0", 0, "write")
+
+    if rank == 0:
+        GDSStorageWriter._write = failing
+    try:
+        out["resave_failed"] = caught(lambda: dcp.save({**sd, "rep": torch.full((3000,), 6.0)},
+                                                       storage_writer=writer(root, step=1)))
+    finally:
+        GDSStorageWriter._write = real_write
+    back = {"rep": torch.zeros(3000), "blob": b""}
+    out["load_after_failed"] = caught(lambda: dcp.load(back, storage_reader=reader(root, 1)))
+    out["loaded_after_failed"] = [float(back["rep"][0]), float(back["rep"][-1])]
     w.close()
     return out
 
@@ -516,7 +534,8 @@ def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_p
     rank 0's commit fails in finish, or rank 1's publishing fails in write_data, DCP raises on
     both ranks and no step is committed (rank 0's root holds only step 0); the writer's next save
     (its roots kept, no new open) removes what the failed ones left and commits; re-saving that
-    step with a new writer (rank 1 leads a secondary root: the vote path) replaces it."""
+    step with a new writer (rank 1 leads a secondary root: the vote path) replaces it, and a re-save
+    that fails on rank 0 leaves it whole (rank 1 did not replace its part before every rank wrote)."""
     res = run_ranks(2, _failures_worker, str(tmp_path), out=tmp_path / "ranks")
     r0, r1 = res
     assert r0["first"] is None and r1["first"] is None, res
@@ -535,6 +554,8 @@ def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_p
     assert r0["resave"] is None and r1["resave"] is None, res
     assert r0["loaded"] == r1["loaded"] == [5.0, 5.0], res
     assert r0["after_resave"] == r1["after_resave"] == ["step_000000000000", "step_000000000001"], res
+    assert r0["resave_failed"] and r1["resave_failed"], res
+    assert r0["load_after_failed"] is None and r0["loaded_after_failed"] == [5.0, 5.0], res  # the old step, whole
 
 
 def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
