@@ -11,7 +11,11 @@ every rank is given all of them), measure:
                  on one host share what they read through /dev/shm (DistOptions.load_share_dir)
   gdswriter-relay  the same, with load_share_dir=None: the replicated pieces each rank read
                  travel to the others over gloo, as they do between hosts
-  gdswriter-dcp  dcp.save through GDSStorageWriter (the same split and commit, DCP's planning)
+  gdswriter-dcp  dcp.save through GDSStorageWriter (the same split and commit, DCP's planning),
+                 a new writer for each save (as FileSystemWriter is used): it opens its roots
+  dcp-kept       the same through one GDSStorageWriter kept for all rounds (a step each), as a
+                 training job keeps one: its roots are opened and its engines built by a first,
+                 untimed save, so each timed save is DCP's collectives plus the writes and commit
   dcp-fs         dcp.save(FileSystemWriter(dir, sync_files=True)): DCP gives each replicated
                  tensor, whole, to one rank; it takes one directory, so it runs with one root
 
@@ -49,7 +53,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-CASES = ("gdswriter", "gdswriter-relay", "gdswriter-dcp", "dcp-fs")
+CASES = ("gdswriter", "gdswriter-relay", "gdswriter-dcp", "dcp-kept", "dcp-fs")
 
 
 def make_state(nbytes: int) -> dict:
@@ -161,6 +165,30 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
                             if rank == 0:
                                 for d in dirs:
                                     shutil.rmtree(d, ignore_errors=True)
+                        continue
+                    elif case == "dcp-kept":
+                        if ck is None:
+                            dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
+                            ck = GDSStorageWriter(dirs)
+                            dcp.save(state, storage_writer=ck, checkpoint_id=rounds)  # opens the roots, builds engines
+                        dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
+                        saves.append(_timed(dcp.save, state, storage_writer=ck, checkpoint_id=rnd))
+                        step_dirs = [os.path.join(d, step_dir_name(rnd)) for d in dirs]
+                        mine.append(_rank_bytes(step_dirs, f"data-rank{rank}-*"))
+                        if rank == 0:
+                            _evict(step_dirs)
+                        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, rnd)))
+                        assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
+                        for t in target.values():
+                            t.zero_()
+                        dist.barrier()
+                        if rnd == rounds - 1:
+                            ck.close()
+                            dist.barrier()
+                            if rank == 0:
+                                for d in dirs:
+                                    shutil.rmtree(d, ignore_errors=True)
+                        dist.barrier()
                         continue
                     elif case == "gdswriter-dcp":
                         saves.append(_timed(dcp.save, state, storage_writer=GDSStorageWriter(dirs, rnd)))

@@ -375,3 +375,238 @@ def test_dcp_scenarios_on_2_and_4_ranks(tmp_path):
     assert torch.equal(one["dt"], torch.arange(120.0).reshape(12, 10)) and one["blob"] == b"four ranks"
     step, whole = load_state(tmp_path / "four")  # gdswriter's own reader: DCP chunks assembled
     assert step == 0 and torch.equal(whole["dt"], one["dt"]) and torch.equal(whole["rep"], one["rep"])
+
+
+# ----------------------------------------------------------------------------- the storage side's own collectives
+_C10D = ("gather", "scatter", "broadcast", "all_gather", "all_reduce", "reduce", "all_to_all", "barrier", "send",
+         "recv", "isend", "irecv", "gather_object", "all_gather_object", "scatter_object_list",
+         "broadcast_object_list", "all_gather_into_tensor", "reduce_scatter_tensor", "monitored_barrier")
+
+
+def _count_dist_calls(fn) -> int:
+    """How many torch.distributed communication calls ``fn()`` makes on this rank (DCP's and
+    the storage layer's alike, nested ones included: gather_object counts with what it calls)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    calls = [0]
+    saved = {}
+    for name in _C10D:
+        f = getattr(c10d, name, None)
+        if f is None:
+            continue
+
+        def counted(*a, _f=f, **k):
+            calls[0] += 1
+            return _f(*a, **k)
+
+        saved[name] = (f, getattr(dist, name, None))
+        setattr(c10d, name, counted)
+        setattr(dist, name, counted)
+    try:
+        fn()
+    finally:
+        for name, (f, g) in saved.items():
+            setattr(c10d, name, f)
+            if g is not None:
+                setattr(dist, name, g)
+    return calls[0]
+
+
+def _collectives_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    sd = {"rep": torch.arange(5000.0), "other": torch.ones(300, dtype=torch.float16), "blob": b"x" * 10}
+    out: dict = {}
+    fs = [_count_dist_calls(lambda i=i: dcp.save(sd, storage_writer=FileSystemWriter(Path(tmp, f"fs{i}"))))
+          for i in range(3)]
+    out["fs"] = fs
+    for name, root in (("shared", Path(tmp, "shared")), ("node_local", Path(tmp, f"node{rank}"))):
+        w = writer(root)
+        coord = w.coordinator()
+        own, calls = [], []
+        for _ in range(3):
+            before = coord.stats.collectives
+            calls.append(_count_dist_calls(lambda: dcp.save(sd, storage_writer=w)))
+            own.append(coord.stats.collectives - before)
+        w.close()
+        back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else b"") for k, v in sd.items()}
+        dcp.load(back, storage_reader=reader(root, 2))
+        ok = all(torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v for k, v in sd.items())
+        out[name] = {"own": own, "calls": calls, "ok": ok,
+                     "step_dirs": sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp")))}
+    return out
+
+
+def test_dcp_save_adds_no_collective_of_the_storage_layer(tmp_path):
+    """A writer's saves after its first (which opens the roots) make exactly the torch.distributed
+    calls a FileSystemWriter save makes (DCP's own plan gather/scatter and result gather/broadcast),
+    and none on the writer's coordination channel: the step and token travel in DCP's plans and
+    the reports in its WriteResults. With one root every rank shares, and with node-local roots
+    (rank 1 publishes its secondary step directory inside write_data). Before, every save opened
+    the roots, broadcast the step, checked the shared roots and voted (each collective several
+    torch.distributed calls)."""
+    res = run_ranks(2, _collectives_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(res):
+        fs = x["fs"][-1]
+        for name in ("shared", "node_local"):
+            got = x[name]
+            assert got["ok"], (rank, name, got)
+            assert got["own"][0] > 0 and got["own"][1:] == [0, 0], (rank, name, got)
+            assert got["calls"][1:] == [fs, fs], (rank, name, got, x["fs"])
+            assert got["step_dirs"] == ["step_000000000000", "step_000000000001", "step_000000000002"], got
+
+
+def _failures_worker(rank: int, world: int, tmp: str) -> dict:
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import commit, dcp_errors
+    from gdswriter.errors import EngineIOError
+    from support.ranks import caught
+
+    root = Path(tmp, f"node{rank}")  # node-local roots: rank 1 leads its own secondary root
+    w = writer(root)
+    sd = {"rep": torch.arange(3000.0) + 0, "blob": b"one"}
+
+    def save(value: float, fail: str | None = None) -> list[str] | None:
+        sd["rep"].fill_(value)
+        real = (commit.OrderedCommit.commit_manifest, commit.OrderedCommit.publish_led)
+
+        def broken(self, *a, **k):
+            raise EngineIOError(errno.ENOSPC, str(self.dirs[0]), 0, "write")
+
+        if fail == "finish" and rank == 0:
+            commit.OrderedCommit.commit_manifest = broken
+        if fail == "publish" and rank == 1:
+            commit.OrderedCommit.publish_led = broken
+        def run() -> None:
+            with dcp_errors():
+                dcp.save(sd, storage_writer=w)
+
+        try:
+            return caught(run)
+        finally:
+            commit.OrderedCommit.commit_manifest, commit.OrderedCommit.publish_led = real
+
+    def tree() -> list[str]:
+        return sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))
+
+    out: dict = {"first": save(1.0)}
+    out["finish"] = save(2.0, "finish")  # step 1: rank 1 has published its secondary, rank 0 fails to commit
+    out["after_finish"] = tree()
+    out["publish"] = save(3.0, "publish")  # step 1 again: rank 1 fails to publish
+    out["after_publish"] = tree()
+    out["next"] = save(4.0)  # step 1, committed now; the leftovers are cleaned
+    out["after_next"] = tree()
+    out["resave"] = caught(lambda: dcp.save({**sd, "rep": torch.full((3000,), 5.0)},
+                                            storage_writer=writer(root, step=1)))  # another rank's secondary: a vote
+    back = {"rep": torch.zeros(3000), "blob": b""}
+    dcp.load(back, storage_reader=reader(root, 1))
+    out["loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
+    out["after_resave"] = tree()
+    # re-saving step 1 again, rank 0's write fails: rank 1 must not have replaced its part of the committed step
+    from gdswriter.distributed.dcp import GDSStorageWriter
+
+    real_write = GDSStorageWriter._write
+
+    def failing(self, *a, **k):
+        raise EngineIOError(errno.ENOSPC, "rank0", 0, "write")
+
+    if rank == 0:
+        GDSStorageWriter._write = failing
+    try:
+        out["resave_failed"] = caught(lambda: dcp.save({**sd, "rep": torch.full((3000,), 6.0)},
+                                                       storage_writer=writer(root, step=1)))
+    finally:
+        GDSStorageWriter._write = real_write
+    back = {"rep": torch.zeros(3000), "blob": b""}
+    out["load_after_failed"] = caught(lambda: dcp.load(back, storage_reader=reader(root, 1)))
+    out["loaded_after_failed"] = [float(back["rep"][0]), float(back["rep"][-1])]
+    w.close()
+    return out
+
+
+def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_path):
+    """Node-local roots (rank 1 publishes its own secondary step directory in write_data): when
+    rank 0's commit fails in finish, or rank 1's publishing fails in write_data, DCP raises on
+    both ranks and no step is committed (rank 0's root holds only step 0); the writer's next save
+    (its roots kept, no new open) removes what the failed ones left and commits; re-saving that
+    step with a new writer (rank 1 leads a secondary root: the vote path) replaces it, and a re-save
+    that fails on rank 0 leaves it whole (rank 1 did not replace its part before every rank wrote)."""
+    res = run_ranks(2, _failures_worker, str(tmp_path), out=tmp_path / "ranks")
+    r0, r1 = res
+    assert r0["first"] is None and r1["first"] is None, res
+    for x in res:
+        assert x["finish"] and x["finish"][0] in ("EngineIOError", "RankFailedError", "CheckpointException"), res
+        assert x["publish"] and x["publish"][0] in ("EngineIOError", "RankFailedError", "CheckpointException"), res
+    assert r0["finish"][0] == "EngineIOError" and r1["publish"][0] == "EngineIOError", res
+    assert r0["after_finish"] == ["step_000000000000"], r0  # nothing committed; rank 0 removed its directories
+    assert r1["after_finish"] == ["step_000000000000", "step_000000000001"], r1  # published, never committed
+    # rank 0 does not learn that rank 1 failed (DCP raises after write_data): its directory waits to be cleaned
+    assert [n for n in r0["after_publish"] if not n.startswith(".tmp-step_000000000001-")] == \
+        ["step_000000000000"], r0
+    assert r1["after_publish"] == ["step_000000000000"], r1  # its own failure removed what it made
+    assert r0["next"] is None and r1["next"] is None, res
+    assert r0["after_next"] == r1["after_next"] == ["step_000000000000", "step_000000000001"], res
+    assert r0["resave"] is None and r1["resave"] is None, res
+    assert r0["loaded"] == r1["loaded"] == [5.0, 5.0], res
+    assert r0["after_resave"] == r1["after_resave"] == ["step_000000000000", "step_000000000001"], res
+    assert r0["resave_failed"] and r1["resave_failed"], res
+    assert r0["load_after_failed"] is None and r0["loaded_after_failed"] == [5.0, 5.0], res  # the old step, whole
+
+
+def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from support.ranks import caught
+
+    out: dict = {}
+    # a root shared by each node's two ranks (node 1's led by rank 2): the plans cannot order it, so it votes
+    root = Path(tmp, f"node{rank // 2}")
+    w = writer(root)
+    sd = {"rep": torch.arange(2000.0), "blob": b"nodes"}
+    own = []
+    for _ in range(2):
+        before = w.coordinator().stats.collectives
+        dcp.save(sd, storage_writer=w)
+        own.append(w.coordinator().stats.collectives - before)
+    w.close()
+    back = {"rep": torch.zeros(2000), "blob": b""}
+    dcp.load(back, storage_reader=reader(root, 1))
+    out["nodes"] = {"own": own, "ok": torch.equal(back["rep"], sd["rep"]) and back["blob"] == b"nodes",
+                    "steps": sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))}
+    # rank 3's root is a copy of rank 0's (one id, two directories): refused before anything commits
+    if rank == 0:
+        Path(tmp, "orig").mkdir()
+        from gdswriter.distributed.roots import root_identity
+
+        root_identity(Path(tmp, "orig"))
+        import shutil
+
+        shutil.copytree(Path(tmp, "orig"), Path(tmp, "copy"))
+    import torch.distributed as dist
+
+    dist.barrier()
+    mine = Path(tmp, "copy" if rank == 3 else "orig")
+    out["copied"] = caught(lambda: dcp.save(sd, storage_writer=writer(mine)))
+    out["copied_tree"] = sorted(p.name for p in mine.iterdir() if p.name.startswith("step_"))
+    return out
+
+
+@pytest.mark.slow  # about 10 s: 4 spawned ranks
+def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
+    """Four ranks on two "nodes", each node's root shared by its two ranks: node 1's root is led
+    by rank 2, which DCP's plans give no order for, so these saves keep the vote (collectives of
+    the writer's own on every save); the checkpoint commits on both roots and loads. A root that
+    is a copy of rank 0's (the same id in another directory) is refused on the rank that has it,
+    with how to fix it, and nothing commits."""
+    res = run_ranks(4, _node_roots_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(res):
+        assert x["nodes"]["ok"], (rank, x)
+        assert x["nodes"]["own"][1] > 0, (rank, x)  # the vote
+        assert x["nodes"]["steps"] == ["step_000000000000", "step_000000000001"], (rank, x)
+        assert x["copied"] is not None and x["copied_tree"] == [], (rank, x)
+    assert "RootUnavailableError" in res[3]["copied"][1] and "same identity" in res[3]["copied"][1], res[3]

@@ -68,6 +68,14 @@ def _io_error(e: OSError, path: Path, what: str) -> EngineIOError:
     return err
 
 
+def _raise_io(e: OSError, path: Path, what: str) -> None:
+    """Raise ``e`` as an EngineIOError (as it is if it is one)."""
+    err = _io_error(e, path, what)
+    if err is e:
+        raise e
+    raise err from e
+
+
 class RankCommit:
     """This rank's part of committing step ``step``: ``dirs`` (one temporary directory per local
     root) to write into, then vote(), commit() on the primary rank (``coordinates``), announce().
@@ -112,7 +120,7 @@ class RankCommit:
         except Exception as e:  # noqa: BLE001 - its own error, another rank's, or a failed collective
             self.setup_error = self.setup_error or e
 
-    def _not_shared(self, i: int) -> RootUnavailableError:
+    def _not_shared(self, i: int, outcome: str = "nothing was written for step {step}") -> RootUnavailableError:
         g = self.layout.local_to_global[i]
         info, mine = self.layout.root(g), self.layout.local_paths[i]
         return RootUnavailableError(
@@ -122,8 +130,8 @@ class RankCommit:
             f"they are two directories: the temporary directory rank {self.layout.leader(g)} just made there "
             f"({self.dirs[i].name}) is not in {mine}. One is probably a copy (rsync -a, cp -a, a machine image). Give "
             f"the copy its own identity: empty it, or remove its {ROOT_MARKER_NAME} (a new id is written when it is "
-            f"next opened; move its step directories away first if you keep them); nothing was written for step "
-            f"{self.step}")
+            f"next opened; move its step directories away first if you keep them); "
+            f"{outcome.format(step=self.step)}")
 
     # -- 2 and 3 -----------------------------------------------------------------
     def vote(self, outcome: Any, check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None = None
@@ -311,3 +319,112 @@ class RankCommit:
         """Remove the temporary directories this rank leads (best effort; the next open cleans the rest)."""
         for i in self.layout.led:
             shutil.rmtree(self.dirs[i], ignore_errors=True)
+
+
+class OrderedCommit(RankCommit):
+    """The same steps inside a caller's own ordered protocol (DCP's), with no collective of its
+    own: P (the coordinator) decides step and token and makes its temporary directories
+    (``make_dirs``) before any other rank starts (DCP scatters the plans after that); every
+    other rank makes those it leads, checks that it finds P's (``check_shared``, step 1's check
+    for a copied root), writes, and publishes the secondary roots it leads (``publish_led``:
+    fsync, rename, fsync of the root) before it reports (DCP gathers the reports before P's
+    ``commit_ordered``). Only for a layout where ``applies``: every root that several ranks see
+    is P's to lead (so step 1 is ordered by the plans' scatter and step 3 by the reports'
+    gather), and, when step S is being re-saved, no other rank leads a secondary root (the old
+    step must be un-committed before any of its secondary directories is replaced, and only a
+    vote can order that after every rank's writes). A failure on any rank makes DCP skip
+    ``commit_ordered`` and raise on every rank: nothing is committed; what the save left
+    (temporary directories, secondary ``step_S`` without a primary manifest) is removed when
+    the roots are next cleaned."""
+
+    def __init__(self, coord: Coordinator, layout: RootLayout, step: int, token: str):  # noqa: D107 - no collective
+        self.coord, self.layout, self.step = coord, layout, step
+        self.what = f"saving step {step}"
+        self.p = layout.primary_rank
+        self.coordinates = coord.rank == self.p
+        self.primary_index = layout.local_of(0)
+        name = f"{TMP_PREFIX}{step_dir_name(step)}-{token}"
+        self.dirs = [root / name for root in layout.local_paths]
+        self.setup_error = self.local_error = None
+        self.renamed: list[Path] = []
+        self.secondary_failures: dict[int, str] = {}
+        self.committed = False
+        self.keep_secondaries = False
+
+    @staticmethod
+    def applies(layout: RootLayout, coordinator: int, resaving: bool) -> bool:
+        """Whether step S can be committed this way with ``coordinator`` as P (class docstring)."""
+        if layout.primary_rank != coordinator:
+            return False
+        for g, info in enumerate(layout.table):
+            if layout.leader(g) != coordinator and (len(info.ranks) > 1 or (resaving and g != 0)):
+                return False
+        return True
+
+    def make_dirs(self) -> None:
+        """Step 1 on the roots this rank leads (secondary ones get their owner files)."""
+        d = self.dirs[0]
+        try:
+            for i, d in enumerate(self.dirs):
+                if self.layout.leads(i):
+                    d.mkdir()
+                    if not self.layout.is_primary(i):
+                        write_owner_files(self.layout, d)
+        except OSError as e:
+            self.abort()
+            _raise_io(e, d, "mkdir")
+
+    def check_shared(self) -> None:
+        """Step 1's check on the roots P leads and this rank shares: P's directory is in each."""
+        for i, d in enumerate(self.dirs):
+            if not self.layout.leads(i) and not d.is_dir():
+                raise self._not_shared(i, "this rank wrote nothing, and step {step} is not committed")
+
+    def publish_led(self) -> None:
+        """Step 3 on the secondary roots this rank leads, once its own files are durable: refuse
+        a ``step_S`` of another checkpoint there, fsync, rename to ``step_S``, fsync the root.
+        On a failure the directories this rank made or renamed are removed and it raises."""
+        i = 0
+        try:
+            led = [i for i in self.layout.led if not self.layout.is_primary(i)]
+            for i in led:
+                self._check_secondary_final(i)
+            for i in led:
+                fsync_dir(self.dirs[i])
+            for i in led:
+                self._publish_secondary(i)
+        except OSError as e:
+            self._undo()
+            _raise_io(e, self.dirs[i], "commit")
+
+    def commit_ordered(self, manifest: Manifest) -> None:
+        """P, after every rank's publish_led (the caller orders it): steps 2-4 on P's roots: its
+        secondary roots checked, a committed step S un-committed (primary first), P's temporary
+        directories fsynced (every rank's files are in them now), its secondary roots renamed,
+        then the manifest written and the step made visible. Raises, having undone what it can,
+        when the step could not be committed."""
+        final = self.layout.local_paths[self.primary_index] / step_dir_name(self.step)
+        try:
+            for i in self.layout.led:
+                if not self.layout.is_primary(i):
+                    self._check_secondary_final(i)
+            if final.exists():
+                self._check_primary_final(final)
+                retire(final)  # re-saving step S: un-commit the old one first
+            self.publish_led()
+            fsync_dir(self.dirs[self.primary_index])
+        except OSError as e:
+            self._undo()
+            _raise_io(e, final, "commit")
+        try:
+            self.commit_manifest(manifest)
+        except BaseException:
+            if not self.keep_secondaries and not self.committed:
+                self._undo()
+            raise
+
+    def _undo(self) -> None:
+        for path in self.renamed:
+            shutil.rmtree(path, ignore_errors=True)
+        self.renamed = []
+        self.abort()

@@ -31,9 +31,20 @@ one tensor record named by its fully qualified name (a chunk of a sharded tensor
 block as ``shard``; a BytesIO item is a uint8 tensor of its bytes), and DCP's Metadata is
 stored as JSON in the manifest's ``dist.dcp`` (dcp_codec.py; no pickle). Tensor items that
 several ranks hold (replicated state, which DCP would give whole to one rank) are split across
-their holders by planner/ranks.py, as GDSCheckpointer does. The commit is dist/commit.py's:
-data files are made durable and secondary roots published inside ``write_data`` (two votes
-over the coordination group), and the coordinator commits in ``finish``.
+their holders by planner/ranks.py, as GDSCheckpointer does. The commit is dist/commit.py's,
+carried by DCP's own protocol (commit.py OrderedCommit): the coordinator decides the step and
+the temporary directories' token in ``prepare_global_plan`` (DCP scatters them in the plans),
+every rank writes and makes its files durable (and publishes the secondary roots it alone
+sees) in ``write_data``, whose WriteResults carry its report (files, chunks, crc32c, records)
+to the coordinator in DCP's gather, and ``finish`` checks the reports and commits. DCP runs
+``finish`` only when every rank's ``write_data`` succeeded, and raises on every rank otherwise
+(and when ``finish`` raises): nothing is then committed. The storage side adds no collective to
+a save's; the writer opens its roots (agrees on the root table, locks, cleans: collectives)
+once, at its first save, and again only for other roots or after a save that failed before
+writing. Two layouts still vote over the coordination group as GDSCheckpointer does (the
+plans give no order for them, see OrderedCommit): a root that several ranks see but another
+rank than rank 0 leads (one SSD per node shared by that node's ranks), and re-saving a
+committed step while another rank leads a secondary root.
 
 Loading reads each item DCP asks for whole straight into DCP's target tensor (its checksum
 computed as it is read) and only resharded or cast items through a buffer, as FileSystemReader
@@ -48,9 +59,10 @@ constructors' option checks and ``reset``'s check of the checkpoint_id (a URL, a
 ``dcp_errors()`` re-raises the gdswriter error inside a CheckpointException (the failing rank's
 own, before the other ranks' RankFailedError), from it, so ``except CheckpointExistsError`` works.
 
-Between saves the writer keeps only its engines (io_uring rings and page-locked staging
-buffers, which take 25-150 ms to build per root; ``close()`` releases them), and a reader its
-one engine. The writer and reader pickle as their arguments, so DCP's process-based async_save
+Between saves the writer keeps its engines (io_uring rings and page-locked staging buffers,
+which take 25-150 ms to build per root) and its opened roots (their table and identities, not
+their locks: each save takes those again, locally); ``close()`` releases both. A reader keeps
+its one engine. The writer and reader pickle as their arguments, so DCP's process-based async_save
 can ship them to its checkpoint process; engines, locks and the coordination group open there
 on first use.
 """
@@ -65,6 +77,8 @@ import logging
 import os
 import re
 import secrets
+import socket
+import time
 import uuid
 from collections import Counter
 from dataclasses import replace
@@ -83,32 +97,33 @@ from torch.futures import Future
 from ..engines.base import IOEngine
 from ..engines.select import create_engine
 from ..errors import (CheckpointExistsError, CorruptCheckpointError, EngineIOError, GDSWriterError,
-                      InvalidOptionError, RankFailedError)
-from ..format.commit import normalize_roots
+                      InvalidOptionError, RankFailedError, RootUnavailableError)
+from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, _link_no_clobber, normalize_roots
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from .._log import log_once
-from ..fs import atomic_write, read_regular_file
+from ..fs import atomic_write, fsync_dir, read_regular_file, write_durable
 from ..options import CheckpointOptions, EngineOptions
 from ..planner.assign import plan_save
 from ..load.reader import host_buffer
 from ..save.snapshot import Extent, Snapshot
 from ..save.writer import live_spans, write_files
 from ..format.assembly import build_manifest, record_json
-from .commit import RankCommit
+from .commit import OrderedCommit, RankCommit
 from .dcp_codec import metadata_from_json, metadata_to_json
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, describe
 from .load import broadcast_manifest, rebuild_state
 from .options import DistOptions
 from .rankfiles import file_entries, group_held, rank_targets
-from .roots import discover_layout, probe_led, settle_primary
+from .roots import clean_led, discover_layout, lock_led, probe_led, root_identity, settle_primary
 from .session import DistSession, RankProtocol, open_session
 
 log = logging.getLogger("gdswriter")
 
 MARKER_NAME = ".metadata"  # DCP's metadata file name: gdswriter writes a JSON marker there
 MARKER_FORMAT = "gdswriter-dcp"
+REPORT_FQN = "gdswriter.rank-report"  # the WriteResult carrying a rank's report to finish()
 _STEP_IN_NAME = re.compile(r"step[-_=]?(\d+)$", re.IGNORECASE)
 
 
@@ -373,7 +388,10 @@ class GDSStorageWriter(_Collective, StorageWriter):
         self.options = options or CheckpointOptions()
         self.overwrite = overwrite
         self.save_id = uuid.uuid4().hex
-        self._session: DistSession | None = None
+        self._session: DistSession | None = None  # the opened roots, kept from save to save (their locks are not)
+        self._session_roots: list[Path] | None = None  # the roots it was opened for
+        self._wrote = False  # this save reached write_data (DCP's plans went out): its session may be kept
+        self._fresh = False  # the session was opened (and its roots cleaned) by this save
         self._items: dict[str, Any] = {}   # chunk key -> this rank's WriteItem
         self._save: dict | None = None     # step, commit and reports of the save in progress
         self._engines: list[IOEngine] | None = None  # one per local root, kept from save to save
@@ -395,7 +413,12 @@ class GDSStorageWriter(_Collective, StorageWriter):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Open the roots (collective), or take the ones the last save opened (local: their locks
+        and identities; no collective). A session is kept only from a save that reached
+        write_data: DCP's plans reached every rank then, so every rank decides the same."""
+        kept = self._wrote
         self._end_save()
+        self._wrote = False
         if kwargs.get("use_collectives", True) is False:
             raise InvalidOptionError("GDSStorageWriter commits one step for all ranks: dcp.save(use_collectives=False) "
                                      "(a metadata file per rank) is not supported; use FileSystemWriter for that")
@@ -405,7 +428,30 @@ class GDSStorageWriter(_Collective, StorageWriter):
         if "rank" in kwargs and kwargs["rank"] != coord.rank:
             failed = InvalidOptionError(f"DCP saves as rank {kwargs['rank']} but this writer's group has it as rank "
                                         f"{coord.rank}: pass the same process_group (single_process=True for no_dist)")
+        if self._session is not None and kept and self._session_roots == roots and failed is None:
+            self._relock(self._session)
+            self._fresh = False
+            return
+        self._session = self._session_roots = None
         self._session = open_session(roots, coord, self.dist_options, failed=failed)  # makes missing roots
+        self._session_roots, self._fresh = list(roots), True
+
+    def _relock(self, session: DistSession) -> None:
+        """Lock the roots this rank leads again, after checking that each of its roots is still
+        the one the session opened (one deleted since gets its directory and id back; one
+        replaced by another root raises: the next save opens the roots afresh)."""
+        layout = session.layout
+        for path, ident in zip(layout.local_paths, layout.local_ids):
+            found = root_identity(path, create=False) if path.is_dir() else None
+            if found is None and not ident.startswith("path:"):
+                _restore_identity(path, ident)
+                found = root_identity(path, create=False)
+            if found != ident:
+                raise RootUnavailableError(
+                    errno.ESTALE, f"checkpoint root {path} is not the root this writer's previous save wrote to (its "
+                                  f"{ROOT_MARKER_NAME} says {found}, not {ident}): it was replaced by another "
+                                  f"directory; nothing was written, and the next save opens the roots afresh")
+        session.lock = lock_led(layout)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Name this rank's tensor chunks, so that the global plan sees which ranks hold each."""
@@ -423,8 +469,14 @@ class GDSStorageWriter(_Collective, StorageWriter):
         return replace(plan, storage_data={"held": held})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Number every item: tensor chunks, split over the ranks holding them (planner/ranks.py),
-        then BytesIO items, written whole by the rank DCP's deduplication gave them to."""
+        """Coordinator: decide the step and the token (checking ``overwrite`` under the root lock)
+        and make the temporary directories it leads, then number every item: tensor chunks, split
+        over the ranks holding them (planner/ranks.py), then BytesIO items, written whole by the
+        rank DCP's deduplication gave them to. The decision travels in each plan."""
+        session = self._session
+        if session is None:
+            raise InvalidOptionError("prepare_global_plan before set_up_storage_writer: use this writer through "
+                                     "dcp.save")
         held = group_held(plan.storage_data["held"] for plan in plans)
         items: list[list] = []  # [key, nbytes (None for BytesIO), fqn, offsets (None for BytesIO)]
         for key, n in zip(held.index, held.sizes):
@@ -437,42 +489,48 @@ class GDSStorageWriter(_Collective, StorageWriter):
                 if wi.type == WriteItemType.BYTE_IO:
                     pieces[r].append([len(items), 0, None])
                     items.append([f"bytes:{wi.index.fqn}", None, wi.index.fqn, None])
-        return [replace(plan, storage_data={"items": items, "pieces": pieces[r]}) for r, plan in enumerate(plans)]
+        decided = self._decide(session)
+        return [replace(plan, storage_data={"items": items, "pieces": pieces[r], **decided})
+                for r, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's pieces, then vote (collective; see the module docstring)."""
+        """Write this rank's pieces and make them durable (and publish the secondary roots only
+        this rank sees); the last WriteResult carries its report to finish() (module docstring).
+        In a layout OrderedCommit does not serve, vote instead (collective; commit.py)."""
         session = self._session
         if session is None:
             raise InvalidOptionError("write_data before set_up_storage_writer: use this writer through dcp.save")
-        try:
-            rc = self._begin(session)
-            try:
-                outcome: Any = self._write(plan, planner, rc)
-            except Exception as e:  # noqa: BLE001 - every failure goes to the vote
-                outcome = e
-            reports = rc.vote(outcome)
-            if rc.local_error is not None:
-                raise rc.local_error
-            if reports is not None:
-                rc.check_secondaries()
-                self._save = {"commit": rc, "reports": reports, "table": session.layout.table,
-                              "items": plan.storage_data["items"]}
-        finally:
-            if self._save is None:  # rank 0 keeps its lock until finish()
-                self._end_save()
+        self._wrote = True
+        decided = plan.storage_data
+        if decided["vote"]:
+            report = self._write_and_vote(session, plan, planner)
+        else:
+            report = self._write_ordered(session, plan, planner)
+        results = [WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items]
+        results.append(WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=sum(c[4] for c in report["chunks"]),
+                                   storage_data=report))
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result([WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items])
+        fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: build the manifest (DCP's metadata as JSON in it), commit the step, then
-        write the ``.metadata`` marker (so its presence means a committed checkpoint)."""
+        """Coordinator: check every rank's report, build the manifest (DCP's metadata as JSON in
+        it), commit the step, then write the ``.metadata`` marker (so its presence means a
+        committed checkpoint). Raises, committing nothing, if a report is missing or wrong."""
         if self._save is None:
             raise InvalidOptionError("finish before write_data: use this writer through dcp.save")
         try:
             rc = self._save["commit"]
-            manifest = _dcp_manifest(rc.step, self._save, metadata)
-            rc.commit_manifest(manifest)
+            try:
+                reports = _reports(results, rc.step, self._save["token"], self._save["items"])
+                manifest = _dcp_manifest(rc.step, {**self._save, "reports": reports}, metadata)
+            except BaseException:
+                rc.abort()  # nothing was renamed on this rank's roots yet (OrderedCommit) or only secondaries
+                raise
+            if isinstance(rc, OrderedCommit):
+                rc.commit_ordered(manifest)
+            else:
+                rc.commit_manifest(manifest)
             rc.move_latest()
             marker = rc.layout.local_paths[0] / MARKER_NAME
             if not is_gdswriter_marker(marker):
@@ -486,50 +544,104 @@ class GDSStorageWriter(_Collective, StorageWriter):
             self._end_save()
 
     # -- internals -----------------------------------------------------------
-    def _begin(self, session: DistSession) -> RankCommit:
-        """Agree on the step and the temporary directories' token (rank 0 decides, and checks
-        ``overwrite`` under the root lock)."""
-        decided: dict = {}
-        error = None
-        if session.rank == 0:
+    def _decide(self, session: DistSession) -> dict:
+        """Coordinator: the step, the token, whether to vote (OrderedCommit.applies) and, for a
+        kept session, the committed steps each root's leader cleans with; the temporary
+        directories it leads are made here, before DCP scatters the plans."""
+        path_mode = self._path_roots is not None
+        named = self._override if self._override is not None else self.step
+        steps = session.protocol.committed_steps()
+        if path_mode:
+            step = step_in_name(self._path_roots[0])
+        else:
+            step = named if named is not None else (steps[-1] + 1 if steps else 0)
+        marker = session.layout.local_paths[0] / MARKER_NAME
+        if named is not None and not path_mode:
+            there = f"step {step} under {session.layout.local_paths[0]}" if step in steps else None
+        elif steps or marker.exists():
+            there = (f"{session.layout.local_paths[0]} (steps {steps})" if steps else
+                     f"{session.layout.local_paths[0]} (its {MARKER_NAME})")
+        else:
+            there = None
+        if there is not None and not self.overwrite:
+            raise CheckpointExistsError(f"Checkpoint already exists and overwrite=False: {there}. Save to another "
+                                        f"checkpoint_id/step, delete the old one, or pass "
+                                        f"GDSStorageWriter(overwrite=True) to replace it")
+        if there is not None and step in steps:
+            log.warning("gdswriter: replacing the checkpoint in %s (overwrite=True; "
+                        "GDSStorageWriter(overwrite=False) refuses instead)", there)
+        token = secrets.token_hex(4)
+        vote = not OrderedCommit.applies(session.layout, session.rank, step in steps)
+        clean = None if self._fresh else steps  # open_session cleaned the roots just now
+        if not vote:
+            if clean is not None:
+                clean_led(session.layout, clean)
+            rc = OrderedCommit(session.coord, session.layout, step, token)
+            rc.make_dirs()
+            self._save = {"commit": rc, "table": session.layout.table, "token": token}
+        return {"step": step, "token": token, "vote": vote, "clean": clean}
+
+    def _write_ordered(self, session: DistSession, plan: SavePlan, planner: SavePlanner) -> dict:
+        decided = plan.storage_data
+        if session.rank == session.layout.primary_rank:
+            assert self._save is not None and self._save["token"] == decided["token"]
+            rc = self._save["commit"]
+        else:
+            if decided["clean"] is not None:
+                clean_led(session.layout, decided["clean"])
+            rc = OrderedCommit(session.coord, session.layout, decided["step"], decided["token"])
+            rc.make_dirs()
+        try:
+            rc.check_shared()
+            report = self._write(plan, planner, rc)
+            if not rc.coordinates:
+                rc.publish_led()  # only this rank sees these roots: nobody else writes there
+        except BaseException:
+            rc.abort()
+            if not rc.coordinates:
+                self._end_save()
+            raise
+        if rc.coordinates:
+            self._save["items"] = decided["items"]
+        else:
+            self._end_save()
+        return report
+
+    def _write_and_vote(self, session: DistSession, plan: SavePlan, planner: SavePlanner) -> dict:
+        """GDSCheckpointer's protocol (commit.py RankCommit: its collectives), for the layouts
+        OrderedCommit does not serve."""
+        decided = plan.storage_data
+        cleaning = None
+        try:
+            if decided["clean"] is not None:  # the roots this rank leads, before their leader makes the step's
+                clean_led(session.layout, decided["clean"])
+        except Exception as e:  # noqa: BLE001 - reported in the vote
+            cleaning = e
+        try:
+            rc = RankCommit(session.coord, session.layout, decided["step"], decided["token"])
+            rc.setup_error = rc.setup_error or cleaning
+            outcome: Any
             try:
-                path_mode = self._path_roots is not None
-                named = self._override if self._override is not None else self.step
-                steps = session.protocol.committed_steps()
-                if path_mode:
-                    step = step_in_name(self._path_roots[0])
-                else:
-                    step = named if named is not None else (steps[-1] + 1 if steps else 0)
-                marker = session.layout.local_paths[0] / MARKER_NAME
-                if named is not None and not path_mode:
-                    there = f"step {step} under {session.layout.local_paths[0]}" if step in steps else None
-                elif steps or marker.exists():
-                    there = (f"{session.layout.local_paths[0]} (steps {steps})" if steps else
-                             f"{session.layout.local_paths[0]} (its {MARKER_NAME})")
-                else:
-                    there = None
-                if there is not None and not self.overwrite:
-                    decided = {"exists": f"Checkpoint already exists and overwrite=False: {there}. Save to another "
-                                         f"checkpoint_id/step, delete the old one, or pass "
-                                         f"GDSStorageWriter(overwrite=True) to replace it"}
-                else:
-                    if there is not None and step in steps:
-                        log.warning("gdswriter: replacing the checkpoint in %s (overwrite=True; "
-                                    "GDSStorageWriter(overwrite=False) refuses instead)", there)
-                    decided = {"step": step, "token": secrets.token_hex(4)}
-            except Exception as e:  # noqa: BLE001 - every rank learns of it
-                error, decided = e, {"error": describe(e)}
-        decided = session.coord.broadcast(decided, "dcp.save (step)")
-        if "exists" in decided:
-            raise CheckpointExistsError(decided["exists"])
-        if "error" in decided:
-            raise error or RankFailedError("dcp.save", {0: decided["error"]})
-        return RankCommit(session.coord, session.layout, decided["step"], decided["token"])
+                outcome = self._write(plan, planner, rc)
+            except Exception as e:  # noqa: BLE001 - every failure goes to the vote
+                outcome = e
+            reports = rc.vote(outcome)
+            if rc.local_error is not None:
+                raise rc.local_error
+            if reports is not None:
+                rc.check_secondaries()
+                self._save = {"commit": rc, "table": session.layout.table, "items": decided["items"],
+                              "token": decided["token"]}
+        finally:
+            if self._save is None:  # rank 0 keeps its lock until finish()
+                self._end_save()
+        return outcome
 
     def _write(self, plan: SavePlan, planner: SavePlanner, rc: RankCommit) -> dict:
         if rc.setup_error is not None:
             raise rc.setup_error
         layout, rank = rc.layout, rc.coord.rank
+        decided = plan.storage_data
         items = plan.storage_data["items"]
         byte_items = {wi.index.fqn: wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO}
         sources: list[tuple[int, int, Any, torch.Tensor]] = []  # (item, offset, WriteItem, flat bytes)
@@ -551,6 +663,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
             self._close_engines()  # the next save starts from fresh ones
             raise
         return {
+            "rank": rank, "step": decided["step"], "token": decided["token"],
             "files": file_entries(layout, fplan, written_by, rank),
             "chunks": [[sources[c.storage][0], fid, c.file_offset, sources[c.storage][1] + c.storage_offset,
                         c.length, crcs[c]] for fid, f in enumerate(fplan.files) for c in f.chunks],
@@ -582,22 +695,66 @@ class GDSStorageWriter(_Collective, StorageWriter):
             e.close()
 
     def _end_save(self) -> None:
-        """Release what a save holds (its locks). DCP calls nothing after a failed save, so the
-        next save's set_up, reset() and garbage collection also do."""
-        if self._session is not None:
+        """Release what a save holds (its locks; the session stays for the next save). DCP calls
+        nothing after a failed save, so the next save's set_up, reset() and garbage collection
+        also do."""
+        if self._session is not None and self._session.lock is not None:
             self._session.lock.release()
-            self._session = None
+            self._session.lock = None
         self._save = None
 
     def close(self) -> None:
-        """Release everything the writer holds: a save's locks and the engines kept between saves
-        (the next save builds new ones)."""
+        """Release everything the writer holds: a save's locks, its opened roots and the engines
+        kept between saves (the next save opens and builds new ones)."""
         self._end_save()
+        self._session = self._session_roots = None
         self._close_engines()
 
     def __del__(self) -> None:
-        if getattr(self, "_session", None) is not None or getattr(self, "_engines", None):
+        session = getattr(self, "_session", None)
+        if (session is not None and session.lock is not None) or getattr(self, "_engines", None):
             self.close()
+
+
+def _restore_identity(path: Path, ident: str) -> None:
+    """Give root ``path`` (deleted since the session opened it) its directory and id back, as
+    format/commit.py creates a marker (durable, no-clobber: ranks sharing the root may race)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        marker = path / ROOT_MARKER_NAME
+        tmp = path / f"{TMP_PREFIX}{ROOT_MARKER_NAME}-{secrets.token_hex(4)}"
+        write_durable(tmp, RootIdentity(ident, time.time(), socket.gethostname(), str(path.resolve())).to_json_bytes())
+        if _link_no_clobber(tmp, marker):
+            fsync_dir(path)
+            fsync_dir(path.parent)
+    except OSError as e:
+        raise EngineIOError(e.errno or errno.EIO, path / ROOT_MARKER_NAME, 0, "restore root identity") from e
+
+
+def _reports(results: list[list[WriteResult]], step: int, token: str, items: list[list]) -> list[dict]:
+    """Every rank's report (the last WriteResult of each), in rank order, checked against this
+    save: one per rank, of this step and token, naming only items of the plan, and every item
+    recorded exactly once (a BytesIO item also sized). GDSWriterError naming what is wrong."""
+    reports, problems = [], []
+    for r, got in enumerate(results):
+        rep = got[-1].storage_data if got and got[-1].index.fqn == REPORT_FQN else None
+        if not isinstance(rep, dict) or rep.get("rank") != r or rep.get("step") != step or rep.get("token") != token:
+            problems.append(f"rank {r} sent no report of this save (step {step})")
+            continue
+        reports.append(rep)
+    recorded = Counter(item for rep in reports for item, _ in rep["records"])
+    sized = {item for rep in reports for item, _ in rep["sizes"]}
+    bad = [i for i in set(recorded) | sized | {c[0] for rep in reports for c in rep["chunks"]}
+           if not (isinstance(i, int) and 0 <= i < len(items))]
+    if bad:
+        problems.append(f"the reports name items {sorted(map(str, bad))[:5]} that the plan does not hold")
+    missing = [i for i in range(len(items)) if recorded[i] != 1 or (items[i][1] is None and i not in sized)]
+    if missing and not bad:
+        problems.append(f"{len(missing)} item(s) not recorded exactly once (first: {items[missing[0]][2]!r})")
+    if problems:
+        raise GDSWriterError(f"dcp.save of step {step}: {'; '.join(problems)}; nothing was committed (internal: "
+                             f"report it)")
+    return reports
 
 
 def _record(wi: Any, item: int, nbytes: int) -> TensorRecord:
