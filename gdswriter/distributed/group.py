@@ -395,6 +395,31 @@ class Coordinator:
                 raise error
             raise RankFailedError(what, shown, *([hint] if hint else []), total=total)
 
+    def decide(self, error: BaseException | None, mine: Any, what: str, rule: Callable[[list[Any]], Any], *,
+               hint: str | None = None, root: int = 0) -> Any:
+        """Collective: ``agree`` and a decision in the same two messages. Every rank's ``mine``
+        (or its error) goes to ``root``, which broadcasts ``rule(every rank's mine)`` when no
+        rank failed, else the failures, bounded. Raises as agree does (so does ``rule`` raising
+        on ``root``); otherwise returns the decision on every rank."""
+        got = self.gather({"error": describe(error)} if error is not None else {"mine": mine}, what, dst=root)
+        msg: dict | None = None
+        if got is not None:
+            failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
+            if not failures:
+                try:
+                    msg = {"decision": rule([x["mine"] for x in got])}
+                except Exception as e:  # noqa: BLE001 - every rank learns of it
+                    error, failures = e, {self.rank: describe(e)}
+            if failures:
+                msg = bounded(failures)
+        msg = self.broadcast(msg, f"{what} (decision)", src=root)
+        if "decision" in msg:
+            return msg["decision"]
+        shown, total = unbound(msg)
+        if error is not None:
+            raise error
+        raise RankFailedError(what, shown, *([hint] if hint else []), total=total)
+
     def all_true(self, flag: bool, what: str, root: int = 0) -> bool:
         """Collective: whether ``flag`` holds on every rank (gathered to ``root``, decided there,
         broadcast: a fixed-size answer)."""

@@ -30,7 +30,7 @@ import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -247,7 +247,8 @@ def host_blocks(hosts: Sequence[str | None]) -> int | None:
 
 
 def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
-             engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None) -> Any | None:
+             engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None,
+             check: Callable[[Any], Any] = lambda state: None) -> tuple[Any, Any] | None:
     """Collective: this rank's saved state from its own shard alone, when every rank can do so
     (the same world size, its shard and data files on roots it sees, its DTensor blocks the
     ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
@@ -257,7 +258,8 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     bytes from disk once in total. Where the ranks of each host see one tmpfs ``share_dir``
     (hostshare.py), the holders on a host read their pieces into one shared file per item
     instead: on one host nothing travels, and across hosts each piece of state every rank
-    holds crosses to each other host once (``relay_between_hosts``)."""
+    holds crosses to each other host once (``relay_between_hosts``). Returns (the state,
+    ``check(state)``), ``check`` agreed on with the rebuilding (plan_restore: one collective)."""
     unchanged = "the live state was not changed"
     rank, world = coord.rank, coord.world_size
     shard: RankShard | None = None
@@ -273,19 +275,18 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                 ok = all(reach[f.root] is not None for f in shard.files) and _blocks_fit(shard, templates)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    coord.agree(error, f"{what} (reading its manifest shard)", hint=unchanged, root=src)
     # every rank can load from its own shard, and the holders of each set of shared items agree
     # on what it holds (else the pieces they would pass each other would not match)
     sets = holder_set_digests(shard.items, rank, world) if shard is not None else []
-    got = coord.gather({"ok": ok, "sets": sets, "host": hostshare.domain(share_dir)},
-                       f"{what} (loading from its own shard)", dst=src)
-    verdict = None
-    if got is not None:
-        bad = disagreeing_holders([x["sets"] for x in got]) if all(x["ok"] for x in got) else {}
-        block = host_blocks([x["host"] for x in got])
-        verdict = {"own": all(x["ok"] for x in got), "share": hostshare.token() if block else None,
-                   "block": block, **bounded(bad)}
-    verdict = coord.broadcast(verdict, f"{what} (loading from its own shard) (decision)", src=src)
+
+    def judge(outs: list[dict]) -> dict:
+        own = all(x["ok"] for x in outs)
+        bad = disagreeing_holders([x["sets"] for x in outs]) if own else {}
+        block = host_blocks([x["host"] for x in outs])
+        return {"own": own, "share": hostshare.token() if own and block else None, "block": block, **bounded(bad)}
+
+    verdict = coord.decide(error, {"ok": ok, "sets": sets, "host": hostshare.domain(share_dir)},
+                           f"{what} (reading its manifest shard)", judge, hint=unchanged, root=src)
     shown, total = unbound(verdict)
     if total:
         raise CorruptCheckpointError(f"{what}: the ranks' manifest shards disagree about the state they share "
@@ -296,9 +297,11 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         return None
     assert shard is not None
     block = verdict["block"] or world
-    share = _share_on_host(coord, shard, world, share_dir, verdict["share"], block, what, src)
-    rounds: list[list[tuple[int, int, int, int, int]]] = []  # per round: (src, dst, item, offset, length)
-    error = None
+    # per round: (src, dst, item, offset, length); with and without sharing on each host
+    rounds: dict[bool, list[list[tuple[int, int, int, int, int]]]] = {False: [], True: []}
+    sharable = _sharable(shard, world, block) if verdict["share"] else []
+    share: hostshare.SharedItems | None = None
+    error = share_error = None
     try:
         split = item_pieces(shard.items, world)
         for sid in sorted(range(len(shard.items)), key=lambda i: shard.items[i].key):
@@ -308,19 +311,35 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                 raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
                                              f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
                                              f"load an earlier step")
-            shared = share is not None and sid in share.private
             for w, off, n in pieces:
-                if n and it.holder_count(world) > 1 and not (shared and block == world):
-                    moves = relay_between_hosts(w, rank, world, block) if shared else relay(it, w, rank, world)
+                if not n or it.holder_count(world) < 2:
+                    continue
+                for sharing in (False, True):
+                    if sharing and sid in sharable:
+                        moves = [] if block == world else relay_between_hosts(w, rank, world, block)
+                    else:
+                        moves = relay(it, w, rank, world)
                     for k, a, b in moves:
-                        while len(rounds) <= k:
-                            rounds.append([])
-                        rounds[k].append((a, b, sid, off, n))
+                        while len(rounds[sharing]) <= k:
+                            rounds[sharing].append([])
+                        rounds[sharing][k].append((a, b, sid, off, n))
         step_dir = step_dir_name(g.step)
         check_file_sizes((reach[f.root] / step_dir / f.path, f) for f in shard.files)  # type: ignore[operator]
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    coord.agree(error, f"{what} (checking the data files)", hint=unchanged, root=src)
+    if verdict["share"] and error is None:
+        share, share_error = _open_shared(shard, share_dir, verdict["share"], sharable)
+    # one agreement: the data files are right on every rank, and whether every rank could share
+    shared = coord.decide(error, share is not None, f"{what} (checking the data files)", all, hint=unchanged,
+                          root=src)
+    if share is not None:
+        share.unlink()  # every rank has mapped the files (or gave up): no name outlives the load
+    if not (shared and verdict["share"]):
+        if share_error is not None:
+            log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
+                        "each other instead", what, share_dir, describe(share_error))
+        share = None
+    rounds = rounds[share is not None]  # type: ignore[assignment]
     buffers: list[torch.Tensor] = []
     error = None
     try:
@@ -364,40 +383,33 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                 tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
                                            [(rec.shard, tensors[i])]))
         state = decode_state(shard.tree, tensors)
+        checked = check(state)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged, root=src)
-    return state
+    coord.agree(error, f"{what} (rebuilding the state and checking it against the live state)", hint=unchanged,
+                root=src)
+    return state, checked
 
 
-def _share_on_host(coord: Coordinator, shard: RankShard, world: int, share_dir: str | None, token: str | None,
-                   block: int, what: str, src: int) -> hostshare.SharedItems | None:
-    """Collective: the shared files of this rank's shared items (hostshare.py) when the primary
-    found each host's ranks on one tmpfs, ``block`` consecutive ranks per host (``token``), and
-    every rank could reserve them, else None on every rank (the pieces then go over the process
-    group). Shared are the items several ranks hold: on one host all of them, across hosts
-    those every rank holds (a replica group's are passed as before). Their names are gone when
-    it returns (every rank has mapped them)."""
-    if token is None:
-        return None
-    share, error = None, None
+def _sharable(shard: RankShard, world: int, block: int) -> list[int]:
+    """The items of ``shard`` the ranks of a host share in a load (hostshare.py): those several
+    ranks hold, all of them on one host (``block == world``); across hosts those every rank
+    holds (a replica group's are passed rank to rank)."""
+    return [sid for sid, it in enumerate(shard.items)
+            if it.nbytes and it.holder_count(world) > 1 and (it.holders is None or block == world)]
+
+
+def _open_shared(shard: RankShard, share_dir: str | None, token: str, sids: Sequence[int]
+                 ) -> tuple[hostshare.SharedItems | None, BaseException | None]:
+    """This rank's shared files for the items ``sids`` (named by item key, the same on every
+    holder), or the error that prevented them (then no rank shares)."""
     try:
         hostshare.clean_stale(share_dir)
-        wanted = [(sid, it) for sid, it in enumerate(shard.items)
-                  if it.nbytes and it.holder_count(world) > 1 and (it.holders is None or block == world)]
-        share = hostshare.SharedItems(share_dir, token, [(hashlib.sha1(it.key.encode()).hexdigest()[:20], sid,  # type: ignore[arg-type]
-                                                          it.nbytes) for sid, it in wanted])
-    except Exception as e:  # noqa: BLE001 - then no rank shares
-        error = e
-    everyone = coord.all_true(error is None, f"{what} (sharing the read on this host)", root=src)
-    if share is not None:
-        share.unlink()
-    if not everyone:
-        if error is not None:
-            log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
-                        "each other instead", what, share_dir, describe(error))
-        return None
-    return share
+        items = [(hashlib.sha1(shard.items[sid].key.encode()).hexdigest()[:20], sid, shard.items[sid].nbytes)
+                 for sid in sids]
+        return hostshare.SharedItems(share_dir, token, items), None  # type: ignore[arg-type]
+    except Exception as e:  # noqa: BLE001 - reported by the caller
+        return None, e
 
 
 def tensor_refs(tree: Any) -> list[int]:
@@ -500,19 +512,24 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
     what = f"loading step {step}"
     templates = live_templates(live_state, live.optimizer)
     g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
-    state = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src,
-                                                      share_dir=share_dir)
-    if state is None:
-        m = parse_manifest(protocol, step, raw) if g is None else gather_merged(coord, layout, g, what, src)
-        error = None
-        if m.dist is not None and m.dist.layout != "gdswriter":
-            error = InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "
-                                       f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
-        coord.agree(error, what, hint="the live state was not changed")
-        state = rebuild_state(coord, layout, m, templates, live.optimizer, engine, verify=verify, what=what)
+
+    def check(state: Any) -> Any:  # every key, shape and dtype, on every rank, before any live byte changes
+        return plan_restore(state, live, strict)
+
+    own = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src,
+                                          share_dir=share_dir, check=check)
+    if own is not None:
+        return (step, *own)
+    m = parse_manifest(protocol, step, raw) if g is None else gather_merged(coord, layout, g, what, src)
+    error = None
+    if m.dist is not None and m.dist.layout != "gdswriter":
+        error = InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "
+                                   f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
+    coord.agree(error, what, hint="the live state was not changed")
+    state = rebuild_state(coord, layout, m, templates, live.optimizer, engine, verify=verify, what=what)
     plan, error = None, None
-    try:  # every key, shape and dtype is checked on every rank before any live byte changes
-        plan = plan_restore(state, live, strict)
+    try:
+        plan = check(state)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (checking the live state)", hint="the live state was not changed")
