@@ -49,6 +49,7 @@ from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_m
                            tensors_from_storages)
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, Transfer, bounded, describe, unbound
+from .reshard import load_indexed
 from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces
 from .roots import RootLayout, discover_layout
 from .shards import assemble, join, leaves, overlap, target_block
@@ -352,9 +353,10 @@ def _template(templates: dict[str, Any], name: str) -> Any:
 
 
 def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates: dict[str, Any],
-                  optimizer: Any, engine: IOEngine, *, verify: bool, what: str) -> Any:
+                  optimizer: Any, engine: IOEngine, *, verify: bool, what: str, fetch: Any = fetch_storages) -> Any:
     """Collective: the state this rank saved in ``m``, its sharded tensors assembled as the
-    ``templates`` (live tensors by key path) hold them now; the whole tensor without one."""
+    ``templates`` (live tensors by key path) hold them now; the whole tensor without one.
+    ``fetch``: fetch_storages, or reshard.read_reached when ``m`` is this rank's part alone."""
     unchanged = "the live state was not changed"
     needed: set[int] = set()
     jobs: dict[str, tuple] = {}
@@ -378,7 +380,7 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
         error = e
     coord.agree(error, f"{what} (planning)", hint=unchanged)
     # buffers are allocated once every rank has checked the files it reads (fetch_storages)
-    buffers = fetch_storages(coord, manifest_reach(m, layout), m, needed, engine, verify=verify, what=what)
+    buffers = fetch(coord, manifest_reach(m, layout), m, needed, engine, verify=verify, what=what)
     error, state = None, None
     try:
         views = [i for i in refs if m.tensors[i].shard is None]
@@ -411,6 +413,8 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
     templates = live_templates(live_state, live.optimizer)
     g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
     state = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src)
+    if state is None and g is not None:  # another layout: the shards this rank needs (the layout index)
+        state = load_indexed(coord, layout, g, templates, live.optimizer, engine, verify=verify, what=what, src=src)
     if state is None:
         m = parse_manifest(protocol, step, raw) if g is None else gather_merged(coord, layout, g, what, src)
         error = None
