@@ -197,6 +197,17 @@ def _one_process_load(root: Path, expected: dict) -> list:
     return reads
 
 
+@pytest.mark.parametrize("indexed", [True, False], ids=["indexed", "without-index"])
+def test_one_process_reads_every_shard_once(saved, tmp_path, indexed):
+    """One process loading the 4-rank step whole reads each shard once: choosing its path reads
+    the global manifest alone (it used to merge every shard there, then again to load)."""
+    root = _copy(saved, tmp_path)
+    if not indexed:
+        _strip_index(root)
+    reads = _one_process_load(root, torch.load(tmp_path / "expected.pt"))
+    assert sorted(n for n, _ in reads) == sorted(_shard_sizes(root)), reads
+
+
 # ----------------------------------------------------------------------------- hostile indexes
 def _tamper(root: Path, change) -> None:
     path = root / f"step_{STEP:012d}" / "manifest.json"
