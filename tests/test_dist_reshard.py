@@ -64,11 +64,17 @@ def _count_shard_reads() -> list[list]:
     return reads
 
 
-def _save_worker(rank: int, world: int, root: str, out: str) -> dict:
+def _node_root(root: str | list[str], rank: int, world: int) -> str:
+    """``root`` itself, or of a list (one root per node, standing for node-local disks) this rank's node's."""
+    return root if isinstance(root, str) else root[rank * len(root) // world]
+
+
+def _save_worker(rank: int, world: int, root: str | list[str], out: str) -> dict:
     from support.models import small_options
 
     from gdswriter import GDSCheckpointer
 
+    root = _node_root(root, rank, world)
     model, opt = _model(world, seed=0)
     with GDSCheckpointer(model, opt, root=root, options=small_options()) as ck:
         ck.save(STEP)
@@ -78,11 +84,12 @@ def _save_worker(rank: int, world: int, root: str, out: str) -> dict:
     return {}
 
 
-def _load_worker(rank: int, world: int, root: str, out: str) -> dict:
+def _load_worker(rank: int, world: int, root: str | list[str], out: str) -> dict:
     from support.models import small_options
 
     from gdswriter import GDSCheckpointer
 
+    root = _node_root(root, rank, world)
     model, opt = _model(world, seed=7)  # other values
     with GDSCheckpointer(model, opt, root=root, options=small_options()) as ck:
         reads = _count_shard_reads()
@@ -173,6 +180,21 @@ def test_a_step_without_the_index_still_loads_by_merging(saved, tmp_path):
     assert [x["diff"] for x in res] == [[], []], res
     assert sorted(n for x in res for n, _ in x["reads"]) == sorted(_shard_sizes(root))
     assert all(x["received"] > sum(_shard_sizes(root).values()) // 2 for x in res)  # the merged manifest
+
+
+def test_node_local_roots_where_a_rank_lacks_a_shard_it_needs_load_by_merging(tmp_path):
+    """Saved on 2 nodes of 2 ranks (node-local roots), loaded on 2 ranks, one per node: rank 1
+    takes saved rank 1's tree, whose shard is on node 0's disk, which it does not see. Every
+    rank then takes the merging path (node 0's rank reads that shard and sends what rank 1
+    needs), bit for bit."""
+    nodes = [str(tmp_path / "node0"), str(tmp_path / "node1")]
+    run_ranks(4, _save_worker, nodes, str(tmp_path), out=tmp_path / "r4")
+    res = run_ranks(2, _load_worker, nodes, str(tmp_path), out=tmp_path / "r2")
+    assert [x["diff"] for x in res] == [[], []], res
+    read = [sorted(n for n, _ in x["reads"]) for x in res]
+    # rank 0 read its plan's shards (0, 1) before the ranks chose to merge, then read them for the merge
+    assert read == [["manifest-rank00000.json"] * 2 + ["manifest-rank00001.json"] * 2,
+                    ["manifest-rank00002.json", "manifest-rank00003.json"]], read
 
 
 def _one_process_load(root: Path, expected: dict) -> list:
