@@ -375,3 +375,70 @@ def test_the_index_is_left_out_when_a_rank_holds_dtensors_the_primary_does_not_k
     whole = LayoutIndex({e.name: e for e in stage0 + stage1})  # a rank is checked on its meshes only
     assert whole.mismatched(pp) == []
     assert whole.mismatched(pp[:3] + [layout_digest(stage0)]) == [3]
+
+
+# ----------------------------------------------------------------------------- replicated state, pipeline stages
+def _ddp_worker(rank: int, world: int, root: str, out: str, saving: bool) -> dict:
+    """DDP-like state (the same model and optimizer on every rank, DistOptions.replicated) and a
+    rank-local tensor; saved on 4 ranks, loaded on 2 (its replicated items split over 4 writers)."""
+    from support.models import small_options
+
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    torch.manual_seed(0 if saving else 5)
+    model = torch.nn.Sequential(torch.nn.Linear(96, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 160))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 96)).sum().backward()
+    opt.step()
+    mine = {"count": torch.full((5,), float(rank) if saving else -1.0)}
+    with GDSCheckpointer(model, opt, root=root, state={"mine": mine}, options=small_options(),
+                         dist_options=DistOptions(replicated=("model", "optimizer"))) as ck:
+        if saving:
+            ck.save(STEP)
+            if rank == 0:
+                torch.save(_full(model, opt), Path(out, "expected.pt"))
+            return {}
+        reads = _count_shard_reads()
+        ck.load(STEP)
+    expected = torch.load(Path(out, "expected.pt"))
+    got = _full(model, opt)
+    return {"diff": sorted(k for k in expected if not torch.equal(got[k], expected[k])), "reads": reads,
+            "count": mine["count"].tolist()}
+
+
+def test_replicated_state_4_to_2_reads_the_shards_of_its_writers(tmp_path):
+    """Replicated items are split over their 4 holders (10.2): a rank of 2 finds the writers of
+    each piece from its own tree's shard (item_pieces) and reads their shards, once each; its
+    rank-local state is the one its rank saved."""
+    root = str(tmp_path / "root")
+    run_ranks(4, _ddp_worker, root, str(tmp_path), True, out=tmp_path / "r4")
+    res = run_ranks(2, _ddp_worker, root, str(tmp_path), False, out=tmp_path / "r2")
+    assert [x["diff"] for x in res] == [[], []], res
+    assert [x["count"] for x in res] == [[0.0] * 5, [1.0] * 5]
+    for x in res:
+        names = [n for n, _ in x["reads"]]
+        assert len(names) == len(set(names)) == 4, names  # the model's bytes were written by all four
+
+
+def _pp_worker(rank: int, world: int, root: str) -> dict:
+    from support.models import small_options
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from gdswriter import GDSCheckpointer
+    from gdswriter.format.sharded import parse_global
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("pp", "dp"))
+    w = DTensor.from_local(torch.full((4, 8), float(rank + 1)), mesh["dp"], [Shard(0)], run_check=False)
+    with GDSCheckpointer(root=root, state={"pp": {"w": w}}, options=small_options()) as ck:
+        ck.save(STEP)
+    g = parse_global((Path(root) / f"step_{STEP:012d}" / "manifest.json").read_bytes(), "manifest.json")
+    return {"indexed": g.layout_index is not None}
+
+
+def test_a_step_with_dtensors_on_a_mesh_without_the_primary_has_no_index(tmp_path):
+    """Two pipeline stages, each on a mesh of its own: the primary cannot describe the other
+    stage's DTensors, the other rank's vote says so (its layout digest), and the step is
+    written without an index (its loads on another layout merge)."""
+    assert run_ranks(2, _pp_worker, str(tmp_path / "root"), out=tmp_path / "r2") == [{"indexed": False}] * 2
