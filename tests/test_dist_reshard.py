@@ -442,3 +442,15 @@ def test_a_step_with_dtensors_on_a_mesh_without_the_primary_has_no_index(tmp_pat
     stage's DTensors, the other rank's vote says so (its layout digest), and the step is
     written without an index (its loads on another layout merge)."""
     assert run_ranks(2, _pp_worker, str(tmp_path / "root"), out=tmp_path / "r2") == [{"indexed": False}] * 2
+
+
+def test_2_to_4_ranks_the_new_ranks_take_rank_0s_tree(tmp_path):
+    """Loading on more ranks than saved: ranks 2 and 3 take rank 0's tree (its shard), and each
+    rank reads the shards of the saved blocks its rows lie in (70 rows saved as 35 + 35, loaded
+    as 18 + 18 + 18 + 16) and of the writers of the replicated step counters (one of the two)."""
+    root = str(tmp_path / "root")
+    run_ranks(2, _save_worker, root, str(tmp_path), out=tmp_path / "r2")
+    res = run_ranks(4, _load_worker, root, str(tmp_path), out=tmp_path / "r4")
+    assert [x["diff"] for x in res] == [[]] * 4, res
+    read = [sorted(n[-10:-5] for n, _ in x["reads"]) for x in res]
+    assert read == [["00000", "00001"]] * 4, read
