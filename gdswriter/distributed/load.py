@@ -4,9 +4,11 @@ The primary rank reads the step's manifest and sends it to every rank. A 1.3 ste
 sharded.py) loaded by the ranks that saved it, with the same placements and roots, takes the
 short path (``load_own``): each rank reads only its own manifest shard and the pieces it wrote,
 and the holders of shared items (replicated state, replicated DTensor blocks) pass each other
-their pieces, so replicated bytes are read from disk once in total. Otherwise (another world
-size or placements, roots moved between nodes, or a 1.0-1.2 step) every rank works from the
-whole step (a 1.3 step's shards merged: ``gather_merged``): each rank takes the state tree it
+their pieces, so replicated bytes are read from disk once in total. Otherwise a 1.3 step with
+a layout index is loaded from the shards each rank needs alone (reshard.py ``load_indexed``:
+the same plan as below, on the part of the step the rank reads itself). Failing that (a rank
+that does not see a shard it needs, a step without an index, a 1.0-1.2 step), every rank works
+from the whole step (a 1.3 step's shards merged: ``gather_merged``): each rank takes the state tree it
 saved (a rank the save did not have takes rank 0's), and works out what it needs: every plain
 tensor its tree references, and of each sharded tensor the block its live tensor holds now (a
 DTensor's shard on the current mesh, or the whole tensor for a plain one), assembled from the

@@ -9,7 +9,9 @@ loading rank received) grew with the world size times the tensors per rank. In 1
   its state tree. Its size depends on the rank's own state only;
 * the step's ``manifest.json`` (``GlobalManifest``, the commit point, written by the primary
   rank as before) holds the root table and, per rank, where its shard is with its size and
-  crc32c: a few dozen bytes per rank (about 1 MiB at 16,384 ranks), nothing per tensor.
+  crc32c: a few dozen bytes per rank (about 1 MiB at 16,384 ranks); and the layout index
+  (``LayoutIndex``): per DTensor name its dtype, global shape, mesh and placements, so that a
+  load on another layout finds which shards hold the blocks it needs (nothing per block).
 
 Items are named by keys that equal across ranks exactly when they hold the same bytes
 (distributed/save.py ``storage_keys``): ``L<rank>:<n>`` for rank-local state, ``R<digest>``
@@ -20,7 +22,8 @@ pieces and recording them in its own shard.
 ``merge`` turns a global manifest and every shard back into the in-memory ``Manifest`` a
 1.2 step parses to, so the single-process readers (load_state, ``gdswriter`` ls/inspect/
 verify/export) read 1.3 through the code they already had; a multi-rank load of the same
-layout reads only its own shard (distributed/load.py). docs/format.md section 10.
+layout reads only its own shard (distributed/load.py), one of another layout the shards the
+layout index points it to (distributed/reshard.py). docs/format.md section 10.
 """
 
 from __future__ import annotations
