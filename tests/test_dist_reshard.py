@@ -370,7 +370,7 @@ def test_the_index_is_left_out_when_a_rank_holds_dtensors_the_primary_does_not_k
     assert index.mismatched(pp) == [2, 3]
     assert index.mismatched([layout_digest(stage0)] * 2 + [layout_digest([])] * 2) == []
 
-    plan = types.SimpleNamespace(layouts=tuple(stage0), layout_digest=layout_digest(stage0))
+    plan = types.SimpleNamespace(layouts=tuple(stage0), layout_digest=layout_digest(stage0), index=[])
     assert layout_index(plan, [{"layout": d} for d in pp]) is None  # type: ignore[arg-type]
     whole = LayoutIndex({e.name: e for e in stage0 + stage1})  # a rank is checked on its meshes only
     assert whole.mismatched(pp) == []

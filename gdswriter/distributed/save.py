@@ -108,6 +108,7 @@ class RankSavePlan:
     static: ShardStatic                      # the shard's parts that only the layout decides, encoded
     layouts: tuple[LayoutEntry, ...] = ()     # its DTensors' layouts (every rank of a mesh has the same)
     layout_digest: str | None = None         # their layout_digest, for the vote (None: not indexable)
+    index: list = field(default_factory=list, compare=False)  # the primary's LayoutIndex of them, once made
 
 
 def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
@@ -303,6 +304,8 @@ def layout_index(plan: RankSavePlan | None, reports: Sequence[dict]) -> LayoutIn
     without an index (its loads on another layout then merge every shard, as before)."""
     if plan is None or plan.layout_digest is None:
         return None
-    index = LayoutIndex({e.name: e for e in plan.layouts})
+    if not plan.index:  # made once per plan: the saves of a training loop commit the same index
+        plan.index.append(LayoutIndex({e.name: e for e in plan.layouts}))
+    index = plan.index[0]
     return None if index.mismatched([x.get("layout") for x in reports]) else index
 

@@ -32,7 +32,7 @@ import errno
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -401,7 +401,7 @@ def layout_digest(entries: Sequence[LayoutEntry]) -> str:
     """What a rank reports in the vote of a save: a digest of the layouts of the DTensors it holds
     (a few bytes whatever it holds), so the primary can check that its index describes them."""
     rows = sorted(e.row() for e in entries)
-    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -412,6 +412,8 @@ class LayoutIndex:
     tensor names and meshes, never with the blocks (world size x tensors)."""
 
     entries: dict[str, LayoutEntry]
+    # what mismatched() expects per set of meshes, kept: a training loop's saves reuse one index
+    _expected: dict = field(default_factory=dict, compare=False, repr=False)
 
     def to_json(self) -> dict:
         meshes: dict[MeshInfo, int] = {}
@@ -436,7 +438,7 @@ class LayoutIndex:
             for r in mesh.members():
                 if r < world:
                     member_of[r].append(k)
-        expected: dict[tuple[int, ...], str] = {}
+        expected: dict[tuple[int, ...], str] = self._expected
         bad = []
         for r in range(world):
             key = tuple(member_of[r])
