@@ -44,7 +44,7 @@ from gdswriter.distributed.save import DTensors, PlanCache, collective_save
 from gdswriter.engines.select import create_engine
 from gdswriter.format.commit import step_dir_name
 from gdswriter.format.manifest import MANIFEST_NAME, RootInfo, ShardInfo
-from gdswriter.format.sharded import parse_global, parse_shard, read_shard, shard_name
+from gdswriter.format.sharded import DTensorLayout, MeshInfo, parse_global, parse_shard, read_shard, shard_name
 from gdswriter.options import EngineOptions, KiB
 from gdswriter.save.snapshot import LayoutCache, take_snapshot
 from gdswriter.testing.simcoord import Peers, SimCoordinator
@@ -62,7 +62,9 @@ def state_of(kind: str, rank: int, world: int) -> tuple[dict, DTensors, tuple[st
         model = {f"layer{i}.weight": torch.randn(ELEMS, generator=g) for i in range(TENSORS)}
         return {"model": model}, DTensors(), ("model",)
     blocks = {f"layer{i}.weight": torch.randn(ELEMS // 8, 8, generator=g) for i in range(TENSORS - REPLICATED)}
-    shards = {f"model/{k}": ShardInfo((world * v.shape[0], 8), (rank * v.shape[0], 0)) for k, v in blocks.items()}
+    fsdp = DTensorLayout(MeshInfo.of((world,), range(world)), (0,))  # Shard(0) over every rank, as FSDP2
+    shards = {f"model/{k}": ShardInfo((world * v.shape[0], 8), (rank * v.shape[0], 0), fsdp)
+              for k, v in blocks.items()}
     g0 = torch.Generator().manual_seed(0)
     shared = {f"norm{i}": torch.randn(ELEMS, generator=g0) for i in range(REPLICATED)}
     found = DTensors(shards, {k: "mesh-fsdp" for k in shards}, {k: (rank,) for k in shards})

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .engines.base import IOEngine
 from .errors import GDSWriterError, ReadOnlyRootError
 from .format.commit import CommitProtocol, RootLock
-from .format.manifest import Manifest
+from .format.manifest import MANIFEST_NAME, Manifest
+from .format.sharded import GlobalManifest, parse_global
 from ._log import log_once
 from .load.apply import LiveState, LoadResult
 from .load.policy import restore_into, restore_newest_intact
@@ -110,16 +111,25 @@ def _several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def peek_manifest(protocol: CommitProtocol, step: int | None) -> Manifest | None:
+def peek_manifest(protocol: CommitProtocol, step: int | None) -> Manifest | GlobalManifest | None:
     """The parsed manifest of ``step`` (None: the latest), for a load to choose its path (several
-    ranks saved it when its ``dist`` is set) and then restore from without parsing it again.
-    None when it cannot tell (no such step, a damaged manifest): the single-process path then
-    reports the problem in its own words."""
+    ranks saved it when it is a 1.3 GlobalManifest or its ``dist`` is set: ``saved_by_ranks``)
+    and then restore from without parsing it again. A 1.3 step's global manifest comes back
+    alone, its shards unread: the multi-rank load reads those it needs, once. None when it
+    cannot tell (no such step, a damaged manifest): the single-process path then reports the
+    problem in its own words."""
     try:
         step = protocol.require(step)
-        return parse_manifest(protocol, step, read_manifest_bytes(protocol, step))
+        raw = read_manifest_bytes(protocol, step)
+        g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
+        return g if g is not None else parse_manifest(protocol, step, raw)
     except (GDSWriterError, OSError, ValueError):
         return None
+
+
+def saved_by_ranks(m: Manifest | GlobalManifest) -> bool:
+    """Whether a peeked manifest is a multi-rank step's."""
+    return isinstance(m, GlobalManifest) or m.dist is not None
 
 
 class LocalSession:
@@ -207,10 +217,10 @@ class LocalSession:
         """A checkpoint of one process, or a multi-rank one read in this process (always
         atomic then: see GDSCheckpointer.load)."""
         peeked = peek_manifest(self.protocol, step)
-        multi_rank = peeked is not None and peeked.dist is not None
+        multi_rank = peeked is not None and saved_by_ranks(peeked)
         if peeked is None and fallback:  # the latest manifest is damaged: ask an older one
             older = (peek_manifest(self.protocol, s) for s in self.protocol.fallback_order()[1:])
-            multi_rank = next((m.dist is not None for m in older if m is not None), False)
+            multi_rank = next((saved_by_ranks(m) for m in older if m is not None), False)
         if multi_rank:
             from .distributed import load_in_one_process
 

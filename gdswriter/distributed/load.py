@@ -4,9 +4,11 @@ The primary rank reads the step's manifest and sends it to every rank. A 1.3 ste
 sharded.py) loaded by the ranks that saved it, with the same placements and roots, takes the
 short path (``load_own``): each rank reads only its own manifest shard and the pieces it wrote,
 and the holders of shared items (replicated state, replicated DTensor blocks) pass each other
-their pieces, so replicated bytes are read from disk once in total. Otherwise (another world
-size or placements, roots moved between nodes, or a 1.0-1.2 step) every rank works from the
-whole step (a 1.3 step's shards merged: ``gather_merged``): each rank takes the state tree it
+their pieces, so replicated bytes are read from disk once in total. Otherwise a 1.3 step with
+a layout index is loaded from the shards each rank needs alone (reshard.py ``load_indexed``:
+the same plan as below, on the part of the step the rank reads itself). Failing that (a rank
+that does not see a shard it needs, a step without an index, a 1.0-1.2 step), every rank works
+from the whole step (a 1.3 step's shards merged: ``gather_merged``): each rank takes the state tree it
 saved (a rank the save did not have takes rank 0's), and works out what it needs: every plain
 tensor its tree references, and of each sharded tensor the block its live tensor holds now (a
 DTensor's shard on the current mesh, or the whole tensor for a plain one), assembled from the
@@ -51,6 +53,7 @@ from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_m
 from .fetch import fetch_storages, manifest_reach
 from . import hostshare
 from .group import Coordinator, Transfer, bounded, describe, unbound
+from .reshard import load_indexed
 from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces
 from .roots import RootLayout, discover_layout
 from .shards import assemble, join, leaves, overlap, target_block
@@ -453,9 +456,10 @@ def _template(templates: dict[str, Any], name: str) -> Any:
 
 
 def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates: dict[str, Any],
-                  optimizer: Any, engine: IOEngine, *, verify: bool, what: str) -> Any:
+                  optimizer: Any, engine: IOEngine, *, verify: bool, what: str, fetch: Any = fetch_storages) -> Any:
     """Collective: the state this rank saved in ``m``, its sharded tensors assembled as the
-    ``templates`` (live tensors by key path) hold them now; the whole tensor without one."""
+    ``templates`` (live tensors by key path) hold them now; the whole tensor without one.
+    ``fetch``: fetch_storages, or reshard.read_reached when ``m`` is this rank's part alone."""
     unchanged = "the live state was not changed"
     needed: set[int] = set()
     jobs: dict[str, tuple] = {}
@@ -479,7 +483,7 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
         error = e
     coord.agree(error, f"{what} (planning)", hint=unchanged)
     # buffers are allocated once every rank has checked the files it reads (fetch_storages)
-    buffers = fetch_storages(coord, manifest_reach(m, layout), m, needed, engine, verify=verify, what=what)
+    buffers = fetch(coord, manifest_reach(m, layout), m, needed, engine, verify=verify, what=what)
     error, state = None, None
     try:
         views = [i for i in refs if m.tensors[i].shard is None]
@@ -520,13 +524,17 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
                                           share_dir=share_dir, check=check)
     if own is not None:
         return (step, *own)
-    m = parse_manifest(protocol, step, raw) if g is None else gather_merged(coord, layout, g, what, src)
-    error = None
-    if m.dist is not None and m.dist.layout != "gdswriter":
-        error = InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "
-                                   f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
-    coord.agree(error, what, hint="the live state was not changed")
-    state = rebuild_state(coord, layout, m, templates, live.optimizer, engine, verify=verify, what=what)
+    state = None
+    if g is not None:  # another layout: the shards this rank needs (the layout index)
+        state = load_indexed(coord, layout, g, templates, live.optimizer, engine, verify=verify, what=what, src=src)
+    if state is None:
+        m = parse_manifest(protocol, step, raw) if g is None else gather_merged(coord, layout, g, what, src)
+        error = None
+        if m.dist is not None and m.dist.layout != "gdswriter":
+            error = InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "
+                                       f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
+        coord.agree(error, what, hint="the live state was not changed")
+        state = rebuild_state(coord, layout, m, templates, live.optimizer, engine, verify=verify, what=what)
     plan, error = None, None
     try:
         plan = check(state)

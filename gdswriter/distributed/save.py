@@ -36,7 +36,8 @@ import crc32c as _crc32c
 from ..engines.base import IOEngine
 from ..errors import GDSWriterError, RankFailedError, UnsupportedObjectError
 from ..format.manifest import ChunkRecord, FileRecord, ShardInfo, TensorRecord
-from ..format.sharded import GlobalManifest, ItemRecord, RankShard, ShardRef, ShardStatic, parse_global, shard_name
+from ..format.sharded import (GlobalManifest, ItemRecord, LayoutEntry, LayoutIndex, RankShard, ShardRef, ShardStatic,
+                              layout_digest, parse_global, shard_name)
 from ..fs import write_durable
 from ..planner.assign import SavePlan, plan_save
 from ..save.handle import Release
@@ -105,6 +106,9 @@ class RankSavePlan:
     digests: tuple[tuple[str, int, str], ...]  # (holder set, its size, digest of its items)
     nbytes: int
     static: ShardStatic                      # the shard's parts that only the layout decides, encoded
+    layouts: tuple[LayoutEntry, ...] = ()     # its DTensors' layouts (every rank of a mesh has the same)
+    layout_digest: str | None = None         # their layout_digest, for the vote (None: not indexable)
+    index: list = field(default_factory=list, compare=False)  # the primary's LayoutIndex of them, once made
 
 
 def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
@@ -133,8 +137,12 @@ def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], l
     digests = holder_set_digests(items, rank, world)
     fplan = plan_save([n for _, _, n in pieces], rank_targets(layout, rank, files_per_root))
     tensors = tuple(replace(r, shard=found.shards[r.name]) if r.name in found.shards else r for r in snap.records)
+    layouts = tuple(LayoutEntry(t.name, t.dtype, t.shard.global_shape, t.shard.layout) for t in tensors
+                    if t.shard is not None and t.shard.layout is not None)
+    indexable = len(layouts) == sum(1 for t in tensors if t.shard is not None)
     return RankSavePlan(tuple(items), tuple(pieces), fplan, tensors, digests, sum(n for _, _, n in pieces),
-                        ShardStatic.of(rank, tuple(items), tensors))
+                        ShardStatic.of(rank, tuple(items), tensors), layouts,
+                        layout_digest(layouts) if indexable else None)
 
 
 class PlanCache:
@@ -215,7 +223,7 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, foun
     manifest, error = None, None
     if reports is not None:
         try:
-            manifest = _global_manifest(snap, layout, reports)
+            manifest = _global_manifest(snap, layout, reports, plan)
             data = manifest.to_json_bytes()
             parse_global(data, f"the manifest of step {snap.step}")  # never committed unless it reads back
             rc.commit(data)
@@ -255,7 +263,7 @@ def _write_rank(snap: Snapshot, plan: RankSavePlan, layout: RootLayout, rc: Rank
     write_durable(rc.dirs[0] / name, data)
     described = sum(1 for t in plan.tensors if plan.items[t.storage].first_holder == layout.rank)
     return {"step": snap.step, "shard": [layout.local_to_global[0], name, len(data), _crc32c.crc32c(data)],
-            "sets": [list(d) for d in plan.digests],
+            "sets": [list(d) for d in plan.digests], "layout": plan.layout_digest,
             "totals": [plan.nbytes, described, len(files), sum(f.size for f in files) + len(data)]}
 
 
@@ -278,10 +286,26 @@ def check_reports(reports: Sequence[dict], step: int, what: str) -> tuple[dict[i
     return None
 
 
-def _global_manifest(snap: Snapshot, layout: RootLayout, reports: Sequence[dict]) -> GlobalManifest:
+def _global_manifest(snap: Snapshot, layout: RootLayout, reports: Sequence[dict],
+                     plan: RankSavePlan | None) -> GlobalManifest:
     if len(reports) != layout.world_size:
         raise GDSWriterError(f"internal: {len(reports)} reports for {layout.world_size} ranks")
     shards = [ShardRef(r, *x["shard"]) for r, x in enumerate(reports)]
     totals = {k: sum(x["totals"][i] for x in reports) for i, k in enumerate(("bytes", "tensors", "files", "on_disk"))}
-    return GlobalManifest.new(snap.step, layout.world_size, layout.table, shards, snap.metadata, totals)
+    return GlobalManifest.new(snap.step, layout.world_size, layout.table, shards, snap.metadata, totals,
+                              layout_index(plan, reports))
+
+
+def layout_index(plan: RankSavePlan | None, reports: Sequence[dict]) -> LayoutIndex | None:
+    """The step's layout index, from the primary's own DTensors' layouts (every rank of a mesh
+    knows a DTensor's layout alike), when it describes every rank's: each rank's vote carries a
+    digest of its layouts, and a rank whose digest is not what the index says of its meshes (a
+    DTensor on a mesh the primary is not part of, e.g. another pipeline stage) leaves the step
+    without an index (its loads on another layout then merge every shard, as before)."""
+    if plan is None or plan.layout_digest is None:
+        return None
+    if not plan.index:  # made once per plan: the saves of a training loop commit the same index
+        plan.index.append(LayoutIndex({e.name: e for e in plan.layouts}))
+    index = plan.index[0]
+    return None if index.mismatched([x.get("layout") for x in reports]) else index
 

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedObjectError
 from ..format.manifest import ShardInfo
+from ..format.sharded import DTensorLayout, MeshInfo
 
 
 def join(path: str, part: object) -> str:
@@ -92,17 +93,20 @@ def split_dtensors(state: Any, path: str = "") -> tuple[Any, dict[str, ShardInfo
     found: dict[str, ShardInfo] = {}
     meshes: dict[str, str] = {}
     groups: dict[str, tuple[int, ...]] = {}
-    seen: dict[tuple, tuple[str, tuple[int, ...]]] = {}  # per (mesh, placements): computed once
+    seen: dict[tuple, tuple[str, tuple[int, ...], DTensorLayout]] = {}  # per (mesh, placements): computed once
 
     def walk(v: Any, p: str) -> Any:
         if is_dtensor(v):
             offsets, _ = dtensor_block(v, p)
-            found[p] = ShardInfo(tuple(v.shape), offsets)
             key = (id(v.device_mesh), tuple(v.placements))
             if key not in seen:
                 mesh = v.device_mesh.mesh
-                seen[key] = (mesh_id(mesh.flatten().tolist(), mesh.shape), replica_group(v))
-            meshes[p], groups[p] = seen[key]
+                ranks = mesh.flatten().tolist()
+                layout = DTensorLayout(MeshInfo.of(tuple(mesh.shape), ranks),
+                                       tuple(None if q.is_replicate() else int(q.dim) for q in v.placements))
+                seen[key] = (mesh_id(ranks, mesh.shape), replica_group(v), layout)
+            meshes[p], groups[p], layout = seen[key]
+            found[p] = ShardInfo(tuple(v.shape), offsets, layout)
             return v.to_local()
         if isinstance(v, dict):
             out = type(v)((k, walk(x, join(p, k))) for k, x in v.items())

@@ -79,6 +79,9 @@ class ShardInfo:
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
+    # (saving a DTensor only) its format.sharded.DTensorLayout, for the step's layout index; no
+    # part of the record (never written into it, never compared)
+    layout: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ loading rank received) grew with the world size times the tensors per rank. In 1
   its state tree. Its size depends on the rank's own state only;
 * the step's ``manifest.json`` (``GlobalManifest``, the commit point, written by the primary
   rank as before) holds the root table and, per rank, where its shard is with its size and
-  crc32c: a few dozen bytes per rank (about 1 MiB at 16,384 ranks), nothing per tensor.
+  crc32c: a few dozen bytes per rank (about 1 MiB at 16,384 ranks); and the layout index
+  (``LayoutIndex``): per DTensor name its dtype, global shape, mesh and placements, so that a
+  load on another layout finds which shards hold the blocks it needs (nothing per block).
 
 Items are named by keys that equal across ranks exactly when they hold the same bytes
 (distributed/save.py ``storage_keys``): ``L<rank>:<n>`` for rank-local state, ``R<digest>``
@@ -20,15 +22,17 @@ pieces and recording them in its own shard.
 ``merge`` turns a global manifest and every shard back into the in-memory ``Manifest`` a
 1.2 step parses to, so the single-process readers (load_state, ``gdswriter`` ls/inspect/
 verify/export) read 1.3 through the code they already had; a multi-rank load of the same
-layout reads only its own shard (distributed/load.py). docs/format.md section 10.
+layout reads only its own shard (distributed/load.py), one of another layout the shards the
+layout index points it to (distributed/reshard.py). docs/format.md section 10.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,6 +42,7 @@ from ..errors import CorruptCheckpointError, UnreachableDataError
 from ..fs import read_regular_file
 from .assembly import build_manifest
 from .commit import root_identity, step_dir_name
+from .dtypes import dtype_from_name
 from .manifest import (FORMAT_NAME, INT64_LIMIT, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, RootInfo,
                        ShardInfo, TensorRecord)
 
@@ -172,6 +177,7 @@ class GlobalManifest:
     metadata: dict
     created_unix: float
     totals: dict
+    layout_index: "LayoutIndex | None" = None  # None: a step saved without one (loads reshard by merging)
 
     def to_json_bytes(self) -> bytes:
         body = {
@@ -183,6 +189,8 @@ class GlobalManifest:
             "shards": [[s.root, s.name, s.size, s.crc32c] for s in self.shards],
             "totals": self.totals,
         }
+        if self.layout_index is not None:
+            body["layout_index"] = self.layout_index.to_json()
         crc = _crc32c.crc32c(_canonical(body))
         return (json.dumps({**body, "manifest_crc32c": crc}, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
@@ -200,9 +208,9 @@ class GlobalManifest:
 
     @staticmethod
     def new(step: int, world_size: int, roots: Sequence[RootInfo], shards: Sequence[ShardRef], metadata: dict,
-            totals: dict) -> "GlobalManifest":
+            totals: dict, layout_index: "LayoutIndex | None" = None) -> "GlobalManifest":
         return GlobalManifest(step, world_size, tuple(roots), tuple(shards), dict(metadata), time.time(),
-                              dict(totals))
+                              dict(totals), layout_index)
 
 
 def is_sharded(body: Any) -> bool:
@@ -283,6 +291,206 @@ def _record_row(t: TensorRecord) -> list:
     return [t.name, t.byte_offset, t.dtype, list(t.shape), list(t.stride), t.device, t.kind, shard]
 
 
+# -- the layout index ------------------------------------------------------------------------
+MAX_MESH_DIMS = 16
+MAX_TENSOR_DIMS = 64
+REPLICATE = "R"  # a mesh dimension a DTensor is replicated over (an int d: it is sharded on tensor dim d)
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """A device mesh: its shape and its global ranks in mesh (row-major) order, written as
+    ``first`` + ``step`` * i (the usual mesh: two numbers whatever its size) or, for any other
+    order, as the list ``ranks``."""
+
+    shape: tuple[int, ...]
+    first: int = 0
+    step: int = 1
+    ranks: tuple[int, ...] | None = None
+
+    @staticmethod
+    def of(shape: Sequence[int], ranks: Sequence[int]) -> "MeshInfo":
+        ranks = [int(r) for r in ranks]
+        step = ranks[1] - ranks[0] if len(ranks) > 1 else 1
+        if step >= 1 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
+            return MeshInfo(tuple(int(n) for n in shape), ranks[0], step)
+        return MeshInfo(tuple(int(n) for n in shape), 0, 1, tuple(ranks))
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for k in self.shape:
+            n *= k
+        return n
+
+    def rank_at(self, coord: Sequence[int]) -> int:
+        flat = 0
+        for c, k in zip(coord, self.shape):
+            flat = flat * k + c
+        return self.first + self.step * flat if self.ranks is None else self.ranks[flat]
+
+    def members(self) -> Sequence[int]:
+        return range(self.first, self.first + self.step * self.size, self.step) if self.ranks is None else self.ranks
+
+    def to_json(self) -> dict:
+        if self.ranks is None:
+            return {"shape": list(self.shape), "first": self.first, "step": self.step}
+        return {"shape": list(self.shape), "ranks": list(self.ranks)}
+
+
+@dataclass(frozen=True)
+class DTensorLayout:
+    """How a DTensor lies on its mesh, as every rank of the mesh knows it alike: per mesh
+    dimension the tensor dimension it shards (torch.chunk's split, Shard(d)) or None (Replicate)."""
+
+    mesh: MeshInfo
+    placements: tuple[int | None, ...]
+
+
+@dataclass(frozen=True)
+class LayoutEntry:
+    """One DTensor name of a step: its dtype, global shape and layout. Every block of it, and the
+    ranks holding each, follow (``overlapping``): nothing is listed per block or per rank."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    layout: DTensorLayout
+
+    def row(self) -> list:
+        return [self.name, self.dtype, list(self.global_shape), self.layout.mesh.to_json(),
+                [REPLICATE if d is None else d for d in self.layout.placements]]
+
+    def overlapping(self, offsets: Sequence[int], shape: Sequence[int]
+                    ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """(holder rank, block offsets, block shape) of every saved block intersecting the block
+        [offsets, offsets + shape), one holder per block (its replica at coordinate 0 of the
+        dimensions it is replicated over). The work is the number of such blocks times the mesh
+        dimensions, not the mesh's size."""
+        mesh, placements = self.layout.mesh, self.layout.placements
+        if any(n == 0 for n in shape) or any(n == 0 for n in self.global_shape):
+            return []
+        out: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+
+        def walk(i: int, coord: list[int], off: list[int], size: list[int]) -> None:
+            if i == len(mesh.shape):
+                if all(o < t + n and t < o + m for o, m, t, n in zip(off, size, offsets, shape)):
+                    out.append((mesh.rank_at(coord), tuple(off), tuple(size)))
+                return
+            d = placements[i]
+            if d is None:
+                walk(i + 1, coord + [0], off, size)
+                return
+            k, n = mesh.shape[i], size[d]
+            chunk = -(-n // k)
+            lo, hi = max(0, offsets[d] - off[d]), offsets[d] + shape[d] - off[d]
+            if chunk == 0 or hi <= lo:
+                return
+            for c in range(lo // chunk, min(k - 1, (hi - 1) // chunk) + 1):
+                start = min(n, chunk * c)
+                length = max(0, min(n, start + chunk) - start)
+                if length:
+                    walk(i + 1, coord + [c], off[:d] + [off[d] + start] + off[d + 1:],
+                         size[:d] + [length] + size[d + 1:])
+
+        walk(0, [], [0] * len(self.global_shape), list(self.global_shape))
+        return out
+
+
+def layout_digest(entries: Sequence[LayoutEntry]) -> str:
+    """What a rank reports in the vote of a save: a digest of the layouts of the DTensors it holds
+    (a few bytes whatever it holds), so the primary can check that its index describes them."""
+    rows = sorted(e.row() for e in entries)
+    return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class LayoutIndex:
+    """The layout index of a 1.3 step's global manifest: per DTensor name its dtype, global shape,
+    mesh and placements (meshes listed once). A loader on another layout finds from it which
+    ranks' shards hold the blocks it needs, and reads those shards only: its size grows with the
+    tensor names and meshes, never with the blocks (world size x tensors)."""
+
+    entries: dict[str, LayoutEntry]
+    # what mismatched() expects per set of meshes, kept: a training loop's saves reuse one index
+    _expected: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def to_json(self) -> dict:
+        meshes: dict[MeshInfo, int] = {}
+        rows = []
+        for name in sorted(self.entries):
+            e = self.entries[name]
+            m = meshes.setdefault(e.layout.mesh, len(meshes))
+            rows.append([e.name, e.dtype, list(e.global_shape), m,
+                         [REPLICATE if d is None else d for d in e.layout.placements]])
+        return {"meshes": [m.to_json() for m in meshes], "tensors": rows}
+
+    def mismatched(self, reported: Sequence[str | None]) -> list[int]:
+        """The ranks whose layout_digest (``reported``, rank order) is not that of the index's
+        entries on the meshes they are part of. The work is the meshes' sizes, once."""
+        world = len(reported)
+        by_mesh: dict[MeshInfo, list[LayoutEntry]] = {}
+        for e in self.entries.values():
+            by_mesh.setdefault(e.layout.mesh, []).append(e)
+        member_of: list[list[int]] = [[] for _ in range(world)]
+        meshes = list(by_mesh)
+        for k, mesh in enumerate(meshes):
+            for r in mesh.members():
+                if r < world:
+                    member_of[r].append(k)
+        expected: dict[tuple[int, ...], str] = self._expected
+        bad = []
+        for r in range(world):
+            key = tuple(member_of[r])
+            if key not in expected:
+                expected[key] = layout_digest([e for k in key for e in by_mesh[meshes[k]]])
+            if reported[r] != expected[key]:
+                bad.append(r)
+        return bad
+
+    @staticmethod
+    def from_json(body: Any, world: int) -> "LayoutIndex":
+        """Validate an index of a world of ``world`` ranks (every rank, shape and placement in range)
+        before anything is sized from it; ValueError and friends when it is not."""
+        meshes = []
+        for x in _list(body["meshes"], "layout_index.meshes"):
+            shape = tuple(_int(n, "a mesh dimension", world + 1) for n in _list(x["shape"], "a mesh shape"))
+            if not 1 <= len(shape) <= MAX_MESH_DIMS or 0 in shape:
+                raise ValueError(f"mesh shape {list(shape)[:MAX_MESH_DIMS + 1]} is not 1 to {MAX_MESH_DIMS} "
+                                 f"dimensions of at least 1")
+            size = 1
+            for n in shape:
+                size *= n
+                if size > world:
+                    raise ValueError(f"a mesh of shape {list(shape)} has more ranks than the world's {world}")
+            if "ranks" in x:
+                ranks = tuple(_int(r, "a mesh rank", world) for r in _list(x["ranks"], "a mesh's ranks"))
+                if len(ranks) != size or len(set(ranks)) != size:
+                    raise ValueError(f"a mesh of shape {list(shape)} lists {len(ranks)} ranks, not {size} distinct")
+                meshes.append(MeshInfo(shape, 0, 1, ranks))
+            else:
+                first, step = _int(x["first"], "a mesh's first rank", world), _int(x["step"], "a mesh's step", world + 1)
+                if step < 1 or first + step * (size - 1) >= world:
+                    raise ValueError(f"a mesh of ranks {first} + {step} * i for {size} ranks runs past the world")
+                meshes.append(MeshInfo(shape, first, step))
+        entries: dict[str, LayoutEntry] = {}
+        for x in _list(body["tensors"], "layout_index.tensors"):
+            name, dtype, gshape, m, placements = _list(x, "a layout entry")
+            name, dtype = _text(name, "a tensor name", 4096), _text(dtype, "a dtype")
+            dtype_from_name(dtype)  # CorruptCheckpointError for an unknown dtype name
+            shape = tuple(_int(n, "a global dimension") for n in _list(gshape, "a global shape"))
+            mesh = meshes[_int(m, "a layout entry's mesh", len(meshes))]
+            dims = []
+            for p in _list(placements, "placements"):
+                dims.append(None if p == REPLICATE else _int(p, "a sharded dimension", len(shape)))
+            if len(shape) > MAX_TENSOR_DIMS or len(dims) != len(mesh.shape):
+                raise ValueError(f"layout of {name[:200]!r}: {len(dims)} placements for a {len(mesh.shape)}-D mesh")
+            if name in entries:
+                raise ValueError(f"tensor {name[:200]!r} is listed twice")
+            entries[name] = LayoutEntry(name, dtype, shape, DTensorLayout(mesh, tuple(dims)))
+        return LayoutIndex(entries)
+
+
 # -- validation ---------------------------------------------------------------------------
 def _canonical(body: dict) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
@@ -349,8 +557,14 @@ def _parse_global(body: dict, where: str) -> GlobalManifest:
     created = body.get("created_unix", 0.0)
     if not isinstance(metadata, dict) or not isinstance(totals, dict) or not isinstance(created, (int, float)):
         raise bad("metadata, totals or created_unix has the wrong type")
+    index = None
+    if "layout_index" in body:
+        try:
+            index = LayoutIndex.from_json(body["layout_index"], world)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError) as e:
+            raise bad(f"its layout index is malformed ({type(e).__name__}: {e})") from e
     return GlobalManifest(_int(body["step"], "step"), world, tuple(roots), tuple(shards), metadata, float(created),
-                          totals)
+                          totals, index)
 
 
 def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:
