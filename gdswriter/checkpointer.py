@@ -61,7 +61,7 @@ from .rng import rng_state
 from .save.handle import SaveHandle, SaveStats
 from .save.pool import HostSnapshotPool
 from .save.queue import SaveQueue
-from .save.snapshot import LayoutCache, Snapshot, plain_json, take_snapshot, tensors_of
+from .save.snapshot import GuardedMemory, LayoutCache, PendingSnapshot, plain_json, record_snapshot, tensors_of
 from .tensors import hint_unaligned
 from .session import Session, open_session
 
@@ -263,6 +263,7 @@ class GDSCheckpointer:
         self._submit_lock = threading.Lock()
         self._hooks: list[tuple[Any, Any]] = []  # (optimizer, its step pre-hook's handle)
         self._layout = LayoutCache()  # the last save's layout, reused while the tensors stay put
+        self._guarded = GuardedMemory()  # where the hooked optimizers' tensors lie (save_async)
 
     def _collect(self) -> dict:
         """The state to save: the objects' state_dict()s (timed apart in save_async: SaveStats.state_dict_s)."""
@@ -316,15 +317,16 @@ class GDSCheckpointer:
                 log.warning("gdswriter: step %d not saved: step %d is still being saved (on_busy='skip')",
                             step, running)
                 return SaveHandle(step, mode, skipped=True)
-            protected = [t for opt in self._hook_optimizers() for t in tensors_of(opt)]
+            guarded = self._guarded.update([t for opt in self._hook_optimizers() for t in tensors_of(opt)])
             t1 = time.perf_counter()
             collected = self._collect()
             state_dict_s = time.perf_counter() - t1
             # DTensors -> their local shards (and where they lie) under torch.distributed
             state = self._session.prepare(collected, step)
-            snap = take_snapshot(state, step, metadata=metadata, protected=protected, layout=self._layout)
+            # References, copied containers, and the unguarded tensors' copies: the rest in the save thread (_run)
+            snap = record_snapshot(state, step, metadata=metadata, guarded=guarded, layout=self._layout)
             handle = SaveHandle(step, mode)
-            handle.nbytes, handle.state_dict_s, handle.blocking = snap.nbytes, state_dict_s, blocking
+            handle.state_dict_s, handle.blocking = state_dict_s, blocking
             with self._mutex:
                 # Keep only handles whose outcome someone may still need: running, or failed unreported.
                 self._handles = [h for h in self._handles
@@ -335,24 +337,28 @@ class GDSCheckpointer:
         handle.blocked_s += time.perf_counter() - t0
         return handle
 
-    def _hold_unguarded(self, handle: SaveHandle, snap: Snapshot) -> None:
+    def _hold_unguarded(self, handle: SaveHandle, snap: PendingSnapshot) -> None:
         """Wait until the save has released the live tensors that no optimizer hook guards:
         nothing else would keep them unchanged while the save reads them (stream-ordered on
         a GPU, as the hook waits). A failure sets the release too; it is reported as usual."""
-        names = snap.unguarded
-        log_once("save-async-unguarded",
-                 f"gdswriter: save_async waits until the save has {'written' if handle.mode == 'live' else 'copied'} "
-                 f"{len(names)} live tensor(s) that no optimizer step hook guards (e.g. {names[0]}): they could "
-                 f"change before the save read them. Give the checkpointer the optimizer that updates them "
-                 f"(optimizer=, or in state=) to make save_async return at once", logging.INFO)
+        log_once("save-async-unguarded", lambda: (
+            f"gdswriter: save_async waits until the save has {'written' if handle.mode == 'live' else 'copied'} "
+            f"{len(snap.unguarded)} live tensor(s) that no optimizer step hook guards (e.g. {snap.unguarded_name()}): "
+            f"they could change before the save read them. Give the checkpointer the optimizer that updates them "
+            f"(optimizer=, or in state=) to make save_async return at once"), logging.INFO)
         handle.release.wait_stream_ordered()
 
-    def _run(self, handle: SaveHandle, snap: Snapshot) -> None:
+    def _run(self, handle: SaveHandle, pending: PendingSnapshot) -> None:
         """One save, then its retention (in the save thread, save/queue.py). The handle is
         finished whatever happens."""
         handle.started = time.perf_counter()
         retention: Future = Future()
         try:
+            # The encoding, layout and records save_async left here: before any byte is read,
+            # so while the step pre-hook still holds the guarded tensors
+            snap = pending.complete(self._layout)
+            del pending
+            handle.nbytes = snap.nbytes
             engines = self._save_engines(handle.mode)
             pool = self._snapshot_pool if handle.mode == "host" else None
             if pool is not None:  # saves run one at a time here: the flag is this save's

@@ -34,6 +34,7 @@ import math
 import re
 import struct
 import types
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import numpy as np
@@ -72,14 +73,88 @@ def encode_state(obj: object, *, key_path: str = "") -> tuple[object, list[torch
     return enc.enc(obj, key_path, 0), enc.tensors
 
 
-def encode_state_named(obj: object) -> tuple[object, list[torch.Tensor], list[str], list[str]]:
+def encode_state_named(obj: object, *, arrays: Mapping[int, torch.Tensor] | None = None
+                       ) -> tuple[object, list[torch.Tensor], list[str], list[str]]:
     """encode_state, plus each tensor's name and kind ("tensor" or "ndarray"), from its first
     place in the tree: its key path, "/"-joined, where a key that the tree stores as an
     object (a tuple, an int beyond 2**53, a non-finite float) appears as that object's repr;
-    "<root>" for the state itself."""
-    enc = _Encoder()
+    "<root>" for the state itself. ``arrays``: the tensors freeze_state made of the numpy
+    arrays (by id), used instead of converting them again."""
+    enc = _Encoder(arrays)
     tree = enc.enc(obj, "", 0, "")
     return tree, enc.tensors, enc.names, enc.kinds
+
+
+class Unfreezable(Exception):
+    """freeze_state met a value only the encoder can judge and name (it rejects it): encode the
+    state itself to get the UnsupportedObjectError with its key path."""
+
+
+_IMMUTABLE_LEAVES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype, torch.device, torch.Size})
+
+
+def freeze_state(obj: object) -> tuple[object, list[torch.Tensor], dict[int, torch.Tensor]]:
+    """``(frozen, tensors, arrays)``: the state with every container copied (dict, OrderedDict
+    with its ``_metadata``, list, tuple) around the same leaves, so that encoding ``frozen``
+    later gives what encoding ``obj`` gives now, whatever then happens to the caller's
+    containers; ``tensors``: the tensors met, in tree order (repeats kept), with each numpy
+    array's tensor; ``arrays``: those tensors by id(array) (for encode_state_named: a
+    non-contiguous array is copied now). The leaves are kept by reference: immutable ones
+    and tensors (whose memory the snapshot captures or guards). Raises Unfreezable where
+    the encoder would raise UnsupportedObjectError.
+
+    What save_async does per tensor at the call (the encoding, with names, runs in the save
+    thread): a type test and an append; a dict of plain values is one C-level copy."""
+    tensors: list[torch.Tensor] = []
+    arrays: dict[int, torch.Tensor] = {}
+    return _freeze(obj, tensors, arrays, 0), tensors, arrays
+
+
+def _freeze(obj: Any, tensors: list, arrays: dict, depth: int) -> object:
+    t = type(obj)
+    if t is torch.Tensor or t is torch.nn.Parameter:
+        tensors.append(obj)
+        return obj
+    if t in _IMMUTABLE_LEAVES or t in _NP_NAMES:
+        return obj
+    if t is np.ndarray:
+        try:
+            at = arrays[id(obj)] = _Encoder.array_tensor(obj, "")
+        except UnsupportedObjectError:
+            raise Unfreezable from None
+        tensors.append(at)
+        return obj
+    if depth >= MAX_DEPTH or t not in (dict, collections.OrderedDict, list, tuple):
+        raise Unfreezable  # also a cycle, which nests without end
+    if t is list or t is tuple:
+        items = list(obj)
+        for i, v in enumerate(items):
+            tv = type(v)
+            if tv is torch.Tensor or tv is torch.nn.Parameter:
+                tensors.append(v)
+            elif tv not in _IMMUTABLE_LEAVES:
+                items[i] = _freeze(v, tensors, arrays, depth + 1)
+        return items if t is list else tuple(items)
+    out = obj.copy()
+    for k, v in obj.items():
+        tv = type(v)
+        if tv is torch.Tensor or tv is torch.nn.Parameter:
+            tensors.append(v)
+        elif tv is dict and depth + 1 < MAX_DEPTH:  # the optimizer's per-parameter state: inline, no call
+            inner = out[k] = v.copy()
+            for k2, v2 in v.items():
+                tv2 = type(v2)
+                if tv2 is torch.Tensor or tv2 is torch.nn.Parameter:
+                    tensors.append(v2)
+                elif tv2 not in _IMMUTABLE_LEAVES:
+                    inner[k2] = _freeze(v2, tensors, arrays, depth + 2)
+        elif tv not in _IMMUTABLE_LEAVES:
+            out[k] = _freeze(v, tensors, arrays, depth + 1)
+    if t is not dict:
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:
+            out._metadata = _freeze(meta, tensors, arrays, depth + 1)
+    return out
 
 
 def _join(path: str, part: object) -> str:
@@ -114,7 +189,8 @@ def _is_key(k: object) -> bool:
 
 
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, arrays: Mapping[int, torch.Tensor] | None = None) -> None:
+        self.arrays = arrays or {}  # id(numpy array) -> its tensor, made already (freeze_state)
         self.tensors: list[torch.Tensor] = []
         self.names: list[str] = []  # per tensor: see encode_state_named ("" when not asked for)
         self.kinds: list[str] = []
@@ -154,7 +230,8 @@ class _Encoder:
         if isinstance(obj, torch.Tensor):
             return {"$tensor": self.add(obj, self.check_tensor(obj, path), name, "tensor")}
         if t is np.ndarray:
-            return {"$ndarray": self.add(obj, self.array_tensor(obj, path), name, "ndarray")}
+            made = self.arrays.get(id(obj))
+            return {"$ndarray": self.add(obj, self.array_tensor(obj, path) if made is None else made, name, "ndarray")}
         if isinstance(obj, np.generic):
             return {"$npscalar": self.np_scalar(obj, path)}
         if t is torch.dtype:
@@ -263,6 +340,9 @@ class _Encoder:
         else:  # "S"
             value = base64.b64encode(bytes(x)).decode("ascii")
         return [name, value]
+
+
+check_tensor = _Encoder.check_tensor  # the tensor kinds the format cannot store (with why), for save_async's checks
 
 
 def _why(obj: object) -> str:
