@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, compress
 from typing import Any
 
 import numpy as np
@@ -28,7 +30,7 @@ from ..cuda import streams
 from ..errors import SnapshotChangedError, UnsupportedObjectError
 from ..format.dtypes import dtype_to_name
 from ..format.manifest import TensorRecord
-from ..format.state_codec import Unfreezable, check_tensor, encode_state_named, freeze_state
+from ..format.state_codec import FrozenOrderedDict, Unfreezable, check_tensor, encode_state_named, freeze_state
 from ..options import MiB
 from .._log import log_once
 from ..tensors import flat_bytes
@@ -95,19 +97,24 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
 def tensors_of(obj: Any) -> list[torch.Tensor]:
     """Every tensor an optimizer can change: its parameters and its state (no copies; a
     DTensor's local shard, which is what the step changes in place). Called by every
-    save_async: a type test per tensor."""
+    save_async: C-level passes over the optimizer's lists and dicts, no Python step per tensor."""
     found = [p for g in getattr(obj, "param_groups", ()) for p in g.get("params", ())]
-    found += [v for st in getattr(obj, "state", {}).values() if isinstance(st, dict) for v in st.values()]
-    out = [t for t in found if type(t) in _PLAIN]
-    if len(out) != len(found):  # values that are no plain tensors: DTensors, subclasses, a step count...
-        out += [_local(t) for t in found if type(t) not in _PLAIN and isinstance(t, torch.Tensor)]
-    return out
+    state = getattr(obj, "state", None)
+    if state:
+        try:
+            found += list(chain.from_iterable(map(dict.values, state.values())))
+        except TypeError:  # a parameter's state that is no dict
+            found += [v for st in state.values() if isinstance(st, dict) for v in st.values()]
+    if set(map(type, found)) <= _PLAIN:
+        return found
+    # values that are no plain tensors: DTensors, subclasses, a step count...
+    return [t if type(t) in _PLAIN else _local(t) for t in found if isinstance(t, torch.Tensor)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -200,27 +207,40 @@ class LayoutCache:
 
 
 class GuardedMemory:
-    """Where the memory lies that the optimizer step pre-hook keeps unchanged until a save
-    releases it: the first-element and the storage addresses of every tensor the guarded
-    optimizers hold (tensors_of). The storages are looked up again only when one of those
-    tensors moved (a first-element address changed): in a training loop, once."""
+    """The tensors the optimizer step pre-hook keeps unchanged until a save releases them
+    (tensors_of the hooked optimizers), for save_async to tell the saved tensors they guard
+    without a look at each tensor's memory where it can: a saved tensor that is one of them
+    (an optimizer's state) is guarded by identity; one that is not (a module state_dict's
+    detached alias of a parameter) when it starts where one of the others starts, or else
+    when it shares a storage with one of them (``storages``: looked up again only when a
+    guarded tensor was replaced or moved; in a training loop, once)."""
 
-    __slots__ = ("_firsts", "firsts", "storages")
+    __slots__ = ("_ids", "_key", "_storages", "ids", "tensors")
 
     def __init__(self, tensors: Sequence[torch.Tensor] = ()) -> None:
-        self._firsts: list[int] | None = None
-        self.firsts: set[int] = set()
-        self.storages: set[int] = set()
-        if tensors:
-            self.update(tensors)
+        self._key: tuple | None = None
+        self._storages: set[int] = set()
+        self.update(tensors)
 
     def update(self, tensors: Sequence[torch.Tensor]) -> GuardedMemory:
-        firsts = list(map(torch.Tensor.data_ptr, tensors))
-        if firsts != self._firsts:
-            self.firsts = set(firsts) - {0}  # 0: no memory (meta, empty)
-            self.storages = {t.untyped_storage().data_ptr() for t in tensors if not t.is_meta} - {0}
-            self._firsts = firsts
+        """The guarded tensors now (every save_async: an id per tensor, no look at its memory)."""
+        self.tensors = list(tensors)
+        self._ids = list(map(id, self.tensors))
+        self.ids = set(self._ids)
         return self
+
+    def firsts_of_others(self, saved_ids: set[int]) -> set[int]:
+        """The first-element addresses of the guarded tensors not saved as themselves."""
+        others = compress(self.tensors, map(operator.not_, map(saved_ids.__contains__, self._ids)))
+        return set(map(torch.Tensor.data_ptr, others)) - {0}  # 0: no memory (meta, empty)
+
+    def storages(self) -> set[int]:
+        """The storage addresses of every guarded tensor."""
+        key = (self._ids, list(map(torch.Tensor.data_ptr, self.tensors)))
+        if key != self._key:
+            self._storages = {t.untyped_storage().data_ptr() for t in self.tensors if not t.is_meta} - {0}
+            self._key = key
+        return self._storages
 
 
 class PendingSnapshot:
@@ -305,33 +325,44 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     guarded = guarded or GuardedMemory()
     try:
         frozen, tensors, arrays = freeze_state(state)
-        firsts = list(map(torch.Tensor.data_ptr, tensors))  # raises for tensors without memory of their own
+        ids = guarded.ids
+        # The tensors that are not guarded tensors themselves, and where they start
+        rest = list(compress(tensors, map(operator.not_, map(ids.__contains__, map(id, tensors))))) if ids else tensors
+        firsts = list(map(torch.Tensor.data_ptr, rest))  # raises for tensors without memory of their own
     except (Unfreezable, RuntimeError, NotImplementedError):
         _raise_unsupported(state)
         raise
     pending = PendingSnapshot(step, frozen, arrays, {} if metadata is None else metadata)
-    inside, storages = guarded.firsts, guarded.storages
-    if inside and all(map(inside.__contains__, firsts)):
-        at_call = []
-    else:  # a tensor is guarded when it starts where a guarded one does or shares a guarded storage
-        at_call = [i for i, p in enumerate(firsts)
-                   if p not in inside and tensors[i].untyped_storage().data_ptr() not in storages]
+    at_call: list[torch.Tensor] = []
+    if rest:
+        starts = guarded.firsts_of_others(set(map(id, tensors))) if ids else set()
+        if not all(map(starts.__contains__, firsts)):  # a tensor is guarded when it starts where a guarded
+            storages = guarded.storages()              # one does, or shares a guarded storage
+            at_call = [t for t, p in zip(rest, firsts)
+                       if p not in starts and t.untyped_storage().data_ptr() not in storages]
     cuda: set[int] = set()
-    if set(map(torch.Tensor.get_device, tensors)) != {-1}:  # -1: the CPU (and meta, refused below)
-        other = set()
-        for i, t in enumerate(tensors):
+    if _accelerator_tensors_can_exist():
+        other = []
+        for t in tensors:
             kind = t.device.type
             if kind == "cuda":
                 cuda.add(t.device.index)
             elif kind != "cpu":
-                other.add(i)
-        if other:
-            at_call = sorted(other.union(at_call))
+                other.append(t)
+        at_call += other
     if at_call:
-        _handle_at_call(pending, [tensors[i] for i in at_call], storages, state,
+        at_call = list({id(t): t for t in at_call}.values())  # each once
+        _handle_at_call(pending, at_call, guarded.storages() if ids else set(), state,
                         None if layout is None else layout.at_call)
     pending.ready = streams.record_ready(sorted(cuda))
     return pending
+
+
+def _accelerator_tensors_can_exist() -> bool:
+    """Whether a tensor may be on a device other than the CPU: an accelerator is there and,
+    for CUDA, initialised (a CUDA tensor initialises it). Asks no CUDA call."""
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and (accelerator.type != "cuda" or torch.cuda.is_initialized())
 
 
 def _handle_at_call(pending: PendingSnapshot, tensors: list[torch.Tensor], guarded: set[int], state: Any,
@@ -425,7 +456,8 @@ def _path_to(tree: Any, target: torch.Tensor, arrays: dict[int, torch.Tensor]) -
         obj, path = stack.pop()
         if obj is target or (type(obj) is np.ndarray and arrays.get(id(obj)) is target):
             return path or "<root>"
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+        items = (obj.items() if isinstance(obj, (dict, FrozenOrderedDict)) else enumerate(obj) if isinstance(obj, (list, tuple))
+                 else ())
         stack.extend((v, f"{path}/{k}" if path else str(k)) for k, v in reversed(list(items)))
     return "<tensor>"
 
