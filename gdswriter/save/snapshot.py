@@ -225,8 +225,9 @@ class GuardedMemory:
     def update(self, tensors: Sequence[torch.Tensor]) -> GuardedMemory:
         """The guarded tensors now (every save_async: an id per tensor, no look at its memory)."""
         self.tensors = list(tensors)
-        self._ids = list(map(id, self.tensors))
-        self.ids = set(self._ids)
+        ids = list(map(id, self.tensors))
+        if ids != getattr(self, "_ids", None):  # the same tensors as the last time: the same set
+            self._ids, self.ids = ids, set(ids)
         return self
 
     def firsts_of_others(self, saved_ids: set[int]) -> set[int]:
@@ -325,9 +326,9 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     guarded = guarded or GuardedMemory()
     try:
         frozen, tensors, arrays = freeze_state(state)
-        ids = guarded.ids
+        ids, saved_ids = guarded.ids, list(map(id, tensors))
         # The tensors that are not guarded tensors themselves, and where they start
-        rest = list(compress(tensors, map(operator.not_, map(ids.__contains__, map(id, tensors))))) if ids else tensors
+        rest = list(compress(tensors, map(operator.not_, map(ids.__contains__, saved_ids)))) if ids else tensors
         firsts = list(map(torch.Tensor.data_ptr, rest))  # raises for tensors without memory of their own
     except (Unfreezable, RuntimeError, NotImplementedError):
         _raise_unsupported(state)
@@ -335,7 +336,7 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     pending = PendingSnapshot(step, frozen, arrays, {} if metadata is None else metadata)
     at_call: list[torch.Tensor] = []
     if rest:
-        starts = guarded.firsts_of_others(set(map(id, tensors))) if ids else set()
+        starts = guarded.firsts_of_others(set(saved_ids)) if ids else set()
         if not all(map(starts.__contains__, firsts)):  # a tensor is guarded when it starts where a guarded
             storages = guarded.storages()              # one does, or shares a guarded storage
             at_call = [t for t, p in zip(rest, firsts)
