@@ -2,8 +2,9 @@
 saved and loaded by gdswriter, torch.save/torch.load and DCP; and a small (16 MiB) checkpoint's load.
 
 For each N (default 1,000 / 10,000 / 100,000; --size bytes in all), in interleaved rounds:
-``save_async`` return time, split into the objects' own ``state_dict()`` calls (SaveStats
-.state_dict_s, measured apart where an older gdswriter lacks it) and gdswriter's own work;
+``save_async`` return time (--async-repeats calls per round), split into the objects' own
+``state_dict()`` calls (SaveStats.state_dict_s, measured apart where an older gdswriter lacks
+it) and gdswriter's own work;
 a durable save (``save()``; torch.save + fsync; dcp.save with sync_files) and a cold load
 (files evicted first) into the live model and optimizer (``load()``; torch.load + both
 load_state_dict; dcp.load + the optimizer's load_state_dict). Then the 16 MiB load: a cold
@@ -11,7 +12,7 @@ load_state_dict; dcp.load + the optimizer's load_state_dict). Then the 16 MiB lo
 torch.load and dcp.load. Medians of the rounds, in ms or s.
 
     .venv/bin/python benchmarks/many_tensors.py [--counts 1000,10000,100000] [--size 256M] [--rounds 2]
-                                                [--small 16M] [--no-dcp] [--dir D]
+                                                [--async-repeats 3] [--small 16M] [--no-dcp] [--dir D]
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ class Cases:
     def save_async(self) -> tuple[float, float]:
         """(seconds save_async took, of which state_dict() calls)."""
         self.step += 1
+        self.ck.wait()  # the last save's background work (retention) is done
         t = time.perf_counter()
         h = self.ck.save_async(self.step)
         took = time.perf_counter() - t
@@ -137,7 +139,8 @@ class Cases:
 
 def many(args, work: Path) -> None:
     print(f"{human(args.size)} as N tensors (ParameterList + SGD momentum), median of {args.rounds} interleaved "
-          f"round(s); save = durable, load = cold, into the live model and optimizer")
+          f"round(s) (save_async: of {args.rounds * args.async_repeats} calls); save = durable, load = cold, into the "
+          f"live model and optimizer")
     print("| N | save_async returns (own + state_dict) | gdswriter save | gdswriter load | "
           + ("DCP save / load | " if not args.no_dcp else "") + "torch.save / torch.load |")
     print("|---:|---:|---:|---:|---:|" + ("---:|" if not args.no_dcp else ""))
@@ -153,9 +156,10 @@ def many(args, work: Path) -> None:
             cases.ck.save(0)  # the steady state: layout, plan, pool and engines are there
             cases.clear("gdswriter")
             for r in range(args.rounds):
-                took, sd = cases.save_async()
-                ret.append(took)
-                own.append(took - sd)
+                for _ in range(args.async_repeats):
+                    took, sd = cases.save_async()
+                    ret.append(took)
+                    own.append(took - sd)
                 cases.clear("gdswriter")
                 k = r % len(cases.methods)
                 for m in cases.methods[k:] + cases.methods[:k]:
@@ -224,6 +228,8 @@ def main() -> None:
     ap.add_argument("--counts", default="1000,10000,100000", help="tensor counts N (default 1000,10000,100000)")
     ap.add_argument("--size", default="256M", help="bytes of state for every N (default 256M)")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--async-repeats", type=int, default=3,
+                    help="save_async calls per round (the medians are over all of them; default 3)")
     ap.add_argument("--small", default="16M", help="the small checkpoint's size (default 16M)")
     ap.add_argument("--no-dcp", action="store_true", help="leave DCP out (slow at 100,000 tensors)")
     ap.add_argument("--settle", type=float, default=0.5, help="seconds to wait after sync before each cold load")

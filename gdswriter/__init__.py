@@ -19,7 +19,7 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
                      CollectiveFailedError, CollectiveMismatchError, CorruptCheckpointError, DataFileNotRegularError,
                      EngineIOError, EngineUnavailableError, GDSWriterError, InvalidOptionError, NothingToLoadError,
                      NotRegularFileError, RankFailedError, ReadOnlyRootError, RootUnavailableError, ShortIOError,
-                     StateMismatchError, TruncatedFileError, UnreachableDataError, UnsafePathError,
+                     SnapshotChangedError, StateMismatchError, TruncatedFileError, UnreachableDataError, UnsafePathError,
                      UnsupportedFormatVersionError, UnsupportedObjectError)
 
 # name -> the module that defines it, imported on first use
@@ -43,7 +43,7 @@ __all__ = [
     "GDSWriterError", "CheckpointError", "CheckpointLockedError", "CheckpointNotFoundError",
     "ChecksumMismatchError", "CorruptCheckpointError", "EngineIOError", "EngineUnavailableError",
     "InvalidOptionError", "NothingToLoadError", "ReadOnlyRootError", "RootUnavailableError", "ShortIOError",
-    "StateMismatchError", "TruncatedFileError", "UnsafePathError", "UnsupportedFormatVersionError",
+    "SnapshotChangedError", "StateMismatchError", "TruncatedFileError", "UnsafePathError", "UnsupportedFormatVersionError",
     "UnsupportedObjectError", "NotRegularFileError", "DataFileNotRegularError",
     "DistOptions", "GDSStorageWriter", "GDSStorageReader", "CollectiveFailedError", "CollectiveMismatchError",
     "RankFailedError", "UnreachableDataError",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 log = logging.getLogger("gdswriter")
 _said: set[str] = set()
 
 
-def log_once(key: str, message: str, level: int = logging.WARNING) -> None:
-    """Log ``message`` the first time ``key`` is seen in this process."""
+def log_once(key: str, message: str | Callable[[], str], level: int = logging.WARNING) -> None:
+    """Log ``message`` the first time ``key`` is seen in this process (a callable: made then only)."""
     if key not in _said:
         _said.add(key)
-        log.log(level, message)
+        log.log(level, message if isinstance(message, str) else message())

@@ -8,8 +8,9 @@ process, or every rank of a process group, gdswriter/distributed/); the saves ru
 a save thread (save/queue.py). ``save(step)`` is ``save_async(step).result()``.
 
 Saving while training goes on. ``save_async(step)`` records what to save (tensor
-references, their layout, the state's other values by value, an event per GPU on the
-current stream) and returns; the bytes move in the background. Until the save has
+references, the state's containers and other values copied, an event per GPU on the
+current stream) and returns; the encoding, the layout and the bytes follow in the background
+(save/snapshot.py: PendingSnapshot). Until the save has
 *released* the tensors (``handle.snapshotted()``: in "host" mode once they are copied into
 the host pool, in "live" mode once they are written), their memory must keep the saved
 values. The checkpointer enforces this for the optimizers it guards (the one it was given,
@@ -19,7 +20,8 @@ for the release (on a GPU, in "host" mode, the training stream waits on the copi
 the host does not). Everything else cannot be guarded, so save_async holds it itself:
 
 * forward, backward, ``zero_grad``, data loading, LR scheduler and GradScaler updates may
-  run right after save_async (their values were captured at the call);
+  run right after save_async (their values were captured at the call), and so may changes
+  to the state's dicts and lists and the plain values in them (copied at the call);
 * module buffers and extra-state tensors no guarded optimizer updates (BatchNorm running
   statistics, counters) are copied at the call when they are small (up to 1 MiB each, and
   64 MiB per save in all);
@@ -61,7 +63,7 @@ from .rng import rng_state
 from .save.handle import SaveHandle, SaveStats
 from .save.pool import HostSnapshotPool
 from .save.queue import SaveQueue
-from .save.snapshot import LayoutCache, Snapshot, plain_json, take_snapshot, tensors_of
+from .save.snapshot import GuardedMemory, LayoutCache, PendingSnapshot, plain_json, record_snapshot, tensors_of
 from .tensors import hint_unaligned
 from .session import Session, open_session
 
@@ -263,6 +265,7 @@ class GDSCheckpointer:
         self._submit_lock = threading.Lock()
         self._hooks: list[tuple[Any, Any]] = []  # (optimizer, its step pre-hook's handle)
         self._layout = LayoutCache()  # the last save's layout, reused while the tensors stay put
+        self._guarded = GuardedMemory()  # where the hooked optimizers' tensors lie (save_async)
 
     def _collect(self) -> dict:
         """The state to save: the objects' state_dict()s (timed apart in save_async: SaveStats.state_dict_s)."""
@@ -286,9 +289,14 @@ class GDSCheckpointer:
 
     def save_async(self, step: int, *, metadata: dict | None = None) -> SaveHandle:
         """Start saving ``step``; returns a SaveHandle within milliseconds, whatever the state's
-        size, when an optimizer hook guards every large tensor saved: only references, the
-        layout and the state's other values are taken now (else it also waits for the copy,
-        or in "live" mode the write, of the tensors nothing guards).
+        size, when an optimizer hook guards every large tensor saved: only references, copies
+        of the state's containers and other values, and copies of the small tensors nothing
+        guards are taken now, about 1 µs per tensor besides the objects' ``state_dict()``
+        calls (SaveStats.state_dict_s); the encoding and layout follow in the save thread (else
+        it also waits for the copy, or in "live" mode the write, of the large tensors nothing
+        guards). An unsupported object is reported now (UnsupportedObjectError); a quantized
+        tensor that a guarded optimizer holds, or a tensor copied now and resized in place
+        before the save thread laid it out (SnapshotChangedError), by the handle.
 
         The live tensors must keep their values until ``handle.snapshotted()``: the next
         step of a guarded optimizer waits for that by itself, and saved tensors that no
@@ -316,15 +324,16 @@ class GDSCheckpointer:
                 log.warning("gdswriter: step %d not saved: step %d is still being saved (on_busy='skip')",
                             step, running)
                 return SaveHandle(step, mode, skipped=True)
-            protected = [t for opt in self._hook_optimizers() for t in tensors_of(opt)]
+            guarded = self._guarded.update([t for opt in self._hook_optimizers() for t in tensors_of(opt)])
             t1 = time.perf_counter()
             collected = self._collect()
             state_dict_s = time.perf_counter() - t1
             # DTensors -> their local shards (and where they lie) under torch.distributed
             state = self._session.prepare(collected, step)
-            snap = take_snapshot(state, step, metadata=metadata, protected=protected, layout=self._layout)
+            # References, copied containers, and the unguarded tensors' copies: the rest in the save thread (_run)
+            snap = record_snapshot(state, step, metadata=metadata, guarded=guarded, layout=self._layout)
             handle = SaveHandle(step, mode)
-            handle.nbytes, handle.state_dict_s, handle.blocking = snap.nbytes, state_dict_s, blocking
+            handle.state_dict_s, handle.blocking = state_dict_s, blocking
             with self._mutex:
                 # Keep only handles whose outcome someone may still need: running, or failed unreported.
                 self._handles = [h for h in self._handles
@@ -335,24 +344,28 @@ class GDSCheckpointer:
         handle.blocked_s += time.perf_counter() - t0
         return handle
 
-    def _hold_unguarded(self, handle: SaveHandle, snap: Snapshot) -> None:
+    def _hold_unguarded(self, handle: SaveHandle, snap: PendingSnapshot) -> None:
         """Wait until the save has released the live tensors that no optimizer hook guards:
         nothing else would keep them unchanged while the save reads them (stream-ordered on
         a GPU, as the hook waits). A failure sets the release too; it is reported as usual."""
-        names = snap.unguarded
-        log_once("save-async-unguarded",
-                 f"gdswriter: save_async waits until the save has {'written' if handle.mode == 'live' else 'copied'} "
-                 f"{len(names)} live tensor(s) that no optimizer step hook guards (e.g. {names[0]}): they could "
-                 f"change before the save read them. Give the checkpointer the optimizer that updates them "
-                 f"(optimizer=, or in state=) to make save_async return at once", logging.INFO)
+        log_once("save-async-unguarded", lambda: (
+            f"gdswriter: save_async waits until the save has {'written' if handle.mode == 'live' else 'copied'} "
+            f"{len(snap.unguarded)} live tensor(s) that no optimizer step hook guards (e.g. {snap.unguarded_name()}): "
+            f"they could change before the save read them. Give the checkpointer the optimizer that updates them "
+            f"(optimizer=, or in state=) to make save_async return at once"), logging.INFO)
         handle.release.wait_stream_ordered()
 
-    def _run(self, handle: SaveHandle, snap: Snapshot) -> None:
+    def _run(self, handle: SaveHandle, pending: PendingSnapshot) -> None:
         """One save, then its retention (in the save thread, save/queue.py). The handle is
         finished whatever happens."""
         handle.started = time.perf_counter()
         retention: Future = Future()
         try:
+            # The encoding, layout and records save_async left here: before any byte is read,
+            # so while the step pre-hook still holds the guarded tensors
+            snap = pending.complete(self._layout)
+            del pending
+            handle.nbytes = snap.nbytes
             engines = self._save_engines(handle.mode)
             pool = self._snapshot_pool if handle.mode == "host" else None
             if pool is not None:  # saves run one at a time here: the flag is this save's

@@ -119,6 +119,12 @@ class UnsupportedObjectError(GDSWriterError, TypeError):
         return self._reduce
 
 
+class SnapshotChangedError(GDSWriterError, RuntimeError):
+    """A tensor save_async copied at the call was given other memory or another shape in place
+    (``resize_``, ``set_``, ``squeeze_``...) before the save thread laid the step out: the step
+    is not saved (its copied bytes no longer match the tensor it would be recorded as)."""
+
+
 class StateMismatchError(GDSWriterError, KeyError):
     """The checkpoint does not fit the live model (missing/unexpected key, shape or dtype)."""
 

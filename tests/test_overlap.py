@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from support import models as M
-from gdswriter import EngineIOError, GDSCheckpointer, UnsupportedObjectError, load_state
+from gdswriter import EngineIOError, GDSCheckpointer, SnapshotChangedError, UnsupportedObjectError, load_state
 from gdswriter.save import pool as snapshot_pool
+from gdswriter.save import snapshot as snapshot_mod
 from gdswriter.testing.faults import FaultInjectingEngine, FaultPlan
 from gdswriter.options import KiB, MiB
 
@@ -404,6 +405,82 @@ def test_an_optimizer_given_in_state_is_guarded_too(tmp_path, monkeypatch):
     assert all(torch.equal(st["model"][k], v) for k, v in want.items())
     got_d = st["extra"]["opt_d"]["state"]
     assert all(torch.equal(got_d[i][k], v) for i, s in want_d.items() for k, v in s.items())
+
+
+# ----------------------------------------------------------------------------- what save_async takes at the call
+def hold_layout(monkeypatch) -> Gate:
+    """The save thread waits, before it encodes and lays out what save_async recorded, until the
+    returned gate is set."""
+    gate = Gate()
+    real = snapshot_mod.PendingSnapshot.complete
+    # Holding the save thread before the encoding: internal to the save, no public seam.
+    monkeypatch.setattr(snapshot_mod.PendingSnapshot, "complete", lambda self, layout: (gate.wait(60),
+                                                                                       real(self, layout))[1])
+    return gate
+
+
+@pytest.mark.parametrize("mode", ["live", "host"])
+def test_changes_right_after_save_async_do_not_reach_the_step(tmp_path, monkeypatch, mode):
+    """Issue 25: save_async records references, the state's containers (copied) and the copies
+    of the small tensors no hook guards; the encoding, layout and records are made in the save
+    thread. Held there, before it looked at the state, training changes it in every way allowed
+    right after save_async returned: forward (BatchNorm statistics and a counter buffer, in
+    place), a step that waits for the save, the scheduler, and a loader's dict of plain values
+    (a Python int replaced, a list appended to, a nested dict changed, a key added, one
+    removed) and the optimizer's own containers. The step holds the values at the call."""
+    model, opt = build()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(model, opt, 1)
+    loader = {"epoch": 3, "order": [4, 1, 2], "pos": {"batch": 7, "seed": 11}, "gone": 1}
+    want = state_of(model, opt)
+    want_loader = {"epoch": 3, "order": [4, 1, 2], "pos": {"batch": 7, "seed": 11}, "gone": 1}
+    want_lr, want_sched = opt.param_groups[0]["lr"], sched.state_dict()["last_epoch"]
+    with GDSCheckpointer(model, opt, tmp_path, state={"loader": loader, "sched": sched},
+                         options=options(snapshot=mode)) as ck, hold_layout(monkeypatch) as gate:
+        h = ck.save_async(1)
+        assert not h.snapshotted()
+        model(torch.randn(16, 513))  # BatchNorm statistics and the counter change in place
+        t = stepper(model, opt)  # its step waits for the save
+        sched.step()
+        loader["epoch"] += 1
+        loader["order"].append(9)
+        loader["pos"]["batch"] = 0
+        loader["new"] = True
+        del loader["gone"]
+        first = next(iter(opt.state.values()))
+        first["added"] = 5
+        opt.param_groups[0]["weight_decay"] = 0.5
+        t.join(0.3)
+        assert t.is_alive(), "the optimizer step ran while the save still needed the live tensors"
+        gate.set()
+        assert h.result(timeout=60) == 1
+        t.join(60)
+    assert_same(saved_state(tmp_path, 1), want)
+    _, st = load_state(tmp_path, 1)
+    assert st["extra"]["loader"] == want_loader
+    assert st["extra"]["sched"]["last_epoch"] == want_sched
+    groups = st["optimizer"]["param_groups"]
+    assert groups[0]["lr"] == want_lr and groups[0]["weight_decay"] == 1e-2
+    assert all("added" not in s for s in st["optimizer"]["state"].values())
+    assert not torch.equal(model.inp.weight.detach(), want["model/inp.weight"]), "training did change the weights"
+
+
+def test_a_copied_tensor_given_other_memory_before_the_layout_fails_the_save(tmp_path, monkeypatch):
+    """A small tensor no hook guards is copied at the call and laid out in the save thread; one
+    resized in place in between (against the rules) cannot be recorded as what was copied:
+    the save fails with SnapshotChangedError, raised once, by result(), and commits nothing."""
+    state = {"w": torch.ones(10), "n": torch.zeros(3)}
+    with GDSCheckpointer(state, None, tmp_path, options=options()) as ck:
+        with hold_layout(monkeypatch) as gate:
+            h = ck.save_async(1)
+            state["w"].resize_(1000)  # other memory (and shape)
+            gate.set()
+            with pytest.raises(SnapshotChangedError, match="w was copied when save_async was called"):
+                h.result(timeout=60)
+        ck.wait()  # reported once: not again
+        assert ck.steps() == []
+        state["w"] = torch.ones(10)
+        assert ck.save(2) == 2
 
 
 # ----------------------------------------------------------------------------- failures

@@ -241,20 +241,22 @@ def test_the_save_thread_lets_go_of_the_snapshot(tmp_path, monkeypatch):
     """Once wait() returns, nothing of the checkpointer's keeps the last snapshot alive (its
     captured copies, and on a GPU the storages it views), also while the save thread idles."""
     refs = []
-    real = checkpointer_mod.take_snapshot
+    real = checkpointer_mod.record_snapshot
 
-    def recorded(*a, **kw):
-        snap = real(*a, **kw)
-        refs.append(weakref.ref(snap))
-        return snap
+    def recorded(*a, **kw):  # what save_async records, and the Snapshot the save thread makes of it
+        pending = real(*a, **kw)
+        refs.append(weakref.ref(pending))
+        complete = pending.complete
+        pending.complete = lambda layout: (snap := complete(layout), refs.append(weakref.ref(snap)))[0]
+        return pending
 
-    monkeypatch.setattr(checkpointer_mod, "take_snapshot", recorded)
+    monkeypatch.setattr(checkpointer_mod, "record_snapshot", recorded)
     with GDSCheckpointer({"w": torch.ones(1000)}, None, tmp_path, options=M.small_options()) as ck:
         ck.save_async(1).result(timeout=60)
         ck.wait()
         gc.collect()
         assert ck._queue.worker is not None and ck._queue.worker.is_alive()
-        assert refs[0]() is None, "the idle save thread still holds the snapshot"
+        assert len(refs) == 2 and all(r() is None for r in refs), "the idle save thread still holds the snapshot"
 
 
 # ----------------------------------------------------------------------------- 9: what is reported

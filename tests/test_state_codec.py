@@ -17,7 +17,8 @@ from hypothesis import given, settings, strategies as st
 
 from gdswriter.errors import CorruptCheckpointError, UnsupportedObjectError
 from gdswriter.format.dtypes import all_dtypes, dtype_from_name, dtype_to_name
-from gdswriter.format.state_codec import MAX_DEPTH, decode_state, encode_state, encode_state_named
+from gdswriter.format.state_codec import (MAX_DEPTH, Unfreezable, decode_state, encode_state, encode_state_named,
+                                         freeze_state)
 
 JSON_SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -399,3 +400,98 @@ def test_tensors_are_named_by_their_first_key_path():
     assert encode_state_named(a)[2] == ["<root>"]
     assert encode_state_named(odict)[2] == ["w", ""]  # the manifest then says "<tensor 1>"
     assert encode_state(state)[0] == tree
+
+
+# ----------------------------------------------------------------------------- freeze_state (save_async's copy)
+
+def _rich_state() -> dict:
+    a, b, c = torch.ones(2), torch.zeros(3), torch.arange(4)
+    model = collections.OrderedDict([("w", a), ("tied", a), ("b", b)])
+    model._metadata = collections.OrderedDict([("", {"version": 1}), ("sub", {"version": 2})])  # type: ignore
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    return {"model": model,
+            "optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": c}, 1: {"momentum_buffer": None, "n": 2}},
+                          "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0, 1]}]},
+            "extra": {"loader": {"epoch": 3, "order": [1, [2, {"x": b}]], "arr": arr, "strided": arr[:, 1],
+                                 "np": np.float32(1.5), "dev": torch.device("cpu"), "dt": torch.bfloat16},
+                      (1, "k"): [c, (a, 2**70, float("nan"))], "empty": {}, "none": []}}
+
+
+def _encoded(state, arrays=None):
+    tree, tensors, names, kinds = encode_state_named(state, arrays=arrays)
+    return json.dumps(tree, sort_keys=False), tensors, names, kinds
+
+
+def _freeze_and_check(state) -> None:
+    frozen, tensors, arrays = freeze_state(state)
+    want_tree, want_tensors, want_names, want_kinds = _encoded(state)
+    got_tree, got_tensors, got_names, got_kinds = _encoded(frozen, arrays)
+    assert got_tree == want_tree and got_names == want_names and got_kinds == want_kinds
+    assert len(got_tensors) == len(want_tensors)
+    for got, want, kind in zip(got_tensors, want_tensors, got_kinds):  # the same tensors (an array's: its memory)
+        assert got is want if kind == "tensor" else torch.equal(got, want)
+    assert {id(t) for t in got_tensors} <= {id(t) for t in tensors}
+
+
+def test_a_frozen_state_encodes_as_the_state_did_whatever_happens_to_its_containers():
+    state = _rich_state()
+    _freeze_and_check(state)
+    frozen, _, arrays = freeze_state(state)
+    before = _encoded(frozen, arrays)[0]
+    state["model"]["new"] = torch.ones(1)
+    state["model"]._metadata["sub"]["version"] = 9
+    state["optimizer"]["state"][0]["step"] = torch.tensor(9.0)
+    state["optimizer"]["state"][1]["n"] = 7
+    state["optimizer"]["param_groups"][0]["lr"] = 0.5
+    state["extra"]["loader"]["order"][1][1]["x"] = None
+    state["extra"]["loader"]["epoch"] += 1
+    state["extra"]["empty"]["k"] = 1
+    del state["extra"]["none"]
+    assert _encoded(frozen, arrays)[0] == before
+
+
+def test_a_strided_arrays_copy_is_taken_when_frozen():
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    frozen, _, arrays = freeze_state({"col": arr[:, 1]})
+    arr[:, 1] = -1
+    _, tensors, _, _ = encode_state_named(frozen, arrays=arrays)
+    assert tensors[0].tolist() == [1.0, 5.0, 9.0]
+
+
+@JSON_SETTINGS
+@given(_plain)
+def test_frozen_plain_values_encode_the_same(obj):
+    _freeze_and_check(obj)
+
+
+@pytest.mark.parametrize("bad", [lambda: 0, {1, 2}, _Point(1), collections.defaultdict(list), object(), 1 + 2j,
+                                 np.array([object()], dtype=object), torch.Generator(), np.datetime64(1, "s"),
+                                 torch.nn.parameter.UninitializedParameter()], ids=repr)
+def test_freeze_refuses_what_the_encoder_refuses(bad):
+    for state in ({"a": [1, {"b": bad}]}, {0: {"x": bad}}, collections.OrderedDict(w=bad), (bad,)):
+        with pytest.raises(Unfreezable):
+            freeze_state(state)
+        with pytest.raises(UnsupportedObjectError):
+            encode_state(state)
+
+
+def test_freeze_refuses_cycles_and_depth_as_the_encoder_does():
+    a: list = [1]
+    a.append(a)
+    d: dict = {}
+    d["self"] = {"x": d}
+    for bad in (a, d):
+        with pytest.raises(Unfreezable):
+            freeze_state(bad)
+    for wrap in (lambda x: [x], lambda x: {"k": x}, lambda x: {0: {"k": x}}):
+        ok: object = 0
+        while True:  # as deep as the encoder allows, then one level more
+            deeper = wrap(ok)
+            try:
+                encode_state(deeper)
+            except UnsupportedObjectError:
+                break
+            ok = deeper
+        _freeze_and_check(ok)
+        with pytest.raises(Unfreezable):
+            freeze_state(deeper)

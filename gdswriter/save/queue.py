@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from ..errors import GDSWriterError
 from .handle import SaveHandle
-from .snapshot import Snapshot
+from .snapshot import PendingSnapshot
 
 log = logging.getLogger("gdswriter")
 
@@ -37,10 +37,10 @@ class SaveQueue:
     both run at interpreter exit. The queue keeps only weak references to them (its owner's
     bound methods), so it does not keep its owner alive; a running save thread does."""
 
-    def __init__(self, run: Callable[[SaveHandle, Snapshot], None], *, quiesce: Callable[[], None],
+    def __init__(self, run: Callable[[SaveHandle, PendingSnapshot], None], *, quiesce: Callable[[], None],
                  report: Callable[[], None]):
         self._run, self._quiesce, self._report = (weakref.WeakMethod(f) for f in (run, quiesce, report))  # type: ignore[arg-type]
-        self.jobs: deque[tuple[SaveHandle, Snapshot]] = deque()  # the first runs, the others wait
+        self.jobs: deque[tuple[SaveHandle, PendingSnapshot]] = deque()  # the first runs, the others wait
         self.cv = threading.Condition()
         self.worker: threading.Thread | None = None
         self._stopping = False
@@ -62,7 +62,7 @@ class SaveQueue:
                 self.cv.wait()
         return None
 
-    def submit(self, handle: SaveHandle, snap: Snapshot) -> None:
+    def submit(self, handle: SaveHandle, snap: PendingSnapshot) -> None:
         """Queue the save, starting the save thread if none runs. A thread that cannot start
         fails the save (GDSWriterError, raised here and marked reported)."""
         with self.cv:
@@ -91,7 +91,7 @@ class SaveQueue:
                 raise err from e
             self.worker = worker
 
-    def _work(self, run: Callable[[SaveHandle, Snapshot], None]) -> None:
+    def _work(self, run: Callable[[SaveHandle, PendingSnapshot], None]) -> None:
         """The save thread: run queued saves in order. It stays for the next save (starting a
         thread would cost save_async milliseconds), and ends when no save came for
         WORKER_IDLE_S or when ``stop`` asks (close, interpreter exit: a daemon thread still

@@ -17,17 +17,20 @@ from __future__ import annotations
 
 import ctypes
 import json
+import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from itertools import chain, compress
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..cuda import streams
-from ..errors import UnsupportedObjectError
+from ..errors import SnapshotChangedError, UnsupportedObjectError
 from ..format.dtypes import dtype_to_name
 from ..format.manifest import TensorRecord
-from ..format.state_codec import encode_state_named
+from ..format.state_codec import FrozenOrderedDict, Unfreezable, check_tensor, encode_state_named, freeze_state
 from ..options import MiB
 from .._log import log_once
 from ..tensors import flat_bytes
@@ -94,14 +97,24 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+
+
 def tensors_of(obj: Any) -> list[torch.Tensor]:
     """Every tensor an optimizer can change: its parameters and its state (no copies; a
-    DTensor's local shard, which is what the step changes in place)."""
-    out = [p for g in getattr(obj, "param_groups", ()) for p in g.get("params", ()) if isinstance(p, torch.Tensor)]
-    for st in getattr(obj, "state", {}).values():
-        if isinstance(st, dict):
-            out.extend(v for v in st.values() if isinstance(v, torch.Tensor))
-    return [_local(t) for t in out]
+    DTensor's local shard, which is what the step changes in place). Called by every
+    save_async: C-level passes over the optimizer's lists and dicts, no Python step per tensor."""
+    found = [p for g in getattr(obj, "param_groups", ()) for p in g.get("params", ())]
+    state = getattr(obj, "state", None)
+    if state:
+        try:
+            found += list(chain.from_iterable(map(dict.values, state.values())))
+        except TypeError:  # a parameter's state that is no dict
+            found += [v for st in state.values() if isinstance(st, dict) for v in st.values()]
+    if set(map(type, found)) <= _PLAIN:
+        return found
+    # values that are no plain tensors: DTensors, subclasses, a step count...
+    return [t if type(t) in _PLAIN else _local(t) for t in found if isinstance(t, torch.Tensor)]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,15 +143,23 @@ class LayoutCache:
     computing it again would, for a fraction of the save call's time (the grouping and the
     records are most of it, for a state of hundreds of tensors)."""
 
-    __slots__ = ("key", "placed", "recipe", "records")
+    __slots__ = ("_at_call", "key", "placed", "recipe", "records")
 
     def __init__(self) -> None:
+        self._at_call: LayoutCache | None = None
         self.key: tuple | None = None
         # per extent: (index of a tensor whose storage it views, -1 if empty; device; start; nbytes;
         # its first tensor's name)
         self.recipe: list[tuple[int, torch.device, int, int, str]] = []
         self.records: list[TensorRecord] = []
         self.placed: list[tuple[int, int]] = []  # per tensor: (extent index, byte offset in it)
+
+    @property
+    def at_call(self) -> LayoutCache:
+        """The layout of the tensors the last save_async grouped at the call (see PendingSnapshot)."""
+        if self._at_call is None:
+            self._at_call = LayoutCache()
+        return self._at_call
 
     @staticmethod
     def key_of(tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str],
@@ -185,6 +206,190 @@ class LayoutCache:
         self.key, self.recipe, self.placed, self.records = key, recipe, placed, list(records)
 
 
+class GuardedMemory:
+    """The tensors the optimizer step pre-hook keeps unchanged until a save releases them
+    (tensors_of the hooked optimizers), for save_async to tell the saved tensors they guard
+    without a look at each tensor's memory where it can: a saved tensor that is one of them
+    (an optimizer's state) is guarded by identity; one that is not (a module state_dict's
+    detached alias of a parameter) when it starts where one of the others starts, or else
+    when it shares a storage with one of them (``storages``: looked up again only when a
+    guarded tensor was replaced or moved; in a training loop, once)."""
+
+    __slots__ = ("_ids", "_key", "_storages", "ids", "tensors")
+
+    def __init__(self, tensors: Sequence[torch.Tensor] = ()) -> None:
+        self._key: tuple | None = None
+        self._storages: set[int] = set()
+        self.update(tensors)
+
+    def update(self, tensors: Sequence[torch.Tensor]) -> GuardedMemory:
+        """The guarded tensors now (every save_async: an id per tensor, no look at its memory)."""
+        self.tensors = list(tensors)
+        ids = list(map(id, self.tensors))
+        if ids != getattr(self, "_ids", None):  # the same tensors as the last time: the same set
+            self._ids, self.ids = ids, set(ids)
+        return self
+
+    def firsts_of_others(self, saved_ids: set[int]) -> set[int]:
+        """The first-element addresses of the guarded tensors not saved as themselves."""
+        others = compress(self.tensors, map(operator.not_, map(saved_ids.__contains__, self._ids)))
+        return set(map(torch.Tensor.data_ptr, others)) - {0}  # 0: no memory (meta, empty)
+
+    def storages(self) -> set[int]:
+        """The storage addresses of every guarded tensor."""
+        key = (self._ids, list(map(torch.Tensor.data_ptr, self.tensors)))
+        if key != self._key:
+            self._storages = {t.untyped_storage().data_ptr() for t in self.tensors if not t.is_meta} - {0}
+            self._key = key
+        return self._storages
+
+
+class PendingSnapshot:
+    """What save_async records of the state at the call; the save thread makes the Snapshot of
+    it (``complete``) before it reads a byte.
+
+    At the call (per tensor: a type test, its first-element address and its device index): the
+    state's containers, copied (format/state_codec.freeze_state: later changes to the caller's
+    dicts and lists, and to the Python values in them, do not reach the step); the tensors by
+    reference; and, for the tensors no optimizer hook guards (and those on devices other than
+    the CPU and CUDA), what take_snapshot's docstring says: checked, grouped by allocation and,
+    when small, copied now. The encoding, the names, the layout and the records of the rest
+    are made in the save thread: the guarded tensors keep their memory, values and layout
+    until the save releases them (the step pre-hook, and the rule that nothing else changes
+    them in place), and the tensors copied at the call are matched to their copies by the
+    memory they view."""
+
+    def __init__(self, step: int, tree: Any, arrays: dict[int, torch.Tensor], metadata: dict) -> None:
+        self.step, self.tree, self.arrays, self.metadata = step, tree, arrays, metadata
+        self.ready: dict[int, Any] = {}
+        self.handled: dict[int, torch.Tensor] = {}  # id -> tensor, of those checked (and grouped) at the call
+        self.resolved: dict[int, torch.Tensor] = {}  # id(conj/neg tensor) -> its resolved copy, made at the call
+        self.captured: dict[tuple, torch.Tensor] = {}  # extent key (see _extent_key) -> its bytes, copied at the call
+        self.left_live: set[tuple] = set()  # keys of the extents left live that no hook guards
+        self.unguarded: list[torch.Tensor] = []  # the first tensor of each of those
+
+    def unguarded_name(self) -> str:
+        """The key path of the first tensor left live unguarded (for a message)."""
+        return _path_to(self.tree, self.unguarded[0], self.arrays) if self.unguarded else ""
+
+    def complete(self, layout: LayoutCache | None = None) -> Snapshot:
+        """The Snapshot (in the save thread, before the save reads the live tensors). Raises
+        UnsupportedObjectError for a quantized guarded tensor, SnapshotChangedError where a
+        tensor copied at the call was given other memory or shape in place since."""
+        tree, tensors, names, kinds = encode_state_named(self.tree, arrays=self.arrays)
+        resolved = self.resolved
+        for i, t in enumerate(tensors):
+            done = resolved.get(id(t)) if resolved else None
+            if done is not None:
+                tensors[i] = done
+            else:
+                _check_quantized(names[i], t)
+                if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
+                    tensors[i] = t.detach().resolve_conj().resolve_neg()
+        extents, placed, records = _lay_out(tensors, names, kinds, layout)
+        unguarded = self._apply_captures(extents, placed, tensors)
+        return Snapshot(self.step, tree, extents, records, self.metadata, self.ready, unguarded)
+
+    def _apply_captures(self, extents: list[Extent], placed: list[tuple[int, int]],
+                        tensors: list[torch.Tensor]) -> list[str]:
+        """Put the copies taken at the call in place of the live extents they were taken of;
+        returns the first tensor of each extent left live unguarded."""
+        if not self.handled:
+            return []
+        handled = self.handled
+        guarded = {placed[i][0] for i, t in enumerate(tensors) if id(t) not in handled}
+        unguarded = []
+        for sid, e in enumerate(extents):
+            if e.nbytes == 0:
+                continue
+            key = _extent_key(e)
+            copy = self.captured.get(key)
+            if copy is not None:
+                e.replace(copy)
+            elif key in self.left_live:
+                unguarded.append(e.first_tensor)
+            elif sid not in guarded:  # every member was handled at the call, but not as this extent
+                raise SnapshotChangedError(
+                    f"step {self.step} is not saved: {e.first_tensor} was copied when save_async was called, and "
+                    f"has been given other memory or another shape in place since (resize_, set_, squeeze_...); "
+                    f"call handle.wait_snapshotted() before changing a saved tensor other than by its values")
+        return unguarded
+
+
+def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guarded: GuardedMemory | None = None,
+                    layout: LayoutCache | None = None) -> PendingSnapshot:
+    """save_async's part of a snapshot (see PendingSnapshot): ``guarded``, the memory the step
+    pre-hook guards; the tensors outside it are checked, grouped (with ``layout.at_call``, the
+    last save's grouping, while it applies) and (the small ones) copied now, as take_snapshot
+    describes. Raises UnsupportedObjectError, naming the key path, for what the format cannot
+    store (a quantized tensor only guarded memory holds: in the save thread, from ``complete``)."""
+    guarded = guarded or GuardedMemory()
+    try:
+        frozen, tensors, arrays = freeze_state(state)
+        ids, saved_ids = guarded.ids, list(map(id, tensors))
+        # The tensors that are not guarded tensors themselves, and where they start
+        rest = list(compress(tensors, map(operator.not_, map(ids.__contains__, saved_ids)))) if ids else tensors
+        firsts = list(map(torch.Tensor.data_ptr, rest))  # raises for tensors without memory of their own
+    except (Unfreezable, RuntimeError, NotImplementedError):
+        _raise_unsupported(state)
+        raise
+    pending = PendingSnapshot(step, frozen, arrays, {} if metadata is None else metadata)
+    at_call: list[torch.Tensor] = []
+    if rest:
+        starts = guarded.firsts_of_others(set(saved_ids)) if ids else set()
+        if not all(map(starts.__contains__, firsts)):  # a tensor is guarded when it starts where a guarded
+            storages = guarded.storages()              # one does, or shares a guarded storage
+            at_call = [t for t, p in zip(rest, firsts)
+                       if p not in starts and t.untyped_storage().data_ptr() not in storages]
+    cuda: set[int] = set()
+    if _accelerator_tensors_can_exist():
+        other = []
+        for t in tensors:
+            kind = t.device.type
+            if kind == "cuda":
+                cuda.add(t.device.index)
+            elif kind != "cpu":
+                other.append(t)
+        at_call += other
+    if at_call:
+        at_call = list({id(t): t for t in at_call}.values())  # each once
+        _handle_at_call(pending, at_call, guarded.storages() if ids else set(), state,
+                        None if layout is None else layout.at_call)
+    pending.ready = streams.record_ready(sorted(cuda))
+    return pending
+
+
+def _accelerator_tensors_can_exist() -> bool:
+    """Whether a tensor may be on a device other than the CPU: an accelerator is there and,
+    for CUDA, initialised (a CUDA tensor initialises it). Asks no CUDA call."""
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and (accelerator.type != "cuda" or torch.cuda.is_initialized())
+
+
+def _handle_at_call(pending: PendingSnapshot, tensors: list[torch.Tensor], guarded: set[int], state: Any,
+                    layout: LayoutCache | None) -> None:
+    """Check, group and capture (see _capture) the tensors that cannot wait for the save thread."""
+    for j, t in enumerate(tensors):
+        try:
+            check_tensor(t, "")
+            _check_quantized("", t)
+        except UnsupportedObjectError:
+            _raise_unsupported(state)
+            raise
+        if t.is_conj() or t.is_neg():
+            pending.resolved[id(t)] = tensors[j] = t.detach().resolve_conj().resolve_neg()
+    pending.handled = {id(t): t for t in tensors}
+    extents, placed, _ = _lay_out(tensors, [""] * len(tensors), ["tensor"] * len(tensors), layout)
+    keys = [_extent_key(e) for e in extents]
+    live = _capture(extents, placed, [t.untyped_storage().data_ptr() for t in tensors], guarded)
+    pending.captured = {keys[sid]: e.flat for sid, e in enumerate(extents) if e.captured}
+    pending.left_live = {keys[sid] for sid in live}
+    first = {}
+    for i, (sid, _) in enumerate(placed):
+        first.setdefault(sid, tensors[i])
+    pending.unguarded = [first[sid] for sid in live]
+
+
 def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                   protected: Collection[torch.Tensor] = (), layout: LayoutCache | None = None) -> Snapshot:
     """Encode ``state`` and group its tensors by the allocation they view; copies nothing but
@@ -197,47 +402,80 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
     them: the checkpointer waits for that). Extents on a device that is neither the CPU nor
     CUDA (XPU, MPS...) are copied to the CPU now (synchronously): only CPU and CUDA memory
     can be read in the background. ``layout``: the previous save's layout, reused where it still applies and
-    replaced where it does not."""
-    tree, tensors, names, kinds = encode_state_named(state)
-    for i, t in enumerate(tensors):  # only bytes are read: no autograd (detach) needed, except below
-        if t.is_quantized:
-            raise UnsupportedObjectError(names[i], t, "quantized tensors are not supported: save t.dequantize() "
-                                                      "and the quantization parameters instead")
-        if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
-            tensors[i] = t.detach().resolve_conj().resolve_neg()
+    replaced where it does not. record_snapshot and PendingSnapshot.complete in one: what
+    save_async does at the call and the save thread then."""
+    guarded = GuardedMemory(list(protected))
+    return record_snapshot(state, step, metadata=metadata, guarded=guarded, layout=layout).complete(layout)
+
+
+def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str],
+             layout: LayoutCache | None) -> tuple[list[Extent], list[tuple[int, int]], list[TensorRecord]]:
+    """The extents, the (extent, offset) of each tensor and the records: ``layout``'s when it
+    still applies, else laid out anew (and kept in ``layout``)."""
     storages = [t.untyped_storage() for t in tensors]
     key = LayoutCache.key_of(tensors, names, kinds, storages) if layout is not None else None
     cached = layout.reuse(key, tensors, storages) if layout is not None else None
     if cached is not None:
-        extents, placed, records = cached
-    else:
-        extents, placed = _group_by_allocation(tensors, names)
-        records = []
-        for i, t in enumerate(tensors):
-            sid, off = placed[i]
-            records.append(TensorRecord(names[i] or f"<tensor {i}>", sid, off, dtype_to_name(t.dtype),
-                                        tuple(t.shape), tuple(t.stride()), str(t.device), kinds[i]))
-        if layout is not None:
-            layout.remember(key, extents, placed, records)
-    ptrs = [k[0] for k in key[2]] if key is not None else [st.data_ptr() for st in storages]
-    unguarded = _capture(extents, placed, ptrs, protected)
-    ready = streams.record_ready(streams.cuda_devices(e.device for e in extents))
-    return Snapshot(step, tree, extents, records, {} if metadata is None else metadata, ready, unguarded)
+        return cached
+    extents, placed = _group_by_allocation(tensors, names)
+    records = []
+    for i, t in enumerate(tensors):
+        sid, off = placed[i]
+        records.append(TensorRecord(names[i] or f"<tensor {i}>", sid, off, dtype_to_name(t.dtype),
+                                    tuple(t.shape), tuple(t.stride()), str(t.device), kinds[i]))
+    if layout is not None:
+        layout.remember(key, extents, placed, records)
+    return extents, placed, records
+
+
+def _extent_key(e: Extent) -> tuple:
+    """What tells an extent apart: its device, the address of its first byte and its size."""
+    if e._view is not None:
+        st, device, start, n = e._view
+        return device, st.data_ptr() + start, n
+    return e.device, e.flat.data_ptr(), e.nbytes
+
+
+def _check_quantized(name: str, t: torch.Tensor) -> None:
+    if t.is_quantized:
+        raise UnsupportedObjectError(name, t, "quantized tensors are not supported: save t.dequantize() "
+                                              "and the quantization parameters instead")
+
+
+def _raise_unsupported(state: Any) -> None:
+    """Raise the UnsupportedObjectError, with its key path, for what the state holds that the
+    format cannot store (returns if there is none)."""
+    _, tensors, names, _ = encode_state_named(state)
+    for name, t in zip(names, tensors):
+        _check_quantized(name, t)
+
+
+def _path_to(tree: Any, target: torch.Tensor, arrays: dict[int, torch.Tensor]) -> str:
+    """The "/"-joined key path of ``target`` in ``tree`` (an array's: of the array)."""
+    stack: list[tuple[Any, str]] = [(tree, "")]
+    while stack:
+        obj, path = stack.pop()
+        if obj is target or (type(obj) is np.ndarray and arrays.get(id(obj)) is target):
+            return path or "<root>"
+        items = (obj.items() if isinstance(obj, (dict, FrozenOrderedDict)) else enumerate(obj) if isinstance(obj, (list, tuple))
+                 else ())
+        stack.extend((v, f"{path}/{k}" if path else str(k)) for k, v in reversed(list(items)))
+    return "<tensor>"
 
 
 def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs: list[int],
-             protected: Collection[torch.Tensor]) -> list[str]:
+             guarded: set[int]) -> list[int]:
     """Copy, now, the extents that the caller may change before the save reads them (see
     take_snapshot), and those on devices the background cannot read. ``storage_ptrs``: the
-    address of each saved tensor's storage. Returns the first tensor of each extent left live
-    that ``protected`` does not cover (larger than CAPTURE_MAX, or beyond the budget)."""
-    guarded = {t.untyped_storage().data_ptr() for t in protected if not t.is_meta}
+    address of each tensor's storage; ``guarded``: the storage addresses the step pre-hook
+    guards. Returns the index of each extent left live that no guarded storage covers
+    (larger than CAPTURE_MAX, or beyond the budget)."""
     unguarded = set(range(len(extents)))
     for i, ptr in enumerate(storage_ptrs):
         if ptr in guarded:
             unguarded.discard(placed[i][0])
     budget = CAPTURE_BUDGET
-    left_live: list[str] = []
+    left_live: list[int] = []
     for sid, ext in enumerate(extents):
         n, kind = ext.nbytes, ext.device.type
         if kind not in ("cpu", "cuda"):
@@ -249,7 +487,7 @@ def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs:
                 ext.replace(ext.flat.clone())
                 budget -= n
             else:
-                left_live.append(ext.first_tensor)
+                left_live.append(sid)
     return left_live
 
 
