@@ -100,6 +100,17 @@ def _rank_bytes(dirs, pattern: str) -> int:
     return sum(f.stat().st_size for d in dirs for f in Path(d).rglob(pattern))
 
 
+def _close_kept(kept, dirs, rank: int) -> None:
+    """After a kept checkpointer's or writer's last round: close it, then remove its roots."""
+    import torch.distributed as dist
+
+    kept.close()
+    dist.barrier()
+    if rank == 0:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def _gather_bytes(n: int) -> list[int]:
     import torch
     import torch.distributed as dist
@@ -160,11 +171,7 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
                         assert all(torch.equal(state[k], v) for k, v in reference.items()), f"{case}: load differs"
                         dist.barrier()
                         if rnd == rounds - 1:
-                            ck.close()
-                            dist.barrier()
-                            if rank == 0:
-                                for d in dirs:
-                                    shutil.rmtree(d, ignore_errors=True)
+                            _close_kept(ck, dirs, rank)
                         continue
                     elif case == "dcp-kept":
                         if ck is None:
@@ -183,11 +190,7 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
                             t.zero_()
                         dist.barrier()
                         if rnd == rounds - 1:
-                            ck.close()
-                            dist.barrier()
-                            if rank == 0:
-                                for d in dirs:
-                                    shutil.rmtree(d, ignore_errors=True)
+                            _close_kept(ck, dirs, rank)
                         dist.barrier()
                         continue
                     elif case == "gdswriter-dcp":

@@ -168,17 +168,9 @@ TP_FULL = torch.arange(8 * 6, dtype=torch.float32).reshape(8, 6)
 
 
 def _fsdp_model(world: int, seed: int):
-    """An MLP sharded with FSDP2 (fully_shard) over all ranks; 70 output rows shard unevenly."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from support.models import fsdp_mlp
 
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 256), torch.nn.ReLU(), torch.nn.Linear(256, 70))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.Adam(model.parameters(), lr=0.01), mesh
+    return fsdp_mlp(world, seed)
 
 
 def _fsdp_save_worker(rank: int, world: int, root: str, out: str) -> dict:

@@ -20,17 +20,10 @@ STEP = 10
 
 # ----------------------------------------------------------------------------- helpers (run in ranks too)
 def _model(world: int, seed: int):
-    """An MLP sharded with FSDP2 (fully_shard) over all ranks; 70 output rows shard unevenly."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    """support.models.fsdp_mlp after one Adam step (its moments exist)."""
+    from support.models import fsdp_mlp
 
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(96, 256), torch.nn.ReLU(), torch.nn.Linear(256, 70))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, opt, _ = fsdp_mlp(world, seed)
     torch.manual_seed(seed + 1)
     model(torch.randn(4, 96)).sum().backward()
     opt.step()

@@ -195,3 +195,18 @@ def crash_matches(saved: dict[str, torch.Tensor], base: dict[str, torch.Tensor],
         if not all(torch.equal(got[p], torch.add(b[p], gen * CRASH_PRIME)) for p in parts):
             return False
     return True
+
+
+def fsdp_mlp(world: int, seed: int):
+    """An MLP sharded with FSDP2 (fully_shard) over all ``world`` ranks of the default group (70
+    output rows shard unevenly), its Adam optimizer and the mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(96, 256), nn.ReLU(), nn.Linear(256, 70))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=0.01), mesh
