@@ -30,6 +30,7 @@ import ctypes
 import errno
 import mmap
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -52,7 +53,7 @@ def _fs_type(path: str) -> int | None:
     buf = ctypes.create_string_buffer(256)
     if _libc.statfs(os.fsencode(path), buf) != 0:
         return None
-    return int.from_bytes(buf.raw[:8], "little", signed=False) & 0xFFFFFFFF
+    return int.from_bytes(buf.raw[:8], sys.byteorder, signed=False) & 0xFFFFFFFF
 
 
 def domain(share_dir: str | None) -> str | None:
