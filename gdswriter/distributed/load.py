@@ -333,10 +333,12 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     if verdict["share"] and error is None:
         share, share_error = _open_shared(shard, share_dir, verdict["share"], sharable)
     # one agreement: the data files are right on every rank, and whether every rank could share
-    shared = coord.decide(error, share is not None, f"{what} (checking the data files)", all, hint=unchanged,
-                          root=src)
-    if share is not None:
-        share.unlink()  # every rank has mapped the files (or gave up): no name outlives the load
+    try:
+        shared = coord.decide(error, share is not None, f"{what} (checking the data files)", all, hint=unchanged,
+                              root=src)
+    finally:
+        if share is not None:  # every rank has mapped the files, gave up or raises: no name outlives the load
+            share.unlink()
     if not (shared and verdict["share"]):
         if share_error is not None:
             log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
