@@ -275,6 +275,36 @@ def _shared_files(share: str | None) -> set[str]:
     return set() if share is None else {p.name for p in Path(share).glob(f"{hostshare.PREFIX}*")}
 
 
+def _damaged_worker(rank: int, world: int, root: str) -> dict:
+    from pathlib import Path
+
+    from gdswriter import GDSCheckpointer
+    from support.ranks import caught
+
+    model = _replicated_model(seed=4)
+    with GDSCheckpointer(model, root=root, options=_options(), dist_options=_dist_options()) as ck:
+        ck.save(1)
+        torch.distributed.barrier()
+        if rank == 1:  # rank 1's data file loses its tail: only rank 1's check fails
+            data = sorted((Path(root) / ck.protocol.step_dir(1).name).glob("data-rank1-*"))[0]
+            with open(data, "r+b") as f:
+                f.truncate(data.stat().st_size // 2)
+        torch.distributed.barrier()
+        raised = caught(lambda: ck.load(1))
+    return {"raised": raised}
+
+
+def test_a_load_refused_on_one_rank_leaves_no_shared_files(tmp_path):
+    """Rank 0 reserves the shared files before the agreement that rank 1's truncated data file
+    fails: it must still unlink them."""
+    if hostshare.domain(hostshare.DEFAULT_DIR) is None:
+        pytest.skip("/dev/shm is not a writable tmpfs here")
+    before = _shared_files(hostshare.DEFAULT_DIR)
+    res = run_ranks(2, _damaged_worker, str(tmp_path / "shared"), out=tmp_path / "ranks")
+    assert all(x["raised"] is not None for x in res), res
+    assert _shared_files(hostshare.DEFAULT_DIR) == before
+
+
 # ----------------------------------------------------------------------------- what shared memory must not do
 def _alias_worker(rank: int, world: int, root: str) -> dict:
     from gdswriter import GDSCheckpointer
