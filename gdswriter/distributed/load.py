@@ -300,32 +300,17 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         return None
     assert shard is not None
     block = verdict["block"] or world
-    # per round: (src, dst, item, offset, length); with and without sharing on each host
-    rounds: dict[bool, list[list[tuple[int, int, int, int, int]]]] = {False: [], True: []}
     sharable = _sharable(shard, world, block) if verdict["share"] else []
     share: hostshare.SharedItems | None = None
+    split: list = []
     error = share_error = None
     try:
         split = item_pieces(shard.items, world)
-        for sid in sorted(range(len(shard.items)), key=lambda i: shard.items[i].key):
-            it = shard.items[sid]
-            pieces = split[sid]
-            if not _tiles(shard.chunks[sid], [(off, n) for w, off, n in pieces if w == rank]):
+        for sid, it in enumerate(shard.items):
+            if not _tiles(shard.chunks[sid], [(off, n) for w, off, n in split[sid] if w == rank]):
                 raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
                                              f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
                                              f"load an earlier step")
-            for w, off, n in pieces:
-                if not n or it.holder_count(world) < 2:
-                    continue
-                for sharing in (False, True):
-                    if sharing and sid in sharable:
-                        moves = [] if block == world else relay_between_hosts(w, rank, world, block)
-                    else:
-                        moves = relay(it, w, rank, world)
-                    for k, a, b in moves:
-                        while len(rounds[sharing]) <= k:
-                            rounds[sharing].append([])
-                        rounds[sharing][k].append((a, b, sid, off, n))
         step_dir = step_dir_name(g.step)
         check_file_sizes((reach[f.root] / step_dir / f.path, f) for f in shard.files)  # type: ignore[operator]
     except Exception as e:  # noqa: BLE001 - every rank learns of it
@@ -344,10 +329,11 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
             log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
                         "each other instead", what, share_dir, describe(share_error))
         share = None
-    rounds = rounds[share is not None]  # type: ignore[assignment]
+    rounds: list[list[tuple[int, int, int, int, int]]] = []
     buffers: list[torch.Tensor] = []
     error = None
     try:
+        rounds = _schedule(shard, split, rank, world, block, set(share.private) if share is not None else set())
         # shared on this host: read into the shared file, view it through this rank's private mapping
         buffers = [share.private[sid] if share is not None and sid in share.private else host_buffer(it.nbytes)
                    for sid, it in enumerate(shard.items)]
@@ -394,6 +380,27 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     coord.agree(error, f"{what} (rebuilding the state and checking it against the live state)", hint=unchanged,
                 root=src)
     return state, checked
+
+
+def _schedule(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]], rank: int, world: int, block: int,
+              shared: set[int]) -> list[list[tuple[int, int, int, int, int]]]:
+    """Per round, the (src, dst, item, offset, length) transfers this rank takes part in: the
+    pieces of items several ranks hold spread down ``relay``'s tree, those ``shared`` on the
+    hosts' tmpfs only between hosts (``relay_between_hosts``; on one host not at all). Items in
+    key order, so every holder numbers a pair's messages alike."""
+    rounds: list[list[tuple[int, int, int, int, int]]] = []
+    for sid in sorted(range(len(shard.items)), key=lambda i: shard.items[i].key):
+        it = shard.items[sid]
+        if it.holder_count(world) < 2 or (sid in shared and block == world):
+            continue
+        for w, off, n in split[sid]:
+            if n:
+                moves = relay_between_hosts(w, rank, world, block) if sid in shared else relay(it, w, rank, world)
+                for k, a, b in moves:
+                    while len(rounds) <= k:
+                        rounds.append([])
+                    rounds[k].append((a, b, sid, off, n))
+    return rounds
 
 
 def _sharable(shard: RankShard, world: int, block: int) -> list[int]:
