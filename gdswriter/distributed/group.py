@@ -385,15 +385,8 @@ class Coordinator:
         """Collective: raise on every rank if any rank failed (its own error where it failed,
         RankFailedError naming the failed ranks elsewhere). The outcomes are gathered to ``root``,
         which broadcasts a fixed-size decision (``bounded``): a rank receives the same few bytes
-        whatever the world size."""
-        outcomes = self.gather(None if error is None else describe(error), what, dst=root)
-        failures = {r: o for r, o in enumerate(outcomes) if o is not None} if outcomes is not None else {}
-        decision = self.broadcast(bounded(failures), f"{what} (decision)", src=root)
-        shown, total = unbound(decision)
-        if total:
-            if error is not None:
-                raise error
-            raise RankFailedError(what, shown, *([hint] if hint else []), total=total)
+        whatever the world size: ``decide`` with nothing to decide."""
+        self.decide(error, None, what, lambda _: None, hint=hint, root=root)
 
     def decide(self, error: BaseException | None, mine: Any, what: str, rule: Callable[[list[Any]], Any], *,
                hint: str | None = None, root: int = 0) -> Any:
