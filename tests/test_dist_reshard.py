@@ -447,3 +447,59 @@ def test_2_to_4_ranks_the_new_ranks_take_rank_0s_tree(tmp_path):
     assert [x["diff"] for x in res] == [[]] * 4, res
     read = [sorted(n[-10:-5] for n, _ in x["reads"]) for x in res]
     assert read == [["00000", "00001"]] * 4, read
+
+
+# ----------------------------------------------------------------------------- the merging path's fetch
+FETCHED = 64 * 1024
+
+
+def _fetch_worker(rank: int, world: int, base: str) -> dict:
+    """Every rank on a disk of its own: rank r needs the storage rank r + 1 wrote, which it cannot
+    read, through fetch_storages; returns what it received besides the chunk's bytes."""
+    import torch.distributed as dist
+    from support.models import small_engine
+
+    from gdswriter.distributed.fetch import Reach, fetch_storages
+    from gdswriter.distributed.group import Coordinator
+    from gdswriter.engines.select import create_engine
+    from gdswriter.format.commit import step_dir_name
+    from gdswriter.format.manifest import ChunkRecord, DistInfo, FileRecord, Manifest, RootInfo, StorageRecord, \
+        TensorRecord
+
+    def data(r: int) -> bytes:
+        return bytes((r * 31 + i) % 251 for i in range(FETCHED))
+
+    roots = [Path(base, f"rank{r}") for r in range(world)]
+    (roots[rank] / step_dir_name(STEP)).mkdir(parents=True)
+    (roots[rank] / step_dir_name(STEP) / "data.bin").write_bytes(data(rank))
+    m = Manifest(step=STEP, files=tuple(FileRecord(r, "data.bin", FETCHED) for r in range(world)),
+                 storages=tuple(StorageRecord(FETCHED, (ChunkRecord(r, 0, 0, FETCHED, crc32c.crc32c(data(r))),))
+                                for r in range(world)),
+                 tensors=tuple(TensorRecord(f"t{r}", r, 0, "uint8", (FETCHED,), (1,)) for r in range(world)),
+                 state=None, dist=DistInfo(world, "gdswriter", tuple(RootInfo(f"id{r}", str(roots[r]), (r,))
+                                                                     for r in range(world))))
+    reach = Reach(tuple(p if r == rank else None for r, p in enumerate(roots)))
+    dist.barrier()
+    engine = create_engine(small_engine())
+    coord = Coordinator.create(timeout_s=60, label="the fetch test")
+    try:
+        before = coord.stats.snapshot()
+        wanted = (rank + 1) % world
+        got = fetch_storages(coord, reach, m, [wanted], engine, verify=True, what="fetching")
+        after = coord.stats.snapshot()
+    finally:
+        coord.close()
+        engine.close()
+    assert bytes(got[wanted].numpy()) == data(wanted)
+    return {"received": after[1] - before[1] - FETCHED, "collectives": after[2] - before[2]}
+
+
+def test_what_a_rank_receives_fetching_chunks_is_flat_from_2_to_8_ranks(tmp_path):
+    """The merging path's fetch: rank 0 gathers what each rank needs and cannot read and sends
+    each rank its own moves (a scatter), so a rank other than 0 receives the same bytes at 2, 4
+    and 8 ranks (before: every rank's needs and roots were all-gathered to every rank)."""
+    received = {}
+    for world in (2, 4, 8):
+        res = run_ranks(world, _fetch_worker, str(tmp_path / f"w{world}"), out=tmp_path / f"r{world}")
+        received[world] = {x["received"] for x in res[1:]}
+    assert received[2] == received[4] == received[8] and len(received[2]) == 1, received

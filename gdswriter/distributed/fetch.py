@@ -5,7 +5,9 @@ matched to this rank's roots by identity (``.gdswriter-root``; by path only for 
 that has none, since one path on every node is a different disk on each).
 Each rank reads, through its engine, the chunks it needs that lie on roots it reaches; every
 other chunk it needs is read by a rank that reaches it (the least loaded one) and sent over
-the coordination group. Before any rank allocates a buffer, each rank checks the files it
+the coordination group. Rank 0 assigns those readers: each rank sends it the chunks it cannot
+read and the roots it sees (a gather), and it sends each rank its own moves (a scatter), so a
+rank receives what its own needs and its share of the reading take, whatever the world size. Before any rank allocates a buffer, each rank checks the files it
 reads against their recorded sizes and all ranks agree on the outcome, so a manifest claiming
 more than its files hold is refused before it costs memory anywhere. Chunks are checked
 against their crc32c where they are read, and again where they arrive. All ranks agree on
@@ -110,27 +112,21 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
         for ci, c in enumerate(m.storages[s].chunks):
             if c.length:
                 (local if reach.paths[m.files[c.file].root] is not None else remote).append([s, ci])
-    everyone = coord.all_gather({"need": remote, "reach": [g for g, p in enumerate(reach.paths) if p is not None]},
-                                f"{what} (locating chunks)")
-    load = [0] * coord.world_size
-    moves: list[tuple[int, int, int, int]] = []  # (src, dst, storage, chunk)
-    for dst, x in enumerate(everyone):
-        for s, ci in x["need"]:
-            c = m.storages[s].chunks[ci]
-            root = m.files[c.file].root
-            providers = [r for r, y in enumerate(everyone) if root in y["reach"]]
-            if not providers:
-                where = m.dist.roots[root] if m.dist is not None else None
-                raise UnreachableDataError(
-                    2, f"{what}: data file {m.files[c.file].path} is on root #{root}"
-                       + (f" (id {where.id}, saved at {where.path} by ranks {list(where.ranks)})" if where else "")
-                       + ", which no rank of this job can read: give some rank that root (mount it, or copy its "
-                         "step directory and .gdswriter-root there)")
-            src = min(providers, key=lambda r: (load[r], r))
-            load[src] += c.length
-            moves.append((src, dst, s, ci))
+    asks = coord.gather({"need": remote, "reach": [g for g, p in enumerate(reach.paths) if p is not None]},
+                        f"{what} (locating chunks)", dst=0)
+    parts: list[dict] | None = None
+    plan_error = None
+    if asks is not None:  # rank 0 assigns every chunk a reader and tells each rank its own part
+        try:
+            parts = [{"moves": p} for p in assign_readers(m, asks, what)]
+        except UnreachableDataError as e:
+            plan_error, parts = e, [{"error": str(e)}] * coord.world_size
+    part = coord.scatter(parts, f"{what} (the chunks each rank sends and receives)", src=0)
+    if "error" in part:
+        raise plan_error or UnreachableDataError(2, part["error"])
+    moves: list[tuple[int, int, int, int, int]] = [tuple(x) for x in part["moves"]]  # type: ignore[misc]
     rank = coord.rank
-    mine = [(s, ci) for s, ci in local] + [(s, ci) for src, _, s, ci in moves if src == rank]
+    mine = [(s, ci) for s, ci in local] + [(s, ci) for _, src, _, s, ci in moves if src == rank]
     error = None
     try:  # every file this rank reads, checked before any rank allocates a byte for it
         check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci in mine})
@@ -144,7 +140,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
         buffers = {s: into[s] if s in into else alloc(m.storages[s].nbytes) for s in needed}
         wanted = [(s, ci, _slice(buffers[s], m.storages[s].chunks[ci])) for s, ci in local]
         sends = {(s, ci): dest for s, ci, dest in wanted}  # a chunk this rank reads for itself is sent from there
-        for src, _, s, ci in moves:
+        for _, src, _, s, ci in moves:
             if src == rank and (s, ci) not in sends:
                 sends[(s, ci)] = alloc(m.storages[s].chunks[ci].length)
                 wanted.append((s, ci, sends[(s, ci)]))
@@ -153,7 +149,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
         error = e
     coord.agree(error, f"{what} (reading)", hint=untouched)
     transfers = []
-    for tag, (src, dst, s, ci) in enumerate(moves):
+    for tag, src, dst, s, ci in moves:
         if rank == src:
             transfers.append(Transfer(src, dst, tag, sends[(s, ci)]))
         elif rank == dst:
@@ -161,7 +157,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
     coord.exchange(transfers, f"{what} (sending chunks)")
     error = None
     if verify:
-        for src, dst, s, ci in moves:
+        for _, src, dst, s, ci in moves:
             c = m.storages[s].chunks[ci]
             got = _crc32c.crc32c(_slice(buffers[s], c).numpy()) if dst == rank else c.crc32c
             if got != c.crc32c:
@@ -170,6 +166,38 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
                 break
     coord.agree(error, f"{what} (checking received chunks)", hint=untouched)
     return buffers
+
+
+def assign_readers(m: Manifest, asks: Sequence[dict], what: str) -> list[list[list[int]]]:
+    """On rank 0 of a fetch: given each rank's ask (the chunks it needs and cannot read, the roots
+    it reaches), per rank the [tag, src, dst, storage, chunk] moves it takes part in: each chunk
+    read by the least loaded rank that reaches its root. A rank's part holds its own needs and
+    its share of the reading for others, whatever the world size (no rank receives every ask)."""
+    readers: dict[int, list[int]] = {}
+    for r, x in enumerate(asks):
+        for root in x["reach"]:
+            readers.setdefault(root, []).append(r)
+    load = [0] * len(asks)
+    parts: list[list[list[int]]] = [[] for _ in asks]
+    tag = 0
+    for dst, x in enumerate(asks):
+        for s, ci in x["need"]:
+            c = m.storages[s].chunks[ci]
+            root = m.files[c.file].root
+            providers = readers.get(root)
+            if not providers:
+                where = m.dist.roots[root] if m.dist is not None else None
+                raise UnreachableDataError(
+                    2, f"{what}: data file {m.files[c.file].path} is on root #{root}"
+                       + (f" (id {where.id}, saved at {where.path} by ranks {list(where.ranks)[:16]})" if where else "")
+                       + ", which no rank of this job can read: give some rank that root (mount it, or copy its "
+                         "step directory and .gdswriter-root there)")
+            src = min(providers, key=lambda r: (load[r], r))
+            load[src] += c.length
+            parts[src].append([tag, src, dst, s, ci])
+            parts[dst].append([tag, src, dst, s, ci])
+            tag += 1
+    return parts
 
 
 def _slice(buf: torch.Tensor, c: ChunkRecord) -> torch.Tensor:
