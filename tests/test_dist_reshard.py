@@ -6,6 +6,7 @@ a step without an index still loads by merging; a hostile or contradicted index 
 from __future__ import annotations
 
 import json
+import re
 import types
 from pathlib import Path
 
@@ -371,7 +372,7 @@ def test_the_index_is_left_out_when_a_rank_holds_dtensors_the_primary_does_not_k
 
 
 # ----------------------------------------------------------------------------- replicated state, pipeline stages
-def _ddp_worker(rank: int, world: int, root: str, out: str, saving: bool) -> dict:
+def _ddp_worker(rank: int, world: int, root: str, out: str, saving: bool, refused: bool = False) -> dict:
     """DDP-like state (the same model and optimizer on every rank, DistOptions.replicated) and a
     rank-local tensor; saved on 4 ranks, loaded on 2 (its replicated items split over 4 writers)."""
     from support.models import small_options
@@ -392,26 +393,108 @@ def _ddp_worker(rank: int, world: int, root: str, out: str, saving: bool) -> dic
             if rank == 0:
                 torch.save(_full(model, opt), Path(out, "expected.pt"))
             return {}
+        import gdswriter.distributed.reshard as reshard
+
         reads = _count_shard_reads()
+        data: list[int] = []
+        plain = reshard._read_chunks
+
+        def counting(m, reach, wanted, engine, **kw):
+            data.extend(dest.numel() for _, _, dest in wanted)
+            return plain(m, reach, wanted, engine, **kw)
+
+        reshard._read_chunks = counting  # private: counts the data bytes this rank reads
+        if refused:
+            before = _full(model, opt)
+            allocated: list[int] = []
+            reshard.host_buffer = lambda n: allocated.append(n) or torch.empty(n, dtype=torch.uint8)
+            try:
+                ck.load(STEP)
+            except Exception as e:  # noqa: BLE001 - what the test checks
+                error = f"{type(e).__name__}: {e}"
+            else:
+                error = None
+            got = _full(model, opt)
+            return {"error": error, "allocated": allocated,
+                    "unchanged": all(torch.equal(got[k], before[k]) for k in before)}
         ck.load(STEP)
     expected = torch.load(Path(out, "expected.pt"))
     got = _full(model, opt)
     return {"diff": sorted(k for k in expected if not torch.equal(got[k], expected[k])), "reads": reads,
-            "count": mine["count"].tolist()}
+            "count": mine["count"].tolist(), "data": sum(data),
+            "replicated": sum(v.numel() * v.element_size() for v in expected.values())}
 
 
-def test_replicated_state_4_to_2_reads_the_shards_of_its_writers(tmp_path):
-    """Replicated items are split over their 4 holders (10.2): a rank of 2 finds the writers of
-    each piece from its own tree's shard (item_pieces) and reads their shards, once each; its
-    rank-local state is the one its rank saved."""
+def test_replicated_state_4_to_2_each_rank_reads_the_shards_of_its_writers_and_half_the_bytes(tmp_path):
+    """Replicated items are split over their 4 writers (10.2); loaded on 2 ranks, rank j reads
+    the pieces of writers j and j + 2 (reshard.reader_of) and passes them to the other: it opens
+    its own tree's shard and writer j + 2's (2 of the 4 shards; before: all 4) and reads about
+    half the replicated bytes (the two ranks together read them once; before: each all of them).
+    Its rank-local state is the one its rank saved."""
     root = str(tmp_path / "root")
     run_ranks(4, _ddp_worker, root, str(tmp_path), True, out=tmp_path / "r4")
     res = run_ranks(2, _ddp_worker, root, str(tmp_path), False, out=tmp_path / "r2")
     assert [x["diff"] for x in res] == [[], []], res
     assert [x["count"] for x in res] == [[0.0] * 5, [1.0] * 5]
-    for x in res:
-        names = [n for n, _ in x["reads"]]
-        assert len(names) == len(set(names)) == 4, names  # the model's bytes were written by all four
+    read = [sorted(n for n, _ in x["reads"]) for x in res]
+    assert read == [["manifest-rank00000.json", "manifest-rank00002.json"],
+                    ["manifest-rank00001.json", "manifest-rank00003.json"]], read
+    replicated, local = res[0]["replicated"], 5 * 4
+    assert sum(x["data"] for x in res) == replicated + 2 * local, res
+    assert all(x["data"] < 0.75 * replicated for x in res), [x["data"] for x in res]
+
+
+def _tamper_shard(root: Path, rank: int, change) -> None:
+    """Rewrite saved rank ``rank``'s manifest shard through ``change(body)``, its size and crc32c
+    in the global manifest with it (damage that the checksums do not catch)."""
+    step = root / f"step_{STEP:012d}"
+    shard = step / f"manifest-rank{rank:05d}.json"
+    body = json.loads(shard.read_bytes())
+    change(body)
+    raw = (json.dumps(body, separators=(",", ":")) + "\n").encode()
+    shard.write_bytes(raw)
+    g = json.loads((step / "manifest.json").read_bytes())
+    del g["manifest_crc32c"]
+    g["shards"][rank][2:4] = [len(raw), crc32c.crc32c(raw)]
+    _write_body(step / "manifest.json", g)
+
+
+def _replicated_items(body: dict) -> list[int]:
+    return [i for i, (key, _, _) in enumerate(body["items"]) if key.startswith("R")]
+
+
+def _drop_a_chunk(body: dict) -> None:
+    written = {c[0] for c in body["chunks"] if c[4]} & set(_replicated_items(body))
+    i = min(written)
+    body["chunks"] = [c for c in body["chunks"] if c[0] != i]
+
+
+def _grow_an_item(body: dict) -> None:
+    body["items"][_replicated_items(body)[0]][1] = 1 << 40
+
+
+SHARD_DAMAGE = {
+    # writer 2 (read by rank 0 of 2) does not record the pieces its holders' split gives it
+    "writer-lacks-its-pieces": (2, _drop_a_chunk, "does not record exactly the pieces"),
+    # rank 1's shard (its tree's) says a replicated item is 1 TiB: the split no writer matches
+    "item-of-1-TiB": (1, _grow_an_item, "split|disagree"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(SHARD_DAMAGE))
+def test_replicated_state_4_to_2_damaged_shards_are_refused_before_any_buffer(tmp_path, damage):
+    """A shard that does not record what the save's split says it wrote, or that disagrees with
+    the other ranks' about the replicated state, is CorruptCheckpointError on the rank that finds
+    it (RankFailedError on the other), before any data buffer is allocated; nothing live changes."""
+    root = tmp_path / "root"
+    run_ranks(4, _ddp_worker, str(root), str(tmp_path), True, out=tmp_path / "r4")
+    rank, change, match = SHARD_DAMAGE[damage]
+    _tamper_shard(root, rank, change)
+    res = run_ranks(2, _ddp_worker, str(root), str(tmp_path), False, True, out=tmp_path / "r2")
+    assert all(x["error"] and x["unchanged"] and x["allocated"] == [] for x in res), res
+    found = [x["error"] for x in res if x["error"].startswith("CorruptCheckpointError")]
+    assert found and all(re.search(match, e) for e in found), res
+    assert all(x["error"].startswith(("CorruptCheckpointError", "RankFailedError")) for x in res), res
 
 
 def _pp_worker(rank: int, world: int, root: str) -> dict:
@@ -446,7 +529,7 @@ def test_2_to_4_ranks_the_new_ranks_take_rank_0s_tree(tmp_path):
     res = run_ranks(4, _load_worker, root, str(tmp_path), out=tmp_path / "r4")
     assert [x["diff"] for x in res] == [[]] * 4, res
     read = [sorted(n[-10:-5] for n, _ in x["reads"]) for x in res]
-    assert read == [["00000", "00001"]] * 4, read
+    assert read == [["00000"]] + [["00000", "00001"]] * 3, read  # rank 0's rows and counters are rank 0's
 
 
 # ----------------------------------------------------------------------------- the merging path's fetch

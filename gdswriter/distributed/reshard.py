@@ -10,7 +10,14 @@ step's manifest and then, straight from the roots it sees, only the shards it ne
 * for each DTensor block it needs, the shard of one of the block's holders (checked against
   the index: a shard that contradicts it is refused);
 * for each item it needs, the shards of the holders that wrote its pieces (item_pieces, from
-  the holder set's items that any of its holders records).
+  the holder set's items that any of its holders records);
+* of the replicated state (DistOptions.replicated: the items every saved rank held, each
+  writing a part), only the shards of the writers whose pieces it reads for every rank: saved
+  rank w's pieces are read by loading rank w mod N (``reader_of``; N: the loading world), and
+  spread from there to every rank (``SharedRead``), so a rank opens about W / N of those
+  shards, reads about 1 / N of the replicated bytes, and they are read from disk once in all.
+  Every rank computes the save's split from its own tree's shard (item_pieces), so no record
+  of another writer travels; the ranks agree on a digest of the split's items first.
 
 It then reads its chunks itself (``read_reached``): no rank receives other ranks' records,
 and no message grows with the world size. When some rank does not see a shard or a data file
@@ -21,9 +28,12 @@ between ranks.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -32,10 +42,10 @@ from ..errors import CorruptCheckpointError, UnreachableDataError
 from ..format.assembly import remap_tree
 from ..format.commit import step_dir_name
 from ..format.manifest import MULTI_RANK_VERSION, ChunkRecord, DistInfo, FileRecord, Manifest, StorageRecord, TensorRecord
-from ..format.sharded import SHARDED_VERSION, GlobalManifest, RankShard, parse_shard, read_shard
+from ..format.sharded import SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, parse_shard, read_shard
 from ..load.reader import host_buffer
 from .fetch import Reach, _read_chunks, check_reached_files
-from .group import Coordinator
+from .group import Coordinator, Transfer
 from .rankfiles import item_pieces
 from .roots import RootLayout
 from .shards import target_block
@@ -45,13 +55,47 @@ class _Unreached(Exception):
     """A shard or data file this rank needs is on a root it does not see."""
 
 
+@dataclass(frozen=True)
+class SharedRead:
+    """The replicated items (DistOptions.replicated: every saved rank held them) that the loading
+    ranks read together: a loading rank reads the pieces of the writers ``reader_of`` gives it
+    and passes them on, so it opens only those writers' manifest shards. ``storages``: their
+    numbers in the plan's Manifest (where each records only this rank's chunks), in key order;
+    ``pieces``: per storage, the save's split (writer, offset, length); ``digest``: of the saved
+    set they belong to (its keys and sizes), the same on every loading rank or the split is not."""
+
+    storages: tuple[int, ...]
+    pieces: tuple[tuple[tuple[int, int, int], ...], ...]
+    digest: str
+
+
+def reader_of(writer: int, world: int) -> int:
+    """The loading rank (of ``world``) that reads the pieces saved rank ``writer`` wrote of the
+    replicated items: writer mod world, so a loading rank reads its own rank's pieces (the shard
+    whose tree it takes) and every world-th writer's after it."""
+    return writer % world
+
+
+def _every_rank_set(items: Sequence[ItemRecord]) -> str:
+    """A digest of the items every saved rank holds (their split depends on all of them)."""
+    every = sorted([it.key, it.nbytes] for it in items if it.holders is None)
+    return hashlib.sha256(json.dumps(every).encode()).hexdigest()[:32]
+
+
+def _read_together(it: ItemRecord, saved_world: int) -> bool:
+    """Whether the loading ranks read item ``it`` together (SharedRead): replicated state that
+    every saved rank held and wrote a part of; every loading rank needs all of it."""
+    return it.holders is None and it.key.startswith("R") and saved_world > 1
+
+
 def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, templates: dict[str, Any],
                      template_of: Callable[[dict[str, Any], str], Any],
-                     read: Callable[[Path, GlobalManifest, Any], bytes] = read_shard
-                     ) -> tuple[Manifest, list[int]] | None:
-    """(the part of step ``g`` rank ``rank`` needs as a Manifest, the saved ranks whose shards it
-    read), from those shards alone; None when one of them, or a data file it needs, is on a root
-    this rank does not see. A shard that contradicts the index is CorruptCheckpointError."""
+                     read: Callable[[Path, GlobalManifest, Any], bytes] = read_shard, *, world: int = 1
+                     ) -> tuple[Manifest, list[int], SharedRead] | None:
+    """(the part of step ``g`` rank ``rank`` of ``world`` loading ranks needs as a Manifest, the
+    saved ranks whose shards it read, the replicated items it reads with the other ranks), from
+    those shards alone; None when one of them, or a data file it needs, is on a root this rank
+    does not see. A shard that contradicts the index is CorruptCheckpointError."""
     index = g.layout_index
     assert index is not None
     shards: dict[int, RankShard] = {}
@@ -123,12 +167,21 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
                 j = add(holder, held[0])
                 names.setdefault(rec.name, j)
             where[i] = names[rec.name]
-        # each item's chunks, from the shards of the holders that wrote its pieces
+        # the replicated items, read together: all of them, whatever this rank's tree references
+        for k, it in enumerate(own.items):
+            if _read_together(it, g.world_size):
+                items[it.key] = (tree_rank, k)
+        # each item's chunks, from the shards of the holders that wrote its pieces (of an item
+        # read together, those of the writers this rank reads for every rank)
         order = list(items)
         number = {k: n for n, k in enumerate(order)}
         files: dict[tuple[int, str], int] = {}
         file_list: list[FileRecord] = []
         storages = []
+        together: list[int] = []
+        split: list[tuple[tuple[int, int, int], ...]] = []
+        from .load import _tiles
+
         for key in order:
             r, k = items[key]
             it = shards[r].items[k]
@@ -138,6 +191,11 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
                 if r not in pieces:
                     pieces[r] = item_pieces(shards[r].items, g.world_size)
                 writers = sorted({w for w, _, n in pieces[r][k] if n})
+            shared = _read_together(it, g.world_size)
+            if shared:
+                together.append(number[key])
+                split.append(tuple(pieces[r][k]))
+                writers = [w for w in writers if reader_of(w, world) == rank]
             chunks: list[ChunkRecord] = []
             for w in writers:
                 sw = shard(w)
@@ -145,6 +203,9 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
                 if kw is None or sw.items[kw].nbytes != it.nbytes:
                     raise bad(f"rank {w} wrote part of item {key[:40]} ({it.nbytes} bytes) by its holders' "
                               f"split, its manifest shard does not record it so")
+                if shared and not _tiles(sw.chunks[kw], [(off, n) for v, off, n in split[-1] if v == w]):
+                    raise bad(f"rank {w}'s manifest shard does not record exactly the pieces of item {key[:40]} "
+                              f"its holders' split gives it")
                 for c in sw.chunks[kw]:
                     f = sw.files[c.file]
                     fid = files.setdefault((f.root, f.path), len(file_list))
@@ -161,19 +222,54 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
                  state=remap_tree(own.tree, lambda i: where[i]), created_unix=g.created_unix, metadata=g.metadata,
                  version=MULTI_RANK_VERSION, dist=DistInfo(g.world_size, "gdswriter", g.roots))
     try:  # through the 1.2 validation: every item covered once, chunks inside their files, views inside items
-        data = m.to_json_bytes()
+        data = _covered(m, together).to_json_bytes()
     except Exception as e:  # noqa: BLE001 - a record no reader accepts: the shards are damaged
         raise bad(f"the shards describe a tensor no reader accepts ({e})") from e
     checked = Manifest.from_json_bytes(data, where=f"step {g.step} (the manifest shards rank {rank} needs)")
-    return replace(checked, version=SHARDED_VERSION, created_unix=g.created_unix), sorted(shards)
+    checked = replace(checked, files=m.files, storages=m.storages, version=SHARDED_VERSION,
+                      created_unix=g.created_unix)
+    return checked, sorted(shards), SharedRead(tuple(together), tuple(split), _every_rank_set(own.items))
+
+
+OTHERS_PIECES = "replicated-pieces-other-ranks-read"
+
+
+def _covered(m: Manifest, together: Sequence[int]) -> Manifest:
+    """``m`` for its validation: the bytes of the items read together that other ranks read are
+    given chunks of a placeholder file (never read), so every item is covered once as a whole
+    step's manifest covers it, and this rank's own chunks are checked as any others."""
+    if not together:
+        return m
+    storages = list(m.storages)
+    spare = len(m.files)
+    at = 0
+    for s in together:
+        rec = storages[s]
+        filled, pos = [], 0
+        for c in sorted(rec.chunks, key=lambda c: c.storage_offset) + [None]:
+            end = rec.nbytes if c is None else c.storage_offset
+            if end > pos:
+                filled.append(ChunkRecord(spare, at, pos, end - pos, 0))
+                at += end - pos
+            if c is not None:
+                filled.append(c)
+                pos = max(pos, c.storage_offset + c.length)
+        storages[s] = StorageRecord(rec.nbytes, tuple(filled))
+    files = m.files + (FileRecord(0, OTHERS_PIECES, at),)
+    return replace(m, files=files, storages=tuple(storages))
 
 
 def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, engine: IOEngine, *, verify: bool,
-                 what: str) -> dict[int, torch.Tensor]:
+                 what: str, shared: SharedRead | None = None) -> dict[int, torch.Tensor]:
     """Collective: fetch.fetch_storages for a manifest whose every chunk this rank reaches (as
     plan_from_shards makes it): each rank reads its own, no rank tells another what it needs.
-    Every file is checked against its recorded size on every rank before any buffer is allocated."""
-    needed = sorted(set(storages))
+    Every file is checked against its recorded size on every rank before any buffer is allocated.
+    The items ``shared`` names are read together: each rank reads the pieces of its writers
+    (``reader_of``) and every piece spreads from its reader to every rank down a binomial tree
+    (load.py ``relay``), so their bytes are read from disk once in all, as in a load of the same
+    layout (the reader checks each chunk's crc32c; a receiver has no records of them)."""
+    together = shared.storages if shared is not None else ()
+    needed = sorted(set(storages) | set(together))
     mine = [(s, ci) for s in needed for ci, c in enumerate(m.storages[s].chunks) if c.length]
     error = None
     try:
@@ -195,27 +291,64 @@ def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, e
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (reading)", hint="the live state was not changed")
+    if shared is not None:
+        _pass_pieces(coord, m, shared, buffers, what)
     return buffers
+
+
+def _pass_pieces(coord: Coordinator, m: Manifest, shared: SharedRead, buffers: dict[int, torch.Tensor],
+                 what: str) -> None:
+    """Spread each piece of the items read together from its reader to every loading rank (the
+    same schedule on every rank, computed from the save's split alone: no message)."""
+    from .load import relay
+
+    rank, world = coord.rank, coord.world_size
+    rounds: list[list[tuple[int, int, int, int, int]]] = []
+    for s, split in zip(shared.storages, shared.pieces):
+        item = ItemRecord("", m.storages[s].nbytes, None)
+        for w, off, n in split:
+            if n:
+                for k, a, b in relay(item, reader_of(w, world), rank, world):
+                    while len(rounds) <= k:
+                        rounds.append([])
+                    rounds[k].append((a, b, s, off, n))
+    tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
+    for k, moves in enumerate(rounds):
+        transfers = []
+        for a, b, s, off, n in moves:
+            tag = tags[(a, b)] = tags.get((a, b), -1) + 1
+            transfers.append(Transfer(a, b, tag, buffers[s][off:off + n]))
+        coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
 
 
 def load_indexed(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
                  optimizer: Any, engine: IOEngine, *, verify: bool, what: str, src: int) -> Any | None:
     """Collective: this rank's state of step ``g`` from the shards it needs alone (the module
     docstring), or None on every rank when the step has no layout index or some rank does not
-    see what it needs (then load.py's merging path)."""
+    see what it needs (then load.py's merging path). The ranks agree that they split the
+    replicated items alike (the digest of SharedRead) before any reads them."""
     if g.layout_index is None:
         return None
     from .load import _template, reach_of, rebuild_state
 
     plan, error = None, None
     try:
-        plan = plan_from_shards(g, reach_of(g, layout), coord.rank, templates, _template)
+        plan = plan_from_shards(g, reach_of(g, layout), coord.rank, templates, _template, world=coord.world_size)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    coord.agree(error, f"{what} (reading the manifest shards it needs)", hint="the live state was not changed",
-                root=src)
-    if not coord.all_true(plan is not None, f"{what} (every rank sees the shards it needs)", root=src):
+
+    def judge(outs: list[Any]) -> dict:
+        digests = {x[1] for x in outs if x[0]}
+        return {"ok": all(x[0] for x in outs), "alike": len(digests) <= 1}
+
+    verdict = coord.decide(error, [plan is not None, plan[2].digest if plan is not None else None],
+                           f"{what} (reading the manifest shards it needs)", judge,
+                           hint="the live state was not changed", root=src)
+    if not verdict["alike"]:
+        raise CorruptCheckpointError(f"{what}: the manifest shards of step {g.step} disagree about the replicated "
+                                     f"state every rank saved: the checkpoint is damaged; load an earlier step")
+    if not verdict["ok"]:
         return None
     assert plan is not None
     return rebuild_state(coord, layout, plan[0], templates, optimizer, engine, verify=verify, what=what,
-                         fetch=read_reached)
+                         fetch=partial(read_reached, shared=plan[2]))
