@@ -15,7 +15,8 @@ per GPU) and holds 2,000 tensors:
 Reported per W: CPU time of a save on the typical rank (first, with planning; then cached)
 and on rank 0 (its commit of W reports), without the snapshot and the data writes (timed
 apart: they depend on the state, not on W), the whole save's too, the bytes each sends and
-receives in the save's collectives, the global manifest's size, the bytes a rank reads to plan its load, and what opening the
+receives in the save's collectives, the global manifest's size, the bytes a rank reads to plan its load (and, for ``ddp``, to plan a load on W / 2 ranks: the
+shards it opens and the share of the replicated bytes it reads itself), and what opening the
 roots (the first collectives of a GDSCheckpointer: the root table, the primary's choice) sends
 to a typical rank and to rank 0. DCP's
 anchor: its DefaultSavePlanner's global plan over W local plans of 2,000 items (rank 0's work in
@@ -146,6 +147,30 @@ def plan_load(rank: int, world: int, roots: dict[int, Path], step: int) -> dict:
             "shard": len(data), "sends": transfers}
 
 
+def plan_reshard_load(world: int, roots: dict[int, Path], step: int) -> dict:
+    """A load of the ``ddp`` state on half the ranks (reshard.plan_from_shards), on loading rank 0:
+    the global manifest, its own tree's shard and those of the writers whose replicated pieces
+    it reads for every rank (saved ranks 0 and W / 2, the ones the simulation wrote)."""
+    from gdswriter.distributed.reshard import plan_from_shards
+
+    t0 = time.process_time()
+    raw = (roots[0] / step_dir_name(step) / MANIFEST_NAME).read_bytes()
+    g = parse_global(raw, "sim")
+    shards: list[int] = []
+
+    def read(where, g, ref):
+        data = read_shard(where, g, ref)
+        shards.append(len(data))
+        return data
+
+    plan = plan_from_shards(g, [roots.get(r) for r in range(world)], 0, {}, lambda t, n: None, read,
+                            world=max(world // 2, 1))
+    assert plan is not None, "the simulated shards are not where the plan looks"
+    return {"cpu_s": time.process_time() - t0, "read": len(raw) + sum(shards), "shards": len(shards),
+            "shared_bytes": sum(plan[0].storages[s].nbytes for s in plan[2].storages),
+            "read_bytes": sum(c.length for s in plan[2].storages for c in plan[0].storages[s].chunks)}
+
+
 def dcp_anchor(world: int, cached: bool) -> float:
     """Seconds of DCP's DefaultSavePlanner.create_global_plan over ``world`` local plans of TENSORS
     FSDP-like items (with ``cached``: a second call after an unchanged first, as plan caching does)."""
@@ -216,7 +241,16 @@ def simulate(kind: str, world: int, base: Path, engine) -> dict:
     r0 = run_rank(kind, 0, world, roots, peers_0, engine)
     manifest = (roots[0] / step_dir_name(2) / MANIFEST_NAME).stat().st_size
     return {"kind": kind, "world": world, "typical": t, "rank0": r0, "manifest": manifest,
-            "load": plan_load(typical, world, roots, 2), "open": simulate_open(world, base)}
+            "load": plan_load(typical, world, roots, 2), "open": simulate_open(world, base),
+            **({"reshard": plan_reshard_load(world, roots, 2)} if kind == "ddp" else {})}
+
+
+def reshard_cell(r: dict) -> str:
+    x = r.get("reshard")
+    if x is None:
+        return "not run"
+    return (f"{x['read'] / 1024:.0f} / {x['shards']} / {x['cpu_s'] * 1e3:.0f} / "
+            f"{x['read_bytes'] / max(x['shared_bytes'], 1):.3f}")
 
 
 def main(argv=None) -> int:
@@ -245,6 +279,7 @@ def main(argv=None) -> int:
     head = ["state", "W", "typical: plan+shard+commit CPU first / cached (ms)", "typical: whole save cached (ms)",
             "typical sends / receives (B)", "rounds", "rank 0: plan+shard+commit cached (ms)", "rank 0 receives (KiB)",
             "global manifest (KiB)", "load plan reads (KiB)", "load plan CPU (ms)",
+            "load on W/2 ranks: plan reads (KiB) / shards / CPU (ms) / share of replicated bytes read",
             "open: typical rank receives (B)", "open: rank 0 receives (KiB) / CPU (ms)", "DCP global plan / cached (ms)"]
     table = [head]
     for r in rows:
@@ -255,7 +290,7 @@ def main(argv=None) -> int:
                       f"{t['cached']['cpu_s'] * 1e3:.0f}", f"{t['cached']['sent']} / {t['cached']['received']}",
                       t["cached"]["rounds"], f"{z['cached']['coordination_s'] * 1e3:.0f}",
                       f"{z['cached']['received'] / 1024:.0f}", f"{r['manifest'] / 1024:.0f}",
-                      f"{r['load']['read'] / 1024:.0f}", f"{r['load']['cpu_s'] * 1e3:.0f}",
+                      f"{r['load']['read'] / 1024:.0f}", f"{r['load']['cpu_s'] * 1e3:.0f}", reshard_cell(r),
                       r["open"]["typical"]["stats"][1],
                       f"{r['open']['rank0']['stats'][1] / 1024:.0f} / {r['open']['rank0']['cpu_s'] * 1e3:.0f}", dcp])
     if args.markdown:

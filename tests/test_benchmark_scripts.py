@@ -94,6 +94,8 @@ def test_dist_scale_sim(tmp_path):
         assert small["manifest"] < large["manifest"], rows
         assert large["load"]["read"] == large["load"]["manifest"] + large["load"]["shard"], rows
     assert "dcp_s" in rows[0] and "dcp_s" not in rows[1]
+    for r in rows[2:]:  # a load of the ddp state on half the ranks: its tree's shard and its writers' (W / N)
+        assert 1 <= r["reshard"]["shards"] <= 2 and r["reshard"]["read_bytes"] < r["reshard"]["shared_bytes"], r
 
 
 @pytest.mark.slow  # about 20 s: DeepSpeed's start-up, then three saves

@@ -90,7 +90,7 @@ def _read_together(it: ItemRecord, saved_world: int) -> bool:
 
 def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, templates: dict[str, Any],
                      template_of: Callable[[dict[str, Any], str], Any],
-                     read: Callable[[Path, GlobalManifest, Any], bytes] = read_shard, *, world: int = 1
+                     read: Callable[[Path, GlobalManifest, Any], bytes] = read_shard, *, world: int
                      ) -> tuple[Manifest, list[int], SharedRead] | None:
     """(the part of step ``g`` rank ``rank`` of ``world`` loading ranks needs as a Manifest, the
     saved ranks whose shards it read, the replicated items it reads with the other ranks), from
