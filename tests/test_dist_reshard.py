@@ -536,9 +536,10 @@ def test_2_to_4_ranks_the_new_ranks_take_rank_0s_tree(tmp_path):
 FETCHED = 64 * 1024
 
 
-def _fetch_worker(rank: int, world: int, base: str) -> dict:
-    """Every rank on a disk of its own: rank r needs the storage rank r + 1 wrote, which it cannot
-    read, through fetch_storages; returns what it received besides the chunk's bytes."""
+def _fetch_worker(rank: int, world: int, base: str, pattern: str) -> dict:
+    """Every rank on a disk of its own: rank r needs the storage rank r + 1 wrote ("next") or
+    rank 0 wrote ("from-0"), which it cannot read, through fetch_storages; returns what it
+    received besides the chunk's bytes."""
     import torch.distributed as dist
     from support.models import small_engine
 
@@ -567,7 +568,7 @@ def _fetch_worker(rank: int, world: int, base: str) -> dict:
     coord = Coordinator.create(timeout_s=60, label="the fetch test")
     try:
         before = coord.stats.snapshot()
-        wanted = (rank + 1) % world
+        wanted = (rank + 1) % world if pattern == "next" else 0
         got = fetch_storages(coord, reach, m, [wanted], engine, verify=True, what="fetching")
         after = coord.stats.snapshot()
     finally:
@@ -577,12 +578,15 @@ def _fetch_worker(rank: int, world: int, base: str) -> dict:
     return {"received": after[1] - before[1] - FETCHED, "collectives": after[2] - before[2]}
 
 
-def test_what_a_rank_receives_fetching_chunks_is_flat_from_2_to_8_ranks(tmp_path):
+@pytest.mark.parametrize("pattern", ["next", "from-0"])
+def test_what_a_rank_receives_fetching_chunks_is_flat_from_2_to_8_ranks(tmp_path, pattern):
     """The merging path's fetch: rank 0 gathers what each rank needs and cannot read and sends
-    each rank its own moves (a scatter), so a rank other than 0 receives the same bytes at 2, 4
-    and 8 ranks (before: every rank's needs and roots were all-gathered to every rank)."""
+    each rank its own moves alone, so a rank other than 0 receives the same bytes at 2, 4 and 8
+    ranks (before: every rank's needs and roots were all-gathered to every rank), also when one
+    rank reads for all the others ("from-0": its list of moves grows with them, and a scatter
+    padded to the longest message would hand every rank that length)."""
     received = {}
     for world in (2, 4, 8):
-        res = run_ranks(world, _fetch_worker, str(tmp_path / f"w{world}"), out=tmp_path / f"r{world}")
+        res = run_ranks(world, _fetch_worker, str(tmp_path / f"w{world}"), pattern, out=tmp_path / f"r{world}")
         received[world] = {x["received"] for x in res[1:]}
     assert received[2] == received[4] == received[8] and len(received[2]) == 1, received

@@ -6,8 +6,9 @@ that has none, since one path on every node is a different disk on each).
 Each rank reads, through its engine, the chunks it needs that lie on roots it reaches; every
 other chunk it needs is read by a rank that reaches it (the least loaded one) and sent over
 the coordination group. Rank 0 assigns those readers: each rank sends it the chunks it cannot
-read and the roots it sees (a gather), and it sends each rank its own moves (a scatter), so a
-rank receives what its own needs and its share of the reading take, whatever the world size. Before any rank allocates a buffer, each rank checks the files it
+read and the roots it sees (a gather), and it sends each rank its own moves alone
+(``scatter_own``), so a rank receives what its own needs and its share of the reading take,
+whatever the world size. Before any rank allocates a buffer, each rank checks the files it
 reads against their recorded sizes and all ranks agree on the outcome, so a manifest claiming
 more than its files hold is refused before it costs memory anywhere. Chunks are checked
 against their crc32c where they are read, and again where they arrive. All ranks agree on
@@ -18,6 +19,7 @@ memory a failed fetch can leave partly written.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
@@ -121,7 +123,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
             parts = [{"moves": p} for p in assign_readers(m, asks, what)]
         except UnreachableDataError as e:
             plan_error, parts = e, [{"error": str(e)}] * coord.world_size
-    part = coord.scatter(parts, f"{what} (the chunks each rank sends and receives)", src=0)
+    part = scatter_own(coord, parts, f"{what} (the chunks each rank sends and receives)")
     if "error" in part:
         raise plan_error or UnreachableDataError(2, part["error"])
     moves: list[tuple[int, int, int, int, int]] = [tuple(x) for x in part["moves"]]  # type: ignore[misc]
@@ -166,6 +168,26 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
                 break
     coord.agree(error, f"{what} (checking received chunks)", hint=untouched)
     return buffers
+
+
+def scatter_own(coord: Coordinator, parts: Sequence[dict] | None, what: str) -> dict:
+    """Collective: rank 0's ``parts[r]`` (JSON) on each rank r, which receives its own part
+    alone: the sizes go out in a fixed-size scatter, then each part point to point. (A plain
+    scatter pads every message to the longest: a rank reading for many others has a long part,
+    and every rank would receive that length.)"""
+    if coord.solo_mode:
+        assert parts is not None
+        return json.loads(json.dumps(parts[0]))
+    datas = [json.dumps(p, separators=(",", ":"), allow_nan=False).encode() for p in parts] \
+        if coord.rank == 0 and parts is not None else []
+    size = int(coord.scatter([len(d) for d in datas] if datas else None, f"{what} (sizes)", src=0))
+    if coord.rank == 0:
+        coord.exchange([Transfer(0, r, 0, torch.frombuffer(bytearray(d), dtype=torch.uint8))
+                        for r, d in enumerate(datas) if r], what)
+        return json.loads(datas[0])
+    buf = torch.empty(size, dtype=torch.uint8)
+    coord.exchange([Transfer(0, coord.rank, 0, buf)], what)
+    return json.loads(bytes(buf.numpy()))
 
 
 def assign_readers(m: Manifest, asks: Sequence[dict], what: str) -> list[list[list[int]]]:
