@@ -532,8 +532,15 @@ def _failures_worker(rank: int, world: int, tmp: str) -> dict:
     out["after_publish"] = tree()
     out["next"] = save(4.0)  # step 1, committed now; the leftovers are cleaned
     out["after_next"] = tree()
-    out["resave"] = caught(lambda: dcp.save({**sd, "rep": torch.full((3000,), 5.0)},
-                                            storage_writer=writer(root, step=1)))  # another rank's secondary: a vote
+    # re-saving step 1 with rank 1 leading a secondary root: a vote; a fresh writer's opening adds nothing to it
+    again = writer(root, step=1)
+    again.coordinator()  # the vote's channel, made here so that neither count below holds its creation
+    calls: list[int] = []
+    out["resave"] = caught(lambda: calls.extend(
+        _count_dist_calls(lambda: dcp.save({**sd, "rep": torch.full((3000,), 5.0)}, storage_writer=again))
+        for _ in range(2)))
+    out["resave_calls"] = calls
+    again.close()
     back = {"rep": torch.zeros(3000), "blob": b""}
     dcp.load(back, storage_reader=reader(root, 1))
     out["loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
@@ -565,8 +572,10 @@ def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_p
     rank 0's commit fails in finish, or rank 1's publishing fails in write_data, DCP raises on
     both ranks and no step is committed (rank 0's root holds only step 0); the writer's next save
     (its roots kept, no new open) removes what the failed ones left and commits; re-saving that
-    step with a new writer (rank 1 leads a secondary root: the vote path) replaces it, and a re-save
-    that fails on rank 0 leaves it whole (rank 1 did not replace its part before every rank wrote)."""
+    step with a new writer (rank 1 leads a secondary root: the vote path) replaces it, its first
+    re-save (opening the roots, in DCP's plans) making as many torch.distributed calls as its second,
+    and a re-save that fails on rank 0 leaves it whole (rank 1 did not replace its part before every
+    rank wrote)."""
     res = run_ranks(2, _failures_worker, str(tmp_path), out=tmp_path / "ranks")
     r0, r1 = res
     assert r0["first"] is None and r1["first"] is None, res
@@ -583,10 +592,65 @@ def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_p
     assert r0["next"] is None and r1["next"] is None, res
     assert r0["after_next"] == r1["after_next"] == ["step_000000000000", "step_000000000001"], res
     assert r0["resave"] is None and r1["resave"] is None, res
+    for x in res:  # the first re-save (a fresh writer) opens the roots in DCP's plans: as many calls as the second
+        assert x["resave_calls"][0] == x["resave_calls"][1] > 13, res
     assert r0["loaded"] == r1["loaded"] == [5.0, 5.0], res
     assert r0["after_resave"] == r1["after_resave"] == ["step_000000000000", "step_000000000001"], res
     assert r0["resave_failed"] and r1["resave_failed"], res
     assert r0["load_after_failed"] is None and r0["loaded_after_failed"] == [5.0, 5.0], res  # the old step, whole
+
+
+def _opening_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import dcp_errors
+    from gdswriter.format.commit import RootLock
+    from support.ranks import caught
+
+    root = Path(tmp, f"node{rank}")  # node-local roots: rank 1 leads its own, and locks it in write_data
+    root.mkdir()
+    sd = {"rep": torch.arange(3000.0), "blob": b"opening"}
+    other = RootLock([root]) if rank == 1 else None  # another job's writer holds rank 1's root
+    w = writer(root)
+
+    def save() -> list[str] | None:
+        def run() -> None:
+            with dcp_errors():
+                dcp.save(sd, storage_writer=w)
+        return caught(run)
+
+    def tree() -> list[str]:
+        return sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))
+
+    out: dict = {"locked": save(), "locked_tree": tree()}
+    if other is not None:
+        other.release()
+    out["next"], out["next_tree"] = save(), tree()  # the layout kept from the refused save; the leftovers cleaned
+    if rank == 1:
+        w._wrote = False  # as if rank 1 had failed before write_data last time: it opens afresh, rank 0 keeps its roots
+    out["mixed"], out["mixed_tree"] = save(), tree()
+    out["after"], out["after_tree"] = save(), tree()  # every rank opens afresh
+    w.close()
+    return out
+
+
+def test_a_fresh_writer_refused_its_lock_on_another_rank_commits_nothing(tmp_path):
+    """Another job holds rank 1's root: a fresh writer's rank 1 learns that it leads it from its
+    global plan, fails to lock it in write_data, and writes nothing there; DCP raises on every
+    rank (CheckpointLockedError through dcp_errors) and nothing commits. The lock released, the
+    next save (the layout kept) cleans rank 0's leftover and commits. A save in which some ranks
+    open their roots afresh while others keep theirs is refused on every rank before anything is
+    written; the one after opens them on every rank and commits."""
+    res = run_ranks(2, _opening_worker, str(tmp_path), out=tmp_path / "ranks")
+    r0, r1 = res
+    for x in res:
+        assert x["locked"] and x["locked"][0] == "CheckpointLockedError" and "in use" in x["locked"][1], res
+        assert x["next"] is None and x["next_tree"] == ["step_000000000000"], res
+        assert x["mixed"] and x["mixed"][0] == "GDSWriterError" and "afresh" in x["mixed"][1], res
+        assert x["mixed_tree"] == ["step_000000000000"], res
+        assert x["after"] is None and x["after_tree"] == ["step_000000000000", "step_000000000001"], res
+    assert r1["locked_tree"] == [], r1  # rank 1 made nothing on the root it could not lock
+    assert [n for n in r0["locked_tree"] if not n.startswith(".tmp-step_000000000000-")] == [], r0
 
 
 def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
@@ -599,15 +663,16 @@ def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
     root = Path(tmp, f"node{rank // 2}")
     w = writer(root)
     sd = {"rep": torch.arange(2000.0), "blob": b"nodes"}
-    own = []
+    own, calls = [], []
     for _ in range(2):
         before = w.coordinator().stats.collectives
-        dcp.save(sd, storage_writer=w)
+        calls.append(_count_dist_calls(lambda: dcp.save(sd, storage_writer=w)))
         own.append(w.coordinator().stats.collectives - before)
     w.close()
     back = {"rep": torch.zeros(2000), "blob": b""}
     dcp.load(back, storage_reader=reader(root, 1))
-    out["nodes"] = {"own": own, "ok": torch.equal(back["rep"], sd["rep"]) and back["blob"] == b"nodes",
+    out["nodes"] = {"own": own, "calls": calls,
+                    "ok": torch.equal(back["rep"], sd["rep"]) and back["blob"] == b"nodes",
                     "steps": sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))}
     # rank 3's root is a copy of rank 0's (one id, two directories): refused before anything commits
     if rank == 0:
@@ -631,13 +696,17 @@ def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
 def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
     """Four ranks on two "nodes", each node's root shared by its two ranks: node 1's root is led
     by rank 2, which DCP's plans give no order for, so these saves keep the vote (collectives of
-    the writer's own on every save); the checkpoint commits on both roots and loads. A root that
+    the writer's own on every save), but the writer's first save opens its roots in DCP's plans
+    (before: with collectives of its own, on top of the vote); the checkpoint commits on both
+    roots and loads. A root that
     is a copy of rank 0's (the same id in another directory) is refused on the rank that has it,
     with how to fix it, and nothing commits."""
     res = run_ranks(4, _node_roots_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(res):
         assert x["nodes"]["ok"], (rank, x)
         assert x["nodes"]["own"][1] > 0, (rank, x)  # the vote
+        # the first save (the writer opens its roots: in DCP's plans) makes no more calls than the second
+        assert x["nodes"]["own"][0] == x["nodes"]["own"][1] and x["nodes"]["calls"][0] == x["nodes"]["calls"][1], x
         assert x["nodes"]["steps"] == ["step_000000000000", "step_000000000001"], (rank, x)
         assert x["copied"] is not None and x["copied_tree"] == [], (rank, x)
     assert "RootUnavailableError" in res[3]["copied"][1] and "same identity" in res[3]["copied"][1], res[3]

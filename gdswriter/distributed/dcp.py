@@ -39,12 +39,21 @@ sees) in ``write_data``, whose WriteResults carry its report (files, chunks, crc
 to the coordinator in DCP's gather, and ``finish`` checks the reports and commits. DCP runs
 ``finish`` only when every rank's ``write_data`` succeeded, and raises on every rank otherwise
 (and when ``finish`` raises): nothing is then committed. The storage side adds no collective to
-a save's; the writer opens its roots (agrees on the root table, locks, cleans: collectives)
-once, at its first save, and again only for other roots or after a save that failed before
-writing. Two layouts still vote over the coordination group as GDSCheckpointer does (the
-plans give no order for them, see OrderedCommit): a root that several ranks see but another
-rank than rank 0 leads (one SSD per node shared by that node's ranks), and re-saving a
-committed step while another rank leads a secondary root.
+a save's, also where the writer opens its roots (at its first save, for a new checkpoint_id
+directory, after a save that failed before writing): each rank's ``set_up_storage_writer``
+makes its roots and their identities and probes them (rank 0, which leads every root it sees,
+under their lock), its local plan carries that to the coordinator, which builds the table of
+distinct roots (by identity), chooses the primary (refused unless it is rank 0's) and sends
+each rank its part of the table in its global plan (roots.py's discover_layout and
+settle_primary, carried by DCP's gather and scatter); the other ranks lock the roots they lead
+in ``write_data``, check that they did not change since they probed them, and clean them. The
+coordination channel (a collective to create) is made only for a vote. Two layouts still vote
+over it as GDSCheckpointer does: a root that several ranks see but another rank than rank 0
+leads (one SSD per node shared by that node's ranks), and re-saving a committed step while
+another rank leads a secondary root. Both need a step of a non-coordinator rank after every
+rank's writes (renaming the shared secondary directory once all its ranks' files are durable;
+replacing a secondary ``step_S`` only after the coordinator un-committed the old step), and
+DCP's protocol runs no storage code on those ranks after ``write_data`` (OrderedCommit).
 
 Loading reads each item DCP asks for whole straight into DCP's target tensor (its checksum
 computed as it is read) and only resharded or cast items through a buffer, as FileSystemReader

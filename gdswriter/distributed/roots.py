@@ -7,7 +7,8 @@ directory (a shared file system, or ranks of one node), or the same path may be 
 rank 0, which builds the one table of distinct roots (the primary first) and sends each rank
 its part of it (``discover_layout``: what a rank receives does not grow with the world; the
 whole table is held by the primary rank, which records it in each manifest, and by every
-rank only once a load needs it, ``share_table``). Each root is led by the lowest rank
+rank only once a load needs it, ``share_table``; the DCP writer makes the same decisions from
+what DCP's own plan gather and scatter carry: dcp.py). Each root is led by the lowest rank
 that sees it: that rank locks it, cleans it, and commits its step directory; the other ranks
 sharing it only write their own files there.
 
