@@ -564,7 +564,9 @@ class GDSStorageWriter(_Collective, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's pieces and make them durable (and publish the secondary roots only
         this rank sees); the last WriteResult carries its report to finish() (module docstring).
-        In a layout OrderedCommit does not serve, vote instead (collective; commit.py)."""
+        When this save opens the roots, another rank than the coordinator first takes its layout
+        from its plan and locks the roots it leads (_open_from_plan). In a layout OrderedCommit
+        does not serve, vote instead (collective; commit.py)."""
         decided = plan.storage_data
         self._wrote = True  # every rank that gets here holds the coordinator's layout for the next save
         failed = None  # this rank's opening failed: a vote must still hear of it
