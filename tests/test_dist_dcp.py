@@ -631,6 +631,28 @@ def _opening_worker(rank: int, world: int, tmp: str) -> dict:
     out["mixed"], out["mixed_tree"] = save(), tree()
     out["after"], out["after_tree"] = save(), tree()  # every rank opens afresh
     w.close()
+    # another writer's save reaches rank 1's root after rank 1 probed it, before it holds its lock
+    from gdswriter.distributed.dcp import GDSStorageWriter
+
+    root = Path(tmp, f"late{rank}")
+    w = writer(root)
+    real = GDSStorageWriter.prepare_local_plan
+
+    def late_write(self, plan):
+        step = root / "step_000000000007"
+        step.mkdir()
+        (step / "primary-root").write_text("/elsewhere\n")
+        (step / "primary-id").write_text("e" * 32 + "\n")
+        return real(self, plan)
+
+    if rank == 1:
+        GDSStorageWriter.prepare_local_plan = late_write
+    try:
+        out["late"] = save()
+    finally:
+        GDSStorageWriter.prepare_local_plan = real
+    out["late_tree"] = tree()
+    w.close()
     return out
 
 
@@ -640,7 +662,9 @@ def test_a_fresh_writer_refused_its_lock_on_another_rank_commits_nothing(tmp_pat
     rank (CheckpointLockedError through dcp_errors) and nothing commits. The lock released, the
     next save (the layout kept) cleans rank 0's leftover and commits. A save in which some ranks
     open their roots afresh while others keep theirs is refused on every rank before anything is
-    written; the one after opens them on every rank and commits."""
+    written; the one after opens them on every rank and commits. A root that another writer
+    changed after rank 1 probed it (before rank 1 held its lock) is refused: the coordinator
+    decided on what rank 1 saw before."""
     res = run_ranks(2, _opening_worker, str(tmp_path), out=tmp_path / "ranks")
     r0, r1 = res
     for x in res:
@@ -650,6 +674,10 @@ def test_a_fresh_writer_refused_its_lock_on_another_rank_commits_nothing(tmp_pat
         assert x["mixed_tree"] == ["step_000000000000"], res
         assert x["after"] is None and x["after_tree"] == ["step_000000000000", "step_000000000001"], res
     assert r1["locked_tree"] == [], r1  # rank 1 made nothing on the root it could not lock
+    for x in res:  # rank 1's root changed between its probe and its lock: refused, nothing committed
+        assert x["late"] and x["late"][0] == "RootUnavailableError" and "changed while" in x["late"][1], res
+    assert r1["late_tree"] == ["step_000000000007"], r1
+    assert [n for n in r0["late_tree"] if not n.startswith(".tmp-step_000000000000-")] == [], r0
     assert [n for n in r0["locked_tree"] if not n.startswith(".tmp-step_000000000000-")] == [], r0
 
 
