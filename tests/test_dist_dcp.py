@@ -631,6 +631,31 @@ def _opening_worker(rank: int, world: int, tmp: str) -> dict:
     out["mixed"], out["mixed_tree"] = save(), tree()
     out["after"], out["after_tree"] = save(), tree()  # every rank opens afresh
     w.close()
+    # re-saving step 1 (rank 1 leads a secondary root: a vote) with rank 1's root held by another job
+    from gdswriter.distributed import commit
+
+    other = RootLock([root]) if rank == 1 else None
+    w = writer(root, step=1)
+    sd["rep"].fill_(9.0)
+    real_vote = commit.RankCommit.vote
+    seen: list = []
+
+    def vote(self, *a, **k):
+        seen.append(tree())  # what rank 1 made on the root before it votes
+        return real_vote(self, *a, **k)
+
+    commit.RankCommit.vote = vote
+    try:
+        out["vote_locked"], out["vote_locked_tree"] = save(), tree()
+    finally:
+        commit.RankCommit.vote = real_vote
+    out["vote_seen"] = seen
+    w.close()
+    if other is not None:
+        other.release()
+    back = {"rep": torch.zeros(3000), "blob": b""}
+    dcp.load(back, storage_reader=reader(root, 1))
+    out["vote_loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
     # another writer's save reaches rank 1's root after rank 1 probed it, before it holds its lock
     from gdswriter.distributed.dcp import GDSStorageWriter
 
@@ -662,7 +687,9 @@ def test_a_fresh_writer_refused_its_lock_on_another_rank_commits_nothing(tmp_pat
     rank (CheckpointLockedError through dcp_errors) and nothing commits. The lock released, the
     next save (the layout kept) cleans rank 0's leftover and commits. A save in which some ranks
     open their roots afresh while others keep theirs is refused on every rank before anything is
-    written; the one after opens them on every rank and commits. A root that another writer
+    written; the one after opens them on every rank and commits. Re-saving step 1 (a vote: rank 1
+    leads a secondary root) while rank 1's root is held: rank 1 makes nothing there and reports
+    it in the vote, every rank raises, step 1 stays whole. A root that another writer
     changed after rank 1 probed it (before rank 1 held its lock) is refused: the coordinator
     decided on what rank 1 saw before."""
     res = run_ranks(2, _opening_worker, str(tmp_path), out=tmp_path / "ranks")
@@ -674,6 +701,11 @@ def test_a_fresh_writer_refused_its_lock_on_another_rank_commits_nothing(tmp_pat
         assert x["mixed_tree"] == ["step_000000000000"], res
         assert x["after"] is None and x["after_tree"] == ["step_000000000000", "step_000000000001"], res
     assert r1["locked_tree"] == [], r1  # rank 1 made nothing on the root it could not lock
+    for x in res:  # the vote hears of rank 1's lock: nothing made on its root, the committed step 1 whole
+        assert x["vote_locked"] and x["vote_locked"][0] == "CheckpointLockedError", res
+        assert x["vote_locked_tree"] == ["step_000000000000", "step_000000000001"], res
+        assert x["vote_loaded"] == [0.0, 2999.0], res
+    assert r1["vote_seen"] == [["step_000000000000", "step_000000000001"]], r1
     for x in res:  # rank 1's root changed between its probe and its lock: refused, nothing committed
         assert x["late"] and x["late"][0] == "RootUnavailableError" and "changed while" in x["late"][1], res
     assert r1["late_tree"] == ["step_000000000007"], r1
