@@ -413,15 +413,41 @@ def _count_dist_calls(fn) -> int:
     return calls[0]
 
 
+def _saved(root: Path, step: int, sd: dict) -> bool:
+    """Step ``step`` under ``root`` loads back as ``sd``."""
+    import torch.distributed.checkpoint as dcp
+
+    back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else b"") for k, v in sd.items()}
+    dcp.load(back, storage_reader=reader(root, step))
+    return all(torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v for k, v in sd.items())
+
+
 def _collectives_worker(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
+
+    from gdswriter.distributed.group import Coordinator
 
     sd = {"rep": torch.arange(5000.0), "other": torch.ones(300, dtype=torch.float16), "blob": b"x" * 10}
     out: dict = {}
     fs = [_count_dist_calls(lambda i=i: dcp.save(sd, storage_writer=FileSystemWriter(Path(tmp, f"fs{i}"))))
           for i in range(3)]
     out["fs"] = fs
+    # fresh writers first: nothing has made the plug-in's coordination channel yet
+    saved = {}
+    for name, root in (("fresh_shared", Path(tmp, "fresh")), ("fresh_node_local", Path(tmp, f"fresh{rank}"))):
+        out[name] = {"calls": [_count_dist_calls(lambda: dcp.save(sd, storage_writer=writer(root)))
+                               for _ in range(3)]}
+        saved[name] = (root, 2)
+    kept = writer(None)  # torchtitan's: one writer, a new checkpoint_id directory per save (each opened afresh)
+    out["paths"] = {"calls": [_count_dist_calls(lambda i=i: dcp.save(sd, storage_writer=kept,
+                                                                       checkpoint_id=Path(tmp, "run", f"step-{i}")))
+                              for i in range(3)]}
+    kept.close()
+    saved["paths"] = (Path(tmp, "run", "step-2"), 2)
+    out["channels"] = len(Coordinator._shared)  # no save made the writer's coordination channel
+    for name, (root, step) in saved.items():
+        out[name]["ok"] = _saved(root, step, sd)
     for name, root in (("shared", Path(tmp, "shared")), ("node_local", Path(tmp, f"node{rank}"))):
         w = writer(root)
         coord = w.coordinator()
@@ -431,30 +457,35 @@ def _collectives_worker(rank: int, world: int, tmp: str) -> dict:
             calls.append(_count_dist_calls(lambda: dcp.save(sd, storage_writer=w)))
             own.append(coord.stats.collectives - before)
         w.close()
-        back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else b"") for k, v in sd.items()}
-        dcp.load(back, storage_reader=reader(root, 2))
-        ok = all(torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v for k, v in sd.items())
-        out[name] = {"own": own, "calls": calls, "ok": ok,
+        out[name] = {"own": own, "calls": calls, "ok": _saved(root, 2, sd),
                      "step_dirs": sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp")))}
     return out
 
 
 def test_dcp_save_adds_no_collective_of_the_storage_layer(tmp_path):
-    """A writer's saves after its first (which opens the roots) make exactly the torch.distributed
-    calls a FileSystemWriter save makes (DCP's own plan gather/scatter and result gather/broadcast),
-    and none on the writer's coordination channel: the step and token travel in DCP's plans and
-    the reports in its WriteResults. With one root every rank shares, and with node-local roots
-    (rank 1 publishes its secondary step directory inside write_data). Before, every save opened
-    the roots, broadcast the step, checked the shared roots and voted (each collective several
-    torch.distributed calls)."""
+    """Every dcp.save through GDSStorageWriter makes exactly the torch.distributed calls a
+    FileSystemWriter save makes (DCP's own plan gather/scatter and result gather/broadcast), and
+    none on the writer's coordination channel: a writer's first save too (a new writer per save,
+    or a kept one given a new checkpoint_id directory per save, as torchtitan does), whose roots'
+    identities and probes travel in the local plans and the root table and primary come back in
+    the global plans, and a kept writer's later saves, whose step and token travel in the plans
+    and reports in its WriteResults. With one root every rank shares, and with node-local roots
+    (rank 1 publishes its secondary step directory inside write_data). Before, a fresh writer
+    opened its roots with collectives of its own (root table, primary, cleaning: 28 calls here, 33
+    with the coordination channel's creation, against FileSystemWriter's 13)."""
     res = run_ranks(2, _collectives_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(res):
         fs = x["fs"][-1]
+        assert x["channels"] == 0, (rank, x)
+        for name in ("fresh_shared", "fresh_node_local", "paths"):
+            got = x[name]
+            assert got["ok"], (rank, name, got)
+            assert got["calls"] == [fs, fs, fs], (rank, name, got, x["fs"])
         for name in ("shared", "node_local"):
             got = x[name]
             assert got["ok"], (rank, name, got)
-            assert got["own"][0] > 0 and got["own"][1:] == [0, 0], (rank, name, got)
-            assert got["calls"][1:] == [fs, fs], (rank, name, got, x["fs"])
+            assert got["own"] == [0, 0, 0], (rank, name, got)
+            assert got["calls"] == [fs, fs, fs], (rank, name, got, x["fs"])
             assert got["step_dirs"] == ["step_000000000000", "step_000000000001", "step_000000000002"], got
 
 
@@ -501,8 +532,15 @@ def _failures_worker(rank: int, world: int, tmp: str) -> dict:
     out["after_publish"] = tree()
     out["next"] = save(4.0)  # step 1, committed now; the leftovers are cleaned
     out["after_next"] = tree()
-    out["resave"] = caught(lambda: dcp.save({**sd, "rep": torch.full((3000,), 5.0)},
-                                            storage_writer=writer(root, step=1)))  # another rank's secondary: a vote
+    # re-saving step 1 with rank 1 leading a secondary root: a vote; a fresh writer's opening adds nothing to it
+    again = writer(root, step=1)
+    again.coordinator()  # the vote's channel, made here so that neither count below holds its creation
+    calls: list[int] = []
+    out["resave"] = caught(lambda: calls.extend(
+        _count_dist_calls(lambda: dcp.save({**sd, "rep": torch.full((3000,), 5.0)}, storage_writer=again))
+        for _ in range(2)))
+    out["resave_calls"] = calls
+    again.close()
     back = {"rep": torch.zeros(3000), "blob": b""}
     dcp.load(back, storage_reader=reader(root, 1))
     out["loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
@@ -534,8 +572,10 @@ def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_p
     rank 0's commit fails in finish, or rank 1's publishing fails in write_data, DCP raises on
     both ranks and no step is committed (rank 0's root holds only step 0); the writer's next save
     (its roots kept, no new open) removes what the failed ones left and commits; re-saving that
-    step with a new writer (rank 1 leads a secondary root: the vote path) replaces it, and a re-save
-    that fails on rank 0 leaves it whole (rank 1 did not replace its part before every rank wrote)."""
+    step with a new writer (rank 1 leads a secondary root: the vote path) replaces it, its first
+    re-save (opening the roots, in DCP's plans) making as many torch.distributed calls as its second,
+    and a re-save that fails on rank 0 leaves it whole (rank 1 did not replace its part before every
+    rank wrote)."""
     res = run_ranks(2, _failures_worker, str(tmp_path), out=tmp_path / "ranks")
     r0, r1 = res
     assert r0["first"] is None and r1["first"] is None, res
@@ -552,10 +592,125 @@ def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_p
     assert r0["next"] is None and r1["next"] is None, res
     assert r0["after_next"] == r1["after_next"] == ["step_000000000000", "step_000000000001"], res
     assert r0["resave"] is None and r1["resave"] is None, res
+    for x in res:  # the first re-save (a fresh writer) opens the roots in DCP's plans: as many calls as the second
+        assert x["resave_calls"][0] == x["resave_calls"][1] > 13, res
     assert r0["loaded"] == r1["loaded"] == [5.0, 5.0], res
     assert r0["after_resave"] == r1["after_resave"] == ["step_000000000000", "step_000000000001"], res
     assert r0["resave_failed"] and r1["resave_failed"], res
     assert r0["load_after_failed"] is None and r0["loaded_after_failed"] == [5.0, 5.0], res  # the old step, whole
+
+
+def _opening_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import dcp_errors
+    from gdswriter.format.commit import RootLock
+    from support.ranks import caught
+
+    root = Path(tmp, f"node{rank}")  # node-local roots: rank 1 leads its own, and locks it in write_data
+    root.mkdir()
+    sd = {"rep": torch.arange(3000.0), "blob": b"opening"}
+    other = RootLock([root]) if rank == 1 else None  # another job's writer holds rank 1's root
+    w = writer(root)
+
+    def save() -> list[str] | None:
+        def run() -> None:
+            with dcp_errors():
+                dcp.save(sd, storage_writer=w)
+        return caught(run)
+
+    def tree() -> list[str]:
+        return sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))
+
+    out: dict = {"locked": save(), "locked_tree": tree()}
+    if other is not None:
+        other.release()
+    out["next"], out["next_tree"] = save(), tree()  # the layout kept from the refused save; the leftovers cleaned
+    if rank == 1:
+        w._wrote = False  # as if rank 1 had failed before write_data last time: it opens afresh, rank 0 keeps its roots
+    out["mixed"], out["mixed_tree"] = save(), tree()
+    out["after"], out["after_tree"] = save(), tree()  # every rank opens afresh
+    w.close()
+    # re-saving step 1 (rank 1 leads a secondary root: a vote) with rank 1's root held by another job
+    from gdswriter.distributed import commit
+
+    other = RootLock([root]) if rank == 1 else None
+    w = writer(root, step=1)
+    sd["rep"].fill_(9.0)
+    real_vote = commit.RankCommit.vote
+    seen: list = []
+
+    def vote(self, *a, **k):
+        seen.append(tree())  # what rank 1 made on the root before it votes
+        return real_vote(self, *a, **k)
+
+    commit.RankCommit.vote = vote
+    try:
+        out["vote_locked"], out["vote_locked_tree"] = save(), tree()
+    finally:
+        commit.RankCommit.vote = real_vote
+    out["vote_seen"] = seen
+    w.close()
+    if other is not None:
+        other.release()
+    back = {"rep": torch.zeros(3000), "blob": b""}
+    dcp.load(back, storage_reader=reader(root, 1))
+    out["vote_loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
+    # another writer's save reaches rank 1's root after rank 1 probed it, before it holds its lock
+    from gdswriter.distributed.dcp import GDSStorageWriter
+
+    root = Path(tmp, f"late{rank}")
+    w = writer(root)
+    real = GDSStorageWriter.prepare_local_plan
+
+    def late_write(self, plan):
+        step = root / "step_000000000007"
+        step.mkdir()
+        (step / "primary-root").write_text("/elsewhere\n")
+        (step / "primary-id").write_text("e" * 32 + "\n")
+        return real(self, plan)
+
+    if rank == 1:
+        GDSStorageWriter.prepare_local_plan = late_write
+    try:
+        out["late"] = save()
+    finally:
+        GDSStorageWriter.prepare_local_plan = real
+    out["late_tree"] = tree()
+    w.close()
+    return out
+
+
+def test_a_fresh_writer_refused_its_lock_on_another_rank_commits_nothing(tmp_path):
+    """Another job holds rank 1's root: a fresh writer's rank 1 learns that it leads it from its
+    global plan, fails to lock it in write_data, and writes nothing there; DCP raises on every
+    rank (CheckpointLockedError through dcp_errors) and nothing commits. The lock released, the
+    next save (the layout kept) cleans rank 0's leftover and commits. A save in which some ranks
+    open their roots afresh while others keep theirs is refused on every rank before anything is
+    written; the one after opens them on every rank and commits. Re-saving step 1 (a vote: rank 1
+    leads a secondary root) while rank 1's root is held: rank 1 makes nothing there and reports
+    it in the vote, every rank raises, step 1 stays whole. A root that another writer
+    changed after rank 1 probed it (before rank 1 held its lock) is refused: the coordinator
+    decided on what rank 1 saw before."""
+    res = run_ranks(2, _opening_worker, str(tmp_path), out=tmp_path / "ranks")
+    r0, r1 = res
+    for x in res:
+        assert x["locked"] and x["locked"][0] == "CheckpointLockedError" and "in use" in x["locked"][1], res
+        assert x["next"] is None and x["next_tree"] == ["step_000000000000"], res
+        assert x["mixed"] and x["mixed"][0] == "GDSWriterError" and "afresh" in x["mixed"][1], res
+        assert x["mixed_tree"] == ["step_000000000000"], res
+        assert x["after"] is None and x["after_tree"] == ["step_000000000000", "step_000000000001"], res
+    assert r1["locked_tree"] == [], r1  # rank 1 made nothing on the root it could not lock
+    for x in res:  # the vote hears of rank 1's lock: nothing made on its root, the committed step 1 whole
+        assert x["vote_locked"] and x["vote_locked"][0] == "CheckpointLockedError", res
+        assert x["vote_locked_tree"] == ["step_000000000000", "step_000000000001"], res
+        assert x["vote_loaded"] == [0.0, 2999.0], res
+    assert r1["vote_seen"] == [["step_000000000000", "step_000000000001"]], r1
+    for x in res:  # rank 1's root changed between its probe and its lock: refused, nothing committed
+        assert x["late"] and x["late"][0] == "RootUnavailableError" and "changed while" in x["late"][1], res
+    assert r1["late_tree"] == ["step_000000000007"], r1
+    assert [n for n in r0["late_tree"] if not n.startswith(".tmp-step_000000000000-")] == [], r0
+    assert [n for n in r0["locked_tree"] if not n.startswith(".tmp-step_000000000000-")] == [], r0
 
 
 def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
@@ -568,15 +723,16 @@ def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
     root = Path(tmp, f"node{rank // 2}")
     w = writer(root)
     sd = {"rep": torch.arange(2000.0), "blob": b"nodes"}
-    own = []
+    own, calls = [], []
     for _ in range(2):
         before = w.coordinator().stats.collectives
-        dcp.save(sd, storage_writer=w)
+        calls.append(_count_dist_calls(lambda: dcp.save(sd, storage_writer=w)))
         own.append(w.coordinator().stats.collectives - before)
     w.close()
     back = {"rep": torch.zeros(2000), "blob": b""}
     dcp.load(back, storage_reader=reader(root, 1))
-    out["nodes"] = {"own": own, "ok": torch.equal(back["rep"], sd["rep"]) and back["blob"] == b"nodes",
+    out["nodes"] = {"own": own, "calls": calls,
+                    "ok": torch.equal(back["rep"], sd["rep"]) and back["blob"] == b"nodes",
                     "steps": sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))}
     # rank 3's root is a copy of rank 0's (one id, two directories): refused before anything commits
     if rank == 0:
@@ -600,13 +756,17 @@ def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
 def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
     """Four ranks on two "nodes", each node's root shared by its two ranks: node 1's root is led
     by rank 2, which DCP's plans give no order for, so these saves keep the vote (collectives of
-    the writer's own on every save); the checkpoint commits on both roots and loads. A root that
+    the writer's own on every save), but the writer's first save opens its roots in DCP's plans
+    (before: with collectives of its own, on top of the vote); the checkpoint commits on both
+    roots and loads. A root that
     is a copy of rank 0's (the same id in another directory) is refused on the rank that has it,
     with how to fix it, and nothing commits."""
     res = run_ranks(4, _node_roots_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(res):
         assert x["nodes"]["ok"], (rank, x)
         assert x["nodes"]["own"][1] > 0, (rank, x)  # the vote
+        # the first save (the writer opens its roots: in DCP's plans) makes no more calls than the second
+        assert x["nodes"]["own"][0] == x["nodes"]["own"][1] and x["nodes"]["calls"][0] == x["nodes"]["calls"][1], x
         assert x["nodes"]["steps"] == ["step_000000000000", "step_000000000001"], (rank, x)
         assert x["copied"] is not None and x["copied_tree"] == [], (rank, x)
     assert "RootUnavailableError" in res[3]["copied"][1] and "same identity" in res[3]["copied"][1], res[3]

@@ -235,12 +235,23 @@ def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
     bad = str(Path(tmp, "a-file", "ckpt")) if rank == 1 else good
     out["open"] = caught(lambda: GDSCheckpointer(_model(), root=bad, options=_options(),
                                                   dist_options=_dist_options()))
-    # DCP's rank differs from the writer's group on one rank (before: the others waited in open_session)
+    # DCP's rank differs from the writer's group on one rank (before: the others waited in open_session);
+    # set_up is local (no collective): DCP's plan gather carries rank 1's error to every rank
+    from gdswriter.distributed import dcp_errors
+
+    sd = {"rep": torch.arange(5000.0)}
+    w = GDSStorageWriter(Path(tmp, "dcp"), options=CheckpointOptions(engine=small_engine()),
+                         dist_options=_dist_options(), single_process=rank == 1)
+
+    def mismatched() -> None:
+        with dcp_errors():
+            dcp.save(sd, storage_writer=w)
+
+    out["set_up"] = caught(mismatched)
+    out["set_up_tree"] = sorted(p.name for p in Path(tmp, "dcp").iterdir() if p.name.startswith(("step_", ".tmp")))
+    w.close()
     w = GDSStorageWriter(Path(tmp, "dcp"), options=CheckpointOptions(engine=small_engine()),
                          dist_options=_dist_options())
-    out["set_up"] = caught(lambda: w.set_up_storage_writer(rank == 0, rank=rank if rank == 0 else 7))
-    w.close()
-    sd = {"rep": torch.arange(5000.0)}
     dcp.save(sd, storage_writer=w)  # the coordination group still works
     # the retention policy raising on rank 0 (before: the others waited for its broadcast)
     ck = GDSCheckpointer(_model(), root=good, options=_options(), dist_options=_dist_options())
@@ -275,8 +286,9 @@ def test_a_rank_failing_before_a_collective_fails_every_rank_at_once(tmp_path):
     r0, r1 = res
     assert r1["open"][0] == "InvalidOptionError" and "cannot create checkpoint root" in r1["open"][1], r1
     assert r0["open"][0] == "RankFailedError" and "rank 1: InvalidOptionError" in r0["open"][1], r0
-    assert r1["set_up"][0] == "InvalidOptionError" and "rank 7" in r1["set_up"][1], r1
-    assert r0["set_up"][0] == "RankFailedError" and "rank 1: InvalidOptionError" in r0["set_up"][1], r0
+    for x in res:
+        assert x["set_up"][0] == "InvalidOptionError" and "DCP saves as rank 1" in x["set_up"][1], x
+        assert x["set_up_tree"] == [], x
     assert r0["retention"][0] == "ValueError", r0
     assert r1["retention"][0] == "RankFailedError" and "rank 0: ValueError" in r1["retention"][1], r1
     assert r0["steps"] == r1["steps"] == [1, 2]

@@ -79,9 +79,12 @@ def _raise_io(e: OSError, path: Path, what: str) -> None:
 class RankCommit:
     """This rank's part of committing step ``step``: ``dirs`` (one temporary directory per local
     root) to write into, then vote(), commit() on the primary rank (``coordinates``), announce().
-    Collective from the start: with shared roots, construction runs step 1's two collectives."""
+    Collective from the start: with shared roots, construction runs step 1's two collectives.
+    ``failed``: an error this rank hit before (its roots' lock, their cleaning): it makes no
+    directory and reports the error in the vote."""
 
-    def __init__(self, coord: Coordinator, layout: RootLayout, step: int, token: str):
+    def __init__(self, coord: Coordinator, layout: RootLayout, step: int, token: str,
+                 failed: BaseException | None = None):
         self.coord, self.layout, self.step = coord, layout, step
         self.what = f"saving step {step}"
         self.p = layout.primary_rank
@@ -89,7 +92,7 @@ class RankCommit:
         self.primary_index = layout.local_of(0)  # where this rank sees the primary (the primary rank does)
         name = f"{TMP_PREFIX}{step_dir_name(step)}-{token}"
         self.dirs = [root / name for root in layout.local_paths]
-        self.setup_error: BaseException | None = None  # reported in the vote, never raised alone
+        self.setup_error: BaseException | None = failed  # reported in the vote, never raised alone
         self.local_error: BaseException | None = None  # a failure of this rank's step 3
         self.renamed: list[Path] = []
         self.secondary_failures: dict[int, str] = {}
@@ -97,7 +100,7 @@ class RankCommit:
         self.keep_secondaries = False  # primary rank: a failure after the commit rename keeps secondary step_S
         d = self.dirs[0]
         try:
-            for i, d in enumerate(self.dirs):
+            for i, d in enumerate(self.dirs if failed is None else []):
                 if layout.leads(i):  # only the leader creates it: the others must find it (step 1)
                     d.mkdir()
                     if not layout.is_primary(i):

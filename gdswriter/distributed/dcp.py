@@ -39,12 +39,21 @@ sees) in ``write_data``, whose WriteResults carry its report (files, chunks, crc
 to the coordinator in DCP's gather, and ``finish`` checks the reports and commits. DCP runs
 ``finish`` only when every rank's ``write_data`` succeeded, and raises on every rank otherwise
 (and when ``finish`` raises): nothing is then committed. The storage side adds no collective to
-a save's; the writer opens its roots (agrees on the root table, locks, cleans: collectives)
-once, at its first save, and again only for other roots or after a save that failed before
-writing. Two layouts still vote over the coordination group as GDSCheckpointer does (the
-plans give no order for them, see OrderedCommit): a root that several ranks see but another
-rank than rank 0 leads (one SSD per node shared by that node's ranks), and re-saving a
-committed step while another rank leads a secondary root.
+a save's, also where the writer opens its roots (at its first save, for a new checkpoint_id
+directory, after a save that failed before writing): each rank's ``set_up_storage_writer``
+makes its roots and their identities and probes them (rank 0, which leads every root it sees,
+under their lock), its local plan carries that to the coordinator, which builds the table of
+distinct roots (by identity), chooses the primary (refused unless it is rank 0's) and sends
+each rank its part of the table in its global plan (roots.py's discover_layout and
+settle_primary, carried by DCP's gather and scatter); the other ranks lock the roots they lead
+in ``write_data``, check that they did not change since they probed them, and clean them. The
+coordination channel (a collective to create) is made only for a vote. Two layouts still vote
+over it as GDSCheckpointer does: a root that several ranks see but another rank than rank 0
+leads (one SSD per node shared by that node's ranks), and re-saving a committed step while
+another rank leads a secondary root. Both need a step of a non-coordinator rank after every
+rank's writes (renaming the shared secondary directory once all its ranks' files are durable;
+replacing a secondary ``step_S`` only after the coordinator un-committed the old step), and
+DCP's protocol runs no storage code on those ranks after ``write_data`` (OrderedCommit).
 
 Loading reads each item DCP asks for whole straight into DCP's target tensor (its checksum
 computed as it is read) and only resharded or cast items through a buffer, as FileSystemReader
@@ -98,7 +107,7 @@ from ..engines.base import IOEngine
 from ..engines.select import create_engine
 from ..errors import (CheckpointExistsError, CorruptCheckpointError, EngineIOError, GDSWriterError,
                       InvalidOptionError, RankFailedError, RootUnavailableError)
-from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, _link_no_clobber, normalize_roots
+from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, RootLock, _link_no_clobber, normalize_roots
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, ShardInfo, TensorRecord
 from .._log import log_once
@@ -116,8 +125,9 @@ from .group import Coordinator, describe
 from .load import broadcast_manifest, rebuild_state
 from .options import DistOptions
 from .rankfiles import file_entries, group_held, rank_targets
-from .roots import clean_led, discover_layout, lock_led, probe_led, root_identity, settle_primary
-from .session import DistSession, RankProtocol, open_session
+from .roots import (RootLayout, _build_table, _primary_of, clean_led, discover_layout, layout_of_part, layout_parts,
+                    lock_led, probe_led, probe_root, root_identity, settle_primary)
+from .session import DistSession, RankProtocol, primary_not_on_rank_0
 
 log = logging.getLogger("gdswriter")
 
@@ -239,7 +249,8 @@ def dcp_errors() -> Iterator[None]:
 class _Collective:
     """What the writer and reader share: roots, options, and a coordinator opened on first use."""
 
-    _OPEN = ("_coord", "_session", "_items", "_save", "_loaded", "_engines")  # resources, per-save state: not pickled
+    _OPEN = ("_coord", "_session", "_items", "_save", "_loaded", "_engines", "_opening",
+             "_open_lock")  # resources, per-save state: not pickled
 
     def __init__(self, root: Any, step: int | None, process_group: Any, single_process: bool,
                  dist_options: DistOptions | None):
@@ -251,6 +262,18 @@ class _Collective:
         self._coord: Coordinator | None = None
         self._path_roots: list[Path] | None = None  # the roots a checkpoint_id path names (reset)
         self._override: int | None = None  # the step a checkpoint_id names
+
+    def place(self) -> tuple[int, int]:
+        """This rank's rank and the world size in the plug-in's group, without its coordination
+        channel (whose creation is a collective: the writer makes it only for a vote)."""
+        if self._coord is not None:
+            return self._coord.rank, self._coord.world_size
+        import torch.distributed as dist
+
+        if self.single_process or not (dist.is_available() and dist.is_initialized()):
+            return 0, 1
+        pg = self.process_group if self.process_group is not None else dist.group.WORLD
+        return dist.get_rank(pg), dist.get_world_size(pg)
 
     def coordinator(self) -> Coordinator:
         if self._coord is None:
@@ -391,7 +414,8 @@ class GDSStorageWriter(_Collective, StorageWriter):
         self._session: DistSession | None = None  # the opened roots, kept from save to save (their locks are not)
         self._session_roots: list[Path] | None = None  # the roots it was opened for
         self._wrote = False  # this save reached write_data (DCP's plans went out): its session may be kept
-        self._fresh = False  # the session was opened (and its roots cleaned) by this save
+        self._opening: dict | None = None  # this save opens the roots: what set_up found on them (_open_local)
+        self._open_lock: RootLock | None = None  # rank 0's lock on its roots, taken by set_up while opening
         self._items: dict[str, Any] = {}   # chunk key -> this rank's WriteItem
         self._save: dict | None = None     # step, commit and reports of the save in progress
         self._engines: list[IOEngine] | None = None  # one per local root, kept from save to save
@@ -413,9 +437,11 @@ class GDSStorageWriter(_Collective, StorageWriter):
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Open the roots (collective), or take the ones the last save opened (local: their locks
-        and identities; no collective). A session is kept only from a save that reached
-        write_data: DCP's plans reached every rank then, so every rank decides the same."""
+        """Local: take the roots the last save opened (their locks, their identities checked), or
+        prepare to open them (_open_local: what the coordinator needs travels in this rank's local
+        plan, the table and the primary come back in its global plan: DCP's own gather and
+        scatter). A session is kept only from a save that reached write_data: DCP's plans reached
+        every rank then, so every rank decides the same."""
         kept = self._wrote
         self._end_save()
         self._wrote = False
@@ -423,18 +449,48 @@ class GDSStorageWriter(_Collective, StorageWriter):
             raise InvalidOptionError("GDSStorageWriter commits one step for all ranks: dcp.save(use_collectives=False) "
                                      "(a metadata file per rank) is not supported; use FileSystemWriter for that")
         roots = self.current_roots()
-        coord = self.coordinator()
-        failed = None  # reported in open_session's first collective, so every rank raises at once
-        if "rank" in kwargs and kwargs["rank"] != coord.rank:
-            failed = InvalidOptionError(f"DCP saves as rank {kwargs['rank']} but this writer's group has it as rank "
-                                        f"{coord.rank}: pass the same process_group (single_process=True for no_dist)")
-        if self._session is not None and kept and self._session_roots == roots and failed is None:
+        rank, _ = self.place()
+        if "rank" in kwargs and kwargs["rank"] != rank:
+            raise InvalidOptionError(f"DCP saves as rank {kwargs['rank']} but this writer's group has it as rank "
+                                     f"{rank}: pass the same process_group (single_process=True for no_dist)")
+        if bool(is_coordinator) != (rank == 0):
+            raise InvalidOptionError(f"DCP's coordinator is {'' if is_coordinator else 'not '}rank {rank} of this "
+                                     f"writer's group: GDSStorageWriter commits on rank 0; pass dcp.save the "
+                                     f"writer's process_group")
+        if self._session is not None and kept and self._session_roots == roots:
             self._relock(self._session)
-            self._fresh = False
             return
         self._session = self._session_roots = None
-        self._session = open_session(roots, coord, self.dist_options, failed=failed)  # makes missing roots
-        self._session_roots, self._fresh = list(roots), True
+        self._opening = self._open_local(roots, rank)
+
+    def _open_local(self, roots: list[Path], rank: int) -> dict:
+        """What this rank can learn of its roots alone before DCP's plans: each made if missing,
+        its identity (created once), and what it holds (roots.probe_root). Rank 0, the lowest
+        rank, leads every root it sees: it locks them all here, before probing them, and reports
+        their committed steps in full; another rank does not know yet which roots it leads, so
+        it probes them unlocked, reports only the last committed steps (choose_primary needs no
+        more of a root that cannot be the primary of a DCP save), and once its global plan says
+        which it leads, locks them and probes them again in write_data (_open_from_plan)."""
+        for r in roots:
+            try:
+                r.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
+                                         f"directory") from e
+        ids = [root_identity(r) for r in roots]
+        if len(set(ids)) != len(ids):
+            raise InvalidOptionError(f"roots {[str(r) for r in roots]} name one directory twice (through a link): "
+                                     f"give each SSD's directory once")
+        lock = RootLock(roots) if rank == 0 else None
+        try:
+            probes = [_probe(r, whole=rank == 0) for r in roots]
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        self._open_lock = lock
+        return {"paths": list(roots), "ids": ids,
+                "plan": {"roots": [[i, str(r.resolve())] for i, r in zip(ids, roots)], "probes": probes}}
 
     def _relock(self, session: DistSession) -> None:
         """Lock the roots this rank leads again, after checking that each of its roots is still
@@ -466,14 +522,26 @@ class GDSStorageWriter(_Collective, StorageWriter):
                 for d in td.chunk.sizes:
                     n *= d
                 held.append([key, n * td.properties.dtype.itemsize])
-        return replace(plan, storage_data={"held": held})
+        opening = self._opening["plan"] if self._opening is not None else None
+        return replace(plan, storage_data={"held": held, "open": opening})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: decide the step and the token (checking ``overwrite`` under the root lock)
-        and make the temporary directories it leads, then number every item: tensor chunks, split
-        over the ranks holding them (planner/ranks.py), then BytesIO items, written whole by the
-        rank DCP's deduplication gave them to. The decision travels in each plan."""
-        session = self._session
+        """Coordinator: open the roots if this save opens them (_open_shared), decide the step and
+        the token (checking ``overwrite`` under the root lock) and make the temporary directories
+        it leads, then number every item: tensor chunks, split over the ranks holding them
+        (planner/ranks.py), then BytesIO items, written whole by the rank DCP's deduplication
+        gave them to. The decision (and each rank's part of the root table) travels in each plan."""
+        opening = [plan.storage_data["open"] for plan in plans]
+        parts: list[dict | None] = [None] * len(plans)
+        if all(o is None for o in opening):
+            session = self._session
+        elif any(o is None for o in opening):
+            raise GDSWriterError(f"dcp.save: ranks {[r for r, o in enumerate(opening) if o is not None][:8]} open "
+                                 f"their roots afresh while the others keep theirs from an earlier save (a save "
+                                 f"that failed on some ranks before write_data); nothing was written: save again, "
+                                 f"and every rank opens them")
+        else:
+            session, parts = self._open_shared(opening)
         if session is None:
             raise InvalidOptionError("prepare_global_plan before set_up_storage_writer: use this writer through "
                                      "dcp.save")
@@ -490,20 +558,30 @@ class GDSStorageWriter(_Collective, StorageWriter):
                     pieces[r].append([len(items), 0, None])
                     items.append([f"bytes:{wi.index.fqn}", None, wi.index.fqn, None])
         decided = self._decide(session)
-        return [replace(plan, storage_data={"items": items, "pieces": pieces[r], **decided})
+        return [replace(plan, storage_data={"items": items, "pieces": pieces[r], "layout": parts[r], **decided})
                 for r, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's pieces and make them durable (and publish the secondary roots only
         this rank sees); the last WriteResult carries its report to finish() (module docstring).
-        In a layout OrderedCommit does not serve, vote instead (collective; commit.py)."""
+        When this save opens the roots, another rank than the coordinator first takes its layout
+        from its plan and locks the roots it leads (_open_from_plan). In a layout OrderedCommit
+        does not serve, vote instead (collective; commit.py)."""
+        decided = plan.storage_data
+        self._wrote = True  # every rank that gets here holds the coordinator's layout for the next save
+        failed = None  # this rank's opening failed: a vote must still hear of it
+        if self._opening is not None and decided.get("layout") is not None:
+            try:
+                self._open_from_plan(decided)
+            except Exception as e:  # noqa: BLE001 - raised here, or reported in the vote
+                if not decided["vote"] or self._session is None:
+                    raise
+                failed = e
         session = self._session
         if session is None:
             raise InvalidOptionError("write_data before set_up_storage_writer: use this writer through dcp.save")
-        self._wrote = True
-        decided = plan.storage_data
         if decided["vote"]:
-            report = self._write_and_vote(session, plan, planner)
+            report = self._write_and_vote(session, plan, planner, failed)
         else:
             report = self._write_ordered(session, plan, planner)
         results = [WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items]
@@ -544,10 +622,60 @@ class GDSStorageWriter(_Collective, StorageWriter):
             self._end_save()
 
     # -- internals -----------------------------------------------------------
+    def _open_shared(self, opening: list[dict]) -> tuple[DistSession, list[dict | None]]:
+        """Coordinator: what discover_layout and settle_primary decide, from what every rank's
+        local plan carries (_open_local) instead of collectives of their own: the table of
+        distinct roots (by identity), the primary (choose_primary, from each root's leader's
+        probe), refused unless it is rank 0's; rank 0's session (its roots locked since
+        set_up), and each other rank's part of the table (roots.layout_parts: what its own roots
+        take), which DCP scatters in the plans. Cleaning comes with the step (_decide)."""
+        assert self._opening is not None
+        table, where = _build_table(opening)
+        probes = {}
+        for g, info in enumerate(table):
+            leader = min(info.ranks)
+            probes[str(g)] = opening[leader]["probes"][where[leader].index(g)]
+        world = len(opening)
+        found = RootLayout(0, world, table, tuple(self._opening["paths"]), tuple(self._opening["ids"]),
+                           tuple(where[0]), table[0].path)
+        layout = found.with_primary(_primary_of(found, probes))
+        if layout.primary_rank != 0:
+            raise primary_not_on_rank_0(layout)
+        index = {info.id: g for g, info in enumerate(layout.table)}
+        parts: list[dict | None] = list(layout_parts(layout.table, [[index[rid] for rid, _ in o["roots"]]
+                                                                    for o in opening]))
+        parts[0] = None  # rank 0 holds the whole table
+        session = DistSession(_Place(0, world), layout, self._open_lock, self.dist_options)
+        self._open_lock = None  # the session's now
+        self._session, self._session_roots, self._opening = session, list(self._opening["paths"]), None
+        return session, parts
+
+    def _open_from_plan(self, decided: dict) -> None:
+        """Another rank than the coordinator, in write_data: its layout from its part of the table
+        (kept as its session from now on, whatever follows), then the roots it leads locked and
+        probed again: one that changed since set_up probed it (another job wrote there before
+        this rank held its lock) is refused, as the coordinator decided on what it saw before."""
+        opening = self._opening
+        assert opening is not None
+        self._opening = None
+        rank, world = self.place()
+        layout = layout_of_part(rank, world, opening["paths"], opening["ids"], decided["layout"])
+        session = DistSession(_Place(rank, world), layout, None, self.dist_options)
+        session._learn(decided["clean"], decided["latest"])
+        self._session, self._session_roots = session, list(opening["paths"])
+        session.lock = lock_led(layout)
+        for i in layout.led:
+            root = layout.local_paths[i]
+            if _probe(root, whole=False) != opening["plan"]["probes"][i]:
+                raise RootUnavailableError(
+                    errno.EAGAIN, f"checkpoint root {root} changed while this save opened it (another writer "
+                                  f"saved there before rank {rank} held its lock); nothing was written to it: save "
+                                  f"again")
+
     def _decide(self, session: DistSession) -> dict:
-        """Coordinator: the step, the token, whether to vote (OrderedCommit.applies) and, for a
-        kept session, the committed steps each root's leader cleans with; the temporary
-        directories it leads are made here, before DCP scatters the plans."""
+        """Coordinator: the step, the token, whether to vote (OrderedCommit.applies) and the
+        committed steps each root's leader cleans with (the coordinator its own here); the
+        temporary directories it leads are made here, before DCP scatters the plans."""
         path_mode = self._path_roots is not None
         named = self._override if self._override is not None else self.step
         steps = session.protocol.committed_steps()
@@ -572,14 +700,12 @@ class GDSStorageWriter(_Collective, StorageWriter):
                         "GDSStorageWriter(overwrite=False) refuses instead)", there)
         token = secrets.token_hex(4)
         vote = not OrderedCommit.applies(session.layout, session.rank, step in steps)
-        clean = None if self._fresh else steps  # open_session cleaned the roots just now
         if not vote:
-            if clean is not None:
-                clean_led(session.layout, clean)
+            clean_led(session.layout, steps)
             rc = OrderedCommit(session.coord, session.layout, step, token)
             rc.make_dirs()
             self._save = {"commit": rc, "table": session.layout.table, "token": token}
-        return {"step": step, "token": token, "vote": vote, "clean": clean}
+        return {"step": step, "token": token, "vote": vote, "clean": steps, "latest": session.protocol.latest()}
 
     def _write_ordered(self, session: DistSession, plan: SavePlan, planner: SavePlanner) -> dict:
         decided = plan.storage_data
@@ -587,8 +713,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
             assert self._save is not None and self._save["token"] == decided["token"]
             rc = self._save["commit"]
         else:
-            if decided["clean"] is not None:
-                clean_led(session.layout, decided["clean"])
+            clean_led(session.layout, decided["clean"])
             rc = OrderedCommit(session.coord, session.layout, decided["step"], decided["token"])
             rc.make_dirs()
         try:
@@ -607,19 +732,20 @@ class GDSStorageWriter(_Collective, StorageWriter):
             self._end_save()
         return report
 
-    def _write_and_vote(self, session: DistSession, plan: SavePlan, planner: SavePlanner) -> dict:
-        """GDSCheckpointer's protocol (commit.py RankCommit: its collectives), for the layouts
-        OrderedCommit does not serve."""
+    def _write_and_vote(self, session: DistSession, plan: SavePlan, planner: SavePlanner,
+                        failed: BaseException | None) -> dict:
+        """GDSCheckpointer's protocol (commit.py RankCommit: its collectives, over the writer's
+        coordination channel, made here at its first vote), for the layouts OrderedCommit does
+        not serve. ``failed``: this rank's opening failed (its roots are not locked): it cleans
+        and makes nothing, and reports it in the vote."""
         decided = plan.storage_data
-        cleaning = None
         try:
-            if decided["clean"] is not None:  # the roots this rank leads, before their leader makes the step's
+            if failed is None:  # the roots this rank leads, before their leader makes the step's
                 clean_led(session.layout, decided["clean"])
         except Exception as e:  # noqa: BLE001 - reported in the vote
-            cleaning = e
+            failed = e
         try:
-            rc = RankCommit(session.coord, session.layout, decided["step"], decided["token"])
-            rc.setup_error = rc.setup_error or cleaning
+            rc = RankCommit(self.coordinator(), session.layout, decided["step"], decided["token"], failed)
             outcome: Any
             try:
                 outcome = self._write(plan, planner, rc)
@@ -701,6 +827,10 @@ class GDSStorageWriter(_Collective, StorageWriter):
         if self._session is not None and self._session.lock is not None:
             self._session.lock.release()
             self._session.lock = None
+        if self._open_lock is not None:
+            self._open_lock.release()
+            self._open_lock = None
+        self._opening = None
         self._save = None
 
     def close(self) -> None:
@@ -712,8 +842,26 @@ class GDSStorageWriter(_Collective, StorageWriter):
 
     def __del__(self) -> None:
         session = getattr(self, "_session", None)
-        if (session is not None and session.lock is not None) or getattr(self, "_engines", None):
+        if ((session is not None and session.lock is not None) or getattr(self, "_engines", None)
+                or getattr(self, "_open_lock", None) is not None):
             self.close()
+
+
+class _Place:
+    """A rank's place in the writer's group (``rank``, ``world_size``), standing for its
+    Coordinator where no collective is made (OrderedCommit, the session it keeps)."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+
+
+def _probe(root: Path, *, whole: bool) -> dict:
+    """roots.probe_root of ``root``; not ``whole``: only its last three committed steps (all that
+    choose_primary and its refusals read of a root that is not rank 0's)."""
+    probe = probe_root(root)
+    if not whole:
+        probe["committed"] = probe["committed"][-3:]
+    return probe
 
 
 def _restore_identity(path: Path, ident: str) -> None:

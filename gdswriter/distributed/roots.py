@@ -7,7 +7,8 @@ directory (a shared file system, or ranks of one node), or the same path may be 
 rank 0, which builds the one table of distinct roots (the primary first) and sends each rank
 its part of it (``discover_layout``: what a rank receives does not grow with the world; the
 whole table is held by the primary rank, which records it in each manifest, and by every
-rank only once a load needs it, ``share_table``). Each root is led by the lowest rank
+rank only once a load needs it, ``share_table``; the DCP writer makes the same decisions from
+what DCP's own plan gather and scatter carry: dcp.py). Each root is led by the lowest rank
 that sees it: that rank locks it, cleans it, and commits its step directory; the other ranks
 sharing it only write their own files there.
 
@@ -276,39 +277,48 @@ def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool =
             parts = [bounded(failures)] * coord.world_size
         else:
             table, where = _build_table(everyone)
-            first = table[0]
-            common = {"primary": [first.id, first.path, min(first.ranks)], "count": len(table),
-                      "shares": any(len(info.ranks) > 1 for info in table)}
-            parts = [{**common, "mine": [[g, table[g].path, min(table[g].ranks)] for g in where[r]]}
-                     for r in range(coord.world_size)]
+            parts = layout_parts(table, where)
     part = coord.scatter(parts, f"{what} (the table)", src=0)
     _raise_decided(part, error, "opening the checkpoint roots",
                    "no root was changed; fix the failing rank's roots and open again")
-    local_to_global = tuple(g for g, _, _ in part["mine"])
     if table:
-        return RootLayout(coord.rank, coord.world_size, table, tuple(roots), tuple(ids), local_to_global,
-                          table[0].path)
-    known = {int(g): KnownRoot(rid, path, int(leader))
-             for (g, path, leader), rid in zip(part["mine"], ids)}
+        return RootLayout(coord.rank, coord.world_size, table, tuple(roots), tuple(ids),
+                          tuple(g for g, _, _ in part["mine"]), table[0].path)
+    return layout_of_part(coord.rank, coord.world_size, roots, ids, part)
+
+
+def layout_parts(table: Sequence[RootInfo], where: Sequence[Sequence[int]]) -> list[dict]:
+    """Each rank's part of ``table`` (``where[r]``: rank r's roots' table indices): its roots'
+    indices, paths and leaders, the primary's entry, the table's size and whether any root is
+    shared. A part's size is its rank's roots', whatever the world size."""
+    first = table[0]
+    common = {"primary": [first.id, first.path, min(first.ranks)], "count": len(table),
+              "shares": any(len(info.ranks) > 1 for info in table)}
+    return [{**common, "mine": [[g, table[g].path, min(table[g].ranks)] for g in mine]} for mine in where]
+
+
+def layout_of_part(rank: int, world_size: int, roots: Sequence[Path], ids: Sequence[str], part: dict) -> RootLayout:
+    """The layout of a rank that received ``part`` (layout_parts) for its ``roots`` (ids ``ids``)."""
+    known = {int(g): KnownRoot(rid, path, int(leader)) for (g, path, leader), rid in zip(part["mine"], ids)}
     pid, ppath, pleader = part["primary"]
     known[0] = KnownRoot(pid, ppath, int(pleader))
-    return RootLayout(coord.rank, coord.world_size, (), tuple(roots), tuple(ids), local_to_global, ppath,
-                      known, int(part["count"]), bool(part["shares"]))
+    return RootLayout(rank, world_size, (), tuple(roots), tuple(ids), tuple(int(g) for g, _, _ in part["mine"]),
+                      ppath, known, int(part["count"]), bool(part["shares"]))
 
 
 def probe_led(layout: RootLayout) -> dict:
     """What the roots this rank leads hold, for choose_primary: per table root (str index), the
     steps committed on it (as if it were a primary), the step ``latest`` names there, and the
     primary ids that its secondary step directories name. Reads only."""
-    out = {}
-    for i in layout.led:
-        root = layout.local_paths[i]
-        probe = CommitProtocol([root])
-        names = {owner_id for s, d in step_dirs(root) if not (d / MANIFEST_NAME).exists()
-                 for _, owner_id in [step_owner(d)] if owner_id}
-        out[str(layout.local_to_global[i])] = {"committed": probe.committed_steps(), "latest": probe.latest(),
-                                               "names": sorted(names)}
-    return out
+    return {str(layout.local_to_global[i]): probe_root(layout.local_paths[i]) for i in layout.led}
+
+
+def probe_root(root: Path) -> dict:
+    """What root ``root`` holds, for choose_primary (probe_led's entry of one root). Reads only."""
+    probe = CommitProtocol([root])
+    names = {owner_id for s, d in step_dirs(root) if not (d / MANIFEST_NAME).exists()
+             for _, owner_id in [step_owner(d)] if owner_id}
+    return {"committed": probe.committed_steps(), "latest": probe.latest(), "names": sorted(names)}
 
 
 def choose_primary(layout: RootLayout, probes: dict) -> RootLayout:

@@ -231,13 +231,7 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
     assert lock is not None
     if layout.primary_rank != 0 and not movable_primary:  # every rank knows the primary's entry: all raise
         lock.release()
-        info = layout.root(0)
-        raise RootUnavailableError(
-            errno.ENOENT,
-            f"the checkpoint's primary root (id {info.id}, holding its manifests) is rank "
-            f"{layout.primary_rank}'s {info.path}, not one of rank 0's roots: rank 0 is on another node than "
-            f"when it was saved. dcp.save commits on rank 0: start the job with rank 0 on the node that holds "
-            f"that root (or give rank 0 that root first); nothing was changed")
+        raise primary_not_on_rank_0(layout)
     error = None
     try:
         clean_led(layout, primary["committed"])
@@ -257,3 +251,15 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
     session = DistSession(coord, layout, lock, options)
     session._learn(primary["committed"], primary["latest"])
     return session
+
+
+def primary_not_on_rank_0(layout: RootLayout) -> RootUnavailableError:
+    """The refusal of a DCP save whose primary root (roots.choose_primary) is not rank 0's: DCP's
+    coordinator, which commits in finish(), is rank 0."""
+    info = layout.root(0)
+    return RootUnavailableError(
+        errno.ENOENT,
+        f"the checkpoint's primary root (id {info.id}, holding its manifests) is rank "
+        f"{layout.primary_rank}'s {info.path}, not one of rank 0's roots: rank 0 is on another node than "
+        f"when it was saved. dcp.save commits on rank 0: start the job with rank 0 on the node that holds "
+        f"that root (or give rank 0 that root first); nothing was changed")
