@@ -448,6 +448,8 @@ class GDSCheckpointing:
                 hidden = bg["removing"][0]
             try:
                 _delete_rotated(hidden)
+            except BaseException as e:  # noqa: BLE001 - the thread must go on, and end, for the waiters
+                log.warning("gdswriter: deleting %s (rotation, save_total_limit) failed: %s", hidden, e)
             finally:
                 with _IN_FLIGHT_LOCK:
                     _IN_FLIGHT.discard(hidden)
