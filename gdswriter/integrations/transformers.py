@@ -36,15 +36,16 @@ checkpoint just made. Each checkpoint it deletes is first renamed to a hidden
 helper thread, so the save does not wait for it (unlinking a 2 GiB file takes 0.3-0.5 s on
 ext4 with discard). The next save and the end of ``train()`` wait until it is gone, so the disk
 never holds more than with the plain Trainer; a crash meanwhile leaves a hidden leftover that
-the next save removes. Re-saving an existing checkpoint-N
-swaps the new directory in with one atomic exchange. ``resume_from_checkpoint=True`` also skips
-checkpoint-N directories that another writer left incomplete (no trainer_state.json, or an
-uncommitted ``gdswriter/``), with a warning, where the plain Trainer would stop.
+the next save removes. Re-saving an existing checkpoint-N swaps the new directory in with one
+atomic exchange. ``resume_from_checkpoint=True`` also skips checkpoint-N directories that
+another writer left incomplete (no trainer_state.json, or an uncommitted ``gdswriter/``), with
+a warning, where the plain Trainer would stop.
 
 Asynchronous saves (``gds_async_save=True``). The save records the state and returns; the
 bytes are written in the background, then the directory is renamed and the rotation runs,
-on a helper thread (the older checkpoints renamed away there, and deleted as above). The checkpoint holds exactly the values of its step: the Trainer's
-optimizer gets the checkpointer's step pre-hook, so its next ``step()`` waits until the
+on a helper thread (the older checkpoints renamed away there, and deleted as above). The
+checkpoint holds exactly the values of its step: the Trainer's optimizer gets the
+checkpointer's step pre-hook, so its next ``step()`` waits until the
 save has copied the weights and optimizer state into the host pool, and saved tensors it
 does not update are copied before the save returns (see ``GDSCheckpointer.save_async``).
 trainer_state.json, the config and the tokenizer files are written at the call, with the
