@@ -5,7 +5,11 @@ the method the Trainer runs at each ``save_steps``; ``L.Trainer.save_checkpoint`
 until the checkpoint is durable. The frameworks' own savers do not fsync: their time to durable
 is the call plus fsyncing what it wrote. gdswriter's blocking saves return durable; its
 asynchronous ones are durable once ``gds_wait()`` / the plug-in's ``teardown()`` return (HF: the
-checkpoint-N directory is renamed into place). The cases are interleaved round by round, in an
+checkpoint-N directory is renamed into place). Both Trainers rotate (``save_total_limit=1``): the
+plain one deletes the previous checkpoint inside ``_save_checkpoint``; GDSTrainer renames it out
+of sight there and deletes it on a helper thread, and the next save waits until it is gone, so
+either way the deletion is counted where it holds training up (here: only what the optimizer
+step between two saves does not cover). The cases are interleaved round by round, in an
 order rotated each round, so the ratios compare runs seconds apart on a disk that drifts. The
 first save of each case in a round is reported apart (the first gdswriter save of the process
 builds the engines of the shelf every later save reuses).

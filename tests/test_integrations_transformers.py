@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from support import hf_run
-from support.engines import count_staged_engines
+from support.engines import HookedWrites, count_staged_engines
 from support.trees import assert_same_tree
 
 transformers = pytest.importorskip("transformers")
@@ -282,6 +283,108 @@ def test_async_saves_hold_exactly_each_steps_values(tmp_path):
     assert not torn, f"checkpoints not holding the weights of the step they name: {torn}"
 
 
+def _same_state(ckpt: Path, want: dict) -> bool:
+    """Whether ``ckpt``'s gdswriter step holds exactly ``want`` (RecordEachStep's entry)."""
+    _, st = load_state(ckpt / GDS_DIR)
+    got_w, got_o = st["model"], st["optimizer"]["state"]
+    return got_w.keys() == want["weights"].keys() and all(
+        torch.equal(got_w[k], v) for k, v in want["weights"].items()) and all(
+        torch.equal(got_o[i][k], v) for i, s in want["optimizer"].items() for k, v in s.items())
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_rotation_deletes_off_the_save_and_never_before_the_newer_checkpoint_is_in_place(
+        tmp_path, monkeypatch, async_save):
+    """Issue 25: the rotation (save_total_limit=1, a save every step, 4 MiB embedding and its
+    AdamW moments) deletes the older checkpoint on a helper thread, after the newer one is in
+    place. Held at every step: while step N's data file is written and right before
+    checkpoint-N is renamed into place, checkpoint-(N-1) is the newest complete checkpoint and
+    loads bit-exact as the state of step N-1; no rotated checkpoint is still being deleted
+    when step N's data file is written (the disk holds no more than with the plain Trainer);
+    and (synchronous saves) a save returns while its rotated checkpoint is still being deleted
+    (the deletion is held until the on_save callback saw it)."""
+    import gdswriter.integrations.transformers as integration
+
+    out = tmp_path / "out"
+    violations: list[str] = []
+    seen_deleting: dict[int, bool] = {}
+    let_delete = threading.Semaphore(0)
+    rec = RecordEachStep()
+
+    def newest_is(step: int, where: str) -> None:
+        newest = integration.newest_complete_checkpoint(out)
+        if newest != str(out / f"checkpoint-{step}"):
+            violations.append(f"{where}: newest complete checkpoint {newest}, not checkpoint-{step}")
+        elif not _same_state(Path(newest), rec.at[step]):
+            violations.append(f"{where}: checkpoint-{step} does not hold step {step}'s state")
+
+    def step_of(path) -> int | None:
+        head, _, n = Path(path).name.partition("step_")
+        return int(n[:12]) if n[:12].isdigit() else None
+
+    class Check(HookedWrites):
+        def before(self, path):
+            step = step_of(Path(path).parent)
+            if step and step > 1 and Path(path).name.startswith("data-"):
+                newest_is(step - 1, f"writing step {step}")
+                deleting = [p.name for p in out.iterdir() if "-removed-" in p.name]
+                if deleting:
+                    violations.append(f"writing step {step} while {deleting} is still being deleted")
+
+    real_publish, real_delete = integration._publish, integration._delete_rotated
+
+    def publish(tmp, final):
+        step = int(final.name.rpartition("-")[2])
+        if step > 1:
+            newest_is(step - 1, f"publishing checkpoint-{step}")
+        real_publish(tmp, final)
+
+    def delete(hidden):
+        if not async_save:
+            let_delete.acquire(timeout=30)  # until on_save looked
+        time.sleep(0.2)  # a slow disk: the next save comes meanwhile
+        real_delete(hidden)
+
+    class SeeDeleting(transformers.TrainerCallback):
+        def on_save(self, args, state, control, **kw):
+            seen_deleting[state.global_step] = any("-removed-" in p.name for p in out.iterdir())
+            let_delete.release()
+            return control
+
+    monkeypatch.setattr(integration, "_publish", publish)
+    monkeypatch.setattr(integration, "_delete_rotated", delete)
+    trainer = GDSTrainer(model=hf_run.model(5), args=hf_run.args(out, max_steps=6, save_steps=1),
+                         train_dataset=hf_run.data(), callbacks=[rec, SeeDeleting()], gds_async_save=async_save,
+                         gds_engine_factory=Check)
+    rec.trainer = trainer
+    trainer.train()
+    assert not violations, violations
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-6"]  # train() waited for the deletion
+    assert _same_state(out / "checkpoint-6", rec.at[6])
+    if not async_save:
+        assert seen_deleting == {1: False, **{n: True for n in range(2, 7)}}, \
+            f"rotated checkpoint still being deleted when the save returned, per step: {seen_deleting}"
+
+
+def test_rotation_keeps_the_checkpoint_just_made_when_an_older_one_looks_newer(tmp_path):
+    """The Trainer's rotation takes the most recent checkpoint by mtime: an older checkpoint
+    whose mtime is later (touched, restored from a copy, a clock step) made it delete the
+    checkpoint just written and keep the older one. The rotation keeps the one just made."""
+
+    class TouchAt5(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 5:
+                future = time.time() + 3600
+                os.utime(tmp_path / "checkpoint-4", (future, future))
+            return control
+
+    t = GDSTrainer(model=hf_run.model(6), args=hf_run.args(tmp_path, max_steps=8), train_dataset=hf_run.data(),
+                   callbacks=[TouchAt5()])
+    t.train()
+    assert (tmp_path / "checkpoint-8").is_dir(), sorted(p.name for p in tmp_path.iterdir())
+    assert transformers.trainer_utils.get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-8")
+
+
 def test_async_save_option_is_checked():
     from gdswriter.errors import InvalidOptionError
 
@@ -331,12 +434,14 @@ def test_trainer_saves_reuse_the_engines_and_memory_stays_flat(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_trainer_rss_flat_over_1000_saves(tmp_path, monkeypatch):
-    """Issue 25: RSS flat over 1,000 asynchronous saves through GDSTrainer: the peak RSS of
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_trainer_rss_flat_over_1000_saves(tmp_path, monkeypatch, async_save):
+    """Issue 25: RSS flat over 1,000 saves through GDSTrainer (each rotating the previous
+    checkpoint away, deleted on the remover thread): the peak RSS of
     the second 500 saves is within 16 MiB of the first 500's (after 50 warm-up saves; a leak
     of a few KiB per save, or of one save's 12 MiB state every 500 saves, would show). RSS
     sampled after a save returns may hold a save in flight (its host pool): peaks compared."""
-    rss, built = _saves_through_the_trainer(tmp_path, monkeypatch, 1000, True)
+    rss, built = _saves_through_the_trainer(tmp_path, monkeypatch, 1000, async_save)
     assert len(built) <= 2
     trace = f"RSS (KiB) every 50 saves: {rss[::50]}"
     print(trace)

@@ -29,15 +29,23 @@ step is committed and trainer_state.json and the tokenizer's files are fsynced, 
 to ``checkpoint-N`` (the directory fsynced): a ``checkpoint-N`` is always complete. Only then
 does the rotation (``save_total_limit``) delete older checkpoints, so a crash at any moment
 (SIGKILL, power cut) leaves the previous checkpoint in place and ``resume_from_checkpoint=True``
-resumes from it; the next save removes the hidden leftover. Re-saving an existing checkpoint-N
-swaps the new directory in with one atomic exchange. ``resume_from_checkpoint=True`` also skips
-checkpoint-N directories that another writer left incomplete (no trainer_state.json, or an
-uncommitted ``gdswriter/``), with a warning, where the plain Trainer would stop.
+resumes from it; the next save removes the hidden leftover. The rotation never deletes the
+checkpoint just made. Each checkpoint it deletes is first renamed to a hidden
+``.gdswriter-tmp-checkpoint-M-removed-*`` (one atomic rename: out of sight of
+``get_last_checkpoint`` and of the next rotation, never seen half deleted), then deleted on a
+helper thread, so the save does not wait for it (unlinking a 2 GiB file takes 0.3-0.5 s on
+ext4 with discard). The next save and the end of ``train()`` wait until it is gone, so the disk
+never holds more than with the plain Trainer; a crash meanwhile leaves a hidden leftover that
+the next save removes. Re-saving an existing checkpoint-N swaps the new directory in with one
+atomic exchange. ``resume_from_checkpoint=True`` also skips checkpoint-N directories that
+another writer left incomplete (no trainer_state.json, or an uncommitted ``gdswriter/``), with
+a warning, where the plain Trainer would stop.
 
 Asynchronous saves (``gds_async_save=True``). The save records the state and returns; the
 bytes are written in the background, then the directory is renamed and the rotation runs,
-on a helper thread. The checkpoint holds exactly the values of its step: the Trainer's
-optimizer gets the checkpointer's step pre-hook, so its next ``step()`` waits until the
+on a helper thread (the older checkpoints renamed away there, and deleted as above). The
+checkpoint holds exactly the values of its step: the Trainer's optimizer gets the
+checkpointer's step pre-hook, so its next ``step()`` waits until the
 save has copied the weights and optimizer state into the host pool, and saved tensors it
 does not update are copied before the save returns (see ``GDSCheckpointer.save_async``).
 trainer_state.json, the config and the tokenizer files are written at the call, with the
@@ -78,7 +86,7 @@ from typing import Any, Callable
 
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy, sort_checkpoints
 
 from ..checkpointer import GDSCheckpointer, SaveHandle
 from ..engines.base import IOEngine
@@ -100,7 +108,7 @@ TMP_PREFIX = ".gdswriter-tmp-"
 """A checkpoint-N being written: ``.gdswriter-tmp-checkpoint-N-<hex>``, renamed once complete."""
 TRAINER_STATE_NAME = "trainer_state.json"
 
-_IN_FLIGHT: set[Path] = set()  # this process's hidden directories still being written (not leftovers)
+_IN_FLIGHT: set[Path] = set()  # this process's hidden directories still being written or deleted (not leftovers)
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
@@ -230,6 +238,7 @@ class GDSCheckpointing:
         jobs = self.__dict__.get("_gds_bg")
         if jobs is None:
             jobs = self.__dict__.setdefault("_gds_bg", {"queue": [], "thread": None, "errors": [], "failed": [], "done": [],
+                                                        "removing": [], "remover": None,
                                                         "cv": threading.Condition()})
         return jobs
 
@@ -323,7 +332,7 @@ class GDSCheckpointing:
                 log.warning("gdswriter: checkpoint-%d not saved: checkpoint-%d is still being written "
                             "(on_busy='skip')", step, busy[0].step)
                 return False
-            while bg["queue"]:
+            while bg["queue"] or bg["remover"] is not None:  # and the rotated ones deleted: disk as before
                 bg["cv"].wait()
         return True
 
@@ -381,8 +390,79 @@ class GDSCheckpointing:
             with _IN_FLIGHT_LOCK:
                 _IN_FLIGHT.discard(job.tmp)
         if self.args.should_save:  # only now: the newest checkpoint is complete before any older one goes
-            rotate_checkpoints(output_dir=str(job.run_dir), save_total_limit=self.args.save_total_limit,
-                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+            self._gds_rotate(job)
+
+    def _gds_rotate(self, job: _Job) -> None:
+        """The Trainer's rotation (``rotate_checkpoints``: keep ``save_total_limit``, the most
+        recent by mtime and the best), also keeping ``job.final``, the one just made; each one
+        to go is renamed out of sight now and deleted by the remover thread."""
+        limit = self.args.save_total_limit
+        if limit is None or limit <= 0:
+            return
+        checkpoints = sort_checkpoints(str(job.run_dir), PREFIX_CHECKPOINT_DIR, use_mtime=True)
+        if len(checkpoints) <= limit:
+            return
+        protected = {checkpoints[-1], str(job.final)}
+        if self.state.best_model_checkpoint is not None:
+            protected.add(str(Path(self.state.best_model_checkpoint)))
+        remaining, keep = len(checkpoints), max(limit, len(protected))
+        for checkpoint in checkpoints:
+            if remaining <= keep:
+                break
+            if checkpoint not in protected:
+                self._gds_remove(Path(checkpoint))
+                remaining -= 1
+
+    def _gds_remove(self, checkpoint: Path) -> None:
+        """Rename ``checkpoint`` to a hidden name (it is gone for the Trainer at once), then
+        delete it on the remover thread. A symbolic link is deleted here, as the Trainer does."""
+        if checkpoint.is_symlink():
+            shutil.rmtree(checkpoint, ignore_errors=True)
+            return
+        hidden = checkpoint.with_name(f"{TMP_PREFIX}{checkpoint.name}-removed-{secrets.token_hex(4)}")
+        with _IN_FLIGHT_LOCK:
+            _IN_FLIGHT.add(hidden)  # not a leftover for another save's _remove_leftovers
+        try:
+            os.rename(checkpoint, hidden)
+        except OSError as e:
+            with _IN_FLIGHT_LOCK:
+                _IN_FLIGHT.discard(hidden)
+            log.warning("gdswriter: could not remove %s (rotation, save_total_limit): %s", checkpoint, e)
+            return
+        bg = self._gds_jobs()
+        with bg["cv"]:
+            bg["removing"].append(hidden)
+            if bg["remover"] is None:
+                bg["remover"] = threading.Thread(target=self._gds_remover, name="gdswriter-hf-remove",
+                                                 daemon=False)
+                bg["remover"].start()
+
+    def _gds_remover(self) -> None:
+        """The remover thread: deletes the rotated checkpoints in turn, then ends."""
+        bg = self._gds_jobs()
+        while True:
+            with bg["cv"]:
+                if not bg["removing"]:
+                    bg["remover"] = None
+                    bg["cv"].notify_all()
+                    return
+                hidden = bg["removing"][0]
+            try:
+                _delete_rotated(hidden)
+            except BaseException as e:  # noqa: BLE001 - the thread must go on, and end, for the waiters
+                log.warning("gdswriter: deleting %s (rotation, save_total_limit) failed: %s", hidden, e)
+            finally:
+                with _IN_FLIGHT_LOCK:
+                    _IN_FLIGHT.discard(hidden)
+                with bg["cv"]:
+                    bg["removing"].pop(0)
+
+    def _gds_wait_removed(self) -> None:
+        """Wait until the checkpoints rotated away are deleted."""
+        bg = self._gds_jobs()
+        with bg["cv"]:
+            while bg["remover"] is not None:
+                bg["cv"].wait()
 
     def _gds_close_done(self) -> None:
         """Close the checkpointers of the saves the helper thread completed (training thread)."""
@@ -452,8 +532,8 @@ class GDSCheckpointing:
             self._gds_close_done()
 
     def gds_wait(self) -> None:
-        """Wait until every checkpoint saved so far is in place (and rotated); raise a background
-        failure not reported yet."""
+        """Wait until every checkpoint saved so far is in place (and the older ones rotated out
+        of sight; their deletion may still run); raise a background failure not reported yet."""
         bg = self._gds_jobs()
         with bg["cv"]:
             while bg["thread"] is not None:
@@ -462,7 +542,8 @@ class GDSCheckpointing:
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """The Trainer's ``train``; ``resume_from_checkpoint=True`` takes the newest complete
-        checkpoint, and the saves still in flight are in place when it returns."""
+        checkpoint, and the saves still in flight are in place (the rotated ones deleted) when it
+        returns."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = newest_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
@@ -474,8 +555,11 @@ class GDSCheckpointing:
                 self.gds_wait()
             except BaseException as e:  # noqa: BLE001 - the training error is the one to raise
                 log.error("gdswriter: a background checkpoint save also failed: %s", e)
+            finally:
+                self._gds_wait_removed()
             raise
         self.gds_wait()
+        self._gds_wait_removed()
         return out
 
     # -- load ------------------------------------------------------------------
@@ -533,6 +617,11 @@ def _wait_unreported(handle: SaveHandle) -> None:
     error = handle.exception()
     if error is not None:
         raise error
+
+
+def _delete_rotated(hidden: Path) -> None:
+    """Delete a checkpoint the rotation renamed away (errors ignored, as the Trainer's rotation)."""
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def _remove_leftovers(run_dir: Path) -> None:
