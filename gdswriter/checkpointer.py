@@ -324,7 +324,9 @@ class GDSCheckpointer:
                 log.warning("gdswriter: step %d not saved: step %d is still being saved (on_busy='skip')",
                             step, running)
                 return SaveHandle(step, mode, skipped=True)
-            guarded = self._guarded.update([t for opt in self._hook_optimizers() for t in tensors_of(opt)])
+            hooked = self._hook_optimizers()
+            guarded = self._guarded.update(tensors_of(hooked[0]) if len(hooked) == 1
+                                           else [t for opt in hooked for t in tensors_of(opt)])
             t1 = time.perf_counter()
             collected = self._collect()
             state_dict_s = time.perf_counter() - t1

@@ -465,6 +465,34 @@ def test_changes_right_after_save_async_do_not_reach_the_step(tmp_path, monkeypa
     assert not torch.equal(model.inp.weight.detach(), want["model/inp.weight"]), "training did change the weights"
 
 
+@pytest.mark.parametrize("mode", ["live", "host"])
+def test_a_guarded_tensor_replaced_by_an_unguarded_one_between_saves_is_copied_at_the_call(tmp_path, monkeypatch,
+                                                                                            mode):
+    """save_async keeps, from one call to the next, which saved tensors are the optimizer's own
+    (guarded by identity, their memory never looked at), while the same positions hold the same
+    tensors. Here a state= dict holds an optimizer's momentum buffer at the first save, and at
+    the second, in the same place (the same structure), a small tensor nothing guards, changed
+    right after save_async returned: it must be copied at the call, not taken for guarded."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 64)).pow(2).mean().backward()
+    opt.step()
+    holder = {"t": opt.state[model.weight]["momentum_buffer"]}
+    with GDSCheckpointer(model, opt, tmp_path, state={"holder": holder}, options=options(snapshot=mode)) as ck:
+        ck.save(1)
+        unguarded = torch.randn(64, 64)
+        want = unguarded.clone()
+        holder["t"] = unguarded
+        with hold_layout(monkeypatch) as gate:
+            h = ck.save_async(2)
+            unguarded.add_(1.0)
+            gate.set()
+            assert h.result(timeout=60) == 2
+    _, st = load_state(tmp_path, 2)
+    assert torch.equal(st["extra"]["holder"]["t"], want), "a change after save_async reached the saved step"
+
+
 def test_a_copied_tensor_given_other_memory_before_the_layout_fails_the_save(tmp_path, monkeypatch):
     """A small tensor no hook guards is copied at the call and laid out in the save thread; one
     resized in place in between (against the rules) cannot be recorded as what was copied:
