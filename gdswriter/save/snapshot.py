@@ -135,6 +135,10 @@ def plain_json(metadata: Any) -> dict:
         raise UnsupportedObjectError("metadata", metadata, f"metadata must be plain JSON: {e}") from e
 
 
+_DTYPE, _SHAPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("device")
+_IS_QUANTIZED = operator.attrgetter("is_quantized")
+
+
 class LayoutCache:
     """The layout of a checkpointer's last snapshot (its extents' geometry, the tensor records),
     which ``take_snapshot`` reuses while every tensor has the key path, kind, storage address and
@@ -164,13 +168,15 @@ class LayoutCache:
     @staticmethod
     def key_of(tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str],
                storages: Sequence[torch.UntypedStorage] | None = None) -> tuple:
-        """What the layout is a function of; ``storages``: each tensor's untyped_storage(), if
-        the caller has them already (one call per tensor fewer)."""
+        """What the layout is a function of, as one list per property (C-level passes, no tuple
+        per tensor); ``storages``: each tensor's untyped_storage(), if the caller has them
+        already (one call per tensor fewer)."""
         if storages is None:
             storages = [t.untyped_storage() for t in tensors]
-        return (tuple(names), tuple(kinds),
-                tuple([(st.data_ptr(), st.nbytes(), t.storage_offset(), t.dtype, t.shape, t.stride(), t.device)
-                       for t, st in zip(tensors, storages)]))
+        return (list(names), list(kinds), list(map(torch.UntypedStorage.data_ptr, storages)),
+                list(map(torch.UntypedStorage.nbytes, storages)), list(map(torch.Tensor.storage_offset, tensors)),
+                list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)), list(map(torch.Tensor.stride, tensors)),
+                list(map(_DEVICE, tensors)))
 
     def reuse(self, key: tuple, tensors: Sequence[torch.Tensor],
               storages: Sequence[torch.UntypedStorage] | None = None) -> tuple[list[Extent], list[tuple[int, int]],
@@ -192,8 +198,8 @@ class LayoutCache:
         (numpy arrays sharing memory that no single storage covers): those are laid out anew."""
         self.key = None
         source = {}  # a tensor per (storage address, size, device): any of them views the same bytes
-        for i, (ptr, nbytes, *_, device) in enumerate(key[2]):
-            source.setdefault((ptr, nbytes, device), i)
+        for i, where in enumerate(zip(key[2], key[3], key[8])):
+            source.setdefault(where, i)
         recipe = []
         for e in extents:
             if e._view is not None:
@@ -304,6 +310,7 @@ class PendingSnapshot:
     def __init__(self, step: int, tree: Any, arrays: dict[int, torch.Tensor], metadata: dict) -> None:
         self.step, self.tree, self.arrays, self.metadata = step, tree, arrays, metadata
         self.ready: dict[int, Any] = {}
+        self.tensor_count = 0  # the tensors met (repeats counted)
         self.handled: dict[int, torch.Tensor] = {}  # id -> tensor, of those checked (and grouped) at the call
         self.resolved: dict[int, torch.Tensor] = {}  # id(conj/neg tensor) -> its resolved copy, made at the call
         self.captured: dict[tuple, torch.Tensor] = {}  # extent key (see _extent_key) -> its bytes, copied at the call
@@ -320,14 +327,17 @@ class PendingSnapshot:
         tensor copied at the call was given other memory or shape in place since."""
         tree, tensors, names, kinds = encode_state_named(self.tree, arrays=self.arrays)
         resolved = self.resolved
-        for i, t in enumerate(tensors):
-            done = resolved.get(id(t)) if resolved else None
-            if done is not None:
-                tensors[i] = done
-            else:
-                _check_quantized(names[i], t)
-                if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
-                    tensors[i] = t.detach().resolve_conj().resolve_neg()
+        # The usual state (nothing quantized, conjugated or negated: C-level passes) needs no loop
+        if (resolved or any(map(_IS_QUANTIZED, tensors)) or any(map(torch.Tensor.is_conj, tensors))
+                or any(map(torch.Tensor.is_neg, tensors))):
+            for i, t in enumerate(tensors):
+                done = resolved.get(id(t)) if resolved else None
+                if done is not None:
+                    tensors[i] = done
+                else:
+                    _check_quantized(names[i], t)
+                    if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
+                        tensors[i] = t.detach().resolve_conj().resolve_neg()
         extents, placed, records = _lay_out(tensors, names, kinds, layout)
         unguarded = self._apply_captures(extents, placed, tensors)
         return Snapshot(self.step, tree, extents, records, self.metadata, self.ready, unguarded)
@@ -374,6 +384,7 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
         _raise_unsupported(state)
         raise
     pending = PendingSnapshot(step, frozen, arrays, {} if metadata is None else metadata)
+    pending.tensor_count = len(tensors)
     at_call: list[torch.Tensor] = []
     held: set[int] = set()
     # Guarded: each views a guarded tensor's storage. A module's aliases come in its parameters'
