@@ -297,7 +297,7 @@ class GDSCheckpointer:
         """Start saving ``step``; returns a SaveHandle within milliseconds, whatever the state's
         size, when an optimizer hook guards every large tensor saved: only references, copies
         of the state's containers and other values, and copies of the small tensors nothing
-        guards are taken now, about 1 µs per tensor besides the objects' ``state_dict()``
+        guards are taken now, under 1 µs per tensor besides the objects' ``state_dict()``
         calls (SaveStats.state_dict_s); the encoding and layout follow in the save thread (else
         it also waits for the copy, or in "live" mode the write, of the large tensors nothing
         guards). An unsupported object is reported now (UnsupportedObjectError); a quantized
