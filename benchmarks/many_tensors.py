@@ -4,7 +4,8 @@ saved and loaded by gdswriter, torch.save/torch.load and DCP; and a small (16 Mi
 For each N (default 1,000 / 10,000 / 100,000; --size bytes in all), in interleaved rounds:
 ``save_async`` return time (--async-repeats calls per round), split into the objects' own
 ``state_dict()`` calls (SaveStats.state_dict_s, measured apart where an older gdswriter lacks
-it) and gdswriter's own work;
+it) and gdswriter's own work (its median and min: ``--async-repeats 5`` gives five warm calls in a
+row, a training loop's steady state);
 a durable save (``save()``; torch.save + fsync; dcp.save with sync_files) and a cold load
 (files evicted first) into the live model and optimizer (``load()``; torch.load + both
 load_state_dict; dcp.load + the optimizer's load_state_dict). Then the 16 MiB load: a cold
@@ -141,9 +142,9 @@ def many(args, work: Path) -> None:
     print(f"{human(args.size)} as N tensors (ParameterList + SGD momentum), median of {args.rounds} interleaved "
           f"round(s) (save_async: of {args.rounds * args.async_repeats} calls); save = durable, load = cold, into the "
           f"live model and optimizer")
-    print("| N | save_async returns (own + state_dict) | gdswriter save | gdswriter load | "
+    print("| N | save_async returns (own + state_dict) | own: median (min) | gdswriter save | gdswriter load | "
           + ("DCP save / load | " if not args.no_dcp else "") + "torch.save / torch.load |")
-    print("|---:|---:|---:|---:|---:|" + ("---:|" if not args.no_dcp else ""))
+    print("|---:|---:|---:|---:|---:|---:|" + ("---:|" if not args.no_dcp else ""))
     for n in args.counts:
         model, opt = build(n, args.size)
         d = work / f"n{n}"
@@ -171,6 +172,7 @@ def many(args, work: Path) -> None:
             _util.remove(d)
         med = statistics.median
         row = [f"{n:,}", f"{med(ret) * 1e3:.1f} ms ({med(own) * 1e3:.1f} + {(med(ret) - med(own)) * 1e3:.1f})",
+               f"{med(own) * 1e3:.1f} ({min(own) * 1e3:.1f}) ms",
                f"{med(save['gdswriter']):.2f} s", f"{med(load['gdswriter']):.2f} s"]
         if not args.no_dcp:
             row.append(f"{med(save['dcp']):.2f} / {med(load['dcp']):.2f} s")

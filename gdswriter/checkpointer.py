@@ -48,6 +48,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,11 +67,16 @@ from .save.queue import SaveQueue
 from .save.snapshot import GuardedMemory, LayoutCache, PendingSnapshot, plain_json, record_snapshot, tensors_of
 from .tensors import hint_unaligned
 from .session import Session, open_session
+from .threads import gc_paused
 
 if TYPE_CHECKING:
     from .distributed.options import DistOptions
 
 log = logging.getLogger("gdswriter")
+
+GC_PAUSE_MIN_TENSORS = 8192
+"""From this many tensors a save runs with automatic garbage collection held off (threads.gc_paused):
+its objects per tensor would set off full collections of the heap (5 per save at 100,000 tensors)."""
 
 __all__ = ["CheckpointOptions", "GDSCheckpointer", "LoadResult", "SaveHandle", "SaveStats", "load_state"]
 
@@ -291,7 +297,7 @@ class GDSCheckpointer:
         """Start saving ``step``; returns a SaveHandle within milliseconds, whatever the state's
         size, when an optimizer hook guards every large tensor saved: only references, copies
         of the state's containers and other values, and copies of the small tensors nothing
-        guards are taken now, about 1 µs per tensor besides the objects' ``state_dict()``
+        guards are taken now, under 1 µs per tensor besides the objects' ``state_dict()``
         calls (SaveStats.state_dict_s); the encoding and layout follow in the save thread (else
         it also waits for the copy, or in "live" mode the write, of the large tensors nothing
         guards). An unsupported object is reported now (UnsupportedObjectError); a quantized
@@ -324,7 +330,9 @@ class GDSCheckpointer:
                 log.warning("gdswriter: step %d not saved: step %d is still being saved (on_busy='skip')",
                             step, running)
                 return SaveHandle(step, mode, skipped=True)
-            guarded = self._guarded.update([t for opt in self._hook_optimizers() for t in tensors_of(opt)])
+            hooked = self._hook_optimizers()
+            guarded = self._guarded.update(tensors_of(hooked[0]) if len(hooked) == 1
+                                           else [t for opt in hooked for t in tensors_of(opt)])
             t1 = time.perf_counter()
             collected = self._collect()
             state_dict_s = time.perf_counter() - t1
@@ -361,19 +369,26 @@ class GDSCheckpointer:
         handle.started = time.perf_counter()
         retention: Future = Future()
         try:
-            # The encoding, layout and records save_async left here: before any byte is read,
-            # so while the step pre-hook still holds the guarded tensors
-            snap = pending.complete(self._layout)
-            del pending
-            handle.nbytes = snap.nbytes
-            engines = self._save_engines(handle.mode)
-            pool = self._snapshot_pool if handle.mode == "host" else None
-            if pool is not None:  # saves run one at a time here: the flag is this save's
-                pool.grow = not handle.blocking
-            self._session.write_and_commit(snap, engines, self.options.files_per_root, pool=pool,
-                                           release=handle.release)
-            if pool is None:
-                hint_unaligned([e.flat for e in snap.extents if not e.captured], self.options.engine, engines[0].info)
+            # A save of many tensors makes objects per tensor that live until its end and hold no
+            # cycles: no garbage collection runs while it does (they are freed before it resumes)
+            many = pending.tensor_count >= GC_PAUSE_MIN_TENSORS
+            with gc_paused() if many else nullcontext():
+                # The encoding, layout and records save_async left here: before any byte is read,
+                # so while the step pre-hook still holds the guarded tensors
+                snap = pending.complete(self._layout)
+                del pending
+                step = snap.step
+                handle.nbytes = snap.nbytes
+                engines = self._save_engines(handle.mode)
+                pool = self._snapshot_pool if handle.mode == "host" else None
+                if pool is not None:  # saves run one at a time here: the flag is this save's
+                    pool.grow = not handle.blocking
+                self._session.write_and_commit(snap, engines, self.options.files_per_root, pool=pool,
+                                               release=handle.release)
+                if pool is None:
+                    hint_unaligned([e.flat for e in snap.extents if not e.captured], self.options.engine,
+                                   engines[0].info)
+                del snap
             # Deleting old steps can take long (unlink of large files, discard): the save is done at
             # its commit; wait()/steps() wait for the deletions.
             self._retention = retention
@@ -389,10 +404,10 @@ class GDSCheckpointer:
                 "snapshot %.3f s, write %.3f s, %.1f MiB, %.2f GB/s", st.step, st.mode, st.blocked_s * 1e3,
                 st.snapshot_s, st.write_s, st.nbytes / 2**20, st.gbps)
         try:
-            self._apply_retention(snap.step)
+            self._apply_retention(step)
         except Exception as e:  # noqa: BLE001 - nothing is lost: the step is retried after the next save
             log.warning("gdswriter: deleting the steps that retention drops after step %d under %s failed "
-                        "(%s: %s); nothing is lost, they are deleted after the next save", snap.step,
+                        "(%s: %s); nothing is lost, they are deleted after the next save", step,
                         self.protocol.primary, type(e).__name__, e)
         finally:
             retention.set_result(None)  # steps()/wait() wait for it; its failure is not theirs

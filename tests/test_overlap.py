@@ -465,6 +465,34 @@ def test_changes_right_after_save_async_do_not_reach_the_step(tmp_path, monkeypa
     assert not torch.equal(model.inp.weight.detach(), want["model/inp.weight"]), "training did change the weights"
 
 
+@pytest.mark.parametrize("mode", ["live", "host"])
+def test_a_guarded_tensor_replaced_by_an_unguarded_one_between_saves_is_copied_at_the_call(tmp_path, monkeypatch,
+                                                                                            mode):
+    """save_async keeps, from one call to the next, which saved tensors are the optimizer's own
+    (guarded by identity, their memory never looked at), while the same positions hold the same
+    tensors. Here a state= dict holds an optimizer's momentum buffer at the first save, and at
+    the second, in the same place (the same structure), a small tensor nothing guards, changed
+    right after save_async returned: it must be copied at the call, not taken for guarded."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 64)).pow(2).mean().backward()
+    opt.step()
+    holder = {"t": opt.state[model.weight]["momentum_buffer"]}
+    with GDSCheckpointer(model, opt, tmp_path, state={"holder": holder}, options=options(snapshot=mode)) as ck:
+        ck.save(1)
+        unguarded = torch.randn(64, 64)
+        want = unguarded.clone()
+        holder["t"] = unguarded
+        with hold_layout(monkeypatch) as gate:
+            h = ck.save_async(2)
+            unguarded.add_(1.0)
+            gate.set()
+            assert h.result(timeout=60) == 2
+    _, st = load_state(tmp_path, 2)
+    assert torch.equal(st["extra"]["holder"]["t"], want), "a change after save_async reached the saved step"
+
+
 def test_a_copied_tensor_given_other_memory_before_the_layout_fails_the_save(tmp_path, monkeypatch):
     """A small tensor no hook guards is copied at the call and laid out in the save thread; one
     resized in place in between (against the rules) cannot be recorded as what was copied:
@@ -1040,3 +1068,49 @@ def test_training_loop_benchmark_script_runs(tmp_path):
     for case in ("none", "gdswriter live", "gdswriter host", "torch.save thread", "dcp.async_save", "copy+crc only"):
         assert f"| {case} |" in proc.stdout, proc.stdout
     assert "overhead vs none" in proc.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_gc_paused_resumes_collection_when_the_last_pause_ends_and_only_if_it_was_on():
+    """threads.gc_paused is process-wide: nested (or concurrent) pauses resume automatic
+    collection when the last one ends, and leave it off if the program had turned it off."""
+    import gc
+
+    from gdswriter.threads import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled(), "the inner pause resumed collection while the outer one still ran"
+    assert gc.isenabled(), "collection was not resumed"
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled(), "a pause turned on the collection the program had turned off"
+    finally:
+        gc.enable()
+
+
+def test_a_save_of_many_tensors_runs_without_garbage_collection_and_resumes_it(tmp_path, monkeypatch):
+    """A save of GC_PAUSE_MIN_TENSORS tensors or more builds several objects per tensor that live
+    until its end (5 full collections of the heap per save at 100,000 tensors): the save thread
+    runs it with automatic collection off, and turns it back on after; a small save leaves it on."""
+    import gc
+
+    from gdswriter import checkpointer as checkpointer_mod
+
+    seen = []
+    real = snapshot_mod.PendingSnapshot.complete
+    monkeypatch.setattr(snapshot_mod.PendingSnapshot, "complete",
+                        lambda self, layout: (seen.append(gc.isenabled()), real(self, layout))[1])
+    monkeypatch.setattr(checkpointer_mod, "GC_PAUSE_MIN_TENSORS", 64)
+    for n, paused in ((64, True), (63, False)):
+        state = {f"t{i}": torch.full((4,), float(i)) for i in range(n)}
+        with GDSCheckpointer(state, None, tmp_path / str(n), options=options()) as ck:
+            ck.save(1)
+        assert seen.pop() is not paused, f"{n} tensors: collection {'on' if paused else 'off'} during the save"
+        assert gc.isenabled(), "collection was not turned back on after the save"
+        _, st = load_state(tmp_path / str(n), 1)
+        assert all(torch.equal(st["model"][k], v) for k, v in state.items())

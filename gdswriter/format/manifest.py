@@ -190,10 +190,7 @@ class Manifest:
             "created_unix": self.created_unix,
             "metadata": self.metadata,
             "files": [[f.root, f.path, f.size] + ([dict(f.info)] if f.info else []) for f in self.files],
-            "storages": [
-                {"nbytes": s.nbytes,
-                 "chunks": [[c.file, c.file_offset, c.storage_offset, c.length, c.crc32c] for c in s.chunks]}
-                for s in self.storages],
+            "storages": None,  # encoded by _storage_table
             "tensors": None,  # encoded by _tensor_table
             "state": self.state,
         }
@@ -205,9 +202,11 @@ class Manifest:
                             **({"dcp": d.dcp} if d.dcp is not None else {})}
         # The same text as json.dumps of the whole body, one top-level entry at a time, so that
         # the tensor table is encoded once per layout rather than twice per save.
-        canonical = {k: canonical_tensors if k == "tensors" else _json(v, sort_keys=True) for k, v in body.items()}
+        canonical_storages, plain_storages = _storage_table(self.storages)
+        made = {"tensors": (canonical_tensors, plain_tensors), "storages": (canonical_storages, plain_storages)}
+        canonical = {k: made[k][0] if k in made else _json(v, sort_keys=True) for k, v in body.items()}
         crc = _crc32c.crc32c(_join(sorted(canonical.items())).encode())
-        plain = [(k, plain_tensors if k == "tensors" else _json(v)) for k, v in body.items()]
+        plain = [(k, made[k][1] if k in made else _json(v)) for k, v in body.items()]
         return (_join([*plain, ("manifest_crc32c", str(crc))]) + "\n").encode()
 
     @classmethod
@@ -311,6 +310,27 @@ def _json(value: Any, *, sort_keys: bool = False) -> str:
 def _join(entries: list[tuple[str, str]]) -> str:
     """A JSON object from (key, encoded value) pairs, as json.dumps with compact separators writes it."""
     return "{" + ",".join(f"{_json(k)}:{v}" for k, v in entries) + "}"
+
+
+def _storage_table(storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
+    """The manifest's "storages" entry, with sorted keys (for the checksum) and as written: the
+    text json.dumps gives (compact separators), formatted directly, each chunk's list once for
+    both (a state of 100,000 tensors has 100,000 storages: json.dumps of their dicts and lists,
+    twice, took most of the manifest's encoding). Every field is a plain int (the records are
+    made from the plan's ints and crc32c's); anything else is refused as json.dumps would."""
+    canonical, plain = [], []
+    for s in storages:
+        n = s.nbytes
+        if type(n) is not int:
+            raise TypeError(f"storage size {n!r} is not an int")
+        chunks = ",".join([f"[{c.file},{c.file_offset},{c.storage_offset},{c.length},{c.crc32c}]"
+                           if type(c.file) is type(c.file_offset) is type(c.storage_offset) is type(c.length)
+                           is type(c.crc32c) is int else _json([c.file, c.file_offset, c.storage_offset, c.length,
+                                                                 c.crc32c])
+                           for c in s.chunks])
+        canonical.append(f'{{"chunks":[{chunks}],"nbytes":{n}}}')
+        plain.append(f'{{"nbytes":{n},"chunks":[{chunks}]}}')
+    return "[" + ",".join(canonical) + "]", "[" + ",".join(plain) + "]"
 
 
 # The last tensor table: (records, their storages' sizes, canonical text, file text). A

@@ -70,6 +70,7 @@ from ..engines.staged import FUSED_BYTES
 from ..options import ALIGN, MiB
 from .._log import log_once
 from ..planner.assign import PlannedChunk, SavePlan
+from ..threads import gc_paused
 from .snapshot import Snapshot
 
 log = logging.getLogger("gdswriter")
@@ -387,10 +388,11 @@ class HostSnapshotPool:
         buf, full = self._reserve(need, n_roots, device)
         ring.view = buf.view
         piece = max(ALIGN, min(PIECE_MAX, buf.size // (4 * n_roots)) // ALIGN * ALIGN)
-        order, pieces_per_file, chunks = _layout(snap, plan, ring, piece)
-        _allocate(order, buf.size)
-        spans = [[(p, WriteSpan(p.lo, buf.tensor[p.ring:p.ring + p.hi - p.lo], guard=p, checksum=False))
-                  for p in pieces] for pieces in pieces_per_file]
+        with gc_paused():  # a view and a chunk per tensor, no cycles (see gc_paused)
+            order, pieces_per_file, chunks = _layout(snap, plan, ring, piece)
+            _allocate(order, buf.size)
+            spans = [[(p, WriteSpan(p.lo, buf.tensor[p.ring:p.ring + p.hi - p.lo], guard=p, checksum=False))
+                      for p in pieces] for pieces in pieces_per_file]
         copier = threading.Thread(target=_copy_all, args=(snap, order, ring, buf, release),
                                   name="gdswriter-snapshot", daemon=False)
         copier.start()

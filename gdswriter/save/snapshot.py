@@ -135,6 +135,10 @@ def plain_json(metadata: Any) -> dict:
         raise UnsupportedObjectError("metadata", metadata, f"metadata must be plain JSON: {e}") from e
 
 
+_DTYPE, _SHAPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("shape"), operator.attrgetter("device")
+_IS_QUANTIZED = operator.attrgetter("is_quantized")
+
+
 class LayoutCache:
     """The layout of a checkpointer's last snapshot (its extents' geometry, the tensor records),
     which ``take_snapshot`` reuses while every tensor has the key path, kind, storage address and
@@ -164,13 +168,15 @@ class LayoutCache:
     @staticmethod
     def key_of(tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str],
                storages: Sequence[torch.UntypedStorage] | None = None) -> tuple:
-        """What the layout is a function of; ``storages``: each tensor's untyped_storage(), if
-        the caller has them already (one call per tensor fewer)."""
+        """What the layout is a function of, as one list per property (C-level passes, no tuple
+        per tensor); ``storages``: each tensor's untyped_storage(), if the caller has them
+        already (one call per tensor fewer)."""
         if storages is None:
             storages = [t.untyped_storage() for t in tensors]
-        return (tuple(names), tuple(kinds),
-                tuple([(st.data_ptr(), st.nbytes(), t.storage_offset(), t.dtype, t.shape, t.stride(), t.device)
-                       for t, st in zip(tensors, storages)]))
+        return (list(names), list(kinds), list(map(torch.UntypedStorage.data_ptr, storages)),
+                list(map(torch.UntypedStorage.nbytes, storages)), list(map(torch.Tensor.storage_offset, tensors)),
+                list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)), list(map(torch.Tensor.stride, tensors)),
+                list(map(_DEVICE, tensors)))
 
     def reuse(self, key: tuple, tensors: Sequence[torch.Tensor],
               storages: Sequence[torch.UntypedStorage] | None = None) -> tuple[list[Extent], list[tuple[int, int]],
@@ -192,8 +198,8 @@ class LayoutCache:
         (numpy arrays sharing memory that no single storage covers): those are laid out anew."""
         self.key = None
         source = {}  # a tensor per (storage address, size, device): any of them views the same bytes
-        for i, (ptr, nbytes, *_, device) in enumerate(key[2]):
-            source.setdefault((ptr, nbytes, device), i)
+        for i, where in enumerate(zip(key[2], key[3], key[8])):
+            source.setdefault(where, i)
         recipe = []
         for e in extents:
             if e._view is not None:
@@ -206,41 +212,83 @@ class LayoutCache:
         self.key, self.recipe, self.placed, self.records = key, recipe, placed, list(records)
 
 
+def _address_of_storage_slow(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+# The address of a tensor's storage object (its StorageImpl): every tensor that views that
+# storage (itself, a detached alias, a view) gives the same; one C call, without making a
+# Python storage object per tensor (torch before 2.4 has no _storage_address: the slow way)
+storage_address = getattr(torch._C, "_storage_address", None) or _address_of_storage_slow
+
+
+def storage_addresses_of(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The storage_address of each of ``tensors`` that has a storage (a sparse one has none)."""
+    try:
+        return list(map(storage_address, tensors))
+    except (RuntimeError, NotImplementedError):
+        out = []
+        for t in tensors:
+            try:
+                out.append(storage_address(t))
+            except (RuntimeError, NotImplementedError):
+                pass
+        return out
+
+
 class GuardedMemory:
     """The tensors the optimizer step pre-hook keeps unchanged until a save releases them
-    (tensors_of the hooked optimizers), for save_async to tell the saved tensors they guard
-    without a look at each tensor's memory where it can: a saved tensor that is one of them
-    (an optimizer's state) is guarded by identity; one that is not (a module state_dict's
-    detached alias of a parameter) when it starts where one of the others starts, or else
-    when it shares a storage with one of them (``storages``: looked up again only when a
-    guarded tensor was replaced or moved; in a training loop, once)."""
+    (tensors_of the hooked optimizers), for save_async to tell the saved tensors they guard.
+    A saved tensor is guarded when it is one of them (an optimizer's state: by identity, no
+    look at its memory), or when it views the storage of one (a module state_dict's detached
+    alias of a parameter: by storage_address, of the saved tensor and of the guarded tensors
+    not saved as themselves; every call, so a parameter given new memory by ``p.data = x``
+    is seen at once). Which saved tensors are guarded tensors themselves is a function of
+    the two id lists only: kept while both lists are what they were at the last call (a
+    training loop's saves), compared as lists, with no set built or probed per tensor. The
+    last call's guarded tensors are held until the next call compares its ids, so an equal
+    id there is the same object."""
 
-    __slots__ = ("_ids", "_key", "_storages", "ids", "tensors")
+    __slots__ = ("_ids", "_split", "_storages", "tensors")
 
     def __init__(self, tensors: Sequence[torch.Tensor] = ()) -> None:
-        self._key: tuple | None = None
-        self._storages: set[int] = set()
+        self._ids: list[int] | None = None
+        # (ids of the saved tensors that are guarded ones, where the others are, where those are,
+        # which guarded tensors are not saved as themselves)
+        self._split: tuple[list[int], list[bool], list[bool], list[bool]] | None = None
         self.update(tensors)
 
     def update(self, tensors: Sequence[torch.Tensor]) -> GuardedMemory:
-        """The guarded tensors now (every save_async: an id per tensor, no look at its memory)."""
-        self.tensors = list(tensors)
-        ids = list(map(id, self.tensors))
-        if ids != getattr(self, "_ids", None):  # the same tensors as the last time: the same set
-            self._ids, self.ids = ids, set(ids)
+        """The guarded tensors now (every save_async)."""
+        ids = list(map(id, tensors))
+        if ids != self._ids:  # compared while the last call's tensors are still held here
+            self._ids, self._split = ids, None
+        self.tensors, self._storages = tensors, None
         return self
 
-    def firsts_of_others(self, saved_ids: set[int]) -> set[int]:
-        """The first-element addresses of the guarded tensors not saved as themselves."""
-        others = compress(self.tensors, map(operator.not_, map(saved_ids.__contains__, self._ids)))
-        return set(map(torch.Tensor.data_ptr, others)) - {0}  # 0: no memory (meta, empty)
+    def split(self, saved: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the saved tensors that are no guarded tensor, the guarded tensors not saved as themselves).
+        The positions of the saved tensors that are guarded tensors are kept while those
+        positions hold the same ids (the others, a module state_dict's fresh aliases, have new
+        ids at every call and are checked by storage anyway). A stale ``others`` only makes
+        record_snapshot look at every guarded storage (a guarded tensor no longer saved as
+        itself, viewed by a saved one)."""
+        saved_ids = list(map(id, saved))
+        cached = self._split
+        if (cached is None or len(cached[1]) != len(saved_ids)
+                or list(compress(saved_ids, cached[2])) != cached[0]):
+            ids = set(self._ids or ())
+            is_guarded = list(map(ids.__contains__, saved_ids))
+            saved_guarded = list(compress(saved_ids, is_guarded))
+            saved_set = set(saved_guarded)
+            cached = self._split = (saved_guarded, list(map(operator.not_, is_guarded)), is_guarded,
+                                    list(map(operator.not_, map(saved_set.__contains__, self._ids or ()))))
+        return list(compress(saved, cached[1])), list(compress(self.tensors, cached[3]))
 
     def storages(self) -> set[int]:
-        """The storage addresses of every guarded tensor."""
-        key = (self._ids, list(map(torch.Tensor.data_ptr, self.tensors)))
-        if key != self._key:
-            self._storages = {t.untyped_storage().data_ptr() for t in self.tensors if not t.is_meta} - {0}
-            self._key = key
+        """The storage_address of every guarded tensor."""
+        if self._storages is None:
+            self._storages = set(storage_addresses_of(self.tensors))
         return self._storages
 
 
@@ -262,6 +310,7 @@ class PendingSnapshot:
     def __init__(self, step: int, tree: Any, arrays: dict[int, torch.Tensor], metadata: dict) -> None:
         self.step, self.tree, self.arrays, self.metadata = step, tree, arrays, metadata
         self.ready: dict[int, Any] = {}
+        self.tensor_count = 0  # the tensors met (repeats counted)
         self.handled: dict[int, torch.Tensor] = {}  # id -> tensor, of those checked (and grouped) at the call
         self.resolved: dict[int, torch.Tensor] = {}  # id(conj/neg tensor) -> its resolved copy, made at the call
         self.captured: dict[tuple, torch.Tensor] = {}  # extent key (see _extent_key) -> its bytes, copied at the call
@@ -278,14 +327,17 @@ class PendingSnapshot:
         tensor copied at the call was given other memory or shape in place since."""
         tree, tensors, names, kinds = encode_state_named(self.tree, arrays=self.arrays)
         resolved = self.resolved
-        for i, t in enumerate(tensors):
-            done = resolved.get(id(t)) if resolved else None
-            if done is not None:
-                tensors[i] = done
-            else:
-                _check_quantized(names[i], t)
-                if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
-                    tensors[i] = t.detach().resolve_conj().resolve_neg()
+        # The usual state (nothing quantized, conjugated or negated: C-level passes) needs no loop
+        if (resolved or any(map(_IS_QUANTIZED, tensors)) or any(map(torch.Tensor.is_conj, tensors))
+                or any(map(torch.Tensor.is_neg, tensors))):
+            for i, t in enumerate(tensors):
+                done = resolved.get(id(t)) if resolved else None
+                if done is not None:
+                    tensors[i] = done
+                else:
+                    _check_quantized(names[i], t)
+                    if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
+                        tensors[i] = t.detach().resolve_conj().resolve_neg()
         extents, placed, records = _lay_out(tensors, names, kinds, layout)
         unguarded = self._apply_captures(extents, placed, tensors)
         return Snapshot(self.step, tree, extents, records, self.metadata, self.ready, unguarded)
@@ -326,21 +378,20 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     guarded = guarded or GuardedMemory()
     try:
         frozen, tensors, arrays = freeze_state(state)
-        ids, saved_ids = guarded.ids, list(map(id, tensors))
-        # The tensors that are not guarded tensors themselves, and where they start
-        rest = list(compress(tensors, map(operator.not_, map(ids.__contains__, saved_ids)))) if ids else tensors
-        firsts = list(map(torch.Tensor.data_ptr, rest))  # raises for tensors without memory of their own
+        rest, others = guarded.split(tensors)
+        addresses = list(map(storage_address, rest))  # raises for tensors without a storage (sparse)
     except (Unfreezable, RuntimeError, NotImplementedError):
         _raise_unsupported(state)
         raise
     pending = PendingSnapshot(step, frozen, arrays, {} if metadata is None else metadata)
+    pending.tensor_count = len(tensors)
     at_call: list[torch.Tensor] = []
-    if rest:
-        starts = guarded.firsts_of_others(set(saved_ids)) if ids else set()
-        if not all(map(starts.__contains__, firsts)):  # a tensor is guarded when it starts where a guarded
-            storages = guarded.storages()              # one does, or shares a guarded storage
-            at_call = [t for t, p in zip(rest, firsts)
-                       if p not in starts and t.untyped_storage().data_ptr() not in storages]
+    held: set[int] = set()
+    # Guarded: each views a guarded tensor's storage. A module's aliases come in its parameters'
+    # order, so the two lists are usually equal (one comparison); else by set.
+    if rest and addresses != (others_at := storage_addresses_of(others)) and not set(others_at).issuperset(addresses):
+        held = guarded.storages()  # also views of the guarded tensors that are saved themselves
+        at_call = [t for t, a in zip(rest, addresses) if a not in held]
     cuda: set[int] = set()
     if _accelerator_tensors_can_exist():
         other = []
@@ -353,8 +404,7 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
         at_call += other
     if at_call:
         at_call = list({id(t): t for t in at_call}.values())  # each once
-        _handle_at_call(pending, at_call, guarded.storages() if ids else set(), state,
-                        None if layout is None else layout.at_call)
+        _handle_at_call(pending, at_call, held or guarded.storages(), state, None if layout is None else layout.at_call)
     pending.ready = streams.record_ready(sorted(cuda))
     return pending
 
@@ -381,7 +431,7 @@ def _handle_at_call(pending: PendingSnapshot, tensors: list[torch.Tensor], guard
     pending.handled = {id(t): t for t in tensors}
     extents, placed, _ = _lay_out(tensors, [""] * len(tensors), ["tensor"] * len(tensors), layout)
     keys = [_extent_key(e) for e in extents]
-    live = _capture(extents, placed, [t.untyped_storage().data_ptr() for t in tensors], guarded)
+    live = _capture(extents, placed, list(map(storage_address, tensors)), guarded)
     pending.captured = {keys[sid]: e.flat for sid, e in enumerate(extents) if e.captured}
     pending.left_live = {keys[sid] for sid in live}
     first = {}
@@ -466,9 +516,8 @@ def _path_to(tree: Any, target: torch.Tensor, arrays: dict[int, torch.Tensor]) -
 def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs: list[int],
              guarded: set[int]) -> list[int]:
     """Copy, now, the extents that the caller may change before the save reads them (see
-    take_snapshot), and those on devices the background cannot read. ``storage_ptrs``: the
-    address of each tensor's storage; ``guarded``: the storage addresses the step pre-hook
-    guards. Returns the index of each extent left live that no guarded storage covers
+    take_snapshot), and those on devices the background cannot read. ``storage_ptrs``: each
+    tensor's storage_address; ``guarded``: those of the storages the step pre-hook guards. Returns the index of each extent left live that no guarded storage covers
     (larger than CAPTURE_MAX, or beyond the budget)."""
     unguarded = set(range(len(extents)))
     for i, ptr in enumerate(storage_ptrs):

@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from operator import itemgetter
 
 from ..cuda import streams
 from ..engines.base import IOEngine, WriteSpan
@@ -25,7 +26,7 @@ from ..format.commit import CommitProtocol, PendingCommit
 from ..format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
 from .._log import log_once
 from ..planner.assign import FileTarget, PlannedChunk, SavePlan
-from ..threads import run_per_file
+from ..threads import gc_paused, run_per_file
 from .handle import Release
 from .snapshot import Snapshot
 from .pool import HostSnapshotPool
@@ -53,24 +54,38 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
     try:
         written_by: dict[int, str] = {}
         crcs = write_snapshot_files(snap, plan, pending, engines, pool=pool, release=release, written_by=written_by)
-        by_storage: dict[int, list[ChunkRecord]] = {}
-        for c in sorted(crcs, key=lambda c: (c.storage, c.storage_offset)):
-            by_storage.setdefault(c.storage, []).append(
-                ChunkRecord(c.file, c.file_offset, c.storage_offset, c.length, crcs[c]))
-        storages = [StorageRecord(ext.nbytes, tuple(by_storage[sid])) for sid, ext in enumerate(snap.extents)]
-        files = tuple(FileRecord(f.target.root, f.target.name, f.size,
-                                 {"engine": written_by[fid],
-                                  **({"gpu": f.gpu} if f.gpu is not None else {})})
-                      for fid, f in enumerate(plan.files))
-        manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
-                            state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
-        pending.commit(manifest.to_json_bytes())
+        with gc_paused():  # a record per chunk and per storage, no cycles (see gc_paused)
+            manifest_bytes, manifest = _manifest(snap, plan, crcs, written_by)
+        pending.commit(manifest_bytes)
     except BaseException as e:
         release.set(error=e)
         if not pending.finished:
             pending.abort()
         raise
     return manifest
+
+
+def _manifest(snap: Snapshot, plan: SavePlan, crcs: dict[PlannedChunk, int],
+              written_by: dict[int, str]) -> tuple[bytes, Manifest]:
+    """The manifest of ``snap`` written by ``plan`` (each chunk's crc32c in ``crcs``), and its bytes."""
+    # Per storage its chunks by offset (one per storage, mostly: no sort of them all)
+    by_storage: dict[int, list[tuple]] = {}
+    for c, crc in crcs.items():
+        by_storage.setdefault(c.storage, []).append((c.storage_offset, c.file, c.file_offset, c.length, crc))
+    storages = []
+    for sid, ext in enumerate(snap.extents):
+        parts = by_storage[sid]
+        if len(parts) > 1:
+            parts.sort(key=itemgetter(0))
+        storages.append(StorageRecord(ext.nbytes, tuple([ChunkRecord(f, fo, so, n, crc)
+                                                         for so, f, fo, n, crc in parts])))
+    files = tuple(FileRecord(f.target.root, f.target.name, f.size,
+                             {"engine": written_by[fid],
+                              **({"gpu": f.gpu} if f.gpu is not None else {})})
+                  for fid, f in enumerate(plan.files))
+    manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
+                        state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
+    return manifest.to_json_bytes(), manifest
 
 
 def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit, engines: Sequence[IOEngine], *,
