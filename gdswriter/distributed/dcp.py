@@ -125,8 +125,8 @@ from .group import Coordinator, describe
 from .load import broadcast_manifest, rebuild_state
 from .options import DistOptions
 from .rankfiles import file_entries, group_held, rank_targets
-from .roots import (RootLayout, _build_table, _primary_of, clean_led, discover_layout, layout_of_part, layout_parts,
-                    lock_led, probe_led, probe_root, root_identity, settle_primary)
+from .roots import (RootLayout, _build_table, _primary_of, clean_led, discover_layout, identify_roots, layout_of_part,
+                    layout_parts, lock_led, probe_led, probe_root, root_identity, settle_primary)
 from .session import DistSession, RankProtocol, primary_not_on_rank_0
 
 log = logging.getLogger("gdswriter")
@@ -471,16 +471,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
         it probes them unlocked, reports only the last committed steps (choose_primary needs no
         more of a root that cannot be the primary of a DCP save), and once its global plan says
         which it leads, locks them and probes them again in write_data (_open_from_plan)."""
-        for r in roots:
-            try:
-                r.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
-                                         f"directory") from e
-        ids = [root_identity(r) for r in roots]
-        if len(set(ids)) != len(ids):
-            raise InvalidOptionError(f"roots {[str(r) for r in roots]} name one directory twice (through a link): "
-                                     f"give each SSD's directory once")
+        ids = identify_roots(roots)
         lock = RootLock(roots) if rank == 0 else None
         try:
             probes = [_probe(r, whole=rank == 0) for r in roots]

@@ -236,6 +236,23 @@ def _refusal(e: BaseException) -> dict:
             "message": e.strerror if isinstance(e, OSError) and e.strerror else str(e)}
 
 
+def identify_roots(roots: Sequence[Path], create: bool = True) -> list[str]:
+    """Each root's id (made, with the root, when ``create``; without, a root that has none
+    stands for itself by path), refusing two roots that are one directory."""
+    if create:
+        for r in roots:
+            try:
+                r.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
+                                         f"directory") from e
+    ids = [root_identity(r, create) or f"path:{r.resolve()}" for r in roots]
+    if len(set(ids)) != len(ids):
+        raise InvalidOptionError(f"roots {[str(r) for r in roots]} name one directory twice (through a link): "
+                                 f"give each SSD's directory once")
+    return ids
+
+
 def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool = True,
                     failed: BaseException | None = None) -> RootLayout:
     """Collective: every rank's roots' ids -> the shared root table. With ``create`` (writing)
@@ -253,17 +270,7 @@ def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool =
     try:
         if failed is not None:
             raise failed
-        if create:
-            for r in roots:
-                try:
-                    r.mkdir(parents=True, exist_ok=True)
-                except OSError as e:
-                    raise InvalidOptionError(f"cannot create checkpoint root {r}: {e.strerror}; choose a writable "
-                                             f"directory") from e
-        ids = [root_identity(r, create) or f"path:{r.resolve()}" for r in roots]
-        if len(set(ids)) != len(ids):
-            raise InvalidOptionError(f"roots {[str(r) for r in roots]} name one directory twice (through a link): "
-                                     f"give each SSD's directory once")
+        ids = identify_roots(roots, create)
         mine = {"roots": [[i, str(r.resolve())] for i, r in zip(ids, roots)]}
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error = e
