@@ -712,6 +712,10 @@ def test_hostile_multi_rank_manifests_are_refused_by_every_reader_before_allocat
         elif root in ("ck", "dcp"):  # the claim is refused, before any allocation
             if cli:  # exit status 1 (corrupt); inspect shows the manifest and reads no data file
                 assert (x["error"], x["text"]) == ("SystemExit", "0" if what == "gdswriter inspect" else "1"), x
+            elif (root, what) == ("ck", "GDSCheckpointer.load"):  # a 2 -> 1 load reads the replicated split
+                # together (distributed/reshard.py): the grown item no longer splits into the pieces
+                # each shard records, refused as on 2 ranks above, before any buffer
+                assert x["error"] == "CorruptCheckpointError" and "does not record exactly the pieces" in x["text"], x
             else:
                 assert x["error"] == "TruncatedFileError" and "655360 bytes on disk" in x["text"], x
     for what in ("GDSCheckpointer.load", "dist.load_state"):  # the readers that assemble a sharded tensor
