@@ -9,6 +9,7 @@ states of a few MiB take the ring (the pool has no seam for its ring size)."""
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import pytest
@@ -115,6 +116,50 @@ def test_a_closed_checkpointers_pool_is_kept_for_the_next_one(tmp_path, small_ri
         assert ck._snapshot_pool.capacity == 2 * MiB and snapshot_pool.kept_pool_bytes() == kept
     assert snapshot_pool.release_kept_pool() == kept and snapshot_pool.kept_pool_bytes() == 0
     assert same(load_state(tmp_path / "c", 1)[1]["model"], state)
+
+
+def test_closing_while_the_full_pool_is_reserved_does_not_wait_and_the_pool_is_handed_over(tmp_path, small_ring,
+                                                                                           monkeypatch):
+    """An integration closes a checkpointer per save (Hugging Face: one per checkpoint-N), often
+    while the helper still reserves the full pool its first async save asked for (seconds for
+    gigabytes): close returns at once, the helper hands its pool to the process's slot when done,
+    and the next checkpointer's helper waits for that handover and takes it, not a second region."""
+    gate, regions = threading.Event(), []
+    new_region = snapshot_pool._new_region
+
+    def slow_region(size, lock_memory):
+        if size > 2 * MiB:  # the full pool, on the helper thread (the ring is not held up)
+            assert gate.wait(120)
+        mem = new_region(size, lock_memory)
+        regions.append(mem)
+        return mem
+
+    monkeypatch.setattr(snapshot_pool, "_new_region", slow_region)
+    state = random_state(8 * MiB, seed=4)
+    ck = GDSCheckpointer(state, None, tmp_path / "a", options=M.small_options())
+    ck.save_async(1).result(timeout=120)
+    assert ck._snapshot_pool.reserving  # held at the gate
+    closer = threading.Thread(target=ck.close)
+    closer.start()
+    try:
+        closer.join(10)
+        assert not closer.is_alive()  # close did not wait for the reservation
+    finally:
+        if closer.is_alive():  # a close that waits would hang the test run
+            gate.set()
+    assert snapshot_pool.kept_pool_bytes() == 2 * MiB  # the ring, kept at close; the full pool not there yet
+    with GDSCheckpointer(state, None, tmp_path / "b", options=M.small_options()) as ck2:
+        ck2.save_async(1).result(timeout=120)  # streams through the kept ring
+        assert ck2._snapshot_pool.reserving  # its helper waits for the handover
+        gate.set()
+        assert ck2._snapshot_pool.wait_reserved(120)
+        ck2.save_async(2).result(timeout=120)
+        full = ck2._snapshot_pool.capacity
+        assert full >= 8 * MiB
+    assert len([r for r in regions if r.size > 2 * MiB]) == 1  # the handed-over pool, not a second one
+    assert snapshot_pool.kept_pool_bytes() == full
+    assert same(load_state(tmp_path / "a", 1)[1]["model"], state)
+    assert same(load_state(tmp_path / "b", 2)[1]["model"], state)
 
 
 def test_first_host_save_writes_through_small_engines_and_a_small_load_reads_through_them(tmp_path):

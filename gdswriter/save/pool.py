@@ -24,7 +24,10 @@ Kept for the process: ``close()`` hands the pool to a single process-wide slot i
 unmapping it, and the next pool that needs that much takes it (a checkpointer created per
 save, as an integration may, then saves through a ready pool from its first save). The slot
 holds one pool, the largest handed to it (a smaller one is freed); ``release_kept_pool()``
-frees it. So a process never holds more than its open checkpointers' pools plus one.
+frees it. A checkpointer closed while its helper still reserves does not wait for it: the
+helper hands its pool to the slot when done, and a later helper first waits for such
+handovers and takes the kept pool rather than mapping a second one. So a process holds its
+open checkpointers' pools plus one (plus, until such a handover lands, the pool it brings).
 
 A save lays its files out in the pool piece by piece: each file is cut at multiples of
 the piece size, and a piece is the file's own bytes for its range (the copier zeroes the
@@ -80,6 +83,7 @@ STREAM_BYTES = 64 * MiB  # a save streams through this much while the full pool 
 
 _kept_lock = threading.Lock()
 _kept: tuple[AlignedBufferPool, bool] | None = None  # the process's kept pool, and whether it was to be locked
+_handing: set[threading.Thread] = set()  # reservations of closed pools, each to hand its pool to _kept
 
 
 def _align_up(n: int, a: int = ALIGN) -> int:
@@ -177,10 +181,21 @@ class _Piece:
             self.ring_state.cv.notify_all()
 
 
+def _wait_handovers() -> None:
+    """Wait for the reservations that closed pools left running (each hands its pool to the
+    kept slot when it finishes: HostSnapshotPool.close)."""
+    with _kept_lock:
+        helpers = list(_handing)
+    for helper in helpers:
+        helper.join()
+
+
 def release_kept_pool() -> int:
-    """Free the pool kept for the process (see the module docstring); returns its size in bytes
+    """Free the pool kept for the process (see the module docstring), once the reservations
+    that closed checkpointers left running have handed theirs over; returns its size in bytes
     (0 if none was kept). Pools of open checkpointers are theirs: close() hands them here."""
     global _kept
+    _wait_handovers()
     with _kept_lock:
         kept, _kept = _kept, None
     if kept is None:
@@ -326,11 +341,16 @@ class HostSnapshotPool:
                 return
             self._growing = size
 
+        most = _align_up(max(self.bound, size), HUGE_PAGE)
+
         def reserve() -> None:
             mem = None
             try:
-                log.debug("gdswriter: reserving a %d MiB host snapshot pool ahead", size >> 20)
-                mem = _new_region(size, self.lock_memory)
+                _wait_handovers()  # a closed checkpointer's reservation, to take instead of a second region
+                mem = _take_kept(size, most, self.lock_memory)
+                if mem is None:
+                    log.debug("gdswriter: reserving a %d MiB host snapshot pool ahead", size >> 20)
+                    mem = _new_region(size, self.lock_memory)
                 if cuda_device is not None:
                     mem.pin_for_cuda(torch.device("cuda", cuda_device))
             except BaseException as e:  # noqa: BLE001 - the saves keep streaming through the ring
@@ -341,26 +361,33 @@ class HostSnapshotPool:
                 mem = None
             with self._lock:
                 self._growing = 0
-                if mem is not None and not self._closed:
+                closed = self._closed
+                if mem is not None and not closed:
                     old, self._grown = self._grown, mem
                     mem = old
-            if mem is not None:  # closed meanwhile, or replaced: nobody takes it
+            if mem is not None and closed:  # its checkpointer closed meanwhile: kept for the process
+                _keep(mem, self.lock_memory)
+            elif mem is not None:  # replaced: nobody takes it
                 mem.close()
+            with _kept_lock:
+                _handing.discard(threading.current_thread())
 
         helper = threading.Thread(target=reserve, name="gdswriter-pool-reserve", daemon=True)
+        self._helper = helper  # wait_reserved joins it; close hands it over
         helper.start()
-        self._helper = helper  # started: wait_reserved and close may join it
 
     def close(self) -> None:
-        """Stop using the pool: wait for a reservation in progress (seconds at most: one region
-        mapped and locked), then hand the pool, or the larger one the helper reserved, to the
-        process's kept slot (see the module docstring)."""
+        """Stop using the pool: hand it, or the larger one the helper reserved, to the process's
+        kept slot (see the module docstring). A reservation still in progress is not waited for
+        (mapping and locking gigabytes takes seconds, and close runs on the caller's thread: an
+        integration closes a checkpointer per save): it hands its pool to the slot when it is done."""
         helper = self._helper
-        if helper is not None and helper is not threading.current_thread():
-            helper.join()
         with self._lock:
             self._closed = True
             grown, self._grown = self._grown, None
+            if helper is not None and self._growing:
+                with _kept_lock:
+                    _handing.add(helper)
         for mem in (grown, self._mem):
             if mem is not None:
                 _keep(mem, self.lock_memory)
