@@ -28,6 +28,7 @@ the ceiling of the same round (2 GiB checkpoints: ``--size 683M``).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import shutil
@@ -214,6 +215,8 @@ def main() -> None:
                         res["ceiling"] += [ceiling[-1]] * (len(times) - 1)
                         res.setdefault("first_ceiling", []).append(ceiling[-1])
                     shutil.rmtree(root, ignore_errors=True)
+                    del save
+                    gc.collect()  # a finished case's trainer and model sit in reference cycles: free them now
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ckpt_mib = 3 * nbytes / 2**20
