@@ -493,6 +493,69 @@ def test_shards_round_trip_and_merge_into_the_whole_step():
     assert m.version == (1, 3) and m.dist.world_size == 2
 
 
+HOSTILE_TABLES = {
+    # the shard table: [root, file name, size, crc32c] per rank
+    "shard-root-past-table": lambda b: b["shards"][1].__setitem__(0, 1),
+    "shard-size-bool": lambda b: b["shards"][1].__setitem__(2, True),
+    "shard-size-negative": lambda b: b["shards"][1].__setitem__(2, -1),
+    "shard-size-float": lambda b: b["shards"][1].__setitem__(2, 1.0),
+    "shard-crc-past-32-bits": lambda b: b["shards"][1].__setitem__(3, 1 << 32),
+    "shard-name-in-a-directory": lambda b: b["shards"][1].__setitem__(1, "../manifest-rank00001.json"),
+    "shard-name-backslash": lambda b: b["shards"][1].__setitem__(1, "a\\b.json"),
+    "shard-name-nul": lambda b: b["shards"][1].__setitem__(1, "a\0b.json"),
+    "shard-name-not-json": lambda b: b["shards"][1].__setitem__(1, "manifest-rank00001.bin"),
+    "shard-name-too-long": lambda b: b["shards"][1].__setitem__(1, "a" * 300 + ".json"),
+    "shard-name-not-text": lambda b: b["shards"][1].__setitem__(1, 7),
+    "shard-entry-short": lambda b: b["shards"][1].pop(),
+    "shard-entry-not-a-list": lambda b: b["shards"].__setitem__(1, {"root": 0}),
+    "shards-not-a-list": lambda b: b.update(shards={"0": 1}),
+    "shards-one-missing": lambda b: b["shards"].pop(),
+    # the root table: {"id", "path", "ranks": "all" or [ranks]} per root
+    "root-rank-past-world": lambda b: b["dist"]["roots"][0].update(ranks=[0, 2]),
+    "root-rank-negative": lambda b: b["dist"]["roots"][0].update(ranks=[-1]),
+    "root-rank-bool": lambda b: b["dist"]["roots"][0].update(ranks=[False]),
+    "root-ranks-other-text": lambda b: b["dist"]["roots"][0].update(ranks="some"),
+    "root-ranks-nested": lambda b: b["dist"]["roots"][0].update(ranks=[[0]]),
+    "root-id-too-long": lambda b: b["dist"]["roots"][0].update(id="x" * 300),
+    "root-path-not-text": lambda b: b["dist"]["roots"][0].update(path=["/r"]),
+    "root-id-missing": lambda b: b["dist"]["roots"][0].pop("id"),
+    "root-not-an-object": lambda b: b["dist"]["roots"].__setitem__(0, ["x" * 32, "/r", [0, 1]]),
+    "roots-none": lambda b: b["dist"].update(roots=[]),
+}
+
+
+@pytest.mark.parametrize("change", sorted(HOSTILE_TABLES))
+def test_a_hostile_root_or_shard_table_is_refused_when_the_global_manifest_is_read(change):
+    """The global manifest's W-entry tables are checked in bulk (format/sharded.py _shards_ok,
+    _roots_ok) before any entry is used: every hostile entry, checksum fixed, is refused."""
+    import crc32c
+
+    body = json.loads(_global([_shard(0), _shard(1)]).to_json_bytes())
+    body.pop("manifest_crc32c")
+    HOSTILE_TABLES[change](body)
+    body["manifest_crc32c"] = crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    with pytest.raises(CorruptCheckpointError, match="manifest.json.*(malformed|shard|root)"):
+        parse_global(json.dumps(body).encode(), "manifest.json")
+
+
+def test_a_parsed_global_manifest_reads_its_tables_as_written():
+    """The tables of a parsed global manifest (RootTable, ShardTable: entries made when read)
+    give the roots and shards written, by index (negative too), slice and iteration; a root of
+    every rank ("all") lists them all."""
+    shards = [_shard(0), _shard(1)]
+    g = _global(shards)
+    back = parse_global(g.to_json_bytes(), "t")
+    assert back == g and list(back.shards) == list(g.shards) and back.shards[-1] == g.shards[1]
+    assert back.shards[:1] == (g.shards[0],) and back.roots[0] == g.roots[0] and back.roots[0].ranks == (0, 1)
+    with pytest.raises(IndexError):
+        back.shards[2]
+    two = GlobalManifest.new(1, 2, [RootInfo("a" * 32, "/a", (0,)), RootInfo("b" * 32, "/b", (1,))],
+                             [ShardRef(r, r, f"manifest-rank{r:05d}.json", 10, 0) for r in range(2)], {}, {})
+    back = parse_global(two.to_json_bytes(), "t")
+    assert [r.ranks for r in back.roots] == [(0,), (1,)] and back.roots.ids == ["a" * 32, "b" * 32]
+    assert [s.root for s in back.shards] == [0, 1] and back == two
+
+
 @pytest.mark.parametrize("damage", ["gap", "size", "wrong rank", "chunk past file", "overlap", "view past item",
                                     "holders"])
 def test_damaged_shards_are_typed_errors(damage):
@@ -549,3 +612,77 @@ def test_a_decision_names_a_bounded_number_of_failed_ranks():
     assert total == 5000 and len(shown) == 8
     text = str(RankFailedError("saving step 1", shown, total=total))
     assert "5000 rank(s)" in text and "and 4996 more ranks" in text
+
+
+# ----------------------------------------------------------------------------- a rank's load planning, by W
+def _sim():
+    """benchmarks/dist_scale_sim.py, whose simulated ranks write real steps of any world size."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "dist_scale_sim.py"
+    spec = importlib.util.spec_from_file_location("dist_scale_sim", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _hottest_lines(fn) -> list[tuple[int, str]]:
+    """Run ``fn`` and count the Python lines it executes (sys.settrace: a line event per line
+    started, and per turn of a loop, comprehensions too; work in C is no event): the most run
+    ones, [(count, file:line)]."""
+    import sys
+    from collections import Counter
+
+    counts: Counter = Counter()
+
+    def trace(frame, event, arg):
+        if event == "line":
+            counts[frame.f_code.co_filename, frame.f_lineno] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return [(n, f"{f}:{line}") for (f, line), n in counts.most_common(3)]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_ranks_load_planning_runs_no_python_per_rank_of_the_world(tmp_path, monkeypatch, kind):
+    """A typical rank of 4,096 planning a load of the step they saved (load_own's planning: the
+    global manifest, its shard, its pieces), and, of the ddp state, loading rank 0 of 2,048
+    planning a load on half the ranks (reshard.plan_from_shards), run no line of Python once per
+    rank of the world: the global manifest's W shard and root entries are checked in C, and
+    made into objects only where read; the rank's own roots are found among W by list.index;
+    the part of the step it loads carries only the roots its files are on. Its own state is
+    20 tensors (a line per tensor and round of a relay tree runs 20 x 12 times), so a line that
+    runs W / 4 = 1,024 times runs per rank. The real save code
+    writes the step, as simulated ranks 0 and W / 2 (benchmarks/dist_scale_sim.py)."""
+    from gdswriter.engines.select import create_engine
+    from gdswriter.options import EngineOptions, KiB
+
+    sim = _sim()
+    monkeypatch.setattr(sim, "TENSORS", 20)
+    monkeypatch.setattr(sim, "REPLICATED", 4)
+    world, typical = 4096, 2048
+    roots = {0: tmp_path / "rank0", typical: tmp_path / f"rank{typical}"}
+    for p in roots.values():
+        p.mkdir()
+    engine = create_engine(EngineOptions(buffer_bytes=256 * KiB, request_bytes=64 * KiB, num_buffers=2))
+    try:
+        peers = sim.Peers(1)
+        sim.run_rank(kind, typical, world, roots, peers, engine)
+        sim.run_rank(kind, 0, world, roots, sim.Peers(1, report_of=sim.report_of(world), template=peers.last_report),
+                     engine)
+    finally:
+        engine.close()
+    layout = sim.layout_of(typical, world, roots)  # a checkpointer holds it from its opening
+    hottest = _hottest_lines(lambda: sim.plan_load(layout, roots, 2))
+    assert hottest[0][0] < world // 4, hottest
+    if kind == "ddp":
+        layout = sim.reshard_layout(world, roots)
+        out: list = []
+        hottest = _hottest_lines(lambda: out.append(sim.plan_reshard_load(layout, roots, 2)))
+        assert out[0]["shards"] >= 1 and hottest[0][0] < world // 4, hottest

@@ -32,7 +32,7 @@ import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -44,7 +44,7 @@ from ..format.commit import CommitProtocol, step_dir_name
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, StorageRecord, TensorRecord
 from ..format.sharded import (SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, merge, parse_global, parse_shard,
-                              read_shard)
+                              read_shard, root_columns)
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
@@ -106,10 +106,32 @@ def _shard_readers(g: GlobalManifest, layout: RootLayout) -> list[int | None]:
 
 
 def reach_of(g: GlobalManifest, layout: RootLayout) -> list[Path | None]:
-    """Where this rank finds each root of ``g`` (fetch.manifest_reach's rule)."""
+    """Where this rank finds each root of ``g`` (fetch.manifest_reach's rule: by id, else by path
+    for a root of its own that has no id). The table has a root per rank or more: each of this
+    rank's few roots is looked up in its ids and paths by list.index (in C), so no Python runs
+    per entry of the table."""
+    ids, paths = root_columns(g.roots)
+    out: list[Path | None] = [None] * len(ids)
+
+    def at(column: list[str], value: str) -> Iterator[int]:
+        i = -1
+        while True:
+            try:
+                i = column.index(value, i + 1)
+            except ValueError:
+                return
+            yield i
+
+    for p, i in reversed(list(zip(layout.local_paths, layout.local_ids))):  # the first of a repeated id wins
+        for k in at(ids, i):
+            out[k] = p
+    local = set(layout.local_ids)
     unmarked = {str(p.resolve()): p for p, i in zip(layout.local_paths, layout.local_ids) if i.startswith("path:")}
-    return [layout.local_paths[layout.local_ids.index(info.id)] if info.id in layout.local_ids
-            else unmarked.get(info.path) for info in g.roots]
+    for path, p in unmarked.items():
+        for k in at(paths, path):
+            if ids[k] not in local:
+                out[k] = p
+    return out
 
 
 def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, what: str, src: int) -> Manifest:

@@ -218,9 +218,13 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
     except _Unreached:
         return None
     records = tuple(replace(t, storage=number[t.storage]) for t in tensors)  # type: ignore[index]
+    # its root table: the roots its files are on (renumbered), not the step's (a root per rank or more)
+    used = sorted({f.root for f in file_list}) or [0]
+    renumber = {r: k for k, r in enumerate(used)}
+    file_list = [replace(f, root=renumber[f.root]) for f in file_list]
     m = Manifest(step=g.step, files=tuple(file_list), storages=tuple(storages), tensors=records,
                  state=remap_tree(own.tree, lambda i: where[i]), created_unix=g.created_unix, metadata=g.metadata,
-                 version=MULTI_RANK_VERSION, dist=DistInfo(g.world_size, "gdswriter", g.roots))
+                 version=MULTI_RANK_VERSION, dist=DistInfo(g.world_size, "gdswriter", tuple(g.roots[r] for r in used)))
     try:  # through the 1.2 validation: every item covered once, chunks inside their files, views inside items
         data = _covered(m, together).to_json_bytes()
     except Exception as e:  # noqa: BLE001 - a record no reader accepts: the shards are damaged

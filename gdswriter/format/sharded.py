@@ -33,13 +33,16 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+from itertools import chain, compress, repeat
+from operator import itemgetter, ne
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence, overload
 
 import crc32c as _crc32c
 
 from ..errors import CorruptCheckpointError, UnreachableDataError
 from ..fs import read_regular_file
+from ..threads import gc_paused
 from .assembly import build_manifest
 from .commit import root_identity, step_dir_name
 from .dtypes import dtype_from_name
@@ -172,8 +175,8 @@ class GlobalManifest:
 
     step: int
     world_size: int
-    roots: tuple[RootInfo, ...]
-    shards: tuple[ShardRef, ...]
+    roots: Sequence[RootInfo]  # a tuple, or parsed: a RootTable
+    shards: Sequence[ShardRef]  # a tuple, or parsed: a ShardTable
     metadata: dict
     created_unix: float
     totals: dict
@@ -222,7 +225,8 @@ def parse_global(raw: bytes, where: str) -> GlobalManifest | None:
     """The global manifest in ``raw``, or None when ``raw`` is a 1.0-1.2 manifest (parse that
     with Manifest.from_json_bytes). Damage is CorruptCheckpointError."""
     try:
-        body = json.loads(raw)
+        with gc_paused():  # a 16,384-rank manifest is ~10^5 objects, none in a cycle: no collection over them
+            body = json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where} is not valid JSON ({e}); the checkpoint is damaged: "
                                      f"load an earlier step") from e
@@ -537,20 +541,26 @@ def _parse_global(body: dict, where: str) -> GlobalManifest:
     world = _int(d["world_size"], "dist.world_size")
     if world < 1 or d["layout"] != "gdswriter":
         raise bad(f"dist: world_size {world} or layout {d['layout']!r} is invalid for a sharded manifest")
-    roots = []
-    for r in _list(d["roots"], "dist.roots"):
-        ranks = tuple(range(world)) if r["ranks"] == "all" else tuple(_int(x, "a root's rank", world)
-                                                                        for x in _list(r["ranks"], "ranks"))
-        roots.append(RootInfo(_text(r["id"], "a root id"), _text(r["path"], "a root path", 4096), ranks))
-    if not roots:
+    rows = _list(d["roots"], "dist.roots")
+    if not _roots_ok(rows, world):  # the checks below, entry by entry, for the message
+        for r in rows:
+            if r["ranks"] != "all":
+                [_int(x, "a root's rank", world) for x in _list(r["ranks"], "ranks")]
+            _text(r["id"], "a root id"), _text(r["path"], "a root path", 4096)
+        raise bad("its root table is malformed")
+    if not rows:
         raise bad("no root table")
-    shards = []
-    for rank, x in enumerate(_list(body["shards"], "shards")):
-        root, name, size, crc = _list(x, "a shard entry")
-        shards.append(ShardRef(rank, _int(root, "a shard's root", len(roots)), _plain_name(name),
-                               _int(size, "a shard's size"), _int(crc, "a shard's crc32c", 1 << 32)))
-        if not name.endswith(".json"):
-            raise bad(f"shard file name {name!r}")
+    roots = RootTable(rows, world)
+    entries = _list(body["shards"], "shards")
+    if not _shards_ok(entries, len(roots)):
+        for x in entries:
+            root, name, size, crc = _list(x, "a shard entry")
+            _int(root, "a shard's root", len(roots)), _plain_name(name), _int(size, "a shard's size")
+            _int(crc, "a shard's crc32c", 1 << 32)
+            if not name.endswith(".json"):
+                raise bad(f"shard file name {name!r}")
+        raise bad("its shard table is malformed")
+    shards = ShardTable(entries)
     if len(shards) != world:
         raise bad(f"{len(shards)} shards listed for a world of {world} ranks")
     metadata, totals = body.get("metadata", {}), body.get("totals", {})
@@ -563,8 +573,7 @@ def _parse_global(body: dict, where: str) -> GlobalManifest:
             index = LayoutIndex.from_json(body["layout_index"], world)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError) as e:
             raise bad(f"its layout index is malformed ({type(e).__name__}: {e})") from e
-    return GlobalManifest(_int(body["step"], "step"), world, tuple(roots), tuple(shards), metadata, float(created),
-                          totals, index)
+    return GlobalManifest(_int(body["step"], "step"), world, roots, shards, metadata, float(created), totals, index)
 
 
 def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:
@@ -646,6 +655,150 @@ def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_root
         tensors.append(rec)
     return RankShard(step, rank, world, tuple(files), tuple(items), tuple(tuple(cs) for cs in chunks),
                      tuple(tensors), body["tree"])
+
+
+# -- the root and shard tables of a parsed global manifest ----------------------------------------
+# They list every rank (W entries), and a rank's load needs a few of them: they are checked in
+# bulk, by passes in C over their columns (map, zip, min, max), and an entry becomes a RootInfo
+# or ShardRef only when read. Any entry the bulk checks refuse is checked again one by one
+# (_parse_global), for a message that names what is wrong.
+def _ints_in(values: Sequence[Any], limit: int) -> bool:
+    """Whether ``values`` are all ints (not bools) in [0, limit)."""
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0 and max(values) < limit)
+
+
+def _texts_of(values: Sequence[Any], limit: int) -> bool:
+    """Whether ``values`` are all strings of at most ``limit`` characters."""
+    return not values or (set(map(type, values)) == {str} and max(map(len, values)) <= limit)
+
+
+def _shards_ok(entries: list, n_roots: int) -> bool:
+    """Whether every entry of the shard table is [root, plain file name ending .json, size, crc32c]
+    (the checks _parse_global's entry-by-entry loop makes)."""
+    if not entries:
+        return True
+    if set(map(type, entries)) != {list} or set(map(len, entries)) != {4}:
+        return False
+    roots, names, sizes, crcs = zip(*entries)
+    if not (_ints_in(roots, n_roots) and _ints_in(sizes, INT64_LIMIT) and _ints_in(crcs, 1 << 32)
+            and _texts_of(names, MAX_KEY_CHARS)):
+        return False
+    joined = "\n".join(names)  # ending in ".json", a name is neither empty nor "." nor ".."
+    return all(map(str.endswith, names, repeat(".json"))) and not any(c in joined for c in "/\\\0")
+
+
+def _roots_ok(rows: list, world: int) -> bool:
+    """Whether every entry of the root table is {"id": id, "path": path, "ranks": "all" or [ranks
+    of the world]} (the checks _parse_global's entry-by-entry loop makes)."""
+    if not rows:
+        return True
+    if set(map(type, rows)) != {dict}:
+        return False
+    try:
+        ids, paths, ranks = (list(map(itemgetter(k), rows)) for k in ("id", "path", "ranks"))
+    except KeyError:
+        return False
+    if not (_texts_of(ids, MAX_KEY_CHARS) and _texts_of(paths, 4096)) or not set(map(type, ranks)) <= {str, list}:
+        return False
+    listed = list(compress(ranks, map(ne, ranks, repeat("all"))))
+    return set(map(type, listed)) <= {list} and _ints_in(list(chain.from_iterable(listed)), world)
+
+
+class RootTable(Sequence[RootInfo]):
+    """The root table of a parsed global manifest (dist.roots, checked by _roots_ok): a RootInfo
+    per entry read, and the ids and paths of every entry as lists (for matching a rank's own
+    roots against them in C: distributed/load.py ``reach_of``)."""
+
+    def __init__(self, rows: list[dict], world: int):
+        self._rows, self._world = rows, world
+        self._made: dict[int, RootInfo] = {}  # made once: a root of every rank ("all") lists W ranks
+        self._ids: list[str] | None = None
+        self._paths: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @overload
+    def __getitem__(self, i: int) -> RootInfo: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[RootInfo, ...]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[k] for k in range(len(self))[i])
+        i = range(len(self._rows))[i]  # IndexError past the end; a negative index counts from it
+        info = self._made.get(i)
+        if info is None:
+            r = self._rows[i]
+            ranks = tuple(range(self._world)) if r["ranks"] == "all" else tuple(r["ranks"])
+            info = self._made[i] = RootInfo(r["id"], r["path"], ranks)
+        return info
+
+    def __iter__(self) -> Iterator[RootInfo]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"RootTable({len(self)} roots)"
+
+    @property
+    def ids(self) -> list[str]:
+        if self._ids is None:
+            self._ids = list(map(itemgetter("id"), self._rows))
+        return self._ids
+
+    @property
+    def paths(self) -> list[str]:
+        if self._paths is None:
+            self._paths = list(map(itemgetter("path"), self._rows))
+        return self._paths
+
+
+class ShardTable(Sequence[ShardRef]):
+    """The shard table of a parsed global manifest (checked by _shards_ok): a ShardRef per entry
+    read, so a rank that reads its own shard makes one, whatever the world size."""
+
+    def __init__(self, entries: list[list]):
+        self._entries = entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @overload
+    def __getitem__(self, i: int) -> ShardRef: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[ShardRef, ...]: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self[k] for k in range(len(self))[i])
+        rank = range(len(self._entries))[i]  # IndexError past the end; a negative index counts from it
+        root, name, size, crc = self._entries[rank]
+        return ShardRef(rank, root, name, size, crc)
+
+    def __iter__(self) -> Iterator[ShardRef]:
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"ShardTable({len(self)} shards)"
+
+
+def root_columns(roots: Sequence[RootInfo]) -> tuple[list[str], list[str]]:
+    """The ids and the paths of ``roots`` (a RootTable's, made in C)."""
+    if isinstance(roots, RootTable):
+        return roots.ids, roots.paths
+    return [r.id for r in roots], [r.path for r in roots]
 
 
 def match_roots(saved: Sequence[RootInfo], roots: Sequence[Path]) -> list[Path | None]:
