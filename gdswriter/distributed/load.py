@@ -409,32 +409,45 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                          list if mode == "cma" else lambda _: None, hint=unchanged, root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
     _send_rounds(coord, rounds, into, tags, what)
+    if mode != "cma":  # (with cross memory the fallback after a failed copy still sends from and into them)
+        into = []
     if share is not None:
         share.release_shared()
-    if mode != "cma":
-        into = []
     if block < world and mode is not None:  # the pieces from other hosts are on this host once every rank has them
         coord.agree(None, f"{what} (pieces from other hosts)", hint=unchanged, root=src)
+    pull_error = None
     if mode == "cma":
-        _pull_from_host(coord, shard, split, layout, arena, bases, peers, block, into, tags, what,  # type: ignore[arg-type]
-                        src)
-        into = []
-    error, state = None, None
-    try:
-        views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
-                         tensors=shard.tensors, state=shard.tree)
-        tensors = tensors_from_storages(views, buffers)
-        for i, rec in enumerate(shard.tensors):
-            if rec.shard is not None:
-                offsets, shape, wrap = target_block(_template(templates, rec.name), rec.shard.global_shape)
-                tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
-                                           [(rec.shard, tensors[i])]))
-        state = decode_state(shard.tree, tensors)
-        checked = check(state)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    coord.agree(error, f"{what} (rebuilding the state and checking it against the live state)", hint=unchanged,
-                root=src)
+        pull_error = _pull_from_host(shard, split, layout, arena, bases, peers, block, rank)  # type: ignore[arg-type]
+
+    def rebuild() -> tuple[Any, Any, BaseException | None]:
+        try:
+            views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
+                             tensors=shard.tensors, state=shard.tree)
+            tensors = tensors_from_storages(views, buffers)
+            for i, rec in enumerate(shard.tensors):
+                if rec.shard is not None:
+                    offsets, shape, wrap = target_block(_template(templates, rec.name), rec.shard.global_shape)
+                    tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
+                                               [(rec.shard, tensors[i])]))
+            state = decode_state(shard.tree, tensors)
+            return state, check(state), None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            return None, None, e
+
+    state, checked, error = rebuild()
+    # with cross memory this agreement also tells that every rank has pulled: only after it may a
+    # rank free or change the buffer its peers copy from (its state's memory)
+    pulled = coord.decide(error, pull_error is None, f"{what} (rebuilding the state and checking it against the live "
+                                                     f"state)", all, hint=unchanged, root=src)
+    if not pulled:  # some rank could not copy from its peers: those items over the process group
+        if pull_error is not None:
+            log.warning("gdswriter: %s: reading a peer rank's memory failed (%s); the ranks pass the pieces to "
+                        "each other instead", what, describe(pull_error))
+        split_only = [split[sid] if sid in layout else () for sid in range(len(shard.items))]
+        _send_rounds(coord, _schedule(shard, split_only, rank, world, world, set()), into, tags,
+                     f"{what} (after a failed copy from a peer's memory)")
+        state, checked, error = rebuild()  # on the bytes received (a rebuilt block may be a copy)
+        coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged, root=src)
     return state, checked
 
 
@@ -450,18 +463,15 @@ def _send_rounds(coord: Coordinator, rounds: Sequence[Sequence[tuple[int, int, i
         coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
 
 
-def _pull_from_host(coord: Coordinator, shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]],
-                    layout: dict[int, int], arena: torch.Tensor, bases: Sequence[int], peers: Sequence[Sequence[int]],
-                    block: int, into: Sequence[torch.Tensor], tags: dict[tuple[int, int], int], what: str,
-                    src: int) -> None:
-    """Collective: copy the pieces of the items every rank holds (laid out at ``layout`` in each
-    rank's ``arena``, at ``bases`` on each rank) that this rank lacks from the rank of its host
-    that holds them (the writer's local index: its writer, or the rank the piece crossed hosts
-    to), straight from that rank's memory (crossmem.py). Then one agreement: every rank has
-    pulled (only then may any rank free or change its buffer), or where any pull failed,
-    every rank sends those items over the process group instead."""
-    rank, world = coord.rank, coord.world_size
-    error = None
+def _pull_from_host(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]], layout: dict[int, int],
+                    arena: torch.Tensor, bases: Sequence[int], peers: Sequence[Sequence[int]], block: int,
+                    rank: int) -> BaseException | None:
+    """Copy the pieces of the items every rank holds (laid out at ``layout`` in each rank's
+    ``arena``, at ``bases`` on each rank) that this rank lacks from the rank of its host that
+    holds them (the writer's local index: its writer, or the rank the piece crossed hosts to),
+    straight from that rank's memory (crossmem.py). Returns the failure, if any: the caller's
+    next agreement tells every rank whether all pulled (only then may any rank free or change
+    its buffer), and where any failed, every rank sends those items over the process group."""
     try:
         mine = arena.data_ptr()
         first = rank - rank % block
@@ -473,18 +483,9 @@ def _pull_from_host(coord: Coordinator, shard: RankShard, split: Sequence[Sequen
                     moves.setdefault(holder, []).append((bases[holder] + at + off, mine + at + off, n))
         for holder, todo in sorted(moves.items()):
             crossmem.pull(peers[holder][0], todo)
-    except Exception as e:  # noqa: BLE001 - agreed below: then the process group
-        error = e
-    pulled = coord.decide(None, error is None, f"{what} (pulling pieces from the ranks of this host)", all,
-                          hint="the live state was not changed", root=src)
-    if pulled:
-        return
-    if error is not None:
-        log.warning("gdswriter: %s: reading a peer rank's memory failed (%s); the ranks pass the pieces to each "
-                    "other instead", what, describe(error))
-    split_only = [split[sid] if sid in layout else () for sid in range(len(shard.items))]
-    _send_rounds(coord, _schedule(shard, split_only, rank, world, world, set()), into, tags,
-                 f"{what} (after a failed pull)")
+    except Exception as e:  # noqa: BLE001 - agreed by the caller: then the process group
+        return e
+    return None
 
 
 def _schedule(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]], rank: int, world: int, block: int,
