@@ -8,9 +8,12 @@ every rank is given all of them), measure:
                  the ranks (planner/ranks.py), each rank writes its share to every root. One
                  checkpointer serves every round (as in training: its engines and buffers exist
                  before the first timed save); load() reads back into the live state. Ranks
-                 on one host share what they read through /dev/shm (DistOptions.load_share_dir)
-  gdswriter-relay  the same, with load_share_dir=None: the replicated pieces each rank read
-                 travel to the others over gloo, as they do between hosts
+                 on one host copy the pieces they did not read from each other's memory
+                 (DistOptions.load_cross_memory, distributed/crossmem.py)
+  gdswriter-tmpfs  the same with load_cross_memory=False: ranks on one host share what they
+                 read through /dev/shm (DistOptions.load_share_dir), the default until then
+  gdswriter-relay  the same with neither: the replicated pieces each rank read travel to the
+                 others over gloo, as they do between hosts
   gdswriter-dcp  dcp.save through GDSStorageWriter (the same split and commit, DCP's planning),
                  a new writer for each save (as FileSystemWriter is used): it opens its roots
   dcp-kept       the same through one GDSStorageWriter kept for all rounds (a step each), as a
@@ -24,7 +27,9 @@ round: fresh directories, a barrier, the timed save on every rank, a barrier; th
 slowest rank's. Aggregate bandwidth = state bytes / that time. "bytes/rank" is what each rank
 wrote (min..max). Load: the files are evicted from the page cache, then every rank loads the
 whole replicated state (GDSCheckpointer.load / dcp.load with each writer's reader), timed the
-same way.
+same way. Rounds are interleaved across the cases (round 1 of each case, then round 2...), so
+the disk's drift from minute to minute hits every case alike; the table shows the median and
+the spread (min..max) of the load times.
 
     python benchmarks/dist_scaling.py --size 256M --ranks 1,2,4 --roots 1,2 --rounds 3 [--json out.json]
 
@@ -53,7 +58,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-CASES = ("gdswriter", "gdswriter-relay", "gdswriter-dcp", "dcp-kept", "dcp-fs")
+CASES = ("gdswriter", "gdswriter-tmpfs", "gdswriter-relay", "gdswriter-dcp", "dcp-kept", "dcp-fs")
 
 
 def make_state(nbytes: int) -> dict:
@@ -120,17 +125,96 @@ def _gather_bytes(n: int) -> list[int]:
     return [int(x) for x in out]
 
 
+def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, world: int, base: str, state: dict,
+           target: dict, reference: dict) -> None:
+    """One round of ``case``: a save and a load, their times appended to ``run``, which also
+    keeps the case's checkpointer or writer from round to round ("ck")."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from gdswriter import CheckpointOptions, GDSCheckpointer
+    from gdswriter.distributed import DistOptions, GDSStorageReader, GDSStorageWriter
+    from gdswriter.format.commit import step_dir_name
+
+    saves, loads, mine, ck = run["saves"], run["loads"], run["mine"], run["ck"]
+    dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-{rnd}-root{i}") for i in range(nroots)]
+    if case in ("gdswriter", "gdswriter-tmpfs", "gdswriter-relay"):
+        # One checkpointer for all rounds, as a training job keeps one: its engines and
+        # buffers are made before the first timed save (the other cases keep nothing).
+        if ck is None:
+            dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
+            share = {"gdswriter": {}, "gdswriter-tmpfs": {"load_cross_memory": False},
+                     "gdswriter-relay": {"load_share_dir": None, "load_cross_memory": False}}[case]
+            ck = run["ck"] = GDSCheckpointer(state, root=dirs, options=CheckpointOptions(keep_last=1),
+                                             dist_options=DistOptions(**share))
+            ck.engine_info
+        dirs = [str(r) for r in ck.protocol.roots]
+        saves.append(_timed(ck.save, rnd))
+        ck.wait()  # retention (keep_last=1) has deleted the previous round's step
+        step_dirs = [os.path.join(d, step_dir_name(rnd)) for d in dirs]
+        # one process writes data-r<root>-f<k>.bin (the single-process path)
+        mine.append(_rank_bytes(step_dirs, f"data-rank{rank}-*" if world > 1 else "data-*"))
+        dist.barrier()
+        if rank == 0:
+            _evict(step_dirs)
+        for t in state.values():
+            t.zero_()
+        loads.append(_timed(ck.load, rnd))  # into the live state, as a resumed job does
+        assert all(torch.equal(state[k], v) for k, v in reference.items()), f"{case}: load differs"
+        dist.barrier()
+        if rnd == rounds - 1:
+            _close_kept(ck, dirs, rank)
+        return
+    elif case == "dcp-kept":
+        if ck is None:
+            dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
+            ck = run["ck"] = GDSStorageWriter(dirs)
+            dcp.save(state, storage_writer=ck, checkpoint_id=rounds)  # opens the roots, builds engines
+        dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
+        saves.append(_timed(dcp.save, state, storage_writer=ck, checkpoint_id=rnd))
+        step_dirs = [os.path.join(d, step_dir_name(rnd)) for d in dirs]
+        mine.append(_rank_bytes(step_dirs, f"data-rank{rank}-*"))
+        if rank == 0:
+            _evict(step_dirs)
+        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, rnd)))
+        assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
+        for t in target.values():
+            t.zero_()
+        dist.barrier()
+        if rnd == rounds - 1:
+            _close_kept(ck, dirs, rank)
+        dist.barrier()
+        return
+    elif case == "gdswriter-dcp":
+        saves.append(_timed(dcp.save, state, storage_writer=GDSStorageWriter(dirs, rnd)))
+        mine.append(_rank_bytes(dirs, f"data-rank{rank}-*"))
+        if rank == 0:
+            _evict(dirs)
+        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, rnd)))
+    else:
+        saves.append(_timed(dcp.save, state,
+                            storage_writer=FileSystemWriter(dirs[0], sync_files=True)))
+        mine.append(_rank_bytes(dirs, f"__{rank}_*.distcp"))
+        if rank == 0:
+            _evict(dirs)
+        loads.append(_timed(dcp.load, target, storage_reader=FileSystemReader(dirs[0])))
+    assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
+    for t in target.values():
+        t.zero_()
+    dist.barrier()
+    if rank == 0:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    dist.barrier()
+
+
 def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: list[int], rounds: int,
            result_path: str, cases: tuple[str, ...] = CASES) -> None:
     try:
         import torch
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-
-        from gdswriter import CheckpointOptions, GDSCheckpointer
-        from gdswriter.distributed import DistOptions, GDSStorageReader, GDSStorageWriter
-        from gdswriter.format.commit import step_dir_name
 
         warnings.filterwarnings("ignore")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -140,82 +224,14 @@ def worker(rank: int, world: int, port: int, base: str, size: int, roots_list: l
         reference = {k: v.clone() for k, v in state.items()}
         results: dict = {"bytes": state_bytes(state), "cases": {}}
         for nroots in roots_list:
-            for case in cases:
-                if case == "dcp-fs" and nroots > 1:
-                    continue
-                saves, loads, mine = [], [], []
-                ck = None
-                for rnd in range(rounds):
-                    dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-{rnd}-root{i}") for i in range(nroots)]
-                    if case in ("gdswriter", "gdswriter-relay"):
-                        # One checkpointer for all rounds, as a training job keeps one: its engines and
-                        # buffers are made before the first timed save (the other cases keep nothing).
-                        if ck is None:
-                            dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
-                            share = {"load_share_dir": None} if case == "gdswriter-relay" else {}
-                            ck = GDSCheckpointer(state, root=dirs, options=CheckpointOptions(keep_last=1),
-                                                 dist_options=DistOptions(**share))
-                            ck.engine_info
-                        dirs = [str(r) for r in ck.protocol.roots]
-                        saves.append(_timed(ck.save, rnd))
-                        ck.wait()  # retention (keep_last=1) has deleted the previous round's step
-                        step_dirs = [os.path.join(d, step_dir_name(rnd)) for d in dirs]
-                        # one process writes data-r<root>-f<k>.bin (the single-process path)
-                        mine.append(_rank_bytes(step_dirs, f"data-rank{rank}-*" if world > 1 else "data-*"))
-                        dist.barrier()
-                        if rank == 0:
-                            _evict(step_dirs)
-                        for t in state.values():
-                            t.zero_()
-                        loads.append(_timed(ck.load, rnd))  # into the live state, as a resumed job does
-                        assert all(torch.equal(state[k], v) for k, v in reference.items()), f"{case}: load differs"
-                        dist.barrier()
-                        if rnd == rounds - 1:
-                            _close_kept(ck, dirs, rank)
-                        continue
-                    elif case == "dcp-kept":
-                        if ck is None:
-                            dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
-                            ck = GDSStorageWriter(dirs)
-                            dcp.save(state, storage_writer=ck, checkpoint_id=rounds)  # opens the roots, builds engines
-                        dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
-                        saves.append(_timed(dcp.save, state, storage_writer=ck, checkpoint_id=rnd))
-                        step_dirs = [os.path.join(d, step_dir_name(rnd)) for d in dirs]
-                        mine.append(_rank_bytes(step_dirs, f"data-rank{rank}-*"))
-                        if rank == 0:
-                            _evict(step_dirs)
-                        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, rnd)))
-                        assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
-                        for t in target.values():
-                            t.zero_()
-                        dist.barrier()
-                        if rnd == rounds - 1:
-                            _close_kept(ck, dirs, rank)
-                        dist.barrier()
-                        continue
-                    elif case == "gdswriter-dcp":
-                        saves.append(_timed(dcp.save, state, storage_writer=GDSStorageWriter(dirs, rnd)))
-                        mine.append(_rank_bytes(dirs, f"data-rank{rank}-*"))
-                        if rank == 0:
-                            _evict(dirs)
-                        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, rnd)))
-                    else:
-                        saves.append(_timed(dcp.save, state,
-                                            storage_writer=FileSystemWriter(dirs[0], sync_files=True)))
-                        mine.append(_rank_bytes(dirs, f"__{rank}_*.distcp"))
-                        if rank == 0:
-                            _evict(dirs)
-                        loads.append(_timed(dcp.load, target, storage_reader=FileSystemReader(dirs[0])))
-                    assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
-                    for t in target.values():
-                        t.zero_()
-                    dist.barrier()
-                    if rank == 0:
-                        for d in dirs:
-                            shutil.rmtree(d, ignore_errors=True)
-                    dist.barrier()
-                results["cases"][f"{case}|{nroots}"] = {
-                    "save_s": saves, "load_s": loads, "rank_bytes": _gather_bytes(int(statistics.median(mine)))}
+            todo = [c for c in cases if not (c == "dcp-fs" and nroots > 1)]
+            runs = {c: {"saves": [], "loads": [], "mine": [], "ck": None} for c in todo}
+            for rnd in range(rounds):  # rounds interleaved across the cases: the disk's drift hits them alike
+                for case in todo:
+                    _round(runs[case], case, nroots, rnd, rounds, rank, world, base, state, target, reference)
+            for case, r in runs.items():
+                results["cases"][f"{case}|{nroots}"] = {"save_s": r["saves"], "load_s": r["loads"],
+                                                        "rank_bytes": _gather_bytes(int(statistics.median(r["mine"])))}
         if rank == 0:
             Path(result_path).write_text(json.dumps(results))
     except BaseException:  # noqa: BLE001 - reported, then the rank exits non-zero
@@ -274,7 +290,7 @@ def main(argv=None) -> int:
         shutil.rmtree(base, ignore_errors=True)
     print(f"replicated state {size / 2**20:.0f} MiB, median of {args.rounds} round(s); GB/s = 1e9 bytes/s")
     print(f"{'ranks':>5} {'roots':>5}  {'case':<16} {'save s':>8} {'save GB/s':>10} {'bytes/rank MiB':>16} "
-          f"{'load s':>8} {'load GB/s':>10}")
+          f"{'load s':>8} {'load GB/s':>10} {'load min..max s':>16}")
     for world, res in report["runs"].items():
         total = res["bytes"]
         for key, c in res["cases"].items():
@@ -282,8 +298,9 @@ def main(argv=None) -> int:
             s, ld = statistics.median(c["save_s"]), statistics.median(c["load_s"])
             per = c["rank_bytes"]
             span = f"{min(per) / 2**20:.1f}..{max(per) / 2**20:.1f}"
+            spread = f"{min(c['load_s']):.3f}..{max(c['load_s']):.3f}"
             print(f"{world:>5} {nroots:>5}  {case:<16} {s:8.3f} {total / s / 1e9:10.2f} {span:>16} {ld:8.3f} "
-                  f"{total / ld / 1e9:10.2f}")
+                  f"{total / ld / 1e9:10.2f} {spread:>16}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

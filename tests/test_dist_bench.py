@@ -18,7 +18,8 @@ def test_dist_scaling_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cases = json.loads(out.read_text())["runs"]["2"]["cases"]
     assert sorted(cases) == ["dcp-fs|1", "dcp-kept|1", "dcp-kept|2", "gdswriter-dcp|1", "gdswriter-dcp|2",
-                             "gdswriter-relay|1", "gdswriter-relay|2", "gdswriter|1", "gdswriter|2"]
+                             "gdswriter-relay|1", "gdswriter-relay|2", "gdswriter-tmpfs|1", "gdswriter-tmpfs|2",
+                             "gdswriter|1", "gdswriter|2"]
     for key, c in cases.items():
         assert len(c["rank_bytes"]) == 2 and min(c["rank_bytes"]) > 0, (key, c)
     split = cases["gdswriter|1"]["rank_bytes"]

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from gdswriter.distributed import hostshare
+from gdswriter.distributed import crossmem, hostshare
 from gdswriter.errors import CorruptCheckpointError, RankFailedError
 from gdswriter.format.manifest import ChunkRecord, FileRecord, RootInfo, TensorRecord
 from gdswriter.format.sharded import (GlobalManifest, ItemRecord, RankShard, ShardRef, check_shard_bytes, merge,
@@ -153,20 +153,64 @@ def test_what_a_rank_receives_opening_the_roots_and_falling_back_is_flat_from_tw
 
 
 # ----------------------------------------------------------------------------- replicated state read once
-def _read_once_worker(rank: int, world: int, root: str, share: str | list | None) -> dict:
+def _read_once_worker(rank: int, world: int, root: str, share: str | list | None, cma: bool = False,
+                      refuse: tuple[int, str] | None = None, slow: bool = False) -> dict:
     """``share``: the tmpfs to share the load through, or one per host (a list: hosts of
-    consecutive ranks)."""
+    consecutive ranks; with ``cma`` each also its own process domain). ``cma``: pull from the
+    peers' memory (DistOptions.load_cross_memory). ``refuse``: (rank, "probe" or "pull"): that
+    rank's process_vm_readv fails with EPERM (every call, or only the pieces' copies). ``slow``:
+    rank 1 starts copying its pieces a second late, while rank 0, once its load returns, frees
+    its buffers and fills fresh ones with 0xFF."""
+    import ctypes
+    import errno
+    import time
     from dataclasses import replace
 
-    if isinstance(share, list):
+    from gdswriter.distributed import crossmem
+    from gdswriter.distributed import load as dist_load
+
+    hosts = isinstance(share, list)
+    if hosts:
         share = share[rank * len(share) // world]
+        plain_domain = crossmem.domain
+        crossmem.domain = lambda: f"{plain_domain()}:{share}"  # private: one process domain per "host"
+    if refuse is not None and refuse[0] == rank:
+        plain_readv = crossmem._readv
+
+        def refusing(pid, local, nlocal, remote, nremote, flags):
+            if refuse[1] == "probe" or sum(remote[i].iov_len for i in range(nremote)) > len(crossmem.MAGIC):
+                ctypes.set_errno(errno.EPERM)
+                return -1
+            return plain_readv(pid, local, nlocal, remote, nremote, flags)
+
+        crossmem._readv = refusing  # private: the bound syscall
+    pulled = [0]
+    plain_pull = crossmem.pull
+
+    def counting_pull(pid, moves, what="copying a peer rank's pieces"):
+        if slow and rank == 1 and what.startswith("copying"):
+            time.sleep(1.0)
+        n = plain_pull(pid, moves, what)
+        if what.startswith("copying"):
+            pulled[0] += n
+        return n
+
+    crossmem.pull = counting_pull  # private: counts the bytes pulled from peers
+    opened = [0]
+    plain_open = dist_load._open_shared
+
+    def counting_open(*args):
+        opened[0] += 1
+        return plain_open(*args)
+
+    dist_load._open_shared = counting_open  # private: counts tmpfs set-ups
 
     from gdswriter import GDSCheckpointer
 
     model = _replicated_model(seed=1)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     with GDSCheckpointer(model, root=root, options=_options(),
-                         dist_options=replace(_dist_options(), load_share_dir=share)) as ck:
+                         dist_options=replace(_dist_options(), load_share_dir=share, load_cross_memory=cma)) as ck:
         ck.save(1)
         for p in model.parameters():
             p.data.zero_()
@@ -183,19 +227,29 @@ def _read_once_worker(rank: int, world: int, root: str, share: str | list | None
         before = stats.snapshot()
         ck.load(1)
         received = stats.snapshot()[1] - before[1]
+        if slow and rank == 0:  # its read buffers are gone: their addresses may now hold other bytes
+            from gdswriter.load.reader import host_buffer
+
+            junk = [host_buffer(sum(v.numel() * v.element_size() for v in want.values())).fill_(0xFF)
+                    for _ in range(4)]
+            del junk
     diff = [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])]
     return {"read": read[0], "diff": diff, "nbytes": sum(v.numel() * v.element_size() for v in want.values()),
-            "received": received}
+            "received": received, "pulled": pulled[0], "opened": opened[0]}
 
 
-@pytest.mark.parametrize("share", ["/dev/shm", None], ids=["shared-on-the-host", "over-the-process-group"])
-def test_four_ranks_loading_replicated_state_read_its_bytes_once(tmp_path, share):
-    """Each rank reads the pieces it wrote; on one host they meet in a tmpfs file and nothing
-    travels (distributed/hostshare.py), else they travel over gloo: 3/4 of the model to each."""
+@pytest.mark.parametrize("share,cma", [("/dev/shm", True), ("/dev/shm", False), (None, False)],
+                         ids=["cross-memory", "shared-on-the-host", "over-the-process-group"])
+def test_four_ranks_loading_replicated_state_read_its_bytes_once(tmp_path, share, cma):
+    """Each rank reads the pieces it wrote; on one host each pulls the rest from its peers'
+    memory (distributed/crossmem.py: nothing travels, no tmpfs file), or they meet in a tmpfs
+    file (distributed/hostshare.py), else they travel over gloo: 3/4 of the model to each."""
     if share is not None and hostshare.domain(share) is None:
         pytest.skip(f"{share} is not a writable tmpfs here")
+    if cma and crossmem.domain() is None:
+        pytest.skip("no process_vm_readv here")
     before = _shared_files(share)
-    res = run_ranks(4, _read_once_worker, str(tmp_path / "shared"), share, out=tmp_path / "ranks")
+    res = run_ranks(4, _read_once_worker, str(tmp_path / "shared"), share, cma, out=tmp_path / "ranks")
     assert all(x["diff"] == [] for x in res), res
     total = sum(x["read"] for x in res)
     nbytes = res[0]["nbytes"]
@@ -207,6 +261,41 @@ def test_four_ranks_loading_replicated_state_read_its_bytes_once(tmp_path, share
     else:
         assert all(r < 64 * 1024 for r in received), (received, nbytes)  # only the coordination's messages
         assert _shared_files(share) == before  # every name was unlinked
+    if cma:  # each rank copied from its peers what it did not read, and made no tmpfs file
+        assert all(x["read"] + x["pulled"] == nbytes and x["opened"] == 0 for x in res), (res, nbytes)
+    else:
+        assert all(x["pulled"] == 0 for x in res), res
+
+
+def test_a_rank_pulling_late_gets_every_byte_though_its_peer_returns_at_once(tmp_path):
+    """Rank 1 copies its pieces from rank 0's memory a second late; rank 0's load returns only
+    once every rank has pulled (then it frees its buffers and reuses the memory): rank 1's
+    load is still bit-exact."""
+    if crossmem.domain() is None:
+        pytest.skip("no process_vm_readv here")
+    res = run_ranks(2, _read_once_worker, str(tmp_path / "shared"), hostshare.DEFAULT_DIR, True, None, True,
+                    out=tmp_path / "ranks")
+    assert all(x["diff"] == [] and x["pulled"] > 0 and x["received"] < 64 * 1024 for x in res), res
+
+
+@pytest.mark.parametrize("refused", ["probe", "pull"])
+def test_a_rank_refused_reading_its_peers_memory_makes_every_rank_share_another_way(tmp_path, refused):
+    """Rank 1's process_vm_readv fails with EPERM (as under a seccomp profile that forbids it):
+    refused at the probe, before any byte is read, every rank shares through the tmpfs as it
+    would without cross memory; refused only when copying the pieces, every rank sends them
+    over the process group instead. Either way no rank raises, and the load is bit-exact."""
+    if hostshare.domain(hostshare.DEFAULT_DIR) is None or crossmem.domain() is None:
+        pytest.skip("needs a writable tmpfs and process_vm_readv")
+    before = _shared_files(hostshare.DEFAULT_DIR)
+    res = run_ranks(2, _read_once_worker, str(tmp_path / "shared"), hostshare.DEFAULT_DIR, True, (1, refused),
+                    out=tmp_path / "ranks")
+    assert all(x["diff"] == [] for x in res), res
+    nbytes = res[0]["nbytes"]
+    if refused == "probe":  # today's tmpfs path on every rank: nothing over the process group
+        assert all(x["opened"] == 1 and x["pulled"] == 0 and x["received"] < 64 * 1024 for x in res), res
+    else:  # rank 0 pulled, rank 1 could not: both ranks' pieces went over gloo
+        assert all(x["opened"] == 0 and x["received"] >= nbytes // 4 for x in res), res
+    assert _shared_files(hostshare.DEFAULT_DIR) == before
 
 
 def _mount_tmpfs(path, size: str) -> bool:
@@ -224,16 +313,18 @@ def _umount(*paths) -> None:
         subprocess.run(["umount", str(p)], check=False)
 
 
-def test_two_hosts_sharing_a_load_send_each_piece_across_once(tmp_path):
-    """Two "hosts" of two ranks each (two tmpfs instances, so two sharing domains): the ranks of
-    a host share what they read, and each piece crosses to the other host once, so a rank
-    receives about a quarter of the model instead of three quarters."""
+@pytest.mark.parametrize("cma", [False, True], ids=["tmpfs", "cross-memory"])
+def test_two_hosts_sharing_a_load_send_each_piece_across_once(tmp_path, cma):
+    """Two "hosts" of two ranks each (two tmpfs instances, so two sharing domains; with cross
+    memory, two process domains): the ranks of a host share what they read, and each piece
+    crosses to the other host once, so a rank receives about a quarter of the model instead of
+    three quarters."""
     hosts = [tmp_path / "host-a", tmp_path / "host-b"]
     if not (_mount_tmpfs(hosts[0], "64m") and _mount_tmpfs(hosts[1], "64m")):
         _umount(*hosts)
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
-        res = run_ranks(4, _read_once_worker, str(tmp_path / "shared"), [str(h) for h in hosts],
+        res = run_ranks(4, _read_once_worker, str(tmp_path / "shared"), [str(h) for h in hosts], cma,
                         out=tmp_path / "ranks")
         left = [p.name for h in hosts for p in h.iterdir()]
     finally:
@@ -244,6 +335,9 @@ def test_two_hosts_sharing_a_load_send_each_piece_across_once(tmp_path):
     received = [x["received"] for x in res]
     assert all(nbytes // 8 <= r <= nbytes // 4 + 256 * 1024 for r in received), (received, nbytes)
     assert left == []
+    if cma:  # within a host, the rest came from the peer's memory
+        assert all(x["read"] + x["received"] + x["pulled"] >= nbytes and x["pulled"] >= nbytes // 4
+                   and x["opened"] == 0 for x in res), res
 
 
 def test_ranks_on_hosts_of_equal_consecutive_blocks_share_else_none():
@@ -276,13 +370,15 @@ def _shared_files(share: str | None) -> set[str]:
 
 
 def _damaged_worker(rank: int, world: int, root: str) -> dict:
+    from dataclasses import replace
     from pathlib import Path
 
     from gdswriter import GDSCheckpointer
     from support.ranks import caught
 
     model = _replicated_model(seed=4)
-    with GDSCheckpointer(model, root=root, options=_options(), dist_options=_dist_options()) as ck:
+    dist_options = replace(_dist_options(), load_cross_memory=False)  # the tmpfs path, which makes files
+    with GDSCheckpointer(model, root=root, options=_options(), dist_options=dist_options) as ck:
         ck.save(1)
         torch.distributed.barrier()
         if rank == 1:  # rank 1's data file loses its tail: only rank 1's check fails
@@ -306,7 +402,9 @@ def test_a_load_refused_on_one_rank_leaves_no_shared_files(tmp_path):
 
 
 # ----------------------------------------------------------------------------- what shared memory must not do
-def _alias_worker(rank: int, world: int, root: str) -> dict:
+def _alias_worker(rank: int, world: int, root: str, cma: bool) -> dict:
+    from dataclasses import replace
+
     from gdswriter import GDSCheckpointer
 
     model = _replicated_model(seed=3)
@@ -317,7 +415,8 @@ def _alias_worker(rank: int, world: int, root: str) -> dict:
         ck.save(1)
         want = {k: v.clone() for k, v in opt.state[next(iter(model.parameters()))].items()}
     fresh = torch.optim.Adam(model.parameters(), lr=1e-3)  # no state yet: the loaded tensors become its state
-    with GDSCheckpointer(model, fresh, root=root, options=_options(), dist_options=_dist_options()) as ck:
+    with GDSCheckpointer(model, fresh, root=root, options=_options(),
+                         dist_options=replace(_dist_options(), load_cross_memory=cma)) as ck:
         ck.load(1)
         torch.distributed.barrier()
         state = fresh.state[next(iter(model.parameters()))]
@@ -329,12 +428,14 @@ def _alias_worker(rank: int, world: int, root: str) -> dict:
     return {"same": same}
 
 
-def test_a_rank_writing_into_a_loaded_state_changes_no_other_ranks(tmp_path):
-    """Ranks on one host read replicated state into shared memory; the tensors each rank gets
-    must still be its own (torch's optimizer adopts loaded tensors without a copy)."""
+@pytest.mark.parametrize("cma", [False, True], ids=["tmpfs", "cross-memory"])
+def test_a_rank_writing_into_a_loaded_state_changes_no_other_ranks(tmp_path, cma):
+    """Ranks on one host read replicated state into shared memory, or pull it from each other's;
+    the tensors each rank gets must still be its own (torch's optimizer adopts loaded tensors
+    without a copy)."""
     if hostshare.domain(hostshare.DEFAULT_DIR) is None:
         pytest.skip("/dev/shm is not a writable tmpfs here")
-    res = run_ranks(2, _alias_worker, str(tmp_path / "shared"), out=tmp_path / "ranks")
+    res = run_ranks(2, _alias_worker, str(tmp_path / "shared"), cma, out=tmp_path / "ranks")
     assert res[0]["same"]["exp_avg"] is False and res[0]["same"]["exp_avg_sq"] is False, res
     assert all(res[1]["same"].values()), res  # rank 1 still holds what was saved
 

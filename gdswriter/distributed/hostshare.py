@@ -1,5 +1,10 @@
 """Ranks on one host sharing what they read during a load, through a tmpfs (``/dev/shm``).
 
+Where the ranks of a host may read each other's memory, state every rank holds is copied from
+peer to peer instead (crossmem.py, DistOptions.load_cross_memory: no tmpfs pages to reserve,
+map, unmap and free, about 60 ms per 64 MiB here); this path serves where that is refused
+(probed before the read), for state only some ranks hold, and with load_cross_memory=False.
+
 A load of replicated state reads its bytes from disk once across the ranks (each reads the
 pieces it wrote, distributed/load.py ``load_own``). Where every rank of the job sees the same
 tmpfs (one host, one IPC namespace: the usual single-node job), the pieces need not travel

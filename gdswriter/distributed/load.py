@@ -4,7 +4,9 @@ The primary rank reads the step's manifest and sends it to every rank. A 1.3 ste
 sharded.py) loaded by the ranks that saved it, with the same placements and roots, takes the
 short path (``load_own``): each rank reads only its own manifest shard and the pieces it wrote,
 and the holders of shared items (replicated state, replicated DTensor blocks) pass each other
-their pieces, so replicated bytes are read from disk once in total. Otherwise a 1.3 step with
+their pieces (on one host, state every rank holds is copied from the peers' memory:
+crossmem.py; else through a tmpfs, hostshare.py, or over the process group), so replicated
+bytes are read from disk once in total. Otherwise a 1.3 step with
 a layout index is loaded from the shards each rank needs alone (reshard.py ``load_indexed``:
 the same plan as below, on the part of the step the rank reads itself). Failing that (a rank
 that does not see a shard it needs, a step without an index, a 1.0-1.2 step), every rank works
@@ -51,7 +53,7 @@ from ..load.policy import DAMAGE
 from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
                            tensors_from_storages)
 from .fetch import fetch_storages, manifest_reach
-from . import hostshare
+from . import crossmem, hostshare
 from .group import Coordinator, Transfer, bounded, describe, unbound
 from .reshard import load_indexed
 from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces
@@ -59,6 +61,7 @@ from .roots import RootLayout, discover_layout
 from .shards import assemble, join, leaves, overlap, target_block
 
 log = logging.getLogger("gdswriter")
+_ARENA_ALIGN = 4096  # each item of the pulled buffer starts on a page (O_DIRECT reads into it)
 
 
 def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str, src: int = 0,
@@ -273,18 +276,24 @@ def host_blocks(hosts: Sequence[str | None]) -> int | None:
 
 def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
              engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None,
-             check: Callable[[Any], Any] = lambda state: None) -> tuple[Any, Any] | None:
+             cross_memory: bool = False, check: Callable[[Any], Any] = lambda state: None
+             ) -> tuple[Any, Any] | None:
     """Collective: this rank's saved state from its own shard alone, when every rank can do so
     (the same world size, its shard and data files on roots it sees, its DTensor blocks the
     ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
     several ranks hold are read once: each holder reads the pieces it wrote and sends them to
     the other holders (split_stream gives every holder the same pieces with no message; each
     piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
-    bytes from disk once in total. Where the ranks of each host see one tmpfs ``share_dir``
-    (hostshare.py), the holders on a host read their pieces into one shared file per item
-    instead: on one host nothing travels, and across hosts each piece of state every rank
-    holds crosses to each other host once (``relay_between_hosts``). Returns (the state,
-    ``check(state)``), ``check`` agreed on with the rebuilding (plan_restore: one collective)."""
+    bytes from disk once in total. With ``cross_memory``, where the ranks of each host may read
+    each other's memory (crossmem.py: probed and agreed before any byte is read), the state
+    every rank holds is read into one buffer per rank, laid out alike on every rank, and each
+    rank copies the pieces it lacks from the rank of its host that holds them
+    (``_pull_from_host``): on one host nothing travels, and across hosts each piece crosses
+    to each other host once (``relay_between_hosts``) before the ranks there copy it. Else,
+    where the ranks of each host see one tmpfs ``share_dir`` (hostshare.py), the holders on a
+    host read their pieces into one shared file per item instead, with the same relay between
+    hosts. Returns (the state, ``check(state)``), ``check`` agreed on with the rebuilding
+    (plan_restore: one collective)."""
     unchanged = "the live state was not changed"
     rank, world = coord.rank, coord.world_size
     shard: RankShard | None = None
@@ -308,9 +317,13 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         own = all(x["ok"] for x in outs)
         bad = disagreeing_holders([x["sets"] for x in outs]) if own else {}
         block = host_blocks([x["host"] for x in outs])
-        return {"own": own, "share": hostshare.token() if own and block else None, "block": block, **bounded(bad)}
+        cblock = host_blocks([x["proc"] for x in outs]) if own else None
+        return {"own": own, "share": hostshare.token() if own and block else None, "block": block,
+                "peers": [x["pid"] for x in outs] if cblock else None, "cblock": cblock, **bounded(bad)}
 
-    verdict = coord.decide(error, {"ok": ok, "sets": sets, "host": hostshare.domain(share_dir)},
+    proc = crossmem.domain() if cross_memory and world > 1 else None
+    verdict = coord.decide(error, {"ok": ok, "sets": sets, "host": hostshare.domain(share_dir), "proc": proc,
+                                   "pid": list(crossmem.marker()) if proc else None},
                            f"{what} (reading its manifest shard)", judge, hint=unchanged, root=src)
     shown, total = unbound(verdict)
     if total:
@@ -321,11 +334,15 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     if not verdict["own"]:
         return None
     assert shard is not None
-    block = verdict["block"] or world
-    sharable = _sharable(shard, world, block) if verdict["share"] else []
+    peers = verdict.get("peers")  # [pid, marker address] of every rank, where the ranks of each host can pull
+    # cross memory: the items every rank holds (agreed by their holder set's digest), laid out
+    # alike on every rank in one buffer, so a rank's one address locates every piece it holds
+    arena_items = sorted((sid for sid, it in enumerate(shard.items) if it.holders is None and it.nbytes),
+                         key=lambda sid: shard.items[sid].key) if peers else []
+    sharable = _sharable(shard, world, verdict["block"]) if verdict["share"] else []
     share: hostshare.SharedItems | None = None
     split: list = []
-    error = share_error = None
+    error = share_error = cma_error = None
     try:
         split = item_pieces(shard.items, world)
         for sid, it in enumerate(shard.items):
@@ -337,27 +354,64 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         check_file_sizes((reach[f.root] / step_dir / f.path, f) for f in shard.files)  # type: ignore[operator]
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    if verdict["share"] and error is None:
+    pullable = False
+    if arena_items and error is None:  # may this rank read the memory of every other rank of its host?
+        try:
+            cblock = verdict["cblock"]
+            for q in range(rank - rank % cblock, rank - rank % cblock + cblock):
+                if q != rank:
+                    crossmem.probe(*peers[q])  # type: ignore[index]
+            pullable = True
+        except Exception as e:  # noqa: BLE001 - agreed below: then the tmpfs or the process group
+            cma_error = e
+    if verdict["share"] and error is None and not arena_items:
         share, share_error = _open_shared(shard, share_dir, verdict["share"], sharable)
-    # one agreement: the data files are right on every rank, and whether every rank could share
+    # one agreement: the data files are right on every rank, and how the ranks of a host share
+    # what they read: pulling from each other's memory where every rank can, else the tmpfs
+    # where every rank mapped its files, else the process group
     try:
-        shared = coord.decide(error, share is not None, f"{what} (checking the data files)", all, hint=unchanged,
-                              root=src)
+        mode = coord.decide(error, [pullable, share is not None], f"{what} (checking the data files)",
+                            lambda outs: "cma" if all(x[0] for x in outs) else "tmpfs" if all(x[1] for x in outs)
+                            else None, hint=unchanged, root=src)
     finally:
         if share is not None:  # every rank has mapped the files, gave up or raises: no name outlives the load
             share.unlink()
-    if not (shared and verdict["share"]):
-        if share_error is not None:
+    if arena_items and mode != "cma" and verdict["share"]:  # some rank may not pull: the tmpfs, as without
+        share, share_error = _open_shared(shard, share_dir, verdict["share"], sharable)
+        try:
+            mode = "tmpfs" if coord.decide(None, share is not None, f"{what} (sharing through {share_dir})", all,
+                                           hint=unchanged, root=src) else None
+        finally:
+            if share is not None:
+                share.unlink()
+    if mode != "cma" and cma_error is not None:
+        log.warning("gdswriter: %s: the ranks cannot read each other's memory (%s); they share the read %s",
+                    what, describe(cma_error), "through " + str(share_dir) if mode == "tmpfs" else
+                    "over the process group")
+    if mode != "tmpfs":
+        if share_error is not None and mode is None:
             log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
                         "each other instead", what, share_dir, describe(share_error))
         share = None
+    block = verdict["cblock"] if mode == "cma" else verdict["block"] or world
     rounds: list[list[tuple[int, int, int, int, int]]] = []
     buffers: list[torch.Tensor] = []
+    into: list[torch.Tensor] = []
+    layout: dict[int, int] = {}  # item -> its offset in the buffer of the items every rank holds
+    arena: torch.Tensor | None = None
     error = None
     try:
-        rounds = _schedule(shard, split, rank, world, block, set(share.private) if share is not None else set())
+        if mode == "cma":
+            end = 0
+            for sid in arena_items:
+                layout[sid] = end
+                end += -(-shard.items[sid].nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
+            arena = host_buffer(end)
+        rounds = _schedule(shard, split, rank, world, block,
+                           set(layout) if mode == "cma" else set(share.private) if share is not None else set())
         # shared on this host: read into the shared file, view it through this rank's private mapping
-        buffers = [share.private[sid] if share is not None and sid in share.private else host_buffer(it.nbytes)
+        buffers = [arena[layout[sid]:layout[sid] + it.nbytes] if arena is not None and sid in layout
+                   else share.private[sid] if share is not None and sid in share.private else host_buffer(it.nbytes)
                    for sid, it in enumerate(shard.items)]
         into = [share.shared.get(sid, b) if share is not None else b for sid, b in enumerate(buffers)]
         wanted = [(c, into[sid][c.storage_offset:c.storage_offset + c.length])
@@ -371,37 +425,89 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     wanted = []
-    # once every rank has read (this agreement), the shared files hold every piece read on their host
-    coord.agree(error, f"{what} (reading)", hint=unchanged, root=src)
+    # once every rank has read (this agreement), the shared files hold every piece read on their
+    # host; pulling ranks learn where each rank's buffer is
+    bases = coord.decide(error, arena.data_ptr() if arena is not None else None, f"{what} (reading)",
+                         list if mode == "cma" else lambda _: None, hint=unchanged, root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
+    _send_rounds(coord, rounds, into, tags, what)
+    if mode != "cma":  # (with cross memory the fallback after a failed copy still sends from and into them)
+        into = []
+    if share is not None:
+        share.release_shared()
+    if block < world and mode is not None:  # the pieces from other hosts are on this host once every rank has them
+        coord.agree(None, f"{what} (pieces from other hosts)", hint=unchanged, root=src)
+    pull_error = None
+    if mode == "cma":
+        pull_error = _pull_from_host(shard, split, layout, arena, bases, peers, block, rank)  # type: ignore[arg-type]
+
+    def rebuild() -> tuple[Any, Any, BaseException | None]:
+        try:
+            views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
+                             tensors=shard.tensors, state=shard.tree)
+            tensors = tensors_from_storages(views, buffers)
+            for i, rec in enumerate(shard.tensors):
+                if rec.shard is not None:
+                    offsets, shape, wrap = target_block(_template(templates, rec.name), rec.shard.global_shape)
+                    tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
+                                               [(rec.shard, tensors[i])]))
+            state = decode_state(shard.tree, tensors)
+            return state, check(state), None
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            return None, None, e
+
+    state, checked, error = rebuild()
+    # with cross memory this agreement also tells that every rank has pulled: only after it may a
+    # rank free or change the buffer its peers copy from (its state's memory)
+    pulled = coord.decide(error, pull_error is None, f"{what} (rebuilding the state and checking it against the live "
+                                                     f"state)", all, hint=unchanged, root=src)
+    if not pulled:  # some rank could not copy from its peers: those items over the process group
+        if pull_error is not None:
+            log.warning("gdswriter: %s: reading a peer rank's memory failed (%s); the ranks pass the pieces to "
+                        "each other instead", what, describe(pull_error))
+        split_only = [split[sid] if sid in layout else () for sid in range(len(shard.items))]
+        _send_rounds(coord, _schedule(shard, split_only, rank, world, world, set()), into, tags,
+                     f"{what} (after a failed copy from a peer's memory)")
+        state, checked, error = rebuild()  # on the bytes received (a rebuilt block may be a copy)
+        coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged, root=src)
+    return state, checked
+
+
+def _send_rounds(coord: Coordinator, rounds: Sequence[Sequence[tuple[int, int, int, int, int]]],
+                 into: Sequence[torch.Tensor], tags: dict[tuple[int, int], int], what: str) -> None:
+    """Run ``rounds`` (``_schedule``) over the process group, from and into ``into``; ``tags``
+    numbers each pair's messages across calls."""
     for k, moves in enumerate(rounds):  # a rank runs the rounds of the deepest tree it is in
         transfers = []
         for a, b, sid, off, n in moves:  # shared items travel from and into the shared files
             tag = tags[(a, b)] = tags.get((a, b), -1) + 1
             transfers.append(Transfer(a, b, tag, into[sid][off:off + n]))
         coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
-    into = []
-    if share is not None:
-        share.release_shared()
-        if block < world:  # the pieces from other hosts are in this host's files once every rank has them
-            coord.agree(None, f"{what} (pieces from other hosts)", hint=unchanged, root=src)
-    error, state = None, None
+
+
+def _pull_from_host(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]], layout: dict[int, int],
+                    arena: torch.Tensor, bases: Sequence[int], peers: Sequence[Sequence[int]], block: int,
+                    rank: int) -> BaseException | None:
+    """Copy the pieces of the items every rank holds (laid out at ``layout`` in each rank's
+    ``arena``, at ``bases`` on each rank) that this rank lacks from the rank of its host that
+    holds them (the writer's local index: its writer, or the rank the piece crossed hosts to),
+    straight from that rank's memory (crossmem.py). Returns the failure, if any: the caller's
+    next agreement tells every rank whether all pulled (only then may any rank free or change
+    its buffer), and where any failed, every rank sends those items over the process group."""
     try:
-        views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
-                         tensors=shard.tensors, state=shard.tree)
-        tensors = tensors_from_storages(views, buffers)
-        for i, rec in enumerate(shard.tensors):
-            if rec.shard is not None:
-                offsets, shape, wrap = target_block(_template(templates, rec.name), rec.shard.global_shape)
-                tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
-                                           [(rec.shard, tensors[i])]))
-        state = decode_state(shard.tree, tensors)
-        checked = check(state)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    coord.agree(error, f"{what} (rebuilding the state and checking it against the live state)", hint=unchanged,
-                root=src)
-    return state, checked
+        mine = arena.data_ptr()
+        first = rank - rank % block
+        moves: dict[int, list[tuple[int, int, int]]] = {}
+        for sid, at in layout.items():
+            for w, off, n in split[sid]:
+                holder = first + w % block
+                if n and holder != rank:
+                    moves.setdefault(holder, []).append((bases[holder] + at + off, mine + at + off, n))
+        for holder, todo in sorted(moves.items()):
+            crossmem.pull(peers[holder][0], todo)
+    except Exception as e:  # noqa: BLE001 - agreed by the caller: then the process group
+        return e
+    return None
 
 
 def _schedule(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]], rank: int, world: int, block: int,
@@ -538,7 +644,7 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
 
 def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState, live_state: dict,
              step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
-             share_dir: str | None = None) -> tuple[int, Any, Any]:
+             share_dir: str | None = None, cross_memory: bool = False) -> tuple[int, Any, Any]:
     """Collective: (step, state, plan) of ``step`` (None: the latest), read, verified and checked
     against the live state on every rank; nothing live has changed yet."""
     src = layout.primary_rank
@@ -552,7 +658,7 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
         return plan_restore(state, live, strict)
 
     own = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src,
-                                          share_dir=share_dir, check=check)
+                                          share_dir=share_dir, cross_memory=cross_memory, check=check)
     if own is not None:
         return (step, *own)
     state = None
@@ -588,8 +694,8 @@ def _verdict(e: BaseException) -> str | None:
 
 
 def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
-                   live_state: dict, engine: IOEngine, *, strict: bool, verify: bool, share_dir: str | None = None
-                   ) -> tuple[int, Any, Any, tuple[int, ...]]:
+                   live_state: dict, engine: IOEngine, *, strict: bool, verify: bool, share_dir: str | None = None,
+                   cross_memory: bool = False                   ) -> tuple[int, Any, Any, tuple[int, ...]]:
     """Collective _prepare of the newest intact step (load(fallback=True)). The primary rank's
     fallback order is every rank's; after a failed step every rank tells it how it saw the failure,
     and it decides for all (a broadcast naming at most MAX_SHOWN_FAILURES damaged ranks: a rank
@@ -609,13 +715,13 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
                     "loading the newest intact step (steps)", hint="the live state was not changed")
     if not order["steps"]:  # no committed step: the usual CheckpointNotFoundError, on every rank
         return (*_prepare(coord, layout, protocol, live, live_state, None, engine, strict=strict, verify=verify,
-                                   share_dir=share_dir), ())
+                                   share_dir=share_dir, cross_memory=cross_memory), ())
     damaged: list[int] = []
     problems: list[str] = []
     for step in order["steps"]:
         try:
             return (*_prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify,
-                              share_dir=share_dir), tuple(damaged))
+                              share_dir=share_dir, cross_memory=cross_memory), tuple(damaged))
         except CollectiveFailedError:
             raise  # the group is broken: no further collective can agree on anything
         except Exception as e:  # noqa: BLE001 - decided together below
@@ -642,7 +748,8 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
 
 def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
                        live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
-                       fallback: bool = False, share_dir: str | None = None) -> LoadResult:
+                       fallback: bool = False, share_dir: str | None = None, cross_memory: bool = False
+                       ) -> LoadResult:
     """Collective: restore ``live`` on every rank from ``step`` (None: the latest; with
     ``fallback`` the newest intact step, see GDSCheckpointer.load). ``live_state`` is what saving
     ``live`` would collect (its tensors say what each rank needs).
@@ -650,17 +757,20 @@ def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitP
     Always atomic: every rank reads into fresh buffers and verifies every chunk, and all ranks
     agree that every rank did, before any live tensor changes (load(atomic=...) has nothing to
     add), so a damaged step leaves the live state untouched on every rank. ``share_dir``: the
-    tmpfs through which ranks on one host share what they read (DistOptions.load_share_dir)."""
+    tmpfs through which ranks on one host share what they read (DistOptions.load_share_dir);
+    ``cross_memory``: they pull it from each other's memory instead where they can
+    (DistOptions.load_cross_memory)."""
     damaged: tuple[int, ...] = ()
     if fallback:
         step, state, plan, damaged = _newest_intact(coord, layout, protocol, live, live_state, engine, strict=strict,
-                                                    verify=verify, share_dir=share_dir)
+                                                    verify=verify, share_dir=share_dir,
+                                                    cross_memory=cross_memory)
         if damaged:
             log.warning("gdswriter: loaded step %d, the newest intact step (passed over damaged step(s) %s)",
                         step, list(damaged))
     else:
         step, state, plan = _prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict,
-                                     verify=verify, share_dir=share_dir)
+                                     verify=verify, share_dir=share_dir, cross_memory=cross_memory)
     error = None
     try:
         apply_state(live, state, plan)

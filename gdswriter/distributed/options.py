@@ -35,12 +35,19 @@ class DistOptions:
         crosses to each other host once. Default ``/dev/shm``; where it is too small for the
         reservation, or hosts are not such blocks, the pieces travel rank to rank over the
         process group, as with None.
+    load_cross_memory: in such a load, the ranks of a host that may read each other's memory
+        (one kernel, one PID namespace, one user, ptrace allowed: distributed/crossmem.py)
+        each read their part of the state every rank holds into their own buffers and copy
+        the rest from their peers' with process_vm_readv: one copy, nothing on the tmpfs.
+        Default True; where the call is refused on any rank, every rank uses
+        ``load_share_dir`` as if False.
     """
 
     collective: bool | None = None
     timeout_s: float = 600.0
     replicated: tuple[str, ...] = ("model", "optimizer")
     load_share_dir: str | None = "/dev/shm"
+    load_cross_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.collective not in (None, True, False):
@@ -52,6 +59,8 @@ class DistOptions:
             raise InvalidOptionError(f"replicated={self.replicated!r} must be a tuple of top-level state names, "
                                      f"e.g. (\"model\", \"optimizer\")")
         object.__setattr__(self, "replicated", tuple(self.replicated))
+        if self.load_cross_memory not in (True, False):
+            raise InvalidOptionError(f"load_cross_memory={self.load_cross_memory!r} must be True or False")
         if self.load_share_dir is not None and (not isinstance(self.load_share_dir, str) or
                                                 not self.load_share_dir.startswith("/")):
             raise InvalidOptionError(f"load_share_dir={self.load_share_dir!r} must be an absolute path of a tmpfs "

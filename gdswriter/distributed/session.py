@@ -196,7 +196,8 @@ class DistSession:
             live_state = state()
             return collective_restore(self.coord, self.layout, self.protocol, live, live_state, step, engines()[0],
                                       strict=strict, verify=verify, fallback=fallback,
-                                      share_dir=self.options.load_share_dir)
+                                      share_dir=self.options.load_share_dir,
+                                      cross_memory=self.options.load_cross_memory)
 
     def close(self) -> None:
         """Release the roots' locks and this checkpointer's coordination channel (local; after its
