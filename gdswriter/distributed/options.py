@@ -40,7 +40,9 @@ class DistOptions:
         each read their part of the state every rank holds into their own buffers and copy
         the rest from their peers' with process_vm_readv: one copy, nothing on the tmpfs.
         Default True; where the call is refused on any rank, every rank uses
-        ``load_share_dir`` as if False.
+        ``load_share_dir`` as if False. Memory: during the load each rank holds its own copy
+        of that state (as over the process group), where the tmpfs holds one per host, shared
+        copy-on-write; set False where host memory is tight.
     """
 
     collective: bool | None = None
