@@ -20,9 +20,9 @@ step's manifest and then, straight from the roots it sees, only the shards it ne
   equal aligned shares, and loading rank j reads the share in writer j mod W's part where it
   can: each rank reads about 1 / N of the bytes from the shards of the writers its share meets
   (one or two as a rule; rank j < W from its own), and a saved chunk two ranks read parts of
-  is checked against its crc32c whole once the pieces have spread. Every rank computes the save's split
-  from its own tree's shard (item_pieces), so no record of another writer travels; the ranks
-  agree on a digest of the split's items first.
+  is checked against its crc32c whole once the pieces have spread. Every rank computes the
+  save's split from its own tree's shard (item_pieces), so no record of another writer
+  travels; the ranks agree on a digest of the split's items first.
 
 It then reads its chunks itself (``read_reached``): no rank receives other ranks' records,
 and no message grows with the world size. When some rank does not see a shard or a data file
@@ -101,8 +101,8 @@ def read_split(saved: Sequence[Sequence[tuple[int, int, int]]], sizes: Sequence[
     rule, at most three: a share is no longer than a writer's part, to within the alignment). A
     share goes to a loading rank j with j mod W the writer of most of its bytes where one is
     left (so rank j < W reads from its own shard, the one whose tree it takes), else to the
-    first rank left. A pure function of what every loading rank holds (the save's split of the agreed
-    items, the two world sizes): no message, O(items + N) work."""
+    first rank left. A pure function of what every loading rank holds (the save's split of the
+    agreed items, the two world sizes): no message, O(items + N) work."""
     if world <= saved_world:
         return [[(reader_of(w, world), off, n) for w, off, n in pieces if n] for pieces in saved]
     segments: list[list[tuple[int, int, int, int]]] = []  # per item: (share, writer, offset, length)
@@ -122,6 +122,9 @@ def read_split(saved: Sequence[Sequence[tuple[int, int, int]]], sizes: Sequence[
     free = [list(range(r, world, saved_world))[::-1] for r in range(saved_world)]  # per writer: its ranks left
     reader: list[int | None] = []
     for share in held:
+        if not share:  # a share with no bytes (none with split_stream's shares): no reader
+            reader.append(-1)
+            continue
         w = min(share, key=lambda v: (-share[v], v))
         reader.append(free[w].pop() if free[w] else None)
     left = sorted(j for ranks in free for j in ranks)[::-1]
