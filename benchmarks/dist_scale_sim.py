@@ -180,7 +180,7 @@ def plan_reshard_load(layout: RootLayout, roots: dict[int, Path], step: int) -> 
     assert plan is not None, "the simulated shards are not where the plan looks"
     return {"cpu_s": time.process_time() - t0, "read": len(raw) + sum(shards), "shards": len(shards),
             "shared_bytes": sum(plan[0].storages[s].nbytes for s in plan[2].storages),
-            "read_bytes": sum(c.length for s in plan[2].storages for c in plan[0].storages[s].chunks)}
+            "read_bytes": sum(n for split in plan[2].pieces for j, _, n in split if j == 0)}
 
 
 def dcp_anchor(world: int, cached: bool) -> float:

@@ -13,6 +13,8 @@ from pathlib import Path
 import crc32c
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies
 
 from support.ranks import run_ranks
 
@@ -495,6 +497,107 @@ def test_replicated_state_4_to_2_damaged_shards_are_refused_before_any_buffer(tm
     found = [x["error"] for x in res if x["error"].startswith("CorruptCheckpointError")]
     assert found and all(re.search(match, e) for e in found), res
     assert all(x["error"].startswith(("CorruptCheckpointError", "RankFailedError")) for x in res), res
+
+
+def _cut_chunk(root: Path) -> tuple[Path, int]:
+    """A data file of the 2-rank replicated step and a file offset inside one of its chunks
+    that two ranks of 4 read parts of (reshard.read_split): the first byte the second of them
+    reads."""
+    from gdswriter.distributed.rankfiles import item_pieces
+    from gdswriter.distributed.reshard import read_split
+    from gdswriter.format.sharded import parse_global, parse_shard, read_shard
+
+    step = root / f"step_{STEP:012d}"
+    g = parse_global((step / "manifest.json").read_bytes(), "manifest.json")
+    shards = [parse_shard(read_shard(step, g, ref), g, ref, ref.name) for ref in g.shards]
+    keys = [k for _, k in sorted((it.key, k) for k, it in enumerate(shards[0].items)
+                                 if it.key.startswith("R") and it.holders is None)]  # in key order
+    saved = item_pieces(shards[0].items, g.world_size)
+    split = read_split([saved[k] for k in keys], [shards[0].items[k].nbytes for k in keys], g.world_size, 4)
+    for k, pieces in zip(keys, split):
+        for a, b in zip(pieces, pieces[1:]):
+            if a[0] != b[0]:  # a cut between two readers at offset b[1]: the chunk holding it
+                for sh in shards:
+                    kw = next(i for i, it in enumerate(sh.items) if it.key == shards[0].items[k].key)
+                    for c in sh.chunks[kw]:
+                        if c.storage_offset < b[1] < c.storage_offset + c.length:
+                            return step / sh.files[c.file].path, c.file_offset + b[1] - c.storage_offset
+    raise AssertionError("no chunk of the replicated state is read in parts")
+
+
+def test_replicated_state_2_to_4_every_rank_reads_a_quarter_of_the_bytes(tmp_path):
+    """Replicated items saved on 2 ranks (each writing half), loaded on 4: the items end to end
+    are cut into 4 equal shares (reshard.read_split), and rank j reads the share that lies in
+    writer j mod 2's half: ranks 0 and 1 open only their own shard (their tree's), ranks 2 and
+    3 rank 0's (their tree's) and the one writer's, each reads about a quarter of the
+    replicated bytes, and the four read them once (before: ranks 0 and 1 read half each, 2 and
+    3 nothing, receiving everything). Bit for bit on every rank; a new rank takes rank 0's
+    rank-local state."""
+    root = str(tmp_path / "root")
+    run_ranks(2, _ddp_worker, root, str(tmp_path), True, out=tmp_path / "r2")
+    res = run_ranks(4, _ddp_worker, root, str(tmp_path), False, out=tmp_path / "r4")
+    assert [x["diff"] for x in res] == [[]] * 4, res
+    assert [x["count"] for x in res] == [[0.0] * 5, [1.0] * 5, [0.0] * 5, [0.0] * 5]
+    replicated, local = res[0]["replicated"], 5 * 4
+    assert replicated > 4 * (256 << 10)  # every share above split_stream's minimum
+    assert sum(x["data"] for x in res) == replicated + 4 * local, res
+    assert all(abs(x["data"] - local - replicated / 4) < 0.02 * replicated for x in res), \
+        ([x["data"] for x in res], replicated)
+    read = [sorted({n[-10:-5] for n, _ in x["reads"]}) for x in res]
+    assert read == [["00000"], ["00001"], ["00000"], ["00000", "00001"]], read
+
+
+def test_replicated_state_2_to_4_a_damaged_chunk_read_in_parts_is_refused(tmp_path):
+    """A chunk two loading ranks read parts of has no crc32c for either part: it is checked whole
+    once the pieces have spread, by the rank that read its first byte. A byte flipped in the
+    part the other rank reads is ChecksumMismatchError there (RankFailedError elsewhere) and no
+    rank changes its live state."""
+    from gdswriter.errors import ChecksumMismatchError
+
+    root = tmp_path / "root"
+    run_ranks(2, _ddp_worker, str(root), str(tmp_path), True, out=tmp_path / "r2")
+    path, offset = _cut_chunk(root)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    res = run_ranks(4, _ddp_worker, str(root), str(tmp_path), False, True, out=tmp_path / "r4")
+    assert all(x["error"] and x["unchanged"] for x in res), res
+    found = [x["error"] for x in res if x["error"].startswith(ChecksumMismatchError.__name__)]
+    assert len(found) == 1 and path.name in found[0], res
+    assert all(x["error"].startswith((ChecksumMismatchError.__name__, "RankFailedError")) for x in res), res
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=strategies.lists(strategies.integers(0, 3 << 20), min_size=1, max_size=6),
+       saved_world=strategies.integers(1, 6),
+       world=strategies.integers(1, 16), seed=strategies.integers(0, 1 << 16))
+def test_read_split_covers_every_item_once_and_balances_the_readers(sizes, saved_world, world, seed):
+    """read_split: each item covered once, in offset order; on at most the saved world, writer
+    w's pieces read by w mod N; on more ranks, each reader's bytes within a share's slack of
+    1 / N of the whole (or of split_stream's minimum share), and each reader meeting at most three
+    writers' pieces in all (a share is no longer than a writer's part, to within the alignment)."""
+    from gdswriter.distributed.reshard import read_split
+    from gdswriter.planner.ranks import SPLIT_MIN_SHARE, split_stream
+
+    saved = split_stream(sizes, saved_world, seed)
+    split = read_split(saved, sizes, saved_world, world)
+    per = [0] * world
+    writers: list[set] = [set() for _ in range(world)]
+    for size, pieces, mine in zip(sizes, saved, split):
+        assert [off for _, off, _ in mine] == [sum(n for _, _, n in mine[:i]) for i in range(len(mine))]
+        assert sum(n for _, _, n in mine) == size and all(n > 0 for _, _, n in mine)
+        for j, off, n in mine:
+            per[j] += n
+            writers[j] |= {w for w, o, m in pieces if o < off + n and off < o + m}
+        if world <= saved_world:
+            assert {(j, off) for j, off, _ in mine} == {(w % world, off) for w, off, n in pieces if n}
+    if world > saved_world:
+        total = sum(sizes)
+        share = max(-(-total // world), SPLIT_MIN_SHARE)
+        assert max(per) <= share + 4096 * len(sizes), (per, share)
+        assert all(len(w) <= 3 for w in writers), writers
 
 
 def _pp_worker(rank: int, world: int, root: str) -> dict:

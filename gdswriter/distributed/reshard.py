@@ -12,12 +12,17 @@ step's manifest and then, straight from the roots it sees, only the shards it ne
 * for each item it needs, the shards of the holders that wrote its pieces (item_pieces, from
   the holder set's items that any of its holders records);
 * of the replicated state (DistOptions.replicated: the items every saved rank held, each
-  writing a part), only the shards of the writers whose pieces it reads for every rank: saved
-  rank w's pieces are read by loading rank w mod N (``reader_of``; N: the loading world), and
-  spread from there to every rank (``SharedRead``), so a rank opens about W / N of those
-  shards, reads about 1 / N of the replicated bytes, and they are read from disk once in all.
-  Every rank computes the save's split from its own tree's shard (item_pieces), so no record
-  of another writer travels; the ranks agree on a digest of the split's items first.
+  writing a part), only the shards of the writers of the bytes it reads for every rank
+  (``read_split``), and spread from there to every rank (``SharedRead``), so the replicated
+  bytes are read from disk once in all. On N loading ranks of W saved ones, N <= W: saved rank
+  w's pieces are read by loading rank w mod N (``reader_of``): a rank opens about W / N of
+  those shards and reads about 1 / N of the bytes. N > W: the items end to end are cut into N
+  equal aligned shares, and loading rank j reads the share in writer j mod W's part where it
+  can: each rank reads about 1 / N of the bytes from the shards of the writers its share meets
+  (one or two as a rule; rank j < W from its own), and a saved chunk two ranks read parts of
+  is checked against its crc32c whole once the pieces have spread. Every rank computes the
+  save's split from its own tree's shard (item_pieces), so no record of another writer
+  travels; the ranks agree on a digest of the split's items first.
 
 It then reads its chunks itself (``read_reached``): no rank receives other ranks' records,
 and no message grows with the world size. When some rank does not see a shard or a data file
@@ -28,6 +33,7 @@ between ranks.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import dataclass, replace
@@ -35,15 +41,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import crc32c as _crc32c
 import torch
 
 from ..engines.base import IOEngine
-from ..errors import CorruptCheckpointError, UnreachableDataError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnreachableDataError
 from ..format.assembly import remap_tree
 from ..format.commit import step_dir_name
 from ..format.manifest import MULTI_RANK_VERSION, ChunkRecord, DistInfo, FileRecord, Manifest, StorageRecord, TensorRecord
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, parse_shard, read_shard
 from ..load.reader import host_buffer
+from ..planner.ranks import split_stream
 from .fetch import Reach, _read_chunks, check_reached_files
 from .group import Coordinator, Transfer
 from .rankfiles import item_pieces
@@ -58,22 +66,74 @@ class _Unreached(Exception):
 @dataclass(frozen=True)
 class SharedRead:
     """The replicated items (DistOptions.replicated: every saved rank held them) that the loading
-    ranks read together: a loading rank reads the pieces of the writers ``reader_of`` gives it
-    and passes them on, so it opens only those writers' manifest shards. ``storages``: their
-    numbers in the plan's Manifest (where each records only this rank's chunks), in key order;
-    ``pieces``: per storage, the save's split (writer, offset, length); ``digest``: of the saved
-    set they belong to (its keys and sizes), the same on every loading rank or the split is not."""
+    ranks read together (``read_split``): each loading rank reads its pieces and passes them on,
+    so it opens only the manifest shards of the writers of those bytes. ``storages``: their
+    numbers in the plan's Manifest (where each records only the chunks this rank reads, whole),
+    in key order; ``pieces``: per storage, (loading rank that reads it, offset, length), covering
+    it once; ``digest``: of the saved set they belong to (its keys and sizes), the same on every
+    loading rank or the split is not; ``cut``: whether pieces may cut a saved chunk (a load on
+    more ranks than saved): each such chunk's crc32c is then checked after the spread, by the
+    rank that read its first byte."""
 
     storages: tuple[int, ...]
     pieces: tuple[tuple[tuple[int, int, int], ...], ...]
     digest: str
+    cut: bool = False
 
 
 def reader_of(writer: int, world: int) -> int:
     """The loading rank (of ``world``) that reads the pieces saved rank ``writer`` wrote of the
-    replicated items: writer mod world, so a loading rank reads its own rank's pieces (the shard
-    whose tree it takes) and every world-th writer's after it."""
+    replicated items, when ``world`` is at most the saved world: writer mod world, so a loading
+    rank reads its own rank's pieces (the shard whose tree it takes) and every world-th writer's
+    after it."""
     return writer % world
+
+
+def read_split(saved: Sequence[Sequence[tuple[int, int, int]]], sizes: Sequence[int], saved_world: int,
+               world: int) -> list[list[tuple[int, int, int]]]:
+    """Per replicated item (in key order, ``sizes`` bytes, ``saved``: the save's split, (writer,
+    offset, length)), (loading rank, offset, length) of the pieces the ``world`` loading ranks
+    read, covering each item once. On at most the saved world, the writers' own pieces, by
+    ``reader_of`` (a rank opens about W / N writers' shards). On more ranks than saved, the items
+    end to end are cut into ``world`` equal aligned shares (split_stream, at least
+    SPLIT_MIN_SHARE each), each share cut again where a writer's piece ends, so every rank reads
+    about 1 / N of the bytes, from the shards of the writers its share meets (one or two as a
+    rule, at most three: a share is no longer than a writer's part, to within the alignment). A
+    share goes to a loading rank j with j mod W the writer of most of its bytes where one is
+    left (so rank j < W reads from its own shard, the one whose tree it takes), else to the
+    first rank left. A pure function of what every loading rank holds (the save's split of the
+    agreed items, the two world sizes): no message, O(items + N) work."""
+    if world <= saved_world:
+        return [[(reader_of(w, world), off, n) for w, off, n in pieces if n] for pieces in saved]
+    segments: list[list[tuple[int, int, int, int]]] = []  # per item: (share, writer, offset, length)
+    held: list[dict[int, int]] = []  # per share: writer -> its bytes in the share
+    for size, pieces, shares in zip(sizes, saved, split_stream(sizes, world, 0)):
+        cuts = sorted({off for _, off, n in pieces if n} | {off for _, off, n in shares if n})
+        starts = [off for _, off, n in pieces if n], [off for _, off, n in shares if n]
+        writers, numbers = [w for w, _, n in pieces if n], [j for j, _, n in shares if n]
+        segments.append([])
+        for a, b in zip(cuts, cuts[1:] + [size]):
+            j = numbers[bisect.bisect_right(starts[1], a) - 1]  # split_stream numbers share i as i (seed 0)
+            w = writers[bisect.bisect_right(starts[0], a) - 1]
+            segments[-1].append((j, w, a, b - a))
+            while len(held) <= j:
+                held.append({})
+            held[j][w] = held[j].get(w, 0) + b - a
+    free = [list(range(r, world, saved_world))[::-1] for r in range(saved_world)]  # per writer: its ranks left
+    reader: list[int | None] = []
+    for share in held:
+        if not share:  # a share with no bytes (none with split_stream's shares): no reader
+            reader.append(-1)
+            continue
+        w = min(share, key=lambda v: (-share[v], v))
+        reader.append(free[w].pop() if free[w] else None)
+    left = sorted(j for ranks in free for j in ranks)[::-1]
+    reader = [j if j is not None else left.pop() for j in reader]
+    return [[(reader[j], a, n) for j, _, a, n in item] for item in segments]
+
+
+def _meets(off: int, n: int, ranges: Sequence[tuple[int, int]]) -> bool:
+    return any(a < off + n and off < a + m for a, m in ranges)
 
 
 def _every_rank_set(items: Sequence[ItemRecord]) -> str:
@@ -172,14 +232,20 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
             if _read_together(it, g.world_size):
                 items[it.key] = (tree_rank, k)
         # each item's chunks, from the shards of the holders that wrote its pieces (of an item
-        # read together, those of the writers this rank reads for every rank)
+        # read together, those of the writers of the pieces this rank reads for every rank)
         order = list(items)
         number = {k: n for n, k in enumerate(order)}
         files: dict[tuple[int, str], int] = {}
         file_list: list[FileRecord] = []
         storages = []
-        together: list[int] = []
-        split: list[tuple[tuple[int, int, int], ...]] = []
+        shared_keys = sorted(key for key in order if _read_together(shards[items[key][0]].items[items[key][1]],
+                                                                      g.world_size))
+        if shared_keys and tree_rank not in pieces:
+            pieces[tree_rank] = item_pieces(own.items, g.world_size)
+        saved = {key: pieces[tree_rank][items[key][1]] for key in shared_keys}
+        reads = dict(zip(shared_keys, read_split([saved[key] for key in shared_keys],
+                                                 [own.items[items[key][1]].nbytes for key in shared_keys],
+                                                 g.world_size, world)))
         from .load import _tiles
 
         for key in order:
@@ -191,11 +257,11 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
                 if r not in pieces:
                     pieces[r] = item_pieces(shards[r].items, g.world_size)
                 writers = sorted({w for w, _, n in pieces[r][k] if n})
-            shared = _read_together(it, g.world_size)
+            shared = key in reads
+            mine: list[tuple[int, int]] = []
             if shared:
-                together.append(number[key])
-                split.append(tuple(pieces[r][k]))
-                writers = [w for w in writers if reader_of(w, world) == rank]
+                mine = [(off, n) for j, off, n in reads[key] if j == rank]
+                writers = [w for w in writers if any(_meets(off, n, mine) for v, off, n in saved[key] if v == w)]
             chunks: list[ChunkRecord] = []
             for w in writers:
                 sw = shard(w)
@@ -203,10 +269,12 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
                 if kw is None or sw.items[kw].nbytes != it.nbytes:
                     raise bad(f"rank {w} wrote part of item {key[:40]} ({it.nbytes} bytes) by its holders' "
                               f"split, its manifest shard does not record it so")
-                if shared and not _tiles(sw.chunks[kw], [(off, n) for v, off, n in split[-1] if v == w]):
+                if shared and not _tiles(sw.chunks[kw], [(off, n) for v, off, n in saved[key] if v == w]):
                     raise bad(f"rank {w}'s manifest shard does not record exactly the pieces of item {key[:40]} "
                               f"its holders' split gives it")
                 for c in sw.chunks[kw]:
+                    if shared and c.length and not _meets(c.storage_offset, c.length, mine):
+                        continue  # bytes other loading ranks read
                     f = sw.files[c.file]
                     fid = files.setdefault((f.root, f.path), len(file_list))
                     if fid == len(file_list):
@@ -217,6 +285,7 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
             raise _Unreached()
     except _Unreached:
         return None
+    together = tuple(number[key] for key in shared_keys)
     records = tuple(replace(t, storage=number[t.storage]) for t in tensors)  # type: ignore[index]
     # its root table: the roots its files are on (renumbered), not the step's (a root per rank or more)
     used = sorted({f.root for f in file_list}) or [0]
@@ -232,7 +301,8 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
     checked = Manifest.from_json_bytes(data, where=f"step {g.step} (the manifest shards rank {rank} needs)")
     checked = replace(checked, files=m.files, storages=m.storages, version=SHARDED_VERSION,
                       created_unix=g.created_unix)
-    return checked, sorted(shards), SharedRead(tuple(together), tuple(split), _every_rank_set(own.items))
+    return checked, sorted(shards), SharedRead(together, tuple(tuple(reads[key]) for key in shared_keys),
+                                               _every_rank_set(own.items), cut=world > g.world_size)
 
 
 OTHERS_PIECES = "replicated-pieces-other-ranks-read"
@@ -268,51 +338,112 @@ def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, e
     """Collective: fetch.fetch_storages for a manifest whose every chunk this rank reaches (as
     plan_from_shards makes it): each rank reads its own, no rank tells another what it needs.
     Every file is checked against its recorded size on every rank before any buffer is allocated.
-    The items ``shared`` names are read together: each rank reads the pieces of its writers
-    (``reader_of``) and every piece spreads from its reader to every rank down a binomial tree
-    (load.py ``relay``), so their bytes are read from disk once in all, as in a load of the same
-    layout (the reader checks each chunk's crc32c; a receiver has no records of them)."""
+    The items ``shared`` names are read together: each rank reads its pieces of them (of the
+    chunks in ``m``, the bytes inside its pieces) and every piece spreads from its reader to
+    every rank down a binomial tree (load.py ``relay``), so their bytes are read from disk once
+    in all. A chunk read whole is checked against its crc32c where it is read (a receiver has no
+    records of it); a chunk the pieces cut (``shared.cut``) is checked whole once the pieces
+    have spread, by the rank that read its first byte, and all ranks agree on the outcome
+    before anything is rebuilt."""
     together = shared.storages if shared is not None else ()
+    ranges = {s: _runs([(off, n) for j, off, n in split if j == coord.rank])
+              for s, split in zip(together, shared.pieces)} if shared is not None else {}
     needed = sorted(set(storages) | set(together))
-    mine = [(s, ci) for s in needed for ci, c in enumerate(m.storages[s].chunks) if c.length]
+    spans: list[tuple[int, int, int, int]] = []  # (storage, chunk, start, end) of the bytes this rank reads
+    for s in needed:
+        for ci, c in enumerate(m.storages[s].chunks):
+            if not c.length:
+                continue
+            if s not in ranges:
+                spans.append((s, ci, c.storage_offset, c.storage_offset + c.length))
+                continue
+            for a, n in ranges[s]:
+                lo, hi = max(a, c.storage_offset), min(a + n, c.storage_offset + c.length)
+                if lo < hi:
+                    spans.append((s, ci, lo, hi))
     error = None
     try:
-        if any(reach.paths[m.files[m.storages[s].chunks[ci].file].root] is None for s, ci in mine):
+        if any(reach.paths[m.files[m.storages[s].chunks[ci].file].root] is None for s, ci, _, _ in spans):
             raise UnreachableDataError(2, f"{what}: a data file this rank needs is on a root it does not see")
-        check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci in mine})
+        check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci, _, _ in spans})
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (checking the data files)", hint="the live state was not changed")
     buffers: dict[int, torch.Tensor] = {}
+    cut: list[tuple[int, int]] = []  # chunks this rank read part of
     error = None
     try:
         buffers = {s: host_buffer(m.storages[s].nbytes) for s in needed}
-        wanted = []
-        for s, ci in mine:
+        view: dict[int, list[ChunkRecord]] = {}  # each span as a chunk of its own
+        whole, parts = [], []
+        for s, ci, lo, hi in spans:
             c = m.storages[s].chunks[ci]
-            wanted.append((s, ci, buffers[s][c.storage_offset:c.storage_offset + c.length]))
-        _read_chunks(m, reach, wanted, engine, verify=verify)
+            full = (lo, hi) == (c.storage_offset, c.storage_offset + c.length)
+            (whole if full else parts).append((s, len(view.setdefault(s, [])), buffers[s][lo:hi]))
+            view[s].append(replace(c, file_offset=c.file_offset + lo - c.storage_offset, storage_offset=lo,
+                                   length=hi - lo))
+            if not full:
+                cut.append((s, ci))
+        v = replace(m, storages=tuple(replace(r, chunks=tuple(view[s])) if s in view else r
+                                      for s, r in enumerate(m.storages)))
+        _read_chunks(v, reach, whole, engine, verify=verify)
+        _read_chunks(v, reach, parts, engine, verify=False)  # checked whole after the spread
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (reading)", hint="the live state was not changed")
     if shared is not None:
         _pass_pieces(coord, m, shared, buffers, what)
+    if shared is not None and shared.cut:
+        error = None
+        try:
+            if verify:
+                _check_cut(reach, m, buffers, [(s, ci) for s, ci in dict.fromkeys(cut)
+                                               if _meets(m.storages[s].chunks[ci].storage_offset, 1, ranges[s])])
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
+        coord.agree(error, f"{what} (checking the replicated chunks read in parts)",
+                    hint="the live state was not changed")
     return buffers
+
+
+def _runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` (offset, length) sorted, the adjacent ones joined."""
+    out: list[tuple[int, int]] = []
+    for off, n in sorted(r for r in ranges if r[1]):
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((off, n))
+    return out
+
+
+def _check_cut(reach: Reach, m: Manifest, buffers: dict[int, torch.Tensor], chunks: Sequence[tuple[int, int]]) -> None:
+    """Each chunk (storage, chunk index), read in parts by several ranks and now whole in
+    ``buffers``, against its recorded crc32c (ChecksumMismatchError naming its file)."""
+    for s, ci in chunks:
+        c = m.storages[s].chunks[ci]
+        got = _crc32c.crc32c(buffers[s][c.storage_offset:c.storage_offset + c.length].numpy())
+        if got != c.crc32c:
+            f = m.files[c.file]
+            root = reach.paths[f.root]
+            name = next((t.name for t in m.tensors if t.storage == s), f"<storage {s}>")
+            raise ChecksumMismatchError(str(root / step_dir_name(m.step) / f.path) if root is not None else f.path,
+                                        name, c.file_offset, c.length, c.crc32c, got)
 
 
 def _pass_pieces(coord: Coordinator, m: Manifest, shared: SharedRead, buffers: dict[int, torch.Tensor],
                  what: str) -> None:
     """Spread each piece of the items read together from its reader to every loading rank (the
-    same schedule on every rank, computed from the save's split alone: no message)."""
+    same schedule on every rank, computed from ``read_split`` alone: no message)."""
     from .load import relay
 
     rank, world = coord.rank, coord.world_size
     rounds: list[list[tuple[int, int, int, int, int]]] = []
     for s, split in zip(shared.storages, shared.pieces):
         item = ItemRecord("", m.storages[s].nbytes, None)
-        for w, off, n in split:
+        for reader, off, n in split:
             if n:
-                for k, a, b in relay(item, reader_of(w, world), rank, world):
+                for k, a, b in relay(item, reader, rank, world):
                     while len(rounds) <= k:
                         rounds.append([])
                     rounds[k].append((a, b, s, off, n))
