@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import itemgetter, ne
 from pathlib import Path
-from typing import Any, Iterator, Sequence, overload
+from typing import Any, Iterator, Sequence, TypeVar, overload
 
 import crc32c as _crc32c
 
@@ -704,37 +704,33 @@ def _roots_ok(rows: list, world: int) -> bool:
     return set(map(type, listed)) <= {list} and _ints_in(list(chain.from_iterable(listed)), world)
 
 
-class RootTable(Sequence[RootInfo]):
-    """The root table of a parsed global manifest (dist.roots, checked by _roots_ok): a RootInfo
-    per entry read, and the ids and paths of every entry as lists (for matching a rank's own
-    roots against them in C: distributed/load.py ``reach_of``)."""
+_T = TypeVar("_T")
 
-    def __init__(self, rows: list[dict], world: int):
-        self._rows, self._world = rows, world
-        self._made: dict[int, RootInfo] = {}  # made once: a root of every rank ("all") lists W ranks
-        self._ids: list[str] | None = None
-        self._paths: list[str] | None = None
+
+class _LazyTable(Sequence[_T]):
+    """A table of a parsed global manifest whose entries become objects only when read (``_make``),
+    so a rank reading a few of W entries makes a few."""
+
+    def __init__(self, rows: list):
+        self._rows = rows
+
+    def _make(self, i: int) -> _T:
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return len(self._rows)
 
     @overload
-    def __getitem__(self, i: int) -> RootInfo: ...
+    def __getitem__(self, i: int) -> _T: ...
     @overload
-    def __getitem__(self, i: slice) -> tuple[RootInfo, ...]: ...
+    def __getitem__(self, i: slice) -> tuple[_T, ...]: ...
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return tuple(self[k] for k in range(len(self))[i])
-        i = range(len(self._rows))[i]  # IndexError past the end; a negative index counts from it
-        info = self._made.get(i)
-        if info is None:
-            r = self._rows[i]
-            ranks = tuple(range(self._world)) if r["ranks"] == "all" else tuple(r["ranks"])
-            info = self._made[i] = RootInfo(r["id"], r["path"], ranks)
-        return info
+        return self._make(range(len(self._rows))[i])  # IndexError past the end; a negative index counts from it
 
-    def __iter__(self) -> Iterator[RootInfo]:
+    def __iter__(self) -> Iterator[_T]:
         return (self[i] for i in range(len(self)))
 
     def __eq__(self, other: object) -> bool:
@@ -744,7 +740,28 @@ class RootTable(Sequence[RootInfo]):
         return hash(tuple(self))
 
     def __repr__(self) -> str:
-        return f"RootTable({len(self)} roots)"
+        return f"{type(self).__name__}({len(self)} entries)"
+
+
+class RootTable(_LazyTable[RootInfo]):
+    """The root table of a parsed global manifest (dist.roots, checked by _roots_ok): a RootInfo
+    per entry read, and the ids and paths of every entry as lists (for matching a rank's own
+    roots against them in C: distributed/load.py ``reach_of``)."""
+
+    def __init__(self, rows: list[dict], world: int):
+        super().__init__(rows)
+        self._world = world
+        self._made: dict[int, RootInfo] = {}  # made once: a root of every rank ("all") lists W ranks
+        self._ids: list[str] | None = None
+        self._paths: list[str] | None = None
+
+    def _make(self, i: int) -> RootInfo:
+        info = self._made.get(i)
+        if info is None:
+            r = self._rows[i]
+            ranks = tuple(range(self._world)) if r["ranks"] == "all" else tuple(r["ranks"])
+            info = self._made[i] = RootInfo(r["id"], r["path"], ranks)
+        return info
 
     @property
     def ids(self) -> list[str]:
@@ -759,39 +776,13 @@ class RootTable(Sequence[RootInfo]):
         return self._paths
 
 
-class ShardTable(Sequence[ShardRef]):
+class ShardTable(_LazyTable[ShardRef]):
     """The shard table of a parsed global manifest (checked by _shards_ok): a ShardRef per entry
     read, so a rank that reads its own shard makes one, whatever the world size."""
 
-    def __init__(self, entries: list[list]):
-        self._entries = entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    @overload
-    def __getitem__(self, i: int) -> ShardRef: ...
-    @overload
-    def __getitem__(self, i: slice) -> tuple[ShardRef, ...]: ...
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return tuple(self[k] for k in range(len(self))[i])
-        rank = range(len(self._entries))[i]  # IndexError past the end; a negative index counts from it
-        root, name, size, crc = self._entries[rank]
+    def _make(self, rank: int) -> ShardRef:
+        root, name, size, crc = self._rows[rank]
         return ShardRef(rank, root, name, size, crc)
-
-    def __iter__(self) -> Iterator[ShardRef]:
-        return (self[i] for i in range(len(self)))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and tuple(self) == tuple(other)
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return f"ShardTable({len(self)} shards)"
 
 
 def root_columns(roots: Sequence[RootInfo]) -> tuple[list[str], list[str]]:
