@@ -695,7 +695,7 @@ def _verdict(e: BaseException) -> str | None:
 
 def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
                    live_state: dict, engine: IOEngine, *, strict: bool, verify: bool, share_dir: str | None = None,
-                   cross_memory: bool = False                   ) -> tuple[int, Any, Any, tuple[int, ...]]:
+                   cross_memory: bool = False) -> tuple[int, Any, Any, tuple[int, ...]]:
     """Collective _prepare of the newest intact step (load(fallback=True)). The primary rank's
     fallback order is every rank's; after a failed step every rank tells it how it saw the failure,
     and it decides for all (a broadcast naming at most MAX_SHOWN_FAILURES damaged ranks: a rank
