@@ -184,8 +184,9 @@ class _Piece:
 def _wait_handovers() -> None:
     """Wait for the reservations that closed pools left running (each hands its pool to the
     kept slot when it finishes: HostSnapshotPool.close)."""
+    me = threading.current_thread()
     with _kept_lock:
-        helpers = list(_handing)
+        helpers = [h for h in _handing if h is not me]  # a helper closed before it got here: not itself
     for helper in helpers:
         helper.join()
 
