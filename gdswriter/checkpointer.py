@@ -64,7 +64,7 @@ from .rng import rng_state
 from .save.handle import SaveHandle, SaveStats
 from .save.pool import HostSnapshotPool
 from .save.queue import SaveQueue
-from .save.snapshot import GuardedMemory, LayoutCache, PendingSnapshot, plain_json, record_snapshot, tensors_of
+from .save.snapshot import GuardedMemory, LayoutCache, PendingSnapshot, held_by, plain_json, record_snapshot
 from .tensors import hint_unaligned
 from .session import Session, open_session
 from .threads import gc_paused
@@ -331,8 +331,8 @@ class GDSCheckpointer:
                             step, running)
                 return SaveHandle(step, mode, skipped=True)
             hooked = self._hook_optimizers()
-            guarded = self._guarded.update(tensors_of(hooked[0]) if len(hooked) == 1
-                                           else [t for opt in hooked for t in tensors_of(opt)])
+            guarded = self._guarded.update(held_by(hooked[0]) if len(hooked) == 1
+                                           else [t for opt in hooked for t in held_by(opt)])
             t1 = time.perf_counter()
             collected = self._collect()
             state_dict_s = time.perf_counter() - t1

@@ -1114,3 +1114,31 @@ def test_a_save_of_many_tensors_runs_without_garbage_collection_and_resumes_it(t
         assert gc.isenabled(), "collection was not turned back on after the save"
         _, st = load_state(tmp_path / str(n), 1)
         assert all(torch.equal(st["model"][k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("mode", ["live", "host"])
+def test_an_optimizer_tensor_replaced_between_saves_is_no_longer_guarded(tmp_path, monkeypatch, mode):
+    """save_async keeps the optimizers' tensors from one call to the next while they are the
+    same objects. Here the optimizer's momentum buffer is replaced by a new tensor between two
+    saves (the same count of tensors), and the old buffer, now held only by a state= dict, is
+    changed right after save_async returned: nothing guards it any more, so it must be copied
+    at the call, not taken for the optimizer's."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 64)).pow(2).mean().backward()
+    opt.step()
+    holder: dict = {}
+    with GDSCheckpointer(model, opt, tmp_path, state={"holder": holder}, options=options(snapshot=mode)) as ck:
+        ck.save(1)
+        old = opt.state[model.weight]["momentum_buffer"]
+        opt.state[model.weight]["momentum_buffer"] = old.clone()
+        holder["t"] = old
+        want = old.clone()
+        with hold_layout(monkeypatch) as gate:
+            h = ck.save_async(2)
+            old.add_(1.0)
+            gate.set()
+            assert h.result(timeout=60) == 2
+    _, st = load_state(tmp_path, 2)
+    assert torch.equal(st["extra"]["holder"]["t"], want), "a change after save_async reached the saved step"

@@ -121,7 +121,7 @@ class FrozenDictOfDicts:
     def __init__(self, keys: list, dicts: list[dict]) -> None:
         self.keys = keys
         self.sizes = list(map(len, dicts))
-        self.inner_keys = list(chain.from_iterable(map(dict.keys, dicts)))
+        self.inner_keys = list(chain.from_iterable(dicts))  # a dict iterates its keys
         self.inner_values = list(chain.from_iterable(map(dict.values, dicts)))
 
     def items(self) -> Iterator[tuple[object, dict]]:

@@ -100,21 +100,36 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 
 
-def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """Every tensor an optimizer can change: its parameters and its state (no copies; a
-    DTensor's local shard, which is what the step changes in place). Called by every
-    save_async: C-level passes over the optimizer's lists and dicts, no Python step per tensor."""
-    found = [p for g in getattr(obj, "param_groups", ()) for p in g.get("params", ())]
+def held_by(obj: Any) -> list[Any]:
+    """What an optimizer holds that its step can change: its parameters and its state's values,
+    as they are (DTensors, a step count...; local_tensors makes the tensors of them). Called by
+    every save_async: C-level passes over the optimizer's lists and dicts, no Python step per
+    tensor."""
+    found = list(chain.from_iterable(g.get("params", ()) for g in getattr(obj, "param_groups", ())))
     state = getattr(obj, "state", None)
     if state:
+        n = len(found)
         try:
-            found += list(chain.from_iterable(map(dict.values, state.values())))
+            found += chain.from_iterable(map(dict.values, state.values()))
         except TypeError:  # a parameter's state that is no dict
+            del found[n:]
             found += [v for st in state.values() if isinstance(st, dict) for v in st.values()]
-    if set(map(type, found)) <= _PLAIN:
-        return found
+    return found
+
+
+def local_tensors(held: list[Any]) -> list[torch.Tensor]:
+    """The tensors among ``held`` (held_by), each as the step changes it in place: a DTensor's
+    local shard; no copies."""
+    if set(map(type, held)) <= _PLAIN:
+        return held
     # values that are no plain tensors: DTensors, subclasses, a step count...
-    return [t if type(t) in _PLAIN else _local(t) for t in found if isinstance(t, torch.Tensor)]
+    return [t if type(t) in _PLAIN else _local(t) for t in held if isinstance(t, torch.Tensor)]
+
+
+def tensors_of(obj: Any) -> list[torch.Tensor]:
+    """Every tensor an optimizer can change: its parameters and its state (no copies; a
+    DTensor's local shard, which is what the step changes in place)."""
+    return local_tensors(held_by(obj))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -238,51 +253,63 @@ def storage_addresses_of(tensors: Sequence[torch.Tensor]) -> list[int]:
 
 class GuardedMemory:
     """The tensors the optimizer step pre-hook keeps unchanged until a save releases them
-    (tensors_of the hooked optimizers), for save_async to tell the saved tensors they guard.
+    (the local_tensors of what the hooked optimizers hold), for save_async to tell the saved tensors they guard.
     A saved tensor is guarded when it is one of them (an optimizer's state: by identity, no
     look at its memory), or when it views the storage of one (a module state_dict's detached
     alias of a parameter: by storage_address, of the saved tensor and of the guarded tensors
     not saved as themselves; every call, so a parameter given new memory by ``p.data = x``
     is seen at once). Which saved tensors are guarded tensors themselves is a function of
-    the two id lists only: kept while both lists are what they were at the last call (a
-    training loop's saves), compared as lists, with no set built or probed per tensor. The
-    last call's guarded tensors are held until the next call compares its ids, so an equal
-    id there is the same object."""
+    the two lists only: kept while both hold the objects they held at the last call (a
+    training loop's saves), compared by identity (one C-level pass of ``is`` per list, no
+    id list, set or probe per tensor). The last call's guarded tensors, and the saved ones
+    among them, are held until the next call compares with them, so an object found there is
+    the same object."""
 
-    __slots__ = ("_ids", "_split", "_storages", "tensors")
+    __slots__ = ("_held", "_split", "_storages", "tensors")
 
-    def __init__(self, tensors: Sequence[torch.Tensor] = ()) -> None:
-        self._ids: list[int] | None = None
-        # (ids of the saved tensors that are guarded ones, where the others are, where those are,
+    def __init__(self, held: list[Any] = ()) -> None:
+        self._held: list[Any] = []  # what the optimizers held at the last call, when all plain tensors
+        self.tensors: Sequence[torch.Tensor] = ()
+        # (the saved tensors that are guarded ones, where the others are, where those are,
         # which guarded tensors are not saved as themselves)
-        self._split: tuple[list[int], list[bool], list[bool], list[bool]] | None = None
-        self.update(tensors)
+        self._split: tuple[list[torch.Tensor], list[bool], list[bool], list[bool]] | None = None
+        self.update(list(held))
 
-    def update(self, tensors: Sequence[torch.Tensor]) -> GuardedMemory:
-        """The guarded tensors now (every save_async)."""
-        ids = list(map(id, tensors))
-        if ids != self._ids:  # compared while the last call's tensors are still held here
-            self._ids, self._split = ids, None
-        self.tensors, self._storages = tensors, None
+    def update(self, held: list[Any]) -> GuardedMemory:
+        """What the hooked optimizers hold now (held_by; every save_async). The same plain tensors
+        as at the last call need no look at their types."""
+        last = self._held
+        if len(held) != len(last) or not all(map(operator.is_, held, last)):
+            tensors, last = local_tensors(held), self.tensors
+            if len(tensors) != len(last) or not all(map(operator.is_, tensors, last)):
+                self._split = None
+            self._held = held if tensors is held else []
+            self.tensors = tensors
+        self._storages = None
         return self
 
     def split(self, saved: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(the saved tensors that are no guarded tensor, the guarded tensors not saved as themselves).
         The positions of the saved tensors that are guarded tensors are kept while those
-        positions hold the same ids (the others, a module state_dict's fresh aliases, have new
-        ids at every call and are checked by storage anyway). A stale ``others`` only makes
-        record_snapshot look at every guarded storage (a guarded tensor no longer saved as
-        itself, viewed by a saved one)."""
-        saved_ids = list(map(id, saved))
+        positions hold the same objects (the others, a module state_dict's fresh aliases, are
+        new objects at every call and are checked by storage anyway). A stale ``others`` only
+        makes record_snapshot look at every guarded storage (a guarded tensor no longer saved
+        as itself, viewed by a saved one)."""
         cached = self._split
-        if (cached is None or len(cached[1]) != len(saved_ids)
-                or list(compress(saved_ids, cached[2])) != cached[0]):
-            ids = set(self._ids or ())
-            is_guarded = list(map(ids.__contains__, saved_ids))
-            saved_guarded = list(compress(saved_ids, is_guarded))
-            saved_set = set(saved_guarded)
+        if cached is not None and len(cached[1]) == len(saved):
+            was = cached[0]
+            now = list(compress(saved, cached[2]))
+            if len(now) != len(was) or not all(map(operator.is_, now, was)):
+                cached = None
+        else:
+            cached = None
+        if cached is None:
+            ids = set(map(id, self.tensors))
+            is_guarded = list(map(ids.__contains__, map(id, saved)))
+            saved_guarded = list(compress(saved, is_guarded))
+            saved_set = set(map(id, saved_guarded))
             cached = self._split = (saved_guarded, list(map(operator.not_, is_guarded)), is_guarded,
-                                    list(map(operator.not_, map(saved_set.__contains__, self._ids or ()))))
+                                    [id(t) not in saved_set for t in self.tensors])
         return list(compress(saved, cached[1])), list(compress(self.tensors, cached[3]))
 
     def storages(self) -> set[int]:
