@@ -23,7 +23,7 @@ from .engines.base import IOEngine
 from .errors import GDSWriterError, ReadOnlyRootError
 from .format.commit import CommitProtocol, RootLock
 from .format.manifest import MANIFEST_NAME, Manifest
-from .format.sharded import GlobalManifest, parse_global
+from .format.sharded import GlobalManifest, parse_step
 from ._log import log_once
 from .load.apply import LiveState, LoadResult
 from .load.policy import restore_into, restore_newest_intact
@@ -121,8 +121,8 @@ def peek_manifest(protocol: CommitProtocol, step: int | None) -> Manifest | Glob
     try:
         step = protocol.require(step)
         raw = read_manifest_bytes(protocol, step)
-        g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
-        return g if g is not None else parse_manifest(protocol, step, raw)
+        parsed = parse_step(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
+        return parsed if isinstance(parsed, GlobalManifest) else parse_manifest(protocol, step, parsed)
     except (GDSWriterError, OSError, ValueError):
         return None
 

@@ -423,18 +423,25 @@ def test_a_read_only_root_loads_and_refuses_to_save(tmp_path):
 @pytest.mark.parametrize("fallback", [False, True])
 def test_a_load_parses_the_manifest_once_and_still_checks_the_data_files(tmp_path, monkeypatch, fallback):
     """Choosing between the single-process and the multi-rank path reads the manifest; the
-    restore then uses that parse, and still checks the data files against it first."""
+    restore then uses that parse (one JSON decode, one validation: a 100,000-tensor manifest
+    is 25 MB), and still checks the data files against it first."""
+    from gdswriter.format import manifest as manifest_mod
+    from gdswriter.format import sharded as sharded_mod
     from gdswriter.format.manifest import Manifest
 
     root, want = _three_steps(tmp_path)
-    parses = []
-    real = Manifest.from_json_bytes.__func__
-    monkeypatch.setattr(Manifest, "from_json_bytes",
+    parses, decodes = [], []
+    real = Manifest.from_body.__func__
+    monkeypatch.setattr(Manifest, "from_body",
                         classmethod(lambda cls, *a, **k: (parses.append(1), real(cls, *a, **k))[1]))
+    for mod in (manifest_mod, sharded_mod):
+        monkeypatch.setattr(mod, "decode_json", lambda raw, where, _real=mod.decode_json: (decodes.append(where),
+                                                                                           _real(raw, where))[1])
     model, opt = trained(5, (64, 128, 8))
     with ckpt(model, opt, root, files_per_root=2) as ck:
         assert ck.load(fallback=fallback) == 3
         assert len(parses) == 1
+        assert len(decodes) == 1, decodes
         for k, v in want[3].items():
             assert torch.equal(everything(model)[k], v), k
         body = json.loads((root / step_dir_name(3) / MANIFEST_NAME).read_bytes())

@@ -45,7 +45,7 @@ from ..format.assembly import tree_for_rank
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, StorageRecord, TensorRecord
-from ..format.sharded import (SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, merge, parse_global, parse_shard,
+from ..format.sharded import (SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, merge, parse_shard, parse_step,
                               read_shard, root_columns)
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
@@ -71,9 +71,10 @@ def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int |
     (``gather_merged``: each is read by a rank that reaches it, merged on ``src``) so that every
     rank gets the whole step: the general path, for loads that reshard."""
     step, raw = broadcast_manifest_bytes(coord, protocol, step, what, src)
-    g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
-    if g is None:
-        return step, parse_manifest(protocol, step, raw)
+    parsed = parse_step(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
+    if isinstance(parsed, Manifest):
+        return step, parse_manifest(protocol, step, parsed)
+    g = parsed
     if layout is None:
         layout = discover_layout(Coordinator.solo(), list(protocol.roots), create=False)
     return step, gather_merged(coord, layout, g, what, src)
@@ -652,7 +653,8 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
                                          src=src)
     what = f"loading step {step}"
     templates = live_templates(live_state, live.optimizer)
-    g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
+    parsed = parse_step(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
+    g = parsed if isinstance(parsed, GlobalManifest) else None
 
     def check(state: Any) -> Any:  # every key, shape and dtype, on every rank, before any live byte changes
         return plan_restore(state, live, strict)
@@ -665,7 +667,7 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
     if g is not None:  # another layout: the shards this rank needs (the layout index)
         state = load_indexed(coord, layout, g, templates, live.optimizer, engine, verify=verify, what=what, src=src)
     if state is None:
-        m = parse_manifest(protocol, step, raw) if g is None else gather_merged(coord, layout, g, what, src)
+        m = parse_manifest(protocol, step, parsed) if g is None else gather_merged(coord, layout, g, what, src)
         error = None
         if m.dist is not None and m.dist.layout != "gdswriter":
             error = InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "

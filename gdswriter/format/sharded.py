@@ -42,12 +42,11 @@ import crc32c as _crc32c
 
 from ..errors import CorruptCheckpointError, UnreachableDataError
 from ..fs import read_regular_file
-from ..threads import gc_paused
 from .assembly import build_manifest
 from .commit import root_identity, step_dir_name
 from .dtypes import dtype_from_name
 from .manifest import (FORMAT_NAME, INT64_LIMIT, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, RootInfo,
-                       ShardInfo, TensorRecord)
+                       ShardInfo, TensorRecord, decode_json)
 
 SHARDED_VERSION = (1, 3)
 SHARD_FORMAT = "gdswriter-shard"
@@ -222,17 +221,17 @@ def is_sharded(body: Any) -> bool:
 
 
 def parse_global(raw: bytes, where: str) -> GlobalManifest | None:
-    """The global manifest in ``raw``, or None when ``raw`` is a 1.0-1.2 manifest (parse that
-    with Manifest.from_json_bytes). Damage is CorruptCheckpointError."""
-    try:
-        with gc_paused():  # a 16,384-rank manifest is ~10^5 objects, none in a cycle: no collection over them
-            body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where} is not valid JSON ({e}); the checkpoint is damaged: "
-                                     f"load an earlier step") from e
-    if not is_sharded(body):
-        return None
-    return GlobalManifest.from_body(body, where)
+    """The global manifest in ``raw``, or None when ``raw`` is a 1.0-1.2 manifest (parse_step
+    parses either from one decode). Damage is CorruptCheckpointError."""
+    body = decode_json(raw, where)  # a 16,384-rank manifest is ~10^5 objects
+    return GlobalManifest.from_body(body, where) if is_sharded(body) else None
+
+
+def parse_step(raw: bytes, where: str) -> GlobalManifest | Manifest:
+    """A step's manifest.json, decoded once: a 1.3 step's GlobalManifest (its shards unread), or
+    a 1.0-1.2 step's Manifest. Damage is CorruptCheckpointError."""
+    body = decode_json(raw, where)
+    return GlobalManifest.from_body(body, where) if is_sharded(body) else Manifest.from_body(body, where)
 
 
 def check_shard_bytes(ref: ShardRef, raw: bytes, where: str) -> None:

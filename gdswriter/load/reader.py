@@ -39,7 +39,7 @@ from ..format.commit import CommitProtocol, normalize_roots
 from ..fs import read_regular_file
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
-from ..format.sharded import load_merged, parse_global
+from ..format.sharded import GlobalManifest, load_merged, parse_step
 from ..format.state_codec import decode_state
 from ..options import EngineOptions
 from ..threads import run_per_file
@@ -83,12 +83,13 @@ def read_manifest_bytes(protocol: CommitProtocol, step: int) -> bytes:
                                                     f"meanwhile?)") from e
 
 
-def parse_manifest(protocol: CommitProtocol, step: int, raw: bytes) -> Manifest:
-    """Parse and validate the manifest of ``step`` (it must describe that step)."""
+def parse_manifest(protocol: CommitProtocol, step: int, raw: bytes | Manifest | GlobalManifest) -> Manifest:
+    """Parse and validate the manifest of ``step`` (it must describe that step); ``raw``: its
+    bytes, or what parse_step made of them."""
     path = protocol.step_dir(step) / MANIFEST_NAME
-    g = parse_global(raw, str(path))
+    parsed = parse_step(raw, str(path)) if isinstance(raw, bytes) else raw
     # format 1.3: the global manifest and every rank's shard, merged (format/sharded.py)
-    m = Manifest.from_json_bytes(raw, where=str(path)) if g is None else load_merged(g, protocol.roots)
+    m = parsed if isinstance(parsed, Manifest) else load_merged(parsed, protocol.roots)
     if m.step != step:
         raise CorruptCheckpointError(f"{path} describes step {m.step}, not {step}: the checkpoint is damaged; "
                                      f"load an earlier step")
