@@ -1128,8 +1128,8 @@ def test_a_load_of_many_tensors_runs_without_garbage_collection_and_resumes_it(t
     from gdswriter.format.manifest import Manifest
 
     seen = []
-    real = Manifest.from_json_bytes.__func__
-    monkeypatch.setattr(Manifest, "from_json_bytes",
+    real = Manifest.from_body.__func__
+    monkeypatch.setattr(Manifest, "from_body",
                         classmethod(lambda cls, *a, **k: (seen.append(gc.isenabled()), real(cls, *a, **k))[1]))
     monkeypatch.setattr(checkpointer_mod, "GC_PAUSE_MIN_TENSORS", 64)
     for n, paused in ((32, True), (31, False)):  # n parameters, n momentum buffers
