@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from support.ranks import run_ranks
@@ -64,10 +65,15 @@ def _save_single(tmp_path: Path) -> tuple[Path, int]:
     return root, sum(s.nbytes for s in m.storages)
 
 
-def _load_worker(rank: int, world: int, roots: list[str], out: str, fsdp: bool) -> dict:
+def _load_worker(rank: int, world: int, roots: list[str], out: str, fsdp: bool, apart: bool = False) -> dict:
     from support.models import small_options
 
     from gdswriter import GDSCheckpointer
+
+    if apart:  # as when the ranks need different storages: each reads its own
+        import gdswriter.distributed.load as dist_load
+
+        dist_load.read_replicated_once = lambda *a, **k: (None, True)  # private: on every rank alike
 
     root = roots[rank * len(roots) // world]  # one root, or one per rank (node-local disks)
     model, opt = _model(seed=7, fsdp_world=world if fsdp else None)  # other values
@@ -159,13 +165,48 @@ def test_a_damaged_chunk_two_ranks_read_parts_of_is_refused_on_every_rank(tmp_pa
     assert len(found) == 1 and path.name in found[0], res
 
 
-def test_node_local_roots_the_rank_that_sees_the_step_reads_it_for_the_other(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_node_local_roots_the_rank_that_sees_the_step_reads_it_for_the_other(tmp_path, fsdp):
     """Rank 1's root is another disk, without the step: the ranks do not read it together (rank
-    1 reaches none of its files); rank 0 reads it once and sends rank 1 every chunk, bit for bit."""
+    1 reaches none of its files); rank 0 reads it once and sends rank 1 every chunk it needs
+    (an FSDP rank's: those of the storages its blocks are in, named alike on both ranks), bit
+    for bit."""
     root, total = _save_single(tmp_path)
     other = tmp_path / "node1"
     other.mkdir()
-    res = run_ranks(2, _load_worker, [str(root), str(other)], str(tmp_path), False, out=tmp_path / "r2")
+    res = run_ranks(2, _load_worker, [str(root), str(other)], str(tmp_path), fsdp, out=tmp_path / "r2")
     assert [x["error"] for x in res] == [None, None], res
     assert [x["diff"] for x in res] == [[], []], res
     assert [x["read"] for x in res] == [total, 0], res
+
+
+def test_fsdp_ranks_reading_apart_read_the_chunks_of_their_blocks(tmp_path):
+    """Where the ranks do not read together (they need different storages), an FSDP rank reads
+    the saved chunks that hold its blocks, bit for bit: here most tensors are one chunk, so each
+    rank reads most of the step, but not the chunks of the halves it does not hold."""
+    root, total = _save_single(tmp_path)
+    res = run_ranks(2, _load_worker, [str(root)], str(tmp_path), True, True, out=tmp_path / "r2")
+    assert [x["error"] for x in res] == [None, None], res
+    assert [x["diff"] for x in res] == [[], []], res
+    assert all(total / 2 < x["read"] < total for x in res), (res, total)
+
+
+def test_a_plain_tensors_block_is_read_from_the_chunks_holding_it():
+    """_plain_blocks: rows 4..7 of a saved 16 x 1024 fp32 tensor in four chunks of 4 rows (16
+    KiB) become a block record in a storage of its own made of the second chunk alone; a block
+    of rows 3..8 takes the three chunks it meets; an empty block takes none."""
+    from gdswriter.distributed.load import _plain_blocks
+    from gdswriter.format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord, TensorRecord
+
+    chunks = tuple(ChunkRecord(0, 8192 + k * 16384, k * 16384, 16384, k) for k in range(4))
+    m = Manifest(step=1, files=(FileRecord(0, "data.bin", 1 << 20),), storages=(StorageRecord(1 << 16, chunks),),
+                 tensors=(TensorRecord("model/w", 0, 0, "float32", (16, 1024), (1024, 1)),), state=None)
+    read, at, added = _plain_blocks(m, {0: ((4, 0), (4, 1024), None)}, set())
+    assert added == {1} and read.storages[1] == StorageRecord(16384, (ChunkRecord(0, 8192 + 16384, 0, 16384, 1),))
+    assert read.tensors[at[0]] == TensorRecord("model/w", 1, 0, "float32", (4, 1024), (1024, 1))
+    read, at, added = _plain_blocks(m, {0: ((3, 0), (6, 1024), None)}, set())
+    assert [c.crc32c for c in read.storages[1].chunks] == [0, 1, 2] and read.tensors[at[0]].byte_offset == 3 * 4096
+    read, at, added = _plain_blocks(m, {0: ((16, 0), (0, 1024), None)}, set())
+    assert at == {} and added == set()
+    read, at, added = _plain_blocks(m, {0: ((4, 0), (4, 1024), None)}, {0})  # its storage read whole anyway
+    assert added == set() and read.tensors[at[0]] == TensorRecord("model/w", 0, 16384, "float32", (4, 1024), (1024, 1))

@@ -649,7 +649,8 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
     rank needs bytes of the same storages (DDP: all of them whole; FSDP: a block of each) they
     are read from disk once across the ranks (reshard.read_replicated_once: each rank about
     1 / N); else each rank reads what it needs, of a block the saved chunks holding it
-    (``_plain_blocks``)."""
+    (``_plain_blocks``), or where some rank does not reach the files (node-local roots: ranks
+    then read chunks for each other, named by the storages every rank has) the storages whole."""
     unchanged = "the live state was not changed"
     needed: set[int] = set()
     jobs: dict[str, tuple] = {}
@@ -684,12 +685,17 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
     coord.agree(error, f"{what} (planning)", hint=unchanged)
     # buffers are allocated once every rank has checked the files it reads (fetch_storages)
     reach = manifest_reach(m, layout)
-    buffers = None
+    buffers, reached = None, True
     if single and coord.world_size > 1:  # None: the ranks do not need the same storages, or some do not reach them
-        buffers = read_replicated_once(coord, reach, m, spanned, engine, verify=verify, what=what)
-    read, block_of, partial = together if buffers is not None else alone
-    if buffers is None:
+        buffers, reached = read_replicated_once(coord, reach, m, spanned, engine, verify=verify, what=what)
+    if buffers is None and reached:  # every rank reads its own chunks (a block's alone)
+        read, block_of, partial = alone
         buffers = fetch(coord, reach, read, needed | partial, engine, verify=verify, what=what)
+    elif buffers is None:  # ranks read chunks for others (node-local roots): named alike on every rank, whole
+        read, block_of, partial = together
+        buffers = fetch(coord, reach, read, spanned, engine, verify=verify, what=what)
+    else:
+        read, block_of, partial = together
     error, state = None, None
     try:
         views = [i for i in refs if m.tensors[i].shard is None and i not in parts]

@@ -438,29 +438,29 @@ def _agree_on_damage(coord: Coordinator, error: BaseException | None, what: str)
 
 
 def read_replicated_once(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, engine: IOEngine, *,
-                         verify: bool, what: str) -> dict[int, torch.Tensor] | None:
+                         verify: bool, what: str) -> tuple[dict[int, torch.Tensor] | None, bool]:
     """Collective: the ``storages`` of a single-process step (``m``: one writer, and every rank
     loads its one tree) read from disk once across the ranks, when every rank needs bytes of
     the same storages (DDP: the model and optimizer whole; FSDP: a block of each): the items
     end to end are cut into N equal aligned shares (``read_split`` of one writer's items on N
     ranks), each rank reads its share and passes it on, and a chunk a share cuts is checked
-    whole once the pieces have spread (``read_reached``): {storage: its buffer, whole}. None on
-    every rank when some rank names other storages (a digest of them, agreed first: fixed-size
-    messages) or does not reach every file they are in (node-local roots): then each rank
-    fetches what it needs itself (fetch_storages)."""
+    whole once the pieces have spread (``read_reached``). Returns ({storage: its buffer, whole},
+    True), or (None, whether every rank reaches every file) on every rank when some rank names
+    other storages (a digest of them, agreed first: fixed-size messages) or does not reach every
+    file they are in (node-local roots): then each rank fetches what it needs (fetch_storages)."""
     together = sorted(s for s in set(storages) if m.storages[s].nbytes)
     sizes = [m.storages[s].nbytes for s in together]
     digest = hashlib.sha256(json.dumps([together, sizes]).encode()).hexdigest()[:32]
     reached = all(reach.paths[m.files[c.file].root] is not None for s in together for c in m.storages[s].chunks
                   if c.length)
-    share = coord.decide(None, [digest, reached], f"{what} (reading the state every rank needs together)",
-                         lambda outs: len({d for d, _ in outs}) == 1 and all(r for _, r in outs),
-                         hint="the live state was not changed")
-    if not share:
-        return None
+    alike, everywhere = coord.decide(None, [digest, reached], f"{what} (reading the state every rank needs together)",
+                                     lambda outs: [len({d for d, _ in outs}) == 1, all(r for _, r in outs)],
+                                     hint="the live state was not changed")
+    if not (alike and everywhere):
+        return None, everywhere
     pieces = read_split([[(0, 0, n)] for n in sizes], sizes, 1, coord.world_size)
     shared = SharedRead(tuple(together), tuple(tuple(p) for p in pieces), digest, cut=True)
-    return read_reached(coord, reach, m, set(storages), engine, verify=verify, what=what, shared=shared)
+    return read_reached(coord, reach, m, set(storages), engine, verify=verify, what=what, shared=shared), True
 
 
 def _runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
