@@ -89,13 +89,16 @@ def _load_worker(rank: int, world: int, roots: list[str], out: str, fsdp: bool, 
 
         engine.read_file = counting  # private: wraps the engine instance's method
         error = None
+        stats = ck._session.coord.stats  # private: the checkpointer's coordination channel's counters
+        before_load = stats.snapshot()
         try:
             ck.load(STEP)
         except Exception as e:  # noqa: BLE001 - what the test checks
             error = [[c.__name__ for c in type(e).__mro__], str(e)]
+        received = stats.snapshot()[1] - before_load[1]
     got = _full(model, opt)
     expected = torch.load(Path(out, "expected.pt"))
-    return {"read": read[0], "error": error,
+    return {"read": read[0], "error": error, "received": received,
             "diff": sorted(k for k in expected if k not in got or not torch.equal(got[k], expected[k])),
             "unchanged": all(torch.equal(got[k], before[k]) for k in before)}
 
@@ -123,7 +126,8 @@ def _cut_between_ranks(root: Path, world: int) -> tuple[Path, int]:
 # ----------------------------------------------------------------------------- the tests
 def test_ddp_on_2_and_4_ranks_reads_a_single_process_step_once(tmp_path):
     """Every rank needs the whole state (DDP): each reads about 1 / N of the step's bytes and the
-    N ranks read them once in all (before: every rank read all of them), bit for bit."""
+    N ranks read them once in all (before: every rank read all of them), bit for bit; besides
+    the pieces the others read, a rank receives only a few small messages."""
     root, total = _save_single(tmp_path)
     assert total > 8 << 20
     for world in (2, 4):
@@ -133,6 +137,8 @@ def test_ddp_on_2_and_4_ranks_reads_a_single_process_step_once(tmp_path):
         reads = [x["read"] for x in res]
         assert sum(reads) == total, (world, reads, total)  # once, not N times
         assert all(abs(r - total / world) < 0.01 * total for r in reads), (world, reads, total)
+        # each rank receives the bytes the others read, once, and a few fixed-size messages
+        assert all(0 <= x["received"] - (total - x["read"]) < 64 << 10 for x in res), (world, res, total)
 
 
 def test_fsdp_on_2_ranks_each_rank_reads_about_its_half(tmp_path):
