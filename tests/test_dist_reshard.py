@@ -550,8 +550,8 @@ def test_replicated_state_2_to_4_every_rank_reads_a_quarter_of_the_bytes(tmp_pat
 def test_replicated_state_2_to_4_a_damaged_chunk_read_in_parts_is_refused(tmp_path):
     """A chunk two loading ranks read parts of has no crc32c for either part: it is checked whole
     once the pieces have spread, by the rank that read its first byte. A byte flipped in the
-    part the other rank reads is ChecksumMismatchError there (RankFailedError elsewhere) and no
-    rank changes its live state."""
+    part the other rank reads is ChecksumMismatchError there (CorruptCheckpointError naming that
+    rank elsewhere: the damage is typed on every rank) and no rank changes its live state."""
     from gdswriter.errors import ChecksumMismatchError
 
     root = tmp_path / "root"
@@ -566,7 +566,7 @@ def test_replicated_state_2_to_4_a_damaged_chunk_read_in_parts_is_refused(tmp_pa
     assert all(x["error"] and x["unchanged"] for x in res), res
     found = [x["error"] for x in res if x["error"].startswith(ChecksumMismatchError.__name__)]
     assert len(found) == 1 and path.name in found[0], res
-    assert all(x["error"].startswith((ChecksumMismatchError.__name__, "RankFailedError")) for x in res), res
+    assert all(x["error"].startswith((ChecksumMismatchError.__name__, "CorruptCheckpointError")) for x in res), res
 
 
 @settings(max_examples=200, deadline=None)

@@ -29,6 +29,12 @@ and no message grows with the world size. When some rank does not see a shard or
 it needs (node-local roots), or the step has no index (a 1.3 step saved before it existed),
 every rank takes the merging path instead (load.py ``gather_merged``), which sends chunks
 between ranks.
+
+A step saved by a single process has no shards: load.py reads it whole on every rank's plan,
+and ``read_replicated_once`` reads the storages every rank needs bytes of once across the ranks
+with the same machinery (``read_split`` of one writer's items on N ranks, ``read_reached``).
+Damage found while reading (a checksum, a short file) is CorruptCheckpointError on every rank,
+the ranks that did not find it naming those that did (``_agree_on_damage``).
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ import crc32c as _crc32c
 import torch
 
 from ..engines.base import IOEngine
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnreachableDataError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, RankFailedError, UnreachableDataError
 from ..format.assembly import remap_tree
 from ..format.commit import step_dir_name
 from ..format.manifest import MULTI_RANK_VERSION, ChunkRecord, DistInfo, FileRecord, Manifest, StorageRecord, TensorRecord
@@ -53,7 +59,7 @@ from ..format.sharded import SHARDED_VERSION, GlobalManifest, ItemRecord, RankSh
 from ..load.reader import host_buffer
 from ..planner.ranks import split_stream
 from .fetch import Reach, _read_chunks, check_reached_files
-from .group import Coordinator, Transfer
+from .group import Coordinator, Transfer, bounded, describe, unbound
 from .rankfiles import item_pieces
 from .roots import RootLayout
 from .shards import target_block
@@ -368,7 +374,7 @@ def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, e
         check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci, _, _ in spans})
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    coord.agree(error, f"{what} (checking the data files)", hint="the live state was not changed")
+    _agree_on_damage(coord, error, f"{what} (checking the data files)")
     buffers: dict[int, torch.Tensor] = {}
     cut: list[tuple[int, int]] = []  # chunks this rank read part of
     error = None
@@ -390,7 +396,7 @@ def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, e
         _read_chunks(v, reach, parts, engine, verify=False)  # checked whole after the spread
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    coord.agree(error, f"{what} (reading)", hint="the live state was not changed")
+    _agree_on_damage(coord, error, f"{what} (reading)")
     if shared is not None:
         _pass_pieces(coord, m, shared, buffers, what)
     if shared is not None and shared.cut:
@@ -401,9 +407,60 @@ def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, e
                                                if _meets(m.storages[s].chunks[ci].storage_offset, 1, ranges[s])])
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
-        coord.agree(error, f"{what} (checking the replicated chunks read in parts)",
-                    hint="the live state was not changed")
+        _agree_on_damage(coord, error, f"{what} (checking the replicated chunks read in parts)")
     return buffers
+
+
+def _agree_on_damage(coord: Coordinator, error: BaseException | None, what: str) -> None:
+    """Collective ``agree``, where damage (CorruptCheckpointError: a checksum, a short file) is
+    CorruptCheckpointError on every rank, not only on the rank whose share held it: the others
+    raise one naming the ranks that found it (a collective load fails alike everywhere). Any
+    other failure is agreed as ``agree`` does (RankFailedError on the other ranks)."""
+    unchanged = "the live state was not changed"
+    damage = describe(error) if isinstance(error, CorruptCheckpointError) else None
+    try:
+        verdict = coord.decide(None if damage else error, damage, what,
+                               lambda outs: bounded({r: d for r, d in enumerate(outs) if d}), hint=unchanged)
+    except RankFailedError:
+        if error is not None:
+            raise error from None  # damage here, another failure elsewhere: this rank's own error
+        raise
+    shown, total = unbound(verdict)
+    if not total:
+        return
+    if error is not None:
+        raise error
+    more = f" and {total - len(shown)} more" if total > len(shown) else ""
+    first = next(iter(sorted(shown.items())))
+    raise CorruptCheckpointError(f"{what}: rank(s) {sorted(shown)}{more} found the step damaged (rank {first[0]}: "
+                                 f"{first[1]}); {unchanged}: load an earlier step (load(fallback=True) takes the "
+                                 f"newest intact one)")
+
+
+def read_replicated_once(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, engine: IOEngine, *,
+                         verify: bool, what: str) -> tuple[dict[int, torch.Tensor] | None, bool]:
+    """Collective: the ``storages`` of a single-process step (``m``: one writer, and every rank
+    loads its one tree) read from disk once across the ranks, when every rank needs bytes of
+    the same storages (DDP: the model and optimizer whole; FSDP: a block of each): the items
+    end to end are cut into N equal aligned shares (``read_split`` of one writer's items on N
+    ranks), each rank reads its share and passes it on, and a chunk a share cuts is checked
+    whole once the pieces have spread (``read_reached``). Returns ({storage: its buffer, whole},
+    True), or (None, whether every rank reaches every file) on every rank when some rank names
+    other storages (a digest of them, agreed first: fixed-size messages) or does not reach every
+    file they are in (node-local roots): then each rank fetches what it needs (fetch_storages)."""
+    together = sorted(s for s in set(storages) if m.storages[s].nbytes)
+    sizes = [m.storages[s].nbytes for s in together]
+    digest = hashlib.sha256(json.dumps([together, sizes]).encode()).hexdigest()[:32]
+    reached = all(reach.paths[m.files[c.file].root] is not None for s in together for c in m.storages[s].chunks
+                  if c.length)
+    alike, everywhere = coord.decide(None, [digest, reached], f"{what} (reading the state every rank needs together)",
+                                     lambda outs: [len({d for d, _ in outs}) == 1, all(r for _, r in outs)],
+                                     hint="the live state was not changed")
+    if not (alike and everywhere):
+        return None, everywhere
+    pieces = read_split([[(0, 0, n)] for n in sizes], sizes, 1, coord.world_size)
+    shared = SharedRead(tuple(together), tuple(tuple(p) for p in pieces), digest, cut=True)
+    return read_reached(coord, reach, m, set(storages), engine, verify=verify, what=what, shared=shared), True
 
 
 def _runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
