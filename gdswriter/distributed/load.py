@@ -22,8 +22,9 @@ when every rank needs bytes of the same storages (DDP: all of them whole; FSDP: 
 each; agreed by a digest) and reaches their files, they are read from disk once across the
 ranks (reshard.read_replicated_once: the items cut into N aligned shares, each rank reads
 one and passes it on, a chunk a share cuts checked whole after the spread); else (node-local
-roots) each rank fetches what it needs, of a block only the saved chunks holding it. Either way the state is rebuilt and handed to the live
-objects as a single-process load does, and nothing live changes before every rank has read
+roots) each rank fetches what it needs, of a block only the saved chunks holding it.
+
+Either way the state is rebuilt and handed to the live objects as a single-process load does, and nothing live changes before every rank has read
 and verified its part into fresh buffers and every rank agrees the plan fits (a collective
 load is always atomic).
 
