@@ -24,9 +24,9 @@ ranks (reshard.read_replicated_once: the items cut into N aligned shares, each r
 one and passes it on, a chunk a share cuts checked whole after the spread); else (node-local
 roots) each rank fetches what it needs, of a block only the saved chunks holding it.
 
-Either way the state is rebuilt and handed to the live objects as a single-process load does, and nothing live changes before every rank has read
-and verified its part into fresh buffers and every rank agrees the plan fits (a collective
-load is always atomic).
+Either way the state is rebuilt and handed to the live objects as a single-process load
+does, and nothing live changes before every rank has read and verified its part into fresh
+buffers and every rank agrees the plan fits (a collective load is always atomic).
 
 ``load(fallback=True)``: rank 0's fallback order (the latest step, then older ones) is every
 rank's. After a failed step each rank says how it saw the failure (damage, another error, or
