@@ -64,13 +64,22 @@ def test_short_copies_are_asked_for_again_from_where_they_stopped(monkeypatch):
 def test_a_copy_running_into_unmapped_memory_raises_after_the_bytes_before_it():
     """A real partial copy: the remote range ends in a page that is not mapped; the kernel
     copies up to it and the next call fails: CrossMemoryError, never a silent short copy."""
-    region = mmap.mmap(-1, 2 * mmap.PAGESIZE)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    ctypes.memmove(base, b"x" * mmap.PAGESIZE, mmap.PAGESIZE)
+    # Mapped and unmapped with libc alone: a Python mmap object would unmap both pages when freed,
+    # the second one by then perhaps another mapping's (an io_uring ring's: a later test crashes)
     libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.munmap(ctypes.c_void_p(base + mmap.PAGESIZE), mmap.PAGESIZE) == 0  # the second page goes
-    dst = ctypes.create_string_buffer(2 * mmap.PAGESIZE)
-    with pytest.raises(CrossMemoryError) as e:
-        crossmem.pull(os.getpid(), [(base, ctypes.addressof(dst), 2 * mmap.PAGESIZE)])
-    assert e.value.errno == errno.EFAULT
-    assert dst.raw[:mmap.PAGESIZE] == b"x" * mmap.PAGESIZE  # the mapped page was copied first
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    base = libc.mmap(None, 2 * mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                     -1, 0)
+    assert base not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    try:
+        ctypes.memmove(base, b"x" * mmap.PAGESIZE, mmap.PAGESIZE)
+        assert libc.munmap(base + mmap.PAGESIZE, mmap.PAGESIZE) == 0  # the second page goes
+        dst = ctypes.create_string_buffer(2 * mmap.PAGESIZE)
+        with pytest.raises(CrossMemoryError) as e:
+            crossmem.pull(os.getpid(), [(base, ctypes.addressof(dst), 2 * mmap.PAGESIZE)])
+        assert e.value.errno == errno.EFAULT
+        assert dst.raw[:mmap.PAGESIZE] == b"x" * mmap.PAGESIZE  # the mapped page was copied first
+    finally:
+        libc.munmap(base, mmap.PAGESIZE)  # the first page: the second is gone already
