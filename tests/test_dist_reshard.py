@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies
 
+from support.models import full_state as _full
 from support.ranks import run_ranks
 
 STEP = 10
@@ -31,16 +32,6 @@ def _model(world: int, seed: int):
     model(torch.randn(4, 96)).sum().backward()
     opt.step()
     return model, opt
-
-
-def _full(model, opt) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in model.state_dict().items():
-        out[f"model/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
-    for pid, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
-            out[f"opt/{pid}/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
-    return out
 
 
 def _count_shard_reads() -> list[list]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from support.models import full_state as _full
 from support.ranks import run_ranks
 
 STEP = 3
@@ -36,16 +37,6 @@ def _model(seed: int, fsdp_world: int | None = None):
     model(torch.randn(4, 512)).sum().backward()
     opt.step()
     return model, opt
-
-
-def _full(model, opt) -> dict[str, torch.Tensor]:
-    out = {}
-    for k, v in model.state_dict().items():
-        out[f"model/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
-    for pid, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
-            out[f"opt/{pid}/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
-    return out
 
 
 def _save_single(tmp_path: Path) -> tuple[Path, int]:

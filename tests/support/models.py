@@ -210,3 +210,16 @@ def fsdp_mlp(world: int, seed: int):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.Adam(model.parameters(), lr=0.01), mesh
+
+
+def full_state(model, opt) -> dict[str, torch.Tensor]:
+    """The model's and the optimizer's state as whole tensors (a DTensor's full_tensor(), a
+    plain tensor cloned), by "model/<key>" and "opt/<param id>/<key>": what a load must give
+    back bit for bit, whatever the mesh."""
+    out = {}
+    for k, v in model.state_dict().items():
+        out[f"model/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[f"opt/{pid}/{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+    return out
