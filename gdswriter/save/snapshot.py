@@ -126,12 +126,6 @@ def local_tensors(held: list[Any]) -> list[torch.Tensor]:
     return [t if type(t) in _PLAIN else _local(t) for t in held if isinstance(t, torch.Tensor)]
 
 
-def tensors_of(obj: Any) -> list[torch.Tensor]:
-    """Every tensor an optimizer can change: its parameters and its state (no copies; a
-    DTensor's local shard, which is what the step changes in place)."""
-    return local_tensors(held_by(obj))
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)  # DTensor (FSDP2, tensor parallelism)
     return to_local() if callable(to_local) else t
