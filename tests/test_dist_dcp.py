@@ -770,3 +770,66 @@ def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
         assert x["nodes"]["steps"] == ["step_000000000000", "step_000000000001"], (rank, x)
         assert x["copied"] is not None and x["copied_tree"] == [], (rank, x)
     assert "RootUnavailableError" in res[3]["copied"][1] and "same identity" in res[3]["copied"][1], res[3]
+
+
+
+def _load_rounds_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from gdswriter.distributed import dcp_errors
+    from support.ranks import caught
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(2 * 300_000, dtype=torch.float32).reshape(2, 300_000)  # 1.2 MB shards
+    sd = {"dt": distribute_tensor(full, mesh, [Shard(0)]), "rep": torch.arange(200_000.0)}
+
+    def zeros() -> dict:
+        return {"dt": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)]), "rep": torch.zeros(200_000)}
+
+    out: dict = {}
+    for name, root in (("shared", Path(tmp, "shared")), ("node_local", Path(tmp, f"node{rank}"))):
+        w = writer(root)
+        dcp.save(sd, storage_writer=w)
+        w.close()
+        r = reader(root)
+        coord = r.coordinator()
+        before = coord.stats.collectives
+        back = zeros()
+        dcp.load(back, storage_reader=r)
+        out[name] = {"own": coord.stats.collectives - before,
+                     "ok": torch.equal(back["dt"].to_local(), sd["dt"].to_local()) and torch.equal(back["rep"], sd["rep"])}
+    # a byte of what rank 1 wrote (its shard) damaged: rank 1 fails alone, and every rank raises its error
+    dist.barrier()
+    if rank == 0:
+        data = Path(tmp, "shared", "step_000000000000", "data-rank1-r0-f0.bin")
+        with open(data, "r+b") as f:
+            f.seek(4096)
+            byte = f.read(1)
+            f.seek(4096)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    dist.barrier()
+
+    def damaged() -> None:
+        with dcp_errors():
+            dcp.load(zeros(), storage_reader=reader(Path(tmp, "shared")))
+
+    out["damaged"] = caught(damaged)
+    return out
+
+
+def test_a_dcp_load_from_one_shared_root_takes_one_round_of_its_own(tmp_path):
+    """Issue 25: where every rank names one root, the same one, a dcp.load through
+    GDSStorageReader makes one decision round of its own (gather and broadcast: rank 0 sends
+    the manifest with the decision) and none in read_data, where each rank reads what it needs
+    alone and DCP's own gather of read_data's outcomes tells every rank of a failure: a byte of
+    rank 1's shard damaged raises the checksum error on both ranks. Node-local roots still open
+    through the full protocol (the root table, the primary, the manifest, the readers of each
+    chunk). Before: 19 rounds of its own with one shared root too."""
+    res = run_ranks(2, _load_rounds_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(res):
+        assert x["shared"] == {"own": 2, "ok": True}, (rank, x)
+        assert x["node_local"]["ok"] and x["node_local"]["own"] > 2, (rank, x)
+        assert x["damaged"] is not None and x["damaged"][0] == "ChecksumMismatchError", (rank, x)

@@ -109,12 +109,12 @@ from ..errors import (CheckpointExistsError, CorruptCheckpointError, EngineIOErr
                       InvalidOptionError, RankFailedError, RootUnavailableError)
 from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, RootLock, _link_no_clobber, normalize_roots
 from ..format.dtypes import dtype_from_name, dtype_to_name
-from ..format.manifest import Manifest, ShardInfo, TensorRecord
+from ..format.manifest import Manifest, RootInfo, ShardInfo, TensorRecord
 from .._log import log_once
 from ..fs import atomic_write, fsync_dir, read_regular_file, write_durable
 from ..options import CheckpointOptions, EngineOptions
 from ..planner.assign import plan_save
-from ..load.reader import host_buffer
+from ..load.reader import host_buffer, read_manifest_bytes
 from ..save.snapshot import Extent, Snapshot
 from ..save.writer import live_spans, write_files
 from ..format.assembly import build_manifest, record_json
@@ -122,7 +122,7 @@ from .commit import OrderedCommit, RankCommit
 from .dcp_codec import metadata_from_json, metadata_to_json
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, describe
-from .load import broadcast_manifest, rebuild_state
+from .load import broadcast_manifest, rebuild_state, received_manifest
 from .options import DistOptions
 from .rankfiles import file_entries, group_held, rank_targets
 from .roots import (RootLayout, _build_table, _primary_of, clean_led, discover_layout, identify_roots, layout_of_part,
@@ -962,7 +962,7 @@ class GDSStorageReader(_Collective, StorageReader):
         self.atomic = atomic
         self.engine_options = engine_options
         self.load_id = uuid.uuid4().hex
-        self._loaded: tuple | None = None  # (manifest, root layout, DCP's storage_data)
+        self._loaded: tuple | None = None  # (manifest, root layout, DCP's storage_data, reaches every root)
         self._engines: list[IOEngine] | None = None  # [the engine], kept from load to load
         self._engine_made: EngineOptions | None = None  # the options it was built with
 
@@ -991,16 +991,23 @@ class GDSStorageReader(_Collective, StorageReader):
     def _read_metadata(self) -> Metadata:
         roots = self.current_roots()
         coord = self.coordinator()
-        layout = discover_layout(coord, roots, create=False)
-        probes, error = None, None
-        try:
-            probes = probe_led(layout)
-        except Exception as e:  # noqa: BLE001 - every rank learns of it
-            error = e
-        layout, _ = settle_primary(coord, layout, probes, error, "dcp.load (finding the primary root)",
-                                   "nothing was loaded; fix the failing rank's roots and load again")
         step = self._override if self._override is not None else (None if self._path_roots else self.step)
-        step, m = broadcast_manifest(coord, RankProtocol(layout), step, "dcp.load", src=layout.primary_rank)
+        opened = _open_one_shared_root(coord, roots, step)
+        if opened is not None:
+            layout, step, m = opened
+            # every rank reaches every root of the step: the same on every rank (one root, one manifest)
+            reaches_all = all(p is not None for p in manifest_reach(m, layout).paths)
+        else:
+            reaches_all = False
+            layout = discover_layout(coord, roots, create=False)
+            probes, error = None, None
+            try:
+                probes = probe_led(layout)
+            except Exception as e:  # noqa: BLE001 - every rank learns of it
+                error = e
+            layout, _ = settle_primary(coord, layout, probes, error, "dcp.load (finding the primary root)",
+                                       "nothing was loaded; fix the failing rank's roots and load again")
+            step, m = broadcast_manifest(coord, RankProtocol(layout), step, "dcp.load", src=layout.primary_rank)
         if m.dist is None or m.dist.layout != "dcp" or m.dist.dcp is None:
             raise CorruptCheckpointError(f"step {step} under {roots[0]} was not saved through DCP: load it with "
                                          f"GDSCheckpointer.load or gdswriter.load_state")
@@ -1009,7 +1016,7 @@ class GDSStorageReader(_Collective, StorageReader):
             raise CorruptCheckpointError(f"step {step}: the DCP metadata does not map its items to tensor records")
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
-        self._loaded = (m, layout, md.storage_data)
+        self._loaded = (m, layout, md.storage_data, reaches_all)
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -1027,7 +1034,10 @@ class GDSStorageReader(_Collective, StorageReader):
         into its targets), then hand DCP each item."""
         if self._loaded is None:
             raise InvalidOptionError("read_data before read_metadata: use this reader through dcp.load")
-        m, layout, where = self._loaded
+        m, layout, where, reaches_all = self._loaded
+        # every rank reaches every root of the step (one shared root): without atomic, each rank
+        # reads what it needs alone, and DCP's gather of read_data's outcomes tells every rank of a failure
+        alone = reaches_all and not self.atomic
         coord = self.coordinator()
         records, error, engine = [], None, None
         in_place: dict[int, torch.Tensor] = {}  # item -> DCP's target, read into directly
@@ -1047,14 +1057,17 @@ class GDSStorageReader(_Collective, StorageReader):
             engine = self._engine(sum(m.storages[s].nbytes for s in {rec.storage for rec in records}))
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
-        coord.agree(error, f"dcp.load of step {m.step} (planning)", hint="nothing was loaded")
+        if not alone:
+            coord.agree(error, f"dcp.load of step {m.step} (planning)", hint="nothing was loaded")
+        elif error is not None:
+            raise error
         assert engine is not None
         # the buffers are allocated once every rank has checked the files it reads against the manifest
         into = {records[i].storage: _bytes_of(t) for i, t in in_place.items()}
         try:
             buffers = fetch_storages(coord, manifest_reach(m, layout), m, {r.storage for r in records}, engine,
                                      verify=self.verify, what=f"dcp.load of step {m.step}", alloc=host_buffer,
-                                     into=into)
+                                     into=into, alone=alone)
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise
@@ -1104,6 +1117,49 @@ class GDSStorageReader(_Collective, StorageReader):
     def __del__(self) -> None:
         if getattr(self, "_engines", None):
             self.close()
+
+
+def _open_one_shared_root(coord: Coordinator, roots: Sequence[Path], step: int | None
+                          ) -> tuple[RootLayout, int, Manifest] | None:
+    """Collective, one decision round: the layout, step and manifest a load reads where every
+    rank names one root, the same one (by id: a shared file system), and it holds committed
+    steps; else None on every rank, and the reader opens its roots as GDSCheckpointer does
+    (discover_layout, settle_primary, broadcast_manifest: four more rounds, which also report
+    any error; node-local roots pay this round on top). Rank 0, that root's leader, reads the step's manifest before the round, from
+    its root alone, and sends it with the decision. Where the layout holds, that is what the
+    full protocol gives: choose_primary keeps rank 0's first root when it holds committed
+    steps, and the primary rank reads the manifest. Why: a DCP load makes a new reader each
+    time, and the four rounds of the full protocol were most of what a 2-rank load of 96 MiB
+    spent beyond FileSystemReader's (which reads DCP's metadata file on each rank, with no
+    round of its own)."""
+    ids: list[str] | None = None
+    offer: dict | None = None
+    table: tuple[RootInfo, ...] = ()
+    try:
+        if len(roots) == 1:
+            ids = identify_roots(roots, create=False)
+        if coord.rank == 0 and ids is not None and probe_root(roots[0])["committed"]:
+            path = str(roots[0].resolve())
+            table = (RootInfo(ids[0], path, tuple(range(coord.world_size))),)
+            protocol = RankProtocol(RootLayout(0, coord.world_size, table, tuple(roots), tuple(ids), (0,), path))
+            found = protocol.require(step)
+            offer = {"part": layout_parts(table, [[0]])[0], "step": found,
+                     "manifest": read_manifest_bytes(protocol, found).decode()}
+    except Exception:  # noqa: BLE001 - not this path: the full protocol reports it
+        ids = offer = None
+
+    def rule(outs: list) -> dict | None:
+        return offer if offer is not None and all(o == ids for o in outs) else None
+
+    got = coord.decide(None, ids, "dcp.load (opening the checkpoint's root)", rule)
+    if got is None:
+        return None
+    assert ids is not None
+    layout = (RootLayout(0, coord.world_size, table, tuple(roots), tuple(ids), (0,), table[0].path) if table
+              else layout_of_part(coord.rank, coord.world_size, roots, ids, got["part"]))
+    found = int(got["step"])
+    m = received_manifest(coord, RankProtocol(layout), found, got["manifest"].encode(), "dcp.load")
+    return layout, found, m
 
 
 def reader_engine_options(nbytes: int | None = None) -> EngineOptions:

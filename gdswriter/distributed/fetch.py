@@ -92,7 +92,7 @@ def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
 
 def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,
                    verify: bool, what: str, alloc: Callable[[int], torch.Tensor] = host_buffer,
-                   into: Mapping[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+                   into: Mapping[int, torch.Tensor] | None = None, alone: bool = False) -> dict[int, torch.Tensor]:
     """Collective: {storage: flat uint8 buffer of its nbytes, filled} for ``storages`` on every rank.
 
     Nothing is allocated before every rank has checked the files it reads (for itself or for
@@ -100,7 +100,12 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
     the real files, on every rank, whatever a damaged manifest claims. ``alloc`` makes a buffer;
     ``into`` gives the buffer of some storages (flat uint8 CPU tensors of their nbytes, e.g. the
     caller's live tensors): those are filled in place, and a failure may leave them partly
-    written (the hints of the errors say so)."""
+    written (the hints of the errors say so).
+
+    ``alone`` (the same on every rank): every rank reaches every root of ``m`` and the caller's
+    own protocol tells every rank of a failure (DCP's gather of read_data's outcomes): then
+    each rank reads what it needs itself, with no collective, after checking its own files
+    (so what it allocates is bounded by them) and raises its own error."""
     into = into or {}
     for s, t in into.items():
         if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != m.storages[s].nbytes:
@@ -114,6 +119,14 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
         for ci, c in enumerate(m.storages[s].chunks):
             if c.length:
                 (local if reach.paths[m.files[c.file].root] is not None else remote).append([s, ci])
+    if alone:
+        if remote:
+            raise ValueError(f"fetch_storages: alone=True, but this rank reaches no root of storage {remote[0][0]}")
+        check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci in local})
+        buffers = {s: into[s] if s in into else alloc(m.storages[s].nbytes) for s in needed}
+        _read_chunks(m, reach, [(s, ci, _slice(buffers[s], m.storages[s].chunks[ci])) for s, ci in local], engine,
+                     verify=verify)
+        return buffers
     asks = coord.gather({"need": remote, "reach": [g for g, p in enumerate(reach.paths) if p is not None]},
                         f"{what} (locating chunks)", dst=0)
     parts: list[dict] | None = None

@@ -79,13 +79,19 @@ def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int |
     (``gather_merged``: each is read by a rank that reaches it, merged on ``src``) so that every
     rank gets the whole step: the general path, for loads that reshard."""
     step, raw = broadcast_manifest_bytes(coord, protocol, step, what, src)
+    return step, received_manifest(coord, protocol, step, raw, what, src, layout)
+
+
+def received_manifest(coord: Coordinator, protocol: CommitProtocol, step: int, raw: bytes, what: str, src: int = 0,
+                      layout: RootLayout | None = None) -> Manifest:
+    """Collective where ``raw`` (the manifest.json of ``step`` that rank ``src`` read and sent
+    to every rank) is a 1.3 step's global manifest: ``broadcast_manifest``'s step, parsed."""
     parsed = parse_step(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
     if isinstance(parsed, Manifest):
-        return step, parse_manifest(protocol, step, parsed)
-    g = parsed
+        return parse_manifest(protocol, step, parsed)
     if layout is None:
         layout = discover_layout(Coordinator.solo(), list(protocol.roots), create=False)
-    return step, gather_merged(coord, layout, g, what, src)
+    return gather_merged(coord, layout, parsed, what, src)
 
 
 def broadcast_manifest_bytes(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str,
