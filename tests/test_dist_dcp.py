@@ -827,7 +827,8 @@ def test_a_dcp_load_from_one_shared_root_takes_one_round_of_its_own(tmp_path):
     alone and DCP's own gather of read_data's outcomes tells every rank of a failure: a byte of
     rank 1's shard damaged raises the checksum error on both ranks. Node-local roots still open
     through the full protocol (the root table, the primary, the manifest, the readers of each
-    chunk). Before: 19 rounds of its own with one shared root too."""
+    chunk; 17 collectives, and this decision's 2 on top). Before: 16 collectives of its own with one
+    shared root too."""
     res = run_ranks(2, _load_rounds_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(res):
         assert x["shared"] == {"own": 2, "ok": True}, (rank, x)
