@@ -58,7 +58,10 @@ DCP's protocol runs no storage code on those ranks after ``write_data`` (Ordered
 Loading reads each item DCP asks for whole straight into DCP's target tensor (its checksum
 computed as it is read) and only resharded or cast items through a buffer, as FileSystemReader
 copies each item into its target as it goes: a damaged file raises ChecksumMismatchError on
-every rank, and the targets read so far are overwritten. ``GDSStorageReader(atomic=True)``
+every rank, and the targets read so far are overwritten. Where every rank names one root, the
+same one, a load adds one round of collectives to DCP's (rank 0 sends the manifest with the
+decision, ``_open_one_shared_root``) and each rank reads alone, DCP's gather of read_data's
+outcomes carrying a failure to every rank; other layouts open and read as GDSCheckpointer does. ``GDSStorageReader(atomic=True)``
 reads everything into fresh buffers, verifies it on every rank, and only then changes a target.
 
 Errors. DCP runs the storage layer's calls inside its collectives and wraps what they raise in
@@ -1125,13 +1128,13 @@ def _open_one_shared_root(coord: Coordinator, roots: Sequence[Path], step: int |
     rank names one root, the same one (by id: a shared file system), and it holds committed
     steps; else None on every rank, and the reader opens its roots as GDSCheckpointer does
     (discover_layout, settle_primary, broadcast_manifest: four more rounds, which also report
-    any error; node-local roots pay this round on top). Rank 0, that root's leader, reads the step's manifest before the round, from
-    its root alone, and sends it with the decision. Where the layout holds, that is what the
-    full protocol gives: choose_primary keeps rank 0's first root when it holds committed
-    steps, and the primary rank reads the manifest. Why: a DCP load makes a new reader each
-    time, and the four rounds of the full protocol were most of what a 2-rank load of 96 MiB
-    spent beyond FileSystemReader's (which reads DCP's metadata file on each rank, with no
-    round of its own)."""
+    any error; node-local roots pay this round on top). Rank 0, that root's leader, reads the
+    step's manifest before the round, from its root alone, and sends it with the decision.
+    Where the layout holds, that is what the full protocol gives: choose_primary keeps rank
+    0's first root when it holds committed steps, and the primary rank reads the manifest.
+    Why: a DCP load makes a new reader each time, and the four rounds of the full protocol
+    were most of what a 2-rank load of 96 MiB spent beyond FileSystemReader's (which reads
+    DCP's metadata file on each rank, with no round of its own)."""
     ids: list[str] | None = None
     offer: dict | None = None
     table: tuple[RootInfo, ...] = ()
