@@ -592,6 +592,10 @@ class GDSStorageWriter(_Collective, StorageWriter):
             rc = self._save["commit"]
             try:
                 reports = _reports(results, rc.step, self._save["token"], self._save["items"])
+                if isinstance(rc, OrderedCommit):
+                    rc.check_published(reports)  # every joint root published with all its ranks' files
+                for rep in reports:
+                    rep.pop("published", None)
                 manifest = _dcp_manifest(rc.step, {**self._save, "reports": reports}, metadata)
             except BaseException:
                 rc.abort()  # nothing was renamed on this rank's roots yet (OrderedCommit) or only secondaries
@@ -704,14 +708,15 @@ class GDSStorageWriter(_Collective, StorageWriter):
             assert self._save is not None and self._save["token"] == decided["token"]
             rc = self._save["commit"]
         else:
-            clean_led(session.layout, decided["clean"])
+            # another rank sharing a joint root may have made this save's directory there already: kept
+            clean_led(session.layout, decided["clean"], keep=decided["token"])
             rc = OrderedCommit(session.coord, session.layout, decided["step"], decided["token"])
             rc.make_dirs()
         try:
             rc.check_shared()
             report = self._write(plan, planner, rc)
-            if not rc.coordinates:
-                rc.publish_led()  # only this rank sees these roots: nobody else writes there
+            if not rc.coordinates:  # the secondary roots it alone sees, and its joint roots (the last one publishes)
+                report["published"] = rc.publish_led()
         except BaseException:
             rc.abort()
             if not rc.coordinates:
