@@ -46,14 +46,17 @@ under their lock), its local plan carries that to the coordinator, which builds 
 distinct roots (by identity), chooses the primary (refused unless it is rank 0's) and sends
 each rank its part of the table in its global plan (roots.py's discover_layout and
 settle_primary, carried by DCP's gather and scatter); the other ranks lock the roots they lead
-in ``write_data``, check that they did not change since they probed them, and clean them. The
-coordination channel (a collective to create) is made only for a vote. Two layouts still vote
-over it as GDSCheckpointer does: a root that several ranks see but another rank than rank 0
-leads (one SSD per node shared by that node's ranks), and re-saving a committed step while
-another rank leads a secondary root. Both need a step of a non-coordinator rank after every
-rank's writes (renaming the shared secondary directory once all its ranks' files are durable;
-replacing a secondary ``step_S`` only after the coordinator un-committed the old step), and
-DCP's protocol runs no storage code on those ranks after ``write_data`` (OrderedCommit).
+in ``write_data``, check that they did not change since they probed them, and clean them. A root that
+several ranks see but another rank than rank 0 leads (one SSD per node shared by that node's
+ranks: a joint root) is published by its own ranks inside ``write_data``: each marks in the
+step's temporary directory there that its files are durable, and the one that finds every
+sharing rank's mark renames it (commit.py OrderedCommit: "the last one publishes"); the
+reports say who published what, and ``finish`` refuses to commit a step with a joint root that
+nobody published (a copied root). The coordination channel (a collective to create) is made
+only for a vote, which one layout still takes, as GDSCheckpointer does: re-saving a committed
+step while another rank leads a secondary root. It needs a step of a non-coordinator rank after
+every rank's writes (replacing a secondary ``step_S`` only after the coordinator un-committed
+the old step), and DCP's protocol runs no storage code on those ranks after ``write_data``.
 
 Loading reads each item DCP asks for whole straight into DCP's target tensor (its checksum
 computed as it is read) and only resharded or cast items through a buffer, as FileSystemReader
