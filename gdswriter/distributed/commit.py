@@ -461,29 +461,38 @@ class OrderedCommit(RankCommit):
             _raise_io(e, self.dirs[i], "commit")
         return published
 
-    def _markers(self, d: Path) -> int:
+    @staticmethod
+    def _markers(d: Path | int) -> int:
         return sum(1 for n in os.listdir(d) if n.startswith(JOINED_PREFIX))
 
     def _publish_joint(self, i: int) -> bool:
         """Joint root ``i``: record that this rank's files are durable; publish the directory if
-        every rank sharing the root has (class docstring, step 2). Whether this rank published it."""
+        every rank sharing the root has (class docstring, step 2). Whether this rank published it.
+        The marker, the fsync and the count go through one descriptor of the directory: another
+        rank may rename it as soon as this rank's marker is in it, and this rank's fsync must
+        still reach it (before this rank reports, so before any commit)."""
         d, root = self.dirs[i], self.layout.local_paths[i]
         final = root / step_dir_name(self.step)
-        fd = os.open(d / f"{JOINED_PREFIX}{self.coord.rank}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        os.close(fd)
-        fsync_dir(d)
+        n = self.layout.sharers(i)
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            if self._markers(d) < self.layout.sharers(i):
-                return False  # a rank sharing the root has not written yet: the last one publishes
+            os.close(os.open(f"{JOINED_PREFIX}{self.coord.rank}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644,
+                             dir_fd=dfd))
+            os.fsync(dfd)  # this rank's files and its marker: their entries are durable now
+            if self._markers(dfd) < n:
+                return False  # a rank sharing the root has not marked yet: the last one publishes
+        finally:
+            os.close(dfd)
+        try:
             self._check_secondary_final(i)
             os.rename(d, final)
             self.renamed.append(final)
         except FileNotFoundError:
             pass  # another rank sharing the root saw every marker too, and renamed it first
-        if not final.is_dir() or self._markers(final) < self.layout.sharers(i):
+        if not final.is_dir() or self._markers(final) < n:
             raise EngineIOError(errno.ENOENT, d, 0, "commit",
-                                f"the temporary directory of step {self.step} on a root {self.layout.sharers(i)} "
-                                f"ranks share vanished before every rank's files were in it")
+                                f"the temporary directory of step {self.step} on a root {n} ranks share vanished "
+                                f"before every rank's files were in it")
         fsync_dir(root)
         return True
 
