@@ -781,6 +781,23 @@ def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
     dist.barrier()
     out["fail_next"] = save()
     out["after_next"] = _tree(froot)
+    # rank 0's commit fails in finish after ranks 2 and 3 published step 2 on their root: the next save cleans it
+    real_commit = commit.OrderedCommit.commit_manifest
+
+    def broken(self, *a, **k):
+        raise EngineIOError(errno.ENOSPC, str(self.dirs[0]), 0, "write")
+
+    if rank == 0:
+        commit.OrderedCommit.commit_manifest = broken
+    try:
+        out["finish"] = save()
+    finally:
+        commit.OrderedCommit.commit_manifest = real_commit
+    dist.barrier()
+    out["after_finish"] = _tree(froot)
+    dist.barrier()
+    out["finish_next"] = save()
+    out["after_finish_next"] = _tree(froot)
     fw.close()
     back = {"rep": torch.zeros(2000), "blob": b""}
     dcp.load(back, storage_reader=reader(froot, 1))
@@ -821,8 +838,10 @@ def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
     ranks' markers in it (commit.py OrderedCommit, joint roots), so every save makes exactly
     FileSystemWriter's torch.distributed calls, none on the writer's coordination channel (before:
     a vote over it on every save), and the checkpoint commits on both roots and loads bit-exact.
-    Rank 3 failing after rank 2 wrote its marker: every rank raises, nothing commits, the next
-    save cleans the leftovers and commits. A root that is a copy of rank 0's (the same id in
+    Rank 3 failing after rank 2 wrote its marker (a temporary directory left), and rank 0's
+    commit failing after node 1's step directory was published (a secondary step_N without a
+    committed manifest): every rank raises, nothing commits, the next save cleans the leftovers
+    and commits. A root that is a copy of rank 0's (the same id in
     another directory) is refused on the rank that has it, with how to fix it; a copy of rank 2's
     (a joint root) is refused by the coordinator (nobody published it): nothing commits."""
     res = run_ranks(4, _node_roots_worker, str(tmp_path), out=tmp_path / "ranks")
@@ -839,6 +858,12 @@ def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
         assert x["jcopied"] is not None and x["jcopied_tree"] == [], (rank, x)
     assert res[2]["nodes"]["markers"] == [".written-rank-2", ".written-rank-3"], res[2]
     assert res[3]["saw_marker"] and res[3]["fail"][0] == "EngineIOError", res[3]
+    for rank, x in enumerate(res):  # published on node 1, never committed; then cleaned by the next save
+        assert x["finish"] is not None and x["finish_next"] is None, (rank, x)
+        assert x["after_finish_next"] == ["step_000000000000", "step_000000000001", "step_000000000002"], (rank, x)
+    assert res[0]["after_finish"] == ["step_000000000000", "step_000000000001"], res[0]
+    assert res[2]["after_finish"] == res[3]["after_finish"] == \
+        ["step_000000000000", "step_000000000001", "step_000000000002"], res[2:]
     for rank in (0, 1):
         assert res[rank]["after_fail"] == ["step_000000000000"] or \
             [n for n in res[rank]["after_fail"] if not n.startswith(".tmp-")] == ["step_000000000000"], res[rank]
