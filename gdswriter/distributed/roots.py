@@ -29,7 +29,11 @@ reads the manifest for a load. Nothing is written before every rank agrees on th
 An id is taken to be one root seen by several ranks; a root copied with its marker (rsync -a,
 a machine image) breaks that. Each save checks it (dist/commit.py): the leader creates the
 step's temporary directory, under a name no earlier save used, and every other rank sharing
-the root must find that directory in its own root before anything is written.
+the root must find that directory in its own root before anything is written. (The DCP
+writer's roots shared per node that another rank than rank 0 leads are checked at the end
+instead: each sharing rank marks the directory, and a copy never gathers every rank's mark;
+commit.py OrderedCommit. Each rank's part of the table therefore carries how many ranks see
+each of its roots.)
 """
 
 from __future__ import annotations
