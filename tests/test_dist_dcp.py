@@ -713,64 +713,173 @@ def test_a_fresh_writer_refused_its_lock_on_another_rank_commits_nothing(tmp_pat
     assert [n for n in r0["locked_tree"] if not n.startswith(".tmp-step_000000000000-")] == [], r0
 
 
-def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
-    import torch.distributed.checkpoint as dcp
+def _tree(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))
 
+
+def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
+    import errno
+    import os
+    import shutil
+    import time
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from gdswriter.distributed import commit, dcp_errors
+    from gdswriter.distributed.group import Coordinator
+    from gdswriter.errors import EngineIOError
     from support.ranks import caught
 
     out: dict = {}
-    # a root shared by each node's two ranks (node 1's led by rank 2): the plans cannot order it, so it votes
+    sd = {"rep": torch.arange(2000.0), "blob": b"nodes"}
+    fs = [_count_dist_calls(lambda i=i: dcp.save(sd, storage_writer=FileSystemWriter(Path(tmp, f"fs{i}"))))
+          for i in range(2)]
+    # a root shared by each node's two ranks, node 1's led by rank 2 (a joint root: the last one publishes)
     root = Path(tmp, f"node{rank // 2}")
     w = writer(root)
-    sd = {"rep": torch.arange(2000.0), "blob": b"nodes"}
-    own, calls = [], []
-    for _ in range(2):
-        before = w.coordinator().stats.collectives
-        calls.append(_count_dist_calls(lambda: dcp.save(sd, storage_writer=w)))
-        own.append(w.coordinator().stats.collectives - before)
+    calls = [_count_dist_calls(lambda: dcp.save(sd, storage_writer=w)) for _ in range(3)]
+    channels = len(Coordinator._shared)  # before the load (a reader may make its own)
     w.close()
     back = {"rep": torch.zeros(2000), "blob": b""}
-    dcp.load(back, storage_reader=reader(root, 1))
-    out["nodes"] = {"own": own, "calls": calls,
-                    "ok": torch.equal(back["rep"], sd["rep"]) and back["blob"] == b"nodes",
-                    "steps": sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))}
-    # rank 3's root is a copy of rank 0's (one id, two directories): refused before anything commits
+    dcp.load(back, storage_reader=reader(root, 2))
+    verified = None
+    if rank == 0:  # the markers in node 1's step directories confuse no tool
+        from gdswriter.cli import main
+
+        verified = main(["verify", str(root), "--secondary", str(Path(tmp, "node1")), "--all"])
+    out["nodes"] = {"fs": fs[-1], "calls": calls, "channels": channels, "verified": verified,
+                    "ok": torch.equal(back["rep"], sd["rep"]) and back["blob"] == b"nodes", "steps": _tree(root),
+                    "markers": sorted(p.name for p in (root / "step_000000000002").iterdir()
+                                      if p.name.startswith(commit.JOINED_PREFIX))}
+
+    # rank 3 fails after rank 2 (sharing its root) wrote its marker: nothing commits, the next save cleans
+    froot = Path(tmp, f"fail{rank // 2}")
+    fw = writer(froot)
+    real = commit.OrderedCommit._publish_joint
+
+    def late(self, i):
+        d = self.dirs[i]
+        for _ in range(600):
+            if (d / f"{commit.JOINED_PREFIX}2").exists():
+                break
+            time.sleep(0.05)
+        out["saw_marker"] = (d / f"{commit.JOINED_PREFIX}2").exists()
+        raise EngineIOError(errno.ENOSPC, str(d), 0, "write")
+
+    def save() -> list[str] | None:
+        def run() -> None:
+            with dcp_errors():
+                dcp.save(sd, storage_writer=fw)
+        return caught(run)
+
+    out["fail_first"] = save()
+    if rank == 3:
+        commit.OrderedCommit._publish_joint = late
+    try:
+        out["fail"] = save()
+    finally:
+        commit.OrderedCommit._publish_joint = real
+    dist.barrier()
+    out["after_fail"] = _tree(froot)
+    dist.barrier()
+    out["fail_next"] = save()
+    out["after_next"] = _tree(froot)
+    # rank 0's commit fails in finish after ranks 2 and 3 published step 2 on their root: the next save cleans it
+    real_commit = commit.OrderedCommit.commit_manifest
+
+    def broken(self, *a, **k):
+        raise EngineIOError(errno.ENOSPC, str(self.dirs[0]), 0, "write")
+
     if rank == 0:
-        Path(tmp, "orig").mkdir()
-        from gdswriter.distributed.roots import root_identity
+        commit.OrderedCommit.commit_manifest = broken
+    try:
+        out["finish"] = save()
+    finally:
+        commit.OrderedCommit.commit_manifest = real_commit
+    dist.barrier()
+    out["after_finish"] = _tree(froot)
+    dist.barrier()
+    out["finish_next"] = save()
+    out["after_finish_next"] = _tree(froot)
+    fw.close()
+    back = {"rep": torch.zeros(2000), "blob": b""}
+    dcp.load(back, storage_reader=reader(froot, 1))
+    out["fail_ok"] = torch.equal(back["rep"], sd["rep"])
 
-        root_identity(Path(tmp, "orig"))
-        import shutil
+    # rank 3's root is a copy of rank 0's (one id, two directories): refused before anything commits
+    from gdswriter.distributed.roots import root_identity
 
+    if rank == 0:
+        for name in ("orig", "jorig"):
+            Path(tmp, name).mkdir()
+            root_identity(Path(tmp, name))
         shutil.copytree(Path(tmp, "orig"), Path(tmp, "copy"))
-    import torch.distributed as dist
-
+        shutil.copytree(Path(tmp, "jorig"), Path(tmp, "jcopy"))
     dist.barrier()
     mine = Path(tmp, "copy" if rank == 3 else "orig")
     out["copied"] = caught(lambda: dcp.save(sd, storage_writer=writer(mine)))
     out["copied_tree"] = sorted(p.name for p in mine.iterdir() if p.name.startswith("step_"))
+    dist.barrier()
+    # a joint root copied: ranks 2 and 3 see one id in two directories, led by rank 2 (not the coordinator)
+    mine = Path(tmp, "j01") if rank < 2 else Path(tmp, "jcopy" if rank == 3 else "jorig")
+
+    def jsave() -> None:
+        with dcp_errors():
+            dcp.save(sd, storage_writer=writer(mine))
+
+    out["jcopied"] = caught(jsave)
+    dist.barrier()
+    out["jcopied_tree"] = sorted(p.name for p in mine.iterdir() if p.name.startswith("step_"))
+    out["jcopied_tmp"] = [sorted(os.listdir(p)) for p in mine.iterdir() if p.name.startswith(".tmp-step")]
     return out
 
 
-@pytest.mark.slow  # about 10 s: 4 spawned ranks
+@pytest.mark.slow  # about 15 s: 4 spawned ranks
 def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
     """Four ranks on two "nodes", each node's root shared by its two ranks: node 1's root is led
-    by rank 2, which DCP's plans give no order for, so these saves keep the vote (collectives of
-    the writer's own on every save), but the writer's first save opens its roots in DCP's plans
-    (before: with collectives of its own, on top of the vote); the checkpoint commits on both
-    roots and loads. A root that
-    is a copy of rank 0's (the same id in another directory) is refused on the rank that has it,
-    with how to fix it, and nothing commits."""
+    by rank 2, whose step directory is published by whichever of ranks 2 and 3 finds both
+    ranks' markers in it (commit.py OrderedCommit, joint roots), so every save makes exactly
+    FileSystemWriter's torch.distributed calls, none on the writer's coordination channel (before:
+    a vote over it on every save), and the checkpoint commits on both roots and loads bit-exact.
+    Rank 3 failing after rank 2 wrote its marker (a temporary directory left), and rank 0's
+    commit failing after node 1's step directory was published (a secondary step_N without a
+    committed manifest): every rank raises, nothing commits, the next save cleans the leftovers
+    and commits. A root that is a copy of rank 0's (the same id in
+    another directory) is refused on the rank that has it, with how to fix it; a copy of rank 2's
+    (a joint root) is refused by the coordinator (nobody published it): nothing commits."""
     res = run_ranks(4, _node_roots_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(res):
-        assert x["nodes"]["ok"], (rank, x)
-        assert x["nodes"]["own"][1] > 0, (rank, x)  # the vote
-        # the first save (the writer opens its roots: in DCP's plans) makes no more calls than the second
-        assert x["nodes"]["own"][0] == x["nodes"]["own"][1] and x["nodes"]["calls"][0] == x["nodes"]["calls"][1], x
-        assert x["nodes"]["steps"] == ["step_000000000000", "step_000000000001"], (rank, x)
+        nodes = x["nodes"]
+        assert nodes["ok"], (rank, x)
+        assert nodes["channels"] == 0, (rank, nodes)  # no vote: the coordination channel was never made
+        assert nodes["calls"] == [nodes["fs"]] * 3, (rank, nodes)
+        assert nodes["steps"] == ["step_000000000000", "step_000000000001", "step_000000000002"], (rank, x)
+        assert x["fail_first"] is None and x["fail"] is not None and x["fail_next"] is None, (rank, x)
+        assert x["after_next"] == ["step_000000000000", "step_000000000001"], (rank, x)
+        assert x["fail_ok"], (rank, x)
         assert x["copied"] is not None and x["copied_tree"] == [], (rank, x)
+        assert x["jcopied"] is not None and x["jcopied_tree"] == [], (rank, x)
+    assert res[0]["nodes"]["verified"] == 0, res[0]
+    assert res[2]["nodes"]["markers"] == [".written-rank-2", ".written-rank-3"], res[2]
+    assert res[3]["saw_marker"] and res[3]["fail"][0] == "EngineIOError", res[3]
+    for rank, x in enumerate(res):  # published on node 1, never committed; then cleaned by the next save
+        assert x["finish"] is not None and x["finish_next"] is None, (rank, x)
+        assert x["after_finish_next"] == ["step_000000000000", "step_000000000001", "step_000000000002"], (rank, x)
+    assert res[0]["after_finish"] == ["step_000000000000", "step_000000000001"], res[0]
+    assert res[2]["after_finish"] == res[3]["after_finish"] == \
+        ["step_000000000000", "step_000000000001", "step_000000000002"], res[2:]
+    for rank in (0, 1):
+        assert res[rank]["after_fail"] == ["step_000000000000"] or \
+            [n for n in res[rank]["after_fail"] if not n.startswith(".tmp-")] == ["step_000000000000"], res[rank]
+    # node 1: rank 2's marker is in the temporary directory, nobody published step 1
+    assert [n for n in res[2]["after_fail"] if n.startswith("step_")] == ["step_000000000000"], res[2]
     assert "RootUnavailableError" in res[3]["copied"][1] and "same identity" in res[3]["copied"][1], res[3]
-
+    assert res[0]["jcopied"][0] == "RootUnavailableError" and "not published" in res[0]["jcopied"][1], res[0]
+    for rank in (2, 3):  # each copy holds a temporary directory with its one rank's marker
+        assert [[n for n in t if n.startswith(".written-rank-")] for t in res[rank]["jcopied_tmp"]] == \
+            [[f".written-rank-{rank}"]], res[rank]
 
 
 def _load_rounds_worker(rank: int, world: int, tmp: str) -> dict:

@@ -324,6 +324,9 @@ class RankCommit:
             shutil.rmtree(self.dirs[i], ignore_errors=True)
 
 
+JOINED_PREFIX = ".written-rank-"  # in a joint root's step directory: rank r's files there are durable
+
+
 class OrderedCommit(RankCommit):
     """The same steps inside a caller's own ordered protocol (DCP's), with no collective of its
     own: P (the coordinator) decides step and token and makes its temporary directories
@@ -331,8 +334,38 @@ class OrderedCommit(RankCommit):
     other rank makes those it leads, checks that it finds P's (``check_shared``, step 1's check
     for a copied root), writes, and publishes the secondary roots it leads (``publish_led``:
     fsync, rename, fsync of the root) before it reports (DCP gathers the reports before P's
-    ``commit_ordered``). Only for a layout where ``applies``: every root that several ranks see
-    is P's to lead (so step 1 is ordered by the plans' scatter and step 3 by the reports'
+    ``commit_ordered``).
+
+    A *joint* root (several ranks see it and another rank than P leads it: one SSD per node
+    shared by that node's ranks) has no rank that runs after all the others' writes, so every
+    rank sharing it does steps 1 and 3 there itself ("the last one publishes"):
+
+    1. whichever rank comes first makes the temporary directory: each makes
+       ``<tmp>.join-<rank>`` with the owner files and renames it to ``<tmp>``; a rank that finds
+       ``<tmp>`` made already removes its own and uses that one (its leader cleans the root
+       before, keeping the entries of this save's token). A crash here leaves temporary
+       directories (removed by the next cleaning);
+    2. after its files there are durable, each rank creates ``.written-rank-<r>`` in ``<tmp>``
+       (O_EXCL) and fsyncs ``<tmp>``, then lists it; a rank that finds the markers of all the
+       ranks sharing the root (their count travels in its part of the root table) checks that a
+       ``step_S`` there is not another checkpoint's, renames ``<tmp>`` to ``step_S`` and fsyncs
+       the root. Two ranks may both see every marker: the second rename finds its source gone;
+       that rank checks that ``step_S`` holds every marker and fsyncs the root itself. A crash
+       before the rename leaves a temporary directory (removed by the next cleaning); after it,
+       a secondary ``step_S`` without a committed manifest (removed by the next cleaning, as a
+       secondary step directory of a failed vote is);
+    3. each rank's report names the joint roots it published (``publish_led``'s result); P's
+       ``check_published`` refuses to commit unless some rank published every joint root of
+       the table. A root copied with its ``.gdswriter-root`` marker (the same id in two
+       directories) splits its ranks: no directory gets every marker, nobody publishes it, and
+       the save is refused (RootUnavailableError naming the root), nothing committed.
+
+    The markers stay in the committed step directory (tiny, empty files no manifest lists:
+    loading, ``gdswriter verify`` and cleaning read only what the manifest names, or whole
+    step directories).
+
+    Only for a layout where ``applies``: every root is P's, a joint root, or one rank's own
+    (step 1 is then ordered by the plans' scatter or by the rank itself, step 3 by the reports'
     gather), and, when step S is being re-saved, no other rank leads a secondary root (the old
     step must be un-committed before any of its secondary directories is replaced, and only a
     vote can order that after every rank's writes). A failure on any rank makes DCP skip
@@ -359,17 +392,24 @@ class OrderedCommit(RankCommit):
         """Whether step S can be committed this way with ``coordinator`` as P (class docstring)."""
         if layout.primary_rank != coordinator:
             return False
-        for g, info in enumerate(layout.table):
-            if layout.leader(g) != coordinator and (len(info.ranks) > 1 or (resaving and g != 0)):
+        for g in range(len(layout.table)):
+            if layout.leader(g) != coordinator and resaving and g != 0:
                 return False
         return True
 
+    def joint(self, i: int) -> bool:
+        """Whether local root ``i`` is a joint root: several ranks see it, and P does not lead it."""
+        return self.layout.sharers(i) > 1 and self.layout.leader(self.layout.local_to_global[i]) != self.p
+
     def make_dirs(self) -> None:
-        """Step 1 on the roots this rank leads (secondary ones get their owner files)."""
+        """Step 1 on the roots this rank leads (secondary ones get their owner files) and on its
+        joint roots (class docstring)."""
         d = self.dirs[0]
         try:
             for i, d in enumerate(self.dirs):
-                if self.layout.leads(i):
+                if self.joint(i):
+                    self._join(i)
+                elif self.layout.leads(i):
                     d.mkdir()
                     if not self.layout.is_primary(i):
                         write_owner_files(self.layout, d)
@@ -377,28 +417,102 @@ class OrderedCommit(RankCommit):
             self.abort()
             _raise_io(e, d, "mkdir")
 
+    def _join(self, i: int) -> None:
+        """Make joint root ``i``'s temporary directory, with its owner files, unless another rank
+        sharing the root made it first (then use that one)."""
+        d = self.dirs[i]
+        mine = d.with_name(f"{d.name}.join-{self.coord.rank}")
+        mine.mkdir()
+        write_owner_files(self.layout, mine)
+        try:
+            os.rename(mine, d)  # fails when d exists: it holds owner files, it is never empty
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not d.is_dir():
+                raise
+            shutil.rmtree(mine, ignore_errors=True)
+
     def check_shared(self) -> None:
         """Step 1's check on the roots P leads and this rank shares: P's directory is in each."""
         for i, d in enumerate(self.dirs):
-            if not self.layout.leads(i) and not d.is_dir():
+            if not self.layout.leads(i) and not self.joint(i) and not d.is_dir():
                 raise self._not_shared(i, "this rank wrote nothing, and step {step} is not committed")
 
-    def publish_led(self) -> None:
+    def publish_led(self) -> list[int]:
         """Step 3 on the secondary roots this rank leads, once its own files are durable: refuse
-        a ``step_S`` of another checkpoint there, fsync, rename to ``step_S``, fsync the root.
-        On a failure the directories this rank made or renamed are removed and it raises."""
+        a ``step_S`` of another checkpoint there, fsync, rename to ``step_S``, fsync the root;
+        then on its joint roots (class docstring). Returns the table indices of the joint roots
+        this rank published. On a failure the directories this rank made or renamed are removed
+        and it raises."""
         i = 0
+        published: list[int] = []
         try:
-            led = [i for i in self.layout.led if not self.layout.is_primary(i)]
+            led = [i for i in self.layout.led if not self.layout.is_primary(i) and not self.joint(i)]
             for i in led:
                 self._check_secondary_final(i)
             for i in led:
                 fsync_dir(self.dirs[i])
             for i in led:
                 self._publish_secondary(i)
+            for i in range(len(self.dirs)):
+                if self.joint(i) and self._publish_joint(i):
+                    published.append(self.layout.local_to_global[i])
         except OSError as e:
             self._undo()
             _raise_io(e, self.dirs[i], "commit")
+        return published
+
+    @staticmethod
+    def _markers(d: Path | int) -> int:
+        return sum(1 for n in os.listdir(d) if n.startswith(JOINED_PREFIX))
+
+    def _publish_joint(self, i: int) -> bool:
+        """Joint root ``i``: record that this rank's files are durable; publish the directory if
+        every rank sharing the root has (class docstring, step 2). Whether this rank published it.
+        The marker, the fsync and the count go through one descriptor of the directory: another
+        rank may rename it as soon as this rank's marker is in it, and this rank's fsync must
+        still reach it (before this rank reports, so before any commit)."""
+        d, root = self.dirs[i], self.layout.local_paths[i]
+        final = root / step_dir_name(self.step)
+        n = self.layout.sharers(i)
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.close(os.open(f"{JOINED_PREFIX}{self.coord.rank}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644,
+                             dir_fd=dfd))
+            os.fsync(dfd)  # this rank's files and its marker: their entries are durable now
+            if self._markers(dfd) < n:
+                return False  # a rank sharing the root has not marked yet: the last one publishes
+        finally:
+            os.close(dfd)
+        try:
+            self._check_secondary_final(i)
+            os.rename(d, final)
+            self.renamed.append(final)
+        except FileNotFoundError:
+            pass  # another rank sharing the root saw every marker too, and renamed it first
+        if not final.is_dir() or self._markers(final) < n:
+            raise EngineIOError(errno.ENOENT, d, 0, "commit",
+                                f"the temporary directory of step {self.step} on a root {n} ranks share vanished "
+                                f"before every rank's files were in it")
+        fsync_dir(root)
+        return True
+
+    def check_published(self, reports: list[dict]) -> None:
+        """P, before committing: every joint root of the table was published by a rank that saw
+        every marker in it (reports' ``published``). RootUnavailableError otherwise (nothing is
+        committed): a root copied with its identity marker splits its ranks so that none does."""
+        done = {g for rep in reports for g in rep.get("published", ())}
+        for g, info in enumerate(self.layout.table):
+            if len(info.ranks) > 1 and min(info.ranks) != self.p and g not in done:
+                self.abort()
+                raise RootUnavailableError(
+                    errno.EEXIST,
+                    f"checkpoint root {info.path} (id {info.id}), which ranks {list(info.ranks)[:8]} take for one "
+                    f"root they share, was not published: no rank found in it the files of all "
+                    f"{len(info.ranks)} ranks. Its ranks see two (or more) directories with the same identity "
+                    f"(id {info.id} in {ROOT_MARKER_NAME}): one is probably a copy (rsync -a, cp -a, a machine "
+                    f"image). Give the copy its own identity: empty it, or remove its {ROOT_MARKER_NAME} (a new "
+                    f"id is written when it is next opened; move its step directories away first if you keep "
+                    f"them); step {self.step} is not committed")
 
     def commit_ordered(self, manifest: Manifest) -> None:
         """P, after every rank's publish_led (the caller orders it): steps 2-4 on P's roots: its

@@ -46,14 +46,17 @@ under their lock), its local plan carries that to the coordinator, which builds 
 distinct roots (by identity), chooses the primary (refused unless it is rank 0's) and sends
 each rank its part of the table in its global plan (roots.py's discover_layout and
 settle_primary, carried by DCP's gather and scatter); the other ranks lock the roots they lead
-in ``write_data``, check that they did not change since they probed them, and clean them. The
-coordination channel (a collective to create) is made only for a vote. Two layouts still vote
-over it as GDSCheckpointer does: a root that several ranks see but another rank than rank 0
-leads (one SSD per node shared by that node's ranks), and re-saving a committed step while
-another rank leads a secondary root. Both need a step of a non-coordinator rank after every
-rank's writes (renaming the shared secondary directory once all its ranks' files are durable;
-replacing a secondary ``step_S`` only after the coordinator un-committed the old step), and
-DCP's protocol runs no storage code on those ranks after ``write_data`` (OrderedCommit).
+in ``write_data``, check that they did not change since they probed them, and clean them. A root that
+several ranks see but another rank than rank 0 leads (one SSD per node shared by that node's
+ranks: a joint root) is published by its own ranks inside ``write_data``: each marks in the
+step's temporary directory there that its files are durable, and the one that finds every
+sharing rank's mark renames it (commit.py OrderedCommit: "the last one publishes"); the
+reports say who published what, and ``finish`` refuses to commit a step with a joint root that
+nobody published (a copied root). The coordination channel (a collective to create) is made
+only for a vote, which one layout still takes, as GDSCheckpointer does: re-saving a committed
+step while another rank leads a secondary root. It needs a step of a non-coordinator rank after
+every rank's writes (replacing a secondary ``step_S`` only after the coordinator un-committed
+the old step), and DCP's protocol runs no storage code on those ranks after ``write_data``.
 
 Loading reads each item DCP asks for whole straight into DCP's target tensor (its checksum
 computed as it is read) and only resharded or cast items through a buffer, as FileSystemReader
@@ -595,6 +598,10 @@ class GDSStorageWriter(_Collective, StorageWriter):
             rc = self._save["commit"]
             try:
                 reports = _reports(results, rc.step, self._save["token"], self._save["items"])
+                if isinstance(rc, OrderedCommit):
+                    rc.check_published(reports)  # every joint root published with all its ranks' files
+                for rep in reports:
+                    rep.pop("published", None)
                 manifest = _dcp_manifest(rc.step, {**self._save, "reports": reports}, metadata)
             except BaseException:
                 rc.abort()  # nothing was renamed on this rank's roots yet (OrderedCommit) or only secondaries
@@ -707,14 +714,15 @@ class GDSStorageWriter(_Collective, StorageWriter):
             assert self._save is not None and self._save["token"] == decided["token"]
             rc = self._save["commit"]
         else:
-            clean_led(session.layout, decided["clean"])
+            # another rank sharing a joint root may have made this save's directory there already: kept
+            clean_led(session.layout, decided["clean"], keep=decided["token"])
             rc = OrderedCommit(session.coord, session.layout, decided["step"], decided["token"])
             rc.make_dirs()
         try:
             rc.check_shared()
             report = self._write(plan, planner, rc)
-            if not rc.coordinates:
-                rc.publish_led()  # only this rank sees these roots: nobody else writes there
+            if not rc.coordinates:  # the secondary roots it alone sees, and its joint roots (the last one publishes)
+                report["published"] = rc.publish_led()
         except BaseException:
             rc.abort()
             if not rc.coordinates:

@@ -29,7 +29,11 @@ reads the manifest for a load. Nothing is written before every rank agrees on th
 An id is taken to be one root seen by several ranks; a root copied with its marker (rsync -a,
 a machine image) breaks that. Each save checks it (dist/commit.py): the leader creates the
 step's temporary directory, under a name no earlier save used, and every other rank sharing
-the root must find that directory in its own root before anything is written.
+the root must find that directory in its own root before anything is written. (The DCP
+writer's roots shared per node that another rank than rank 0 leads are checked at the end
+instead: each sharing rank marks the directory, and a copy never gathers every rank's mark;
+commit.py OrderedCommit. Each rank's part of the table therefore carries how many ranks see
+each of its roots.)
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class KnownRoot:
     id: str
     path: str
     leader: int
+    count: int = 1  # how many ranks see it (where known: a rank's own roots and, on the primary rank, every root)
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,7 @@ class RootLayout:
 
     def __post_init__(self) -> None:
         if self.known is None:
-            object.__setattr__(self, "known", {g: KnownRoot(info.id, info.path, min(info.ranks))
+            object.__setattr__(self, "known", {g: KnownRoot(info.id, info.path, min(info.ranks), len(info.ranks))
                                                for g, info in enumerate(self.table)})
         if self.root_count is None:
             object.__setattr__(self, "root_count", len(self.table))
@@ -155,6 +160,10 @@ class RootLayout:
         """This layout holding the whole ``table`` (in this layout's order)."""
         return RootLayout(self.rank, self.world_size, tuple(table), self.local_paths, self.local_ids,
                           self.local_to_global, self.primary_identity)
+
+    def sharers(self, i: int) -> int:
+        """How many ranks see this rank's local root ``i``."""
+        return self.root(self.local_to_global[i]).count
 
     def leads(self, i: int) -> bool:
         """Whether this rank leads its local root ``i``."""
@@ -301,12 +310,15 @@ def layout_parts(table: Sequence[RootInfo], where: Sequence[Sequence[int]]) -> l
     first = table[0]
     common = {"primary": [first.id, first.path, min(first.ranks)], "count": len(table),
               "shares": any(len(info.ranks) > 1 for info in table)}
-    return [{**common, "mine": [[g, table[g].path, min(table[g].ranks)] for g in mine]} for mine in where]
+    return [{**common, "mine": [[g, table[g].path, min(table[g].ranks)] for g in mine],
+             "counts": [len(table[g].ranks) for g in mine]} for mine in where]
 
 
 def layout_of_part(rank: int, world_size: int, roots: Sequence[Path], ids: Sequence[str], part: dict) -> RootLayout:
     """The layout of a rank that received ``part`` (layout_parts) for its ``roots`` (ids ``ids``)."""
-    known = {int(g): KnownRoot(rid, path, int(leader)) for (g, path, leader), rid in zip(part["mine"], ids)}
+    counts = part.get("counts") or [1] * len(part["mine"])
+    known = {int(g): KnownRoot(rid, path, int(leader), int(n))
+             for (g, path, leader), rid, n in zip(part["mine"], ids, counts)}
     pid, ppath, pleader = part["primary"]
     known[0] = KnownRoot(pid, ppath, int(pleader))
     return RootLayout(rank, world_size, (), tuple(roots), tuple(ids), tuple(int(g) for g, _, _ in part["mine"]),
@@ -439,7 +451,7 @@ class _LedRoots(CommitProtocol):
         return list(self._committed)
 
 
-def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
+def clean_led(layout: RootLayout, committed: Sequence[int], keep: str | None = None) -> list[Path]:
     """Remove what interrupted saves left on the roots this rank leads (commit.py's cleaning:
     temporary and trash entries, secondary step directories of this checkpoint whose step
     the primary has not committed). Refuses (RootUnavailableError, nothing removed) when the
@@ -449,7 +461,8 @@ def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
       primary they name: writing there would destroy them), or
     - a led secondary root holds steps that name the primary's path but not its id: they
       belong to another primary at that path (node-local disks, or an unmounted primary
-      disk), and cleaning them would destroy that checkpoint's data."""
+      disk), and cleaning them would destroy that checkpoint's data.
+    ``keep``: the current save's token (its entries stay: commit.py OrderedCommit, joint roots)."""
     if not committed:
         for i in layout.led:
             root = layout.local_paths[i]
@@ -484,7 +497,7 @@ def clean_led(layout: RootLayout, committed: Sequence[int]) -> list[Path]:
                     f"as it was saved (or mount the disk) and open the checkpoint again. gdswriter refuses to write "
                     f"(and never cleans) these roots until then; if that checkpoint is really abandoned, move those "
                     f"directories out of {root} yourself")
-    removed = _LedRoots(layout, committed).clean_leftovers()
+    removed = _LedRoots(layout, committed).clean_leftovers(keep)
     if removed:
         log.info("gdswriter: rank %d removed %d leftover(s) of interrupted saves", layout.rank, len(removed))
     return removed

@@ -591,10 +591,12 @@ class CommitProtocol:
                                                  f"for this user, or choose another root") from e
             raise
 
-    def clean_leftovers(self) -> list[Path]:
+    def clean_leftovers(self, keep: str | None = None) -> list[Path]:
         """Remove what crashed saves and deletions left behind: temporaries, trash, and secondary step
         directories of this primary (by identity) whose step it has not committed. Call only while
-        holding the RootLock; it claims the roots first (which refuses a primary it cannot see)."""
+        holding the RootLock; it claims the roots first (which refuses a primary it cannot see).
+        ``keep``: entries whose name holds it stay (the current save's token: on a root several
+        ranks share, another rank may have made the save's temporary directory already)."""
         if self.primary_id is None:
             self.claim_roots()
         removed = []
@@ -605,6 +607,8 @@ class CommitProtocol:
             except FileNotFoundError:
                 continue
             for name in names:
+                if keep is not None and keep in name:
+                    continue
                 path = root / name
                 step = parse_step_dir(name)
                 stale = name.startswith((TMP_PREFIX, TRASH_PREFIX)) or (
