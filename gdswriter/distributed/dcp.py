@@ -46,13 +46,13 @@ under their lock), its local plan carries that to the coordinator, which builds 
 distinct roots (by identity), chooses the primary (refused unless it is rank 0's) and sends
 each rank its part of the table in its global plan (roots.py's discover_layout and
 settle_primary, carried by DCP's gather and scatter); the other ranks lock the roots they lead
-in ``write_data``, check that they did not change since they probed them, and clean them. A root that
-several ranks see but another rank than rank 0 leads (one SSD per node shared by that node's
-ranks: a joint root) is published by its own ranks inside ``write_data``: each marks in the
-step's temporary directory there that its files are durable, and the one that finds every
-sharing rank's mark renames it (commit.py OrderedCommit: "the last one publishes"); the
-reports say who published what, and ``finish`` refuses to commit a step with a joint root that
-nobody published (a copied root). The coordination channel (a collective to create) is made
+in ``write_data``, check that they did not change since they probed them, and clean them. A
+root that several ranks see but another rank than rank 0 leads (one SSD per node shared by
+that node's ranks: a joint root) is published by its own ranks inside ``write_data``: each
+marks in the step's temporary directory there that its files are durable, and the one that
+finds every sharing rank's mark renames it (commit.py OrderedCommit: "the last one
+publishes"); the reports say who published what, and ``finish`` refuses to commit a step with a
+joint root that nobody published (a copied root). The coordination channel (a collective to create) is made
 only for a vote, which one layout still takes, as GDSCheckpointer does: re-saving a committed
 step while another rank leads a secondary root. It needs a step of a non-coordinator rank after
 every rank's writes (replacing a secondary ``step_S`` only after the coordinator un-committed
@@ -64,8 +64,9 @@ copies each item into its target as it goes: a damaged file raises ChecksumMisma
 every rank, and the targets read so far are overwritten. Where every rank names one root, the
 same one, a load adds one round of collectives to DCP's (rank 0 sends the manifest with the
 decision, ``_open_one_shared_root``) and each rank reads alone, DCP's gather of read_data's
-outcomes carrying a failure to every rank; other layouts open and read as GDSCheckpointer does. ``GDSStorageReader(atomic=True)``
-reads everything into fresh buffers, verifies it on every rank, and only then changes a target.
+outcomes carrying a failure to every rank; other layouts open and read as GDSCheckpointer
+does. ``GDSStorageReader(atomic=True)`` reads everything into fresh buffers, verifies it on
+every rank, and only then changes a target.
 
 Errors. DCP runs the storage layer's calls inside its collectives and wraps what they raise in
 ``CheckpointException`` (a BaseException: ``except Exception`` misses it), whose message ends
