@@ -6,6 +6,7 @@ modes, DTensor resharding (4 -> 2 -> 1 ranks), node-local roots, and the gdswrit
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 from pathlib import Path
 from typing import Any
@@ -943,3 +944,51 @@ def test_a_dcp_load_from_one_shared_root_takes_one_round_of_its_own(tmp_path):
         assert x["shared"] == {"own": 2, "ok": True}, (rank, x)
         assert x["node_local"]["ok"] and x["node_local"]["own"] > 2, (rank, x)
         assert x["damaged"] is not None and x["damaged"][0] == "ChecksumMismatchError", (rank, x)
+
+
+def test_two_ranks_that_both_find_every_mark_on_a_joint_root_publish_it_once(tmp_path, monkeypatch):
+    """The race of "the last one publishes" (commit.py OrderedCommit, step 2): ranks 2 and 3
+    share a root (rank 2 leads it, rank 0 is P) and both count every mark; rank 3 renames the
+    directory between rank 2's count and its rename. Rank 2 then finds the step directory
+    published with every mark, fsyncs the root, and reports it published too, without
+    failing and without taking the directory for its own (its undo must not remove it). Where
+    the directory is gone instead of published, rank 2 raises and publishes nothing."""
+    from types import SimpleNamespace
+
+    from gdswriter.distributed.commit import JOINED_PREFIX, OrderedCommit
+    from gdswriter.distributed.roots import KnownRoot, RootLayout
+    from gdswriter.format.commit import step_dir_name
+
+    root = tmp_path / "node1"
+    root.mkdir()
+    known = {0: KnownRoot("id-a", str(tmp_path / "node0"), 0, 2), 1: KnownRoot("id-b", str(root), 2, 2)}
+    layout = RootLayout(2, 4, (), (root,), ("id-b",), (1,), str(tmp_path / "node0"), known, 2, True)
+    rc = OrderedCommit(SimpleNamespace(rank=2), layout, 7, "tok")
+    assert rc.joint(0)
+    rc.make_dirs()
+    tmp, final = rc.dirs[0], root / step_dir_name(7)
+    (tmp / f"{JOINED_PREFIX}3").touch()  # rank 3's files there are durable
+
+    def rank_3_renames_first(i: int) -> None:  # between rank 2's count and its rename
+        os.rename(tmp, final)
+
+    monkeypatch.setattr(rc, "_check_secondary_final", rank_3_renames_first)
+    assert rc.publish_led() == [1]
+    assert sorted(p.name for p in final.iterdir() if p.name.startswith(JOINED_PREFIX)) == [
+        f"{JOINED_PREFIX}2", f"{JOINED_PREFIX}3"]
+    assert final not in rc.renamed
+    rc.abort()
+    assert final.is_dir()
+
+    # the directory gone instead (removed by another job's cleaning): rank 2 publishes nothing and raises
+    import shutil
+
+    from gdswriter.errors import EngineIOError
+
+    rc = OrderedCommit(SimpleNamespace(rank=2), layout, 8, "tok2")
+    rc.make_dirs()
+    (rc.dirs[0] / f"{JOINED_PREFIX}3").touch()
+    monkeypatch.setattr(rc, "_check_secondary_final", lambda i: shutil.rmtree(rc.dirs[0]))
+    with pytest.raises(EngineIOError, match="vanished"):
+        rc.publish_led()
+    assert not (root / step_dir_name(8)).exists()
