@@ -6,8 +6,8 @@ modes, DTensor resharding (4 -> 2 -> 1 ranks), node-local roots, and the gdswrit
 from __future__ import annotations
 
 import dataclasses
-import os
 import json
+import os
 from pathlib import Path
 from typing import Any
 
