@@ -758,7 +758,6 @@ def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
     # rank 3 fails after rank 2 (sharing its root) wrote its marker: nothing commits, the next save cleans
     froot = Path(tmp, f"fail{rank // 2}")
     fw = writer(froot)
-    real = commit.OrderedCommit._publish_joint
 
     def late(self, i):
         d = self.dirs[i]
@@ -775,35 +774,30 @@ def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
                 dcp.save(sd, storage_writer=fw)
         return caught(run)
 
-    out["fail_first"] = save()
-    if rank == 3:
-        commit.OrderedCommit._publish_joint = late
-    try:
-        out["fail"] = save()
-    finally:
-        commit.OrderedCommit._publish_joint = real
-    dist.barrier()
-    out["after_fail"] = _tree(froot)
-    dist.barrier()
-    out["fail_next"] = save()
-    out["after_next"] = _tree(froot)
-    # rank 0's commit fails in finish after ranks 2 and 3 published step 2 on their root: the next save cleans it
-    real_commit = commit.OrderedCommit.commit_manifest
+    def failing_then_next(method: str, on_rank: int, broken) -> tuple:
+        """(the outcome of a save whose ``method`` fails on ``on_rank``, the tree after it, the
+        next save's outcome, the tree after that)."""
+        real = getattr(commit.OrderedCommit, method)
+        if rank == on_rank:
+            setattr(commit.OrderedCommit, method, broken)
+        try:
+            failed = save()
+        finally:
+            setattr(commit.OrderedCommit, method, real)
+        dist.barrier()
+        tree = _tree(froot)
+        dist.barrier()
+        return failed, tree, save(), _tree(froot)
 
+    out["fail_first"] = save()
+    out["fail"], out["after_fail"], out["fail_next"], out["after_next"] = failing_then_next("_publish_joint", 3, late)
+
+    # rank 0's commit fails in finish after ranks 2 and 3 published step 2 on their root: the next save cleans it
     def broken(self, *a, **k):
         raise EngineIOError(errno.ENOSPC, str(self.dirs[0]), 0, "write")
 
-    if rank == 0:
-        commit.OrderedCommit.commit_manifest = broken
-    try:
-        out["finish"] = save()
-    finally:
-        commit.OrderedCommit.commit_manifest = real_commit
-    dist.barrier()
-    out["after_finish"] = _tree(froot)
-    dist.barrier()
-    out["finish_next"] = save()
-    out["after_finish_next"] = _tree(froot)
+    out["finish"], out["after_finish"], out["finish_next"], out["after_finish_next"] = failing_then_next(
+        "commit_manifest", 0, broken)
     fw.close()
     back = {"rep": torch.zeros(2000), "blob": b""}
     dcp.load(back, storage_reader=reader(froot, 1))
