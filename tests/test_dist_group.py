@@ -148,3 +148,32 @@ def test_scatter_gives_each_rank_its_own_message_padded_to_the_largest(tmp_path)
     assert [x["got"] for x in res] == [{"rank": r, "pad": "x" * (10 * r)} for r in range(3)], res
     widest = len('{"rank":2,"pad":""}') + 20
     assert [x["received"] for x in res] == [8 + 8 + widest, 0, 8 + 8 + widest], res  # the width, a header, the part
+
+
+def _decide_each_worker(rank: int, world: int) -> dict:
+    from gdswriter.distributed.group import Coordinator
+    from gdswriter.errors import RankFailedError
+
+    coord = Coordinator.create(timeout_s=TIMEOUT_S, label="decide-each")
+    got = coord.decide_each(None, rank * 10, "deciding", lambda outs: [sum(outs) + r for r in range(len(outs))],
+                            root=1)
+    failures = []
+    for failing in (2, None):  # rank 2 fails; then the rule answers the wrong number of ranks
+        try:
+            coord.decide_each(RuntimeError("disk gone") if rank == failing else None, rank, "failing",
+                              (lambda outs: [0] * len(outs)) if failing is not None else lambda outs: [0])
+        except RankFailedError as e:
+            failures.append(["RankFailedError", sorted(int(r) for r in e.failures)])
+        except (RuntimeError, ValueError) as e:
+            failures.append([type(e).__name__, str(e)])
+    coord.close()
+    return {"got": got, "failures": failures}
+
+
+def test_decide_each_gives_each_rank_its_own_decision_and_raises_everywhere_on_a_failure(tmp_path):
+    res = run_ranks(3, _decide_each_worker, out=tmp_path / "ranks")
+    assert [x["got"] for x in res] == [30, 31, 32], res
+    assert res[2]["failures"][0] == ["RuntimeError", "disk gone"], res
+    assert all(x["failures"][0] == ["RankFailedError", [2]] for x in res[:2]), res
+    assert res[0]["failures"][1][0] == "ValueError" and "1 decisions for 3 ranks" in res[0]["failures"][1][1], res
+    assert all(x["failures"][1] == ["RankFailedError", [0]] for x in res[1:]), res

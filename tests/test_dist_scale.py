@@ -8,6 +8,7 @@ formats with their hostile variants, the vote's checks, the plan cache).
 
 from __future__ import annotations
 
+import collections
 import json
 import random
 
@@ -43,6 +44,27 @@ def _replicated_model(seed: int = 0) -> torch.nn.Module:
 
 
 # ----------------------------------------------------------------------------- bytes received per rank
+def _count_received(coord) -> collections.Counter:
+    """Wrap ``coord``'s collectives (private: the instance's methods) to count the bytes this
+    rank receives in each, by the collective's name."""
+    received: collections.Counter = collections.Counter()
+
+    def counted(name):
+        plain = getattr(coord, name)
+
+        def run(*args, **kwargs):
+            before = coord.stats.received
+            try:
+                return plain(*args, **kwargs)
+            finally:
+                received[args[1]] += coord.stats.received - before
+        return run
+
+    for name in ("all_gather", "gather", "broadcast", "scatter"):
+        setattr(coord, name, counted(name))
+    return received
+
+
 def _traffic_worker(rank: int, world: int, root: str) -> dict:
     from gdswriter import GDSCheckpointer
 
@@ -50,16 +72,20 @@ def _traffic_worker(rank: int, world: int, root: str) -> dict:
     mine = {"count": torch.full((3 * MiB // 4,), float(rank))}  # rank-local, above the small-copy threshold
     with GDSCheckpointer(model, root=root, state={"mine": mine}, options=_options(),
                          dist_options=_dist_options()) as ck:
-        stats = ck._session.coord.stats  # private: the checkpointer's coordination channel's counters
+        coord = ck._session.coord  # private: the checkpointer's coordination channel
+        stats = coord.stats
         ck.save(1)  # the first save plans; the next ones reuse the plan
         before = stats.snapshot()
         ck.save(2)
         after = stats.snapshot()
+        received = _count_received(coord)
+        plain_domain = crossmem.domain  # hosts of two ranks each, pulling from each other's memory
+        crossmem.domain = lambda: f"{plain_domain()}:host{rank // 2}"  # private: the process domain
         ck.load(2)
         loaded = stats.snapshot()
         hits = ck._session._plans.hits  # private: the plan cache
     return {"save": [a - b for a, b in zip(after, before)], "load": [a - b for a, b in zip(loaded, after)],
-            "hits": hits}
+            "hits": hits, "load_by_name": dict(received)}
 
 
 @pytest.mark.slow
@@ -83,10 +109,16 @@ def test_what_a_rank_receives_in_a_save_is_flat_from_two_to_eight_ranks(tmp_path
     model = sum(v.numel() * v.element_size() for v in _replicated_model().state_dict().values())
     for w, res in got.items():  # a load: the replicated pieces it did not read itself, the global manifest
         assert res[1]["load"][1] <= model + 8192 + 200 * w, (w, res[1]["load"], model)
+    # the load's decisions, the global manifest (a short entry per rank) aside: flat, on every typical
+    # rank (the ranks of each two-rank host pull from each other's memory: a rank learns its own
+    # host's addresses only, where it received every rank's)
+    deciding = {w: [sum(n for what, n in x["load_by_name"].items() if not what.endswith("(manifest)"))
+                    for x in res[1:]] for w, res in got.items()}
+    flat = [n for ns in deciding.values() for n in ns]
+    assert max(flat) - min(flat) <= 96 and max(flat) <= 4096, deciding  # digits in the messages aside
 
 
 def _open_traffic_worker(rank: int, world: int, base: str) -> dict:
-    import collections
     from pathlib import Path
 
     import torch.distributed as dist
@@ -96,25 +128,11 @@ def _open_traffic_worker(rank: int, world: int, base: str) -> dict:
     model = _replicated_model()
     mine = {"count": torch.full((3 * MiB // 4,), float(rank))}
     root = Path(base, f"rank{rank}")  # every rank its own disk: the table holds W roots
-    received: collections.Counter = collections.Counter()
     with GDSCheckpointer(model, root=root, state={"mine": mine}, options=_options(),
                          dist_options=_dist_options()) as ck:
         coord = ck._session.coord  # private: the checkpointer's coordination channel
         opened = coord.stats.snapshot()  # creating the channel and opening the roots
-
-        def counted(name):
-            plain = getattr(coord, name)
-
-            def run(*args, **kwargs):
-                before = coord.stats.received
-                try:
-                    return plain(*args, **kwargs)
-                finally:
-                    received[args[1]] += coord.stats.received - before  # by the collective's name
-            return run
-
-        for name in ("all_gather", "gather", "broadcast", "scatter"):
-            setattr(coord, name, counted(name))  # private: wraps the instance's collectives
+        received = _count_received(coord)
         ck.save(1)
         ck.save(2)
         dist.barrier()

@@ -6,7 +6,8 @@ other's processes (one kernel, one PID namespace, one user: ``domain``), each th
 pieces it lacks from its peers' buffers into its own with process_vm_readv(2): one copy per
 byte, into private memory the rank owns (so a rank writing into its loaded state changes
 no other rank's), no tmpfs file, no page of shared memory to set up or tear down, nothing
-over the process group but each rank's (pid, address) of one buffer (a fixed-size entry).
+over the process group but each rank's (pid, address) of one buffer (a fixed-size entry),
+which rank 0 passes on to the ranks of its host only (``Coordinator.decide_each``).
 
 The call needs ptrace access to the peer (the same uid; Yama's ptrace_scope 0, or the peer
 naming this rank through PR_SET_PTRACER; a seccomp profile such as Docker's default may refuse

@@ -394,18 +394,36 @@ class Coordinator:
         (or its error) goes to ``root``, which broadcasts ``rule(every rank's mine)`` when no
         rank failed, else the failures, bounded. Raises as agree does (so does ``rule`` raising
         on ``root``); otherwise returns the decision on every rank."""
+        return self._decide(error, mine, what, rule, hint=hint, root=root, each=False)
+
+    def decide_each(self, error: BaseException | None, mine: Any, what: str,
+                    rule: Callable[[list[Any]], Sequence[Any]], *, hint: str | None = None, root: int = 0) -> Any:
+        """Collective: ``decide`` where each rank gets a decision of its own: ``rule(every rank's
+        mine)`` returns one per rank, in rank order, and each rank receives only its own
+        (scattered, padded to the largest): constant in the world size when every rank's
+        decision is, where a broadcast list of W answers would grow with it."""
+        return self._decide(error, mine, what, rule, hint=hint, root=root, each=True)
+
+    def _decide(self, error: BaseException | None, mine: Any, what: str, rule: Callable[[list[Any]], Any], *,
+                hint: str | None, root: int, each: bool) -> Any:
         got = self.gather({"error": describe(error)} if error is not None else {"mine": mine}, what, dst=root)
-        msg: dict | None = None
+        msgs: list[dict] | None = None
         if got is not None:
             failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
             if not failures:
                 try:
-                    msg = {"decision": rule([x["mine"] for x in got])}
+                    decided = rule([x["mine"] for x in got])
+                    if each and len(decided) != self.world_size:
+                        raise ValueError(f"internal: {len(decided)} decisions for {self.world_size} ranks")
+                    msgs = [{"decision": d} for d in decided] if each else [{"decision": decided}]
                 except Exception as e:  # noqa: BLE001 - every rank learns of it
                     error, failures = e, {self.rank: describe(e)}
             if failures:
-                msg = bounded(failures)
-        msg = self.broadcast(msg, f"{what} (decision)", src=root)
+                msgs = [bounded(failures)] * (self.world_size if each else 1)
+        if each:
+            msg = self.scatter(msgs, f"{what} (decision)", src=root)
+        else:
+            msg = self.broadcast(msgs[0] if msgs is not None else None, f"{what} (decision)", src=root)
         if "decision" in msg:
             return msg["decision"]
         shown, total = unbound(msg)

@@ -328,18 +328,21 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     # on what it holds (else the pieces they would pass each other would not match)
     sets = holder_set_digests(shard.items, rank, world) if shard is not None else []
 
-    def judge(outs: list[dict]) -> dict:
+    def judge(outs: list[dict]) -> list[dict]:
         own = all(x["ok"] for x in outs)
         bad = disagreeing_holders([x["sets"] for x in outs]) if own else {}
         block = host_blocks([x["host"] for x in outs])
         cblock = host_blocks([x["proc"] for x in outs]) if own else None
-        return {"own": own, "share": hostshare.token() if own and block else None, "block": block,
-                "peers": [x["pid"] for x in outs] if cblock else None, "cblock": cblock, **bounded(bad)}
+        common = {"own": own, "share": hostshare.token() if own and block else None, "block": block,
+                  "cblock": cblock, **bounded(bad)}
+        # each rank gets the (pid, marker) of its own host's ranks only: what it receives does not grow with W
+        return [{**common, "peers": [x["pid"] for x in outs[r - r % cblock:r - r % cblock + cblock]] if cblock
+                 else None} for r in range(len(outs))]
 
     proc = crossmem.domain() if cross_memory and world > 1 else None
-    verdict = coord.decide(error, {"ok": ok, "sets": sets, "host": hostshare.domain(share_dir), "proc": proc,
-                                   "pid": list(crossmem.marker()) if proc else None},
-                           f"{what} (reading its manifest shard)", judge, hint=unchanged, root=src)
+    verdict = coord.decide_each(error, {"ok": ok, "sets": sets, "host": hostshare.domain(share_dir), "proc": proc,
+                                        "pid": list(crossmem.marker()) if proc else None},
+                                f"{what} (reading its manifest shard)", judge, hint=unchanged, root=src)
     shown, total = unbound(verdict)
     if total:
         raise CorruptCheckpointError(f"{what}: the ranks' manifest shards disagree about the state they share "
@@ -349,7 +352,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     if not verdict["own"]:
         return None
     assert shard is not None
-    peers = verdict.get("peers")  # [pid, marker address] of every rank, where the ranks of each host can pull
+    peers = verdict.get("peers")  # [pid, marker address] of each rank of this host, where they can pull
     # cross memory: the items every rank holds (agreed by their holder set's digest), laid out
     # alike on every rank in one buffer, so a rank's one address locates every piece it holds
     arena_items = sorted((sid for sid, it in enumerate(shard.items) if it.holders is None and it.nbytes),
@@ -372,10 +375,9 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     pullable = False
     if arena_items and error is None:  # may this rank read the memory of every other rank of its host?
         try:
-            cblock = verdict["cblock"]
-            for q in range(rank - rank % cblock, rank - rank % cblock + cblock):
-                if q != rank:
-                    crossmem.probe(*peers[q])  # type: ignore[index]
+            for q, peer in enumerate(peers):  # type: ignore[arg-type]
+                if q != rank % verdict["cblock"]:
+                    crossmem.probe(*peer)
             pullable = True
         except Exception as e:  # noqa: BLE001 - agreed below: then the tmpfs or the process group
             cma_error = e
@@ -441,9 +443,10 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         error = e
     wanted = []
     # once every rank has read (this agreement), the shared files hold every piece read on their
-    # host; pulling ranks learn where each rank's buffer is
-    bases = coord.decide(error, arena.data_ptr() if arena is not None else None, f"{what} (reading)",
-                         list if mode == "cma" else lambda _: None, hint=unchanged, root=src)
+    # host; pulling ranks learn where the buffers of their host's ranks are
+    bases = coord.decide_each(error, arena.data_ptr() if arena is not None else None, f"{what} (reading)",
+                              (lambda outs: [outs[r - r % block:r - r % block + block] for r in range(world)])
+                              if mode == "cma" else lambda outs: [None] * world, hint=unchanged, root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
     _send_rounds(coord, rounds, into, tags, what)
     if mode != "cma":  # (with cross memory the fallback after a failed copy still sends from and into them)
@@ -504,19 +507,19 @@ def _pull_from_host(shard: RankShard, split: Sequence[Sequence[tuple[int, int, i
                     arena: torch.Tensor, bases: Sequence[int], peers: Sequence[Sequence[int]], block: int,
                     rank: int) -> BaseException | None:
     """Copy the pieces of the items every rank holds (laid out at ``layout`` in each rank's
-    ``arena``, at ``bases`` on each rank) that this rank lacks from the rank of its host that
+    ``arena``; ``bases`` and ``peers``: the arenas' addresses and the (pid, marker) of this
+    host's ``block`` ranks, by local index) that this rank lacks from the rank of its host that
     holds them (the writer's local index: its writer, or the rank the piece crossed hosts to),
     straight from that rank's memory (crossmem.py). Returns the failure, if any: the caller's
     next agreement tells every rank whether all pulled (only then may any rank free or change
     its buffer), and where any failed, every rank sends those items over the process group."""
     try:
         mine = arena.data_ptr()
-        first = rank - rank % block
         moves: dict[int, list[tuple[int, int, int]]] = {}
         for sid, at in layout.items():
             for w, off, n in split[sid]:
-                holder = first + w % block
-                if n and holder != rank:
+                holder = w % block  # its local index on this host
+                if n and holder != rank % block:
                     moves.setdefault(holder, []).append((bases[holder] + at + off, mine + at + off, n))
         for holder, todo in sorted(moves.items()):
             crossmem.pull(peers[holder][0], todo)
