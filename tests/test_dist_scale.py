@@ -316,6 +316,79 @@ def test_a_rank_refused_reading_its_peers_memory_makes_every_rank_share_another_
     assert _shared_files(hostshare.DEFAULT_DIR) == before
 
 
+def _replica_group_worker(rank: int, world: int, root: str, hosts: int, within: bool) -> dict:
+    """A 2-D mesh DTensor, Shard over tp and Replicate over dp: each 2 MiB block is held by the
+    replica group of its tp index (ranks r and r + world / 2, or with ``within`` ranks 2k and
+    2k + 1), and 1 MiB every rank holds; on one host, or on ``hosts`` (consecutive ranks; no
+    tmpfs)."""
+    from dataclasses import replace
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gdswriter import GDSCheckpointer
+
+    pulled = [0]
+    plain_pull = crossmem.pull
+
+    def counting_pull(pid, moves, what="copying a peer rank's pieces"):
+        n = plain_pull(pid, moves, what)
+        pulled[0] += n if what.startswith("copying") else 0
+        return n
+
+    crossmem.pull = counting_pull  # private: counts the bytes pulled from peers
+    if hosts > 1:
+        plain_domain = crossmem.domain
+        crossmem.domain = lambda: f"{plain_domain()}:host{rank * hosts // world}"  # private: the process domain
+    full = torch.arange(512 * 1024 * world // 2, dtype=torch.float32).reshape(512, -1)
+    if within:  # rank = 2 tp + dp: a block's replicas are neighbours
+        w = distribute_tensor(full, init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("tp", "dp")),
+                              [Shard(1), Replicate()])
+    else:  # rank = (world / 2) dp + tp
+        w = distribute_tensor(full, init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp")),
+                              [Replicate(), Shard(1)])
+    every = torch.arange(MiB // 4, dtype=torch.float32)
+    want, want_every = w.to_local().clone(), every.clone()
+    options = replace(_dist_options(), replicated=("extra",), load_share_dir="/dev/shm" if hosts == 1 else None)
+    with GDSCheckpointer(root=root, state={"tp": {"w": w}, "every": {"t": every}}, options=_options(),
+                         dist_options=options) as ck:
+        ck.save(1)
+        w.to_local().zero_()
+        every.zero_()
+        stats = ck._session.coord.stats  # private: the checkpointer's coordination channel's counters
+        before = stats.snapshot()
+        ck.load(1)
+        received = stats.snapshot()[1] - before[1]
+    return {"same": torch.equal(w.to_local(), want) and torch.equal(every, want_every),
+            "nbytes": want.numel() * want.element_size(), "received": received, "pulled": pulled[0]}
+
+
+@pytest.mark.parametrize("hosts,within", [(1, False), (2, True), (2, False)],
+                         ids=["one-host", "replicas-on-one-host", "replicas-on-two-hosts"])
+def test_a_replica_group_on_one_host_pulls_its_blocks_from_each_others_memory(tmp_path, hosts, within):
+    """HSDP-like state (4 ranks, each DTensor block held by two, and state every rank holds).
+    Where a block's replicas are on one host, each reads the half of the block it wrote and
+    copies the other half from its replica's memory: none of it travels over the process group
+    (before, replica groups' blocks travelled over gloo whenever cross memory was on). On two
+    hosts (ranks 0-1 and 2-3) with a block's replicas on different hosts, its halves cross over
+    the process group. The state every rank holds is copied within each host, a piece crossing
+    to the other host once."""
+    if crossmem.domain() is None:
+        pytest.skip("no process_vm_readv here")
+    res = run_ranks(4, _replica_group_worker, str(tmp_path / "shared"), hosts, within, out=tmp_path / "ranks")
+    nbytes, every, coordination = res[0]["nbytes"], MiB, 64 * 1024
+    assert all(x["same"] for x in res), res
+    if hosts == 1:  # each pulls half its block and 3/4 of the state every rank holds
+        assert all(x["received"] < coordination for x in res), (res, nbytes)
+        assert sum(x["pulled"] for x in res) == 2 * nbytes + 3 * every, (res, nbytes)
+    elif within:  # half its block pulled; of the state every rank holds 1/4 from the other host, 1/2 pulled
+        assert all(every // 4 <= x["received"] < every // 4 + coordination for x in res), (res, nbytes)
+        assert sum(x["pulled"] for x in res) == 2 * nbytes + 2 * every, (res, nbytes)
+    else:  # half its block over gloo
+        assert all(nbytes // 2 <= x["received"] < nbytes // 2 + every // 4 + coordination for x in res), res
+        assert sum(x["pulled"] for x in res) == 2 * every, (res, nbytes)
+
+
 def _mount_tmpfs(path, size: str) -> bool:
     import subprocess
 

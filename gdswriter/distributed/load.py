@@ -64,7 +64,7 @@ from .fetch import fetch_storages, manifest_reach
 from . import crossmem, hostshare
 from .group import Coordinator, Transfer, bounded, describe, unbound
 from .reshard import load_indexed, read_replicated_once
-from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces
+from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces, set_name
 from .roots import RootLayout, discover_layout
 from .shards import assemble, is_dtensor, join, leaves, overlap, target_block
 
@@ -301,10 +301,12 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
     bytes from disk once in total. With ``cross_memory``, where the ranks of each host may read
     each other's memory (crossmem.py: probed and agreed before any byte is read), the state
-    every rank holds is read into one buffer per rank, laid out alike on every rank, and each
-    rank copies the pieces it lacks from the rank of its host that holds them
-    (``_pull_from_host``): on one host nothing travels, and across hosts each piece crosses
-    to each other host once (``relay_between_hosts``) before the ranks there copy it. Else,
+    every rank holds, and a replica group's whose holders are all on one host, is read into one
+    buffer per rank, each holder set's items laid out alike in their holders' buffers
+    (``_arena_sets``), and each rank copies the pieces it lacks from the rank of its host that
+    holds them (``_pull_from_host``): on one host nothing travels, and across hosts each piece
+    of the state every rank holds crosses to each other host once (``relay_between_hosts``)
+    before the ranks there copy it. Else,
     where the ranks of each host see one tmpfs ``share_dir`` (hostshare.py), the holders on a
     host read their pieces into one shared file per item instead, with the same relay between
     hosts. Returns (the state, ``check(state)``), ``check`` agreed on with the rebuilding
@@ -353,10 +355,12 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         return None
     assert shard is not None
     peers = verdict.get("peers")  # [pid, marker address] of each rank of this host, where they can pull
-    # cross memory: the items every rank holds (agreed by their holder set's digest), laid out
-    # alike on every rank in one buffer, so a rank's one address locates every piece it holds
-    arena_items = sorted((sid for sid, it in enumerate(shard.items) if it.holders is None and it.nbytes),
-                         key=lambda sid: shard.items[sid].key) if peers else []
+    # cross memory: the items several ranks of this host hold (every rank's, or a replica group's
+    # whose holders are all on this host), in one buffer per rank, a region per holder set in
+    # which every holder of the set lays its items out alike (their holder set's digest is agreed
+    # on), so a holder's one address per set locates every piece of the set it holds
+    arena_sets = _arena_sets(shard, rank, verdict["cblock"]) if peers else {}
+    arena_items = [sid for sids in arena_sets.values() for sid in sids]
     sharable = _sharable(shard, world, verdict["block"]) if verdict["share"] else []
     share: hostshare.SharedItems | None = None
     split: list = []
@@ -414,15 +418,18 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     rounds: list[list[tuple[int, int, int, int, int]]] = []
     buffers: list[torch.Tensor] = []
     into: list[torch.Tensor] = []
-    layout: dict[int, int] = {}  # item -> its offset in the buffer of the items every rank holds
+    layout: dict[int, int] = {}  # item -> its offset in the buffer of the items several ranks of the host hold
+    regions: dict[str, int] = {}  # holder set -> the offset of its region in that buffer
     arena: torch.Tensor | None = None
     error = None
     try:
         if mode == "cma":
             end = 0
-            for sid in arena_items:
-                layout[sid] = end
-                end += -(-shard.items[sid].nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
+            for name, sids in arena_sets.items():
+                regions[name] = end
+                for sid in sids:
+                    layout[sid] = end
+                    end += -(-shard.items[sid].nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
             arena = host_buffer(end)
         rounds = _schedule(shard, split, rank, world, block,
                            set(layout) if mode == "cma" else set(share.private) if share is not None else set())
@@ -444,7 +451,8 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     wanted = []
     # once every rank has read (this agreement), the shared files hold every piece read on their
     # host; pulling ranks learn where the buffers of their host's ranks are
-    bases = coord.decide_each(error, arena.data_ptr() if arena is not None else None, f"{what} (reading)",
+    mine = {name: arena.data_ptr() + at for name, at in regions.items()} if arena is not None else None
+    bases = coord.decide_each(error, mine, f"{what} (reading)",
                               (lambda outs: [outs[r - r % block:r - r % block + block] for r in range(world)])
                               if mode == "cma" else lambda outs: [None] * world, hint=unchanged, root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
@@ -457,7 +465,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         coord.agree(None, f"{what} (pieces from other hosts)", hint=unchanged, root=src)
     pull_error = None
     if mode == "cma":
-        pull_error = _pull_from_host(shard, split, layout, arena, bases, peers, block, rank)  # type: ignore[arg-type]
+        pull_error = _pull_from_host(split, arena_sets, layout, arena, bases, peers, block, rank)  # type: ignore[arg-type]
 
     def rebuild() -> tuple[Any, Any, BaseException | None]:
         try:
@@ -503,24 +511,43 @@ def _send_rounds(coord: Coordinator, rounds: Sequence[Sequence[tuple[int, int, i
         coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
 
 
-def _pull_from_host(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]], layout: dict[int, int],
-                    arena: torch.Tensor, bases: Sequence[int], peers: Sequence[Sequence[int]], block: int,
-                    rank: int) -> BaseException | None:
-    """Copy the pieces of the items every rank holds (laid out at ``layout`` in each rank's
-    ``arena``; ``bases`` and ``peers``: the arenas' addresses and the (pid, marker) of this
-    host's ``block`` ranks, by local index) that this rank lacks from the rank of its host that
-    holds them (the writer's local index: its writer, or the rank the piece crossed hosts to),
-    straight from that rank's memory (crossmem.py). Returns the failure, if any: the caller's
-    next agreement tells every rank whether all pulled (only then may any rank free or change
-    its buffer), and where any failed, every rank sends those items over the process group."""
+def _arena_sets(shard: RankShard, rank: int, block: int) -> dict[str, list[int]]:
+    """The items of ``shard`` the ranks of this host pull from each other's memory in a load, by
+    holder set (its name, in name order), each set's items in key order: those every rank holds,
+    and those of a replica group all of whose holders are on this host (``block`` consecutive
+    ranks). Every holder of a set computes the same list (the set's digest is agreed on)."""
+    first = rank - rank % block
+    sets: dict[str, list[int]] = {}
+    for sid, it in sorted(enumerate(shard.items), key=lambda x: x[1].key):
+        if it.nbytes and (it.holders is None or (len(it.holders) > 1 and
+                                                 all(first <= h < first + block for h in it.holders))):
+            sets.setdefault(set_name(it.holders), []).append(sid)
+    return dict(sorted(sets.items()))
+
+
+def _pull_from_host(split: Sequence[Sequence[tuple[int, int, int]]], arena_sets: dict[str, list[int]],
+                    layout: dict[int, int], arena: torch.Tensor, bases: Sequence[dict[str, int]],
+                    peers: Sequence[Sequence[int]], block: int, rank: int) -> BaseException | None:
+    """Copy the pieces of the items ``arena_sets`` names (at ``layout`` in this rank's
+    ``arena``; ``bases`` and ``peers``: where each holder set's region starts in the buffers of
+    this host's ``block`` ranks, and their (pid, marker), by local index) that this rank lacks
+    from the rank of its host that holds them (the writer's local index: its writer, or for the
+    items every rank holds the rank the piece crossed hosts to), straight from that rank's
+    memory (crossmem.py). Returns the failure, if any: the caller's next agreement tells every
+    rank whether all pulled (only then may any rank free or change its buffer), and where any
+    failed, every rank sends those items over the process group."""
     try:
         mine = arena.data_ptr()
         moves: dict[int, list[tuple[int, int, int]]] = {}
-        for sid, at in layout.items():
-            for w, off, n in split[sid]:
-                holder = w % block  # its local index on this host
-                if n and holder != rank % block:
-                    moves.setdefault(holder, []).append((bases[holder] + at + off, mine + at + off, n))
+        for name, sids in arena_sets.items():
+            region = layout[sids[0]]
+            for sid in sids:
+                at = layout[sid]
+                for w, off, n in split[sid]:
+                    holder = w % block  # its local index on this host
+                    if n and holder != rank % block:
+                        src = bases[holder][name] + at - region + off
+                        moves.setdefault(holder, []).append((src, mine + at + off, n))
         for holder, todo in sorted(moves.items()):
             crossmem.pull(peers[holder][0], todo)
     except Exception as e:  # noqa: BLE001 - agreed by the caller: then the process group
@@ -537,7 +564,7 @@ def _schedule(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]],
     rounds: list[list[tuple[int, int, int, int, int]]] = []
     for sid in sorted(range(len(shard.items)), key=lambda i: shard.items[i].key):
         it = shard.items[sid]
-        if it.holder_count(world) < 2 or (sid in shared and block == world):
+        if it.holder_count(world) < 2 or (sid in shared and (block == world or it.holders is not None)):
             continue
         for w, off, n in split[sid]:
             if n:

@@ -37,8 +37,9 @@ class DistOptions:
         process group, as with None.
     load_cross_memory: in such a load, the ranks of a host that may read each other's memory
         (one kernel, one PID namespace, one user, ptrace allowed: distributed/crossmem.py)
-        each read their part of the state every rank holds into their own buffers and copy
-        the rest from their peers' with process_vm_readv: one copy, nothing on the tmpfs.
+        each read their part of the state every rank holds (and of the DTensor blocks of a
+        replica group all on that host) into their own buffers and copy the rest from their
+        peers' with process_vm_readv: one copy, nothing on the tmpfs.
         Default True; where the call is refused on any rank, every rank uses
         ``load_share_dir`` as if False. Memory: during the load each rank holds its own copy
         of that state (as over the process group), where the tmpfs holds one per host, shared

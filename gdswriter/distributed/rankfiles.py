@@ -96,11 +96,12 @@ def holder_set_digests(items: Sequence[ItemRecord], rank: int, world_size: int) 
     for it in items:
         if it.holders != (rank,):
             by_set.setdefault(it.holders, []).append([it.key, it.nbytes])
-    return tuple(sorted((_set_name(h), world_size if h is None else len(h),
+    return tuple(sorted((set_name(h), world_size if h is None else len(h),
                          hashlib.sha256(json.dumps(sorted(v)).encode()).hexdigest()[:32]) for h, v in by_set.items()))
 
 
-def _set_name(holders: tuple[int, ...] | None) -> str:
+def set_name(holders: tuple[int, ...] | None) -> str:
+    """A holder set's name: "all" for the items every rank holds, else a digest of its ranks."""
     return "all" if holders is None else hashlib.sha256(json.dumps(holders).encode()).hexdigest()[:16]
 
 
