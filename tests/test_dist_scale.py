@@ -316,11 +316,12 @@ def test_a_rank_refused_reading_its_peers_memory_makes_every_rank_share_another_
     assert _shared_files(hostshare.DEFAULT_DIR) == before
 
 
-def _replica_group_worker(rank: int, world: int, root: str, hosts: int, within: bool) -> dict:
+def _replica_group_worker(rank: int, world: int, root: str, hosts: int, within: bool, refuse: bool = False) -> dict:
     """A 2-D mesh DTensor, Shard over tp and Replicate over dp: each 2 MiB block is held by the
     replica group of its tp index (ranks r and r + world / 2, or with ``within`` ranks 2k and
     2k + 1), and 1 MiB every rank holds; on one host, or on ``hosts`` (consecutive ranks; no
-    tmpfs)."""
+    tmpfs). ``refuse``: rank 1's copies from its peers' memory fail with EPERM (its probe
+    passes)."""
     from dataclasses import replace
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -337,6 +338,19 @@ def _replica_group_worker(rank: int, world: int, root: str, hosts: int, within: 
         return n
 
     crossmem.pull = counting_pull  # private: counts the bytes pulled from peers
+    if refuse and rank == 1:
+        import ctypes
+        import errno
+
+        plain_readv = crossmem._readv
+
+        def refusing(pid, local, nlocal, remote, nremote, flags):
+            if sum(remote[i].iov_len for i in range(nremote)) > len(crossmem.MAGIC):
+                ctypes.set_errno(errno.EPERM)
+                return -1
+            return plain_readv(pid, local, nlocal, remote, nremote, flags)
+
+        crossmem._readv = refusing  # private: the bound syscall
     if hosts > 1:
         plain_domain = crossmem.domain
         crossmem.domain = lambda: f"{plain_domain()}:host{rank * hosts // world}"  # private: the process domain
@@ -388,6 +402,18 @@ def test_a_replica_group_on_one_host_pulls_its_blocks_from_each_others_memory(tm
         assert all(nbytes // 2 <= x["received"] < nbytes // 2 + every // 4 + coordination for x in res), res
         assert sum(x["pulled"] for x in res) == 2 * every, (res, nbytes)
 
+
+
+def test_a_replica_group_whose_copy_from_memory_fails_gets_its_blocks_over_the_process_group(tmp_path):
+    """Rank 1 may probe its peers' memory but not copy from it: every rank sends the pieces of
+    the items it would have pulled (its replica group's blocks, the state every rank holds)
+    over the process group instead, and the load is still bit-exact."""
+    if crossmem.domain() is None:
+        pytest.skip("no process_vm_readv here")
+    res = run_ranks(4, _replica_group_worker, str(tmp_path / "shared"), 1, False, True, out=tmp_path / "ranks")
+    nbytes = res[0]["nbytes"]
+    assert all(x["same"] for x in res), res
+    assert res[1]["pulled"] == 0 and all(x["received"] >= nbytes // 2 for x in res), (res, nbytes)
 
 def _mount_tmpfs(path, size: str) -> bool:
     import subprocess
