@@ -558,9 +558,10 @@ def _pull_from_host(split: Sequence[Sequence[tuple[int, int, int]]], arena_sets:
 def _schedule(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]], rank: int, world: int, block: int,
               shared: set[int]) -> list[list[tuple[int, int, int, int, int]]]:
     """Per round, the (src, dst, item, offset, length) transfers this rank takes part in: the
-    pieces of items several ranks hold spread down ``relay``'s tree, those ``shared`` on the
-    hosts' tmpfs only between hosts (``relay_between_hosts``; on one host not at all). Items in
-    key order, so every holder numbers a pair's messages alike."""
+    pieces of items several ranks hold spread down ``relay``'s tree; those ``shared`` within a
+    host (its tmpfs, or its ranks' memory) travel only between hosts when every rank holds them
+    (``relay_between_hosts``), else (one host, or a replica group all on one host) not at all.
+    Items in key order, so every holder numbers a pair's messages alike."""
     rounds: list[list[tuple[int, int, int, int, int]]] = []
     for sid in sorted(range(len(shard.items)), key=lambda i: shard.items[i].key):
         it = shard.items[sid]
