@@ -492,6 +492,7 @@ def test_dcp_save_adds_no_collective_of_the_storage_layer(tmp_path):
 
 def _failures_worker(rank: int, world: int, tmp: str) -> dict:
     import errno
+    import os
 
     import torch.distributed.checkpoint as dcp
 
@@ -533,22 +534,35 @@ def _failures_worker(rank: int, world: int, tmp: str) -> dict:
     out["after_publish"] = tree()
     out["next"] = save(4.0)  # step 1, committed now; the leftovers are cleaned
     out["after_next"] = tree()
-    # re-saving step 1 with rank 1 leading a secondary root: a vote; a fresh writer's opening adds nothing to it
+    # re-saving step 1 with rank 1 leading a secondary root: rank 1 writes beside the committed step_1
+    # there, under names of its own (OrderedCommit): as many torch.distributed calls as FileSystemWriter
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from gdswriter.distributed.dcp import GDSStorageWriter
+    from gdswriter.distributed.rankfiles import save_tag
+    from gdswriter.format.commit import root_identity
+    from gdswriter.format.sharded import parse_step
+
+    def tags() -> list[str]:  # the saves whose data files rank 1's step_1 holds
+        return sorted({t for n in os.listdir(root / "step_000000000001") for t in [save_tag(n)] if t is not None})
+
+    def load_step_1() -> tuple:
+        back = {"rep": torch.zeros(3000), "blob": b""}
+        err = caught(lambda: dcp.load(back, storage_reader=reader(root, 1)))
+        return err, [float(back["rep"][0]), float(back["rep"][-1])]
+
+    out["fs_calls"] = _count_dist_calls(lambda: dcp.save(sd, storage_writer=FileSystemWriter(Path(tmp, "fs"))))
     again = writer(root, step=1)
-    again.coordinator()  # the vote's channel, made here so that neither count below holds its creation
     calls: list[int] = []
     out["resave"] = caught(lambda: calls.extend(
         _count_dist_calls(lambda: dcp.save({**sd, "rep": torch.full((3000,), 5.0)}, storage_writer=again))
         for _ in range(2)))
     out["resave_calls"] = calls
     again.close()
-    back = {"rep": torch.zeros(3000), "blob": b""}
-    dcp.load(back, storage_reader=reader(root, 1))
-    out["loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
+    out["loaded"] = load_step_1()
     out["after_resave"] = tree()
-    # re-saving step 1 again, rank 0's write fails: rank 1 must not have replaced its part of the committed step
-    from gdswriter.distributed.dcp import GDSStorageWriter
-
+    out["tags_after_resaves"] = tags()  # the second re-save removed the first step_1's files, not the first re-save's
+    # re-saving step 1 again, rank 0's write fails: rank 1 wrote beside the committed step, which stays whole
     real_write = GDSStorageWriter._write
 
     def failing(self, *a, **k):
@@ -556,15 +570,43 @@ def _failures_worker(rank: int, world: int, tmp: str) -> dict:
 
     if rank == 0:
         GDSStorageWriter._write = failing
+    fw = writer(root, step=1)
     try:
-        out["resave_failed"] = caught(lambda: dcp.save({**sd, "rep": torch.full((3000,), 6.0)},
-                                                       storage_writer=writer(root, step=1)))
+        out["resave_failed"] = caught(lambda: dcp.save({**sd, "rep": torch.full((3000,), 6.0)}, storage_writer=fw))
     finally:
         GDSStorageWriter._write = real_write
-    back = {"rep": torch.zeros(3000), "blob": b""}
-    out["load_after_failed"] = caught(lambda: dcp.load(back, storage_reader=reader(root, 1)))
-    out["loaded_after_failed"] = [float(back["rep"][0]), float(back["rep"][-1])]
+        fw.close()
+    out["after_failed"] = load_step_1()
+    out["tags_after_failed"] = tags()  # a fresh writer found two saves' files, and kept the committed ones
+    # re-saving step 1 again, rank 1 fails after writing beside it: it removes its own files, never the step's
+    real_publish = commit.OrderedCommit.publish_led
+
+    def publish_fails(self, *a, **k):
+        raise EngineIOError(errno.ENOSPC, str(self.dirs[-1]), 0, "write")
+
+    if rank == 1:
+        commit.OrderedCommit.publish_led = publish_fails
+    fw = writer(root, step=1)
+    try:
+        def run() -> None:
+            with dcp_errors():
+                dcp.save({**sd, "rep": torch.full((3000,), 7.0)}, storage_writer=fw)
+        out["resave_publish"] = caught(run)
+    finally:
+        commit.OrderedCommit.publish_led = real_publish
+        fw.close()
+    out["after_publish_failed"] = load_step_1()
+    out["tags_after_publish_failed"] = tags()
+    # a fresh writer's save of another step: what the failed re-save left beside step 1 goes
     w.close()
+    out["step_2"] = caught(lambda: dcp.save(sd, storage_writer=writer(root, step=2)))
+    out["tags_cleaned"] = tags()
+    out["files"] = sorted(n for n in os.listdir(root / "step_000000000001") if not n.startswith("primary-"))
+    if rank == 0:  # the names step 1's manifest lists on rank 1's root
+        m = parse_step((root / "step_000000000001" / "manifest.json").read_bytes(), "step 1")
+        g = next(g for g, info in enumerate(m.dist.roots) if info.id == root_identity(Path(tmp, "node1")).id)
+        out["listed"] = sorted(f.path for f in m.files if f.root == g)
+    out["after_cleaned"] = load_step_1()
     return out
 
 
@@ -572,11 +614,13 @@ def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_p
     """Node-local roots (rank 1 publishes its own secondary step directory in write_data): when
     rank 0's commit fails in finish, or rank 1's publishing fails in write_data, DCP raises on
     both ranks and no step is committed (rank 0's root holds only step 0); the writer's next save
-    (its roots kept, no new open) removes what the failed ones left and commits; re-saving that
-    step with a new writer (rank 1 leads a secondary root: the vote path) replaces it, its first
-    re-save (opening the roots, in DCP's plans) making as many torch.distributed calls as its second,
-    and a re-save that fails on rank 0 leaves it whole (rank 1 did not replace its part before every
-    rank wrote)."""
+    (its roots kept, no new open) removes what the failed ones left and commits. Re-saving that
+    step (rank 1 leads a secondary root: it writes beside the committed step there) makes
+    FileSystemWriter's torch.distributed calls and replaces it, and each save removes the files
+    the committed step no longer names (the old ones after a re-save); a re-save that fails on
+    rank 0 after rank 1 wrote leaves the old step whole, as does one failing on rank 1 after it
+    wrote beside the step (it removes its own files there), and a fresh writer's next save removes
+    what they left, keeping exactly the files the committed manifest names."""
     res = run_ranks(2, _failures_worker, str(tmp_path), out=tmp_path / "ranks")
     r0, r1 = res
     assert r0["first"] is None and r1["first"] is None, res
@@ -593,15 +637,28 @@ def test_a_failure_on_any_rank_commits_nothing_and_the_next_save_cleans_up(tmp_p
     assert r0["next"] is None and r1["next"] is None, res
     assert r0["after_next"] == r1["after_next"] == ["step_000000000000", "step_000000000001"], res
     assert r0["resave"] is None and r1["resave"] is None, res
-    for x in res:  # the first re-save (a fresh writer) opens the roots in DCP's plans: as many calls as the second
-        assert x["resave_calls"][0] == x["resave_calls"][1] > 13, res
-    assert r0["loaded"] == r1["loaded"] == [5.0, 5.0], res
+    for x in res:  # the first re-save (a fresh writer) opens the roots in DCP's plans: no call of its own either
+        assert x["resave_calls"] == [x["fs_calls"]] * 2, res
+    assert r0["loaded"] == r1["loaded"] == [None, [5.0, 5.0]], res
     assert r0["after_resave"] == r1["after_resave"] == ["step_000000000000", "step_000000000001"], res
     assert r0["resave_failed"] and r1["resave_failed"], res
-    assert r0["load_after_failed"] is None and r0["loaded_after_failed"] == [5.0, 5.0], res  # the old step, whole
+    assert r0["after_failed"] == [None, [5.0, 5.0]], res  # the old step, whole
+    assert len(r1["tags_after_resaves"]) == 2 and "" not in r1["tags_after_resaves"], r1
+    assert len(r1["tags_after_failed"]) == 2 and r1["tags_after_failed"] != r1["tags_after_resaves"], r1
+    assert r0["resave_publish"] and r1["resave_publish"][0] == "EngineIOError", res
+    assert r0["after_publish_failed"] == [None, [5.0, 5.0]], res  # rank 1's failure left the step whole
+    # the fresh writer removed the failed re-save's files before it wrote; rank 1 removed its own on failing
+    assert len(r1["tags_after_publish_failed"]) == 1 and \
+        r1["tags_after_publish_failed"][0] in r1["tags_after_failed"], r1
+    assert r0["step_2"] is None and r1["step_2"] is None, res
+    assert len(r1["tags_cleaned"]) == 1 and r1["tags_cleaned"][0] in r1["tags_after_failed"], r1
+    assert r1["files"] == r0["listed"] and len(r0["listed"]) == 1, res  # only what the manifest names
+    assert r0["after_cleaned"] == [None, [5.0, 5.0]], res
 
 
 def _opening_worker(rank: int, world: int, tmp: str) -> dict:
+    import os
+
     import torch.distributed.checkpoint as dcp
 
     from gdswriter.distributed import dcp_errors
@@ -632,31 +689,19 @@ def _opening_worker(rank: int, world: int, tmp: str) -> dict:
     out["mixed"], out["mixed_tree"] = save(), tree()
     out["after"], out["after_tree"] = save(), tree()  # every rank opens afresh
     w.close()
-    # re-saving step 1 (rank 1 leads a secondary root: a vote) with rank 1's root held by another job
-    from gdswriter.distributed import commit
-
+    # re-saving step 1 (rank 1 writes beside the committed step on the root it leads) while another job
+    # holds rank 1's root: refused in rank 1's write_data, before it writes there
     other = RootLock([root]) if rank == 1 else None
     w = writer(root, step=1)
     sd["rep"].fill_(9.0)
-    real_vote = commit.RankCommit.vote
-    seen: list = []
-
-    def vote(self, *a, **k):
-        seen.append(tree())  # what rank 1 made on the root before it votes
-        return real_vote(self, *a, **k)
-
-    commit.RankCommit.vote = vote
-    try:
-        out["vote_locked"], out["vote_locked_tree"] = save(), tree()
-    finally:
-        commit.RankCommit.vote = real_vote
-    out["vote_seen"] = seen
+    out["resave_locked"], out["resave_locked_tree"] = save(), tree()
+    out["resave_locked_files"] = sorted(os.listdir(root / "step_000000000001"))
     w.close()
     if other is not None:
         other.release()
     back = {"rep": torch.zeros(3000), "blob": b""}
     dcp.load(back, storage_reader=reader(root, 1))
-    out["vote_loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
+    out["resave_loaded"] = [float(back["rep"][0]), float(back["rep"][-1])]
     # another writer's save reaches rank 1's root after rank 1 probed it, before it holds its lock
     from gdswriter.distributed.dcp import GDSStorageWriter
 
@@ -688,9 +733,9 @@ def test_a_fresh_writer_refused_its_lock_on_another_rank_commits_nothing(tmp_pat
     rank (CheckpointLockedError through dcp_errors) and nothing commits. The lock released, the
     next save (the layout kept) cleans rank 0's leftover and commits. A save in which some ranks
     open their roots afresh while others keep theirs is refused on every rank before anything is
-    written; the one after opens them on every rank and commits. Re-saving step 1 (a vote: rank 1
-    leads a secondary root) while rank 1's root is held: rank 1 makes nothing there and reports
-    it in the vote, every rank raises, step 1 stays whole. A root that another writer
+    written; the one after opens them on every rank and commits. Re-saving step 1 (rank 1 leads
+    a secondary root, and would write beside the committed step there) while rank 1's root is
+    held: rank 1 writes nothing there, every rank raises, step 1 stays whole. A root that another writer
     changed after rank 1 probed it (before rank 1 held its lock) is refused: the coordinator
     decided on what rank 1 saw before."""
     res = run_ranks(2, _opening_worker, str(tmp_path), out=tmp_path / "ranks")
@@ -702,11 +747,13 @@ def test_a_fresh_writer_refused_its_lock_on_another_rank_commits_nothing(tmp_pat
         assert x["mixed_tree"] == ["step_000000000000"], res
         assert x["after"] is None and x["after_tree"] == ["step_000000000000", "step_000000000001"], res
     assert r1["locked_tree"] == [], r1  # rank 1 made nothing on the root it could not lock
-    for x in res:  # the vote hears of rank 1's lock: nothing made on its root, the committed step 1 whole
-        assert x["vote_locked"] and x["vote_locked"][0] == "CheckpointLockedError", res
-        assert x["vote_locked_tree"] == ["step_000000000000", "step_000000000001"], res
-        assert x["vote_loaded"] == [0.0, 2999.0], res
-    assert r1["vote_seen"] == [["step_000000000000", "step_000000000001"]], r1
+    for x in res:  # rank 1's lock refused: nothing written beside step 1 on its root, the committed step 1 whole
+        assert x["resave_locked"] and x["resave_locked"][0] == "CheckpointLockedError", res
+        assert [n for n in x["resave_locked_tree"] if not n.startswith(".tmp-step_000000000001-")] == \
+            ["step_000000000000", "step_000000000001"], res
+        assert x["resave_loaded"] == [0.0, 2999.0], res
+    assert r1["resave_locked_tree"] == ["step_000000000000", "step_000000000001"], r1
+    assert r1["resave_locked_files"] == ["data-rank1-r1-f0.bin", "primary-id", "primary-root"], r1
     for x in res:  # rank 1's root changed between its probe and its lock: refused, nothing committed
         assert x["late"] and x["late"][0] == "RootUnavailableError" and "changed while" in x["late"][1], res
     assert r1["late_tree"] == ["step_000000000007"], r1
@@ -754,6 +801,49 @@ def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
                     "ok": torch.equal(back["rep"], sd["rep"]) and back["blob"] == b"nodes", "steps": _tree(root),
                     "markers": sorted(p.name for p in (root / "step_000000000002").iterdir()
                                       if p.name.startswith(commit.JOINED_PREFIX))}
+
+    # re-saving committed step 1: ranks 2 and 3 write beside node 1's step_1, each marking it with the
+    # save's token; the one finding both marks publishes it with no rename. No call of the writer's own
+    from gdswriter.distributed.dcp import GDSStorageWriter
+    from gdswriter.distributed.rankfiles import save_tag
+
+    node1 = Path(tmp, "node1") / "step_000000000001"
+
+    def beside() -> list[str]:  # the saves whose data files (and marks) node 1's step_1 holds
+        dist.barrier()
+        names = os.listdir(node1)
+        dist.barrier()
+        return sorted({save_tag(n) for n in names if save_tag(n) is not None} |
+                      {n for n in names if n.startswith(commit.JOINED_PREFIX)})
+
+    def load_1() -> bool:
+        back = {"rep": torch.zeros(2000), "blob": b""}
+        dcp.load(back, storage_reader=reader(root, 1))
+        return torch.equal(back["rep"], again["rep"])
+
+    again = {"rep": torch.arange(2000.0) * 3, "blob": b"again"}
+    rw = writer(root, step=1)
+    resave = {"calls": _count_dist_calls(lambda: dcp.save(again, storage_writer=rw)), "beside": beside(),
+              "ok": load_1()}
+    # once more, and rank 0's write fails after ranks 2 and 3 wrote beside step 1: step 1 stays as above
+    real_write = GDSStorageWriter._write
+
+    def failing(self, *a, **k):
+        raise EngineIOError(errno.ENOSPC, "rank0", 0, "write")
+
+    if rank == 0:
+        GDSStorageWriter._write = failing
+    try:
+        resave["failed"] = caught(lambda: dcp.save({"rep": torch.zeros(2000), "blob": b"no"}, storage_writer=rw))
+    finally:
+        GDSStorageWriter._write = real_write
+    resave["beside_failed"], resave["failed_ok"] = beside(), load_1()
+    rw.close()
+    nw = writer(root, step=3)
+    resave["next"] = caught(lambda: dcp.save(sd, storage_writer=nw))  # a fresh writer: cleans beside step 1
+    nw.close()
+    resave["beside_cleaned"], resave["cleaned_ok"] = beside(), load_1()
+    out["resave"] = resave
 
     # rank 3 fails after rank 2 (sharing its root) wrote its marker: nothing commits, the next save cleans
     froot = Path(tmp, f"fail{rank // 2}")
@@ -838,6 +928,10 @@ def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
     ranks' markers in it (commit.py OrderedCommit, joint roots), so every save makes exactly
     FileSystemWriter's torch.distributed calls, none on the writer's coordination channel (before:
     a vote over it on every save), and the checkpoint commits on both roots and loads bit-exact.
+    Re-saving committed step 1, ranks 2 and 3 write beside node 1's step_1 under names of the
+    save's own, and the one finding both token-tagged marks publishes it with no rename: the same
+    calls, bit-exact; a re-save failing on rank 0 after they wrote leaves step 1 as it was, and
+    the next save removes every file and mark its manifest does not need.
     Rank 3 failing after rank 2 wrote its marker (a temporary directory left), and rank 0's
     commit failing after node 1's step directory was published (a secondary step_N without a
     committed manifest): every rank raises, nothing commits, the next save cleans the leftovers
@@ -858,6 +952,19 @@ def test_dcp_on_roots_shared_per_node_and_a_copied_root(tmp_path):
         assert x["jcopied"] is not None and x["jcopied_tree"] == [], (rank, x)
     assert res[0]["nodes"]["verified"] == 0, res[0]
     assert res[2]["nodes"]["markers"] == [".written-rank-2", ".written-rank-3"], res[2]
+    for rank, x in enumerate(res):  # a re-save of step 1, beside it on node 1: FileSystemWriter's calls
+        rs = x["resave"]
+        assert rs["calls"] == x["nodes"]["fs"] and rs["ok"], (rank, rs)
+        assert rs["failed"] is not None and rs["failed_ok"] and rs["next"] is None and rs["cleaned_ok"], (rank, rs)
+    rs = res[2]["resave"]
+    # step 1's first files and marks, and the re-save's files and token-tagged marks of ranks 2 and 3
+    token = next(t for t in rs["beside"] if t and not t.startswith("."))
+    assert rs["beside"] == ["", ".written-rank-2", f".written-rank-2.{token}", ".written-rank-3",
+                            f".written-rank-3.{token}", token], rs
+    # the failed one's: the first files and marks removed by it, its own left beside the step
+    failed = next(t for t in rs["beside_failed"] if t not in rs["beside"] and not t.startswith("."))
+    assert rs["beside_failed"] == sorted([f".written-rank-2.{failed}", f".written-rank-3.{failed}", failed, token]), rs
+    assert rs["beside_cleaned"] == [token], rs  # the next save left only what the committed manifest names
     assert res[3]["saw_marker"] and res[3]["fail"][0] == "EngineIOError", res[3]
     for rank, x in enumerate(res):  # published on node 1, never committed; then cleaned by the next save
         assert x["finish"] is not None and x["finish_next"] is None, (rank, x)

@@ -82,6 +82,13 @@ ACKED = {"saved 3 3": {1: 1, 2: 2, 3: 3}, "saved 3 4": {2: 2, 3: 4}, "saved 4 5"
 FRESH_PLAN = [["save", 1, 1], ["save", 2, 2]]
 FRESH_STATES = [{}, {1: 1}, {1: 1, 2: 2}]
 FRESH_ACKED = {"saved 1 1": {1: 1}, "saved 2 2": {1: 1, 2: 2}}
+# Through torch.distributed.checkpoint (GDSStorageWriter, node-local roots: rank 1 leads its own
+# secondary root), no retention: re-saving step 3 un-commits it, then commits it again, while
+# rank 1 writes beside the committed step_3 on its root.
+DCP_SETUP = [["save", 1, 1], ["save", 2, 2]]
+DCP_PLAN = [["save", 3, 3], ["save", 3, 4], ["save", 4, 5]]
+DCP_STATES = [{1: 1, 2: 2}, {1: 1, 2: 2, 3: 3}, {1: 1, 2: 2}, {1: 1, 2: 2, 3: 4}, {1: 1, 2: 2, 3: 4, 4: 5}]
+DCP_ACKED = {"saved 3 3": DCP_STATES[1], "saved 3 4": DCP_STATES[3], "saved 4 5": DCP_STATES[4]}
 RANDOM_CUTS = int(os.environ.get("GDSWRITER_POWERLOSS_CUTS", "4"))
 SWEEP_VARIANTS = "lag,drop"
 
@@ -95,13 +102,20 @@ class Scenario:
     engine: str = "auto"
     fresh: bool = False  # the roots (and their parent) do not exist before the run
     ranks: int = 1  # processes in the job's gloo group: every rank saves (dist/commit.py's protocol)
+    dcp: bool = False  # saves through torch.distributed.checkpoint, rank r writing to root r
+
+    @property
+    def setup(self) -> list[list]:
+        return DCP_SETUP if self.dcp else SETUP
 
     @property
     def plan(self) -> list[list]:
-        return FRESH_PLAN if self.fresh else PLAN
+        return DCP_PLAN if self.dcp else FRESH_PLAN if self.fresh else PLAN
 
     @property
     def states(self) -> list[dict[int, int]]:
+        if self.dcp:
+            return DCP_STATES
         if self.fresh:
             return FRESH_STATES
         one_root = self.n_roots == 1 and self.ranks == 1  # a multi-rank re-save un-commits, then commits
@@ -109,7 +123,11 @@ class Scenario:
 
     @property
     def acked(self) -> dict[str, dict[int, int]]:
-        return FRESH_ACKED if self.fresh else ACKED
+        return DCP_ACKED if self.dcp else FRESH_ACKED if self.fresh else ACKED
+
+    @property
+    def options(self) -> dict:
+        return {"files_per_root": 2, "dcp": True} if self.dcp else OPTIONS
 
 
 SCENARIOS = [Scenario("fresh-root", fresh=True),
@@ -117,7 +135,8 @@ SCENARIOS = [Scenario("fresh-root", fresh=True),
              Scenario("one-root"),
              Scenario("one-root-buffered-no-exchange", direct=False, exchange=False, engine="posix"),
              Scenario("two-roots", n_roots=2),
-             Scenario("two-ranks-two-roots", n_roots=2, ranks=2)]
+             Scenario("two-ranks-two-roots", n_roots=2, ranks=2),
+             Scenario("dcp-two-ranks-node-local-roots", n_roots=2, ranks=2, dcp=True)]
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -415,14 +434,14 @@ class Checker:
 
     def job(self, actions, progress: Path) -> dict:
         return {"roots": [str(r) for r in self.roots()], "actions": actions, "progress": str(progress),
-                "options": {**OPTIONS, "engine": {"engine": self.sc.engine}, "ranks": self.sc.ranks}}
+                "options": {**self.sc.options, "engine": {"engine": self.sc.engine}, "ranks": self.sc.ranks}}
 
     def make_base(self) -> Path:
         with self.mount("base") as fs:
             (self.mnt / "exports").mkdir()
             if not self.sc.fresh:
                 progress = self.tmp / "base.progress"
-                code = self.app.run(self.job(SETUP, progress))
+                code = self.app.run(self.job(self.sc.setup, progress))
                 assert code == 0, progress.read_text()
         return fs.clean_image()
 
@@ -474,6 +493,8 @@ class Checker:
         self.check_s += time.monotonic() - t0
 
     def check_image(self, where: str, lines: list[str]) -> None:
+        if self.sc.dcp:
+            return self.check_dcp_image(where, lines)
         from powerloss.app import EXPORT_DIR, HF_CONFIG, export_name, hf_export_name, make_net
 
         from gdswriter import GDSCheckpointer, load_state
@@ -564,6 +585,49 @@ class Checker:
                 newest = ck.load()
                 assert newest == (named if named in steps else max(steps)), f"load() gave step {newest}; {where}"
                 self.assert_gen(net.state_dict(), extra, state[newest], f"load() of step {newest}; {where}")
+
+    def check_dcp_image(self, where: str, lines: list[str]) -> None:
+        """A DCP job's disk: the committed steps are a state the run passes through, none older
+        than what was acknowledged; each loads bit-exact (checksums verified) as its generation;
+        ``latest`` names a committed step but during the re-save (step 3 un-committed, then
+        committed again); ``gdswriter verify --all`` passes."""
+        from gdswriter import load_state
+        from gdswriter.cli import main as cli_main
+        from gdswriter.format.commit import CommitProtocol
+
+        roots = self.roots()
+        steps = CommitProtocol(roots[:1]).committed_steps()
+        state, trees = {}, {}
+        for s in steps:
+            try:
+                _got_step, trees[s] = load_state([str(r) for r in roots], s, verify=True,
+                                                 engine_options=M.small_engine())
+            except Exception as e:
+                pytest.fail(f"committed step {s} does not load ({type(e).__name__}: {e}); {where}")
+            state[s] = int(trees[s]["progress.gen"])
+        states = self.sc.states
+        assert state in states, f"committed steps {state} are not a state the run passes through; {where}"
+        floor = max((states.index(self.sc.acked[ln]) for ln in lines if ln in self.sc.acked), default=0)
+        # the re-save's gap (step 3 un-committed) looks like the first state: the first match from the floor
+        idx = next((i for i, st in enumerate(states) if st == state and i >= floor), None)
+        assert idx is not None, (f"committed steps {state}, but the application had been told {states[floor]} was "
+                                 f"saved: an acknowledged save was lost; {where}")
+        self.states_seen.add(idx)
+        latest = (roots[0] / "latest").read_text()
+        assert re.fullmatch(r"\d+\n", latest), f"`latest` holds {latest!r}; {where}"
+        assert int(latest) in steps or (state == {1: 1, 2: 2} and int(latest) == 3), (
+            f"`latest` names step {int(latest)}, which is not committed ({steps}); {where}")
+        for s in steps:
+            want_model, want_extra = self.expected(state[s])
+            tree = trees[s]
+            assert sorted(tree) == sorted([f"model.{k}" for k in want_model] + ["progress.ema", "progress.gen"]), where
+            for k, v in want_model.items():
+                assert torch.equal(tree[f"model.{k}"], v), f"step {s}: {k} is not generation {state[s]}'s; {where}"
+            assert torch.equal(tree["progress.ema"], want_extra["ema"]), f"step {s}: ema; {where}"
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            rc = cli_main(["verify", str(roots[0]), "--all", "--scratch", "1M", "--secondary", str(roots[1])])
+        assert rc == 0, f"gdswriter verify --all exit {rc}: {out.getvalue()[-2000:]}; {where}"
 
     def assert_gen(self, model: dict, extra: dict, gen: int, where: str) -> None:
         want_model, want_extra = self.expected(gen)

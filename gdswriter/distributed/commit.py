@@ -50,10 +50,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import EngineIOError, GDSWriterError, RankFailedError, RootUnavailableError
-from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, retire, step_dir_name, step_owner
+from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, retire, step_dir_name, step_dirs, step_owner
 from ..fs import atomic_write, fsync_dir
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .group import Coordinator, bounded, describe, unbound
+from .rankfiles import save_tag
 from .roots import RootLayout, owned, write_owner_files
 
 log = logging.getLogger("gdswriter")
@@ -364,17 +365,31 @@ class OrderedCommit(RankCommit):
     loading, ``gdswriter verify`` and cleaning read only what the manifest names, or whole
     step directories).
 
-    Only for a layout where ``applies``: every root is P's, a joint root, or one rank's own
-    (step 1 is then ordered by the plans' scatter or by the rank itself, step 3 by the reports'
-    gather), and, when step S is being re-saved, no other rank leads a secondary root (the old
-    step must be un-committed before any of its secondary directories is replaced, and only a
-    vote can order that after every rank's writes). A failure on any rank makes DCP skip
-    ``commit_ordered`` and raise on every rank: nothing is committed; what the save left
-    (temporary directories, secondary ``step_S`` without a primary manifest) is removed when
-    the roots are next cleaned."""
+    **Re-saving a committed step S** (``resaving``) on a secondary root that another rank than
+    P leads (its own, or a joint root): that rank may not replace the committed ``step_S``
+    there, since a re-save that fails must leave the old step whole, and no rank runs after P's
+    commit to do it later. So it writes *beside* the old files, in the committed ``step_S``
+    itself (``in_place``): its data files' names carry the save's token
+    (``data-rank<r>-r<g>-f<k>.<token>.bin``, rankfiles.rank_targets), so none is an old one;
+    it fdatasyncs them and fsyncs the directory, and on a joint root marks
+    ``.written-rank-<r>.<token>`` as in step 2, the rank finding every rank's mark publishing
+    it without a rename. The old manifest names only the old files, the new one only the new:
+    until P's commit the old step loads as it was; after it, the new one. A crash or a failure
+    anywhere leaves files no committed manifest names in a committed step directory: the ranks
+    say where they wrote beside a step (and, opening their roots, where they find files of two
+    saves in one), P sends each root's leader the names the committed manifest lists there, and
+    the leader removes the others (``clean_resaved``) at the next save, before it writes.
 
-    def __init__(self, coord: Coordinator, layout: RootLayout, step: int, token: str):  # noqa: D107 - no collective
-        self.coord, self.layout, self.step = coord, layout, step
+    Only for a layout where ``applies``: P leads the primary root; every other root is P's, a
+    joint root, or one rank's own (step 1 is then ordered by the plans' scatter or by the rank
+    itself, step 3 by the reports' gather). A failure on any rank makes DCP skip
+    ``commit_ordered`` and raise on every rank: nothing is committed; what the save left
+    (temporary directories, secondary ``step_S`` without a primary manifest, files beside a
+    committed step) is removed when the roots are next cleaned."""
+
+    def __init__(self, coord: Coordinator, layout: RootLayout, step: int, token: str, *,  # noqa: D107 - no collective
+                 resaving: bool = False):
+        self.coord, self.layout, self.step, self.token = coord, layout, step, token
         self.what = f"saving step {step}"
         self.p = layout.primary_rank
         self.coordinates = coord.rank == self.p
@@ -386,16 +401,19 @@ class OrderedCommit(RankCommit):
         self.secondary_failures: dict[int, str] = {}
         self.committed = False
         self.keep_secondaries = False
+        self.in_place: set[int] = set()  # local roots written beside a committed step_S (class docstring)
+        if resaving and not self.coordinates:
+            for i, root in enumerate(layout.local_paths):
+                final = root / step_dir_name(step)
+                if ((layout.leads(i) or self.joint(i)) and not layout.is_primary(i) and not final.is_symlink()
+                        and final.is_dir() and owned(layout, final)):
+                    self.in_place.add(i)
+                    self.dirs[i] = final
 
     @staticmethod
-    def applies(layout: RootLayout, coordinator: int, resaving: bool) -> bool:
+    def applies(layout: RootLayout, coordinator: int) -> bool:
         """Whether step S can be committed this way with ``coordinator`` as P (class docstring)."""
-        if layout.primary_rank != coordinator:
-            return False
-        for g in range(len(layout.table)):
-            if layout.leader(g) != coordinator and resaving and g != 0:
-                return False
-        return True
+        return layout.primary_rank == coordinator
 
     def joint(self, i: int) -> bool:
         """Whether local root ``i`` is a joint root: several ranks see it, and P does not lead it."""
@@ -407,6 +425,8 @@ class OrderedCommit(RankCommit):
         d = self.dirs[0]
         try:
             for i, d in enumerate(self.dirs):
+                if i in self.in_place:
+                    continue  # the committed step_S itself
                 if self.joint(i):
                     self._join(i)
                 elif self.layout.leads(i):
@@ -452,7 +472,8 @@ class OrderedCommit(RankCommit):
             for i in led:
                 fsync_dir(self.dirs[i])
             for i in led:
-                self._publish_secondary(i)
+                if i not in self.in_place:  # in place: the files' names are durable in step_S now
+                    self._publish_secondary(i)
             for i in range(len(self.dirs)):
                 if self.joint(i) and self._publish_joint(i):
                     published.append(self.layout.local_to_global[i])
@@ -462,8 +483,12 @@ class OrderedCommit(RankCommit):
         return published
 
     @staticmethod
-    def _markers(d: Path | int) -> int:
-        return sum(1 for n in os.listdir(d) if n.startswith(JOINED_PREFIX))
+    def _markers(d: Path | int, tag: str = "") -> int:
+        """The ranks' marks in ``d``: untagged ones (a fresh temporary directory), or those of the
+        save whose token is ``tag`` (beside a committed step)."""
+        suffix = f".{tag}" if tag else ""
+        return sum(1 for n in os.listdir(d) if n.startswith(JOINED_PREFIX) and n.endswith(suffix)
+                   and n[len(JOINED_PREFIX):len(n) - len(suffix)].isdigit())
 
     def _publish_joint(self, i: int) -> bool:
         """Joint root ``i``: record that this rank's files are durable; publish the directory if
@@ -474,15 +499,18 @@ class OrderedCommit(RankCommit):
         d, root = self.dirs[i], self.layout.local_paths[i]
         final = root / step_dir_name(self.step)
         n = self.layout.sharers(i)
+        tag = self.token if i in self.in_place else ""
         dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            os.close(os.open(f"{JOINED_PREFIX}{self.coord.rank}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644,
-                             dir_fd=dfd))
+            os.close(os.open(f"{JOINED_PREFIX}{self.coord.rank}{f'.{tag}' if tag else ''}",
+                             os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644, dir_fd=dfd))
             os.fsync(dfd)  # this rank's files and its marker: their entries are durable now
-            if self._markers(dfd) < n:
+            if self._markers(dfd, tag) < n:
                 return False  # a rank sharing the root has not marked yet: the last one publishes
         finally:
             os.close(dfd)
+        if tag:
+            return True  # beside a committed step: every rank's files are durable in it, nothing to rename
         try:
             self._check_secondary_final(i)
             os.rename(d, final)
@@ -545,3 +573,68 @@ class OrderedCommit(RankCommit):
             shutil.rmtree(path, ignore_errors=True)
         self.renamed = []
         self.abort()
+
+    def abort(self) -> None:
+        """Remove the temporary directories this rank leads, and what it wrote beside a committed
+        step (its files and marks of this save: never the committed ones; best effort, as
+        clean_resaved removes what is left at the next save)."""
+        for i in self.layout.led:
+            if i not in self.in_place:
+                shutil.rmtree(self.dirs[i], ignore_errors=True)
+        mine = f"data-rank{self.coord.rank}-"
+        for i in self.in_place:
+            try:
+                for name in os.listdir(self.dirs[i]):
+                    if (name.startswith(mine) and save_tag(name) == self.token
+                            or name == f"{JOINED_PREFIX}{self.coord.rank}.{self.token}"):
+                        os.unlink(self.dirs[i] / name)
+            except OSError:
+                pass
+
+
+def saves_beside(root: Path) -> list[int]:
+    """The steps on ``root`` whose directory holds the multi-rank data files of more than one save
+    (OrderedCommit, re-saving beside a committed step): those of a failed re-save, or the old
+    ones a re-save replaced. Reads only."""
+    out = []
+    for step, d in step_dirs(root):
+        try:
+            tags = {t for n in os.listdir(d) for t in [save_tag(n)] if t is not None}
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if len(tags) > 1:
+            out.append(step)
+    return out
+
+
+def clean_resaved(layout: RootLayout, live: list, keep: str) -> list[Path]:
+    """On the secondary roots this rank leads, remove from each committed step directory of
+    ``live`` ([root id, step, the names of the data files the committed manifest lists there])
+    every other multi-rank data file and every rank's mark, except those of the current save
+    (token ``keep``: its ranks may be writing beside that step already). Only names of the forms
+    rank_targets and OrderedCommit make are touched; a directory not of this checkpoint is left
+    alone. Call while holding the root's lock. Returns what it removed."""
+    where = {ident: i for i, ident in enumerate(layout.local_ids)}
+    removed: list[Path] = []
+    for rid, step, names in live:
+        i = where.get(rid)
+        if i is None or not layout.leads(i) or layout.is_primary(i):
+            continue
+        d = layout.local_paths[i] / step_dir_name(step)
+        if d.is_symlink() or not d.is_dir() or not owned(layout, d):
+            continue
+        listed = set(names)
+        gone = []
+        for name in os.listdir(d):
+            tag = save_tag(name)
+            if (tag is not None and tag != keep and name not in listed
+                    or name.startswith(JOINED_PREFIX) and not name.endswith(f".{keep}")):
+                (d / name).unlink(missing_ok=True)
+                gone.append(d / name)
+        if gone:
+            fsync_dir(d)
+            removed += gone
+    if removed:
+        log.info("gdswriter: rank %d removed %d file(s) of earlier saves beside committed steps", layout.rank,
+                 len(removed))
+    return removed

@@ -52,11 +52,13 @@ that node's ranks: a joint root) is published by its own ranks inside ``write_da
 marks in the step's temporary directory there that its files are durable, and the one that
 finds every sharing rank's mark renames it (commit.py OrderedCommit: "the last one
 publishes"); the reports say who published what, and ``finish`` refuses to commit a step with a
-joint root that nobody published (a copied root). The coordination channel (a collective to create) is made
-only for a vote, which one layout still takes, as GDSCheckpointer does: re-saving a committed
-step while another rank leads a secondary root. It needs a step of a non-coordinator rank after
-every rank's writes (replacing a secondary ``step_S`` only after the coordinator un-committed
-the old step), and DCP's protocol runs no storage code on those ranks after ``write_data``.
+joint root that nobody published (a copied root). Re-saving a committed step, a rank leading a
+secondary root writes beside the committed files, in the committed step directory, under names
+of its own (OrderedCommit), so nothing of the old step changes before the coordinator's commit;
+the files no committed manifest names are removed at the next save (the ranks say where they
+wrote beside a step in their local plans, the coordinator sends each root's leader the names
+the committed manifest lists there in its global plan). The writer never makes a coordination
+channel of its own.
 
 Loading reads each item DCP asks for whole straight into DCP's target tensor (its checksum
 computed as it is read) and only resharded or cast items through a buffer, as FileSystemReader
@@ -117,6 +119,7 @@ from ..errors import (CheckpointExistsError, CorruptCheckpointError, EngineIOErr
 from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, RootLock, _link_no_clobber, normalize_roots
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, RootInfo, ShardInfo, TensorRecord
+from ..format.sharded import parse_step
 from .._log import log_once
 from ..fs import atomic_write, fsync_dir, read_regular_file, write_durable
 from ..options import CheckpointOptions, EngineOptions
@@ -125,7 +128,7 @@ from ..load.reader import host_buffer, read_manifest_bytes
 from ..save.snapshot import Extent, Snapshot
 from ..save.writer import live_spans, write_files
 from ..format.assembly import build_manifest, record_json
-from .commit import OrderedCommit, RankCommit
+from .commit import OrderedCommit, clean_resaved, saves_beside
 from .dcp_codec import metadata_from_json, metadata_to_json
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator, describe
@@ -272,7 +275,7 @@ class _Collective:
 
     def place(self) -> tuple[int, int]:
         """This rank's rank and the world size in the plug-in's group, without its coordination
-        channel (whose creation is a collective: the writer makes it only for a vote)."""
+        channel (whose creation is a collective: only a reader makes it, for a load that needs it)."""
         if self._coord is not None:
             return self._coord.rank, self._coord.world_size
         import torch.distributed as dist
@@ -426,6 +429,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
         self._items: dict[str, Any] = {}   # chunk key -> this rank's WriteItem
         self._save: dict | None = None     # step, commit and reports of the save in progress
         self._engines: list[IOEngine] | None = None  # one per local root, kept from save to save
+        self._beside: set[tuple[str, int]] = set()  # (root id, step): files of several saves in a step (OrderedCommit)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -487,6 +491,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
                 lock.release()
             raise
         self._open_lock = lock
+        self._beside |= {(rid, step) for rid, r in zip(ids, roots) for step in saves_beside(r)}
         return {"paths": list(roots), "ids": ids,
                 "plan": {"roots": [[i, str(r.resolve())] for i, r in zip(ids, roots)], "probes": probes}}
 
@@ -521,14 +526,17 @@ class GDSStorageWriter(_Collective, StorageWriter):
                     n *= d
                 held.append([key, n * td.properties.dtype.itemsize])
         opening = self._opening["plan"] if self._opening is not None else None
-        return replace(plan, storage_data={"held": held, "open": opening})
+        beside = [list(x) for x in sorted(self._beside)]
+        return replace(plan, storage_data={"held": held, "open": opening, "beside": beside})
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: open the roots if this save opens them (_open_shared), decide the step and
         the token (checking ``overwrite`` under the root lock) and make the temporary directories
         it leads, then number every item: tensor chunks, split over the ranks holding them
         (planner/ranks.py), then BytesIO items, written whole by the rank DCP's deduplication
-        gave them to. The decision (and each rank's part of the root table) travels in each plan."""
+        gave them to. The decision (and each rank's part of the root table, and for a root's
+        leader the names of the files to keep beside committed steps: _live_beside) travels in
+        each plan."""
         opening = [plan.storage_data["open"] for plan in plans]
         parts: list[dict | None] = [None] * len(plans)
         if all(o is None for o in opening):
@@ -556,32 +564,26 @@ class GDSStorageWriter(_Collective, StorageWriter):
                     pieces[r].append([len(items), 0, None])
                     items.append([f"bytes:{wi.index.fqn}", None, wi.index.fqn, None])
         decided = self._decide(session)
-        return [replace(plan, storage_data={"items": items, "pieces": pieces[r], "layout": parts[r], **decided})
+        live = _live_beside(session, {(rid, step) for plan in plans for rid, step in plan.storage_data["beside"]})
+        clean_resaved(session.layout, live.pop(session.rank, []), keep=decided["token"])  # roots once led by others
+        self._beside = set()  # the coordinator never writes beside a step
+        return [replace(plan, storage_data={"items": items, "pieces": pieces[r], "layout": parts[r],
+                                            "live": live.get(r, []), **decided})
                 for r, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's pieces and make them durable (and publish the secondary roots only
         this rank sees); the last WriteResult carries its report to finish() (module docstring).
         When this save opens the roots, another rank than the coordinator first takes its layout
-        from its plan and locks the roots it leads (_open_from_plan). In a layout OrderedCommit
-        does not serve, vote instead (collective; commit.py)."""
+        from its plan and locks the roots it leads (_open_from_plan)."""
         decided = plan.storage_data
         self._wrote = True  # every rank that gets here holds the coordinator's layout for the next save
-        failed = None  # this rank's opening failed: a vote must still hear of it
         if self._opening is not None and decided.get("layout") is not None:
-            try:
-                self._open_from_plan(decided)
-            except Exception as e:  # noqa: BLE001 - raised here, or reported in the vote
-                if not decided["vote"] or self._session is None:
-                    raise
-                failed = e
+            self._open_from_plan(decided)
         session = self._session
         if session is None:
             raise InvalidOptionError("write_data before set_up_storage_writer: use this writer through dcp.save")
-        if decided["vote"]:
-            report = self._write_and_vote(session, plan, planner, failed)
-        else:
-            report = self._write_ordered(session, plan, planner)
+        report = self._write_ordered(session, plan, planner)
         results = [WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items]
         results.append(WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=sum(c[4] for c in report["chunks"]),
                                    storage_data=report))
@@ -675,9 +677,9 @@ class GDSStorageWriter(_Collective, StorageWriter):
                                   f"again")
 
     def _decide(self, session: DistSession) -> dict:
-        """Coordinator: the step, the token, whether to vote (OrderedCommit.applies) and the
-        committed steps each root's leader cleans with (the coordinator its own here); the
-        temporary directories it leads are made here, before DCP scatters the plans."""
+        """Coordinator: the step, the token and the committed steps each root's leader cleans
+        with (the coordinator its own here); the temporary directories it leads are made here,
+        before DCP scatters the plans."""
         path_mode = self._path_roots is not None
         named = self._override if self._override is not None else self.step
         steps = session.protocol.committed_steps()
@@ -701,13 +703,13 @@ class GDSStorageWriter(_Collective, StorageWriter):
             log.warning("gdswriter: replacing the checkpoint in %s (overwrite=True; "
                         "GDSStorageWriter(overwrite=False) refuses instead)", there)
         token = secrets.token_hex(4)
-        vote = not OrderedCommit.applies(session.layout, session.rank, step in steps)
-        if not vote:
-            clean_led(session.layout, steps)
-            rc = OrderedCommit(session.coord, session.layout, step, token)
-            rc.make_dirs()
-            self._save = {"commit": rc, "table": session.layout.table, "token": token}
-        return {"step": step, "token": token, "vote": vote, "clean": steps, "latest": session.protocol.latest()}
+        if not OrderedCommit.applies(session.layout, session.rank):
+            raise primary_not_on_rank_0(session.layout)
+        clean_led(session.layout, steps)
+        rc = OrderedCommit(session.coord, session.layout, step, token)
+        rc.make_dirs()
+        self._save = {"commit": rc, "table": session.layout.table, "token": token}
+        return {"step": step, "token": token, "clean": steps, "latest": session.protocol.latest()}
 
     def _write_ordered(self, session: DistSession, plan: SavePlan, planner: SavePlanner) -> dict:
         decided = plan.storage_data
@@ -715,9 +717,14 @@ class GDSStorageWriter(_Collective, StorageWriter):
             assert self._save is not None and self._save["token"] == decided["token"]
             rc = self._save["commit"]
         else:
-            # another rank sharing a joint root may have made this save's directory there already: kept
+            # another rank sharing a joint root may have made this save's directory there already
+            # (or written beside a committed step): kept
             clean_led(session.layout, decided["clean"], keep=decided["token"])
-            rc = OrderedCommit(session.coord, session.layout, decided["step"], decided["token"])
+            clean_resaved(session.layout, decided["live"], keep=decided["token"])
+            rc = OrderedCommit(session.coord, session.layout, decided["step"], decided["token"],
+                               resaving=decided["step"] in decided["clean"])
+            mine = {(session.layout.local_ids[i], rc.step) for i in rc.in_place}
+            self._beside |= mine  # until this save is through: what it may leave beside the step
             rc.make_dirs()
         try:
             rc.check_shared()
@@ -732,41 +739,11 @@ class GDSStorageWriter(_Collective, StorageWriter):
         if rc.coordinates:
             self._save["items"] = decided["items"]
         else:
+            self._beside = mine  # the earlier ones were cleaned by their leaders in this save
             self._end_save()
         return report
 
-    def _write_and_vote(self, session: DistSession, plan: SavePlan, planner: SavePlanner,
-                        failed: BaseException | None) -> dict:
-        """GDSCheckpointer's protocol (commit.py RankCommit: its collectives, over the writer's
-        coordination channel, made here at its first vote), for the layouts OrderedCommit does
-        not serve. ``failed``: this rank's opening failed (its roots are not locked): it cleans
-        and makes nothing, and reports it in the vote."""
-        decided = plan.storage_data
-        try:
-            if failed is None:  # the roots this rank leads, before their leader makes the step's
-                clean_led(session.layout, decided["clean"])
-        except Exception as e:  # noqa: BLE001 - reported in the vote
-            failed = e
-        try:
-            rc = RankCommit(self.coordinator(), session.layout, decided["step"], decided["token"], failed)
-            outcome: Any
-            try:
-                outcome = self._write(plan, planner, rc)
-            except Exception as e:  # noqa: BLE001 - every failure goes to the vote
-                outcome = e
-            reports = rc.vote(outcome)
-            if rc.local_error is not None:
-                raise rc.local_error
-            if reports is not None:
-                rc.check_secondaries()
-                self._save = {"commit": rc, "table": session.layout.table, "items": decided["items"],
-                              "token": decided["token"]}
-        finally:
-            if self._save is None:  # rank 0 keeps its lock until finish()
-                self._end_save()
-        return outcome
-
-    def _write(self, plan: SavePlan, planner: SavePlanner, rc: RankCommit) -> dict:
+    def _write(self, plan: SavePlan, planner: SavePlanner, rc: OrderedCommit) -> dict:
         if rc.setup_error is not None:
             raise rc.setup_error
         layout, rank = rc.layout, rc.coord.rank
@@ -784,7 +761,8 @@ class GDSStorageWriter(_Collective, StorageWriter):
             sources.append((item, offset, wi, flat[offset:offset + length] if length is not None else flat))
         engines = self._engines_for(len(layout.local_paths))
         try:
-            fplan = plan_save([s[3].numel() for s in sources], rank_targets(layout, rank, self.options.files_per_root))
+            targets = rank_targets(layout, rank, self.options.files_per_root, tagged=rc.in_place, tag=rc.token)
+            fplan = plan_save([s[3].numel() for s in sources], targets)
             pieces = Snapshot(rc.step, None, [Extent("", flat=s[3]) for s in sources], [], {})
             written_by: dict[int, str] = {}
             crcs = write_files(fplan, live_spans(pieces, fplan), rc, engines, written_by=written_by)
@@ -880,6 +858,38 @@ def _restore_identity(path: Path, ident: str) -> None:
             fsync_dir(path.parent)
     except OSError as e:
         raise EngineIOError(e.errno or errno.EIO, path / ROOT_MARKER_NAME, 0, "restore root identity") from e
+
+
+def _live_beside(session: DistSession, beside: set[tuple[str, int]]) -> dict[int, list]:
+    """Coordinator: for each (root id, step) a rank reported files of several saves in (its own
+    beside a committed step, OrderedCommit), the names of the data files the committed manifest
+    of that step lists on that root, for the root's leader to keep (commit.clean_resaved):
+    {leader: [[root id, step, names], ...]}. Nothing for a step no longer committed (cleaning
+    removes its directory whole), a root its manifest does not name, or a manifest it cannot
+    read (logged: those files stay)."""
+    if not beside:
+        return {}
+    leaders = {info.id: min(info.ranks) for info in session.layout.table}
+    committed = set(session.protocol.committed_steps())
+    manifests: dict[int, Manifest | None] = {}
+    out: dict[int, list] = {}
+    for rid, step in sorted(beside):
+        if step not in committed or rid not in leaders:
+            continue
+        if step not in manifests:
+            manifests[step] = None
+            try:
+                m = parse_step(read_manifest_bytes(session.protocol, step), f"step {step}'s manifest")
+            except (OSError, GDSWriterError) as e:
+                log.warning("gdswriter: step %d's manifest could not be read (%s): the files of earlier saves "
+                            "beside it stay", step, e)
+            else:
+                manifests[step] = m if isinstance(m, Manifest) and m.dist is not None else None
+        m = manifests[step]
+        g = None if m is None else next((g for g, info in enumerate(m.dist.roots) if info.id == rid), None)
+        if g is not None:
+            out.setdefault(leaders[rid], []).append([rid, step, sorted(f.path for f in m.files if f.root == g)])
+    return out
 
 
 def _reports(results: list[list[WriteResult]], step: int, token: str, items: list[list]) -> list[dict]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import socket
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -51,11 +52,25 @@ def group_held(held: Iterable[Iterable[Sequence[Any]]]) -> HeldItems:
     return HeldItems(index, sizes, holders)
 
 
-def rank_targets(layout: RootLayout, rank: int, files_per_root: int) -> list[FileTarget]:
+def rank_targets(layout: RootLayout, rank: int, files_per_root: int, *, tagged: Iterable[int] = (),
+                 tag: str = "") -> list[FileTarget]:
     """This rank's data files: ``files_per_root`` on each of its roots, named by rank, global root
-    and number, so that ranks sharing a root never write the same file."""
-    return [FileTarget(i, f"data-rank{rank}-r{g}-f{k}.bin")
+    and number, so that ranks sharing a root never write the same file. On the local roots in
+    ``tagged`` the names also carry ``tag`` (the save's token): files written beside a committed
+    step's own (dcp.py, a re-saved step on a secondary root another rank than 0 leads)."""
+    tagged = set(tagged)
+    return [FileTarget(i, f"data-rank{rank}-r{g}-f{k}{f'.{tag}' if i in tagged else ''}.bin")
             for i, g in enumerate(layout.local_to_global) for k in range(files_per_root)]
+
+
+_RANK_FILE_RE = re.compile(r"^data-rank\d+-r\d+-f\d+(?:\.([0-9a-f]{8}))?\.bin$")
+
+
+def save_tag(name: str) -> str | None:
+    """The tag of a multi-rank data file name (rank_targets): the token of the save that wrote it
+    beside a committed step's files, "" for an untagged name, None for any other name."""
+    m = _RANK_FILE_RE.match(name)
+    return None if m is None else (m.group(1) or "")
 
 
 def file_entries(layout: RootLayout, fplan: SavePlan, written_by: dict[int, str], rank: int) -> list[list[Any]]:

@@ -77,6 +77,9 @@ def run_actions(roots: list[str], actions: list[list], options: dict, progress, 
 
     net, extra = make_net(), {}
     engine = M.small_engine(**options.pop("engine", {}))
+    if options.pop("dcp", False):
+        _run_dcp(roots, actions, options, engine, progress, rank)
+        return
     dist_options = None
     if options.pop("ranks", 1) > 1:
         from gdswriter.distributed import DistOptions
@@ -111,6 +114,37 @@ def run_actions(roots: list[str], actions: list[list], options: dict, progress, 
         else:
             raise ValueError(f"unknown action {action!r}")
     ck.close()
+    progress("closed")
+
+
+def dcp_state(net: nn.Module, extra: dict) -> dict:
+    """What a DCP job saves: the model, and the extra state with its generation as a tensor."""
+    return {"model": net.state_dict(), "progress": {"gen": torch.tensor(extra["gen"]), "ema": extra["ema"]}}
+
+
+def _run_dcp(roots: list[str], actions: list[list], options: dict, engine, progress, rank: int) -> None:
+    """The saves through torch.distributed.checkpoint and one GDSStorageWriter, ``checkpoint_id``
+    the step: rank r's root is ``roots[r]`` (node-local roots: rank 1 leads its own secondary
+    root, and re-saving a committed step writes beside it there)."""
+    import torch.distributed.checkpoint as dcp
+    from support import models as M
+
+    from gdswriter.distributed import DistOptions, GDSStorageWriter, dcp_errors
+
+    net, extra = make_net(), {}
+    options.pop("ranks", None)
+    w = GDSStorageWriter([roots[rank]], options=M.small_options(engine=engine, **options),
+                         dist_options=DistOptions(timeout_s=RANK_TIMEOUT_S))
+    progress("opened")
+    for action in actions:
+        if action[0] != "save":
+            raise ValueError(f"unknown DCP action {action!r}")
+        _, step, gen = action
+        fill(net, extra, gen)
+        with dcp_errors():
+            dcp.save(dcp_state(net, extra), checkpoint_id=step, storage_writer=w)
+        progress(f"saved {step} {gen}")
+    w.close()
     progress("closed")
 
 
