@@ -19,6 +19,11 @@ every rank is given all of them), measure:
   dcp-kept       the same through one GDSStorageWriter kept for all rounds (a step each), as a
                  training job keeps one: its roots are opened and its engines built by a first,
                  untimed save, so each timed save is DCP's collectives plus the writes and commit
+  dcp-node-local the same with node-local roots: each rank is given directories of its own (as
+                 one SSD per node), so every rank but 0 leads a secondary root it publishes
+  dcp-resave     the same, re-saving one committed step every round (overwrite=True): each rank
+                 but 0 writes beside the committed step on its own roots, with no vote
+                 (distributed/commit.py OrderedCommit); compare with dcp-node-local
   dcp-fs         dcp.save(FileSystemWriter(dir, sync_files=True)): DCP gives each replicated
                  tensor, whole, to one rank; it takes one directory, so it runs with one root
 
@@ -58,7 +63,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-CASES = ("gdswriter", "gdswriter-tmpfs", "gdswriter-relay", "gdswriter-dcp", "dcp-kept", "dcp-fs")
+CASES = ("gdswriter", "gdswriter-tmpfs", "gdswriter-relay", "gdswriter-dcp", "dcp-kept", "dcp-node-local",
+         "dcp-resave", "dcp-fs")
 
 
 def make_state(nbytes: int) -> dict:
@@ -105,13 +111,29 @@ def _rank_bytes(dirs, pattern: str) -> int:
     return sum(f.stat().st_size for d in dirs for f in Path(d).rglob(pattern))
 
 
-def _close_kept(kept, dirs, rank: int) -> None:
-    """After a kept checkpointer's or writer's last round: close it, then remove its roots."""
+def _save_bytes(dirs, rank: int) -> int:
+    """The bytes of this rank's data files of the newest save in ``dirs`` (a re-saved step's
+    directory may also hold the files of the save before: distributed/commit.py OrderedCommit)."""
+    from gdswriter.distributed.rankfiles import save_tag
+
+    saves: dict = {}
+    for d in dirs:
+        for f in Path(d).glob(f"data-rank{rank}-*"):
+            st = f.stat()
+            got = saves.setdefault(save_tag(f.name), [0, 0])
+            got[0] += st.st_size
+            got[1] = max(got[1], st.st_mtime_ns)
+    return max(saves.values(), key=lambda x: x[1])[0] if saves else 0
+
+
+def _close_kept(kept, dirs, rank: int, own: bool = False) -> None:
+    """After a kept checkpointer's or writer's last round: close it, then remove its roots
+    (``own``: each rank has roots of its own)."""
     import torch.distributed as dist
 
     kept.close()
     dist.barrier()
-    if rank == 0:
+    if rank == 0 or own:
         for d in dirs:
             shutil.rmtree(d, ignore_errors=True)
 
@@ -167,24 +189,27 @@ def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, 
         if rnd == rounds - 1:
             _close_kept(ck, dirs, rank)
         return
-    elif case == "dcp-kept":
+    elif case in ("dcp-kept", "dcp-node-local", "dcp-resave"):
+        own = case != "dcp-kept"  # each rank its own roots
+        dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}{f'-rank{rank}' if own else ''}-root{i}")
+                for i in range(nroots)]
+        step = 0 if case == "dcp-resave" else rnd
         if ck is None:
-            dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
             ck = run["ck"] = GDSStorageWriter(dirs)
-            dcp.save(state, storage_writer=ck, checkpoint_id=rounds)  # opens the roots, builds engines
-        dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
-        saves.append(_timed(dcp.save, state, storage_writer=ck, checkpoint_id=rnd))
-        step_dirs = [os.path.join(d, step_dir_name(rnd)) for d in dirs]
-        mine.append(_rank_bytes(step_dirs, f"data-rank{rank}-*"))
-        if rank == 0:
+            # opens the roots, builds engines (and commits the step dcp-resave saves again)
+            dcp.save(state, storage_writer=ck, checkpoint_id=0 if case == "dcp-resave" else rounds)
+        saves.append(_timed(dcp.save, state, storage_writer=ck, checkpoint_id=step))
+        step_dirs = [os.path.join(d, step_dir_name(step)) for d in dirs]
+        mine.append(_save_bytes(step_dirs, rank))
+        if rank == 0 or own:
             _evict(step_dirs)
-        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, rnd)))
+        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, step)))
         assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
         for t in target.values():
             t.zero_()
         dist.barrier()
         if rnd == rounds - 1:
-            _close_kept(ck, dirs, rank)
+            _close_kept(ck, dirs, rank, own)
         dist.barrier()
         return
     elif case == "gdswriter-dcp":

@@ -17,7 +17,8 @@ def test_dist_scaling_runs(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cases = json.loads(out.read_text())["runs"]["2"]["cases"]
-    assert sorted(cases) == ["dcp-fs|1", "dcp-kept|1", "dcp-kept|2", "gdswriter-dcp|1", "gdswriter-dcp|2",
+    assert sorted(cases) == ["dcp-fs|1", "dcp-kept|1", "dcp-kept|2", "dcp-node-local|1", "dcp-node-local|2",
+                             "dcp-resave|1", "dcp-resave|2", "gdswriter-dcp|1", "gdswriter-dcp|2",
                              "gdswriter-relay|1", "gdswriter-relay|2", "gdswriter-tmpfs|1", "gdswriter-tmpfs|2",
                              "gdswriter|1", "gdswriter|2"]
     for key, c in cases.items():
