@@ -380,9 +380,10 @@ class OrderedCommit(RankCommit):
     saves in one), P sends each root's leader the names the committed manifest lists there, and
     the leader removes the others (``clean_resaved``) at the next save, before it writes.
 
-    Only for a layout where ``applies``: P leads the primary root; every other root is P's, a
-    joint root, or one rank's own (step 1 is then ordered by the plans' scatter or by the rank
-    itself, step 3 by the reports' gather). A failure on any rank makes DCP skip
+    Only for a layout where P leads the primary root (dcp.py refuses any other when it opens
+    the roots: rank 0 commits); every other root is P's, a joint root, or one rank's own (step
+    1 is then ordered by the plans' scatter or by the rank itself, step 3 by the reports'
+    gather). A failure on any rank makes DCP skip
     ``commit_ordered`` and raise on every rank: nothing is committed; what the save left
     (temporary directories, secondary ``step_S`` without a primary manifest, files beside a
     committed step) is removed when the roots are next cleaned."""
@@ -409,11 +410,6 @@ class OrderedCommit(RankCommit):
                         and final.is_dir() and owned(layout, final)):
                     self.in_place.add(i)
                     self.dirs[i] = final
-
-    @staticmethod
-    def applies(layout: RootLayout, coordinator: int) -> bool:
-        """Whether step S can be committed this way with ``coordinator`` as P (class docstring)."""
-        return layout.primary_rank == coordinator
 
     def joint(self, i: int) -> bool:
         """Whether local root ``i`` is a joint root: several ranks see it, and P does not lead it."""

@@ -703,8 +703,6 @@ class GDSStorageWriter(_Collective, StorageWriter):
             log.warning("gdswriter: replacing the checkpoint in %s (overwrite=True; "
                         "GDSStorageWriter(overwrite=False) refuses instead)", there)
         token = secrets.token_hex(4)
-        if not OrderedCommit.applies(session.layout, session.rank):
-            raise primary_not_on_rank_0(session.layout)
         clean_led(session.layout, steps)
         rc = OrderedCommit(session.coord, session.layout, step, token)
         rc.make_dirs()
