@@ -289,6 +289,12 @@ def host_blocks(hosts: Sequence[str | None]) -> int | None:
     return block
 
 
+def per_host(values: Sequence[Any], block: int) -> list[list[Any]]:
+    """For each rank, the entries of ``values`` (one per rank) of its own host's ``block`` ranks
+    (host_blocks): what a rank receives of them then does not grow with the world size."""
+    return [list(values[r - r % block:r - r % block + block]) for r in range(len(values))]
+
+
 def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
              engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None,
              cross_memory: bool = False, check: Callable[[Any], Any] = lambda state: None
@@ -337,9 +343,9 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         cblock = host_blocks([x["proc"] for x in outs]) if own else None
         common = {"own": own, "share": hostshare.token() if own and block else None, "block": block,
                   "cblock": cblock, **bounded(bad)}
-        # each rank gets the (pid, marker) of its own host's ranks only: what it receives does not grow with W
-        return [{**common, "peers": [x["pid"] for x in outs[r - r % cblock:r - r % cblock + cblock]] if cblock
-                 else None} for r in range(len(outs))]
+        # each rank gets the (pid, marker) of its own host's ranks only
+        peers = per_host([x["pid"] for x in outs], cblock) if cblock else [None] * len(outs)
+        return [{**common, "peers": p} for p in peers]
 
     proc = crossmem.domain() if cross_memory and world > 1 else None
     verdict = coord.decide_each(error, {"ok": ok, "sets": sets, "host": hostshare.domain(share_dir), "proc": proc,
@@ -453,8 +459,8 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     # host; pulling ranks learn where the buffers of their host's ranks are
     mine = {name: arena.data_ptr() + at for name, at in regions.items()} if arena is not None else None
     bases = coord.decide_each(error, mine, f"{what} (reading)",
-                              (lambda outs: [outs[r - r % block:r - r % block + block] for r in range(world)])
-                              if mode == "cma" else lambda outs: [None] * world, hint=unchanged, root=src)
+                              (lambda outs: per_host(outs, block)) if mode == "cma" else lambda outs: [None] * world,
+                              hint=unchanged, root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
     _send_rounds(coord, rounds, into, tags, what)
     if mode != "cma":  # (with cross memory the fallback after a failed copy still sends from and into them)
