@@ -498,7 +498,6 @@ class Checker:
         from powerloss.app import EXPORT_DIR, HF_CONFIG, export_name, hf_export_name, make_net
 
         from gdswriter import GDSCheckpointer, load_state
-        from gdswriter.cli import main as cli_main
         from gdswriter.format.commit import CommitProtocol, parse_step_dir
         from gdswriter.load.reader import read_manifest
 
@@ -538,12 +537,7 @@ class Checker:
                 pytest.fail(f"committed step {s} does not load ({type(e).__name__}: {e}); {where}")
             self.assert_gen(tree["model"], tree["extra"]["progress"], state[s], f"step {s}; {where}")
         if steps:
-            argv = ["verify", str(roots[0]), "--all", "--scratch", "1M"] + [
-                a for r in roots[1:] for a in ("--secondary", str(r))]
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-                rc = cli_main(argv)
-            assert rc == 0, f"gdswriter verify --all exit {rc}: {out.getvalue()[-2000:]}; {where}"
+            self.verify_all(roots, where)
 
         hf = self.mnt / EXPORT_DIR / hf_export_name(4)
         if "exported-hf 4" in lines:
@@ -592,7 +586,6 @@ class Checker:
         ``latest`` names a committed step but during the re-save (step 3 un-committed, then
         committed again); ``gdswriter verify --all`` passes."""
         from gdswriter import load_state
-        from gdswriter.cli import main as cli_main
         from gdswriter.format.commit import CommitProtocol
 
         roots = self.roots()
@@ -624,9 +617,17 @@ class Checker:
             for k, v in want_model.items():
                 assert torch.equal(tree[f"model.{k}"], v), f"step {s}: {k} is not generation {state[s]}'s; {where}"
             assert torch.equal(tree["progress.ema"], want_extra["ema"]), f"step {s}: ema; {where}"
+        self.verify_all(roots, where)
+
+    def verify_all(self, roots: list[Path], where: str) -> None:
+        """``gdswriter verify --all`` over every committed step of ``roots`` passes."""
+        from gdswriter.cli import main as cli_main
+
+        argv = ["verify", str(roots[0]), "--all", "--scratch", "1M"] + [
+            a for r in roots[1:] for a in ("--secondary", str(r))]
         out = io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            rc = cli_main(["verify", str(roots[0]), "--all", "--scratch", "1M", "--secondary", str(roots[1])])
+            rc = cli_main(argv)
         assert rc == 0, f"gdswriter verify --all exit {rc}: {out.getvalue()[-2000:]}; {where}"
 
     def assert_gen(self, model: dict, extra: dict, gen: int, where: str) -> None:
