@@ -502,7 +502,8 @@ def _failures_worker(rank: int, world: int, tmp: str) -> dict:
 
     root = Path(tmp, f"node{rank}")  # node-local roots: rank 1 leads its own secondary root
     w = writer(root)
-    sd = {"rep": torch.arange(3000.0) + 0, "blob": b"one"}
+    numel = 1 << 19  # 2 MiB: above the small-copy thresholds, so every path of a save and a load runs
+    sd = {"rep": torch.arange(float(numel)), "blob": b"one"}
 
     def save(value: float, fail: str | None = None) -> list[str] | None:
         sd["rep"].fill_(value)
@@ -547,15 +548,15 @@ def _failures_worker(rank: int, world: int, tmp: str) -> dict:
         return sorted({t for n in os.listdir(root / "step_000000000001") for t in [save_tag(n)] if t is not None})
 
     def load_step_1() -> tuple:
-        back = {"rep": torch.zeros(3000), "blob": b""}
+        back = {"rep": torch.zeros(numel), "blob": b""}
         err = caught(lambda: dcp.load(back, storage_reader=reader(root, 1)))
-        return err, [float(back["rep"][0]), float(back["rep"][-1])]
+        return err, [float(back["rep"].min()), float(back["rep"].max())]  # [v, v]: every element is v
 
     out["fs_calls"] = _count_dist_calls(lambda: dcp.save(sd, storage_writer=FileSystemWriter(Path(tmp, "fs"))))
     again = writer(root, step=1)
     calls: list[int] = []
     out["resave"] = caught(lambda: calls.extend(
-        _count_dist_calls(lambda: dcp.save({**sd, "rep": torch.full((3000,), 5.0)}, storage_writer=again))
+        _count_dist_calls(lambda: dcp.save({**sd, "rep": torch.full((numel,), 5.0)}, storage_writer=again))
         for _ in range(2)))
     out["resave_calls"] = calls
     again.close()
@@ -572,7 +573,7 @@ def _failures_worker(rank: int, world: int, tmp: str) -> dict:
         GDSStorageWriter._write = failing
     fw = writer(root, step=1)
     try:
-        out["resave_failed"] = caught(lambda: dcp.save({**sd, "rep": torch.full((3000,), 6.0)}, storage_writer=fw))
+        out["resave_failed"] = caught(lambda: dcp.save({**sd, "rep": torch.full((numel,), 6.0)}, storage_writer=fw))
     finally:
         GDSStorageWriter._write = real_write
         fw.close()
@@ -590,7 +591,7 @@ def _failures_worker(rank: int, world: int, tmp: str) -> dict:
     try:
         def run() -> None:
             with dcp_errors():
-                dcp.save({**sd, "rep": torch.full((3000,), 7.0)}, storage_writer=fw)
+                dcp.save({**sd, "rep": torch.full((numel,), 7.0)}, storage_writer=fw)
         out["resave_publish"] = caught(run)
     finally:
         commit.OrderedCommit.publish_led = real_publish
