@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import crc32c as _crc32c
 
 from ..engines.base import IOEngine
-from ..errors import GDSWriterError, RankFailedError, UnsupportedObjectError
+from ..errors import CorruptCheckpointError, GDSWriterError, RankFailedError, UnsupportedObjectError
 from ..format.manifest import ChunkRecord, FileRecord, ShardInfo, TensorRecord
 from ..format.sharded import (GlobalManifest, ItemRecord, LayoutEntry, LayoutIndex, RankShard, ShardRef, ShardStatic,
                               layout_digest, parse_global, shard_name)
@@ -66,7 +66,11 @@ def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Seque
                  meshes: dict[str, str] | None = None) -> tuple[list[str], dict[int, list[int]]]:
     """A name per storage that equals another rank's exactly when both hold the same bytes, and
     the record indices of each storage. ``meshes``: each DTensor's device mesh (shards.mesh_id:
-    a block of one name on another mesh, e.g. another pipeline stage, is other data)."""
+    a block of one name on another mesh, e.g. another pipeline stage, is other data).
+
+    A record is described by its key path where no other record shares it, else by its place in
+    the state tree (``tree_positions``): key paths are not unique ("a/b" beside {"a": {"b": ..}},
+    1 beside "1"), places are, so two storages of one rank never get one key."""
     meshes = meshes or {}
     by_storage: dict[int, list[int]] = {}
     for i, rec in enumerate(snap.records):
@@ -76,13 +80,20 @@ def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Seque
         name = min(missing)
         raise UnsupportedObjectError(name, None, "a DTensor whose key path the snapshot names differently (keys "
                                                  "must be str or int)", type_name="DTensor")
+    places = ambiguous_places(snap)
+    clash = sorted({snap.records[i].name for i in places} & set(shards))
+    if clash:
+        raise UnsupportedObjectError(clash[0], None, "a DTensor whose key path another tensor of the state has too "
+                                                     "(e.g. a key \"a/b\" beside {\"a\": {\"b\": ...}}, or 1 beside "
+                                                     "\"1\"): rename one of them", type_name="DTensor")
     keys = []
     for sid, ext in enumerate(snap.extents):
-        recs = [snap.records[i] for i in by_storage.get(sid, [])]
-        desc = [[r.name, r.byte_offset, r.dtype, list(r.shape), list(r.stride), r.kind,
+        ids = by_storage.get(sid, [])
+        recs = [snap.records[i] for i in ids]
+        desc = [[places.get(i, r.name), r.byte_offset, r.dtype, list(r.shape), list(r.stride), r.kind,
                  [list(shards[r.name].global_shape), list(shards[r.name].offsets), meshes.get(r.name)]
                  if r.name in shards else None]
-                for r in recs]
+                for i, r in zip(ids, recs)]
         if any(r.name in shards for r in recs):
             kind = "S"  # a block of a DTensor: the same on every replica
         elif recs and all(r.name.split("/", 1)[0] in replicated for r in recs):
@@ -93,6 +104,44 @@ def storage_keys(snap: Snapshot, shards: dict[str, ShardInfo], replicated: Seque
         digest = hashlib.sha256(json.dumps([desc, ext.nbytes]).encode()).hexdigest()[:32]
         keys.append(f"{kind}{digest}")
     return keys, by_storage
+
+
+def ambiguous_places(snap: Snapshot) -> dict[int, list]:
+    """{record index: its place in the state tree} for the records whose key path another
+    record has too (none in the usual state, found in one pass over the names)."""
+    names = [r.name for r in snap.records]
+    if len(set(names)) == len(names):
+        return {}
+    seen: set[str] = set()
+    shared = {n for n in names if n in seen or seen.add(n)}
+    wanted = {i for i, n in enumerate(names) if n in shared}
+    return {i: place for i, place in tree_positions(snap.tree).items() if i in wanted}
+
+
+def tree_positions(tree: Any) -> dict[int, list]:
+    """{tensor index: its first place in an encoded state tree (state_codec), depth first}.
+    A place is a list of steps that JSON tells apart: an int (a list's index), ["t", i] (a
+    tuple's), ["k", key] (a dict key as encoded: "1" and 1 differ, "a/b" is one step) and
+    "meta" (an OrderedDict's _metadata)."""
+    found: dict[int, list] = {}
+    stack: list[tuple[Any, tuple]] = [(tree, ())]
+    while stack:
+        node, at = stack.pop()
+        kids: list[tuple[Any, tuple]] = []
+        if type(node) is list:
+            kids = [(v, at + (i,)) for i, v in enumerate(node)]
+        elif type(node) is dict:
+            if len(node) == 1 and ("$tensor" in node or "$ndarray" in node):
+                (i,) = node.values()
+                found.setdefault(i, list(at))
+            elif "$tuple" in node:
+                kids = [(v, at + (["t", i],)) for i, v in enumerate(node["$tuple"])]
+            elif "$dict" in node or "$odict" in node:
+                kids = [(v, at + (["k", k],)) for k, v in node.get("$dict", node.get("$odict", []))]
+                if "meta" in node:
+                    kids.append((node["meta"], at + ("meta",)))
+        stack.extend(reversed(kids))
+    return found
 
 
 @dataclass(frozen=True)
@@ -109,6 +158,7 @@ class RankSavePlan:
     layouts: tuple[LayoutEntry, ...] = ()     # its DTensors' layouts (every rank of a mesh has the same)
     layout_digest: str | None = None         # their layout_digest, for the vote (None: not indexable)
     index: list = field(default_factory=list, compare=False)  # the primary's LayoutIndex of them, once made
+    read_back: list = field(default_factory=list, compare=False)  # [True] once a shard of this plan parsed
 
 
 def plan_rank_save(snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
@@ -157,9 +207,10 @@ class PlanCache:
     @staticmethod
     def signature(snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
                   files_per_root: int) -> tuple:
+        places = ambiguous_places(snap)  # where key paths repeat, the keys follow the tree's places
         return (tuple(snap.records), tuple(e.nbytes for e in snap.extents), tuple(found.shards.items()),
                 tuple(found.groups.items()), tuple(found.meshes.items()), tuple(replicated),
-                layout, files_per_root)
+                layout, files_per_root, json.dumps(sorted(places.items())) if places else None)
 
     def plan(self, snap: Snapshot, found: DTensors, replicated: Sequence[str], layout: RootLayout,
              files_per_root: int) -> RankSavePlan:
@@ -260,11 +311,30 @@ def _write_rank(snap: Snapshot, plan: RankSavePlan, layout: RootLayout, rc: Rank
                       snap.tree)
     data = shard.to_json_bytes(static=plan.static)
     name = shard_name(layout.rank)
+    if not plan.read_back:
+        check_shard(data, layout, snap.step, name)
+        plan.read_back.append(True)
     write_durable(rc.dirs[0] / name, data)
     described = sum(1 for t in plan.tensors if plan.items[t.storage].first_holder == layout.rank)
     return {"step": snap.step, "shard": [layout.local_to_global[0], name, len(data), _crc32c.crc32c(data)],
             "sets": [list(d) for d in plan.digests], "layout": plan.layout_digest,
             "totals": [plan.nbytes, described, len(files), sum(f.size for f in files) + len(data)]}
+
+
+def check_shard(data: bytes, layout: RootLayout, step: int, name: str) -> None:
+    """Parse a shard about to be written with the code every reader parses it with, so that no
+    step is committed that a reader would refuse. Once per plan: what the parse checks (items,
+    holders, tensors, files, chunk bounds and overlaps) the plan alone decides, and a training
+    loop's saves share the plan; what changes between them (checksums, the state tree's plain
+    values) is checked for type by the parse, or not by the shard parse at all (the tree)."""
+    try:
+        RankShard.from_json_bytes(data, where=f"rank {layout.rank}'s {name} of step {step}", step=step,
+                                  rank=layout.rank, world_size=layout.world_size, n_roots=layout.root_count)
+    except CorruptCheckpointError as e:
+        raise GDSWriterError(f"{e.args[0]}. A reader would refuse this shard, so step {step} was not "
+                             f"committed; the steps committed before are intact. Where the message names your state "
+                             f"(a key path too long, say), change it; else report this message as a gdswriter bug"
+                             ) from e
 
 
 def check_reports(reports: Sequence[dict], step: int, what: str) -> tuple[dict[int, str], str] | None:
