@@ -199,9 +199,15 @@ def _planter(cmd_r: int, out_w: int, share: str, token: str, names: list) -> Non
         _plant_file(f"{d}/{n}", planted)
     os.write(out_w, b"ready")
     os.read(cmd_r, 1)
-    foreign = sorted(set(os.listdir(d)) - set(names))  # what a rank made in the planted directory
+    try:
+        foreign = sorted(set(os.listdir(d)) - set(names))  # what a rank made in the planted directory
+    except OSError as e:
+        foreign = [f"the directory itself: {e}"]  # a rank that used it removed it
     _report(out_w, planted, {"foreign": foreign})
-    os.rmdir(d)
+    try:
+        os.rmdir(d)
+    except OSError:
+        pass
 
 
 def _watcher(cmd_r: int, out_w: int, share: str, names: list) -> None:
