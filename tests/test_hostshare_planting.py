@@ -4,7 +4,7 @@ The ranks of a host share a load through files on a world-writable tmpfs. Anothe
 can guess or watch the names must not get a rank to map a file it made (then it could read
 the state, or change it after its checksums were verified): the files live in a private
 directory per load, checked before use, and created O_EXCL inside it. The planting user here
-is uid 65534 (nobody), so these tests need root.
+is uid 65534 (nobody), so the tests that plant need root.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import select
+import signal
 import stat
 import subprocess
 import tempfile
@@ -27,7 +28,7 @@ from gdswriter.errors import EngineIOError
 from support.ranks import run_ranks
 
 NOBODY = 65534
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another uid plants the files")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: another uid plants the files")
 
 
 # ----------------------------------------------------------------------------- the private directory
@@ -63,6 +64,7 @@ def _planted(tmp_path: Path, kind: str) -> Path:
     return p
 
 
+@needs_root
 @pytest.mark.parametrize("kind", ["another-owner", "symlink", "mode-0777", "mode-0750", "regular-file"])
 def test_private_dir_refuses_an_entry_it_cannot_trust(tmp_path, kind):
     p = _planted(tmp_path, kind)
@@ -75,6 +77,7 @@ def test_private_dir_refuses_an_entry_it_cannot_trust(tmp_path, kind):
     assert (after.st_ino, after.st_mode, after.st_uid) == (before.st_ino, before.st_mode, before.st_uid)
 
 
+@needs_root
 @pytest.mark.parametrize("mode,owner,ok", [(0o1777, 0, True), (0o755, 0, True), (0o777, 0, False),
                                            (0o1777, NOBODY, False)],
                          ids=["sticky", "private", "world-writable-not-sticky", "another-users"])
@@ -91,6 +94,7 @@ def test_private_dir_refuses_a_parent_where_another_user_could_swap_it(tmp_path,
         assert not (share / "load-y").exists()
 
 
+@needs_root
 def test_shared_items_refuse_a_file_of_another_owner_in_the_directory(tmp_path):
     """Belt and braces: even inside a checked directory, a file this user did not make is
     never mapped."""
@@ -104,6 +108,7 @@ def test_shared_items_refuse_a_file_of_another_owner_in_the_directory(tmp_path):
     assert (d / "item").stat().st_size == 0  # never reserved, never written
 
 
+@needs_root
 def test_clean_stale_removes_this_users_old_directories_only(tmp_path):
     old = int(time.time()) - 2 * 86400
     stale = tmp_path / f"{hostshare.PREFIX}{old:x}-{'a' * 32}"
@@ -121,6 +126,39 @@ def test_clean_stale_removes_this_users_old_directories_only(tmp_path):
     assert hostshare.clean_stale(str(tmp_path)) == 2
     assert not stale.exists() and not link.is_symlink()
     assert (fresh / "item").exists() and (theirs / "item").exists() and (target / "keep").exists()
+
+
+def test_holders_share_one_directory_and_the_last_to_unlink_removes_it(tmp_path):
+    """Two holders (ranks) of a load: the second opens the files the first made (one memory),
+    and the directory goes with the last holder's unlink, whatever items each holds."""
+    tok = hostshare.token()
+    a = hostshare.SharedItems(str(tmp_path), tok, [("x", 0, 8192), ("y", 1, 4096)])
+    b = hostshare.SharedItems(str(tmp_path), tok, [("x", 0, 8192), ("z", 1, 4096)])
+    a.shared[0][:16] = 7
+    assert bool((b.private[0][:16] == 7).all())
+    d = tmp_path / f"{hostshare.PREFIX}{tok}"
+    assert sorted(os.listdir(d)) == ["x", "y", "z"]
+    a.unlink()
+    assert os.listdir(d) == ["z"]
+    b.unlink()
+    assert not d.exists()
+
+
+def test_a_crash_before_unlinking_leaves_only_what_clean_stale_removes(tmp_path):
+    """A rank killed between making the load's directory and unlinking it leaves the directory;
+    clean_stale removes it, with its files, once its token is older than a day."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            hostshare.SharedItems(str(tmp_path), hostshare.token(), [("x", 0, 8192), ("y", 1, 4096)])
+        finally:
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    left = list(tmp_path.iterdir())
+    assert len(left) == 1 and sorted(os.listdir(left[0])) == ["x", "y"], left
+    assert hostshare.clean_stale(str(tmp_path)) == 0  # a load of today may still be running
+    assert hostshare.clean_stale(str(tmp_path), now=time.time() + 2 * 86400) == 1
+    assert list(tmp_path.iterdir()) == []
 
 
 # ----------------------------------------------------------------------------- another user planting, two ranks
@@ -296,6 +334,7 @@ def _private_tmpfs() -> str | None:
     return None
 
 
+@needs_root
 def test_a_load_never_maps_a_file_another_user_planted(tmp_path):
     """uid 65534 plants, with the load's token guessed, the files of the old layout and a
     directory of the load's name with every item's file (mode 0666); and, where a private

@@ -15,23 +15,23 @@ consecutive ranks, a piece of state every rank holds then crosses to each other 
 (load.py ``relay_between_hosts``) into that host's file; elsewhere the pieces go rank to rank
 over the process group (``relay``).
 
-The files live in a private directory per load, ``gdswriter-load-<time>-<128 random bits>``
-(``private_dir``): mode 0700, and used by a rank only once it has checked, through a
-descriptor opened without following links, that its own user owns it and no other may enter
-it, nor rename it away (the parent is root's or this user's, sticky where others may write).
-The ranks of a job run as one user: each makes the directory or finds its peers' there. One
-another user planted under that name is refused (the ranks then pass the pieces over the
-process group). Inside, each file is created O_EXCL by one holder and opened by the others
-relative to the checked directory, so no rank maps a file another user made (in a
-world-writable ``/dev/shm`` with ``fs.protected_regular=0`` a planted 0666 file of the name
-would be opened, and could be read, or changed after its checksums were verified).
+The files live in a directory private to the load, ``gdswriter-load-<time>-<128 random
+bits>`` (``private_dir``, mode 0700). A rank uses it only after checking, through a descriptor
+opened without following links, that its own user owns it and no other user may enter it or
+rename it away (the parent is root's or this user's, sticky where others may write). The ranks
+of a job run as one user: each makes the directory or finds its peers' there; one another user
+planted under the name is refused, and the ranks pass the pieces over the process group.
+Inside, one holder creates each file (O_EXCL) and the others open it, relative to the checked
+directory. So no rank maps a file another user made: in a world-writable ``/dev/shm`` with
+``fs.protected_regular=0``, a planted 0666 file of a load's name would otherwise be opened, and
+could be read, or changed after its checksums were verified.
 
 All ranks unlink the files and the directory as soon as every rank has mapped them, so a
 crash later leaves nothing behind; one between creating and that moment can leave a
 ``gdswriter-load-*`` directory, which ``clean_stale`` removes at the next load on the host
-when its token is older than a day. Space is reserved up front (posix_fallocate), so a tmpfs too small (Docker's default 64 MiB
-/dev/shm) is an ENOSPC at set-up, never a SIGBUS mid-read; then every rank falls back to the
-process group.
+when its token is older than a day. Space is reserved up front (posix_fallocate), so a tmpfs
+too small (Docker's default 64 MiB /dev/shm) is an ENOSPC at set-up, never a SIGBUS
+mid-read; then every rank falls back to the process group.
 
 Each rank's tensors are a private (copy-on-write) mapping of the shared file: a rank that
 later writes into a loaded tensor (an optimizer state handed over without a copy) changes
