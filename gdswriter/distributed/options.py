@@ -34,7 +34,9 @@ class DistOptions:
         of consecutive ranks, as torchrun numbers them) each piece of state every rank holds
         crosses to each other host once. Default ``/dev/shm``; where it is too small for the
         reservation, or hosts are not such blocks, the pieces travel rank to rank over the
-        process group, as with None.
+        process group, as with None. Each load's files live in a directory private to it
+        (mode 0700); the tmpfs directory must be root's or this user's, and sticky where
+        others may write (as /dev/shm is), else the pieces travel over the process group.
     load_cross_memory: in such a load, the ranks of a host that may read each other's memory
         (one kernel, one PID namespace, one user, ptrace allowed: distributed/crossmem.py)
         each read their part of the state every rank holds (and of the DTensor blocks of a
