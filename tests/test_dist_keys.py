@@ -203,3 +203,28 @@ def test_a_shard_a_reader_would_refuse_is_never_committed(tmp_path):
     results = run_ranks(2, _long_name_worker, str(tmp_path / "root"), out=tmp_path / "out")
     assert all("expected a string of at most 4096 characters" in r["error"] or "failed" in r["error"]
                for r in results), results
+
+
+def _dtensor_clash_worker(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from support.models import small_options
+
+    from gdswriter import GDSCheckpointer, UnsupportedObjectError
+    from gdswriter.distributed import DistOptions
+
+    mesh = init_device_mesh("cpu", (world,))
+    block = distribute_tensor(_t(1), mesh, [Shard(0)])
+    state = {"x": {"a/b": block, "a": {"b": _t(2)}}}
+    with GDSCheckpointer(root=root, state=state, options=small_options(),
+                         dist_options=DistOptions(replicated=("extra",), timeout_s=60.0)) as ck:
+        with pytest.raises(UnsupportedObjectError, match="rename one of them"):
+            ck.save(1)
+        assert ck.latest_step() is None
+    return {"ok": True}
+
+
+def test_a_dtensor_whose_key_path_another_tensor_has_is_refused(tmp_path):
+    """A DTensor is matched by its key path on load (its blocks across shards): one that shares
+    it with another tensor cannot be told apart, so the save refuses it, typed, on every rank."""
+    run_ranks(2, _dtensor_clash_worker, str(tmp_path / "root"), out=tmp_path / "out")
