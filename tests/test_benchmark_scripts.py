@@ -153,3 +153,11 @@ def test_integration_saves(tmp_path, only):
     for case in INTEGRATION_CASES[only]:
         assert case in out, out
     assert list(tmp_path.iterdir()) == []  # its scratch directory is removed
+
+
+def test_replica_plan_sim():
+    out = run_script("replica_plan_sim.py", "--worlds", "8,64", "--markdown")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| torchrun") or
+            line.startswith("| shuffled") or line.startswith("| uneven")]
+    assert len(rows) == 6, out
+    assert all("2.000 / " in " | ".join(r) for r in rows), out

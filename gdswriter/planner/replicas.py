@@ -298,7 +298,8 @@ def place_replicas(hosts: Sequence[str], copies: int, domains: Sequence[Sequence
                                  f"({shown}): lower the copies to {hosts_n} or fewer, or run on more nodes")
     levels = sum(1 for m in ring.most_ranks[:-1] if copies * m <= w) if copies > 1 else ring.levels
     if require_domains and levels < ring.levels:
-        raise InvalidOptionError(_unseparated(ring, levels, ring.most_ranks, f"ranks of the {w}", w // copies))
+        raise InvalidOptionError(_unseparated(ring, levels, ring.most_ranks, f"ranks of the {w}",
+                                                 f"{w} // {copies} = {w // copies} (the ranks over the copies)"))
     if copies == 1 or copies * ring.most_ranks[-1] <= w:
         return ReplicaPlan(ring, copies, w // copies if copies > 1 else w, levels, True)
     table = _greedy(ring, copies)
@@ -310,11 +311,12 @@ def place_replicas(hosts: Sequence[str], copies: int, domains: Sequence[Sequence
     return ReplicaPlan(ring, copies, 0, levels, balanced, table, tuple(tuple(x) for x in inverse))
 
 
-def _unseparated(ring: Ring, levels: int, most: Sequence[int], unit: str, limit: int) -> str:
+def _unseparated(ring: Ring, levels: int, most: Sequence[int], unit: str, limit: str,
+                 what: str = "the copies") -> str:
     level = ring.levels - levels - 1  # the innermost level left unseparated, 0 = outermost
-    return (f"the named failure domains cannot keep the copies apart: a domain of level {level + 1} of "
+    return (f"the named failure domains cannot keep {what} apart: a domain of level {level + 1} of "
             f"{ring.levels} (outermost first) holds {most[level]} {unit}, more than {limit}; name smaller or more "
-            f"even domains, or leave require_domains off (the copies are then kept apart at the levels that "
+            f"even domains, or leave require_domains off ({what} are then kept apart at the levels that "
             f"allow it, on distinct hosts always)")
 
 
@@ -465,7 +467,9 @@ def parity_groups(hosts: Sequence[str], group_size: int, domains: Sequence[Seque
     g = max(1, n // group_size)
     levels = sum(1 for m in ring.most_hosts[:-1] if m <= g)
     if require_domains and levels < ring.levels:
-        raise InvalidOptionError(_unseparated(ring, levels, ring.most_hosts, f"hosts of the {n}", g))
+        raise InvalidOptionError(_unseparated(ring, levels, ring.most_hosts, f"hosts of the {n}",
+                                                 f"the {g} group(s): one host per group",
+                                                 "each parity group's hosts"))
     groups = tuple(ParityGroup(tuple(ring.hosts[p] for p in range(j, n, g)),
                                tuple(ring.host_ranks[p] for p in range(j, n, g))) for j in range(g))
     return ParityPlan(ring, group_size, groups, levels)
