@@ -136,6 +136,19 @@ def test_one_big_host_is_placed_greedily_on_distinct_hosts():
     assert sorted(got[r] for r in range(8)) == [0] * 4 + [1] * 4
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=2, max_size=6), st.randoms(use_true_random=False))
+def test_two_copies_with_a_big_host_are_as_even_as_the_hosts_allow(sizes, rnd):
+    """Two copies where one host has more than half the ranks: its m copies must land on the
+    W - m ranks of the other hosts, so some rank takes ceil(m / (W - m)); the plan takes no more."""
+    hosts = [f"h{i}" for i, n in enumerate(sizes) for _ in range(n)]
+    rnd.shuffle(hosts)
+    w, m = len(hosts), max(sizes)
+    plan = place_replicas(hosts, 2)
+    received = Counter(h for r in range(w) for h in plan.who_holds(r))
+    assert max(received.values()) == max(1, -(-m // (w - m)))
+
+
 def test_ring_orders_domains_by_first_rank():
     hosts = ["x", "y", "x", "z", "y"]
     ring = ring_of(hosts, [("r1",), ("r0",), ("r1",), ("r0",), ("r0",)])
