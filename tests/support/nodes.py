@@ -34,9 +34,10 @@ In a rank, ``reached(name, hold_s=...)`` records that it got to a point of a sav
 job's shared out dir) and may hold there, so that the test kills the node at that moment.
 
 Every wait is bounded (``JOB_TIMEOUT_S`` for a job, each node's init kills its ranks after it
-too) and ``Cluster.close()`` (a context manager's exit) kills every namespace still running:
-nothing here can hang a CI run. ``unavailable()`` says why nodes cannot be simulated (not
-root, no ``unshare``): tests skip with that reason.
+too) and ``Cluster.close()`` (a context manager's exit) kills every namespace still running;
+a node also dies with the test process (PR_SET_PDEATHSIG on unshare, ``--kill-child``):
+nothing here can hang a CI run or outlive it. ``unavailable()`` says why nodes cannot be
+simulated (not root, no ``unshare``): tests skip with that reason.
 """
 
 from __future__ import annotations
@@ -88,6 +89,14 @@ def _unshare() -> list[str]:
     # whole namespace goes; --propagation private: no mount made inside reaches the host.
     return ["unshare", "--mount", "--pid", "--uts", "--fork", "--mount-proc", "--propagation", "private",
             "--kill-child"]
+
+
+def _die_with_parent() -> None:
+    """In the unshare process, before exec: SIGKILL when the test process dies (prctl
+    PR_SET_PDEATHSIG), so a killed test run leaves no node behind (--kill-child does the rest)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def free_port() -> int:
@@ -244,7 +253,7 @@ class Cluster:
             with open(out / f"node{k}.log", "wb") as log:
                 procs[k] = subprocess.Popen([*_unshare(), sys.executable, "-m", "support.nodeinit", json.dumps(spec)],
                                             env=env, cwd=str(TESTS), stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=_die_with_parent)
             self.running[k] = procs[k]
         job = Job(self, nodes, out, procs)
         self.jobs.append(job)
