@@ -12,4 +12,6 @@ package for pytest's assertion rewriting.
   (the fake KvikIO, CUDA-memory wrapper), planted non-regular files.
 - ``fake_kvikio``: a stand-in for KvikIO (it cannot import without an NVIDIA driver).
 - ``timeouts``: ``deadline``, failing a test body that hangs.
+- ``nodes``: simulated nodes (namespaces: own hostname, /dev/shm, /local_nvme) to kill and
+  replace mid-save; ``nodeinit`` and ``noderank`` are the processes it starts in each node.
 """
