@@ -1034,6 +1034,7 @@ class GDSStorageReader(_Collective, StorageReader):
         md = metadata_from_json(m.dist.dcp)
         if md.storage_data is None or any(not 0 <= i < len(m.tensors) for i in md.storage_data.values()):
             raise CorruptCheckpointError(f"step {step}: the DCP metadata does not map its items to tensor records")
+        check_dcp_records(m, md)  # before any buffer is allocated or byte read (read_data)
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         self._loaded = (m, layout, md.storage_data, reaches_all)
@@ -1212,6 +1213,48 @@ def reader_engine_options(nbytes: int | None = None) -> EngineOptions:
 
 def _pool_bytes(options: EngineOptions | None) -> int:
     return 0 if options is None else options.num_buffers * options.buffer_bytes
+
+
+def check_dcp_records(m: Manifest, md: Metadata) -> None:
+    """CorruptCheckpointError unless every record DCP's metadata maps an item to is what
+    GDSStorageWriter writes for it: the item's chunk (its dtype, its sizes; the chunk inside the
+    item's size), contiguous, at byte 0 of a storage of exactly its bytes (a BytesIO item: uint8,
+    one dimension). The reader hands DCP a record's storage as that chunk (read_data,
+    _whole_target), so a stride, a byte offset or a size the writer never writes (a hand-made or
+    damaged manifest) is refused here, before a buffer is allocated, not read as something else."""
+    chunks: dict[str, dict[tuple[int, ...], Any]] = {}
+    for index, i in md.storage_data.items():
+        rec, entry = m.tensors[i], md.state_dict_metadata.get(index.fqn)
+        nbytes = m.storages[rec.storage].nbytes
+        why = ""
+        if entry is None:
+            why = "names no item of the DCP metadata"
+        elif not hasattr(entry, "chunks"):  # BytesStorageMetadata
+            if rec.dtype != "uint8" or rec.shape != (nbytes,) or rec.stride != (1,) or rec.byte_offset:
+                why = f"is not the {nbytes} bytes of its storage (dtype {rec.dtype}, shape {list(rec.shape)})"
+        else:
+            if index.fqn not in chunks:
+                chunks[index.fqn] = {tuple(c.offsets): c for c in entry.chunks}
+            chunk = chunks[index.fqn].get(tuple(index.offset or ()))
+            size = tuple(entry.size)
+            dtype = dtype_from_name(rec.dtype)
+            numel = 1
+            for n in rec.shape:
+                numel *= n
+            if chunk is None:
+                why = f"is at offsets {list(index.offset or ())}, where the item has no chunk"
+            elif any(o + n > g for o, n, g in zip(chunk.offsets, chunk.sizes, size)):
+                why = f"is the chunk {list(chunk.offsets)} + {list(chunk.sizes)}, outside the item's size {list(size)}"
+            elif rec.shape != tuple(chunk.sizes) or dtype != entry.properties.dtype:
+                why = (f"has shape {list(rec.shape)} and dtype {rec.dtype}, its chunk {list(chunk.sizes)} and "
+                       f"{dtype_to_name(entry.properties.dtype)}")
+            elif rec.stride != _contiguous(rec.shape) or rec.byte_offset or nbytes != numel * dtype.itemsize:
+                why = (f"is not contiguous at byte 0 of a storage of its {numel * dtype.itemsize} bytes (stride "
+                       f"{list(rec.stride)}, byte offset {rec.byte_offset}, storage {nbytes} bytes)")
+        if why:
+            raise CorruptCheckpointError(f"step {m.step}: the record of DCP item {index.fqn!r} (record {i}) {why}: "
+                                         f"GDSStorageWriter never writes that, so the manifest is damaged or was "
+                                         f"not written by it; load an earlier step")
 
 
 def _whole_target(req: Any, rec: TensorRecord, m: Manifest, planner: LoadPlanner) -> torch.Tensor | None:
