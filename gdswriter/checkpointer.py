@@ -359,9 +359,10 @@ class GDSCheckpointer:
             collected = self._collect()
             state_dict_s = time.perf_counter() - t1
             # DTensors -> their local shards (and where they lie) under torch.distributed
-            state = self._session.prepare(collected, step)
+            state, prepared = self._session.prepare(collected, step)
             # References, copied containers, and the unguarded tensors' copies: the rest in the save thread (_run)
-            snap = record_snapshot(state, step, metadata=metadata, guarded=guarded, layout=self._layout)
+            snap = record_snapshot(state, step, metadata=metadata, guarded=guarded, layout=self._layout,
+                                   prepared=prepared)
             handle = SaveHandle(step, mode)
             handle.state_dict_s, handle.blocking = state_dict_s, blocking
             with self._mutex:

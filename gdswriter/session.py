@@ -63,8 +63,11 @@ class Session(Protocol):
     def check_writable(self, step: int) -> None:
         """ReadOnlyRootError when ``step`` cannot be saved (roots opened for loading only)."""
 
-    def prepare(self, state: Any, step: int) -> Any:
-        """The state to snapshot for ``step`` (multi-rank: DTensors replaced by their local shards)."""
+    def prepare(self, state: Any, step: int) -> tuple[Any, Any]:
+        """(the state to snapshot for ``step``, what this save's write_and_commit needs of it);
+        the second travels in the snapshot (Snapshot.prepared), so a snapshot that failed
+        after prepare() leaves nothing behind that a later save could take for its own.
+        Multi-rank: the DTensors replaced by their local shards, and their blocks."""
 
     def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int, *,
                          pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest | None:
@@ -160,8 +163,8 @@ class LocalSession:
             raise ReadOnlyRootError(self.read_only.errno, f"cannot save step {step}: "
                                                           f"{self.read_only.strerror}") from self.read_only
 
-    def prepare(self, state: Any, step: int) -> Any:
-        return state
+    def prepare(self, state: Any, step: int) -> tuple[Any, Any]:
+        return state, None
 
     # -- save ----------------------------------------------------------------
     def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int, *,

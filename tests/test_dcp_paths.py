@@ -251,6 +251,63 @@ def _damage(root: Path, name: str) -> None:
         f.write(bytes([b[0] ^ 0x5A]))
 
 
+def _edit_manifest(step_dir: Path, raw: bytes, edit) -> None:
+    """Write the manifest ``raw`` as ``edit(manifest)`` changes it (its checksum recomputed): a
+    hand-made manifest that parses."""
+    from gdswriter.format.manifest import MANIFEST_NAME, Manifest
+
+    (step_dir / MANIFEST_NAME).write_bytes(edit(Manifest.from_json_bytes(raw)).to_json_bytes())
+
+
+def _with_record(name: str, **changes):
+    from dataclasses import replace
+
+    def edit(m):
+        return replace(m, tensors=[replace(t, **changes) if t.name == name else t for t in m.tensors])
+
+    return edit
+
+
+def _shorter_b(m):
+    """b's record and its DCP chunk 4 elements shorter, starting 16 bytes into its storage."""
+    m = _with_record("b", byte_offset=16, shape=(3 * MIB // 4 - 4,))(m)
+    for fqn, e in m.dist.dcp["state_dict_metadata"]:
+        if fqn == "b":
+            e["tensor"]["size"], e["tensor"]["chunks"] = [3 * MIB // 4 - 4], [[[0], [3 * MIB // 4 - 4]]]
+    return m
+
+
+@pytest.mark.parametrize("case, edit, says", [
+    ("stride", _with_record("w", stride=(1, 768)), "stride [1, 768]"),
+    ("byte offset", _shorter_b, "byte offset 16"),
+    ("shape", _with_record("b", shape=(3 * MIB // 4 - 4,)), "its chunk [786432]"),
+    ("dtype", _with_record("i", dtype="float64"), "dtype float64, its chunk [1048576] and int64"),
+])
+def test_reader_refuses_records_the_writer_never_writes(tmp_path, case, edit, says):
+    """A DCP step's record is the item's chunk, contiguous at byte 0 of its storage: a hand-made
+    manifest whose record has another stride, a byte offset, another shape or dtype was read as
+    contiguous bytes (a transposed view loaded untransposed, int64 bytes cast as float64) or
+    failed in read_data with an untyped RuntimeError after its buffers were allocated and read.
+    It is refused with CorruptCheckpointError before any read: no target changes, atomic or not."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import dcp_errors
+    from gdswriter.errors import CorruptCheckpointError
+    from gdswriter.format.manifest import MANIFEST_NAME
+
+    sd = _state(6)
+    dcp.save(sd, checkpoint_id=tmp_path / "ck", storage_writer=writer(), no_dist=True)
+    step_dir = next((tmp_path / "ck").glob("step_*"))
+    _edit_manifest(step_dir, (step_dir / MANIFEST_NAME).read_bytes(), edit)
+    for atomic in (False, True):
+        got = _zeros(sd)
+        if case == "byte offset":
+            got["b"] = got["b"][4:].clone()
+        with pytest.raises(CorruptCheckpointError, match=re.escape(says)), dcp_errors():
+            dcp.load(got, checkpoint_id=tmp_path / "ck", storage_reader=reader(atomic=atomic), no_dist=True)
+        assert not any(v.any() for v in got.values()), case
+
+
 def test_reader_in_place_by_default_atomic_on_request(tmp_path, monkeypatch):
     """The reader reads whole items straight into DCP's targets (no buffer: the fetch gets the
     targets as its buffers) and keeps its engine from load to load; items DCP asks for in part

@@ -31,7 +31,8 @@ def _session(roots):
 def _save(session, state, step, engines):
     from gdswriter.save.snapshot import take_snapshot
 
-    snap = take_snapshot(session.prepare(state, step), step)
+    prepared, found = session.prepare(state, step)
+    snap = take_snapshot(prepared, step, prepared=found)
     return session.write_and_commit(snap, engines, 2)
 
 

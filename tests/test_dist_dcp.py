@@ -1094,3 +1094,65 @@ def test_two_ranks_that_both_find_every_mark_on_a_joint_root_publish_it_once(tmp
     with pytest.raises(EngineIOError, match="vanished"):
         rc.publish_led()
     assert not (root / step_dir_name(8)).exists()
+
+
+def _resave_then_elsewhere_worker(rank: int, world: int, tmp: str) -> dict:
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from gdswriter.distributed.rankfiles import save_tag
+    from gdswriter.format.commit import root_identity
+    from gdswriter.format.sharded import parse_step
+    from support.ranks import caught
+
+    node = Path(tmp, f"node{rank}")  # node-local disks: rank 1 leads its own root under each path
+    numel = 1 << 19  # 2 MiB
+    w = writer(None)
+    out: dict = {}
+
+    def save(name: str, value: float) -> list[str] | None:
+        return caught(lambda: dcp.save({"rep": torch.full((numel,), value)}, checkpoint_id=node / name,
+                                       storage_writer=w))
+
+    def files(name: str) -> list[str]:  # step 1's data files under path ``name`` on this rank's disk
+        d = node / name / "step_000000000001"
+        return sorted(n for n in os.listdir(d) if save_tag(n) is not None)
+
+    out["first"] = save("P/step-1", 1.0)
+    out["resave"] = save("P/step-1", 2.0)  # rank 1 writes beside the committed step_1 on its root under P
+    out["after_resave"] = files("P/step-1")
+    out["fs_calls"] = _count_dist_calls(lambda: dcp.save({"rep": torch.zeros(numel)},
+                                                          storage_writer=FileSystemWriter(node / "fs")))
+    result: list = []  # the next save targets another path: DCP's collectives only, as FileSystemWriter's
+    out["elsewhere_calls"] = _count_dist_calls(lambda: result.append(save("Q/step-1", 3.0)))
+    out["elsewhere"] = result[0]
+    out["after_elsewhere"] = files("P/step-1")
+    out["q_files"] = files("Q/step-1")
+    w.close()
+    if rank == 0:  # the names step 1's manifest under P lists on rank 1's root
+        m = parse_step((node / "P/step-1/step_000000000001/manifest.json").read_bytes(), "step 1")
+        g = next(g for g, info in enumerate(m.dist.roots) if info.id == root_identity(Path(tmp, "node1/P/step-1")).id)
+        out["listed"] = sorted(f.path for f in m.files if f.root == g)
+    back = {"rep": torch.zeros(numel)}
+    out["loaded"] = caught(lambda: dcp.load(back, checkpoint_id=node / "P/step-1", storage_reader=reader(None)))
+    out["values"] = [float(back["rep"].min()), float(back["rep"].max())]
+    return out
+
+
+def test_a_resaves_leftovers_go_at_the_next_save_to_another_path(tmp_path):
+    """Re-saving step 1 under path P, rank 1 (leading its own root there) writes beside the
+    committed files; the replaced ones must go at the writer's next save even when that save
+    targets another path Q (they stayed until a writer opened P again), leaving exactly the
+    files P's committed manifest names, and P still loads the re-saved values; that save makes
+    FileSystemWriter's torch.distributed calls, no more."""
+    res = run_ranks(2, _resave_then_elsewhere_worker, str(tmp_path), out=tmp_path / "ranks")
+    r0, r1 = res
+    for x in res:
+        assert x["first"] is None and x["resave"] is None and x["elsewhere"] is None, res
+        assert x["loaded"] is None and x["values"] == [2.0, 2.0], res
+        assert x["elsewhere_calls"] == x["fs_calls"], res
+    assert len(r1["after_resave"]) == 2, r1  # the old file and the re-save's, side by side
+    assert r1["after_elsewhere"] == r0["listed"] and len(r0["listed"]) == 1, res
+    assert len(r1["q_files"]) == 1, r1

@@ -266,7 +266,8 @@ def _save(session, step: int, seed: int) -> None:
 
     engines = [create_engine(small_engine()) for _ in range(2)]
     try:
-        session.write_and_commit(take_snapshot(session.prepare(_state(seed), step), step), engines, 1)
+        state, found = session.prepare(_state(seed), step)
+        session.write_and_commit(take_snapshot(state, step, prepared=found), engines, 1)
     finally:
         for e in engines:
             e.close()

@@ -327,3 +327,34 @@ def test_a_dcp_save_that_never_finishes_releases_its_lock(tmp_path):
             gc.collect()
         dcp.save(sd, storage_writer=writer(2), no_dist=True)  # CheckpointLockedError while the lock is held
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step_")) == ["step_000000000002"]
+
+
+# ----------------------------------------------------------------------------- 7. a save retried after save_async raised
+def _retry_worker(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from gdswriter import GDSCheckpointer
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(1024 * 1024, dtype=torch.float32).reshape(1024, 1024)  # 4 MiB, 2 MiB a rank
+    held: dict = {"w": distribute_tensor(full, mesh, [Shard(0)]), "bad": object()}
+    with GDSCheckpointer(root=root, state={"s": held}, options=_options(), dist_options=_dist_options()) as ck:
+        raised = caught(lambda: ck.save(1))  # prepare() ran, then the snapshot refused "bad"
+        held.pop("bad")
+        held["w"] = distribute_tensor(full, mesh, [Shard(1)])  # the state the retry saves: other blocks
+        ck.save(1)
+    back = {"w": distribute_tensor(torch.zeros(1024, 1024), mesh, [Shard(1)])}
+    with GDSCheckpointer(root=root, state={"s": back}, options=_options(), dist_options=_dist_options()) as ck:
+        loaded = caught(lambda: ck.load(1))
+    ok = loaded is None and torch.equal(back["w"].full_tensor(), full)
+    return {"raised": raised, "loaded": loaded, "ok": ok}
+
+
+def test_a_save_retried_after_save_async_raised_saves_the_retrys_shards(tmp_path):
+    """save_async ran prepare() (DTensors -> local shards and their blocks), then the snapshot
+    raised; the retry of the same step must write its own blocks, not the failed attempt's."""
+    res = run_ranks(2, _retry_worker, str(tmp_path / "shared"), out=tmp_path / "ranks")
+    for x in res:
+        assert x["raised"] is not None and x["raised"][0] == "UnsupportedObjectError", x
+        assert x["loaded"] is None and x["ok"], x

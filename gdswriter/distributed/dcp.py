@@ -55,10 +55,11 @@ publishes"); the reports say who published what, and ``finish`` refuses to commi
 joint root that nobody published (a copied root). Re-saving a committed step, a rank leading a
 secondary root writes beside the committed files, in the committed step directory, under names
 of its own (OrderedCommit), so nothing of the old step changes before the coordinator's commit;
-the files no committed manifest names are removed at the next save (the ranks say where they
-wrote beside a step in their local plans, the coordinator sends each root's leader the names
-the committed manifest lists there in its global plan). The writer never makes a coordination
-channel of its own.
+the files no committed manifest names are removed at the writer's next save, whichever
+checkpoint_id it targets (the ranks say where they wrote beside a step in their local plans, the
+coordinator sends each root's leader the names the committed manifest lists there in its global
+plan; the roots of an earlier checkpoint_id are kept for that: _lock_formers, _formers_live).
+The writer never makes a coordination channel of its own.
 
 Loading reads each item DCP asks for whole straight into DCP's target tensor (its checksum
 computed as it is read) and only resharded or cast items through a buffer, as FileSystemReader
@@ -260,7 +261,7 @@ class _Collective:
     """What the writer and reader share: roots, options, and a coordinator opened on first use."""
 
     _OPEN = ("_coord", "_session", "_items", "_save", "_loaded", "_engines", "_engine_made", "_opening",
-             "_open_lock")  # resources, per-save state: not pickled
+             "_open_lock", "_formers", "_former_lock", "_former_paths")  # resources, per-save state: not pickled
 
     def __init__(self, root: Any, step: int | None, process_group: Any, single_process: bool,
                  dist_options: DistOptions | None):
@@ -430,6 +431,9 @@ class GDSStorageWriter(_Collective, StorageWriter):
         self._save: dict | None = None     # step, commit and reports of the save in progress
         self._engines: list[IOEngine] | None = None  # one per local root, kept from save to save
         self._beside: set[tuple[str, int]] = set()  # (root id, step): files of several saves in a step (OrderedCommit)
+        self._formers: list[DistSession] | None = []  # sessions of roots left for others, owed a cleaning (_lock_formers)
+        self._former_lock: RootLock | None = None  # another rank than 0: its former roots it cleans this save
+        self._former_paths: set[Path] | None = set()  # those roots
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -470,9 +474,34 @@ class GDSStorageWriter(_Collective, StorageWriter):
                                      f"writer's process_group")
         if self._session is not None and kept and self._session_roots == roots:
             self._relock(self._session)
+            self._lock_formers(rank, set(self._session.layout.local_ids))
             return
+        if self._session is not None:  # roots left for others: a re-save's leftovers there go at this save
+            self._formers = (self._formers or []) + [self._session]
         self._session = self._session_roots = None
         self._opening = self._open_local(roots, rank)
+        self._lock_formers(rank, set(self._opening["ids"]))
+
+    def _lock_formers(self, rank: int, current: set[str]) -> None:
+        """Another rank than 0: lock the roots of earlier sessions (another checkpoint_id) where
+        it wrote beside a committed step (``_beside``) and which this save's roots are not, so
+        that it can remove there, in write_data, what the committed manifest no longer names
+        (the coordinator sends the names: ``_formers_live``). Held until the save ends; a root
+        it cannot lock now (another job's) is left for the next save. The coordinator never
+        writes beside a step: it keeps its former sessions to read their manifests."""
+        if rank == 0:
+            return
+        owed = {rid for rid, _ in self._beside} - current
+        formers = [f for f in self._formers or [] if owed & set(f.layout.local_ids)]
+        self._formers = formers
+        paths = {f.layout.local_paths[i] for f in formers for i in f.layout.led
+                 if f.layout.local_ids[i] in owed and not f.layout.is_primary(i)}
+        if paths:
+            try:
+                self._former_lock, self._former_paths = RootLock(sorted(paths)), paths
+            except (OSError, GDSWriterError) as e:
+                log.info("gdswriter: the files an earlier re-save left beside a step under %s stay until a later "
+                         "save (%s)", sorted(paths)[0], e)
 
     def _open_local(self, roots: list[Path], rank: int) -> dict:
         """What this rank can learn of its roots alone before DCP's plans: each made if missing,
@@ -564,12 +593,41 @@ class GDSStorageWriter(_Collective, StorageWriter):
                     pieces[r].append([len(items), 0, None])
                     items.append([f"bytes:{wi.index.fqn}", None, wi.index.fqn, None])
         decided = self._decide(session)
-        live = _live_beside(session, {(rid, step) for plan in plans for rid, step in plan.storage_data["beside"]})
+        beside = {(rid, step) for plan in plans for rid, step in plan.storage_data["beside"]}
+        live = _live_beside(session, beside)
         clean_resaved(session.layout, live.pop(session.rank, []), keep=decided["token"])  # roots once led by others
         self._beside = set()  # the coordinator never writes beside a step
+        former = self._formers_live(session, beside)
         return [replace(plan, storage_data={"items": items, "pieces": pieces[r], "layout": parts[r],
-                                            "live": live.get(r, []), **decided})
+                                            "live": live.get(r, []), "former": former.get(r, []), **decided})
                 for r, plan in enumerate(plans)]
+
+    def _formers_live(self, session: DistSession, beside: set[tuple[str, int]]) -> dict[int, list]:
+        """Coordinator: _live_beside for the steps the ranks report files of several saves in on
+        roots of this writer's earlier sessions (another checkpoint_id) that ``session`` does not
+        have: the names their committed manifests list there, {leader: [[root id, step, names]]}.
+        An earlier session is kept while some rank reports such a step of its roots. Its primary
+        is rank 0's: read here; the leaders hold their roots' locks since set_up (_lock_formers),
+        so no save there can commit another manifest before they have cleaned."""
+        current = {info.id for info in session.layout.table}
+        out: dict[int, list] = {}
+        kept = []
+        done: set[str] = set()
+        for former in self._formers or []:
+            ids = {info.id for info in former.layout.table} - current - done
+            mine = {(rid, step) for rid, step in beside if rid in ids}
+            if not mine:
+                continue
+            kept.append(former)
+            done |= ids
+            try:
+                for r, entries in _live_beside(former, mine).items():
+                    out.setdefault(r, []).extend(entries)
+            except (OSError, GDSWriterError) as e:
+                log.warning("gdswriter: the committed steps under %s could not be read (%s): the files of earlier "
+                            "saves beside them stay", former.protocol.primary, e)
+        self._formers = kept
+        return out
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's pieces and make them durable (and publish the secondary roots only
@@ -711,6 +769,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
 
     def _write_ordered(self, session: DistSession, plan: SavePlan, planner: SavePlanner) -> dict:
         decided = plan.storage_data
+        owed: set[tuple[str, int]] = set()  # files beside steps of earlier sessions' roots, not cleaned yet
         if session.rank == session.layout.primary_rank:
             assert self._save is not None and self._save["token"] == decided["token"]
             rc = self._save["commit"]
@@ -719,6 +778,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
             # (or written beside a committed step): kept
             clean_led(session.layout, decided["clean"], keep=decided["token"])
             clean_resaved(session.layout, decided["live"], keep=decided["token"])
+            owed = self._clean_formers(decided["former"], decided["token"], set(session.layout.local_ids))
             rc = OrderedCommit(session.coord, session.layout, decided["step"], decided["token"],
                                resaving=decided["step"] in decided["clean"])
             mine = {(session.layout.local_ids[i], rc.step) for i in rc.in_place}
@@ -737,9 +797,28 @@ class GDSStorageWriter(_Collective, StorageWriter):
         if rc.coordinates:
             self._save["items"] = decided["items"]
         else:
-            self._beside = mine  # the earlier ones were cleaned by their leaders in this save
+            self._beside = mine | owed  # the earlier ones were cleaned by their leaders in this save
             self._end_save()
         return report
+
+    def _clean_formers(self, live: list, keep: str, current: set[str]) -> set[tuple[str, int]]:
+        """Another rank than 0, in write_data: on the roots of earlier sessions it locked in
+        set_up (_lock_formers), remove what the committed manifests no longer name (``live``,
+        from the coordinator: commit.clean_resaved). Returns the (root id, step) still owed a
+        cleaning (a root it could not lock, or a failure there: logged; this save goes on)."""
+        locked = self._former_paths if self._former_lock is not None else set()
+        owed: set[tuple[str, int]] = set()
+        for former in self._formers or []:
+            ids = {ident for ident, path in zip(former.layout.local_ids, former.layout.local_paths) if path in locked}
+            left = set(former.layout.local_ids) - ids - current
+            owed |= {(rid, step) for rid, step in self._beside if rid in left}
+            try:
+                clean_resaved(former.layout, [e for e in live if e[0] in ids], keep=keep)
+            except OSError as e:
+                owed |= {(rid, step) for rid, step in self._beside if rid in ids}
+                log.warning("gdswriter: removing the files an earlier re-save left beside a step under %s failed "
+                            "(%s); the next save tries again", former.layout.local_paths[0], e)
+        return owed
 
     def _write(self, plan: SavePlan, planner: SavePlanner, rc: OrderedCommit) -> dict:
         if rc.setup_error is not None:
@@ -809,6 +888,9 @@ class GDSStorageWriter(_Collective, StorageWriter):
         if self._open_lock is not None:
             self._open_lock.release()
             self._open_lock = None
+        if self._former_lock is not None:
+            self._former_lock.release()
+            self._former_lock, self._former_paths = None, set()
         self._opening = None
         self._save = None
 
@@ -817,12 +899,13 @@ class GDSStorageWriter(_Collective, StorageWriter):
         kept between saves (the next save opens and builds new ones)."""
         self._end_save()
         self._session = self._session_roots = None
+        self._formers = []
         self._close_engines()
 
     def __del__(self) -> None:
         session = getattr(self, "_session", None)
         if ((session is not None and session.lock is not None) or getattr(self, "_engines", None)
-                or getattr(self, "_open_lock", None) is not None):
+                or getattr(self, "_open_lock", None) is not None or getattr(self, "_former_lock", None) is not None):
             self.close()
 
 
@@ -1034,6 +1117,7 @@ class GDSStorageReader(_Collective, StorageReader):
         md = metadata_from_json(m.dist.dcp)
         if md.storage_data is None or any(not 0 <= i < len(m.tensors) for i in md.storage_data.values()):
             raise CorruptCheckpointError(f"step {step}: the DCP metadata does not map its items to tensor records")
+        check_dcp_records(m, md)  # before any buffer is allocated or byte read (read_data)
         md.storage_meta = md.storage_meta or StorageMeta()
         md.storage_meta.load_id = self.load_id
         self._loaded = (m, layout, md.storage_data, reaches_all)
@@ -1212,6 +1296,48 @@ def reader_engine_options(nbytes: int | None = None) -> EngineOptions:
 
 def _pool_bytes(options: EngineOptions | None) -> int:
     return 0 if options is None else options.num_buffers * options.buffer_bytes
+
+
+def check_dcp_records(m: Manifest, md: Metadata) -> None:
+    """CorruptCheckpointError unless every record DCP's metadata maps an item to is what
+    GDSStorageWriter writes for it: the item's chunk (its dtype, its sizes; the chunk inside the
+    item's size), contiguous, at byte 0 of a storage of exactly its bytes (a BytesIO item: uint8,
+    one dimension). The reader hands DCP a record's storage as that chunk (read_data,
+    _whole_target), so a stride, a byte offset or a size the writer never writes (a hand-made or
+    damaged manifest) is refused here, before a buffer is allocated, not read as something else."""
+    chunks: dict[str, dict[tuple[int, ...], Any]] = {}
+    for index, i in md.storage_data.items():
+        rec, entry = m.tensors[i], md.state_dict_metadata.get(index.fqn)
+        nbytes = m.storages[rec.storage].nbytes
+        why = ""
+        if entry is None:
+            why = "names no item of the DCP metadata"
+        elif not hasattr(entry, "chunks"):  # BytesStorageMetadata
+            if rec.dtype != "uint8" or rec.shape != (nbytes,) or rec.stride != (1,) or rec.byte_offset:
+                why = f"is not the {nbytes} bytes of its storage (dtype {rec.dtype}, shape {list(rec.shape)})"
+        else:
+            if index.fqn not in chunks:
+                chunks[index.fqn] = {tuple(c.offsets): c for c in entry.chunks}
+            chunk = chunks[index.fqn].get(tuple(index.offset or ()))
+            size = tuple(entry.size)
+            dtype = dtype_from_name(rec.dtype)
+            numel = 1
+            for n in rec.shape:
+                numel *= n
+            if chunk is None:
+                why = f"is at offsets {list(index.offset or ())}, where the item has no chunk"
+            elif any(o + n > g for o, n, g in zip(chunk.offsets, chunk.sizes, size)):
+                why = f"is the chunk {list(chunk.offsets)} + {list(chunk.sizes)}, outside the item's size {list(size)}"
+            elif rec.shape != tuple(chunk.sizes) or dtype != entry.properties.dtype:
+                why = (f"has shape {list(rec.shape)} and dtype {rec.dtype}, its chunk {list(chunk.sizes)} and "
+                       f"{dtype_to_name(entry.properties.dtype)}")
+            elif rec.stride != _contiguous(rec.shape) or rec.byte_offset or nbytes != numel * dtype.itemsize:
+                why = (f"is not contiguous at byte 0 of a storage of its {numel * dtype.itemsize} bytes (stride "
+                       f"{list(rec.stride)}, byte offset {rec.byte_offset}, storage {nbytes} bytes)")
+        if why:
+            raise CorruptCheckpointError(f"step {m.step}: the record of DCP item {index.fqn!r} (record {i}) {why}: "
+                                         f"GDSStorageWriter never writes that, so the manifest is damaged or was "
+                                         f"not written by it; load an earlier step")
 
 
 def _whole_target(req: Any, rec: TensorRecord, m: Manifest, planner: LoadPlanner) -> torch.Tensor | None:

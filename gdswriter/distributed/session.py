@@ -16,7 +16,6 @@ a load) run one at a time, each whole (a lock), as every rank issues them in the
 
 from __future__ import annotations
 
-import collections
 import errno
 import logging
 import threading
@@ -89,9 +88,7 @@ class DistSession:
     def __init__(self, coord: Coordinator, layout: RootLayout, lock: Any, options: DistOptions):
         self.coord, self.layout, self.lock, self.options = coord, layout, lock, options
         self.protocol = RankProtocol(layout)
-        self._shards: collections.deque[tuple[int, DTensors]] = collections.deque()
         self._plans = PlanCache()
-        self._mutex = threading.Lock()
         self._serial = threading.Lock()  # one collective operation at a time (the module docstring)
         self._table_shared = layout.world_size == 1  # the whole root table on every rank (share_table)
 
@@ -113,25 +110,20 @@ class DistSession:
         pass
 
     # -- save ----------------------------------------------------------------
-    def prepare(self, state: Any, step: int) -> Any:
-        """Replace DTensors by their local shards (remembered, with their meshes, for this step's write)."""
+    def prepare(self, state: Any, step: int) -> tuple[Any, DTensors]:
+        """DTensors replaced by their local shards, and their blocks and meshes for this save's
+        write: they travel in its snapshot (Snapshot.prepared), not in the session, so a retry of
+        a step whose snapshot failed after prepare() writes its own blocks."""
         prepared, shards, meshes, groups = split_dtensors(state)
-        with self._mutex:
-            self._shards.append((step, DTensors(shards, meshes, groups)))
-        return prepared
-
-    def _shards_of(self, step: int) -> DTensors:
-        with self._mutex:
-            while self._shards:  # entries of snapshots that failed after prepare() are skipped
-                s, found = self._shards.popleft()
-                if s == step:
-                    return found
-        raise GDSWriterError(f"internal: no prepared state for step {step} (call prepare() before the snapshot)")
+        return prepared, DTensors(shards, meshes, groups)
 
     def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int, *,
                          pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest | None:
         """Collective: write and commit ``snap`` with every rank (dist/save.py)."""
-        found = self._shards_of(snap.step)
+        found = snap.prepared
+        if not isinstance(found, DTensors):
+            raise GDSWriterError(f"internal: the snapshot of step {snap.step} was not made from prepare()'s "
+                                 f"state (pass prepare()'s second value to take_snapshot(prepared=...))")
         with self._serial:
             manifest = collective_save(self.coord, self.layout, snap, found, engines, files_per_root=files_per_root,
                                        replicated=self.options.replicated, pool=pool, release=release,

@@ -81,6 +81,7 @@ class Snapshot:
     metadata: dict
     ready: dict[int, Any] = field(default_factory=dict)
     unguarded: list[str] = field(default_factory=list)
+    prepared: Any = None  # what Session.prepare returned beside the state, for this save's write_and_commit
 
     @property
     def nbytes(self) -> int:
@@ -328,8 +329,10 @@ class PendingSnapshot:
     them in place), and the tensors copied at the call are matched to their copies by the
     memory they view."""
 
-    def __init__(self, step: int, tree: Any, arrays: dict[int, torch.Tensor], metadata: dict) -> None:
+    def __init__(self, step: int, tree: Any, arrays: dict[int, torch.Tensor], metadata: dict,
+                 prepared: Any = None) -> None:
         self.step, self.tree, self.arrays, self.metadata = step, tree, arrays, metadata
+        self.prepared = prepared  # Snapshot.prepared
         self.ready: dict[int, Any] = {}
         self.tensor_count = 0  # the tensors met (repeats counted)
         self.handled: dict[int, torch.Tensor] = {}  # id -> tensor, of those checked (and grouped) at the call
@@ -361,7 +364,7 @@ class PendingSnapshot:
                         tensors[i] = t.detach().resolve_conj().resolve_neg()
         extents, placed, records = _lay_out(tensors, names, kinds, layout)
         unguarded = self._apply_captures(extents, placed, tensors)
-        return Snapshot(self.step, tree, extents, records, self.metadata, self.ready, unguarded)
+        return Snapshot(self.step, tree, extents, records, self.metadata, self.ready, unguarded, self.prepared)
 
     def _apply_captures(self, extents: list[Extent], placed: list[tuple[int, int]],
                         tensors: list[torch.Tensor]) -> list[str]:
@@ -390,12 +393,13 @@ class PendingSnapshot:
 
 
 def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guarded: GuardedMemory | None = None,
-                    layout: LayoutCache | None = None) -> PendingSnapshot:
+                    layout: LayoutCache | None = None, prepared: Any = None) -> PendingSnapshot:
     """save_async's part of a snapshot (see PendingSnapshot): ``guarded``, the memory the step
     pre-hook guards; the tensors outside it are checked, grouped (with ``layout.at_call``, the
     last save's grouping, while it applies) and (the small ones) copied now, as take_snapshot
     describes. Raises UnsupportedObjectError, naming the key path, for what the format cannot
-    store (a quantized tensor only guarded memory holds: in the save thread, from ``complete``)."""
+    store (a quantized tensor only guarded memory holds: in the save thread, from ``complete``).
+    ``prepared``: what Session.prepare returned beside the state, carried to Snapshot.prepared."""
     guarded = guarded or GuardedMemory()
     try:
         frozen, tensors, arrays = freeze_state(state)
@@ -404,7 +408,7 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     except (Unfreezable, RuntimeError, NotImplementedError):
         _raise_unsupported(state)
         raise
-    pending = PendingSnapshot(step, frozen, arrays, {} if metadata is None else metadata)
+    pending = PendingSnapshot(step, frozen, arrays, {} if metadata is None else metadata, prepared)
     pending.tensor_count = len(tensors)
     at_call: list[torch.Tensor] = []
     held: set[int] = set()
@@ -462,7 +466,8 @@ def _handle_at_call(pending: PendingSnapshot, tensors: list[torch.Tensor], guard
 
 
 def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
-                  protected: Collection[torch.Tensor] = (), layout: LayoutCache | None = None) -> Snapshot:
+                  protected: Collection[torch.Tensor] = (), layout: LayoutCache | None = None,
+                  prepared: Any = None) -> Snapshot:
     """Encode ``state`` and group its tensors by the allocation they view; copies nothing but
     small unprotected tensors. ``metadata``: what plain_json made of the caller's, kept as it
     is (the caller copied it, deep, before it waited for room). ``protected``: tensors that
@@ -476,7 +481,8 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
     replaced where it does not. record_snapshot and PendingSnapshot.complete in one: what
     save_async does at the call and the save thread then."""
     guarded = GuardedMemory(list(protected))
-    return record_snapshot(state, step, metadata=metadata, guarded=guarded, layout=layout).complete(layout)
+    return record_snapshot(state, step, metadata=metadata, guarded=guarded, layout=layout,
+                           prepared=prepared).complete(layout)
 
 
 def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str],
