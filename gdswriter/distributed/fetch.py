@@ -29,9 +29,9 @@ import torch
 
 from ..engines.base import IOEngine
 from ..errors import ChecksumMismatchError, UnreachableDataError
-from ..format.commit import CommitProtocol, step_dir_name
+from ..format.commit import CommitProtocol
 from ..format.manifest import ChunkRecord, Manifest, StorageRecord, TensorRecord
-from ..load.reader import check_file_sizes, host_buffer, read_storages
+from ..load.reader import check_step_files, host_buffer, read_storages
 from .group import Coordinator, Transfer
 from .roots import RootLayout
 
@@ -84,10 +84,9 @@ def _read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, tor
 
 def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
     """The data files ``files`` (indices into ``m.files``, on roots this rank reaches) are regular
-    files of their recorded sizes (load.reader.check_file_sizes)."""
-    step_dir = step_dir_name(m.step)
-    paths = {f: reach.paths[m.files[f].root] for f in sorted(files)}
-    check_file_sizes((p / step_dir / m.files[f].path, m.files[f]) for f, p in paths.items() if p is not None)
+    files of their recorded sizes (load.reader.check_step_files: CheckpointNotFoundError when the
+    step vanished meanwhile)."""
+    check_step_files(m.step, m.created_unix, reach.paths, (m.files[f] for f in sorted(files)))
 
 
 def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,

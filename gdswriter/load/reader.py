@@ -35,11 +35,11 @@ from ..engines.buffers import HUGE_PAGE
 from ..engines.select import create_engine, sized_for
 from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, GDSWriterError,
                       TruncatedFileError)
-from ..format.commit import CommitProtocol, normalize_roots
+from ..format.commit import CommitProtocol, normalize_roots, step_dir_name
 from ..fs import read_regular_file
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
-from ..format.sharded import GlobalManifest, load_merged, parse_step
+from ..format.sharded import SHARDED_VERSION, GlobalManifest, load_merged, parse_step, step_vanished, vanished_error
 from ..format.state_codec import decode_state
 from ..options import EngineOptions
 from ..threads import run_per_file
@@ -134,10 +134,34 @@ def check_file_sizes(files: Iterable[tuple[Path, FileRecord]]) -> None:
                                          f"damaged or was tampered with; load an earlier step")
 
 
+def check_step_files(step: int, created_unix: float, reach: Sequence[Path | None],
+                     files: Iterable[FileRecord]) -> None:
+    """check_file_sizes of data ``files`` of ``step`` (committed at ``created_unix``) on the
+    roots this process sees (``reach``: a path per root of the step, the primary first, None
+    where unseen; files on unseen roots are skipped): a multi-rank load's check. A file missing
+    because the step vanished meanwhile (format/sharded.py ``step_vanished``: by the primary's
+    manifest.json where seen, else by the step's directories on the roots read) is
+    CheckpointNotFoundError; otherwise damage, as check_file_sizes says."""
+    files = [f for f in files if reach[f.root] is not None]
+    d = step_dir_name(step)
+    try:
+        check_file_sizes((reach[f.root] / d / f.path, f) for f in files)  # type: ignore[operator]
+    except CorruptCheckpointError as e:
+        primary = reach[0] if reach else None
+        dirs = [None] if primary is not None else [reach[r] / d for r in sorted({f.root for f in files})]  # type: ignore[operator]
+        if any(step_vanished(step, created_unix, primary, x) for x in dirs):
+            raise vanished_error(step, primary or dirs[0], e) from e  # type: ignore[arg-type]
+        raise
+
+
 def step_gone(protocol: CommitProtocol, manifest: Manifest) -> bool:
     """True when the step ``manifest`` describes is no longer committed as that manifest: un-committed
     (a running checkpointer's retention, delete_step) or replaced by a new save of the same step.
-    A reader that hits a missing file asks this: then it lost a race, the checkpoint is not damaged."""
+    A reader that hits a missing file asks this: then it lost a race, the checkpoint is not damaged.
+    A 1.3 step (its shards merged) is compared by its global manifest (format/sharded.py
+    ``step_vanished``, the rule read_shard applies to its shards), without merging it again."""
+    if manifest.version >= SHARDED_VERSION:
+        return step_vanished(manifest.step, manifest.created_unix, protocol.primary)
     try:
         raw = read_manifest_bytes(protocol, manifest.step)
     except CheckpointNotFoundError:
@@ -162,10 +186,7 @@ def deleted_while_reading(protocol: CommitProtocol, manifest: Manifest,
         return None
     if not step_gone(protocol, manifest):
         return None
-    return CheckpointNotFoundError(errno.ENOENT, f"step {manifest.step} under {protocol.primary} was deleted (or "
-                                                 f"saved again) while it was being read, by a running "
-                                                 f"checkpointer's retention (keep_last?): read a newer step "
-                                                 f"({' '.join(str(e).split())})")
+    return vanished_error(manifest.step, protocol.primary, e)
 
 
 def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
