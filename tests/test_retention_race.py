@@ -260,3 +260,50 @@ def test_readers_racing_a_two_rank_writer_with_keep_last_1(tmp_path):
     assert box.get("steps") == [RACE_STEPS, RACE_STEPS]
     assert not wrong, (wrong[:5], len(wrong), outcomes)
     assert sum(v for k, v in outcomes.items() if k.endswith(" ok")) > 0, outcomes
+
+
+# ----------------------------------------------------------------------------- the DCP reader
+def _dcp_writer(rank: int, world: int, root: str) -> int:
+    """Steps 1 and 2 through dcp.save on every rank: "w" (step s holds s), "r<rank>" each rank's own."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import GDSStorageWriter
+
+    for step in (1, 2):
+        sd = {"w": torch.full((N,), float(step)), f"r{rank}": torch.full((N,), step + rank / 10)}
+        dcp.save(sd, storage_writer=GDSStorageWriter(root, step, options=CheckpointOptions(engine=M.small_engine())))
+    return 2
+
+
+def test_dcp_reader_of_a_step_deleted_while_read(tmp_path):
+    """GDSStorageReader (dcp.load, here without a process group) on a 2-rank DCP step (format
+    1.2) deleted after its metadata was read, before its data files: the step is gone, not
+    damaged; a data file missing while the manifest stays is damage."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import GDSStorageReader, dcp_errors
+
+    class Raced(GDSStorageReader):
+        """Deletes its step as retention does between DCP's read_metadata and read_data."""
+
+        def read_data(self, plan, planner):
+            CommitProtocol([root]).delete_step(self.step)
+            return super().read_data(plan, planner)
+
+    root = tmp_path / "ck"
+    run_ranks(2, _dcp_writer, str(root), out=tmp_path / "ranks")
+
+    def load(step: int, kind: type = GDSStorageReader) -> dict:
+        sd = {"w": torch.zeros(N), "r1": torch.zeros(N)}
+        with dcp_errors():  # the gdswriter error DCP's CheckpointException carries
+            dcp.load(sd, storage_reader=kind(root, step, engine_options=M.small_engine()), no_dist=True)
+        return sd
+
+    sd = load(1)
+    assert torch.equal(sd["w"], torch.full((N,), 1.0)) and torch.equal(sd["r1"], torch.full((N,), 1.1))
+    (root / step_dir_name(1) / "data-rank1-r0-f0.bin").unlink()
+    with pytest.raises(CorruptCheckpointError):
+        load(1)
+    with pytest.raises(CheckpointNotFoundError):
+        load(2, Raced)
