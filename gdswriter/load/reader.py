@@ -10,7 +10,8 @@ the data files through the engines into per-storage buffers and checks each chun
 Readers take no lock, so a running checkpointer's retention may delete the step being read:
 a missing file (or any failure reading it) of a step that is no longer committed as it was
 read (``step_gone``) is CheckpointNotFoundError, while the same in a step still committed is
-damage (CorruptCheckpointError), as before.
+damage (CorruptCheckpointError), as before. A 1.3 step's shards and data files follow the same
+rule (format/sharded.py ``step_vanished``, which ``step_gone`` applies to them).
 
 The bottom of gdswriter.load: it imports format/, engines/ and threads.py, never the rest of
 load/ (verify, apply, policy), gdswriter.save or anything above them.
