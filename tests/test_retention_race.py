@@ -23,6 +23,8 @@ import gdswriter.distributed
 import gdswriter.format.sharded as sharded
 from gdswriter import GDSCheckpointer, load_state
 from gdswriter.cli import main
+from gdswriter.engines.base import IOEngine
+from gdswriter.engines.select import create_engine
 from gdswriter.errors import CheckpointNotFoundError, CorruptCheckpointError
 from gdswriter.export import export_step
 from gdswriter.format.commit import CommitProtocol, step_dir_name
@@ -167,6 +169,83 @@ def test_checkpointer_fallback_skips_a_step_deleted_while_read_as_gone(saved, tm
         assert torch.equal(w, torch.full((N,), 1.0)) and torch.equal(mine, torch.full((N,), 1.0))
 
 
+class _DeletingEngine(IOEngine):
+    """A real engine that deletes ``step`` (as retention does) before its first read of one of
+    that step's files: after every size check, during the read (GDSCheckpointer's engines seam)."""
+
+    def __init__(self, root: Path, step: int):
+        self.real, self.root, self.step, self.fired = create_engine(M.small_engine()), root, step, False
+
+    def write_file(self, path, spans, *, size=None, durable=True):
+        return self.real.write_file(path, spans, size=size, durable=durable)
+
+    def read_file(self, path, spans):
+        if not self.fired and Path(path).parent.name == step_dir_name(self.step):
+            self.fired = True
+            CommitProtocol([self.root]).delete_step(self.step)
+        return self.real.read_file(path, spans)
+
+    @property
+    def info(self):
+        return self.real.info
+
+    def close(self):
+        self.real.close()
+
+
+def test_checkpointer_load_of_a_step_deleted_during_the_read(saved, tmp_path):
+    """The step deleted after the files were checked, while they are read: gone, not damaged
+    (load(2) raises CheckpointNotFoundError; load(fallback=True) loads step 1, damaged none)."""
+    w, mine = torch.zeros(N), torch.zeros(N)
+    for fallback in (False, True):
+        root = tmp_path / f"ck{int(fallback)}"
+        shutil.copytree(saved, root, symlinks=True)
+        engine = _DeletingEngine(root, 2)
+        with GDSCheckpointer({"w": w}, None, root, state={"extra": {"mine": mine}}, options=M.small_options(),
+                             engines=[engine]) as ck:
+            if not fallback:
+                with pytest.raises(CheckpointNotFoundError):
+                    ck.load(2)
+            else:
+                assert ck.load(fallback=True) == 1 and ck.last_load.damaged == ()
+                assert torch.equal(w, torch.full((N,), 1.0)) and torch.equal(mine, torch.full((N,), 1.0))
+        assert engine.fired
+
+
+def _ranks_loading(rank: int, world: int, roots: list[str]) -> list:
+    """On every rank, a GDSCheckpointer on a copy of the 2-rank step (its own layout: each rank
+    reads its own shard and pieces); rank 0's engine deletes step 2 during its read. The first
+    copy: load(2); the second: load(fallback=True)."""
+    from support.ranks import caught
+
+    out: list = []
+    for i, root in enumerate(roots):
+        w, mine = torch.zeros(N), torch.zeros(N)
+        engine = _DeletingEngine(Path(root), 2) if rank == 0 else create_engine(M.small_engine())
+        with GDSCheckpointer({"w": w}, None, root, state={"extra": {"mine": mine}}, options=M.small_options(),
+                             engines=[engine]) as ck:
+            if i == 0:
+                out.append(caught(lambda: ck.load(2)))
+            else:
+                step = ck.load(fallback=True)
+                out.append([step, list(ck.last_load.damaged), bool(torch.equal(w, torch.full((N,), 1.0))),
+                            bool(torch.equal(mine, torch.full((N,), 1 + rank / 10)))])
+    return out
+
+
+def test_two_ranks_loading_a_step_deleted_during_the_read(saved, tmp_path):
+    """The collective load (each rank its own shard): a step deleted while rank 0 reads it is
+    gone on every rank (rank 0: CheckpointNotFoundError; rank 1 learns that rank 0 failed), and
+    load(fallback=True) passes over it as gone on every rank, landing on step 1 bit-exact."""
+    roots = [tmp_path / "a", tmp_path / "b"]
+    for r in roots:
+        shutil.copytree(saved, r, symlinks=True)
+    res = run_ranks(2, _ranks_loading, [str(r) for r in roots], out=tmp_path / "ranks")
+    assert res[0][0][0] == "CheckpointNotFoundError", res[0][0]
+    assert res[1][0][0] in ("CheckpointNotFoundError", "RankFailedError"), res[1][0]
+    assert all(x[1] == [1, [], True, True] for x in res), res
+
+
 def test_a_shard_missing_while_the_manifest_stays_is_damage(root, capsys):
     """The step is still committed: a lost shard is damage, in every reader."""
     (root / step_dir_name(2) / shard_name(1)).unlink()
@@ -206,10 +285,11 @@ def test_a_data_file_missing_while_the_manifest_stays_is_damage(root):
 RACE_STEPS = 30
 
 
-def test_readers_racing_a_two_rank_writer_with_keep_last_1(tmp_path):
+def test_readers_racing_a_two_rank_writer_with_keep_last_1(tmp_path, capsys):
     """The review's scenario: readers in this process beside a 2-rank job saving with
-    keep_last=1. Every read loads its step bit-exact, or raises CheckpointNotFoundError (a
-    given step); load_state(root) always loads (its retry); never CorruptCheckpointError."""
+    keep_last=1. Every read loads its step bit-exact or raises CheckpointNotFoundError (the
+    retry of load_state(root) is checked deterministically above); export_step likewise, and
+    `gdswriter verify` exits 0 or 2; never CorruptCheckpointError, never status 1."""
     root = tmp_path / "ck"
     box: dict = {}
 
@@ -234,9 +314,18 @@ def test_readers_racing_a_two_rank_writer_with_keep_last_1(tmp_path):
             if step is None:
                 time.sleep(0.01)
                 continue
-            kind = ("load_state", "load_state(root)", "dist.load_state")[i % 3]
+            kind = ("load_state", "load_state(root)", "dist.load_state", "export_step", "verify")[i % 5]
             i += 1
             try:
+                if kind in ("export_step", "verify"):
+                    if kind == "export_step":
+                        export_step([root], step, "safetensors", tmp_path / "out.st", overwrite=True,
+                                    engine_options=M.small_engine(), progress=False)
+                    else:
+                        rc = main(["verify", str(root), "--step", str(step)])
+                        assert rc in (0, 2), (kind, rc)  # intact, or deleted meanwhile: never 1 (corrupt)
+                    outcomes[f"{kind} done"] = outcomes.get(f"{kind} done", 0) + 1
+                    continue
                 if kind == "load_state":
                     got, st = load_state(root, step, engine_options=M.small_engine())
                     assert got == step, kind
@@ -248,9 +337,7 @@ def test_readers_racing_a_two_rank_writer_with_keep_last_1(tmp_path):
                 if not _intact(st, got):
                     wrong.append(f"{kind} of step {got}: not the bytes saved")
                 outcomes[f"{kind} ok"] = outcomes.get(f"{kind} ok", 0) + 1
-            except CheckpointNotFoundError:
-                if kind == "load_state(root)":
-                    wrong.append(f"{kind}: did not retry")
+            except CheckpointNotFoundError:  # load_state(root) too: its one retry can lose a second race
                 outcomes[f"{kind} not found"] = outcomes.get(f"{kind} not found", 0) + 1
             except Exception as e:  # noqa: BLE001 - every other failure is the defect
                 wrong.append(f"{kind} of step {step}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
@@ -258,6 +345,7 @@ def test_readers_racing_a_two_rank_writer_with_keep_last_1(tmp_path):
         writer.join(300)
     assert "error" not in box, box.get("error")
     assert box.get("steps") == [RACE_STEPS, RACE_STEPS]
+    print("race outcomes:", outcomes)
     assert not wrong, (wrong[:5], len(wrong), outcomes)
     assert sum(v for k, v in outcomes.items() if k.endswith(" ok")) > 0, outcomes
 

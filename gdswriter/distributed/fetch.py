@@ -28,10 +28,10 @@ import crc32c as _crc32c
 import torch
 
 from ..engines.base import IOEngine
-from ..errors import ChecksumMismatchError, UnreachableDataError
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnreachableDataError
 from ..format.commit import CommitProtocol
 from ..format.manifest import ChunkRecord, Manifest, StorageRecord, TensorRecord
-from ..load.reader import check_step_files, host_buffer, read_storages
+from ..load.reader import check_step_files, host_buffer, read_storages, vanished_instead
 from .group import Coordinator, Transfer
 from .roots import RootLayout
 
@@ -79,7 +79,13 @@ def _read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, tor
         tensors.append(TensorRecord(names.get(s, f"<storage {s}>"), j, 0, "uint8", (c.length,), (1,)))
     view = replace(m, storages=tuple(storages), tensors=tuple(tensors))
     protocol = CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach.paths])
-    read_storages(protocol, view, [dest for _, _, dest in wanted], [engine], verify=verify)
+    try:
+        read_storages(protocol, view, [dest for _, _, dest in wanted], [engine], verify=verify)
+    except (CorruptCheckpointError, OSError) as e:  # the step deleted meanwhile: gone, not damaged
+        gone = vanished_instead(m.step, m.created_unix, reach.paths, {f.root for f in m.files}, e)
+        if gone is None:
+            raise
+        raise gone from e
 
 
 def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:

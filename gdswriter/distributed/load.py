@@ -59,7 +59,7 @@ from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
 from ..load.reader import (check_step_files, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
-                           tensors_from_storages)
+                           tensors_from_storages, vanished_instead)
 from .fetch import fetch_storages, manifest_reach
 from . import crossmem, hostshare
 from .group import Coordinator, Transfer, bounded, describe, unbound
@@ -453,7 +453,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         read_storages(CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach]), view,
                       [dest for _, dest in wanted], [engine], verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
+        error = vanished_instead(g.step, g.created_unix, reach, [f.root for f in shard.files], e) or e
     wanted = []
     # once every rank has read (this agreement), the shared files hold every piece read on their
     # host; pulling ranks learn where the buffers of their host's ranks are

@@ -140,19 +140,37 @@ def check_step_files(step: int, created_unix: float, reach: Sequence[Path | None
     """check_file_sizes of data ``files`` of ``step`` (committed at ``created_unix``) on the
     roots this process sees (``reach``: a path per root of the step, the primary first, None
     where unseen; files on unseen roots are skipped): a multi-rank load's check. A file missing
-    because the step vanished meanwhile (format/sharded.py ``step_vanished``: by the primary's
-    manifest.json where seen, else by the step's directories on the roots read) is
-    CheckpointNotFoundError; otherwise damage, as check_file_sizes says."""
+    because the step vanished meanwhile is CheckpointNotFoundError (``vanished_instead``);
+    otherwise damage, as check_file_sizes says."""
     files = [f for f in files if reach[f.root] is not None]
     d = step_dir_name(step)
     try:
         check_file_sizes((reach[f.root] / d / f.path, f) for f in files)  # type: ignore[operator]
     except CorruptCheckpointError as e:
-        primary = reach[0] if reach else None
-        dirs = [None] if primary is not None else [reach[r] / d for r in sorted({f.root for f in files})]  # type: ignore[operator]
-        if any(step_vanished(step, created_unix, primary, x) for x in dirs):
-            raise vanished_error(step, primary or dirs[0], e) from e  # type: ignore[arg-type]
-        raise
+        gone = vanished_instead(step, created_unix, reach, [f.root for f in files], e)
+        if gone is None:
+            raise
+        raise gone from e
+
+
+def vanished_instead(step: int, created_unix: float, reach: Sequence[Path | None], roots: Iterable[int],
+                     e: BaseException) -> CheckpointNotFoundError | None:
+    """For failure ``e`` (a missing or short file, a checksum, an I/O error) reading files of
+    ``step`` (committed at ``created_unix``) on ``roots`` (indices into ``reach``: a path per
+    root of the step, the primary first, None where unseen): the CheckpointNotFoundError to
+    raise instead when the step vanished meanwhile (format/sharded.py ``step_vanished``: by the
+    primary's manifest.json where seen, else by the step's directories on those roots); None
+    when it did not (then ``e`` stands: damage). The multi-rank loads' deleted_while_reading."""
+    if isinstance(e, CheckpointNotFoundError) or not isinstance(e, (CorruptCheckpointError, OSError)):
+        return None
+    primary = reach[0] if reach else None
+    d = step_dir_name(step)
+    dirs = [None] if primary is not None else [reach[r] / d for r in sorted(set(roots))  # type: ignore[operator]
+                                               if reach[r] is not None]
+    for x in dirs:
+        if step_vanished(step, created_unix, primary, x):
+            return vanished_error(step, primary or x, e)  # type: ignore[arg-type]
+    return None
 
 
 def step_gone(protocol: CommitProtocol, manifest: Manifest) -> bool:
