@@ -559,7 +559,10 @@ class GDSCheckpointer:
         load_state_dict has run: load an intact step afterwards.
 
         ``fallback=True`` (with ``step=None``): if the latest step is damaged (manifest, files,
-        checksums), warn naming the problem and load the newest intact older step instead.
+        checksums), warn naming the problem and load the newest intact older step instead. A
+        step deleted while it is read (another process's retention) is gone, not damaged: it is
+        passed over without a warning (not in ``last_load.damaged``), and the steps committed by
+        then are tried (once).
 
         A multi-rank checkpoint (on its ranks, or in one process) always loads atomically: every
         rank reads into fresh buffers and verifies them, and all agree, before any live tensor

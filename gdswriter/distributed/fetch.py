@@ -28,10 +28,10 @@ import crc32c as _crc32c
 import torch
 
 from ..engines.base import IOEngine
-from ..errors import ChecksumMismatchError, UnreachableDataError
-from ..format.commit import CommitProtocol, step_dir_name
+from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnreachableDataError
+from ..format.commit import CommitProtocol
 from ..format.manifest import ChunkRecord, Manifest, StorageRecord, TensorRecord
-from ..load.reader import check_file_sizes, host_buffer, read_storages
+from ..load.reader import check_step_files, host_buffer, read_storages, vanished_instead
 from .group import Coordinator, Transfer
 from .roots import RootLayout
 
@@ -79,15 +79,20 @@ def _read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, tor
         tensors.append(TensorRecord(names.get(s, f"<storage {s}>"), j, 0, "uint8", (c.length,), (1,)))
     view = replace(m, storages=tuple(storages), tensors=tuple(tensors))
     protocol = CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach.paths])
-    read_storages(protocol, view, [dest for _, _, dest in wanted], [engine], verify=verify)
+    try:
+        read_storages(protocol, view, [dest for _, _, dest in wanted], [engine], verify=verify)
+    except (CorruptCheckpointError, OSError) as e:  # the step deleted meanwhile: gone, not damaged
+        gone = vanished_instead(m.step, m.created_unix, reach.paths, {f.root for f in m.files}, e)
+        if gone is None:
+            raise
+        raise gone from e
 
 
 def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
     """The data files ``files`` (indices into ``m.files``, on roots this rank reaches) are regular
-    files of their recorded sizes (load.reader.check_file_sizes)."""
-    step_dir = step_dir_name(m.step)
-    paths = {f: reach.paths[m.files[f].root] for f in sorted(files)}
-    check_file_sizes((p / step_dir / m.files[f].path, m.files[f]) for f, p in paths.items() if p is not None)
+    files of their recorded sizes (load.reader.check_step_files: CheckpointNotFoundError when the
+    step vanished meanwhile)."""
+    check_step_files(m.step, m.created_unix, reach.paths, (m.files[f] for f in sorted(files)))
 
 
 def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,

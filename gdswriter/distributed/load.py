@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..engines.base import IOEngine
-from ..errors import (CollectiveFailedError, CorruptCheckpointError, EngineIOError, InvalidOptionError,
+from ..errors import (CheckpointNotFoundError, CollectiveFailedError, CorruptCheckpointError, EngineIOError, InvalidOptionError,
                       RankFailedError, UnreachableDataError)
 from ..format.assembly import tree_for_rank
 from ..format.commit import CommitProtocol, step_dir_name
@@ -58,8 +58,8 @@ from ..format.sharded import (SHARDED_VERSION, GlobalManifest, ItemRecord, RankS
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
-from ..load.reader import (check_file_sizes, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
-                           tensors_from_storages)
+from ..load.reader import (check_step_files, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
+                           tensors_from_storages, vanished_instead)
 from .fetch import fetch_storages, manifest_reach
 from . import crossmem, hostshare
 from .group import Coordinator, Transfer, bounded, describe, unbound
@@ -172,7 +172,8 @@ def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, wha
         for k, r in enumerate(readers):
             if r == coord.rank:
                 ref = g.shards[k]
-                mine.append([k, read_shard(reach[ref.root] / step_dir_name(g.step), g, ref).decode()])  # type: ignore[operator]
+                mine.append([k, read_shard(reach[ref.root] / step_dir_name(g.step), g, ref,  # type: ignore[operator]
+                                           reach[0]).decode()])
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error, mine = e, []
     got = coord.gather({"error": describe(error)} if error else {"shards": mine}, f"{what} (manifest shards)", dst=src)
@@ -328,7 +329,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
             ref = g.shards[rank]
             if reach[ref.root] is not None:
                 d = reach[ref.root] / step_dir_name(g.step)  # type: ignore[operator]
-                shard = parse_shard(read_shard(d, g, ref), g, ref, str(d / ref.name))
+                shard = parse_shard(read_shard(d, g, ref, reach[0]), g, ref, str(d / ref.name))
                 ok = all(reach[f.root] is not None for f in shard.files) and _blocks_fit(shard, templates)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
@@ -378,8 +379,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                 raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
                                              f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
                                              f"load an earlier step")
-        step_dir = step_dir_name(g.step)
-        check_file_sizes((reach[f.root] / step_dir / f.path, f) for f in shard.files)  # type: ignore[operator]
+        check_step_files(g.step, g.created_unix, reach, shard.files)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     pullable = False
@@ -453,7 +453,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         read_storages(CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach]), view,
                       [dest for _, dest in wanted], [engine], verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
+        error = vanished_instead(g.step, g.created_unix, reach, [f.root for f in shard.files], e) or e
     wanted = []
     # once every rank has read (this agreement), the shared files hold every piece read on their
     # host; pulling ranks learn where the buffers of their host's ranks are
@@ -809,28 +809,24 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
 
 
 def _verdict(e: BaseException) -> str | None:
-    """How this rank saw a failed attempt at loading a step: "damage" (the step's manifest, files,
-    checksums or an EIO reading them: load.policy.restore_newest_intact's test), "other" (a failure
-    of its own that is no damage), None (it only learnt that another rank failed)."""
+    """How this rank saw a failed attempt at loading a step: "gone" (deleted while it was read:
+    CheckpointNotFoundError), "damage" (the step's manifest, files, checksums or an EIO reading
+    them: load.policy.restore_newest_intact's test), "other" (a failure of its own that is no
+    damage), None (it only learnt that another rank failed)."""
     if isinstance(e, RankFailedError):
         return None
+    if isinstance(e, CheckpointNotFoundError):
+        return "gone"
     if isinstance(e, DAMAGE) and not (isinstance(e, EngineIOError) and not isinstance(e, CorruptCheckpointError)
                                        and e.errno != errno.EIO):
         return "damage"
     return "other"
 
 
-def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
-                   live_state: dict, engine: IOEngine, *, strict: bool, verify: bool, share_dir: str | None = None,
-                   cross_memory: bool = False) -> tuple[int, Any, Any, tuple[int, ...]]:
-    """Collective _prepare of the newest intact step (load(fallback=True)). The primary rank's
-    fallback order is every rank's; after a failed step every rank tells it how it saw the failure,
-    and it decides for all (a broadcast naming at most MAX_SHOWN_FAILURES damaged ranks: a rank
-    receives the same few bytes whatever the world size): the next step when some rank found
-    damage and none failed otherwise, else every rank raises."""
+def _fallback_steps(coord: Coordinator, protocol: CommitProtocol, src: int) -> list[int]:
+    """Collective: the primary rank's fallback order (the latest step, then older ones), on every rank."""
     order: dict = {}
     error = None
-    src = layout.primary_rank  # the rank that reads the primary root (rank 0 unless a restart moved it)
     if coord.rank == src:
         try:
             order = {"steps": protocol.fallback_order()}
@@ -840,12 +836,30 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
     if "error" in order:
         coord.agree(error or RuntimeError(order["error"]) if coord.rank == src else None,
                     "loading the newest intact step (steps)", hint="the live state was not changed")
-    if not order["steps"]:  # no committed step: the usual CheckpointNotFoundError, on every rank
+    return list(order["steps"])
+
+
+def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
+                   live_state: dict, engine: IOEngine, *, strict: bool, verify: bool, share_dir: str | None = None,
+                   cross_memory: bool = False) -> tuple[int, Any, Any, tuple[int, ...]]:
+    """Collective _prepare of the newest intact step (load(fallback=True)). The primary rank's
+    fallback order is every rank's; after a failed step every rank tells it how it saw the failure,
+    and it decides for all (a broadcast naming at most MAX_SHOWN_FAILURES damaged ranks: a rank
+    receives the same few bytes whatever the world size): the next step when some rank found
+    damage, or the step gone (deleted while it was read: then the order is read again, once),
+    and none failed otherwise, else every rank raises."""
+    src = layout.primary_rank  # the rank that reads the primary root (rank 0 unless a restart moved it)
+    steps = _fallback_steps(coord, protocol, src)
+    if not steps:  # no committed step: the usual CheckpointNotFoundError, on every rank
         return (*_prepare(coord, layout, protocol, live, live_state, None, engine, strict=strict, verify=verify,
                                    share_dir=share_dir, cross_memory=cross_memory), ())
     damaged: list[int] = []
     problems: list[str] = []
-    for step in order["steps"]:
+    tried: set[int] = set()
+    again = True
+    while steps:
+        step = steps.pop(0)
+        tried.add(step)
         try:
             return (*_prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict, verify=verify,
                               share_dir=share_dir, cross_memory=cross_memory), tuple(damaged))
@@ -857,12 +871,19 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
         verdicts = coord.gather(_verdict(failure), what, dst=src)  # decided on src: every rank gets a bounded answer
         decision = None
         if verdicts is not None:
-            decision = {"other": "other" in verdicts, **bounded({r: "damage" for r, v in enumerate(verdicts)
-                                                                 if v == "damage"})}
+            decision = {"other": "other" in verdicts, "gone": "gone" in verdicts,
+                        **bounded({r: "damage" for r, v in enumerate(verdicts) if v == "damage"})}
         decision = coord.broadcast(decision, f"{what} (decision)", src=src)
         shown, total = unbound(decision)
-        if decision["other"] or not total:
+        if decision["other"] or not (total or decision["gone"]):
             raise failure
+        if not total:  # deleted while it was read: gone, not damaged
+            log.info("gdswriter: step %d under %s was deleted while it was being read; trying the newest step left",
+                     step, protocol.primary)
+            if again:
+                steps, again = [s for s in _fallback_steps(coord, protocol, src) if s not in tried], False
+            del failure
+            continue
         more = f" and {total - len(shown)} more" if total > len(shown) else ""
         found = " ".join(str(failure).split()) if _verdict(failure) == "damage" else \
             f"rank(s) {sorted(shown)}{more} found it damaged"
@@ -870,6 +891,9 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
         damaged.append(step)
         problems.append(f"step {step}: {found}")
         del failure
+    if not problems:
+        raise CheckpointNotFoundError(errno.ENOENT, f"every step tried under {protocol.primary} ({sorted(tried)}) was "
+                                                    f"deleted while it was being read: load again")
     raise CorruptCheckpointError(f"no intact step under {protocol.primary}: " + "; ".join(problems))
 
 

@@ -40,13 +40,13 @@ from typing import Any, Iterator, Sequence, TypeVar, overload
 
 import crc32c as _crc32c
 
-from ..errors import CorruptCheckpointError, UnreachableDataError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnreachableDataError
 from ..fs import read_regular_file
 from .assembly import build_manifest
 from .commit import root_identity, step_dir_name
 from .dtypes import dtype_from_name
-from .manifest import (FORMAT_NAME, INT64_LIMIT, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, RootInfo,
-                       ShardInfo, TensorRecord, decode_json)
+from .manifest import (FORMAT_NAME, INT64_LIMIT, MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest,
+                       RootInfo, ShardInfo, TensorRecord, decode_json)
 
 SHARDED_VERSION = (1, 3)
 SHARD_FORMAT = "gdswriter-shard"
@@ -805,16 +805,54 @@ def match_roots(saved: Sequence[RootInfo], roots: Sequence[Path]) -> list[Path |
     return [ids.get(info.id) or paths.get(info.path) for info in saved]
 
 
-def read_shard(where: Path, g: GlobalManifest, ref: ShardRef) -> bytes:
+def step_vanished(step: int, created_unix: float, primary: Path | None, step_dir: Path | None = None) -> bool:
+    """Whether step ``step``, committed at ``created_unix`` when its manifest.json was read, is
+    no longer committed as read: deleted (a running checkpointer's retention, delete_step) or
+    saved again. ``primary``: the primary root, where this process sees it: then its manifest.json
+    decides (missing, or another save's). Else ``step_dir``, the step's directory on the root
+    that lacked a file, decides: retention retires a step's directories by renaming them away,
+    the primary's first, so a directory gone from its name means the step was deleted. A file
+    missing while the step is still committed as read is damage. The one rule of every reader
+    (load/reader.py ``step_gone``, ``read_shard``, the multi-rank loads); docs/format.md 10.4."""
+    if primary is None:
+        return step_dir is not None and not step_dir.is_dir()
+    try:
+        raw = read_regular_file(primary / step_dir_name(step) / MANIFEST_NAME, MANIFEST_MAX_BYTES)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # unreadable now: damage, reported as it was found
+    try:
+        body = decode_json(raw, "manifest.json")
+        return float(body["created_unix"]) != created_unix
+    except (CorruptCheckpointError, KeyError, TypeError, ValueError):
+        return False
+
+
+def vanished_error(step: int, where: Path | str, problem: BaseException | str) -> CheckpointNotFoundError:
+    """The error of a read that lost a race with a deletion (``step_vanished``): the step is gone,
+    not damaged."""
+    return CheckpointNotFoundError(errno.ENOENT, f"step {step} under {where} was deleted (or saved again) while it "
+                                                 f"was being read, by a running checkpointer's retention "
+                                                 f"(keep_last?): read a newer step ({' '.join(str(problem).split())})")
+
+
+def read_shard(where: Path, g: GlobalManifest, ref: ShardRef, primary: Path | None = None) -> bytes:
     """The bytes of shard ``ref`` in step directory ``where`` (a regular file, size and crc32c as
-    recorded; CheckpointNotFoundError when missing: the step may have been deleted meanwhile)."""
+    recorded). Missing or other bytes: CheckpointNotFoundError when the step vanished meanwhile
+    (``step_vanished``; ``primary``: the primary root where this process sees it), else
+    CorruptCheckpointError."""
     path = where / ref.name
     try:
         raw = read_regular_file(path, ref.size)
-    except FileNotFoundError as e:
+        check_shard_bytes(ref, raw, str(path))
+    except (FileNotFoundError, CorruptCheckpointError) as e:
+        if step_vanished(g.step, g.created_unix, primary, where):
+            raise vanished_error(g.step, primary or where.parent, e) from e
+        if isinstance(e, CorruptCheckpointError):
+            raise
         raise CorruptCheckpointError(f"manifest shard {path} of step {g.step} (rank {ref.rank}) is missing: the "
                                      f"checkpoint is incomplete, or its root is not the one given here") from e
-    check_shard_bytes(ref, raw, str(path))
     return raw
 
 
@@ -835,5 +873,5 @@ def load_merged(g: GlobalManifest, roots: Sequence[Path]) -> Manifest:
                                                      f"{info.id} (saved at {info.path}), which is not among the "
                                                      f"roots given: pass every node's roots, the primary first")
         d = root / step_dir_name(g.step)
-        shards.append(parse_shard(read_shard(d, g, ref), g, ref, str(d / ref.name)))
+        shards.append(parse_shard(read_shard(d, g, ref, where[0]), g, ref, str(d / ref.name)))
     return merge(g, shards)

@@ -106,14 +106,27 @@ def restore_newest_intact(live: LiveState, protocol: CommitProtocol, engines: Se
                           atomic: bool | None = None, manifest: Manifest | None = None) -> LoadResult:
     """Restore the newest intact step: the latest first, then older committed ones; a damaged
     step (manifest, files, checksums, an I/O error reading it) is skipped with a warning naming
-    the problem, without changing the live state. A state mismatch is no damage: it is raised.
-    ``manifest``: one step's manifest already parsed, as restore_into takes it."""
+    the problem, without changing the live state. A step deleted while it is read (a running
+    checkpointer's retention: CheckpointNotFoundError) is gone, not damaged: it is skipped and
+    the order is read again once, so the step that retention made room for is tried. A state
+    mismatch is no damage: it is raised. ``manifest``: one step's manifest already parsed, as
+    restore_into takes it."""
     damaged: list[int] = []
     problems: list[str] = []
-    for step in protocol.fallback_order():
+    tried: set[int] = set()
+    order, again = protocol.fallback_order(), True
+    while order:
+        step = order.pop(0)
+        tried.add(step)
         try:
             result = restore_into(live, protocol, step, engines, strict=strict, verify=verify,
                                   engine_options=engine_options, atomic=atomic, scan_first=True, manifest=manifest)
+        except CheckpointNotFoundError as e:
+            log.info("gdswriter: step %d under %s was deleted while it was being read; trying the newest step "
+                     "left: %s", step, protocol.primary, e)
+            if again:
+                order, again = [s for s in protocol.fallback_order() if s not in tried], False
+            continue
         except DAMAGE as e:
             if isinstance(e, EngineIOError) and not isinstance(e, CorruptCheckpointError) and e.errno != errno.EIO:
                 raise
@@ -126,6 +139,8 @@ def restore_newest_intact(live: LiveState, protocol: CommitProtocol, engines: Se
                         step, damaged)
         return LoadResult(result.step, result.loaded, result.skipped, result.missing, result.unexpected,
                           result.atomic, tuple(damaged))
-    if not problems:
-        protocol.require(None)  # no committed step at all: the usual CheckpointNotFoundError
+    if not problems:  # no committed step at all, or every one tried was deleted meanwhile
+        protocol.require(None)
+        raise CheckpointNotFoundError(errno.ENOENT, f"every step tried under {protocol.primary} ({sorted(tried)}) "
+                                                    f"was deleted while it was being read: load again")
     raise CorruptCheckpointError(f"no intact step under {protocol.primary}: " + "; ".join(problems))

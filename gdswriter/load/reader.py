@@ -10,7 +10,8 @@ the data files through the engines into per-storage buffers and checks each chun
 Readers take no lock, so a running checkpointer's retention may delete the step being read:
 a missing file (or any failure reading it) of a step that is no longer committed as it was
 read (``step_gone``) is CheckpointNotFoundError, while the same in a step still committed is
-damage (CorruptCheckpointError), as before.
+damage (CorruptCheckpointError), as before. A 1.3 step's shards and data files follow the same
+rule (format/sharded.py ``step_vanished``, which ``step_gone`` applies to them).
 
 The bottom of gdswriter.load: it imports format/, engines/ and threads.py, never the rest of
 load/ (verify, apply, policy), gdswriter.save or anything above them.
@@ -35,11 +36,11 @@ from ..engines.buffers import HUGE_PAGE
 from ..engines.select import create_engine, sized_for
 from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptCheckpointError, GDSWriterError,
                       TruncatedFileError)
-from ..format.commit import CommitProtocol, normalize_roots
+from ..format.commit import CommitProtocol, normalize_roots, step_dir_name
 from ..fs import read_regular_file
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
-from ..format.sharded import GlobalManifest, load_merged, parse_step
+from ..format.sharded import SHARDED_VERSION, GlobalManifest, load_merged, parse_step, step_vanished, vanished_error
 from ..format.state_codec import decode_state
 from ..options import EngineOptions
 from ..threads import run_per_file
@@ -134,10 +135,52 @@ def check_file_sizes(files: Iterable[tuple[Path, FileRecord]]) -> None:
                                          f"damaged or was tampered with; load an earlier step")
 
 
+def check_step_files(step: int, created_unix: float, reach: Sequence[Path | None],
+                     files: Iterable[FileRecord]) -> None:
+    """check_file_sizes of data ``files`` of ``step`` (committed at ``created_unix``) on the
+    roots this process sees (``reach``: a path per root of the step, the primary first, None
+    where unseen; files on unseen roots are skipped): a multi-rank load's check. A file missing
+    because the step vanished meanwhile is CheckpointNotFoundError (``vanished_instead``);
+    otherwise damage, as check_file_sizes says."""
+    files = [f for f in files if reach[f.root] is not None]
+    d = step_dir_name(step)
+    try:
+        check_file_sizes((reach[f.root] / d / f.path, f) for f in files)  # type: ignore[operator]
+    except CorruptCheckpointError as e:
+        gone = vanished_instead(step, created_unix, reach, [f.root for f in files], e)
+        if gone is None:
+            raise
+        raise gone from e
+
+
+def vanished_instead(step: int, created_unix: float, reach: Sequence[Path | None], roots: Iterable[int],
+                     e: BaseException) -> CheckpointNotFoundError | None:
+    """For failure ``e`` (a missing or short file, a checksum, an I/O error) reading files of
+    ``step`` (committed at ``created_unix``) on ``roots`` (indices into ``reach``: a path per
+    root of the step, the primary first, None where unseen): the CheckpointNotFoundError to
+    raise instead when the step vanished meanwhile (format/sharded.py ``step_vanished``: by the
+    primary's manifest.json where seen, else by the step's directories on those roots); None
+    when it did not (then ``e`` stands: damage). The multi-rank loads' deleted_while_reading."""
+    if isinstance(e, CheckpointNotFoundError) or not isinstance(e, (CorruptCheckpointError, OSError)):
+        return None
+    primary = reach[0] if reach else None
+    d = step_dir_name(step)
+    dirs = [None] if primary is not None else [reach[r] / d for r in sorted(set(roots))  # type: ignore[operator]
+                                               if reach[r] is not None]
+    for x in dirs:
+        if step_vanished(step, created_unix, primary, x):
+            return vanished_error(step, primary or x, e)  # type: ignore[arg-type]
+    return None
+
+
 def step_gone(protocol: CommitProtocol, manifest: Manifest) -> bool:
     """True when the step ``manifest`` describes is no longer committed as that manifest: un-committed
     (a running checkpointer's retention, delete_step) or replaced by a new save of the same step.
-    A reader that hits a missing file asks this: then it lost a race, the checkpoint is not damaged."""
+    A reader that hits a missing file asks this: then it lost a race, the checkpoint is not damaged.
+    A 1.3 step (its shards merged) is compared by its global manifest (format/sharded.py
+    ``step_vanished``, the rule read_shard applies to its shards), without merging it again."""
+    if manifest.version >= SHARDED_VERSION:
+        return step_vanished(manifest.step, manifest.created_unix, protocol.primary)
     try:
         raw = read_manifest_bytes(protocol, manifest.step)
     except CheckpointNotFoundError:
@@ -162,10 +205,7 @@ def deleted_while_reading(protocol: CommitProtocol, manifest: Manifest,
         return None
     if not step_gone(protocol, manifest):
         return None
-    return CheckpointNotFoundError(errno.ENOENT, f"step {manifest.step} under {protocol.primary} was deleted (or "
-                                                 f"saved again) while it was being read, by a running "
-                                                 f"checkpointer's retention (keep_last?): read a newer step "
-                                                 f"({' '.join(str(e).split())})")
+    return vanished_error(manifest.step, protocol.primary, e)
 
 
 def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
