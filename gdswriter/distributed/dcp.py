@@ -116,12 +116,12 @@ from ..engines.base import IOEngine
 from ..engines.select import create_engine
 from ..errors import (CheckpointExistsError, CorruptCheckpointError, EngineIOError, GDSWriterError,
                       InvalidOptionError, RankFailedError, RootUnavailableError)
-from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, RootLock, _link_no_clobber, normalize_roots
+from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, RootLock, normalize_roots
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, RootInfo, ShardInfo, TensorRecord
 from ..format.sharded import parse_step
 from .._log import log_once
-from ..fs import atomic_write, fsync_dir, read_regular_file, write_durable
+from ..fs import atomic_write, fsync_dir, link_no_clobber, read_regular_file, write_durable
 from ..options import CheckpointOptions, EngineOptions
 from ..planner.assign import plan_save
 from ..load.reader import host_buffer, read_manifest_bytes
@@ -851,7 +851,7 @@ def _restore_identity(path: Path, ident: str) -> None:
         marker = path / ROOT_MARKER_NAME
         tmp = path / f"{TMP_PREFIX}{ROOT_MARKER_NAME}-{secrets.token_hex(4)}"
         write_durable(tmp, RootIdentity(ident, time.time(), socket.gethostname(), str(path.resolve())).to_json_bytes())
-        if _link_no_clobber(tmp, marker):
+        if link_no_clobber(tmp, marker):
             fsync_dir(path)
             fsync_dir(path.parent)
     except OSError as e:
