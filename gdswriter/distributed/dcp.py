@@ -135,8 +135,8 @@ from .group import Coordinator, describe
 from .load import broadcast_manifest, rebuild_state, received_manifest
 from .options import DistOptions
 from .rankfiles import file_entries, group_held, rank_targets
-from .roots import (RootLayout, _build_table, _primary_of, clean_led, discover_layout, identify_roots, layout_of_part,
-                    layout_parts, lock_led, probe_led, probe_root, root_identity, settle_primary)
+from .roots import (RootLayout, build_table, clean_led, discover_layout, identify_roots, layout_of_part,
+                    layout_parts, lock_led, primary_of, probe_led, probe_root, root_identity, settle_primary)
 from .session import DistSession, RankProtocol, primary_not_on_rank_0
 
 log = logging.getLogger("gdswriter")
@@ -634,7 +634,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
         set_up), and each other rank's part of the table (roots.layout_parts: what its own roots
         take), which DCP scatters in the plans. Cleaning comes with the step (_decide)."""
         assert self._opening is not None
-        table, where = _build_table(opening)
+        table, where = build_table(opening)
         probes = {}
         for g, info in enumerate(table):
             leader = min(info.ranks)
@@ -642,7 +642,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
         world = len(opening)
         found = RootLayout(0, world, table, tuple(self._opening["paths"]), tuple(self._opening["ids"]),
                            tuple(where[0]), table[0].path)
-        layout = found.with_primary(_primary_of(found, probes))
+        layout = found.with_primary(primary_of(found, probes))
         if layout.primary_rank != 0:
             raise primary_not_on_rank_0(layout)
         index = {info.id: g for g, info in enumerate(layout.table)}
