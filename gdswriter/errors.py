@@ -36,7 +36,7 @@ class EngineIOError(_Rebuildable, GDSWriterError, OSError):
         self.offset = offset
         text = f"{what} failed on {self.path} at byte offset {offset}: {os.strerror(errno)} (errno {_errno.errorcode.get(errno, errno)})"
         if not hint:
-            hint = _HINTS.get(errno, "")
+            hint = ERRNO_HINTS.get(errno, "")
         if hint:
             text += f". {hint}"
         super().__init__(errno, text)
@@ -46,7 +46,7 @@ class EngineIOError(_Rebuildable, GDSWriterError, OSError):
         return self.strerror
 
 
-_HINTS = {
+ERRNO_HINTS = {  # errno -> what to do about it: the end of EngineIOError's message (and KvikIO's)
     _errno.ENOSPC: "The file system is full: free space or point the checkpointer at another root",
     _errno.EDQUOT: "Disk quota exceeded: free space or raise the quota",
     _errno.EROFS: "The file system is read-only: choose a writable root",

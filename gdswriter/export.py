@@ -49,7 +49,7 @@ from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from .fs import exchange_paths, fsync_dir
+from .fs import atomic_file, replace_dir
 from .errors import GDSWriterError, InvalidOptionError, OutputExistsError, UnsupportedDtypeError
 
 # torch dtype -> safetensors dtype name. float4_e2m1fn_x2 is stored as "F4" with the last
@@ -84,48 +84,27 @@ def safetensors_dtype(dtype: torch.dtype, name: str = "") -> str:
 # ----------------------------------------------------------------------------- atomic output
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, *, overwrite: bool = False) -> Iterator[BinaryIO]:
-    """Yield a binary file that becomes ``path`` when the block succeeds (fsync, rename,
-    fsync of the directory). Without ``overwrite`` an existing ``path`` is refused, before
+    """Yield a binary file that becomes ``path`` when the block succeeds (fs.atomic_file: fsync,
+    rename, fsync of the directory). Without ``overwrite`` an existing ``path`` is refused, before
     and at the final step (no-clobber link), so a concurrent creator is never replaced."""
     path = Path(os.fspath(path))
     if path.is_dir():
         raise InvalidOptionError(f"{path} is a directory: give the output file's name")
+    exists = f"{path} exists: pass --force (overwrite=True) to replace it"
     if not overwrite and (path.exists() or path.is_symlink()):
-        raise OutputExistsError(errno.EEXIST, f"{path} exists: pass --force (overwrite=True) to replace it")
+        raise OutputExistsError(errno.EEXIST, exists)
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise InvalidOptionError(f"directory {parent} does not exist: create it first")
-    tmp = parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    f = open(tmp, "xb")
-    ok = False
+    written = False
     try:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-        if overwrite:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)  # fails if path appeared meanwhile; never clobbers
-            except FileExistsError:
-                raise OutputExistsError(errno.EEXIST, f"{path} exists: pass --force (overwrite=True) to replace it") from None
-            except OSError as e:  # file systems without hard links
-                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
-                    raise
-                if path.exists():
-                    raise OutputExistsError(errno.EEXIST, f"{path} exists: pass --force to replace it") from None
-                os.replace(tmp, path)
-            else:
-                os.unlink(tmp)
-        fsync_dir(parent)
-        ok = True
-    finally:
-        if not f.closed:
-            f.close()
-        if not ok:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        with atomic_file(path, overwrite=overwrite) as f:
+            yield f
+            written = True
+    except FileExistsError as e:
+        if not written:  # the block's own error
+            raise
+        raise OutputExistsError(errno.EEXIST, exists) from e
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -508,21 +487,10 @@ def _write_hf_dir(out: Path, tensors: Mapping[str, torch.Tensor], meta: Mapping[
                 shutil.copyfileobj(src, f)
         # Each file was fsynced and its name made durable in tmp (atomic_output fsyncs tmp).
         size = write_safetensors(tmp / HF_WEIGHTS, tensors, meta, on_written=on_written)
-        if out.exists() or out.is_symlink():
-            if not overwrite:
-                raise OutputExistsError(errno.EEXIST, f"{out} exists: pass --force to replace it")
-            if not exchange_paths(tmp, out):  # no atomic swap here: move the old one aside first
-                old = parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-                os.rename(out, old)
-                try:
-                    os.rename(tmp, out)
-                except OSError:
-                    os.rename(old, out)
-                    raise
-                tmp = old  # removed below, once the new one is durable
-        else:
-            os.rename(tmp, out)
-        fsync_dir(parent)
+        if not overwrite and (out.exists() or out.is_symlink()):
+            raise OutputExistsError(errno.EEXIST, f"{out} exists: pass --force to replace it")
+        old = replace_dir(tmp, out, parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+        tmp = old or tmp  # the replaced one, removed below once the new one is durable
         return size
     finally:
         _remove_entry(tmp)  # what is left under the temporary name: the failed new one, or the old one

@@ -6,8 +6,14 @@
   links and special files, bounded in size before anything is allocated.
 * ``write_durable``/``atomic_write``: a new file fsynced; a file replaced by a fsynced
   temporary file and a rename, then its directory fsynced.
-* ``fsync_dir``/``fsync_parents``: make directory entries (and a root made by ``mkdir -p``) durable.
-* ``exchange_paths``: swap two directory entries atomically (renameat2 RENAME_EXCHANGE).
+* ``atomic_file``: the same for a file written through a file object, optionally never
+  replacing one that exists (``link_no_clobber``: a fsynced file put in place unless its name
+  is taken).
+* ``fsync_file``/``fsync_dir``/``fsync_parents``: make a file another library wrote, directory
+  entries, and a root made by ``mkdir -p`` durable.
+* ``exchange_paths``: swap two directory entries atomically (renameat2 RENAME_EXCHANGE);
+  ``replace_dir``: a complete directory put in place of another by that exchange, else by
+  two renames.
 
 The commit protocols (format/commit.py, distributed/commit.py) say which of these each step
 uses and what a crash between them leaves. This module imports nothing of gdswriter but its
@@ -23,6 +29,7 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
 from .errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOError, GDSWriterError,
                      NotRegularFileError, UnsafePathError)
@@ -33,6 +40,16 @@ TMP_PREFIX = ".tmp-"  # temporary entries (the on-disk format's: docs/format.md)
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so that entries created/renamed in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """fsync the regular file ``path`` (written by another library, or through a file object
+    closed since), never through a symbolic link."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
@@ -185,6 +202,56 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise EngineIOError(e.errno or errno.EIO, path, 0, "write") from e
 
 
+def link_no_clobber(tmp: Path, final: Path) -> bool:
+    """Give the fsynced file ``tmp`` the name ``final`` unless ``final`` exists (then False);
+    ``tmp`` is removed either way. A hard link where the file system has them, else a rename
+    (the callers then keep concurrent creators out: a root lock, or a check just before)."""
+    try:
+        try:
+            os.link(tmp, final)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
+                raise
+        if final.exists() or final.is_symlink():
+            return False
+        os.rename(tmp, final)
+        return True
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, *, overwrite: bool) -> Iterator[BinaryIO]:
+    """A new binary file that becomes ``path`` when the block succeeds: written under a hidden
+    temporary name beside it, fsynced, renamed into place (``overwrite``) or else put there by
+    ``link_no_clobber`` (FileExistsError when ``path`` exists by then), and the directory
+    fsynced. A crash or a failed block never leaves a partial file under ``path``."""
+    parent = path.parent if str(path.parent) else Path(".")
+    tmp = parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    f = open(tmp, "xb")
+    ok = False
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        if overwrite:
+            os.replace(tmp, path)
+        elif not link_no_clobber(tmp, path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path))
+        fsync_dir(parent)
+        ok = True
+    finally:
+        if not f.closed:
+            f.close()
+        if not ok:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -202,3 +269,26 @@ def exchange_paths(a: Path, b: Path) -> bool:
     if e in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(e, os.strerror(e), str(a), None, str(b))
+
+
+def replace_dir(new: Path, final: Path, aside: Path) -> Path | None:
+    """Give the complete directory ``new`` the name ``final``, durably (the parent fsynced). An
+    existing ``final`` is swapped out in one atomic exchange where the file system can; else it
+    is renamed to ``aside`` first (put back if ``new`` cannot take its place; a crash between
+    the two renames leaves it there, and no ``final``). Returns where the replaced entry is now
+    (``new`` or ``aside``), for the caller to remove, or None when there was none."""
+    if not (final.exists() or final.is_symlink()):
+        os.rename(new, final)
+        old = None
+    elif exchange_paths(new, final):
+        old = new
+    else:
+        os.rename(final, aside)
+        try:
+            os.rename(new, final)
+        except OSError:
+            os.rename(aside, final)
+            raise
+        old = aside
+    fsync_dir(final.parent)
+    return old

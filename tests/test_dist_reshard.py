@@ -390,13 +390,13 @@ def _ddp_worker(rank: int, world: int, root: str, out: str, saving: bool, refuse
 
         reads = _count_shard_reads()
         data: list[int] = []
-        plain = reshard._read_chunks
+        plain = reshard.read_chunks
 
         def counting(m, reach, wanted, engine, **kw):
             data.extend(dest.numel() for _, _, dest in wanted)
             return plain(m, reach, wanted, engine, **kw)
 
-        reshard._read_chunks = counting  # private: counts the data bytes this rank reads
+        reshard.read_chunks = counting  # counts the data bytes this rank reads
         if refused:
             before = _full(model, opt)
             allocated: list[int] = []

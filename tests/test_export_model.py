@@ -206,7 +206,7 @@ def test_hf_dir_replacement_never_leaves_the_name_empty(capsys, tmp_path, monkey
     """--force swaps the new directory in atomically where the file system can (renameat2
     exchange); elsewhere the old one is moved aside, and put back if the new one cannot take
     its name: at no point does a failure leave no directory under the output's name."""
-    import gdswriter.export as export
+    import gdswriter.fs as fs
 
     model = _llama()
     _save(tmp_path / "ck", model)
@@ -216,7 +216,7 @@ def test_hf_dir_replacement_never_leaves_the_name_empty(capsys, tmp_path, monkey
     config = tmp_path / "config.json"
     model.config.to_json_file(config)
     if not exchange:
-        monkeypatch.setattr(export, "exchange_paths", lambda a, b: False)
+        monkeypatch.setattr(fs, "exchange_paths", lambda a, b: False)  # fs.replace_dir's
         real_rename = os.rename
 
         def rename(src, dst):
@@ -234,6 +234,33 @@ def test_hf_dir_replacement_never_leaves_the_name_empty(capsys, tmp_path, monkey
     assert rc == 0, err
     _same(model, transformers.LlamaForCausalLM.from_pretrained(out))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_output_that_appears_while_exporting_is_kept_and_the_export_refused(tmp_path):
+    """Without overwrite the finished file takes its name by a no-clobber link (fs.atomic_file):
+    another writer's file that appeared meanwhile is never replaced, and no temporary is left.
+    A FileExistsError of the block itself stays what it is."""
+    from gdswriter.errors import OutputExistsError
+    from gdswriter.export import write_safetensors
+
+    out = tmp_path / "w.safetensors"
+
+    def appear(n: int) -> None:
+        if not out.exists():
+            out.write_bytes(b"another writer's")
+
+    with pytest.raises(OutputExistsError, match="--force"):
+        write_safetensors(out, {"w": torch.ones(4)}, on_written=appear)
+    assert out.read_bytes() == b"another writer's"
+    assert os.listdir(tmp_path) == ["w.safetensors"]
+
+    def fail(n: int) -> None:
+        raise FileExistsError(errno.EEXIST, "the block's own")
+
+    with pytest.raises(FileExistsError, match="the block's own") as caught:
+        write_safetensors(tmp_path / "v.safetensors", {"w": torch.ones(4)}, on_written=fail)
+    assert not isinstance(caught.value, OutputExistsError)
+    assert os.listdir(tmp_path) == ["w.safetensors"]
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

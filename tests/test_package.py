@@ -94,3 +94,93 @@ def test_the_benchmark_names_moved_to_tools_and_still_resolve_with_a_warning():
     with pytest.warns(DeprecationWarning, match="gdswriter.tools.bench"):
         assert gdswriter.run_bench is run_bench
     assert "run_bench" not in gdswriter.__all__
+
+
+def _import_graph() -> tuple[dict[str, set[str]], list[str]]:
+    """The house rules' view of the package (docs/architecture.md, rules 1 and 2), read from the
+    source with ast: {module: the gdswriter modules it imports}, every import counted wherever it
+    stands (in a function, under TYPE_CHECKING), and the underscore names that cross a module
+    ("user: owner._name"): imported by name, or read as an attribute of an imported module."""
+    import ast
+
+    top = Path(gdswriter.__file__).parent
+    files = {".".join(p.relative_to(top.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in top.rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    crossing: list[str] = []
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        modules: dict[str, str] = {}  # local name -> the gdswriter module it is bound to
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] == "gdswriter":
+                        graph[mod].add(a.name)
+                        if a.asname:
+                            modules[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+                source = ".".join(base + ([node.module] if node.module else []))
+                if source.split(".")[0] != "gdswriter":
+                    continue
+                for a in node.names:
+                    if f"{source}.{a.name}" in files:  # a module (an underscore module is the package's own)
+                        graph[mod].add(f"{source}.{a.name}")
+                        modules[a.asname or a.name] = f"{source}.{a.name}"
+                    else:
+                        graph[mod].add(source)
+                        if private(a.name):
+                            crossing.append(f"{mod}: {source}.{a.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules \
+                    and private(node.attr):
+                crossing.append(f"{mod}: {modules[node.value.id]}.{node.attr}")
+    return graph, sorted(set(crossing))
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (or a module importing itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm; the package is small enough to recurse
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1 or v in graph.get(v, ()):
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def test_no_import_cycle_in_the_package_deferred_imports_included():
+    graph, _ = _import_graph()
+    assert len(graph) > 50 and "gdswriter.fs" in graph["gdswriter.format.commit"]  # the graph was read
+    assert _cycles(graph) == []
+
+
+def test_no_underscore_name_crosses_a_module():
+    _, crossing = _import_graph()
+    assert crossing == []

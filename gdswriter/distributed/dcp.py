@@ -117,12 +117,12 @@ from ..engines.base import IOEngine
 from ..engines.select import create_engine
 from ..errors import (CheckpointExistsError, CorruptCheckpointError, EngineIOError, GDSWriterError,
                       InvalidOptionError, RankFailedError, RootUnavailableError)
-from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, RootLock, _link_no_clobber, normalize_roots
+from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, RootLock, normalize_roots
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, RootInfo, ShardInfo, TensorRecord
 from ..format.sharded import parse_step
 from .._log import log_once
-from ..fs import atomic_write, fsync_dir, read_regular_file, write_durable
+from ..fs import atomic_write, fsync_dir, link_no_clobber, read_regular_file, write_durable
 from ..options import CheckpointOptions, EngineOptions
 from ..planner.assign import plan_save
 from ..load.reader import host_buffer, read_manifest_bytes
@@ -136,8 +136,8 @@ from .group import Coordinator, describe
 from .load import broadcast_manifest, rebuild_state, received_manifest
 from .options import DistOptions
 from .rankfiles import file_entries, group_held, rank_targets
-from .roots import (RootLayout, _build_table, _primary_of, clean_led, discover_layout, identify_roots, layout_of_part,
-                    layout_parts, lock_led, probe_led, probe_root, root_identity, settle_primary)
+from .roots import (RootLayout, build_table, clean_led, discover_layout, identify_roots, layout_of_part,
+                    layout_parts, lock_led, primary_of, probe_led, probe_root, root_identity, settle_primary)
 from .session import DistSession, RankProtocol, primary_not_on_rank_0
 
 log = logging.getLogger("gdswriter")
@@ -692,7 +692,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
         set_up), and each other rank's part of the table (roots.layout_parts: what its own roots
         take), which DCP scatters in the plans. Cleaning comes with the step (_decide)."""
         assert self._opening is not None
-        table, where = _build_table(opening)
+        table, where = build_table(opening)
         probes = {}
         for g, info in enumerate(table):
             leader = min(info.ranks)
@@ -700,7 +700,7 @@ class GDSStorageWriter(_Collective, StorageWriter):
         world = len(opening)
         found = RootLayout(0, world, table, tuple(self._opening["paths"]), tuple(self._opening["ids"]),
                            tuple(where[0]), table[0].path)
-        layout = found.with_primary(_primary_of(found, probes))
+        layout = found.with_primary(primary_of(found, probes))
         if layout.primary_rank != 0:
             raise primary_not_on_rank_0(layout)
         index = {info.id: g for g, info in enumerate(layout.table)}
@@ -934,7 +934,7 @@ def _restore_identity(path: Path, ident: str) -> None:
         marker = path / ROOT_MARKER_NAME
         tmp = path / f"{TMP_PREFIX}{ROOT_MARKER_NAME}-{secrets.token_hex(4)}"
         write_durable(tmp, RootIdentity(ident, time.time(), socket.gethostname(), str(path.resolve())).to_json_bytes())
-        if _link_no_clobber(tmp, marker):
+        if link_no_clobber(tmp, marker):
             fsync_dir(path)
             fsync_dir(path.parent)
     except OSError as e:

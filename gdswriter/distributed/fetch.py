@@ -63,8 +63,8 @@ def manifest_reach(m: Manifest, layout: RootLayout) -> Reach:
     return Reach(tuple(paths))
 
 
-def _read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, torch.Tensor]], engine: IOEngine,
-                 *, verify: bool) -> None:
+def read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, torch.Tensor]], engine: IOEngine,
+                *, verify: bool) -> None:
     """Read chunks (storage, chunk index, destination) from the roots this rank reaches, through
     load.reader.read_storages: each chunk is presented to it as a storage of its own."""
     if not wanted:
@@ -129,8 +129,8 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
             raise ValueError(f"fetch_storages: alone=True, but this rank reaches no root of storage {remote[0][0]}")
         check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci in local})
         buffers = {s: into[s] if s in into else alloc(m.storages[s].nbytes) for s in needed}
-        _read_chunks(m, reach, [(s, ci, _slice(buffers[s], m.storages[s].chunks[ci])) for s, ci in local], engine,
-                     verify=verify)
+        read_chunks(m, reach, [(s, ci, _slice(buffers[s], m.storages[s].chunks[ci])) for s, ci in local], engine,
+                    verify=verify)
         return buffers
     asks = coord.gather({"need": remote, "reach": [g for g, p in enumerate(reach.paths) if p is not None]},
                         f"{what} (locating chunks)", dst=0)
@@ -164,7 +164,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
             if src == rank and (s, ci) not in sends:
                 sends[(s, ci)] = alloc(m.storages[s].chunks[ci].length)
                 wanted.append((s, ci, sends[(s, ci)]))
-        _read_chunks(m, reach, wanted, engine, verify=verify)
+        read_chunks(m, reach, wanted, engine, verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = e
     coord.agree(error, f"{what} (reading)", hint=untouched)

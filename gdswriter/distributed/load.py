@@ -7,7 +7,7 @@ and the holders of shared items (replicated state, replicated DTensor blocks) pa
 their pieces (on one host, state every rank holds is copied from the peers' memory:
 crossmem.py; else through a tmpfs, hostshare.py, or over the process group), so replicated
 bytes are read from disk once in total. Otherwise a 1.3 step with
-a layout index is loaded from the shards each rank needs alone (reshard.py ``load_indexed``:
+a layout index is loaded from the shards each rank needs alone (reshard.py ``plan_indexed``:
 the same plan as below, on the part of the step the rank reads itself). Failing that (a rank
 that does not see a shard it needs, a step without an index, a 1.0-1.2 step), every rank works
 from the whole step (a 1.3 step's shards merged: ``gather_merged``): each rank takes the state tree it
@@ -42,7 +42,7 @@ import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -52,9 +52,9 @@ from ..errors import (CheckpointNotFoundError, CollectiveFailedError, CorruptChe
 from ..format.assembly import tree_for_rank
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.dtypes import dtype_from_name
-from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, StorageRecord, TensorRecord
-from ..format.sharded import (SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, merge, parse_shard, parse_step,
-                              read_shard, root_columns)
+from ..format.manifest import MANIFEST_NAME, Manifest, StorageRecord, TensorRecord
+from ..format.sharded import (SHARDED_VERSION, GlobalManifest, RankShard, merge, parse_shard, parse_step,
+                              read_shard)
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
@@ -63,7 +63,8 @@ from ..load.reader import (check_step_files, host_buffer, parse_manifest, read_m
 from .fetch import fetch_storages, manifest_reach
 from . import crossmem, hostshare
 from .group import Coordinator, Transfer, bounded, describe, unbound
-from .reshard import load_indexed, read_replicated_once
+from .loadplan import reach_of, relay, relay_between_hosts, template_of, tensor_refs, tiles
+from .reshard import plan_indexed, read_replicated_once
 from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces, set_name
 from .roots import RootLayout, discover_layout
 from .shards import assemble, is_dtensor, join, leaves, overlap, target_block
@@ -123,35 +124,6 @@ def _shard_readers(g: GlobalManifest, layout: RootLayout) -> list[int | None]:
     return out
 
 
-def reach_of(g: GlobalManifest, layout: RootLayout) -> list[Path | None]:
-    """Where this rank finds each root of ``g`` (fetch.manifest_reach's rule: by id, else by path
-    for a root of its own that has no id). The table has a root per rank or more: each of this
-    rank's few roots is looked up in its ids and paths by list.index (in C), so no Python runs
-    per entry of the table."""
-    ids, paths = root_columns(g.roots)
-    out: list[Path | None] = [None] * len(ids)
-
-    def at(column: list[str], value: str) -> Iterator[int]:
-        i = -1
-        while True:
-            try:
-                i = column.index(value, i + 1)
-            except ValueError:
-                return
-            yield i
-
-    for p, i in reversed(list(zip(layout.local_paths, layout.local_ids))):  # the first of a repeated id wins
-        for k in at(ids, i):
-            out[k] = p
-    local = set(layout.local_ids)
-    unmarked = {str(p.resolve()): p for p, i in zip(layout.local_paths, layout.local_ids) if i.startswith("path:")}
-    for path, p in unmarked.items():
-        for k in at(paths, path):
-            if ids[k] not in local:
-                out[k] = p
-    return out
-
-
 def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, what: str, src: int) -> Manifest:
     """Collective: the whole 1.3 step (format/sharded.py ``merge``) on every rank. Each shard is
     read by a rank that sees its root, checked against its recorded size and crc32c, and sent to
@@ -207,72 +179,10 @@ def _blocks_fit(shard: RankShard, templates: dict[str, Any]) -> bool:
     now (same mesh and placements): then its own shard is all it needs of sharded state."""
     for rec in shard.tensors:
         if rec.shard is not None:
-            offsets, shape, _ = target_block(_template(templates, rec.name), rec.shard.global_shape)
+            offsets, shape, _ = target_block(template_of(templates, rec.name), rec.shard.global_shape)
             if tuple(offsets) != tuple(rec.shard.offsets) or tuple(shape) != tuple(rec.shape):
                 return False
     return True
-
-
-def _tiles(chunks: Sequence[ChunkRecord], pieces: Sequence[tuple[int, int]]) -> bool:
-    """Whether ``chunks`` cover exactly the byte ranges ``pieces`` of their item (once each)."""
-    def runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        out: list[tuple[int, int]] = []
-        for off, n in sorted(spans):
-            if n and out and out[-1][1] == off:
-                out[-1] = (out[-1][0], off + n)
-            elif n:
-                out.append((off, off + n))
-        return out
-
-    spans = [(c.storage_offset, c.length) for c in chunks]
-    return runs(spans) == runs(list(pieces)) and sum(n for _, n in spans) == sum(n for _, n in pieces)
-
-
-def _tree(n: int, p: int) -> list[tuple[int, int, int]]:
-    """(round, from, to) tree positions of the transfers position ``p`` takes part in to spread
-    a piece from position 0 to all ``n``: a binomial tree, in round k the positions below 2**k
-    send to those 2**k further on, so each sends at most log2(n) times."""
-    out = []
-    k = 0
-    while (1 << k) < n:
-        step = 1 << k
-        if p < step and p + step < n:
-            out.append((k, p, p + step))
-        elif step <= p < 2 * step:
-            out.append((k, p - step, p))
-        k += 1
-    return out
-
-
-def relay(item: ItemRecord, writer: int, rank: int, world: int) -> list[tuple[int, int, int]]:
-    """(round, src, dst) of the transfers ``rank`` takes part in to spread a piece of ``item``
-    from its ``writer`` to every other holder: a binomial tree (``_tree``) over the holders in
-    rank order starting at the writer, so every rank computes its part of the same schedule in
-    O(log holders), with no message."""
-    n = item.holder_count(world)
-    holders = item.holder_ranks(world)
-    origin = writer if item.holders is None else item.holders.index(writer)
-    index = rank if item.holders is None else item.holders.index(rank)
-
-    def at(q: int) -> int:
-        return holders[(origin + q) % n]
-
-    return [(k, at(a), at(b)) for k, a, b in _tree(n, (index - origin) % n)]
-
-
-def relay_between_hosts(writer: int, rank: int, world: int, block: int) -> list[tuple[int, int, int]]:
-    """``relay`` of a piece every rank holds when the ranks of each host (``block`` consecutive
-    ranks) share what they read (hostshare.py): the piece crosses to each other host once, to
-    the rank with the writer's local index there, down a binomial tree over the hosts."""
-    local = writer % block
-    if rank % block != local:
-        return []
-    n, origin = world // block, writer // block
-
-    def at(q: int) -> int:
-        return ((origin + q) % n) * block + local
-
-    return [(k, at(a), at(b)) for k, a, b in _tree(n, (rank // block - origin) % n)]
 
 
 def host_blocks(hosts: Sequence[str | None]) -> int | None:
@@ -375,7 +285,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     try:
         split = item_pieces(shard.items, world)
         for sid, it in enumerate(shard.items):
-            if not _tiles(shard.chunks[sid], [(off, n) for w, off, n in split[sid] if w == rank]):
+            if not tiles(shard.chunks[sid], [(off, n) for w, off, n in split[sid] if w == rank]):
                 raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
                                              f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
                                              f"load an earlier step")
@@ -480,7 +390,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
             tensors = tensors_from_storages(views, buffers)
             for i, rec in enumerate(shard.tensors):
                 if rec.shard is not None:
-                    offsets, shape, wrap = target_block(_template(templates, rec.name), rec.shard.global_shape)
+                    offsets, shape, wrap = target_block(template_of(templates, rec.name), rec.shard.global_shape)
                     tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
                                                [(rec.shard, tensors[i])]))
             state = decode_state(shard.tree, tensors)
@@ -604,27 +514,6 @@ def _open_shared(shard: RankShard, share_dir: str | None, token: str, sids: Sequ
         return None, e
 
 
-def tensor_refs(tree: Any) -> list[int]:
-    """The tensor indices a state tree references, in order, once each."""
-    out: dict[int, None] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, list):
-            for x in v:
-                walk(x)
-        elif isinstance(v, dict):
-            if len(v) == 1 and ("$tensor" in v or "$ndarray" in v):
-                i = next(iter(v.values()))
-                if isinstance(i, int):
-                    out[i] = None
-                return
-            for x in v.values():
-                walk(x)
-
-    walk(tree)
-    return list(out)
-
-
 def live_templates(state: Any, optimizer: Any) -> dict[str, Any]:
     """Key path -> live tensor (DTensor or plain) of the live ``state`` (as the checkpointer
     collects it), named as the manifest names saved ones; the optimizer's parameters also stand
@@ -635,13 +524,6 @@ def live_templates(state: Any, optimizer: Any) -> dict[str, Any]:
             for pid, p in zip(saved.get("params", []), group["params"]):
                 out.setdefault(join("optimizer/state", pid), p)
     return out
-
-
-def _template(templates: dict[str, Any], name: str) -> Any:
-    hit = templates.get(name)
-    if hit is None and name.startswith("optimizer/state/"):
-        hit = templates.get(name.rsplit("/", 1)[0])  # the parameter whose moments these are
-    return hit
 
 
 def _plain_blocks(m: Manifest, parts: dict[int, tuple], whole: set[int]) -> tuple[Manifest, dict[int, int], set[int]]:
@@ -711,13 +593,13 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
         refs = tensor_refs(tree)
         for i in refs:
             rec = m.tensors[i]
-            template = _template(templates, rec.name) if single and rec.shard is None else None
+            template = template_of(templates, rec.name) if single and rec.shard is None else None
             if template is not None and is_dtensor(template) and tuple(template.shape) == tuple(rec.shape):
                 parts[i] = target_block(template, rec.shape)
             elif rec.shard is None:
                 needed.add(rec.storage)
             elif rec.name not in jobs:
-                offsets, shape, wrap = target_block(_template(templates, rec.name), rec.shard.global_shape)
+                offsets, shape, wrap = target_block(template_of(templates, rec.name), rec.shard.global_shape)
                 blocks = [j for j, r in enumerate(m.tensors) if r.shard is not None and r.name == rec.name
                           and overlap(offsets, shape, r.shard.offsets, r.shape) is not None]
                 needed.update(m.tensors[j].storage for j in blocks)
@@ -789,7 +671,10 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
         return (step, *own)
     state = None
     if g is not None:  # another layout: the shards this rank needs (the layout index)
-        state = load_indexed(coord, layout, g, templates, live.optimizer, engine, verify=verify, what=what, src=src)
+        indexed = plan_indexed(coord, layout, g, templates, what=what, src=src)
+        if indexed is not None:
+            state = rebuild_state(coord, layout, indexed[0], templates, live.optimizer, engine, verify=verify,
+                                  what=what, fetch=indexed[1])
     if state is None:
         m = parse_manifest(protocol, step, parsed) if g is None else gather_merged(coord, layout, g, what, src)
         error = None

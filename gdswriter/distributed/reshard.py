@@ -58,8 +58,9 @@ from ..format.manifest import MULTI_RANK_VERSION, ChunkRecord, DistInfo, FileRec
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, parse_shard, read_shard
 from ..load.reader import host_buffer
 from ..planner.ranks import split_stream
-from .fetch import Reach, _read_chunks, check_reached_files
+from .fetch import Reach, check_reached_files, read_chunks
 from .group import Coordinator, Transfer, bounded, describe, unbound
+from .loadplan import reach_of, relay, template_of, tensor_refs, tiles
 from .rankfiles import item_pieces
 from .roots import RootLayout
 from .shards import target_block
@@ -194,7 +195,6 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
         tensors: list[TensorRecord] = []
         where: dict[int, int] = {}  # the tree shard's tensor index -> ours
         names: dict[str, int] = {}  # a sharded tensor -> our first block of it
-        from .load import tensor_refs
 
         def add(r: int, rec: TensorRecord) -> int:
             it = shards[r].items[rec.storage]
@@ -252,7 +252,6 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
         reads = dict(zip(shared_keys, read_split([saved[key] for key in shared_keys],
                                                  [own.items[items[key][1]].nbytes for key in shared_keys],
                                                  g.world_size, world)))
-        from .load import _tiles
 
         for key in order:
             r, k = items[key]
@@ -275,7 +274,7 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
                 if kw is None or sw.items[kw].nbytes != it.nbytes:
                     raise bad(f"rank {w} wrote part of item {key[:40]} ({it.nbytes} bytes) by its holders' "
                               f"split, its manifest shard does not record it so")
-                if shared and not _tiles(sw.chunks[kw], [(off, n) for v, off, n in saved[key] if v == w]):
+                if shared and not tiles(sw.chunks[kw], [(off, n) for v, off, n in saved[key] if v == w]):
                     raise bad(f"rank {w}'s manifest shard does not record exactly the pieces of item {key[:40]} "
                               f"its holders' split gives it")
                 for c in sw.chunks[kw]:
@@ -392,8 +391,8 @@ def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, e
                 cut.append((s, ci))
         v = replace(m, storages=tuple(replace(r, chunks=tuple(view[s])) if s in view else r
                                       for s, r in enumerate(m.storages)))
-        _read_chunks(v, reach, whole, engine, verify=verify)
-        _read_chunks(v, reach, parts, engine, verify=False)  # checked whole after the spread
+        read_chunks(v, reach, whole, engine, verify=verify)
+        read_chunks(v, reach, parts, engine, verify=False)  # checked whole after the spread
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     _agree_on_damage(coord, error, f"{what} (reading)")
@@ -492,8 +491,6 @@ def _pass_pieces(coord: Coordinator, m: Manifest, shared: SharedRead, buffers: d
                  what: str) -> None:
     """Spread each piece of the items read together from its reader to every loading rank (the
     same schedule on every rank, computed from ``read_split`` alone: no message)."""
-    from .load import relay
-
     rank, world = coord.rank, coord.world_size
     rounds: list[list[tuple[int, int, int, int, int]]] = []
     for s, split in zip(shared.storages, shared.pieces):
@@ -513,19 +510,18 @@ def _pass_pieces(coord: Coordinator, m: Manifest, shared: SharedRead, buffers: d
         coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
 
 
-def load_indexed(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
-                 optimizer: Any, engine: IOEngine, *, verify: bool, what: str, src: int) -> Any | None:
-    """Collective: this rank's state of step ``g`` from the shards it needs alone (the module
-    docstring), or None on every rank when the step has no layout index or some rank does not
-    see what it needs (then load.py's merging path). The ranks agree that they split the
-    replicated items alike (the digest of SharedRead) before any reads them."""
+def plan_indexed(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any], *,
+                 what: str, src: int) -> tuple[Manifest, Callable[..., Any]] | None:
+    """Collective: the plan of this rank's state of step ``g`` from the shards it needs alone (the
+    module docstring): the Manifest of its part, and the fetch that reads it (``read_reached``)
+    for load.py's rebuild_state; or None on every rank when the step has no layout index or some
+    rank does not see what it needs (then load.py's merging path). The ranks agree that they
+    split the replicated items alike (the digest of SharedRead) before any reads them."""
     if g.layout_index is None:
         return None
-    from .load import _template, reach_of, rebuild_state
-
     plan, error = None, None
     try:
-        plan = plan_from_shards(g, reach_of(g, layout), coord.rank, templates, _template, world=coord.world_size)
+        plan = plan_from_shards(g, reach_of(g, layout), coord.rank, templates, template_of, world=coord.world_size)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
 
@@ -542,5 +538,4 @@ def load_indexed(coord: Coordinator, layout: RootLayout, g: GlobalManifest, temp
     if not verdict["ok"]:
         return None
     assert plan is not None
-    return rebuild_state(coord, layout, plan[0], templates, optimizer, engine, verify=verify, what=what,
-                         fetch=partial(read_reached, shared=plan[2]))
+    return plan[0], partial(read_reached, shared=plan[2])

@@ -196,7 +196,7 @@ def _unranges(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
     return tuple(r for a, b in runs for r in range(int(a), int(b) + 1))
 
 
-def _build_table(everyone: Sequence[dict]) -> tuple[tuple[RootInfo, ...], list[list[int]]]:
+def build_table(everyone: Sequence[dict]) -> tuple[tuple[RootInfo, ...], list[list[int]]]:
     """The table of distinct roots (by id, in rank order: rank 0's first root first) from every
     rank's [[id, path], ...], and each rank's roots' table indices."""
     order: dict[str, int] = {}
@@ -292,7 +292,7 @@ def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool =
         if failures:
             parts = [bounded(failures)] * coord.world_size
         else:
-            table, where = _build_table(everyone)
+            table, where = build_table(everyone)
             parts = layout_parts(table, where)
     part = coord.scatter(parts, f"{what} (the table)", src=0)
     _raise_decided(part, error, "opening the checkpoint roots",
@@ -369,7 +369,7 @@ def choose_primary(layout: RootLayout, probes: dict) -> RootLayout:
     return layout.with_primary(mine[0]) if len(mine) == 1 else layout
 
 
-def _primary_of(layout: RootLayout, probes: dict) -> int:
+def primary_of(layout: RootLayout, probes: dict) -> int:
     """The table index (in ``layout``) of the root choose_primary puts first."""
     chosen = choose_primary(layout, probes)
     return next(g for g, info in enumerate(layout.table) if info.id == chosen.table[0].id)
@@ -393,7 +393,7 @@ def settle_primary(coord: Coordinator, layout: RootLayout, probes: dict | None, 
         else:
             merged = {g: p for x in got for g, p in x["probes"].items()}
             try:
-                g = _primary_of(layout, merged)
+                g = primary_of(layout, merged)
                 info = layout.table[g]
                 decision = {"primary": g, "entry": [info.id, info.path, min(info.ranks)], "probe": merged[str(g)]}
             except Exception as e:  # noqa: BLE001 - raised alike on every rank
@@ -407,7 +407,7 @@ def settle_primary(coord: Coordinator, layout: RootLayout, probes: dict | None, 
         mine = {"roots": [[i, str(r.resolve())] for i, r in zip(layout.local_ids, layout.local_paths)]}
         everyone = coord.gather(mine, f"{what} (the primary's table)", dst=moved.primary_rank)
         if everyone is not None:
-            table, _ = _build_table(everyone)
+            table, _ = build_table(everyone)
             moved = moved.with_whole_table((table[g],) + table[:g] + table[g + 1:])
     return moved, decision["probe"]
 

@@ -48,7 +48,8 @@ import crc32c as _crc32c
 import torch
 
 from .base import EngineInfo, IOEngine, ReadSpan, WriteSpan, check_spans, checked_write_size
-from ..errors import (_HINTS, EngineIOError, EngineUnavailableError, GDSWriterError, ShortIOError, TruncatedFileError)
+from ..errors import (ERRNO_HINTS, EngineIOError, EngineUnavailableError, GDSWriterError, ShortIOError,
+                      TruncatedFileError)
 from ..fs import open_regular
 from ..options import ALIGN, EngineOptions
 from .._log import log_once
@@ -353,7 +354,7 @@ def _regular_file(path: str, write: bool) -> int:
 
 def _io_error(e: BaseException, path: str, offset: int, what: str) -> EngineIOError:
     code = _errno_of(e)
-    hint = " ".join(x for x in (_HINTS.get(code, ""), f"(KvikIO: {' '.join(str(e).split())})") if x)
+    hint = " ".join(x for x in (ERRNO_HINTS.get(code, ""), f"(KvikIO: {' '.join(str(e).split())})") if x)
     if code == errno.EIO and not isinstance(e, OSError):
         hint += ". If cuFile is misconfigured here, `gdswriter doctor` says how; GDSWRITER_ENGINE=io_uring bypasses it"
     return EngineIOError(code, path, offset, f"KvikIO {what}", hint)

@@ -61,7 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..fs import TMP_PREFIX, atomic_write, exchange_paths, fsync_dir, fsync_parents, read_regular_file, write_durable
+from ..fs import (TMP_PREFIX, atomic_write, exchange_paths, fsync_dir, fsync_parents, link_no_clobber,
+                  read_regular_file, write_durable)
 from ..errors import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
                       InvalidOptionError, ReadOnlyRootError, RootUnavailableError, UnsafePathError)
 from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
@@ -125,26 +126,6 @@ def _read_small_text(path: Path) -> str | None:
         return None
 
 
-def _link_no_clobber(tmp: Path, final: Path) -> bool:
-    """Give the fsynced file ``tmp`` the name ``final`` unless ``final`` exists (then False);
-    ``tmp`` is removed either way. A hard link where the file system has them, else a rename."""
-    try:
-        try:
-            os.link(tmp, final)
-            return True
-        except FileExistsError:
-            return False
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV):
-                raise
-        if final.exists() or final.is_symlink():  # no hard links here: callers hold the root lock
-            return False
-        os.rename(tmp, final)
-        return True
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 @dataclass(frozen=True)
 class RootIdentity:
     """What a root's marker ``.gdswriter-root`` says: ``id`` (32 random hex digits, fixed for the
@@ -195,7 +176,7 @@ def root_identity(path: str | os.PathLike, create: bool = False) -> RootIdentity
         ident = RootIdentity(secrets.token_hex(16), time.time(), socket.gethostname(), str(root.resolve()))
         tmp = root / f"{TMP_PREFIX}{ROOT_MARKER_NAME}-{secrets.token_hex(4)}"
         write_durable(tmp, ident.to_json_bytes())
-        if _link_no_clobber(tmp, marker):
+        if link_no_clobber(tmp, marker):
             fsync_dir(root)
             return ident
     raise CorruptCheckpointError(f"{marker} appeared and vanished while it was being created: try again")

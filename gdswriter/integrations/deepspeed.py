@@ -89,7 +89,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ..checkpointer import GDSCheckpointer, SaveHandle
 from ..format.assembly import tree_for_rank
-from ..distributed.load import tensor_refs
+from ..distributed.loadplan import tensor_refs
 from ..distributed.options import DistOptions
 from ..engines.base import IOEngine
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError, InvalidOptionError,

@@ -93,7 +93,7 @@ from ..engines.base import IOEngine
 from ..errors import InvalidOptionError
 from ..export import HF_CONFIG_KEY
 from ..format.commit import CommitProtocol
-from ..fs import exchange_paths, fsync_dir
+from ..fs import fsync_dir, fsync_file, replace_dir
 from ..options import CheckpointOptions, EngineOptions
 from ..rng import rng_state, set_rng_state
 from .engines import ENGINES
@@ -177,29 +177,18 @@ def _fsync_files(top: Path, skip: str) -> None:
         if Path(dirpath) == top and skip in dirnames:
             dirnames.remove(skip)
         for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(dirpath, name))
         if Path(dirpath) != top:
             fsync_dir(dirpath)
     fsync_dir(top)
 
 
 def _publish(tmp: Path, final: Path) -> None:
-    """Make the complete directory ``tmp`` appear as ``final`` (replacing an older one in one
-    atomic exchange where the file system allows), durably."""
-    if not final.exists():
-        os.rename(tmp, final)
-    elif exchange_paths(tmp, final):  # tmp now holds the older checkpoint-N
-        shutil.rmtree(tmp)
-    else:  # no exchange here: a crash between the two renames leaves the older one in a hidden leftover
-        old = final.with_name(f"{TMP_PREFIX}{final.name}-old-{secrets.token_hex(4)}")
-        os.rename(final, old)
-        os.rename(tmp, final)
+    """Make the complete directory ``tmp`` appear as ``final`` durably (fs.replace_dir: replacing
+    an older one in one atomic exchange where the file system allows), then delete the older one."""
+    old = replace_dir(tmp, final, final.with_name(f"{TMP_PREFIX}{final.name}-old-{secrets.token_hex(4)}"))
+    if old is not None:
         shutil.rmtree(old)
-    fsync_dir(final.parent)
 
 
 class GDSCheckpointing:

@@ -52,6 +52,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import InvalidOptionError, LoadCheckError
+from ..fs import fsync_file
 from .measure import (FIO_NAME, Reference, builtin_reference, disk_reference, evict_paths, fio_reference,
                       mem_available, mount_of)
 from ..units import GiB, KiB, MiB, human
@@ -244,7 +245,7 @@ class Methods:
 
             flat, meta = safetensors_view(m, o)
             save_file(flat, p, metadata=meta)
-            fsync_path(p)
+            fsync_file(p)
         elif case == "gdswriter":
             self.step += 1
             self.gds.save(self.step)
@@ -266,7 +267,7 @@ class Methods:
             torch.save(collect(self.model, self.opt), writer)
         finally:
             writer.close()
-        fsync_path(p)
+        fsync_file(p)
 
     def _fastpersist_buffers(self):
         """The libaio handle and pinned I/O buffer, made once (outside the timed saves after the first)."""
@@ -314,15 +315,6 @@ class Methods:
             self.gds.load(self.step)
         else:
             raise ValueError(case)
-
-
-def fsync_path(p: Path) -> None:
-    """Flush a file written by another library (its save ends durable, as gdswriter's does)."""
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- options and results
