@@ -56,6 +56,7 @@ from ..format.assembly import remap_tree
 from ..format.commit import step_dir_name
 from ..format.manifest import MULTI_RANK_VERSION, ChunkRecord, DistInfo, FileRecord, Manifest, StorageRecord, TensorRecord
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, parse_shard, read_shard
+from ..format.state_codec import tensor_refs
 from ..load.reader import host_buffer
 from ..planner.ranks import split_stream
 from .fetch import Reach, _read_chunks, check_reached_files
@@ -194,7 +195,6 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
         tensors: list[TensorRecord] = []
         where: dict[int, int] = {}  # the tree shard's tensor index -> ours
         names: dict[str, int] = {}  # a sharded tensor -> our first block of it
-        from .load import tensor_refs
 
         def add(r: int, rec: TensorRecord) -> int:
             it = shards[r].items[rec.storage]
@@ -202,9 +202,7 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
             tensors.append(replace(rec, storage=it.key))  # type: ignore[arg-type] - numbered below
             return len(tensors) - 1
 
-        for i in tensor_refs(own.tree):
-            if not 0 <= i < len(own.tensors):
-                raise bad(f"rank {tree_rank}'s state tree references tensor {i} of {len(own.tensors)}")
+        for i in tensor_refs(own.tree, len(own.tensors)):
             rec = own.tensors[i]
             if rec.shard is None:
                 where[i] = add(tree_rank, rec)

@@ -3,6 +3,7 @@
     python tests/fuzz/fuzz.py --runs 20000 --seed 1          the CI campaign (about a minute)
     python tests/fuzz/fuzz.py --time 3600 --corpus DIR        a long campaign by hand (DIR keeps the corpus)
     python tests/fuzz/fuzz.py --replay FILE...                run inputs once (a finding, a regression)
+    python tests/fuzz/fuzz.py --replay DIR --coverage         the parsers' lines a corpus executes
 
 Seeds: every target fed the real files of tests/fuzz/seeds (tests/fuzz/make_seeds.py) and the
 inputs of tests/fuzz/regressions. Mutations: libFuzzer's byte mutations, and half the time a
@@ -127,17 +128,94 @@ def corpus_dir(given: str | None, fx: harness.Fixtures) -> Path:
     return d
 
 
-def replay(files: list[str]) -> int:
+PARSERS = {  # module: the functions that read checkpoint bytes (their nested code included)
+    "format/manifest.py": {"decode_json", "from_json_bytes", "from_body", "_from_body", "_nonneg", "_int", "_str",
+                           "_list", "_relpath", "_file_info", "_chunk", "_shard", "_dist_info", "problem",
+                           "byte_extent"},
+    "format/sharded.py": {"from_json_bytes", "from_body", "parse_global", "parse_step", "check_shard_bytes", "merge",
+                          "from_json", "_parse_global", "_parse_shard", "_int", "_text", "_list", "_plain_name",
+                          "_ints_in", "_texts_of", "_shards_ok", "_roots_ok", "_make", "overlapping", "load_merged",
+                          "read_shard", "parse_shard", "match_roots"},
+    "format/state_codec.py": {"decode_state", "_dec_float", "_dec_int", "_dec_b64", "_show", "shown", "key_text",
+                              "dec", "array", "np_scalar", "tensor", "tensor_refs"},
+    "format/commit.py": {"from_json_bytes", "root_identity", "_read_small_text", "latest_named", "step_owner",
+                         "owned_by"},
+    "format/assembly.py": {"build_manifest", "remap_tree", "tree_for_rank", "_pairs", "record_from_json"},
+    "distributed/dcp_codec.py": {"metadata_from_json", "_ints", "_opt_str"},
+    "distributed/dcp.py": {"is_gdswriter_marker", "_read_metadata", "read_data", "_chunk_view", "_whole_target",
+                           "dcp_items", "dcp_model_keys", "read_dcp_items", "is_dcp_step"},
+    "distributed/shards.py": {"assemble", "overlap", "target_block", "_distinct_bytes"},
+    "load/reader.py": {"load_state", "read_manifest", "parse_manifest", "check_data_files", "check_file_sizes",
+                       "read_tensors", "read_storages", "tensors_from_storages", "state_keys", "placeholder_tensors"},
+}
+
+
+def _code_lines(code) -> set[int]:
+    lines = {line for _, _, line in code.co_lines() if line is not None and line != code.co_firstlineno}
+    for c in code.co_consts:
+        if hasattr(c, "co_lines"):
+            lines |= _code_lines(c)
+    return lines
+
+
+def _parser_lines(code, names: set[str]) -> set[int]:
+    """The lines of the functions named ``names`` in a module's (or class's) code."""
+    out: set[int] = set()
+    for c in code.co_consts:
+        if hasattr(c, "co_lines"):
+            out |= _code_lines(c) if c.co_name in names else _parser_lines(c, names)
+    return out
+
+
+def line_coverage(run) -> None:
+    """Run ``run()`` under a line tracer; print, per module, the lines of its parsers it executed."""
+    root = HERE.parent.parent / "gdswriter"
+    hit: dict[str, set[int]] = collections.defaultdict(set)
+
+    def tracer(frame, event, arg):
+        name = frame.f_code.co_filename
+        if not name.startswith(str(root)):
+            return None
+        hit[name].add(frame.f_lineno)
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    total_hit = total = 0
+    for rel, names in PARSERS.items():
+        path = root / rel
+        lines = _parser_lines(compile(path.read_text(), str(path), "exec"), names)
+        n = len(lines & hit[str(path)])
+        total_hit, total = total_hit + n, total + len(lines)
+        print(f"  {rel:28s} {n:5d} of {len(lines):5d} lines ({100 * n / len(lines):.0f}%)")
+    print(f"  {'together':28s} {total_hit:5d} of {total:5d} lines ({100 * total_hit / total:.0f}%)")
+
+
+def replay(files: list[str], coverage: bool = False) -> int:
     fx = harness.Fixtures()
     failed = 0
-    try:
-        harness.limit_memory()
+
+    def run() -> None:
+        nonlocal failed
         for f in files:
             try:
-                print(f"{f}: {harness.run_one(fx, Path(f).read_bytes())}")
+                outcome = harness.run_one(fx, Path(f).read_bytes())
+                if not coverage:
+                    print(f"{f}: {outcome}")
             except BaseException as e:  # noqa: BLE001 - a finding: reported, the others still run
                 failed += 1
                 print(f"{f}: FINDING {type(e).__name__}: {str(e)[:500]}")
+
+    try:
+        harness.limit_memory()
+        if coverage:
+            print(f"lines of the parsers (fuzz.PARSERS) executed by {len(files)} inputs:")
+            line_coverage(run)
+        else:
+            run()
     finally:
         fx.close()
     return 1 if failed else 0
@@ -151,14 +229,16 @@ def main() -> int:
     ap.add_argument("--corpus", help="corpus directory, kept (default: a temporary one)")
     ap.add_argument("--artifacts", default="./", help="where libFuzzer writes a finding (a prefix)")
     ap.add_argument("--max-len", type=int, default=16384)
-    ap.add_argument("--replay", nargs="+", metavar="FILE")
+    ap.add_argument("--replay", nargs="+", metavar="FILE", help="run these inputs once (a directory: its files)")
+    ap.add_argument("--coverage", action="store_true", help="with --replay: the parsers' lines they execute")
     args = ap.parse_args()
     if os.environ.get("MALLOC_ARENA_MAX") is None:  # threads' malloc arenas would eat the address-space cap
         os.environ["MALLOC_ARENA_MAX"] = "2"
         os.execv(sys.executable, [sys.executable, *sys.argv])
     os.environ.setdefault("GDSWRITER_DIRECT_IO", "0")
     if args.replay:
-        return replay(args.replay)
+        files = [str(f) for p in map(Path, args.replay) for f in (sorted(p.iterdir()) if p.is_dir() else [p])]
+        return replay(files, args.coverage)
 
     import atheris
 
