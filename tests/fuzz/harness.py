@@ -65,8 +65,8 @@ DCP_PLANNER = "torch/distributed/checkpoint/default_planner.py"
 
 
 class DCPRefused(GDSWriterError):
-    """DCP's own load planner refused the live state (a size that differs from the metadata's):
-    the answer DCP gives with any reader, not one of gdswriter's parsers."""
+    """DCP's own load planner refused the live state (a size that differs from the metadata's, a
+    key the metadata lacks): the answer DCP gives with any reader, not one of gdswriter's parsers."""
 
 
 class Finding(AssertionError):
@@ -328,12 +328,12 @@ def t_dcp_load(fx: Fixtures, raw: bytes) -> None:
         with dcp_errors():
             dcp.load(state, storage_reader=GDSStorageReader(fx.dcp, DCP_STEP, engine_options=engine_options()),
                      no_dist=True)
-    except ValueError as e:  # DCP's planner judging the live state against the metadata, as with its own reader
+    except (ValueError, RuntimeError) as e:  # DCP's planner judging the live state against the metadata
         if not traceback.extract_tb(e.__traceback__)[-1].filename.endswith(DCP_PLANNER):
             raise
         raise DCPRefused(str(e)) from e
     except CheckpointException as e:  # the same, raised inside DCP's collective step
-        if not all(isinstance(exc, ValueError) and stack and stack[-1].filename.endswith(DCP_PLANNER)
+        if not all(isinstance(exc, (ValueError, RuntimeError)) and stack and stack[-1].filename.endswith(DCP_PLANNER)
                    for exc, stack in e.failures.values()):
             raise
         raise DCPRefused(str(e)) from e
