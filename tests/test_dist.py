@@ -401,7 +401,7 @@ def _fallback_worker(rank: int, world: int, root: str, out: str) -> dict:
 
     from gdswriter import GDSCheckpointer
     from gdswriter.format.assembly import tree_for_rank
-    from gdswriter.distributed.load import tensor_refs
+    from gdswriter.format.state_codec import tensor_refs
 
     records: list[str] = []
     handler = logging.Handler()
@@ -419,7 +419,8 @@ def _fallback_worker(rank: int, world: int, root: str, out: str) -> dict:
     dist.barrier()
     if rank == 0:  # damage a tensor only rank 1 saved and loads: only rank 1 finds it
         m = step_manifest(root, 2)
-        only1 = set(tensor_refs(tree_for_rank(m, 1))) - set(tensor_refs(tree_for_rank(m, 0)))
+        n = len(m.tensors)
+        only1 = set(tensor_refs(tree_for_rank(m, 1), n)) - set(tensor_refs(tree_for_rank(m, 0), n))
         res["damaged"] = _flip(Path(root), 2, tensors=only1)
     dist.barrier()
     sentinel, sentinel_mine = _fallback_state(rank, 3)

@@ -121,6 +121,7 @@ from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, RootLock
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, RootInfo, ShardInfo, TensorRecord
 from ..format.sharded import parse_step
+from ..format.state_codec import key_text
 from .._log import log_once
 from ..fs import atomic_write, fsync_dir, link_no_clobber, read_regular_file, write_durable
 from ..options import CheckpointOptions, EngineOptions
@@ -1183,10 +1184,7 @@ class GDSStorageReader(_Collective, StorageReader):
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
                 continue
-            dtype = dtype_from_name(rec.dtype)
-            src = buf.view(dtype).view(rec.shape) if rec.shape else buf.view(dtype).reshape(())
-            for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                src = src.narrow(d, o, n)
+            src = _chunk_view(req, rec, buf)
             target = planner.resolve_tensor(req).detach()
             if target.shape != src.shape:
                 raise CorruptCheckpointError(f"{req.storage_index.fqn}: DCP asked for {list(target.shape)} elements, "
@@ -1350,13 +1348,33 @@ def _whole_target(req: Any, rec: TensorRecord, m: Manifest, planner: LoadPlanner
     nbytes = dtype.itemsize
     for n in rec.shape:
         nbytes *= n
-    if rec.byte_offset != 0 or m.storages[rec.storage].nbytes != nbytes or nbytes == 0:
+    if (rec.byte_offset != 0 or m.storages[rec.storage].nbytes != nbytes or nbytes == 0
+            or tuple(rec.stride) != _contiguous(rec.shape)):
         return None
     target = planner.resolve_tensor(req).detach()
     if (target.device.type != "cpu" or target.dtype != dtype or tuple(target.shape) != tuple(rec.shape)
             or not target.is_contiguous() or target.is_conj() or target.is_neg()):
         return None
     return target
+
+
+def _chunk_view(req: Any, rec: TensorRecord, buf: torch.Tensor) -> torch.Tensor:
+    """The part of saved record ``rec`` (its storage read into ``buf``) that DCP's read item
+    ``req`` asks for: the record's strided view (validated with the manifest), narrowed. A
+    request that does not fit the record (DCP plans it from the metadata, the record is the
+    manifest's: a damaged step) is CorruptCheckpointError."""
+    dtype = dtype_from_name(rec.dtype)
+    src = torch.empty(0, dtype=dtype).set_(buf.untyped_storage(), (buf.storage_offset() + rec.byte_offset)
+                                           // dtype.itemsize, rec.shape, rec.stride)
+    offsets, lengths = list(req.storage_offsets), list(req.lengths)
+    if len(offsets) != src.dim() or len(lengths) != src.dim() or any(
+            o + n > k for o, n, k in zip(offsets, lengths, src.shape)):
+        raise CorruptCheckpointError(f"{req.storage_index.fqn}: DCP asks for the block {offsets} + {lengths} of a "
+                                     f"saved chunk of shape {list(src.shape)}: the checkpoint's DCP metadata does not "
+                                     f"match its tensor records; it is damaged: load an earlier step")
+    for d, (o, n) in enumerate(zip(offsets, lengths)):
+        src = src.narrow(d, o, n)
+    return src
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -1394,7 +1412,7 @@ def dcp_model_keys(m: Manifest, name: str = "model") -> dict[str, str]:
     for fqn in items:
         path = paths.get(fqn)
         if isinstance(path, (tuple, list)) and len(path) >= 2 and path[0] == name:
-            out[fqn] = ".".join(str(p) for p in path[1:])
+            out[fqn] = ".".join(key_text(p) for p in path[1:])
         elif not isinstance(path, (tuple, list)) and fqn.startswith(name + "."):
             out[fqn] = fqn[len(name) + 1:]
     return out

@@ -19,7 +19,10 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from ..errors import CorruptCheckpointError, UnsupportedObjectError
 from ..format.dtypes import dtype_from_name, dtype_to_name
-from ..format.state_codec import decode_state, encode_state
+from ..format.state_codec import decode_state, encode_state, shown
+
+_INT64 = 1 << 63
+_MAX_DIMS = 64
 
 _LAYOUTS = {str(v).removeprefix("torch."): v for v in (getattr(torch, n, None) for n in (
     "strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "_mkldnn", "jagged"))
@@ -79,8 +82,10 @@ def _bad(msg: str) -> CorruptCheckpointError:
 
 
 def _ints(v: Any) -> list[int]:
-    if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
-        raise _bad(f"expected a list of non-negative integers, got {str(v)[:80]}")
+    """Sizes and offsets: torch keeps them as int64 (a torch.Size takes a larger int, and fails
+    later, wherever it is used)."""
+    if not isinstance(v, list) or len(v) > _MAX_DIMS or not all(type(x) is int and 0 <= x < _INT64 for x in v):
+        raise _bad(f"expected a list of at most {_MAX_DIMS} integers in [0, 2**63), got {shown(v, 80)}")
     return v
 
 
@@ -113,6 +118,8 @@ def metadata_from_json(x: Any) -> Metadata:
             for off, sizes in t["chunks"]:
                 if len(_ints(off)) != len(size) or len(_ints(sizes)) != len(size):
                     raise _bad(f"a chunk of {fqn!r} has the wrong number of dimensions")
+                if any(o + n > s for o, n, s in zip(off, sizes, size)):
+                    raise _bad(f"a chunk of {fqn!r} lies outside its tensor's size {size}")
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sizes)))
             sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
         planner = None if x["planner_data"] is None else decode_state(x["planner_data"], [])

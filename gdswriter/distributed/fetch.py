@@ -19,6 +19,7 @@ memory a failed fetch can leave partly written.
 
 from __future__ import annotations
 
+import errno
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,6 +52,10 @@ def manifest_reach(m: Manifest, layout: RootLayout) -> Reach:
     if m.dist is None:
         rank0 = [g for g, info in enumerate(layout.table) if 0 in info.ranks]
         n = 1 + max((f.root for f in m.files), default=0)
+        if n > len(rank0):  # no rank reaches it (and its number, from the manifest, must not size anything)
+            raise UnreachableDataError(errno.ENOENT, f"step {m.step} has data files on root #{n - 1}, but rank 0 was "
+                                                     f"given {len(rank0)} root(s): pass every root that saved it, "
+                                                     f"in order")
         return Reach(tuple(layout.local_paths[i] if g < len(rank0) and (i := layout.local_of(rank0[g])) is not None
                            else None for g in range(n)))
     unmarked = {str(p.resolve()): p for p, i in zip(layout.local_paths, layout.local_ids) if i.startswith("path:")}

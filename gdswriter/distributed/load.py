@@ -55,7 +55,7 @@ from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, Manifest, StorageRecord, TensorRecord
 from ..format.sharded import (SHARDED_VERSION, GlobalManifest, RankShard, merge, parse_shard, parse_step,
                               read_shard)
-from ..format.state_codec import decode_state
+from ..format.state_codec import decode_state, tensor_refs
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
 from ..load.reader import (check_step_files, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
@@ -63,7 +63,7 @@ from ..load.reader import (check_step_files, host_buffer, parse_manifest, read_m
 from .fetch import fetch_storages, manifest_reach
 from . import crossmem, hostshare
 from .group import Coordinator, Transfer, bounded, describe, unbound
-from .loadplan import reach_of, relay, relay_between_hosts, template_of, tensor_refs, tiles
+from .loadplan import reach_of, relay, relay_between_hosts, template_of, tiles
 from .reshard import plan_indexed, read_replicated_once
 from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces, set_name
 from .roots import RootLayout, discover_layout
@@ -95,6 +95,16 @@ def received_manifest(coord: Coordinator, protocol: CommitProtocol, step: int, r
     return gather_merged(coord, layout, parsed, what, src)
 
 
+def json_text(raw: bytes, where: str) -> str:
+    """A manifest's (or shard's) bytes as the text the ranks send each other; bytes that are not
+    UTF-8 are a damaged checkpoint (CorruptCheckpointError), as parsing them would say."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"{where} is not UTF-8 JSON ({e}); the checkpoint is damaged: load an "
+                                     f"earlier step") from e
+
+
 def broadcast_manifest_bytes(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str,
                              src: int = 0) -> tuple[int, bytes]:
     """Collective: the step ``src`` resolves and its manifest.json's bytes, on every rank."""
@@ -103,7 +113,8 @@ def broadcast_manifest_bytes(coord: Coordinator, protocol: CommitProtocol, step:
     if coord.rank == src:
         try:
             step = protocol.require(step)
-            msg = {"step": step, "manifest": read_manifest_bytes(protocol, step).decode()}
+            msg = {"step": step, "manifest": json_text(read_manifest_bytes(protocol, step),
+                                                       str(protocol.step_dir(step) / MANIFEST_NAME))}
         except Exception as e:  # noqa: BLE001 - every rank raises below
             error, msg = e, {"error": describe(e)}
     msg = coord.broadcast(msg, f"{what} (manifest)", src=src)
@@ -144,8 +155,8 @@ def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, wha
         for k, r in enumerate(readers):
             if r == coord.rank:
                 ref = g.shards[k]
-                mine.append([k, read_shard(reach[ref.root] / step_dir_name(g.step), g, ref,  # type: ignore[operator]
-                                           reach[0]).decode()])
+                where = reach[ref.root] / step_dir_name(g.step)  # type: ignore[operator]
+                mine.append([k, json_text(read_shard(where, g, ref, reach[0]), str(where / ref.name))])
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error, mine = e, []
     got = coord.gather({"error": describe(error)} if error else {"shards": mine}, f"{what} (manifest shards)", dst=src)
@@ -590,7 +601,7 @@ def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates
     together = alone
     try:
         tree = tree_for_rank(m, coord.rank)
-        refs = tensor_refs(tree)
+        refs = tensor_refs(tree, len(m.tensors))
         for i in refs:
             rec = m.tensors[i]
             template = template_of(templates, rec.name) if single and rec.shard is None else None

@@ -1,5 +1,5 @@
 """The pure parts of a multi-rank load's plan that load.py and reshard.py both use: which
-tensors a state tree references, which live tensor stands for a saved one, where this rank
+live tensor stands for a saved one, where this rank
 finds each root of a step, whether chunks cover exactly the pieces a split gives, and the
 binomial-tree schedule that spreads a piece to every rank holding it. No collective, no I/O."""
 
@@ -11,27 +11,6 @@ from typing import Any, Iterator, Sequence
 from ..format.manifest import ChunkRecord
 from ..format.sharded import GlobalManifest, ItemRecord, root_columns
 from .roots import RootLayout
-
-
-def tensor_refs(tree: Any) -> list[int]:
-    """The tensor indices a state tree references, in order, once each."""
-    out: dict[int, None] = {}
-
-    def walk(v: Any) -> None:
-        if isinstance(v, list):
-            for x in v:
-                walk(x)
-        elif isinstance(v, dict):
-            if len(v) == 1 and ("$tensor" in v or "$ndarray" in v):
-                i = next(iter(v.values()))
-                if isinstance(i, int):
-                    out[i] = None
-                return
-            for x in v.values():
-                walk(x)
-
-    walk(tree)
-    return list(out)
 
 
 def template_of(templates: dict[str, Any], name: str) -> Any:

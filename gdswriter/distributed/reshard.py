@@ -56,11 +56,12 @@ from ..format.assembly import remap_tree
 from ..format.commit import step_dir_name
 from ..format.manifest import MULTI_RANK_VERSION, ChunkRecord, DistInfo, FileRecord, Manifest, StorageRecord, TensorRecord
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, ItemRecord, RankShard, parse_shard, read_shard
+from ..format.state_codec import tensor_refs
 from ..load.reader import host_buffer
 from ..planner.ranks import split_stream
 from .fetch import Reach, check_reached_files, read_chunks
 from .group import Coordinator, Transfer, bounded, describe, unbound
-from .loadplan import reach_of, relay, template_of, tensor_refs, tiles
+from .loadplan import reach_of, relay, template_of, tiles
 from .rankfiles import item_pieces
 from .roots import RootLayout
 from .shards import target_block
@@ -202,9 +203,7 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
             tensors.append(replace(rec, storage=it.key))  # type: ignore[arg-type] - numbered below
             return len(tensors) - 1
 
-        for i in tensor_refs(own.tree):
-            if not 0 <= i < len(own.tensors):
-                raise bad(f"rank {tree_rank}'s state tree references tensor {i} of {len(own.tensors)}")
+        for i in tensor_refs(own.tree, len(own.tensors)):
             rec = own.tensors[i]
             if rec.shard is None:
                 where[i] = add(tree_rank, rec)

@@ -170,9 +170,34 @@ def assemble(name: str, offsets: Sequence[int], shape: Sequence[int], dtype: tor
         raise CorruptCheckpointError(f"the saved shards of {name!r} cover {covered} of the {total} elements "
                                      f"of the block {list(offsets)} + {list(shape)} this rank needs: the checkpoint "
                                      f"is incomplete")
+    # ... nor may blocks that overlap each other or view one another's bytes (stride 0, shared
+    # storage): the blocks of a real save fill the block from distinct bytes, at least as many.
+    held = _distinct_bytes([data for _, data, _ in hits])
+    if total * dtype.itemsize > held:
+        raise CorruptCheckpointError(f"the saved shards of {name!r} hold {held} distinct bytes, too few for the "
+                                     f"{total * dtype.itemsize} bytes of the block {list(offsets)} + {list(shape)} "
+                                     f"(they overlap or view the same bytes): the checkpoint is damaged; load an "
+                                     f"earlier step")
     out = torch.empty(tuple(shape), dtype=dtype)
     for info, data, (lo, hi) in hits:
         dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))
         src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, info.offsets))
         out[dst] = data[src]
     return out
+
+
+def _distinct_bytes(views: Sequence[torch.Tensor]) -> int:
+    """How many distinct bytes of memory ``views`` span together (each from its first to its last
+    element; overlapping spans counted once)."""
+    spans = []
+    for v in views:
+        if v.numel():
+            last = sum((n - 1) * st for n, st in zip(v.shape, v.stride()))
+            spans.append((v.data_ptr(), v.data_ptr() + (last + 1) * v.element_size()))
+    held, reached = 0, 0
+    for begin, end in sorted(spans):
+        begin = max(begin, reached)
+        if end > begin:
+            held += end - begin
+            reached = end
+    return held

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from ..errors import GDSWriterError
+from ..errors import CorruptCheckpointError, GDSWriterError
 from .manifest import (MULTI_RANK_VERSION, ChunkRecord, DistInfo, FileRecord, Manifest, RootInfo,
                                ShardInfo, StorageRecord, TensorRecord)
 
@@ -97,6 +97,10 @@ def build_manifest(step: int, items: Sequence[int], reports: Sequence[dict], tab
 
         def index(i: int) -> int:
             item, pos = refs[i]
+            if pos >= len(described.get(item, ())):  # a holder with more views of an item than its first
+                raise CorruptCheckpointError(f"step {step}: item {item} has {len(described.get(item, ()))} tensor "
+                                             f"records, a rank's state refers to view {pos} of it: the checkpoint "
+                                             f"is damaged; load an earlier step")
             g = first[item] + pos
             return canonical.get(tensors[g].name, g) if tensors[g].shard is not None else g
         return index

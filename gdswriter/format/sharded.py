@@ -47,6 +47,7 @@ from .commit import root_identity, step_dir_name
 from .dtypes import dtype_from_name
 from .manifest import (FORMAT_NAME, INT64_LIMIT, MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest,
                        RootInfo, ShardInfo, TensorRecord, decode_json)
+from .state_codec import tensor_refs
 
 SHARDED_VERSION = (1, 3)
 SHARD_FORMAT = "gdswriter-shard"
@@ -652,6 +653,7 @@ def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_root
             rec = TensorRecord(rec.name, rec.storage, rec.byte_offset, rec.dtype, rec.shape, rec.stride, rec.device,
                                rec.kind, ShardInfo(gshape, offsets))
         tensors.append(rec)
+    tensor_refs(body["tree"], len(tensors))  # every reference names one of its records
     return RankShard(step, rank, world, tuple(files), tuple(items), tuple(tuple(cs) for cs in chunks),
                      tuple(tensors), body["tree"])
 

@@ -462,8 +462,25 @@ def _dec_b64(s: object) -> bytes:
 
 
 def _show(v: object) -> str:
-    text = repr(v)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return shown(v, 80)
+
+
+def shown(v: object, limit: int) -> str:
+    """``repr(v)`` cut to ``limit`` characters, for messages about untrusted values: an int of
+    more than 4300 digits ($int holds any) has no repr (ValueError), so it is described instead."""
+    try:
+        text = repr(v)
+    except ValueError:
+        text = f"<{type(v).__name__} too large to print>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def key_text(k: object) -> str:
+    """A decoded dict key as text (``str(k)``, an int of any size included)."""
+    try:
+        return str(k)
+    except ValueError:
+        return shown(k, 80)
 
 
 class _Decoder:
@@ -577,3 +594,29 @@ class _Decoder:
         elif kind == "S":
             return cls(_dec_b64(value))
         raise _bad(f"bad numpy scalar {_show(x)}")
+
+
+def tensor_refs(tree: Any, count: int) -> list[int]:
+    """The tensor indices a state tree references, in order, once each. The tree is untrusted: a
+    reference that is not one of the ``count`` tensor records, or nesting deeper than MAX_DEPTH,
+    is CorruptCheckpointError (before anything is read for it)."""
+    out: dict[int, None] = {}
+
+    def walk(v: Any, depth: int) -> None:
+        if depth > MAX_DEPTH:
+            raise _bad(f"nesting deeper than {MAX_DEPTH} levels")
+        if isinstance(v, list):
+            for x in v:
+                walk(x, depth + 1)
+        elif isinstance(v, dict):
+            if len(v) == 1 and ("$tensor" in v or "$ndarray" in v):
+                i = next(iter(v.values()))
+                if type(i) is not int or not 0 <= i < count:
+                    raise _bad(f"tensor index {_show(i)} out of range (checkpoint holds {count} tensors)")
+                out[i] = None
+                return
+            for x in v.values():
+                walk(x, depth + 1)
+
+    walk(tree, 0)
+    return list(out)

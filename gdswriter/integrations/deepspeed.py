@@ -89,13 +89,12 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 
 from ..checkpointer import GDSCheckpointer, SaveHandle
 from ..format.assembly import tree_for_rank
-from ..distributed.loadplan import tensor_refs
 from ..distributed.options import DistOptions
 from ..engines.base import IOEngine
 from ..errors import (CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError, InvalidOptionError,
                       UnsupportedObjectError)
 from ..format.commit import CommitProtocol
-from ..format.state_codec import decode_state
+from ..format.state_codec import decode_state, tensor_refs
 from ..fs import atomic_write, fsync_dir
 from ..load.reader import read_manifest, read_tensors
 from ..options import CheckpointOptions
@@ -356,7 +355,7 @@ def load_file(path: str | os.PathLike, *, verify: bool = True, options: Checkpoi
         if sub is None:
             continue
         types = _entry(_entry(_entry(tree, "extra"), TYPES_KEY), name)
-        tensors = read_tensors(protocol, m, tensor_refs(sub), verify=verify, engine_options=engine_options)
+        tensors = read_tensors(protocol, m, tensor_refs(sub, len(m.tensors)), verify=verify, engine_options=engine_options)
         obj = decode_state(sub, tensors)  # type: ignore[arg-type]
         return from_plain(obj, decode_state(types, []) if types is not None else [])
     held = sorted({n for _, tree in _rank_trees(m) for n in _file_names(tree)})

@@ -41,7 +41,7 @@ from ..fs import read_regular_file
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, load_merged, parse_step, step_vanished, vanished_error
-from ..format.state_codec import decode_state
+from ..format.state_codec import decode_state, key_text
 from ..options import EngineOptions
 from ..threads import run_per_file
 
@@ -329,4 +329,4 @@ def state_keys(m: Manifest) -> list[str] | None:
         state = decode_state(m.state, [torch.empty(0)] * len(m.tensors))
     except CorruptCheckpointError:
         return None
-    return [str(k) for k in state] if isinstance(state, dict) else None
+    return [key_text(k) for k in state] if isinstance(state, dict) else None
