@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
-import json
 import logging
 import os
 import secrets
@@ -30,10 +30,24 @@ from ..planner.assign import plan_save
 from ..save.snapshot import Extent, Snapshot
 from ..save.writer import live_spans, write_files
 from .commit import OrderedCommit, clean_resaved, saves_beside
+from .dcp_messages import (
+    ChunkEntry,
+    Decision,
+    GlobalPlanData,
+    HeldChunk,
+    KeepBeside,
+    LocalPlanData,
+    RankReport,
+    RootsOffer,
+    keep_wire,
+)
 from .dcp_paths import MARKER_NAME, Collective, is_gdswriter_marker, local_path_ok, marker_bytes, step_in_name
 from .dcp_writer_parts import (
     REPORT_FQN,
+    Opening,
     Place,
+    SaveInProgress,
+    Source,
     check_fs_options,
     checked_reports,
     chunk_key,
@@ -41,11 +55,12 @@ from .dcp_writer_parts import (
     flat_bytes,
     item_record,
     live_beside,
+    plan_items,
     probe_for_save,
     restore_identity,
 )
 from .options import DistOptions
-from .rankfiles import file_entries, group_held, rank_targets
+from .rankfiles import file_entries, rank_targets
 from .roots import (
     RootLayout,
     build_table,
@@ -101,10 +116,10 @@ class GDSStorageWriter(Collective, StorageWriter):
         self._session: DistSession | None = None  # the opened roots, kept from save to save (their locks are not)
         self._session_roots: list[Path] | None = None  # the roots it was opened for
         self._wrote = False  # this save reached write_data (DCP's plans went out): its session may be kept
-        self._opening: dict | None = None  # this save opens the roots: what set_up found on them (_open_local)
+        self._opening: Opening | None = None  # this save opens the roots: what set_up found on them (_open_local)
         self._open_lock: RootLock | None = None  # rank 0's lock on its roots, taken by set_up while opening
         self._items: dict[str, Any] = {}   # chunk key -> this rank's WriteItem
-        self._save: dict | None = None     # step, commit and reports of the save in progress
+        self._save: SaveInProgress | None = None  # commit, table, token and items of the save in progress
         self._engines: list[IOEngine] | None = None  # one per local root, kept from save to save
         self._beside: set[tuple[str, int]] = set()  # (root id, step): files of several saves in a step (OrderedCommit)
         self._formers: list[DistSession] | None = []  # sessions of roots left for others, owed a cleaning (_lock_formers)
@@ -156,7 +171,7 @@ class GDSStorageWriter(Collective, StorageWriter):
             self._formers = (self._formers or []) + [self._session]
         self._session = self._session_roots = None
         self._opening = self._open_local(roots, rank)
-        self._lock_formers(rank, set(self._opening["ids"]))
+        self._lock_formers(rank, set(self._opening.ids))
 
     def _lock_formers(self, rank: int, current: set[str]) -> None:
         """Another rank than 0: lock the roots of earlier sessions (another checkpoint_id) where
@@ -179,7 +194,7 @@ class GDSStorageWriter(Collective, StorageWriter):
                 log.info("gdswriter: the files an earlier re-save left beside a step under %s stay until a later "
                          "save (%s)", sorted(paths)[0], e)
 
-    def _open_local(self, roots: list[Path], rank: int) -> dict:
+    def _open_local(self, roots: list[Path], rank: int) -> Opening:
         """What this rank can learn of its roots alone before DCP's plans: each made if missing,
         its identity (created once), and what it holds (roots.probe_root). Rank 0, the lowest
         rank, leads every root it sees: it locks them all here, before probing them, and reports
@@ -197,8 +212,8 @@ class GDSStorageWriter(Collective, StorageWriter):
             raise
         self._open_lock = lock
         self._beside |= {(rid, step) for rid, r in zip(ids, roots) for step in saves_beside(r)}
-        return {"paths": list(roots), "ids": ids,
-                "plan": {"roots": [[i, str(r.resolve())] for i, r in zip(ids, roots)], "probes": probes}}
+        return Opening(list(roots), ids, RootsOffer(tuple((i, str(r.resolve())) for i, r in zip(ids, roots)),
+                                                    tuple(probes)))
 
     def _relock(self, session: DistSession) -> None:
         """Lock the roots this rank leads again, after checking that each of its roots is still
@@ -229,10 +244,10 @@ class GDSStorageWriter(Collective, StorageWriter):
                 n = 1
                 for d in td.chunk.sizes:
                     n *= d
-                held.append([key, n * td.properties.dtype.itemsize])
-        opening = self._opening["plan"] if self._opening is not None else None
-        beside = [list(x) for x in sorted(self._beside)]
-        return replace(plan, storage_data={"held": held, "open": opening, "beside": beside})
+                held.append(HeldChunk(key, n * td.properties.dtype.itemsize))
+        offer = self._opening.offer if self._opening is not None else None
+        local = LocalPlanData(tuple(held), offer, tuple(sorted(self._beside)))
+        return replace(plan, storage_data=local.to_wire())
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: open the roots if this save opens them (_open_shared), decide the step and
@@ -242,51 +257,48 @@ class GDSStorageWriter(Collective, StorageWriter):
         gave them to. The decision (and each rank's part of the root table, and for a root's
         leader the names of the files to keep beside committed steps: live_beside) travels in
         each plan."""
-        opening = [plan.storage_data["open"] for plan in plans]
-        parts: list[dict | None] = [None] * len(plans)
-        if all(o is None for o in opening):
-            session = self._session
-        elif any(o is None for o in opening):
-            raise GDSWriterError(f"dcp.save: ranks {[r for r, o in enumerate(opening) if o is not None][:8]} open "
+        local = [LocalPlanData.from_wire(plan.storage_data) for plan in plans]
+        session, parts = self._session_for([lp.offer for lp in local])
+        items, pieces = plan_items(local, plans)
+        decided = self._decide(session)
+        beside = {(rid, step) for lp in local for rid, step in lp.beside}
+        live = live_beside(session, beside)
+        # the roots once led by others
+        clean_resaved(session.layout, keep_wire(live.pop(session.rank, [])), keep=decided.token)
+        self._beside = set()  # the coordinator never writes beside a step
+        former = self._formers_live(session, beside)
+        items_wire = [it.to_wire() for it in items]
+        return [replace(plan, storage_data=GlobalPlanData(items, pieces[r], parts[r], tuple(live.get(r, ())),
+                                                          tuple(former.get(r, ())), decided).to_wire(items_wire))
+                for r, plan in enumerate(plans)]
+
+    def _session_for(self, offers: list[RootsOffer | None]) -> tuple[DistSession, list[dict | None]]:
+        """Coordinator: the session this save writes with (opened now when every rank offers its
+        roots: _open_shared; else the one kept from the last save) and each rank's part of the
+        root table (None: nothing new)."""
+        if all(o is None for o in offers):
+            session, parts = self._session, [None] * len(offers)
+        elif any(o is None for o in offers):
+            raise GDSWriterError(f"dcp.save: ranks {[r for r, o in enumerate(offers) if o is not None][:8]} open "
                                  f"their roots afresh while the others keep theirs from an earlier save (a save "
                                  f"that failed on some ranks before write_data); nothing was written: save again, "
                                  f"and every rank opens them")
         else:
-            session, parts = self._open_shared(opening)
+            session, parts = self._open_shared(offers)  # type: ignore[arg-type]
         if session is None:
             raise InvalidOptionError("prepare_global_plan before set_up_storage_writer: use this writer through "
                                      "dcp.save")
-        held = group_held(plan.storage_data["held"] for plan in plans)
-        items: list[list] = []  # [key, nbytes (None for BytesIO), fqn, offsets (None for BytesIO)]
-        for key, n in zip(held.index, held.sizes):
-            fqn, offsets, _, _ = json.loads(key)
-            items.append([key, n, fqn, offsets])
-        split = held.split(len(plans))
-        pieces = [[[p.item, p.offset, p.length] for p in split.of_rank(r)] for r in range(len(plans))]
-        for r, plan in enumerate(plans):
-            for wi in plan.items:
-                if wi.type == WriteItemType.BYTE_IO:
-                    pieces[r].append([len(items), 0, None])
-                    items.append([f"bytes:{wi.index.fqn}", None, wi.index.fqn, None])
-        decided = self._decide(session)
-        beside = {(rid, step) for plan in plans for rid, step in plan.storage_data["beside"]}
-        live = live_beside(session, beside)
-        clean_resaved(session.layout, live.pop(session.rank, []), keep=decided["token"])  # roots once led by others
-        self._beside = set()  # the coordinator never writes beside a step
-        former = self._formers_live(session, beside)
-        return [replace(plan, storage_data={"items": items, "pieces": pieces[r], "layout": parts[r],
-                                            "live": live.get(r, []), "former": former.get(r, []), **decided})
-                for r, plan in enumerate(plans)]
+        return session, parts
 
-    def _formers_live(self, session: DistSession, beside: set[tuple[str, int]]) -> dict[int, list]:
+    def _formers_live(self, session: DistSession, beside: set[tuple[str, int]]) -> dict[int, list[KeepBeside]]:
         """Coordinator: live_beside for the steps the ranks report files of several saves in on
         roots of this writer's earlier sessions (another checkpoint_id) that ``session`` does not
-        have: the names their committed manifests list there, {leader: [[root id, step, names]]}.
+        have: the names their committed manifests list there, {leader: [KeepBeside, ...]}.
         An earlier session is kept while some rank reports such a step of its roots. Its primary
         is rank 0's: read here; the leaders hold their roots' locks since set_up (_lock_formers),
         so no save there can commit another manifest before they have cleaned."""
         current = {info.id for info in session.layout.table}
-        out: dict[int, list] = {}
+        out: dict[int, list[KeepBeside]] = {}
         kept = []
         done: set[str] = set()
         for former in self._formers or []:
@@ -310,17 +322,17 @@ class GDSStorageWriter(Collective, StorageWriter):
         this rank sees); the last WriteResult carries its report to finish() (module docstring).
         When this save opens the roots, another rank than the coordinator first takes its layout
         from its plan and locks the roots it leads (_open_from_plan)."""
-        decided = plan.storage_data
+        decided = GlobalPlanData.from_wire(plan.storage_data)
         self._wrote = True  # every rank that gets here holds the coordinator's layout for the next save
-        if self._opening is not None and decided.get("layout") is not None:
+        if self._opening is not None and decided.layout is not None:
             self._open_from_plan(decided)
         session = self._session
         if session is None:
             raise InvalidOptionError("write_data before set_up_storage_writer: use this writer through dcp.save")
-        report = self._write_ordered(session, plan, planner)
+        report = self._write_ordered(session, decided, plan, planner)
         results = [WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items]
-        results.append(WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=sum(c[4] for c in report["chunks"]),
-                                   storage_data=report))
+        results.append(WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=report.nbytes,
+                                   storage_data=report.to_wire()))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -332,14 +344,12 @@ class GDSStorageWriter(Collective, StorageWriter):
         if self._save is None:
             raise InvalidOptionError("finish before write_data: use this writer through dcp.save")
         try:
-            rc = self._save["commit"]
+            rc = self._save.commit
             try:
-                reports = checked_reports(results, rc.step, self._save["token"], self._save["items"])
-                if isinstance(rc, OrderedCommit):
-                    rc.check_published(reports)  # every joint root published with all its ranks' files
-                for rep in reports:
-                    rep.pop("published", None)
-                manifest = dcp_manifest(rc.step, {**self._save, "reports": reports}, metadata)
+                reports = checked_reports(results, rc.step, self._save.token, self._save.items or ())
+                if isinstance(rc, OrderedCommit):  # every joint root published with all its ranks' files
+                    rc.check_published([rep.to_wire() for rep in reports])
+                manifest = dcp_manifest(rc.step, self._save, reports, metadata)
             except BaseException:
                 rc.abort()  # nothing was renamed on this rank's roots yet (OrderedCommit) or only secondaries
                 raise
@@ -360,35 +370,36 @@ class GDSStorageWriter(Collective, StorageWriter):
             self._end_save()
 
     # -- internals -----------------------------------------------------------
-    def _open_shared(self, opening: list[dict]) -> tuple[DistSession, list[dict | None]]:
+    def _open_shared(self, offers: list[RootsOffer]) -> tuple[DistSession, list[dict | None]]:
         """Coordinator: what discover_layout and settle_primary decide, from what every rank's
         local plan carries (_open_local) instead of collectives of their own: the table of
         distinct roots (by identity), the primary (choose_primary, from each root's leader's
         probe), refused unless it is rank 0's; rank 0's session (its roots locked since
         set_up), and each other rank's part of the table (roots.layout_parts: what its own roots
         take), which DCP scatters in the plans. Cleaning comes with the step (_decide)."""
-        assert self._opening is not None
-        table, where = build_table(opening)
+        own = self._opening
+        assert own is not None
+        table, where = build_table([o.to_wire() for o in offers])
         probes = {}
         for g, info in enumerate(table):
             leader = min(info.ranks)
-            probes[str(g)] = opening[leader]["probes"][where[leader].index(g)]
-        world = len(opening)
-        found = RootLayout(0, world, table, tuple(self._opening["paths"]), tuple(self._opening["ids"]),
+            probes[str(g)] = offers[leader].probes[where[leader].index(g)]
+        world = len(offers)
+        found = RootLayout(0, world, table, tuple(own.paths), tuple(own.ids),
                            tuple(where[0]), table[0].path)
         layout = found.with_primary(primary_of(found, probes))
         if layout.primary_rank != 0:
             raise primary_not_on_rank_0(layout)
         index = {info.id: g for g, info in enumerate(layout.table)}
-        parts: list[dict | None] = list(layout_parts(layout.table, [[index[rid] for rid, _ in o["roots"]]
-                                                                    for o in opening]))
+        parts: list[dict | None] = list(layout_parts(layout.table, [[index[rid] for rid, _ in o.roots]
+                                                                    for o in offers]))
         parts[0] = None  # rank 0 holds the whole table
         session = DistSession(Place(0, world), layout, self._open_lock, self.dist_options)
         self._open_lock = None  # the session's now
-        self._session, self._session_roots, self._opening = session, list(self._opening["paths"]), None
+        self._session, self._session_roots, self._opening = session, list(own.paths), None
         return session, parts
 
-    def _open_from_plan(self, decided: dict) -> None:
+    def _open_from_plan(self, decided: GlobalPlanData) -> None:
         """Another rank than the coordinator, in write_data: its layout from its part of the table
         (kept as its session from now on, whatever follows), then the roots it leads locked and
         probed again: one that changed since set_up probed it (another job wrote there before
@@ -397,20 +408,20 @@ class GDSStorageWriter(Collective, StorageWriter):
         assert opening is not None
         self._opening = None
         rank, world = self.place()
-        layout = layout_of_part(rank, world, opening["paths"], opening["ids"], decided["layout"])
+        layout = layout_of_part(rank, world, opening.paths, opening.ids, decided.layout)
         session = DistSession(Place(rank, world), layout, None, self.dist_options)
-        session._learn(decided["clean"], decided["latest"])
-        self._session, self._session_roots = session, list(opening["paths"])
+        session._learn(list(decided.decision.clean), decided.decision.latest)
+        self._session, self._session_roots = session, list(opening.paths)
         session.lock = lock_led(layout)
         for i in layout.led:
             root = layout.local_paths[i]
-            if probe_for_save(root, whole=False) != opening["plan"]["probes"][i]:
+            if probe_for_save(root, whole=False) != opening.offer.probes[i]:
                 raise RootUnavailableError(
                     errno.EAGAIN, f"checkpoint root {root} changed while this save opened it (another writer "
                                   f"saved there before rank {rank} held its lock); nothing was written to it: save "
                                   f"again")
 
-    def _decide(self, session: DistSession) -> dict:
+    def _decide(self, session: DistSession) -> Decision:
         """Coordinator: the step, the token and the committed steps each root's leader cleans
         with (the coordinator its own here); the temporary directories it leads are made here,
         before DCP scatters the plans."""
@@ -440,44 +451,45 @@ class GDSStorageWriter(Collective, StorageWriter):
         clean_led(session.layout, steps)
         rc = OrderedCommit(session.coord, session.layout, step, token)
         rc.make_dirs()
-        self._save = {"commit": rc, "table": session.layout.table, "token": token}
-        return {"step": step, "token": token, "clean": steps, "latest": session.protocol.latest()}
+        self._save = SaveInProgress(rc, session.layout.table, token)
+        return Decision(step, token, tuple(steps), session.protocol.latest())
 
-    def _write_ordered(self, session: DistSession, plan: SavePlan, planner: SavePlanner) -> dict:
-        decided = plan.storage_data
+    def _write_ordered(self, session: DistSession, plan_data: GlobalPlanData, plan: SavePlan,
+                       planner: SavePlanner) -> RankReport:
+        decided = plan_data.decision
         owed: set[tuple[str, int]] = set()  # files beside steps of earlier sessions' roots, not cleaned yet
         if session.rank == session.layout.primary_rank:
-            assert self._save is not None and self._save["token"] == decided["token"]
-            rc = self._save["commit"]
+            assert self._save is not None and self._save.token == decided.token
+            rc = self._save.commit
         else:
             # another rank sharing a joint root may have made this save's directory there already
             # (or written beside a committed step): kept
-            clean_led(session.layout, decided["clean"], keep=decided["token"])
-            clean_resaved(session.layout, decided["live"], keep=decided["token"])
-            owed = self._clean_formers(decided["former"], decided["token"], set(session.layout.local_ids))
-            rc = OrderedCommit(session.coord, session.layout, decided["step"], decided["token"],
-                               resaving=decided["step"] in decided["clean"])
+            clean_led(session.layout, list(decided.clean), keep=decided.token)
+            clean_resaved(session.layout, keep_wire(plan_data.live), keep=decided.token)
+            owed = self._clean_formers(plan_data.former, decided.token, set(session.layout.local_ids))
+            rc = OrderedCommit(session.coord, session.layout, decided.step, decided.token,
+                               resaving=decided.step in decided.clean)
             mine = {(session.layout.local_ids[i], rc.step) for i in rc.in_place}
             self._beside |= mine  # until this save is through: what it may leave beside the step
             rc.make_dirs()
         try:
             rc.check_shared()
-            report = self._write(plan, planner, rc)
+            report = self._write(plan_data, plan, planner, rc)
             if not rc.coordinates:  # the secondary roots it alone sees, and its joint roots (the last one publishes)
-                report["published"] = rc.publish_led()
+                report = dataclasses.replace(report, published=tuple(rc.publish_led()))
         except BaseException:
             rc.abort()
             if not rc.coordinates:
                 self._end_save()
             raise
         if rc.coordinates:
-            self._save["items"] = decided["items"]
+            self._save.items = plan_data.items
         else:
             self._beside = mine | owed  # the earlier ones were cleaned by their leaders in this save
             self._end_save()
         return report
 
-    def _clean_formers(self, live: list, keep: str, current: set[str]) -> set[tuple[str, int]]:
+    def _clean_formers(self, live: tuple[KeepBeside, ...], keep: str, current: set[str]) -> set[tuple[str, int]]:
         """Another rank than 0, in write_data: on the roots of earlier sessions it locked in
         set_up (_lock_formers), remove what the committed manifests no longer name (``live``,
         from the coordinator: commit.clean_resaved). Returns the (root id, step) still owed a
@@ -489,48 +501,54 @@ class GDSStorageWriter(Collective, StorageWriter):
             left = set(former.layout.local_ids) - ids - current
             owed |= {(rid, step) for rid, step in self._beside if rid in left}
             try:
-                clean_resaved(former.layout, [e for e in live if e[0] in ids], keep=keep)
+                clean_resaved(former.layout, keep_wire([e for e in live if e.root_id in ids]), keep=keep)
             except OSError as e:
                 owed |= {(rid, step) for rid, step in self._beside if rid in ids}
                 log.warning("gdswriter: removing the files an earlier re-save left beside a step under %s failed "
                             "(%s); the next save tries again", former.layout.local_paths[0], e)
         return owed
 
-    def _write(self, plan: SavePlan, planner: SavePlanner, rc: OrderedCommit) -> dict:
+    def _sources(self, plan_data: GlobalPlanData, plan: SavePlan, planner: SavePlanner
+                 ) -> tuple[list[Source], dict[int, torch.Tensor]]:
+        """This rank's pieces as the bytes it writes, in plan order, and each item's flat bytes."""
+        byte_items = {wi.index.fqn: wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO}
+        sources: list[Source] = []
+        resolved: dict[int, torch.Tensor] = {}
+        for piece in plan_data.pieces:
+            it = plan_data.items[piece.item]
+            wi = self._items[it.key] if piece.length is not None else byte_items[it.fqn]
+            if piece.item not in resolved:
+                resolved[piece.item] = flat_bytes(planner.resolve_data(wi))
+            flat = resolved[piece.item]
+            part = flat[piece.offset:piece.offset + piece.length] if piece.length is not None else flat
+            sources.append(Source(piece.item, piece.offset, wi, part))
+        return sources, resolved
+
+    def _write(self, plan_data: GlobalPlanData, plan: SavePlan, planner: SavePlanner,
+               rc: OrderedCommit) -> RankReport:
         if rc.setup_error is not None:
             raise rc.setup_error
         layout, rank = rc.layout, rc.coord.rank
-        decided = plan.storage_data
-        items = plan.storage_data["items"]
-        byte_items = {wi.index.fqn: wi for wi in plan.items if wi.type == WriteItemType.BYTE_IO}
-        sources: list[tuple[int, int, Any, torch.Tensor]] = []  # (item, offset, WriteItem, flat bytes)
-        resolved: dict[int, torch.Tensor] = {}
-        for item, offset, length in plan.storage_data["pieces"]:
-            key, _, fqn, _ = items[item]
-            wi = self._items[key] if length is not None else byte_items[fqn]
-            if item not in resolved:
-                resolved[item] = flat_bytes(planner.resolve_data(wi))
-            flat = resolved[item]
-            sources.append((item, offset, wi, flat[offset:offset + length] if length is not None else flat))
+        sources, resolved = self._sources(plan_data, plan, planner)
         engines = self._engines_for(len(layout.local_paths))
         try:
             targets = rank_targets(layout, rank, self.options.files_per_root, tagged=rc.in_place, tag=rc.token)
-            fplan = plan_save([s[3].numel() for s in sources], targets)
-            pieces = Snapshot(rc.step, None, [Extent("", flat=s[3]) for s in sources], [], {})
+            fplan = plan_save([s.data.numel() for s in sources], targets)
+            pieces = Snapshot(rc.step, None, [Extent("", flat=s.data) for s in sources], [], {})
             written_by: dict[int, str] = {}
             crcs = write_files(fplan, live_spans(pieces, fplan), rc, engines, written_by=written_by)
         except BaseException:
             self._close_engines()  # the next save starts from fresh ones
             raise
-        return {
-            "rank": rank, "step": decided["step"], "token": decided["token"],
-            "files": file_entries(layout, fplan, written_by, rank),
-            "chunks": [[sources[c.storage][0], fid, c.file_offset, sources[c.storage][1] + c.storage_offset,
-                        c.length, crcs[c]] for fid, f in enumerate(fplan.files) for c in f.chunks],
-            "records": [[item, record_json(item_record(wi, item, resolved[item].numel()))]
-                        for item, offset, wi, _ in sources if offset == 0],
-            "sizes": [[item, flat.numel()] for item, flat in resolved.items() if items[item][1] is None],
-        }
+        chunks = tuple(ChunkEntry(sources[c.storage].item, fid, c.file_offset,
+                                  sources[c.storage].offset + c.storage_offset, c.length, crcs[c])
+                       for fid, f in enumerate(fplan.files) for c in f.chunks)
+        records = tuple((s.item, record_json(item_record(s.write_item, s.item, resolved[s.item].numel())))
+                        for s in sources if s.offset == 0)
+        sizes = tuple((item, flat.numel()) for item, flat in resolved.items() if plan_data.items[item].is_bytes)
+        decided = plan_data.decision
+        return RankReport(rank, decided.step, decided.token, tuple(file_entries(layout, fplan, written_by, rank)),
+                          chunks, records, sizes)
 
     def _engines_for(self, roots: int) -> list[IOEngine]:
         """The writer's engines, one per local root, built at the first save and kept for the next

@@ -11,9 +11,9 @@ import secrets
 import socket
 import time
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, SerializationFormat
@@ -26,11 +26,14 @@ from ..errors import EngineIOError, GDSWriterError, InvalidOptionError
 from ..format.assembly import build_manifest
 from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity
 from ..format.dtypes import dtype_to_name
-from ..format.manifest import Manifest, ShardInfo, TensorRecord
+from ..format.manifest import Manifest, RootInfo, ShardInfo, TensorRecord
 from ..format.sharded import parse_step
 from ..fs import fsync_dir, link_no_clobber, write_durable
 from ..load.reader import read_manifest_bytes
+from .commit import OrderedCommit
 from .dcp_codec import metadata_to_json
+from .dcp_messages import KeepBeside, LocalPlanData, Piece, PlanItem, RankReport, RootsOffer
+from .rankfiles import group_held
 from .roots import probe_root
 from .session import DistSession
 
@@ -119,11 +122,68 @@ def restore_identity(path: Path, ident: str) -> None:
         raise EngineIOError(e.errno or errno.EIO, path / ROOT_MARKER_NAME, 0, "restore root identity") from e
 
 
-def live_beside(session: DistSession, beside: set[tuple[str, int]]) -> dict[int, list]:
+@dataclass
+class Opening:
+    """What this rank learnt of its roots alone while a save opens them (GDSStorageWriter's
+    _open_local): their paths and ids, and the offer its local plan carries."""
+    paths: list[Path]
+    ids: list[str]
+    offer: RootsOffer
+
+
+@dataclass
+class SaveInProgress:
+    """The coordinator's save between prepare_global_plan and finish: its commit, the root table,
+    the token, and (from write_data) the items of the plan."""
+    commit: OrderedCommit
+    table: tuple[RootInfo, ...]
+    token: str
+    items: tuple[PlanItem, ...] | None = None
+
+
+class Source(NamedTuple):
+    """A piece a rank writes: its item, its offset in the item, DCP's WriteItem, its bytes."""
+    item: int
+    offset: int
+    write_item: Any
+    data: torch.Tensor
+
+
+def plan_items(local: list[LocalPlanData], plans: list[Any]) -> tuple[tuple[PlanItem, ...], list[tuple[Piece, ...]]]:
+    """Coordinator: every item of the save, numbered (tensor chunks first, grouped by key over the
+    ranks holding them and split over them by planner/ranks.py; then BytesIO items, written whole
+    by the rank DCP's deduplication gave them to), and each rank's pieces."""
+    held = group_held([h.to_wire() for h in lp.held] for lp in local)
+    items: list[PlanItem] = []
+    for key, n in zip(held.index, held.sizes):
+        fqn, offsets, _, _ = json.loads(key)
+        items.append(PlanItem(key, n, fqn, tuple(offsets)))
+    split = held.split(len(plans))
+    pieces = [[Piece(p.item, p.offset, p.length) for p in split.of_rank(r)] for r in range(len(plans))]
+    for r, plan in enumerate(plans):
+        for wi in plan.items:
+            if wi.type == WriteItemType.BYTE_IO:
+                pieces[r].append(Piece(len(items), 0, None))
+                items.append(PlanItem(f"bytes:{wi.index.fqn}", None, wi.index.fqn, None))
+    return tuple(items), [tuple(p) for p in pieces]
+
+
+def _step_manifest(session: DistSession, step: int) -> Manifest | None:
+    """Step ``step``'s manifest when it is a multi-rank one; None (logged) when it cannot be read."""
+    try:
+        m = parse_step(read_manifest_bytes(session.protocol, step), f"step {step}'s manifest")
+    except (OSError, GDSWriterError) as e:
+        log.warning("gdswriter: step %d's manifest could not be read (%s): the files of earlier saves "
+                    "beside it stay", step, e)
+        return None
+    return m if isinstance(m, Manifest) and m.dist is not None else None
+
+
+def live_beside(session: DistSession, beside: set[tuple[str, int]]) -> dict[int, list[KeepBeside]]:
     """Coordinator: for each (root id, step) a rank reported files of several saves in (its own
     beside a committed step, OrderedCommit), the names of the data files the committed manifest
     of that step lists on that root, for the root's leader to keep (commit.clean_resaved):
-    {leader: [[root id, step, names], ...]}. Nothing for a step no longer committed (cleaning
+    {leader: [KeepBeside, ...]}. Nothing for a step no longer committed (cleaning
     removes its directory whole), a root its manifest does not name, or a manifest it cannot
     read (logged: those files stay)."""
     if not beside:
@@ -131,46 +191,59 @@ def live_beside(session: DistSession, beside: set[tuple[str, int]]) -> dict[int,
     leaders = {info.id: min(info.ranks) for info in session.layout.table}
     committed = set(session.protocol.committed_steps())
     manifests: dict[int, Manifest | None] = {}
-    out: dict[int, list] = {}
+    out: dict[int, list[KeepBeside]] = {}
     for rid, step in sorted(beside):
         if step not in committed or rid not in leaders:
             continue
         if step not in manifests:
-            manifests[step] = None
-            try:
-                m = parse_step(read_manifest_bytes(session.protocol, step), f"step {step}'s manifest")
-            except (OSError, GDSWriterError) as e:
-                log.warning("gdswriter: step %d's manifest could not be read (%s): the files of earlier saves "
-                            "beside it stay", step, e)
-            else:
-                manifests[step] = m if isinstance(m, Manifest) and m.dist is not None else None
+            manifests[step] = _step_manifest(session, step)
         m = manifests[step]
         g = None if m is None else next((g for g, info in enumerate(m.dist.roots) if info.id == rid), None)
         if g is not None:
-            out.setdefault(leaders[rid], []).append([rid, step, sorted(f.path for f in m.files if f.root == g)])
+            names = tuple(sorted(f.path for f in m.files if f.root == g))
+            out.setdefault(leaders[rid], []).append(KeepBeside(rid, step, names))
     return out
 
 
-def checked_reports(results: list[list[WriteResult]], step: int, token: str, items: list[list]) -> list[dict]:
+def _report_of(got: list[WriteResult], r: int, step: int, token: str) -> RankReport | None:
+    """Rank ``r``'s report (its last WriteResult) when it is one of this save's."""
+    if not got or got[-1].index.fqn != REPORT_FQN or not isinstance(got[-1].storage_data, dict):
+        return None
+    try:
+        rep = RankReport.from_wire(got[-1].storage_data)
+    except GDSWriterError:
+        return None
+    return rep if (rep.rank, rep.step, rep.token) == (r, step, token) else None
+
+
+def _recording_problems(reports: list[RankReport], items: tuple[PlanItem, ...]) -> list[str]:
+    """What is wrong with how the reports record the plan's items: an item it does not hold, an
+    item not recorded exactly once, or a BytesIO item not sized."""
+    recorded = Counter(item for rep in reports for item, _ in rep.records)
+    sized = {item for rep in reports for item, _ in rep.sizes}
+    named = set(recorded) | sized | {c.item for rep in reports for c in rep.chunks}
+    bad = [i for i in named if not (isinstance(i, int) and 0 <= i < len(items))]
+    if bad:
+        return [f"the reports name items {sorted(map(str, bad))[:5]} that the plan does not hold"]
+    missing = [i for i in range(len(items)) if recorded[i] != 1 or (items[i].is_bytes and i not in sized)]
+    if missing:
+        return [f"{len(missing)} item(s) not recorded exactly once (first: {items[missing[0]].fqn!r})"]
+    return []
+
+
+def checked_reports(results: list[list[WriteResult]], step: int, token: str,
+                    items: tuple[PlanItem, ...]) -> list[RankReport]:
     """Every rank's report (the last WriteResult of each), in rank order, checked against this
     save: one per rank, of this step and token, naming only items of the plan, and every item
     recorded exactly once (a BytesIO item also sized). GDSWriterError naming what is wrong."""
     reports, problems = [], []
     for r, got in enumerate(results):
-        rep = got[-1].storage_data if got and got[-1].index.fqn == REPORT_FQN else None
-        if not isinstance(rep, dict) or rep.get("rank") != r or rep.get("step") != step or rep.get("token") != token:
+        rep = _report_of(got, r, step, token)
+        if rep is None:
             problems.append(f"rank {r} sent no report of this save (step {step})")
             continue
         reports.append(rep)
-    recorded = Counter(item for rep in reports for item, _ in rep["records"])
-    sized = {item for rep in reports for item, _ in rep["sizes"]}
-    bad = [i for i in set(recorded) | sized | {c[0] for rep in reports for c in rep["chunks"]}
-           if not (isinstance(i, int) and 0 <= i < len(items))]
-    if bad:
-        problems.append(f"the reports name items {sorted(map(str, bad))[:5]} that the plan does not hold")
-    missing = [i for i in range(len(items)) if recorded[i] != 1 or (items[i][1] is None and i not in sized)]
-    if missing and not bad:
-        problems.append(f"{len(missing)} item(s) not recorded exactly once (first: {items[missing[0]][2]!r})")
+    problems += _recording_problems(reports, items)
     if problems:
         raise GDSWriterError(f"dcp.save of step {step}: {'; '.join(problems)}; nothing was committed (internal: "
                              f"report it)")
@@ -198,21 +271,21 @@ def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def dcp_manifest(step: int, save: dict, metadata: Metadata) -> Manifest:
+def dcp_manifest(step: int, save: SaveInProgress, reports: list[RankReport], metadata: Metadata) -> Manifest:
     """Items in plan order, one tensor record each (so record i is item i); the state maps each
     fqn to its first record; DCP's Metadata goes in with storage_data = {MetadataIndex: record}."""
-    items = save["items"]
-    sizes = [n for _, n, _, _ in items]
-    for rep in save["reports"]:
-        for item, n in rep["sizes"]:
+    items = save.items or ()
+    sizes = [it.nbytes for it in items]
+    for rep in reports:
+        for item, n in rep.sizes:
             sizes[item] = n
-    for rep in save["reports"]:
-        rep.update(tree=None, tensors=[])
-    manifest = build_manifest(step, sizes, save["reports"], save["table"], layout="dcp", metadata={}, state={},
-                              dcp={})
-    md = replace(metadata, version=CURRENT_DCP_VERSION, storage_data={MetadataIndex(fqn, offsets): i for i, (_, _, fqn, offsets) in enumerate(items)})
+    manifest = build_manifest(step, sizes, [rep.manifest_report() for rep in reports], save.table, layout="dcp",
+                              metadata={}, state={}, dcp={})
+    md = replace(metadata, version=CURRENT_DCP_VERSION,
+                 storage_data={MetadataIndex(it.fqn, None if it.offsets is None else list(it.offsets)): i
+                               for i, it in enumerate(items)})
     first: dict[str, int] = {}
-    for i, (_, _, fqn, _) in enumerate(items):
-        first.setdefault(fqn, i)
+    for i, it in enumerate(items):
+        first.setdefault(it.fqn, i)
     state = {"$dict": [[fqn, {"$tensor": i}] for fqn, i in first.items()]}
     return replace(manifest, state=state, dist=replace(manifest.dist, dcp=metadata_to_json(md)))
