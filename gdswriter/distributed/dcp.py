@@ -59,14 +59,15 @@ the files no committed manifest names are removed at the writer's next save, whi
 checkpoint_id it targets (the ranks say where they wrote beside a step in their local plans, the
 coordinator sends each root's leader the names the committed manifest lists there in its global
 plan; the roots of an earlier checkpoint_id are kept for that: _lock_formers, _formers_live).
-The writer never makes a coordination channel of its own.
+The writer never makes a coordination channel of its own. What travels in DCP's plans and
+results (``storage_data``) is typed in dcp_messages.py and sent as plain lists and dicts.
 
 Loading reads each item DCP asks for whole straight into DCP's target tensor (its checksum
 computed as it is read) and only resharded or cast items through a buffer, as FileSystemReader
 copies each item into its target as it goes: a damaged file raises ChecksumMismatchError on
 every rank, and the targets read so far are overwritten. Where every rank names one root, the
 same one, a load adds one round of collectives to DCP's (rank 0 sends the manifest with the
-decision, ``_open_one_shared_root``) and each rank reads alone, DCP's gather of read_data's
+decision, ``dcp_reader.open_one_shared_root``) and each rank reads alone, DCP's gather of read_data's
 outcomes carrying a failure to every rank; other layouts open and read as GDSCheckpointer
 does. ``GDSStorageReader(atomic=True)`` reads everything into fresh buffers, verifies it on
 every rank, and only then changes a target.
@@ -84,6 +85,10 @@ their locks: each save takes those again, locally); ``close()`` releases both. A
 its one engine. The writer and reader pickle as their arguments, so DCP's process-based async_save
 can ship them to its checkpoint process; engines, locks and the coordination group open there
 on first use.
+
+The plug-in's modules (this one re-exports their public names): dcp_paths.py (checkpoint_id,
+the marker), dcp_failures.py (errors across DCP's collectives), dcp_messages.py, dcp_writer.py
+with dcp_writer_parts.py, dcp_reader.py, dcp_offline.py (export's reads), dcp_codec.py.
 """
 
 

@@ -90,9 +90,9 @@ class LocalPlanData:
         _need(isinstance(x, dict), "local plan")
         beside = tuple(tuple(_row(b, 2, "local plan")) for b in _rows(x.get("beside"), "local plan"))
         _need(all(isinstance(rid, str) and _is_int(step) for rid, step in beside), "local plan")
-        offer = None if x.get("open") is None else RootsOffer.from_wire(x["open"])
-        return cls(tuple(HeldChunk.from_wire(h) for h in _rows(x.get("held"), "local plan")), offer,
-                   beside)  # type: ignore[arg-type]
+        offer = x.get("open")
+        return cls(tuple(HeldChunk.from_wire(h) for h in _rows(x.get("held"), "local plan")),
+                   None if offer is None else RootsOffer.from_wire(offer), beside)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -196,12 +196,11 @@ class GlobalPlanData:
     @classmethod
     def from_wire(cls, x: Any) -> GlobalPlanData:
         _need(isinstance(x, dict), "global plan")
-        step, token, clean, latest = x.get("step"), x.get("token"), x.get("clean"), x.get("latest")
+        step, token, clean, latest, layout = (x.get(k) for k in ("step", "token", "clean", "latest", "layout"))
         _need(_is_int(step) and isinstance(token, str) and isinstance(clean, list) and all(map(_is_int, clean))
-              and (latest is None or _is_int(latest)) and (x.get("layout") is None or isinstance(x["layout"], dict)),
-              "global plan")
+              and (latest is None or _is_int(latest)) and (layout is None or isinstance(layout, dict)), "global plan")
         return cls(tuple(PlanItem.from_wire(i) for i in _rows(x.get("items"), "global plan")),
-                   tuple(Piece.from_wire(p) for p in _rows(x.get("pieces"), "global plan")), x.get("layout"),
+                   tuple(Piece.from_wire(p) for p in _rows(x.get("pieces"), "global plan")), layout,
                    tuple(KeepBeside.from_wire(e) for e in _rows(x.get("live"), "global plan")),
                    tuple(KeepBeside.from_wire(e) for e in _rows(x.get("former"), "global plan")),
                    Decision(step, token, tuple(clean), latest))
@@ -276,3 +275,23 @@ class RankReport:
         chunks = tuple(ChunkEntry.from_wire(c) for c in _rows(x.get("chunks"), "rank report"))
         return cls(rank, step, token, files, chunks, records, sizes,  # type: ignore[arg-type]
                    None if published is None else tuple(published))
+
+
+@dataclass(frozen=True)
+class SharedRootOffer:
+    """GDSStorageReader's one-shared-root load (dcp_reader.open_one_shared_root): rank 0's part of
+    the one-root table, the step and its manifest's text, sent with the decision (not in DCP's
+    storage_data: over the reader's own decision round). Wire: {"part", "step", "manifest"}."""
+    part: dict
+    step: int
+    manifest: str
+
+    def to_wire(self) -> dict:
+        return {"part": self.part, "step": self.step, "manifest": self.manifest}
+
+    @classmethod
+    def from_wire(cls, x: Any) -> SharedRootOffer:
+        _need(isinstance(x, dict), "shared-root offer")
+        part, step, manifest = x.get("part"), x.get("step"), x.get("manifest")
+        _need(isinstance(part, dict) and _is_int(step) and isinstance(manifest, str), "shared-root offer")
+        return cls(part, step, manifest)

@@ -25,6 +25,7 @@ from ..load.reader import host_buffer, read_manifest_bytes
 from ..options import EngineOptions
 from .dcp_codec import metadata_from_json
 from .dcp_failures import CarriedError
+from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
 from .dcp_writer_parts import contiguous_stride
 from .fetch import fetch_storages, manifest_reach
@@ -150,18 +151,9 @@ class GDSStorageReader(Collective, StorageReader):
         records, error, engine = [], None, None
         in_place: dict[int, torch.Tensor] = {}  # item -> DCP's target, read into directly
         try:  # this rank's part before the first collective: a failure here reaches every rank
-            for req in plan.items:
-                if req.storage_index not in where:
-                    raise CorruptCheckpointError(f"step {m.step}: DCP asks for {req.storage_index}, which the "
-                                                 f"checkpoint's DCP metadata does not map to a record")
-                records.append(m.tensors[where[req.storage_index]])
+            records = records_of(plan, m, where)
             if not self.atomic:
-                uses = Counter(rec.storage for rec in records)
-                for i, (req, rec) in enumerate(zip(plan.items, records)):
-                    if uses[rec.storage] == 1:
-                        target = whole_target(req, rec, m, planner)
-                        if target is not None:
-                            in_place[i] = target
+                in_place = in_place_targets(plan, records, m, planner)
             engine = self._engine(sum(m.storages[s].nbytes for s in {rec.storage for rec in records}))
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
@@ -179,24 +171,7 @@ class GDSStorageReader(Collective, StorageReader):
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise
-        for i, (req, rec) in enumerate(zip(plan.items, records)):
-            if i in in_place:
-                planner.commit_tensor(req, in_place[i])
-                continue
-            buf = buffers[rec.storage]
-            if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(buf.numpy().tobytes()))
-                continue
-            dtype = dtype_from_name(rec.dtype)
-            src = buf.view(dtype).view(rec.shape) if rec.shape else buf.view(dtype).reshape(())
-            for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
-                src = src.narrow(d, o, n)
-            target = planner.resolve_tensor(req).detach()
-            if target.shape != src.shape:
-                raise CorruptCheckpointError(f"{req.storage_index.fqn}: DCP asked for {list(target.shape)} elements, "
-                                             f"the saved chunk gives {list(src.shape)}")
-            target.copy_(src)
-            planner.commit_tensor(req, target)
+        hand_over(plan, records, in_place, buffers, planner)
         fut: Future = Future()
         fut.set_result(None)
         return fut
@@ -227,6 +202,59 @@ class GDSStorageReader(Collective, StorageReader):
             self.close()
 
 
+def records_of(plan: LoadPlan, m: Manifest, where: dict) -> list[TensorRecord]:
+    """The tensor record of each item DCP asks for (``where``: DCP's storage_data, checked by
+    check_dcp_records); CorruptCheckpointError for an item it does not map."""
+    records = []
+    for req in plan.items:
+        if req.storage_index not in where:
+            raise CorruptCheckpointError(f"step {m.step}: DCP asks for {req.storage_index}, which the "
+                                         f"checkpoint's DCP metadata does not map to a record")
+        records.append(m.tensors[where[req.storage_index]])
+    return records
+
+
+def in_place_targets(plan: LoadPlan, records: list[TensorRecord], m: Manifest,
+                     planner: LoadPlanner) -> dict[int, torch.Tensor]:
+    """{request index: DCP's target} for the items read straight into their targets: the only
+    request of its storage, for the whole record, into a target that takes its bytes (whole_target)."""
+    uses = Counter(rec.storage for rec in records)
+    out: dict[int, torch.Tensor] = {}
+    for i, (req, rec) in enumerate(zip(plan.items, records)):
+        if uses[rec.storage] == 1:
+            target = whole_target(req, rec, m, planner)
+            if target is not None:
+                out[i] = target
+    return out
+
+
+def hand_over(plan: LoadPlan, records: list[TensorRecord], in_place: dict[int, torch.Tensor],
+              buffers: dict[int, torch.Tensor], planner: LoadPlanner) -> None:
+    """Hand DCP each item: those read in place as they are, the others from their buffers."""
+    for i, (req, rec) in enumerate(zip(plan.items, records)):
+        if i in in_place:
+            planner.commit_tensor(req, in_place[i])
+        elif req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(buffers[rec.storage].numpy().tobytes()))
+        else:
+            copy_chunk(req, rec, buffers[rec.storage], planner)
+
+
+def copy_chunk(req: Any, rec: TensorRecord, buf: torch.Tensor, planner: LoadPlanner) -> None:
+    """Copy the part of record ``rec`` (its storage's bytes in ``buf``) that ``req`` asks for into
+    DCP's target, and commit it."""
+    dtype = dtype_from_name(rec.dtype)
+    src = buf.view(dtype).view(rec.shape) if rec.shape else buf.view(dtype).reshape(())
+    for d, (o, n) in enumerate(zip(req.storage_offsets, req.lengths)):
+        src = src.narrow(d, o, n)
+    target = planner.resolve_tensor(req).detach()
+    if target.shape != src.shape:
+        raise CorruptCheckpointError(f"{req.storage_index.fqn}: DCP asked for {list(target.shape)} elements, "
+                                     f"the saved chunk gives {list(src.shape)}")
+    target.copy_(src)
+    planner.commit_tensor(req, target)
+
+
 def open_one_shared_root(coord: Coordinator, roots: Sequence[Path], step: int | None
                           ) -> tuple[RootLayout, int, Manifest] | None:
     """Collective, one decision round: the layout, step and manifest a load reads where every
@@ -241,7 +269,7 @@ def open_one_shared_root(coord: Coordinator, roots: Sequence[Path], step: int | 
     were most of what a 2-rank load of 96 MiB spent beyond FileSystemReader's (which reads
     DCP's metadata file on each rank, with no round of its own)."""
     ids: list[str] | None = None
-    offer: dict | None = None
+    offer: SharedRootOffer | None = None
     table: tuple[RootInfo, ...] = ()
     try:
         if len(roots) == 1:
@@ -251,23 +279,22 @@ def open_one_shared_root(coord: Coordinator, roots: Sequence[Path], step: int | 
             table = (RootInfo(ids[0], path, tuple(range(coord.world_size))),)
             protocol = RankProtocol(RootLayout(0, coord.world_size, table, tuple(roots), tuple(ids), (0,), path))
             found = protocol.require(step)
-            offer = {"part": layout_parts(table, [[0]])[0], "step": found,
-                     "manifest": read_manifest_bytes(protocol, found).decode()}
+            offer = SharedRootOffer(layout_parts(table, [[0]])[0], found, read_manifest_bytes(protocol, found).decode())
     except Exception:  # noqa: BLE001 - not this path: the full protocol reports it
         ids = offer = None
 
     def rule(outs: list) -> dict | None:
-        return offer if offer is not None and all(o == ids for o in outs) else None
+        return offer.to_wire() if offer is not None and all(o == ids for o in outs) else None
 
-    got = coord.decide(None, ids, "dcp.load (opening the checkpoint's root)", rule)
-    if got is None:
+    decided = coord.decide(None, ids, "dcp.load (opening the checkpoint's root)", rule)
+    if decided is None:
         return None
     assert ids is not None
+    got = SharedRootOffer.from_wire(decided)
     layout = (RootLayout(0, coord.world_size, table, tuple(roots), tuple(ids), (0,), table[0].path) if table
-              else layout_of_part(coord.rank, coord.world_size, roots, ids, got["part"]))
-    found = int(got["step"])
-    m = received_manifest(coord, RankProtocol(layout), found, got["manifest"].encode(), "dcp.load")
-    return layout, found, m
+              else layout_of_part(coord.rank, coord.world_size, roots, ids, got.part))
+    m = received_manifest(coord, RankProtocol(layout), got.step, got.manifest.encode(), "dcp.load")
+    return layout, got.step, m
 
 
 def reader_engine_options(nbytes: int | None = None) -> EngineOptions:
@@ -313,35 +340,47 @@ def check_dcp_records(m: Manifest, md: Metadata) -> None:
     for index, i in md.storage_data.items():
         rec, entry = m.tensors[i], md.state_dict_metadata.get(index.fqn)
         nbytes = m.storages[rec.storage].nbytes
-        why = ""
         if entry is None:
             why = "names no item of the DCP metadata"
         elif not hasattr(entry, "chunks"):  # BytesStorageMetadata
-            if rec.dtype != "uint8" or rec.shape != (nbytes,) or rec.stride != (1,) or rec.byte_offset:
-                why = f"is not the {nbytes} bytes of its storage (dtype {rec.dtype}, shape {list(rec.shape)})"
+            why = _bytes_problem(rec, nbytes)
         else:
             if index.fqn not in chunks:
                 chunks[index.fqn] = {tuple(c.offsets): c for c in entry.chunks}
-            chunk = chunks[index.fqn].get(tuple(index.offset or ()))
-            size = tuple(entry.size)
-            dtype = dtype_from_name(rec.dtype)
-            numel = 1
-            for n in rec.shape:
-                numel *= n
-            if chunk is None:
-                why = f"is at offsets {list(index.offset or ())}, where the item has no chunk"
-            elif any(o + n > g for o, n, g in zip(chunk.offsets, chunk.sizes, size)):
-                why = f"is the chunk {list(chunk.offsets)} + {list(chunk.sizes)}, outside the item's size {list(size)}"
-            elif rec.shape != tuple(chunk.sizes) or dtype != entry.properties.dtype:
-                why = (f"has shape {list(rec.shape)} and dtype {rec.dtype}, its chunk {list(chunk.sizes)} and "
-                       f"{dtype_to_name(entry.properties.dtype)}")
-            elif rec.stride != contiguous_stride(rec.shape) or rec.byte_offset or nbytes != numel * dtype.itemsize:
-                why = (f"is not contiguous at byte 0 of a storage of its {numel * dtype.itemsize} bytes (stride "
-                       f"{list(rec.stride)}, byte offset {rec.byte_offset}, storage {nbytes} bytes)")
+            why = _chunk_problem(rec, nbytes, entry, chunks[index.fqn].get(tuple(index.offset or ())),
+                                 list(index.offset or ()))
         if why:
             raise CorruptCheckpointError(f"step {m.step}: the record of DCP item {index.fqn!r} (record {i}) {why}: "
                                          f"GDSStorageWriter never writes that, so the manifest is damaged or was "
                                          f"not written by it; load an earlier step")
+
+
+def _bytes_problem(rec: TensorRecord, nbytes: int) -> str:
+    """What is wrong with the record of a BytesIO item (""): not its storage's bytes as uint8."""
+    if rec.dtype != "uint8" or rec.shape != (nbytes,) or rec.stride != (1,) or rec.byte_offset:
+        return f"is not the {nbytes} bytes of its storage (dtype {rec.dtype}, shape {list(rec.shape)})"
+    return ""
+
+
+def _chunk_problem(rec: TensorRecord, nbytes: int, entry: Any, chunk: Any, offsets: list[int]) -> str:
+    """What is wrong with the record of a tensor chunk (""): no such chunk, a chunk outside the
+    item, another shape or dtype, or not contiguous at byte 0 of a storage of its bytes."""
+    size = tuple(entry.size)
+    dtype = dtype_from_name(rec.dtype)
+    numel = 1
+    for n in rec.shape:
+        numel *= n
+    if chunk is None:
+        return f"is at offsets {offsets}, where the item has no chunk"
+    if any(o + n > g for o, n, g in zip(chunk.offsets, chunk.sizes, size)):
+        return f"is the chunk {list(chunk.offsets)} + {list(chunk.sizes)}, outside the item's size {list(size)}"
+    if rec.shape != tuple(chunk.sizes) or dtype != entry.properties.dtype:
+        return (f"has shape {list(rec.shape)} and dtype {rec.dtype}, its chunk {list(chunk.sizes)} and "
+                f"{dtype_to_name(entry.properties.dtype)}")
+    if rec.stride != contiguous_stride(rec.shape) or rec.byte_offset or nbytes != numel * dtype.itemsize:
+        return (f"is not contiguous at byte 0 of a storage of its {numel * dtype.itemsize} bytes (stride "
+                f"{list(rec.stride)}, byte offset {rec.byte_offset}, storage {nbytes} bytes)")
+    return ""
 
 
 def whole_target(req: Any, rec: TensorRecord, m: Manifest, planner: LoadPlanner) -> torch.Tensor | None:

@@ -216,13 +216,17 @@ def _report_of(got: list[WriteResult], r: int, step: int, token: str) -> RankRep
     return rep if (rep.rank, rep.step, rep.token) == (r, step, token) else None
 
 
+def _unknown(named: set, count: int) -> list:
+    """The item numbers in ``named`` that are not items of a plan of ``count``."""
+    return [i for i in named if not (isinstance(i, int) and 0 <= i < count)]
+
+
 def _recording_problems(reports: list[RankReport], items: tuple[PlanItem, ...]) -> list[str]:
     """What is wrong with how the reports record the plan's items: an item it does not hold, an
     item not recorded exactly once, or a BytesIO item not sized."""
     recorded = Counter(item for rep in reports for item, _ in rep.records)
     sized = {item for rep in reports for item, _ in rep.sizes}
-    named = set(recorded) | sized | {c.item for rep in reports for c in rep.chunks}
-    bad = [i for i in named if not (isinstance(i, int) and 0 <= i < len(items))]
+    bad = _unknown(set(recorded) | sized | {c.item for rep in reports for c in rep.chunks}, len(items))
     if bad:
         return [f"the reports name items {sorted(map(str, bad))[:5]} that the plan does not hold"]
     missing = [i for i in range(len(items)) if recorded[i] != 1 or (items[i].is_bytes and i not in sized)]
