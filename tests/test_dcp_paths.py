@@ -316,7 +316,7 @@ def test_reader_in_place_by_default_atomic_on_request(tmp_path, monkeypatch):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    import gdswriter.distributed.dcp as dcp_mod
+    import gdswriter.distributed.dcp_reader as dcp_mod
     from gdswriter.distributed import dcp_errors
     from gdswriter.errors import ChecksumMismatchError
 
@@ -364,7 +364,7 @@ def test_default_reader_pool_keeps_the_queue_full_while_staged_chunks_are_copied
     the queue, 512 MiB cold waited 120-135 ms on the disk here against 40-48 ms.)"""
     import torch.distributed.checkpoint as dcp
 
-    import gdswriter.distributed.dcp as dcp_mod
+    import gdswriter.distributed.dcp_reader as dcp_mod
     from gdswriter.distributed import GDSStorageReader
 
     for var in ("GDSWRITER_NUM_BUFFERS", "GDSWRITER_BUFFER_BYTES", "GDSWRITER_REQUEST_BYTES", "GDSWRITER_QUEUE_DEPTH"):
@@ -456,7 +456,7 @@ def _torchtitan_ranks(rank: int, world: int, tmp: str) -> dict:
                                                          set_model_state_dict, set_optimizer_state_dict)
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    import gdswriter.distributed.dcp as dcp_mod
+    import gdswriter.distributed.dcp_writer as dcp_mod
     from gdswriter import CheckpointOptions
     from gdswriter.distributed import GDSStorageReader, GDSStorageWriter, dcp_errors
     from gdswriter.errors import CheckpointExistsError
@@ -590,7 +590,7 @@ def _killed_dcp_run(rank: int, world: int, folder: str, mode: str) -> None:
 
     import torch.distributed.checkpoint as dcp
 
-    import gdswriter.distributed.dcp as plugin
+    import gdswriter.distributed.dcp_writer as plugin
 
     state = _fresh(0)
     w = writer()

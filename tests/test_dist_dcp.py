@@ -143,7 +143,7 @@ def test_a_writer_keeps_its_engines_from_save_to_save_until_closed(tmp_path, mon
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    import gdswriter.distributed.dcp as dcp_mod
+    import gdswriter.distributed.dcp_writer as dcp_mod
 
     built = []
     real = dcp_mod.create_engine

@@ -224,7 +224,7 @@ def test_manifest_roots_match_by_path_only_without_an_id(tmp_path):
 def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    import gdswriter.distributed.dcp as dcp_mod
+    import gdswriter.distributed.dcp_reader as dcp_mod
     from support.models import small_engine
     from gdswriter import CheckpointOptions, GDSCheckpointer
     from gdswriter.distributed import GDSStorageReader, GDSStorageWriter

@@ -95,6 +95,38 @@ def _opt_str(v: Any) -> str | None:
     return v
 
 
+def _tensor_entry(fqn: str, t: dict) -> TensorStorageMetadata:
+    """A tensor item's metadata (its properties, size and chunks), validated; the caller turns
+    a KeyError, TypeError or ValueError into CorruptCheckpointError."""
+    p = t["properties"]
+    if p["layout"] not in _LAYOUTS or p["memory_format"] not in _FORMATS or not isinstance(
+            p["requires_grad"], bool) or not isinstance(p["pin_memory"], bool):
+        raise _bad(f"bad tensor properties of {fqn!r}")
+    props = TensorProperties(dtype=dtype_from_name(p["dtype"]), layout=_LAYOUTS[p["layout"]],
+                             requires_grad=p["requires_grad"], memory_format=_FORMATS[p["memory_format"]],
+                             pin_memory=p["pin_memory"])
+    size = _ints(t["size"])
+    chunks = []
+    for off, sizes in t["chunks"]:
+        if len(_ints(off)) != len(size) or len(_ints(sizes)) != len(size):
+            raise _bad(f"a chunk of {fqn!r} has the wrong number of dimensions")
+        if any(o + n > s for o, n, s in zip(off, sizes, size)):
+            raise _bad(f"a chunk of {fqn!r} lies outside its tensor's size {size}")
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sizes)))
+    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+
+def _storage_data(entries: Any) -> dict[MetadataIndex, int] | None:
+    if entries is None:
+        return None
+    storage = {}
+    for fqn, off, v in entries:
+        if not isinstance(fqn, str) or type(v) is not int:
+            raise _bad("bad storage_data entry")
+        storage[MetadataIndex(fqn, _ints(off) if off is not None else None)] = v
+    return storage
+
+
 def metadata_from_json(x: Any) -> Metadata:
     """The Metadata ``metadata_to_json`` wrote (validated)."""
     try:
@@ -102,34 +134,9 @@ def metadata_from_json(x: Any) -> Metadata:
         for fqn, e in x["state_dict_metadata"]:
             if not isinstance(fqn, str) or fqn in sdm or not isinstance(e, dict) or len(e) != 1:
                 raise _bad(f"bad entry for {str(fqn)[:80]}")
-            if "bytes" in e:
-                sdm[fqn] = BytesStorageMetadata()
-                continue
-            t = e["tensor"]
-            p = t["properties"]
-            if p["layout"] not in _LAYOUTS or p["memory_format"] not in _FORMATS or not isinstance(
-                    p["requires_grad"], bool) or not isinstance(p["pin_memory"], bool):
-                raise _bad(f"bad tensor properties of {fqn!r}")
-            props = TensorProperties(dtype=dtype_from_name(p["dtype"]), layout=_LAYOUTS[p["layout"]],
-                                     requires_grad=p["requires_grad"], memory_format=_FORMATS[p["memory_format"]],
-                                     pin_memory=p["pin_memory"])
-            size = _ints(t["size"])
-            chunks = []
-            for off, sizes in t["chunks"]:
-                if len(_ints(off)) != len(size) or len(_ints(sizes)) != len(size):
-                    raise _bad(f"a chunk of {fqn!r} has the wrong number of dimensions")
-                if any(o + n > s for o, n, s in zip(off, sizes, size)):
-                    raise _bad(f"a chunk of {fqn!r} lies outside its tensor's size {size}")
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sizes)))
-            sdm[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+            sdm[fqn] = BytesStorageMetadata() if "bytes" in e else _tensor_entry(fqn, e["tensor"])
         planner = None if x["planner_data"] is None else decode_state(x["planner_data"], [])
-        storage = None
-        if x["storage_data"] is not None:
-            storage = {}
-            for fqn, off, v in x["storage_data"]:
-                if not isinstance(fqn, str) or type(v) is not int:
-                    raise _bad("bad storage_data entry")
-                storage[MetadataIndex(fqn, _ints(off) if off is not None else None)] = v
+        storage = _storage_data(x["storage_data"])
         sm = x["storage_meta"]
         meta = None if sm is None else StorageMeta(
             checkpoint_id=_opt_str(sm["checkpoint_id"]), save_id=_opt_str(sm["save_id"]),
