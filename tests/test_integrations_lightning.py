@@ -475,7 +475,7 @@ def uninterrupted(tmp_path_factory):
     """The final state of an uninterrupted run of lightning_run's model and data, saving nothing."""
     m = lightning_run.model(lightning_run.SEED)
     t = lightning_run.trainer(tmp_path_factory.mktemp("straight"), enable_checkpointing=False)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), lightning_run.one_thread():  # as the child and the resumed run
         warnings.simplefilter("ignore")
         t.fit(m, lightning_run.data())
     assert t.global_step == LAST_STEP
@@ -505,6 +505,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, uninterrupte
     resumed from it (``ckpt_path="last"``, or the listed path where ModelCheckpoint keeps one
     checkpoint and no last.ckpt) ends bit for bit where the uninterrupted run ends: weights,
     AdamW moments, scheduler, step, RNG.
+    All three runs train on one intra-op thread (issue 37; lightning_run.one_thread).
 
     top1 (ModelCheckpoint's default, async; the kill comes once training has gone on to step
     13): Lightning removes epoch=0-step=6.ckpt as soon as step 12's save returns. That removal
@@ -541,7 +542,7 @@ def test_sigkill_then_resume_matches_an_uninterrupted_run(tmp_path, uninterrupte
     m = lightning_run.model(99)  # other initial weights and RNG: everything must come from the checkpoint
     t = lightning_run.trainer(tmp_path / "resumed", callbacks=[lightning_run.checkpoints(ckpts, keep)],
                               plugins=[lightning_run.plugin(async_save)])
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), lightning_run.one_thread():  # issue 37: one thread, as the other two runs
         warnings.simplefilter("ignore")
         t.fit(m, lightning_run.data(), ckpt_path="last" if keep == "all" else listed[-1])
     assert_same_tree(uninterrupted, lightning_run.final_state(t, m))
