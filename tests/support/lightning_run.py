@@ -33,7 +33,6 @@ here, which leaves the order in which a parallel kernel's threads finish: one th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -41,6 +40,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from support.models import one_thread  # noqa: F401 - the tests use it from here too
 
 EPOCHS = 4
 STEPS_PER_EPOCH = 6
@@ -105,18 +106,6 @@ def trainer(root: Path, *, callbacks=(), plugins=(), **kw):
     return L.Trainer(max_epochs=EPOCHS, accelerator="cpu", logger=False, enable_progress_bar=False,
                      enable_model_summary=False, default_root_dir=root, callbacks=list(callbacks),
                      plugins=list(plugins), **kw)
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Torch's intra-op threads set to one while inside (then back as they were), so that each
-    kernel computes the same way in every process whatever the load (see the module doc)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def final_state(t, m) -> dict:

@@ -107,6 +107,9 @@ def build(seed: int, *, lr: float = 3e-3, scaler: bool = True):
 
 @contextlib.contextmanager
 def one_thread():
+    """Torch's intra-op threads set to one while inside (then back as they were), so that each
+    kernel computes the same way in every process whatever the load (a parallel kernel's
+    threads may finish in another order under contention and round differently)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
