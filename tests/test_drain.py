@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -117,13 +118,22 @@ def test_save_never_waits_for_a_drain(tmp_path):
     holder, eng = state(1), GatedEngine()
     eng.gate.clear()
     with _checkpointer(tmp_path, holder, eng, keep_last=1, drain_keep_last=5) as ck:
-        ck.save(1)
-        assert eng.waiting.wait(60)
-        for step in (2, 3):
-            assert ck.save_async(_set(holder, step) and step).result(timeout=120) == step
-        assert eng.waiting.is_set() and ck.drained_step() is None
-        assert ck.steps() == [1, 3]  # 1 is pinned by its drain, 2 was dropped by the retention
-        eng.gate.set()
+        def save(step: int) -> None:  # in a thread: a save held by the drain must fail the test, not hang it
+            done: list = []
+            saver = threading.Thread(target=lambda: done.append(ck.save_async(step).result()), daemon=True)
+            saver.start()
+            saver.join(120)
+            assert done == [step], f"step {step}'s save waited for the drain"
+
+        try:
+            save(1)
+            assert eng.waiting.wait(60)
+            for step in (2, 3):
+                save(_set(holder, step) and step)
+            assert eng.waiting.is_set() and ck.drained_step() is None
+            assert ck.steps() == [1, 3]  # 1 is pinned by its drain, 2 was dropped by the retention
+        finally:
+            eng.gate.set()
         assert ck.wait_drained() == 3
     assert sorted(n for n in os.listdir(tmp_path / "shared") if n.startswith("step_")) == [
         "step_000000000001", "step_000000000003"]
@@ -147,13 +157,13 @@ def test_crash_mid_drain_leaves_the_drain_root_at_its_last_drained_step(tmp_path
     finally:
         child.kill()
         child.wait()
+    step, got = gdswriter.load_state(shared)
+    assert step == 1 and _equal(got, 1)
+    assert cli_main(["verify", str(shared)]) == 0
     tmp = [shared / n for n in _leftovers(shared)]
     assert len(tmp) == 1 and tmp[0].name.startswith(".tmp-step_000000000002")
     sizes = sorted(f.stat().st_size for f in tmp[0].glob("data-*.bin"))
     assert sizes[0] == 0 and sizes[-1] > 0  # one file copied, the other created and never written
-    step, got = gdswriter.load_state(shared)
-    assert step == 1 and _equal(got, 1)
-    assert cli_main(["verify", str(shared)]) == 0
     holder = _set(state(0), 3)
     with _checkpointer(tmp_path, holder, roots=("a", "b")) as ck:
         assert ck.latest_step() == 2
