@@ -31,6 +31,7 @@ import bisect
 import errno
 import logging
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -52,7 +53,7 @@ from .options import CheckpointOptions
 
 log = logging.getLogger("gdswriter")
 
-DRAIN_BUFFER_BYTES = 32 << 20  # one sequential read (and write) of the drain
+DRAIN_BUFFER_BYTES = 32 << 20  # one sequential read (and write) of the drain; two such buffers
 DRAIN_IDLE_S = 10.0  # the drain thread ends after this long without a step to drain
 
 __all__ = ["DrainStats", "Drainer", "copy_checked"]
@@ -99,20 +100,65 @@ def _write_all(fd: int, data: memoryview, offset: int, path: Path) -> None:
         data, offset = data[n:], offset + n
 
 
+class _Writer:
+    """Writes the pieces copy_checked read, in a thread of its own, while the next is read."""
+
+    def __init__(self, fd: int, path: Path, nbufs: int):
+        self.fd, self.path = fd, path
+        self.free = [threading.Event() for _ in range(nbufs)]
+        for e in self.free:
+            e.set()
+        self.todo: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="gdswriter-drain-write", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self.todo.get()) is not None:
+            i, data, offset = item
+            try:
+                if self.error is None:
+                    _write_all(self.fd, data, offset, self.path)
+            except BaseException as e:  # noqa: BLE001 - raised by the reader (take)
+                self.error = e
+            finally:
+                self.free[i].set()
+
+    def take(self, i: int) -> None:
+        """Wait until buffer ``i`` is written out; raise the writer's error."""
+        self.free[i].wait()
+        self.free[i].clear()
+        if self.error is not None:
+            raise self.error
+
+    def put(self, i: int, data: memoryview, offset: int) -> None:
+        self.todo.put((i, data, offset))
+
+    def finish(self) -> None:
+        self.todo.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
 def copy_checked(engine: IOEngine, src: Path, dst: Path, size: int, chunks: Sequence[ChunkRecord],
-                 buf: torch.Tensor) -> None:
+                 bufs: Sequence[torch.Tensor]) -> None:
     """Copy the ``size`` bytes of data file ``src`` to a new file ``dst`` (fdatasynced), reading
-    each byte once through ``engine`` into ``buf``, piece by piece; each chunk's crc32c is
-    checked as soon as its last byte is read, before that piece is written out:
-    ChecksumMismatchError for a damaged chunk."""
+    each byte once through ``engine`` into ``bufs`` in turn, piece by piece, while a writer
+    thread writes the previous piece out; each chunk's crc32c is checked as soon as its last
+    byte is read, before that piece is handed to the writer: ChecksumMismatchError for a
+    damaged chunk."""
     chunks = sorted((c for c in chunks if c.length), key=lambda c: c.file_offset)
     starts = [c.file_offset for c in chunks]
     acc: dict[int, tuple[int, int]] = {}
+    step = bufs[0].numel()
     fd, _ = open_regular(str(dst), write=True)
+    writer = _Writer(fd, dst, len(bufs))
     try:
-        for lo in range(0, size, buf.numel()):
-            hi = min(size, lo + buf.numel())
-            pieces = _pieces(chunks, starts, lo, hi, buf)
+        for k, lo in enumerate(range(0, size, step)):
+            hi, i = min(size, lo + step), k % len(bufs)
+            writer.take(i)
+            pieces = _pieces(chunks, starts, lo, hi, bufs[i])
             crcs = engine.read_file(src, [s for _, s in pieces])
             for (key, span), crc in zip(pieces, crcs):
                 if key < 0:
@@ -125,9 +171,13 @@ def copy_checked(engine: IOEngine, src: Path, dst: Path, size: int, chunks: Sequ
                 if done == c.length and got != c.crc32c:
                     raise ChecksumMismatchError(str(src), f"bytes of chunk {key} of this file", c.file_offset,
                                                 c.length, c.crc32c, got)
-            _write_all(fd, memoryview(buf[:hi - lo].numpy()), lo, dst)
+            writer.put(i, memoryview(bufs[i][:hi - lo].numpy()), lo)
+        writer.finish()
         os.fdatasync(fd)
     finally:
+        writer.error = writer.error or GDSWriterError("the copy was abandoned")  # the writer skips the rest
+        writer.todo.put(None)
+        writer.thread.join()
         os.close(fd)
 
 
@@ -153,7 +203,7 @@ class Drainer:
         self.target = CommitProtocol([self.root])
         self._lock: RootLock | None = None
         self._engine = engine
-        self._buf: torch.Tensor | None = None
+        self._bufs: list[torch.Tensor] | None = None  # two: one is read into while the other is written
         self._cv = threading.Condition()
         self._waiting: tuple[int, float] | None = None  # (step, committed_at) to drain next
         self._running: int | None = None
@@ -281,15 +331,15 @@ class Drainer:
     def _copy_files(self, m: Manifest, into: Path, step: int) -> None:
         if self._engine is None:
             self._engine = create_engine(self.options.engine)
-        if self._buf is None:
-            self._buf = torch.empty(DRAIN_BUFFER_BYTES, dtype=torch.uint8)
+        if self._bufs is None:
+            self._bufs = [torch.empty(DRAIN_BUFFER_BYTES, dtype=torch.uint8) for _ in range(2)]
         per_file: dict[int, list[ChunkRecord]] = {i: [] for i in range(len(m.files))}
         for s in m.storages:
             for c in s.chunks:
                 per_file[c.file].append(c)
         for fid, f in enumerate(m.files):
             copy_checked(self._engine, self.source.step_dir(step, f.root) / f.path, into / f.path, f.size,
-                         per_file[fid], self._buf)
+                         per_file[fid], self._bufs)
 
     def _retain(self, newest: int) -> None:
         steps = self.target.committed_steps()
