@@ -100,6 +100,11 @@ class DistSession:
         self.protocol.known, self.protocol.known_latest = sorted(committed), latest
 
     def check_options(self, options: CheckpointOptions) -> None:
+        if options.drain_root is not None:
+            raise InvalidOptionError(
+                "drain_root is not supported yet by a checkpointer of several ranks (each rank would copy its "
+                "own files, and none would commit the step at the drain root): drain from a single-process "
+                "checkpointer, or copy committed steps with your own tooling")
         if options.on_busy == "skip":
             raise InvalidOptionError(
                 "on_busy='skip' cannot be used by a checkpointer of several ranks: each rank would decide alone "
