@@ -147,7 +147,7 @@ def _gather_bytes(n: int) -> list[int]:
     return [int(x) for x in out]
 
 
-def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, world: int, base: str, state: dict,
+def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, world: int, base: str, state: dict,  # noqa: C901
            target: dict, reference: dict) -> None:
     """One round of ``case``: a save and a load, their times appended to ``run``, which also
     keeps the case's checkpointer or writer from round to round ("ck")."""

@@ -92,7 +92,7 @@ def best(rows, suite, kind, size, cases) -> tuple[float | None, str]:
     return max(vals) if vals else (None, "")
 
 
-def report(rows) -> tuple[str, list[bool]]:
+def report(rows) -> tuple[str, list[bool]]:  # noqa: C901
     parts: list[str] = []
     verdicts: list[bool] = []
     sizes = sizes_of(rows)

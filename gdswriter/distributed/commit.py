@@ -138,7 +138,7 @@ class RankCommit:
             f"{outcome.format(step=self.step)}")
 
     # -- 2 and 3 -----------------------------------------------------------------
-    def vote(self, outcome: Any, check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None = None
+    def vote(self, outcome: Any, check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None = None  # noqa: C901
              ) -> list[Any] | None:
         """Collective. ``outcome`` is what this rank reports to the primary rank (JSON), or the
         exception that stopped it. Returns every rank's report there, None elsewhere; raises on every

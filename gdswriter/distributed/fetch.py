@@ -95,7 +95,7 @@ def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
     check_step_files(m.step, m.created_unix, reach.paths, (m.files[f] for f in sorted(files)))
 
 
-def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,
+def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,  # noqa: C901
                    verify: bool, what: str, alloc: Callable[[int], torch.Tensor] = host_buffer,
                    into: Mapping[int, torch.Tensor] | None = None, alone: bool = False) -> dict[int, torch.Tensor]:
     """Collective: {storage: flat uint8 buffer of its nbytes, filled} for ``storages`` on every rank.

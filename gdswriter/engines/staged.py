@@ -492,7 +492,7 @@ class StagedEngine(IOEngine):
                         except OSError:
                             pass
 
-    def _write_fd(self, fd: int, path: str, spans: Sequence[WriteSpan], size: int, memory_alignment: int) -> list[int]:
+    def _write_fd(self, fd: int, path: str, spans: Sequence[WriteSpan], size: int, memory_alignment: int) -> list[int]:  # noqa: C901
         total = _align_up(size) if memory_alignment else size
         if self.options.preallocate and total:
             if _libc.fallocate(fd, 0, 0, total) != 0:

@@ -240,7 +240,7 @@ class Manifest:
                                          f"damaged: load an earlier step") from e
 
     @classmethod
-    def _from_body(cls, body: Any, where: str) -> "Manifest":
+    def _from_body(cls, body: Any, where: str) -> "Manifest":  # noqa: C901
         def bad(msg: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
 

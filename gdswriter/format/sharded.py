@@ -575,7 +575,7 @@ def _parse_global(body: dict, where: str) -> GlobalManifest:
     return GlobalManifest(_int(body["step"], "step"), world, roots, shards, metadata, float(created), totals, index)
 
 
-def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:
+def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:  # noqa: C901
     def bad(msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
 

@@ -199,7 +199,7 @@ def to_plain(obj: Any, where: str = "", tags: list | None = None, key_path: tupl
     raise UnsupportedObjectError(at(), obj, why)
 
 
-def from_plain(obj: Any, tags: Any) -> Any:
+def from_plain(obj: Any, tags: Any) -> Any:  # noqa: C901
     """Inverse of ``to_plain``. ``tags`` come from a checkpoint: anything but a list of
     ``[key path, known tag, class]`` pointing at a value of the right kind is CorruptCheckpointError."""
     if not isinstance(tags, list):

@@ -33,7 +33,7 @@ class VerifyStats:
     seconds: float = 0.0
 
 
-def verify_step(protocol: CommitProtocol, m: Manifest, engine: IOEngine, scratch_bytes: int,
+def verify_step(protocol: CommitProtocol, m: Manifest, engine: IOEngine, scratch_bytes: int,  # noqa: C901
                 problems: list[str]) -> VerifyStats:
     """Re-read and re-hash every chunk of the step ``m`` describes, file by file through
     ``engine``, into one reusable scratch buffer of at most ``scratch_bytes`` (chunks larger

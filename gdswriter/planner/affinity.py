@@ -135,7 +135,7 @@ def balance_bounds(target: int, tolerance: Fraction) -> tuple[int, int]:
     return math.ceil(target * (1 - tolerance)), math.floor(target * (1 + tolerance))
 
 
-def assign_bytes(supply: Sequence[int], target: Sequence[int], cost: Sequence[Sequence[int]], *,
+def assign_bytes(supply: Sequence[int], target: Sequence[int], cost: Sequence[Sequence[int]], *,  # noqa: C901
                  tolerance: Fraction | float = 0) -> list[list[int]]:
     """Min-cost transportation: ``x[w][r] >= 0`` with row ``w`` summing to ``supply[w]`` and
     column ``r`` within ``balance_bounds(target[r], tolerance)``.
