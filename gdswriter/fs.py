@@ -29,7 +29,8 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
+from collections.abc import Iterator
 
 from .errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOError, GDSWriterError,
                      NotRegularFileError, UnsafePathError)

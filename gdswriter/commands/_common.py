@@ -5,7 +5,8 @@ from __future__ import annotations
 import errno
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ..errors import CheckpointNotFoundError, UsageError
 from ..format.commit import CommitProtocol, step_dirs, normalize_roots, step_owner

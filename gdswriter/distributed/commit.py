@@ -47,7 +47,8 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..errors import EngineIOError, GDSWriterError, RankFailedError, RootUnavailableError
 from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, retire, step_dir_name, step_dirs, step_owner

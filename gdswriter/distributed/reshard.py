@@ -45,7 +45,8 @@ import json
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 import torch

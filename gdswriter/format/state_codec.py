@@ -36,7 +36,8 @@ import struct
 import types
 from collections.abc import Iterator, Mapping
 from itertools import chain, compress, islice
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, EngineIOError, UnsupportedFormatVersionError
