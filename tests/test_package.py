@@ -206,9 +206,9 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-def _private_names_bound(tree) -> set[str]:
-    """The underscore names a module binds: defs, classes, assignments (`self._x = ...` included),
-    import aliases and parameters."""
+def _private_names_bound(tree, *, on_any_object: bool) -> set[str]:
+    """The underscore names a module binds: defs, classes, assignments, import aliases and
+    parameters, and attributes it sets on `self`/`cls` (or, with ``on_any_object``, on anything)."""
     import ast
 
     out: set[str] = set()
@@ -217,7 +217,8 @@ def _private_names_bound(tree) -> set[str]:
             out.add(node.name)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             out.add(node.id)
-        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and (
+                on_any_object or isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
             out.add(node.attr)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             out.update(a.asname for a in node.names if a.asname)
@@ -238,17 +239,17 @@ def _private_reach() -> list[tuple[str, str, int]]:
     repo = Path(__file__).resolve().parents[1]
     ours: set[str] = set()
     for p in (repo / "gdswriter").rglob("*.py"):
-        ours |= _private_names_bound(ast.parse(p.read_text(), str(p)))
+        ours |= _private_names_bound(ast.parse(p.read_text(), str(p)), on_any_object=True)
         if _private(p.stem):
             ours.add(p.stem)
-    ours -= {"_optimizer_step_pre_hooks"}  # torch's optimizer attribute, which the package reads too
+    ours -= {"_optimizer_step_pre_hooks", "_metadata"}  # torch's (optimizer hooks, a state dict's metadata)
     support: set[str] = set()
     for p in (repo / "tests" / "support").rglob("*.py"):
-        support |= _private_names_bound(ast.parse(p.read_text(), str(p)))
+        support |= _private_names_bound(ast.parse(p.read_text(), str(p)), on_any_object=False)
     reach = []
     for p in sorted((repo / "tests").rglob("*.py")):
         tree = ast.parse(p.read_text(), str(p))
-        theirs = _private_names_bound(tree) | support
+        theirs = _private_names_bound(tree, on_any_object=False) | support
         for node in ast.walk(tree):
             named: list[str] = []  # through the package's module path: the package's for sure
             guessed: list[str] = []  # on an object: the package's unless the tests bind the name too
@@ -271,9 +272,11 @@ def _private_reach() -> list[tuple[str, str, int]]:
     return sorted(set(reach))
 
 
-# Places in tests/ that touch a private name of the package (_private_reach): 144 when this test came
-# in, in 31 files. Public seams lower it; it never rises.
-_PRIVATE_REACH_CEILING = 144
+# Places in tests/ that touch a private name of the package (_private_reach): 164 when this test came
+# in (31 files, 50 names; the most: _snapshot_pool 16, _session 12). The issue's goal is a commented
+# allowlist of at most 20 entries; until public seams get there, today's count is a ceiling that may
+# only go down (lower it here when a test moves to a public seam).
+_PRIVATE_REACH_CEILING = 164
 
 
 def test_the_tests_reach_into_private_names_only_gets_smaller():
