@@ -171,7 +171,7 @@ def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, 
                      "gdswriter-relay": {"load_share_dir": None, "load_cross_memory": False}}[case]
             ck = run["ck"] = GDSCheckpointer(state, root=dirs, options=CheckpointOptions(keep_last=1),
                                              dist_options=DistOptions(**share))
-            ck.engine_info
+            _ = ck.engine_info  # the engines exist before the timed rounds
         dirs = [str(r) for r in ck.protocol.roots]
         saves.append(_timed(ck.save, rnd))
         ck.wait()  # retention (keep_last=1) has deleted the previous round's step

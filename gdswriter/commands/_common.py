@@ -39,7 +39,7 @@ def out(text: str = "") -> None:
 
 def open_roots(primary: str, secondary: Sequence[str] = ()) -> list[Path]:
     paths = normalize_roots([primary, *secondary])
-    for i, p in enumerate(paths):
+    for p in paths:
         if not p.exists():
             raise CheckpointNotFoundError(errno.ENOENT, f"checkpoint root {p} does not exist")
         if not p.is_dir():

@@ -352,7 +352,7 @@ def load_file(path: str | os.PathLike, *, verify: bool = True, options: Checkpoi
     m = read_manifest(protocol, step)
     name = p.name
     engine_options = (options or CheckpointOptions()).engine
-    for rank, tree in _rank_trees(m):
+    for _, tree in _rank_trees(m):
         sub = _entry(_entry(_entry(tree, "extra"), FILES_KEY), name)
         if sub is None:
             continue

@@ -135,7 +135,7 @@ def verify_step(protocol: CommitProtocol, m: Manifest, engine: IOEngine, scratch
             batch.clear()
             used = 0
 
-        for ci, (c, sid) in enumerate(todo):
+        for ci, (c, _) in enumerate(todo):
             for p in range(0, c.length, scratch_len):
                 n = min(scratch_len, c.length - p)
                 if used + n > scratch_len:

@@ -358,7 +358,7 @@ def _explain(topology: Topology, writers: Sequence[Writer], roots: Sequence[Root
     if lost:
         notes.append(f"{', '.join(lost)} not found in the topology: no root is preferred for their bytes")
     by_tier: dict[str, int] = {}
-    for i, w in enumerate(writers):
+    for i, _w in enumerate(writers):
         for r in range(len(roots)):
             if flow[i][r]:
                 tier = distance_label(dists[i][r])
