@@ -275,8 +275,9 @@ def _private_reach() -> list[tuple[str, str, int]]:
 # Places in tests/ that touch a private name of the package (_private_reach): 164 when this test came
 # in (31 files, 50 names; the most: _snapshot_pool 16, _session 12). The goal is a commented
 # allowlist of at most 20 entries; until public seams get there, today's count is a ceiling that may
-# only go down (lower it here when a test moves to a public seam).
-_PRIVATE_REACH_CEILING = 164
+# only go down (lower it here when a test moves to a public seam). 158: the ring's retry constants
+# became public.
+_PRIVATE_REACH_CEILING = 158
 
 
 def test_the_tests_reach_into_private_names_only_gets_smaller():
