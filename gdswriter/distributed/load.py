@@ -42,7 +42,8 @@ import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -217,7 +218,7 @@ def per_host(values: Sequence[Any], block: int) -> list[list[Any]]:
     return [list(values[r - r % block:r - r % block + block]) for r in range(len(values))]
 
 
-def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
+def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],  # noqa: C901
              engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None,
              cross_memory: bool = False, check: Callable[[Any], Any] = lambda state: None
              ) -> tuple[Any, Any] | None:

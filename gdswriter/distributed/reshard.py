@@ -45,7 +45,8 @@ import json
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 import torch
@@ -156,7 +157,7 @@ def _read_together(it: ItemRecord, saved_world: int) -> bool:
     return it.holders is None and it.key.startswith("R") and saved_world > 1
 
 
-def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, templates: dict[str, Any],
+def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, templates: dict[str, Any],  # noqa: C901
                      template_of: Callable[[dict[str, Any], str], Any],
                      read: Callable[[Path, GlobalManifest, Any], bytes] = read_shard, *, world: int
                      ) -> tuple[Manifest, list[int], SharedRead] | None:
@@ -337,7 +338,7 @@ def _covered(m: Manifest, together: Sequence[int]) -> Manifest:
     return replace(m, files=files, storages=tuple(storages))
 
 
-def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, engine: IOEngine, *, verify: bool,
+def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, engine: IOEngine, *, verify: bool,  # noqa: C901
                  what: str, shared: SharedRead | None = None) -> dict[int, torch.Tensor]:
     """Collective: fetch.fetch_storages for a manifest whose every chunk this rank reaches (as
     plan_from_shards makes it): each rank reads its own, no rank tells another what it needs.

@@ -29,7 +29,8 @@ import json
 import secrets
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import crc32c as _crc32c
 

@@ -20,7 +20,8 @@ import errno
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, RootUnavailableError
