@@ -51,7 +51,8 @@ from concurrent.futures import Future, TimeoutError as FutureTimeout
 from itertools import chain, islice
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 import torch
 

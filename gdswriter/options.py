@@ -6,7 +6,8 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Sequence, get_args
+from typing import Literal, get_args
+from collections.abc import Sequence
 
 from .errors import InvalidOptionError
 
@@ -107,7 +108,7 @@ class EngineOptions:
         return self.buffer_bytes // self.request_bytes
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "EngineOptions":
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> EngineOptions:
         """Defaults, then GDSWRITER_* variables, then explicit ``overrides``."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
