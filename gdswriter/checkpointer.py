@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from .drain import Drainer, DrainStats, check_drain_root
+from .drain import DrainStats, check_drain_root
 from .engines.base import IOEngine
 from .engines.select import create_engine, for_pool_writes, sized_for
 from .errors import GDSWriterError, InvalidOptionError
@@ -209,7 +209,8 @@ class GDSCheckpointer:
             raise
         self.protocol = self._session.protocol
         # Committed steps copied to shared storage in the background (drain.py)
-        self._drainer = None if opts.drain_root is None else Drainer(self.protocol, opts, drain_engine)
+        # (several ranks: each rank drains its part, the last to finish commits: distributed/drain.py)
+        self._drainer = None if opts.drain_root is None else self._session.drainer(opts, drain_engine)
         self._engines: list[IOEngine] = engines or []
         # Engines with fewer staging buffers, per their options, while the engines are not built:
         # for host-mode saves (for_pool_writes) and small loads (sized_for)
