@@ -261,7 +261,9 @@ class GDSCheckpointer:
     def wait_drained(self, timeout: float | None = None) -> int | None:
         """Wait for the saves in flight, then for the drain running and the one waiting; returns
         drained_step(). Raises the DrainError of a failed drain not yet raised (each once);
-        concurrent.futures.TimeoutError after ``timeout`` s."""
+        concurrent.futures.TimeoutError after ``timeout`` s. Several ranks: this rank's part of
+        the drain is done; the step is at the drain root once every rank's part is (the last
+        rank commits it; e.g. wait_drained() on every rank, then a barrier)."""
         self._quiesce()
         if self._drainer is None:
             return None
