@@ -56,7 +56,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .drain import Drainer, DrainStats, check_drain_root
+from .drain import DrainStats, check_drain_root
 from .engines.base import IOEngine
 from .engines.select import create_engine, for_pool_writes, sized_for
 from .errors import GDSWriterError, InvalidOptionError
@@ -210,7 +210,8 @@ class GDSCheckpointer:
             raise
         self.protocol = self._session.protocol
         # Committed steps copied to shared storage in the background (drain.py)
-        self._drainer = None if opts.drain_root is None else Drainer(self.protocol, opts, drain_engine)
+        # (several ranks: each rank drains its part, the last to finish commits: distributed/drain.py)
+        self._drainer = None if opts.drain_root is None else self._session.drainer(opts, drain_engine)
         self._engines: list[IOEngine] = engines or []
         # Engines with fewer staging buffers, per their options, while the engines are not built:
         # for host-mode saves (for_pool_writes) and small loads (sized_for)
@@ -261,7 +262,9 @@ class GDSCheckpointer:
     def wait_drained(self, timeout: float | None = None) -> int | None:
         """Wait for the saves in flight, then for the drain running and the one waiting; returns
         drained_step(). Raises the DrainError of a failed drain not yet raised (each once);
-        concurrent.futures.TimeoutError after ``timeout`` s."""
+        concurrent.futures.TimeoutError after ``timeout`` s. Several ranks: this rank's part of
+        the drain is done; the step is at the drain root once every rank's part is (the last
+        rank commits it; e.g. wait_drained() on every rank, then a barrier)."""
         self._quiesce()
         if self._drainer is None:
             return None

@@ -21,7 +21,6 @@ import gdswriter
 from gdswriter import CheckpointOptions, DrainError, GDSCheckpointer, InvalidOptionError
 from gdswriter.cli import main as cli_main
 from support.drain import GatedEngine, state
-from support.ranks import caught, run_ranks
 
 TESTS = Path(__file__).resolve().parent
 
@@ -186,13 +185,3 @@ def test_drain_options_are_checked(tmp_path):
     with pytest.raises(InvalidOptionError, match="drain_root"):
         GDSCheckpointer({}, root=tmp_path / "a", drain_engine=GatedEngine())
 
-
-def _ranks_refuse(rank: int, world: int, root: str, shared: str) -> list[str] | None:
-    opts = CheckpointOptions(drain_root=shared)
-    return caught(lambda: GDSCheckpointer({"w": torch.zeros(1 << 20)}, root=f"{root}/n{rank}", options=opts))
-
-
-def test_several_ranks_refuse_drain_root(tmp_path):
-    """Not built for several ranks yet (docs/format.md 6.1): every rank refuses it, typed."""
-    got = run_ranks(2, _ranks_refuse, str(tmp_path), str(tmp_path / "shared"), out=tmp_path / "out")
-    assert [g[0] for g in got] == ["InvalidOptionError"] * 2 and all("several ranks" in g[1] for g in got)
