@@ -57,8 +57,12 @@ def test_drained_step_loads_bit_exact_with_local_roots_gone(tmp_path, roots):
     for r in roots:
         shutil.rmtree(tmp_path / r)
     shared = tmp_path / "shared"
-    assert sorted(os.listdir(shared)) == [".gdswriter-root", ".gdswriter.lock", "latest", "step_000000000001",
-                                          "step_000000000002", "step_000000000003"]
+    names = sorted(os.listdir(shared))
+    assert [n for n in names if not n.startswith("step_")] == [".gdswriter-root", ".gdswriter.lock", "latest"]
+    # one drain at a time, and a newer step replaces one still waiting: step 2 is skipped when step 3
+    # committed while step 1 was draining (a loaded machine); the first and the last are always drained
+    assert [n for n in names if n.startswith("step_")] in (
+        ["step_000000000001", "step_000000000002", "step_000000000003"], ["step_000000000001", "step_000000000003"])
     step, got = gdswriter.load_state(shared)
     assert step == 3 and _equal(got, 3)
     fresh = {k: torch.zeros_like(v) for k, v in state(0).items()}
