@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gdswriter import CheckpointOptions, EngineOptions, GDSCheckpointer  # noqa: E402
-from gdswriter.tools.bench import fsync_path  # noqa: E402
+from gdswriter.fs import fsync_file  # noqa: E402
 from gdswriter.tools.measure import fio_reference  # noqa: E402
 from gdswriter.tools.pagecache import drop_caches, evict  # noqa: E402
 from gdswriter.units import parse_size  # noqa: E402
@@ -257,7 +257,7 @@ class Safetensors(Method):
         import safetensors.torch
 
         safetensors.torch.save_file(state, str(d / "model.safetensors"))
-        fsync_path(d / "model.safetensors")
+        fsync_file(d / "model.safetensors")
 
     def load(self, state, d):
         import safetensors.torch

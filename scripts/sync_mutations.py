@@ -51,8 +51,6 @@ EXEMPT = {
     ("tools/bench.py", "Methods.save"):
         "measurement, not durability: ends the compared method's (torch.save's) save durably, as gdswriter's "
         "ends, so that the benchmark compares like with like; the file is a scratch file of the benchmark",
-    ("tools/bench.py", "fsync_path"):
-        "measurement, not durability: ends a compared method's (DCP's, safetensors') save durably, as above",
     ("engines/kvikio.py", "GdsEngine.write_file"):
         "cannot run here: the GDS engine needs KvikIO and libcuda.so.1, and this test runs without a GPU. "
         "tests/test_gds_engine.py::test_durable_write_syncs_the_file (KvikIO replaced by a stand-in that "
