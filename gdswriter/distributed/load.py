@@ -38,7 +38,6 @@ ends on the same step, or raises, and none waits for a collective the others ski
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -58,19 +57,20 @@ from ..format.sharded import (SHARDED_VERSION, GlobalManifest, RankShard, merge,
 from ..format.state_codec import decode_state, tensor_refs
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
-from ..load.reader import (check_step_files, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
+from ..load.reader import (check_step_files, parse_manifest, read_manifest_bytes, read_storages,
                            tensors_from_storages, vanished_instead)
 from .fetch import fetch_storages, manifest_reach
 from . import crossmem, hostshare
-from .group import Coordinator, Transfer, bounded, describe, unbound
-from .loadplan import reach_of, relay, relay_between_hosts, template_of, tiles
+from .group import Coordinator, bounded, describe, unbound
+from .loadplan import reach_of, relay, relay_between_hosts, template_of  # noqa: F401 - relay*: importable here
+from .ownplan import Move, OwnLoadPlan, blocks_fit, host_blocks, per_host, plan_own, relay_rounds
 from .reshard import plan_indexed, read_replicated_once
-from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces, set_name
+from .rankfiles import disagreeing_holders, holder_set_digests
 from .roots import RootLayout, discover_layout
 from .shards import assemble, is_dtensor, join, leaves, overlap, target_block
+from .transport import CrossMemoryTransport, HostTmpfsTransport, ProcessGroupTransport, Transport, send_rounds
 
 log = logging.getLogger("gdswriter")
-_ARENA_ALIGN = 4096  # each item of the pulled buffer starts on a page (O_DIRECT reads into it)
 
 
 def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str, src: int = 0,
@@ -185,60 +185,12 @@ def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, wha
     return replace(m, version=SHARDED_VERSION, created_unix=g.created_unix)
 
 
-def _blocks_fit(shard: RankShard, templates: dict[str, Any]) -> bool:
-    """Whether every DTensor block this rank saved is exactly the block its live tensor holds
-    now (same mesh and placements): then its own shard is all it needs of sharded state."""
-    for rec in shard.tensors:
-        if rec.shard is not None:
-            offsets, shape, _ = target_block(template_of(templates, rec.name), rec.shard.global_shape)
-            if tuple(offsets) != tuple(rec.shard.offsets) or tuple(shape) != tuple(rec.shape):
-                return False
-    return True
-
-
-def host_blocks(hosts: Sequence[str | None]) -> int | None:
-    """The size of the blocks of consecutive ranks that each share a host's tmpfs (torchrun
-    numbers a node's ranks consecutively), when every host holds one such block of the same
-    size, at least 2; else None (then the pieces go over the process group)."""
-    if not hosts or None in hosts:
-        return None
-    block = next((i for i, h in enumerate(hosts) if h != hosts[0]), len(hosts))
-    if block < 2 or len(hosts) % block:
-        return None
-    firsts = hosts[::block]
-    if len(set(firsts)) != len(firsts) or any(hosts[i] != hosts[i - i % block] for i in range(len(hosts))):
-        return None
-    return block
-
-
-def per_host(values: Sequence[Any], block: int) -> list[list[Any]]:
-    """For each rank, the entries of ``values`` (one per rank) of its own host's ``block`` ranks
-    (host_blocks): what a rank receives of them then does not grow with the world size."""
-    return [list(values[r - r % block:r - r % block + block]) for r in range(len(values))]
-
-
-def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
-             engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None,
-             cross_memory: bool = False, check: Callable[[Any], Any] = lambda state: None
-             ) -> tuple[Any, Any] | None:
-    """Collective: this rank's saved state from its own shard alone, when every rank can do so
-    (the same world size, its shard and data files on roots it sees, its DTensor blocks the
-    ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
-    several ranks hold are read once: each holder reads the pieces it wrote and sends them to
-    the other holders (split_stream gives every holder the same pieces with no message; each
-    piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
-    bytes from disk once in total. With ``cross_memory``, where the ranks of each host may read
-    each other's memory (crossmem.py: probed and agreed before any byte is read), the state
-    every rank holds, and a replica group's whose holders are all on one host, is read into one
-    buffer per rank, each holder set's items laid out alike in their holders' buffers
-    (``_arena_sets``), and each rank copies the pieces it lacks from the rank of its host that
-    holds them (``_pull_from_host``): on one host nothing travels, and across hosts each piece
-    of the state every rank holds crosses to each other host once (``relay_between_hosts``)
-    before the ranks there copy it. Else,
-    where the ranks of each host see one tmpfs ``share_dir`` (hostshare.py), the holders on a
-    host read their pieces into one shared file per item instead, with the same relay between
-    hosts. Returns (the state, ``check(state)``), ``check`` agreed on with the rebuilding
-    (plan_restore: one collective)."""
+def _own_verdict(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any], *,
+                 what: str, src: int, share_dir: str | None, cross_memory: bool
+                 ) -> tuple[RankShard | None, list[Path | None], dict]:
+    """Collective: this rank's own shard (read where it can), where it finds the roots, and the
+    ranks' verdict (one decide_each): whether every rank loads from its own shard, and how the
+    ranks of each host may share (a tmpfs token and block, a cross-memory block and peers)."""
     unchanged = "the live state was not changed"
     rank, world = coord.rank, coord.world_size
     shard: RankShard | None = None
@@ -251,7 +203,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
             if reach[ref.root] is not None:
                 d = reach[ref.root] / step_dir_name(g.step)  # type: ignore[operator]
                 shard = parse_shard(read_shard(d, g, ref, reach[0]), g, ref, str(d / ref.name))
-                ok = all(reach[f.root] is not None for f in shard.files) and _blocks_fit(shard, templates)
+                ok = all(reach[f.root] is not None for f in shard.files) and blocks_fit(shard, templates)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     # every rank can load from its own shard, and the holders of each set of shared items agree
@@ -279,53 +231,77 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                                      f"({'; '.join(f'rank {r} {m}' for r, m in sorted(shown.items()))}"
                                      f"{f' and {total - len(shown)} more' if total > len(shown) else ''}): the "
                                      f"checkpoint is damaged; load an earlier step")
+    return shard, reach, verdict
+
+
+def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
+             engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None,
+             cross_memory: bool = False, check: Callable[[Any], Any] = lambda state: None
+             ) -> tuple[Any, Any] | None:
+    """Collective: this rank's saved state from its own shard alone, when every rank can do so
+    (the same world size, its shard and data files on roots it sees, its DTensor blocks the
+    ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
+    several ranks hold are read once: each holder reads the pieces it wrote and sends them to
+    the other holders (split_stream gives every holder the same pieces with no message; each
+    piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
+    bytes from disk once in total. How the ranks of a host share (transport.py) is agreed once
+    (``_agree_transport``): with ``cross_memory``, where the ranks of each host may read each
+    other's memory (crossmem.py: probed before any byte is read), the state every rank holds,
+    and a replica group's whose holders are all on one host, is read into one buffer per rank
+    laid out alike (ownplan.py ``Arena``), and each rank copies the pieces it lacks from the
+    rank of its host that holds them: on one host nothing travels, and across hosts each piece
+    of the state every rank holds crosses to each other host once (``relay_between_hosts``)
+    before the ranks there copy it. Else, where the ranks of each host see one tmpfs
+    ``share_dir`` (hostshare.py), the holders on a host read their pieces into one shared file
+    per item instead, with the same relay between hosts; else the process group. The plan
+    (ownplan.py ``plan_own``) is pure; ``carry_out_own`` executes it. Returns (the state,
+    ``check(state)``), ``check`` agreed on with the rebuilding (plan_restore: one collective)."""
+    shard, reach, verdict = _own_verdict(coord, layout, g, templates, what=what, src=src, share_dir=share_dir,
+                                         cross_memory=cross_memory)
     if not verdict["own"]:
         return None
     assert shard is not None
-    peers = verdict.get("peers")  # [pid, marker address] of each rank of this host, where they can pull
-    # cross memory: the items several ranks of this host hold (every rank's, or a replica group's
-    # whose holders are all on this host), in one buffer per rank, a region per holder set in
-    # which every holder of the set lays its items out alike (their holder set's digest is agreed
-    # on), so a holder's one address per set locates every piece of the set it holds
-    arena_sets = _arena_sets(shard, rank, verdict["cblock"]) if peers else {}
-    arena_items = [sid for sids in arena_sets.values() for sid in sids]
-    sharable = _sharable(shard, world, verdict["block"]) if verdict["share"] else []
-    share: hostshare.SharedItems | None = None
-    split: list = []
-    error = share_error = cma_error = None
+    plan: OwnLoadPlan | None = None
+    error = None
     try:
-        split = item_pieces(shard.items, world)
-        for sid, it in enumerate(shard.items):
-            if not tiles(shard.chunks[sid], [(off, n) for w, off, n in split[sid] if w == rank]):
-                raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
-                                             f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
-                                             f"load an earlier step")
+        plan = plan_own(shard, coord.rank, coord.world_size, what=what,
+                        pull_block=verdict["cblock"] if verdict.get("peers") else None,
+                        share_block=verdict["block"] if verdict["share"] else None)
         check_step_files(g.step, g.created_unix, reach, shard.files)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    pullable = False
-    if arena_items and error is None:  # may this rank read the memory of every other rank of its host?
-        try:
-            for q, peer in enumerate(peers):  # type: ignore[arg-type]
-                if q != rank % verdict["cblock"]:
-                    crossmem.probe(*peer)
-            pullable = True
-        except Exception as e:  # noqa: BLE001 - agreed below: then the tmpfs or the process group
-            cma_error = e
-    if verdict["share"] and error is None and not arena_items:
-        share, share_error = _open_shared(shard, share_dir, verdict["share"], sharable)
-    # one agreement: the data files are right on every rank, and how the ranks of a host share
-    # what they read: pulling from each other's memory where every rank can, else the tmpfs
-    # where every rank mapped its files, else the process group
+    transport = _agree_transport(coord, shard, plan, verdict, error, share_dir=share_dir, what=what, src=src)
+    assert plan is not None
+    return carry_out_own(coord, g, shard, reach, plan, transport, templates, engine, verify=verify, what=what, src=src,
+                      check=check)
+
+
+def _agree_transport(coord: Coordinator, shard: RankShard, plan: OwnLoadPlan | None, verdict: dict,
+                     error: BaseException | None, *, share_dir: str | None, what: str, src: int) -> Transport:
+    """Collective: one agreement that the data files are right on every rank (``error``), and
+    how the ranks of a host share what they read: pulling from each other's memory where every
+    rank can, else the tmpfs where every rank mapped its files, else the process group."""
+    unchanged = "the live state was not changed"
+    world = coord.world_size
+    pulling = plan is not None and bool(plan.arena.items)
+    cma: CrossMemoryTransport | None = None
+    share: HostTmpfsTransport | None = None
+    cma_error = share_error = None
+    if pulling and error is None:  # may this rank read the memory of every other rank of its host?
+        cma, cma_error = CrossMemoryTransport.probe(world, verdict["cblock"], plan, verdict["peers"])  # type: ignore[arg-type]
+    if verdict["share"] and error is None and not pulling:
+        share, share_error = _open_shared(shard, share_dir, verdict["share"], plan.sharable, world,  # type: ignore[union-attr]
+                                          verdict["block"])
     try:
-        mode = coord.decide(error, [pullable, share is not None], f"{what} (checking the data files)",
+        mode = coord.decide(error, [cma is not None, share is not None], f"{what} (checking the data files)",
                             lambda outs: "cma" if all(x[0] for x in outs) else "tmpfs" if all(x[1] for x in outs)
                             else None, hint=unchanged, root=src)
     finally:
         if share is not None:  # every rank has mapped the files, gave up or raises: no name outlives the load
             share.unlink()
-    if arena_items and mode != "cma" and verdict["share"]:  # some rank may not pull: the tmpfs, as without
-        share, share_error = _open_shared(shard, share_dir, verdict["share"], sharable)
+    if pulling and mode != "cma" and verdict["share"]:  # some rank may not pull: the tmpfs, as without
+        share, share_error = _open_shared(shard, share_dir, verdict["share"], plan.sharable, world,  # type: ignore[union-attr]
+                                          verdict["block"])
         try:
             mode = "tmpfs" if coord.decide(None, share is not None, f"{what} (sharing through {share_dir})", all,
                                            hint=unchanged, root=src) else None
@@ -336,191 +312,101 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         log.warning("gdswriter: %s: the ranks cannot read each other's memory (%s); they share the read %s",
                     what, describe(cma_error), "through " + str(share_dir) if mode == "tmpfs" else
                     "over the process group")
-    if mode != "tmpfs":
-        if share_error is not None and mode is None:
-            log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
-                        "each other instead", what, share_dir, describe(share_error))
-        share = None
-    block = verdict["cblock"] if mode == "cma" else verdict["block"] or world
-    rounds: list[list[tuple[int, int, int, int, int]]] = []
+    if mode is None and share_error is not None:
+        log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
+                    "each other instead", what, share_dir, describe(share_error))
+    if mode == "cma":
+        return cma  # type: ignore[return-value]
+    if mode == "tmpfs":
+        return share  # type: ignore[return-value]
+    return ProcessGroupTransport(world)
+
+
+def carry_out_own(coord: Coordinator, g: GlobalManifest, shard: RankShard, reach: list[Path | None], plan: OwnLoadPlan,
+               transport: Transport, templates: dict[str, Any], engine: IOEngine, *, verify: bool, what: str,
+               src: int, check: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """Collective: ``plan`` carried out through ``transport``: each rank reads its pieces, the
+    relay rounds run over the process group, the ranks of a host pull from each other where the
+    transport does, and the state is rebuilt and checked (one agreement, which with cross
+    memory also tells that every rank has pulled: only after it may a rank free or change the
+    buffer its peers copy from)."""
+    unchanged = "the live state was not changed"
+    rank, world = coord.rank, coord.world_size
+    rounds: list[list[Move]] = []
     buffers: list[torch.Tensor] = []
     into: list[torch.Tensor] = []
-    layout: dict[int, int] = {}  # item -> its offset in the buffer of the items several ranks of the host hold
-    regions: dict[str, int] = {}  # holder set -> the offset of its region in that buffer
-    arena: torch.Tensor | None = None
     error = None
     try:
-        if mode == "cma":
-            end = 0
-            for name, sids in arena_sets.items():
-                regions[name] = end
-                for sid in sids:
-                    layout[sid] = end
-                    end += -(-shard.items[sid].nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
-            arena = host_buffer(end)
-        rounds = _schedule(shard, split, rank, world, block,
-                           set(layout) if mode == "cma" else set(share.private) if share is not None else set())
+        rounds = relay_rounds(shard, plan.pieces, rank, world, transport.block, transport.shared)
         # shared on this host: read into the shared file, view it through this rank's private mapping
-        buffers = [arena[layout[sid]:layout[sid] + it.nbytes] if arena is not None and sid in layout
-                   else share.private[sid] if share is not None and sid in share.private else host_buffer(it.nbytes)
-                   for sid, it in enumerate(shard.items)]
-        into = [share.shared.get(sid, b) if share is not None else b for sid, b in enumerate(buffers)]
-        wanted = [(c, into[sid][c.storage_offset:c.storage_offset + c.length])
-                  for sid, cs in enumerate(shard.chunks) for c in cs if c.length]
-        view = Manifest(step=g.step, files=shard.files,
-                        storages=tuple(StorageRecord(c.length, (replace(c, storage_offset=0),)) for c, _ in wanted),
-                        tensors=tuple(TensorRecord(f"<piece of {shard.items[0].key[:16]}>", j, 0, "uint8", (c.length,),
-                                                   (1,)) for j, (c, _) in enumerate(wanted)), state=None)
-        read_storages(CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach]), view,
-                      [dest for _, dest in wanted], [engine], verify=verify)
+        buffers, into = transport.buffers(shard.items)
+        _read_pieces(g, shard, reach, into, engine, verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = vanished_instead(g.step, g.created_unix, reach, [f.root for f in shard.files], e) or e
-    wanted = []
     # once every rank has read (this agreement), the shared files hold every piece read on their
     # host; pulling ranks learn where the buffers of their host's ranks are
-    mine = {name: arena.data_ptr() + at for name, at in regions.items()} if arena is not None else None
-    bases = coord.decide_each(error, mine, f"{what} (reading)",
-                              (lambda outs: per_host(outs, block)) if mode == "cma" else lambda outs: [None] * world,
-                              hint=unchanged, root=src)
+    bases = coord.decide_each(error, transport.address(), f"{what} (reading)", transport.route, hint=unchanged,
+                              root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
-    _send_rounds(coord, rounds, into, tags, what)
-    if mode != "cma":  # (with cross memory the fallback after a failed copy still sends from and into them)
+    send_rounds(coord, rounds, into, tags, what)
+    if not transport.keeps_into():  # (with cross memory the fallback after a failed copy still sends from and into them)
         into = []
-    if share is not None:
-        share.release_shared()
-    if block < world and mode is not None:  # the pieces from other hosts are on this host once every rank has them
+    transport.release()
+    if transport.block < world and transport.within_host:  # the pieces from other hosts are on this host now
         coord.agree(None, f"{what} (pieces from other hosts)", hint=unchanged, root=src)
-    pull_error = None
-    if mode == "cma":
-        pull_error = _pull_from_host(split, arena_sets, layout, arena, bases, peers, block, rank)  # type: ignore[arg-type]
-
-    def rebuild() -> tuple[Any, Any, BaseException | None]:
-        try:
-            views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
-                             tensors=shard.tensors, state=shard.tree)
-            tensors = tensors_from_storages(views, buffers)
-            for i, rec in enumerate(shard.tensors):
-                if rec.shard is not None:
-                    offsets, shape, wrap = target_block(template_of(templates, rec.name), rec.shard.global_shape)
-                    tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
-                                               [(rec.shard, tensors[i])]))
-            state = decode_state(shard.tree, tensors)
-            return state, check(state), None
-        except Exception as e:  # noqa: BLE001 - every rank learns of it
-            return None, None, e
-
-    state, checked, error = rebuild()
-    # with cross memory this agreement also tells that every rank has pulled: only after it may a
-    # rank free or change the buffer its peers copy from (its state's memory)
+    pull_error = transport.pull(plan, bases)
+    state, checked, error = _rebuild_own(g, shard, buffers, templates, check)
     pulled = coord.decide(error, pull_error is None, f"{what} (rebuilding the state and checking it against the live "
                                                      f"state)", all, hint=unchanged, root=src)
     if not pulled:  # some rank could not copy from its peers: those items over the process group
         if pull_error is not None:
             log.warning("gdswriter: %s: reading a peer rank's memory failed (%s); the ranks pass the pieces to "
                         "each other instead", what, describe(pull_error))
-        split_only = [split[sid] if sid in layout else () for sid in range(len(shard.items))]
-        _send_rounds(coord, _schedule(shard, split_only, rank, world, world, set()), into, tags,
-                     f"{what} (after a failed copy from a peer's memory)")
-        state, checked, error = rebuild()  # on the bytes received (a rebuilt block may be a copy)
+        pieces_only = [plan.pieces[sid] if sid in plan.arena.offsets else () for sid in range(len(shard.items))]
+        send_rounds(coord, relay_rounds(shard, pieces_only, rank, world, world, set()), into, tags,
+                    f"{what} (after a failed copy from a peer's memory)")
+        state, checked, error = _rebuild_own(g, shard, buffers, templates, check)  # on the bytes received
         coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged, root=src)
     return state, checked
 
 
-def _send_rounds(coord: Coordinator, rounds: Sequence[Sequence[tuple[int, int, int, int, int]]],
-                 into: Sequence[torch.Tensor], tags: dict[tuple[int, int], int], what: str) -> None:
-    """Run ``rounds`` (``_schedule``) over the process group, from and into ``into``; ``tags``
-    numbers each pair's messages across calls."""
-    for k, moves in enumerate(rounds):  # a rank runs the rounds of the deepest tree it is in
-        transfers = []
-        for a, b, sid, off, n in moves:  # shared items travel from and into the shared files
-            tag = tags[(a, b)] = tags.get((a, b), -1) + 1
-            transfers.append(Transfer(a, b, tag, into[sid][off:off + n]))
-        coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
+def _read_pieces(g: GlobalManifest, shard: RankShard, reach: list[Path | None], into: Sequence[torch.Tensor],
+                 engine: IOEngine, *, verify: bool) -> None:
+    """Read the pieces this rank wrote (its shard's chunks) into ``into``, each checked."""
+    wanted = [(c, into[sid][c.storage_offset:c.storage_offset + c.length])
+              for sid, cs in enumerate(shard.chunks) for c in cs if c.length]
+    view = Manifest(step=g.step, files=shard.files,
+                    storages=tuple(StorageRecord(c.length, (replace(c, storage_offset=0),)) for c, _ in wanted),
+                    tensors=tuple(TensorRecord(f"<piece of {shard.items[0].key[:16]}>", j, 0, "uint8", (c.length,),
+                                               (1,)) for j, (c, _) in enumerate(wanted)), state=None)
+    read_storages(CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach]), view,
+                  [dest for _, dest in wanted], [engine], verify=verify)
 
 
-def _arena_sets(shard: RankShard, rank: int, block: int) -> dict[str, list[int]]:
-    """The items of ``shard`` the ranks of this host pull from each other's memory in a load, by
-    holder set (its name, in name order), each set's items in key order: those every rank holds,
-    and those of a replica group all of whose holders are on this host (``block`` consecutive
-    ranks). Every holder of a set computes the same list (the set's digest is agreed on)."""
-    first = rank - rank % block
-    sets: dict[str, list[int]] = {}
-    for sid, it in sorted(enumerate(shard.items), key=lambda x: x[1].key):
-        if it.nbytes and (it.holders is None or (len(it.holders) > 1 and
-                                                 all(first <= h < first + block for h in it.holders))):
-            sets.setdefault(set_name(it.holders), []).append(sid)
-    return dict(sorted(sets.items()))
-
-
-def _pull_from_host(split: Sequence[Sequence[tuple[int, int, int]]], arena_sets: dict[str, list[int]],
-                    layout: dict[int, int], arena: torch.Tensor, bases: Sequence[dict[str, int]],
-                    peers: Sequence[Sequence[int]], block: int, rank: int) -> BaseException | None:
-    """Copy the pieces of the items ``arena_sets`` names (at ``layout`` in this rank's
-    ``arena``; ``bases`` and ``peers``: where each holder set's region starts in the buffers of
-    this host's ``block`` ranks, and their (pid, marker), by local index) that this rank lacks
-    from the rank of its host that holds them (the writer's local index: its writer, or for the
-    items every rank holds the rank the piece crossed hosts to), straight from that rank's
-    memory (crossmem.py). Returns the failure, if any: the caller's next agreement tells every
-    rank whether all pulled (only then may any rank free or change its buffer), and where any
-    failed, every rank sends those items over the process group."""
+def _rebuild_own(g: GlobalManifest, shard: RankShard, buffers: Sequence[torch.Tensor], templates: dict[str, Any],
+                 check: Callable[[Any], Any]) -> tuple[Any, Any, BaseException | None]:
+    """(the state, ``check(state)``, None) rebuilt from ``buffers``, or (None, None, the failure)."""
     try:
-        mine = arena.data_ptr()
-        moves: dict[int, list[tuple[int, int, int]]] = {}
-        for name, sids in arena_sets.items():
-            region = layout[sids[0]]
-            for sid in sids:
-                at = layout[sid]
-                for w, off, n in split[sid]:
-                    holder = w % block  # its local index on this host
-                    if n and holder != rank % block:
-                        src = bases[holder][name] + at - region + off
-                        moves.setdefault(holder, []).append((src, mine + at + off, n))
-        for holder, todo in sorted(moves.items()):
-            crossmem.pull(peers[holder][0], todo)
-    except Exception as e:  # noqa: BLE001 - agreed by the caller: then the process group
-        return e
-    return None
+        views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
+                         tensors=shard.tensors, state=shard.tree)
+        tensors = tensors_from_storages(views, buffers)  # type: ignore[arg-type]
+        for i, rec in enumerate(shard.tensors):
+            if rec.shard is not None:
+                offsets, shape, wrap = target_block(template_of(templates, rec.name), rec.shard.global_shape)
+                tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
+                                           [(rec.shard, tensors[i])]))
+        state = decode_state(shard.tree, tensors)
+        return state, check(state), None
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        return None, None, e
 
 
-def _schedule(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]], rank: int, world: int, block: int,
-              shared: set[int]) -> list[list[tuple[int, int, int, int, int]]]:
-    """Per round, the (src, dst, item, offset, length) transfers this rank takes part in: the
-    pieces of items several ranks hold spread down ``relay``'s tree; those ``shared`` within a
-    host (its tmpfs, or its ranks' memory) travel only between hosts when every rank holds them
-    (``relay_between_hosts``), else (one host, or a replica group all on one host) not at all.
-    Items in key order, so every holder numbers a pair's messages alike."""
-    rounds: list[list[tuple[int, int, int, int, int]]] = []
-    for sid in sorted(range(len(shard.items)), key=lambda i: shard.items[i].key):
-        it = shard.items[sid]
-        if it.holder_count(world) < 2 or (sid in shared and (block == world or it.holders is not None)):
-            continue
-        for w, off, n in split[sid]:
-            if n:
-                moves = relay_between_hosts(w, rank, world, block) if sid in shared else relay(it, w, rank, world)
-                for k, a, b in moves:
-                    while len(rounds) <= k:
-                        rounds.append([])
-                    rounds[k].append((a, b, sid, off, n))
-    return rounds
-
-
-def _sharable(shard: RankShard, world: int, block: int) -> list[int]:
-    """The items of ``shard`` the ranks of a host share in a load (hostshare.py): those several
-    ranks hold, all of them on one host (``block == world``); across hosts those every rank
-    holds (a replica group's are passed rank to rank)."""
-    return [sid for sid, it in enumerate(shard.items)
-            if it.nbytes and it.holder_count(world) > 1 and (it.holders is None or block == world)]
-
-
-def _open_shared(shard: RankShard, share_dir: str | None, token: str, sids: Sequence[int]
-                 ) -> tuple[hostshare.SharedItems | None, BaseException | None]:
-    """This rank's shared files for the items ``sids`` (named by item key, the same on every
-    holder), or the error that prevented them (then no rank shares)."""
+def _open_shared(shard: RankShard, share_dir: str | None, token: str, sids: Sequence[int], world: int,
+                 block: int | None) -> tuple[HostTmpfsTransport | None, BaseException | None]:
+    """This rank's shared files for the items ``sids`` (HostTmpfsTransport.open), or the error
+    that prevented them (then no rank shares)."""
     try:
-        hostshare.clean_stale(share_dir)
-        items = [(hashlib.sha1(shard.items[sid].key.encode()).hexdigest()[:20], sid, shard.items[sid].nbytes)
-                 for sid in sids]
-        return hostshare.SharedItems(share_dir, token, items), None  # type: ignore[arg-type]
+        return HostTmpfsTransport.open(world, block, share_dir, token, shard, sids), None
     except Exception as e:  # noqa: BLE001 - reported by the caller
         return None, e
 
