@@ -227,3 +227,31 @@ def test_a_transport_of_its_own_carries_the_plan_out(tmp_path):
         assert x["calls"] == ["buffers", "address", "release", "pull"], x
         assert x["bases"] == ["rank 0", "rank 1"], x
         assert x["nbytes"] // 4 <= x["received"], x
+
+
+# ----------------------------------------------------------------------------- the load's messages
+def test_the_loads_messages_travel_as_the_plain_dicts_they_were_and_are_checked_on_decoding():
+    import json
+
+    from gdswriter.distributed.load_messages import (FallbackDecision, OwnVerdict, ShardReport, TransportOffer,
+                                                     choose_transport)
+    from gdswriter.errors import GDSWriterError
+
+    report = ShardReport(True, (("all", 4, "ab12"),), "h", None, (12, 345))
+    assert report.to_wire() == {"ok": True, "sets": [["all", 4, "ab12"]], "host": "h", "proc": None, "pid": [12, 345]}
+    assert ShardReport.from_wire(json.loads(json.dumps(report.to_wire()))) == report
+    verdict = OwnVerdict(True, "tok", 2, 2, 1, ((1, "holds other replicated state than rank 0"),), ((7, 8), (9, 10)))
+    wire = verdict.to_wire()
+    assert list(wire) == ["own", "share", "block", "cblock", "failed", "shown", "peers"]
+    assert OwnVerdict.from_wire(json.loads(json.dumps(wire))) == verdict
+    assert [TransportOffer(True, False).to_wire(), TransportOffer(False, True).to_wire()] == [[True, False],
+                                                                                                [False, True]]
+    assert choose_transport([[True, True], [True, False]]) == "cma"
+    assert choose_transport([[True, True], [False, True]]) == "tmpfs"
+    assert choose_transport([[True, False], [False, True]]) is None
+    decision = FallbackDecision(False, True, 0, ())
+    assert FallbackDecision.from_wire(decision.to_wire()) == decision
+    for bad, cls in (({"ok": "yes", "sets": [], "host": None, "proc": None, "pid": None}, ShardReport),
+                     ({"own": True}, OwnVerdict), ([1, 0], TransportOffer), ({"other": 0}, FallbackDecision)):
+        with pytest.raises(GDSWriterError, match="malformed"):
+            cls.from_wire(bad)

@@ -62,6 +62,7 @@ from ..load.reader import (check_step_files, parse_manifest, read_manifest_bytes
 from .fetch import fetch_storages, manifest_reach
 from . import crossmem, hostshare
 from .group import Coordinator, bounded, describe, unbound
+from .load_messages import FallbackDecision, OwnVerdict, ShardReport, TransportOffer, choose_transport
 from .loadplan import reach_of, relay, relay_between_hosts, template_of  # noqa: F401 - relay*: importable here
 from .ownplan import Move, OwnLoadPlan, blocks_fit, host_blocks, per_host, plan_own, relay_rounds
 from .reshard import plan_indexed, read_replicated_once
@@ -187,7 +188,7 @@ def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, wha
 
 def _own_verdict(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any], *,
                  what: str, src: int, share_dir: str | None, cross_memory: bool
-                 ) -> tuple[RankShard | None, list[Path | None], dict]:
+                 ) -> tuple[RankShard | None, list[Path | None], OwnVerdict]:
     """Collective: this rank's own shard (read where it can), where it finds the roots, and the
     ranks' verdict (one decide_each): whether every rank loads from its own shard, and how the
     ranks of each host may share (a tmpfs token and block, a cross-memory block and peers)."""
@@ -208,25 +209,27 @@ def _own_verdict(coord: Coordinator, layout: RootLayout, g: GlobalManifest, temp
         error = e
     # every rank can load from its own shard, and the holders of each set of shared items agree
     # on what it holds (else the pieces they would pass each other would not match)
-    sets = holder_set_digests(shard.items, rank, world) if shard is not None else []
+    sets = holder_set_digests(shard.items, rank, world) if shard is not None else ()
 
-    def judge(outs: list[dict]) -> list[dict]:
-        own = all(x["ok"] for x in outs)
-        bad = disagreeing_holders([x["sets"] for x in outs]) if own else {}
-        block = host_blocks([x["host"] for x in outs])
-        cblock = host_blocks([x["proc"] for x in outs]) if own else None
-        common = {"own": own, "share": hostshare.token() if own and block else None, "block": block,
-                  "cblock": cblock, **bounded(bad)}
+    def judge(outs: list[Any]) -> list[dict]:
+        reports = [ShardReport.from_wire(x) for x in outs]
+        own = all(x.ok for x in reports)
+        bad = disagreeing_holders([x.sets for x in reports]) if own else {}
+        block = host_blocks([x.host for x in reports])
+        cblock = host_blocks([x.proc for x in reports]) if own else None
+        share = hostshare.token() if own and block else None
+        shown, total = unbound(bounded(bad))
         # each rank gets the (pid, marker) of its own host's ranks only
-        peers = per_host([x["pid"] for x in outs], cblock) if cblock else [None] * len(outs)
-        return [{**common, "peers": p} for p in peers]
+        peers = per_host([x.pid for x in reports], cblock) if cblock else [None] * len(outs)
+        return [OwnVerdict(own, share, block, cblock, total, tuple(sorted(shown.items())),
+                           tuple(p) if p is not None else None).to_wire() for p in peers]
 
     proc = crossmem.domain() if cross_memory and world > 1 else None
-    verdict = coord.decide_each(error, {"ok": ok, "sets": sets, "host": hostshare.domain(share_dir), "proc": proc,
-                                        "pid": list(crossmem.marker()) if proc else None},
-                                f"{what} (reading its manifest shard)", judge, hint=unchanged, root=src)
-    shown, total = unbound(verdict)
-    if total:
+    report = ShardReport(ok, sets, hostshare.domain(share_dir), proc, crossmem.marker() if proc else None)
+    verdict = OwnVerdict.from_wire(coord.decide_each(error, report.to_wire(), f"{what} (reading its manifest shard)",
+                                                     judge, hint=unchanged, root=src))
+    if verdict.failed:
+        shown, total = verdict.shown_failures, verdict.failed
         raise CorruptCheckpointError(f"{what}: the ranks' manifest shards disagree about the state they share "
                                      f"({'; '.join(f'rank {r} {m}' for r, m in sorted(shown.items()))}"
                                      f"{f' and {total - len(shown)} more' if total > len(shown) else ''}): the "
@@ -258,15 +261,15 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     ``check(state)``), ``check`` agreed on with the rebuilding (plan_restore: one collective)."""
     shard, reach, verdict = _own_verdict(coord, layout, g, templates, what=what, src=src, share_dir=share_dir,
                                          cross_memory=cross_memory)
-    if not verdict["own"]:
+    if not verdict.own:
         return None
     assert shard is not None
     plan: OwnLoadPlan | None = None
     error = None
     try:
         plan = plan_own(shard, coord.rank, coord.world_size, what=what,
-                        pull_block=verdict["cblock"] if verdict.get("peers") else None,
-                        share_block=verdict["block"] if verdict["share"] else None)
+                        pull_block=verdict.cblock if verdict.peers else None,
+                        share_block=verdict.block if verdict.share else None)
         check_step_files(g.step, g.created_unix, reach, shard.files)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
@@ -276,7 +279,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
                       check=check)
 
 
-def _agree_transport(coord: Coordinator, shard: RankShard, plan: OwnLoadPlan | None, verdict: dict,
+def _agree_transport(coord: Coordinator, shard: RankShard, plan: OwnLoadPlan | None, verdict: OwnVerdict,
                      error: BaseException | None, *, share_dir: str | None, what: str, src: int) -> Transport:
     """Collective: one agreement that the data files are right on every rank (``error``), and
     how the ranks of a host share what they read: pulling from each other's memory where every
@@ -288,20 +291,19 @@ def _agree_transport(coord: Coordinator, shard: RankShard, plan: OwnLoadPlan | N
     share: HostTmpfsTransport | None = None
     cma_error = share_error = None
     if pulling and error is None:  # may this rank read the memory of every other rank of its host?
-        cma, cma_error = CrossMemoryTransport.probe(world, verdict["cblock"], plan, verdict["peers"])  # type: ignore[arg-type]
-    if verdict["share"] and error is None and not pulling:
-        share, share_error = _open_shared(shard, share_dir, verdict["share"], plan.sharable, world,  # type: ignore[union-attr]
-                                          verdict["block"])
+        cma, cma_error = CrossMemoryTransport.probe(world, verdict.cblock, plan, verdict.peers)  # type: ignore[arg-type]
+    if verdict.share and error is None and not pulling:
+        share, share_error = _open_shared(shard, share_dir, verdict.share, plan.sharable, world,  # type: ignore[union-attr]
+                                          verdict.block)
     try:
-        mode = coord.decide(error, [cma is not None, share is not None], f"{what} (checking the data files)",
-                            lambda outs: "cma" if all(x[0] for x in outs) else "tmpfs" if all(x[1] for x in outs)
-                            else None, hint=unchanged, root=src)
+        mode = coord.decide(error, TransportOffer(cma is not None, share is not None).to_wire(),
+                            f"{what} (checking the data files)", choose_transport, hint=unchanged, root=src)
     finally:
         if share is not None:  # every rank has mapped the files, gave up or raises: no name outlives the load
             share.unlink()
-    if pulling and mode != "cma" and verdict["share"]:  # some rank may not pull: the tmpfs, as without
-        share, share_error = _open_shared(shard, share_dir, verdict["share"], plan.sharable, world,  # type: ignore[union-attr]
-                                          verdict["block"])
+    if pulling and mode != "cma" and verdict.share:  # some rank may not pull: the tmpfs, as without
+        share, share_error = _open_shared(shard, share_dir, verdict.share, plan.sharable, world,  # type: ignore[union-attr]
+                                          verdict.block)
         try:
             mode = "tmpfs" if coord.decide(None, share is not None, f"{what} (sharing through {share_dir})", all,
                                            hint=unchanged, root=src) else None
@@ -653,11 +655,12 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
         verdicts = coord.gather(_verdict(failure), what, dst=src)  # decided on src: every rank gets a bounded answer
         decision = None
         if verdicts is not None:
-            decision = {"other": "other" in verdicts, "gone": "gone" in verdicts,
-                        **bounded({r: "damage" for r, v in enumerate(verdicts) if v == "damage"})}
-        decision = coord.broadcast(decision, f"{what} (decision)", src=src)
-        shown, total = unbound(decision)
-        if decision["other"] or not (total or decision["gone"]):
+            shown, total = unbound(bounded({r: "damage" for r, v in enumerate(verdicts) if v == "damage"}))
+            decision = FallbackDecision("other" in verdicts, "gone" in verdicts, total,
+                                        tuple(sorted(shown.items()))).to_wire()
+        decided = FallbackDecision.from_wire(coord.broadcast(decision, f"{what} (decision)", src=src))
+        shown, total = dict(decided.shown), decided.failed
+        if decided.other or not (total or decided.gone):
             raise failure
         if not total:  # deleted while it was read: gone, not damaged
             log.info("gdswriter: step %d under %s was deleted while it was being read; trying the newest step left",
