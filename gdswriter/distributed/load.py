@@ -1,32 +1,23 @@
-"""A GDSCheckpointer load across ranks, on any world size.
+"""A GDSCheckpointer load across ranks, on any world size: the short path and the orchestration.
 
-The primary rank reads the step's manifest and sends it to every rank. A 1.3 step (format/
-sharded.py) loaded by the ranks that saved it, with the same placements and roots, takes the
-short path (``load_own``): each rank reads only its own manifest shard and the pieces it wrote,
-and the holders of shared items (replicated state, replicated DTensor blocks) pass each other
-their pieces (on one host, state every rank holds is copied from the peers' memory:
-crossmem.py; else through a tmpfs, hostshare.py, or over the process group), so replicated
-bytes are read from disk once in total. Otherwise a 1.3 step with
-a layout index is loaded from the shards each rank needs alone (reshard.py ``plan_indexed``:
-the same plan as below, on the part of the step the rank reads itself). Failing that (a rank
-that does not see a shard it needs, a step without an index, a 1.0-1.2 step), every rank works
-from the whole step (a 1.3 step's shards merged: ``gather_merged``): each rank takes the state tree it
-saved (a rank the save did not have takes rank 0's), and works out what it needs: every plain
-tensor its tree references, and of each sharded tensor the block its live tensor holds now (a
-DTensor's shard on the current mesh, or the whole tensor for a plain one), assembled from the
-saved blocks that intersect it. The storages are fetched (dist/fetch.py: read where reachable,
-sent by another rank where not). A step saved by a single process (no torch.distributed: a
-pretrained model fine-tuned on N ranks) takes this path too, every rank with its one tree:
-a plain tensor whose live tensor is a DTensor (FSDP) becomes that rank's block of it, and
-when every rank needs bytes of the same storages (DDP: all of them whole; FSDP: a block of
-each; agreed by a digest) and reaches their files, they are read from disk once across the
-ranks (reshard.read_replicated_once: the items cut into N aligned shares, each rank reads
-one and passes it on, a chunk a share cuts checked whole after the spread); else (node-local
-roots) each rank fetches what it needs, of a block only the saved chunks holding it.
+The primary rank reads the step's manifest and sends it to every rank (loadmanifest.py). A
+1.3 step (format/sharded.py) loaded by the ranks that saved it, with the same placements and
+roots, takes the short path (``load_own``): each rank reads only its own manifest shard and
+the pieces it wrote, and the holders of shared items (replicated state, replicated DTensor
+blocks) pass each other their pieces, so replicated bytes are read from disk once in total.
+Its plan is pure (ownplan.py: who reads which piece, the arena, the relay rounds); how the
+ranks of a host share is one Transport (transport.py: each other's memory, crossmem.py; a
+tmpfs, hostshare.py; or the process group), chosen by one agreement; ``carry_out_own``
+executes the plan through it. Otherwise a 1.3 step with a layout index is loaded from the
+shards each rank needs alone (reshard.py ``plan_indexed``). Failing that (a rank that does
+not see a shard it needs, a step without an index, a 1.0-1.2 step, a step saved by a single
+process), every rank works from the whole step (loadmanifest.py ``gather_merged``) and
+rebuilds the state it needs (rebuild.py ``rebuild_state``).
 
 Either way the state is rebuilt and handed to the live objects as a single-process load
 does, and nothing live changes before every rank has read and verified its part into fresh
-buffers and every rank agrees the plan fits (a collective load is always atomic).
+buffers and every rank agrees the plan fits (a collective load is always atomic). The
+agreements carry typed messages (load_messages.py).
 
 ``load(fallback=True)``: rank 0's fallback order (the latest step, then older ones) is every
 rank's. After a failed step each rank says how it saw the failure (damage, another error, or
@@ -34,7 +25,6 @@ only that a peer failed), and every rank decides from the same gathered answers:
 step when some rank found damage and none failed otherwise, else all raise. So every rank
 ends on the same step, or raises, and none waits for a collective the others skipped.
 """
-
 from __future__ import annotations
 
 import errno
@@ -47,143 +37,31 @@ import torch
 
 from ..engines.base import IOEngine
 from ..errors import (CheckpointNotFoundError, CollectiveFailedError, CorruptCheckpointError, EngineIOError, InvalidOptionError,
-                      RankFailedError, UnreachableDataError)
-from ..format.assembly import tree_for_rank
+                      RankFailedError)
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, Manifest, StorageRecord, TensorRecord
-from ..format.sharded import (SHARDED_VERSION, GlobalManifest, RankShard, merge, parse_shard, parse_step,
-                              read_shard)
-from ..format.state_codec import decode_state, tensor_refs
+from ..format.sharded import GlobalManifest, RankShard, parse_shard, parse_step, read_shard
+from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
-from ..load.reader import (check_step_files, parse_manifest, read_manifest_bytes, read_storages,
-                           tensors_from_storages, vanished_instead)
-from .fetch import fetch_storages, manifest_reach
+from ..load.reader import check_step_files, parse_manifest, read_storages, tensors_from_storages, vanished_instead
 from . import crossmem, hostshare
 from .group import Coordinator, bounded, describe, unbound
 from .load_messages import FallbackDecision, OwnVerdict, ShardReport, TransportOffer, choose_transport
+from .loadmanifest import (broadcast_manifest, broadcast_manifest_bytes, gather_merged, json_text,  # noqa: F401
+                           received_manifest)
 from .loadplan import reach_of, relay, relay_between_hosts, template_of  # noqa: F401 - relay*: importable here
 from .ownplan import Move, OwnLoadPlan, blocks_fit, host_blocks, per_host, plan_own, relay_rounds
-from .reshard import plan_indexed, read_replicated_once
 from .rankfiles import disagreeing_holders, holder_set_digests
-from .roots import RootLayout, discover_layout
-from .shards import assemble, is_dtensor, join, leaves, overlap, target_block
+from .rebuild import live_templates, plain_blocks, rebuild_state
+from .reshard import plan_indexed, read_replicated_once
+from .roots import RootLayout
+from .shards import assemble, target_block
 from .transport import CrossMemoryTransport, HostTmpfsTransport, ProcessGroupTransport, Transport, send_rounds
 
+_plain_blocks = plain_blocks  # importable here under its former name (tests)
 log = logging.getLogger("gdswriter")
-
-
-def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str, src: int = 0,
-                       layout: RootLayout | None = None) -> tuple[int, Manifest]:
-    """Collective: rank ``src`` (the primary rank: it sees the primary root) resolves ``step``
-    (None: the latest) and sends its manifest to every rank. A 1.3 step's shards are merged
-    (``gather_merged``: each is read by a rank that reaches it, merged on ``src``) so that every
-    rank gets the whole step: the general path, for loads that reshard."""
-    step, raw = broadcast_manifest_bytes(coord, protocol, step, what, src)
-    return step, received_manifest(coord, protocol, step, raw, what, src, layout)
-
-
-def received_manifest(coord: Coordinator, protocol: CommitProtocol, step: int, raw: bytes, what: str, src: int = 0,
-                      layout: RootLayout | None = None) -> Manifest:
-    """Collective where ``raw`` (the manifest.json of ``step`` that rank ``src`` read and sent
-    to every rank) is a 1.3 step's global manifest: ``broadcast_manifest``'s step, parsed."""
-    parsed = parse_step(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
-    if isinstance(parsed, Manifest):
-        return parse_manifest(protocol, step, parsed)
-    if layout is None:
-        layout = discover_layout(Coordinator.solo(), list(protocol.roots), create=False)
-    return gather_merged(coord, layout, parsed, what, src)
-
-
-def json_text(raw: bytes, where: str) -> str:
-    """A manifest's (or shard's) bytes as the text the ranks send each other; bytes that are not
-    UTF-8 are a damaged checkpoint (CorruptCheckpointError), as parsing them would say."""
-    try:
-        return raw.decode()
-    except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(f"{where} is not UTF-8 JSON ({e}); the checkpoint is damaged: load an "
-                                     f"earlier step") from e
-
-
-def broadcast_manifest_bytes(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str,
-                             src: int = 0) -> tuple[int, bytes]:
-    """Collective: the step ``src`` resolves and its manifest.json's bytes, on every rank."""
-    msg: dict = {}
-    error = None
-    if coord.rank == src:
-        try:
-            step = protocol.require(step)
-            msg = {"step": step, "manifest": json_text(read_manifest_bytes(protocol, step),
-                                                       str(protocol.step_dir(step) / MANIFEST_NAME))}
-        except Exception as e:  # noqa: BLE001 - every rank raises below
-            error, msg = e, {"error": describe(e)}
-    msg = coord.broadcast(msg, f"{what} (manifest)", src=src)
-    if "error" in msg:
-        coord.agree(error or RuntimeError(msg["error"]) if coord.rank == src else None, what,
-                    hint="the live state was not changed")
-    return msg["step"], msg["manifest"].encode()
-
-
-def _shard_readers(g: GlobalManifest, layout: RootLayout) -> list[int | None]:
-    """The rank of this job that reads each shard: one of the ranks that see its root (by
-    identity, from the root table every rank holds), spread by shard number; None: no rank does."""
-    ranks_of = {info.id: info.ranks for info in layout.table}
-    out: list[int | None] = []
-    for ref in g.shards:
-        ranks = ranks_of.get(g.roots[ref.root].id, ())
-        out.append(ranks[ref.rank % len(ranks)] if ranks else None)
-    return out
-
-
-def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, what: str, src: int) -> Manifest:
-    """Collective: the whole 1.3 step (format/sharded.py ``merge``) on every rank. Each shard is
-    read by a rank that sees its root, checked against its recorded size and crc32c, and sent to
-    ``src``, which merges and validates them and broadcasts the result. This costs what a 1.2
-    load cost (every rank receives every record); loads of the saved layout read only their own
-    shard instead (``load_own``)."""
-    readers = _shard_readers(g, layout)
-    mine: list = []
-    error = None
-    try:
-        lost = [k for k, r in enumerate(readers) if r is None]
-        if lost:
-            info = g.roots[g.shards[lost[0]].root]
-            raise UnreachableDataError(errno.ENOENT, f"{what}: rank {lost[0]}'s manifest shard is on root id {info.id} "
-                                                     f"(saved at {info.path}), which no rank of this job sees: give "
-                                                     f"some rank that root (mount it)")
-        reach = reach_of(g, layout)
-        for k, r in enumerate(readers):
-            if r == coord.rank:
-                ref = g.shards[k]
-                where = reach[ref.root] / step_dir_name(g.step)  # type: ignore[operator]
-                mine.append([k, json_text(read_shard(where, g, ref, reach[0]), str(where / ref.name))])
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error, mine = e, []
-    got = coord.gather({"error": describe(error)} if error else {"shards": mine}, f"{what} (manifest shards)", dst=src)
-    msg: dict | None = None
-    merge_error = None
-    if got is not None:
-        failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
-        if not failures:
-            try:
-                texts = {k: t for x in got for k, t in x["shards"]}
-                shards = [parse_shard(texts[k].encode(), g, ref, f"step {g.step}'s {ref.name}")
-                          for k, ref in enumerate(g.shards)]
-                msg = {"manifest": merge(g, shards).to_json_bytes().decode()}
-            except Exception as e:  # noqa: BLE001 - every rank learns of it
-                merge_error = e
-                failures = {coord.rank: describe(e)}
-        if failures:
-            msg = bounded(failures)
-    msg = coord.broadcast(msg, f"{what} (the merged manifest)", src=src)
-    if "manifest" not in msg:
-        shown, total = unbound(msg)
-        if error is not None or merge_error is not None:
-            raise error or merge_error  # type: ignore[misc]
-        raise RankFailedError(what, shown, "the live state was not changed", total=total)
-    m = Manifest.from_json_bytes(msg["manifest"].encode(), where=f"step {g.step} (its shards merged)")
-    return replace(m, version=SHARDED_VERSION, created_unix=g.created_unix)
 
 
 def _own_verdict(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any], *,
@@ -413,141 +291,6 @@ def _open_shared(shard: RankShard, share_dir: str | None, token: str, sids: Sequ
         return None, e
 
 
-def live_templates(state: Any, optimizer: Any) -> dict[str, Any]:
-    """Key path -> live tensor (DTensor or plain) of the live ``state`` (as the checkpointer
-    collects it), named as the manifest names saved ones; the optimizer's parameters also stand
-    for their (not yet created) per-parameter state."""
-    out = dict(leaves(state))
-    if optimizer is not None and hasattr(optimizer, "param_groups") and isinstance(state.get("optimizer"), dict):
-        for saved, group in zip(state["optimizer"].get("param_groups", []), optimizer.param_groups):
-            for pid, p in zip(saved.get("params", []), group["params"]):
-                out.setdefault(join("optimizer/state", pid), p)
-    return out
-
-
-def _plain_blocks(m: Manifest, parts: dict[int, tuple], whole: set[int]) -> tuple[Manifest, dict[int, int], set[int]]:
-    """For plain saved tensors (index -> target_block's (offsets, shape, wrap)) of which a live
-    DTensor holds a block: ``m`` with a record of each block appended (the same strides, its
-    first element as its offset), {tensor index: its block's record} (none for an empty block)
-    and the storages added for them. A block whose storage is not needed ``whole`` anyway gets a
-    storage of its own made of the saved chunks holding its bytes (whole chunks: each is
-    checked against its crc32c), so a rank reads about its block, not the tensor."""
-    blocks: dict[int, TensorRecord] = {}
-    spans: dict[int, list[int]] = {}  # storage -> [begin, end) of the bytes its blocks touch
-    for i, (offsets, shape, _) in parts.items():
-        rec = m.tensors[i]
-        first = sum(o * s for o, s in zip(offsets, rec.stride)) * dtype_from_name(rec.dtype).itemsize
-        block = replace(rec, byte_offset=rec.byte_offset + first, shape=tuple(shape))
-        lo, hi = block.byte_extent()
-        if hi <= lo:
-            continue
-        blocks[i] = block
-        if rec.storage not in whole:
-            span = spans.setdefault(rec.storage, [lo, hi])
-            span[0], span[1] = min(span[0], lo), max(span[1], hi)
-    storages = list(m.storages)
-    moved: dict[int, tuple[int, int]] = {}  # storage -> (the storage standing for it, its first byte there)
-    for s, (lo, hi) in spans.items():
-        chunks = [c for c in m.storages[s].chunks if c.length and c.storage_offset < hi and lo < c.storage_offset + c.length]
-        start, end = min(c.storage_offset for c in chunks), max(c.storage_offset + c.length for c in chunks)
-        moved[s] = (len(storages), start)
-        storages.append(StorageRecord(end - start, tuple(replace(c, storage_offset=c.storage_offset - start)
-                                                         for c in chunks)))
-    tensors = list(m.tensors)
-    at: dict[int, int] = {}
-    for i, block in blocks.items():
-        if block.storage in moved:
-            k, start = moved[block.storage]
-            block = replace(block, storage=k, byte_offset=block.byte_offset - start)
-        at[i] = len(tensors)
-        tensors.append(block)
-    return replace(m, storages=tuple(storages), tensors=tuple(tensors)), at, {k for k, _ in moved.values()}
-
-
-def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates: dict[str, Any],
-                  optimizer: Any, engine: IOEngine, *, verify: bool, what: str, fetch: Any = fetch_storages,
-                  single: bool = False) -> Any:
-    """Collective: the state this rank saved in ``m``, its sharded tensors assembled as the
-    ``templates`` (live tensors by key path) hold them now; the whole tensor without one.
-    ``fetch``: fetch_storages, or reshard.read_reached when ``m`` is this rank's part alone.
-    ``single``: ``m`` is a single-process step (every rank loads its one tree): a plain tensor
-    whose live tensor is a DTensor (FSDP, TP) becomes that rank's block of it, and when every
-    rank needs bytes of the same storages (DDP: all of them whole; FSDP: a block of each) they
-    are read from disk once across the ranks (reshard.read_replicated_once: each rank about
-    1 / N); else each rank reads what it needs, of a block the saved chunks holding it
-    (``_plain_blocks``), or where some rank does not reach the files (node-local roots: ranks
-    then read chunks for each other, named by the storages every rank has) the storages whole."""
-    unchanged = "the live state was not changed"
-    needed: set[int] = set()
-    jobs: dict[str, tuple] = {}
-    parts: dict[int, tuple] = {}  # a plain saved tensor a live DTensor holds: index -> target_block's answer
-    refs: list[int] = []
-    tree = None
-    error = None
-    spanned: set[int] = set()
-    alone: tuple[Manifest, dict[int, int], set[int]] = (m, {}, set())
-    together = alone
-    try:
-        tree = tree_for_rank(m, coord.rank)
-        refs = tensor_refs(tree, len(m.tensors))
-        for i in refs:
-            rec = m.tensors[i]
-            template = template_of(templates, rec.name) if single and rec.shard is None else None
-            if template is not None and is_dtensor(template) and tuple(template.shape) == tuple(rec.shape):
-                parts[i] = target_block(template, rec.shape)
-            elif rec.shard is None:
-                needed.add(rec.storage)
-            elif rec.name not in jobs:
-                offsets, shape, wrap = target_block(template_of(templates, rec.name), rec.shard.global_shape)
-                blocks = [j for j, r in enumerate(m.tensors) if r.shard is not None and r.name == rec.name
-                          and overlap(offsets, shape, r.shard.offsets, r.shape) is not None]
-                needed.update(m.tensors[j].storage for j in blocks)
-                jobs[rec.name] = (offsets, shape, wrap, blocks)
-        spanned = needed | {m.tensors[i].storage for i in parts}  # every storage this rank needs bytes of
-        alone = _plain_blocks(m, parts, needed) if parts else (m, {}, set())  # its blocks' chunks, read alone
-        together = _plain_blocks(m, parts, spanned) if parts else alone  # its blocks in the storages read together
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    coord.agree(error, f"{what} (planning)", hint=unchanged)
-    # buffers are allocated once every rank has checked the files it reads (fetch_storages)
-    reach = manifest_reach(m, layout)
-    buffers, reached = None, True
-    if single and coord.world_size > 1:  # None: the ranks do not need the same storages, or some do not reach them
-        buffers, reached = read_replicated_once(coord, reach, m, spanned, engine, verify=verify, what=what)
-    if buffers is None and reached:  # every rank reads its own chunks (a block's alone)
-        read, block_of, partial = alone
-        buffers = fetch(coord, reach, read, needed | partial, engine, verify=verify, what=what)
-    elif buffers is None:  # ranks read chunks for others (node-local roots): named alike on every rank, whole
-        read, block_of, partial = together
-        buffers = fetch(coord, reach, read, spanned, engine, verify=verify, what=what)
-    else:
-        read, block_of, partial = together
-    error, state = None, None
-    try:
-        views = [i for i in refs if m.tensors[i].shard is None and i not in parts]
-        views += sorted({j for *_, blocks in jobs.values() for j in blocks}) + sorted(block_of.values())
-        built = dict(zip(views, tensors_from_storages(replace(read, tensors=tuple(read.tensors[i] for i in views)),
-                                                      buffers)))  # type: ignore[arg-type]
-        tensors = [built.get(i, torch.empty(0, dtype=dtype_from_name(r.dtype))) for i, r in enumerate(m.tensors)]
-        for i in refs:
-            rec = m.tensors[i]
-            if i in parts:
-                _, shape, wrap = parts[i]
-                j = block_of.get(i)
-                tensors[i] = wrap(built[j].contiguous() if j is not None else
-                                  torch.empty(shape, dtype=dtype_from_name(rec.dtype)))
-            elif rec.shard is not None:
-                offsets, shape, wrap, blocks = jobs[rec.name]
-                local = assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
-                                 [(m.tensors[j].shard, built[j]) for j in blocks])
-                tensors[i] = wrap(local)
-        state = decode_state(tree, tensors)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged)
-    return state
-
-
 def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState, live_state: dict,
              step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
              share_dir: str | None = None, cross_memory: bool = False) -> tuple[int, Any, Any]:
@@ -582,7 +325,7 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
                                        f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
         coord.agree(error, what, hint="the live state was not changed")
         state = rebuild_state(coord, layout, m, templates, live.optimizer, engine, verify=verify, what=what,
-                              single=g is None and m.dist is None)
+                              single=g is None and m.dist is None, read_once=read_replicated_once)
     plan, error = None, None
     try:
         plan = check(state)

@@ -27,10 +27,10 @@ step's manifest and then, straight from the roots it sees, only the shards it ne
 It then reads its chunks itself (``read_reached``): no rank receives other ranks' records,
 and no message grows with the world size. When some rank does not see a shard or a data file
 it needs (node-local roots), or the step has no index (a 1.3 step saved before it existed),
-every rank takes the merging path instead (load.py ``gather_merged``), which sends chunks
+every rank takes the merging path instead (loadmanifest.py ``gather_merged``), which sends chunks
 between ranks.
 
-A step saved by a single process has no shards: load.py reads it whole on every rank's plan,
+A step saved by a single process has no shards: rebuild.py reads it whole on every rank's plan,
 and ``read_replicated_once`` reads the storages every rank needs bytes of once across the ranks
 with the same machinery (``read_split`` of one writer's items on N ranks, ``read_reached``).
 Damage found while reading (a checksum, a short file) is CorruptCheckpointError on every rank,
@@ -344,7 +344,7 @@ def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, e
     Every file is checked against its recorded size on every rank before any buffer is allocated.
     The items ``shared`` names are read together: each rank reads its pieces of them (of the
     chunks in ``m``, the bytes inside its pieces) and every piece spreads from its reader to
-    every rank down a binomial tree (load.py ``relay``), so their bytes are read from disk once
+    every rank down a binomial tree (loadplan.py ``relay``), so their bytes are read from disk once
     in all. A chunk read whole is checked against its crc32c where it is read (a receiver has no
     records of it); a chunk the pieces cut (``shared.cut``) is checked whole once the pieces
     have spread, by the rank that read its first byte, and all ranks agree on the outcome

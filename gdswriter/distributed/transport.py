@@ -26,8 +26,8 @@ from .ownplan import Move, OwnLoadPlan, per_host, pull_moves
 
 
 class Transport:
-    """The process group alone (the base: nothing shared on a host). ``kind`` names it in logs
-    and decisions; ``block``: the ranks of a host that share (the world where none do)."""
+    """The seam; its defaults share nothing on a host (ProcessGroupTransport). ``kind`` names it
+    in logs; ``block``: the ranks of a host that share (the world where none do)."""
     kind = "group"
 
     def __init__(self, world: int, block: int | None = None):
@@ -73,7 +73,9 @@ class Transport:
         return False
 
 
-ProcessGroupTransport = Transport
+class ProcessGroupTransport(Transport):
+    """Every piece over the process group: a private buffer per item, nothing shared on a host
+    (the base's behaviour, named)."""
 
 
 class HostTmpfsTransport(Transport):
