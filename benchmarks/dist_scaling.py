@@ -147,7 +147,7 @@ def _gather_bytes(n: int) -> list[int]:
     return [int(x) for x in out]
 
 
-def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, world: int, base: str, state: dict,
+def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, world: int, base: str, state: dict,  # noqa: C901
            target: dict, reference: dict) -> None:
     """One round of ``case``: a save and a load, their times appended to ``run``, which also
     keeps the case's checkpointer or writer from round to round ("ck")."""
@@ -171,7 +171,7 @@ def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, 
                      "gdswriter-relay": {"load_share_dir": None, "load_cross_memory": False}}[case]
             ck = run["ck"] = GDSCheckpointer(state, root=dirs, options=CheckpointOptions(keep_last=1),
                                              dist_options=DistOptions(**share))
-            ck.engine_info
+            _ = ck.engine_info  # the engines exist before the timed rounds
         dirs = [str(r) for r in ck.protocol.roots]
         saves.append(_timed(ck.save, rnd))
         ck.wait()  # retention (keep_last=1) has deleted the previous round's step

@@ -33,8 +33,8 @@ CASE_ORDER = ["fio io_uring", "dd-loop", "gdswriter posix", "gdswriter io_uring"
               "torch.load", "dcp.load", "safetensors.load_file", "gdswriter.load"]
 
 
-def load_rows(paths: list[str]) -> "OrderedDict[tuple, dict]":
-    rows: "OrderedDict[tuple, dict]" = OrderedDict()
+def load_rows(paths: list[str]) -> OrderedDict[tuple, dict]:
+    rows: OrderedDict[tuple, dict] = OrderedDict()
     for path in paths:
         with open(path) as f:
             data = json.load(f)
@@ -92,7 +92,7 @@ def best(rows, suite, kind, size, cases) -> tuple[float | None, str]:
     return max(vals) if vals else (None, "")
 
 
-def report(rows) -> tuple[str, list[bool]]:
+def report(rows) -> tuple[str, list[bool]]:  # noqa: C901
     parts: list[str] = []
     verdicts: list[bool] = []
     sizes = sizes_of(rows)

@@ -16,7 +16,7 @@ import warnings
 
 from ._version import __version__
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
-                     CollectiveFailedError, CollectiveMismatchError, CorruptCheckpointError, DataFileNotRegularError,
+                     CollectiveFailedError, CollectiveMismatchError, CorruptCheckpointError, DataFileNotRegularError, DrainError,
                      EngineIOError, EngineUnavailableError, GDSWriterError, InvalidOptionError, NothingToLoadError,
                      NotRegularFileError, RankFailedError, ReadOnlyRootError, RootUnavailableError, ShortIOError,
                      SnapshotChangedError, StateMismatchError, TruncatedFileError, UnreachableDataError, UnsafePathError,
@@ -30,7 +30,7 @@ _LAZY = {
     "load_state": ".load.reader",
     "EngineInfo": ".engines.base", "IOEngine": ".engines.base", "ReadSpan": ".engines.base",
     "WriteSpan": ".engines.base", "create_engine": ".engines.select",
-    "DistOptions": ".distributed.options",
+    "DistOptions": ".distributed.options", "DrainStats": ".drain",
     "GDSStorageWriter": ".distributed.dcp", "GDSStorageReader": ".distributed.dcp",  # imports torch's DCP
 }
 # names that left the public face: still served, with a DeprecationWarning
@@ -39,12 +39,12 @@ _MOVED = {"BenchOptions": "gdswriter.tools.bench", "BenchResult": "gdswriter.too
 
 __all__ = [
     "GDSCheckpointer", "CheckpointOptions", "LoadResult", "SaveHandle", "SaveStats", "load_state",
-    "EngineOptions", "EngineInfo", "IOEngine", "ReadSpan", "WriteSpan", "create_engine",
+    "DrainStats", "EngineOptions", "EngineInfo", "IOEngine", "ReadSpan", "WriteSpan", "create_engine",
     "GDSWriterError", "CheckpointError", "CheckpointLockedError", "CheckpointNotFoundError",
     "ChecksumMismatchError", "CorruptCheckpointError", "EngineIOError", "EngineUnavailableError",
     "InvalidOptionError", "NothingToLoadError", "ReadOnlyRootError", "RootUnavailableError", "ShortIOError",
     "SnapshotChangedError", "StateMismatchError", "TruncatedFileError", "UnsafePathError", "UnsupportedFormatVersionError",
-    "UnsupportedObjectError", "NotRegularFileError", "DataFileNotRegularError",
+    "UnsupportedObjectError", "NotRegularFileError", "DataFileNotRegularError", "DrainError",
     "DistOptions", "GDSStorageWriter", "GDSStorageReader", "CollectiveFailedError", "CollectiveMismatchError",
     "RankFailedError", "UnreachableDataError",
     "__version__",

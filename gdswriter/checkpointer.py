@@ -47,14 +47,16 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from itertools import chain, islice
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
 
 import torch
 
+from .drain import DrainStats, check_drain_root
 from .engines.base import IOEngine
 from .engines.select import create_engine, for_pool_writes, sized_for
 from .errors import GDSWriterError, InvalidOptionError
@@ -166,7 +168,7 @@ class GDSCheckpointer:
                  state: Mapping[str, Any] | None = None, options: CheckpointOptions | None = None,
                  keep_last: int | None = None, keep_every: int | None = None, save_rng: bool | None = None,
                  process_group: Any = None, dist_options: DistOptions | None = None, guard: Sequence[Any] = (),
-                 engines: Sequence[IOEngine] | None = None):
+                 engines: Sequence[IOEngine] | None = None, drain_engine: IOEngine | None = None):
         opts = options or CheckpointOptions()
         overrides = {k: v for k, v in (("keep_last", keep_last), ("keep_every", keep_every),
                                        ("save_rng", save_rng)) if v is not None}
@@ -195,6 +197,11 @@ class GDSCheckpointer:
         # process group; released by close()).
         held = [n for n, o in (("model", model), ("optimizer", optimizer)) if o is not None]
         label = f"GDSCheckpointer({', '.join(held + [f'state[{k!r}]' for k in self.extra])})"
+        if opts.drain_root is not None:
+            check_drain_root(opts.drain_root, roots)
+        elif drain_engine is not None:
+            raise InvalidOptionError("drain_engine is the engine of the drain: set CheckpointOptions(drain_root=...) "
+                                     "too, or leave drain_engine=None")
         self._session: Session = open_session(roots, process_group, dist_options, label=label)
         try:
             self._session.check_options(opts)
@@ -202,6 +209,9 @@ class GDSCheckpointer:
             self._session.close()
             raise
         self.protocol = self._session.protocol
+        # Committed steps copied to shared storage in the background (drain.py)
+        # (several ranks: each rank drains its part, the last to finish commits: distributed/drain.py)
+        self._drainer = None if opts.drain_root is None else self._session.drainer(opts, drain_engine)
         self._engines: list[IOEngine] = engines or []
         # Engines with fewer staging buffers, per their options, while the engines are not built:
         # for host-mode saves (for_pool_writes) and small loads (sized_for)
@@ -238,6 +248,32 @@ class GDSCheckpointer:
 
     def latest_step(self) -> int | None:
         return self.protocol.latest()
+
+    def drained_step(self) -> int | None:
+        """The newest step committed at the drain root (CheckpointOptions.drain_root), by this
+        checkpointer or an earlier run; None without a drain root or before any drain."""
+        return None if self._drainer is None else self._drainer.drained_step()
+
+    @property
+    def last_drain(self) -> DrainStats | None:
+        """How the last successful drain went (None before one, or without a drain root)."""
+        return None if self._drainer is None else self._drainer.last
+
+    def wait_drained(self, timeout: float | None = None) -> int | None:
+        """Wait for the saves in flight, then for the drain running and the one waiting; returns
+        drained_step(). Raises the DrainError of a failed drain not yet raised (each once);
+        concurrent.futures.TimeoutError after ``timeout`` s. Several ranks: this rank's part of
+        the drain is done; the step is at the drain root once every rank's part is (the last
+        rank commits it; e.g. wait_drained() on every rank, then a barrier)."""
+        self._quiesce()
+        if self._drainer is None:
+            return None
+        if not self._drainer.wait(timeout):
+            raise FutureTimeout(f"the drain to {self._drainer.root} did not end within {timeout} s")
+        error = self._drainer.take_error()
+        if error is not None:
+            raise error
+        return self._drainer.drained_step()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -289,7 +325,7 @@ class GDSCheckpointer:
         o = self.options
         self._snapshot_pool = HostSnapshotPool(o.snapshot_pool_bytes, window=o.engine.buffer_bytes,
                                                lock_memory=o.engine.lock_memory)
-        self._queue = SaveQueue(self._run, quiesce=self._quiesce, report=self._log_unreported)
+        self._queue = SaveQueue(self._run, quiesce=self._quiesce_at_exit, report=self._log_unreported)
         self._submit_lock = threading.Lock()
         self._hooks: list[tuple[Any, Any]] = []  # (optimizer, its step pre-hook's handle)
         self._layout = LayoutCache()  # the last save's layout, reused while the tensors stay put
@@ -422,6 +458,8 @@ class GDSCheckpointer:
         if pool is not None:  # committed, streamed through the small ring: the full pool, off the critical path
             pool.reserve_ahead()
         handle.finish(None)
+        if self._drainer is not None and self._drainer.wants(step):
+            self._drainer.submit(step)  # returns at once: the drain has a thread of its own
         st = handle.stats
         log.log(self.options.stats_log_level, "gdswriter: step %d saved (%s snapshot): training blocked %.1f ms, "
                 "snapshot %.3f s, write %.3f s, %.1f MiB, %.2f GB/s", st.step, st.mode, st.blocked_s * 1e3,
@@ -482,7 +520,11 @@ class GDSCheckpointer:
         """Delete committed steps the policy no longer keeps (never ``newest``). A failure
         here loses nothing: it is logged and the step is retried after the next save (multi-rank:
         the primary rank decides, each root's leader deletes: collective)."""
-        self._session.apply_retention(newest, self.options.retained)
+        if self._drainer is None:
+            self._session.apply_retention(newest, self.options.retained)
+            return
+        pinned = self._drainer.pinned()  # steps waiting or draining stay until their drain ended
+        self._session.apply_retention(newest, lambda steps, new: self.options.retained(steps, new) | pinned)
 
     def _wait_retention(self) -> None:
         pending = self._retention
@@ -529,6 +571,12 @@ class GDSCheckpointer:
     def _quiesce(self) -> None:
         self._queue.drain()
         self._wait_retention()
+
+    def _quiesce_at_exit(self) -> None:
+        """At interpreter exit: the saves, then the drains they started (drain.py)."""
+        self._quiesce()
+        if self._drainer is not None:
+            self._drainer.close()
 
     def wait(self) -> None:
         """Wait for every outstanding save; re-raise a background error not yet reported."""
@@ -608,6 +656,8 @@ class GDSCheckpointer:
                 self._small_engines = {}
             for e in engines:
                 e.close()
+            if self._drainer is not None:
+                self._drainer.close()  # waits for the drains in flight and waiting
             self._session.close()  # its locks (multi-rank: and its coordination channel)
 
     def __enter__(self) -> GDSCheckpointer:

@@ -24,7 +24,7 @@ import importlib
 import logging
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from ._version import __version__
 from .commands._common import EXIT_CORRUPT, EXIT_USAGE

@@ -94,6 +94,19 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint at the requested root/step."""
 
 
+class DrainError(CheckpointError):
+    """A committed step could not be copied to the drain root (CheckpointOptions.drain_root):
+    its local copy is damaged (a chunk's crc32c differs) or the drain root could not be written.
+    The step stays committed locally; the drain root keeps its earlier steps. ``step``: the step."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.step))
+
+
 class CheckpointLockedError(CheckpointError, BlockingIOError):
     """Another process holds the checkpoint root."""
 

@@ -45,7 +45,8 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Mapping, Sequence
+from typing import Any, BinaryIO
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 

@@ -29,7 +29,8 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
+from collections.abc import Iterator
 
 from .errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOError, GDSWriterError,
                      NotRegularFileError, UnsafePathError)
@@ -231,7 +232,7 @@ def atomic_file(path: Path, *, overwrite: bool) -> Iterator[BinaryIO]:
     fsynced. A crash or a failed block never leaves a partial file under ``path``."""
     parent = path.parent if str(path.parent) else Path(".")
     tmp = parent / f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    f = open(tmp, "xb")
+    f = open(tmp, "xb")  # noqa: SIM115 (the block writes it; closed below, before the rename)
     ok = False
     try:
         yield f

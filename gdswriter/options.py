@@ -6,7 +6,8 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Sequence, get_args
+from typing import Literal, get_args
+from collections.abc import Sequence
 
 from .errors import InvalidOptionError
 
@@ -107,7 +108,7 @@ class EngineOptions:
         return self.buffer_bytes // self.request_bytes
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> "EngineOptions":
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides) -> EngineOptions:
         """Defaults, then GDSWRITER_* variables, then explicit ``overrides``."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
@@ -171,6 +172,16 @@ class CheckpointOptions:
         the ranks would save different steps).
     stats_log_level: the logging level of each save's one-line report (time training was
         blocked, snapshot and write time, bytes, GB/s); default DEBUG.
+    drain_root: a directory on shared storage (Lustre, NFS, a bucket mount) that committed
+        steps are copied to in the background (None: no drain). There each becomes a complete
+        gdswriter step with its own crash-atomic commit: ``GDSCheckpointer(root=drain_root)``,
+        ``gdswriter.load_state`` and ``gdswriter verify`` read it as any root, so a job whose
+        nodes (and node-local roots) are all gone resumes from it. The drain never delays a
+        save; one drain runs at a time, and a newer committed step replaces one still waiting.
+        A single process only for now (a checkpointer of several ranks refuses it).
+    drain_every: drain every N-th step (the steps divisible by N; default 1: every step).
+    drain_keep_last: how many drained steps the drain root keeps (None: as ``keep_last``;
+        ``keep_every`` applies there too).
     """
 
     keep_last: int | None = None
@@ -183,9 +194,12 @@ class CheckpointOptions:
     snapshot_pool_bytes: int = field(default_factory=lambda: _env_size("GDSWRITER_SNAPSHOT_POOL_BYTES", 4 * GiB))
     on_busy: BusyPolicy = "wait"
     stats_log_level: int = logging.DEBUG
+    drain_root: str | os.PathLike | None = None
+    drain_every: int = 1
+    drain_keep_last: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("keep_last", "keep_every"):
+        for name in ("keep_last", "keep_every", "drain_keep_last"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise InvalidOptionError(f"{name}={v!r} must be None or an integer >= 1")
@@ -205,16 +219,35 @@ class CheckpointOptions:
         if not isinstance(self.stats_log_level, int) or isinstance(self.stats_log_level, bool):
             raise InvalidOptionError(f"stats_log_level={self.stats_log_level!r} must be a logging level "
                                      f"such as logging.INFO")
+        self._check_drain()
+
+    def _check_drain(self) -> None:
+        root, every = self.drain_root, self.drain_every
+        if root is not None and (not isinstance(root, (str, os.PathLike)) or not os.fspath(root)):
+            raise InvalidOptionError(f"drain_root={root!r} must be a directory path (str or os.PathLike) on "
+                                     f"shared storage, or None for no drain")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise InvalidOptionError(f"drain_every={every!r} must be an integer >= 1 (1: drain every step)")
 
     def retained(self, steps: Sequence[int], newest: int) -> set[int]:
         """Which of the committed ``steps`` the retention policy keeps, ``newest`` having just
         been committed. Steps above ``newest`` are left by a run that was rolled back (resumed
         from an older step): they are kept, and not counted, so that the rolled-back run's
         own steps are not deleted to make room for them."""
-        if self.keep_last is None:
-            return set(steps)
-        ordered = sorted(s for s in steps if s <= newest)
-        keep = set(ordered[-self.keep_last:]) | {newest} | {s for s in steps if s > newest}
-        if self.keep_every:
-            keep.update(s for s in ordered if s % self.keep_every == 0)
-        return keep
+        return retained_steps(steps, newest, self.keep_last, self.keep_every)
+
+    def drain_retained(self, steps: Sequence[int], newest: int) -> set[int]:
+        """``retained`` at the drain root: ``drain_keep_last`` (default ``keep_last``) and ``keep_every``."""
+        keep_last = self.keep_last if self.drain_keep_last is None else self.drain_keep_last
+        return retained_steps(steps, newest, keep_last, self.keep_every)
+
+
+def retained_steps(steps: Sequence[int], newest: int, keep_last: int | None, keep_every: int | None) -> set[int]:
+    """CheckpointOptions.retained's rule for given ``keep_last`` and ``keep_every``."""
+    if keep_last is None:
+        return set(steps)
+    ordered = sorted(s for s in steps if s <= newest)
+    keep = set(ordered[-keep_last:]) | {newest} | {s for s in steps if s > newest}
+    if keep_every:
+        keep.update(s for s in ordered if s % keep_every == 0)
+    return keep

@@ -17,7 +17,8 @@ import os
 import shutil
 import sys
 import time
-from typing import Sequence, TextIO
+from typing import TextIO
+from collections.abc import Sequence
 
 from .crc import crc32c_combine
 from .engines.base import ReadSpan
@@ -54,7 +55,7 @@ class Progress:
         self._drawn = 0.0
         self._shown = False
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .drain import Drainer
 from .engines.base import IOEngine
 from .errors import GDSWriterError, ReadOnlyRootError
 from .format.commit import CommitProtocol, RootLock
@@ -62,6 +63,9 @@ class Session(Protocol):
 
     def check_writable(self, step: int) -> None:
         """ReadOnlyRootError when ``step`` cannot be saved (roots opened for loading only)."""
+
+    def drainer(self, options: CheckpointOptions, engine: IOEngine | None) -> Drainer:
+        """The drain to ``options.drain_root`` (drain.py; several ranks: distributed/drain.py)."""
 
     def prepare(self, state: Any, step: int) -> tuple[Any, Any]:
         """(the state to snapshot for ``step``, what this save's write_and_commit needs of it);
@@ -157,6 +161,9 @@ class LocalSession:
 
     def check_options(self, options: CheckpointOptions) -> None:
         pass
+
+    def drainer(self, options: CheckpointOptions, engine: IOEngine | None) -> Drainer:
+        return Drainer(self.protocol, options, engine)
 
     def check_writable(self, step: int) -> None:
         if self.read_only is not None:

@@ -129,7 +129,7 @@ class Gdswriter(Method):
     def prepare(self, state, d):
         opts = CheckpointOptions(engine=EngineOptions.from_env(engine=self.engine))
         self.ck = GDSCheckpointer(state, None, root=d, options=opts)
-        self.ck.engine_info  # the engine's buffers and threads exist before the clock starts
+        _ = self.ck.engine_info  # the engine's buffers and threads exist before the clock starts
         return self.ck
 
     def write(self, ck, d):

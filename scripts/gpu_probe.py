@@ -134,7 +134,7 @@ def _timed(label, nbytes, write, read, path, check):
 
 
 @section("raw GPU<->file paths (durable writes, cold reads)")
-def bandwidth(args):
+def bandwidth(args):  # noqa: C901
     import torch
     n = args.size
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")

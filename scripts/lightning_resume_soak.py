@@ -59,7 +59,7 @@ def step_log(path: Path):
 
     class StepLog(L.Callback):
         def __init__(self):
-            self.f = open(path, "a", buffering=1)
+            self.f = open(path, "a", buffering=1)  # noqa: SIM115 - open for the run: the child dies of SIGKILL
 
         def put(self, phase, t, rec):
             rec.update(phase=phase, step=t.global_step, threads=torch.get_num_threads())

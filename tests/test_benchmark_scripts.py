@@ -161,3 +161,9 @@ def test_replica_plan_sim():
             line.startswith("| shuffled") or line.startswith("| uneven")]
     assert len(rows) == 6, out
     assert all("2.000 / " in " | ".join(r) for r in rows), out
+
+
+def test_drain_benchmark(tmp_path):
+    out = run_script("drain.py", "--size", "8M", "--rounds", "1", "--dir", str(tmp_path))
+    assert "time to drained / time to committed" in out and "save time with a drain in flight" in out, out
+    assert list(tmp_path.iterdir()) == []

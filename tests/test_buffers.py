@@ -31,7 +31,8 @@ def test_buffers_are_page_aligned_disjoint_and_usable(size):
 
 def _thp_mode() -> str:
     try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
     except OSError:
         return "absent"
     return text[text.index("[") + 1:text.index("]")]

@@ -54,7 +54,7 @@ def check_root(roots, base, options, *, latest_file_strict=True) -> list[int]:
         assert leftovers(roots) == [], "opening the root must remove leftovers of the crash"
         steps = ck.steps()
         assert steps == before, "cleaning must not un-commit anything"
-        for i, r in enumerate(roots[1:], 1):  # no orphaned secondary step directory survives
+        for _i, r in enumerate(roots[1:], 1):  # no orphaned secondary step directory survives
             assert all(parse_step_dir(n) in steps for n in os.listdir(r) if parse_step_dir(n) is not None), r
         if not steps:
             assert ck.latest_step() is None

@@ -766,7 +766,7 @@ def _tree(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith(("step_", ".tmp-")))
 
 
-def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:
+def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:  # noqa: C901
     import errno
     import os
     import shutil

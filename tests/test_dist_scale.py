@@ -472,7 +472,7 @@ def test_ranks_on_hosts_of_equal_consecutive_blocks_share_else_none():
     for writer in range(world):
         got: dict[int, int] = {}
         for rank in range(world):
-            for k, a, b in relay_between_hosts(writer, rank, world, block):
+            for _k, a, b in relay_between_hosts(writer, rank, world, block):
                 if b == rank:
                     got[b] = got.get(b, 0) + 1
                     assert a % block == b % block == writer % block

@@ -580,8 +580,8 @@ def fail_then_prove_isolation(eng, tmp_path, op: str, expect: type[BaseException
 @pytest.fixture
 def fast_ring_retries(monkeypatch):
     # Short ring backoff: module constants, not options (an option would widen EngineOptions for tests only).
-    monkeypatch.setattr(uring_mod, "_BACKOFF_S", 1e-4)
-    monkeypatch.setattr(uring_mod, "_BACKOFF_MAX_S", 1e-3)
+    monkeypatch.setattr(uring_mod, "BACKOFF_S", 1e-4)
+    monkeypatch.setattr(uring_mod, "BACKOFF_MAX_S", 1e-3)
 
 
 @contextlib.contextmanager
@@ -623,7 +623,7 @@ def test_enter_failing_for_good_mid_transfer(tmp_path, io_small_options, fast_ri
         old_pool, old_backend = eng._pool, eng._backend
         with stuck_request(eng) if stuck else contextlib.nullcontext():
             closed, faults = fail_then_prove_isolation(eng, tmp_path, op, EngineIOError, err or errno.EAGAIN)
-            assert faults["enter"] >= (1 if err == errno.EFAULT else uring_mod._STALL_RETRIES)
+            assert faults["enter"] >= (1 if err == errno.EFAULT else uring_mod.STALL_RETRIES)
             if stuck:
                 assert not closed
                 backend, pool, fd, spans = engine_mod._KEPT[-1]

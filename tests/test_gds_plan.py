@@ -33,7 +33,7 @@ def check_plan(extents, pieces, cap, file_size=None):
                 assert 0 <= part.buf_off and part.buf_off + part.length <= p.length
                 assert extents[part.span][0] + part.span_off == p.file_off + part.buf_off
                 covered.setdefault(part.span, []).append((part.span_off, part.length))
-    for j, (off, n) in enumerate(extents):
+    for j, (_off, n) in enumerate(extents):
         got = sorted(covered.get(j, []))
         pos = 0
         for a, m in got:

@@ -46,7 +46,7 @@ def everything(model, opt=None) -> dict[str, torch.Tensor]:
     """Clones of every live tensor: model state and optimizer state."""
     out = {f"model/{k}": v.detach().clone() for k, v in model.state_dict().items()}
     if opt is not None:
-        for i, (p, st) in enumerate(opt.state.items()):
+        for i, (_p, st) in enumerate(opt.state.items()):
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
                     out[f"opt/{i}/{k}"] = v.clone()

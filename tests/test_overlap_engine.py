@@ -23,7 +23,7 @@ WAIT_S = 30
 
 
 class Guard:
-    def __init__(self, producer: "Producer", k: int):
+    def __init__(self, producer: Producer, k: int):
         self.producer, self.k = producer, k
         self.ready = threading.Event()
         self.released = 0

@@ -130,7 +130,7 @@ def test_pulls_copy_each_missing_piece_from_its_holder_at_the_same_place_in_its_
     assert list(moves) == [0]  # only from rank 0
     want = sum(n for sid in plan.arena.offsets for w, _, n in plan.pieces[sid] if w == 0)
     assert sum(n for *_, n in moves[0]) == want
-    for src, dst, n in moves[0]:
+    for src, dst, _ in moves[0]:
         assert src - peer_base == dst - (1 << 30)  # laid out alike: the same offset in both buffers
 
 

@@ -184,3 +184,106 @@ def test_no_import_cycle_in_the_package_deferred_imports_included():
 def test_no_underscore_name_crosses_a_module():
     _, crossing = _import_graph()
     assert crossing == []
+
+
+# The functions above the complexity ceiling (pyproject: C901, max-complexity 15) on the day the rule
+# came in, each marked with a noqa for C901 at the end of its def line. Refactors lower this number;
+# it never rises (lower it here when a marker goes). gdswriter/distributed/dcp.py is exempt by a per-file-ignore
+# until its split lands.
+_COMPLEX_FUNCTIONS_CEILING = 18
+
+
+def test_the_functions_above_the_complexity_ceiling_only_get_fewer():
+    repo = Path(__file__).resolve().parents[1]
+    marked = [f"{p.relative_to(repo)}:{i}" for d in ("gdswriter", "tests", "benchmarks", "scripts")
+              for p in sorted((repo / d).rglob("*.py"))
+              for i, line in enumerate(p.read_text().splitlines(), 1)
+              if line.lstrip().startswith(("def ", "async def ")) and line.rstrip().endswith("# noqa: C901")]
+    assert len(marked) <= _COMPLEX_FUNCTIONS_CEILING, marked
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _private_names_bound(tree, *, on_any_object: bool) -> set[str]:
+    """The underscore names a module binds: defs, classes, assignments, import aliases and
+    parameters, and attributes it sets on `self`/`cls` (or, with ``on_any_object``, on anything)."""
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and (
+                on_any_object or isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            out.add(node.attr)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update(a.asname for a in node.names if a.asname)
+        elif isinstance(node, ast.arg):
+            out.add(node.arg)
+    return {n for n in out if _private(n)}
+
+
+def _private_reach() -> list[tuple[str, str, int]]:
+    """Every place in tests/ that touches an underscore name of the package, as (file, name, line):
+    `obj._name` (read or written), `setattr(obj, "_name", ...)` and `monkeypatch.setattr(obj,
+    "_name", ...)` (also getattr/hasattr/delattr), `monkeypatch.setattr("gdswriter.m._name", ...)`,
+    and `from gdswriter.m import _name` / `import gdswriter._m`. A name counts when the package binds
+    it and the test file (or tests/support) does not: names the tests bind themselves are theirs.
+    Read with ast, so the count is the same on every machine."""
+    import ast
+
+    repo = Path(__file__).resolve().parents[1]
+    ours: set[str] = set()
+    for p in (repo / "gdswriter").rglob("*.py"):
+        ours |= _private_names_bound(ast.parse(p.read_text(), str(p)), on_any_object=True)
+        if _private(p.stem):
+            ours.add(p.stem)
+    ours -= {"_optimizer_step_pre_hooks", "_metadata"}  # torch's (optimizer hooks, a state dict's metadata)
+    support: set[str] = set()
+    for p in (repo / "tests" / "support").rglob("*.py"):
+        support |= _private_names_bound(ast.parse(p.read_text(), str(p)), on_any_object=False)
+    reach = []
+    for p in sorted((repo / "tests").rglob("*.py")):
+        tree = ast.parse(p.read_text(), str(p))
+        theirs = _private_names_bound(tree, on_any_object=False) | support
+        for node in ast.walk(tree):
+            named: list[str] = []  # through the package's module path: the package's for sure
+            guessed: list[str] = []  # on an object: the package's unless the tests bind the name too
+            if isinstance(node, ast.Attribute):
+                guessed = [node.attr]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "gdswriter":
+                named = node.module.split(".") + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                named = [c for a in node.names if a.name.split(".")[0] == "gdswriter" for c in a.name.split(".")]
+            elif isinstance(node, ast.Call) and node.args:
+                func = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+                strings = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None
+                           for a in node.args[:2]]
+                if func in ("setattr", "getattr", "hasattr", "delattr") and len(strings) == 2 and strings[1]:
+                    guessed = [strings[1]]
+                elif func in ("setattr", "delattr") and (strings[0] or "").startswith("gdswriter."):
+                    named = strings[0].split(".")
+            reach += [(str(p.relative_to(repo)), n, node.lineno) for n in named + guessed
+                      if _private(n) and n in ours and (n in named or n not in theirs)]
+    return sorted(set(reach))
+
+
+# Places in tests/ that touch a private name of the package (_private_reach): 164 when this test came
+# in (31 files, 50 names; the most: _snapshot_pool 16, _session 12). The issue's goal is a commented
+# allowlist of at most 20 entries; until public seams get there, today's count is a ceiling that may
+# only go down (lower it here when a test moves to a public seam). 158: the ring's retry constants
+# became public.
+_PRIVATE_REACH_CEILING = 158
+
+
+def test_the_tests_reach_into_private_names_only_gets_smaller():
+    """Each place a test touches a private name is a place where a refactor breaks a test that tests
+    nothing wrong (issue 38). Tests use public seams; today's reach is a ceiling that may only go down
+    (lower it here when a test moves to a public seam)."""
+    reach = _private_reach()
+    assert any(n == "_snapshot_pool" for _, n, _ in reach)  # the reach was read
+    assert len(reach) <= _PRIVATE_REACH_CEILING, reach

@@ -492,7 +492,7 @@ class Checker:
                 self.images_checked += 1
         self.check_s += time.monotonic() - t0
 
-    def check_image(self, where: str, lines: list[str]) -> None:
+    def check_image(self, where: str, lines: list[str]) -> None:  # noqa: C901
         if self.sc.dcp:
             return self.check_dcp_image(where, lines)
         from powerloss.app import EXPORT_DIR, HF_CONFIG, export_name, hf_export_name, make_net

@@ -227,8 +227,8 @@ def test_engine_keeps_more_requests_than_ring_entries_in_its_backlog(tmp_path, m
 def fast_backoff(monkeypatch):
     """Keep the bounded retries of a stalled ring short in tests."""
     # Short ring backoff: module constants, not options (an option would widen EngineOptions for tests only).
-    monkeypatch.setattr(uring, "_BACKOFF_S", 1e-4)
-    monkeypatch.setattr(uring, "_BACKOFF_MAX_S", 1e-3)
+    monkeypatch.setattr(uring, "BACKOFF_S", 1e-4)
+    monkeypatch.setattr(uring, "BACKOFF_MAX_S", 1e-3)
 
 
 class ScriptedEnter:
@@ -319,7 +319,7 @@ def test_no_progress_is_retried_a_bounded_number_of_times_then_typed(ring, tmp_p
         with deadline(20):
             with pytest.raises(uring.RingError) as ei:
                 ring.wait(1)
-            assert uring._STALL_RETRIES + 1 <= len(scripted.calls) <= uring._STALL_RETRIES + 2
+            assert uring.STALL_RETRIES + 1 <= len(scripted.calls) <= uring.STALL_RETRIES + 2
             assert ei.value.errno == (errno.EAGAIN if answer == 0 else -answer) and "no progress" in str(ei.value)
             assert isinstance(ei.value, OSError)
             if not in_kernel:

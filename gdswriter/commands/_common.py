@@ -5,7 +5,8 @@ from __future__ import annotations
 import errno
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ..errors import CheckpointNotFoundError, UsageError
 from ..format.commit import CommitProtocol, step_dirs, normalize_roots, step_owner
@@ -38,7 +39,7 @@ def out(text: str = "") -> None:
 
 def open_roots(primary: str, secondary: Sequence[str] = ()) -> list[Path]:
     paths = normalize_roots([primary, *secondary])
-    for i, p in enumerate(paths):
+    for p in paths:
         if not p.exists():
             raise CheckpointNotFoundError(errno.ENOENT, f"checkpoint root {p} does not exist")
         if not p.is_dir():

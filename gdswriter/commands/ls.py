@@ -86,10 +86,9 @@ def run(args) -> int:
             else:
                 out("  no committed steps")
         named = protocol.latest_named()
-        if named is not None:
-            if named != latest:
-                out(f"  note: '{LATEST_NAME}' names step {named}, which is not committed; the newest committed "
-                     f"step counts as latest")
+        if named is not None and named != latest:
+            out(f"  note: '{LATEST_NAME}' names step {named}, which is not committed; the newest committed "
+                f"step counts as latest")
         if leftovers:
             out(f"  note: {len(leftovers)} leftover(s) of interrupted saves or deletions "
                  f"({', '.join(leftovers[:3])}{', ...' if len(leftovers) > 3 else ''}); the next "

@@ -13,7 +13,8 @@ torch.distributed.checkpoint on the same engine, format and commit protocol.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
 
 from ..errors import InvalidOptionError
 from ..options import EngineOptions

@@ -47,7 +47,8 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from ..errors import EngineIOError, GDSWriterError, RankFailedError, RootUnavailableError
 from ..format.commit import LATEST_NAME, ROOT_MARKER_NAME, TMP_PREFIX, retire, step_dir_name, step_dirs, step_owner
@@ -138,7 +139,7 @@ class RankCommit:
             f"{outcome.format(step=self.step)}")
 
     # -- 2 and 3 -----------------------------------------------------------------
-    def vote(self, outcome: Any, check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None = None
+    def vote(self, outcome: Any, check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None = None  # noqa: C901
              ) -> list[Any] | None:
         """Collective. ``outcome`` is what this rank reports to the primary rank (JSON), or the
         exception that stopped it. Returns every rank's report there, None elsewhere; raises on every

@@ -27,7 +27,7 @@ import errno
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import EngineIOError
 

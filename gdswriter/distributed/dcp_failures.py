@@ -4,7 +4,7 @@ the gdswriter error a CheckpointException carries."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from torch.distributed.checkpoint.api import CheckpointException
 

@@ -8,7 +8,8 @@ import uuid
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta

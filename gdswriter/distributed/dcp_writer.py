@@ -10,7 +10,8 @@ import secrets
 import uuid
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.checkpoint.filesystem import SerializationFormat

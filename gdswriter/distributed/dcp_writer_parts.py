@@ -13,7 +13,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, SerializationFormat

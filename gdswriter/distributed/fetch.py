@@ -23,7 +23,7 @@ import errno
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import crc32c as _crc32c
 import torch
@@ -100,7 +100,7 @@ def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
     check_step_files(m.step, m.created_unix, reach.paths, (m.files[f] for f in sorted(files)))
 
 
-def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,
+def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,  # noqa: C901
                    verify: bool, what: str, alloc: Callable[[int], torch.Tensor] = host_buffer,
                    into: Mapping[int, torch.Tensor] | None = None, alone: bool = False) -> dict[int, torch.Tensor]:
     """Collective: {storage: flat uint8 buffer of its nbytes, filled} for ``storages`` on every rank.

@@ -36,7 +36,8 @@ import json
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -120,11 +121,11 @@ class Coordinator:
         self.stats = TrafficStats()
 
     @classmethod
-    def solo(cls) -> "Coordinator":
+    def solo(cls) -> Coordinator:
         return cls(None, [0], 0, 1.0)
 
     @classmethod
-    def create(cls, process_group: Any = None, *, timeout_s: float, label: str) -> "Coordinator":
+    def create(cls, process_group: Any = None, *, timeout_s: float, label: str) -> Coordinator:
         """A new channel of its own over ``process_group`` (default: the default group), for one
         GDSCheckpointer (``label`` says which, e.g. "GDSCheckpointer(model, optimizer)"); close()
         releases it. Collective: every rank of the group creates (and closes) its channels in the
@@ -133,7 +134,7 @@ class Coordinator:
         return cls._new(process_group, timeout_s, label, owned=True)
 
     @classmethod
-    def for_group(cls, process_group: Any = None, *, timeout_s: float) -> "Coordinator":
+    def for_group(cls, process_group: Any = None, *, timeout_s: float) -> Coordinator:
         """The shared channel of ``process_group`` (default: the default group) and ``timeout_s``,
         which the DCP plug-in uses, created on first use; every rank of the group must call this
         at the same point the first time (see create). Never closed. Without an initialised
@@ -154,7 +155,7 @@ class Coordinator:
             return coord
 
     @classmethod
-    def _new(cls, process_group: Any, timeout_s: float, label: str, *, owned: bool) -> "Coordinator":
+    def _new(cls, process_group: Any, timeout_s: float, label: str, *, owned: bool) -> Coordinator:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):

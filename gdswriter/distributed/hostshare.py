@@ -49,7 +49,7 @@ import stat
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

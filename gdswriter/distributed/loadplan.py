@@ -6,7 +6,8 @@ binomial-tree schedule that spreads a piece to every rank holding it. No collect
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterator, Sequence
 
 from ..format.manifest import ChunkRecord
 from ..format.sharded import GlobalManifest, ItemRecord, root_columns

@@ -72,7 +72,7 @@ class DistOptions:
                                      f"(\"/dev/shm\") or None")
 
     @classmethod
-    def from_env(cls, **overrides) -> "DistOptions":
+    def from_env(cls, **overrides) -> DistOptions:
         """Defaults, then GDSWRITER_DIST_TIMEOUT, then ``overrides``."""
         raw = os.environ.get(TIMEOUT_ENV)
         values: dict = {}

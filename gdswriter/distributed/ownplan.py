@@ -11,7 +11,8 @@ collective, no I/O: tested without ranks (tests/test_ownplan.py), as planner/ is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
+from collections.abc import Sequence
 
 from ..errors import CorruptCheckpointError
 from ..format.sharded import RankShard

@@ -15,7 +15,8 @@ import json
 import re
 import socket
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
+from collections.abc import Iterable, Sequence
 
 from ..planner.assign import FileTarget, SavePlan
 from ..format.sharded import ItemRecord

@@ -45,7 +45,8 @@ import json
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 import torch
@@ -395,7 +396,7 @@ def _covered(m: Manifest, together: Sequence[int]) -> Manifest:
     return replace(m, files=files, storages=tuple(storages))
 
 
-def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, engine: IOEngine, *, verify: bool,
+def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, engine: IOEngine, *, verify: bool,  # noqa: C901
                  what: str, shared: SharedRead | None = None) -> dict[int, torch.Tensor]:
     """Collective: fetch.fetch_storages for a manifest whose every chunk this rank reaches (as
     plan_from_shards makes it): each rank reads its own, no rank tells another what it needs.

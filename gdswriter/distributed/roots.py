@@ -43,7 +43,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import EngineIOError, InvalidOptionError, RankFailedError, RootUnavailableError
 from ..format.commit import (ROOT_MARKER_NAME, CommitProtocol, RootLock, step_dirs, owned_by, step_owner,
@@ -138,7 +138,7 @@ class RootLayout:
     def holds_table(self) -> bool:
         return len(self.table) == self.root_count
 
-    def with_primary(self, g: int, primary: KnownRoot | None = None) -> "RootLayout":
+    def with_primary(self, g: int, primary: KnownRoot | None = None) -> RootLayout:
         """This layout with table root ``g`` as the primary (moved to the front, the other roots
         keeping their order). ``primary``: root ``g``'s entry, where this rank does not know it."""
         if g == 0:
@@ -156,7 +156,7 @@ class RootLayout:
                           tuple(moved(h) for h in self.local_to_global), new.path, known, self.root_count,
                           self.shares)
 
-    def with_whole_table(self, table: Sequence[RootInfo]) -> "RootLayout":
+    def with_whole_table(self, table: Sequence[RootInfo]) -> RootLayout:
         """This layout holding the whole ``table`` (in this layout's order)."""
         return RootLayout(self.rank, self.world_size, tuple(table), self.local_paths, self.local_ids,
                           self.local_to_global, self.primary_identity)

@@ -29,7 +29,8 @@ import json
 import secrets
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import crc32c as _crc32c
 
@@ -228,12 +229,14 @@ class PlanCache:
 def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, found: DTensors,
                     engines: Sequence[IOEngine], *, files_per_root: int, replicated: Sequence[str],
                     pool: HostSnapshotPool | None = None, release: Release | None = None,
-                    plans: PlanCache | None = None) -> GlobalManifest | None:
+                    plans: PlanCache | None = None, saved: dict | None = None) -> GlobalManifest | None:
     """Collective: write ``snap`` as step ``snap.step`` with every rank and commit it once.
     Returns the global manifest on the primary rank (None elsewhere); raises on every rank if
     any rank failed. ``pool``/``release`` as in writer.write_and_commit: this rank's pieces go
     through the host snapshot pool (host mode) or straight from the extents (live), and
-    ``release`` is set once the live tensors are free (or the save failed)."""
+    ``release`` is set once the live tensors are free (or the save failed). ``saved``: once the
+    step committed, its "token" and this rank's "shard" ([root, name, size, crc32c]) go in it
+    (what this rank's drain needs: distributed/drain.py)."""
     release = release if release is not None else Release()
     plans = plans if plans is not None else PlanCache()
     rank, p = coord.rank, layout.primary_rank
@@ -283,6 +286,8 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, foun
     rc.announce(error)
     if rc.coordinates:
         rc.move_latest()
+    if saved is not None and isinstance(outcome, dict) and "shard" in outcome:
+        saved.update(token=hello["token"], shard=outcome["shard"])
     return manifest
 
 

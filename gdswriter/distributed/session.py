@@ -20,7 +20,8 @@ import errno
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, RootUnavailableError
@@ -31,6 +32,7 @@ from ..options import CheckpointOptions, EngineOptions
 from ..save.snapshot import Snapshot
 from ..save.pool import HostSnapshotPool
 from ..save.handle import Release
+from .drain import RankDrainer
 from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
@@ -39,6 +41,8 @@ from .save import DTensors, PlanCache, collective_save
 from .shards import split_dtensors
 
 log = logging.getLogger("gdswriter")
+
+DRAIN_SAVES_KEPT = 8  # saves whose token and shard ref a rank keeps for its drain (DistSession.saved)
 
 
 class RankProtocol(CommitProtocol):
@@ -91,6 +95,7 @@ class DistSession:
         self._plans = PlanCache()
         self._serial = threading.Lock()  # one collective operation at a time (the module docstring)
         self._table_shared = layout.world_size == 1  # the whole root table on every rank (share_table)
+        self.saved: dict[int, tuple[str, list]] = {}  # step -> (token, this rank's shard ref) of its last saves
 
     @property
     def rank(self) -> int:
@@ -109,6 +114,10 @@ class DistSession:
     def check_writable(self, step: int) -> None:
         pass
 
+    def drainer(self, options: CheckpointOptions, engine: IOEngine | None) -> RankDrainer:
+        """This rank's part of the drain to ``options.drain_root`` (distributed/drain.py)."""
+        return RankDrainer(self, options, engine)
+
     # -- save ----------------------------------------------------------------
     def prepare(self, state: Any, step: int) -> tuple[Any, DTensors]:
         """DTensors replaced by their local shards, and their blocks and meshes for this save's
@@ -125,9 +134,14 @@ class DistSession:
             raise GDSWriterError(f"internal: the snapshot of step {snap.step} was not made from prepare()'s "
                                  f"state (pass prepare()'s second value to take_snapshot(prepared=...))")
         with self._serial:
+            saved: dict = {}
             manifest = collective_save(self.coord, self.layout, snap, found, engines, files_per_root=files_per_root,
                                        replicated=self.options.replicated, pool=pool, release=release,
-                                       plans=self._plans)
+                                       plans=self._plans, saved=saved)
+            if saved:
+                self.saved[snap.step] = (saved["token"], saved["shard"])
+            for s in sorted(self.saved)[:-DRAIN_SAVES_KEPT]:
+                del self.saved[s]
             self._learn(set(self.protocol.known) | {snap.step}, snap.step)
         return manifest
 

@@ -14,7 +14,8 @@ copies from the host's peers. A test passes its own Transport.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 

@@ -19,7 +19,8 @@ import abc
 import bisect
 import os
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
+from collections.abc import Sequence
 
 import torch
 

@@ -141,7 +141,7 @@ class AlignedBufferPool:
             pass
         self._mm = None
 
-    def __enter__(self) -> "AlignedBufferPool":
+    def __enter__(self) -> AlignedBufferPool:
         return self
 
     def __exit__(self, *exc) -> None:

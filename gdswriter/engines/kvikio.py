@@ -42,7 +42,7 @@ import os
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 import torch

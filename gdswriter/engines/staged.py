@@ -33,7 +33,7 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from collections.abc import Sequence
 
 import crc32c as _crc32c
 
@@ -494,12 +494,11 @@ class StagedEngine(IOEngine):
 
     def _write_fd(self, fd: int, path: str, spans: Sequence[WriteSpan], size: int, memory_alignment: int) -> list[int]:
         total = _align_up(size) if memory_alignment else size
-        if self.options.preallocate and total:
-            if _libc.fallocate(fd, 0, 0, total) != 0:
-                e = ctypes.get_errno()
-                if e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                    raise EngineIOError(e, path, 0, "preallocate")
-                # EOPNOTSUPP etc.: the file system cannot preallocate; the writes still work.
+        if self.options.preallocate and total and _libc.fallocate(fd, 0, 0, total) != 0:
+            e = ctypes.get_errno()
+            if e in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise EngineIOError(e, path, 0, "preallocate")
+            # EOPNOTSUPP etc.: the file system cannot preallocate; the writes still work.
         crcs = [0] * len(spans)
         reqs: dict[int, _Request] = {}
         free = list(self._pool.buffers)

@@ -86,10 +86,12 @@ assert _SQE.size == 64 and _CQE.size == 16
 _WRAP = 0xFFFFFFFF  # ring indices are free-running u32
 
 # A call that makes no progress (nothing submitted, nothing completed) is retried this many
-# times, sleeping _BACKOFF_S, doubling up to _BACKOFF_MAX_S, in between: about 1.3 s in all.
-_STALL_RETRIES = 12
-_BACKOFF_S = 0.001
-_BACKOFF_MAX_S = 0.25
+# times, sleeping BACKOFF_S, doubling up to BACKOFF_MAX_S, in between: about 1.3 s in all. Public
+# module constants: tests shorten the backoff by setting them (an option would widen EngineOptions for
+# tests only).
+STALL_RETRIES = 12
+BACKOFF_S = 0.001
+BACKOFF_MAX_S = 0.25
 
 
 class _SqOffsets(ctypes.Structure):
@@ -366,11 +368,11 @@ class IoUring:
                     return  # submit(): wait() reaps first, then submits the rest
                 continue  # next: wait for a completion, submitting nothing (if that fails too, it is a stall)
             stalls += 1
-            if stalls > _STALL_RETRIES:
+            if stalls > STALL_RETRIES:
                 e = -ret if ret < 0 else errno.EAGAIN
-                raise RingError(e, f"io_uring_enter made no progress in {_STALL_RETRIES} retries "
+                raise RingError(e, f"io_uring_enter made no progress in {STALL_RETRIES} retries "
                                    f"({queued} requests queued, {in_kernel} in the kernel): {os.strerror(e)}")
-            time.sleep(min(_BACKOFF_S * 2 ** (stalls - 1), _BACKOFF_MAX_S))
+            time.sleep(min(BACKOFF_S * 2 ** (stalls - 1), BACKOFF_MAX_S))
 
     # -- completion ----------------------------------------------------------
     def reap(self) -> list[tuple[int, int]]:

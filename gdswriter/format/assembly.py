@@ -15,7 +15,8 @@ A report (JSON, sent in the vote) says what one rank wrote::
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ..errors import CorruptCheckpointError, GDSWriterError
 from .manifest import (MULTI_RANK_VERSION, ChunkRecord, DistInfo, FileRecord, Manifest, RootInfo,

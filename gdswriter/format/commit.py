@@ -59,7 +59,8 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ..fs import (TMP_PREFIX, atomic_write, exchange_paths, fsync_dir, fsync_parents, link_no_clobber,
                   read_regular_file, write_durable)
@@ -143,7 +144,7 @@ class RootIdentity:
                            separators=(",", ":")) + "\n").encode()
 
     @classmethod
-    def from_json_bytes(cls, raw: bytes, where: str) -> "RootIdentity":
+    def from_json_bytes(cls, raw: bytes, where: str) -> RootIdentity:
         try:
             body = json.loads(raw)
             ok = (isinstance(body, dict) and body.get("format") == ROOT_MARKER_FORMAT
@@ -278,7 +279,7 @@ os.register_at_fork(after_in_child=_forget_locks_in_child)
 class PendingCommit:
     """A step being written: temporary directories to fill, then commit() or abort()."""
 
-    def __init__(self, protocol: "CommitProtocol", step: int):
+    def __init__(self, protocol: CommitProtocol, step: int):
         self.protocol, self.step = protocol, step
         token = f"{step_dir_name(step)}-{os.getpid()}-{secrets.token_hex(4)}"
         self.dirs: list[Path] = []

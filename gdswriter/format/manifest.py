@@ -223,12 +223,12 @@ class Manifest:
         return (_join([*plain, ("manifest_crc32c", str(crc))]) + "\n").encode()
 
     @classmethod
-    def from_json_bytes(cls, raw: bytes, where: str = "manifest") -> "Manifest":
+    def from_json_bytes(cls, raw: bytes, where: str = "manifest") -> Manifest:
         """Parse and validate; any damage raises CorruptCheckpointError naming ``where``."""
         return cls.from_body(decode_json(raw, where), where)
 
     @classmethod
-    def from_body(cls, body: Any, where: str = "manifest") -> "Manifest":
+    def from_body(cls, body: Any, where: str = "manifest") -> Manifest:
         """Validate a manifest.json decoded by decode_json (taken over: its checksum entry is
         removed); any damage raises CorruptCheckpointError naming ``where``."""
         try:
@@ -240,7 +240,7 @@ class Manifest:
                                          f"damaged: load an earlier step") from e
 
     @classmethod
-    def _from_body(cls, body: Any, where: str) -> "Manifest":
+    def _from_body(cls, body: Any, where: str) -> Manifest:  # noqa: C901
         def bad(msg: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from operator import itemgetter, ne
 from pathlib import Path
-from typing import Any, Iterator, Sequence, TypeVar, overload
+from typing import Any, TypeVar, overload
+from collections.abc import Iterator, Sequence
 
 import crc32c as _crc32c
 
@@ -111,7 +112,7 @@ class RankShard:
 
     @classmethod
     def from_json_bytes(cls, raw: bytes, *, where: str, step: int, rank: int, world_size: int,
-                        n_roots: int) -> "RankShard":
+                        n_roots: int) -> RankShard:
         """Parse and validate a shard that must be rank ``rank``'s of ``step`` in a world of
         ``world_size`` whose root table has ``n_roots`` roots; damage is CorruptCheckpointError."""
         try:
@@ -135,7 +136,7 @@ class ShardStatic:
     tensors: str
 
     @staticmethod
-    def of(rank: int, items: tuple[ItemRecord, ...], tensors: tuple[TensorRecord, ...]) -> "ShardStatic":
+    def of(rank: int, items: tuple[ItemRecord, ...], tensors: tuple[TensorRecord, ...]) -> ShardStatic:
         groups: dict[tuple[int, ...], int] = {}
         rows = []
         for it in items:
@@ -180,7 +181,7 @@ class GlobalManifest:
     metadata: dict
     created_unix: float
     totals: dict
-    layout_index: "LayoutIndex | None" = None  # None: a step saved without one (loads reshard by merging)
+    layout_index: LayoutIndex | None = None  # None: a step saved without one (loads reshard by merging)
 
     def to_json_bytes(self) -> bytes:
         body = {
@@ -198,7 +199,7 @@ class GlobalManifest:
         return (json.dumps({**body, "manifest_crc32c": crc}, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
     @classmethod
-    def from_body(cls, body: dict, where: str) -> "GlobalManifest":
+    def from_body(cls, body: dict, where: str) -> GlobalManifest:
         """Validate a parsed manifest.json whose version is 1.3 or later (format.manifest checks
         the format name and major version first)."""
         try:
@@ -211,7 +212,7 @@ class GlobalManifest:
 
     @staticmethod
     def new(step: int, world_size: int, roots: Sequence[RootInfo], shards: Sequence[ShardRef], metadata: dict,
-            totals: dict, layout_index: "LayoutIndex | None" = None) -> "GlobalManifest":
+            totals: dict, layout_index: LayoutIndex | None = None) -> GlobalManifest:
         return GlobalManifest(step, world_size, tuple(roots), tuple(shards), dict(metadata), time.time(),
                               dict(totals), layout_index)
 
@@ -313,7 +314,7 @@ class MeshInfo:
     ranks: tuple[int, ...] | None = None
 
     @staticmethod
-    def of(shape: Sequence[int], ranks: Sequence[int]) -> "MeshInfo":
+    def of(shape: Sequence[int], ranks: Sequence[int]) -> MeshInfo:
         ranks = [int(r) for r in ranks]
         step = ranks[1] - ranks[0] if len(ranks) > 1 else 1
         if step >= 1 and all(b - a == step for a, b in zip(ranks, ranks[1:])):
@@ -453,7 +454,7 @@ class LayoutIndex:
         return bad
 
     @staticmethod
-    def from_json(body: Any, world: int) -> "LayoutIndex":
+    def from_json(body: Any, world: int) -> LayoutIndex:
         """Validate an index of a world of ``world`` ranks (every rank, shape and placement in range)
         before anything is sized from it; ValueError and friends when it is not."""
         meshes = []
@@ -576,7 +577,7 @@ def _parse_global(body: dict, where: str) -> GlobalManifest:
     return GlobalManifest(_int(body["step"], "step"), world, roots, shards, metadata, float(created), totals, index)
 
 
-def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:
+def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:  # noqa: C901
     def bad(msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
 

@@ -36,7 +36,8 @@ import struct
 import types
 from collections.abc import Iterator, Mapping
 from itertools import chain, compress, islice
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -263,7 +264,7 @@ class _Encoder:
             self.names[i] = name or "<root>"
         return i
 
-    def enc(self, obj: Any, path: str, depth: int, name: str | None = None) -> object:
+    def enc(self, obj: Any, path: str, depth: int, name: str | None = None) -> object:  # noqa: C901
         """``path``: the key path for error messages; ``name``: the one tensors are named by
         (None: names not asked for; while they agree, ``name`` is ``path``, one string).
 
@@ -493,7 +494,7 @@ class _Decoder:
             raise _bad(f"tensor index {_show(i)} out of range (checkpoint holds {len(self.tensors)} tensors)")
         return self.tensors[i]
 
-    def dec(self, v: object, depth: int) -> object:
+    def dec(self, v: object, depth: int) -> object:  # noqa: C901
         t = type(v)
         if v is None or t in (bool, int, float, str):
             return v

@@ -81,7 +81,8 @@ import pathlib
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -198,7 +199,7 @@ def to_plain(obj: Any, where: str = "", tags: list | None = None, key_path: tupl
     raise UnsupportedObjectError(at(), obj, why)
 
 
-def from_plain(obj: Any, tags: Any) -> Any:
+def from_plain(obj: Any, tags: Any) -> Any:  # noqa: C901
     """Inverse of ``to_plain``. ``tags`` come from a checkpoint: anything but a list of
     ``[key path, known tag, class]`` pointing at a value of the right kind is CorruptCheckpointError."""
     if not isinstance(tags, list):
@@ -350,7 +351,7 @@ def load_file(path: str | os.PathLike, *, verify: bool = True, options: Checkpoi
     m = read_manifest(protocol, step)
     name = p.name
     engine_options = (options or CheckpointOptions()).engine
-    for rank, tree in _rank_trees(m):
+    for _, tree in _rank_trees(m):
         sub = _entry(_entry(_entry(tree, "extra"), FILES_KEY), name)
         if sub is None:
             continue

@@ -21,7 +21,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from ..engines.base import EngineInfo, IOEngine, ReadSpan, WriteSpan
 from ..engines.select import create_engine

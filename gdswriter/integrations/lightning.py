@@ -76,7 +76,8 @@ import shutil
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from lightning.fabric.utilities.data import AttributeDict

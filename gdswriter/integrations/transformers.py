@@ -82,7 +82,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -407,10 +408,10 @@ def _load_dict(target: dict, saved: Mapping, keys: Mapping, dropped: set) -> Non
             continue
         live_key = keys.get(saved_key, saved_key)
         cur = target.get(live_key)
-        if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor):
-            # An expanded tensor (stride 0) cannot be written in place: take the restored view.
-            if not any(s == 0 and n > 1 for n, s in zip(cur.shape, cur.stride())):
-                with torch.no_grad():
-                    cur.copy_(v)
-                continue
+        # An expanded tensor (stride 0) cannot be written in place: take the restored view.
+        if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) \
+                and not any(s == 0 and n > 1 for n, s in zip(cur.shape, cur.stride())):
+            with torch.no_grad():
+                cur.copy_(v)
+            continue
         target[live_key] = v

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, EngineIOError, UnsupportedFormatVersionError
@@ -90,7 +90,7 @@ def restore_into(live: LiveState, protocol: CommitProtocol, step: int, engines: 
         hint_unaligned([flat for _, flat in direct.values()], engine_options, engines[0].info)
     tensors = tensors_from_storages(manifest, buffers)
     all_live = {**optimizer_state, **tensors_live}
-    for sid, (rec_index, _) in direct.items():
+    for rec_index, _ in direct.values():
         tensors[rec_index] = all_live[manifest.tensors[rec_index].name]
     state = decode_state(manifest.state, tensors)
     apply_state(live, state, plan)  # type: ignore[arg-type]

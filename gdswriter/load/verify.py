@@ -33,7 +33,7 @@ class VerifyStats:
     seconds: float = 0.0
 
 
-def verify_step(protocol: CommitProtocol, m: Manifest, engine: IOEngine, scratch_bytes: int,
+def verify_step(protocol: CommitProtocol, m: Manifest, engine: IOEngine, scratch_bytes: int,  # noqa: C901
                 problems: list[str]) -> VerifyStats:
     """Re-read and re-hash every chunk of the step ``m`` describes, file by file through
     ``engine``, into one reusable scratch buffer of at most ``scratch_bytes`` (chunks larger
@@ -135,7 +135,7 @@ def verify_step(protocol: CommitProtocol, m: Manifest, engine: IOEngine, scratch
             batch.clear()
             used = 0
 
-        for ci, (c, sid) in enumerate(todo):
+        for ci, (c, _) in enumerate(todo):
             for p in range(0, c.length, scratch_len):
                 n = min(scratch_len, c.length - p)
                 if used + n > scratch_len:

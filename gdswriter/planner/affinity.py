@@ -135,7 +135,7 @@ def balance_bounds(target: int, tolerance: Fraction) -> tuple[int, int]:
     return math.ceil(target * (1 - tolerance)), math.floor(target * (1 + tolerance))
 
 
-def assign_bytes(supply: Sequence[int], target: Sequence[int], cost: Sequence[Sequence[int]], *,
+def assign_bytes(supply: Sequence[int], target: Sequence[int], cost: Sequence[Sequence[int]], *,  # noqa: C901
                  tolerance: Fraction | float = 0) -> list[list[int]]:
     """Min-cost transportation: ``x[w][r] >= 0`` with row ``w`` summing to ``supply[w]`` and
     column ``r`` within ``balance_bounds(target[r], tolerance)``.
@@ -358,7 +358,7 @@ def _explain(topology: Topology, writers: Sequence[Writer], roots: Sequence[Root
     if lost:
         notes.append(f"{', '.join(lost)} not found in the topology: no root is preferred for their bytes")
     by_tier: dict[str, int] = {}
-    for i, w in enumerate(writers):
+    for i, _w in enumerate(writers):
         for r in range(len(roots)):
             if flow[i][r]:
                 tier = distance_label(dists[i][r])

@@ -16,7 +16,7 @@ that level and every piece starts aligned (direct I/O can take it straight from 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import InvalidOptionError
 from .assign import DEFAULT_ALIGN

@@ -42,14 +42,14 @@ import heapq
 import os
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Callable, Mapping, Sequence, Union
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import InvalidOptionError
 from ..fs import read_regular_file
 
 ENV_DOMAINS = "GDSWRITER_FAILURE_DOMAINS"
 
-DomainSource = Union[Callable[[int, str], Union[str, Sequence[str]]], Mapping[str, Union[str, Sequence[str]]]]
+DomainSource = Callable[[int, str], str | Sequence[str]] | Mapping[str, str | Sequence[str]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ class ReplicaPart:
         return [list(self.sends_to), list(self.receives_from)]
 
     @classmethod
-    def from_message(cls, rank: int, msg: Sequence[Sequence[int]]) -> "ReplicaPart":
+    def from_message(cls, rank: int, msg: Sequence[Sequence[int]]) -> ReplicaPart:
         return cls(rank, tuple(int(r) for r in msg[0]), tuple(int(r) for r in msg[1]))
 
 

@@ -121,7 +121,7 @@ class FaultEvent:
 class _FaultBackend:
     """Sits between the pipeline and a real backend; same interface as the backends."""
 
-    def __init__(self, real, owner: "FaultInjectingEngine"):
+    def __init__(self, real, owner: FaultInjectingEngine):
         self.real = real
         self._owner = owner
         self._fake: list[tuple[int, int]] = []  # completions of requests that were never performed

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from ..distributed.group import Coordinator, Transfer
 

@@ -47,7 +47,8 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -353,7 +354,7 @@ class Spread:
     max: float
 
     @classmethod
-    def of(cls, values: Sequence[float]) -> "Spread":
+    def of(cls, values: Sequence[float]) -> Spread:
         return cls(statistics.median(values), min(values), max(values))
 
 

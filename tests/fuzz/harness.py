@@ -23,7 +23,8 @@ import tempfile
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import crc32c
 

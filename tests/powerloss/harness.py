@@ -151,7 +151,7 @@ class PowerLossMount:
     def start(self, timeout: float = 30.0) -> None:
         if is_mounted(self.mountpoint):
             raise RuntimeError(f"{self.mountpoint} is already a mount point")
-        self._log = open(self.workdir / "fs.log", "ab")
+        self._log = open(self.workdir / "fs.log", "ab")  # noqa: SIM115 (the mount's log: closed in unmount)
         self.proc = subprocess.Popen(self.args, env=subprocess_env(), stdin=subprocess.DEVNULL, stdout=self._log,
                                      stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
@@ -250,7 +250,7 @@ class AppServer:
     is killed (and the test then fails on its status)."""
 
     def __init__(self, log_path: Path, timeout: float = 180.0):
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 (the app's log: closed in close)
         self.proc = subprocess.Popen([sys.executable, "-m", "powerloss.app"], env=subprocess_env(),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log)
         self._buf = b""

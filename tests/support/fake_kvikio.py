@@ -107,7 +107,7 @@ class FakeKvikio:
         return _Future(futs, self, "GDS" if gds else "POSIX")
 
     # -- the module ------------------------------------------------------------
-    def _build(self, with_statistics: bool) -> types.ModuleType:
+    def _build(self, with_statistics: bool) -> types.ModuleType:  # noqa: C901
         fake = self
         kv = types.ModuleType("kvikio")
         kv.__version__ = "26.10.00-fake"

@@ -52,7 +52,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 NVME = "/local_nvme"  # each node's own directory is mounted here, on every node
 JOB_TIMEOUT_S = 240  # a whole job; a hang fails the test instead of blocking CI
@@ -62,7 +63,7 @@ TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unavailable() -> str | None:
     """Why nodes cannot be simulated here (a reason to skip), or None when they can."""
     if os.geteuid() != 0:

@@ -13,7 +13,8 @@ import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 
 RANK_TIMEOUT_S = 240  # a whole multi-rank scenario; a hang fails the test instead of blocking CI

@@ -4,7 +4,7 @@ global manifest and its shards come back merged into one Manifest (format/sharde
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def step_manifest(roots: str | os.PathLike | Sequence[str | os.PathLike], step: int):

@@ -1,0 +1,255 @@
+"""The drain of a checkpointer of several ranks (format.md 6.1): each rank copies its own part
+of a committed step to the shared drain root, and the last rank to finish commits it there.
+
+After step S commits, every rank's drain thread (drain.py's Drainer: never the save thread)
+works in one temporary directory ``DRAIN/.tmp-step_S-<token>/`` (the token the save's primary
+rank broadcast, so every rank names the same directory, with no message):
+
+1. it checks its own shard's local bytes against the size and crc32c it voted at the save,
+   copies its data files in (drain.py ``copy_checked``: each chunk's crc32c checked as it
+   streams, each file fdatasynced), and writes its shard rewritten with every file on root 0
+   (the drain root is one root), fsynced;
+2. the primary rank also writes ``.drained-global``: the step's global manifest as committed
+   locally (metadata, totals, layout index: what only it reads), fsynced;
+3. it writes its mark ``.drained-rank-R`` (its new shard's size and crc32c), durably (a
+   fsynced temporary file renamed into place, so a mark is never seen half written), then
+   lists the directory; the rank that finds every rank's mark and the draft writes the new
+   global manifest (a root table of one entry: the drain root's identity; the new shard refs),
+   fsyncs the directory and renames it to ``step_S``: the commit point. Two ranks may both find
+   the set complete; one rename wins, the other finds its source gone and checks that
+   ``step_S`` holds its very manifest. The winner then moves ``latest`` and applies the drain
+   root's retention. No collective: a rank's drain ends with its mark.
+
+A rank that fails (a damaged local file, an I/O error) or dies never marks: the step is not
+committed at the drain root, which keeps its earlier steps. What it left is removed by a later
+drain of any rank: the temporary directories of *other* tokens for steps up to the one it
+drains (never a newer step's: a faster rank may be draining it). A removal renames the
+directory away first (format/commit.py ``retire``), so it and a publishing rename exclude each
+other: a directory is either published whole or removed, never committed half deleted.
+
+No flock is taken on the drain root (every rank of the job writes there at once); one job
+drains to a drain root (a single-process drain removes every temporary directory it finds).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+import torch
+
+from ..drain import DRAIN_BUFFER_BYTES, Drainer, DrainStats, copy_checked
+from ..engines.select import create_engine
+from ..errors import ChecksumMismatchError, DrainError, GDSWriterError
+from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, parse_step_dir, retire, root_identity, step_dir_name
+from ..format.manifest import MANIFEST_NAME, ChunkRecord, RootInfo
+from ..format.sharded import RankShard, ShardRef, parse_global, shard_name
+from ..fs import atomic_write, fsync_dir, read_regular_file, write_durable
+from ..options import CheckpointOptions
+from ..engines.base import IOEngine
+
+log = logging.getLogger("gdswriter")
+
+MARK_PREFIX = ".drained-rank-"
+DRAFT_NAME = ".drained-global"
+SMALL_LIMIT = 1 << 30  # a shard or global manifest read back (the readers' own bounds apply at load)
+
+
+def drain_dir_name(step: int, token: str) -> str:
+    return f"{TMP_PREFIX}{step_dir_name(step)}-{token}"
+
+
+def _parse_tmp(name: str) -> tuple[int, str] | None:
+    """(step, token) of a drain's temporary directory name, else None."""
+    if not name.startswith(TMP_PREFIX):
+        return None
+    step_part, _, token = name[len(TMP_PREFIX):].rpartition("-")
+    step = parse_step_dir(step_part)
+    return None if step is None or not token else (step, token)
+
+
+class RankDrainer(Drainer):
+    """Drainer of one rank of a multi-rank checkpointer (the module docstring). ``session``: the
+    DistSession (its layout, and what each save of this rank voted: DistSession.saved)."""
+
+    def __init__(self, session: Any, options: CheckpointOptions, engine: IOEngine | None = None):
+        super().__init__(session.protocol, options, engine)
+        self.session = session
+        self.published: list[int] = []  # steps this rank committed at the drain root
+
+    def drain_step(self, step: int, committed_at: float) -> DrainStats | None:
+        """This rank's part of draining committed ``step`` (the module docstring); the step is
+        committed at the drain root by whichever rank marks last."""
+        t0 = time.perf_counter()
+        layout, rank = self.session.layout, self.session.rank
+        saved = self.session.saved.get(step)
+        if saved is None:
+            log.warning("gdswriter: step %d was not saved by this checkpointer: not drained", step)
+            return None
+        token, (g, name, size, crc) = saved
+        local = layout.local_of(g)
+        src = layout.local_paths[local] / step_dir_name(step)
+        try:
+            raw = read_regular_file(src / name, size + 1)
+            if len(raw) != size or _crc32c.crc32c(raw) != crc:
+                raise ChecksumMismatchError(str(src / name), "its manifest shard", 0, size, crc,
+                                            _crc32c.crc32c(raw))
+            shard = RankShard.from_json_bytes(raw, where=str(src / name), step=step, rank=rank,
+                                              world_size=layout.world_size, n_roots=layout.root_count)
+            draft = self._draft(step, crc) if rank == layout.primary_rank else None
+        except FileNotFoundError:
+            log.warning("gdswriter: step %d was deleted under %s before its drain: not drained", step, src.parent)
+            return None
+        except (GDSWriterError, OSError) as e:
+            raise DrainError(f"step {step} is not drained to {self.root}: this rank's local copy is damaged ({e}); "
+                             f"the drain root keeps its earlier steps", step) from e
+        try:
+            d = self._enter(step, token)
+            self._copy_rank(shard, step, d)
+            new = replace(shard, files=tuple(replace(f, root=0) for f in shard.files)).to_json_bytes()
+            write_durable(d / shard_name(rank), new)
+            if draft is not None:
+                write_durable(d / DRAFT_NAME, draft)
+            found, drafted = self._mark(d, rank, {"size": len(new), "crc32c": _crc32c.crc32c(new)})
+            if len(found) == layout.world_size and drafted and self._publish(step, d, found):
+                self.published.append(step)
+                self._retain(step)
+        except (GDSWriterError, OSError) as e:
+            what = "its local copy is damaged" if isinstance(e, ChecksumMismatchError) else "copying failed"
+            raise DrainError(f"step {step} is not drained to {self.root}: {what} on rank {rank} ({e}); the drain "
+                             f"root keeps its earlier steps (drained: {self.target.latest()})", step) from e
+        now = time.perf_counter()
+        return DrainStats(step, sum(f.size for f in shard.files), now - t0, committed_at, now)
+
+    def _enter(self, step: int, token: str) -> Path:
+        """The drain's temporary directory for ``step`` (made by whichever rank comes first), after
+        removing what other drains left for steps up to ``step`` (the module docstring)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.ident = root_identity(self.root, create=True)
+        for n in os.listdir(self.root):
+            parsed = _parse_tmp(n)
+            if n.startswith(TRASH_PREFIX):
+                shutil.rmtree(self.root / n, ignore_errors=True)  # a removal that a crash interrupted
+            elif parsed is not None and parsed[1] != token and parsed[0] <= step and (self.root / n).is_dir():
+                try:
+                    retire(self.root / n)
+                    log.info("gdswriter: removed %s, left by an interrupted drain", self.root / n)
+                except FileNotFoundError:
+                    pass  # another rank removed it first
+        d = self.root / drain_dir_name(step, token)
+        d.mkdir(exist_ok=True)
+        return d
+
+    def _copy_rank(self, shard: RankShard, step: int, into: Path) -> None:
+        if self._engine is None:
+            self._engine = create_engine(self.options.engine)
+        if self._bufs is None:
+            self._bufs = [torch.empty(DRAIN_BUFFER_BYTES, dtype=torch.uint8) for _ in range(2)]
+        layout = self.session.layout
+        per_file: dict[int, list[ChunkRecord]] = {i: [] for i in range(len(shard.files))}
+        for cs in shard.chunks:
+            for c in cs:
+                per_file[c.file].append(c)
+        for fid, f in enumerate(shard.files):
+            local = layout.local_of(f.root)
+            if local is None:
+                raise DrainError(f"step {step}: this rank's data file {f.path} is on a root it does not see", step)
+            copy_checked(self._engine, layout.local_paths[local] / step_dir_name(step) / f.path, into / f.path,
+                         f.size, per_file[fid], self._bufs)
+
+    def _draft(self, step: int, crc: int) -> bytes:
+        """The primary rank: the step's global manifest as committed locally, checked to be this
+        save's (its entry for this rank is the shard this rank voted)."""
+        path = self.session.protocol.step_dir(step) / MANIFEST_NAME
+        raw = read_regular_file(path, SMALL_LIMIT)
+        g = parse_global(raw, str(path))
+        if g is None or g.shards[self.session.rank].crc32c != crc:
+            raise DrainError(f"step {step}: {path} is not the manifest of the save this rank drains (the step was "
+                             f"saved again?)", step)
+        return raw
+
+    @staticmethod
+    def _mark(d: Path, rank: int, mark: dict) -> tuple[dict[int, dict], bool]:
+        """Write this rank's mark in ``d`` durably (a fsynced temporary file renamed into place,
+        the directory fsynced), then list the marks there and whether the draft is there. All
+        through one descriptor of ``d``: the last rank may rename it as soon as this mark is in."""
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            tmp = f"{TMP_PREFIX}{MARK_PREFIX}{rank}-{secrets.token_hex(4)}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dfd)
+            try:
+                os.write(fd, json.dumps(mark).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, f"{MARK_PREFIX}{rank}", src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+            names = os.listdir(dfd)
+            found = {}
+            for n in names:
+                if n.startswith(MARK_PREFIX) and n[len(MARK_PREFIX):].isdigit():
+                    fd = os.open(n, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd)
+                    try:
+                        found[int(n[len(MARK_PREFIX):])] = json.loads(os.read(fd, 4096))
+                    finally:
+                        os.close(fd)
+            return found, DRAFT_NAME in names
+        finally:
+            os.close(dfd)
+
+    def _published(self, final: Path, data: bytes) -> bool:
+        try:
+            return read_regular_file(final / MANIFEST_NAME, SMALL_LIMIT) == data
+        except FileNotFoundError:
+            return False
+
+    def _publish(self, step: int, d: Path, found: dict[int, dict]) -> bool:
+        """Every rank marked ``d`` and the draft is in it: write the drained global manifest and
+        rename ``d`` to ``step_S`` (the commit point), then move ``latest``. Whether this rank's
+        rename committed it (False: another rank, finding every mark too, renamed it first)."""
+        world = len(found)
+        g = parse_global(read_regular_file(d / DRAFT_NAME, SMALL_LIMIT), f"{d / DRAFT_NAME}")
+        if g is None:
+            raise DrainError(f"step {step}: {d / DRAFT_NAME} is not a global manifest", step)
+        shards = tuple(ShardRef(r, 0, shard_name(r), found[r]["size"], found[r]["crc32c"]) for r in range(world))
+        on_disk = g.totals.get("on_disk", 0) - sum(s.size for s in g.shards) + sum(s.size for s in shards)
+        new = replace(g, roots=(RootInfo(self.ident.id, str(self.root), tuple(range(world))),), shards=shards,
+                      totals=dict(g.totals, on_disk=on_disk))
+        data = new.to_json_bytes()
+        parse_global(data, f"the drained manifest of step {step}")
+        final = self.root / step_dir_name(step)
+        try:
+            tmp_manifest = d / f"{TMP_PREFIX}{MANIFEST_NAME}-{secrets.token_hex(4)}"
+            write_durable(tmp_manifest, data)
+            os.replace(tmp_manifest, d / MANIFEST_NAME)
+            fsync_dir(d)  # every rank's files, shards and marks, and the manifest: durable before the rename
+            if final.exists():
+                raise FileExistsError(errno.EEXIST, "already drained", str(final))
+            os.rename(d, final)  # the commit point
+        except OSError as e:
+            if self._published(final, data):  # another rank found every mark too and renamed it first
+                fsync_dir(self.root)
+                return False
+            if isinstance(e, FileExistsError):
+                log.warning("gdswriter: step %d is already committed at %s: not drained again", step, self.root)
+                return False
+            raise DrainError(f"step {step} is not drained to {self.root}: its temporary directory vanished before "
+                             f"it was committed (removed by another drain?) ({e})", step) from e
+        fsync_dir(self.root)
+        try:
+            named = self.target.latest_named()
+            if named is None or named < step or not self.target.is_committed(named):
+                atomic_write(self.root / LATEST_NAME, f"{step}\n".encode())
+        except OSError as e:
+            log.warning("gdswriter: step %d is drained to %s, but latest could not be updated: %s", step,
+                        self.root, e)
+        return True

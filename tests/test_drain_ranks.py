@@ -1,0 +1,177 @@
+"""The drain of a checkpointer of several ranks (issue 39 item 4, format.md 6.1), on 2 real
+gloo ranks, each with its own node-local root and one shared drain root: the drained step loads
+bit-exact from the drain root alone; a rank killed mid-drain or a damaged local file on one
+rank leaves the drain root at its previous drained step, and the next drain removes what the
+failed one left."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+import gdswriter
+from gdswriter import CheckpointOptions, GDSCheckpointer
+from gdswriter.cli import main as cli_main
+from support.drain import GatedEngine
+from support.ranks import caught, run_ranks
+
+MiB = 1 << 20
+
+
+def state(rank: int, step: int) -> dict:
+    """Two 4 MiB tensors (above every small-copy threshold) that depend on the step: the same on
+    every rank (a data-parallel model: each rank writes its share of the bytes)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return {"a": torch.randn(MiB, generator=g), "b": torch.randint(0, 1 << 30, (MiB,), generator=g)}
+
+
+def _set(holder: dict, rank: int, step: int) -> dict:
+    for k, v in state(rank, step).items():
+        holder[k].copy_(v)
+    return holder
+
+
+def _equal(got: dict, rank: int, step: int) -> bool:
+    got, want = got.get("model", got), state(rank, step)
+    return set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-")))
+
+
+def _open(tmp: str, rank: int, holder: dict, engine=None) -> GDSCheckpointer:
+    return GDSCheckpointer(holder, root=f"{tmp}/n{rank}", options=CheckpointOptions(drain_root=f"{tmp}/shared"),
+                           drain_engine=engine)
+
+
+def _drained_everywhere(ck: GDSCheckpointer) -> int | None:
+    """This rank's drains ended, then every rank's (a barrier): the drain root's newest step."""
+    import torch.distributed as dist
+
+    ck.wait_drained()
+    dist.barrier()
+    return ck.drained_step()
+
+
+def _save_two(rank: int, world: int, tmp: str) -> dict:
+    holder = _set(state(rank, 0), rank, 1)
+    ck = _open(tmp, rank, holder)
+    ck.save(1)
+    first = _drained_everywhere(ck)
+    _set(holder, rank, 2)
+    ck.save(2)
+    _set(holder, rank, 3)  # changed after the save: the drain copies the committed files, not the live state
+    second = _drained_everywhere(ck)
+    ck.close()
+    return {"first": first, "second": second}
+
+
+def _load_from_drain(rank: int, world: int, tmp: str) -> dict:
+    holder = state(rank, 0)
+    with GDSCheckpointer(holder, root=f"{tmp}/shared") as ck:
+        res = ck.load()
+    return {"step": res, "equal": _equal(holder, rank, 2)}
+
+
+def test_drained_step_loads_bit_exact_from_the_drain_root_alone(tmp_path):
+    got = run_ranks(2, _save_two, str(tmp_path), out=tmp_path / "out")
+    assert got == [{"first": 1, "second": 2}] * 2
+    shared = tmp_path / "shared"
+    assert _leftovers(shared) == []
+    for r in range(2):
+        shutil.rmtree(tmp_path / f"n{r}")  # every node replaced: only the drain root is left
+    assert run_ranks(2, _load_from_drain, str(tmp_path), out=tmp_path / "out2") == [{"step": 2, "equal": True}] * 2
+    step, whole = gdswriter.load_state(shared)
+    assert step == 2 and _equal(whole, 0, 2)
+    assert _equal(gdswriter.load_state(shared, 1)[1], 0, 1)
+    assert cli_main(["verify", str(shared)]) == 0
+
+
+def _killed_mid_drain(rank: int, world: int, tmp: str) -> dict:
+    """Step 1 drained by both ranks; rank 1 dies of SIGKILL as its drain of step 2 reads its
+    first data file (rank 0 drains its part of step 2 and marks it)."""
+    armed = {"on": False}
+
+    def before_read(n: int) -> None:
+        if armed["on"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    holder = _set(state(rank, 0), rank, 1)
+    ck = _open(tmp, rank, holder, GatedEngine(before_read) if rank == 1 else None)
+    ck.save(1)
+    first = _drained_everywhere(ck)
+    armed["on"] = True
+    _set(holder, rank, 2)
+    ck.save(2)
+    if rank == 1:
+        time.sleep(600)  # killed by its drain
+    ck.wait_drained()
+    return {"first": first, "after": ck.drained_step()}
+
+
+def _next_drain(rank: int, world: int, tmp: str) -> dict:
+    holder = _set(state(rank, 0), rank, 3)
+    ck = _open(tmp, rank, holder)
+    ck.save(3)
+    drained = _drained_everywhere(ck)
+    ck.close()
+    return {"drained": drained}
+
+
+def test_rank_killed_mid_drain_leaves_the_previous_drained_step(tmp_path):
+    got = run_ranks(2, _killed_mid_drain, str(tmp_path), out=tmp_path / "out", killed=(1,))
+    assert got[0] == {"first": 1, "after": 1}
+    shared = tmp_path / "shared"
+    step, whole = gdswriter.load_state(shared)
+    assert step == 1 and _equal(whole, 0, 1)
+    assert cli_main(["verify", str(shared)]) == 0
+    left = _leftovers(shared)
+    assert len(left) == 1 and left[0].startswith(".tmp-step_000000000002-")
+    assert (shared / left[0] / ".drained-rank-0").exists() and not (shared / left[0] / ".drained-rank-1").exists()
+    assert run_ranks(2, _next_drain, str(tmp_path), out=tmp_path / "out2") == [{"drained": 3}] * 2
+    assert _leftovers(shared) == []
+    assert _equal(gdswriter.load_state(shared)[1], 0, 3) and _equal(gdswriter.load_state(shared, 1)[1], 0, 1)
+
+
+def _damaged_on_one_rank(rank: int, world: int, tmp: str) -> dict:
+    """Rank 1's local data file of step 2 gets a flipped byte just before its drain reads it."""
+    armed = {"on": False}
+
+    def before_read(n: int) -> None:
+        if armed["on"]:
+            armed["on"] = False
+            for f in Path(tmp, f"n{rank}", "step_000000000002").glob("data-*.bin"):
+                with open(f, "r+b") as fh:
+                    fh.seek(f.stat().st_size // 2)
+                    b = fh.read(1)
+                    fh.seek(-1, 1)
+                    fh.write(bytes([b[0] ^ 0xFF]))
+
+    holder = _set(state(rank, 0), rank, 1)
+    ck = _open(tmp, rank, holder, GatedEngine(before_read) if rank == 1 else None)
+    ck.save(1)
+    first = _drained_everywhere(ck)
+    armed["on"] = True
+    _set(holder, rank, 2)
+    ck.save(2)
+    error = caught(ck.wait_drained)
+    import torch.distributed as dist
+    dist.barrier()
+    after = ck.drained_step()
+    ck.close()
+    return {"first": first, "after": after, "error": error and error[0]}
+
+
+def test_damaged_local_file_on_one_rank_drains_nothing_of_that_step(tmp_path):
+    got = run_ranks(2, _damaged_on_one_rank, str(tmp_path), out=tmp_path / "out")
+    assert got == [{"first": 1, "after": 1, "error": None}, {"first": 1, "after": 1, "error": "DrainError"}]
+    shared = tmp_path / "shared"
+    step, whole = gdswriter.load_state(shared)
+    assert step == 1 and _equal(whole, 0, 1)
+    assert cli_main(["verify", str(shared)]) == 0
