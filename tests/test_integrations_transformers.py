@@ -19,6 +19,7 @@ import pytest
 import torch
 from support import hf_run
 from support.engines import HookedWrites, count_staged_engines
+from support.models import one_thread
 from support.trees import assert_same_tree
 
 transformers = pytest.importorskip("transformers")
@@ -83,18 +84,21 @@ def _final(trainer) -> dict:
 
 def test_trainer_stopped_mid_epoch_and_resumed_matches_an_uninterrupted_run(tmp_path, capsys):
     straight = GDSTrainer(model=_model(1), args=_args(tmp_path / "a"), train_dataset=_data())
-    straight.train()
+    with one_thread():  # each kernel rounds the same way in all three runs (support/hf_run.py)
+        straight.train()
     expected = _final(straight)
     assert expected["step"] == 8
 
     first = GDSTrainer(model=_model(1), args=_args(tmp_path / "b"), train_dataset=_data(), callbacks=[StopAt(4)])
-    first.train()
+    with one_thread():
+        first.train()
     ckpt = tmp_path / "b" / "checkpoint-4"
     names = sorted(os.listdir(ckpt))
     assert names == [GDS_DIR, "trainer_state.json"], names  # no optimizer.pt, rng_state.pth, training_args.bin
 
     resumed = GDSTrainer(model=_model(99), args=_args(tmp_path / "b"), train_dataset=_data())
-    resumed.train(resume_from_checkpoint=str(ckpt))
+    with one_thread():
+        resumed.train(resume_from_checkpoint=str(ckpt))
     got = _final(resumed)
     assert_same_tree(expected, got)
 
@@ -203,7 +207,8 @@ def uninterrupted(tmp_path_factory):
     """The final state of an uninterrupted run (hf_run's model, data and arguments)."""
     t = GDSTrainer(model=hf_run.model(1), args=hf_run.args(tmp_path_factory.mktemp("straight")),
                    train_dataset=hf_run.data())
-    t.train()
+    with one_thread():  # as the child and the resumed run (support/hf_run.py)
+        t.train()
     assert t.state.global_step == hf_run.MAX_STEPS
     return hf_run.final_state(t)
 
@@ -234,7 +239,8 @@ def test_sigkill_then_resume_true_matches_an_uninterrupted_run(tmp_path, uninter
 
     resumed = GDSTrainer(model=hf_run.model(99), args=hf_run.args(out), train_dataset=hf_run.data(),
                          gds_async_save=async_save)
-    resumed.train(resume_from_checkpoint=True)
+    with one_thread():
+        resumed.train(resume_from_checkpoint=True)
     assert_same_tree(uninterrupted, hf_run.final_state(resumed))
     assert sorted(p.name for p in out.iterdir()) == [f"checkpoint-{hf_run.MAX_STEPS}"]  # leftover gone
 

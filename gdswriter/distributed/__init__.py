@@ -86,7 +86,8 @@ def load_state(root: Any, step: int | None = None, *, verify: bool = True,
     from ..errors import CheckpointNotFoundError, CorruptCheckpointError
     from ..format.commit import CommitProtocol, normalize_roots
     from ..load.reader import deleted_while_reading
-    from .load import broadcast_manifest, rebuild_state
+    from .loadmanifest import broadcast_manifest
+    from .rebuild import rebuild_state
 
     roots = normalize_roots(root)
     coord = Coordinator.solo()

@@ -15,7 +15,7 @@ from ..format.state_codec import key_text
 from ..options import EngineOptions
 from .dcp_codec import metadata_from_json
 from .group import Coordinator
-from .load import rebuild_state
+from .rebuild import rebuild_state
 from .roots import discover_layout
 
 

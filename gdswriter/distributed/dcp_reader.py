@@ -31,7 +31,7 @@ from .dcp_paths import Collective, local_path_ok
 from .dcp_writer_parts import contiguous_stride
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator
-from .load import broadcast_manifest, received_manifest
+from .loadmanifest import broadcast_manifest, received_manifest
 from .options import DistOptions
 from .roots import (
     RootLayout,

@@ -12,7 +12,7 @@ over the process group: each holder reads its pieces straight into one file per 
 on the tmpfs, mapped by every rank, so after the read each rank already holds the whole item
 (one copy in memory per host, no socket traffic). On several hosts, each a block of
 consecutive ranks, a piece of state every rank holds then crosses to each other host once
-(load.py ``relay_between_hosts``) into that host's file; elsewhere the pieces go rank to rank
+(loadplan.py ``relay_between_hosts``) into that host's file; elsewhere the pieces go rank to rank
 over the process group (``relay``).
 
 The files live in a directory private to the load, ``gdswriter-load-<time>-<128 random

@@ -1,32 +1,23 @@
-"""A GDSCheckpointer load across ranks, on any world size.
+"""A GDSCheckpointer load across ranks, on any world size: the short path and the orchestration.
 
-The primary rank reads the step's manifest and sends it to every rank. A 1.3 step (format/
-sharded.py) loaded by the ranks that saved it, with the same placements and roots, takes the
-short path (``load_own``): each rank reads only its own manifest shard and the pieces it wrote,
-and the holders of shared items (replicated state, replicated DTensor blocks) pass each other
-their pieces (on one host, state every rank holds is copied from the peers' memory:
-crossmem.py; else through a tmpfs, hostshare.py, or over the process group), so replicated
-bytes are read from disk once in total. Otherwise a 1.3 step with
-a layout index is loaded from the shards each rank needs alone (reshard.py ``plan_indexed``:
-the same plan as below, on the part of the step the rank reads itself). Failing that (a rank
-that does not see a shard it needs, a step without an index, a 1.0-1.2 step), every rank works
-from the whole step (a 1.3 step's shards merged: ``gather_merged``): each rank takes the state tree it
-saved (a rank the save did not have takes rank 0's), and works out what it needs: every plain
-tensor its tree references, and of each sharded tensor the block its live tensor holds now (a
-DTensor's shard on the current mesh, or the whole tensor for a plain one), assembled from the
-saved blocks that intersect it. The storages are fetched (dist/fetch.py: read where reachable,
-sent by another rank where not). A step saved by a single process (no torch.distributed: a
-pretrained model fine-tuned on N ranks) takes this path too, every rank with its one tree:
-a plain tensor whose live tensor is a DTensor (FSDP) becomes that rank's block of it, and
-when every rank needs bytes of the same storages (DDP: all of them whole; FSDP: a block of
-each; agreed by a digest) and reaches their files, they are read from disk once across the
-ranks (reshard.read_replicated_once: the items cut into N aligned shares, each rank reads
-one and passes it on, a chunk a share cuts checked whole after the spread); else (node-local
-roots) each rank fetches what it needs, of a block only the saved chunks holding it.
+The primary rank reads the step's manifest and sends it to every rank (loadmanifest.py). A
+1.3 step (format/sharded.py) loaded by the ranks that saved it, with the same placements and
+roots, takes the short path (``load_own``): each rank reads only its own manifest shard and
+the pieces it wrote, and the holders of shared items (replicated state, replicated DTensor
+blocks) pass each other their pieces, so replicated bytes are read from disk once in total.
+Its plan is pure (ownplan.py: who reads which piece, the arena, the relay rounds); how the
+ranks of a host share is one Transport (transport.py: each other's memory, crossmem.py; a
+tmpfs, hostshare.py; or the process group), chosen by one agreement; ``carry_out_own``
+executes the plan through it. Otherwise a 1.3 step with a layout index is loaded from the
+shards each rank needs alone (reshard.py ``plan_indexed``). Failing that (a rank that does
+not see a shard it needs, a step without an index, a 1.0-1.2 step, a step saved by a single
+process), every rank works from the whole step (loadmanifest.py ``gather_merged``) and
+rebuilds the state it needs (rebuild.py ``rebuild_state``).
 
 Either way the state is rebuilt and handed to the live objects as a single-process load
 does, and nothing live changes before every rank has read and verified its part into fresh
-buffers and every rank agrees the plan fits (a collective load is always atomic).
+buffers and every rank agrees the plan fits (a collective load is always atomic). The
+agreements carry typed messages (load_messages.py).
 
 ``load(fallback=True)``: rank 0's fallback order (the latest step, then older ones) is every
 rank's. After a failed step each rank says how it saw the failure (damage, another error, or
@@ -34,11 +25,9 @@ only that a peer failed), and every rank decides from the same gathered answers:
 step when some rank found damage and none failed otherwise, else all raise. So every rank
 ends on the same step, or raises, and none waits for a collective the others skipped.
 """
-
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 from dataclasses import replace
 from pathlib import Path
@@ -49,197 +38,39 @@ import torch
 
 from ..engines.base import IOEngine
 from ..errors import (CheckpointNotFoundError, CollectiveFailedError, CorruptCheckpointError, EngineIOError, InvalidOptionError,
-                      RankFailedError, UnreachableDataError)
-from ..format.assembly import tree_for_rank
+                      RankFailedError)
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, Manifest, StorageRecord, TensorRecord
-from ..format.sharded import (SHARDED_VERSION, GlobalManifest, RankShard, merge, parse_shard, parse_step,
-                              read_shard)
-from ..format.state_codec import decode_state, tensor_refs
+from ..format.sharded import GlobalManifest, RankShard, parse_shard, parse_step, read_shard
+from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
-from ..load.reader import (check_step_files, host_buffer, parse_manifest, read_manifest_bytes, read_storages,
-                           tensors_from_storages, vanished_instead)
-from .fetch import fetch_storages, manifest_reach
+from ..load.reader import check_step_files, parse_manifest, read_storages, tensors_from_storages, vanished_instead
 from . import crossmem, hostshare
-from .group import Coordinator, Transfer, bounded, describe, unbound
-from .loadplan import reach_of, relay, relay_between_hosts, template_of, tiles
+from .group import Coordinator, bounded, describe, unbound
+from .load_messages import FallbackDecision, OwnVerdict, ShardReport, TransportOffer, choose_transport
+from .loadmanifest import (broadcast_manifest, broadcast_manifest_bytes, gather_merged, json_text,  # noqa: F401
+                           received_manifest)
+from .loadplan import reach_of, relay, relay_between_hosts, template_of  # noqa: F401 - relay*: importable here
+from .ownplan import Move, OwnLoadPlan, blocks_fit, host_blocks, per_host, plan_own, relay_rounds
+from .rankfiles import disagreeing_holders, holder_set_digests
+from .rebuild import live_templates, plain_blocks, rebuild_state
 from .reshard import plan_indexed, read_replicated_once
-from .rankfiles import disagreeing_holders, holder_set_digests, item_pieces, set_name
-from .roots import RootLayout, discover_layout
-from .shards import assemble, is_dtensor, join, leaves, overlap, target_block
+from .roots import RootLayout
+from .shards import assemble, target_block
+from .transport import CrossMemoryTransport, HostTmpfsTransport, ProcessGroupTransport, Transport, send_rounds
 
+_plain_blocks = plain_blocks  # importable here under its former name (tests)
 log = logging.getLogger("gdswriter")
-_ARENA_ALIGN = 4096  # each item of the pulled buffer starts on a page (O_DIRECT reads into it)
 
 
-def broadcast_manifest(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str, src: int = 0,
-                       layout: RootLayout | None = None) -> tuple[int, Manifest]:
-    """Collective: rank ``src`` (the primary rank: it sees the primary root) resolves ``step``
-    (None: the latest) and sends its manifest to every rank. A 1.3 step's shards are merged
-    (``gather_merged``: each is read by a rank that reaches it, merged on ``src``) so that every
-    rank gets the whole step: the general path, for loads that reshard."""
-    step, raw = broadcast_manifest_bytes(coord, protocol, step, what, src)
-    return step, received_manifest(coord, protocol, step, raw, what, src, layout)
-
-
-def received_manifest(coord: Coordinator, protocol: CommitProtocol, step: int, raw: bytes, what: str, src: int = 0,
-                      layout: RootLayout | None = None) -> Manifest:
-    """Collective where ``raw`` (the manifest.json of ``step`` that rank ``src`` read and sent
-    to every rank) is a 1.3 step's global manifest: ``broadcast_manifest``'s step, parsed."""
-    parsed = parse_step(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
-    if isinstance(parsed, Manifest):
-        return parse_manifest(protocol, step, parsed)
-    if layout is None:
-        layout = discover_layout(Coordinator.solo(), list(protocol.roots), create=False)
-    return gather_merged(coord, layout, parsed, what, src)
-
-
-def json_text(raw: bytes, where: str) -> str:
-    """A manifest's (or shard's) bytes as the text the ranks send each other; bytes that are not
-    UTF-8 are a damaged checkpoint (CorruptCheckpointError), as parsing them would say."""
-    try:
-        return raw.decode()
-    except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(f"{where} is not UTF-8 JSON ({e}); the checkpoint is damaged: load an "
-                                     f"earlier step") from e
-
-
-def broadcast_manifest_bytes(coord: Coordinator, protocol: CommitProtocol, step: int | None, what: str,
-                             src: int = 0) -> tuple[int, bytes]:
-    """Collective: the step ``src`` resolves and its manifest.json's bytes, on every rank."""
-    msg: dict = {}
-    error = None
-    if coord.rank == src:
-        try:
-            step = protocol.require(step)
-            msg = {"step": step, "manifest": json_text(read_manifest_bytes(protocol, step),
-                                                       str(protocol.step_dir(step) / MANIFEST_NAME))}
-        except Exception as e:  # noqa: BLE001 - every rank raises below
-            error, msg = e, {"error": describe(e)}
-    msg = coord.broadcast(msg, f"{what} (manifest)", src=src)
-    if "error" in msg:
-        coord.agree(error or RuntimeError(msg["error"]) if coord.rank == src else None, what,
-                    hint="the live state was not changed")
-    return msg["step"], msg["manifest"].encode()
-
-
-def _shard_readers(g: GlobalManifest, layout: RootLayout) -> list[int | None]:
-    """The rank of this job that reads each shard: one of the ranks that see its root (by
-    identity, from the root table every rank holds), spread by shard number; None: no rank does."""
-    ranks_of = {info.id: info.ranks for info in layout.table}
-    out: list[int | None] = []
-    for ref in g.shards:
-        ranks = ranks_of.get(g.roots[ref.root].id, ())
-        out.append(ranks[ref.rank % len(ranks)] if ranks else None)
-    return out
-
-
-def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, what: str, src: int) -> Manifest:
-    """Collective: the whole 1.3 step (format/sharded.py ``merge``) on every rank. Each shard is
-    read by a rank that sees its root, checked against its recorded size and crc32c, and sent to
-    ``src``, which merges and validates them and broadcasts the result. This costs what a 1.2
-    load cost (every rank receives every record); loads of the saved layout read only their own
-    shard instead (``load_own``)."""
-    readers = _shard_readers(g, layout)
-    mine: list = []
-    error = None
-    try:
-        lost = [k for k, r in enumerate(readers) if r is None]
-        if lost:
-            info = g.roots[g.shards[lost[0]].root]
-            raise UnreachableDataError(errno.ENOENT, f"{what}: rank {lost[0]}'s manifest shard is on root id {info.id} "
-                                                     f"(saved at {info.path}), which no rank of this job sees: give "
-                                                     f"some rank that root (mount it)")
-        reach = reach_of(g, layout)
-        for k, r in enumerate(readers):
-            if r == coord.rank:
-                ref = g.shards[k]
-                where = reach[ref.root] / step_dir_name(g.step)  # type: ignore[operator]
-                mine.append([k, json_text(read_shard(where, g, ref, reach[0]), str(where / ref.name))])
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error, mine = e, []
-    got = coord.gather({"error": describe(error)} if error else {"shards": mine}, f"{what} (manifest shards)", dst=src)
-    msg: dict | None = None
-    merge_error = None
-    if got is not None:
-        failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
-        if not failures:
-            try:
-                texts = {k: t for x in got for k, t in x["shards"]}
-                shards = [parse_shard(texts[k].encode(), g, ref, f"step {g.step}'s {ref.name}")
-                          for k, ref in enumerate(g.shards)]
-                msg = {"manifest": merge(g, shards).to_json_bytes().decode()}
-            except Exception as e:  # noqa: BLE001 - every rank learns of it
-                merge_error = e
-                failures = {coord.rank: describe(e)}
-        if failures:
-            msg = bounded(failures)
-    msg = coord.broadcast(msg, f"{what} (the merged manifest)", src=src)
-    if "manifest" not in msg:
-        shown, total = unbound(msg)
-        if error is not None or merge_error is not None:
-            raise error or merge_error  # type: ignore[misc]
-        raise RankFailedError(what, shown, "the live state was not changed", total=total)
-    m = Manifest.from_json_bytes(msg["manifest"].encode(), where=f"step {g.step} (its shards merged)")
-    return replace(m, version=SHARDED_VERSION, created_unix=g.created_unix)
-
-
-def _blocks_fit(shard: RankShard, templates: dict[str, Any]) -> bool:
-    """Whether every DTensor block this rank saved is exactly the block its live tensor holds
-    now (same mesh and placements): then its own shard is all it needs of sharded state."""
-    for rec in shard.tensors:
-        if rec.shard is not None:
-            offsets, shape, _ = target_block(template_of(templates, rec.name), rec.shard.global_shape)
-            if tuple(offsets) != tuple(rec.shard.offsets) or tuple(shape) != tuple(rec.shape):
-                return False
-    return True
-
-
-def host_blocks(hosts: Sequence[str | None]) -> int | None:
-    """The size of the blocks of consecutive ranks that each share a host's tmpfs (torchrun
-    numbers a node's ranks consecutively), when every host holds one such block of the same
-    size, at least 2; else None (then the pieces go over the process group)."""
-    if not hosts or None in hosts:
-        return None
-    block = next((i for i, h in enumerate(hosts) if h != hosts[0]), len(hosts))
-    if block < 2 or len(hosts) % block:
-        return None
-    firsts = hosts[::block]
-    if len(set(firsts)) != len(firsts) or any(hosts[i] != hosts[i - i % block] for i in range(len(hosts))):
-        return None
-    return block
-
-
-def per_host(values: Sequence[Any], block: int) -> list[list[Any]]:
-    """For each rank, the entries of ``values`` (one per rank) of its own host's ``block`` ranks
-    (host_blocks): what a rank receives of them then does not grow with the world size."""
-    return [list(values[r - r % block:r - r % block + block]) for r in range(len(values))]
-
-
-def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],  # noqa: C901
-             engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None,
-             cross_memory: bool = False, check: Callable[[Any], Any] = lambda state: None
-             ) -> tuple[Any, Any] | None:
-    """Collective: this rank's saved state from its own shard alone, when every rank can do so
-    (the same world size, its shard and data files on roots it sees, its DTensor blocks the
-    ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
-    several ranks hold are read once: each holder reads the pieces it wrote and sends them to
-    the other holders (split_stream gives every holder the same pieces with no message; each
-    piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
-    bytes from disk once in total. With ``cross_memory``, where the ranks of each host may read
-    each other's memory (crossmem.py: probed and agreed before any byte is read), the state
-    every rank holds, and a replica group's whose holders are all on one host, is read into one
-    buffer per rank, each holder set's items laid out alike in their holders' buffers
-    (``_arena_sets``), and each rank copies the pieces it lacks from the rank of its host that
-    holds them (``_pull_from_host``): on one host nothing travels, and across hosts each piece
-    of the state every rank holds crosses to each other host once (``relay_between_hosts``)
-    before the ranks there copy it. Else,
-    where the ranks of each host see one tmpfs ``share_dir`` (hostshare.py), the holders on a
-    host read their pieces into one shared file per item instead, with the same relay between
-    hosts. Returns (the state, ``check(state)``), ``check`` agreed on with the rebuilding
-    (plan_restore: one collective)."""
+def _own_verdict(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any], *,
+                 what: str, src: int, share_dir: str | None, cross_memory: bool
+                 ) -> tuple[RankShard | None, list[Path | None], OwnVerdict]:
+    """Collective: this rank's own shard (read where it can), where it finds the roots, and the
+    ranks' verdict (one decide_each): whether every rank loads from its own shard, and how the
+    ranks of each host may share (a tmpfs token and block, a cross-memory block and peers)."""
     unchanged = "the live state was not changed"
     rank, world = coord.rank, coord.world_size
     shard: RankShard | None = None
@@ -252,81 +83,106 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
             if reach[ref.root] is not None:
                 d = reach[ref.root] / step_dir_name(g.step)  # type: ignore[operator]
                 shard = parse_shard(read_shard(d, g, ref, reach[0]), g, ref, str(d / ref.name))
-                ok = all(reach[f.root] is not None for f in shard.files) and _blocks_fit(shard, templates)
+                ok = all(reach[f.root] is not None for f in shard.files) and blocks_fit(shard, templates)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     # every rank can load from its own shard, and the holders of each set of shared items agree
     # on what it holds (else the pieces they would pass each other would not match)
-    sets = holder_set_digests(shard.items, rank, world) if shard is not None else []
+    sets = holder_set_digests(shard.items, rank, world) if shard is not None else ()
 
-    def judge(outs: list[dict]) -> list[dict]:
-        own = all(x["ok"] for x in outs)
-        bad = disagreeing_holders([x["sets"] for x in outs]) if own else {}
-        block = host_blocks([x["host"] for x in outs])
-        cblock = host_blocks([x["proc"] for x in outs]) if own else None
-        common = {"own": own, "share": hostshare.token() if own and block else None, "block": block,
-                  "cblock": cblock, **bounded(bad)}
+    def judge(outs: list[Any]) -> list[dict]:
+        reports = [ShardReport.from_wire(x) for x in outs]
+        own = all(x.ok for x in reports)
+        bad = disagreeing_holders([x.sets for x in reports]) if own else {}
+        block = host_blocks([x.host for x in reports])
+        cblock = host_blocks([x.proc for x in reports]) if own else None
+        share = hostshare.token() if own and block else None
+        shown, total = unbound(bounded(bad))
         # each rank gets the (pid, marker) of its own host's ranks only
-        peers = per_host([x["pid"] for x in outs], cblock) if cblock else [None] * len(outs)
-        return [{**common, "peers": p} for p in peers]
+        peers = per_host([x.pid for x in reports], cblock) if cblock else [None] * len(outs)
+        return [OwnVerdict(own, share, block, cblock, total, tuple(sorted(shown.items())),
+                           tuple(p) if p is not None else None).to_wire() for p in peers]
 
     proc = crossmem.domain() if cross_memory and world > 1 else None
-    verdict = coord.decide_each(error, {"ok": ok, "sets": sets, "host": hostshare.domain(share_dir), "proc": proc,
-                                        "pid": list(crossmem.marker()) if proc else None},
-                                f"{what} (reading its manifest shard)", judge, hint=unchanged, root=src)
-    shown, total = unbound(verdict)
-    if total:
+    report = ShardReport(ok, sets, hostshare.domain(share_dir), proc, crossmem.marker() if proc else None)
+    verdict = OwnVerdict.from_wire(coord.decide_each(error, report.to_wire(), f"{what} (reading its manifest shard)",
+                                                     judge, hint=unchanged, root=src))
+    if verdict.failed:
+        shown, total = verdict.shown_failures, verdict.failed
         raise CorruptCheckpointError(f"{what}: the ranks' manifest shards disagree about the state they share "
                                      f"({'; '.join(f'rank {r} {m}' for r, m in sorted(shown.items()))}"
                                      f"{f' and {total - len(shown)} more' if total > len(shown) else ''}): the "
                                      f"checkpoint is damaged; load an earlier step")
-    if not verdict["own"]:
+    return shard, reach, verdict
+
+
+def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
+             engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None,
+             cross_memory: bool = False, check: Callable[[Any], Any] = lambda state: None
+             ) -> tuple[Any, Any] | None:
+    """Collective: this rank's saved state from its own shard alone, when every rank can do so
+    (the same world size, its shard and data files on roots it sees, its DTensor blocks the
+    ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
+    several ranks hold are read once: each holder reads the pieces it wrote and sends them to
+    the other holders (split_stream gives every holder the same pieces with no message; each
+    piece spreads down a binomial tree, ``relay``), so N ranks loading replicated state read its
+    bytes from disk once in total. How the ranks of a host share (transport.py) is agreed once
+    (``_agree_transport``): with ``cross_memory``, where the ranks of each host may read each
+    other's memory (crossmem.py: probed before any byte is read), the state every rank holds,
+    and a replica group's whose holders are all on one host, is read into one buffer per rank
+    laid out alike (ownplan.py ``Arena``), and each rank copies the pieces it lacks from the
+    rank of its host that holds them: on one host nothing travels, and across hosts each piece
+    of the state every rank holds crosses to each other host once (``relay_between_hosts``)
+    before the ranks there copy it. Else, where the ranks of each host see one tmpfs
+    ``share_dir`` (hostshare.py), the holders on a host read their pieces into one shared file
+    per item instead, with the same relay between hosts; else the process group. The plan
+    (ownplan.py ``plan_own``) is pure; ``carry_out_own`` executes it. Returns (the state,
+    ``check(state)``), ``check`` agreed on with the rebuilding (plan_restore: one collective)."""
+    shard, reach, verdict = _own_verdict(coord, layout, g, templates, what=what, src=src, share_dir=share_dir,
+                                         cross_memory=cross_memory)
+    if not verdict.own:
         return None
     assert shard is not None
-    peers = verdict.get("peers")  # [pid, marker address] of each rank of this host, where they can pull
-    # cross memory: the items several ranks of this host hold (every rank's, or a replica group's
-    # whose holders are all on this host), in one buffer per rank, a region per holder set in
-    # which every holder of the set lays its items out alike (their holder set's digest is agreed
-    # on), so a holder's one address per set locates every piece of the set it holds
-    arena_sets = _arena_sets(shard, rank, verdict["cblock"]) if peers else {}
-    arena_items = [sid for sids in arena_sets.values() for sid in sids]
-    sharable = _sharable(shard, world, verdict["block"]) if verdict["share"] else []
-    share: hostshare.SharedItems | None = None
-    split: list = []
-    error = share_error = cma_error = None
+    plan: OwnLoadPlan | None = None
+    error = None
     try:
-        split = item_pieces(shard.items, world)
-        for sid, it in enumerate(shard.items):
-            if not tiles(shard.chunks[sid], [(off, n) for w, off, n in split[sid] if w == rank]):
-                raise CorruptCheckpointError(f"{what}: rank {rank}'s manifest shard does not record exactly the "
-                                             f"pieces of item {it.key[:40]} it wrote: the checkpoint is damaged; "
-                                             f"load an earlier step")
+        plan = plan_own(shard, coord.rank, coord.world_size, what=what,
+                        pull_block=verdict.cblock if verdict.peers else None,
+                        share_block=verdict.block if verdict.share else None)
         check_step_files(g.step, g.created_unix, reach, shard.files)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    pullable = False
-    if arena_items and error is None:  # may this rank read the memory of every other rank of its host?
-        try:
-            for q, peer in enumerate(peers):  # type: ignore[arg-type]
-                if q != rank % verdict["cblock"]:
-                    crossmem.probe(*peer)
-            pullable = True
-        except Exception as e:  # noqa: BLE001 - agreed below: then the tmpfs or the process group
-            cma_error = e
-    if verdict["share"] and error is None and not arena_items:
-        share, share_error = _open_shared(shard, share_dir, verdict["share"], sharable)
-    # one agreement: the data files are right on every rank, and how the ranks of a host share
-    # what they read: pulling from each other's memory where every rank can, else the tmpfs
-    # where every rank mapped its files, else the process group
+    transport = _agree_transport(coord, shard, plan, verdict, error, share_dir=share_dir, what=what, src=src)
+    assert plan is not None
+    return carry_out_own(coord, g, shard, reach, plan, transport, templates, engine, verify=verify, what=what, src=src,
+                      check=check)
+
+
+def _agree_transport(coord: Coordinator, shard: RankShard, plan: OwnLoadPlan | None, verdict: OwnVerdict,
+                     error: BaseException | None, *, share_dir: str | None, what: str, src: int) -> Transport:
+    """Collective: one agreement that the data files are right on every rank (``error``), and
+    how the ranks of a host share what they read: pulling from each other's memory where every
+    rank can, else the tmpfs where every rank mapped its files, else the process group."""
+    unchanged = "the live state was not changed"
+    world = coord.world_size
+    pulling = plan is not None and bool(plan.arena.items)
+    cma: CrossMemoryTransport | None = None
+    share: HostTmpfsTransport | None = None
+    cma_error = share_error = None
+    if pulling and error is None:  # may this rank read the memory of every other rank of its host?
+        cma, cma_error = CrossMemoryTransport.probe(world, verdict.cblock, plan, verdict.peers)  # type: ignore[arg-type]
+    if verdict.share and error is None and not pulling:
+        share, share_error = _open_shared(shard, share_dir, verdict.share, plan.sharable, world,  # type: ignore[union-attr]
+                                          verdict.block)
     try:
-        mode = coord.decide(error, [pullable, share is not None], f"{what} (checking the data files)",
-                            lambda outs: "cma" if all(x[0] for x in outs) else "tmpfs" if all(x[1] for x in outs)
-                            else None, hint=unchanged, root=src)
+        mode = coord.decide(error, TransportOffer(cma is not None, share is not None).to_wire(),
+                            f"{what} (checking the data files)", choose_transport, hint=unchanged, root=src)
     finally:
         if share is not None:  # every rank has mapped the files, gave up or raises: no name outlives the load
             share.unlink()
-    if arena_items and mode != "cma" and verdict["share"]:  # some rank may not pull: the tmpfs, as without
-        share, share_error = _open_shared(shard, share_dir, verdict["share"], sharable)
+    if pulling and mode != "cma" and verdict.share:  # some rank may not pull: the tmpfs, as without
+        share, share_error = _open_shared(shard, share_dir, verdict.share, plan.sharable, world,  # type: ignore[union-attr]
+                                          verdict.block)
         try:
             mode = "tmpfs" if coord.decide(None, share is not None, f"{what} (sharing through {share_dir})", all,
                                            hint=unchanged, root=src) else None
@@ -337,328 +193,103 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
         log.warning("gdswriter: %s: the ranks cannot read each other's memory (%s); they share the read %s",
                     what, describe(cma_error), "through " + str(share_dir) if mode == "tmpfs" else
                     "over the process group")
-    if mode != "tmpfs":
-        if share_error is not None and mode is None:
-            log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
-                        "each other instead", what, share_dir, describe(share_error))
-        share = None
-    block = verdict["cblock"] if mode == "cma" else verdict["block"] or world
-    rounds: list[list[tuple[int, int, int, int, int]]] = []
+    if mode is None and share_error is not None:
+        log.warning("gdswriter: %s: not sharing the read through %s (%s); the ranks pass the pieces to "
+                    "each other instead", what, share_dir, describe(share_error))
+    if mode == "cma":
+        return cma  # type: ignore[return-value]
+    if mode == "tmpfs":
+        return share  # type: ignore[return-value]
+    return ProcessGroupTransport(world)
+
+
+def carry_out_own(coord: Coordinator, g: GlobalManifest, shard: RankShard, reach: list[Path | None], plan: OwnLoadPlan,
+               transport: Transport, templates: dict[str, Any], engine: IOEngine, *, verify: bool, what: str,
+               src: int, check: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """Collective: ``plan`` carried out through ``transport``: each rank reads its pieces, the
+    relay rounds run over the process group, the ranks of a host pull from each other where the
+    transport does, and the state is rebuilt and checked (one agreement, which with cross
+    memory also tells that every rank has pulled: only after it may a rank free or change the
+    buffer its peers copy from)."""
+    unchanged = "the live state was not changed"
+    rank, world = coord.rank, coord.world_size
+    rounds: list[list[Move]] = []
     buffers: list[torch.Tensor] = []
     into: list[torch.Tensor] = []
-    layout: dict[int, int] = {}  # item -> its offset in the buffer of the items several ranks of the host hold
-    regions: dict[str, int] = {}  # holder set -> the offset of its region in that buffer
-    arena: torch.Tensor | None = None
     error = None
     try:
-        if mode == "cma":
-            end = 0
-            for name, sids in arena_sets.items():
-                regions[name] = end
-                for sid in sids:
-                    layout[sid] = end
-                    end += -(-shard.items[sid].nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
-            arena = host_buffer(end)
-        rounds = _schedule(shard, split, rank, world, block,
-                           set(layout) if mode == "cma" else set(share.private) if share is not None else set())
+        rounds = relay_rounds(shard, plan.pieces, rank, world, transport.block, transport.shared)
         # shared on this host: read into the shared file, view it through this rank's private mapping
-        buffers = [arena[layout[sid]:layout[sid] + it.nbytes] if arena is not None and sid in layout
-                   else share.private[sid] if share is not None and sid in share.private else host_buffer(it.nbytes)
-                   for sid, it in enumerate(shard.items)]
-        into = [share.shared.get(sid, b) if share is not None else b for sid, b in enumerate(buffers)]
-        wanted = [(c, into[sid][c.storage_offset:c.storage_offset + c.length])
-                  for sid, cs in enumerate(shard.chunks) for c in cs if c.length]
-        view = Manifest(step=g.step, files=shard.files,
-                        storages=tuple(StorageRecord(c.length, (replace(c, storage_offset=0),)) for c, _ in wanted),
-                        tensors=tuple(TensorRecord(f"<piece of {shard.items[0].key[:16]}>", j, 0, "uint8", (c.length,),
-                                                   (1,)) for j, (c, _) in enumerate(wanted)), state=None)
-        read_storages(CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach]), view,
-                      [dest for _, dest in wanted], [engine], verify=verify)
+        buffers, into = transport.buffers(shard.items)
+        _read_pieces(g, shard, reach, into, engine, verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = vanished_instead(g.step, g.created_unix, reach, [f.root for f in shard.files], e) or e
-    wanted = []
     # once every rank has read (this agreement), the shared files hold every piece read on their
     # host; pulling ranks learn where the buffers of their host's ranks are
-    mine = {name: arena.data_ptr() + at for name, at in regions.items()} if arena is not None else None
-    bases = coord.decide_each(error, mine, f"{what} (reading)",
-                              (lambda outs: per_host(outs, block)) if mode == "cma" else lambda outs: [None] * world,
-                              hint=unchanged, root=src)
+    bases = coord.decide_each(error, transport.address(), f"{what} (reading)", transport.route, hint=unchanged,
+                              root=src)
     tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
-    _send_rounds(coord, rounds, into, tags, what)
-    if mode != "cma":  # (with cross memory the fallback after a failed copy still sends from and into them)
+    send_rounds(coord, rounds, into, tags, what)
+    if not transport.keeps_into():  # (with cross memory the fallback after a failed copy still sends from and into them)
         into = []
-    if share is not None:
-        share.release_shared()
-    if block < world and mode is not None:  # the pieces from other hosts are on this host once every rank has them
+    transport.release()
+    if transport.block < world and transport.within_host:  # the pieces from other hosts are on this host now
         coord.agree(None, f"{what} (pieces from other hosts)", hint=unchanged, root=src)
-    pull_error = None
-    if mode == "cma":
-        pull_error = _pull_from_host(split, arena_sets, layout, arena, bases, peers, block, rank)  # type: ignore[arg-type]
-
-    def rebuild() -> tuple[Any, Any, BaseException | None]:
-        try:
-            views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
-                             tensors=shard.tensors, state=shard.tree)
-            tensors = tensors_from_storages(views, buffers)
-            for i, rec in enumerate(shard.tensors):
-                if rec.shard is not None:
-                    offsets, shape, wrap = target_block(template_of(templates, rec.name), rec.shard.global_shape)
-                    tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
-                                               [(rec.shard, tensors[i])]))
-            state = decode_state(shard.tree, tensors)
-            return state, check(state), None
-        except Exception as e:  # noqa: BLE001 - every rank learns of it
-            return None, None, e
-
-    state, checked, error = rebuild()
-    # with cross memory this agreement also tells that every rank has pulled: only after it may a
-    # rank free or change the buffer its peers copy from (its state's memory)
+    pull_error = transport.pull(plan, bases)
+    state, checked, error = _rebuild_own(g, shard, buffers, templates, check)
     pulled = coord.decide(error, pull_error is None, f"{what} (rebuilding the state and checking it against the live "
                                                      f"state)", all, hint=unchanged, root=src)
     if not pulled:  # some rank could not copy from its peers: those items over the process group
         if pull_error is not None:
             log.warning("gdswriter: %s: reading a peer rank's memory failed (%s); the ranks pass the pieces to "
                         "each other instead", what, describe(pull_error))
-        split_only = [split[sid] if sid in layout else () for sid in range(len(shard.items))]
-        _send_rounds(coord, _schedule(shard, split_only, rank, world, world, set()), into, tags,
-                     f"{what} (after a failed copy from a peer's memory)")
-        state, checked, error = rebuild()  # on the bytes received (a rebuilt block may be a copy)
+        pieces_only = [plan.pieces[sid] if sid in plan.arena.offsets else () for sid in range(len(shard.items))]
+        send_rounds(coord, relay_rounds(shard, pieces_only, rank, world, world, set()), into, tags,
+                    f"{what} (after a failed copy from a peer's memory)")
+        state, checked, error = _rebuild_own(g, shard, buffers, templates, check)  # on the bytes received
         coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged, root=src)
     return state, checked
 
 
-def _send_rounds(coord: Coordinator, rounds: Sequence[Sequence[tuple[int, int, int, int, int]]],
-                 into: Sequence[torch.Tensor], tags: dict[tuple[int, int], int], what: str) -> None:
-    """Run ``rounds`` (``_schedule``) over the process group, from and into ``into``; ``tags``
-    numbers each pair's messages across calls."""
-    for k, moves in enumerate(rounds):  # a rank runs the rounds of the deepest tree it is in
-        transfers = []
-        for a, b, sid, off, n in moves:  # shared items travel from and into the shared files
-            tag = tags[(a, b)] = tags.get((a, b), -1) + 1
-            transfers.append(Transfer(a, b, tag, into[sid][off:off + n]))
-        coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
+def _read_pieces(g: GlobalManifest, shard: RankShard, reach: list[Path | None], into: Sequence[torch.Tensor],
+                 engine: IOEngine, *, verify: bool) -> None:
+    """Read the pieces this rank wrote (its shard's chunks) into ``into``, each checked."""
+    wanted = [(c, into[sid][c.storage_offset:c.storage_offset + c.length])
+              for sid, cs in enumerate(shard.chunks) for c in cs if c.length]
+    view = Manifest(step=g.step, files=shard.files,
+                    storages=tuple(StorageRecord(c.length, (replace(c, storage_offset=0),)) for c, _ in wanted),
+                    tensors=tuple(TensorRecord(f"<piece of {shard.items[0].key[:16]}>", j, 0, "uint8", (c.length,),
+                                               (1,)) for j, (c, _) in enumerate(wanted)), state=None)
+    read_storages(CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach]), view,
+                  [dest for _, dest in wanted], [engine], verify=verify)
 
 
-def _arena_sets(shard: RankShard, rank: int, block: int) -> dict[str, list[int]]:
-    """The items of ``shard`` the ranks of this host pull from each other's memory in a load, by
-    holder set (its name, in name order), each set's items in key order: those every rank holds,
-    and those of a replica group all of whose holders are on this host (``block`` consecutive
-    ranks). Every holder of a set computes the same list (the set's digest is agreed on)."""
-    first = rank - rank % block
-    sets: dict[str, list[int]] = {}
-    for sid, it in sorted(enumerate(shard.items), key=lambda x: x[1].key):
-        if it.nbytes and (it.holders is None or (len(it.holders) > 1 and
-                                                 all(first <= h < first + block for h in it.holders))):
-            sets.setdefault(set_name(it.holders), []).append(sid)
-    return dict(sorted(sets.items()))
-
-
-def _pull_from_host(split: Sequence[Sequence[tuple[int, int, int]]], arena_sets: dict[str, list[int]],
-                    layout: dict[int, int], arena: torch.Tensor, bases: Sequence[dict[str, int]],
-                    peers: Sequence[Sequence[int]], block: int, rank: int) -> BaseException | None:
-    """Copy the pieces of the items ``arena_sets`` names (at ``layout`` in this rank's
-    ``arena``; ``bases`` and ``peers``: where each holder set's region starts in the buffers of
-    this host's ``block`` ranks, and their (pid, marker), by local index) that this rank lacks
-    from the rank of its host that holds them (the writer's local index: its writer, or for the
-    items every rank holds the rank the piece crossed hosts to), straight from that rank's
-    memory (crossmem.py). Returns the failure, if any: the caller's next agreement tells every
-    rank whether all pulled (only then may any rank free or change its buffer), and where any
-    failed, every rank sends those items over the process group."""
+def _rebuild_own(g: GlobalManifest, shard: RankShard, buffers: Sequence[torch.Tensor], templates: dict[str, Any],
+                 check: Callable[[Any], Any]) -> tuple[Any, Any, BaseException | None]:
+    """(the state, ``check(state)``, None) rebuilt from ``buffers``, or (None, None, the failure)."""
     try:
-        mine = arena.data_ptr()
-        moves: dict[int, list[tuple[int, int, int]]] = {}
-        for name, sids in arena_sets.items():
-            region = layout[sids[0]]
-            for sid in sids:
-                at = layout[sid]
-                for w, off, n in split[sid]:
-                    holder = w % block  # its local index on this host
-                    if n and holder != rank % block:
-                        src = bases[holder][name] + at - region + off
-                        moves.setdefault(holder, []).append((src, mine + at + off, n))
-        for holder, todo in sorted(moves.items()):
-            crossmem.pull(peers[holder][0], todo)
-    except Exception as e:  # noqa: BLE001 - agreed by the caller: then the process group
-        return e
-    return None
+        views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
+                         tensors=shard.tensors, state=shard.tree)
+        tensors = tensors_from_storages(views, buffers)  # type: ignore[arg-type]
+        for i, rec in enumerate(shard.tensors):
+            if rec.shard is not None:
+                offsets, shape, wrap = target_block(template_of(templates, rec.name), rec.shard.global_shape)
+                tensors[i] = wrap(assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
+                                           [(rec.shard, tensors[i])]))
+        state = decode_state(shard.tree, tensors)
+        return state, check(state), None
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        return None, None, e
 
 
-def _schedule(shard: RankShard, split: Sequence[Sequence[tuple[int, int, int]]], rank: int, world: int, block: int,
-              shared: set[int]) -> list[list[tuple[int, int, int, int, int]]]:
-    """Per round, the (src, dst, item, offset, length) transfers this rank takes part in: the
-    pieces of items several ranks hold spread down ``relay``'s tree; those ``shared`` within a
-    host (its tmpfs, or its ranks' memory) travel only between hosts when every rank holds them
-    (``relay_between_hosts``), else (one host, or a replica group all on one host) not at all.
-    Items in key order, so every holder numbers a pair's messages alike."""
-    rounds: list[list[tuple[int, int, int, int, int]]] = []
-    for sid in sorted(range(len(shard.items)), key=lambda i: shard.items[i].key):
-        it = shard.items[sid]
-        if it.holder_count(world) < 2 or (sid in shared and (block == world or it.holders is not None)):
-            continue
-        for w, off, n in split[sid]:
-            if n:
-                moves = relay_between_hosts(w, rank, world, block) if sid in shared else relay(it, w, rank, world)
-                for k, a, b in moves:
-                    while len(rounds) <= k:
-                        rounds.append([])
-                    rounds[k].append((a, b, sid, off, n))
-    return rounds
-
-
-def _sharable(shard: RankShard, world: int, block: int) -> list[int]:
-    """The items of ``shard`` the ranks of a host share in a load (hostshare.py): those several
-    ranks hold, all of them on one host (``block == world``); across hosts those every rank
-    holds (a replica group's are passed rank to rank)."""
-    return [sid for sid, it in enumerate(shard.items)
-            if it.nbytes and it.holder_count(world) > 1 and (it.holders is None or block == world)]
-
-
-def _open_shared(shard: RankShard, share_dir: str | None, token: str, sids: Sequence[int]
-                 ) -> tuple[hostshare.SharedItems | None, BaseException | None]:
-    """This rank's shared files for the items ``sids`` (named by item key, the same on every
-    holder), or the error that prevented them (then no rank shares)."""
+def _open_shared(shard: RankShard, share_dir: str | None, token: str, sids: Sequence[int], world: int,
+                 block: int | None) -> tuple[HostTmpfsTransport | None, BaseException | None]:
+    """This rank's shared files for the items ``sids`` (HostTmpfsTransport.open), or the error
+    that prevented them (then no rank shares)."""
     try:
-        hostshare.clean_stale(share_dir)
-        items = [(hashlib.sha1(shard.items[sid].key.encode()).hexdigest()[:20], sid, shard.items[sid].nbytes)
-                 for sid in sids]
-        return hostshare.SharedItems(share_dir, token, items), None  # type: ignore[arg-type]
+        return HostTmpfsTransport.open(world, block, share_dir, token, shard, sids), None
     except Exception as e:  # noqa: BLE001 - reported by the caller
         return None, e
-
-
-def live_templates(state: Any, optimizer: Any) -> dict[str, Any]:
-    """Key path -> live tensor (DTensor or plain) of the live ``state`` (as the checkpointer
-    collects it), named as the manifest names saved ones; the optimizer's parameters also stand
-    for their (not yet created) per-parameter state."""
-    out = dict(leaves(state))
-    if optimizer is not None and hasattr(optimizer, "param_groups") and isinstance(state.get("optimizer"), dict):
-        for saved, group in zip(state["optimizer"].get("param_groups", []), optimizer.param_groups):
-            for pid, p in zip(saved.get("params", []), group["params"]):
-                out.setdefault(join("optimizer/state", pid), p)
-    return out
-
-
-def _plain_blocks(m: Manifest, parts: dict[int, tuple], whole: set[int]) -> tuple[Manifest, dict[int, int], set[int]]:
-    """For plain saved tensors (index -> target_block's (offsets, shape, wrap)) of which a live
-    DTensor holds a block: ``m`` with a record of each block appended (the same strides, its
-    first element as its offset), {tensor index: its block's record} (none for an empty block)
-    and the storages added for them. A block whose storage is not needed ``whole`` anyway gets a
-    storage of its own made of the saved chunks holding its bytes (whole chunks: each is
-    checked against its crc32c), so a rank reads about its block, not the tensor."""
-    blocks: dict[int, TensorRecord] = {}
-    spans: dict[int, list[int]] = {}  # storage -> [begin, end) of the bytes its blocks touch
-    for i, (offsets, shape, _) in parts.items():
-        rec = m.tensors[i]
-        first = sum(o * s for o, s in zip(offsets, rec.stride)) * dtype_from_name(rec.dtype).itemsize
-        block = replace(rec, byte_offset=rec.byte_offset + first, shape=tuple(shape))
-        lo, hi = block.byte_extent()
-        if hi <= lo:
-            continue
-        blocks[i] = block
-        if rec.storage not in whole:
-            span = spans.setdefault(rec.storage, [lo, hi])
-            span[0], span[1] = min(span[0], lo), max(span[1], hi)
-    storages = list(m.storages)
-    moved: dict[int, tuple[int, int]] = {}  # storage -> (the storage standing for it, its first byte there)
-    for s, (lo, hi) in spans.items():
-        chunks = [c for c in m.storages[s].chunks if c.length and c.storage_offset < hi and lo < c.storage_offset + c.length]
-        start, end = min(c.storage_offset for c in chunks), max(c.storage_offset + c.length for c in chunks)
-        moved[s] = (len(storages), start)
-        storages.append(StorageRecord(end - start, tuple(replace(c, storage_offset=c.storage_offset - start)
-                                                         for c in chunks)))
-    tensors = list(m.tensors)
-    at: dict[int, int] = {}
-    for i, block in blocks.items():
-        if block.storage in moved:
-            k, start = moved[block.storage]
-            block = replace(block, storage=k, byte_offset=block.byte_offset - start)
-        at[i] = len(tensors)
-        tensors.append(block)
-    return replace(m, storages=tuple(storages), tensors=tuple(tensors)), at, {k for k, _ in moved.values()}
-
-
-def rebuild_state(coord: Coordinator, layout: RootLayout, m: Manifest, templates: dict[str, Any],
-                  optimizer: Any, engine: IOEngine, *, verify: bool, what: str, fetch: Any = fetch_storages,
-                  single: bool = False) -> Any:
-    """Collective: the state this rank saved in ``m``, its sharded tensors assembled as the
-    ``templates`` (live tensors by key path) hold them now; the whole tensor without one.
-    ``fetch``: fetch_storages, or reshard.read_reached when ``m`` is this rank's part alone.
-    ``single``: ``m`` is a single-process step (every rank loads its one tree): a plain tensor
-    whose live tensor is a DTensor (FSDP, TP) becomes that rank's block of it, and when every
-    rank needs bytes of the same storages (DDP: all of them whole; FSDP: a block of each) they
-    are read from disk once across the ranks (reshard.read_replicated_once: each rank about
-    1 / N); else each rank reads what it needs, of a block the saved chunks holding it
-    (``_plain_blocks``), or where some rank does not reach the files (node-local roots: ranks
-    then read chunks for each other, named by the storages every rank has) the storages whole."""
-    unchanged = "the live state was not changed"
-    needed: set[int] = set()
-    jobs: dict[str, tuple] = {}
-    parts: dict[int, tuple] = {}  # a plain saved tensor a live DTensor holds: index -> target_block's answer
-    refs: list[int] = []
-    tree = None
-    error = None
-    spanned: set[int] = set()
-    alone: tuple[Manifest, dict[int, int], set[int]] = (m, {}, set())
-    together = alone
-    try:
-        tree = tree_for_rank(m, coord.rank)
-        refs = tensor_refs(tree, len(m.tensors))
-        for i in refs:
-            rec = m.tensors[i]
-            template = template_of(templates, rec.name) if single and rec.shard is None else None
-            if template is not None and is_dtensor(template) and tuple(template.shape) == tuple(rec.shape):
-                parts[i] = target_block(template, rec.shape)
-            elif rec.shard is None:
-                needed.add(rec.storage)
-            elif rec.name not in jobs:
-                offsets, shape, wrap = target_block(template_of(templates, rec.name), rec.shard.global_shape)
-                blocks = [j for j, r in enumerate(m.tensors) if r.shard is not None and r.name == rec.name
-                          and overlap(offsets, shape, r.shard.offsets, r.shape) is not None]
-                needed.update(m.tensors[j].storage for j in blocks)
-                jobs[rec.name] = (offsets, shape, wrap, blocks)
-        spanned = needed | {m.tensors[i].storage for i in parts}  # every storage this rank needs bytes of
-        alone = _plain_blocks(m, parts, needed) if parts else (m, {}, set())  # its blocks' chunks, read alone
-        together = _plain_blocks(m, parts, spanned) if parts else alone  # its blocks in the storages read together
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    coord.agree(error, f"{what} (planning)", hint=unchanged)
-    # buffers are allocated once every rank has checked the files it reads (fetch_storages)
-    reach = manifest_reach(m, layout)
-    buffers, reached = None, True
-    if single and coord.world_size > 1:  # None: the ranks do not need the same storages, or some do not reach them
-        buffers, reached = read_replicated_once(coord, reach, m, spanned, engine, verify=verify, what=what)
-    if buffers is None and reached:  # every rank reads its own chunks (a block's alone)
-        read, block_of, partial = alone
-        buffers = fetch(coord, reach, read, needed | partial, engine, verify=verify, what=what)
-    elif buffers is None:  # ranks read chunks for others (node-local roots): named alike on every rank, whole
-        read, block_of, partial = together
-        buffers = fetch(coord, reach, read, spanned, engine, verify=verify, what=what)
-    else:
-        read, block_of, partial = together
-    error, state = None, None
-    try:
-        views = [i for i in refs if m.tensors[i].shard is None and i not in parts]
-        views += sorted({j for *_, blocks in jobs.values() for j in blocks}) + sorted(block_of.values())
-        built = dict(zip(views, tensors_from_storages(replace(read, tensors=tuple(read.tensors[i] for i in views)),
-                                                      buffers)))  # type: ignore[arg-type]
-        tensors = [built.get(i, torch.empty(0, dtype=dtype_from_name(r.dtype))) for i, r in enumerate(m.tensors)]
-        for i in refs:
-            rec = m.tensors[i]
-            if i in parts:
-                _, shape, wrap = parts[i]
-                j = block_of.get(i)
-                tensors[i] = wrap(built[j].contiguous() if j is not None else
-                                  torch.empty(shape, dtype=dtype_from_name(rec.dtype)))
-            elif rec.shard is not None:
-                offsets, shape, wrap, blocks = jobs[rec.name]
-                local = assemble(rec.name, offsets, shape, dtype_from_name(rec.dtype),
-                                 [(m.tensors[j].shard, built[j]) for j in blocks])
-                tensors[i] = wrap(local)
-        state = decode_state(tree, tensors)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    coord.agree(error, f"{what} (rebuilding the state)", hint=unchanged)
-    return state
 
 
 def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState, live_state: dict,
@@ -695,7 +326,7 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
                                        f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
         coord.agree(error, what, hint="the live state was not changed")
         state = rebuild_state(coord, layout, m, templates, live.optimizer, engine, verify=verify, what=what,
-                              single=g is None and m.dist is None)
+                              single=g is None and m.dist is None, read_once=read_replicated_once)
     plan, error = None, None
     try:
         plan = check(state)
@@ -768,11 +399,12 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
         verdicts = coord.gather(_verdict(failure), what, dst=src)  # decided on src: every rank gets a bounded answer
         decision = None
         if verdicts is not None:
-            decision = {"other": "other" in verdicts, "gone": "gone" in verdicts,
-                        **bounded({r: "damage" for r, v in enumerate(verdicts) if v == "damage"})}
-        decision = coord.broadcast(decision, f"{what} (decision)", src=src)
-        shown, total = unbound(decision)
-        if decision["other"] or not (total or decision["gone"]):
+            shown, total = unbound(bounded({r: "damage" for r, v in enumerate(verdicts) if v == "damage"}))
+            decision = FallbackDecision("other" in verdicts, "gone" in verdicts, total,
+                                        tuple(sorted(shown.items()))).to_wire()
+        decided = FallbackDecision.from_wire(coord.broadcast(decision, f"{what} (decision)", src=src))
+        shown, total = dict(decided.shown), decided.failed
+        if decided.other or not (total or decided.gone):
             raise failure
         if not total:  # deleted while it was read: gone, not damaged
             log.info("gdswriter: step %d under %s was deleted while it was being read; trying the newest step left",

@@ -27,10 +27,10 @@ step's manifest and then, straight from the roots it sees, only the shards it ne
 It then reads its chunks itself (``read_reached``): no rank receives other ranks' records,
 and no message grows with the world size. When some rank does not see a shard or a data file
 it needs (node-local roots), or the step has no index (a 1.3 step saved before it existed),
-every rank takes the merging path instead (load.py ``gather_merged``), which sends chunks
+every rank takes the merging path instead (loadmanifest.py ``gather_merged``), which sends chunks
 between ranks.
 
-A step saved by a single process has no shards: load.py reads it whole on every rank's plan,
+A step saved by a single process has no shards: rebuild.py reads it whole on every rank's plan,
 and ``read_replicated_once`` reads the storages every rank needs bytes of once across the ranks
 with the same machinery (``read_split`` of one writer's items on N ranks, ``read_reached``).
 Damage found while reading (a checksum, a short file) is CorruptCheckpointError on every rank,
@@ -157,7 +157,158 @@ def _read_together(it: ItemRecord, saved_world: int) -> bool:
     return it.holders is None and it.key.startswith("R") and saved_world > 1
 
 
-def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, templates: dict[str, Any],  # noqa: C901
+class _Shards:
+    """The manifest shards of step ``g`` a plan opens, each read once when first needed, with
+    its items by key, its DTensor blocks by (name, offsets) and its holders' split."""
+
+    def __init__(self, g: GlobalManifest, reach: list[Path | None], read: Callable[[Path, GlobalManifest, Any], bytes]):
+        self.g, self.reach, self.read = g, reach, read
+        self.shards: dict[int, RankShard] = {}
+        self.keys: dict[int, dict[str, int]] = {}
+        self.blocks_of: dict[int, dict[tuple, list[TensorRecord]]] = {}  # per shard: (name, offsets) -> its records
+        self.pieces: dict[int, list] = {}
+
+    def __call__(self, r: int) -> RankShard:
+        if r not in self.shards:
+            g = self.g
+            ref = g.shards[r]
+            root = self.reach[ref.root]
+            if root is None:
+                raise _Unreached()
+            d = root / step_dir_name(g.step)
+            self.shards[r] = parse_shard(self.read(d, g, ref), g, ref, str(d / ref.name))
+            self.keys[r] = {it.key: k for k, it in enumerate(self.shards[r].items)}
+            self.blocks_of[r] = {}
+            for t in self.shards[r].tensors:
+                if t.shard is not None:
+                    self.blocks_of[r].setdefault((t.name, t.shard.offsets), []).append(t)
+        return self.shards[r]
+
+    def split(self, r: int) -> list:
+        """item_pieces of shard ``r``'s items (its holders' split), computed once."""
+        if r not in self.pieces:
+            self.pieces[r] = item_pieces(self.shards[r].items, self.g.world_size)
+        return self.pieces[r]
+
+    def bad(self, msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"step {self.g.step}: {msg}; the checkpoint is damaged: load an earlier step")
+
+
+class _Picked:
+    """The tensor records the plan's Manifest holds, and the items they view (by key: a
+    holder's rank and the item's index in its shard)."""
+
+    def __init__(self, shards: _Shards):
+        self.shards = shards
+        self.items: dict[str, tuple[int, int]] = {}
+        self.tensors: list[TensorRecord] = []
+        self.where: dict[int, int] = {}  # the tree shard's tensor index -> ours
+        self.names: dict[str, int] = {}  # a sharded tensor -> our first block of it
+
+    def add(self, r: int, rec: TensorRecord) -> int:
+        it = self.shards.shards[r].items[rec.storage]
+        self.items.setdefault(it.key, (r, rec.storage))
+        self.tensors.append(replace(rec, storage=it.key))  # type: ignore[arg-type] - numbered below
+        return len(self.tensors) - 1
+
+
+def _pick_block(picked: _Picked, index: Any, tree_rank: int, rec: TensorRecord, templates: dict[str, Any],
+                template_of: Callable[[dict[str, Any], str], Any]) -> int:
+    """Our record of the block of DTensor ``rec`` this rank's live tensor holds: the saved
+    blocks it meets (the layout index names their holders), each checked against its holder's
+    shard; an empty block: ``rec`` itself."""
+    shards = picked.shards
+    entry = index.entries.get(rec.name)
+    if entry is None or entry.global_shape != rec.shard.global_shape or entry.dtype != rec.dtype:  # type: ignore[union-attr]
+        raise shards.bad(f"rank {tree_rank}'s manifest shard has DTensor {rec.name[:200]!r} (global shape "
+                         f"{list(rec.shard.global_shape)}, {rec.dtype}) that the layout index "  # type: ignore[union-attr]
+                         + ("does not list" if entry is None else
+                            f"describes as {list(entry.global_shape)}, {entry.dtype}"))
+    offsets, shape, _ = target_block(template_of(templates, rec.name), rec.shard.global_shape)  # type: ignore[union-attr]
+    blocks = entry.overlapping(offsets, shape)
+    if not blocks:  # an empty block: any record of the name stands for it
+        picked.names[rec.name] = picked.add(tree_rank, rec)
+        return picked.names[rec.name]
+    for holder, boff, bshape in blocks:
+        shards(holder)
+        held = shards.blocks_of[holder].get((rec.name, boff), [])
+        if len(held) != 1 or held[0].shape != bshape or held[0].shard.global_shape != entry.global_shape \
+                or held[0].dtype != entry.dtype:
+            raise shards.bad(f"the layout index says rank {holder} holds the block {list(boff)} + {list(bshape)} "
+                             f"of {rec.name[:200]!r}, its manifest shard does not")
+        j = picked.add(holder, held[0])
+        picked.names.setdefault(rec.name, j)
+    return picked.names[rec.name]
+
+
+def _pick(shards: _Shards, index: Any, tree_rank: int, templates: dict[str, Any],
+          template_of: Callable[[dict[str, Any], str], Any]) -> _Picked:
+    """The records this rank's tree (shard ``tree_rank``'s) references: its plain tensors, and of
+    each DTensor the saved blocks its live block meets (``_pick_block``); then every replicated
+    item read together, whatever the tree references."""
+    own = shards.shards[tree_rank]
+    picked = _Picked(shards)
+    for i in tensor_refs(own.tree, len(own.tensors)):
+        rec = own.tensors[i]
+        if rec.shard is None:
+            picked.where[i] = picked.add(tree_rank, rec)
+        elif rec.name in picked.names:
+            picked.where[i] = picked.names[rec.name]
+        else:
+            picked.where[i] = _pick_block(picked, index, tree_rank, rec, templates, template_of)
+    for k, it in enumerate(own.items):
+        if _read_together(it, shards.g.world_size):
+            picked.items[it.key] = (tree_rank, k)
+    return picked
+
+
+class _Files:
+    """The data files the plan's chunks are in, numbered in the order first met."""
+
+    def __init__(self) -> None:
+        self.ids: dict[tuple[int, str], int] = {}
+        self.records: list[FileRecord] = []
+
+    def number(self, f: FileRecord) -> int:
+        fid = self.ids.setdefault((f.root, f.path), len(self.records))
+        if fid == len(self.records):
+            self.records.append(f)
+        return fid
+
+
+def _item_storage(shards: _Shards, files: _Files, key: str, r: int, k: int, rank: int,
+                  shared: tuple[list[tuple[int, int, int]], list[tuple[int, int]]] | None) -> StorageRecord:
+    """Item ``key`` (index ``k`` of shard ``r``) as a storage of the plan: its chunks, from the
+    shards of the holders that wrote its pieces; of an item read together (``shared``: the saved
+    pieces, and the (offset, length) spans this rank reads for every rank), only the chunks of
+    those spans, from their writers."""
+    g = shards.g
+    it = shards.shards[r].items[k]
+    if it.holder_count(g.world_size) == 1:
+        writers = [it.first_holder]
+    else:
+        writers = sorted({w for w, _, n in shards.split(r)[k] if n})
+    saved, mine = shared if shared is not None else ([], [])
+    if shared is not None:
+        writers = [w for w in writers if any(_meets(off, n, mine) for v, off, n in saved if v == w)]
+    chunks: list[ChunkRecord] = []
+    for w in writers:
+        sw = shards(w)
+        kw = shards.keys[w].get(key)
+        if kw is None or sw.items[kw].nbytes != it.nbytes:
+            raise shards.bad(f"rank {w} wrote part of item {key[:40]} ({it.nbytes} bytes) by its holders' "
+                             f"split, its manifest shard does not record it so")
+        if shared is not None and not tiles(sw.chunks[kw], [(off, n) for v, off, n in saved if v == w]):
+            raise shards.bad(f"rank {w}'s manifest shard does not record exactly the pieces of item {key[:40]} "
+                             f"its holders' split gives it")
+        for c in sw.chunks[kw]:
+            if shared is not None and c.length and not _meets(c.storage_offset, c.length, mine):
+                continue  # bytes other loading ranks read
+            chunks.append(replace(c, file=files.number(sw.files[c.file])))
+    return StorageRecord(it.nbytes, tuple(sorted(chunks, key=lambda c: c.storage_offset)))
+
+
+def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, templates: dict[str, Any],
                      template_of: Callable[[dict[str, Any], str], Any],
                      read: Callable[[Path, GlobalManifest, Any], bytes] = read_shard, *, world: int
                      ) -> tuple[Manifest, list[int], SharedRead] | None:
@@ -167,147 +318,54 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
     does not see. A shard that contradicts the index is CorruptCheckpointError."""
     index = g.layout_index
     assert index is not None
-    shards: dict[int, RankShard] = {}
-    keys: dict[int, dict[str, int]] = {}
-    blocks_of: dict[int, dict[tuple, list[TensorRecord]]] = {}  # per shard: (name, offsets) -> its records
-    pieces: dict[int, list] = {}
-
-    def shard(r: int) -> RankShard:
-        if r not in shards:
-            ref = g.shards[r]
-            root = reach[ref.root]
-            if root is None:
-                raise _Unreached()
-            d = root / step_dir_name(g.step)
-            shards[r] = parse_shard(read(d, g, ref), g, ref, str(d / ref.name))
-            keys[r] = {it.key: k for k, it in enumerate(shards[r].items)}
-            blocks_of[r] = {}
-            for t in shards[r].tensors:
-                if t.shard is not None:
-                    blocks_of[r].setdefault((t.name, t.shard.offsets), []).append(t)
-        return shards[r]
-
-    def bad(msg: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"step {g.step}: {msg}; the checkpoint is damaged: load an earlier step")
-
+    shards = _Shards(g, reach, read)
+    files = _Files()
     try:
         tree_rank = rank if rank < g.world_size else 0
-        own = shard(tree_rank)
-        items: dict[str, tuple[int, int]] = {}  # key -> (a holder's rank, the item's index in its shard)
-        tensors: list[TensorRecord] = []
-        where: dict[int, int] = {}  # the tree shard's tensor index -> ours
-        names: dict[str, int] = {}  # a sharded tensor -> our first block of it
-
-        def add(r: int, rec: TensorRecord) -> int:
-            it = shards[r].items[rec.storage]
-            items.setdefault(it.key, (r, rec.storage))
-            tensors.append(replace(rec, storage=it.key))  # type: ignore[arg-type] - numbered below
-            return len(tensors) - 1
-
-        for i in tensor_refs(own.tree, len(own.tensors)):
-            rec = own.tensors[i]
-            if rec.shard is None:
-                where[i] = add(tree_rank, rec)
-                continue
-            if rec.name in names:
-                where[i] = names[rec.name]
-                continue
-            entry = index.entries.get(rec.name)
-            if entry is None or entry.global_shape != rec.shard.global_shape or entry.dtype != rec.dtype:
-                raise bad(f"rank {tree_rank}'s manifest shard has DTensor {rec.name[:200]!r} (global shape "
-                          f"{list(rec.shard.global_shape)}, {rec.dtype}) that the layout index "
-                          + ("does not list" if entry is None else
-                             f"describes as {list(entry.global_shape)}, {entry.dtype}"))
-            offsets, shape, _ = target_block(template_of(templates, rec.name), rec.shard.global_shape)
-            blocks = entry.overlapping(offsets, shape)
-            if not blocks:  # an empty block: any record of the name stands for it
-                names[rec.name] = where[i] = add(tree_rank, rec)
-                continue
-            for holder, boff, bshape in blocks:
-                shard(holder)
-                held = blocks_of[holder].get((rec.name, boff), [])
-                if len(held) != 1 or held[0].shape != bshape or held[0].shard.global_shape != entry.global_shape \
-                        or held[0].dtype != entry.dtype:
-                    raise bad(f"the layout index says rank {holder} holds the block {list(boff)} + {list(bshape)} "
-                              f"of {rec.name[:200]!r}, its manifest shard does not")
-                j = add(holder, held[0])
-                names.setdefault(rec.name, j)
-            where[i] = names[rec.name]
-        # the replicated items, read together: all of them, whatever this rank's tree references
-        for k, it in enumerate(own.items):
-            if _read_together(it, g.world_size):
-                items[it.key] = (tree_rank, k)
+        own = shards(tree_rank)
+        picked = _pick(shards, index, tree_rank, templates, template_of)
         # each item's chunks, from the shards of the holders that wrote its pieces (of an item
         # read together, those of the writers of the pieces this rank reads for every rank)
+        items = picked.items
         order = list(items)
-        number = {k: n for n, k in enumerate(order)}
-        files: dict[tuple[int, str], int] = {}
-        file_list: list[FileRecord] = []
-        storages = []
-        shared_keys = sorted(key for key in order if _read_together(shards[items[key][0]].items[items[key][1]],
+        shared_keys = sorted(key for key in order if _read_together(shards.shards[items[key][0]].items[items[key][1]],
                                                                       g.world_size))
-        if shared_keys and tree_rank not in pieces:
-            pieces[tree_rank] = item_pieces(own.items, g.world_size)
-        saved = {key: pieces[tree_rank][items[key][1]] for key in shared_keys}
+        saved = {key: shards.split(tree_rank)[items[key][1]] for key in shared_keys} if shared_keys else {}
         reads = dict(zip(shared_keys, read_split([saved[key] for key in shared_keys],
                                                  [own.items[items[key][1]].nbytes for key in shared_keys],
                                                  g.world_size, world)))
-
-        for key in order:
-            r, k = items[key]
-            it = shards[r].items[k]
-            if it.holder_count(g.world_size) == 1:
-                writers = [it.first_holder]
-            else:
-                if r not in pieces:
-                    pieces[r] = item_pieces(shards[r].items, g.world_size)
-                writers = sorted({w for w, _, n in pieces[r][k] if n})
-            shared = key in reads
-            mine: list[tuple[int, int]] = []
-            if shared:
-                mine = [(off, n) for j, off, n in reads[key] if j == rank]
-                writers = [w for w in writers if any(_meets(off, n, mine) for v, off, n in saved[key] if v == w)]
-            chunks: list[ChunkRecord] = []
-            for w in writers:
-                sw = shard(w)
-                kw = keys[w].get(key)
-                if kw is None or sw.items[kw].nbytes != it.nbytes:
-                    raise bad(f"rank {w} wrote part of item {key[:40]} ({it.nbytes} bytes) by its holders' "
-                              f"split, its manifest shard does not record it so")
-                if shared and not tiles(sw.chunks[kw], [(off, n) for v, off, n in saved[key] if v == w]):
-                    raise bad(f"rank {w}'s manifest shard does not record exactly the pieces of item {key[:40]} "
-                              f"its holders' split gives it")
-                for c in sw.chunks[kw]:
-                    if shared and c.length and not _meets(c.storage_offset, c.length, mine):
-                        continue  # bytes other loading ranks read
-                    f = sw.files[c.file]
-                    fid = files.setdefault((f.root, f.path), len(file_list))
-                    if fid == len(file_list):
-                        file_list.append(f)
-                    chunks.append(replace(c, file=fid))
-            storages.append(StorageRecord(it.nbytes, tuple(sorted(chunks, key=lambda c: c.storage_offset))))
-        if any(reach[f.root] is None for f in file_list):
+        storages = [_item_storage(shards, files, key, *items[key], rank,
+                                  (saved[key], [(off, n) for j, off, n in reads[key] if j == rank])
+                                  if key in reads else None) for key in order]
+        if any(reach[f.root] is None for f in files.records):
             raise _Unreached()
     except _Unreached:
         return None
+    number = {k: n for n, k in enumerate(order)}
     together = tuple(number[key] for key in shared_keys)
-    records = tuple(replace(t, storage=number[t.storage]) for t in tensors)  # type: ignore[index]
-    # its root table: the roots its files are on (renumbered), not the step's (a root per rank or more)
-    used = sorted({f.root for f in file_list}) or [0]
-    renumber = {r: k for k, r in enumerate(used)}
-    file_list = [replace(f, root=renumber[f.root]) for f in file_list]
-    m = Manifest(step=g.step, files=tuple(file_list), storages=tuple(storages), tensors=records,
-                 state=remap_tree(own.tree, lambda i: where[i]), created_unix=g.created_unix, metadata=g.metadata,
-                 version=MULTI_RANK_VERSION, dist=DistInfo(g.world_size, "gdswriter", tuple(g.roots[r] for r in used)))
+    records = tuple(replace(t, storage=number[t.storage]) for t in picked.tensors)  # type: ignore[index]
+    m = _plan_manifest(g, own, files.records, storages, records, picked.where)
     try:  # through the 1.2 validation: every item covered once, chunks inside their files, views inside items
         data = _covered(m, together).to_json_bytes()
     except Exception as e:  # noqa: BLE001 - a record no reader accepts: the shards are damaged
-        raise bad(f"the shards describe a tensor no reader accepts ({e})") from e
+        raise shards.bad(f"the shards describe a tensor no reader accepts ({e})") from e
     checked = Manifest.from_json_bytes(data, where=f"step {g.step} (the manifest shards rank {rank} needs)")
     checked = replace(checked, files=m.files, storages=m.storages, version=SHARDED_VERSION,
                       created_unix=g.created_unix)
-    return checked, sorted(shards), SharedRead(together, tuple(tuple(reads[key]) for key in shared_keys),
-                                               _every_rank_set(own.items), cut=world > g.world_size)
+    return checked, sorted(shards.shards), SharedRead(together, tuple(tuple(reads[key]) for key in shared_keys),
+                                                      _every_rank_set(own.items), cut=world > g.world_size)
+
+
+def _plan_manifest(g: GlobalManifest, own: RankShard, file_list: list[FileRecord], storages: list[StorageRecord],
+                   records: tuple[TensorRecord, ...], where: dict[int, int]) -> Manifest:
+    """The plan as a Manifest: its root table the roots its files are on (renumbered), not the
+    step's (a root per rank or more); its tree the tree shard's, on our tensor numbers."""
+    used = sorted({f.root for f in file_list}) or [0]
+    renumber = {r: k for k, r in enumerate(used)}
+    file_list = [replace(f, root=renumber[f.root]) for f in file_list]
+    return Manifest(step=g.step, files=tuple(file_list), storages=tuple(storages), tensors=records,
+                    state=remap_tree(own.tree, lambda i: where[i]), created_unix=g.created_unix, metadata=g.metadata,
+                    version=MULTI_RANK_VERSION, dist=DistInfo(g.world_size, "gdswriter", tuple(g.roots[r] for r in used)))
 
 
 OTHERS_PIECES = "replicated-pieces-other-ranks-read"
@@ -345,7 +403,7 @@ def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, e
     Every file is checked against its recorded size on every rank before any buffer is allocated.
     The items ``shared`` names are read together: each rank reads its pieces of them (of the
     chunks in ``m``, the bytes inside its pieces) and every piece spreads from its reader to
-    every rank down a binomial tree (load.py ``relay``), so their bytes are read from disk once
+    every rank down a binomial tree (loadplan.py ``relay``), so their bytes are read from disk once
     in all. A chunk read whole is checked against its crc32c where it is read (a receiver has no
     records of it); a chunk the pieces cut (``shared.cut``) is checked whole once the pieces
     have spread, by the rank that read its first byte, and all ranks agree on the outcome
