@@ -241,6 +241,19 @@ class GDSCheckpointer:
         self._check_open()
         return tuple(self._engine_list())
 
+    @property
+    def session(self) -> Session:
+        """The Session this checkpointer saves and loads through (LocalSession in one process,
+        DistSession under a process group; gdswriter/session.py): its plan cache and its
+        coordination channel's counters, for diagnosis."""
+        return self._session
+
+    @property
+    def snapshot_pool(self) -> HostSnapshotPool:
+        """The host snapshot pool the saves copy into (save/pool.py): its capacity and whether its
+        page-locked memory is still being reserved, for diagnosis."""
+        return self._snapshot_pool
+
     def steps(self) -> list[int]:
         """Committed steps, ascending (after any pending retention deletes)."""
         self._wait_retention()

@@ -985,7 +985,7 @@ def test_gpu_local_plans_are_written_and_recorded(tmp_path, monkeypatch):
                                  cuda_gpus={g: g for g in range(4)})
 
         # A GPU-local plan on a CPU machine: the session takes no plan from outside (an argument for tests only).
-        monkeypatch.setattr(ck._session, "_plan", gpu_local)
+        monkeypatch.setattr(ck.session, "_plan", gpu_local)
         ck.save(1)
         for v in model.values():
             v.zero_()

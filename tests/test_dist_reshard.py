@@ -80,9 +80,9 @@ def _load_worker(rank: int, world: int, root: str | list[str], out: str) -> dict
     model, opt = _model(world, seed=7)  # other values
     with GDSCheckpointer(model, opt, root=root, options=small_options()) as ck:
         reads = _count_shard_reads()
-        before = ck._session.coord.stats.snapshot()  # private: the checkpointer's coordination counters
+        before = ck.session.coord.stats.snapshot()
         ck.load(STEP)
-        after = ck._session.coord.stats.snapshot()
+        after = ck.session.coord.stats.snapshot()
     expected = torch.load(Path(out, "expected.pt"))
     got = _full(model, opt)
     diff = sorted(k for k in expected.keys() | got.keys()

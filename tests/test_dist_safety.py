@@ -261,7 +261,7 @@ def _early_failure_worker(rank: int, world: int, tmp: str) -> dict:
     def policy(steps, newest):
         raise ValueError("a broken retention policy")
 
-    out["retention"] = caught(lambda: ck._session.apply_retention(1, policy))
+    out["retention"] = caught(lambda: ck.session.apply_retention(1, policy))
     ck.save(2)
     out["steps"] = ck.steps()
     ck.close()
@@ -319,7 +319,7 @@ def test_a_dcp_save_that_never_finishes_releases_its_lock(tmp_path):
         w = writer(1)
         w.finish = stopped  # what DCP does when a rank fails after write_data: finish never runs
         assert "DCP failed before finish" in caught(lambda: dcp.save(sd, storage_writer=w, no_dist=True))[1]
-        assert w._session is not None, "the save still holds the lock"
+        assert w.session is not None, "the save still holds the lock"
         if release == "reset":
             w.reset()
         else:

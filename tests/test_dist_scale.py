@@ -72,7 +72,7 @@ def _traffic_worker(rank: int, world: int, root: str) -> dict:
     mine = {"count": torch.full((3 * MiB // 4,), float(rank))}  # rank-local, above the small-copy threshold
     with GDSCheckpointer(model, root=root, state={"mine": mine}, options=_options(),
                          dist_options=_dist_options()) as ck:
-        coord = ck._session.coord  # private: the checkpointer's coordination channel
+        coord = ck.session.coord
         stats = coord.stats
         ck.save(1)  # the first save plans; the next ones reuse the plan
         before = stats.snapshot()
@@ -83,7 +83,7 @@ def _traffic_worker(rank: int, world: int, root: str) -> dict:
         crossmem.domain = lambda: f"{plain_domain()}:host{rank // 2}"  # private: the process domain
         ck.load(2)
         loaded = stats.snapshot()
-        hits = ck._session._plans.hits  # private: the plan cache
+        hits = ck.session._plans.hits  # private: the plan cache
     return {"save": [a - b for a, b in zip(after, before)], "load": [a - b for a, b in zip(loaded, after)],
             "hits": hits, "load_by_name": dict(received)}
 
@@ -130,7 +130,7 @@ def _open_traffic_worker(rank: int, world: int, base: str) -> dict:
     root = Path(base, f"rank{rank}")  # every rank its own disk: the table holds W roots
     with GDSCheckpointer(model, root=root, state={"mine": mine}, options=_options(),
                          dist_options=_dist_options()) as ck:
-        coord = ck._session.coord  # private: the checkpointer's coordination channel
+        coord = ck.session.coord
         opened = coord.stats.snapshot()  # creating the channel and opening the roots
         received = _count_received(coord)
         ck.save(1)
@@ -241,7 +241,7 @@ def _read_once_worker(rank: int, world: int, root: str, share: str | list | None
             return plain(path, spans)
 
         engine.read_file = counting  # private: wraps the engine instance's method
-        stats = ck._session.coord.stats  # private: the checkpointer's coordination channel's counters
+        stats = ck.session.coord.stats
         before = stats.snapshot()
         ck.load(1)
         received = stats.snapshot()[1] - before[1]
@@ -369,7 +369,7 @@ def _replica_group_worker(rank: int, world: int, root: str, hosts: int, within: 
         ck.save(1)
         w.to_local().zero_()
         every.zero_()
-        stats = ck._session.coord.stats  # private: the checkpointer's coordination channel's counters
+        stats = ck.session.coord.stats
         before = stats.snapshot()
         ck.load(1)
         received = stats.snapshot()[1] - before[1]

@@ -80,7 +80,7 @@ def _load_worker(rank: int, world: int, roots: list[str], out: str, fsdp: bool, 
 
         engine.read_file = counting  # private: wraps the engine instance's method
         error = None
-        stats = ck._session.coord.stats  # private: the checkpointer's coordination channel's counters
+        stats = ck.session.coord.stats
         before_load = stats.snapshot()
         try:
             ck.load(STEP)

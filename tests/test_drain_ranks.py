@@ -93,6 +93,19 @@ def test_drained_step_loads_bit_exact_from_the_drain_root_alone(tmp_path):
     assert cli_main(["verify", str(shared)]) == 0
 
 
+def _drained_then_armed(tmp: str, rank: int, armed: dict, before_read):
+    """Step 1 saved and drained on every rank; then rank 1's read gate armed and step 2 saved:
+    (the checkpointer, the step drained first)."""
+    holder = _set(state(rank, 0), rank, 1)
+    ck = _open(tmp, rank, holder, GatedEngine(before_read) if rank == 1 else None)
+    ck.save(1)
+    first = _drained_everywhere(ck)
+    armed["on"] = True
+    _set(holder, rank, 2)
+    ck.save(2)
+    return ck, first
+
+
 def _killed_mid_drain(rank: int, world: int, tmp: str) -> dict:
     """Step 1 drained by both ranks; rank 1 dies of SIGKILL as its drain of step 2 reads its
     first data file (rank 0 drains its part of step 2 and marks it)."""
@@ -102,13 +115,7 @@ def _killed_mid_drain(rank: int, world: int, tmp: str) -> dict:
         if armed["on"]:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    holder = _set(state(rank, 0), rank, 1)
-    ck = _open(tmp, rank, holder, GatedEngine(before_read) if rank == 1 else None)
-    ck.save(1)
-    first = _drained_everywhere(ck)
-    armed["on"] = True
-    _set(holder, rank, 2)
-    ck.save(2)
+    ck, first = _drained_then_armed(tmp, rank, armed, before_read)
     if rank == 1:
         time.sleep(600)  # killed by its drain
     ck.wait_drained()
@@ -153,13 +160,7 @@ def _damaged_on_one_rank(rank: int, world: int, tmp: str) -> dict:
                     fh.seek(-1, 1)
                     fh.write(bytes([b[0] ^ 0xFF]))
 
-    holder = _set(state(rank, 0), rank, 1)
-    ck = _open(tmp, rank, holder, GatedEngine(before_read) if rank == 1 else None)
-    ck.save(1)
-    first = _drained_everywhere(ck)
-    armed["on"] = True
-    _set(holder, rank, 2)
-    ck.save(2)
+    ck, first = _drained_then_armed(tmp, rank, armed, before_read)
     error = caught(ck.wait_drained)
     import torch.distributed as dist
     dist.barrier()

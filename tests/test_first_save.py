@@ -41,7 +41,7 @@ def test_first_async_save_streams_through_the_ring_and_the_next_save_finds_the_p
     state = random_state(8 * MiB)
     want1 = {k: v.clone() for k, v in state.items()}
     with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
-        pool = ck._snapshot_pool
+        pool = ck.snapshot_pool
         ck.save_async(1).result(timeout=120)
         assert pool.capacity == 2 * MiB  # the ring (1 MiB, rounded to a huge page), not the 8 MiB state
         assert pool.wait_reserved(120)  # the helper reserved the full pool after the save committed
@@ -59,7 +59,7 @@ def test_blocking_saves_never_reserve_the_full_pool(tmp_path, small_ring):
     default) and no helper runs; every step is bit-exact."""
     state = random_state(8 * MiB, seed=1)
     with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
-        pool = ck._snapshot_pool
+        pool = ck.snapshot_pool
         for step in (1, 2, 3):
             for v in state.values():
                 v.add_(step)
@@ -90,7 +90,7 @@ def test_a_guarded_step_after_a_first_save_through_the_ring_waits_for_the_copy(t
         for _ in range(3):
             step()  # the guarded steps wait for the release, then change every parameter
         ck.wait()
-        assert ck._snapshot_pool.capacity == 2 * MiB  # it did stream through the ring
+        assert ck.snapshot_pool.capacity == 2 * MiB  # it did stream through the ring
     got = load_state(tmp_path, 1)[1]
     assert same(got["model"], want["model"])
     assert all(torch.equal(got["optimizer"]["state"][i]["momentum_buffer"], s["momentum_buffer"])
@@ -102,18 +102,18 @@ def test_a_closed_checkpointers_pool_is_kept_for_the_next_one(tmp_path, small_ri
     state = random_state(8 * MiB, seed=2)
     with GDSCheckpointer(state, None, tmp_path / "a", options=M.small_options()) as ck:
         ck.save_async(1).result(timeout=120)
-        assert ck._snapshot_pool.wait_reserved(120)
+        assert ck.snapshot_pool.wait_reserved(120)
     kept = snapshot_pool.kept_pool_bytes()
     assert kept >= 8 * MiB  # the full pool the helper reserved outlives its checkpointer
     with GDSCheckpointer(state, None, tmp_path / "b", options=M.small_options()) as ck:
         ck.save_async(1).result(timeout=120)
-        assert ck._snapshot_pool.capacity == kept and snapshot_pool.kept_pool_bytes() == 0  # taken, not copied
-        assert not ck._snapshot_pool.reserving  # nothing to reserve: its first save had the full pool
+        assert ck.snapshot_pool.capacity == kept and snapshot_pool.kept_pool_bytes() == 0  # taken, not copied
+        assert not ck.snapshot_pool.reserving  # nothing to reserve: its first save had the full pool
     assert same(load_state(tmp_path / "b", 1)[1]["model"], state)
     # A pool larger than a checkpointer's bound is not taken: that checkpointer gets its own.
     with GDSCheckpointer(state, None, tmp_path / "c", options=M.small_options(snapshot_pool_bytes=RING)) as ck:
         ck.save(1)
-        assert ck._snapshot_pool.capacity == 2 * MiB and snapshot_pool.kept_pool_bytes() == kept
+        assert ck.snapshot_pool.capacity == 2 * MiB and snapshot_pool.kept_pool_bytes() == kept
     assert snapshot_pool.release_kept_pool() == kept and snapshot_pool.kept_pool_bytes() == 0
     assert same(load_state(tmp_path / "c", 1)[1]["model"], state)
 
@@ -138,7 +138,7 @@ def test_closing_while_the_full_pool_is_reserved_does_not_wait_and_the_pool_is_h
     state = random_state(8 * MiB, seed=4)
     ck = GDSCheckpointer(state, None, tmp_path / "a", options=M.small_options())
     ck.save_async(1).result(timeout=120)
-    assert ck._snapshot_pool.reserving  # held at the gate
+    assert ck.snapshot_pool.reserving  # held at the gate
     closer = threading.Thread(target=ck.close)
     closer.start()
     try:
@@ -150,11 +150,11 @@ def test_closing_while_the_full_pool_is_reserved_does_not_wait_and_the_pool_is_h
     assert snapshot_pool.kept_pool_bytes() == 2 * MiB  # the ring, kept at close; the full pool not there yet
     with GDSCheckpointer(state, None, tmp_path / "b", options=M.small_options()) as ck2:
         ck2.save_async(1).result(timeout=120)  # streams through the kept ring
-        assert ck2._snapshot_pool.reserving  # its helper waits for the handover
+        assert ck2.snapshot_pool.reserving  # its helper waits for the handover
         gate.set()
-        assert ck2._snapshot_pool.wait_reserved(120)
+        assert ck2.snapshot_pool.wait_reserved(120)
         ck2.save_async(2).result(timeout=120)
-        full = ck2._snapshot_pool.capacity
+        full = ck2.snapshot_pool.capacity
         assert full >= 8 * MiB
     assert len([r for r in regions if r.size > 2 * MiB]) == 1  # the handed-over pool, not a second one
     assert snapshot_pool.kept_pool_bytes() == full

@@ -837,7 +837,7 @@ def test_pool_is_allocated_once_and_reused(tmp_path, caplog):
     train(model, opt, 1)
     with GDSCheckpointer(model, opt, tmp_path, options=options(snapshot="host")) as ck:
         ck.save(1)
-        pool = ck._snapshot_pool
+        pool = ck.snapshot_pool
         address, capacity = pool._mem.buffers[0].address, pool.capacity
         for s in range(2, 6):
             train(model, opt, 1)
@@ -862,7 +862,7 @@ def test_state_larger_than_the_pool_streams_through_it(tmp_path, caplog, io_fres
                             options=options(snapshot="host", snapshot_pool_bytes=3 * MiB, files_per_root=2)) as ck:
         ck.save(7)
         ck.save(8)
-        assert ck._snapshot_pool.capacity <= 4 * MiB  # 3 MiB rounded to huge pages; floor 4 x 2 roots x 256 KiB
+        assert ck.snapshot_pool.capacity <= 4 * MiB  # 3 MiB rounded to huge pages; floor 4 x 2 roots x 256 KiB
     assert caplog.text.count("it streams through the pool") == 1
     _, st = load_state([tmp_path / "a", tmp_path / "b"], 7)
     assert M.crash_matches(st["model"], base, 7)
@@ -945,7 +945,7 @@ def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
     M.crash_fill(state, base, 3)
     with GDSCheckpointer(state, None, tmp_path, options=options(snapshot="host")) as ck:
         ck.save(3)
-        assert ck._snapshot_pool.capacity >= 8 * MiB
+        assert ck.snapshot_pool.capacity >= 8 * MiB
     assert len(order) >= 8 and seen == [True], (len(order), seen)
     assert M.crash_matches(load_state(tmp_path)[1]["model"], base, 3)
 

@@ -58,7 +58,7 @@ def test_training_right_after_save_async_does_not_reach_the_saved_step(tmp_path,
         train(model, opt, 5)  # the pre-hook orders each step after the save released the tensors
         assert h.result(timeout=120) == 1
         if mode == "host":
-            assert ck._snapshot_pool._pinned is not None, "the pool is registered with CUDA"
+            assert ck.snapshot_pool._pinned is not None, "the pool is registered with CUDA"
     got = saved(tmp_path, 1)
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
@@ -69,7 +69,7 @@ def test_pool_is_pinned_at_its_exact_size_and_reused(tmp_path):
     train(model, opt, 1)
     with GDSCheckpointer(model, opt, tmp_path, options=CheckpointOptions(engine=SMALL, snapshot="host")) as ck:
         ck.save(1)
-        pool = ck._snapshot_pool
+        pool = ck.snapshot_pool
         nbytes = sum(v.numel() * v.element_size() for v in snapshot(model, opt).values())
         first = (pool._mem.buffers[0].address, pool.capacity)
         assert nbytes <= pool.capacity < nbytes + (4 << 20), "no power-of-two rounding of pinned memory"

@@ -209,7 +209,7 @@ def test_lagging_root_piece_is_not_overwritten_before_it_is_written(tmp_path: Pa
     with GDSCheckpointer(state, None, roots, options=M.small_options(snapshot="host",
                                                                       snapshot_pool_bytes=2 * MiB)) as ck:
         # A plan that makes one root lag: the session takes no plan from outside (an argument for tests only).
-        monkeypatch.setattr(ck._session, "_new_plan", lambda sizes, devices, targets: plan)
+        monkeypatch.setattr(ck.session, "_new_plan", lambda sizes, devices, targets: plan)
         e0, e1 = ck.engines
         root0_files = sum(1 for f in plan.files if f.target.root == 0)
         written = []

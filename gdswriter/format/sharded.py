@@ -748,7 +748,7 @@ class _LazyTable(Sequence[_T]):
 class RootTable(_LazyTable[RootInfo]):
     """The root table of a parsed global manifest (dist.roots, checked by _roots_ok): a RootInfo
     per entry read, and the ids and paths of every entry as lists (for matching a rank's own
-    roots against them in C: distributed/load.py ``reach_of``)."""
+    roots against them in C: distributed/loadplan.py ``reach_of``)."""
 
     def __init__(self, rows: list[dict], world: int):
         super().__init__(rows)
