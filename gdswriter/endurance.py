@@ -264,7 +264,7 @@ def health_of(drive: Drive) -> tuple[HealthLog | None, str]:
 def read_health(drive: Drive) -> tuple[HealthLog | None, str]:
     """Read the health log now: nvme-cli, else the admin ioctl."""
     if drive.controller is None:
-        return None, f"{drive.name} is a {drive.kind()}, not an NVMe drive: it has no NVMe health log"
+        return None, f"{drive.name} is a {drive.kind()}, not an NVMe drive"
     why = []
     nvme = shutil.which("nvme")
     if nvme:
