@@ -234,3 +234,31 @@ def test_a_file_system_without_a_drive_has_no_endurance_finding(capsys):
     main(["doctor", "--json", "--no-io-test", str(shm)])
     report = json.loads(capsys.readouterr().out)
     assert not [f for f in report["findings"] if f["check"] == "endurance"]
+
+
+# ----------------------------------------------------------------------------- what each save wrote
+def test_ls_shows_the_bytes_each_step_wrote(capsys, tmp_path):
+    _saves(tmp_path, 3, CheckpointOptions(endurance_horizon_days=None))
+    root = tmp_path / "ckpt"
+    on_disk = {int(d.name.split("_")[1]): sum(f.stat().st_size for f in d.iterdir()) for d in root.glob("step_*")}
+    assert main(["ls", "--json", str(root)]) == 0
+    steps = json.loads(capsys.readouterr().out)[0]["steps"]
+    assert {s["step"]: s["bytes"] for s in steps} == on_disk and min(on_disk.values()) > 4 << 20
+    assert main(["ls", str(root)]) == 0
+    text = capsys.readouterr().out
+    from gdswriter.units import human
+
+    total = sum(on_disk.values())
+    assert f"  written: {human(total)} by the 3 steps listed, {human(total / 3)} per step on average" in text
+
+
+def test_bench_reports_the_bytes_one_save_of_each_method_writes(tmp_path):
+    from gdswriter.tools.bench import BenchOptions, run_bench
+
+    res = run_bench(BenchOptions(directory=tmp_path, size=256 * 1024, rounds=1, compare=("torch",), settle=0,
+                                 use_fio=False))
+    assert set(res.written) == {"gdswriter", "torch"}
+    for m, n in res.written.items():
+        assert res.bytes <= n < res.bytes + (1 << 20), (m, n)  # the state, plus headers, manifest, padding
+        assert res.to_json()["methods"][m]["written_bytes"] == n
+    assert any(line.startswith("  bytes one save writes (its files on disk): gdswriter ") for line in res.header())
