@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,8 +21,9 @@ import torch
 
 from gdswriter import GDSCheckpointer
 from gdswriter.cli import main
-from gdswriter.endurance import (DATA_UNIT, Cadence, Drive, HealthLogError, Rating, cadence, drives_of, health_of,
-                                 parse_log_page, parse_smart_log_json, rating_for, remaining_bytes, wear_message)
+from gdswriter.endurance import (DATA_UNIT, Cadence, Drive, HealthLogError, Rating, admin_get_log_page, cadence,
+                                 drives_of, health_of, parse_log_page, parse_smart_log_json, rating_for, read_health,
+                                 remaining_bytes, wear_message)
 from gdswriter.errors import InvalidOptionError
 from gdswriter.options import CheckpointOptions
 from gdswriter.tools.doctor import endurance_finding
@@ -136,6 +138,37 @@ def test_the_recorded_p3700_against_a_schedule_and_in_doctor():
     assert worn.status == "WARN" and "replacement" in worn.fix
     unreadable = endurance_finding("target /nvme/ckpt", d, None, "admin ioctl on /dev/nvme2: Permission denied", r)
     assert unreadable.status == "WARN" and "root" in unreadable.fix
+
+
+def _fake_nvme_cli(bin_dir: Path, script: str) -> None:
+    bin_dir.mkdir()
+    exe = bin_dir / "nvme"
+    exe.write_text("#!/bin/sh\n" + script)
+    exe.chmod(0o755)
+
+
+def test_the_health_log_is_read_through_nvme_cli_when_it_is_installed(tmp_path, monkeypatch):
+    """A stand-in `nvme` on PATH (the public seam: the program nvme-cli installs) prints the
+    recorded DC P3700 log for `nvme smart-log /dev/nvme7 -o json`, and fails otherwise."""
+    log = tmp_path / "smart.json"
+    log.write_text(json.dumps(p3700()["smart_log"]))
+    _fake_nvme_cli(tmp_path / "bin", f'[ "$*" = "smart-log /dev/nvme7 -o json" ] && exec cat {log}\n'
+                                     f'echo "unexpected arguments: $*" >&2; exit 1\n')
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    health, how = read_health(Drive("nvme7n1", "nvme7", "INTEL SSDPEDMD400G4", 400088457216))
+    assert how == "nvme smart-log /dev/nvme7" and health == parse_smart_log_json(p3700())
+    # nvme-cli refusing (not root): the admin ioctl is tried next, and both reasons are given
+    health, how = read_health(Drive("nvme8n1", "nvme8", None, None))
+    assert health is None and "nvme smart-log: unexpected arguments: smart-log /dev/nvme8 -o json" in how
+    assert "admin ioctl on /dev/nvme8" in how
+
+
+def test_the_admin_ioctl_is_refused_by_what_is_no_nvme_controller(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvme-cli
+    with pytest.raises(OSError):
+        admin_get_log_page("/dev/null")  # a real ioctl, refused (ENOTTY) by a device that is no NVMe controller
+    health, how = read_health(Drive("nvme42n1", "nvme42", None, None))
+    assert health is None and how.startswith("nvme-cli is not installed; admin ioctl on /dev/nvme42: ")
 
 
 def test_the_cadence_is_measured_from_the_saves():
