@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.ranks import run_ranks
 
 from gdswriter import GDSCheckpointer
 from gdswriter.cli import main
@@ -223,6 +224,36 @@ def test_a_schedule_within_the_budget_says_nothing(tmp_path, caplog, monkeypatch
     with caplog.at_level(logging.WARNING, logger="gdswriter"):
         _saves(tmp_path, 5)
     assert _wear_warnings(caplog) == []
+
+
+def _rank_saves(rank: int, world: int, roots: list[str]) -> dict:
+    """Four saves of a state of 4 MiB per rank (2 MiB replicated, split over the ranks, and 2 MiB
+    of its own) against a 1 GB rating; what the rank's log said about the drives."""
+    heard: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            heard.append(record.getMessage())
+
+    logging.getLogger("gdswriter").addHandler(Keep(logging.WARNING))
+    state = {"shared": torch.ones(1 << 19), "own": torch.full((1 << 19,), float(rank))}
+    opts = CheckpointOptions(drive_tbw=0.001, endurance_horizon_days=365)
+    with GDSCheckpointer(state, None, roots[rank], options=opts) as ck:
+        for step in range(4):
+            ck.save(step)
+            time.sleep(0.01)
+        steps = ck.steps()
+    return {"wear": [m for m in heard if "checkpoint schedule" in m],
+            "failed": [m for m in heard if "endurance check failed" in m], "steps": steps}
+
+
+def test_each_rank_counts_its_own_saves_against_its_drives(tmp_path):
+    roots = [str(tmp_path / f"node{r}") for r in range(2)]  # node-local roots
+    results = run_ranks(2, _rank_saves, roots, out=tmp_path / "ranks")
+    for r, res in enumerate(results):
+        assert res["steps"] == [0, 1, 2, 3] and res["failed"] == [], res
+        assert len(res["wear"]) == len(drives_of(tmp_path)) >= 1, res
+        assert f"under {roots[r]} " in res["wear"][0] and "measured over 3 saves" in res["wear"][0]
 
 
 def test_the_options_are_validated():
