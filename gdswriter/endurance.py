@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ._log import log_once
-from .errors import GDSWriterError
+from .errors import HealthLogError
 
 DATA_UNIT = 1000 * 512  # the log counts data units of 1000 512-byte blocks (NVMe base spec, log page 02h)
 LOG_PAGE_BYTES = 512
@@ -51,10 +51,6 @@ def human_si(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
-
-
-class HealthLogError(GDSWriterError):
-    """A health log that cannot be parsed (truncated, or not nvme-cli's JSON)."""
 
 
 @dataclass(frozen=True)

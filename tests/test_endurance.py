@@ -22,10 +22,10 @@ from support.ranks import run_ranks
 
 from gdswriter import GDSCheckpointer
 from gdswriter.cli import main
-from gdswriter.endurance import (DATA_UNIT, Cadence, Drive, HealthLogError, Rating, admin_get_log_page, cadence,
+from gdswriter.endurance import (DATA_UNIT, Cadence, Drive, Rating, admin_get_log_page, cadence,
                                  drives_of, health_of, parse_log_page, parse_smart_log_json, rating_for, read_health,
                                  remaining_bytes, wear_message)
-from gdswriter.errors import InvalidOptionError
+from gdswriter.errors import HealthLogError, InvalidOptionError
 from gdswriter.options import CheckpointOptions
 from gdswriter.tools.doctor import endurance_finding
 
