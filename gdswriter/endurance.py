@@ -42,9 +42,6 @@ GET_LOG_PAGE, SMART_LOG_ID, ALL_NAMESPACES = 0x02, 0x02, 0xFFFFFFFF
 MIN_SAVES = 3  # saves (two intervals) before the cadence is trusted
 CADENCE_WINDOW = 32  # the newest save intervals the estimate uses
 
-log = logging.getLogger("gdswriter")
-
-
 def human_si(n: float) -> str:
     """Bytes in decimal units, as drives are rated: '7.30 PB'."""
     for unit, scale in (("PB", 10**15), ("TB", TB), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
