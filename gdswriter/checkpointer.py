@@ -57,6 +57,7 @@ from collections.abc import Iterator
 import torch
 
 from .drain import DrainStats, check_drain_root
+from .endurance import WearWatch
 from .engines.base import IOEngine
 from .engines.select import create_engine, for_pool_writes, sized_for
 from .errors import GDSWriterError, InvalidOptionError
@@ -343,6 +344,7 @@ class GDSCheckpointer:
         self._hooks: list[tuple[Any, Any]] = []  # (optimizer, its step pre-hook's handle)
         self._layout = LayoutCache()  # the last save's layout, reused while the tensors stay put
         self._guarded = GuardedMemory()  # where the hooked optimizers' tensors lie (save_async)
+        self._wear = WearWatch(self.protocol.roots)  # the saves' pace against the drives' endurance
 
     def _collect(self) -> dict:
         """The state to save: the objects' state_dict()s (timed apart in save_async: SaveStats.state_dict_s)."""
@@ -474,6 +476,7 @@ class GDSCheckpointer:
         if self._drainer is not None and self._drainer.wants(step):
             self._drainer.submit(step)  # returns at once: the drain has a thread of its own
         st = handle.stats
+        self._watch_wear(st)
         log.log(self.options.stats_log_level, "gdswriter: step %d saved (%s snapshot): training blocked %.1f ms, "
                 "snapshot %.3f s, write %.3f s, %.1f MiB, %.2f GB/s", st.step, st.mode, st.blocked_s * 1e3,
                 st.snapshot_s, st.write_s, st.nbytes / 2**20, st.gbps)
@@ -485,6 +488,19 @@ class GDSCheckpointer:
                         self.protocol.primary, type(e).__name__, e)
         finally:
             retention.set_result(None)  # steps()/wait() wait for it; its failure is not theirs
+
+    def _watch_wear(self, st: SaveStats) -> None:
+        """Count a committed save against the drives' endurance (endurance.py: warns once per drive
+        when the schedule would wear one out before CheckpointOptions.endurance_horizon_days). A
+        failure here costs the check, never the save."""
+        o = self.options
+        if o.endurance_horizon_days is None:
+            return
+        try:
+            self._wear.saved(time.monotonic(), st.nbytes, o.endurance_horizon_days, o.drive_tbw)
+        except Exception as e:  # noqa: BLE001 - a diagnostic: the step is committed
+            log_once("endurance-failed", f"gdswriter: the drive endurance check failed ({type(e).__name__}: {e}) "
+                                         f"and is skipped; set endurance_horizon_days=None to turn it off")
 
     def _hook_optimizers(self) -> list:
         """Keep the step pre-hook on every optimizer this checkpointer guards: ``optimizer``,

@@ -272,6 +272,10 @@ class UsageError(GDSWriterError):
     """Bad command-line input that argparse cannot catch (exit status 2)."""
 
 
+class HealthLogError(GDSWriterError, ValueError):
+    """An NVMe health log that cannot be parsed (truncated, or not nvme-cli's smart-log JSON)."""
+
+
 # Internal: never leaves the io_uring engine (it raises EngineIOError naming the file and offset).
 class RingError(OSError):
     """io_uring_enter failed in a way retrying does not cure. Internal: the engine raises it

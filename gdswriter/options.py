@@ -140,6 +140,37 @@ def _env_size(name: str, default: int) -> int:
     return _env_int(name, os.environ[name]) if name in os.environ else default
 
 
+DEFAULT_ENDURANCE_HORIZON_DAYS = 3 * 365.0
+
+
+def _env_days_or_off(name: str, default: float | None) -> float | None:
+    """A number of days, or 'off' / 'none' / '0' for None."""
+    if name not in os.environ:
+        return default
+    raw = os.environ[name].strip().lower()
+    if raw in ("off", "none", "0", ""):
+        return None
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise InvalidOptionError(f"environment variable {name}={raw!r} is not a number of days: use e.g. 1095, "
+                                 f"or off") from e
+
+
+def env_drive_tbw() -> float | None:
+    """GDSWRITER_DRIVE_TBW: the rated endurance of the checkpoint drives, in terabytes written
+    (10^12 bytes), where their model is not in gdswriter's table (endurance.py); None if unset."""
+    raw = os.environ.get("GDSWRITER_DRIVE_TBW", "").strip()
+    if not raw:
+        return None
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise InvalidOptionError(f"environment variable GDSWRITER_DRIVE_TBW={raw!r} is not a number of terabytes "
+                                 f"written: use the drive's rated TBW, e.g. 7008 (a 3.84 TB drive at 1 drive "
+                                 f"write per day for 5 years)") from e
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointOptions:
     """What a GDSCheckpointer keeps and checks, and how a save overlaps training.
@@ -182,6 +213,14 @@ class CheckpointOptions:
     drain_every: drain every N-th step (the steps divisible by N; default 1: every step).
     drain_keep_last: how many drained steps the drain root keeps (None: as ``keep_last``;
         ``keep_every`` applies there too).
+    endurance_horizon_days: how long the roots' drives should last at the schedule the saves
+        keep (GDSWRITER_ENDURANCE_HORIZON_DAYS; default 3 years; None or "off": no check).
+        From the third save on, the bytes per save and the time between saves give the bytes
+        written per day; a drive whose remaining rated endurance (its NVMe health log, and its
+        rating: gdswriter's table of known models or ``drive_tbw``) would be used up sooner
+        gets one warning in the log, with the numbers (gdswriter/endurance.py).
+    drive_tbw: the drives' rated endurance in terabytes written (GDSWRITER_DRIVE_TBW), for
+        drives gdswriter's table does not know; a drive without a health log counts as new.
     """
 
     keep_last: int | None = None
@@ -197,6 +236,9 @@ class CheckpointOptions:
     drain_root: str | os.PathLike | None = None
     drain_every: int = 1
     drain_keep_last: int | None = None
+    endurance_horizon_days: float | None = field(default_factory=lambda: _env_days_or_off(
+        "GDSWRITER_ENDURANCE_HORIZON_DAYS", DEFAULT_ENDURANCE_HORIZON_DAYS))
+    drive_tbw: float | None = field(default_factory=env_drive_tbw)
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every", "drain_keep_last"):
@@ -220,6 +262,14 @@ class CheckpointOptions:
             raise InvalidOptionError(f"stats_log_level={self.stats_log_level!r} must be a logging level "
                                      f"such as logging.INFO")
         self._check_drain()
+        self._check_endurance()
+
+    def _check_endurance(self) -> None:
+        for name, what in (("endurance_horizon_days", "days (None: no endurance check)"),
+                           ("drive_tbw", "terabytes written (None: the rating of a known model, if any)")):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf")):
+                raise InvalidOptionError(f"{name}={v!r} must be None or a positive number of {what}")
 
     def _check_drain(self) -> None:
         root, every = self.drain_root, self.drain_every

@@ -12,8 +12,10 @@ def register(sub) -> None:
     sp = sub.add_parser("doctor", help="check GPUs, GDS, io_uring, limits and target directories",
                         description="Check what this node offers gdswriter: GPUs, driver and CUDA versions, cuFile, "
                                     "the nvidia-fs driver, cufile.json, KvikIO's mode, io_uring, the mlock limit, "
-                                    "huge pages, and for each DIR its file system, block device, O_DIRECT alignment "
-                                    "and a short durable write + verified cold read with each engine available. "
+                                    "huge pages, and for each DIR its file system, block device, its drives' NVMe "
+                                    "health log and remaining rated endurance (GDSWRITER_DRIVE_TBW gives a rating "
+                                    "the built-in table lacks), O_DIRECT alignment and a short durable write + "
+                                    "verified cold read with each engine available. "
                                     "Each finding is OK, WARN or FAIL with its fix; exit status 1 if any FAIL.")
     sp.add_argument("dirs", nargs="*", metavar="DIR", help="checkpoint directories to check (default: the current "
                                                            "directory)")

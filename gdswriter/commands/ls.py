@@ -19,7 +19,8 @@ from ._common import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, load_manifest, out, seco
 
 def register(sub) -> None:
     sp = sub.add_parser("ls", help="list committed steps", description="List the committed steps of each ROOT "
-                        "with their size on disk, number of tensors and creation time; mark the latest.")
+                        "with their size on disk (the bytes each save wrote: data files, shards, manifest), number of "
+                        "tensors and creation time; mark the latest.")
     sp.add_argument("roots", metavar="ROOT", nargs="+")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=run)
@@ -36,6 +37,15 @@ def _summary(protocol: CommitProtocol, step: int) -> tuple[int, int, float, str]
             f"{v[0]}.{v[1]}"
     _, m, mbytes = load_manifest(protocol, step)
     return sum(f.size for f in m.files) + mbytes, len(m.tensors), m.created_unix, f"{m.version[0]}.{m.version[1]}"
+
+
+def _written(items: list[dict]) -> None:
+    """The bytes the listed steps wrote (SIZE: each step's data files, shards and manifest, all
+    ranks'), for the drives' endurance (gdswriter doctor reports what they have left)."""
+    sizes = [i["bytes"] for i in items if "bytes" in i]
+    if len(sizes) > 1:
+        out(f"  written: {human(sum(sizes))} by the {len(sizes)} steps listed, {human(sum(sizes) / len(sizes))} "
+            f"per step on average")
 
 
 def run(args) -> int:
@@ -79,6 +89,7 @@ def run(args) -> int:
         if steps:
             for line in table(rows, right={0, 1, 2}):
                 out(line)
+            _written(entry["steps"])
         else:
             owner = secondary_owner(p)
             if owner:

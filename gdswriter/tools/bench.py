@@ -375,6 +375,7 @@ class BenchResult:
     engine: str = ""
     date: str = ""
     first_save: list[float] = field(default_factory=list)  # GB/s per round of a fresh checkpointer's first save
+    written: dict[str, int] = field(default_factory=dict)  # method -> bytes one save left on disk (its files)
 
     def first_ratio(self, ref: str) -> float | None:
         """Median over rounds of the first save's GB/s over ``ref``'s save GB/s."""
@@ -412,6 +413,8 @@ class BenchResult:
                 entry[kind] = {"name": self.label(m, kind), "gbps": (self.save if kind == "save" else self.load)[m],
                                "median": s.median, "min": s.min, "max": s.max,
                                "x_ceiling": self.ratio(m, kind, CEILING), "x_torch": self.ratio(m, kind, "torch")}
+            if m in self.written:
+                entry["written_bytes"] = self.written[m]
             methods[m] = entry
         from .._version import __version__
 
@@ -477,6 +480,9 @@ class BenchResult:
         if self.first_save:
             lines.append("  gdswriter: its steady state (a checkpointer that saved before); 'first save': a fresh "
                          "checkpointer's first save, constructed and saved at once")
+        if self.written:
+            lines.append("  bytes one save writes (its files on disk): " +
+                         ", ".join(f"{m} {human(n)}" for m, n in self.written.items()))
         lines += [f"  skipped {m}: {why}" for m, why in self.skipped.items()]
         above = [f"{m} {k} {r:.2f}x" for m in self.methods if m != CEILING for k in ("save", "load")
                  if (r := self.ratio(m, k, CEILING)) is not None and r > 1.1]
@@ -548,6 +554,7 @@ def run_bench(opts: BenchOptions, *, step: Step | None = None) -> BenchResult:
     save: dict[str, list[float]] = {m: [] for m in (CEILING, *methods)}
     load: dict[str, list[float]] = {m: [] for m in (CEILING, *methods)}
     first_save: list[float] = []
+    written: dict[str, int] = {}
     cache: dict = {}
     ceiling: Reference | None = None
     why = ""
@@ -583,6 +590,7 @@ def run_bench(opts: BenchOptions, *, step: Step | None = None) -> BenchResult:
                     t = time.perf_counter()
                     cases.save(case)
                     save[m].append(nbytes / (time.perf_counter() - t) / 1e9)
+                    written.setdefault(m, files_bytes(cases.path(case)))
                     step(f"{where} save")
                     settle(opts.settle)
                     evict_paths(*cases.files(case))
@@ -601,7 +609,14 @@ def run_bench(opts: BenchOptions, *, step: Step | None = None) -> BenchResult:
     assert ceiling is not None
     return BenchResult(nbytes, opts.rounds, str(directory.resolve()), mount_of(directory), ceiling.name, why,
                        save, load, skipped, host_info(), engine,
-                       datetime.datetime.now().astimezone().isoformat(timespec="seconds"), first_save)
+                       datetime.datetime.now().astimezone().isoformat(timespec="seconds"), first_save, written)
+
+
+def files_bytes(path: Path) -> int:
+    """The bytes of the regular files at or under ``path``: what a save left on disk."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def _first_save(model, opt, root: Path) -> float:

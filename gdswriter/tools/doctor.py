@@ -26,11 +26,12 @@ from collections.abc import Sequence
 
 import crc32c as _crc32c
 
+from ..endurance import Drive, HealthLog, Rating, drives_of, health_of, human_si, rating_for, remaining_bytes
 from ..engines import kvikio as gds
-from ..errors import GDSWriterError
+from ..errors import GDSWriterError, InvalidOptionError
 from ..engines import dio, uring
 from .measure import mount_entry
-from ..options import EngineOptions
+from ..options import EngineOptions, env_drive_tbw
 from .pagecache import evict
 from ..units import MiB, human
 
@@ -283,6 +284,7 @@ def check_target(target: Path, *, test_bytes: int, engines: Sequence[str], optio
     os.unlink(probe)
     out = [Finding(name, "directory", OK, "writable")]
     out += _file_system(target, name, gds.cuda_available())
+    out += check_endurance(target, name)
     out += _direct_io(target, name)
     for engine in engines:
         out.append(_io_test(target, name, engine, test_bytes, options))
@@ -325,6 +327,48 @@ def _file_system(target: Path, name: str, gpu: bool) -> list[Finding]:
         findings.append(Finding(name, "free space", WARN, f"only {human(free)} free",
                                 "free space or choose a bigger file system", {"free_bytes": free}))
     return findings
+
+
+def check_endurance(target: Path, name: str) -> list[Finding]:
+    """Each drive under ``target``: its NVMe health log (percentage used, bytes written) and the
+    rated endurance left (gdswriter/endurance.py). Nothing for a file system without a drive."""
+    try:
+        tbw = env_drive_tbw()
+    except InvalidOptionError as e:
+        return [Finding(name, "endurance", WARN, str(e), "unset GDSWRITER_DRIVE_TBW or give the drive's rated TB "
+                                                         "written as a number")]
+    out = []
+    for d in drives_of(target):
+        health, how = health_of(d)
+        out.append(endurance_finding(name, d, health, how, rating_for(d.model, d.capacity_bytes, tbw)))
+    return out
+
+
+def endurance_finding(scope: str, drive: Drive, health: HealthLog | None, how: str, rating: Rating | None) -> Finding:
+    """The finding for one drive: its health log (or why there is none) against its rating."""
+    left = remaining_bytes(health, rating)
+    label = drive.name + (f" ({drive.model})" if drive.model else "")
+    data = {"drive": drive.name, "model": drive.model, "capacity_bytes": drive.capacity_bytes, "read": how,
+            "health": asdict(health) if health else None, "remaining_bytes": left,
+            "rated_bytes": rating.total_bytes if rating else None, "rating": rating.source if rating else None}
+    rated = (f"{human_si(left)} of {human_si(rating.total_bytes)} rated endurance left ({rating.source})"
+             if rating and left is not None else
+             "rated endurance unknown: set GDSWRITER_DRIVE_TBW=<terabytes written> to budget against it")
+    if health is None and drive.controller is None:
+        counted = f"; {rated}, counted as new" if rating else ""
+        host = " (a virtual disk: the host's drives take the wear)" if "virt" in drive.kind() else ""
+        return Finding(scope, "endurance", OK, f"no NVMe health log ({how}): its wear and remaining endurance are "
+                                               f"not visible here{host}{counted}", data=data)
+    if health is None:
+        return Finding(scope, "endurance", WARN, f"{label}: NVMe health log not readable ({how})",
+                       "run gdswriter doctor as root (the NVMe admin ioctl needs CAP_SYS_ADMIN), or install "
+                       "nvme-cli", data)
+    summary = f"{label}: {health.percentage_used}% used, {human_si(health.bytes_written)} written; {rated}; read by {how}"
+    if health.critical_warning or health.percentage_used >= 90:
+        return Finding(scope, "endurance", WARN, f"{summary}; critical warning 0x{health.critical_warning:02x}",
+                       "the drive is near or past its rated life: plan its replacement, and keep checkpoints "
+                       "drained to shared storage (CheckpointOptions.drain_root)", data)
+    return Finding(scope, "endurance", OK, summary, data=data)
 
 
 def _direct_io(target: Path, name: str) -> list[Finding]:
