@@ -184,3 +184,46 @@ def test_a_peer_killed_during_replication_leaves_the_step_committed_not_protecte
     rows = [ln.split() for ln in capsys.readouterr().out.splitlines()]
     assert any(r[0] == "1" and "protected" in r for r in rows), rows
     assert any(r[0] == "2" and "committed" in r and "latest" in r for r in rows), rows
+
+
+class _DamageAtReplication(logging.Handler):
+    """Flips a byte of this rank's data files of ``step`` as its replication begins (after the
+    commit: a disk returning bad bytes)."""
+
+    def __init__(self, step_dir: Path, step: int):
+        super().__init__(logging.DEBUG)
+        self.step_dir, self.step = step_dir, step
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if f"replicates step {self.step} " in record.getMessage():
+            for p in self.step_dir.glob("data-*"):
+                with open(p, "r+b") as f:
+                    f.seek(100)
+                    b = f.read(1)
+                    f.seek(100)
+                    f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _damaged_source(rank: int, world: int, tmp: str) -> dict:
+    holder = state(1)
+    ck = _open(tmp, rank, holder, 2)
+    if rank == 1:
+        log = logging.getLogger("gdswriter")
+        log.setLevel(logging.DEBUG)
+        log.addHandler(_DamageAtReplication(Path(tmp, "n1", step_dir_name(1)), 1))
+    ck.save(1)
+    error = caught(ck.wait_protected)
+    ck.close()
+    return {"error": error, "protected": ck.protected_step()}
+
+
+def test_a_damaged_local_file_is_never_copied(tmp_path):
+    got = run_ranks(2, _damaged_source, str(tmp_path), out=tmp_path / "out")
+    for g in got:
+        assert g["error"] is not None and g["error"][0] == "ReplicationError", g
+        assert g["protected"] is None, g
+    assert "rank 1" in got[0]["error"][1] and "checksum" in got[0]["error"][1].lower(), got[0]
+    copies = tmp_path / "n0" / step_dir_name(1) / "copies"
+    assert not (copies / "rank00001").exists() and not [p for p in copies.iterdir() if p.name.startswith(".tmp")]
+    assert not (tmp_path / "n0" / step_dir_name(1) / "protected").exists()
+    assert (tmp_path / "n1" / step_dir_name(1) / "copies" / "rank00000").is_dir()  # rank 0's copy is good
