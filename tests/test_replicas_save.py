@@ -227,3 +227,36 @@ def test_a_damaged_local_file_is_never_copied(tmp_path):
     assert not (copies / "rank00001").exists() and not [p for p in copies.iterdir() if p.name.startswith(".tmp")]
     assert not (tmp_path / "n0" / step_dir_name(1) / "protected").exists()
     assert (tmp_path / "n1" / step_dir_name(1) / "copies" / "rank00000").is_dir()  # rank 0's copy is good
+
+
+# ----------------------------------------------------------------------------- simulated nodes
+def _save_on_node(rank: int, world: int) -> dict:
+    from support.nodes import NVME
+
+    holder = state(1)
+    ck = GDSCheckpointer(holder, root=f"{NVME}/ckpt", dist_options=DistOptions(replicas=2, timeout_s=60))
+    ck.save(1)
+    protected = ck.wait_protected()
+    ck.close()
+    return {"protected": protected}
+
+
+def test_two_nodes_each_hold_the_other_nodes_files(tmp_path):
+    """2 simulated nodes (own hostname, own /local_nvme: tests/support/nodes.py), replicas=2: once
+    step 1 is protected, each node's /local_nvme holds the other node's shard and data files
+    byte for byte, and node 1 the global manifest's copy."""
+    from support.nodes import Cluster, unavailable
+
+    if unavailable() is not None:
+        pytest.skip(unavailable())
+    with Cluster(tmp_path / "cluster", nodes=2, ranks_per_node=1) as c:
+        assert c.run(_save_on_node) == [{"protected": 1}] * 2
+        sd = step_dir_name(1)
+        own = [c.nvme_dir(n) / "ckpt" / sd for n in range(2)]
+        assert json.loads((own[0] / "protected").read_bytes()) == {"copies": 2}
+        for r in range(2):
+            copy = own[1 - r] / "copies" / f"rank{r:05d}"
+            got = _files(copy)
+            assert got and all(got[n] == (own[r] / n).read_bytes() for n in got), sorted(got)
+            assert shard_name(r) in got and any(n.startswith("data-") for n in got)
+        assert (own[1] / "copies" / "manifest.json").read_bytes() == (own[0] / "manifest.json").read_bytes()
