@@ -594,8 +594,11 @@ class GDSCheckpointer:
         self._wait_retention()
 
     def _quiesce_at_exit(self) -> None:
-        """At interpreter exit: the saves, then the drains they started (drain.py)."""
+        """At interpreter exit: the saves, then their replication to peer nodes (every rank waits
+        for it, so the last step gets protected), then the drains they started (drain.py)."""
         self._quiesce()
+        if self._session.replicator is not None:
+            self._session.replicator.wait()
         if self._drainer is not None:
             self._drainer.close()
 

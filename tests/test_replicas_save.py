@@ -260,3 +260,22 @@ def test_two_nodes_each_hold_the_other_nodes_files(tmp_path):
             assert got and all(got[n] == (own[r] / n).read_bytes() for n in got), sorted(got)
             assert shard_name(r) in got and any(n.startswith("data-") for n in got)
         assert (own[1] / "copies" / "manifest.json").read_bytes() == (own[0] / "manifest.json").read_bytes()
+
+
+@pytest.mark.parametrize("bad", [((1,), (2,)), ((1,),), ((1, 1), (0,)), ((1,) * 17, (0,)), ((-1,), (0,))])
+def test_a_malformed_replicas_table_is_damage(bad):
+    """The manifest's "replicas" key is untrusted input: an index out of the root table, a wrong
+    length, a duplicate or too long an entry is refused as damage, never used."""
+    from gdswriter.errors import CorruptCheckpointError
+    from gdswriter.format.manifest import RootInfo
+    from gdswriter.format.sharded import GlobalManifest, ShardRef, parse_global
+
+    roots = (RootInfo("a" * 32, "/n0", (0,)), RootInfo("b" * 32, "/n1", (1,)))
+    shards = (ShardRef(0, 0, shard_name(0), 10, 1), ShardRef(1, 1, shard_name(1), 10, 2))
+    good = GlobalManifest.new(3, 2, roots, shards, {}, {}, None, [[1], [0]])
+    parsed = parse_global(good.to_json_bytes(), "good")
+    assert parsed is not None and parsed.replicas == ((1,), (0,)) and parsed.version == (1, 4)
+    plain = parse_global(GlobalManifest.new(3, 2, roots, shards, {}, {}).to_json_bytes(), "plain")
+    assert plain is not None and plain.replicas is None and plain.version == (1, 3)
+    with pytest.raises(CorruptCheckpointError, match="replicas table is malformed"):
+        parse_global(GlobalManifest.new(3, 2, roots, shards, {}, {}, None, bad).to_json_bytes(), "bad")

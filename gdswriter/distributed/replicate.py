@@ -128,7 +128,12 @@ def _parts(got: Sequence[dict], replicas: int) -> list[dict]:
         raise InvalidOptionError(f"the ranks ask for different replicas ({asked}): give every rank the same "
                                  f"DistOptions(replicas=...) (or GDSWRITER_REPLICAS)")
     domains = [x["domain"] for x in got]
-    plan = place_replicas([x["host"] for x in got], replicas, domains if any(domains) else None)
+    try:
+        plan = place_replicas([x["host"] for x in got], replicas, domains if any(domains) else None)
+    except InvalidOptionError as e:
+        raise InvalidOptionError(f"DistOptions(replicas={replicas}) (GDSWRITER_REPLICAS): {e}. Ranks of one "
+                                 f"machine that stand for several nodes name their host in GDSWRITER_HOSTNAME"
+                                 ) from e
     if not plan.balanced:
         log.warning("gdswriter: the replicas cannot be spread evenly over these hosts (one host has more than 1/%d "
                     "of the ranks): some ranks hold more copies than others", replicas)

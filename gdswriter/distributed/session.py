@@ -9,6 +9,11 @@ shards) before the snapshot, ``write_and_commit`` and ``apply_retention`` in the
 root is another node's disk. ``close`` (from GDSCheckpointer.close) releases the locks and the
 checkpointer's own coordination channel.
 
+With ``DistOptions(replicas=C)``, C > 1, the roots' opening also places the copies
+(replicate.py ``plan_peers``), and every committed step is handed to the session's
+``replicator`` (replicate.py), whose thread copies it to peer nodes over a second channel of its
+own; ``close`` waits for it. Retention then keeps the newest protected step.
+
 Each session has a channel of its own (group.py): another checkpointer's save thread never
 shares its collectives. Its collective operations (a save's writes and commit, a retention,
 a load) run one at a time, each whole (a lock), as every rank issues them in the same order.
