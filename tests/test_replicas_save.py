@@ -33,15 +33,17 @@ def state(step: int) -> dict:
     return {"a": torch.randn(MiB, generator=g), "b": torch.randint(0, 1 << 30, (MiB,), generator=g)}
 
 
-def _open(tmp: str, rank: int, holder: dict, replicas: int, keep_last: int | None = None) -> GDSCheckpointer:
-    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
-    return GDSCheckpointer(holder, root=f"{tmp}/n{rank}", keep_last=keep_last,
+def _open(tmp: str, rank: int, holder: dict, replicas: int, keep_last: int | None = None,
+          per_host: int = 1) -> GDSCheckpointer:
+    """Rank ``rank`` on host node<K> (K = rank // per_host), whose ranks share root n<K>."""
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank // per_host}"
+    return GDSCheckpointer(holder, root=f"{tmp}/n{rank // per_host}", keep_last=keep_last,
                            dist_options=DistOptions(replicas=replicas))
 
 
-def _save_protected(rank: int, world: int, tmp: str, replicas: int) -> dict:
+def _save_protected(rank: int, world: int, tmp: str, replicas: int, per_host: int) -> dict:
     holder = state(1)
-    ck = _open(tmp, rank, holder, replicas)
+    ck = _open(tmp, rank, holder, replicas, per_host=per_host)
     ck.save(1)
     first = ck.wait_protected()
     for k, v in state(2).items():
@@ -56,7 +58,7 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in d.iterdir() if p.is_file()}
 
 
-def _check_copies(tmp: Path, world: int, step: int, replicas: int) -> None:
+def _check_copies(tmp: Path, world: int, step: int, replicas: int, per_host: int) -> None:
     """Every rank's shard and data files lie, byte-identical, in copies/rank<R> on the first root
     of each rank the manifest names; the global manifest's copy and the markers too."""
     sd = step_dir_name(step)
@@ -69,9 +71,9 @@ def _check_copies(tmp: Path, world: int, step: int, replicas: int) -> None:
     table = [where[r["path"]] for r in roots]
     assert len(body["replicas"]) == world and all(len(e) == replicas - 1 for e in body["replicas"])
     for r in range(world):
-        own = tmp / f"n{r}" / sd
+        own = tmp / f"n{r // per_host}" / sd
         names = [shard_name(r)] + [f[1] for f in json.loads((own / shard_name(r)).read_bytes())["files"]]
-        assert tmp / f"n{r}" not in [table[g] for g in body["replicas"][r]]
+        assert own.parent not in [table[g] for g in body["replicas"][r]]
         for g in body["replicas"][r]:
             copy = table[g] / sd / "copies" / f"rank{r:05d}"
             got = _files(copy)
@@ -84,13 +86,15 @@ def _check_copies(tmp: Path, world: int, step: int, replicas: int) -> None:
             assert not [p for p in (table[g] / sd / "copies").iterdir() if p.name.startswith(".tmp")]
 
 
-@pytest.mark.parametrize("world,replicas", [(2, 2), (3, 3)])
-def test_every_copy_is_durable_and_byte_identical_once_protected(tmp_path, capsys, world, replicas):
-    got = run_ranks(world, _save_protected, str(tmp_path), replicas, out=tmp_path / "out")
+@pytest.mark.parametrize("world,replicas,per_host", [(2, 2, 1), (3, 3, 1), (4, 2, 2)])
+def test_every_copy_is_durable_and_byte_identical_once_protected(tmp_path, capsys, world, replicas, per_host):
+    """2 ranks x 2 copies, 3 x 3, and 4 ranks on 2 hosts of 2 ranks sharing a root (each host's
+    root then holds the copies of both ranks of the other host)."""
+    got = run_ranks(world, _save_protected, str(tmp_path), replicas, per_host, out=tmp_path / "out")
     assert got == [{"first": 1, "second": 2}] * world
     for step in (1, 2):
-        _check_copies(tmp_path, world, step, replicas)
-    step, whole = gdswriter.load_state([tmp_path / f"n{r}" for r in range(world)])  # copies change nothing read
+        _check_copies(tmp_path, world, step, replicas, per_host)
+    step, whole = gdswriter.load_state([tmp_path / f"n{h}" for h in range(world // per_host)])  # copies: unread
     assert step == 2 and all(torch.equal(whole["model"][k], v) for k, v in state(2).items())
     capsys.readouterr()
     assert cli_main(["ls", str(tmp_path / "n0")]) == 0

@@ -538,6 +538,11 @@ class Replicator:
         try:
             self._pieces(step, out, senders, dests, {s: int(sizes[s][1]) for s in senders}, incoming, problems)
             trailers = self._trailers(step, out, senders, dests)
+        except BaseException:
+            for inc in incoming.values():  # a peer lost mid-stream: nothing of its copy is left behind
+                if inc is not None:
+                    inc.discard()
+            raise
         finally:
             out.close()
         for s in senders:
