@@ -96,6 +96,8 @@ def test_every_copy_is_durable_and_byte_identical_once_protected(tmp_path, capsy
         _check_copies(tmp_path, world, step, replicas, per_host)
     step, whole = gdswriter.load_state([tmp_path / f"n{h}" for h in range(world // per_host)])  # copies: unread
     assert step == 2 and all(torch.equal(whole["model"][k], v) for k, v in state(2).items())
+    others = [a for h in range(1, world // per_host) for a in ("--secondary", str(tmp_path / f"n{h}"))]
+    assert cli_main(["verify", str(tmp_path / "n0"), *others, "--all"]) == 0
     capsys.readouterr()
     assert cli_main(["ls", str(tmp_path / "n0")]) == 0
     listed = capsys.readouterr().out
