@@ -32,6 +32,7 @@ from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, RootUnavailableError
 from ..format.commit import CommitProtocol, retire, step_dir_name
 from ..format.manifest import Manifest
+from ..format.replicas import newest_protected
 from ..load.apply import LiveState, LoadResult
 from ..options import CheckpointOptions, EngineOptions
 from ..save.snapshot import Snapshot
@@ -41,7 +42,6 @@ from .drain import RankDrainer
 from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
-from ..format.replicas import newest_protected
 from .replicate import ReplicaPeers, ReplicationJob, Replicator, plan_peers
 from .roots import RootLayout, clean_led, discover_layout, lock_led, owned, probe_led, settle_primary, share_table
 from .save import DTensors, PlanCache, collective_save
