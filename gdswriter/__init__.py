@@ -18,7 +18,7 @@ from ._version import __version__
 from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, ChecksumMismatchError,
                      CollectiveFailedError, CollectiveMismatchError, CorruptCheckpointError, DataFileNotRegularError, DrainError,
                      EngineIOError, EngineUnavailableError, GDSWriterError, InvalidOptionError, NothingToLoadError,
-                     NotRegularFileError, RankFailedError, ReadOnlyRootError, RootUnavailableError, ShortIOError,
+                     NotRegularFileError, RankFailedError, ReadOnlyRootError, ReplicationError, RootUnavailableError, ShortIOError,
                      SnapshotChangedError, StateMismatchError, TruncatedFileError, UnreachableDataError, UnsafePathError,
                      UnsupportedFormatVersionError, UnsupportedObjectError)
 
@@ -46,7 +46,7 @@ __all__ = [
     "SnapshotChangedError", "StateMismatchError", "TruncatedFileError", "UnsafePathError", "UnsupportedFormatVersionError",
     "UnsupportedObjectError", "NotRegularFileError", "DataFileNotRegularError", "DrainError",
     "DistOptions", "GDSStorageWriter", "GDSStorageReader", "CollectiveFailedError", "CollectiveMismatchError",
-    "RankFailedError", "UnreachableDataError",
+    "RankFailedError", "UnreachableDataError", "ReplicationError",
     "__version__",
 ]
 

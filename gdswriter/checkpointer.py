@@ -289,6 +289,27 @@ class GDSCheckpointer:
             raise error
         return self._drainer.drained_step()
 
+    def protected_step(self) -> int | None:
+        """The newest protected step (DistOptions(replicas=C) with C > 1: every copy on its peer
+        nodes durable, format.md 11); None without replicas or before one."""
+        return self._session.protected_step()
+
+    def wait_protected(self, timeout: float | None = None) -> int | None:
+        """Wait for the saves in flight, then for their replication to peer nodes; returns
+        protected_step(). Raises the ReplicationError of a step left unprotected not yet raised
+        (each once: the step stays committed); concurrent.futures.TimeoutError after
+        ``timeout`` s. None without replicas."""
+        self._quiesce()
+        rep = self._session.replicator
+        if rep is None:
+            return None
+        if not rep.wait(timeout):
+            raise FutureTimeout(f"the replication to peer nodes did not end within {timeout} s")
+        error = rep.take_error()
+        if error is not None:
+            raise error
+        return self._session.protected_step()
+
     def _check_open(self) -> None:
         if self._closed:
             raise GDSWriterError("this GDSCheckpointer is closed: create a new one")
@@ -602,14 +623,20 @@ class GDSCheckpointer:
         self._wait_retention()
 
     def _quiesce_at_exit(self) -> None:
-        """At interpreter exit: the saves, then the drains they started (drain.py)."""
+        """At interpreter exit: the saves, then their replication to peer nodes (every rank waits
+        for it, so the last step gets protected), then the drains they started (drain.py)."""
         self._quiesce()
+        if self._session.replicator is not None:
+            self._session.replicator.wait()
         if self._drainer is not None:
             self._drainer.close()
 
     def wait(self) -> None:
-        """Wait for every outstanding save; re-raise a background error not yet reported."""
+        """Wait for every outstanding save (and its replication to peer nodes, whose failures
+        wait_protected raises); re-raise a background save error not yet reported."""
         self._quiesce()
+        if self._session.replicator is not None:
+            self._session.replicator.wait()
         self._raise_unreported()
 
     # -- load ----------------------------------------------------------------

@@ -107,6 +107,20 @@ class DrainError(CheckpointError):
         return (type(self), (self.args[0], self.step))
 
 
+class ReplicationError(CheckpointError):
+    """A committed step's copies on peer nodes (DistOptions(replicas=...)) were not all made
+    durable: a peer died or hung, a copy was short or its crc32c differed, a root could not be
+    written. The step stays committed (loadable where its own nodes are), not protected; the
+    newest protected step is kept by retention. ``step``: the step."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.step))
+
+
 class CheckpointLockedError(CheckpointError, BlockingIOError):
     """Another process holds the checkpoint root."""
 

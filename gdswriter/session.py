@@ -57,6 +57,10 @@ class Session(Protocol):
 
     protocol: CommitProtocol
     lock: RootLock | None
+    replicator: Any  # the copies on peer nodes (distributed/replicate.py Replicator), or None
+
+    def protected_step(self) -> int | None:
+        """The newest step whose copies on peer nodes are all durable (None without replicas)."""
 
     def check_options(self, options: CheckpointOptions) -> None:
         """InvalidOptionError for options this session cannot honour."""
@@ -147,6 +151,7 @@ class LocalSession:
     def __init__(self, roots: Sequence[Path]):
         self.protocol = CommitProtocol(roots)
         self.lock: RootLock | None = None
+        self.replicator = None  # replicas on peer nodes need several ranks (DistOptions.replicas)
         self.read_only: ReadOnlyRootError | None = None
         removed: list = []
         try:
@@ -161,6 +166,9 @@ class LocalSession:
 
     def check_options(self, options: CheckpointOptions) -> None:
         pass
+
+    def protected_step(self) -> int | None:
+        return None
 
     def drainer(self, options: CheckpointOptions, engine: IOEngine | None) -> Drainer:
         return Drainer(self.protocol, options, engine)

@@ -11,7 +11,8 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
 from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, CommitProtocol
 from ..format.manifest import MANIFEST_NAME
-from ..format.sharded import SHARDED_VERSION, parse_global
+from ..format.replicas import protected_copies
+from ..format.sharded import parse_global
 from ..load.reader import read_manifest_bytes
 from ..units import human
 from ._common import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, load_manifest, out, secondary_owner, table, when
@@ -20,23 +21,36 @@ from ._common import EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, load_manifest, out, seco
 def register(sub) -> None:
     sp = sub.add_parser("ls", help="list committed steps", description="List the committed steps of each ROOT "
                         "with their size on disk (the bytes each save wrote: data files, shards, manifest), number of "
-                        "tensors and creation time; mark the latest.")
+                        "tensors and creation time, their state (committed, or protected: every copy on peer nodes "
+                        "durable) and copies; mark the latest.")
     sp.add_argument("roots", metavar="ROOT", nargs="+")
     sp.add_argument("--json", action="store_true", help="machine-readable output")
     sp.set_defaults(func=run)
 
 
-def _summary(protocol: CommitProtocol, step: int) -> tuple[int, int, float, str]:
-    """(bytes on disk, tensors, created, format version) of a committed step. A 1.3 step's are
-    in its global manifest (its shards may be on other nodes' roots: ls reads only this root)."""
+def _summary(protocol: CommitProtocol, step: int) -> tuple[int, int, float, str, int]:
+    """(bytes on disk, tensors, created, format version, copies planned) of a committed step. A
+    1.3 step's are in its global manifest (its shards may be on other nodes' roots: ls reads
+    only this root)."""
     raw = read_manifest_bytes(protocol, step)
     g = parse_global(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
     if g is not None:
-        v = SHARDED_VERSION
+        v = g.version
+        copies = 1 + max(map(len, g.replicas), default=0) if g.replicas is not None else 1
         return int(g.totals.get("on_disk", 0)) + len(raw), int(g.totals.get("tensors", 0)), g.created_unix, \
-            f"{v[0]}.{v[1]}"
+            f"{v[0]}.{v[1]}", copies
     _, m, mbytes = load_manifest(protocol, step)
-    return sum(f.size for f in m.files) + mbytes, len(m.tensors), m.created_unix, f"{m.version[0]}.{m.version[1]}"
+    return (sum(f.size for f in m.files) + mbytes, len(m.tensors), m.created_unix, f"{m.version[0]}.{m.version[1]}",
+            1)
+
+
+def _state(protocol: CommitProtocol, step: int, copies: int) -> tuple[str, str]:
+    """(state, what the STATE column shows): "protected" once its ``protected`` marker is in (every
+    copy durable), else "committed" (with the copies it waits for where it was saved with replicas)."""
+    done = protected_copies(protocol.step_dir(step))
+    if done is not None:
+        return "protected", f"protected ({done} copies)"
+    return "committed", "committed" if copies == 1 else f"committed (0/{copies - 1} copies)"
 
 
 def _written(items: list[dict]) -> None:
@@ -67,19 +81,21 @@ def run(args) -> int:
         steps = protocol.committed_steps()
         latest = protocol.latest()
         entry["latest"] = latest
-        rows = [["STEP", "SIZE", "TENSORS", "CREATED", ""]]
+        rows = [["STEP", "SIZE", "TENSORS", "CREATED", "STATE", ""]]
         for s in steps:
             item: dict[str, Any] = {"step": s, "latest": s == latest}
             try:
-                nbytes, tensors, created, version = _summary(protocol, s)
-                item.update(bytes=nbytes, tensors=tensors, created_unix=created, created=when(created), version=version)
-                rows.append([s, human(nbytes), tensors, when(created), "latest" if s == latest else ""])
+                nbytes, tensors, created, version, copies = _summary(protocol, s)
+                state, shown = _state(protocol, s, copies)
+                item.update(bytes=nbytes, tensors=tensors, created_unix=created, created=when(created), version=version,
+                            state=state, copies=copies)
+                rows.append([s, human(nbytes), tensors, when(created), shown, "latest" if s == latest else ""])
             except CheckpointNotFoundError:
                 continue  # deleted while listing
             except (CorruptCheckpointError, UnsupportedFormatVersionError) as e:
                 item["error"] = str(e)
                 what = "NEWER FORMAT" if isinstance(e, UnsupportedFormatVersionError) else "DAMAGED"
-                rows.append([s, "-", "-", "-", f"{what}: {e}"])
+                rows.append([s, "-", "-", "-", "-", f"{what}: {e}"])
                 rc = max(rc, EXIT_CORRUPT)
             entry["steps"].append(item)
         leftovers = sorted(n for n in os.listdir(p) if n.startswith((TMP_PREFIX, TRASH_PREFIX)))

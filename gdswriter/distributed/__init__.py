@@ -55,10 +55,18 @@ def session_for(roots: Sequence[Path], process_group: Any = None, options: DistO
     # one makes every rank raise at once, rather than leaving the others to wait out the timeout.
     coord = Coordinator.create(process_group, timeout_s=options.timeout_s, label=label)
     try:
-        return open_session(roots, coord, options, movable_primary=True)
+        session = open_session(roots, coord, options, movable_primary=True)
     except BaseException:
         coord.close()
         raise
+    if session.peers is not None:  # replication's own channel: never interleaved with a save's collectives
+        try:
+            session.start_replication(Coordinator.create(process_group, timeout_s=options.timeout_s,
+                                                         label=f"{label} (replicas)"))
+        except BaseException:
+            session.close()
+            raise
+    return session
 
 
 def load_in_one_process(protocol: CommitProtocol, live: LiveState, live_state: dict, step: int | None,

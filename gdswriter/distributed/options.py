@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
+from collections.abc import Mapping
 
 from ..errors import InvalidOptionError
 
 TIMEOUT_ENV = "GDSWRITER_DIST_TIMEOUT"
+REPLICAS_ENV = "GDSWRITER_REPLICAS"
+MAX_REPLICAS = 16  # copies of every byte a step may ask for (a manifest entry's bound, format.md 11)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +50,18 @@ class DistOptions:
         ``load_share_dir`` as if False. Memory: during the load each rank holds its own copy
         of that state (as over the process group), where the tmpfs holds one per host, shared
         copy-on-write; set False where host memory is tight.
+    replicas: how many distinct hosts hold every file a load needs (env GDSWRITER_REPLICAS;
+        1: the rank's own roots only, as before). With C > 1, after each step commits, every
+        rank sends its files in the background to C - 1 peer ranks on other hosts (chosen by
+        planner/replicas.py), which write them durably under ``step_S/copies/``; the step is
+        *protected* once every copy is durable (``GDSCheckpointer.wait_protected``), and
+        retention never deletes the newest protected step. Hosts are told apart by
+        ``socket.gethostname()``, or GDSWRITER_HOSTNAME where set (format.md section 11).
+        InvalidOptionError at open when the job runs on fewer than C hosts.
+    failure_domains: each rank's failure domains beyond its host, outermost first, so that the
+        copies also land in distinct racks or switches where the layout allows: a callable
+        ``(rank, host) -> "switch0/rack3"`` or a mapping host -> domain; None: the
+        GDSWRITER_FAILURE_DOMAINS rules (planner/replicas.py), else hosts only.
     """
 
     collective: bool | None = None
@@ -53,8 +69,11 @@ class DistOptions:
     replicated: tuple[str, ...] = ("model", "optimizer")
     load_share_dir: str | None = "/dev/shm"
     load_cross_memory: bool = True
+    replicas: int = 1
+    failure_domains: Any = None
 
     def __post_init__(self) -> None:
+        self._check_replicas()
         if self.collective not in (None, True, False):
             raise InvalidOptionError(f"collective={self.collective!r} must be None (detect), True or False")
         t = self.timeout_s
@@ -71,9 +90,19 @@ class DistOptions:
             raise InvalidOptionError(f"load_share_dir={self.load_share_dir!r} must be an absolute path of a tmpfs "
                                      f"(\"/dev/shm\") or None")
 
+    def _check_replicas(self) -> None:
+        c = self.replicas
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_REPLICAS:
+            raise InvalidOptionError(f"replicas={c!r} must be a whole number of copies from 1 (no replicas, the "
+                                     f"default) to {MAX_REPLICAS}; 2 survives losing any one node")
+        d = self.failure_domains
+        if d is not None and not callable(d) and not isinstance(d, Mapping):
+            raise InvalidOptionError(f"failure_domains={d!r} must be None (GDSWRITER_FAILURE_DOMAINS, else hosts "
+                                     f"only), a callable (rank, host) -> 'switch/rack', or a mapping host -> domain")
+
     @classmethod
     def from_env(cls, **overrides) -> DistOptions:
-        """Defaults, then GDSWRITER_DIST_TIMEOUT, then ``overrides``."""
+        """Defaults, then GDSWRITER_DIST_TIMEOUT and GDSWRITER_REPLICAS, then ``overrides``."""
         raw = os.environ.get(TIMEOUT_ENV)
         values: dict = {}
         if raw is not None and raw.strip():
@@ -82,5 +111,12 @@ class DistOptions:
             except ValueError as e:
                 raise InvalidOptionError(f"environment variable {TIMEOUT_ENV}={raw!r} is not a number of "
                                          f"seconds") from e
+        raw = os.environ.get(REPLICAS_ENV)
+        if raw is not None and raw.strip():
+            try:
+                values["replicas"] = int(raw)
+            except ValueError as e:
+                raise InvalidOptionError(f"environment variable {REPLICAS_ENV}={raw!r} is not a whole number of "
+                                         f"copies (1, 2, ...)") from e
         values.update(overrides)
         return cls(**values)

@@ -229,14 +229,17 @@ class PlanCache:
 def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, found: DTensors,
                     engines: Sequence[IOEngine], *, files_per_root: int, replicated: Sequence[str],
                     pool: HostSnapshotPool | None = None, release: Release | None = None,
-                    plans: PlanCache | None = None, saved: dict | None = None) -> GlobalManifest | None:
+                    plans: PlanCache | None = None, saved: dict | None = None,
+                    copy_roots: Sequence[str] | None = None) -> GlobalManifest | None:
     """Collective: write ``snap`` as step ``snap.step`` with every rank and commit it once.
     Returns the global manifest on the primary rank (None elsewhere); raises on every rank if
     any rank failed. ``pool``/``release`` as in writer.write_and_commit: this rank's pieces go
     through the host snapshot pool (host mode) or straight from the extents (live), and
     ``release`` is set once the live tensors are free (or the save failed). ``saved``: once the
     step committed, its "token" and this rank's "shard" ([root, name, size, crc32c]) go in it
-    (what this rank's drain needs: distributed/drain.py)."""
+    (what this rank's drain needs: distributed/drain.py). ``copy_roots``: with replicas, the ids
+    of the roots that will hold copies of this rank's files (replicate.py), which its vote
+    carries to the manifest's "replicas" entry (format 1.4)."""
     release = release if release is not None else Release()
     plans = plans if plans is not None else PlanCache()
     rank, p = coord.rank, layout.primary_rank
@@ -262,6 +265,8 @@ def collective_save(coord: Coordinator, layout: RootLayout, snap: Snapshot, foun
             raise _OutOfStep()
         assert plan is not None
         outcome = _write_rank(snap, plan, layout, rc, engines, pool, release)
+        if copy_roots is not None:
+            outcome["copies"] = list(copy_roots)
     except _OutOfStep:
         outcome = {"step": snap.step}
         release.set(error=RankFailedError(what, {rank: f"saving step {snap.step}"}))
@@ -368,7 +373,19 @@ def _global_manifest(snap: Snapshot, layout: RootLayout, reports: Sequence[dict]
     shards = [ShardRef(r, *x["shard"]) for r, x in enumerate(reports)]
     totals = {k: sum(x["totals"][i] for x in reports) for i, k in enumerate(("bytes", "tensors", "files", "on_disk"))}
     return GlobalManifest.new(snap.step, layout.world_size, layout.table, shards, snap.metadata, totals,
-                              layout_index(plan, reports))
+                              layout_index(plan, reports), copy_table(layout, reports))
+
+
+def copy_table(layout: RootLayout, reports: Sequence[dict]) -> list[list[int]] | None:
+    """The manifest's "replicas" entry (format 1.4): each rank's copy roots, from the root ids
+    its vote names, as indices of the table the primary rank holds; None without replicas."""
+    if not any("copies" in x for x in reports):
+        return None
+    index = {info.id: g for g, info in enumerate(layout.table)}
+    try:
+        return [[index[i] for i in x.get("copies", [])] for x in reports]
+    except KeyError as e:
+        raise GDSWriterError(f"internal: a rank's copy root {e} is not in the root table") from e
 
 
 def layout_index(plan: RankSavePlan | None, reports: Sequence[dict]) -> LayoutIndex | None:

@@ -9,6 +9,11 @@ shards) before the snapshot, ``write_and_commit`` and ``apply_retention`` in the
 root is another node's disk. ``close`` (from GDSCheckpointer.close) releases the locks and the
 checkpointer's own coordination channel.
 
+With ``DistOptions(replicas=C)``, C > 1, the roots' opening also places the copies
+(replicate.py ``plan_peers``), and every committed step is handed to the session's
+``replicator`` (replicate.py), whose thread copies it to peer nodes over a second channel of its
+own; ``close`` waits for it. Retention then keeps the newest protected step.
+
 Each session has a channel of its own (group.py): another checkpointer's save thread never
 shares its collectives. Its collective operations (a save's writes and commit, a retention,
 a load) run one at a time, each whole (a lock), as every rank issues them in the same order.
@@ -27,6 +32,7 @@ from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, RootUnavailableError
 from ..format.commit import CommitProtocol, retire, step_dir_name
 from ..format.manifest import Manifest
+from ..format.replicas import newest_protected
 from ..load.apply import LiveState, LoadResult
 from ..options import CheckpointOptions, EngineOptions
 from ..save.snapshot import Snapshot
@@ -36,6 +42,7 @@ from .drain import RankDrainer
 from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
+from .replicate import ReplicaPeers, ReplicationJob, Replicator, plan_peers
 from .roots import RootLayout, clean_led, discover_layout, lock_led, owned, probe_led, settle_primary, share_table
 from .save import DTensors, PlanCache, collective_save
 from .shards import split_dtensors
@@ -89,8 +96,11 @@ class RankProtocol(CommitProtocol):
 class DistSession:
     """The Session of a checkpointer on every rank of a process group (the module docstring)."""
 
-    def __init__(self, coord: Coordinator, layout: RootLayout, lock: Any, options: DistOptions):
+    def __init__(self, coord: Coordinator, layout: RootLayout, lock: Any, options: DistOptions,
+                 peers: ReplicaPeers | None = None):
         self.coord, self.layout, self.lock, self.options = coord, layout, lock, options
+        self.peers = peers  # this rank's part of the replicas' placement (replicate.py), with replicas > 1
+        self.replicator: Replicator | None = None  # made by start_replication
         self.protocol = RankProtocol(layout)
         self._plans = PlanCache()
         self._serial = threading.Lock()  # one collective operation at a time (the module docstring)
@@ -113,6 +123,20 @@ class DistSession:
 
     def check_writable(self, step: int) -> None:
         pass
+
+    def start_replication(self, channel: Coordinator) -> None:
+        """Replicate every committed step over ``channel`` (a gloo group of its own: replicate.py)."""
+        assert self.peers is not None
+        self.replicator = Replicator(channel, self.layout, self.peers)
+
+    def protected_step(self) -> int | None:
+        """The newest protected step: from the markers where this rank sees the primary root,
+        else the newest this session's replication protected (None without replicas)."""
+        if self.replicator is None:
+            return None
+        if self.protocol.primary_here:
+            return newest_protected(self.protocol.primary, self.protocol.committed_steps())
+        return self.replicator.protected
 
     def drainer(self, options: CheckpointOptions, engine: IOEngine | None) -> RankDrainer:
         """This rank's part of the drain to ``options.drain_root`` (distributed/drain.py)."""
@@ -137,12 +161,16 @@ class DistSession:
             saved: dict = {}
             manifest = collective_save(self.coord, self.layout, snap, found, engines, files_per_root=files_per_root,
                                        replicated=self.options.replicated, pool=pool, release=release,
-                                       plans=self._plans, saved=saved)
+                                       plans=self._plans, saved=saved,
+                                       copy_roots=None if self.peers is None else self.peers.roots)
             if saved:
                 self.saved[snap.step] = (saved["token"], saved["shard"])
             for s in sorted(self.saved)[:-DRAIN_SAVES_KEPT]:
                 del self.saved[s]
             self._learn(set(self.protocol.known) | {snap.step}, snap.step)
+            if self.replicator is not None and saved:  # committed: its copies go in the background
+                self.replicator.submit(ReplicationJob(snap.step, tuple(saved["shard"]),
+                                                      self.rank == self.layout.primary_rank))
         return manifest
 
     def apply_retention(self, newest: int, retained: Callable[[list[int], int], Any]) -> None:
@@ -161,7 +189,10 @@ class DistSession:
             try:
                 drop: list[int] = []
                 steps = self.protocol.committed_steps()
-                keep = retained(steps, newest)
+                keep = set(retained(steps, newest))
+                if self.replicator is not None:  # never the newest protected step, nor one replicating
+                    keep |= self.replicator.pinned()
+                    keep |= {s for s in [newest_protected(self.protocol.primary, steps)] if s is not None}
                 for s in steps:
                     if s not in keep:
                         try:
@@ -208,6 +239,8 @@ class DistSession:
     def close(self) -> None:
         """Release the roots' locks and this checkpointer's coordination channel (local; after its
         last collective). Idempotent."""
+        if self.replicator is not None:
+            self.replicator.close()  # waits for the replications submitted
         with self._serial:
             if self.lock is not None:
                 self.lock.release()
@@ -255,7 +288,14 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
                     "0's (rank 0 is on another node than when it was saved): rank %d commits the steps and reads "
                     "the manifests", layout.root(0).path, layout.primary_id, layout.primary_rank,
                     layout.primary_rank)
-    session = DistSession(coord, layout, lock, options)
+    peers = None
+    if options.replicas > 1:
+        try:
+            peers = plan_peers(coord, layout, options.replicas, options.failure_domains)
+        except BaseException:
+            lock.release()
+            raise
+    session = DistSession(coord, layout, lock, options, peers)
     session._learn(primary["committed"], primary["latest"])
     return session
 

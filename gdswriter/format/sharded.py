@@ -37,7 +37,7 @@ from itertools import chain, compress, repeat
 from operator import itemgetter, ne
 from pathlib import Path
 from typing import Any, TypeVar, overload
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import crc32c as _crc32c
 
@@ -51,6 +51,8 @@ from .manifest import (FORMAT_NAME, INT64_LIMIT, MANIFEST_MAX_BYTES, MANIFEST_NA
 from .state_codec import tensor_refs
 
 SHARDED_VERSION = (1, 3)
+REPLICAS_VERSION = (1, 4)  # a step saved with replicas (the "replicas" key; 1.3 otherwise, byte for byte)
+MAX_COPY_ROOTS = 16  # copy roots one rank's entry of "replicas" may list (DistOptions.replicas' bound)
 SHARD_FORMAT = "gdswriter-shard"
 ONLY_THIS_RANK = -1  # an item's holders: the writing rank alone
 EVERY_RANK = -2      # an item's holders: every rank of the world
@@ -182,10 +184,17 @@ class GlobalManifest:
     created_unix: float
     totals: dict
     layout_index: LayoutIndex | None = None  # None: a step saved without one (loads reshard by merging)
+    # per rank, the table roots holding a copy of its shard and data files, in the order a reader
+    # tries them (its own roots not listed); None: a step saved without replicas (format.md 11)
+    replicas: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def version(self) -> tuple[int, int]:
+        return REPLICAS_VERSION if self.replicas is not None else SHARDED_VERSION
 
     def to_json_bytes(self) -> bytes:
         body = {
-            "format": FORMAT_NAME, "version": list(SHARDED_VERSION), "step": self.step,
+            "format": FORMAT_NAME, "version": list(self.version), "step": self.step,
             "created_unix": self.created_unix, "metadata": self.metadata,
             "dist": {"world_size": self.world_size, "layout": "gdswriter",
                      "roots": [{"id": r.id, "path": r.path, "ranks": _ranks_json(r.ranks, self.world_size)}
@@ -195,6 +204,8 @@ class GlobalManifest:
         }
         if self.layout_index is not None:
             body["layout_index"] = self.layout_index.to_json()
+        if self.replicas is not None:
+            body["replicas"] = [list(r) for r in self.replicas]
         crc = _crc32c.crc32c(_canonical(body))
         return (json.dumps({**body, "manifest_crc32c": crc}, separators=(",", ":"), allow_nan=False) + "\n").encode()
 
@@ -212,9 +223,11 @@ class GlobalManifest:
 
     @staticmethod
     def new(step: int, world_size: int, roots: Sequence[RootInfo], shards: Sequence[ShardRef], metadata: dict,
-            totals: dict, layout_index: LayoutIndex | None = None) -> GlobalManifest:
+            totals: dict, layout_index: LayoutIndex | None = None,
+            replicas: Sequence[Sequence[int]] | None = None) -> GlobalManifest:
         return GlobalManifest(step, world_size, tuple(roots), tuple(shards), dict(metadata), time.time(),
-                              dict(totals), layout_index)
+                              dict(totals), layout_index,
+                              None if replicas is None else tuple(tuple(r) for r in replicas))
 
 
 def is_sharded(body: Any) -> bool:
@@ -574,7 +587,34 @@ def _parse_global(body: dict, where: str) -> GlobalManifest:
             index = LayoutIndex.from_json(body["layout_index"], world)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError) as e:
             raise bad(f"its layout index is malformed ({type(e).__name__}: {e})") from e
-    return GlobalManifest(_int(body["step"], "step"), world, roots, shards, metadata, float(created), totals, index)
+    replicas = _replicas_in(body, world, len(roots), bad)
+    return GlobalManifest(_int(body["step"], "step"), world, roots, shards, metadata, float(created), totals, index,
+                          replicas)
+
+
+def _replicas_in(body: dict, world: int, n_roots: int,
+                 bad: Callable[[str], CorruptCheckpointError]) -> tuple[tuple[int, ...], ...] | None:
+    """A global manifest's "replicas" entry (format 1.4), None where it has none."""
+    if "replicas" not in body:
+        return None
+    replicas = _replicas(body["replicas"], world, n_roots)
+    if not replicas:
+        raise bad(f"its replicas table is malformed (one list per rank of the {world}, each of at most "
+                  f"{MAX_COPY_ROOTS} distinct root indices below {n_roots})")
+    return replicas
+
+
+def _replicas(value: Any, world: int, n_roots: int) -> tuple[tuple[int, ...], ...]:
+    """The "replicas" table checked (() when malformed: a world has at least one rank):
+    ``world`` lists of distinct root indices in [0, n_roots), each at most MAX_COPY_ROOTS long."""
+    if not isinstance(value, list) or len(value) != world or set(map(type, value)) - {list}:
+        return ()
+    if max(map(len, value), default=0) > MAX_COPY_ROOTS:
+        return ()
+    if not _ints_in(list(chain.from_iterable(value)), n_roots):
+        return ()
+    out = tuple(map(tuple, value))
+    return out if all(len(set(e)) == len(e) for e in out) else ()
 
 
 def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:  # noqa: C901

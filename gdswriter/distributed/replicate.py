@@ -1,0 +1,603 @@
+"""Replicas on peer nodes (DistOptions(replicas=C), issue 39; format.md section 11).
+
+**At open** (``plan_peers``, collective, only with C > 1): every rank sends rank 0 its host
+(``host_name``: GDSWRITER_HOSTNAME, else socket.gethostname()), its failure domains and its
+first root's id; rank 0 places the copies (planner/replicas.py ``place_replicas``: distinct
+hosts always, distinct racks or switches where named and possible) and sends each rank its
+part alone: the C - 1 ranks holding its copies (with their first roots' ids, which its save
+votes carry into the manifest's ``replicas`` entry) and the C - 1 ranks whose copies it holds.
+
+**After step S commits** (``Replicator``, a thread of the session's; the save handle completes
+at the commit), every rank, in the order the steps committed, over a gloo group of its own
+(never the session's coordination channel, so a save's collectives and replication never
+interleave):
+
+1. reads its committed shard and data files once, checking the shard's size and crc32c
+   against what it voted and every chunk's crc32c as the bytes stream (a damaged local file is
+   never copied); the primary rank also sends the global manifest;
+2. streams them, in pieces of PIECE_BYTES (memory bounded whatever the state's size), to its
+   C - 1 peers, while receiving the files of the C - 1 ranks it holds copies of: each peer
+   writes them into ``step_S/copies/.tmp-rank<R>-<hex>/`` on its first root, fdatasyncs each
+   file, checks every file's crc32c from the sender's trailer, fsyncs the directory, renames it
+   to ``step_S/copies/rank<R>`` and fsyncs ``copies``: nothing half-written is ever seen under
+   the final name; the global manifest goes to ``step_S/copies/manifest.json`` the same way;
+3. reports its outcome to the primary rank (a gather on the replication group). Where every
+   rank succeeded, the primary rank writes ``step_S/protected`` ({"copies": C}, durably) and
+   says so; the ranks holding the primary's copy then write ``step_S/copies/protected``.
+
+A failure (a peer dead or hung, a short or damaged copy, a root that cannot be written)
+leaves the step committed and not protected: logged, and raised once by ``wait_protected`` as
+ReplicationError. It never touches the next save (another channel; a dead peer breaks only the
+replication group, whose later steps then fail at once). A crash mid-copy leaves a
+``.tmp-rank...`` directory inside ``step_S/copies``, removed with the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from collections.abc import Sequence
+
+import crc32c as _crc32c
+import torch
+
+from ..errors import (ChecksumMismatchError, CollectiveFailedError, EngineIOError, GDSWriterError,
+                      InvalidOptionError, RankFailedError, ReplicationError)
+from ..format.commit import TMP_PREFIX, step_dir_name
+from ..format.manifest import MANIFEST_NAME, ChunkRecord
+from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, protected_marker
+from ..format.sharded import RankShard, parse_global
+from ..fs import atomic_write, fsync_dir, open_regular, read_regular_file
+from ..planner.replicas import ReplicaPart, failure_domains, place_replicas
+from .group import Coordinator, Transfer, bounded, describe, unbound
+from .roots import RootLayout
+
+log = logging.getLogger("gdswriter")
+
+HOST_ENV = "GDSWRITER_HOSTNAME"
+PIECE_BYTES = 32 << 20  # one piece of a rank's stream to its peers (and of each stream it receives)
+TRAILER_BYTES = 64 << 10  # the last piece of a stream: its files' crc32c and whether the sender succeeded
+SMALL_LIMIT = 1 << 30  # a shard or global manifest read back
+
+
+def host_name() -> str:
+    """This rank's host, as replicas are placed: GDSWRITER_HOSTNAME where set (ranks of one
+    machine that stand for several nodes, or hosts whose names are not unique), else
+    socket.gethostname()."""
+    return os.environ.get(HOST_ENV, "").strip() or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class ReplicaPeers:
+    """This rank's part of the placement: ``part`` (planner/replicas.py), ``roots``: the ids of
+    the first roots of ``part.sends_to`` (in copy order), ``copies``: C."""
+
+    copies: int
+    part: ReplicaPart
+    roots: tuple[str, ...]
+
+
+def plan_peers(coord: Coordinator, layout: RootLayout, replicas: int, domains: Any) -> ReplicaPeers:
+    """Collective (the module docstring): this rank's part of the copies' placement. Every rank
+    raises alike: InvalidOptionError when the placement is refused (fewer hosts than copies,
+    ranks asking for different copies), or the failing ranks' errors."""
+    what = "placing the replicas"
+    mine: dict = {}
+    error: BaseException | None = None
+    try:
+        host = host_name()
+        mine = {"host": host, "domain": list(failure_domains(coord.rank, host, domains)), "copies": replicas,
+                "root": layout.local_ids[0]}
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error, mine = e, {"error": describe(e)}
+    got = coord.gather(mine, what, dst=0)
+    parts: list | None = None
+    if got is not None:
+        failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
+        if failures:
+            parts = [bounded(failures)] * coord.world_size
+        else:
+            try:
+                parts = _parts(got, replicas)
+            except InvalidOptionError as e:
+                error, parts = e, [{"refused": str(e)}] * coord.world_size
+    part = coord.scatter(parts, f"{what} (parts)", src=0)
+    if "refused" in part:
+        raise error if error is not None else InvalidOptionError(part["refused"])
+    if "failed" in part:
+        shown, total = unbound(part)
+        raise error if error is not None else RankFailedError(what, shown, "no root was changed; fix the failing "
+                                                                            "rank's options and open again",
+                                                              total=total)
+    return ReplicaPeers(replicas, ReplicaPart.from_message(coord.rank, part["part"]), tuple(part["roots"]))
+
+
+def _parts(got: Sequence[dict], replicas: int) -> list[dict]:
+    """Rank 0: every rank's part of the placement of ``got`` (every rank's plan_peers message)."""
+    asked = sorted({x["copies"] for x in got})
+    if len(asked) > 1:
+        raise InvalidOptionError(f"the ranks ask for different replicas ({asked}): give every rank the same "
+                                 f"DistOptions(replicas=...) (or GDSWRITER_REPLICAS)")
+    domains = [x["domain"] for x in got]
+    try:
+        plan = place_replicas([x["host"] for x in got], replicas, domains if any(domains) else None)
+    except InvalidOptionError as e:
+        raise InvalidOptionError(f"DistOptions(replicas={replicas}) (GDSWRITER_REPLICAS): {e}. Ranks of one "
+                                 f"machine that stand for several nodes name their host in GDSWRITER_HOSTNAME"
+                                 ) from e
+    if not plan.balanced:
+        log.warning("gdswriter: the replicas cannot be spread evenly over these hosts (one host has more than 1/%d "
+                    "of the ranks): some ranks hold more copies than others", replicas)
+    if plan.domain_levels < plan.ring.levels:
+        log.warning("gdswriter: the copies are on distinct hosts, but the named failure domains are too uneven to "
+                    "keep them in distinct racks or switches at every level (%d of %d levels)", plan.domain_levels,
+                    plan.ring.levels)
+    return [{"part": plan.part(r).to_message(), "roots": [got[p]["root"] for p in plan.who_holds(r)]}
+            for r in range(len(got))]
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank's stream: what it sends its peers
+
+
+@dataclass
+class _Source:
+    """One file of a rank's stream: in memory (``data``: the shard, the global manifest) or on
+    disk (``path``, with the chunks its shard records, checked as the bytes stream)."""
+
+    kind: str  # "shard", "data" or "global"
+    name: str
+    size: int
+    data: bytes | None = None
+    path: Path | None = None
+    chunks: tuple[ChunkRecord, ...] = ()
+
+
+class _ChunkCheck:
+    """crc32c of every chunk of one file, updated as its bytes stream in order."""
+
+    def __init__(self, chunks: Sequence[ChunkRecord], path: Path):
+        self.chunks = sorted((c for c in chunks if c.length), key=lambda c: c.file_offset)
+        self.path, self.i, self.crc = path, 0, 0
+
+    def feed(self, offset: int, data: memoryview) -> None:
+        end = offset + len(data)
+        while self.i < len(self.chunks):
+            c = self.chunks[self.i]
+            lo, hi = max(offset, c.file_offset), min(end, c.file_offset + c.length)
+            if lo >= hi:
+                if c.file_offset >= end:
+                    return
+                self.i += 1
+                continue
+            self.crc = _crc32c.crc32c(data[lo - offset:hi - offset], self.crc)
+            if hi < c.file_offset + c.length:
+                return
+            if self.crc != c.crc32c:
+                raise ChecksumMismatchError(str(self.path), f"bytes of a chunk of {self.path.name}", c.file_offset,
+                                            c.length, c.crc32c, self.crc)
+            self.i, self.crc = self.i + 1, 0
+
+
+class _Outgoing:
+    """This rank's stream: a header (its files' kinds, names and sizes), their bytes, and a
+    trailer (each file's crc32c, or the error that stopped the sender: the rest is zeros)."""
+
+    def __init__(self, sources: list[_Source], error: BaseException | None):
+        self.sources, self.error = sources, error
+        self.header = json.dumps([[s.kind, s.name, s.size] for s in sources]).encode()
+        self.total = sum(s.size for s in sources)
+        self.crcs = [0] * len(sources)
+        self._file, self._pos, self._fd, self._check = 0, 0, -1, None
+
+    def fill(self, buf: memoryview) -> int:
+        """The next bytes of the stream into ``buf``; returns how many."""
+        n = 0
+        while n < len(buf) and self._file < len(self.sources):
+            src = self.sources[self._file]
+            want = min(len(buf) - n, src.size - self._pos)
+            piece = buf[n:n + want]
+            if self.error is None:
+                try:
+                    self._read(src, piece)
+                except Exception as e:  # noqa: BLE001 - the peers are told in the trailer
+                    self.error = e
+            if self.error is not None:
+                piece[:] = bytes(want)
+            self._pos, n = self._pos + want, n + want
+            if self._pos == src.size:
+                self._next()
+        return n
+
+    def _read(self, src: _Source, piece: memoryview) -> None:
+        if src.data is not None:
+            piece[:] = src.data[self._pos:self._pos + len(piece)]
+        else:
+            assert src.path is not None
+            if self._fd < 0:
+                self._fd, _ = open_regular(str(src.path), write=False)
+                self._check = _ChunkCheck(src.chunks, src.path)
+            got = 0
+            while got < len(piece):
+                k = os.preadv(self._fd, [piece[got:]], self._pos + got)
+                if k <= 0:
+                    raise EngineIOError(5, src.path, self._pos + got, "read (the file is shorter than its shard says)")
+                got += k
+            assert self._check is not None
+            self._check.feed(self._pos, piece)
+        self.crcs[self._file] = _crc32c.crc32c(piece, self.crcs[self._file])
+
+    def _next(self) -> None:
+        self.close()
+        self._file, self._pos = self._file + 1, 0
+        while self._file < len(self.sources) and self.sources[self._file].size == 0:
+            self._file += 1
+
+    def trailer(self) -> bytes:
+        body = {"ok": self.error is None, "crcs": self.crcs,
+                "error": None if self.error is None else describe(self.error)}
+        return json.dumps(body).encode()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# ---------------------------------------------------------------------------------------------
+# what a peer receives
+
+
+class _Incoming:
+    """One sender's files as they arrive, written into a temporary directory of ``copies`` and
+    published whole (``publish``) or removed (``discard``)."""
+
+    def __init__(self, copies: Path, src: int, header: bytes):
+        self.copies, self.src = copies, src
+        self.files = [(str(k), str(n), int(z)) for k, n, z in json.loads(header)]
+        self.tmp = copies / f"{TMP_PREFIX}{copy_dir_name(src)}-{secrets.token_hex(4)}"
+        self.tmp.mkdir()
+        self.crcs = [0] * len(self.files)
+        self._file, self._pos, self._fd = 0, 0, -1
+        self._skip_empty()
+
+    def _path(self, i: int) -> Path:
+        kind, name, _ = self.files[i]
+        if "/" in name or name in ("", ".", "..") or name.startswith(TMP_PREFIX):
+            raise GDSWriterError(f"rank {self.src} sent a copy named {name!r}, not a plain file name")
+        return self.tmp / (f"global-{MANIFEST_NAME}" if kind == "global" else name)
+
+    def _skip_empty(self) -> None:
+        while self._file < len(self.files) and self.files[self._file][2] == 0:
+            self._path(self._file).touch()
+            self._file += 1
+
+    def write(self, data: memoryview) -> None:
+        n = 0
+        while n < len(data):
+            size = self.files[self._file][2]
+            if self._fd < 0:
+                self._fd, _ = open_regular(str(self._path(self._file)), write=True)
+            want = min(len(data) - n, size - self._pos)
+            piece = data[n:n + want]
+            done = 0
+            while done < want:
+                done += os.pwrite(self._fd, piece[done:], self._pos + done)
+            self.crcs[self._file] = _crc32c.crc32c(piece, self.crcs[self._file])
+            self._pos, n = self._pos + want, n + want
+            if self._pos == size:
+                os.fdatasync(self._fd)
+                os.close(self._fd)
+                self._fd, self._pos, self._file = -1, 0, self._file + 1
+                self._skip_empty()
+
+    def publish(self, trailer: dict) -> None:
+        """Check the sender's trailer and every file's crc32c, then put the copy in place durably."""
+        if not trailer.get("ok"):
+            raise ReplicationError(f"rank {self.src} could not send its files: {trailer.get('error')}", -1)
+        if self._file != len(self.files) or trailer.get("crcs") != self.crcs:
+            raise ChecksumMismatchError(str(self.tmp), f"the copy of rank {self.src}'s files", 0,
+                                        sum(z for _, _, z in self.files), 0, 0)
+        glob = [self.tmp / f"global-{MANIFEST_NAME}" for k, _, _ in self.files if k == "global"]
+        for g in glob:  # the global manifest's copy lies beside the ranks' (contract: copies/manifest.json)
+            atomic_write(self.copies / MANIFEST_NAME, g.read_bytes())
+            g.unlink()
+        fsync_dir(self.tmp)
+        final = self.copies / copy_dir_name(self.src)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(self.tmp, final)
+        fsync_dir(self.copies)
+
+    def discard(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# the thread
+
+
+@dataclass(frozen=True)
+class ReplicationJob:
+    """A committed step to replicate: this rank's shard ref ([root, name, size, crc32c] as it
+    voted) and whether this rank is the primary (it sends the global manifest too)."""
+
+    step: int
+    shard: tuple
+    primary: bool
+
+
+class Replicator:
+    """A session's replication (the module docstring): ``submit`` after each commit, in commit
+    order on every rank; ``pinned`` for retention; ``wait``, ``take_error``, ``close``."""
+
+    def __init__(self, coord: Coordinator, layout: RootLayout, peers: ReplicaPeers):
+        self.coord, self.layout, self.peers = coord, layout, peers
+        self._cv = threading.Condition()
+        self._todo: deque[ReplicationJob] = deque()
+        self._running: int | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.error: ReplicationError | None = None
+        self.protected: int | None = None  # the newest step this session saw protected
+
+    def submit(self, job: ReplicationJob) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._todo.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="gdswriter-replicate", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def pinned(self) -> set[int]:
+        """The steps waiting for or in their replication (retention keeps them)."""
+        with self._cv:
+            return {j.step for j in self._todo} | ({self._running} if self._running is not None else set())
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._todo and self._running is None, timeout)
+
+    def take_error(self) -> ReplicationError | None:
+        with self._cv:
+            e, self.error = self.error, None
+        return e
+
+    def close(self) -> None:
+        """Wait for the replications submitted, then end the thread (not the channel: the session's)."""
+        self.wait()
+        with self._cv:
+            self._closed = True
+            thread = self._thread
+            self._cv.notify_all()
+        if thread is not None:
+            thread.join(5.0)
+        self.coord.close()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._todo or self._closed)
+                if not self._todo:
+                    self._thread = None
+                    return
+                job = self._todo.popleft()
+                self._running = job.step
+            try:
+                if self.replicate(job):
+                    with self._cv:
+                        self.protected = max(self.protected or job.step, job.step)
+            except ReplicationError as e:
+                log.warning("gdswriter: %s", e)
+                with self._cv:
+                    self.error = e
+            except BaseException as e:  # noqa: BLE001 - a bug must not leave wait() waiting forever
+                log.exception("gdswriter: the replication of step %d failed", job.step)
+                with self._cv:
+                    self.error = ReplicationError(f"the replication of step {job.step} failed: "
+                                                  f"{type(e).__name__}: {e}", job.step)
+            finally:
+                with self._cv:
+                    self._running = None
+                    self._cv.notify_all()
+
+    def replicate(self, job: ReplicationJob) -> bool:
+        """This rank's part of replicating ``job.step``; True when the step is protected.
+        ReplicationError when not (this rank's or another's failure)."""
+        step, rank, part = job.step, self.coord.rank, self.peers.part
+        log.debug("gdswriter: rank %d replicates step %d to ranks %s, holds copies of ranks %s", rank, step,
+                  list(part.sends_to), list(part.receives_from))
+        what = f"replicating step {step}"
+        try:
+            out = _Outgoing(*self._sources(job))
+            problems = self._stream(step, out)
+        except CollectiveFailedError as e:
+            raise ReplicationError(f"step {step} is committed but not protected: a peer of rank {rank} failed or "
+                                   f"left during its replication ({e}); restart the job (its replication group is "
+                                   f"broken); the newest protected step is kept", step) from e
+        if out.error is not None:
+            problems.insert(0, f"its own files: {describe(out.error)}")
+        mine = {"ok": not problems, "error": "; ".join(problems)[:2000]}
+        return self._settle(job, mine, what)
+
+    def _settle(self, job: ReplicationJob, mine: dict, what: str) -> bool:
+        """Every rank's outcome to the primary rank, which marks the step protected where all
+        succeeded, then tells every rank; the holders of the primary's copy mark theirs."""
+        step, p = job.step, self.layout.primary_rank
+        try:
+            got = self.coord.gather(mine, f"{what} (outcomes)", dst=p)
+            verdict: dict = {}
+            if got is not None:
+                failures = {r: x["error"] for r, x in enumerate(got) if not x["ok"]}
+                if not failures:
+                    failures = self._mark(self.layout.local_paths[self.layout.local_of(0) or 0] / step_dir_name(step))
+                verdict = bounded(failures) if failures else {"protected": True}
+            verdict = self.coord.broadcast(verdict, f"{what} (verdict)", src=p)
+        except CollectiveFailedError as e:
+            raise ReplicationError(f"step {step} is committed but not protected: a rank failed or left before it "
+                                   f"reported its copies ({e}); restart the job; the newest protected step is kept",
+                                   step) from e
+        if not verdict.get("protected"):
+            shown, total = unbound(verdict)
+            listed = "; ".join(f"rank {r}: {m}" for r, m in sorted(shown.items()))
+            raise ReplicationError(f"step {step} is committed but not protected: {total} rank(s) failed to copy "
+                                   f"({listed}); it loads where its own nodes are; the newest protected step is kept; "
+                                   f"fix what the message names (a full or failing disk?), the next steps are "
+                                   f"replicated again", step)
+        if p in self.peers.part.receives_from:
+            copies = self.layout.local_paths[0] / step_dir_name(step) / COPIES_DIR
+            failed = self._mark(copies)
+            if failed:
+                log.warning("gdswriter: step %d is protected, but %s could not be marked: %s", step, copies,
+                            failed[self.coord.rank])
+        return True
+
+    def _mark(self, d: Path) -> dict[int, str]:
+        """Write ``d/protected`` durably; {this rank: why} if it could not."""
+        try:
+            atomic_write(d / PROTECTED_NAME, protected_marker(self.peers.copies))
+            return {}
+        except OSError as e:
+            return {self.coord.rank: f"writing {d / PROTECTED_NAME}: {describe(e)}"}
+
+    def _sources(self, job: ReplicationJob) -> tuple[list[_Source], BaseException | None]:
+        """This rank's files of ``job.step``: its shard (checked against its vote), its data files
+        (their chunks checked as they stream) and, on the primary rank, the global manifest.
+        A failure is sent to the peers as the stream's trailer, not raised."""
+        step, layout = job.step, self.layout
+        g, name, size, crc = job.shard
+        try:
+            step_dir = layout.local_paths[layout.local_of(g) or 0] / step_dir_name(step)
+            raw = read_regular_file(step_dir / name, size + 1)
+            if len(raw) != size or _crc32c.crc32c(raw) != crc:
+                raise ChecksumMismatchError(str(step_dir / name), "its manifest shard", 0, size, crc,
+                                            _crc32c.crc32c(raw))
+            shard = RankShard.from_json_bytes(raw, where=str(step_dir / name), step=step, rank=layout.rank,
+                                              world_size=layout.world_size, n_roots=layout.root_count)
+            out = [_Source("shard", name, size, data=raw)]
+            per_file: dict[int, list[ChunkRecord]] = {i: [] for i in range(len(shard.files))}
+            for cs in shard.chunks:
+                for c in cs:
+                    per_file[c.file].append(c)
+            for fid, f in enumerate(shard.files):
+                local = layout.local_of(f.root)
+                if local is None:
+                    raise GDSWriterError(f"step {step}: this rank's data file {f.path} is on a root it does not see")
+                out.append(_Source("data", f.path, f.size, path=layout.local_paths[local] / step_dir_name(step) /
+                                   f.path, chunks=tuple(per_file[fid])))
+            if job.primary:
+                path = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step) / MANIFEST_NAME
+                data = read_regular_file(path, SMALL_LIMIT)
+                gm = parse_global(data, str(path))
+                if gm is None or gm.shards[layout.rank].crc32c != crc:
+                    raise GDSWriterError(f"{path} is not the manifest of the save being replicated")
+                out.append(_Source("global", MANIFEST_NAME, len(data), data=data))
+            return out, None
+        except Exception as e:  # noqa: BLE001 - sent to the peers in the trailer
+            return [], e
+
+    def _stream(self, step: int, out: _Outgoing) -> list[str]:
+        """Send ``out`` to this rank's peers and receive the streams of the ranks it holds copies
+        of, in rounds (sizes, headers, PIECE_BYTES pieces, trailers); returns what failed here."""
+        me, part, what = self.coord.rank, self.peers.part, f"replicating step {step}"
+        senders, dests = list(part.receives_from), list(part.sends_to)
+        sizes = {s: torch.zeros(2, dtype=torch.int64) for s in senders}
+        head = torch.tensor([len(out.header), out.total], dtype=torch.int64)
+        self.coord.exchange([Transfer(me, d, 0, head) for d in dests] +
+                            [Transfer(s, me, 0, sizes[s]) for s in senders], f"{what} (sizes)")
+        heads = {s: torch.zeros(max(int(sizes[s][0]), 1), dtype=torch.uint8) for s in senders}
+        mine = torch.frombuffer(bytearray(out.header), dtype=torch.uint8)
+        self.coord.exchange([Transfer(me, d, 1, mine) for d in dests] +
+                            [Transfer(s, me, 1, heads[s][:int(sizes[s][0])]) for s in senders], f"{what} (headers)")
+        problems: list[str] = []
+        incoming: dict[int, _Incoming | None] = {}
+        copies = self.layout.local_paths[0] / step_dir_name(step) / COPIES_DIR
+        for s in senders:
+            try:
+                if not copies.parent.is_dir():
+                    raise FileNotFoundError(f"{copies.parent} does not exist (the step was deleted?)")
+                copies.mkdir(exist_ok=True)
+                incoming[s] = _Incoming(copies, s, bytes(heads[s][:int(sizes[s][0])].numpy()))
+            except Exception as e:  # noqa: BLE001 - reported to the primary rank
+                incoming[s] = None
+                problems.append(f"the copy of rank {s}: {describe(e)}")
+        try:
+            self._pieces(step, out, senders, dests, {s: int(sizes[s][1]) for s in senders}, incoming, problems)
+            trailers = self._trailers(step, out, senders, dests)
+        except BaseException:
+            for inc in incoming.values():  # a peer lost mid-stream: nothing of its copy is left behind
+                if inc is not None:
+                    inc.discard()
+            raise
+        finally:
+            out.close()
+        for s in senders:
+            inc = incoming[s]
+            if inc is None:
+                continue
+            try:
+                inc.publish(trailers[s])
+            except Exception as e:  # noqa: BLE001 - reported to the primary rank
+                inc.discard()
+                problems.append(f"the copy of rank {s}: {describe(e)}")
+        return problems
+
+    def _pieces(self, step: int, out: _Outgoing, senders: list[int], dests: list[int], totals: dict[int, int],
+                incoming: dict[int, _Incoming | None], problems: list[str]) -> None:
+        me, piece = self.coord.rank, PIECE_BYTES
+        rounds = max([-(-out.total // piece)] + [-(-t // piece) for t in totals.values()])
+        send = torch.empty(min(piece, max(out.total, 1)), dtype=torch.uint8) if dests else None
+        recv = {s: torch.empty(min(piece, max(totals[s], 1)), dtype=torch.uint8) for s in senders}
+        for k in range(rounds):
+            transfers = []
+            if send is not None and k * piece < out.total:
+                n = out.fill(memoryview(send.numpy())[:min(piece, out.total - k * piece)])
+                transfers += [Transfer(me, d, 2 + k % 1000, send[:n]) for d in dests]
+            lens = {s: min(piece, totals[s] - k * piece) for s in senders if k * piece < totals[s]}
+            transfers += [Transfer(s, me, 2 + k % 1000, recv[s][:n]) for s, n in lens.items()]
+            self.coord.exchange(transfers, f"replicating step {step} (piece {k})")
+            for s, n in lens.items():
+                inc = incoming[s]
+                if inc is None:
+                    continue
+                try:
+                    inc.write(memoryview(recv[s].numpy())[:n])
+                except Exception as e:  # noqa: BLE001 - reported to the primary rank
+                    inc.discard()
+                    incoming[s] = None
+                    problems.append(f"the copy of rank {s}: {describe(e)}")
+
+    def _trailers(self, step: int, out: _Outgoing, senders: list[int], dests: list[int]) -> dict[int, dict]:
+        me = self.coord.rank
+        data = out.trailer()
+        if len(data) + 8 > TRAILER_BYTES:
+            out.error = out.error or GDSWriterError(f"{len(out.sources)} files are too many to replicate at once")
+            data = out.trailer()[:TRAILER_BYTES - 8]
+        mine = torch.zeros(TRAILER_BYTES, dtype=torch.uint8)
+        mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        got = {s: torch.zeros(TRAILER_BYTES, dtype=torch.uint8) for s in senders}
+        self.coord.exchange([Transfer(me, d, 1001, mine) for d in dests] +
+                            [Transfer(s, me, 1001, got[s]) for s in senders], f"replicating step {step} (trailers)")
+        trailers = {}
+        for s, t in got.items():
+            n = int(t[:8].view(torch.int64))
+            try:
+                trailers[s] = json.loads(bytes(t[8:8 + n].numpy()))
+            except ValueError:
+                trailers[s] = {"ok": False, "error": "its trailer is not readable"}
+        return trailers
