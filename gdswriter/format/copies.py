@@ -1,0 +1,133 @@
+"""Format 1.4's replicas, the reading side: where the copies of a rank's files lie, and a step's
+global manifest with some ranks' files taken from a copy instead of their own roots.
+
+The global manifest's optional ``"replicas": [[g, ...], ...]`` lists, for each rank r, the
+table roots that hold a copy of r's shard and of every data file it names, in the order a
+reader tries them (r's own root is never listed). On root g the copy lies in
+``step_S/copies/rank<RRRRR>/`` under the original names, byte for byte, so the crc32c values
+the global manifest (shard refs) and the shard (chunks) record check it. docs/format.md 10.
+
+A copy is read by pointing rank r's ShardRef at it (``copy_ref``: the shard's name is then
+``copies/rank<RRRRR>/manifest-rank<RRRRR>.json`` on root g): sharded.parse_shard puts the
+files such a shard names beside it, on its root, so every reader downstream (the own-shard
+load, the reshard plan, the merge, the fetch) reads the copy without knowing it is one.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnreachableDataError
+from .commit import step_dir_name
+from .manifest import Manifest, decode_json
+from .sharded import GlobalManifest, ShardRef, match_roots, merge, parse_shard, read_shard, shard_name
+
+COPIES_DIR = "copies"
+MAX_COPIES = 64  # copies of one rank's files a manifest may list (more is a damaged manifest)
+
+
+def copy_dir(rank: int) -> str:
+    """The folder, relative to a step directory, holding the copy of rank ``rank``'s files."""
+    return f"{COPIES_DIR}/rank{rank:05d}"
+
+
+def copy_ref(ref: ShardRef, root: int) -> ShardRef:
+    """``ref`` (rank r's shard) moved to its copy on table root ``root``: the same bytes."""
+    return ShardRef(ref.rank, root, f"{copy_dir(ref.rank)}/{shard_name(ref.rank)}", ref.size, ref.crc32c)
+
+
+def replicas_of(raw: bytes, g: GlobalManifest, where: str) -> tuple[tuple[int, ...], ...] | None:
+    """The ``replicas`` of the global manifest ``g`` parsed from ``raw`` (its bytes; their
+    manifest_crc32c, checked when ``g`` was parsed, covers the key), validated as untrusted
+    input: one entry per rank, table roots in range, none repeated, not the rank's own shard
+    root, at most MAX_COPIES. None: a step saved without replicas (format 1.3)."""
+    if b'"replicas"' not in raw:
+        return None
+    body = decode_json(raw, where)
+    rows = body.get("replicas") if isinstance(body, dict) else None
+    if rows is None:
+        return None
+
+    def bad(msg: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{where}: its replicas {msg}; the checkpoint is damaged: load an earlier step")
+
+    if not isinstance(rows, list) or len(rows) != g.world_size:
+        raise bad(f"are not a list of {g.world_size} entries (one per rank)")
+    n = len(g.roots)
+    out = []
+    for r, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) > MAX_COPIES:
+            raise bad(f"of rank {r} are not a list of at most {MAX_COPIES} roots")
+        if not all(type(j) is int and 0 <= j < n for j in row):
+            raise bad(f"of rank {r} name a root outside the table of {n}")
+        if len(set(row)) != len(row) or g.shards[r].root in row:
+            raise bad(f"of rank {r} repeat a root, or name its own ({g.shards[r].root})")
+        out.append(tuple(row))
+    return tuple(out)
+
+
+class CopiedShards(Sequence[ShardRef]):
+    """A step's shard refs with some ranks' moved to a copy (rank -> copy ref); the others are
+    the manifest's own, looked up when asked (nothing per rank is built)."""
+
+    def __init__(self, shards: Sequence[ShardRef], moved: Mapping[int, ShardRef]):
+        self.shards, self.moved = shards, dict(moved)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        hit = self.moved.get(i)
+        return hit if hit is not None else self.shards[i]
+
+
+def with_copies(g: GlobalManifest, choice: Mapping[int, int]) -> GlobalManifest:
+    """``g`` with rank r's shard, and so its files, read from the copy on root ``choice[r]``."""
+    if not choice:
+        return g
+    moved = {r: copy_ref(g.shards[r], root) for r, root in choice.items()}
+    return GlobalManifest(g.step, g.world_size, g.roots, CopiedShards(g.shards, moved), g.metadata, g.created_unix,
+                          g.totals, g.layout_index)
+
+
+def describe_root(g: GlobalManifest, root: int) -> str:
+    info = g.roots[root]
+    return f"root #{root} ({info.path}, id {info.id})"
+
+
+def merged_with_copies(g: GlobalManifest, copies: Sequence[Sequence[int]], roots: Sequence[Path]) -> Manifest:
+    """sharded.load_merged in one process, taking each rank's shard from its own root, else from
+    the first of its copies among ``roots`` whose bytes match the manifest: the whole step; a
+    rank with no good shard anywhere is an error naming every place tried."""
+    where = match_roots(g.roots, roots)
+    shards, choice = [], {}
+    for ref in g.shards:
+        tried = []
+        for k, root in enumerate((ref.root, *copies[ref.rank])):
+            at = ref if k == 0 else copy_ref(ref, root)
+            if where[root] is None:
+                tried.append(f"{describe_root(g, root)}: not among the roots given")
+                continue
+            d = where[root] / step_dir_name(g.step)
+            try:
+                shards.append(parse_shard(read_shard(d, g, at, where[0]), g, at, str(d / at.name)))
+            except CheckpointNotFoundError:
+                raise
+            except CorruptCheckpointError as e:
+                tried.append(f"{describe_root(g, root)}: {' '.join(str(e).split())}")
+                continue
+            if k:
+                choice[ref.rank] = root
+            break
+        else:
+            text = f"step {g.step}: no readable copy of rank {ref.rank}'s manifest shard: " + "; ".join(tried)
+            if all(t.endswith("not among the roots given") for t in tried):
+                raise UnreachableDataError(errno.ENOENT, f"{text}: pass every node's roots, the primary first")
+            raise CorruptCheckpointError(f"{text}; the checkpoint is damaged: load an earlier step")
+    return merge(with_copies(g, choice), shards)

@@ -1,0 +1,214 @@
+"""Loading from replicas (issue 39 item 3): a step whose ranks' files also lie, byte for byte,
+in ``step_S/copies/rank<R>/`` on other roots (the global manifest's ``replicas``, format 1.4)
+loads from the first good copy when a rank's own root is gone (a node replaced: an empty root
+with a new id) or its files are damaged, bit exact, on the same world size or resharded, and
+says so; when no good copy is left, a typed error names every copy tried, never a wrong tensor.
+
+Until the save side writes copies, the tests make the copy layout by hand from a real 2-rank
+1.3 save (tests/test_replicas_load.py ``_add_copies``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+
+from support.models import small_options
+from support.ranks import caught, run_ranks
+
+STEP = 3
+NUMEL = 1 << 20  # 4 MiB float32 tensors: above the small-copy thresholds
+TENSORS = 2
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {f"t{i}": torch.randn(NUMEL, generator=g) for i in range(TENSORS)}
+
+
+def _own_state(rank: int, step: int) -> dict:
+    g = torch.Generator().manual_seed(2000 + 10 * step + rank)
+    return {"own": torch.randn(NUMEL, generator=g)}
+
+
+def _checkpointer(root: Path, live: dict, own: dict):
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    return GDSCheckpointer(state={"s": live, "own": own}, root=root, options=small_options(),
+                           dist_options=DistOptions(timeout_s=60))
+
+
+def _save(rank: int, world: int, base: str) -> None:
+    live, own = _state(STEP), _own_state(rank, STEP)
+    with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
+        ck.save(STEP)
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _load(rank: int, world: int, base: str) -> dict:
+    """Load the latest step into zeroed tensors: {"got": [step, bit exact] or the error, "untouched":
+    whether the live tensors are still zeros, "warnings": the gdswriter warnings}. A 1-rank load
+    (a reshard) checks the shared state only."""
+    live = {f"t{i}": torch.zeros(NUMEL) for i in range(TENSORS)}
+    own = {"own": torch.zeros(NUMEL)}
+    seen = _Warnings()
+    logging.getLogger("gdswriter").addHandler(seen)
+    with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
+        got: list = []
+        err = caught(lambda: got.append(ck.load(strict=False)))
+    untouched = all(not t.any() for t in [*live.values(), *own.values()])
+    if err:
+        return {"got": err, "untouched": untouched, "warnings": seen.lines}
+    want = _state(got[0])
+    exact = all(torch.equal(live[k].view(torch.int32), want[k].view(torch.int32)) for k in want)
+    if world == 2:
+        exact = exact and torch.equal(own["own"].view(torch.int32), _own_state(rank, got[0])["own"].view(torch.int32))
+    return {"got": [got[0], exact], "untouched": untouched, "warnings": seen.lines}
+
+
+# ----------------------------------------------------------------------------- the copy layout, by hand
+def _step_dir(root: Path) -> Path:
+    return root / f"step_{STEP:012d}"
+
+
+def _add_copies(base: Path) -> None:
+    """What the save side of replicas=2 leaves (format 1.4), made from a 2-rank 1.3 step: rank r's
+    shard and data files copied into ``step_S/copies/rank<R>/`` on the other rank's root, the
+    global manifest into ``step_S/copies/manifest.json`` on the root holding rank 0's copy, and
+    ``"replicas": [[1], [0]]`` in the global manifest (its manifest_crc32c recomputed; parsed
+    back with the project's parser, which checks it)."""
+    from gdswriter.format.copies import copy_dir, replicas_of
+    from gdswriter.format.sharded import parse_global
+
+    manifest = _step_dir(base / "n0") / "manifest.json"
+    body = json.loads(manifest.read_bytes())
+    roots = [base / f"n{k}" for k in range(2)]
+    assert [Path(r["path"]).name for r in body["dist"]["roots"]] == ["n0", "n1"]
+    for r, (root, name, _, _) in enumerate(body["shards"]):
+        other = roots[1 - root]
+        dest = _step_dir(other) / copy_dir(r)
+        dest.mkdir(parents=True)
+        shard = _step_dir(roots[root]) / name
+        shutil.copyfile(shard, dest / name)
+        for f in json.loads(shard.read_bytes())["files"]:
+            shutil.copyfile(_step_dir(roots[f[0]]) / f[1], dest / f[1])
+    body.pop("manifest_crc32c")
+    body["replicas"] = [[1], [0]]
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    raw = (json.dumps({**body, "manifest_crc32c": crc32c.crc32c(canonical)}, separators=(",", ":")) + "\n").encode()
+    g = parse_global(raw, str(manifest))
+    assert replicas_of(raw, g, str(manifest)) == ((1,), (0,))
+    manifest.write_bytes(raw)
+    shutil.copyfile(manifest, _step_dir(roots[1]) / "copies" / "manifest.json")
+
+
+def _flip(path: Path, at: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if at is None else at
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _data_file(root: Path, rank: int, copy: bool = False) -> Path:
+    d = _step_dir(root) / (f"copies/rank{rank:05d}" if copy else "")
+    return next(d.glob(f"data-rank{rank}-*.bin"))
+
+
+def _replace_node(root: Path) -> None:
+    """A new machine: the root is an empty directory (it gets a new id)."""
+    shutil.rmtree(root)
+    root.mkdir()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """One real 2-rank save (each rank its own root, like node-local disks), with copies added."""
+    base = tmp_path_factory.mktemp("saved")
+    run_ranks(2, _save, str(base), out=base / "out")
+    _add_copies(base)
+    return base
+
+
+@pytest.fixture()
+def job(saved, tmp_path) -> Path:
+    """A fresh copy of the saved roots (their ids travel with them) for one test to damage."""
+    base = tmp_path / "job"
+    for k in range(2):
+        shutil.copytree(saved / f"n{k}", base / f"n{k}")
+    return base
+
+
+def _restored(out: dict, rank: int) -> bool:
+    return any(f"restored rank {rank}'s files from the copy" in w for w in out["warnings"])
+
+
+def _checked(out: dict) -> bool:
+    return any("checking every rank's files and their copies" in w for w in out["warnings"])
+
+
+# ----------------------------------------------------------------------------- the tests
+def test_node_replaced_loads_bit_exact_from_the_copy(job):
+    """Rank 1's root replaced by an empty one: both ranks load bit exact, rank 1's files read from
+    its copy on rank 0's root (and sent on), which rank 0 says; one rank alone (a reshard) too."""
+    _replace_node(job / "n1")
+    out = run_ranks(2, _load, str(job), out=job / "out")
+    assert [x["got"] for x in out] == [[STEP, True]] * 2, out
+    assert _restored(out[0], 1) and "n0" in next(w for w in out[0]["warnings"] if "restored" in w), out
+    assert not any(_checked(x) for x in out), "an unreached root moves to its copy before the plans, no retry"
+    one = run_ranks(1, _load, str(job), out=job / "out1")
+    assert one[0]["got"] == [STEP, True] and _restored(one[0], 1), one
+
+
+def test_flipped_byte_in_a_data_file_loads_from_the_copy(job):
+    """A flipped byte in rank 1's own data file: the load finds it, checks every rank's files,
+    reads rank 1's from the copy, bit exact, and says so."""
+    _flip(_data_file(job / "n1", 1))
+    out = run_ranks(2, _load, str(job), out=job / "out")
+    assert [x["got"] for x in out] == [[STEP, True]] * 2, out
+    assert any(_restored(x, 1) for x in out) and not any(_restored(x, 0) for x in out), out
+    assert all(_checked(x) for x in out), out
+
+
+def test_every_copy_damaged_is_a_typed_error_and_nothing_changes(job):
+    """Rank 1's data file damaged on its own root and in its copy: CorruptCheckpointError naming
+    both places, on every rank, and no live tensor changed."""
+    _flip(_data_file(job / "n1", 1))
+    _flip(_data_file(job / "n0", 1, copy=True), at=100)
+    out = run_ranks(2, _load, str(job), out=job / "out")
+    for x in out:
+        assert x["untouched"], x
+        kind, msg = x["got"]
+        assert kind in ("CorruptCheckpointError", "RankFailedError"), x
+    kind, msg = out[0]["got"]
+    assert kind == "CorruptCheckpointError" and "no good copy of rank 1's files" in msg, out
+    assert "own root #1" in msg and "copy on root #0" in msg, msg
+
+
+def test_damaged_shard_uses_the_copy_and_truncated_copy_is_an_error(job):
+    """Rank 1's own manifest shard damaged: the copy serves; with its node replaced and the copy
+    of its shard truncated, no copy is left: a typed error naming it, nothing changed."""
+    shard = _step_dir(job / "n1") / "manifest-rank00001.json"
+    _flip(shard)
+    out = run_ranks(2, _load, str(job), out=job / "out")
+    assert [x["got"] for x in out] == [[STEP, True]] * 2 and any(_restored(x, 1) for x in out), out
+    _replace_node(job / "n1")
+    copy = _step_dir(job / "n0") / "copies/rank00001/manifest-rank00001.json"
+    copy.write_bytes(copy.read_bytes()[:-10])
+    out = run_ranks(2, _load, str(job), out=job / "out2")
+    assert all(x["untouched"] for x in out), out
+    kind, msg = out[0]["got"]
+    assert kind == "CorruptCheckpointError" and "no good copy of rank 1's files" in msg and "rank00001" in msg, out
