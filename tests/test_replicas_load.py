@@ -212,3 +212,20 @@ def test_damaged_shard_uses_the_copy_and_truncated_copy_is_an_error(job):
     assert all(x["untouched"] for x in out), out
     kind, msg = out[0]["got"]
     assert kind == "CorruptCheckpointError" and "no good copy of rank 1's files" in msg and "rank00001" in msg, out
+
+
+def test_offline_readers_use_the_copy(job, capsys):
+    """load_state and ``gdswriter verify`` given the roots in one process: with rank 1's root
+    replaced, rank 1's files come from its copy on rank 0's root, bit exact; with rank 1's own
+    shard damaged too, the copy still serves."""
+    from gdswriter import load_state
+    from gdswriter.cli import main
+
+    _flip(_step_dir(job / "n1") / "manifest-rank00001.json")
+    roots = [str(job / "n0"), str(job / "n1")]
+    step, state = load_state(roots)
+    assert step == STEP and all(torch.equal(state["extra"]["s"][k], v) for k, v in _state(STEP).items())
+    _replace_node(job / "n1")
+    step, state = load_state(roots)
+    assert step == STEP and all(torch.equal(state["extra"]["s"][k], v) for k, v in _state(STEP).items())
+    assert main(["verify", roots[0], "--secondary", roots[1]]) == 0, capsys.readouterr()
