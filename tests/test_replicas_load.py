@@ -229,3 +229,31 @@ def test_offline_readers_use_the_copy(job, capsys):
     step, state = load_state(roots)
     assert step == STEP and all(torch.equal(state["extra"]["s"][k], v) for k, v in _state(STEP).items())
     assert main(["verify", roots[0], "--secondary", roots[1]]) == 0, capsys.readouterr()
+
+
+def _load_then_save(rank: int, world: int, base: str) -> dict:
+    """_load, then save step STEP + 1 and load it back (the job goes on after a restore)."""
+    out = _load(rank, world, base)
+    live, own = _state(STEP + 1), _own_state(rank, STEP + 1)
+    with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
+        ck.save(STEP + 1)
+    back = {f"t{i}": torch.zeros(NUMEL) for i in range(TENSORS)}
+    mine = {"own": torch.zeros(NUMEL)}
+    with _checkpointer(Path(base, f"n{rank}"), back, mine) as ck:
+        step = ck.load(strict=False)
+        out["next"] = [step, all(torch.equal(back[k], v) for k, v in _state(STEP + 1).items())
+                       and torch.equal(mine["own"], own["own"]), ck.steps()]
+    return out
+
+
+def test_primary_node_replaced_adopts_the_copy_of_the_manifest(job):
+    """Rank 0's root (the primary, with the step's manifest.json) replaced by an empty one: the
+    root holding the copy of the global manifest becomes the primary, both ranks load the step
+    bit exact (rank 0's files from its copy), and the next save commits and loads back."""
+    _replace_node(job / "n0")
+    out = run_ranks(2, _load_then_save, str(job), out=job / "out")
+    assert [x["got"] for x in out] == [[STEP, True]] * 2, out
+    assert any(_restored(x, 0) for x in out), out
+    assert [x["next"] for x in out] == [[STEP + 1, True, [STEP, STEP + 1]]] * 2, out
+    assert (_step_dir(job / "n1") / "manifest.json").read_bytes() == \
+        (_step_dir(job / "n1") / "copies" / "manifest.json").read_bytes()

@@ -20,9 +20,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnreachableDataError
-from .commit import step_dir_name
-from .manifest import Manifest, decode_json
-from .sharded import GlobalManifest, ShardRef, match_roots, merge, parse_shard, read_shard, shard_name
+from ..fs import TMP_PREFIX, fsync_dir, link_no_clobber, read_regular_file, write_durable
+from .commit import step_dir_name, step_dirs
+from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest, decode_json
+from .sharded import GlobalManifest, ShardRef, match_roots, merge, parse_global, parse_shard, read_shard, shard_name
 
 COPIES_DIR = "copies"
 MAX_COPIES = 64  # copies of one rank's files a manifest may list (more is a damaged manifest)
@@ -131,3 +132,32 @@ def merged_with_copies(g: GlobalManifest, copies: Sequence[Sequence[int]], roots
                 raise UnreachableDataError(errno.ENOENT, f"{text}: pass every node's roots, the primary first")
             raise CorruptCheckpointError(f"{text}; the checkpoint is damaged: load an earlier step")
     return merge(with_copies(g, choice), shards)
+
+
+def copied_steps(root: Path) -> list[int]:
+    """Steps of which ``root`` holds a secondary step directory (no manifest.json) with a copy
+    of the global manifest (``copies/manifest.json``): what it can take over when the primary
+    root is gone (distributed/roots.py choose_primary). Reads only."""
+    return [s for s, d in step_dirs(root)
+            if not (d / MANIFEST_NAME).exists() and (d / COPIES_DIR / MANIFEST_NAME).is_file()]
+
+
+def adopt_copy(step_dir: Path) -> bool:
+    """Make the copy of the global manifest in ``step_dir`` (a secondary step directory on the
+    root that becomes the primary) that step's commit point: checked (its crc32c, its step),
+    then linked in as ``manifest.json`` without clobbering, the directory fsynced (fs.py).
+    False: the copy is damaged or names another step (the step is left uncommitted)."""
+    copy = step_dir / COPIES_DIR / MANIFEST_NAME
+    try:
+        raw = read_regular_file(copy, MANIFEST_MAX_BYTES)
+        g = parse_global(raw, str(copy))
+    except (OSError, CorruptCheckpointError):
+        return False
+    if g is None or step_dir_name(g.step) != step_dir.name:
+        return False
+    tmp = step_dir / f"{TMP_PREFIX}{MANIFEST_NAME}"
+    tmp.unlink(missing_ok=True)
+    write_durable(tmp, raw)
+    link_no_clobber(tmp, step_dir / MANIFEST_NAME)
+    fsync_dir(step_dir)
+    return True
