@@ -45,9 +45,13 @@ def _checkpointer(root: Path, live: dict, own: dict):
 
 
 def _save(rank: int, world: int, base: str) -> None:
-    live, own = _state(STEP), _own_state(rank, STEP)
+    """Steps STEP - 1 and STEP (the tests add copies to STEP only)."""
+    live, own = {}, {}
     with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
-        ck.save(STEP)
+        for step in (STEP - 1, STEP):
+            live.update(_state(step))
+            own.update(_own_state(rank, step))
+            ck.save(step)
 
 
 class _Warnings(logging.Handler):
@@ -59,7 +63,7 @@ class _Warnings(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _load(rank: int, world: int, base: str) -> dict:
+def _load(rank: int, world: int, base: str, fallback: bool = False) -> dict:
     """Load the latest step into zeroed tensors: {"got": [step, bit exact] or the error, "untouched":
     whether the live tensors are still zeros, "warnings": the gdswriter warnings}. A 1-rank load
     (a reshard) checks the shared state only."""
@@ -69,7 +73,7 @@ def _load(rank: int, world: int, base: str) -> dict:
     logging.getLogger("gdswriter").addHandler(seen)
     with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
         got: list = []
-        err = caught(lambda: got.append(ck.load(strict=False)))
+        err = caught(lambda: got.append(ck.load(strict=False, fallback=fallback)))
     untouched = all(not t.any() for t in [*live.values(), *own.values()])
     if err:
         return {"got": err, "untouched": untouched, "warnings": seen.lines}
@@ -185,7 +189,8 @@ def test_flipped_byte_in_a_data_file_loads_from_the_copy(job):
 
 def test_every_copy_damaged_is_a_typed_error_and_nothing_changes(job):
     """Rank 1's data file damaged on its own root and in its copy: CorruptCheckpointError naming
-    both places, on every rank, and no live tensor changed."""
+    both places, on every rank, and no live tensor changed; load(fallback=True) loads the older
+    step instead."""
     _flip(_data_file(job / "n1", 1))
     _flip(_data_file(job / "n0", 1, copy=True), at=100)
     out = run_ranks(2, _load, str(job), out=job / "out")
@@ -196,6 +201,8 @@ def test_every_copy_damaged_is_a_typed_error_and_nothing_changes(job):
     kind, msg = out[0]["got"]
     assert kind == "CorruptCheckpointError" and "no good copy of rank 1's files" in msg, out
     assert "own root #1" in msg and "copy on root #0" in msg, msg
+    older = run_ranks(2, _load, str(job), True, out=job / "out2")
+    assert [x["got"] for x in older] == [[STEP - 1, True]] * 2, older
 
 
 def test_damaged_shard_uses_the_copy_and_truncated_copy_is_an_error(job):

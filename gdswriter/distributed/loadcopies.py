@@ -95,7 +95,7 @@ def check_place(g: GlobalManifest, r: int, root: int, copy: bool, reach: Sequenc
         shard = parse_shard(read_shard(d, g, ref, reach[0]), g, ref, str(d / ref.name))
         away = sorted({f.root for f in shard.files if reach[f.root] is None})
         if away:
-            return f"its data files on {describe_root(g, away[0])} are not seen by rank reading its shard"
+            return f"its data files on {describe_root(g, away[0])} are not seen by the rank reading its shard"
         problems: list[str] = []
         verify_step(CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach]),
                     _chunks_view(g, shard), engine, SCRATCH_BYTES, problems)
