@@ -71,9 +71,13 @@ def _load(rank: int, world: int, base: str, fallback: bool = False) -> dict:
     own = {"own": torch.zeros(NUMEL)}
     seen = _Warnings()
     logging.getLogger("gdswriter").addHandler(seen)
-    with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
-        got: list = []
-        err = caught(lambda: got.append(ck.load(strict=False, fallback=fallback)))
+    got: list = []
+
+    def load() -> None:
+        with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
+            got.append(ck.load(strict=False, fallback=fallback))
+
+    err = caught(load)
     untouched = all(not t.any() for t in [*live.values(), *own.values()])
     if err:
         return {"got": err, "untouched": untouched, "warnings": seen.lines}
@@ -264,3 +268,40 @@ def test_primary_node_replaced_adopts_the_copy_of_the_manifest(job):
     assert [x["next"] for x in out] == [[STEP + 1, True, [STEP, STEP + 1]]] * 2, out
     assert (_step_dir(job / "n1") / "manifest.json").read_bytes() == \
         (_step_dir(job / "n1") / "copies" / "manifest.json").read_bytes()
+
+
+def test_a_damaged_copy_of_the_manifest_is_not_adopted(job):
+    """Rank 0's root replaced and the copy of the global manifest damaged: no step is committed
+    from it, and opening the roots refuses (RootUnavailableError on every rank: the secondary
+    step directories are kept), never a load of a manifest its crc32c refutes."""
+    _replace_node(job / "n0")
+    _flip(_step_dir(job / "n1") / "copies" / "manifest.json")
+    out = run_ranks(2, _load, str(job), out=job / "out")
+    assert all(x["untouched"] for x in out) and [x["got"][0] for x in out] == ["RankFailedError",
+                                                                             "RootUnavailableError"], out
+    assert "holds no committed step" in out[1]["got"][1] and "RootUnavailableError" in out[0]["got"][1], out
+    assert not (_step_dir(job / "n1") / "manifest.json").exists() and _data_file(job / "n1", 1).exists()
+
+
+@pytest.mark.parametrize("rows, problem", [
+    ([[1]], "are not a list of 2 entries"),
+    ([[1], 0], "of rank 1 are not a list"),
+    ([[2], [0]], "name a root outside the table"),
+    ([[1], [True]], "name a root outside the table"),
+    ([[1, 1], [0]], "repeat a root, or name its own"),
+    ([[0], [0]], "repeat a root, or name its own"),
+    ([[1] * 65, [0]], "at most 64 roots"),
+])
+def test_hostile_replicas_are_refused(saved, rows, problem):
+    """The replicas key is untrusted input: a wrong length, a root out of range or repeated or
+    the rank's own, too many: CorruptCheckpointError saying which."""
+    from gdswriter.errors import CorruptCheckpointError
+    from gdswriter.format.copies import replicas_of
+    from gdswriter.format.sharded import parse_global
+
+    raw = (_step_dir(saved / "n0") / "manifest.json").read_bytes()
+    g = parse_global(raw, "m")
+    body = json.loads(raw)
+    body["replicas"] = rows
+    with pytest.raises(CorruptCheckpointError, match=problem):
+        replicas_of(json.dumps(body).encode(), g, "m")

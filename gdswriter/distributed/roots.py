@@ -435,9 +435,13 @@ def adopt_copies(coord: Coordinator, layout: RootLayout, probe: dict, what: str,
         try:
             root = layout.local_paths[layout.local_of(0)]  # type: ignore[index]
             adopted = [s for s in probe["copied"] if adopt_copy(root / step_dir_name(s))]
-            log.warning("gdswriter: the checkpoint's primary root is gone (no rank of this job has it); %s (id %s), "
-                        "which holds copies of its manifests, is the primary now, with steps %s", root,
-                        layout.primary_id, adopted)
+            if adopted:
+                log.warning("gdswriter: the checkpoint's primary root is gone (no rank of this job has it); %s (id "
+                            "%s), which holds copies of its manifests, is the primary now, with steps %s", root,
+                            layout.primary_id, adopted)
+            else:
+                log.warning("gdswriter: the checkpoint's primary root is gone, and no copy of its manifests on %s "
+                            "(steps %s) checks: none is adopted", root, probe["copied"])
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
     adopted = coord.decide(error, adopted, f"{what} (adopting the copies of the manifests)",
