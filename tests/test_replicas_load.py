@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from support.models import small_options
+from support.nodes import NVME, Cluster, unavailable
 from support.ranks import caught, run_ranks
 
 STEP = 3
@@ -36,6 +37,12 @@ def _own_state(rank: int, step: int) -> dict:
     return {"own": torch.randn(NUMEL, generator=g)}
 
 
+def _root(base: str, rank: int) -> Path:
+    """Rank ``rank``'s root: ``base``/n<rank> (one machine), or ``base`` itself on the simulated
+    nodes (the node-local /local_nvme/ckpt, one path on every node)."""
+    return Path(base) if base.startswith(NVME) else Path(base, f"n{rank}")
+
+
 def _checkpointer(root: Path, live: dict, own: dict):
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import DistOptions
@@ -47,7 +54,7 @@ def _checkpointer(root: Path, live: dict, own: dict):
 def _save(rank: int, world: int, base: str) -> None:
     """Steps STEP - 1 and STEP (the tests add copies to STEP only)."""
     live, own = {}, {}
-    with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
+    with _checkpointer(_root(base, rank), live, own) as ck:
         for step in (STEP - 1, STEP):
             live.update(_state(step))
             own.update(_own_state(rank, step))
@@ -74,7 +81,7 @@ def _load(rank: int, world: int, base: str, fallback: bool = False) -> dict:
     got: list = []
 
     def load() -> None:
-        with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
+        with _checkpointer(_root(base, rank), live, own) as ck:
             got.append(ck.load(strict=False, fallback=fallback))
 
     err = caught(load)
@@ -93,22 +100,22 @@ def _step_dir(root: Path) -> Path:
     return root / f"step_{STEP:012d}"
 
 
-def _add_copies(base: Path) -> None:
-    """What the save side of replicas=2 leaves (format 1.4), made from a 2-rank 1.3 step: rank r's
-    shard and data files copied into ``step_S/copies/rank<R>/`` on the other rank's root, the
-    global manifest into ``step_S/copies/manifest.json`` on the root holding rank 0's copy, and
-    ``"replicas": [[1], [0]]`` in the global manifest (its manifest_crc32c recomputed; parsed
-    back with the project's parser, which checks it)."""
+def _add_copies(roots: list[Path]) -> None:
+    """What the save side of replicas=2 leaves (format 1.4), made from a 2-rank 1.3 step on
+    ``roots`` (rank 0's, rank 1's): rank r's shard and data files copied into
+    ``step_S/copies/rank<R>/`` on the other rank's root, the global manifest into
+    ``step_S/copies/manifest.json`` on the root holding rank 0's copy, and ``"replicas": [[1],
+    [0]]`` in the global manifest (its manifest_crc32c recomputed; parsed back with the
+    project's parser, which checks it)."""
+    from gdswriter.distributed.roots import root_identity
     from gdswriter.format.copies import copy_dir, replicas_of
     from gdswriter.format.sharded import parse_global
 
-    manifest = _step_dir(base / "n0") / "manifest.json"
+    manifest = _step_dir(roots[0]) / "manifest.json"
     body = json.loads(manifest.read_bytes())
-    roots = [base / f"n{k}" for k in range(2)]
-    assert [Path(r["path"]).name for r in body["dist"]["roots"]] == ["n0", "n1"]
+    assert [r["id"] for r in body["dist"]["roots"]] == [root_identity(r, create=False) for r in roots]
     for r, (root, name, _, _) in enumerate(body["shards"]):
-        other = roots[1 - root]
-        dest = _step_dir(other) / copy_dir(r)
+        dest = _step_dir(roots[1 - root]) / copy_dir(r)
         dest.mkdir(parents=True)
         shard = _step_dir(roots[root]) / name
         shutil.copyfile(shard, dest / name)
@@ -147,7 +154,7 @@ def saved(tmp_path_factory) -> Path:
     """One real 2-rank save (each rank its own root, like node-local disks), with copies added."""
     base = tmp_path_factory.mktemp("saved")
     run_ranks(2, _save, str(base), out=base / "out")
-    _add_copies(base)
+    _add_copies([base / "n0", base / "n1"])
     return base
 
 
@@ -246,11 +253,11 @@ def _load_then_save(rank: int, world: int, base: str) -> dict:
     """_load, then save step STEP + 1 and load it back (the job goes on after a restore)."""
     out = _load(rank, world, base)
     live, own = _state(STEP + 1), _own_state(rank, STEP + 1)
-    with _checkpointer(Path(base, f"n{rank}"), live, own) as ck:
+    with _checkpointer(_root(base, rank), live, own) as ck:
         ck.save(STEP + 1)
     back = {f"t{i}": torch.zeros(NUMEL) for i in range(TENSORS)}
     mine = {"own": torch.zeros(NUMEL)}
-    with _checkpointer(Path(base, f"n{rank}"), back, mine) as ck:
+    with _checkpointer(_root(base, rank), back, mine) as ck:
         step = ck.load(strict=False)
         out["next"] = [step, all(torch.equal(back[k], v) for k, v in _state(STEP + 1).items())
                        and torch.equal(mine["own"], own["own"]), ck.steps()]
@@ -305,3 +312,26 @@ def test_hostile_replicas_are_refused(saved, rows, problem):
     body["replicas"] = rows
     with pytest.raises(CorruptCheckpointError, match=problem):
         replicas_of(json.dumps(body).encode(), g, "m")
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
+def test_simulated_nodes_replaced_restore_from_the_copies(tmp_path):
+    """On the kill-a-node harness (tests/support/nodes.py: each node its own namespaces, hostname
+    and /local_nvme): node 1 replaced (an empty disk), both ranks load bit exact from the copy,
+    and node0 says it served it; in a second cluster node 0, the primary, replaced: the copy of
+    the manifest on node 1 is adopted, the step loads bit exact and the job saves on."""
+    root = f"{NVME}/ckpt"
+    for lost in (1, 0):
+        c = Cluster(tmp_path / f"lost{lost}", nodes=2)
+        try:
+            c.run(_save, root)
+            _add_copies([c.nvme_dir(k) / "ckpt" for k in range(2)])
+            c.replace_node(lost)
+            out = c.run(_load if lost else _load_then_save, root)
+        finally:
+            c.close()
+        assert [x["got"] for x in out] == [[STEP, True]] * 2, out
+        said = [w for x in out for w in x["warnings"] if f"restored rank {lost}'s files" in w]
+        assert said and f"(node{1 - lost})" in said[0], out
+        if not lost:
+            assert [x["next"] for x in out] == [[STEP + 1, True, [STEP, STEP + 1]]] * 2, out
