@@ -434,7 +434,8 @@ def adopt_copies(coord: Coordinator, layout: RootLayout, probe: dict, what: str,
     if coord.rank == layout.primary_rank:
         try:
             root = layout.local_paths[layout.local_of(0)]  # type: ignore[index]
-            adopted = [s for s in probe["copied"] if adopt_copy(root / step_dir_name(s))]
+            # the newest first: a crash midway leaves it committed, and the next open goes on from it
+            adopted = [s for s in sorted(probe["copied"], reverse=True) if adopt_copy(root / step_dir_name(s))]
             if adopted:
                 log.warning("gdswriter: the checkpoint's primary root is gone (no rank of this job has it); %s (id "
                             "%s), which holds copies of its manifests, is the primary now, with steps %s", root,
