@@ -38,10 +38,11 @@ import torch
 
 from ..engines.base import IOEngine
 from ..errors import (CheckpointNotFoundError, CollectiveFailedError, CorruptCheckpointError, EngineIOError, InvalidOptionError,
-                      RankFailedError)
+                      RankFailedError, UnreachableDataError)
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_NAME, Manifest, StorageRecord, TensorRecord
+from ..format.copies import replicas_of
 from ..format.sharded import GlobalManifest, RankShard, parse_shard, parse_step, read_shard
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
@@ -50,6 +51,7 @@ from ..load.reader import check_step_files, parse_manifest, read_storages, tenso
 from . import crossmem, hostshare
 from .group import Coordinator, bounded, describe, unbound
 from .load_messages import FallbackDecision, OwnVerdict, ShardReport, TransportOffer, choose_transport
+from .loadcopies import reached_copies, use_copies, verified_copies
 from .loadmanifest import (broadcast_manifest, broadcast_manifest_bytes, gather_merged, json_text,  # noqa: F401
                            received_manifest)
 from .loadplan import reach_of, relay, relay_between_hosts, template_of  # noqa: F401 - relay*: importable here
@@ -296,13 +298,47 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
              step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
              share_dir: str | None = None, cross_memory: bool = False) -> tuple[int, Any, Any]:
     """Collective: (step, state, plan) of ``step`` (None: the latest), read, verified and checked
-    against the live state on every rank; nothing live has changed yet."""
+    against the live state on every rank; nothing live has changed yet. A step saved with
+    replicas reads each rank's files from its own root, else from the first copy a rank sees,
+    and after damage from the places loadcopies.verified_copies found good (loadcopies.py)."""
     src = layout.primary_rank
     step, raw = broadcast_manifest_bytes(coord, protocol, step, "loading" if step is None else f"loading step {step}",
                                          src=src)
     what = f"loading step {step}"
+    where = str(protocol.step_dir(step) / MANIFEST_NAME)
+    parsed = parse_step(raw, where)
+    copies = replicas_of(parsed, where) if isinstance(parsed, GlobalManifest) else None
+    args = (coord, layout, protocol, live, live_state, step, engine)
+    kw: dict[str, Any] = {"strict": strict, "verify": verify, "share_dir": share_dir, "cross_memory": cross_memory}
+    if copies is None:
+        return _prepare_parsed(*args, parsed, **kw)
+    g: GlobalManifest = parsed  # type: ignore[assignment]
+    try:
+        return _prepare_parsed(*args, use_copies(layout, g, reached_copies(layout, g, copies, what), what), **kw)
+    except CollectiveFailedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - decided together below
+        failure = e
+    verdicts = {"damage", "unreached"}
+    mine = "unreached" if isinstance(failure, UnreachableDataError) else _verdict(failure)
+    retry = coord.decide(None, mine, f"{what} (whether to check the copies)",
+                         lambda vs: bool(verdicts & set(vs)) and not ({"other", "gone"} & set(vs)), root=src)
+    if not retry:
+        raise failure
+    del failure
+    log.warning("gdswriter: %s failed on damaged or unreachable files; checking every rank's files and their copies",
+                what)
+    choice = verified_copies(coord, layout, g, copies, engine, what=what, src=src)
+    return _prepare_parsed(*args, use_copies(layout, g, choice, what), **kw)
+
+
+def _prepare_parsed(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
+                    live_state: dict, step: int, engine: IOEngine, parsed: GlobalManifest | Manifest, *, strict: bool,
+                    verify: bool, share_dir: str | None = None, cross_memory: bool = False) -> tuple[int, Any, Any]:
+    """_prepare of the step whose manifest is ``parsed``."""
+    src = layout.primary_rank
+    what = f"loading step {step}"
     templates = live_templates(live_state, live.optimizer)
-    parsed = parse_step(raw, str(protocol.step_dir(step) / MANIFEST_NAME))
     g = parsed if isinstance(parsed, GlobalManifest) else None
 
     def check(state: Any) -> Any:  # every key, shape and dtype, on every rank, before any live byte changes

@@ -118,7 +118,7 @@ def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, wha
                 texts = {k: t for x in got for k, t in x["shards"]}
                 shards = [parse_shard(texts[k].encode(), g, ref, f"step {g.step}'s {ref.name}")
                           for k, ref in enumerate(g.shards)]
-                msg = {"manifest": merge(g, shards).to_json_bytes().decode()}
+                msg = _manifest_message(merge(g, shards))
             except Exception as e:  # noqa: BLE001 - every rank learns of it
                 merge_error = e
                 failures = {coord.rank: describe(e)}
@@ -131,4 +131,16 @@ def gather_merged(coord: Coordinator, layout: RootLayout, g: GlobalManifest, wha
             raise error or merge_error  # type: ignore[misc]
         raise RankFailedError(what, shown, "the live state was not changed", total=total)
     m = Manifest.from_json_bytes(msg["manifest"].encode(), where=f"step {g.step} (its shards merged)")
-    return replace(m, version=SHARDED_VERSION, created_unix=g.created_unix)
+    files = list(m.files)
+    for i, path in msg.get("copied", ()):  # files read from a copy (loadcopies.py): in its folder
+        files[i] = replace(files[i], path=path)
+    return replace(m, files=tuple(files), version=SHARDED_VERSION, created_unix=g.created_unix)
+
+
+def _manifest_message(m: Manifest) -> dict:
+    """The merged manifest as gather_merged sends it: its JSON, whose data files are plain
+    names, and [file index, path] of each file read from a copy (format/copies.py: a path in
+    the step's copies folder, which a manifest of its own may not name)."""
+    copied = [[i, f.path] for i, f in enumerate(m.files) if "/" in f.path]
+    plain = replace(m, files=tuple(replace(f, path=f.path.rpartition("/")[2]) for f in m.files)) if copied else m
+    return {"manifest": plain.to_json_bytes().decode(), **({"copied": copied} if copied else {})}

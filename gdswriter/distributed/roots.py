@@ -49,6 +49,8 @@ from ..errors import EngineIOError, InvalidOptionError, RankFailedError, RootUna
 from ..format.commit import (ROOT_MARKER_NAME, CommitProtocol, RootLock, step_dirs, owned_by, step_owner,
                              write_owner)
 from ..format.commit import root_identity as commit_root_identity
+from ..format.commit import step_dir_name
+from ..format.copies import adopt_copy, copied_steps
 from ..format.manifest import MANIFEST_NAME, RootInfo
 from .group import Coordinator, bounded, describe, unbound
 
@@ -337,7 +339,8 @@ def probe_root(root: Path) -> dict:
     probe = CommitProtocol([root])
     names = {owner_id for s, d in step_dirs(root) if not (d / MANIFEST_NAME).exists()
              for _, owner_id in [step_owner(d)] if owner_id}
-    return {"committed": probe.committed_steps(), "latest": probe.latest(), "names": sorted(names)}
+    return {"committed": probe.committed_steps(), "latest": probe.latest(), "names": sorted(names),
+            "copied": copied_steps(root)}
 
 
 def choose_primary(layout: RootLayout, probes: dict) -> RootLayout:
@@ -365,6 +368,11 @@ def choose_primary(layout: RootLayout, probes: dict) -> RootLayout:
                 f"primary), or move the other checkpoint's steps away; nothing was changed")
         return layout.with_primary(pick[0])
     by_id = {info.id: g for g, info in enumerate(table)}
+    copied = [(max(probes[str(g)].get("copied") or [-1]), -g) for g in range(len(table))]
+    if named and not named & by_id.keys() and max(copied)[0] >= 0:
+        # the primary root the secondaries name is no root of this job (its node is gone): the root
+        # holding the newest copy of a global manifest becomes the primary (adopt_copies)
+        return layout.with_primary(-max(copied)[1])
     mine = sorted({by_id[i] for i in probes["0"]["names"] if i in by_id and by_id[i] != 0})
     return layout.with_primary(mine[0]) if len(mine) == 1 else layout
 
@@ -403,13 +411,43 @@ def settle_primary(coord: Coordinator, layout: RootLayout, probes: dict | None, 
     g = int(decision["primary"])
     pid, ppath, pleader = decision["entry"]
     moved = layout.with_primary(g, KnownRoot(pid, ppath, int(pleader)))
+    probe = decision["probe"]
+    if probe.get("copied") and not probe["committed"]:
+        probe = adopt_copies(coord, moved, probe, what, hint)
     if g != 0:  # the new primary rank builds the table again from every rank's roots (in moved's order)
         mine = {"roots": [[i, str(r.resolve())] for i, r in zip(layout.local_ids, layout.local_paths)]}
         everyone = coord.gather(mine, f"{what} (the primary's table)", dst=moved.primary_rank)
         if everyone is not None:
             table, _ = build_table(everyone)
             moved = moved.with_whole_table((table[g],) + table[:g] + table[g + 1:])
-    return moved, decision["probe"]
+    return moved, probe
+
+
+def adopt_copies(coord: Coordinator, layout: RootLayout, probe: dict, what: str, hint: str) -> dict:
+    """Collective, when choose_primary made a root holding copies of the global manifests the
+    primary (the old primary's node is gone, issue 39): its leader makes each copy that checks
+    its step's commit point (format/copies.py ``adopt_copy``), and every rank gets the primary's
+    probe with those steps committed, so the cleaning keeps them and the job goes on from them
+    (the next save commits on this root)."""
+    adopted: list[int] = []
+    error = None
+    if coord.rank == layout.primary_rank:
+        try:
+            root = layout.local_paths[layout.local_of(0)]  # type: ignore[index]
+            # the newest first: a crash midway leaves it committed, and the next open goes on from it
+            adopted = [s for s in sorted(probe["copied"], reverse=True) if adopt_copy(root / step_dir_name(s))]
+            if adopted:
+                log.warning("gdswriter: the checkpoint's primary root is gone (no rank of this job has it); %s (id "
+                            "%s), which holds copies of its manifests, is the primary now, with steps %s", root,
+                            layout.primary_id, adopted)
+            else:
+                log.warning("gdswriter: the checkpoint's primary root is gone, and no copy of its manifests on %s "
+                            "(steps %s) checks: none is adopted", root, probe["copied"])
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
+    adopted = coord.decide(error, adopted, f"{what} (adopting the copies of the manifests)",
+                           lambda outs: outs[layout.primary_rank], hint=hint, root=layout.primary_rank)
+    return {**probe, "committed": sorted(adopted), "latest": max(adopted) if adopted else None}
 
 
 def share_table(coord: Coordinator, layout: RootLayout, what: str) -> RootLayout:

@@ -32,7 +32,7 @@ import errno
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain, compress, repeat
 from operator import itemgetter, ne
 from pathlib import Path
@@ -284,7 +284,7 @@ def merge(g: GlobalManifest, shards: Sequence[RankShard]) -> Manifest:
             position[t.storage] = pos + 1
             tensors.append([local[t.storage], pos])
         reports.append({
-            "files": [[f.root, f.path, f.size, f.info] for f in sh.files],
+            "files": [[f.root, f.path.rpartition("/")[2], f.size, f.info] for f in sh.files],  # copies: below
             "chunks": [[local[i], c.file, c.file_offset, c.storage_offset, c.length, c.crc32c]
                        for i, cs in enumerate(sh.chunks) for c in cs],
             "records": [[local[t.storage], _record_row(t)] for t in sh.tensors if first_holder[t.storage]],
@@ -299,7 +299,9 @@ def merge(g: GlobalManifest, shards: Sequence[RankShard]) -> Manifest:
         raise CorruptCheckpointError(f"step {g.step}: the shards describe a tensor no reader accepts ({e}); the "
                                      f"checkpoint is damaged: load an earlier step") from e
     merged = Manifest.from_json_bytes(data, where=f"step {g.step} (its {g.world_size} manifest shards merged)")
-    return Manifest(step=merged.step, files=merged.files, storages=merged.storages, tensors=merged.tensors,
+    # the files in rank order, as build_manifest lists them, under their own paths (a copy's: in its folder)
+    files = tuple(chain.from_iterable(sh.files for sh in shards))
+    return Manifest(step=merged.step, files=files, storages=merged.storages, tensors=merged.tensors,
                     state=merged.state, created_unix=g.created_unix, metadata=merged.metadata,
                     version=SHARDED_VERSION, dist=merged.dist)
 
@@ -900,8 +902,14 @@ def read_shard(where: Path, g: GlobalManifest, ref: ShardRef, primary: Path | No
 
 
 def parse_shard(raw: bytes, g: GlobalManifest, ref: ShardRef, where: str) -> RankShard:
-    return RankShard.from_json_bytes(raw, where=where, step=g.step, rank=ref.rank, world_size=g.world_size,
-                                     n_roots=len(g.roots))
+    """Shard ``ref``'s bytes, parsed and validated. A shard read from a folder of the step
+    directory (a copy: format/copies.py ``copy_ref``) has its data files beside it, on its root."""
+    shard = RankShard.from_json_bytes(raw, where=where, step=g.step, rank=ref.rank, world_size=g.world_size,
+                                      n_roots=len(g.roots))
+    folder = ref.name.rpartition("/")[0]
+    if not folder:
+        return shard
+    return replace(shard, files=tuple(FileRecord(ref.root, f"{folder}/{f.path}", f.size, f.info) for f in shard.files))
 
 
 def load_merged(g: GlobalManifest, roots: Sequence[Path]) -> Manifest:

@@ -41,6 +41,7 @@ from ..format.commit import CommitProtocol, normalize_roots, step_dir_name
 from ..fs import read_regular_file
 from ..format.dtypes import dtype_from_name
 from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
+from ..format.copies import merged_with_copies, replicas_of
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, load_merged, parse_step, step_vanished, vanished_error
 from ..format.state_codec import decode_state, key_text
 from ..options import EngineOptions
@@ -90,8 +91,15 @@ def parse_manifest(protocol: CommitProtocol, step: int, raw: bytes | Manifest | 
     bytes, or what parse_step made of them."""
     path = protocol.step_dir(step) / MANIFEST_NAME
     parsed = parse_step(raw, str(path)) if isinstance(raw, bytes) else raw
-    # format 1.3: the global manifest and every rank's shard, merged (format/sharded.py)
-    m = parsed if isinstance(parsed, Manifest) else load_merged(parsed, protocol.roots)
+    # format 1.3: the global manifest and every rank's shard, merged (format/sharded.py); 1.4: a
+    # rank's shard and files from a copy where its own are not among the roots or damaged (format/copies.py)
+    copies = replicas_of(parsed, str(path)) if isinstance(parsed, GlobalManifest) else None
+    if isinstance(parsed, Manifest):
+        m = parsed
+    elif copies is None:
+        m = load_merged(parsed, protocol.roots)
+    else:
+        m = merged_with_copies(parsed, copies, protocol.roots)
     if m.step != step:
         raise CorruptCheckpointError(f"{path} describes step {m.step}, not {step}: the checkpoint is damaged; "
                                      f"load an earlier step")

@@ -1,0 +1,146 @@
+"""Format 1.4's replicas, the reading side: where the copies of a rank's files lie, and a step's
+global manifest with some ranks' files taken from a copy instead of their own roots.
+
+The global manifest's optional ``"replicas": [[g, ...], ...]`` lists, for each rank r, the
+table roots that hold a copy of r's shard and of every data file it names, in the order a
+reader tries them (r's own root is never listed). On root g the copy lies in
+``step_S/copies/rank<RRRRR>/`` under the original names, byte for byte, so the crc32c values
+the global manifest (shard refs) and the shard (chunks) record check it. docs/format.md 10.
+
+A copy is read by pointing rank r's ShardRef at it (``copy_ref``: the shard's name is then
+``copies/rank<RRRRR>/manifest-rank<RRRRR>.json`` on root g): sharded.parse_shard puts the
+files such a shard names beside it, on its root, so every reader downstream (the own-shard
+load, the reshard plan, the merge, the fetch) reads the copy without knowing it is one.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnreachableDataError
+from ..fs import TMP_PREFIX, fsync_dir, link_no_clobber, read_regular_file, write_durable
+from .commit import step_dir_name, step_dirs
+from .replicas import COPIES_DIR, copy_dir_name
+from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
+from .sharded import GlobalManifest, ShardRef, match_roots, merge, parse_global, parse_shard, read_shard, shard_name
+
+
+
+def copy_dir(rank: int) -> str:
+    """The folder, relative to a step directory, holding the copy of rank ``rank``'s files."""
+    return f"{COPIES_DIR}/{copy_dir_name(rank)}"
+
+
+def copy_ref(ref: ShardRef, root: int) -> ShardRef:
+    """``ref`` (rank r's shard) moved to its copy on table root ``root``: the same bytes."""
+    return ShardRef(ref.rank, root, f"{copy_dir(ref.rank)}/{shard_name(ref.rank)}", ref.size, ref.crc32c)
+
+
+def replicas_of(g: GlobalManifest, where: str) -> tuple[tuple[int, ...], ...] | None:
+    """The ``replicas`` of the global manifest ``g`` (parsed and checked as untrusted input with
+    it: one entry per rank, table roots in range, none repeated, at most MAX_COPY_ROOTS), with the
+    one rule the parse leaves to the reader: no entry names its rank's own shard root. None: a
+    step saved without replicas (format 1.3)."""
+    if g.replicas is None:
+        return None
+    for r, row in enumerate(g.replicas):
+        if g.shards[r].root in row:
+            raise CorruptCheckpointError(f"{where}: its replicas of rank {r} name its own root "
+                                         f"({g.shards[r].root}); the checkpoint is damaged: load an earlier step")
+    return g.replicas
+
+
+class CopiedShards(Sequence[ShardRef]):
+    """A step's shard refs with some ranks' moved to a copy (rank -> copy ref); the others are
+    the manifest's own, looked up when asked (nothing per rank is built)."""
+
+    def __init__(self, shards: Sequence[ShardRef], moved: Mapping[int, ShardRef]):
+        self.shards, self.moved = shards, dict(moved)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        hit = self.moved.get(i)
+        return hit if hit is not None else self.shards[i]
+
+
+def with_copies(g: GlobalManifest, choice: Mapping[int, int]) -> GlobalManifest:
+    """``g`` with rank r's shard, and so its files, read from the copy on root ``choice[r]``."""
+    if not choice:
+        return g
+    moved = {r: copy_ref(g.shards[r], root) for r, root in choice.items()}
+    return GlobalManifest(g.step, g.world_size, g.roots, CopiedShards(g.shards, moved), g.metadata, g.created_unix,
+                          g.totals, g.layout_index, g.replicas)
+
+
+def describe_root(g: GlobalManifest, root: int) -> str:
+    info = g.roots[root]
+    return f"root #{root} ({info.path}, id {info.id})"
+
+
+def merged_with_copies(g: GlobalManifest, copies: Sequence[Sequence[int]], roots: Sequence[Path]) -> Manifest:
+    """sharded.load_merged in one process, taking each rank's shard from its own root, else from
+    the first of its copies among ``roots`` whose bytes match the manifest: the whole step; a
+    rank with no good shard anywhere is an error naming every place tried."""
+    where = match_roots(g.roots, roots)
+    shards, choice = [], {}
+    for ref in g.shards:
+        tried = []
+        for k, root in enumerate((ref.root, *copies[ref.rank])):
+            at = ref if k == 0 else copy_ref(ref, root)
+            if where[root] is None:
+                tried.append(f"{describe_root(g, root)}: not among the roots given")
+                continue
+            d = where[root] / step_dir_name(g.step)
+            try:
+                shards.append(parse_shard(read_shard(d, g, at, where[0]), g, at, str(d / at.name)))
+            except CheckpointNotFoundError:
+                raise
+            except CorruptCheckpointError as e:
+                tried.append(f"{describe_root(g, root)}: {' '.join(str(e).split())}")
+                continue
+            if k:
+                choice[ref.rank] = root
+            break
+        else:
+            text = f"step {g.step}: no readable copy of rank {ref.rank}'s manifest shard: " + "; ".join(tried)
+            if all(t.endswith("not among the roots given") for t in tried):
+                raise UnreachableDataError(errno.ENOENT, f"{text}: pass every node's roots, the primary first")
+            raise CorruptCheckpointError(f"{text}; the checkpoint is damaged: load an earlier step")
+    return merge(with_copies(g, choice), shards)
+
+
+def copied_steps(root: Path) -> list[int]:
+    """Steps of which ``root`` holds a secondary step directory (no manifest.json) with a copy
+    of the global manifest (``copies/manifest.json``): what it can take over when the primary
+    root is gone (distributed/roots.py choose_primary). Reads only."""
+    return [s for s, d in step_dirs(root)
+            if not (d / MANIFEST_NAME).exists() and (d / COPIES_DIR / MANIFEST_NAME).is_file()]
+
+
+def adopt_copy(step_dir: Path) -> bool:
+    """Make the copy of the global manifest in ``step_dir`` (a secondary step directory on the
+    root that becomes the primary) that step's commit point: checked (its crc32c, its step),
+    then linked in as ``manifest.json`` without clobbering, the directory fsynced (fs.py).
+    False: the copy is damaged or names another step (the step is left uncommitted)."""
+    copy = step_dir / COPIES_DIR / MANIFEST_NAME
+    try:
+        raw = read_regular_file(copy, MANIFEST_MAX_BYTES)
+        g = parse_global(raw, str(copy))
+    except (OSError, CorruptCheckpointError):
+        return False
+    if g is None or step_dir_name(g.step) != step_dir.name:
+        return False
+    tmp = step_dir / f"{TMP_PREFIX}{MANIFEST_NAME}"
+    tmp.unlink(missing_ok=True)
+    write_durable(tmp, raw)
+    link_no_clobber(tmp, step_dir / MANIFEST_NAME)
+    fsync_dir(step_dir)
+    return True
