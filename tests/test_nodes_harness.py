@@ -98,34 +98,38 @@ class HoldSecondSave(HookedWrites):
             reached("writing", hold_s=90)
 
 
-def _checkpointer(live: dict, engine=None):
+def _checkpointer(live: dict, engine=None, replicas: int = 1):
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import DistOptions
 
     return GDSCheckpointer(state={"s": live}, root=ROOT, options=small_options(),
-                           dist_options=DistOptions(timeout_s=60), engines=None if engine is None else [engine])
+                           dist_options=DistOptions(timeout_s=60, replicas=replicas),
+                           engines=None if engine is None else [engine])
 
 
-def _save(rank: int, world: int, steps: list[int], kill_at: int | None) -> dict:
-    """Save ``steps``; with ``kill_at``, the last rank holds at its first write of that step."""
+def _save(rank: int, world: int, steps: list[int], kill_at: int | None, replicas: int = 1) -> dict:
+    """Save ``steps``; with ``kill_at``, the last rank holds at its first write of that step. With
+    replicas, each step but ``kill_at`` is waited for until protected (its copies durable)."""
     live: dict = {}
     engine = HoldSecondSave(small_engine())
     result: dict = {"host": socket.gethostname()}
-    with _checkpointer(live, engine) as ck:
+    with _checkpointer(live, engine, replicas) as ck:
         for step in steps:
             live.update(_state(step))
             engine.armed = step == kill_at and rank == world - 1
             result[f"save{step}"] = caught(lambda: ck.save(step))
+            if replicas > 1 and step != kill_at:
+                result[f"protected{step}"] = ck.wait_protected(120)
         result["steps"] = ck.steps()
     return result
 
 
-def _load(rank: int, world: int, steps: list[int | None]) -> dict:
+def _load(rank: int, world: int, steps: list[int | None], replicas: int = 1) -> dict:
     """Load each of ``steps`` (None: the latest): the step loaded and whether every tensor equals
     the saved one bit for bit, or the error."""
     live = {f"t{i}": torch.zeros(NUMEL) for i in range(TENSORS)}
     out: dict = {}
-    with _checkpointer(live) as ck:
+    with _checkpointer(live, replicas=replicas) as ck:
         for step in steps:
             got: list = []
             err = caught(lambda: got.append(ck.load(step)))
@@ -151,27 +155,36 @@ def test_two_nodes_save_to_local_nvme_and_load_bit_exact(cluster):
     assert loaded == [{"None": [2, True], "1": [1, True]}] * 2
 
 
-def test_node_lost_mid_save_and_replaced_loses_every_step_today(cluster):
-    """Issue 39's reproduction: step 1 committed, node 1 killed while writing step 2, then
-    replaced by a machine with an empty /local_nvme. The restarted 2-node job cannot load any
-    step: each rank gets UnreachableDataError (rank 1's manifest shard was on the lost disk).
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_node_lost_mid_save_and_replaced(cluster, replicas):
+    """Issue 39's scenario: step 1 committed, node 1 killed while writing step 2, then replaced by
+    a machine with an empty /local_nvme, and the job restarted on both nodes.
 
-    This documents today's gap: it flips when replicas land (see the comment at the end)."""
+    Without replicas (its reproduction) no step loads: each rank gets UnreachableDataError (rank
+    1's manifest shard was on the lost disk). With DistOptions(replicas=2), step 1 (protected:
+    its copy of rank 1's files lies on node 0's disk) loads bit exact on both ranks, and the
+    job saves on."""
     c = cluster(2)
-    job = c.start(_save, [1, 2], 2)
+    job = c.start(_save, [1, 2], 2, replicas)
     assert job.wait_for("writing", rank=1, timeout=120) == "node1"
     c.kill_node(1)
     survivor = job.wait(killed_nodes=(1,))[0]
     assert survivor["save1"] is None and survivor["save2"][0] == "CollectiveFailedError", survivor
     assert survivor["steps"] == [1], "step 2 never committed"
+    if replicas > 1:
+        assert survivor["protected1"] == 1, survivor
     names = os.listdir(c.nvme_dir(1) / "ckpt")
     assert any(n.startswith(".tmp-step_000000000002") for n in names), f"killed during step 2's write: {names}"
 
     c.replace_node(1)
-    loaded = c.run(_load, [None, 1])
-    # Today's gap. When replicas land, save with them (e.g. DistOptions(replicas=2)) and replace
-    # this loop with: assert loaded == [{"None": [1, True], "1": [1, True]}] * 2 (step 1, bit exact).
-    for r, got in enumerate(loaded):
+    loaded = c.run(_load, [None, 1], replicas)
+    if replicas > 1:
+        assert loaded == [{"None": [1, True], "1": [1, True]}] * 2, loaded
+        again = c.run(_save, [3], None, replicas)  # the job goes on: a new step, protected again
+        assert [(x["save3"], x["protected3"]) for x in again] == [(None, 3)] * 2, again
+        assert c.run(_load, [None], replicas) == [{"None": [3, True]}] * 2
+        return
+    for r, got in enumerate(loaded):  # today's gap without replicas
         for step, outcome in got.items():
             assert outcome[0] == "UnreachableDataError", (r, step, outcome)
             assert "rank 1's manifest shard" in outcome[1] and "no rank of this job sees" in outcome[1], outcome
