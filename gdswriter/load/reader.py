@@ -31,6 +31,7 @@ from typing import Any
 from collections.abc import Iterable, Sequence
 
 import torch
+from crc32c import crc32c as _crc32c
 
 from ..engines.base import IOEngine, ReadSpan
 from ..engines.buffers import HUGE_PAGE
@@ -222,13 +223,28 @@ def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
     return m
 
 
-def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torch.Tensor],
-                  engines: Sequence[IOEngine], *, verify: bool) -> None:
-    """Fill ``dests[i]`` (flat uint8, nbytes of storage i) from the data files; check crc32c."""
+WHOLE_FILE_SLACK = 8  # a file is read whole when its padding is at most 1/8 of its chunks' bytes (+ 64 KiB)
+
+
+def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: Sequence[torch.Tensor | None],
+                  engines: Sequence[IOEngine], *, verify: bool) -> list[torch.Tensor]:
+    """Fill ``dests[i]`` (flat uint8, nbytes of storage i) from the data files; check crc32c.
+    A None dest gets a fresh buffer; returns every storage's buffer.
+
+    A file whose chunks all go to fresh buffers, with little padding between them, is read
+    whole into one buffer (one span: zero-copy under O_DIRECT, however many tensors it holds)
+    and checksummed chunk by chunk there; its one-chunk storages are views of that buffer."""
     per_file: dict[int, list[tuple[ChunkRecord, int]]] = {}
     for sid, s in enumerate(manifest.storages):
         for c in s.chunks:
             per_file.setdefault(c.file, []).append((c, sid))
+    out = list(dests)
+    whole = _whole_file_buffers(manifest, per_file, out)
+    for sid, s in enumerate(manifest.storages):
+        if out[sid] is None:
+            c = s.chunks[0] if len(s.chunks) == 1 else None
+            out[sid] = (whole[c.file][c.file_offset:c.file_offset + c.length] if c is not None and c.file in whole
+                        else host_buffer(s.nbytes))
     names = {}
     for t in manifest.tensors:
         names.setdefault(t.storage, t.name)
@@ -238,8 +254,13 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
         rec = manifest.files[fid]
         path = step_dir[rec.root] / rec.path
         chunks = sorted(per_file[fid], key=lambda x: x[0].file_offset)
-        spans = [ReadSpan(c.file_offset, dests[sid][c.storage_offset:c.storage_offset + c.length]) for c, sid in chunks]
-        crcs = engines[rec.root % len(engines)].read_file(path, spans)
+        engine = engines[rec.root % len(engines)]
+        if fid in whole:
+            crcs = _read_whole(engine, path, whole[fid], chunks, out)
+        else:
+            spans = [ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length])  # type: ignore[index]
+                     for c, sid in chunks]
+            crcs = engine.read_file(path, spans)
         if verify:
             for (c, sid), got in zip(chunks, crcs):
                 if got != c.crc32c:
@@ -247,13 +268,44 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
                                                 c.crc32c, got)
 
     run_per_file(read_one, sorted(per_file), len(engines))
+    return out  # type: ignore[return-value]
+
+
+def _whole_file_buffers(manifest: Manifest, per_file: dict[int, list[tuple[ChunkRecord, int]]],
+                        dests: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:
+    """A buffer of the file's size for each file read whole (see read_storages)."""
+    whole = {}
+    for fid, chunks in per_file.items():
+        size = manifest.files[fid].size
+        used = sum(c.length for c, _ in chunks)
+        if size and size <= used + used // WHOLE_FILE_SLACK + 65536 and all(dests[sid] is None for _, sid in chunks):
+            whole[fid] = host_buffer(size)
+    return whole
+
+
+def _read_whole(engine: IOEngine, path: Path, buf: torch.Tensor, chunks: list[tuple[ChunkRecord, int]],
+                out: list) -> list[int]:
+    """Read file ``path`` into ``buf`` in one span; copy out the chunks of storages that are no
+    view of it (those of several chunks); return each chunk's crc32c, from ``buf``."""
+    engine.read_file(path, [ReadSpan(0, buf)])
+    view = memoryview(buf.numpy())
+    base = buf.data_ptr()
+    crcs = []
+    for c, sid in chunks:
+        lo, hi = c.file_offset, c.file_offset + c.length
+        crcs.append(_crc32c(view[lo:hi]))
+        dest = out[sid]
+        if dest.data_ptr() != base + lo and c.length:
+            dest[c.storage_offset:c.storage_offset + c.length].copy_(buf[lo:hi])
+    return crcs
 
 
 def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """Build each saved tensor as a typed strided view of its storage buffer (sharing restored)."""
+    dtypes = {name: dtype_from_name(name) for name in {t.dtype for t in manifest.tensors}}
     out = []
     for t in manifest.tensors:
-        dtype = dtype_from_name(t.dtype)
+        dtype = dtypes[t.dtype]
         buf = buffers[t.storage]
         out.append(torch.empty(0, dtype=dtype, device=buf.device).set_(
             buf.untyped_storage(), (buf.storage_offset() + t.byte_offset) // dtype.itemsize, t.shape, t.stride))
@@ -262,9 +314,10 @@ def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> li
 
 def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
     """One stand-in per saved tensor with its dtype and shape and no memory of its own (a
-    0-stride expansion of one element): decode_state with these shows the saved structure
-    before a byte is read."""
-    return [torch.empty((), dtype=dtype_from_name(t.dtype)).expand(t.shape) for t in manifest.tensors]
+    0-stride expansion of one element, one per dtype): decode_state with these shows the
+    saved structure before a byte is read."""
+    one = {name: torch.empty((), dtype=dtype_from_name(name)) for name in {t.dtype for t in manifest.tensors}}
+    return [one[t.dtype].expand(t.shape) for t in manifest.tensors]
 
 
 def load_state(root: str | os.PathLike | Sequence[str | os.PathLike], step: int | None = None, *,
@@ -304,12 +357,11 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
         needed = {manifest.tensors[i].storage for i in wanted}
         part = replace(manifest, storages=tuple(s if sid in needed else StorageRecord(0, ())
                                                 for sid, s in enumerate(manifest.storages)))
-    buffers = [host_buffer(s.nbytes) for s in part.storages]
     try:
         # A small read gets an engine with small staging buffers (engines/select.py: sized_for)
         options = sized_for(engine_options or EngineOptions.from_env(), sum(s.nbytes for s in part.storages))
         with create_engine(options) as engine:
-            read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
+            buffers = read_storages(protocol, part, [None] * len(part.storages), [progress.reads(engine) if progress else engine], verify=verify)
     except (CorruptCheckpointError, OSError) as e:
         gone = deleted_while_reading(protocol, manifest, e)
         if gone is None:
