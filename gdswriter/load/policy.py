@@ -73,7 +73,7 @@ def restore_into(live: LiveState, protocol: CommitProtocol, step: int, engines: 
                                          (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
     buffers = [direct[sid][1] if sid in direct and not atomic else None for sid in range(len(manifest.storages))]
     try:
-        buffers = read_storages(protocol, manifest, buffers, engines, verify=verify)
+        read_storages(protocol, manifest, buffers, engines, verify=verify)  # fills the Nones
     except (CorruptCheckpointError, EngineIOError) as e:
         if direct and not atomic:
             names = [manifest.tensors[i].name for i, _ in direct.values()]

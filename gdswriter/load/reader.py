@@ -226,10 +226,10 @@ def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
 WHOLE_FILE_SLACK = 8  # a file is read whole when its padding is at most 1/8 of its chunks' bytes (+ 64 KiB)
 
 
-def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: Sequence[torch.Tensor | None],
+def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torch.Tensor | None],
                   engines: Sequence[IOEngine], *, verify: bool) -> list[torch.Tensor]:
     """Fill ``dests[i]`` (flat uint8, nbytes of storage i) from the data files; check crc32c.
-    A None dest gets a fresh buffer; returns every storage's buffer.
+    A None in ``dests`` is replaced by a fresh buffer (in place); returns ``dests``.
 
     A file whose chunks all go to fresh buffers, with little padding between them, is read
     whole into one buffer (one span: zero-copy under O_DIRECT, however many tensors it holds)
@@ -238,7 +238,7 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: Sequence[
     for sid, s in enumerate(manifest.storages):
         for c in s.chunks:
             per_file.setdefault(c.file, []).append((c, sid))
-    out = list(dests)
+    out = dests
     whole = _whole_file_buffers(manifest, per_file, out)
     for sid, s in enumerate(manifest.storages):
         if out[sid] is None:
@@ -256,7 +256,7 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: Sequence[
         chunks = sorted(per_file[fid], key=lambda x: x[0].file_offset)
         engine = engines[rec.root % len(engines)]
         if fid in whole:
-            crcs = _read_whole(engine, path, whole[fid], chunks, out)
+            crcs = _read_whole(engine, path, whole[fid], chunks, out, verify)
         else:
             spans = [ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length])  # type: ignore[index]
                      for c, sid in chunks]
@@ -284,16 +284,18 @@ def _whole_file_buffers(manifest: Manifest, per_file: dict[int, list[tuple[Chunk
 
 
 def _read_whole(engine: IOEngine, path: Path, buf: torch.Tensor, chunks: list[tuple[ChunkRecord, int]],
-                out: list) -> list[int]:
+                out: list, verify: bool) -> list[int]:
     """Read file ``path`` into ``buf`` in one span; copy out the chunks of storages that are no
-    view of it (those of several chunks); return each chunk's crc32c, from ``buf``."""
+    view of it (those of several chunks); return each chunk's crc32c, from ``buf`` (with
+    ``verify``; else none)."""
     engine.read_file(path, [ReadSpan(0, buf)])
     view = memoryview(buf.numpy())
     base = buf.data_ptr()
     crcs = []
     for c, sid in chunks:
         lo, hi = c.file_offset, c.file_offset + c.length
-        crcs.append(_crc32c(view[lo:hi]))
+        if verify:
+            crcs.append(_crc32c(view[lo:hi]))
         dest = out[sid]
         if dest.data_ptr() != base + lo and c.length:
             dest[c.storage_offset:c.storage_offset + c.length].copy_(buf[lo:hi])
@@ -361,7 +363,8 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
         # A small read gets an engine with small staging buffers (engines/select.py: sized_for)
         options = sized_for(engine_options or EngineOptions.from_env(), sum(s.nbytes for s in part.storages))
         with create_engine(options) as engine:
-            buffers = read_storages(protocol, part, [None] * len(part.storages), [progress.reads(engine) if progress else engine], verify=verify)
+            buffers: list = [None] * len(part.storages)
+            read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
     except (CorruptCheckpointError, OSError) as e:
         gone = deleted_while_reading(protocol, manifest, e)
         if gone is None:

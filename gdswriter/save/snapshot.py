@@ -61,6 +61,14 @@ class Extent:
             self._flat = flat_bytes(*self._view)  # type: ignore[misc]
         return self._flat
 
+    def host_address(self) -> int | None:
+        """The address of the first byte, when the bytes are in host (CPU) memory; else None."""
+        if self.device.type != "cpu":
+            return None
+        if self._view is not None:
+            return self._view[0].data_ptr() + self._view[2]
+        return self._flat.data_ptr()  # type: ignore[union-attr]
+
     def replace(self, flat: torch.Tensor) -> None:
         """Hold ``flat`` (a copy taken now) instead of the live bytes."""
         self._flat, self._view, self.captured, self.keepalive = flat, None, True, ()
