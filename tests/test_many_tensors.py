@@ -5,6 +5,7 @@ between saves is never served from the reused one."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gdswriter import GDSCheckpointer, load_state
@@ -15,10 +16,11 @@ MiB = 1 << 20
 N_TINY = 9_989
 
 
-def many_state() -> dict:
+def many_state(contiguous: bool) -> dict:
     """10,000 tensors: tiny ones of several dtypes (each alone in memory), two above the
-    small-copy thresholds (>= 2 MiB), views of one base, a tied pair, non-contiguous views,
-    an empty tensor and a scalar."""
+    small-copy thresholds (>= 2 MiB), views of one base, a tied pair, a scalar and, unless
+    ``contiguous`` (where every tensor is non-empty and contiguous, as the lone-tensor path
+    takes them), non-contiguous views and an empty tensor."""
     g = torch.Generator().manual_seed(7)
     dtypes = (torch.float32, torch.float16, torch.int64, torch.uint8, torch.bfloat16, torch.complex64)
     tiny = {}
@@ -31,9 +33,14 @@ def many_state() -> dict:
     big = torch.randn(3 * MiB // 4, generator=g)  # 3 MiB
     big2 = torch.randn(1024, 640, generator=g)  # 2.5 MiB
     base = torch.randn(64, 48, generator=g)
-    return {"tiny": tiny, "big": big, "big_tail": big[-1000:], "big2": big2, "big2_t": big2.t(),
-            "base": base, "row": base[3], "col": base[:, 5], "every_other": base[::2, 1::3], "tied": base,
-            "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64)}
+    state = {"tiny": tiny, "big": big, "big_tail": big[-1000:], "big2": big2, "big2_t": big2.t(),
+             "base": base, "row": base[3], "col": base[:, 5], "every_other": base[::2, 1::3], "tied": base,
+             "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64)}
+    if contiguous:
+        for k in ("big2_t", "col", "every_other", "empty"):
+            del state[k]
+        state.update({"rows": base[5:9], "big2_head": big2[:10], "x": torch.ones(3), "y": torch.ones(2)})
+    return state
 
 
 def flat_tensors(tree) -> dict:
@@ -63,8 +70,9 @@ def assert_bit_exact(loaded, want: dict) -> None:
         assert torch.equal(g.contiguous().reshape(-1).view(torch.uint8), w.contiguous().reshape(-1).view(torch.uint8)), k
 
 
-def test_ten_thousand_tensors_round_trip_first_and_second_save(tmp_path):
-    state = many_state()
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "mixed"])
+def test_ten_thousand_tensors_round_trip_first_and_second_save(tmp_path, contiguous):
+    state = many_state(contiguous)
     assert len(flat_tensors(state)) == 10_000
     with GDSCheckpointer(state, None, tmp_path) as ck:
         ck.save(1)
@@ -83,7 +91,8 @@ def test_ten_thousand_tensors_round_trip_first_and_second_save(tmp_path):
         assert m["tied"].data_ptr() == m["base"].data_ptr()
         assert m["row"].untyped_storage().data_ptr() == m["base"].untyped_storage().data_ptr()
         assert m["big_tail"].untyped_storage().data_ptr() == m["big"].untyped_storage().data_ptr()
-        assert m["big2_t"].untyped_storage().data_ptr() == m["big2"].untyped_storage().data_ptr()
+        other = "big2_head" if contiguous else "big2_t"
+        assert m[other].untyped_storage().data_ptr() == m["big2"].untyped_storage().data_ptr()
 
 
 def test_a_damaged_byte_among_many_tensors_is_found(tmp_path):
