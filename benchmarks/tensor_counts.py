@@ -5,7 +5,8 @@ bytes): a fresh checkpointer's first save, its second save (both durable) and a 
 (gdswriter/tools/bench.py ``run_counts``, as ``gdswriter bench`` shows it).
 
 ``--profile N``: instead, profile a first and a second save of N tensors (cProfile, per
-thread: the calling thread, the save thread, the pool's copier and the writers) and a load,
+thread: the calling thread, the save thread, the pool's copier and the writers; the save
+thread is let go idle before each, so that a new one starts under the profiler) and a load,
 and print the top entries of each by own time.
 
     .venv/bin/python benchmarks/tensor_counts.py [--counts 64,10000] [--size 256M] [--rounds 3] [--dir D]
@@ -30,6 +31,7 @@ import _util  # noqa: E402,F401
 
 from gdswriter import GDSCheckpointer  # noqa: E402
 from gdswriter.save.pool import release_kept_pool  # noqa: E402
+from gdswriter.save.queue import WORKER_IDLE_S  # noqa: E402
 from gdswriter.tools.bench import run_counts, tensor_state  # noqa: E402
 from gdswriter.units import parse_size  # noqa: E402
 
@@ -81,6 +83,9 @@ def profile(n: int, size: int, top: int, directory: str | None) -> None:
         for what in ("first save", "second save", "load"):
             if what == "first save":
                 ck = GDSCheckpointer(state, None, Path(d) / "gds")
+            else:  # the save thread ends when idle: the next save starts one the profiler sees
+                ck.wait()
+                time.sleep(WORKER_IDLE_S + 1)
             _util.quiesce()
             with ThreadProfiles() as prof:
                 t = time.perf_counter()
