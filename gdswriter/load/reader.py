@@ -223,7 +223,8 @@ def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
     return m
 
 
-WHOLE_FILE_SLACK = 8  # a file is read whole when its padding is at most 1/8 of its chunks' bytes (+ 64 KiB)
+RUN_SLACK = 8  # a run of chunks is read as one span when the gaps in it are at most 1/8 of its bytes
+RUN_GAP = 4096  # (plus one alignment gap): its buffer holds at most 1/8 + 4 KiB more than its storages
 
 
 def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torch.Tensor | None],
@@ -231,20 +232,22 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     """Fill ``dests[i]`` (flat uint8, nbytes of storage i) from the data files; check crc32c.
     A None in ``dests`` is replaced by a fresh buffer (in place); returns ``dests``.
 
-    A file whose chunks all go to fresh buffers, with little padding between them, is read
-    whole into one buffer (one span: zero-copy under O_DIRECT, however many tensors it holds)
-    and checksummed chunk by chunk there; its one-chunk storages are views of that buffer."""
+    Fresh storages of one chunk that lie next to each other in a file (a state of many small
+    tensors: most of its storages) are read as one run: one buffer, one span (zero-copy
+    under O_DIRECT, however many tensors it holds), each chunk checksummed there, each
+    storage a view of it. The buffers cover disjoint byte ranges of the files, so what is
+    allocated stays within the files' sizes (checked before: check_data_files)."""
     per_file: dict[int, list[tuple[ChunkRecord, int]]] = {}
     for sid, s in enumerate(manifest.storages):
         for c in s.chunks:
             per_file.setdefault(c.file, []).append((c, sid))
     out = dests
-    whole = _whole_file_buffers(manifest, per_file, out)
+    for chunks in per_file.values():
+        chunks.sort(key=lambda x: x[0].file_offset)
+    runs = {fid: _runs(manifest, chunks, out) for fid, chunks in per_file.items()}
     for sid, s in enumerate(manifest.storages):
         if out[sid] is None:
-            c = s.chunks[0] if len(s.chunks) == 1 else None
-            out[sid] = (whole[c.file][c.file_offset:c.file_offset + c.length] if c is not None and c.file in whole
-                        else host_buffer(s.nbytes))
+            out[sid] = host_buffer(s.nbytes)
     names = {}
     for t in manifest.tensors:
         names.setdefault(t.storage, t.name)
@@ -253,14 +256,8 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     def read_one(fid: int) -> None:
         rec = manifest.files[fid]
         path = step_dir[rec.root] / rec.path
-        chunks = sorted(per_file[fid], key=lambda x: x[0].file_offset)
-        engine = engines[rec.root % len(engines)]
-        if fid in whole:
-            crcs = _read_whole(engine, path, whole[fid], chunks, out, verify)
-        else:
-            spans = [ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length])  # type: ignore[index]
-                     for c, sid in chunks]
-            crcs = engine.read_file(path, spans)
+        chunks = per_file[fid]
+        crcs = _read_spans(engines[rec.root % len(engines)], path, chunks, runs[fid], out, verify)
         if verify:
             for (c, sid), got in zip(chunks, crcs):
                 if got != c.crc32c:
@@ -271,34 +268,72 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     return out  # type: ignore[return-value]
 
 
-def _whole_file_buffers(manifest: Manifest, per_file: dict[int, list[tuple[ChunkRecord, int]]],
-                        dests: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:
-    """A buffer of the file's size for each file read whole (see read_storages)."""
-    whole = {}
-    for fid, chunks in per_file.items():
-        size = manifest.files[fid].size
-        used = sum(c.length for c, _ in chunks)
-        if size and size <= used + used // WHOLE_FILE_SLACK + 65536 and all(dests[sid] is None for _, sid in chunks):
-            whole[fid] = host_buffer(size)
-    return whole
+def _runs(manifest: Manifest, chunks: list[tuple[ChunkRecord, int]],
+          dests: list[torch.Tensor | None]) -> list[tuple[int, int, torch.Tensor]]:
+    """The runs of a file's ``chunks`` (sorted by offset) read as one span each: (index of the
+    first chunk, index after the last, the run's buffer); each run's storages get their views
+    of it in ``dests``. A run: two or more consecutive chunks, each the only chunk of a fresh
+    storage, with gaps of at most 1/RUN_SLACK of their bytes plus RUN_GAP between them."""
+    runs = []
+    storages = manifest.storages
+
+    def alone(k: int) -> bool:
+        c, sid = chunks[k]
+        return c.length > 0 and dests[sid] is None and len(storages[sid].chunks) == 1
+
+    k, n = 0, len(chunks)
+    while k < n:
+        if not alone(k):
+            k += 1
+            continue
+        end = k + 1
+        used = chunks[k][0].length
+        lo = chunks[k][0].file_offset
+        while end < n and alone(end):
+            c = chunks[end][0]
+            if c.file_offset + c.length - lo > (used + c.length) * (RUN_SLACK + 1) // RUN_SLACK + RUN_GAP:
+                break
+            used += c.length
+            end += 1
+        if end - k > 1:
+            last = chunks[end - 1][0]
+            buf = host_buffer(last.file_offset + last.length - lo)
+            for c, sid in chunks[k:end]:
+                dests[sid] = buf[c.file_offset - lo:c.file_offset - lo + c.length]
+            runs.append((k, end, buf))
+        k = end
+    return runs
 
 
-def _read_whole(engine: IOEngine, path: Path, buf: torch.Tensor, chunks: list[tuple[ChunkRecord, int]],
-                out: list, verify: bool) -> list[int]:
-    """Read file ``path`` into ``buf`` in one span; copy out the chunks of storages that are no
-    view of it (those of several chunks); return each chunk's crc32c, from ``buf`` (with
-    ``verify``; else none)."""
-    engine.read_file(path, [ReadSpan(0, buf)])
-    view = memoryview(buf.numpy())
-    base = buf.data_ptr()
+def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]],
+                runs: list[tuple[int, int, torch.Tensor]], out: list, verify: bool) -> list[int]:
+    """Read a file's ``chunks``: each run as one span, each other chunk as its own; returns every
+    chunk's crc32c (a run's chunks summed from its buffer; none without ``verify``)."""
+    spans: list[ReadSpan] = []
+    owner: list[int] = []  # per span: the run it reads (index into runs), or -1: one chunk
+    k, r = 0, 0
+    while k < len(chunks):
+        if r < len(runs) and runs[r][0] == k:
+            spans.append(ReadSpan(chunks[k][0].file_offset, runs[r][2]))
+            owner.append(r)
+            k, r = runs[r][1], r + 1
+            continue
+        c, sid = chunks[k]
+        spans.append(ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length]))
+        owner.append(-1)
+        k += 1
+    got = engine.read_file(path, spans)
+    if not verify:
+        return []
     crcs = []
-    for c, sid in chunks:
-        lo, hi = c.file_offset, c.file_offset + c.length
-        if verify:
-            crcs.append(_crc32c(view[lo:hi]))
-        dest = out[sid]
-        if dest.data_ptr() != base + lo and c.length:
-            dest[c.storage_offset:c.storage_offset + c.length].copy_(buf[lo:hi])
+    for span, crc, r in zip(spans, got, owner):
+        if r < 0:
+            crcs.append(crc)
+            continue
+        first, end, buf = runs[r]
+        view = memoryview(buf.numpy())
+        crcs += [_crc32c(view[c.file_offset - span.offset:c.file_offset - span.offset + c.length])
+                 for c, _ in chunks[first:end]]
     return crcs
 
 
