@@ -475,7 +475,7 @@ def _handle_at_call(pending: PendingSnapshot, tensors: list[torch.Tensor], guard
             if t.is_conj() or t.is_neg():
                 pending.resolved[id(t)] = tensors[j] = t.detach().resolve_conj().resolve_neg()
     pending.handled = {id(t): t for t in tensors}
-    extents, placed, _ = _lay_out(tensors, [""] * len(tensors), ["tensor"] * len(tensors), layout)
+    extents, placed, _ = _lay_out(tensors, [""] * len(tensors), ["tensor"] * len(tensors), layout, records=False)
     keys = [_extent_key(e) for e in extents]
     live = _capture(extents, placed, list(map(storage_address, tensors)), guarded)
     pending.captured = {keys[sid]: e.flat for sid, e in enumerate(extents) if e.captured}
@@ -506,24 +506,29 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                            prepared=prepared).complete(layout)
 
 
-def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str],
-             layout: LayoutCache | None) -> tuple[list[Extent], list[tuple[int, int]], list[TensorRecord]]:
+def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], layout: LayoutCache | None, *,
+             records: bool = True) -> tuple[list[Extent], list[tuple[int, int]], list[TensorRecord]]:
     """The extents, the (extent, offset) of each tensor and the records: ``layout``'s when it
-    still applies, else laid out anew (and kept in ``layout``)."""
+    still applies, else laid out anew (and kept in ``layout``). ``records`` False: none are
+    made (save_async's grouping at the call, which names nothing)."""
     storages = [t.untyped_storage() for t in tensors]
     key = LayoutCache.key_of(tensors, names, kinds, storages) if layout is not None else None
     cached = layout.reuse(key, tensors, storages) if layout is not None else None
     if cached is not None:
         return cached
     extents, placed = _group_by_allocation(tensors, names)
+    if not records:
+        if layout is not None:
+            layout.remember(key, extents, placed, [])
+        return extents, placed, []
     dtypes = {d: dtype_to_name(d) for d in set(map(_DTYPE, tensors))}
     devices = {d: str(d) for d in set(map(_DEVICE, tensors))}
-    records = [TensorRecord(name or f"<tensor {i}>", sid, off, dtypes[t.dtype], tuple(t.shape), t.stride(),
+    made = [TensorRecord(name or f"<tensor {i}>", sid, off, dtypes[t.dtype], tuple(t.shape), t.stride(),
                             devices[t.device], kind)
-               for i, (t, name, kind, (sid, off)) in enumerate(zip(tensors, names, kinds, placed))]
+            for i, (t, name, kind, (sid, off)) in enumerate(zip(tensors, names, kinds, placed))]
     if layout is not None:
-        layout.remember(key, extents, placed, records)
-    return extents, placed, records
+        layout.remember(key, extents, placed, made)
+    return extents, placed, made
 
 
 def _extent_key(e: Extent) -> tuple:
