@@ -150,3 +150,19 @@ def test_changed_layout_between_saves_is_laid_out_anew(tmp_path):
     for k, v in state.items():
         assert torch.equal(loaded[k], v) and loaded[k].shape == v.shape, k
     assert loaded["t9"].data_ptr() == loaded["t8"].data_ptr()
+
+
+def test_each_loaded_storage_starts_at_its_own_first_byte(tmp_path):
+    """Small storages read together in one span still load as storages of their own: code
+    that reads a tensor's storage from its start (torch.set_rng_state) gets its own bytes."""
+    torch.manual_seed(3)
+    want = torch.get_rng_state()
+    state = {"small": {f"t{i}": torch.full((100,), float(i)) for i in range(64)}, "rng": want.clone()}
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+    _, loaded = load_state(tmp_path, 1)
+    loaded = loaded["model"]
+    assert all(t.storage_offset() == 0 for t in [loaded["rng"], *loaded["small"].values()])
+    torch.set_rng_state(loaded["rng"])
+    assert torch.equal(torch.get_rng_state(), want)
+    assert all(torch.equal(t, torch.full((100,), float(i))) for i, t in enumerate(loaded["small"].values()))

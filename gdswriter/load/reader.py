@@ -273,8 +273,8 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
 def _runs(manifest: Manifest, chunks: list[tuple[ChunkRecord, int]],
           dests: list[torch.Tensor | None]) -> list[tuple[int, int, torch.Tensor]]:
     """The runs of a file's ``chunks`` (sorted by offset) read as one span each: (index of the
-    first chunk, index after the last, the run's buffer); each run's storages get their views
-    of it in ``dests``. A run: two or more consecutive chunks, each the only chunk of a fresh
+    first chunk, index after the last, the run's buffer); each run's storages get their part
+    of it in ``dests`` (a storage of its own over that memory, keeping the buffer alive). A run: two or more consecutive chunks, each the only chunk of a fresh
     storage, with gaps of at most 1/RUN_SLACK of their bytes plus RUN_GAP between them."""
     runs = []
     storages = manifest.storages
@@ -301,8 +301,10 @@ def _runs(manifest: Manifest, chunks: list[tuple[ChunkRecord, int]],
         if end - k > 1:
             last = chunks[end - 1][0]
             buf = host_buffer(last.file_offset + last.length - lo)
-            for c, sid in chunks[k:end]:
-                dests[sid] = buf[c.file_offset - lo:c.file_offset - lo + c.length]
+            view = memoryview(buf.numpy())
+            for c, sid in chunks[k:end]:  # each a storage of its own that starts at its first byte: code
+                # that reads a tensor's storage from its start (torch.set_rng_state) gets its bytes
+                dests[sid] = torch.frombuffer(view[c.file_offset - lo:c.file_offset - lo + c.length], dtype=torch.uint8)
             runs.append((k, end, buf))
         k = end
     return runs
