@@ -167,3 +167,18 @@ def test_drain_benchmark(tmp_path):
     out = run_script("drain.py", "--size", "8M", "--rounds", "1", "--dir", str(tmp_path))
     assert "time to drained / time to committed" in out and "save time with a drain in flight" in out, out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_tensor_counts(tmp_path):
+    out = run_script("tensor_counts.py", "--counts", "8,300", "--size", "2M", "--rounds", "2", "--settle", "0",
+                     "--json", "--dir", str(tmp_path))
+    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0] in ("8", "300")]
+    assert [r[0] for r in rows] == ["8", "300"] and all(len(r) == 10 for r in rows), out
+    got = json.loads(out.splitlines()[-1])
+    assert set(got["counts"]) == {"8", "300"}
+    assert all(len(v["gbps"]) == 2 for c in got["counts"].values() for v in c.values())
+    assert list(tmp_path.iterdir()) == []
+    prof = run_script("tensor_counts.py", "--profile", "300", "--size", "1M", "--top", "5", "--dir", str(tmp_path))
+    for what in ("first save", "second save", "load"):
+        assert f"=== {what} of 300 tensors" in prof and f"--- {what}: calling thread" in prof, prof
+    assert "--- second save: gdswriter-save" in prof, prof

@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from ..tools.bench import COMPARABLE, BenchOptions, plot, run_bench, steps_of
+from ..tools.bench import COMPARABLE, COUNT_SIZE, DEFAULT_COUNTS, BenchOptions, count_steps, plot, run_bench, run_counts, steps_of
 from ..progress import Progress
 from ..units import human, parse_size
 from ._common import EXIT_OK, UsageError, out
@@ -31,6 +31,11 @@ def register(sub) -> None:
     sp.add_argument("--settle", type=float, default=1.0, metavar="SEC",
                     help="seconds to wait after a sync before each cold load (default 1; virtual disks may "
                          "need 5)")
+    sp.add_argument("--tensors", default=",".join(map(str, DEFAULT_COUNTS)), metavar="N,N",
+                    help="also save and load a state of N tensors (a nested dict) per count, beside the ceiling in "
+                         "the same rounds: a fresh checkpointer's first save, its second save and a cold load "
+                         f"(default {','.join(map(str, DEFAULT_COUNTS))}; 0 leaves it out)")
+    sp.add_argument("--tensors-size", metavar="S", help="bytes of that state (default: --size, at most 256M)")
     sp.add_argument("--no-fio", action="store_true", help="use the built-in ceiling reference even if fio is installed")
     sp.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     sp.add_argument("--markdown", action="store_true", help="print the table as Markdown (for a README)")
@@ -49,6 +54,10 @@ def run(args) -> int:
         except ImportError:
             raise UsageError("--plot needs matplotlib: pip install 'gdswriter[plot]' (or pip install matplotlib)") \
                 from None
+    try:
+        counts = [int(x) for x in args.tensors.split(",") if x.strip() and int(x) > 0]
+    except ValueError:
+        raise UsageError(f"--tensors {args.tensors!r}: give tensor counts, e.g. 64,10000 (0: none)") from None
     opts = BenchOptions(directory=base, size=parse_size(args.size), rounds=args.rounds, compare=compare,
                         settle=args.settle, use_fio=not args.no_fio)
     if not args.json:
@@ -57,17 +66,23 @@ def run(args) -> int:
             f"{human(2 * opts.size)} free there, removed afterwards")
     made = not base.exists()
     try:
-        with Progress("bench", total=steps_of(opts), unit="steps") as bar:
+        count_size = parse_size(args.tensors_size) if args.tensors_size else min(opts.size, COUNT_SIZE)
+        with Progress("bench", total=steps_of(opts) + count_steps(counts, opts.rounds), unit="steps") as bar:
             result = run_bench(opts, step=lambda note: bar.advance(1, note=note))
+            by_count = (run_counts(base, counts=counts, size=count_size, rounds=opts.rounds, settle_s=opts.settle,
+                                   step=lambda note: bar.advance(1, note=note)) if counts else None)
     finally:
         if made:
             with contextlib.suppress(OSError):
                 base.rmdir()
     if args.json:
-        out(json.dumps(result.to_json(), indent=2))
+        out(json.dumps({**result.to_json(), "tensor_counts": by_count.to_json() if by_count else None}, indent=2))
     else:
         for line in result.header() + [""] + (result.markdown() if args.markdown else result.table()):
             out(line)
+        if by_count is not None:
+            for line in [""] + by_count.table():
+                out(line)
     if args.plot:
         path = plot(result, args.plot)
         if not args.json:

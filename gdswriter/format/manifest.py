@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError, UnsupportedObjectError
 from ..threads import gc_paused
-from .dtypes import dtype_from_name
+from .dtypes import all_dtypes, dtype_from_name, dtype_to_name
 
 FORMAT_NAME = "gdswriter"
 FORMAT_VERSION = (1, 1)  # (major, minor): readers refuse a newer major, accept any minor
@@ -286,6 +286,7 @@ class Manifest:
             if fa == fb and start_b < end_a:
                 raise bad(f"two chunks overlap in {files[fa].path} at byte {start_b}")
         tensors = []
+        itemsizes = _itemsizes()
         for t in _list(body["tensors"]):
             rec = TensorRecord(_str(t["name"]), _nonneg(t["storage"]), _nonneg(t["byte_offset"]), _str(t["dtype"]),
                                tuple([_nonneg(x) for x in _list(t["shape"])]),
@@ -293,9 +294,10 @@ class Manifest:
                                _str(t.get("kind", "tensor")))
             if rec.storage >= len(storages) or rec.kind not in ("tensor", "ndarray"):
                 raise bad(f"tensor {rec.name[:200]!r} has an invalid storage index or kind")
-            if any(x < 0 for x in rec.stride):
+            if rec.stride and min(rec.stride) < 0:
                 raise bad(f"tensor {rec.name[:200]!r} has a negative stride")
-            why = rec.problem(storages[rec.storage].nbytes)
+            nbytes = storages[rec.storage].nbytes
+            why = "" if _contiguous_inside(rec, itemsizes.get(rec.dtype, 0), nbytes) else rec.problem(nbytes)
             if why:
                 raise bad(f"tensor {rec.name[:200]!r} has {why}")
             if "shard" in t:
@@ -311,6 +313,32 @@ class Manifest:
         return cls(step=_nonneg(body["step"]), files=files, storages=tuple(storages), tensors=tuple(tensors),
                    state=body["state"], created_unix=float(created), metadata=metadata,
                    version=(version[0], version[1]), dist=dist)
+
+
+_ITEMSIZES: dict[str, int] = {}
+
+
+def _itemsizes() -> dict[str, int]:
+    """Item size per dtype name, of the dtypes that are not quantized (quantized ones are never saved)."""
+    if not _ITEMSIZES:
+        _ITEMSIZES.update({dtype_to_name(d): d.itemsize for d in all_dtypes() if d not in _QUANTIZED})
+    return _ITEMSIZES
+
+
+def _contiguous_inside(rec: TensorRecord, itemsize: int, storage_nbytes: int) -> bool:
+    """The usual record, answered without TensorRecord.problem: a C-contiguous view (every
+    dimension at least 1) of a dtype that is not quantized (``itemsize`` > 0), aligned, inside
+    its storage. Then problem() finds nothing (every stride and the element count are at most
+    the storage's size, an int64); False: ask problem()."""
+    shape, stride = rec.shape, rec.stride
+    if not itemsize or len(shape) != len(stride) or len(shape) > 64 or rec.byte_offset % itemsize:
+        return False
+    want = 1
+    for d, st in zip(reversed(shape), reversed(stride)):
+        if st != want or d < 1:
+            return False
+        want *= d
+    return rec.byte_offset + want * itemsize <= storage_nbytes
 
 
 def _canonical(body: dict) -> bytes:

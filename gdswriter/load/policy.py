@@ -26,7 +26,7 @@ from ..options import EngineOptions
 from ..tensors import hint_unaligned
 from .apply import (LiveState, LoadResult, apply_state, live_optimizer_state, live_tensors, match_live,
                     plan_restore)
-from .reader import check_data_files, host_buffer, placeholder_tensors, read_manifest, read_storages, \
+from .reader import check_data_files, placeholder_tensors, read_manifest, read_storages, \
     tensors_from_storages
 from .verify import verify_step
 
@@ -71,10 +71,9 @@ def restore_into(live: LiveState, protocol: CommitProtocol, step: int, engines: 
         if problems:
             raise CorruptCheckpointError(f"step {step} is damaged: {problems[0]}" +
                                          (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
-    buffers = [direct[sid][1] if sid in direct and not atomic else host_buffer(s.nbytes)
-               for sid, s in enumerate(manifest.storages)]
+    buffers = [direct[sid][1] if sid in direct and not atomic else None for sid in range(len(manifest.storages))]
     try:
-        read_storages(protocol, manifest, buffers, engines, verify=verify)
+        read_storages(protocol, manifest, buffers, engines, verify=verify)  # fills the Nones
     except (CorruptCheckpointError, EngineIOError) as e:
         if direct and not atomic:
             names = [manifest.tensors[i].name for i, _ in direct.values()]

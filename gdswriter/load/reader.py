@@ -31,6 +31,7 @@ from typing import Any
 from collections.abc import Iterable, Sequence
 
 import torch
+from crc32c import crc32c as _crc32c
 
 from ..engines.base import IOEngine, ReadSpan
 from ..engines.buffers import HUGE_PAGE
@@ -230,13 +231,33 @@ def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
     return m
 
 
-def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torch.Tensor],
-                  engines: Sequence[IOEngine], *, verify: bool) -> None:
-    """Fill ``dests[i]`` (flat uint8, nbytes of storage i) from the data files; check crc32c."""
+RUN_SLACK = 8  # a run of chunks is read as one span when the gaps in it are at most 1/8 of its bytes
+RUN_GAP = 4096  # (plus one alignment gap): its buffer holds at most 1/8 + 4 KiB more than its storages
+RUN_MAX = _POPULATE_MIN  # a run's buffer stays below host_buffer's mapped size: small tensors are what runs batch
+
+
+def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torch.Tensor | None],
+                  engines: Sequence[IOEngine], *, verify: bool) -> list[torch.Tensor]:
+    """Fill ``dests[i]`` (flat uint8, nbytes of storage i) from the data files; check crc32c.
+    A None in ``dests`` is replaced by a fresh buffer (in place); returns ``dests``.
+
+    Fresh storages of one chunk that lie next to each other in a file (a state of many small
+    tensors: most of its storages) are read as one run: one buffer, one span (zero-copy
+    under O_DIRECT, however many tensors it holds), each chunk checksummed there, each
+    storage a view of it (runs below RUN_MAX bytes: larger storages have buffers of their own,
+    which host_buffer maps on huge pages). The buffers cover disjoint byte ranges of the files, so what is
+    allocated stays within the files' sizes (checked before: check_data_files)."""
     per_file: dict[int, list[tuple[ChunkRecord, int]]] = {}
     for sid, s in enumerate(manifest.storages):
         for c in s.chunks:
             per_file.setdefault(c.file, []).append((c, sid))
+    out = dests
+    for chunks in per_file.values():
+        chunks.sort(key=lambda x: x[0].file_offset)
+    runs = {fid: _runs(manifest, chunks, out) for fid, chunks in per_file.items()}
+    for sid, s in enumerate(manifest.storages):
+        if out[sid] is None:
+            out[sid] = host_buffer(s.nbytes)
     names = {}
     for t in manifest.tensors:
         names.setdefault(t.storage, t.name)
@@ -245,9 +266,8 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     def read_one(fid: int) -> None:
         rec = manifest.files[fid]
         path = step_dir[rec.root] / rec.path
-        chunks = sorted(per_file[fid], key=lambda x: x[0].file_offset)
-        spans = [ReadSpan(c.file_offset, dests[sid][c.storage_offset:c.storage_offset + c.length]) for c, sid in chunks]
-        crcs = engines[rec.root % len(engines)].read_file(path, spans)
+        chunks = per_file[fid]
+        crcs = _read_spans(engines[rec.root % len(engines)], path, chunks, runs[fid], out, verify)
         if verify:
             for (c, sid), got in zip(chunks, crcs):
                 if got != c.crc32c:
@@ -255,13 +275,87 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
                                                 c.crc32c, got)
 
     run_per_file(read_one, sorted(per_file), len(engines))
+    return out  # type: ignore[return-value]
+
+
+def _runs(manifest: Manifest, chunks: list[tuple[ChunkRecord, int]],
+          dests: list[torch.Tensor | None]) -> list[tuple[int, int, torch.Tensor]]:
+    """The runs of a file's ``chunks`` (sorted by offset) read as one span each: (index of the
+    first chunk, index after the last, the run's buffer); each run's storages get their part
+    of it in ``dests`` (a storage of its own over that memory, keeping the buffer alive). A run: two or more consecutive chunks, each the only chunk of a fresh
+    storage, with gaps of at most 1/RUN_SLACK of their bytes plus RUN_GAP between them."""
+    runs = []
+    storages = manifest.storages
+
+    def alone(k: int) -> bool:
+        c, sid = chunks[k]
+        return c.length > 0 and dests[sid] is None and len(storages[sid].chunks) == 1
+
+    k, n = 0, len(chunks)
+    while k < n:
+        if not alone(k):
+            k += 1
+            continue
+        end = k + 1
+        used = chunks[k][0].length
+        lo = chunks[k][0].file_offset
+        while end < n and alone(end):
+            c = chunks[end][0]
+            span = c.file_offset + c.length - lo
+            if span >= RUN_MAX or span > (used + c.length) * (RUN_SLACK + 1) // RUN_SLACK + RUN_GAP:
+                break
+            used += c.length
+            end += 1
+        if end - k > 1:
+            last = chunks[end - 1][0]
+            buf = host_buffer(last.file_offset + last.length - lo)
+            view = memoryview(buf.numpy())
+            for c, sid in chunks[k:end]:  # each a storage of its own that starts at its first byte: code
+                # that reads a tensor's storage from its start (torch.set_rng_state) gets its bytes
+                dests[sid] = torch.frombuffer(view[c.file_offset - lo:c.file_offset - lo + c.length], dtype=torch.uint8)
+            runs.append((k, end, buf))
+        k = end
+    return runs
+
+
+def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]],
+                runs: list[tuple[int, int, torch.Tensor]], out: list, verify: bool) -> list[int]:
+    """Read a file's ``chunks``: each run as one span, each other chunk as its own; returns every
+    chunk's crc32c (a run's chunks summed from its buffer; none without ``verify``)."""
+    spans: list[ReadSpan] = []
+    owner: list[int] = []  # per span: the run it reads (index into runs), or -1: one chunk
+    k, r = 0, 0
+    while k < len(chunks):
+        if r < len(runs) and runs[r][0] == k:
+            spans.append(ReadSpan(chunks[k][0].file_offset, runs[r][2]))
+            owner.append(r)
+            k, r = runs[r][1], r + 1
+            continue
+        c, sid = chunks[k]
+        spans.append(ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length]))
+        owner.append(-1)
+        k += 1
+    got = engine.read_file(path, spans)
+    if not verify:
+        return []
+    crcs = []
+    for span, crc, r in zip(spans, got, owner):
+        if r < 0:
+            crcs.append(crc)
+            continue
+        first, end, buf = runs[r]
+        view = memoryview(buf.numpy())
+        crcs += [_crc32c(view[c.file_offset - span.offset:c.file_offset - span.offset + c.length])
+                 for c, _ in chunks[first:end]]
+    return crcs
 
 
 def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """Build each saved tensor as a typed strided view of its storage buffer (sharing restored)."""
+    dtypes = {name: dtype_from_name(name) for name in {t.dtype for t in manifest.tensors}}
     out = []
     for t in manifest.tensors:
-        dtype = dtype_from_name(t.dtype)
+        dtype = dtypes[t.dtype]
         buf = buffers[t.storage]
         out.append(torch.empty(0, dtype=dtype, device=buf.device).set_(
             buf.untyped_storage(), (buf.storage_offset() + t.byte_offset) // dtype.itemsize, t.shape, t.stride))
@@ -270,9 +364,10 @@ def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> li
 
 def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
     """One stand-in per saved tensor with its dtype and shape and no memory of its own (a
-    0-stride expansion of one element): decode_state with these shows the saved structure
-    before a byte is read."""
-    return [torch.empty((), dtype=dtype_from_name(t.dtype)).expand(t.shape) for t in manifest.tensors]
+    0-stride expansion of one element, one per dtype): decode_state with these shows the
+    saved structure before a byte is read."""
+    one = {name: torch.empty((), dtype=dtype_from_name(name)) for name in {t.dtype for t in manifest.tensors}}
+    return [one[t.dtype].expand(t.shape) for t in manifest.tensors]
 
 
 def load_state(root: str | os.PathLike | Sequence[str | os.PathLike], step: int | None = None, *,
@@ -312,11 +407,11 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
         needed = {manifest.tensors[i].storage for i in wanted}
         part = replace(manifest, storages=tuple(s if sid in needed else StorageRecord(0, ())
                                                 for sid, s in enumerate(manifest.storages)))
-    buffers = [host_buffer(s.nbytes) for s in part.storages]
     try:
         # A small read gets an engine with small staging buffers (engines/select.py: sized_for)
         options = sized_for(engine_options or EngineOptions.from_env(), sum(s.nbytes for s in part.storages))
         with create_engine(options) as engine:
+            buffers: list = [None] * len(part.storages)
             read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
     except (CorruptCheckpointError, OSError) as e:
         gone = deleted_while_reading(protocol, manifest, e)

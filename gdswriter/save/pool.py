@@ -122,7 +122,9 @@ class _Piece:
 
     def __init__(self, ring_state: _Ring, root: int, lo: int):
         self.ring_state, self.root, self.lo, self.hi = ring_state, root, lo, lo
-        self.copies: list[tuple[int, torch.Tensor]] = []  # (offset in the piece, source bytes)
+        # (offset in the piece, length, source): the source's bytes as a flat uint8 tensor, or
+        # (address, length) of bytes in host memory (no tensor per chunk, see _layout)
+        self.copies: list[tuple[int, int, torch.Tensor | tuple[int, int]]] = []
         self.gaps: list[tuple[int, int]] = []  # (offset in the piece, length) of bytes no copy fills
         self.crcs: dict[tuple[int, int], int] = {}  # (offset in the piece, length) -> crc32c of that copy
         self.unsummed: list[tuple[int, int]] = []  # copies from a GPU whose crc32c is still to compute
@@ -136,14 +138,15 @@ class _Piece:
     def length(self) -> int:
         return _align_up(self.hi - self.lo)
 
-    def add(self, rel: int, src: torch.Tensor) -> None:
-        """Lay ``src`` at ``rel``. Every byte below ``hi`` that no copy fills lies in a gap (in
-        any order of adding; a gap may also hold copies: the copier zeroes gaps first)."""
+    def add(self, rel: int, n: int, src: torch.Tensor | tuple[int, int]) -> None:
+        """Lay the ``n`` bytes of ``src`` (a flat tensor, or (address, n) in host memory) at ``rel``. Every byte
+        below ``hi`` that no copy fills lies in a gap (in any order of adding; a gap may also
+        hold copies: the copier zeroes gaps first)."""
         end = self.hi - self.lo
         if rel > end:
             self.gaps.append((end, rel - end))
-        self.copies.append((rel, src))
-        self.hi = max(self.hi, self.lo + rel + src.numel())
+        self.copies.append((rel, n, src))
+        self.hi = max(self.hi, self.lo + rel + n)
 
     def _sum_device_copies(self) -> None:
         """Checksum the copies from a GPU now that their bytes are in the pool."""
@@ -462,7 +465,9 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: _Ring, piece: int):
             if c.length == 0:
                 chunks[c] = ((), 0)
                 continue
-            flat = snap.extents[c.storage].flat
+            ext = snap.extents[c.storage]
+            host = ext.host_address()  # host memory: copied from its address, no tensor per chunk
+            flat = ext.flat if host is None else None
             pos, end = c.file_offset, c.file_offset + c.length
             while pos < end:
                 k = pos // piece
@@ -472,7 +477,7 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: _Ring, piece: int):
                     p = pieces[k] = _Piece(ring, fp.target.root, k * piece)
                     per_root.setdefault(fp.target.root, []).append(p)
                 src = c.storage_offset + pos - c.file_offset
-                p.add(pos - p.lo, flat[src:src + cut - pos])
+                p.add(pos - p.lo, cut - pos, (host + src, cut - pos) if flat is None else flat[src:src + cut - pos])
                 part = c if cut - pos == c.length else replace(c, storage_offset=src, length=cut - pos, file_offset=pos)
                 chunks[part] = ((p, pos - p.lo), cut - pos)
                 pos = cut
@@ -540,15 +545,15 @@ def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: Staging
                         ring.cv.wait()
                     if ring.error is not None:
                         raise _Stopped
-                devices = {src.device.index for _, src in p.copies if src.is_cuda}
+                devices = {src.device.index for _, _, src in p.copies if type(src) is not tuple and src.is_cuda}
                 for rel, n in p.gaps:
                     ctypes.memset(buf.address + p.ring + rel, 0, n)
-                for rel, src in p.copies:
+                for rel, n, src in p.copies:
                     crc = _copy_in(buf, p.ring + rel, src)
                     if crc is None:
-                        p.unsummed.append((rel, src.numel()))
+                        p.unsummed.append((rel, n))
                     else:
-                        p.crcs[rel, src.numel()] = crc
+                        p.crcs[rel, n] = crc
                 events = streams.record_side(sorted(devices)) if devices else {}
                 with ring.cv:
                     p.events, p.ready = events, True
@@ -561,21 +566,30 @@ def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: Staging
         ring.fail(e)
 
 
-def _copy_in(buf: StagingBuffer, at: int, src: torch.Tensor) -> int | None:
-    """Copy flat uint8 ``src`` into the pool at byte ``at``. From host memory: memmove and
-    crc32c by turns, a cache-sized piece at a time (the GIL is released meanwhile), so the
-    checksum reads the copy from cache and the engine need not read it from memory again;
-    returns the crc32c. The same loop as the engines' staging copy (engines.staged._stage_in),
-    kept apart because it is not engine staging: what the engines stage is counted through
-    their own copy (tests rely on that). From a GPU: an asynchronous copy on the current
-    (side) stream (None: the bytes are not there yet)."""
-    n = src.numel()
-    if src.is_cuda:
-        buf.tensor[at:at + n].copy_(src, non_blocking=True)
-        return None
-    crc, addr = 0, src.data_ptr()
+def _copy_in(buf: StagingBuffer, at: int, src: torch.Tensor | tuple[int, int]) -> int | None:
+    """Copy ``src`` (a flat uint8 tensor, or (address, length) of host memory) into the pool
+    at byte ``at``. From host memory: memmove and crc32c by turns, a cache-sized
+    piece at a time (the GIL is released meanwhile), so the checksum reads the copy from cache
+    and the engine need not read it from memory again; returns the crc32c. The same loop as
+    the engines' staging copy (engines.staged._stage_in), kept apart because it is not engine
+    staging: what the engines stage is counted through their own copy (tests rely on that).
+    From a GPU: an asynchronous copy on the current (side) stream (None: the bytes are not
+    there yet)."""
+    if type(src) is tuple:
+        src, n = src
+    else:
+        n = src.numel()
+        if src.is_cuda:
+            buf.tensor[at:at + n].copy_(src, non_blocking=True)
+            return None
+        src = src.data_ptr()
+    dst = buf.address + at
+    if n <= FUSED_BYTES:  # most chunks of a state of many tensors: one memmove, one crc32c
+        ctypes.memmove(dst, src, n)
+        return _crc32c(buf.view[at:at + n])
+    crc = 0
     for k in range(0, n, FUSED_BYTES):
         m = min(FUSED_BYTES, n - k)
-        ctypes.memmove(buf.address + at + k, addr + k, m)
+        ctypes.memmove(dst + k, src + k, m)
         crc = _crc32c(buf.view[at + k:at + k + m], crc)
     return crc

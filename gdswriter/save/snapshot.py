@@ -61,6 +61,14 @@ class Extent:
             self._flat = flat_bytes(*self._view)  # type: ignore[misc]
         return self._flat
 
+    def host_address(self) -> int | None:
+        """The address of the first byte, when the bytes are in host (CPU) memory; else None."""
+        if self.device.type != "cpu":
+            return None
+        if self._view is not None:
+            return self._view[0].data_ptr() + self._view[2]
+        return self._flat.data_ptr()  # type: ignore[union-attr]
+
     def replace(self, flat: torch.Tensor) -> None:
         """Hold ``flat`` (a copy taken now) instead of the live bytes."""
         self._flat, self._view, self.captured, self.keepalive = flat, None, True, ()
@@ -434,6 +442,18 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     return pending
 
 
+_IS_NESTED, _IS_META, _LAYOUT = (operator.attrgetter(a) for a in ("is_nested", "is_meta", "layout"))
+
+
+def _plain_strided(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every one of ``tensors`` passes check_tensor and _check_quantized and has no lazy
+    conj/neg bit: C-level passes over the list, no Python call per tensor (False: check each)."""
+    return (set(map(type, tensors)) <= _PLAIN and set(map(_LAYOUT, tensors)) <= {torch.strided}
+            and not any(map(_IS_NESTED, tensors)) and not any(map(_IS_META, tensors))
+            and not any(map(_IS_QUANTIZED, tensors)) and not any(map(torch.Tensor.is_conj, tensors))
+            and not any(map(torch.Tensor.is_neg, tensors)))
+
+
 def _accelerator_tensors_can_exist() -> bool:
     """Whether a tensor may be on a device other than the CPU: an accelerator is there and,
     for CUDA, initialised (a CUDA tensor initialises it). Asks no CUDA call."""
@@ -444,17 +464,18 @@ def _accelerator_tensors_can_exist() -> bool:
 def _handle_at_call(pending: PendingSnapshot, tensors: list[torch.Tensor], guarded: set[int], state: Any,
                     layout: LayoutCache | None) -> None:
     """Check, group and capture (see _capture) the tensors that cannot wait for the save thread."""
-    for j, t in enumerate(tensors):
-        try:
-            check_tensor(t, "")
-            _check_quantized("", t)
-        except UnsupportedObjectError:
-            _raise_unsupported(state)
-            raise
-        if t.is_conj() or t.is_neg():
-            pending.resolved[id(t)] = tensors[j] = t.detach().resolve_conj().resolve_neg()
+    if not _plain_strided(tensors):  # else (the usual state) every check passes: no loop
+        for j, t in enumerate(tensors):
+            try:
+                check_tensor(t, "")
+                _check_quantized("", t)
+            except UnsupportedObjectError:
+                _raise_unsupported(state)
+                raise
+            if t.is_conj() or t.is_neg():
+                pending.resolved[id(t)] = tensors[j] = t.detach().resolve_conj().resolve_neg()
     pending.handled = {id(t): t for t in tensors}
-    extents, placed, _ = _lay_out(tensors, [""] * len(tensors), ["tensor"] * len(tensors), layout)
+    extents, placed, _ = _lay_out(tensors, [""] * len(tensors), ["tensor"] * len(tensors), layout, records=False)
     keys = [_extent_key(e) for e in extents]
     live = _capture(extents, placed, list(map(storage_address, tensors)), guarded)
     pending.captured = {keys[sid]: e.flat for sid, e in enumerate(extents) if e.captured}
@@ -485,24 +506,29 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
                            prepared=prepared).complete(layout)
 
 
-def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str],
-             layout: LayoutCache | None) -> tuple[list[Extent], list[tuple[int, int]], list[TensorRecord]]:
+def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], layout: LayoutCache | None, *,
+             records: bool = True) -> tuple[list[Extent], list[tuple[int, int]], list[TensorRecord]]:
     """The extents, the (extent, offset) of each tensor and the records: ``layout``'s when it
-    still applies, else laid out anew (and kept in ``layout``)."""
+    still applies, else laid out anew (and kept in ``layout``). ``records`` False: none are
+    made (save_async's grouping at the call, which names nothing)."""
     storages = [t.untyped_storage() for t in tensors]
     key = LayoutCache.key_of(tensors, names, kinds, storages) if layout is not None else None
     cached = layout.reuse(key, tensors, storages) if layout is not None else None
     if cached is not None:
         return cached
     extents, placed = _group_by_allocation(tensors, names)
-    records = []
-    for i, t in enumerate(tensors):
-        sid, off = placed[i]
-        records.append(TensorRecord(names[i] or f"<tensor {i}>", sid, off, dtype_to_name(t.dtype),
-                                    tuple(t.shape), tuple(t.stride()), str(t.device), kinds[i]))
+    if not records:
+        if layout is not None:
+            layout.remember(key, extents, placed, [])
+        return extents, placed, []
+    dtypes = {d: dtype_to_name(d) for d in set(map(_DTYPE, tensors))}
+    devices = {d: str(d) for d in set(map(_DEVICE, tensors))}
+    made = [TensorRecord(name or f"<tensor {i}>", sid, off, dtypes[t.dtype], tuple(t.shape), t.stride(),
+                            devices[t.device], kind)
+            for i, (t, name, kind, (sid, off)) in enumerate(zip(tensors, names, kinds, placed))]
     if layout is not None:
-        layout.remember(key, extents, placed, records)
-    return extents, placed, records
+        layout.remember(key, extents, placed, made)
+    return extents, placed, made
 
 
 def _extent_key(e: Extent) -> tuple:
@@ -576,6 +602,9 @@ def _group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple
     storage that covers it. CPU memory that no single storage covers is viewed raw; on other
     devices such a group is split by storage (each piece saved whole, so the bytes are right
     and only the sharing is not restored)."""
+    alone = _each_alone(tensors, names)
+    if alone is not None:
+        return alone
     found: list[tuple[Extent, list[tuple[int, int]]]] = []  # each extent with its (tensor, byte offset)s
     by_device: dict[torch.device, list[_Member]] = {}
     for i, t in enumerate(tensors):
@@ -605,6 +634,32 @@ def _group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple
 
 
 _Member = tuple  # (first byte's address, end address, tensor index, its UntypedStorage)
+_ITEM_SIZES = frozenset({1, 2, 4, 8, 16})  # divide STORAGE_ALIGN: a lone tensor always fits its extent
+
+
+def _each_alone(tensors: list[torch.Tensor], names: list[str]) -> tuple[list[Extent], list[tuple[int, int]]] | None:
+    """_group_by_allocation's usual case in C-level passes: every tensor non-empty, contiguous,
+    of one device, and alone in memory (the storages' byte ranges are pairwise disjoint, so no
+    two tensors share a byte): one extent per tensor, viewing its storage from the 16-byte
+    boundary at or below its first byte. None where that does not hold (the general path)."""
+    if not tensors or len(set(map(_DEVICE, tensors))) != 1 or not all(map(torch.Tensor.is_contiguous, tensors)):
+        return None
+    sizes = list(map(torch.Tensor.element_size, tensors))
+    numels = list(map(torch.Tensor.numel, tensors))
+    if not all(numels) or not set(sizes) <= _ITEM_SIZES:
+        return None
+    storages = list(map(torch.Tensor.untyped_storage, tensors))
+    bases = np.fromiter(map(torch.UntypedStorage.data_ptr, storages), dtype=np.uint64, count=len(storages))
+    ends = bases + np.fromiter(map(torch.UntypedStorage.nbytes, storages), dtype=np.uint64, count=len(storages))
+    order = np.argsort(bases, kind="stable")
+    if not bases.all() or (len(order) > 1 and (ends[order[:-1]] > bases[order[1:]]).any()):
+        return None
+    device = tensors[0].device
+    los = [o * k for o, k in zip(map(torch.Tensor.storage_offset, tensors), sizes)]
+    starts = [lo // STORAGE_ALIGN * STORAGE_ALIGN for lo in los]
+    extents = [Extent(name, view=(st, device, start, lo + n * k - start))
+               for name, st, start, lo, n, k in zip(names, storages, starts, los, numels, sizes)]
+    return extents, [(i, lo - start) for i, (lo, start) in enumerate(zip(los, starts))]
 
 
 def _add_group(group: list[_Member], tensors: list[torch.Tensor], names: list[str], device: torch.device,

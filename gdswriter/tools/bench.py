@@ -695,3 +695,127 @@ def plot(result: BenchResult, path: str | os.PathLike) -> Path:
                      title=f"Checkpoint save/load, {result.bytes / 1e9:.2f} GB, {result.rounds} interleaved rounds "
                            f"({result.filesystem})", lines=ceiling,
                      note=f"{describe(result.host)}; {result.date}; gdswriter {__version__} bench")
+
+
+# ----------------------------------------------------------------------------- many tensors
+COUNT_CASES = ("first save", "second save", "load")
+DEFAULT_COUNTS = (64, 10_000)
+COUNT_SIZE = 256 * MiB
+
+
+def tensor_state(count: int, size: int) -> dict:
+    """A nested dict of ``count`` float32 tensors of about ``size`` bytes in all, each its own
+    allocation (groups of 100 under "g<i>"), random values: the many-small-tensors state."""
+    per = max(1, size // 4 // count)
+    g = torch.Generator().manual_seed(count)
+    state: dict = {}
+    for i in range(count):
+        state.setdefault(f"g{i // 100}", {})[f"t{i % 100}"] = torch.rand(per, generator=g)
+    return state
+
+
+@dataclass(frozen=True)
+class CountResult:
+    """GB/s per round of each tensor count: the disk's ceiling (write, read) and gdswriter's
+    first save (a fresh checkpointer), second save (the same one) and cold load."""
+
+    size: int
+    rounds: int
+    ceiling: str
+    gbps: dict[tuple[int, str], list[float]]  # (count, case or "ceiling write"/"ceiling read") -> per round
+
+    @property
+    def counts(self) -> list[int]:
+        return sorted({c for c, _ in self.gbps})
+
+    def ratio(self, count: int, case: str) -> float:
+        """Median over rounds of ``case``'s GB/s over the ceiling's (write for saves, read for loads)."""
+        ref = self.gbps[count, "ceiling read" if case == "load" else "ceiling write"]
+        return statistics.median(a / b for a, b in zip(self.gbps[count, case], ref))
+
+    def table(self) -> list[str]:
+        """One row per tensor count: the ceiling and each case, GB/s median (x ceiling)."""
+        head = ["tensors", "ceiling write / read", *[f"{c} (x ceiling)" for c in COUNT_CASES]]
+        rows = [head]
+        med = statistics.median
+        for n in self.counts:
+            g = self.gbps
+            rows.append([f"{n:,}", f"{med(g[n, 'ceiling write']):.2f} / {med(g[n, 'ceiling read']):.2f}",
+                         *[f"{med(g[n, c]):.2f} ({self.ratio(n, c):.2f}x)" for c in COUNT_CASES]])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        return [f"gdswriter, {human(self.size)} as N tensors (a nested dict), GB/s, median of {self.rounds} "
+                f"interleaved round(s) with the ceiling ({self.ceiling}); saves durable, loads cold"] + [
+            "  " + "  ".join(c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]
+
+    def to_json(self) -> dict:
+        return {"bytes": self.size, "rounds": self.rounds, "ceiling": self.ceiling,
+                "counts": {str(n): {case: {"gbps": self.gbps[n, case],
+                                           **({"x_ceiling": self.ratio(n, case)} if case in COUNT_CASES else {})}
+                                    for case in ("ceiling write", "ceiling read", *COUNT_CASES)}
+                           for n in self.counts}}
+
+
+def count_steps(counts: Sequence[int], rounds: int) -> int:
+    """How many times ``run_counts`` calls ``step``."""
+    return len(counts) * rounds * 2
+
+
+def run_counts(directory: Path, *, counts: Sequence[int] = DEFAULT_COUNTS, size: int = COUNT_SIZE,
+               rounds: int = 3, settle_s: float = 1.0, step: Step | None = None) -> CountResult:
+    """For each tensor count, in interleaved rounds (order rotated): the disk's ceiling (the
+    built-in O_DIRECT loop, same bytes), then a fresh checkpointer's first save, its second
+    save and a cold load of that step into the live state (checked). Everything written is
+    removed afterwards."""
+    from ..checkpointer import GDSCheckpointer
+    from ..save.pool import release_kept_pool
+
+    step = step or (lambda note: None)
+    pattern = memoryview(torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8).numpy())
+    gbps: dict[tuple[int, str], list[float]] = {}
+    cache: dict = {}
+    name = ""
+    work = Path(tempfile.mkdtemp(prefix=".gdswriter-counts-", dir=directory))
+    try:
+        for n in counts:
+            state = tensor_state(n, size)
+            nbytes = sum(t.numel() * t.element_size() for g in state.values() for t in g.values())
+            first = next(iter(state["g0"].values()))
+            want = first.clone()
+            for r in range(rounds):
+                for case in (("ceiling", "gdswriter") if r % 2 == 0 else ("gdswriter", "ceiling")):
+                    if case == "ceiling":
+                        quiesce()
+                        ref = builtin_reference(work / "ceiling.bin", nbytes, pattern, cache)
+                        name = ref.name
+                        gbps.setdefault((n, "ceiling write"), []).append(ref.write_bps / 1e9)
+                        gbps.setdefault((n, "ceiling read"), []).append(ref.read_bps / 1e9)
+                        step(f"{n} tensors, round {r + 1}: ceiling")
+                        continue
+                    release_kept_pool()
+                    root = work / f"gds-{n}-{r}"
+                    quiesce()
+                    try:
+                        with GDSCheckpointer(state, None, root) as ck:
+                            for s, what in ((1, "first save"), (2, "second save")):
+                                quiesce()
+                                t = time.perf_counter()
+                                ck.save(s)
+                                gbps.setdefault((n, what), []).append(nbytes / (time.perf_counter() - t) / 1e9)
+                            ck.wait()
+                            settle(settle_s)
+                            evict_paths(root)
+                            first.fill_(-1.0)
+                            t = time.perf_counter()
+                            ck.load(2)
+                            gbps.setdefault((n, "load"), []).append(nbytes / (time.perf_counter() - t) / 1e9)
+                            first = state["g0"]["t0"]  # a dict's tensors are replaced by the loaded ones
+                            if not torch.equal(first, want):
+                                raise LoadCheckError("gdswriter.load did not restore the saved state (a spoiled "
+                                                     "tensor stayed spoiled): its figures would be meaningless")
+                    finally:
+                        remove(root)
+                    step(f"{n} tensors, round {r + 1}: gdswriter")
+            del state, first, want
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return CountResult(size, rounds, name, gbps)

@@ -1,0 +1,168 @@
+"""A state of 10,000 tensors saves and loads bit-exact, first save and later ones, through the
+batched paths (one extent per lone tensor laid out in C-level passes, the layout reused across
+saves, files read whole into one buffer and checked chunk by chunk), and a changed layout
+between saves is never served from the reused one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdswriter import GDSCheckpointer, load_state
+from gdswriter.errors import ChecksumMismatchError
+from gdswriter.save import snapshot as S
+
+MiB = 1 << 20
+N_TINY = 9_989
+
+
+def many_state(contiguous: bool) -> dict:
+    """10,000 tensors: tiny ones of several dtypes (each alone in memory), two above the
+    small-copy thresholds (>= 2 MiB), views of one base, a tied pair, a scalar and, unless
+    ``contiguous`` (where every tensor is non-empty and contiguous, as the lone-tensor path
+    takes them), non-contiguous views and an empty tensor."""
+    g = torch.Generator().manual_seed(7)
+    dtypes = (torch.float32, torch.float16, torch.int64, torch.uint8, torch.bfloat16, torch.complex64)
+    tiny = {}
+    for i in range(N_TINY):
+        dt = dtypes[i % len(dtypes)]
+        n = 1 + i % 37
+        t = torch.randint(0, 100, (n,), generator=g).to(dt) if not dt.is_complex else torch.randn(n, generator=g,
+                                                                                                 dtype=dt)
+        tiny.setdefault(f"block{i // 100}", {})[f"t{i % 100}"] = t
+    big = torch.randn(3 * MiB // 4, generator=g)  # 3 MiB
+    big2 = torch.randn(1024, 640, generator=g)  # 2.5 MiB
+    base = torch.randn(64, 48, generator=g)
+    state = {"tiny": tiny, "big": big, "big_tail": big[-1000:], "big2": big2, "big2_t": big2.t(),
+             "base": base, "row": base[3], "col": base[:, 5], "every_other": base[::2, 1::3], "tied": base,
+             "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64)}
+    if contiguous:
+        for k in ("big2_t", "col", "every_other", "empty"):
+            del state[k]
+        state.update({"rows": base[5:9], "big2_head": big2[:10], "x": torch.ones(3), "y": torch.ones(2)})
+    return state
+
+
+def flat_tensors(tree) -> dict:
+    out = {}
+
+    def walk(x, path):
+        if isinstance(x, torch.Tensor):
+            out[path] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}/{k}")
+    walk(tree, "")
+    return out
+
+
+def snapshot_of(state) -> dict:
+    """Copies of every tensor, with their strides."""
+    return {k: torch.empty_strided(v.shape, v.stride(), dtype=v.dtype).copy_(v) for k, v in flat_tensors(state).items()}
+
+
+def assert_bit_exact(loaded, want: dict) -> None:
+    got = flat_tensors(loaded)
+    assert set(got) == set(want)
+    for k, w in want.items():
+        g = got[k]
+        assert g.dtype == w.dtype and g.shape == w.shape and g.stride() == w.stride(), k
+        assert torch.equal(g.contiguous().reshape(-1).view(torch.uint8), w.contiguous().reshape(-1).view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "mixed"])
+def test_ten_thousand_tensors_round_trip_first_and_second_save(tmp_path, contiguous):
+    state = many_state(contiguous)
+    assert len(flat_tensors(state)) == 10_000
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+        want1 = snapshot_of(state)
+        with torch.no_grad():  # new values, same layout: the second save reuses the first one's
+            for t in flat_tensors(state).values():
+                if t.numel() and not t.dtype.is_complex:
+                    t.add_(1)
+        ck.save(2)
+        want2 = snapshot_of(state)
+    for step, want in ((1, want1), (2, want2)):
+        _, loaded = load_state(tmp_path, step)
+        m = loaded["model"]
+        assert_bit_exact(m, want)
+        # sharing comes back: the views, the tie and the tail view their bases' memory
+        assert m["tied"].data_ptr() == m["base"].data_ptr()
+        assert m["row"].untyped_storage().data_ptr() == m["base"].untyped_storage().data_ptr()
+        assert m["big_tail"].untyped_storage().data_ptr() == m["big"].untyped_storage().data_ptr()
+        other = "big2_head" if contiguous else "big2_t"
+        assert m[other].untyped_storage().data_ptr() == m["big2"].untyped_storage().data_ptr()
+
+
+def test_a_damaged_byte_among_many_tensors_is_found(tmp_path):
+    """A file read whole is still checked chunk by chunk: one flipped byte is the tensor's."""
+    state = {"tiny": {f"t{i}": torch.full((1020,), float(i)) for i in range(2000)}}  # 4080 B: little padding
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+        step_dir = ck.protocol.step_dir(1)
+    data = sorted(step_dir.glob("data-*.bin"))[0]
+    raw = bytearray(data.read_bytes())
+    at = len(raw) // 2 // 4096 * 4096 + 100  # inside a tensor's bytes (each starts 4 KiB-aligned)
+    raw[at] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    try:
+        load_state(tmp_path, 1)
+    except ChecksumMismatchError as e:
+        assert "tiny/t" in str(e)
+    else:
+        raise AssertionError("a flipped byte was not found")
+
+
+def test_changed_layout_between_saves_is_laid_out_anew(tmp_path):
+    """A tensor added, one reshaped and one given new memory between two saves of 10,000
+    tensors: the second save's records and bytes are the new layout's, never the reused one's."""
+    state = {f"t{i}": torch.full((8,), float(i)) for i in range(10_000)}
+    layout = S.LayoutCache()
+    first = S.take_snapshot(state, 1, layout=layout)
+    assert len(first.records) == 10_000 and len(first.extents) == 10_000
+    changed = dict(state)
+    changed["added"] = torch.arange(5.0)
+    changed["t3"] = state["t3"].view(2, 4)  # same memory, another shape
+    changed["t7"] = torch.full((8,), 70.0)  # another storage
+    changed["t9"] = state["t8"].view(8)  # now a view of t8: one extent for both
+    second = S.take_snapshot(changed, 2, layout=layout)
+    recs = {r.name: r for r in second.records}
+    assert len(second.records) == 10_001 and len(second.extents) == 10_000
+    assert recs["t3"].shape == (2, 4) and recs["t3"].stride == (4, 1)
+    assert recs["t9"].storage == recs["t8"].storage
+    for name in ("t7", "added", "t3"):
+        r = recs[name]
+        flat = second.extents[r.storage].flat
+        want = changed[name].contiguous().view(torch.uint8).flatten()
+        assert torch.equal(flat[r.byte_offset:r.byte_offset + want.numel()], want), name
+    # and through a checkpointer, saved and loaded
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+        state["added"] = torch.arange(5.0)
+        state["t3"] = state["t3"].view(2, 4)
+        state["t7"] = torch.full((8,), 70.0)
+        state["t9"] = state["t8"].view(8)
+        ck.save(2)
+    _, loaded = load_state(tmp_path, 2)
+    loaded = loaded["model"]
+    assert set(loaded) == set(state)
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v) and loaded[k].shape == v.shape, k
+    assert loaded["t9"].data_ptr() == loaded["t8"].data_ptr()
+
+
+def test_each_loaded_storage_starts_at_its_own_first_byte(tmp_path):
+    """Small storages read together in one span still load as storages of their own: code
+    that reads a tensor's storage from its start (torch.set_rng_state) gets its own bytes."""
+    torch.manual_seed(3)
+    want = torch.get_rng_state()
+    state = {"small": {f"t{i}": torch.full((100,), float(i)) for i in range(64)}, "rng": want.clone()}
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+    _, loaded = load_state(tmp_path, 1)
+    loaded = loaded["model"]
+    assert all(t.storage_offset() == 0 for t in [loaded["rng"], *loaded["small"].values()])
+    torch.set_rng_state(loaded["rng"])
+    assert torch.equal(torch.get_rng_state(), want)
+    assert all(torch.equal(t, torch.full((100,), float(i))) for i, t in enumerate(loaded["small"].values()))
