@@ -168,15 +168,16 @@ def _staged(tensors: dict[str, list]) -> dict[str, list]:
 
 
 # --------------------------------------------------------------------------- the async protocol
-def wait_until_written(fifo: str, inherited_fd: int = -1) -> None:
+def wait_until_written(fifo: str, inherited_fd: int = -1, owner_pid: int = -1) -> None:
     """The AsyncRequest's ``async_fn``: returns once this rank's writes (in the training process)
     are durable or failed (the finalize function tells which), or once the training process is
     gone: it reads the FIFO until every writer closed it, and only the training process holds
-    its write end (a forked worker closes the copy it inherited, ``inherited_fd``). Picklable
-    for Megatron's persistent worker."""
+    its write end (a worker forked from process ``owner_pid`` closes the copy it inherited,
+    ``inherited_fd``; run in that process itself, it closes nothing). Picklable for Megatron's
+    persistent worker."""
     fd = os.open(fifo, os.O_RDONLY)
     try:
-        if inherited_fd >= 0:
+        if inherited_fd >= 0 and os.getpid() != owner_pid:
             try:
                 same = os.path.sameopenfile(inherited_fd, fd)
             except OSError:  # not inherited (a spawned worker)
@@ -283,7 +284,7 @@ class GDSSaveShardedStrategy(_SaveBase):  # type: ignore[misc,valid-type]
             self._inflight = None
             _commit(self.writer, metadata, dist_wrapper, bg)
 
-        return AsyncRequest(wait_until_written, (bg.fifo, bg.fd), [finalize])
+        return AsyncRequest(wait_until_written, (bg.fifo, bg.fd, os.getpid()), [finalize])
 
     def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
         """The blocking save: the async request, run at once (Megatron's own definition)."""
