@@ -271,3 +271,62 @@ def test_objects_are_stored_without_pickle_and_refused_with_their_path():
         encode_object({"args": argparse.Namespace(lr=1.0)}, "common")
     with pytest.raises(CorruptCheckpointError):
         decode_object(data[:-3], "rng/shard_0_2")
+
+
+def _one_rank_fails(rank: int, world: int, folder: str) -> list:
+    """Rank 1's engine fails iter 2's write: every rank raises from the finalize (rank 1 its own
+    error, rank 0 RankFailedError), nothing is committed, and iter 3 saves and loads."""
+    import errno
+
+    from megatron.core import dist_checkpointing
+
+    import gdswriter.distributed.dcp_writer as plugin
+    from gdswriter.errors import EngineIOError
+    from gdswriter.integrations.megatron import GDSLoadShardedStrategy, GDSSaveShardedStrategy
+    from tests.support.ranks import caught
+
+    strategy = GDSSaveShardedStrategy()
+    written = plugin.write_files
+    got = []
+    for step in (1, 2, 3):
+        ckpt = os.path.join(folder, f"iter_{step:07d}")
+        os.makedirs(ckpt, exist_ok=True)
+        if step == 2 and rank == 1:
+            def fail(*args, **kwargs):
+                raise EngineIOError(errno.EIO, "data-rank1.bin", 0, "writing iter 2 (a test's failure)")
+
+            plugin.write_files = fail  # the plug-in's own (public) name for its writes
+        else:
+            plugin.write_files = written
+        request = dist_checkpointing.save(_sharded_sd(rank, world, 2, step), ckpt, sharded_strategy=strategy,
+                                          async_sharded_save=True)
+        got.append(caught(ForkedCaller(request).finalize))
+    strategy.close()
+    loaded = dist_checkpointing.load(_zeroed(_sharded_sd(rank, world, 2, 0)), os.path.join(folder, "iter_0000003"),
+                                     sharded_strategy=GDSLoadShardedStrategy())
+    return [got, _check(loaded, rank, world, 2, 3, objects=True)]
+
+
+def test_a_rank_failing_its_write_fails_the_save_on_every_rank(tmp_path):
+    folder = tmp_path / "ckpt"
+    (r0, bad0), (r1, bad1) = run_ranks(2, _one_rank_fails, str(folder), out=tmp_path / "out")
+    assert bad0 == [] and bad1 == []
+    assert r0[0] is None and r0[2] is None and r1[0] is None and r1[2] is None
+    assert r1[1][0] == "EngineIOError" and "iter 2" in r1[1][1]
+    assert r0[1][0] == "RankFailedError" and "rank 1" in r0[1][1]
+    assert not (folder / "iter_0000002" / "metadata.json").exists()
+    assert not (folder / "iter_0000002" / ".metadata").exists()
+
+
+@pytest.mark.slow
+def test_the_benchmark_script_runs(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "megatron_strategy.py"
+    proc = subprocess.run([sys.executable, str(script), "--ranks", "2", "--size", "8M", "--rounds", "1",
+                           "--dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "torch_dist / gdswriter" in proc.stdout and "gdswriter " in proc.stdout
+    assert list(tmp_path.iterdir()) == []
