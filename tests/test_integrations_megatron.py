@@ -330,3 +330,53 @@ def test_the_benchmark_script_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "torch_dist / gdswriter" in proc.stdout and "gdswriter " in proc.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def _common_in_the_step(rank: int, world: int, folder: str) -> list:
+    """gdswriter's save (Megatron's arguments) with a common state: no common.pt, the common state
+    in the step; loaded back by Megatron's own load after register(); an argparse.Namespace in
+    the common state refused on every rank before anything is written."""
+    import argparse
+
+    from megatron.core import dist_checkpointing
+
+    from gdswriter.integrations import megatron as gds_megatron
+    from tests.support.ranks import caught
+
+    gds_megatron.register()
+    strategy = gds_megatron.GDSSaveShardedStrategy()
+    bad = []
+    for step, use_async in ((1, True), (2, False)):
+        ckpt = os.path.join(folder, f"iter_{step:07d}")
+        os.makedirs(ckpt, exist_ok=True)
+        sd = _sharded_sd(rank, world, 2, step)
+        sd["scheduler"] = {"num_steps": 7 * step, "lr": [0.5, 1e-4], "name": "cosine"}
+        request = gds_megatron.save(sd, ckpt, strategy, async_sharded_save=use_async)
+        if use_async:
+            ForkedCaller(request).finalize()
+        loaded = dist_checkpointing.load(_zeroed(_sharded_sd(rank, world, 2, 0)), ckpt)
+        bad += _check(loaded, rank, world, 2, step, objects=True)
+        if loaded["scheduler"] != {"num_steps": 7 * step, "lr": [0.5, 1e-4], "name": "cosine"}:
+            bad.append(f"scheduler {loaded['scheduler']}")
+    ckpt = os.path.join(folder, "iter_0000003")
+    os.makedirs(ckpt, exist_ok=True)
+    sd = _sharded_sd(rank, world, 2, 3)
+    sd["args"] = argparse.Namespace(lr=1.0)
+    refused = caught(lambda: gds_megatron.save(sd, ckpt, strategy))
+    strategy.close()
+    return [bad, refused]
+
+
+def test_common_state_goes_into_the_step_without_pickle(tmp_path):
+    import json
+
+    folder = tmp_path / "ckpt"
+    results = run_ranks(2, _common_in_the_step, str(folder), out=tmp_path / "out")
+    for bad, refused in results:
+        assert bad == []
+        assert refused[0] == "UnsupportedObjectError" and "args" in refused[1], refused
+    for step in (1, 2):
+        ckpt = folder / f"iter_{step:07d}"
+        assert not (ckpt / "common.pt").exists() and not list(ckpt.glob("*.pt"))
+        assert json.loads((ckpt / "metadata.json").read_text())["common_backend"] == "gdswriter"
+    assert sorted(p.name for p in (folder / "iter_0000003").iterdir()) == []

@@ -51,6 +51,7 @@ from ..errors import CorruptCheckpointError, InvalidOptionError, RankFailedError
 
 BACKEND = "gdswriter"
 VERSION = 1
+COMMON_KEY = "__megatron_common__"  # the step's item holding the common state (this module's save)
 _MAGIC = b"GDSMOBJ1"  # a ShardedObject's bytes: magic, header length, JSON header, then the tensors' bytes
 
 
@@ -256,9 +257,11 @@ class GDSSaveShardedStrategy(_SaveBase):  # type: ignore[misc,valid-type]
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path, common: bytes | None = None) -> Any:
         """Plan, copy this rank's shards to host memory and start writing them; the returned
-        AsyncRequest waits for the writes and its finalize function commits (module docstring)."""
+        AsyncRequest waits for the writes and its finalize function commits (module docstring).
+        ``common``: the common state, encoded (encode_object), stored in the step by the rank
+        passing it (this module's ``save`` does, on rank 0)."""
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
         from megatron.core.dist_checkpointing.strategies.state_dict_saver import save_state_dict_async_plan
         from megatron.core.dist_checkpointing.strategies.torch import MCoreSavePlanner, mcore_to_pyt_state_dict
@@ -270,6 +273,8 @@ class GDSSaveShardedStrategy(_SaveBase):  # type: ignore[misc,valid-type]
         pyt_state_dict: dict[str, Any] = mcore_to_pyt_state_dict(_staged(tensors), False)
         for obj in objects:
             pyt_state_dict[obj.unique_key] = io.BytesIO(encode_object(obj.data, obj.unique_key))
+        if common is not None:
+            pyt_state_dict[COMMON_KEY] = io.BytesIO(common)
         self.writer.reset(os.fspath(checkpoint_dir))
         capture = _PlanCapture(self.writer)
         (_, metadata, dist_wrapper), central_plan, *_ = save_state_dict_async_plan(
@@ -402,10 +407,100 @@ def _raw_bytes_planner() -> type:
     return RawBytesLoadPlanner
 
 
+def save(sharded_state_dict: Any, checkpoint_dir: str, sharded_strategy: Any = None, common_strategy: Any = None,
+         validate_access_integrity: bool = True, async_sharded_save: bool = False,
+         preprocess_common_before_consistancy_check: Any = None, content_metadata: dict | None = None) -> Any:
+    """Megatron's ``dist_checkpointing.save`` (same arguments) storing the common state in the
+    step too, encoded with gdswriter's state codec instead of ``torch.save`` into common.pt:
+    nothing of the checkpoint is pickled. A common state the codec cannot store (an
+    ``argparse.Namespace``, say) is refused on every rank, before anything is written, with its
+    path (UnsupportedObjectError). metadata.json names the common backend "gdswriter", so
+    ``dist_checkpointing.load`` after ``register()`` reads it back (GDSCommonLoadStrategy)."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    if common_strategy is not None:
+        raise InvalidOptionError("common_strategy: gdswriter's save stores the common state in the step; pass None")
+    strategy = sharded_strategy if sharded_strategy is not None else GDSSaveShardedStrategy()
+    if not isinstance(strategy, GDSSaveShardedStrategy):
+        raise InvalidOptionError(f"sharded_strategy={strategy}: gdswriter's save takes a GDSSaveShardedStrategy "
+                                 f"(or None); use dist_checkpointing.save for Megatron's own strategies")
+    if content_metadata is not None:
+        sharded_state_dict["content_metadata"] = content_metadata
+    sharded_part, common_state_dict = save_preprocess(sharded_state_dict, validate_access_integrity,
+                                                      preprocess_common_before_consistancy_check)
+    common = encode_object(common_state_dict, "common")  # every rank: the same state, refused everywhere alike
+    request = strategy.async_save(sharded_part, checkpoint_dir, common if dist.get_rank() == 0 else None)
+
+    def metadata_finalize_fn() -> None:
+        if dist.get_rank() == 0:
+            save_config(CheckpointingConfig(strategy.backend, strategy.version, BACKEND, VERSION), checkpoint_dir)
+        dist.barrier()
+
+    request.finalize_fns.append(metadata_finalize_fn)
+    if async_sharded_save:
+        return request
+    request.execute_sync()
+    return None
+
+
+def _common_base() -> type:
+    try:
+        from megatron.core.dist_checkpointing.strategies.base import LoadCommonStrategy
+    except ImportError:
+        return object
+    return LoadCommonStrategy
+
+
+class GDSCommonLoadStrategy(_common_base()):  # type: ignore[misc]
+    """Megatron's LoadCommonStrategy for the checkpoints this module's ``save`` wrote: the common
+    state read from the step (one item, on every rank: DCP's load is collective) and decoded,
+    never unpickled. ``reader``: a GDSStorageReader to use (default: a new one per load)."""
+
+    def __init__(self, reader: Any = None):
+        _megatron()
+        super().__init__()
+        self.reader = reader
+
+    def load_common(self, checkpoint_dir: str | Path) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        from ..distributed import GDSStorageReader
+
+        reader = self.reader if self.reader is not None else GDSStorageReader()
+        planner = _raw_bytes_planner()(shapes_validation_sharded_tensors=[], allow_shape_mismatch_sharded_tensors={},
+                                       flatten_state_dict=False)
+        try:
+            dcp.load({COMMON_KEY: io.BytesIO()}, checkpoint_id=os.fspath(checkpoint_dir), storage_reader=reader,
+                     planner=planner)
+        finally:
+            if self.reader is None:
+                reader.close()
+        return decode_object(planner.raw.get(COMMON_KEY, b""), "common")
+
+    def load_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+        raise NotImplementedError("GDSLoadShardedStrategy loads the ShardedObjects of a gdswriter checkpoint: pass "
+                                  "it as the sharded strategy (register() makes it the default)")
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != BACKEND:
+            raise InvalidOptionError(f"common backend {loaded_backend!r}: GDSCommonLoadStrategy reads the common "
+                                     f"state gdswriter's save stored in the step; this checkpoint has Megatron's "
+                                     f"common.pt: load it with common_strategy=None")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version != VERSION:
+            raise InvalidOptionError(f"gdswriter common state version {loaded_version} is not one this gdswriter "
+                                     f"reads ({VERSION}): load it with the gdswriter release that wrote it")
+
+
 def register() -> None:
     """Make the gdswriter strategies Megatron's defaults for the backend "gdswriter": then
     ``sharded_strategy=("gdswriter", 1)`` saves with them and ``dist_checkpointing.load`` picks the
-    load strategy from the checkpoint's metadata.json."""
+    load strategies (sharded, and common where this module's ``save`` stored it) from the
+    checkpoint's metadata.json."""
     base, _, _ = _megatron()
     base.register_default_strategy(base.StrategyAction.SAVE_SHARDED, BACKEND, VERSION, GDSSaveShardedStrategy())
     base.register_default_strategy(base.StrategyAction.LOAD_SHARDED, BACKEND, VERSION, GDSLoadShardedStrategy())
+    base.register_default_strategy(base.StrategyAction.LOAD_COMMON, BACKEND, VERSION, GDSCommonLoadStrategy())
