@@ -6,6 +6,13 @@
     dist_checkpointing.save(sharded_sd, ckpt_dir, sharded_strategy=save_strategy)
     dist_checkpointing.load(sharded_sd, ckpt_dir, sharded_strategy=GDSLoadShardedStrategy())
 
+or, with the common state in the step too (no common.pt):
+
+    from gdswriter.integrations import megatron as gds_megatron
+    gds_megatron.register()                            # once: load finds the strategies by metadata.json
+    gds_megatron.save(sharded_sd, ckpt_dir, save_strategy)   # dist_checkpointing.save's arguments
+    dist_checkpointing.load(sharded_sd, ckpt_dir)
+
 ``register()`` makes them Megatron's default strategies for the backend ``"gdswriter"``, so that
 ``sharded_strategy=("gdswriter", 1)`` works and ``dist_checkpointing.load`` picks the load
 strategy by itself from the checkpoint's ``metadata.json``.
@@ -16,9 +23,10 @@ as with ``torch_dist``) into gdswriter's DCP plug-in: ``ckpt_dir`` becomes a gds
 holding one step (crc32c on every chunk, one atomic commit for all ranks, no pickle; ``gdswriter
 verify ckpt_dir`` checks it). ShardedObjects (RNG states, ...) are stored in the same step,
 encoded with gdswriter's state codec (JSON and raw tensor bytes, never pickle); an object the
-codec cannot encode is refused with its path (UnsupportedObjectError). The common state
-(``common.pt``) is written by Megatron's ``save()`` itself with ``torch.save``: Megatron takes no
-other common strategy, so it stays Megatron's file beside the step (docs/megatron.md).
+codec cannot encode is refused with its path (UnsupportedObjectError). The common state: Megatron's
+``dist_checkpointing.save`` writes it itself (``torch.save`` into ``common.pt``) and takes no other
+common strategy; this module's ``save`` (the same arguments) stores it in the step instead, with
+the same codec, and ``GDSCommonLoadStrategy`` reads it back, so nothing is pickled (docs/megatron.md).
 
 Asynchronous saves (``async_sharded_save=True``) follow Megatron's AsyncRequest protocol as its
 ``torch_dist`` strategy does. ``async_save`` plans (DCP's collectives), copies this rank's
