@@ -93,8 +93,8 @@ class ForkedCaller:
     def finalize(self) -> None:
         import torch.distributed as dist
 
-        self.process.join(120)
-        assert self.process.exitcode == 0, self.process.exitcode
+        self.process.join(60)
+        assert self.process.exitcode == 0, f"the async worker: exit code {self.process.exitcode}"
         dist.barrier()
         for fn in self.request.finalize_fns:
             fn()
@@ -277,6 +277,7 @@ def _one_rank_fails(rank: int, world: int, folder: str) -> list:
     """Rank 1's engine fails iter 2's write: every rank raises from the finalize (rank 1 its own
     error, rank 0 RankFailedError), nothing is committed, and iter 3 saves and loads."""
     import errno
+    import time
 
     from megatron.core import dist_checkpointing
 
@@ -300,6 +301,8 @@ def _one_rank_fails(rank: int, world: int, folder: str) -> list:
             plugin.write_files = written
         request = dist_checkpointing.save(_sharded_sd(rank, world, 2, step), ckpt, sharded_strategy=strategy,
                                           async_sharded_save=True)
+        if step == 2:
+            time.sleep(1)  # rank 1's write has failed (closing its end of the FIFO) before the worker starts
         got.append(caught(ForkedCaller(request).finalize))
     strategy.close()
     loaded = dist_checkpointing.load(_zeroed(_sharded_sd(rank, world, 2, 0)), os.path.join(folder, "iter_0000003"),

@@ -184,15 +184,18 @@ def wait_until_written(fifo: str, inherited_fd: int = -1, owner_pid: int = -1) -
     its write end (a worker forked from process ``owner_pid`` closes the copy it inherited,
     ``inherited_fd``; run in that process itself, it closes nothing). Picklable for Megatron's
     persistent worker."""
-    fd = os.open(fifo, os.O_RDONLY)
-    try:
-        if inherited_fd >= 0 and os.getpid() != owner_pid:
-            try:
-                same = os.path.sameopenfile(inherited_fd, fd)
-            except OSError:  # not inherited (a spawned worker)
-                same = False
-            if same:
+    if inherited_fd >= 0 and os.getpid() != owner_pid:  # before opening: the number may be free here
+        try:
+            st, fifo_st = os.fstat(inherited_fd), os.stat(fifo)
+            if (st.st_dev, st.st_ino) == (fifo_st.st_dev, fifo_st.st_ino):
                 os.close(inherited_fd)
+        except OSError:  # not inherited (a spawned worker, or closed before the fork)
+            pass
+    # O_NONBLOCK: a blocking open would wait for ever for a writer where the write ended before
+    # this worker got here (the write end closed: EOF at once, which is the answer)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(fd, True)
+    try:
         while os.read(fd, 64):
             pass
     finally:
