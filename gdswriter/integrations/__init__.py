@@ -3,5 +3,6 @@
     gdswriter.integrations.lightning      GDSCheckpointIO, a PyTorch Lightning CheckpointIO plug-in
     gdswriter.integrations.transformers   GDSCheckpointing / GDSTrainer for the Hugging Face Trainer
     gdswriter.integrations.deepspeed      use_gdswriter / GDSCheckpointEngine, a DeepSpeed checkpoint engine
+    gdswriter.integrations.torchtitan     GDSCheckpointManager, torchtitan's CheckpointManager on gdswriter
     gdswriter.integrations.engines        the I/O engines both keep across saves
 """
