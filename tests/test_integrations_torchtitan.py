@@ -123,6 +123,7 @@ def _titan_run(rank: int, world: int, folder: str, kind: str, mode: str, upto: i
             _train_step(model, opts, scheds, rank, step)
             ts.step = step
             if kill == "between" and step == 5:
+                manager.maybe_wait_for_saving()  # step 4's async save has committed: a kill between saves
                 os.kill(os.getpid(), signal.SIGKILL)
             if kill == "in-save" and step == 4:
                 _die_in_write_files()
@@ -153,7 +154,6 @@ def test_config_builds_the_gds_manager_and_guards_enable_false():
     from gdswriter.errors import InvalidOptionError
     from gdswriter.integrations.torchtitan import GDSCheckpointManager
 
-    assert GDSCheckpointManager.Config._owner is GDSCheckpointManager
     assert isinstance(GDSCheckpointManager.Config(), CheckpointManager.Config)
     off = GDSCheckpointManager.Config(enable=False).build(
         dataloader=None, model_parts=[torch.nn.Linear(2, 2)], optimizers=None, lr_schedulers=None, states={},
@@ -213,7 +213,7 @@ def test_switch_from_filesystemwriter_steps_to_gdswriter_in_one_folder(tmp_path)
 @pytest.mark.parametrize("kill", ["in-save", "between"])
 def test_a_killed_torchtitan_run_resumes_bit_for_bit(tmp_path, mode, kill):
     """SIGKILL on both ranks during step 4's save (its data files written, not committed) or
-    between saves (end of step 5): the restart's _find_load_step picks the last committed step
+    between saves (end of step 5, step 4's async save finished): the restart's _find_load_step picks the last committed step
     (2, or 4), the torn step-4 has no .metadata, and the resumed run ends bit for bit like an
     uninterrupted one."""
     base = str(tmp_path / "job")
