@@ -209,6 +209,7 @@ def test_switch_from_filesystemwriter_steps_to_gdswriter_in_one_folder(tmp_path)
     assert [r["digest"] for r in seeded] == [r["digest"] for r in stock]
 
 
+@pytest.mark.slow  # 4 x 3 two-rank runs (about 9 minutes here under load): .ci/run runs it
 @pytest.mark.parametrize("mode", ["disabled", "async"])
 @pytest.mark.parametrize("kill", ["in-save", "between"])
 def test_a_killed_torchtitan_run_resumes_bit_for_bit(tmp_path, mode, kill):
