@@ -97,6 +97,24 @@ def test_a_truncated_data_file_is_refused_before_it_is_read(tmp_path):
         dcp.load(into, checkpoint_id=str(folder), storage_reader=GDSStorageReader(), no_dist=True)
 
 
+def test_a_claimed_length_is_checked_before_it_is_allocated(tmp_path):
+    """A pickle whose BINBYTES8 claims 512 MiB in a file of a few bytes: refused, with no
+    allocation of the claimed size (the C unpickler allocates a counted argument before reading it)."""
+    import struct
+    import tracemalloc
+
+    folder, into = _saved(tmp_path)
+    (folder / ".metadata").write_bytes(b"\x80\x05\x8e" + struct.pack("<Q", 512 << 20) + b"short")
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError), dcp_errors():
+            dcp.load(into, checkpoint_id=str(folder), storage_reader=GDSStorageReader(), no_dist=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
 def test_metadata_that_is_not_dcps_is_a_typed_error(tmp_path):
     """A garbled pickle, or a pickle of another allowed object (a dict), is CorruptCheckpointError."""
     folder, into = _saved(tmp_path)

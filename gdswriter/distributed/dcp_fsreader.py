@@ -5,7 +5,9 @@ checkpoints (FileSystemReader's job, without its ``pickle.load``).
 What is unpickled, and how (house rule 7: loading never unpickles untrusted bytes):
 
 * ``.metadata`` is DCP's pickled ``Metadata``. It is read (at most MAX_METADATA_BYTES, checked
-  before the read) and loaded by a restricted unpickler: its ``find_class`` admits only DCP's
+  before the read), its opcodes walked first (pickletools: a counted argument longer than the
+  file is refused before the C unpickler would allocate what it claims), and loaded by a
+  restricted unpickler: its ``find_class`` admits only DCP's
   metadata classes, torch's Size/dtype/layout/memory_format, pathlib's paths and plain
   containers, as ``torch.load(weights_only=True)`` does with its allowlist; anything else (a
   pickle calling ``os.system``) is UnsafeMetadataError before it is called. The result is then
@@ -28,6 +30,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import stat
 from pathlib import Path
 from typing import Any
@@ -94,6 +97,7 @@ def is_fs_checkpoint(path: Path) -> bool:
 def load_metadata_bytes(data: bytes, where: str = ".metadata") -> Metadata:
     """DCP's Metadata from its pickle, through the restricted unpickler, checked (check_metadata)."""
     try:
+        _check_opcodes(data)
         md = _RestrictedUnpickler(io.BytesIO(data)).load()
     except UnsafeMetadataError:
         raise
@@ -102,6 +106,17 @@ def load_metadata_bytes(data: bytes, where: str = ".metadata") -> Metadata:
                                      f"is damaged or was not written by DCP's FileSystemWriter") from e
     check_metadata(md, where)
     return md
+
+
+def _check_opcodes(data: bytes) -> None:
+    """Walk the pickle's opcodes before it is loaded (pickletools reads each counted argument from
+    the bytes there are, allocating nothing a length claims): a BINBYTES8 or BYTEARRAY8 claiming
+    more bytes than the file holds, which the C unpickler would allocate before reading, is
+    refused here; so are persistent ids and the extension registry, which DCP never writes."""
+    for op, _, _ in pickletools.genops(data):
+        if op.name in ("PERSID", "BINPERSID", "EXT1", "EXT2", "EXT4"):
+            raise UnsafeMetadataError(f"DCP metadata uses the pickle opcode {op.name}, which DCP never writes: "
+                                      f"refused")
 
 
 def read_fs_metadata(path: Path) -> Metadata:
