@@ -226,6 +226,12 @@ class UnsafePathError(CorruptCheckpointError):
     follows what it wrote itself, so a planted link cannot redirect a read or a truncation."""
 
 
+class UnsafeMetadataError(CorruptCheckpointError):
+    """A checkpoint's pickled bytes (DCP's ``.metadata``, a torch.save'd item) name something
+    outside the allowlist gdswriter loads: refused before it runs (gdswriter never unpickles
+    arbitrary objects)."""
+
+
 class RootUnavailableError(CheckpointError, FileNotFoundError):
     """A checkpoint root is missing, or is not the directory the other roots' data was saved with
     (its disk is probably not mounted). gdswriter refuses to open the roots rather than guess."""

@@ -26,6 +26,7 @@ from ..load.reader import host_buffer, read_manifest_bytes
 from ..options import EngineOptions
 from .dcp_codec import metadata_from_json
 from .dcp_failures import CarriedError
+from .dcp_fsreader import fs_metadata_for_load, is_fs_checkpoint, read_fs_items
 from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
 from .dcp_writer_parts import contiguous_stride
@@ -56,7 +57,8 @@ class GDSStorageReader(Collective, StorageReader):
     the module docstring). ``verify=False`` skips the crc32c checks. The reader keeps its engine
     from load to load (``engine_options``; default: reader_engine_options()); ``close()``
     releases it. ``_extension_registry`` (FileSystemReader's) must
-    be None: gdswriter applies no stream transforms."""
+    be None: gdswriter applies no stream transforms. A directory that DCP's own FileSystemWriter
+    wrote is read too, without unpickling anything outside an allowlist (dcp_fsreader.py)."""
 
     def __init__(self, root: Any = None, step: int | None = None, *, verify: bool = True, atomic: bool = False,
                  engine_options: EngineOptions | None = None, dist_options: DistOptions | None = None,
@@ -74,6 +76,7 @@ class GDSStorageReader(Collective, StorageReader):
         self._loaded: tuple | None = None  # (manifest, root layout, DCP's storage_data, reaches every root)
         self._engines: list[IOEngine] | None = None  # [the engine], kept from load to load
         self._engine_made: EngineOptions | None = None  # the options it was built with
+        self._fs: tuple[Path, Metadata] | None = None  # a FileSystemWriter checkpoint's directory, its metadata
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -84,7 +87,7 @@ class GDSStorageReader(Collective, StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """Point the next load at ``checkpoint_id`` (a path or a step; None: the same as before)."""
         self._target(checkpoint_id)
-        self._loaded = None
+        self._loaded = self._fs = None
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any) -> Metadata:
@@ -99,6 +102,13 @@ class GDSStorageReader(Collective, StorageReader):
 
     def _read_metadata(self) -> Metadata:
         roots = self.current_roots()
+        if len(roots) == 1 and self._override is None and (self._path_roots or self.step is None) and (
+                is_fs_checkpoint(roots[0])):
+            # a checkpoint DCP's FileSystemWriter wrote: every rank reads it alone (dcp_fsreader.py)
+            md = fs_metadata_for_load(roots[0], self.load_id)
+            self._loaded, self._fs = None, (roots[0], md)
+            return md
+        self._fs = None
         coord = self.coordinator()
         step = self._override if self._override is not None else (None if self._path_roots else self.step)
         opened = open_one_shared_root(coord, roots, step)
@@ -130,7 +140,7 @@ class GDSStorageReader(Collective, StorageReader):
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if self._loaded is None:
+        if self._loaded is None and self._fs is None:
             raise InvalidOptionError("set_up_storage_reader before read_metadata: use this reader through dcp.load")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -141,7 +151,13 @@ class GDSStorageReader(Collective, StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Collective: fetch the storages of this rank's items (those DCP wants whole straight
-        into its targets), then hand DCP each item."""
+        into its targets), then hand DCP each item. A FileSystemWriter checkpoint: this rank's
+        items from its data files, alone (dcp_fsreader.read_fs_items)."""
+        if self._fs is not None:
+            read_fs_items(self._fs[0], self._fs[1], plan, planner)
+            done: Future = Future()
+            done.set_result(None)
+            return done
         if self._loaded is None:
             raise InvalidOptionError("read_data before read_metadata: use this reader through dcp.load")
         m, layout, where, reaches_all = self._loaded
