@@ -167,3 +167,11 @@ def test_drain_benchmark(tmp_path):
     out = run_script("drain.py", "--size", "8M", "--rounds", "1", "--dir", str(tmp_path))
     assert "time to drained / time to committed" in out and "save time with a drain in flight" in out, out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_replicas_benchmark(tmp_path):
+    out = run_script("replicas.py", "--size", "8M", "--ranks", "2", "--rounds", "1", "--train-size", "1M", "--iters",
+                     "4", "--every", "2", "--train-rounds", "1", "--dir", str(tmp_path))
+    assert "time to protected / local engine, same total bytes" in out, out
+    assert "drive bytes / state byte (replicas=2, data files):    2.000" in out, out
+    assert "save_async overhead, replicas=2" in out, out
