@@ -15,9 +15,11 @@ interleave):
 1. reads its committed shard and data files once, checking the shard's size and crc32c
    against what it voted and every chunk's crc32c as the bytes stream (a damaged local file is
    never copied); the primary rank also sends the global manifest;
-2. streams them, in pieces of PIECE_BYTES (memory bounded whatever the state's size), to its
-   C - 1 peers, while receiving the files of the C - 1 ranks it holds copies of: each peer
-   writes them into ``step_S/copies/.tmp-rank<R>-<hex>/`` on its first root, fdatasyncs each
+2. streams them, in pieces of PIECE_BYTES, to its C - 1 peers, while receiving the files of
+   the C - 1 ranks it holds copies of, pipelined (``_Pipeline``): a reader thread reads and
+   checks the next pieces while up to DEPTH pieces travel each way (isend/irecv) and a writer
+   thread writes what arrived (memory: (1 + senders) x DEPTH pieces, whatever the state's
+   size); each peer writes them into ``step_S/copies/.tmp-rank<R>-<hex>/`` on its first root, fdatasyncs each
    file, checks every file's crc32c from the sender's trailer, fsyncs the directory, renames it
    to ``step_S/copies/rank<R>`` and fsyncs ``copies``: nothing half-written is ever seen under
    the final name; the global manifest goes to ``step_S/copies/manifest.json`` the same way;
@@ -27,8 +29,13 @@ interleave):
 
 A failure (a peer dead or hung, a short or damaged copy, a root that cannot be written)
 leaves the step committed and not protected: logged, and raised once by ``wait_protected`` as
-ReplicationError. It never touches the next save (another channel; a dead peer breaks only the
-replication group, whose later steps then fail at once). A crash mid-copy leaves a
+ReplicationError. It never touches the next save (another channel). A short or damaged copy,
+or a root that cannot be written, fails that step alone: the next steps are replicated again.
+A peer dead or hung (every wait for it bounded by DistOptions.timeout_s) breaks the
+replication group, whose ranks no longer agree on where its collectives stand: the Replicator
+stops (``stopped``), every later step stays committed and reports ReplicationError at once,
+saying the job must restart to protect steps again, and close() does not wait for the peer.
+Retention keeps the newest protected step all along. A crash or power cut mid-copy leaves a
 ``.tmp-rank...`` directory inside ``step_S/copies``, removed with the step.
 """
 
