@@ -682,6 +682,7 @@ class Replicator:
                 if not copies.parent.is_dir():
                     raise FileNotFoundError(f"{copies.parent} does not exist (the step was deleted?)")
                 copies.mkdir(exist_ok=True)
+                fsync_dir(copies.parent)  # ``copies`` itself durable in the step: else a cut loses every copy
                 incoming[s] = _Incoming(copies, s, bytes(heads[s][:int(sizes[s][0])].numpy()))
             except Exception as e:  # noqa: BLE001 - reported to the primary rank
                 incoming[s] = None
