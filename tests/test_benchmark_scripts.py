@@ -182,3 +182,11 @@ def test_tensor_counts(tmp_path):
     for what in ("first save", "second save", "load"):
         assert f"=== {what} of 300 tensors" in prof and f"--- {what}: calling thread" in prof, prof
     assert "--- second save: gdswriter-save" in prof, prof
+
+
+def test_replicas_benchmark(tmp_path):
+    out = run_script("replicas.py", "--size", "8M", "--ranks", "2", "--rounds", "1", "--train-size", "1M", "--iters",
+                     "4", "--every", "2", "--train-rounds", "1", "--dir", str(tmp_path))
+    assert "time to protected / local engine, same total bytes" in out, out
+    assert "drive bytes / state byte (replicas=2, data files):    2.000" in out, out
+    assert "save_async overhead, replicas=2" in out, out

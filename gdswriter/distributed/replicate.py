@@ -15,9 +15,11 @@ interleave):
 1. reads its committed shard and data files once, checking the shard's size and crc32c
    against what it voted and every chunk's crc32c as the bytes stream (a damaged local file is
    never copied); the primary rank also sends the global manifest;
-2. streams them, in pieces of PIECE_BYTES (memory bounded whatever the state's size), to its
-   C - 1 peers, while receiving the files of the C - 1 ranks it holds copies of: each peer
-   writes them into ``step_S/copies/.tmp-rank<R>-<hex>/`` on its first root, fdatasyncs each
+2. streams them, in pieces of PIECE_BYTES, to its C - 1 peers, while receiving the files of
+   the C - 1 ranks it holds copies of, pipelined (``_Pipeline``): a reader thread reads and
+   checks the next pieces while up to DEPTH pieces travel each way (isend/irecv) and a writer
+   thread writes what arrived (memory: (1 + senders) x DEPTH pieces, whatever the state's
+   size); each peer writes them into ``step_S/copies/.tmp-rank<R>-<hex>/`` on its first root, fdatasyncs each
    file, checks every file's crc32c from the sender's trailer, fsyncs the directory, renames it
    to ``step_S/copies/rank<R>`` and fsyncs ``copies``: nothing half-written is ever seen under
    the final name; the global manifest goes to ``step_S/copies/manifest.json`` the same way;
@@ -27,8 +29,13 @@ interleave):
 
 A failure (a peer dead or hung, a short or damaged copy, a root that cannot be written)
 leaves the step committed and not protected: logged, and raised once by ``wait_protected`` as
-ReplicationError. It never touches the next save (another channel; a dead peer breaks only the
-replication group, whose later steps then fail at once). A crash mid-copy leaves a
+ReplicationError. It never touches the next save (another channel). A short or damaged copy,
+or a root that cannot be written, fails that step alone: the next steps are replicated again.
+A peer dead or hung (every wait for it bounded by DistOptions.timeout_s) breaks the
+replication group, whose ranks no longer agree on where its collectives stand: the Replicator
+stops (``stopped``), every later step stays committed and reports ReplicationError at once,
+saying the job must restart to protect steps again, and close() does not wait for the peer.
+Retention keeps the newest protected step all along. A crash or power cut mid-copy leaves a
 ``.tmp-rank...`` directory inside ``step_S/copies``, removed with the step.
 """
 
@@ -37,12 +44,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import secrets
 import shutil
 import socket
 import threading
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
@@ -65,6 +74,7 @@ log = logging.getLogger("gdswriter")
 
 HOST_ENV = "GDSWRITER_HOSTNAME"
 PIECE_BYTES = 32 << 20  # one piece of a rank's stream to its peers (and of each stream it receives)
+DEPTH = 3  # pieces of each stream in flight or in a buffer at once (read ahead, on the wire, being written)
 TRAILER_BYTES = 64 << 10  # the last piece of a stream: its files' crc32c and whether the sender succeeded
 SMALL_LIMIT = 1 << 30  # a shard or global manifest read back
 
@@ -325,6 +335,125 @@ class _Incoming:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+class _Pipeline:
+    """One step's pieces, pipelined (step 2 of the module docstring): a reader thread reads and
+    checks this rank's next pieces while the previous ones travel, up to DEPTH pieces are in
+    flight each way (isend/irecv on the replication group), and a writer thread writes (and
+    checksums) what arrived while the next pieces arrive. Memory: (1 + senders) x DEPTH pieces."""
+
+    def __init__(self, coord: Coordinator, step: int, out: _Outgoing, dests: list[int], totals: dict[int, int],
+                 incoming: dict[int, _Incoming | None], problems: list[str]):
+        self.coord, self.step, self.out, self.dests, self.totals = coord, step, out, dests, totals
+        self.incoming, self.problems = incoming, problems
+        piece = PIECE_BYTES
+        self.send_rounds = -(-out.total // piece) if dests else 0
+        self.rounds = max([self.send_rounds] + [-(-t // piece) for t in totals.values()])
+        self.send_bufs = [torch.empty(min(piece, max(out.total, 1)), dtype=torch.uint8)
+                          for _ in range(min(DEPTH, self.send_rounds))]
+        self.recv_bufs = {s: [torch.empty(min(piece, max(t, 1)), dtype=torch.uint8)
+                              for _ in range(min(DEPTH, -(-t // piece)))] for s, t in totals.items()}
+        self.free_send: queue.Queue = queue.Queue()
+        for i in range(len(self.send_bufs)):
+            self.free_send.put(i)
+        self.free_recv: dict[int, queue.Queue] = {s: queue.Queue() for s in totals}
+        for s, bufs in self.recv_bufs.items():
+            for i in range(len(bufs)):
+                self.free_recv[s].put(i)
+        self.filled: queue.Queue = queue.Queue()
+        self.to_write: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.works: list = []  # the last works posted: kept alive (with their buffers) after a failure
+
+    def run(self) -> None:
+        """Every piece sent and received, and the received ones written; CollectiveFailedError
+        when a peer failed or left (the groups' works are then abandoned, their buffers kept)."""
+        threads = [threading.Thread(target=self._read, name="gdswriter-replicate-read", daemon=True),
+                   threading.Thread(target=self._write, name="gdswriter-replicate-write", daemon=True)]
+        for t in threads:
+            t.start()
+        try:
+            self._exchange()
+        except BaseException:
+            self.stop.set()
+            raise
+        finally:
+            self.free_send.put(None)
+            self.to_write.put(None)
+            for t in threads:
+                t.join()
+
+    def _exchange(self) -> None:
+        import torch.distributed as dist
+
+        group, piece, what = self.coord.group, PIECE_BYTES, f"replicating step {self.step}"
+        inflight: deque[tuple[int | None, list, list]] = deque()
+        sent = received = 0
+        try:
+            for k in range(self.rounds):
+                if len(inflight) == DEPTH:
+                    self._complete(*inflight.popleft())
+                tag = 2 + k % 1000
+                recvs = [(s, self.free_recv[s].get(), min(piece, t - k * piece))
+                         for s, t in self.totals.items() if k * piece < t]
+                works = [dist.irecv(self.recv_bufs[s][i][:n], group=group, group_src=s, tag=tag) for s, i, n in recvs]
+                slot = None
+                if k < self.send_rounds:
+                    got = self.filled.get()
+                    if isinstance(got, BaseException):
+                        raise got
+                    slot, n = got
+                    works += [dist.isend(self.send_bufs[slot][:n], group=group, group_dst=d, tag=tag)
+                              for d in self.dests]
+                    sent += n * len(self.dests)
+                received += sum(n for _, _, n in recvs)
+                self.works.append(works)
+                inflight.append((slot, recvs, works))
+            while inflight:
+                self._complete(*inflight.popleft())
+        except (RuntimeError, ValueError) as e:  # gloo reports a lost or late peer as RuntimeError/DistError
+            raise CollectiveFailedError(f"{what} (pieces)", self.coord.timeout_s, describe(e)) from e
+        self.coord.stats.add(sent, received)
+
+    def _complete(self, slot: int | None, recvs: list, works: list) -> None:
+        for w in works:
+            w.wait(timedelta(seconds=self.coord.timeout_s))
+        for r in recvs:
+            self.to_write.put(r)
+        if slot is not None:
+            self.free_send.put(slot)
+        self.works = self.works[-DEPTH:]
+
+    def _read(self) -> None:
+        """The reader thread: this rank's pieces, in order, into free send buffers."""
+        try:
+            for k in range(self.send_rounds):
+                slot = self.free_send.get()
+                if slot is None or self.stop.is_set():
+                    return
+                want = min(PIECE_BYTES, self.out.total - k * PIECE_BYTES)
+                self.filled.put((slot, self.out.fill(memoryview(self.send_bufs[slot].numpy())[:want])))
+        except BaseException as e:  # noqa: BLE001 - a bug must not leave the exchange waiting
+            self.filled.put(e)
+
+    def _write(self) -> None:
+        """The writer thread: the pieces received, in order, into their copies (a copy that fails
+        is discarded and reported; the others go on)."""
+        while True:
+            item = self.to_write.get()
+            if item is None:
+                return
+            s, slot, n = item
+            inc = self.incoming[s]
+            if inc is not None and not self.stop.is_set():
+                try:
+                    inc.write(memoryview(self.recv_bufs[s][slot].numpy())[:n])
+                except Exception as e:  # noqa: BLE001 - reported to the primary rank
+                    inc.discard()
+                    self.incoming[s] = None
+                    self.problems.append(f"the copy of rank {s}: {describe(e)}")
+            self.free_recv[s].put(slot)
+
+
 # ---------------------------------------------------------------------------------------------
 # the thread
 
@@ -352,6 +481,8 @@ class Replicator:
         self._thread: threading.Thread | None = None
         self.error: ReplicationError | None = None
         self.protected: int | None = None  # the newest step this session saw protected
+        self._pipe: _Pipeline | None = None  # the last step's pieces (a failed one's buffers stay alive)
+        self.stopped: str | None = None  # why the replication group broke: every later step fails at once
 
     def submit(self, job: ReplicationJob) -> None:
         with self._cv:
@@ -378,7 +509,9 @@ class Replicator:
         return e
 
     def close(self) -> None:
-        """Wait for the replications submitted, then end the thread (not the channel: the session's)."""
+        """Wait for the replications submitted (each wait for a peer bounded by the channel's
+        timeout; once stopped, the rest fail at once), then end the thread and give the channel
+        back, unless it broke: a peer may still be half way through one of its collectives."""
         self.wait()
         with self._cv:
             self._closed = True
@@ -386,7 +519,8 @@ class Replicator:
             self._cv.notify_all()
         if thread is not None:
             thread.join(5.0)
-        self.coord.close()
+        if self.stopped is None:
+            self.coord.close()
 
     def _work(self) -> None:
         while True:
@@ -398,6 +532,8 @@ class Replicator:
                 job = self._todo.popleft()
                 self._running = job.step
             try:
+                if self.stopped is not None:
+                    raise self._refused(job.step)
                 if self.replicate(job):
                     with self._cv:
                         self.protected = max(self.protected or job.step, job.step)
@@ -415,6 +551,19 @@ class Replicator:
                     self._running = None
                     self._cv.notify_all()
 
+    def _refused(self, step: int) -> ReplicationError:
+        """A later step's error once the replication group broke (``stopped``): nothing is tried."""
+        kept = "no step was protected yet" if self.protected is None else \
+            f"the newest protected step this job saw, {self.protected}, is kept by retention"
+        return ReplicationError(f"step {step} is committed but not protected: replication to peer nodes stopped "
+                                f"after {self.stopped}; restart the job to protect steps again ({kept})", step)
+
+    def _stop(self, step: int, e: CollectiveFailedError) -> None:
+        """The replication group is broken (a peer died, hung or left mid-collective): no later
+        step is tried, since the ranks no longer agree on where the group's collectives stand."""
+        with self._cv:
+            self.stopped = f"a peer failed or left during the replication of step {step} ({describe(e)})"
+
     def replicate(self, job: ReplicationJob) -> bool:
         """This rank's part of replicating ``job.step``; True when the step is protected.
         ReplicationError when not (this rank's or another's failure)."""
@@ -426,9 +575,10 @@ class Replicator:
             out = _Outgoing(*self._sources(job))
             problems = self._stream(step, out)
         except CollectiveFailedError as e:
+            self._stop(step, e)
             raise ReplicationError(f"step {step} is committed but not protected: a peer of rank {rank} failed or "
-                                   f"left during its replication ({e}); restart the job (its replication group is "
-                                   f"broken); the newest protected step is kept", step) from e
+                                   f"left during its replication ({e}); replication stops: restart the job to "
+                                   f"protect steps again; the newest protected step is kept", step) from e
         if out.error is not None:
             problems.insert(0, f"its own files: {describe(out.error)}")
         mine = {"ok": not problems, "error": "; ".join(problems)[:2000]}
@@ -448,9 +598,10 @@ class Replicator:
                 verdict = bounded(failures) if failures else {"protected": True}
             verdict = self.coord.broadcast(verdict, f"{what} (verdict)", src=p)
         except CollectiveFailedError as e:
+            self._stop(step, e)
             raise ReplicationError(f"step {step} is committed but not protected: a rank failed or left before it "
-                                   f"reported its copies ({e}); restart the job; the newest protected step is kept",
-                                   step) from e
+                                   f"reported its copies ({e}); replication stops: restart the job to protect "
+                                   f"steps again; the newest protected step is kept", step) from e
         if not verdict.get("protected"):
             shown, total = unbound(verdict)
             listed = "; ".join(f"rank {r}: {m}" for r, m in sorted(shown.items()))
@@ -531,12 +682,15 @@ class Replicator:
                 if not copies.parent.is_dir():
                     raise FileNotFoundError(f"{copies.parent} does not exist (the step was deleted?)")
                 copies.mkdir(exist_ok=True)
+                fsync_dir(copies.parent)  # ``copies`` itself durable in the step: else a cut loses every copy
                 incoming[s] = _Incoming(copies, s, bytes(heads[s][:int(sizes[s][0])].numpy()))
             except Exception as e:  # noqa: BLE001 - reported to the primary rank
                 incoming[s] = None
                 problems.append(f"the copy of rank {s}: {describe(e)}")
         try:
-            self._pieces(step, out, senders, dests, {s: int(sizes[s][1]) for s in senders}, incoming, problems)
+            self._pipe = _Pipeline(self.coord, step, out, dests, {s: int(sizes[s][1]) for s in senders}, incoming,
+                                   problems)
+            self._pipe.run()
             trailers = self._trailers(step, out, senders, dests)
         except BaseException:
             for inc in incoming.values():  # a peer lost mid-stream: nothing of its copy is left behind
@@ -555,31 +709,6 @@ class Replicator:
                 inc.discard()
                 problems.append(f"the copy of rank {s}: {describe(e)}")
         return problems
-
-    def _pieces(self, step: int, out: _Outgoing, senders: list[int], dests: list[int], totals: dict[int, int],
-                incoming: dict[int, _Incoming | None], problems: list[str]) -> None:
-        me, piece = self.coord.rank, PIECE_BYTES
-        rounds = max([-(-out.total // piece)] + [-(-t // piece) for t in totals.values()])
-        send = torch.empty(min(piece, max(out.total, 1)), dtype=torch.uint8) if dests else None
-        recv = {s: torch.empty(min(piece, max(totals[s], 1)), dtype=torch.uint8) for s in senders}
-        for k in range(rounds):
-            transfers = []
-            if send is not None and k * piece < out.total:
-                n = out.fill(memoryview(send.numpy())[:min(piece, out.total - k * piece)])
-                transfers += [Transfer(me, d, 2 + k % 1000, send[:n]) for d in dests]
-            lens = {s: min(piece, totals[s] - k * piece) for s in senders if k * piece < totals[s]}
-            transfers += [Transfer(s, me, 2 + k % 1000, recv[s][:n]) for s, n in lens.items()]
-            self.coord.exchange(transfers, f"replicating step {step} (piece {k})")
-            for s, n in lens.items():
-                inc = incoming[s]
-                if inc is None:
-                    continue
-                try:
-                    inc.write(memoryview(recv[s].numpy())[:n])
-                except Exception as e:  # noqa: BLE001 - reported to the primary rank
-                    inc.discard()
-                    incoming[s] = None
-                    problems.append(f"the copy of rank {s}: {describe(e)}")
 
     def _trailers(self, step: int, out: _Outgoing, senders: list[int], dests: list[int]) -> dict[int, dict]:
         me = self.coord.rank

@@ -1,0 +1,258 @@
+"""Replicas on peer nodes (DistOptions(replicas=2)): what they cost a save and a training loop.
+
+For each world size (--ranks, default 2 and 4), processes joined by gloo on 127.0.0.1 stand for
+nodes: each has its own root (``n<R>/``) and its own GDSWRITER_HOSTNAME. Every rank holds the
+same state of --size bytes (replicated: each rank writes its share). Rounds are interleaved
+(round 1 of every case, then round 2...), each case saving with a checkpointer kept for all
+rounds (built, with its engines, by an untimed first save):
+
+  no replicas     save(): time to committed, replicas=1
+  replicas=2      save(): time to committed; then wait_protected(): time to protected, both from
+                  the save's start
+  local 2x bytes  save() of the state twice (the same total bytes a step with two replicas puts
+                  on the drives), replicas=1: the local engine's time for those bytes
+
+Times are the slowest rank's (an all_reduce of the maximum); medians of the rounds, and their
+ratios within a round (medians). "drive bytes / state byte" counts the data files of the last
+replicas=2 step (its own and its copies) over the state's tensor bytes.
+
+Training: a small MLP with AdamW (its state about --train-size bytes) trains --iters iterations
+and calls save_async every --every iterations, without a checkpointer (none), with replicas=1
+and with replicas=2 (interleaved, --train-rounds each); the overhead is the mean step time
+against none's, in points.
+
+Every simulated node shares this machine's disks and cores: a copy costs disk time here that it
+would not on a cluster, where each node's NVMe writes only its own bytes.
+
+    .venv/bin/python benchmarks/replicas.py [--size 256M] [--ranks 2,4] [--rounds 3] [--dir D]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import torch  # noqa: E402
+
+from gdswriter import DistOptions, GDSCheckpointer  # noqa: E402
+from gdswriter.format.commit import step_dir_name  # noqa: E402
+from gdswriter.units import human, parse_size  # noqa: E402
+
+TENSORS = 8
+CASES = ("no replicas", "replicas=2", "local 2x bytes")
+
+
+def make_state(nbytes: int, seed: int = 0) -> dict:
+    n = max(nbytes // TENSORS // 4, 1)
+    g = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(n, generator=g) for i in range(TENSORS)}
+
+
+def _slowest(seconds: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _timed_save(ck: GDSCheckpointer, step: int, protected: bool) -> dict:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    ck.save(step)
+    committed = time.perf_counter() - t0
+    out = {"committed": _slowest(committed)}
+    if protected:
+        got = ck.wait_protected()
+        assert got == step, (got, step)
+        out["protected"] = _slowest(time.perf_counter() - t0)
+    return out
+
+
+def _drive_bytes(base: Path, world: int, step: int) -> int:
+    total = 0
+    for r in range(world):
+        d = base / f"n{r}" / step_dir_name(step)
+        total += sum(p.stat().st_size for p in d.rglob("data-*") if p.is_file())
+    return total
+
+
+def _saves(rank: int, world: int, base: Path, size: int, rounds: int) -> dict:
+    state = make_state(size)
+    twice = {"a": state, "b": {k: v.clone() for k, v in state.items()}}
+    cks = {}
+    for case in CASES:  # the same order on every rank (each checkpointer has a channel of its own)
+        root = base / case.replace(" ", "-").replace("=", "") / f"n{rank}"
+        cks[case] = GDSCheckpointer(twice if case == "local 2x bytes" else state, root=root, keep_last=1,
+                                    dist_options=DistOptions(replicas=2 if case == "replicas=2" else 1))
+        cks[case].save(0)  # engines, pools, plans
+        if case == "replicas=2":
+            cks[case].wait_protected()
+    rows: dict = {c: [] for c in CASES}
+    for r in range(1, rounds + 1):
+        for case in CASES:
+            rows[case].append(_timed_save(cks[case], r, case == "replicas=2"))
+    stored = 0
+    if rank == 0:
+        rep = base / "replicas2"
+        stored = _drive_bytes(rep, world, rounds)
+    for ck in cks.values():
+        ck.close()
+    return {"rows": rows, "drive_bytes": stored, "state_bytes": sum(v.nbytes for v in state.values())}
+
+
+def _train(rank: int, base: Path, train_size: int, iters: int, every: int, rounds: int) -> dict:
+    """Mean step time of a small MLP + AdamW loop, per case (interleaved)."""
+    import torch.distributed as dist
+
+    width = max(int((train_size / 4 / 3 / 2) ** 0.5), 16)  # two square layers, weights + 2 Adam moments
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(64, width)
+    cks = {c: GDSCheckpointer(model, opt, root=base / f"train-{c}" / f"n{rank}", keep_last=2,
+                              dist_options=DistOptions(replicas=c)) for c in (1, 2)}
+    for ck in cks.values():  # the first save builds the engines and the pool
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        ck.save(0)
+    times: dict = {"none": [], "replicas=1": [], "replicas=2": []}
+    step = 1
+    for _ in range(rounds):
+        for case in times:
+            ck = cks.get(int(case[-1])) if case != "none" else None
+            dist.barrier()
+            t0 = time.perf_counter()
+            for i in range(iters):
+                opt.zero_grad()
+                model(x).square().mean().backward()
+                opt.step()
+                if ck is not None and i % every == every - 1:
+                    ck.save_async(step)
+                    step += 1
+            elapsed = time.perf_counter() - t0
+            if ck is not None:
+                ck.wait()
+                if case == "replicas=2":
+                    ck.wait_protected()
+            times[case].append(_slowest(elapsed) / iters)
+    for ck in cks.values():
+        ck.close()
+    state = sum(p.nbytes for p in model.parameters()) * 3
+    return {"times": times, "train_state": state}
+
+
+def worker(rank: int, world: int, port: int, base: str, a: dict) -> None:
+    try:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=600))
+        out = _saves(rank, world, Path(base), a["size"], a["rounds"])
+        out.update(_train(rank, Path(base), a["train_size"], a["iters"], a["every"], a["train_rounds"]))
+        if rank == 0:
+            Path(base, "result.json").write_text(json.dumps(out))
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        Path(base, f"error-{rank}.txt").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(world: int, base: Path, a: dict) -> dict:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, str(base), a)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    errors = [(base / f"error-{r}.txt").read_text() for r in range(world) if (base / f"error-{r}.txt").exists()]
+    if errors or any(p.exitcode for p in procs):
+        raise SystemExit(f"{world} ranks failed:\n" + "\n".join(errors))
+    return json.loads((base / "result.json").read_text())
+
+
+def _ratio(rows: dict, a: tuple[str, str], b: tuple[str, str]) -> float:
+    return statistics.median(x[a[1]] / y[b[1]] for x, y in zip(rows[a[0]], rows[b[0]]))
+
+
+def table(world: int, res: dict) -> list[str]:
+    rows, mb = res["rows"], res["state_bytes"] / 1e6
+    med = {(c, k): statistics.median(x[k] for x in rows[c]) for c in CASES for k in rows[c][0]}
+    lines = [f"{world} ranks, state {human(res['state_bytes'])} (every rank the same; each writes its share)",
+             f"  {'case':<16} {'committed s':>12} {'protected s':>12} {'MB/s (state)':>13}"]
+    for c in CASES:
+        prot = med.get((c, "protected"))
+        lines.append(f"  {c:<16} {med[(c, 'committed')]:>12.3f} {'' if prot is None else f'{prot:.3f}':>12} "
+                     f"{mb / (prot or med[(c, 'committed')]):>13.0f}")
+    lines += [f"  time to committed, replicas=2 / no replicas:          "
+              f"{_ratio(rows, ('replicas=2', 'committed'), ('no replicas', 'committed')):.2f}",
+              f"  time to protected, replicas=2 / no replicas:          "
+              f"{_ratio(rows, ('replicas=2', 'protected'), ('no replicas', 'committed')):.2f}",
+              f"  time to protected / local engine, same total bytes:   "
+              f"{_ratio(rows, ('replicas=2', 'protected'), ('local 2x bytes', 'committed')):.2f}  (goal <= 1.10)",
+              f"  drive bytes / state byte (replicas=2, data files):    {res['drive_bytes'] / res['state_bytes']:.3f}"]
+    t = res["times"]
+    none = statistics.median(t["none"])
+    lines.append(f"  training (state {human(res['train_state'])}): mean step " +
+                 ", ".join(f"{c} {statistics.median(v) * 1e3:.2f} ms" for c, v in t.items()))
+    for c in ("replicas=1", "replicas=2"):
+        lines.append(f"  save_async overhead, {c}: {(statistics.median(t[c]) / none - 1) * 100:+.1f} points")
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="256M")
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--train-size", default="64M")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--train-rounds", type=int, default=2)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None)
+    ns = ap.parse_args(argv)
+    a = {"size": parse_size(ns.size), "rounds": ns.rounds, "train_size": parse_size(ns.train_size),
+         "iters": ns.iters, "every": ns.every, "train_rounds": ns.train_rounds}
+    results = {}
+    for world in [int(w) for w in ns.ranks.split(",")]:
+        base = Path(tempfile.mkdtemp(prefix=f"gdswriter-replicas-{world}-", dir=ns.dir))
+        try:
+            results[world] = run(world, base, a)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        print("\n".join(table(world, results[world])), flush=True)
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
