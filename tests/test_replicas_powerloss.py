@@ -95,6 +95,7 @@ def _check_image(n0: Path, n1: Path, where: str) -> str:
     return "copy" if final.exists() else "no copy"
 
 
+@pytest.mark.slow  # 2.5-5 minutes: a cut at each of 8 durability calls, 3 disk images each
 def test_power_cut_on_a_peer_during_replication_never_leaves_a_bad_copy(fuse, tmp_path):
     seen: dict[str, int] = {}
     for k in range(MAX_CUTS):
