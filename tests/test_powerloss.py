@@ -62,10 +62,8 @@ from powerloss import model as pm
 from powerloss.harness import (
     AppServer,
     PowerLossMount,
-    fuse_unavailable,
     is_mounted,
-    mount_refused,
-    setup_problem,
+    require_fuse,
     subprocess_env,
 )
 
@@ -143,15 +141,7 @@ SCENARIOS = [Scenario("fresh-root", fresh=True),
 @pytest.fixture(scope="module")
 def fuse(tmp_path_factory):
     """Skip where FUSE cannot work at all; fail where only the project's set-up is missing."""
-    why = fuse_unavailable()
-    if why:
-        pytest.skip(why)
-    problem = setup_problem()
-    if problem:
-        pytest.fail(problem)
-    why = mount_refused(tmp_path_factory.mktemp("fuse-probe"))
-    if why:
-        pytest.skip(why)
+    require_fuse(tmp_path_factory.mktemp("fuse-probe"))
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import torch
 
 from gdswriter import DistOptions, GDSCheckpointer
 from gdswriter.format.commit import step_dir_name
-from powerloss.harness import PowerLossMount, fuse_unavailable, mount_refused, setup_problem
+from powerloss.harness import PowerLossMount, require_fuse
 from support.ranks import caught, run_ranks
 
 MiB = 1 << 20
@@ -35,15 +35,8 @@ MAX_CUTS = 24
 
 @pytest.fixture(scope="module")
 def fuse(tmp_path_factory):
-    why = fuse_unavailable()
-    if why:
-        pytest.skip(why)
-    problem = setup_problem()
-    if problem:
-        pytest.fail(problem)
-    why = mount_refused(tmp_path_factory.mktemp("fuse-probe"))
-    if why:
-        pytest.skip(why)
+    """Skip where FUSE cannot work at all; fail where only the project's set-up is missing."""
+    require_fuse(tmp_path_factory.mktemp("fuse-probe"))
 
 
 def state() -> dict:

@@ -51,7 +51,7 @@ from ..drain import DRAIN_BUFFER_BYTES, Drainer, DrainStats, copy_checked
 from ..engines.select import create_engine
 from ..errors import ChecksumMismatchError, DrainError, GDSWriterError
 from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, parse_step_dir, retire, root_identity, step_dir_name
-from ..format.manifest import MANIFEST_NAME, ChunkRecord, RootInfo
+from ..format.manifest import MANIFEST_NAME, RootInfo
 from ..format.sharded import RankShard, ShardRef, parse_global, shard_name
 from ..fs import atomic_write, fsync_dir, read_regular_file, write_durable
 from ..options import CheckpointOptions
@@ -155,10 +155,7 @@ class RankDrainer(Drainer):
         if self._bufs is None:
             self._bufs = [torch.empty(DRAIN_BUFFER_BYTES, dtype=torch.uint8) for _ in range(2)]
         layout = self.session.layout
-        per_file: dict[int, list[ChunkRecord]] = {i: [] for i in range(len(shard.files))}
-        for cs in shard.chunks:
-            for c in cs:
-                per_file[c.file].append(c)
+        per_file = shard.chunks_by_file()
         for fid, f in enumerate(shard.files):
             local = layout.local_of(f.root)
             if local is None:

@@ -640,10 +640,7 @@ class Replicator:
             shard = RankShard.from_json_bytes(raw, where=str(step_dir / name), step=step, rank=layout.rank,
                                               world_size=layout.world_size, n_roots=layout.root_count)
             out = [_Source("shard", name, size, data=raw)]
-            per_file: dict[int, list[ChunkRecord]] = {i: [] for i in range(len(shard.files))}
-            for cs in shard.chunks:
-                for c in cs:
-                    per_file[c.file].append(c)
+            per_file = shard.chunks_by_file()
             for fid, f in enumerate(shard.files):
                 local = layout.local_of(f.root)
                 if local is None:

@@ -99,6 +99,15 @@ class RankShard:
     tensors: tuple[TensorRecord, ...]
     tree: Any
 
+    def chunks_by_file(self) -> list[list[ChunkRecord]]:
+        """Entry i: the chunks this rank wrote into its data file ``files[i]`` (for reading a
+        file once, each chunk's crc32c checked as it streams: the drain, the replication)."""
+        out: list[list[ChunkRecord]] = [[] for _ in self.files]
+        for cs in self.chunks:
+            for c in cs:
+                out[c.file].append(c)
+        return out
+
     def to_json_bytes(self, static: ShardStatic | None = None) -> bytes:
         """The shard file's bytes. ``static``: ShardStatic.of(rank, items, tensors) computed
         before (a training loop's saves share it), else made here."""

@@ -296,3 +296,19 @@ class AppServer:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+
+
+def require_fuse(probe_dir: Path) -> None:
+    """For a test's fixture: pytest.skip where FUSE cannot work at all (no /dev/fuse, not root, a
+    mount refused in ``probe_dir``), pytest.fail where only the project's set-up is missing."""
+    import pytest
+
+    why = fuse_unavailable()
+    if why:
+        pytest.skip(why)
+    problem = setup_problem()
+    if problem:
+        pytest.fail(problem)
+    why = mount_refused(probe_dir)
+    if why:
+        pytest.skip(why)
