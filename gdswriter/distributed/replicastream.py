@@ -1,0 +1,330 @@
+"""The bytes of a replication (distributed/replicate.py; format.md 11): a rank's files read once
+and streamed to its peers in PIECE_BYTES pieces, and the streams it receives written into
+``step_S/copies/``, pipelined (``Pipeline``): a reader thread reads and checks the next pieces
+while up to DEPTH pieces of each stream travel each way (isend/irecv on the replication group)
+and a writer thread writes what arrived; memory is (1 + senders) x DEPTH pieces, whatever the
+state's size. Every chunk's crc32c is checked as it is read (a damaged local file is never
+copied); a received copy is fdatasynced, checked against its sender's trailer, fsynced and
+renamed into place whole (``Incoming.publish``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import secrets
+import shutil
+import threading
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from collections.abc import Sequence
+
+import crc32c as _crc32c
+import torch
+
+from ..errors import ChecksumMismatchError, CollectiveFailedError, EngineIOError, GDSWriterError, ReplicationError
+from ..format.commit import TMP_PREFIX
+from ..format.manifest import MANIFEST_NAME, ChunkRecord
+from ..format.replicas import copy_dir_name
+from ..fs import atomic_write, fsync_dir, open_regular
+from .group import Coordinator, describe
+
+PIECE_BYTES = 32 << 20  # one piece of a rank's stream to its peers (and of each stream it receives)
+DEPTH = 3  # pieces of each stream in flight or in a buffer at once (read ahead, on the wire, being written)
+
+
+@dataclass
+class Source:
+    """One file of a rank's stream: in memory (``data``: the shard, the global manifest) or on
+    disk (``path``, with the chunks its shard records, checked as the bytes stream)."""
+
+    kind: str  # "shard", "data" or "global"
+    name: str
+    size: int
+    data: bytes | None = None
+    path: Path | None = None
+    chunks: tuple[ChunkRecord, ...] = ()
+
+
+class _ChunkCheck:
+    """crc32c of every chunk of one file, updated as its bytes stream in order."""
+
+    def __init__(self, chunks: Sequence[ChunkRecord], path: Path):
+        self.chunks = sorted((c for c in chunks if c.length), key=lambda c: c.file_offset)
+        self.path, self.i, self.crc = path, 0, 0
+
+    def feed(self, offset: int, data: memoryview) -> None:
+        end = offset + len(data)
+        while self.i < len(self.chunks):
+            c = self.chunks[self.i]
+            lo, hi = max(offset, c.file_offset), min(end, c.file_offset + c.length)
+            if lo >= hi:
+                if c.file_offset >= end:
+                    return
+                self.i += 1
+                continue
+            self.crc = _crc32c.crc32c(data[lo - offset:hi - offset], self.crc)
+            if hi < c.file_offset + c.length:
+                return
+            if self.crc != c.crc32c:
+                raise ChecksumMismatchError(str(self.path), f"bytes of a chunk of {self.path.name}", c.file_offset,
+                                            c.length, c.crc32c, self.crc)
+            self.i, self.crc = self.i + 1, 0
+
+
+class Outgoing:
+    """This rank's stream: a header (its files' kinds, names and sizes), their bytes, and a
+    trailer (each file's crc32c, or the error that stopped the sender: the rest is zeros)."""
+
+    def __init__(self, sources: list[Source], error: BaseException | None):
+        self.sources, self.error = sources, error
+        self.header = json.dumps([[s.kind, s.name, s.size] for s in sources]).encode()
+        self.total = sum(s.size for s in sources)
+        self.crcs = [0] * len(sources)
+        self._file, self._pos, self._fd, self._check = 0, 0, -1, None
+
+    def fill(self, buf: memoryview) -> int:
+        """The next bytes of the stream into ``buf``; returns how many."""
+        n = 0
+        while n < len(buf) and self._file < len(self.sources):
+            src = self.sources[self._file]
+            want = min(len(buf) - n, src.size - self._pos)
+            piece = buf[n:n + want]
+            if self.error is None:
+                try:
+                    self._read(src, piece)
+                except Exception as e:  # noqa: BLE001 - the peers are told in the trailer
+                    self.error = e
+            if self.error is not None:
+                piece[:] = bytes(want)
+            self._pos, n = self._pos + want, n + want
+            if self._pos == src.size:
+                self._next()
+        return n
+
+    def _read(self, src: Source, piece: memoryview) -> None:
+        if src.data is not None:
+            piece[:] = src.data[self._pos:self._pos + len(piece)]
+        else:
+            assert src.path is not None
+            if self._fd < 0:
+                self._fd, _ = open_regular(str(src.path), write=False)
+                self._check = _ChunkCheck(src.chunks, src.path)
+            got = 0
+            while got < len(piece):
+                k = os.preadv(self._fd, [piece[got:]], self._pos + got)
+                if k <= 0:
+                    raise EngineIOError(5, src.path, self._pos + got, "read (the file is shorter than its shard says)")
+                got += k
+            assert self._check is not None
+            self._check.feed(self._pos, piece)
+        self.crcs[self._file] = _crc32c.crc32c(piece, self.crcs[self._file])
+
+    def _next(self) -> None:
+        self.close()
+        self._file, self._pos = self._file + 1, 0
+        while self._file < len(self.sources) and self.sources[self._file].size == 0:
+            self._file += 1
+
+    def trailer(self) -> bytes:
+        body = {"ok": self.error is None, "crcs": self.crcs,
+                "error": None if self.error is None else describe(self.error)}
+        return json.dumps(body).encode()
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# ---------------------------------------------------------------------------------------------
+# what a peer receives
+
+
+class Incoming:
+    """One sender's files as they arrive, written into a temporary directory of ``copies`` and
+    published whole (``publish``) or removed (``discard``)."""
+
+    def __init__(self, copies: Path, src: int, header: bytes):
+        self.copies, self.src = copies, src
+        self.files = [(str(k), str(n), int(z)) for k, n, z in json.loads(header)]
+        self.tmp = copies / f"{TMP_PREFIX}{copy_dir_name(src)}-{secrets.token_hex(4)}"
+        self.tmp.mkdir()
+        self.crcs = [0] * len(self.files)
+        self._file, self._pos, self._fd = 0, 0, -1
+        self._skip_empty()
+
+    def _path(self, i: int) -> Path:
+        kind, name, _ = self.files[i]
+        if "/" in name or name in ("", ".", "..") or name.startswith(TMP_PREFIX):
+            raise GDSWriterError(f"rank {self.src} sent a copy named {name!r}, not a plain file name")
+        return self.tmp / (f"global-{MANIFEST_NAME}" if kind == "global" else name)
+
+    def _skip_empty(self) -> None:
+        while self._file < len(self.files) and self.files[self._file][2] == 0:
+            self._path(self._file).touch()
+            self._file += 1
+
+    def write(self, data: memoryview) -> None:
+        n = 0
+        while n < len(data):
+            size = self.files[self._file][2]
+            if self._fd < 0:
+                self._fd, _ = open_regular(str(self._path(self._file)), write=True)
+            want = min(len(data) - n, size - self._pos)
+            piece = data[n:n + want]
+            done = 0
+            while done < want:
+                done += os.pwrite(self._fd, piece[done:], self._pos + done)
+            self.crcs[self._file] = _crc32c.crc32c(piece, self.crcs[self._file])
+            self._pos, n = self._pos + want, n + want
+            if self._pos == size:
+                os.fdatasync(self._fd)
+                os.close(self._fd)
+                self._fd, self._pos, self._file = -1, 0, self._file + 1
+                self._skip_empty()
+
+    def publish(self, trailer: dict) -> None:
+        """Check the sender's trailer and every file's crc32c, then put the copy in place durably."""
+        if not trailer.get("ok"):
+            raise ReplicationError(f"rank {self.src} could not send its files: {trailer.get('error')}", -1)
+        if self._file != len(self.files) or trailer.get("crcs") != self.crcs:
+            raise ChecksumMismatchError(str(self.tmp), f"the copy of rank {self.src}'s files", 0,
+                                        sum(z for _, _, z in self.files), 0, 0)
+        glob = [self.tmp / f"global-{MANIFEST_NAME}" for k, _, _ in self.files if k == "global"]
+        for g in glob:  # the global manifest's copy lies beside the ranks' (contract: copies/manifest.json)
+            atomic_write(self.copies / MANIFEST_NAME, g.read_bytes())
+            g.unlink()
+        fsync_dir(self.tmp)
+        final = self.copies / copy_dir_name(self.src)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(self.tmp, final)
+        fsync_dir(self.copies)
+
+    def discard(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class Pipeline:
+    """One step's pieces, pipelined (step 2 of the module docstring): a reader thread reads and
+    checks this rank's next pieces while the previous ones travel, up to DEPTH pieces are in
+    flight each way (isend/irecv on the replication group), and a writer thread writes (and
+    checksums) what arrived while the next pieces arrive. Memory: (1 + senders) x DEPTH pieces."""
+
+    def __init__(self, coord: Coordinator, step: int, out: Outgoing, dests: list[int], totals: dict[int, int],
+                 incoming: dict[int, Incoming | None], problems: list[str]):
+        self.coord, self.step, self.out, self.dests, self.totals = coord, step, out, dests, totals
+        self.incoming, self.problems = incoming, problems
+        piece = PIECE_BYTES
+        self.send_rounds = -(-out.total // piece) if dests else 0
+        self.rounds = max([self.send_rounds] + [-(-t // piece) for t in totals.values()])
+        self.send_bufs = [torch.empty(min(piece, max(out.total, 1)), dtype=torch.uint8)
+                          for _ in range(min(DEPTH, self.send_rounds))]
+        self.recv_bufs = {s: [torch.empty(min(piece, max(t, 1)), dtype=torch.uint8)
+                              for _ in range(min(DEPTH, -(-t // piece)))] for s, t in totals.items()}
+        self.free_send: queue.Queue = queue.Queue()
+        for i in range(len(self.send_bufs)):
+            self.free_send.put(i)
+        self.free_recv: dict[int, queue.Queue] = {s: queue.Queue() for s in totals}
+        for s, bufs in self.recv_bufs.items():
+            for i in range(len(bufs)):
+                self.free_recv[s].put(i)
+        self.filled: queue.Queue = queue.Queue()
+        self.to_write: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+        self.works: list = []  # the last works posted: kept alive (with their buffers) after a failure
+
+    def run(self) -> None:
+        """Every piece sent and received, and the received ones written; CollectiveFailedError
+        when a peer failed or left (the groups' works are then abandoned, their buffers kept)."""
+        threads = [threading.Thread(target=self._read, name="gdswriter-replicate-read", daemon=True),
+                   threading.Thread(target=self._write, name="gdswriter-replicate-write", daemon=True)]
+        for t in threads:
+            t.start()
+        try:
+            self._exchange()
+        except BaseException:
+            self.stop.set()
+            raise
+        finally:
+            self.free_send.put(None)
+            self.to_write.put(None)
+            for t in threads:
+                t.join()
+
+    def _exchange(self) -> None:
+        import torch.distributed as dist
+
+        group, piece, what = self.coord.group, PIECE_BYTES, f"replicating step {self.step}"
+        inflight: deque[tuple[int | None, list, list]] = deque()
+        sent = received = 0
+        try:
+            for k in range(self.rounds):
+                if len(inflight) == DEPTH:
+                    self._complete(*inflight.popleft())
+                tag = 2 + k % 1000
+                recvs = [(s, self.free_recv[s].get(), min(piece, t - k * piece))
+                         for s, t in self.totals.items() if k * piece < t]
+                works = [dist.irecv(self.recv_bufs[s][i][:n], group=group, group_src=s, tag=tag) for s, i, n in recvs]
+                slot = None
+                if k < self.send_rounds:
+                    got = self.filled.get()
+                    if isinstance(got, BaseException):
+                        raise got
+                    slot, n = got
+                    works += [dist.isend(self.send_bufs[slot][:n], group=group, group_dst=d, tag=tag)
+                              for d in self.dests]
+                    sent += n * len(self.dests)
+                received += sum(n for _, _, n in recvs)
+                self.works.append(works)
+                inflight.append((slot, recvs, works))
+            while inflight:
+                self._complete(*inflight.popleft())
+        except (RuntimeError, ValueError) as e:  # gloo reports a lost or late peer as RuntimeError/DistError
+            raise CollectiveFailedError(f"{what} (pieces)", self.coord.timeout_s, describe(e)) from e
+        self.coord.stats.add(sent, received)
+
+    def _complete(self, slot: int | None, recvs: list, works: list) -> None:
+        for w in works:
+            w.wait(timedelta(seconds=self.coord.timeout_s))
+        for r in recvs:
+            self.to_write.put(r)
+        if slot is not None:
+            self.free_send.put(slot)
+        self.works = self.works[-DEPTH:]
+
+    def _read(self) -> None:
+        """The reader thread: this rank's pieces, in order, into free send buffers."""
+        try:
+            for k in range(self.send_rounds):
+                slot = self.free_send.get()
+                if slot is None or self.stop.is_set():
+                    return
+                want = min(PIECE_BYTES, self.out.total - k * PIECE_BYTES)
+                self.filled.put((slot, self.out.fill(memoryview(self.send_bufs[slot].numpy())[:want])))
+        except BaseException as e:  # noqa: BLE001 - a bug must not leave the exchange waiting
+            self.filled.put(e)
+
+    def _write(self) -> None:
+        """The writer thread: the pieces received, in order, into their copies (a copy that fails
+        is discarded and reported; the others go on)."""
+        while True:
+            item = self.to_write.get()
+            if item is None:
+                return
+            s, slot, n = item
+            inc = self.incoming[s]
+            if inc is not None and not self.stop.is_set():
+                try:
+                    inc.write(memoryview(self.recv_bufs[s][slot].numpy())[:n])
+                except Exception as e:  # noqa: BLE001 - reported to the primary rank
+                    inc.discard()
+                    self.incoming[s] = None
+                    self.problems.append(f"the copy of rank {s}: {describe(e)}")
+            self.free_recv[s].put(slot)
