@@ -12,7 +12,7 @@
 #   GDSWRITER_DOCKER_CKPT    the host's checkpoint directory (default: a new one, removed after a pass)
 #   GDSWRITER_DOCKER_REBUILD 1: build the Debian and CPU torch base images again (else reused by tag)
 #   GDSWRITER_HOST_PYTHON    the host Python that verifies (default .venv/bin/python, else python3)
-# The base images are built once per machine (about 2.5 minutes: debootstrap, then torch's wheel);
+# The base images are built once per machine (about 4 minutes in all with them: debootstrap, torch);
 # the gdswriter image on every run, since it is what is under test (podman reuses the layers of
 # an unchanged checkout: about 30 s in all then).
 set -euo pipefail

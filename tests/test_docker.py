@@ -135,7 +135,7 @@ def test_with_the_real_gdswriter(tmp_path):
     assert r.returncode == 1 and "FAIL  directory" in r.stdout
 
 
-@pytest.mark.slow  # about 2.5 minutes the first time on a machine (debootstrap, torch), then about 1
+@pytest.mark.slow  # about 4 minutes the first time on a machine (debootstrap, torch), then about 1
 def test_image_built_with_podman_saves_a_step_the_host_reads(tmp_path):
     """docker/Dockerfile built on a CPU base and run: doctor, then a save and a load in the
     container into a directory mounted from the host; the host verifies the step and reads the
