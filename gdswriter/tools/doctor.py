@@ -87,8 +87,9 @@ def check_gpus() -> list[Finding]:
         data["driver_cuda"] = f"{v // 1000}.{v % 1000 // 10}"
     if not gds.cuda_available():
         why = "this torch build has no CUDA" if not torch.version.cuda else "no CUDA device visible to torch"
+        path = "io_uring" if uring.probe() is None else "the POSIX thread pool (io_uring unavailable: see below)"
         return [Finding(MACHINE, "gpu", WARN, f"{why} (torch {torch.__version__}); CUDA checks skipped, CPU tensors go "
-                                     f"through io_uring",
+                                     f"through {path}",
                         "run on a GPU node; in Docker pass --gpus all; check nvidia-smi and CUDA_VISIBLE_DEVICES",
                         data)]
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
