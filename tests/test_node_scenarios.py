@@ -94,23 +94,24 @@ class Warnings(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _checkpointer(model: Model, engine=None):
+def _checkpointer(model: Model, engine=None, keep_last: int | None = None):
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import DistOptions
 
-    return GDSCheckpointer(model, root=ROOT, options=small_options(),
+    return GDSCheckpointer(model, root=ROOT, options=small_options(), keep_last=keep_last,
                            dist_options=DistOptions(timeout_s=30, replicas=2),
                            engines=None if engine is None else [engine])
 
 
-def _save(rank: int, world: int, steps: list[int], hold: str | None = None, holder: int = -1) -> dict:
+def _save(rank: int, world: int, steps: list[int], hold: str | None = None, holder: int = -1,
+          keep_last: int | None = None) -> dict:
     """Save ``steps``, each waited for until protected, but the last when ``hold`` is set: then
     rank ``holder`` holds in the last step's write ("write") or its replication ("replication")
     and the test kills its node there."""
     model = Model()
     engine = HoldWrite(small_engine())
     out: dict = {"host": socket.gethostname()}
-    with _checkpointer(model, engine) as ck:
+    with _checkpointer(model, engine, keep_last) as ck:
         for step in steps:
             model.load_state_dict(_state(step))
             last = hold is not None and step == steps[-1]
@@ -126,7 +127,7 @@ def _save(rank: int, world: int, steps: list[int], hold: str | None = None, hold
     return out
 
 
-def _load(rank: int, world: int, steps: list, save_next: int | None = None) -> dict:
+def _load(rank: int, world: int, steps: list, save_next: int | None = None, keep_last: int | None = None) -> dict:
     """Load each of ``steps`` (None: the latest; "fallback": the latest with fallback=True) into
     a zeroed model: [step, bit exact] or the error and whether the model was left unchanged, the
     warnings. With ``save_next``, the job then resumes: saves that step, waits until protected."""
@@ -134,7 +135,7 @@ def _load(rank: int, world: int, steps: list, save_next: int | None = None) -> d
     seen = Warnings()
     logging.getLogger("gdswriter").addHandler(seen)
     out: dict = {}
-    with _checkpointer(model) as ck:
+    with _checkpointer(model, keep_last=keep_last) as ck:
         for step in steps:
             got: list = []
             before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -246,14 +247,15 @@ def test_corrupted_original_uses_the_copy_and_corrupted_copy_is_an_error(cluster
 
 
 def test_node_killed_during_replication_keeps_the_previous_protected_step(cluster):
-    """2 nodes, replicas=2: step 1 protected; step 2 committed, and node 1 killed while its
-    replication of step 2 runs (held at its start, seen through the "gdswriter" logger). Step 2
-    stays committed, not protected (ReplicationError); step 1 stays protected. Node 1 is
+    """2 nodes, replicas=2, keep_last=1: step 1 protected; step 2 committed, and node 1 killed
+    while its replication of step 2 runs (held at its start, seen through the "gdswriter"
+    logger). Step 2 stays committed, not protected (ReplicationError); step 1 stays protected,
+    and kept (retention never deletes the newest protected step). Node 1 is
     replaced by an empty disk: step 1 loads bit exact on both ranks (from the copy on node 0);
     the latest, step 2, is a CorruptCheckpointError (its copy of rank 1 never landed) leaving the
     model unchanged, load(fallback=True) loads step 1, and the job saves on."""
     c = cluster(2)
-    job = c.start(_save, [1, 2], "replication", 1)
+    job = c.start(_save, [1, 2], "replication", 1, 1)  # keep_last=1: only the protected step keeps step 1
     assert job.wait_for("replicating", rank=1, timeout=120) == "node1"
     c.kill_node(1)
     x = job.wait(killed_nodes=(1,))[0]
@@ -262,12 +264,12 @@ def test_node_killed_during_replication_keeps_the_previous_protected_step(cluste
     assert not (_step_dir(c, 0, 2) / "protected").exists() and (_step_dir(c, 0, 1) / "protected").exists()
 
     c.replace_node(1)
-    out = c.run(_load, [1, None, "fallback"], 3)
+    out = c.run(_load, [1, None, "fallback"], 3, 1)
     for y in out:
         assert y["1"] == [1, True], y
         err = y["None"]  # the latest, step 2: committed, rank 1's files lost with node 1, no copy made
         assert err[0] == "CorruptCheckpointError" and "no good copy of rank 1's files is left" in err[1], y
         assert "copies/rank00001/manifest-rank00001.json of step 2 (rank 1) is missing" in err[1], y
         assert y["None-unchanged"], y
-        assert y["fallback"] == [1, True] and y["resumed"][0] == 3, y
+        assert y["fallback"] == [1, True] and y["resumed"] == [3, [1, 3]], y  # at 3's commit: 2 goes, 1 (protected) stays
     assert [y["None"] for y in c.run(_load, [None])] == [[3, True]] * 2
