@@ -337,3 +337,40 @@ def test_simulated_nodes_replaced_restore_from_the_copies(tmp_path):
         assert said and f"(node{1 - lost})" in said[0], out
         if not lost:
             assert [x["next"] for x in out] == [[STEP + 1, True, [STEP, STEP + 1]]] * 2, out
+
+
+# ----------------------------------------------------------------------------- fewer ranks, real copies
+def _replicated(rank: int, base: str, holder: dict):
+    """Rank ``rank`` on host node<rank> (GDSWRITER_HOSTNAME), its root ``base``/n<rank>, replicas=2,
+    ``holder`` its model (replicated state: written once, split over the ranks)."""
+    import os
+
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    return GDSCheckpointer(holder, root=Path(base, f"n{rank}"), options=small_options(),
+                           dist_options=DistOptions(timeout_s=60, replicas=2))
+
+
+def _save_replicated(rank: int, world: int, base: str) -> int | None:
+    with _replicated(rank, base, _state(STEP)) as ck:
+        ck.save(STEP)
+        return ck.wait_protected(120)
+
+
+def _load_replicated(rank: int, world: int, base: str) -> list:
+    holder = {k: torch.zeros(NUMEL) for k in _state(STEP)}
+    with _replicated(rank, base, holder) as ck:
+        got = ck.load()
+    return [got, all(torch.equal(holder[k].view(torch.int32), v.view(torch.int32)) for k, v in _state(STEP).items())]
+
+
+def test_fewer_ranks_after_a_node_lost_reshard_from_the_copy(tmp_path):
+    """3 ranks on 3 hosts save with replicas=2 (real copies); node 2's root is lost, and the job
+    restarts on 2 ranks: the reshard reads rank 2's files from their copy (in its copies folder)
+    and loads bit exact (it once refused the copy's path as "not a plain file name")."""
+    assert run_ranks(3, _save_replicated, str(tmp_path), out=tmp_path / "out") == [STEP] * 3
+    shutil.rmtree(tmp_path / "n2")
+    (tmp_path / "n2").mkdir()
+    assert run_ranks(2, _load_replicated, str(tmp_path), out=tmp_path / "out2") == [[STEP, True]] * 2

@@ -345,8 +345,11 @@ def plan_from_shards(g: GlobalManifest, reach: list[Path | None], rank: int, tem
     together = tuple(number[key] for key in shared_keys)
     records = tuple(replace(t, storage=number[t.storage]) for t in picked.tensors)  # type: ignore[index]
     m = _plan_manifest(g, own, files.records, storages, records, picked.where)
+    # validated under plain names: a file read from a copy is in its copies folder (format/copies.py),
+    # a path no manifest of its own may name; the plan keeps m's paths (below)
+    plain = replace(m, files=tuple(replace(f, path=f.path.rpartition("/")[2]) for f in m.files))
     try:  # through the 1.2 validation: every item covered once, chunks inside their files, views inside items
-        data = _covered(m, together).to_json_bytes()
+        data = _covered(plain, together).to_json_bytes()
     except Exception as e:  # noqa: BLE001 - a record no reader accepts: the shards are damaged
         raise shards.bad(f"the shards describe a tensor no reader accepts ({e})") from e
     checked = Manifest.from_json_bytes(data, where=f"step {g.step} (the manifest shards rank {rank} needs)")
