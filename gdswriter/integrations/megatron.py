@@ -386,9 +386,32 @@ class GDSLoadShardedStrategy(_LoadBase):  # type: ignore[misc,valid-type]
 
         return dict_list_map_inplace(value, sharded_state_dict)
 
-    def load_tensors_metadata(self, checkpoint_dir: str | Path) -> Any:
-        raise NotImplementedError("GDSLoadShardedStrategy.load_tensors_metadata is not implemented: load with "
-                                  "the model's own sharded state dict (strict='assume_ok_unexpected', the default)")
+    def load_tensors_metadata(self, checkpoint_dir: str | Path, metadata: Any = None) -> Any:
+        """{key: ShardedTensor without data}: each stored tensor's global shape and dtype, as
+        torch_dist's strategy returns them (Megatron's strict loads compare keys with these). Read
+        by this rank alone (a single-process reader): not a collective, as torch_dist's is not."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        md = metadata if metadata is not None else _metadata_of(checkpoint_dir)
+        return {k: ShardedTensor.from_rank_offsets(k, torch.empty(tp.size, **tp.properties.__dict__,
+                                                                  device="meta")).without_data()
+                for k, tp in md.state_dict_metadata.items() if isinstance(tp, TensorStorageMetadata)}
+
+    def load_sharded_metadata(self, checkpoint_dir: str | Path) -> Any:
+        """load_tensors_metadata's tensors and the ShardedObjects (empty, by their unique keys), as
+        torch_dist's strategy returns them; the common state this module's save stores is left out."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+        md = _metadata_of(checkpoint_dir)
+        out: dict[str, Any] = {}
+        for k, meta in md.state_dict_metadata.items():
+            if isinstance(meta, BytesStorageMetadata) and k != COMMON_KEY:
+                obj = ShardedObject.empty_from_unique_key(k)
+                out[obj.unique_key] = obj
+        out.update(self.load_tensors_metadata(checkpoint_dir, md))
+        return out
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != BACKEND:
@@ -400,6 +423,21 @@ class GDSLoadShardedStrategy(_LoadBase):  # type: ignore[misc,valid-type]
         if loaded_version != VERSION:
             raise InvalidOptionError(f"gdswriter strategy version {loaded_version} is not one this gdswriter reads "
                                      f"({VERSION}): load it with the gdswriter release that wrote it")
+
+
+def _metadata_of(checkpoint_dir: str | Path) -> Any:
+    """The DCP Metadata of the step in ``checkpoint_dir``, read by this process alone."""
+    from ..distributed import GDSStorageReader
+    from ..distributed.dcp import CarriedError
+
+    reader = GDSStorageReader(single_process=True)
+    try:
+        reader.reset(os.fspath(checkpoint_dir))
+        return reader.read_metadata()
+    except CarriedError as e:  # read_metadata's wrapper for DCP's load: the checkpoint's own error
+        raise e.error from e
+    finally:
+        reader.close()
 
 
 def _raw_bytes_planner() -> type:
