@@ -319,7 +319,7 @@ def test_a_dcp_save_that_never_finishes_releases_its_lock(tmp_path):
         w = writer(1)
         w.finish = stopped  # what DCP does when a rank fails after write_data: finish never runs
         assert "DCP failed before finish" in caught(lambda: dcp.save(sd, storage_writer=w, no_dist=True))[1]
-        assert w.session is not None, "the save still holds the lock"
+        assert w._session is not None, "the save still holds the lock"
         if release == "reset":
             w.reset()
         else:
