@@ -151,11 +151,7 @@ def _parts(got: Sequence[dict], replicas: int) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------
-# one rank's stream: what it sends its peers
-
-
-# ---------------------------------------------------------------------------------------------
-# the thread
+# the thread (its stream: replicastream.py)
 
 
 @dataclass(frozen=True)
