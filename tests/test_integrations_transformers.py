@@ -252,12 +252,13 @@ def test_resume_true_skips_a_checkpoint_left_incomplete(tmp_path, uninterrupted,
     out = tmp_path / "out"
     first = GDSTrainer(model=hf_run.model(1), args=hf_run.args(out, save_total_limit=None),
                        train_dataset=hf_run.data(), callbacks=[StopAt(8)])
-    first.train()
+    with one_thread():  # as the uninterrupted run (support/hf_run.py)
+        first.train()
     (out / "checkpoint-8" / "trainer_state.json").unlink()  # as a crash mid-save left it
     junk = out / "checkpoint-9" / GDS_DIR / ".tmp-step_000000000009-1-00000000"
     junk.mkdir(parents=True)
     resumed = GDSTrainer(model=hf_run.model(99), args=hf_run.args(out), train_dataset=hf_run.data())
-    with caplog.at_level(logging.WARNING, logger="gdswriter"):
+    with caplog.at_level(logging.WARNING, logger="gdswriter"), one_thread():
         resumed.train(resume_from_checkpoint=True)  # from checkpoint-4
     assert "checkpoint-9 is incomplete" in caplog.text and "checkpoint-8 is incomplete" in caplog.text
     assert_same_tree(uninterrupted, hf_run.final_state(resumed))
