@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.support.ranks import run_ranks
+from tests.support.megatron_run import ForkedCaller, KillAfterFirstFile  # noqa: E402
 
 pytest.importorskip("megatron.core.dist_checkpointing", reason="megatron-core is not installed: pip install "
                     "--no-deps megatron-core==0.16.1 (.ci/run does)")
@@ -76,28 +77,6 @@ def _check(loaded: dict, rank: int, world: int, tp: int, step: int, objects: boo
                 rng["state"], torch.arange(rank, rank + 5)):
             bad.append(f"rng {rng}")
     return bad
-
-
-class ForkedCaller:
-    """What Megatron's TemporalAsyncCaller does with an AsyncRequest (fork a process running its
-    async_fn; once it is done on every rank, run the finalize functions), without its CUDA
-    calls (torch.cuda.synchronize, a CUDA tensor for the all-reduce), which fail on a CPU torch."""
-
-    def __init__(self, request):
-        import multiprocessing as mp
-
-        self.request = request
-        self.process = mp.get_context("fork").Process(target=request.async_fn, args=request.async_fn_args)
-        self.process.start()
-
-    def finalize(self) -> None:
-        import torch.distributed as dist
-
-        self.process.join(60)
-        assert self.process.exitcode == 0, f"the async worker: exit code {self.process.exitcode}"
-        dist.barrier()
-        for fn in self.request.finalize_fns:
-            fn()
 
 
 def _save_load(rank: int, world: int, folder: str, tp_save: int, tp_load: int, use_async: bool) -> list[str]:
@@ -198,34 +177,6 @@ def _killed(rank: int, world: int, folder: str, mode: str) -> None:
         time.sleep(0.5 if mode == "in-save" and step == 2 else 0)
         caller.finalize()
     os.kill(os.getpid(), signal.SIGKILL)
-
-
-class KillAfterFirstFile:
-    """An engine hook (as tests/support/engines.py's HookedWrites): the first file is written,
-    then the process holds 2 s and dies of SIGKILL."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.name, self.honours_span_guards = inner.name, inner.honours_span_guards
-
-    def write_file(self, path, spans, **kw):
-        import signal
-        import time
-
-        out = self.inner.write_file(path, spans, **kw)
-        time.sleep(2)
-        os.kill(os.getpid(), signal.SIGKILL)
-        return out
-
-    def read_file(self, path, spans):
-        return self.inner.read_file(path, spans)
-
-    @property
-    def info(self):
-        return self.inner.info
-
-    def close(self):
-        self.inner.close()
 
 
 @pytest.mark.parametrize("mode", ["in-save", "between"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support.ranks import run_ranks
+from tests.support.megatron_run import ForkedCaller, KillAfterFirstFile  # noqa: E402
 
 pytest.importorskip("megatron.core.dist_checkpointing", reason="megatron-core is not installed: pip install "
                     "--no-deps megatron-core==0.16.1 (.ci/run does)")
@@ -21,54 +22,6 @@ ROWS, COLS = 1024, 1024  # a 4 MiB float32 weight, 2 MiB per rank at TP=2 (its A
 BATCH = 8
 TOTAL, EVERY = 6, 2  # train 6 steps, save after every 2nd
 SEED = 20260
-
-
-class ForkedCaller:
-    """Megatron's TemporalAsyncCaller without its CUDA calls: a forked process runs the
-    AsyncRequest's async_fn; finalize() waits for it, then runs the finalize functions."""
-
-    def __init__(self, request):
-        import multiprocessing as mp
-
-        self.request = request
-        self.process = mp.get_context("fork").Process(target=request.async_fn, args=request.async_fn_args)
-        self.process.start()
-
-    def finalize(self) -> None:
-        import torch.distributed as dist
-
-        self.process.join(60)
-        assert self.process.exitcode == 0, f"the async worker: exit code {self.process.exitcode}"
-        dist.barrier()
-        for fn in self.request.finalize_fns:
-            fn()
-
-
-class KillAfterFirstFile:
-    """An engine whose first written file is followed by SIGKILL of the process (after 1 s, so
-    that a commit not waiting for the writes would land)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.name, self.honours_span_guards = inner.name, inner.honours_span_guards
-
-    def write_file(self, path, spans, **kw):
-        import time
-
-        out = self.inner.write_file(path, spans, **kw)
-        time.sleep(1)
-        os.kill(os.getpid(), signal.SIGKILL)
-        return out
-
-    def read_file(self, path, spans):
-        return self.inner.read_file(path, spans)
-
-    @property
-    def info(self):
-        return self.inner.info
-
-    def close(self):
-        self.inner.close()
 
 
 class Trainer:
@@ -177,7 +130,7 @@ def _run(rank: int, world: int, folder: str, mode: str) -> dict:
                     written = plugin.write_files
 
                     def write_then_die(fplan, spans, rc, engines, **kw):
-                        return written(fplan, spans, rc, [KillAfterFirstFile(e) for e in engines], **kw)
+                        return written(fplan, spans, rc, [KillAfterFirstFile(e, hold_s=1) for e in engines], **kw)
 
                     plugin.write_files = write_then_die  # the plug-in's own (public) name for its writes
                 ckpt = os.path.join(folder, f"iter_{t.step:07d}")
