@@ -286,10 +286,10 @@ class HookedWrites(IOEngine):
     them to fail a write, hold it, or SIGKILL the process at a chosen file). Its class is what
     the integrations' engine seams take (``gds_engine_factory``, the engine shelf)."""
 
-    def __init__(self, options):
+    def __init__(self, options=None, *, inner: IOEngine | None = None):
         from gdswriter.engines.select import create_engine
 
-        self.inner = create_engine(options)
+        self.inner = inner if inner is not None else create_engine(options)
         self.name, self.honours_span_guards = self.inner.name, self.inner.honours_span_guards
 
     def before(self, path) -> None:

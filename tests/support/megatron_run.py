@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+from tests.support.engines import HookedWrites
+
 
 class ForkedCaller:
     """What Megatron's TemporalAsyncCaller does with an AsyncRequest (fork a process running its
@@ -30,27 +32,15 @@ class ForkedCaller:
             fn()
 
 
-class KillAfterFirstFile:
-    """An engine hook (as support/engines.py's HookedWrites, around an engine already made): the
-    first file is written, then the process holds ``hold_s`` (so that a commit not waiting for
-    the writes would land) and dies of SIGKILL."""
+class KillAfterFirstFile(HookedWrites):
+    """support/engines.py's HookedWrites around an engine already made: the first file is
+    written, then the process holds ``hold_s`` (so that a commit not waiting for the writes
+    would land) and dies of SIGKILL."""
 
     def __init__(self, inner, hold_s: float = 2.0):
-        self.inner, self.hold_s = inner, hold_s
-        self.name, self.honours_span_guards = inner.name, inner.honours_span_guards
+        super().__init__(inner=inner)
+        self.hold_s = hold_s
 
-    def write_file(self, path, spans, **kw):
-        out = self.inner.write_file(path, spans, **kw)
+    def after(self, path) -> None:
         time.sleep(self.hold_s)
         os.kill(os.getpid(), signal.SIGKILL)
-        return out
-
-    def read_file(self, path, spans):
-        return self.inner.read_file(path, spans)
-
-    @property
-    def info(self):
-        return self.inner.info
-
-    def close(self):
-        self.inner.close()
