@@ -5,10 +5,10 @@ directory (a shared file system, or ranks of one node), or the same path may be 
 (node-local SSDs on different nodes). A root's identity is therefore an id stored inside it
 (``.gdswriter-root``, created once), not its path: the ranks send the ids of their roots to
 rank 0, which builds the one table of distinct roots (the primary first) and sends each rank
-its part of it (``discover_layout``: what a rank receives does not grow with the world; the
-whole table is held by the primary rank, which records it in each manifest, and by every
-rank only once a load needs it, ``share_table``; the DCP writer makes the same decisions from
-what DCP's own plan gather and scatter carry: dcp.py). Each root is led by the lowest rank
+its part of it (opening.py when the roots are opened to save, ``discover_layout`` for a load:
+what a rank receives does not grow with the world; the whole table is held by the primary
+rank, which records it in each manifest, and by every rank only once a load needs it,
+``share_table``). Each root is led by the lowest rank
 that sees it: that rank locks it, cleans it, and commits its step directory; the other ranks
 sharing it only write their own files there.
 
@@ -16,9 +16,10 @@ Which root is the primary (the one holding the manifests) is decided when the ro
 opened (``choose_primary``), from what is on them, not from the rank order alone: node ranks
 are not kept across restarts (torchrun's rendezvous may put rank 0 on another node), so rank
 0's first root may be a disk that holds only secondary step directories of the checkpoint
-while the primary's manifests are on another node's disk. Each root's leader reports to rank
-0 the steps committed on it and the primary ids its secondary step directories name
-(``settle_primary``: rank 0 decides and every rank receives the decision alone); the primary
+while the primary's manifests are on another node's disk. Rank 0 learns of each root the
+steps committed on it and the primary ids its secondary step directories name (opening.py's
+offers, or ``settle_primary`` for a load: rank 0 decides and every rank receives the decision
+alone); the primary
 is rank 0's first root when that holds a committed step (or nothing says otherwise), else the
 one root of the job that holds committed steps (the one the secondaries name, if several do),
 else the root that rank 0's first root's secondary directories name. Its leader (the
