@@ -134,8 +134,8 @@ class GDSStorageWriter(Collective, StorageWriter):
         """Local: take the roots the last save opened (their locks, their identities checked), or
         prepare to open them (opening.offer_roots: what the coordinator needs travels in this rank's
         local plan, the table and the primary come back in its global plan: DCP's own gather and
-        scatter carry opening.py's round). A session is kept only from a save that reached write_data: DCP's plans reached
-        every rank then, so every rank decides the same."""
+        scatter carry opening.py's round). A session is kept only from a save that reached
+        write_data: DCP's plans reached every rank then, so every rank decides the same."""
         kept = self._wrote
         self._end_save()
         self._wrote = False
