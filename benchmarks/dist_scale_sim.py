@@ -40,7 +40,8 @@ import torch
 
 from gdswriter.distributed.load import reach_of, relay
 from gdswriter.distributed.rankfiles import item_pieces
-from gdswriter.distributed.roots import RootLayout, discover_layout, probe_led, settle_primary
+from gdswriter.distributed.opening import open_roots
+from gdswriter.distributed.roots import RootLayout
 from gdswriter.distributed import save as save_mod
 from gdswriter.distributed.save import DTensors, PlanCache, collective_save
 from gdswriter.engines.select import create_engine
@@ -217,16 +218,15 @@ def dcp_anchor(world: int, cached: bool) -> float:
 
 
 def simulate_open(world: int, base: Path) -> dict:
-    """What opening a checkpointer's roots coordinates (roots.discover_layout, then
-    settle_primary: the primary's choice), on rank 0 and then on the typical rank, every rank
-    with its own root: [sent, received, collectives] and CPU time of each."""
+    """What opening a checkpointer's roots coordinates (opening.open_roots: the offers, the table
+    and the primary's choice, the locks agreed), on rank 0 and then on the typical rank, every
+    rank with its own root: [sent, received, collectives] and CPU time of each."""
     typical = world // 2
 
     def message_of(rank: int, what: str, mine):
-        if what == "opening the roots":
-            return {"roots": [[f"{rank:032x}", f"/sim/nvme{rank}"]]}
-        if what == "opening the checkpoint roots" and "probes" in mine:
-            return {"probes": {str(rank): {"committed": [], "latest": None, "names": []}}}
+        if what == "opening the checkpoint roots" and "offer" in mine:
+            return {"offer": {"roots": [[f"{rank:032x}", f"/sim/nvme{rank}"]],
+                              "probes": [{"committed": [], "latest": None, "names": [], "copied": []}]}}
         return mine
 
     peers = Peers(1, message_of=message_of)  # rank 0 first: the typical rank receives what it sent
@@ -235,8 +235,8 @@ def simulate_open(world: int, base: Path) -> dict:
         root = base / f"open-rank{rank}"
         coord = SimCoordinator(rank, world, peers)
         t0 = time.process_time()
-        layout = discover_layout(coord, [root])
-        settle_primary(coord, layout, probe_led(layout), None, "opening the checkpoint roots", "")
+        _, lock, _ = open_roots(coord, [root])
+        lock.release()
         out["rank0" if rank == 0 else "typical"] = {"cpu_s": time.process_time() - t0 - coord.peer_cpu_s,
                                                     "stats": list(coord.stats.snapshot())}
     return out

@@ -44,8 +44,8 @@ directory, after a save that failed before writing): each rank's ``set_up_storag
 makes its roots and their identities and probes them (rank 0, which leads every root it sees,
 under their lock), its local plan carries that to the coordinator, which builds the table of
 distinct roots (by identity), chooses the primary (refused unless it is rank 0's) and sends
-each rank its part of the table in its global plan (roots.py's discover_layout and
-settle_primary, carried by DCP's gather and scatter); the other ranks lock the roots they lead
+each rank its part of the table in its global plan (opening.py's round, the one
+GDSCheckpointer's open_session runs over its own channel, carried by DCP's gather and scatter); the other ranks lock the roots they lead
 in ``write_data``, check that they did not change since they probed them, and clean them. A
 root that several ranks see but another rank than rank 0 leads (one SSD per node shared by
 that node's ranks: a joint root) is published by its own ranks inside ``write_data``: each

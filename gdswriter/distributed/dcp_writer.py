@@ -22,9 +22,9 @@ from torch.futures import Future
 
 from ..engines.base import IOEngine
 from ..engines.select import create_engine
-from ..errors import CheckpointExistsError, EngineIOError, GDSWriterError, InvalidOptionError, RootUnavailableError
+from ..errors import CheckpointExistsError, EngineIOError, GDSWriterError, InvalidOptionError
 from ..format.assembly import record_json
-from ..format.commit import ROOT_MARKER_NAME, RootLock
+from ..format.commit import RootLock
 from ..fs import atomic_write
 from ..options import CheckpointOptions
 from ..planner.assign import plan_save
@@ -45,7 +45,6 @@ from .dcp_messages import (
 from .dcp_paths import MARKER_NAME, Collective, is_gdswriter_marker, local_path_ok, marker_bytes, step_in_name
 from .dcp_writer_parts import (
     REPORT_FQN,
-    Opening,
     Place,
     SaveInProgress,
     Source,
@@ -57,23 +56,12 @@ from .dcp_writer_parts import (
     item_record,
     live_beside,
     plan_items,
-    probe_for_save,
-    restore_identity,
 )
 from .options import DistOptions
 from .rankfiles import file_entries, rank_targets
-from .roots import (
-    RootLayout,
-    build_table,
-    clean_led,
-    identify_roots,
-    layout_of_part,
-    layout_parts,
-    lock_led,
-    primary_of,
-    root_identity,
-)
-from .session import DistSession, primary_not_on_rank_0
+from .opening import Opening, decide_roots, lock_checked, offer_roots, relock, take_roots
+from .roots import clean_led
+from .session import DistSession
 
 log = logging.getLogger("gdswriter")
 
@@ -117,8 +105,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         self._session: DistSession | None = None  # the opened roots, kept from save to save (their locks are not)
         self._session_roots: list[Path] | None = None  # the roots it was opened for
         self._wrote = False  # this save reached write_data (DCP's plans went out): its session may be kept
-        self._opening: Opening | None = None  # this save opens the roots: what set_up found on them (_open_local)
-        self._open_lock: RootLock | None = None  # rank 0's lock on its roots, taken by set_up while opening
+        self._opening: Opening | None = None  # this save opens the roots: what set_up found on them (with rank 0's lock)
         self._items: dict[str, Any] = {}   # chunk key -> this rank's WriteItem
         self._save: SaveInProgress | None = None  # commit, table, token and items of the save in progress
         self._engines: list[IOEngine] | None = None  # one per local root, kept from save to save
@@ -145,10 +132,10 @@ class GDSStorageWriter(Collective, StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Local: take the roots the last save opened (their locks, their identities checked), or
-        prepare to open them (_open_local: what the coordinator needs travels in this rank's local
-        plan, the table and the primary come back in its global plan: DCP's own gather and
-        scatter). A session is kept only from a save that reached write_data: DCP's plans reached
-        every rank then, so every rank decides the same."""
+        prepare to open them (opening.offer_roots: what the coordinator needs travels in this rank's
+        local plan, the table and the primary come back in its global plan: DCP's own gather and
+        scatter carry opening.py's round). A session is kept only from a save that reached
+        write_data: DCP's plans reached every rank then, so every rank decides the same."""
         kept = self._wrote
         self._end_save()
         self._wrote = False
@@ -165,13 +152,16 @@ class GDSStorageWriter(Collective, StorageWriter):
                                      f"writer's group: GDSStorageWriter commits on rank 0; pass dcp.save the "
                                      f"writer's process_group")
         if self._session is not None and kept and self._session_roots == roots:
-            self._relock(self._session)
+            self._session.lock = relock(self._session.layout)
             self._lock_formers(rank, set(self._session.layout.local_ids))
             return
         if self._session is not None:  # roots left for others: a re-save's leftovers there go at this save
             self._formers = (self._formers or []) + [self._session]
         self._session = self._session_roots = None
-        self._opening = self._open_local(roots, rank)
+        # opening.py's round: the offer travels in this rank's local plan, the decision is made in
+        # prepare_global_plan, this rank's part comes back in its global plan (write_data)
+        self._opening = offer_roots(roots, rank, whole=False)
+        self._beside |= {(rid, step) for rid, r in zip(self._opening.ids, roots) for step in saves_beside(r)}
         self._lock_formers(rank, set(self._opening.ids))
 
     def _lock_formers(self, rank: int, current: set[str]) -> None:
@@ -195,44 +185,6 @@ class GDSStorageWriter(Collective, StorageWriter):
                 log.info("gdswriter: the files an earlier re-save left beside a step under %s stay until a later "
                          "save (%s)", sorted(paths)[0], e)
 
-    def _open_local(self, roots: list[Path], rank: int) -> Opening:
-        """What this rank can learn of its roots alone before DCP's plans: each made if missing,
-        its identity (created once), and what it holds (roots.probe_root). Rank 0, the lowest
-        rank, leads every root it sees: it locks them all here, before probing them, and reports
-        their committed steps in full; another rank does not know yet which roots it leads, so
-        it probes them unlocked, reports only the last committed steps (choose_primary needs no
-        more of a root that cannot be the primary of a DCP save), and once its global plan says
-        which it leads, locks them and probes them again in write_data (_open_from_plan)."""
-        ids = identify_roots(roots)
-        lock = RootLock(roots) if rank == 0 else None
-        try:
-            probes = [probe_for_save(r, whole=rank == 0) for r in roots]
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        self._open_lock = lock
-        self._beside |= {(rid, step) for rid, r in zip(ids, roots) for step in saves_beside(r)}
-        return Opening(list(roots), ids, RootsOffer(tuple((i, str(r.resolve())) for i, r in zip(ids, roots)),
-                                                    tuple(probes)))
-
-    def _relock(self, session: DistSession) -> None:
-        """Lock the roots this rank leads again, after checking that each of its roots is still
-        the one the session opened (one deleted since gets its directory and id back; one
-        replaced by another root raises: the next save opens the roots afresh)."""
-        layout = session.layout
-        for path, ident in zip(layout.local_paths, layout.local_ids):
-            found = root_identity(path, create=False) if path.is_dir() else None
-            if found is None and not ident.startswith("path:"):
-                restore_identity(path, ident)
-                found = root_identity(path, create=False)
-            if found != ident:
-                raise RootUnavailableError(
-                    errno.ESTALE, f"checkpoint root {path} is not the root this writer's previous save wrote to (its "
-                                  f"{ROOT_MARKER_NAME} says {found}, not {ident}): it was replaced by another "
-                                  f"directory; nothing was written, and the next save opens the roots afresh")
-        session.lock = lock_led(layout)
-
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Name this rank's tensor chunks, so that the global plan sees which ranks hold each."""
         self._items = {}
@@ -251,7 +203,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         return replace(plan, storage_data=local.to_wire())
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: open the roots if this save opens them (_open_shared), decide the step and
+        """Coordinator: open the roots if this save opens them (_session_for), decide the step and
         the token (checking ``overwrite`` under the root lock) and make the temporary directories
         it leads, then number every item: tensor chunks, split over the ranks holding them
         (planner/ranks.py), then BytesIO items, written whole by the rank DCP's deduplication
@@ -275,8 +227,8 @@ class GDSStorageWriter(Collective, StorageWriter):
 
     def _session_for(self, offers: list[RootsOffer | None]) -> tuple[DistSession, list[dict | None]]:
         """Coordinator: the session this save writes with (opened now when every rank offers its
-        roots: _open_shared; else the one kept from the last save) and each rank's part of the
-        root table (None: nothing new)."""
+        roots: opening.decide_roots, refused unless the primary is rank 0's; else the one kept from
+        the last save) and each rank's part of the root table (None: nothing new)."""
         if all(o is None for o in offers):
             session, parts = self._session, [None] * len(offers)
         elif any(o is None for o in offers):
@@ -285,7 +237,13 @@ class GDSStorageWriter(Collective, StorageWriter):
                                  f"that failed on some ranks before write_data); nothing was written: save again, "
                                  f"and every rank opens them")
         else:
-            session, parts = self._open_shared(offers)  # type: ignore[arg-type]
+            own = self._opening
+            assert own is not None
+            decided = decide_roots(own, offers, movable_primary=False)  # type: ignore[arg-type]
+            session = DistSession(Place(0, len(offers)), decided.layout, own.lock, self.dist_options)
+            own.lock = None  # the session's now
+            self._session, self._session_roots, self._opening = session, list(own.paths), None
+            parts = [None] + list(decided.parts[1:])  # rank 0 holds the whole table
         if session is None:
             raise InvalidOptionError("prepare_global_plan before set_up_storage_writer: use this writer through "
                                      "dcp.save")
@@ -322,11 +280,11 @@ class GDSStorageWriter(Collective, StorageWriter):
         """Write this rank's pieces and make them durable (and publish the secondary roots only
         this rank sees); the last WriteResult carries its report to finish() (module docstring).
         When this save opens the roots, another rank than the coordinator first takes its layout
-        from its plan and locks the roots it leads (_open_from_plan)."""
+        from its plan and locks the roots it leads (_take_part)."""
         decided = GlobalPlanData.from_wire(plan.storage_data)
         self._wrote = True  # every rank that gets here holds the coordinator's layout for the next save
         if self._opening is not None and decided.layout is not None:
-            self._open_from_plan(decided)
+            self._take_part(decided)
         session = self._session
         if session is None:
             raise InvalidOptionError("write_data before set_up_storage_writer: use this writer through dcp.save")
@@ -371,56 +329,19 @@ class GDSStorageWriter(Collective, StorageWriter):
             self._end_save()
 
     # -- internals -----------------------------------------------------------
-    def _open_shared(self, offers: list[RootsOffer]) -> tuple[DistSession, list[dict | None]]:
-        """Coordinator: what discover_layout and settle_primary decide, from what every rank's
-        local plan carries (_open_local) instead of collectives of their own: the table of
-        distinct roots (by identity), the primary (choose_primary, from each root's leader's
-        probe), refused unless it is rank 0's; rank 0's session (its roots locked since
-        set_up), and each other rank's part of the table (roots.layout_parts: what its own roots
-        take), which DCP scatters in the plans. Cleaning comes with the step (_decide)."""
-        own = self._opening
-        assert own is not None
-        table, where = build_table([o.to_wire() for o in offers])
-        probes = {}
-        for g, info in enumerate(table):
-            leader = min(info.ranks)
-            probes[str(g)] = offers[leader].probes[where[leader].index(g)]
-        world = len(offers)
-        found = RootLayout(0, world, table, tuple(own.paths), tuple(own.ids),
-                           tuple(where[0]), table[0].path)
-        layout = found.with_primary(primary_of(found, probes))
-        if layout.primary_rank != 0:
-            raise primary_not_on_rank_0(layout)
-        index = {info.id: g for g, info in enumerate(layout.table)}
-        parts: list[dict | None] = list(layout_parts(layout.table, [[index[rid] for rid, _ in o.roots]
-                                                                    for o in offers]))
-        parts[0] = None  # rank 0 holds the whole table
-        session = DistSession(Place(0, world), layout, self._open_lock, self.dist_options)
-        self._open_lock = None  # the session's now
-        self._session, self._session_roots, self._opening = session, list(own.paths), None
-        return session, parts
-
-    def _open_from_plan(self, decided: GlobalPlanData) -> None:
+    def _take_part(self, decided: GlobalPlanData) -> None:
         """Another rank than the coordinator, in write_data: its layout from its part of the table
-        (kept as its session from now on, whatever follows), then the roots it leads locked and
-        probed again: one that changed since set_up probed it (another job wrote there before
-        this rank held its lock) is refused, as the coordinator decided on what it saw before."""
+        (opening.take_roots; kept as its session from now on, whatever follows), then the roots it
+        leads locked and checked (opening.lock_checked)."""
         opening = self._opening
         assert opening is not None
         self._opening = None
         rank, world = self.place()
-        layout = layout_of_part(rank, world, opening.paths, opening.ids, decided.layout)
+        layout = take_roots(opening, rank, world, decided.layout or {})
         session = DistSession(Place(rank, world), layout, None, self.dist_options)
         session._learn(list(decided.decision.clean), decided.decision.latest)
         self._session, self._session_roots = session, list(opening.paths)
-        session.lock = lock_led(layout)
-        for i in layout.led:
-            root = layout.local_paths[i]
-            if probe_for_save(root, whole=False) != opening.offer.probes[i]:
-                raise RootUnavailableError(
-                    errno.EAGAIN, f"checkpoint root {root} changed while this save opened it (another writer "
-                                  f"saved there before rank {rank} held its lock); nothing was written to it: save "
-                                  f"again")
+        session.lock = lock_checked(layout, opening)
 
     def _decide(self, session: DistSession) -> Decision:
         """Coordinator: the step, the token and the committed steps each root's leader cleans
@@ -580,9 +501,8 @@ class GDSStorageWriter(Collective, StorageWriter):
         if self._session is not None and self._session.lock is not None:
             self._session.lock.release()
             self._session.lock = None
-        if self._open_lock is not None:
-            self._open_lock.release()
-            self._open_lock = None
+        if self._opening is not None:
+            self._opening.release()
         if self._former_lock is not None:
             self._former_lock.release()
             self._former_lock, self._former_paths = None, set()
@@ -600,5 +520,6 @@ class GDSStorageWriter(Collective, StorageWriter):
     def __del__(self) -> None:
         session = getattr(self, "_session", None)
         if ((session is not None and session.lock is not None) or getattr(self, "_engines", None)
-                or getattr(self, "_open_lock", None) is not None or getattr(self, "_former_lock", None) is not None):
+                or getattr(getattr(self, "_opening", None), "lock", None) is not None
+                or getattr(self, "_former_lock", None) is not None):
             self.close()

@@ -1,18 +1,14 @@
-"""The DCP writer's helpers: naming and flattening its items, FileSystemWriter's options, probing
-and restoring roots, and checking the ranks' reports and building the manifest in finish()."""
+"""The DCP writer's helpers: naming and flattening its items, FileSystemWriter's options, and
+checking the ranks' reports and building the manifest in finish() (its roots open through
+opening.py)."""
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import logging
-import secrets
-import socket
-import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, NamedTuple
 from collections.abc import Sequence
 
@@ -23,19 +19,16 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._log import log_once
-from ..errors import EngineIOError, GDSWriterError, InvalidOptionError
+from ..errors import GDSWriterError, InvalidOptionError
 from ..format.assembly import build_manifest
-from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity
 from ..format.dtypes import dtype_to_name
 from ..format.manifest import Manifest, RootInfo, ShardInfo, TensorRecord
 from ..format.sharded import parse_step
-from ..fs import fsync_dir, link_no_clobber, write_durable
 from ..load.reader import read_manifest_bytes
 from .commit import OrderedCommit
 from .dcp_codec import metadata_to_json
-from .dcp_messages import KeepBeside, LocalPlanData, Piece, PlanItem, RankReport, RootsOffer
+from .dcp_messages import KeepBeside, LocalPlanData, Piece, PlanItem, RankReport
 from .rankfiles import group_held
-from .roots import probe_root
 from .session import DistSession
 
 log = logging.getLogger("gdswriter")
@@ -97,39 +90,6 @@ class Place:
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
-
-
-def probe_for_save(root: Path, *, whole: bool) -> dict:
-    """roots.probe_root of ``root``; not ``whole``: only its last three committed steps (all that
-    choose_primary and its refusals read of a root that is not rank 0's)."""
-    probe = probe_root(root)
-    if not whole:
-        probe["committed"] = probe["committed"][-3:]
-    return probe
-
-
-def restore_identity(path: Path, ident: str) -> None:
-    """Give root ``path`` (deleted since the session opened it) its directory and id back, as
-    format/commit.py creates a marker (durable, no-clobber: ranks sharing the root may race)."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        marker = path / ROOT_MARKER_NAME
-        tmp = path / f"{TMP_PREFIX}{ROOT_MARKER_NAME}-{secrets.token_hex(4)}"
-        write_durable(tmp, RootIdentity(ident, time.time(), socket.gethostname(), str(path.resolve())).to_json_bytes())
-        if link_no_clobber(tmp, marker):
-            fsync_dir(path)
-            fsync_dir(path.parent)
-    except OSError as e:
-        raise EngineIOError(e.errno or errno.EIO, path / ROOT_MARKER_NAME, 0, "restore root identity") from e
-
-
-@dataclass
-class Opening:
-    """What this rank learnt of its roots alone while a save opens them (GDSStorageWriter's
-    _open_local): their paths and ids, and the offer its local plan carries."""
-    paths: list[Path]
-    ids: list[str]
-    offer: RootsOffer
 
 
 @dataclass

@@ -5,10 +5,10 @@ directory (a shared file system, or ranks of one node), or the same path may be 
 (node-local SSDs on different nodes). A root's identity is therefore an id stored inside it
 (``.gdswriter-root``, created once), not its path: the ranks send the ids of their roots to
 rank 0, which builds the one table of distinct roots (the primary first) and sends each rank
-its part of it (``discover_layout``: what a rank receives does not grow with the world; the
-whole table is held by the primary rank, which records it in each manifest, and by every
-rank only once a load needs it, ``share_table``; the DCP writer makes the same decisions from
-what DCP's own plan gather and scatter carry: dcp.py). Each root is led by the lowest rank
+its part of it (opening.py when the roots are opened to save, ``discover_layout`` for a load:
+what a rank receives does not grow with the world; the whole table is held by the primary
+rank, which records it in each manifest, and by every rank only once a load needs it,
+``share_table``). Each root is led by the lowest rank
 that sees it: that rank locks it, cleans it, and commits its step directory; the other ranks
 sharing it only write their own files there.
 
@@ -16,9 +16,10 @@ Which root is the primary (the one holding the manifests) is decided when the ro
 opened (``choose_primary``), from what is on them, not from the rank order alone: node ranks
 are not kept across restarts (torchrun's rendezvous may put rank 0 on another node), so rank
 0's first root may be a disk that holds only secondary step directories of the checkpoint
-while the primary's manifests are on another node's disk. Each root's leader reports to rank
-0 the steps committed on it and the primary ids its secondary step directories name
-(``settle_primary``: rank 0 decides and every rank receives the decision alone); the primary
+while the primary's manifests are on another node's disk. Rank 0 learns of each root the
+steps committed on it and the primary ids its secondary step directories name (opening.py's
+offers, or ``settle_primary`` for a load: rank 0 decides and every rank receives the decision
+alone); the primary
 is rank 0's first root when that holds a committed step (or nothing says otherwise), else the
 one root of the job that holds committed steps (the one the secondaries name, if several do),
 else the root that rank 0's first root's secondary directories name. Its leader (the
@@ -198,6 +199,16 @@ def _unranges(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
     return tuple(r for a, b in runs for r in range(int(a), int(b) + 1))
 
 
+def table_runs(table: Sequence[RootInfo]) -> list[list]:
+    """``table`` as sent: [[id, path, ranks as runs of consecutive ranks], ...] (table_of_runs)."""
+    return [[info.id, info.path, _ranges(info.ranks)] for info in table]
+
+
+def table_of_runs(msg: Sequence[Sequence]) -> list[RootInfo]:
+    """The table table_runs sent."""
+    return [RootInfo(rid, path, _unranges(runs)) for rid, path, runs in msg]
+
+
 def build_table(everyone: Sequence[dict]) -> tuple[tuple[RootInfo, ...], list[list[int]]]:
     """The table of distinct roots (by id, in rank order: rank 0's first root first) from every
     rank's [[id, path], ...], and each rank's roots' table indices."""
@@ -218,7 +229,7 @@ def build_table(everyone: Sequence[dict]) -> tuple[tuple[RootInfo, ...], list[li
     return tuple(RootInfo(rid, paths[g], tuple(ranks[g])) for rid, g in order.items()), where
 
 
-def _raise_decided(msg: dict, error: BaseException | None, what: str, hint: str) -> None:
+def raise_decided(msg: dict, error: BaseException | None, what: str, hint: str) -> None:
     """Raise what a decision broadcast says: a refusal (``refused``: the error type, errno and
     message the deciding rank raised, raised alike on every rank), or the failed ranks
     (``bounded``: this rank's own error where it failed, RankFailedError elsewhere)."""
@@ -241,8 +252,8 @@ def _raise_decided(msg: dict, error: BaseException | None, what: str, hint: str)
             raise RankFailedError(what, shown, hint, total=total)
 
 
-def _refusal(e: BaseException) -> dict:
-    """An error of the deciding rank, as every rank re-raises it (_raise_decided)."""
+def refusal(e: BaseException) -> dict:
+    """An error of the deciding rank, as every rank re-raises it (raise_decided)."""
     return {"type": type(e).__name__, "errno": getattr(e, "errno", None) or errno.EIO,
             "message": e.strerror if isinstance(e, OSError) and e.strerror else str(e)}
 
@@ -297,7 +308,7 @@ def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool =
             table, where = build_table(everyone)
             parts = layout_parts(table, where)
     part = coord.scatter(parts, f"{what} (the table)", src=0)
-    _raise_decided(part, error, "opening the checkpoint roots",
+    raise_decided(part, error, "opening the checkpoint roots",
                    "no root was changed; fix the failing rank's roots and open again")
     if table:
         return RootLayout(coord.rank, coord.world_size, table, tuple(roots), tuple(ids),
@@ -405,9 +416,9 @@ def settle_primary(coord: Coordinator, layout: RootLayout, probes: dict | None, 
                 info = layout.table[g]
                 decision = {"primary": g, "entry": [info.id, info.path, min(info.ranks)], "probe": merged[str(g)]}
             except Exception as e:  # noqa: BLE001 - raised alike on every rank
-                error, decision = e, {"refused": _refusal(e)}
+                error, decision = e, {"refused": refusal(e)}
     decision = coord.broadcast(decision, f"{what} (decision)", src=0)
-    _raise_decided(decision, error, what, hint)
+    raise_decided(decision, error, what, hint)
     g = int(decision["primary"])
     pid, ppath, pleader = decision["entry"]
     moved = layout.with_primary(g, KnownRoot(pid, ppath, int(pleader)))
@@ -459,11 +470,11 @@ def share_table(coord: Coordinator, layout: RootLayout, what: str) -> RootLayout
     p = layout.primary_rank
     msg = None
     if coord.rank == p:
-        msg = [[info.id, info.path, _ranges(info.ranks)] for info in layout.table]
+        msg = table_runs(layout.table)
     msg = coord.broadcast(msg, f"{what} (the root table)", src=p)
     if layout.holds_table:
         return layout
-    return layout.with_whole_table([RootInfo(rid, path, _unranges(runs)) for rid, path, runs in msg])
+    return layout.with_whole_table(table_of_runs(msg))
 
 
 def lock_led(layout: RootLayout) -> RootLock:

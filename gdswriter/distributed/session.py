@@ -29,7 +29,7 @@ from typing import Any
 from collections.abc import Callable, Sequence
 
 from ..engines.base import IOEngine
-from ..errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError, RootUnavailableError
+from ..errors import CheckpointNotFoundError, GDSWriterError, InvalidOptionError
 from ..format.commit import CommitProtocol, retire, step_dir_name
 from ..format.manifest import Manifest
 from ..format.replicas import newest_protected
@@ -43,7 +43,8 @@ from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
 from .replicate import ReplicaPeers, ReplicationJob, Replicator, plan_peers
-from .roots import RootLayout, clean_led, discover_layout, lock_led, owned, probe_led, settle_primary, share_table
+from .opening import open_roots
+from .roots import RootLayout, adopt_copies, clean_led, owned, share_table
 from .save import DTensors, PlanCache, collective_save
 from .shards import split_dtensors
 
@@ -249,64 +250,35 @@ class DistSession:
 
 def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions,
                  failed: BaseException | None = None, *, movable_primary: bool = False) -> DistSession:
-    """Collective: agree on the roots, lock the ones this rank leads, choose the primary (the
-    root holding the checkpoint's manifests: roots.py ``choose_primary``), clean the leftovers.
-    ``failed``: an error this rank hit before (reported in the first collective: every rank raises).
-    ``movable_primary``: the caller lets another rank than rank 0 commit (GDSCheckpointer does;
-    DCP's coordinator, which commits in finish(), is rank 0, so it refuses a primary elsewhere)."""
-    layout = discover_layout(coord, roots, failed=failed)
-    lock, error, probes = None, None, None
+    """Collective: open the roots (opening.py ``open_roots``: agree on them, lock the ones this
+    rank leads, choose the primary, the root holding the checkpoint's manifests: roots.py
+    ``choose_primary``), adopt the copies of its manifests where it holds only those, clean the
+    leftovers. ``failed``: an error this rank hit before (reported in the first collective: every
+    rank raises). ``movable_primary``: the caller lets another rank than rank 0 commit
+    (GDSCheckpointer does; where only rank 0 may, a primary elsewhere is refused)."""
+    layout, lock, primary = open_roots(coord, roots, failed=failed, movable_primary=movable_primary)
     try:
-        lock = lock_led(layout)
-        probes = probe_led(layout)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    try:  # rank 0 decides from every leader's probes; every rank receives the decision alone
-        layout, primary = settle_primary(coord, layout, probes, error, "opening the checkpoint roots",
-                                         "no root was changed; close the other checkpointer or choose other roots")
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    assert lock is not None
-    if layout.primary_rank != 0 and not movable_primary:  # every rank knows the primary's entry: all raise
-        lock.release()
-        raise primary_not_on_rank_0(layout)
-    error = None
-    try:
-        clean_led(layout, primary["committed"])
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    try:
+        if primary.get("copied") and not primary["committed"]:
+            primary = adopt_copies(coord, layout, primary, "opening the checkpoint roots",
+                                   "no root was changed; close the other checkpointer or choose other roots")
+        error = None
+        try:
+            clean_led(layout, primary["committed"])
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
         coord.agree(error, "opening the checkpoint roots (cleaning)",
                     hint="no committed step was touched; fix the failing rank's roots and open again")
+        if layout.primary_rank != 0 and coord.rank == 0:
+            log.warning("gdswriter: the checkpoint's primary root %s (id %s, with its manifests) is rank %d's, not "
+                        "rank 0's (rank 0 is on another node than when it was saved): rank %d commits the steps and "
+                        "reads the manifests", layout.root(0).path, layout.primary_id, layout.primary_rank,
+                        layout.primary_rank)
+        peers = None
+        if options.replicas > 1:
+            peers = plan_peers(coord, layout, options.replicas, options.failure_domains)
     except BaseException:
         lock.release()
         raise
-    if layout.primary_rank != 0 and coord.rank == 0:
-        log.warning("gdswriter: the checkpoint's primary root %s (id %s, with its manifests) is rank %d's, not rank "
-                    "0's (rank 0 is on another node than when it was saved): rank %d commits the steps and reads "
-                    "the manifests", layout.root(0).path, layout.primary_id, layout.primary_rank,
-                    layout.primary_rank)
-    peers = None
-    if options.replicas > 1:
-        try:
-            peers = plan_peers(coord, layout, options.replicas, options.failure_domains)
-        except BaseException:
-            lock.release()
-            raise
     session = DistSession(coord, layout, lock, options, peers)
     session._learn(primary["committed"], primary["latest"])
     return session
-
-
-def primary_not_on_rank_0(layout: RootLayout) -> RootUnavailableError:
-    """The refusal of a DCP save whose primary root (roots.choose_primary) is not rank 0's: DCP's
-    coordinator, which commits in finish(), is rank 0."""
-    info = layout.root(0)
-    return RootUnavailableError(
-        errno.ENOENT,
-        f"the checkpoint's primary root (id {info.id}, holding its manifests) is rank "
-        f"{layout.primary_rank}'s {info.path}, not one of rank 0's roots: rank 0 is on another node than "
-        f"when it was saved. dcp.save commits on rank 0: start the job with rank 0 on the node that holds "
-        f"that root (or give rank 0 that root first); nothing was changed")
