@@ -170,7 +170,7 @@ def _cold_read(root: Path, step: int) -> float:
         fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
         try:
             off = 0
-            while (k := os.preadv(fd, [view], off)) > 0:
+            while (k := os.preadv(fd, [view], off)) == len(view):  # a short read: the file's end
                 off += k
         finally:
             os.close(fd)
