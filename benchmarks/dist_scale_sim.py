@@ -22,6 +22,11 @@ roots (the first collectives of a GDSCheckpointer: the root table, the primary's
 to a typical rank and to rank 0. DCP's
 anchor: its DefaultSavePlanner's global plan over W local plans of 2,000 items (rank 0's work in
 every dcp.save), without and with its plan caching (the second save of an unchanged layout).
+Replication (issue 39; ``--replicas`` copies, 0: not run): placing the replicas and parity
+groups at open (benchmarks/replica_plan_sim.py's simulate, on the same coordinator: a gather of
+hosts and failure domains to rank 0, a scatter of each rank's part), in a table of its own:
+what a typical rank sends and receives (flat in W: the ranks it sends its copies to and
+receives them from), its CPU time, and rank 0's.
 
     python benchmarks/dist_scale_sim.py                       # W = 8, 64, 512, 4096, 16384
     python benchmarks/dist_scale_sim.py --worlds 8,64 --dcp-max 64 --markdown
@@ -279,6 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="where the simulated ranks' roots go (default: a temporary dir)")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--replicas", type=int, default=2, help="copies for the replication rows (0: none)")
     args = ap.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     engine = create_engine(EngineOptions(buffer_bytes=256 * KiB, request_bytes=64 * KiB, num_buffers=2))
@@ -292,8 +298,9 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(json.dumps(r), file=sys.stderr, flush=True)
     engine.close()
+    replication = replication_rows(worlds, args.replicas) if args.replicas > 1 else []
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        Path(args.json).write_text(json.dumps(rows + replication, indent=1))
     head = ["state", "W", "typical: plan+shard+commit CPU first / cached (ms)", "typical: whole save cached (ms)",
             "typical sends / receives (B)", "rounds", "rank 0: plan+shard+commit cached (ms)", "rank 0 receives (KiB)",
             "global manifest (KiB)", "load plan reads (KiB)", "load plan CPU (ms)",
@@ -311,7 +318,43 @@ def main(argv=None) -> int:
                       f"{r['load']['read'] / 1024:.0f}", f"{r['load']['cpu_s'] * 1e3:.0f}", reshard_cell(r),
                       r["open"]["typical"]["stats"][1],
                       f"{r['open']['rank0']['stats'][1] / 1024:.0f} / {r['open']['rank0']['cpu_s'] * 1e3:.0f}", dcp])
-    if args.markdown:
+    show(table, args.markdown)
+    if replication:
+        print()
+        show(replication_table(replication, args.replicas), args.markdown)
+    return 0
+
+
+def replication_rows(worlds: list[int], copies: int) -> list[dict]:
+    """The replication rows (module docstring): replica_plan_sim.simulate per W, consecutive
+    ranks per host (torchrun's numbering), parity groups of 5 hosts."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from replica_plan_sim import simulate as placement
+
+    rows = []
+    for w in worlds:
+        r = placement(max(w, 4), "torchrun", copies, 5)  # at least 4 hosts
+        r["kind"] = f"replicas={copies}"
+        rows.append(r)
+        print(json.dumps(r), file=sys.stderr, flush=True)
+    return rows
+
+
+def replication_table(rows: list[dict], copies: int) -> list[list]:
+    head = ["replication", "W", "typical sends / receives (B)", "rounds", "typical: CPU (ms)",
+            "rank 0: receives (KiB) / CPU (ms)", "drives per state byte: copies / parity"]
+    table: list[list] = [head]
+    for r in rows:
+        t, z = r["typical"], r["rank0"]
+        table.append([f"{copies} copies + parity", r["world"], f"{t['sent']} / {t['received']}", t["rounds"],
+                      f"{t['cpu_s'] * 1e3:.2f}", f"{z['received'] / 1024:.0f} / {z['cpu_s'] * 1e3:.1f}",
+                      f"{r['copies_factor']:.3f} / {r['parity_factor']:.3f}"])
+    return table
+
+
+def show(table: list[list], markdown: bool) -> None:
+    head = table[0]
+    if markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
         for row in table[1:]:
@@ -320,7 +363,6 @@ def main(argv=None) -> int:
         widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
         for row in table:
             print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
-    return 0
 
 
 if __name__ == "__main__":

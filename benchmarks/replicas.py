@@ -21,10 +21,25 @@ and calls save_async every --every iterations, without a checkpointer (none), wi
 and with replicas=2 (interleaved, --train-rounds each); the overhead is the mean step time
 against none's, in points.
 
+Restore (interleaved, --restore-rounds each, on the last replicas=2 step): a fresh
+checkpointer on every rank loads the step into zeroed tensors, bit exact, with every root
+intact ("local load") and with node 1's root replaced by an empty one ("from peers": node 1's
+files are read from their copy on a peer and sent over gloo); each as state bytes per second of
+the slowest rank's load. Against: gloo's loopback throughput (every rank sends the state's size
+to the next rank and receives as much from the previous one, in PIECE_BYTES messages: bytes per
+second of the slowest), and the local cold read (every rank reads its own data files of the
+step with O_DIRECT, at once: the state's bytes per second of the slowest); the goal is a
+restore from peers of at least 0.8x the slower of the two.
+
+Restart to the first training step: fresh ranks are spawned (a new process group), each opens
+the training loop's replicas=2 checkpointer, loads the newest step and trains one step; the
+time from the spawn to the slowest rank's first step done, with every node intact and with
+node 1 replaced by an empty root (interleaved, --train-rounds each).
+
 Every simulated node shares this machine's disks and cores: a copy costs disk time here that it
 would not on a cluster, where each node's NVMe writes only its own bytes.
 
-    .venv/bin/python benchmarks/replicas.py [--size 256M] [--ranks 2,4] [--rounds 3] [--dir D]
+    .venv/bin/python benchmarks/replicas.py [--size 256M] [--ranks 2,4] [--rounds 3] [--restore-rounds 3] [--dir D]
 """
 
 from __future__ import annotations
@@ -49,6 +64,8 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from gdswriter import DistOptions, GDSCheckpointer  # noqa: E402
+from gdswriter.distributed.replicastream import PIECE_BYTES  # noqa: E402
+from gdswriter.engines.buffers import AlignedBufferPool  # noqa: E402
 from gdswriter.format.commit import step_dir_name  # noqa: E402
 from gdswriter.units import human, parse_size  # noqa: E402
 
@@ -93,7 +110,7 @@ def _drive_bytes(base: Path, world: int, step: int) -> int:
     return total
 
 
-def _saves(rank: int, world: int, base: Path, size: int, rounds: int) -> dict:
+def _saves(rank: int, world: int, base: Path, size: int, rounds: int, restore_rounds: int) -> dict:
     state = make_state(size)
     twice = {"a": state, "b": {k: v.clone() for k, v in state.items()}}
     cks = {}
@@ -114,18 +131,114 @@ def _saves(rank: int, world: int, base: Path, size: int, rounds: int) -> dict:
         stored = _drive_bytes(rep, world, rounds)
     for ck in cks.values():
         ck.close()
-    return {"rows": rows, "drive_bytes": stored, "state_bytes": sum(v.nbytes for v in state.values())}
+    return {"rows": rows, "drive_bytes": stored, "state_bytes": sum(v.nbytes for v in state.values()),
+            "restore": _restores(rank, world, base / "replicas2", state, rounds, restore_rounds)}
+
+
+def _gloo_ring(rank: int, world: int, nbytes: int) -> float:
+    """Seconds (slowest rank) for every rank to send ``nbytes`` to the next rank and receive as
+    many from the previous one, in PIECE_BYTES messages, two in flight."""
+    import torch.distributed as dist
+
+    piece = min(PIECE_BYTES, nbytes)
+    out, got = torch.ones(piece, dtype=torch.uint8), [torch.empty(piece, dtype=torch.uint8) for _ in range(2)]
+    dist.barrier()
+    t0 = time.perf_counter()
+    works: list = []
+    for k in range(-(-nbytes // piece)):
+        if len(works) >= 4:
+            for w in works[:2]:
+                w.wait()
+            works = works[2:]
+        works += [dist.isend(out, (rank + 1) % world, tag=k), dist.irecv(got[k % 2], (rank - 1) % world, tag=k)]
+    for w in works:
+        w.wait()
+    return _slowest(time.perf_counter() - t0)
+
+
+def _cold_read(root: Path, step: int) -> float:
+    """Seconds (slowest rank) to read this rank's data files of ``step`` with O_DIRECT (cold:
+    no page cache), every rank at once."""
+    import torch.distributed as dist
+
+    files = sorted(p for p in (root / step_dir_name(step)).glob("data-*") if p.is_file())
+    pool = AlignedBufferPool(PIECE_BYTES, 1)
+    view = pool.buffers[0].view
+    dist.barrier()
+    t0 = time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        try:
+            off = 0
+            while (k := os.preadv(fd, [view], off)) == len(view):  # a short read: the file's end
+                off += k
+        finally:
+            os.close(fd)
+    seconds = _slowest(time.perf_counter() - t0)
+    pool.close()
+    return seconds
+
+
+def _timed_load(rank: int, base: Path, state: dict, step: int) -> float:
+    """A fresh replicas=2 checkpointer loads ``step`` into zeroed tensors, bit exact; seconds
+    (slowest rank), from the barrier before the open to the load's end."""
+    import torch.distributed as dist
+
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    dist.barrier()
+    t0 = time.perf_counter()
+    with GDSCheckpointer(live, root=base / f"n{rank}", dist_options=DistOptions(replicas=2)) as ck:
+        got = ck.load(step, strict=False)
+    seconds = _slowest(time.perf_counter() - t0)
+    assert got == step and all(torch.equal(live[k], v) for k, v in state.items()), "the load is not bit exact"
+    return seconds
+
+
+def _lose_node(base: Path, node: int, lost: bool) -> None:
+    """Node ``node``'s root replaced by an empty one (``lost``), or put back."""
+    root, kept = base / f"n{node}", base / f"n{node}.kept"
+    if lost:
+        root.rename(kept)
+        root.mkdir()
+    else:
+        shutil.rmtree(root)
+        kept.rename(root)
+
+
+def _restores(rank: int, world: int, base: Path, state: dict, step: int, rounds: int) -> dict:
+    """Interleaved rounds of: gloo ring, cold read, local load, load with node 1 lost."""
+    import torch.distributed as dist
+
+    nbytes = sum(v.nbytes for v in state.values())
+    out: dict = {"gloo": [], "cold read": [], "local load": [], "from peers": []}
+    for _ in range(rounds):
+        out["gloo"].append(_gloo_ring(rank, world, nbytes))
+        out["cold read"].append(_cold_read(base / f"n{rank}", step))
+        out["local load"].append(_timed_load(rank, base, state, step))
+        if rank == 1:
+            _lose_node(base, 1, True)
+        dist.barrier()
+        out["from peers"].append(_timed_load(rank, base, state, step))
+        dist.barrier()
+        if rank == 1:
+            _lose_node(base, 1, False)
+    return out
+
+
+def _model(train_size: int) -> tuple:
+    """The training loop's MLP (two square layers: weights + 2 AdamW moments ~ ``train_size``),
+    its optimizer and its input."""
+    width = max(int((train_size / 4 / 3 / 2) ** 0.5), 16)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4), torch.randn(64, width)
 
 
 def _train(rank: int, base: Path, train_size: int, iters: int, every: int, rounds: int) -> dict:
     """Mean step time of a small MLP + AdamW loop, per case (interleaved)."""
     import torch.distributed as dist
 
-    width = max(int((train_size / 4 / 3 / 2) ** 0.5), 16)  # two square layers, weights + 2 Adam moments
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(), torch.nn.Linear(width, width))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(64, width)
+    model, opt, x = _model(train_size)
     cks = {c: GDSCheckpointer(model, opt, root=base / f"train-{c}" / f"n{rank}", keep_last=2,
                               dist_options=DistOptions(replicas=c)) for c in (1, 2)}
     for ck in cks.values():  # the first save builds the engines and the pool
@@ -159,16 +272,39 @@ def _train(rank: int, base: Path, train_size: int, iters: int, every: int, round
     return {"times": times, "train_state": state}
 
 
-def worker(rank: int, world: int, port: int, base: str, a: dict) -> None:
+def _join(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+
+
+def restart(rank: int, base: Path, a: dict, spawned: float) -> dict:
+    """A restarted rank: open the training loop's replicas=2 checkpointer, load its newest step,
+    train one step; the seconds from ``spawned`` (the parent's time.time() at the spawn)."""
+    model, opt, x = _model(a["train_size"])
+    with GDSCheckpointer(model, opt, root=base / "train-2" / f"n{rank}",
+                         dist_options=DistOptions(replicas=2)) as ck:
+        step = ck.load()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        seconds = _slowest(time.time() - spawned)
+    return {"step": step, "seconds": seconds}
+
+
+def worker(rank: int, world: int, port: int, base: str, a: dict, spawned: float | None = None) -> None:
     try:
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=600))
-        out = _saves(rank, world, Path(base), a["size"], a["rounds"])
-        out.update(_train(rank, Path(base), a["train_size"], a["iters"], a["every"], a["train_rounds"]))
+        _join(rank, world, port)
+        if spawned is not None:
+            out = restart(rank, Path(base), a, spawned)
+        else:
+            out = _saves(rank, world, Path(base), a["size"], a["rounds"], a["restore_rounds"])
+            out.update(_train(rank, Path(base), a["train_size"], a["iters"], a["every"], a["train_rounds"]))
         if rank == 0:
             Path(base, "result.json").write_text(json.dumps(out))
         dist.barrier()
@@ -185,9 +321,24 @@ def free_port() -> int:
 
 
 def run(world: int, base: Path, a: dict) -> dict:
+    """The saves, restores and training loop; then the restarts (interleaved: intact, node 1 lost)."""
+    res = spawn(world, base, a, None)
+    res["restart"] = {"intact": [], "node 1 lost": []}
+    for _ in range(a["train_rounds"]):
+        for case in res["restart"]:
+            lost = case != "intact"
+            if lost:
+                _lose_node(base / "train-2", 1, True)
+            res["restart"][case].append(spawn(world, base, a, time.time())["seconds"])
+            if lost:
+                _lose_node(base / "train-2", 1, False)
+    return res
+
+
+def spawn(world: int, base: Path, a: dict, spawned: float | None) -> dict:
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, str(base), a)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, str(base), a, spawned)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -224,7 +375,25 @@ def table(world: int, res: dict) -> list[str]:
                  ", ".join(f"{c} {statistics.median(v) * 1e3:.2f} ms" for c, v in t.items()))
     for c in ("replicas=1", "replicas=2"):
         lines.append(f"  save_async overhead, {c}: {(statistics.median(t[c]) / none - 1) * 100:+.1f} points")
-    return lines
+    return lines + restore_lines(res)
+
+
+def restore_lines(res: dict) -> list[str]:
+    """The restore and restart figures (module docstring)."""
+    rs, gb = res["restore"], res["state_bytes"] / 1e9
+    rate = {k: statistics.median(gb / x for x in v) for k, v in rs.items()}
+    floor = min(rate["gloo"], rate["cold read"])
+    ratios = [p / min(g, c) for p, g, c in zip(*([gb / x for x in rs[k]] for k in ("from peers", "gloo", "cold read")))]
+    rt = res["restart"]
+    return [f"  restore GB/s (state bytes / slowest rank's time): local load {rate['local load']:.2f}, "
+            f"from peers (node 1 lost) {rate['from peers']:.2f}; gloo loopback {rate['gloo']:.2f}, "
+            f"local cold read {rate['cold read']:.2f}",
+            f"  restore from peers / local load:                      "
+            f"{statistics.median(x / y for x, y in zip(rs['local load'], rs['from peers'])):.2f}",
+            f"  restore from peers / slower of gloo and cold read:    {statistics.median(ratios):.2f}  "
+            f"(goal >= 0.80; that floor {floor:.2f} GB/s)",
+            f"  restart to first training step (spawn, load, one step): intact {statistics.median(rt['intact']):.2f} s, "
+            f"node 1 lost {statistics.median(rt['node 1 lost']):.2f} s"]
 
 
 def main(argv=None) -> int:
@@ -236,11 +405,12 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--train-rounds", type=int, default=2)
+    ap.add_argument("--restore-rounds", type=int, default=3)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     a = {"size": parse_size(ns.size), "rounds": ns.rounds, "train_size": parse_size(ns.train_size),
-         "iters": ns.iters, "every": ns.every, "train_rounds": ns.train_rounds}
+         "iters": ns.iters, "every": ns.every, "train_rounds": ns.train_rounds, "restore_rounds": ns.restore_rounds}
     results = {}
     for world in [int(w) for w in ns.ranks.split(",")]:
         base = Path(tempfile.mkdtemp(prefix=f"gdswriter-replicas-{world}-", dir=ns.dir))

@@ -13,8 +13,8 @@ import pytest
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def run_script(name: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, str(BENCH / name), *args], capture_output=True, text=True, timeout=300)
+def run_script(name: str, *args: str, timeout: float = 300) -> str:
+    proc = subprocess.run([sys.executable, str(BENCH / name), *args], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout
 
@@ -87,6 +87,11 @@ def test_dist_scale_sim(tmp_path):
                 str(tmp_path), "--json", str(out))
     assert "global manifest" in text and "DCP global plan" in text, text
     rows = json.loads(out.read_text())
+    replication = [r for r in rows if r["kind"] == "replicas=2"]
+    rows = [r for r in rows if r["kind"] != "replicas=2"]
+    assert "2 copies + parity" in text and [r["world"] for r in replication] == [4, 32], text
+    for r in replication:  # what a rank receives of the placement: its peers only, whatever W
+        assert r["typical"]["received"] < 256 and r["copies_factor"] == 2.0, r
     assert [(r["kind"], r["world"]) for r in rows] == [("fsdp", 4), ("fsdp", 32), ("ddp", 4), ("ddp", 32)]
     for kind in ("fsdp", "ddp"):
         small, large = (r for r in rows if r["kind"] == kind)
@@ -186,7 +191,12 @@ def test_tensor_counts(tmp_path):
 
 def test_replicas_benchmark(tmp_path):
     out = run_script("replicas.py", "--size", "8M", "--ranks", "2", "--rounds", "1", "--train-size", "1M", "--iters",
-                     "4", "--every", "2", "--train-rounds", "1", "--dir", str(tmp_path))
+                     "4", "--every", "2", "--train-rounds", "1", "--restore-rounds", "1", "--dir", str(tmp_path),
+                     timeout=900)  # two restarts spawn ranks anew (slow on a loaded machine)
     assert "time to protected / local engine, same total bytes" in out, out
     assert "drive bytes / state byte (replicas=2, data files):    2.000" in out, out
     assert "save_async overhead, replicas=2" in out, out
+    for line in ("restore from peers / local load", "restore from peers / slower of gloo and cold read",
+                 "restart to first training step (spawn, load, one step): intact"):
+        assert line in out, out
+    assert list(tmp_path.iterdir()) == []

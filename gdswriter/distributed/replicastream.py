@@ -5,16 +5,28 @@ while up to DEPTH pieces of each stream travel each way (isend/irecv on the repl
 and a writer thread writes what arrived; memory is (1 + senders) x DEPTH pieces, whatever the
 state's size. Every chunk's crc32c is checked as it is read (a damaged local file is never
 copied); a received copy is fdatasynced, checked against its sender's trailer, fsynced and
-renamed into place whole (``Incoming.publish``)."""
+renamed into place whole (``Incoming.publish``).
+
+Direct I/O: each file takes a whole number of ALIGN (4 KiB) blocks of the stream (its last one
+padded with zeros, which no crc32c covers), so every file starts on an aligned offset of an
+aligned piece, and both ends move the bytes with O_DIRECT between page-aligned, page-locked
+buffers (engines/buffers.py) and the files, in whole blocks, as the engines do: the source
+reads cold (the step it just wrote is not read through, nor left in, the page cache) and the
+copy's writes do not queue behind a page cache flush at its fdatasync. A copy's padding is cut
+off (ftruncate) before the fdatasync. A file system refusing O_DIRECT, or needing more than
+4 KiB alignment, is read and written buffered (open_aligned)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import queue
 import secrets
 import shutil
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,17 +34,67 @@ from pathlib import Path
 from collections.abc import Sequence
 
 import crc32c as _crc32c
-import torch
 
+from ..engines.buffers import AlignedBufferPool
+from ..engines.dio import direct_io_alignment
 from ..errors import ChecksumMismatchError, CollectiveFailedError, EngineIOError, GDSWriterError, ReplicationError
 from ..format.commit import TMP_PREFIX
 from ..format.manifest import MANIFEST_NAME, ChunkRecord
 from ..format.replicas import copy_dir_name
-from ..fs import atomic_write, fsync_dir, open_regular
+from ..fs import atomic_write, closed_on_failure, fsync_dir, open_regular
+from ..options import ALIGN
 from .group import Coordinator, describe
 
 PIECE_BYTES = 32 << 20  # one piece of a rank's stream to its peers (and of each stream it receives)
 DEPTH = 3  # pieces of each stream in flight or in a buffer at once (read ahead, on the wire, being written)
+
+
+def padded(size: int) -> int:
+    """The stream bytes a file of ``size`` bytes takes: whole ALIGN blocks (module docstring)."""
+    return -(-size // ALIGN) * ALIGN
+
+
+def open_aligned(path: Path, write: bool) -> int:
+    """``path`` opened (open_regular: a regular file only; for writing, created or emptied)
+    with O_DIRECT where its file system takes it with at most ALIGN-aligned offsets and memory,
+    else buffered; blocking. Every transfer on it is whole ALIGN blocks from aligned memory."""
+    fd, direct = open_regular(str(path), write, direct=True)
+    with closed_on_failure(fd, str(path)):
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK
+        need = direct_io_alignment(fd) if direct else None
+        if need is not None and (need.memory > ALIGN or need.offset > ALIGN):
+            flags &= ~os.O_DIRECT
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return fd
+
+
+_IDLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Coordinator -> its last step's pools
+_IDLE_LOCK = threading.Lock()
+
+
+def take_pools(coord: Coordinator, wanted: list[tuple[int, int]]) -> list[AlignedBufferPool]:
+    """Buffer pools of at least (size, count) each: the ones the channel's previous step gave
+    back where they are large enough (making a pool faults in and locks its pages: seconds
+    for a few hundred MiB on a busy host), else new ones."""
+    with _IDLE_LOCK:
+        idle = _IDLE.pop(coord, [])
+    got = []
+    for size, count in wanted:
+        fit = next((p for p in idle if p.size >= size and p.count >= count), None)
+        if fit is not None:
+            idle.remove(fit)
+        got.append(fit or AlignedBufferPool(size, count))
+    for p in idle:
+        p.close()
+    return got
+
+
+def give_back(coord: Coordinator, pools: list[AlignedBufferPool]) -> None:
+    """A step's pools, no longer used by any transfer, kept for the channel's next step."""
+    with _IDLE_LOCK:
+        old, _IDLE[coord] = _IDLE.get(coord, []), list(pools)
+    for p in old:
+        p.close()
 
 
 @dataclass
@@ -81,7 +143,7 @@ class Outgoing:
     def __init__(self, sources: list[Source], error: BaseException | None):
         self.sources, self.error = sources, error
         self.header = json.dumps([[s.kind, s.name, s.size] for s in sources]).encode()
-        self.total = sum(s.size for s in sources)
+        self.total = sum(padded(s.size) for s in sources)
         self.crcs = [0] * len(sources)
         self._file, self._pos, self._fd, self._check = 0, 0, -1, None
 
@@ -90,37 +152,44 @@ class Outgoing:
         n = 0
         while n < len(buf) and self._file < len(self.sources):
             src = self.sources[self._file]
-            want = min(len(buf) - n, src.size - self._pos)
+            want = min(len(buf) - n, padded(src.size) - self._pos)
             piece = buf[n:n + want]
+            real = min(want, src.size - self._pos)  # the rest of the piece is the file's padding
             if self.error is None:
                 try:
-                    self._read(src, piece)
+                    self._read(src, piece, real)
                 except Exception as e:  # noqa: BLE001 - the peers are told in the trailer
                     self.error = e
-            if self.error is not None:
-                piece[:] = bytes(want)
+            kept = real if self.error is None else 0  # after an error: zeros (the trailer says why)
+            piece[kept:] = bytes(want - kept)
             self._pos, n = self._pos + want, n + want
-            if self._pos == src.size:
+            if self._pos == padded(src.size):
                 self._next()
         return n
 
-    def _read(self, src: Source, piece: memoryview) -> None:
+    def _read(self, src: Source, piece: memoryview, real: int) -> None:
+        """The file's next ``real`` bytes into ``piece`` (aligned, whole blocks: ``len(piece)``
+        bytes are asked for, so that O_DIRECT reads the last block too), chunks checked."""
         if src.data is not None:
-            piece[:] = src.data[self._pos:self._pos + len(piece)]
+            piece[:real] = src.data[self._pos:self._pos + real]
         else:
             assert src.path is not None
             if self._fd < 0:
-                self._fd, _ = open_regular(str(src.path), write=False)
+                self._fd = open_aligned(src.path, write=False)
                 self._check = _ChunkCheck(src.chunks, src.path)
             got = 0
-            while got < len(piece):
-                k = os.preadv(self._fd, [piece[got:]], self._pos + got)
-                if k <= 0:
-                    raise EngineIOError(5, src.path, self._pos + got, "read (the file is shorter than its shard says)")
+            while got < real:  # a regular file reads short only at its end (or at an error)
+                try:
+                    k = os.preadv(self._fd, [piece[got:]], self._pos + got)
+                except OSError as e:
+                    raise EngineIOError(e.errno, src.path, self._pos + got, "read") from e
+                if k <= 0 or (k < len(piece) - got and got + k < real):
+                    raise EngineIOError(errno.EIO, src.path, self._pos + got + max(k, 0),
+                                        "read (the file is shorter than its shard says)")
                 got += k
             assert self._check is not None
-            self._check.feed(self._pos, piece)
-        self.crcs[self._file] = _crc32c.crc32c(piece, self.crcs[self._file])
+            self._check.feed(self._pos, piece[:real])
+        self.crcs[self._file] = _crc32c.crc32c(piece[:real], self.crcs[self._file])
 
     def _next(self) -> None:
         self.close()
@@ -168,23 +237,43 @@ class Incoming:
             self._file += 1
 
     def write(self, data: memoryview) -> None:
+        """The stream's next bytes (whole blocks of its files, module docstring) into the files;
+        each file's padding cut off, then fdatasynced, when its last block is written."""
         n = 0
         while n < len(data):
             size = self.files[self._file][2]
+            path = self._path(self._file)
             if self._fd < 0:
-                self._fd, _ = open_regular(str(self._path(self._file)), write=True)
-            want = min(len(data) - n, size - self._pos)
+                self._fd = open_aligned(path, write=True)
+            want = min(len(data) - n, padded(size) - self._pos)
             piece = data[n:n + want]
-            done = 0
-            while done < want:
-                done += os.pwrite(self._fd, piece[done:], self._pos + done)
-            self.crcs[self._file] = _crc32c.crc32c(piece, self.crcs[self._file])
+            self._write_all(piece, path)
+            self.crcs[self._file] = _crc32c.crc32c(piece[:max(0, min(want, size - self._pos))],
+                                                   self.crcs[self._file])
             self._pos, n = self._pos + want, n + want
-            if self._pos == size:
-                os.fdatasync(self._fd)
+            if self._pos == padded(size):
+                try:
+                    os.ftruncate(self._fd, size)
+                    os.fdatasync(self._fd)
+                except OSError as e:
+                    raise EngineIOError(e.errno, path, size, "fsync/ftruncate") from e
                 os.close(self._fd)
                 self._fd, self._pos, self._file = -1, 0, self._file + 1
                 self._skip_empty()
+
+    def _write_all(self, piece: memoryview, path: Path) -> None:
+        """``piece`` at the file's position; a write the kernel cuts short goes on from where it
+        stopped, and one that takes nothing is an error (never ignored)."""
+        done = 0
+        while done < len(piece):
+            try:
+                k = os.pwrite(self._fd, piece[done:], self._pos + done)
+            except OSError as e:
+                raise EngineIOError(e.errno, path, self._pos + done, "write") from e
+            if k <= 0:
+                raise EngineIOError(errno.EIO, path, self._pos + done, "write",
+                                    "the kernel accepted zero bytes; the device may be failing")
+            done += k
 
     def publish(self, trailer: dict) -> None:
         """Check the sender's trailer and every file's crc32c, then put the copy in place durably."""
@@ -224,10 +313,14 @@ class Pipeline:
         piece = PIECE_BYTES
         self.send_rounds = -(-out.total // piece) if dests else 0
         self.rounds = max([self.send_rounds] + [-(-t // piece) for t in totals.values()])
-        self.send_bufs = [torch.empty(min(piece, max(out.total, 1)), dtype=torch.uint8)
-                          for _ in range(min(DEPTH, self.send_rounds))]
-        self.recv_bufs = {s: [torch.empty(min(piece, max(t, 1)), dtype=torch.uint8)
-                              for _ in range(min(DEPTH, -(-t // piece)))] for s, t in totals.items()}
+        # page-aligned, page-locked (direct I/O); kept with the pipeline after a failure (``works``),
+        # given back for the next step after a success (``run``)
+        wanted = [(min(piece, t), min(DEPTH, -(-t // piece)))
+                  for t in [out.total if self.send_rounds else 0] + list(totals.values()) if t]
+        self.pools = take_pools(coord, wanted)
+        pools = iter(zip(self.pools, wanted))
+        self.send_bufs = self._slots(*next(pools)) if self.send_rounds else []
+        self.recv_bufs = {s: self._slots(*next(pools)) for s, t in totals.items() if t}
         self.free_send: queue.Queue = queue.Queue()
         for i in range(len(self.send_bufs)):
             self.free_send.put(i)
@@ -240,6 +333,11 @@ class Pipeline:
         self.stop = threading.Event()
         self.works: list = []  # the last works posted: kept alive (with their buffers) after a failure
 
+    @staticmethod
+    def _slots(pool: AlignedBufferPool, wanted: tuple[int, int]) -> list:
+        size, count = wanted
+        return [b.tensor[:size] for b in pool.buffers[:count]]
+
     def run(self) -> None:
         """Every piece sent and received, and the received ones written; CollectiveFailedError
         when a peer failed or left (the groups' works are then abandoned, their buffers kept)."""
@@ -247,8 +345,10 @@ class Pipeline:
                    threading.Thread(target=self._write, name="gdswriter-replicate-write", daemon=True)]
         for t in threads:
             t.start()
+        done = False
         try:
             self._exchange()
+            done = True
         except BaseException:
             self.stop.set()
             raise
@@ -257,6 +357,8 @@ class Pipeline:
             self.to_write.put(None)
             for t in threads:
                 t.join()
+            if done:  # no transfer and no thread uses the buffers any more
+                give_back(self.coord, self.pools)
 
     def _exchange(self) -> None:
         import torch.distributed as dist
