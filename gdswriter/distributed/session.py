@@ -12,7 +12,9 @@ checkpointer's own coordination channel.
 With ``DistOptions(replicas=C)``, C > 1, the roots' opening also places the copies
 (replicate.py ``plan_peers``), and every committed step is handed to the session's
 ``replicator`` (replicate.py), whose thread copies it to peer nodes over a second channel of its
-own; ``close`` waits for it. Retention then keeps the newest protected step.
+own; ``close`` waits for it. Retention then keeps the newest protected step. With
+``DistOptions(parity_group=G)`` the same thread protects each step with parity instead
+(parity.py).
 
 Each session has a channel of its own (group.py): another checkpointer's save thread never
 shares its collectives. Its collective operations (a save's writes and commit, a retention,
@@ -42,6 +44,7 @@ from .drain import RankDrainer
 from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
+from .parity import plan_parity, replicator_for
 from .replicate import ReplicaPeers, ReplicationJob, Replicator, plan_peers
 from .roots import RootLayout, clean_led, discover_layout, lock_led, owned, probe_led, settle_primary, share_table
 from .save import DTensors, PlanCache, collective_save
@@ -127,7 +130,7 @@ class DistSession:
     def start_replication(self, channel: Coordinator) -> None:
         """Replicate every committed step over ``channel`` (a gloo group of its own: replicate.py)."""
         assert self.peers is not None
-        self.replicator = Replicator(channel, self.layout, self.peers)
+        self.replicator = replicator_for(channel, self.layout, self.peers)
 
     def protected_step(self) -> int | None:
         """The newest protected step: from the markers where this rank sees the primary root,
@@ -289,9 +292,10 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
                     "the manifests", layout.root(0).path, layout.primary_id, layout.primary_rank,
                     layout.primary_rank)
     peers = None
-    if options.replicas > 1:
+    if options.replicas > 1 or options.parity_group:
         try:
-            peers = plan_peers(coord, layout, options.replicas, options.failure_domains)
+            peers = plan_peers(coord, layout, options.replicas, options.failure_domains) if options.replicas > 1 \
+                else plan_parity(coord, layout, options.parity_group, options.failure_domains)
         except BaseException:
             lock.release()
             raise
