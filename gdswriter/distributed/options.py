@@ -62,8 +62,8 @@ class DistOptions:
         InvalidOptionError at open when the job runs on fewer than C hosts.
     parity_group: instead of full copies, protect each group of G hosts with one rotating parity
         block (XOR of the group's chunks, RAID-5 style; env GDSWRITER_PARITY_GROUP; None: off):
-        any one host of a group may be lost at (G + 1) / G times the bytes on the drives, not
-        2x. After each commit every rank streams its files in chunks to the other members of
+        any one host of a group may be lost at G / (G - 1) times the bytes on the drives (each
+        block covers G - 1 hosts' chunks), not 2x. After each commit every rank streams its files in chunks to the other members of
         its lane (the same rank position on each host of the group), which keep the XOR under
         ``step_S/parity/`` (distributed/parity.py); a load whose rank's node is lost rebuilds
         its files from the others and the parity, every chunk checked by crc32c
@@ -114,7 +114,7 @@ class DistOptions:
             if isinstance(g, bool) or not isinstance(g, int) or not 2 <= g <= MAX_PARITY_GROUP:
                 raise InvalidOptionError(f"parity_group={g!r} must be None (off, the default) or the hosts one parity "
                                          f"block protects, from 2 to {MAX_PARITY_GROUP} (bytes on the drives: "
-                                         f"(G + 1) / G of the state)")
+                                         f"G / (G - 1) of the state)")
             if c > 1:
                 raise InvalidOptionError(f"parity_group={g} and replicas={c} cannot be combined: choose full copies "
                                          f"(replicas={c}) or parity (parity_group={g}), and leave the other at its "
