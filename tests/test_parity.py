@@ -1,6 +1,6 @@
 """Parity instead of full copies (DistOptions(parity_group=G), issue 39 item 5), on the kill-a-node
 harness (tests/support/nodes.py: each node its own namespaces, hostname and /local_nvme, 1 rank
-each, gloo on loopback): a step is protected by parity blocks at (G + 1) / G times the bytes; a
+each, gloo on loopback): a step is protected by parity blocks at G / (G - 1) times the bytes; a
 node of a group lost (an empty root) is rebuilt from the others and loads bit exact; two lost in
 one group is a typed error (fallback=True loads an older step that survives); a damaged data
 chunk or parity block is detected, never loaded."""
@@ -33,8 +33,8 @@ NUMEL = 3 * 256 * 1024 + 777  # 3 MiB (and a bit) float32 per tensor: chunks end
 def cluster(tmp_path):
     made: list[Cluster] = []
 
-    def make(nodes: int) -> Cluster:
-        made.append(Cluster(tmp_path / f"cluster{len(made)}", nodes=nodes))
+    def make(nodes: int, ranks_per_node: int = 1) -> Cluster:
+        made.append(Cluster(tmp_path / f"cluster{len(made)}", nodes=nodes, ranks_per_node=ranks_per_node))
         return made[-1]
 
     yield make
@@ -113,7 +113,7 @@ def _flip(path: Path, at: int) -> None:
 def test_parity_save_is_protected_at_g_plus_1_over_g(cluster):
     """3 nodes, parity_group=3 (one lane of 3): each step is protected, every node holds a parity
     block and its stripe description, and the parity bytes are 1/2 of the members' bytes (the
-    longest chunk of the others: within a few bytes of the shares), (G + 1) / G = 1.5 in all."""
+    longest chunk of the others: within a few bytes of the shares), G / (G - 1) = 1.5 in all."""
     c = cluster(3)
     got = c.run(_save, [1, 2], 3)
     assert [(x["protected1"], x["protected2"], x["protected"]) for x in got] == [(None, None, 2)] * 3, got
@@ -250,7 +250,7 @@ def test_parity_protected_survives_a_power_cut(tmp_path):
 @needs_nodes
 def test_parity_two_groups_lose_one_node_each_the_primary_included(cluster):
     """4 nodes, parity_group=2: groups {node0, node2} and {node1, node3} (hosts dealt round
-    robin), (G + 1) / G = 2 here. Nodes 0 (the primary, with the step's manifest) and 1 replaced
+    robin), G / (G - 1) = 2 here. Nodes 0 (the primary, with the step's manifest) and 1 replaced
     by empty disks: one node of each group. The restart adopts the manifest's copy node 2 keeps,
     both lost ranks are rebuilt from their groups, and every rank loads bit exact."""
     c = cluster(4)
@@ -263,3 +263,32 @@ def test_parity_two_groups_lose_one_node_each_the_primary_included(cluster):
     c.replace_node(1)
     out = c.run(_load, [None], 2)
     assert [x["None"] for x in out] == [[1, True]] * 4, out
+
+
+@needs_nodes
+def test_parity_two_ranks_per_node_lanes(cluster):
+    """2 nodes x 2 ranks, parity_group=2: lanes [0, 2] and [1, 3] (the i-th rank of each host).
+    Node 1 (ranks 2 and 3) replaced by an empty disk: each lane lost one member, both are
+    rebuilt (from node 0's files and parity), every rank loads bit exact."""
+    c = cluster(2, 2)
+    assert [x["protected"] for x in c.run(_save, [1], 2)] == [1] * 4
+    lanes = json.loads((_step_dir(c, 0, 1) / "parity" / "rank00001.json").read_bytes())["lane"]
+    assert lanes == [1, 3], lanes
+    c.replace_node(1)
+    assert [x["None"] for x in c.run(_load, [None], 2)] == [[1, True]] * 4
+
+
+def test_parity_benchmark_measures_the_bytes_on_the_drives(tmp_path):
+    """benchmarks/parity.py, small: 3 ranks (3 simulated hosts), one group; its measured drive
+    bytes per state byte, from the files, are n / (n - 1) = 1.5 within the shards' bytes."""
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent.parent
+    out = tmp_path / "parity.json"
+    text = subprocess.run([sys.executable, str(here / "benchmarks" / "parity.py"), "--size", "4M", "--ranks", "3",
+                           "--rounds", "1", "--dir", str(tmp_path), "--json", str(out)], check=True, timeout=600,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(here)}).stdout
+    assert "drive bytes / state byte" in text, text
+    r = json.loads(out.read_text())["3"]
+    assert 1.49 < (r["own"] + r["parity"]) / r["own"] < 1.51, r
