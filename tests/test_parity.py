@@ -110,10 +110,11 @@ def _flip(path: Path, at: int) -> None:
 
 
 @needs_nodes
-def test_parity_save_is_protected_at_g_plus_1_over_g(cluster):
+def test_parity_save_is_protected_at_g_plus_1_over_g(cluster, capsys):
     """3 nodes, parity_group=3 (one lane of 3): each step is protected, every node holds a parity
     block and its stripe description, and the parity bytes are 1/2 of the members' bytes (the
-    longest chunk of the others: within a few bytes of the shares), G / (G - 1) = 1.5 in all."""
+    longest chunk of the others: within a few bytes of the shares), G / (G - 1) = 1.5 in all;
+    ``gdswriter ls`` says so."""
     c = cluster(3)
     got = c.run(_save, [1, 2], 3)
     assert [(x["protected1"], x["protected2"], x["protected"]) for x in got] == [(None, None, 2)] * 3, got
@@ -125,6 +126,11 @@ def test_parity_save_is_protected_at_g_plus_1_over_g(cluster):
         assert body["lane"] == [0, 1, 2] and body["parity"]["rank"] == k, body
         assert (_step_dir(c, k, 2) / "protected").exists() == (k == 0)
     assert (_step_dir(c, 1, 2) / "copies" / "manifest.json").is_file()
+    from gdswriter.cli import main
+
+    capsys.readouterr()
+    assert main(["ls", str(c.nvme_dir(0) / "ckpt")]) == 0
+    assert capsys.readouterr().out.count("protected (parity, groups of 3)") == 2
 
 
 @needs_nodes

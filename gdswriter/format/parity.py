@@ -40,6 +40,17 @@ def chunk_lengths(total: int, n: int) -> list[int]:
     return [max(0, min(per, total - c * per)) for c in range(max(n - 1, 1))]
 
 
+def protected_parity(step_dir: Path) -> int | None:
+    """The group size a ``protected`` marker written by parity records (None: no marker, or
+    one of full copies)."""
+    try:
+        body = json.loads(read_regular_file(step_dir / "protected", 4096))
+    except (OSError, GDSWriterError, ValueError):
+        return None
+    n = body.get("parity_group") if isinstance(body, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
+
+
 def read_stripe(path: Path) -> dict:
     """A ``rank<R>.json``, parsed and checked for the keys a rebuild reads (untrusted input:
     CorruptCheckpointError when it is not one gdswriter wrote)."""
