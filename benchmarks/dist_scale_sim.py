@@ -28,6 +28,13 @@ hosts and failure domains to rank 0, a scatter of each rank's part), in a table 
 what a typical rank sends and receives (flat in W: the ranks it sends its copies to and
 receives them from), its CPU time, and rank 0's.
 
+Parity rows (``--parity-groups``, DistOptions(parity_group=G), hosts of ``--ranks-per-host``
+ranks): rank 0's placement (planner parity_groups and the lanes, distributed/parity.py
+``lanes_of``: CPU time over W messages), the bytes of the part each rank receives, the summary
+a rank sends each lane peer after a save (its files and crc32c values, a rank of the ``fsdp``
+state's 2 files), the bytes a rank sends and receives per byte of its state in the parity
+rounds, and the bytes on the drives per state byte (ParityPlan.drive_factor): all flat in W.
+
     python benchmarks/dist_scale_sim.py                       # W = 8, 64, 512, 4096, 16384
     python benchmarks/dist_scale_sim.py --worlds 8,64 --dcp-max 64 --markdown
 """
@@ -262,6 +269,33 @@ def simulate(kind: str, world: int, base: Path, engine) -> dict:
             **({"reshard": least(plan_reshard_load, reshard_layout(world, roots), roots, 2)} if kind == "ddp" else {})}
 
 
+def simulate_parity(world: int, group: int, per_host: int) -> dict:
+    """Rank 0's parity placement for ``world`` ranks on hosts of ``per_host``, and what a typical
+    rank receives and sends (the module docstring)."""
+    from gdswriter.distributed.parity import lanes_of
+    from gdswriter.format.parity import chunk_lengths
+    from gdswriter.planner.replicas import parity_groups
+
+    hosts = [f"node{r // per_host:05d}" for r in range(world)]
+    got = [{"host": h, "domain": [], "group": group, "root": f"{r:032x}"} for r, h in enumerate(hosts)]
+    t0 = time.process_time()
+    parts = lanes_of(got, group)
+    cpu = time.process_time() - t0
+    part = parts[world // 2]
+    n = len(part["lane"])
+    files = [["shard", shard_name(world // 2), 1 << 20]] + [["data", f"data-rank{world // 2}-r0-f{i}.bin", 1 << 30]
+                                                             for i in range(2)]
+    total = sum(f[2] for f in files)  # every member alike
+    summary = {"rank": world // 2, "files": files, "roots": [world // 2] * 3, "total": total,
+               "file_crcs": [0xFFFFFFFF] * 3, "chunk_crcs": [0xFFFFFFFF] * (n - 1), "ok": True}
+    return {"world": world, "group": group, "hosts": world // per_host if world >= per_host else 1,
+            "groups": len(parity_groups(hosts, group).groups), "lane": n, "cpu_s": cpu,
+            "part": len(json.dumps(part)), "summary": len(json.dumps(summary)),
+            "sent_per_byte": sum(chunk_lengths(total, n)) / total,  # chunk c to member i + 1 + c, each once
+            "received_per_byte": sum(chunk_lengths(total, n)[c] for c in range(n - 1)) / total,  # chunk c of i - 1 - c
+            "drive_factor": parity_groups(hosts, group).drive_factor()}
+
+
 def least(plan, *args, runs: int = 3) -> dict:
     """The run of ``plan(*args)`` (a load's planning) with the least CPU time of ``runs``: the
     machine is shared, and its other jobs add to one run's time, never take from it."""
@@ -285,6 +319,9 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--replicas", type=int, default=2, help="copies for the replication rows (0: none)")
+    ap.add_argument("--parity-groups", default="2,4", help="parity rows for these DistOptions(parity_group=G) "
+                                                           "('' for none)")
+    ap.add_argument("--ranks-per-host", type=int, default=8, help="ranks per host in the parity rows")
     args = ap.parse_args(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     engine = create_engine(EngineOptions(buffer_bytes=256 * KiB, request_bytes=64 * KiB, num_buffers=2))
@@ -322,6 +359,7 @@ def main(argv=None) -> int:
     if replication:
         print()
         show(replication_table(replication, args.replicas), args.markdown)
+    print_parity(args, worlds)
     return 0
 
 
@@ -363,6 +401,25 @@ def show(table: list[list], markdown: bool) -> None:
         widths = [max(len(str(row[i])) for row in table) for i in range(len(head))]
         for row in table:
             print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+
+
+def print_parity(args, worlds: list[int]) -> None:
+    """The parity rows (the module docstring)."""
+    if not args.parity_groups:
+        return
+    head = ["G", "W", "hosts", "groups", "lane", "rank 0: placement CPU (ms)", "a rank's part (B)",
+            "summary to each lane peer (B)", "parity rounds: sent / received per state byte", "drive bytes per state byte"]
+    table = [head]
+    for g in (int(x) for x in args.parity_groups.split(",")):
+        for w in worlds:
+            if w < 2 * args.ranks_per_host:
+                continue
+            r = simulate_parity(w, g, args.ranks_per_host)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            table.append([g, w, r["hosts"], r["groups"], r["lane"], f"{r['cpu_s'] * 1e3:.1f}", r["part"], r["summary"],
+                          f"{r['sent_per_byte']:.2f} / {r['received_per_byte']:.2f}", f"{r['drive_factor']:.3f}"])
+    print()
+    show(table, args.markdown)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
 from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, CommitProtocol
 from ..format.manifest import MANIFEST_NAME
+from ..format.parity import protected_parity
 from ..format.replicas import protected_copies
 from ..format.sharded import parse_global
 from ..load.reader import read_manifest_bytes
@@ -48,6 +49,9 @@ def _state(protocol: CommitProtocol, step: int, copies: int) -> tuple[str, str]:
     """(state, what the STATE column shows): "protected" once its ``protected`` marker is in (every
     copy durable), else "committed" (with the copies it waits for where it was saved with replicas)."""
     done = protected_copies(protocol.step_dir(step))
+    parity = protected_parity(protocol.step_dir(step)) if done is not None else None
+    if parity is not None:
+        return "protected", f"protected (parity, groups of {parity})"
     if done is not None:
         return "protected", f"protected ({done} copies)"
     return "committed", "committed" if copies == 1 else f"committed (0/{copies - 1} copies)"

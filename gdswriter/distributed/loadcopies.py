@@ -10,7 +10,8 @@ When that load finds damage (a shard or a chunk whose crc32c does not match, a m
 short file), ``verified_copies`` finds out whose files are bad: each rank's current place is
 checked by a rank that sees it (its shard against the manifest, every chunk against the
 shard), a bad one moves to the next copy, which is checked in turn, and the load runs once
-more on the places that passed. A rank with no good copy left is a CorruptCheckpointError
+more on the places that passed (a step protected by parity first rebuilds the files of ranks
+whose root is gone into such a copy: parityload.py). A rank with no good copy left is a CorruptCheckpointError
 naming every copy tried: never a load of bytes no checksum vouched for.
 """
 
@@ -31,6 +32,7 @@ from ..format.sharded import GlobalManifest, parse_shard, read_shard
 from ..load.verify import verify_step
 from .group import Coordinator, describe
 from .loadplan import reach_of
+from .parityload import rebuild_lost
 from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
@@ -111,7 +113,9 @@ def verified_copies(coord: Coordinator, layout: RootLayout, g: GlobalManifest, c
     """Collective: rank -> the copy root to read it from, for each rank whose own files (or
     earlier copies) failed their checks (``check_place``, run by a rank that sees the place);
     every rank gets the same answer. A rank with no good place left: CorruptCheckpointError
-    naming every place tried, on every rank."""
+    naming every place tried, on every rank. A step protected by parity first rebuilds its lost
+    ranks' files into copies (parityload.py), which are then checked as any copy."""
+    rebuild_lost(coord, layout, g, copies, what=what, src=src)
     seen = job_ranks(layout)
     reach = reach_of(g, layout)
     pos = [0] * g.world_size

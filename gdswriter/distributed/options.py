@@ -11,6 +11,8 @@ from ..errors import InvalidOptionError
 
 TIMEOUT_ENV = "GDSWRITER_DIST_TIMEOUT"
 REPLICAS_ENV = "GDSWRITER_REPLICAS"
+PARITY_ENV = "GDSWRITER_PARITY_GROUP"
+MAX_PARITY_GROUP = 64  # hosts one parity block may protect (a rebuild reads the other G members)
 MAX_REPLICAS = 16  # copies of every byte a step may ask for (a manifest entry's bound, format.md 11)
 
 
@@ -58,6 +60,17 @@ class DistOptions:
         retention never deletes the newest protected step. Hosts are told apart by
         ``socket.gethostname()``, or GDSWRITER_HOSTNAME where set (format.md section 11).
         InvalidOptionError at open when the job runs on fewer than C hosts.
+    parity_group: instead of full copies, protect each group of G hosts with one rotating parity
+        block (XOR of the group's chunks, RAID-5 style; env GDSWRITER_PARITY_GROUP; None: off):
+        any one host of a group may be lost at G / (G - 1) times the bytes on the drives (each
+        block covers G - 1 hosts' chunks), not 2x. After each commit every rank streams its files in chunks to the other members of
+        its lane (the same rank position on each host of the group), which keep the XOR under
+        ``step_S/parity/`` (distributed/parity.py); a load whose rank's node is lost rebuilds
+        its files from the others and the parity, every chunk checked by crc32c
+        (distributed/parityload.py). Two hosts of one group lost: CorruptCheckpointError
+        (``load(fallback=True)`` loads an older step that survives). G from 2 to
+        MAX_PARITY_GROUP, at least 2 hosts, the same number of ranks on every host of a group;
+        not with replicas > 1.
     failure_domains: each rank's failure domains beyond its host, outermost first, so that the
         copies also land in distinct racks or switches where the layout allows: a callable
         ``(rank, host) -> "switch0/rack3"`` or a mapping host -> domain; None: the
@@ -71,6 +84,7 @@ class DistOptions:
     load_cross_memory: bool = True
     replicas: int = 1
     failure_domains: Any = None
+    parity_group: int | None = None
 
     def __post_init__(self) -> None:
         self._check_replicas()
@@ -95,6 +109,16 @@ class DistOptions:
         if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_REPLICAS:
             raise InvalidOptionError(f"replicas={c!r} must be a whole number of copies from 1 (no replicas, the "
                                      f"default) to {MAX_REPLICAS}; 2 survives losing any one node")
+        g = self.parity_group
+        if g is not None:
+            if isinstance(g, bool) or not isinstance(g, int) or not 2 <= g <= MAX_PARITY_GROUP:
+                raise InvalidOptionError(f"parity_group={g!r} must be None (off, the default) or the hosts one parity "
+                                         f"block protects, from 2 to {MAX_PARITY_GROUP} (bytes on the drives: "
+                                         f"G / (G - 1) of the state)")
+            if c > 1:
+                raise InvalidOptionError(f"parity_group={g} and replicas={c} cannot be combined: choose full copies "
+                                         f"(replicas={c}) or parity (parity_group={g}), and leave the other at its "
+                                         f"default (check GDSWRITER_REPLICAS and GDSWRITER_PARITY_GROUP)")
         d = self.failure_domains
         if d is not None and not callable(d) and not isinstance(d, Mapping):
             raise InvalidOptionError(f"failure_domains={d!r} must be None (GDSWRITER_FAILURE_DOMAINS, else hosts "
@@ -102,7 +126,8 @@ class DistOptions:
 
     @classmethod
     def from_env(cls, **overrides) -> DistOptions:
-        """Defaults, then GDSWRITER_DIST_TIMEOUT and GDSWRITER_REPLICAS, then ``overrides``."""
+        """Defaults, then GDSWRITER_DIST_TIMEOUT, GDSWRITER_REPLICAS and GDSWRITER_PARITY_GROUP,
+        then ``overrides``."""
         raw = os.environ.get(TIMEOUT_ENV)
         values: dict = {}
         if raw is not None and raw.strip():
@@ -118,5 +143,12 @@ class DistOptions:
             except ValueError as e:
                 raise InvalidOptionError(f"environment variable {REPLICAS_ENV}={raw!r} is not a whole number of "
                                          f"copies (1, 2, ...)") from e
+        raw = os.environ.get(PARITY_ENV)
+        if raw is not None and raw.strip():
+            try:
+                values["parity_group"] = int(raw)
+            except ValueError as e:
+                raise InvalidOptionError(f"environment variable {PARITY_ENV}={raw!r} is not a whole number of hosts "
+                                         f"per parity group (2, 3, ...)") from e
         values.update(overrides)
         return cls(**values)

@@ -12,7 +12,9 @@ checkpointer's own coordination channel.
 With ``DistOptions(replicas=C)``, C > 1, the roots' opening also places the copies
 (replicate.py ``plan_peers``), and every committed step is handed to the session's
 ``replicator`` (replicate.py), whose thread copies it to peer nodes over a second channel of its
-own; ``close`` waits for it. Retention then keeps the newest protected step.
+own; ``close`` waits for it. Retention then keeps the newest protected step. With
+``DistOptions(parity_group=G)`` the same thread protects each step with parity instead
+(parity.py).
 
 Each session has a channel of its own (group.py): another checkpointer's save thread never
 shares its collectives. Its collective operations (a save's writes and commit, a retention,
@@ -42,6 +44,7 @@ from .drain import RankDrainer
 from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
+from .parity import plan_parity, replicator_for
 from .replicate import ReplicaPeers, ReplicationJob, Replicator, plan_peers
 from .opening import open_roots
 from .roots import RootLayout, adopt_copies, clean_led, owned, share_table
@@ -128,7 +131,7 @@ class DistSession:
     def start_replication(self, channel: Coordinator) -> None:
         """Replicate every committed step over ``channel`` (a gloo group of its own: replicate.py)."""
         assert self.peers is not None
-        self.replicator = Replicator(channel, self.layout, self.peers)
+        self.replicator = replicator_for(channel, self.layout, self.peers)
 
     def protected_step(self) -> int | None:
         """The newest protected step: from the markers where this rank sees the primary root,
@@ -276,6 +279,8 @@ def open_session(roots: Sequence[Path], coord: Coordinator, options: DistOptions
         peers = None
         if options.replicas > 1:
             peers = plan_peers(coord, layout, options.replicas, options.failure_domains)
+        elif options.parity_group:
+            peers = plan_parity(coord, layout, options.parity_group, options.failure_domains)
     except BaseException:
         lock.release()
         raise

@@ -1,0 +1,240 @@
+"""Rebuilding a lost member of a parity lane at load time (DistOptions(parity_group=G), parity.py).
+
+A step protected by parity lists, in its manifest's ``replicas`` entry, the roots of each rank's
+lane peers: where a rebuilt copy of its files may go. When a load finds a rank's own root seen
+by no rank of the job (its node lost or replaced) and falls back to the copies
+(loadcopies.verified_copies), ``rebuild_lost`` first makes that copy, collectively:
+
+1. each rank reads the stripe descriptions (``step_S/parity/rank<R>.json``) on the roots it
+   leads, and reports those whose lane holds a lost rank to the primary rank, which decides,
+   for each lost rank, the rebuilder (the lowest rank seeing the first of its copy roots that
+   some rank sees) and the rank reading each surviving member. A lane missing another member
+   (two nodes of one group lost, or a step never protected) is a CorruptCheckpointError
+   naming what is lost, on every rank: never a guess;
+2. each surviving member streams, in pieces, the XOR contribution it holds for every chunk of
+   the lost member: its own chunk in that stripe (zero padded) or, for the stripe it stores,
+   its parity block; the rebuilder XORs them (torch.bitwise_xor), checks every rebuilt chunk
+   against the crc32c recorded at save, and writes the files into ``step_S/copies/rank<R>/``
+   as a received copy is written (replicastream.Incoming: fdatasync, each file's crc32c,
+   rename, fsync). A mismatch anywhere is a CorruptCheckpointError on every rank.
+
+The load then reads that copy as any other, checked again against the manifest's crc32c.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import crc32c as _crc32c
+import torch
+
+from ..errors import CollectiveFailedError, CorruptCheckpointError
+from ..format.commit import step_dir_name
+from ..format.parity import PARITY_DIR, chunk_lengths, read_stripe
+from ..format.replicas import COPIES_DIR
+from ..format.sharded import GlobalManifest
+from ..fs import fsync_dir
+from .group import Coordinator, Transfer, describe
+from .loadplan import reach_of
+from .replicastream import PIECE_BYTES, Incoming
+from .roots import RootLayout
+
+log = logging.getLogger("gdswriter")
+
+
+def lost_ranks(layout: RootLayout, g: GlobalManifest) -> list[int]:
+    """The ranks of ``g`` whose own shard root no rank of this job sees (pure: every rank alike)."""
+    seen = {info.id for info in layout.table}
+    return [r for r in range(g.world_size) if g.roots[g.shards[r].root].id not in seen]
+
+
+def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copies: Sequence[Sequence[int]], *,
+                 what: str, src: int) -> None:
+    """Collective (the module docstring): every lost rank of a parity lane rebuilt into a copy on
+    a surviving member's root. Nothing to do (no rank lost, no parity): returns at once, with
+    no collective when no rank is lost."""
+    lost = lost_ranks(layout, g)
+    if not lost:
+        return
+    seen = {info.id: tuple(info.ranks) for info in layout.table}
+    reach = reach_of(g, layout)
+    held: dict[int, tuple[dict, Path]] = {}
+    mine: list = []
+    error: BaseException | None = None
+    try:
+        for j, p in enumerate(reach):
+            ranks = seen.get(g.roots[j].id)
+            d = None if p is None else p / step_dir_name(g.step) / PARITY_DIR
+            if d is None or not ranks or min(ranks) != coord.rank or not d.is_dir():
+                continue
+            for f in sorted(d.glob("rank*.json")):
+                body = read_stripe(f)
+                hits = [r for r in lost if r in body["lane"]]
+                if hits:
+                    held[body["parity"]["rank"]] = (body, p / step_dir_name(g.step))
+                    mine.append({"holder": body["parity"]["rank"], "lane": body["lane"],
+                                 "lost": [[r, body["members"][body["lane"].index(r)]] for r in hits]})
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    plan = coord.decide(error, mine, f"{what} (finding the parity of lost ranks)",
+                        lambda outs: _plan(g, copies, seen, lost, outs, what), root=src)
+    failed = [x["error"] for x in plan if "error" in x]
+    if failed:
+        raise CorruptCheckpointError("; ".join(failed))
+    for entry in plan:
+        problem = None
+        try:
+            _rebuild(coord, g, entry, held, reach, what)
+        except CollectiveFailedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - decided together below
+            problem = describe(e)
+        bad = coord.decide(None, problem, f"{what} (rebuilding rank {entry['rank']})",
+                           lambda outs: [x for x in outs if x], root=src)
+        if bad:
+            raise CorruptCheckpointError(f"{what}: rank {entry['rank']}'s files could not be rebuilt from its parity "
+                                         f"group (lane {entry['lane']}): {'; '.join(bad)[:2000]}; the checkpoint's "
+                                         f"parity or a member's files are damaged: load an earlier step "
+                                         f"(load(fallback=True))")
+        if coord.rank == entry["rebuilder"]:
+            log.warning("gdswriter: %s: rebuilt rank %d's files from its parity group (ranks %s) into %s", what,
+                        entry["rank"], [k for k in entry["lane"] if k != entry["rank"]], _copies(reach, g, entry))
+
+
+def _plan(g: GlobalManifest, copies: Sequence[Sequence[int]], seen: dict, lost: list[int], outs: list,
+          what: str) -> list[dict]:
+    """The primary rank: for each lost rank of a parity lane, who rebuilds it and who sends what."""
+    plan = []
+    for r in lost:
+        reps = [(reader, x) for reader, out in enumerate(outs) for x in out if r in x["lane"]]
+        if not reps:
+            continue  # no parity holds it: not a parity step, or its whole lane is gone (the copies' error says so)
+        lane = reps[0][1]["lane"]
+        have = {x["holder"]: reader for reader, x in reps}
+        missing = [k for k in lane if k != r and k not in have]
+        target = next((j for j in copies[r] if g.roots[j].id in seen), None)
+        if missing or target is None:
+            plan.append({"error": f"{what}: rank {r}'s files are lost (no rank of this job sees its root) and its "
+                                  f"parity group (ranks {lane}) cannot rebuild them: the files and parity of rank(s) "
+                                  f"{missing} are lost too (two nodes of one parity group lost, or a step never "
+                                  f"protected): load an earlier step (load(fallback=True))"})
+            continue
+        info = next(m for rr, m in reps[0][1]["lost"] if rr == r)
+        plan.append({"rank": r, "lane": lane, "info": info, "target": target,
+                     "rebuilder": min(seen[g.roots[target].id]), "senders": [[k, have[k]] for k in lane if k != r]})
+    return plan
+
+
+def _copies(reach: Sequence[Path | None], g: GlobalManifest, entry: dict) -> Path:
+    return reach[entry["target"]] / step_dir_name(g.step) / COPIES_DIR  # type: ignore[operator]
+
+
+class Contribution:
+    """What surviving member ``k`` (its stripe description ``body``, its step directory) gives to
+    the rebuild of lost member ``m``, as a stream as long as m's bytes: per chunk of m, k's own
+    chunk in that stripe (zero padded), or k's parity block where k stores that stripe."""
+
+    def __init__(self, body: dict, step_dir: Path, reach: Sequence[Path | None], step: int, m: int):
+        lane = body["lane"]
+        self.n, self.k, self.m = len(lane), lane.index(body["parity"]["rank"]), lane.index(m)
+        self.per_m = chunk_lengths(int(body["members"][self.m]["total"]), self.n)[0]
+        mine = body["members"][self.k]
+        self.lens_k = chunk_lengths(int(mine["total"]), self.n)
+        self.files = [(reach[int(root)] / step_dir_name(step) / name, int(size))  # type: ignore[operator]
+                      for (_, name, size), root in zip(mine["files"], mine["roots"])]
+        self.parity = step_dir / PARITY_DIR / body["parity"]["file"]
+        self.parity_len = int(body["parity"]["length"])
+
+    def read(self, x: int, length: int, buf: torch.Tensor) -> None:
+        """Bytes [x, x + length) of the contribution into ``buf`` (zeroed by the caller)."""
+        view = memoryview(buf.numpy())
+        done = 0
+        while done < length:
+            c, y = divmod(x + done, self.per_m)
+            want = min(length - done, self.per_m - y)
+            t = (self.m + 1 + c) % self.n
+            if t == self.k:
+                self._pread([(self.parity, self.parity_len)], y, view[done:done + want])
+            else:
+                ck = (t - self.k - 1) % self.n
+                have = max(0, min(want, self.lens_k[ck] - y))
+                self._pread(self.files, ck * self.lens_k[0] + y, view[done:done + have])
+            done += want
+
+    @staticmethod
+    def _pread(files: list[tuple[Path, int]], offset: int, out: memoryview) -> None:
+        """``len(out)`` bytes at ``offset`` of ``files`` laid end to end."""
+        got, start = 0, 0
+        for path, size in files:
+            if got == len(out):
+                return
+            if offset + got < start + size:
+                with open(path, "rb", buffering=0) as f:
+                    pos = offset + got - start
+                    while got < len(out) and pos < size:
+                        k = os.preadv(f.fileno(), [out[got:got + min(len(out) - got, size - pos)]], pos)
+                        if k <= 0:
+                            raise CorruptCheckpointError(f"{path} is shorter than its parity description says")
+                        got, pos = got + k, pos + k
+            start += size
+        if got < len(out):
+            raise CorruptCheckpointError(f"{files[-1][0]}: a member's files are shorter than recorded")
+
+
+def _rebuild(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict, reach: Sequence[Path | None],
+             what: str) -> None:
+    """One lost rank's files rebuilt (step 2 of the module docstring): every sender and the
+    rebuilder run every piece's exchange, a local failure sending zeros and raising at the end."""
+    r, me, info = entry["rank"], coord.rank, entry["info"]
+    rebuilder, n, total = entry["rebuilder"], len(entry["lane"]), int(info["total"])
+    lens = chunk_lengths(total, n)
+    mine = {k: Contribution(*held[k], reach, g.step, r) for k, reader in entry["senders"] if reader == me}
+    inc, problem = None, None
+    if me == rebuilder:
+        copies = _copies(reach, g, entry)
+        copies.mkdir(exist_ok=True)
+        fsync_dir(copies.parent)
+        inc = Incoming(copies, r, json.dumps(info["files"]).encode())
+    crc, c = 0, 0
+    try:
+        for x in range(0, total, PIECE_BYTES):
+            size = min(PIECE_BYTES, total - x)
+            bufs = {k: torch.zeros(size, dtype=torch.uint8) for k, reader in entry["senders"]
+                    if reader == me or me == rebuilder}
+            for k, part in mine.items():
+                if problem is None:
+                    try:
+                        part.read(x, size, bufs[k])
+                    except Exception as e:  # noqa: BLE001 - the exchange goes on; raised below
+                        problem = e
+            coord.exchange([Transfer(reader, rebuilder, entry["lane"].index(k), bufs.get(k, torch.empty(0)))
+                            for k, reader in entry["senders"]], f"{what} (rebuilding rank {r})")
+            if inc is None or problem is not None:
+                continue
+            acc = bufs[entry["senders"][0][0]]
+            for k, _ in entry["senders"][1:]:
+                torch.bitwise_xor(acc, bufs[k], out=acc)
+            view = memoryview(acc.numpy())
+            done = 0
+            while done < size:  # every rebuilt chunk against the crc32c recorded at save
+                step_len = min(size - done, (c + 1) * lens[0] - (x + done))
+                crc = _crc32c.crc32c(view[done:done + step_len], crc)
+                done += step_len
+                if x + done == sum(lens[:c + 1]):
+                    if crc != int(info["chunk_crcs"][c]):
+                        raise CorruptCheckpointError(f"rebuilt chunk {c} of rank {r}'s files does not match its "
+                                                     f"crc32c ({crc:#010x}, recorded {int(info['chunk_crcs'][c]):#010x})")
+                    crc, c = 0, c + 1
+            inc.write(view)
+        if problem is not None:
+            raise problem
+        if inc is not None:
+            inc.publish({"ok": True, "crcs": [int(v) for v in info["file_crcs"]]})
+    except BaseException:
+        if inc is not None:
+            inc.discard()
+        raise

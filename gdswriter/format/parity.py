@@ -1,0 +1,74 @@
+"""Names on disk and the stripe arithmetic of steps protected by parity (DistOptions(parity_group=G),
+format.md section 11), without torch: distributed/parity.py writes them, distributed/parityload.py
+reads them.
+
+A member rank R of a parity lane (planner/replicas.py parity groups, one rank per host of the
+group at each position) keeps ``step_S/parity/rank<R>.xor``, the XOR of stripe R's chunks of the
+other members (zero padded to the longest), and ``step_S/parity/rank<R>.json``, written after it:
+the lane, every member's files ([kind, name, size], table root of each, crc32c of each file and of
+each of its n - 1 chunks) and the parity block's length and crc32c. A member's bytes are its shard
+then its data files, concatenated in that order, cut into n - 1 chunks of ``chunk_lengths``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import CorruptCheckpointError, GDSWriterError
+from ..fs import read_regular_file
+
+PARITY_DIR = "parity"
+STRIPE_VERSION = 1
+STRIPE_MAX_BYTES = 64 << 20
+
+
+def parity_name(rank: int) -> str:
+    """The parity block rank ``rank`` stores (5 digits, as shard names)."""
+    return f"rank{rank:05d}.xor"
+
+
+def stripe_name(rank: int) -> str:
+    """The description of that block and of its lane."""
+    return f"rank{rank:05d}.json"
+
+
+def chunk_lengths(total: int, n: int) -> list[int]:
+    """The lengths of the n - 1 chunks a member of ``total`` bytes is cut into (the last ones
+    shorter or empty): planner/replicas.py chunk_bytes, unaligned."""
+    per = -(-total // (n - 1)) if n > 1 else total
+    return [max(0, min(per, total - c * per)) for c in range(max(n - 1, 1))]
+
+
+def protected_parity(step_dir: Path) -> int | None:
+    """The group size a ``protected`` marker written by parity records (None: no marker, or
+    one of full copies)."""
+    try:
+        body = json.loads(read_regular_file(step_dir / "protected", 4096))
+    except (OSError, GDSWriterError, ValueError):
+        return None
+    n = body.get("parity_group") if isinstance(body, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
+
+
+def read_stripe(path: Path) -> dict:
+    """A ``rank<R>.json``, parsed and checked for the keys a rebuild reads (untrusted input:
+    CorruptCheckpointError when it is not one gdswriter wrote)."""
+    try:
+        body = json.loads(read_regular_file(path, STRIPE_MAX_BYTES))
+        lane = [int(r) for r in body["lane"]]
+        members = body["members"]
+        if body.get("version") != STRIPE_VERSION or len(members) != len(lane) or len(lane) < 2:
+            raise ValueError("its lane and members do not match")
+        for m in members:
+            n_files = len(m["files"])
+            if len(m["roots"]) != n_files or len(m["file_crcs"]) != n_files or \
+                    len(m["chunk_crcs"]) != len(lane) - 1 or sum(int(f[2]) for f in m["files"]) != int(m["total"]):
+                raise ValueError("a member's entry is inconsistent")
+        int(body["parity"]["length"]), int(body["parity"]["crc32c"]), int(body["parity"]["rank"])
+        return body
+    except (ValueError, KeyError, TypeError, IndexError, GDSWriterError) as e:
+        if isinstance(e, CorruptCheckpointError):
+            raise
+        raise CorruptCheckpointError(f"{path} is not a parity description gdswriter wrote ({e}): the step's parity "
+                                     f"is damaged; load an earlier step (load(fallback=True))") from e
