@@ -12,7 +12,9 @@ checkpointer's own coordination channel.
 With ``DistOptions(replicas=C)``, C > 1, the roots' opening also places the copies
 (replicate.py ``plan_peers``), and every committed step is handed to the session's
 ``replicator`` (replicate.py), whose thread copies it to peer nodes over a second channel of its
-own; ``close`` waits for it. Retention then keeps the newest protected step.
+own; ``close`` waits for it. Retention then keeps the newest protected step. After each load
+the loaded step goes to the same thread (refill.py): the files a replaced node held are
+re-created from their copies in the background; ``wait_protected`` waits for that too.
 
 Each session has a channel of its own (group.py): another checkpointer's save thread never
 shares its collectives. Its collective operations (a save's writes and commit, a retention,
@@ -42,6 +44,7 @@ from .drain import RankDrainer
 from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
+from .refill import RefillJob
 from .replicate import ReplicaPeers, ReplicationJob, Replicator, plan_peers
 from .roots import RootLayout, clean_led, discover_layout, lock_led, owned, probe_led, settle_primary, share_table
 from .save import DTensors, PlanCache, collective_save
@@ -231,10 +234,13 @@ class DistSession:
                 self.layout = share_table(self.coord, self.layout, "loading")
                 self._table_shared = True
             live_state = state()
-            return collective_restore(self.coord, self.layout, self.protocol, live, live_state, step, engines()[0],
-                                      strict=strict, verify=verify, fallback=fallback,
-                                      share_dir=self.options.load_share_dir,
-                                      cross_memory=self.options.load_cross_memory)
+            result = collective_restore(self.coord, self.layout, self.protocol, live, live_state, step, engines()[0],
+                                        strict=strict, verify=verify, fallback=fallback,
+                                        share_dir=self.options.load_share_dir,
+                                        cross_memory=self.options.load_cross_memory)
+            if self.replicator is not None:  # files a replaced node held: re-created in the background
+                self.replicator.submit(RefillJob(result.step, self.layout))
+            return result
 
     def close(self) -> None:
         """Release the roots' locks and this checkpointer's coordination channel (local; after its
