@@ -14,7 +14,8 @@ more on the places that passed. A rank with no good copy left is a CorruptCheckp
 naming every copy tried: never a load of bytes no checksum vouched for. Where every place of
 that rank was lost (no rank sees its root, or the copy's folder is missing: a node lost before
 the step was protected) and none was damaged, it is StepFilesLostError, and a plain ``load()``
-loads the newest step that is complete instead (``newest_complete``), saying which it passed.
+loads the newest step that is complete instead (``newest_complete``; format.md 11.2), saying
+which it passed.
 """
 
 from __future__ import annotations

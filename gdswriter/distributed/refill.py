@@ -1,4 +1,4 @@
-"""Refill after a restore from copies (issue 39 item 3; format.md 11.6).
+"""Refill after a restore from copies (issue 39 item 3; format.md 11.1).
 
 A load of a step saved with replicas in which some node was replaced (its root is new: an id no
 rank of the step knew) reads that node's ranks' files from their copies; the step then has one

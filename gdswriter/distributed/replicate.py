@@ -29,7 +29,7 @@ interleave):
 
 **After a load** (``RefillJob``, refill.py), in the same queue: the loaded step's files that
 lived on a replaced node are re-created there from the surviving copies, and the step is
-protected again (format.md 11.6).
+protected again (format.md 11.1).
 
 A failure (a peer dead or hung, a short or damaged copy, a root that cannot be written)
 leaves the step committed and not protected: logged, and raised once by ``wait_protected`` as

@@ -152,7 +152,7 @@ def adopt_copy(step_dir: Path) -> bool:
 def relocate_roots(raw: bytes, moved: Mapping[int, tuple[str, str]], where: str) -> bytes:
     """The global manifest ``raw`` with table roots ``moved`` (index -> (id, path)) replaced: a
     node's root replaced by a new one holding the same files (distributed/refill.py), every
-    other byte of the body kept, its manifest_crc32c recomputed, parsed back (format.md 11.6)."""
+    other byte of the body kept, its manifest_crc32c recomputed, parsed back (format.md 11.1)."""
     body = json.loads(raw)
     for j, (rid, path) in moved.items():
         body["dist"]["roots"][j]["id"], body["dist"]["roots"][j]["path"] = rid, path

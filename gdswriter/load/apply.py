@@ -52,7 +52,7 @@ class LoadResult:
     atomic: every byte was verified before the first live tensor changed. damaged: steps
     ``load(fallback=True)`` passed over, newest first. lost: newer steps a plain ``load()``
     passed over because every copy of some rank's files was lost with its nodes (replicas:
-    StepFilesLostError), newest first."""
+    StepFilesLostError; docs/format.md 11.2), newest first."""
 
     step: int
     loaded: tuple[str, ...] = ()
