@@ -106,11 +106,11 @@ def _replacements(g: GlobalManifest, layout: RootLayout) -> tuple[dict[int, tupl
 def plan_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
     """Pure (the module docstring, 1): what to copy where to refill step ``g.step``."""
     copies = replicas_of(g, "the step's manifest")
-    if copies is None:
-        return RefillPlan((), {}, "it was saved without replicas")
+    seen = {info.id: info.ranks for info in layout.table}
+    if copies is None or all(g.roots[j].id in seen for j in range(len(g.roots))):
+        return RefillPlan((), {})  # saved without replicas, or nothing lost: nothing to do, silently
     if g.world_size != layout.world_size:
         return RefillPlan((), {}, f"it was saved by {g.world_size} ranks, this job has {layout.world_size}")
-    seen = {info.id: info.ranks for info in layout.table}
     if g.roots[0].id not in seen:
         return RefillPlan((), {}, "its primary root was replaced (its manifest was adopted from a copy)")
     new, unmapped = _replacements(g, layout)
