@@ -295,8 +295,10 @@ class GDSCheckpointer:
         return self._session.protected_step()
 
     def wait_protected(self, timeout: float | None = None) -> int | None:
-        """Wait for the saves in flight, then for their replication to peer nodes; returns
-        protected_step(). Raises the ReplicationError of a step left unprotected not yet raised
+        """Wait for the saves in flight, then for their replication to peer nodes and for the
+        refill of a loaded step whose replaced node's files came from copies (docs/format.md
+        11.2); returns protected_step(). Raises the ReplicationError of a step left unprotected
+        (or not refilled) not yet raised
         (each once: the step stays committed); concurrent.futures.TimeoutError after
         ``timeout`` s. None without replicas."""
         self._quiesce()

@@ -73,6 +73,13 @@ class CorruptCheckpointError(CheckpointError, ValueError):
     """A checkpoint is damaged: truncated or missing file, unparsable manifest."""
 
 
+class StepFilesLostError(CorruptCheckpointError):
+    """Every place that held some rank's files of a step is gone (its own root and each copy:
+    no rank sees the root, or the copy's folder is missing), none damaged: a node lost before
+    the step was protected (DistOptions(replicas=...)). A plain ``load()`` then loads the newest
+    step that is complete (format.md 11); an explicit ``load(step)`` raises it."""
+
+
 class ChecksumMismatchError(_Rebuildable, CorruptCheckpointError):
     """Bytes read back do not match the checksum recorded at save time."""
 

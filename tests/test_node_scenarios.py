@@ -127,10 +127,13 @@ def _save(rank: int, world: int, steps: list[int], hold: str | None = None, hold
     return out
 
 
-def _load(rank: int, world: int, steps: list, save_next: int | None = None, keep_last: int | None = None) -> dict:
+def _load(rank: int, world: int, steps: list, save_next: int | None = None, keep_last: int | None = None,
+          refill: bool = False) -> dict:
     """Load each of ``steps`` (None: the latest; "fallback": the latest with fallback=True) into
     a zeroed model: [step, bit exact] or the error and whether the model was left unchanged, the
-    warnings. With ``save_next``, the job then resumes: saves that step, waits until protected."""
+    warnings, and ``lost``: the last load's LoadResult.lost. With ``refill``, then wait for the
+    refill of the loaded step (wait_protected: "refilled"). With ``save_next``, the job then
+    resumes: saves that step, waits until protected."""
     model = Model()
     seen = Warnings()
     logging.getLogger("gdswriter").addHandler(seen)
@@ -146,6 +149,10 @@ def _load(rank: int, world: int, steps: list, save_next: int | None = None, keep
                 after = model.state_dict()
                 out[f"{step}-unchanged"] = all(torch.equal(after[k].view(torch.int32), v.view(torch.int32))
                                                for k, v in before.items())
+            else:
+                out["lost"] = list(ck.last_load.lost)
+        if refill:
+            out["refilled"] = caught(lambda: out.update(protected=ck.wait_protected(120)))
         if save_next is not None:
             model.load_state_dict(_state(save_next))
             ck.save(save_next)
@@ -202,7 +209,9 @@ def test_two_nodes_lost_at_once(cluster):
     of some rank's files (here rank 1's: its own on node 1, its copy on node 2): no step
     survives, and every load (the latest, step 1, with fallback) is a typed
     CorruptCheckpointError saying no copy of rank 1's files is left (its own root and its copy:
-    no rank of this job sees them), the model untouched: never a wrong load. The job then resumes from
+    no rank of this job sees them; StepFilesLostError, lost not damaged, where no fallback ran:
+    a plain load() found no older complete step either), the model untouched: never a wrong
+    load. The job then resumes from
     nothing: a new step saves, is protected and loads bit exact."""
     c = cluster(3)
     got = c.run(_save, [1, 2])
@@ -213,7 +222,7 @@ def test_two_nodes_lost_at_once(cluster):
     for x in out:
         for step in ("None", "1", "fallback"):
             err = x[step]
-            assert err[0] == "CorruptCheckpointError", (step, x)
+            assert err[0] == ("CorruptCheckpointError" if step == "fallback" else "StepFilesLostError"), (step, x)
             assert "no good copy of rank 1's files is left" in err[1], err
             assert err[1].count("no rank of this job sees it") >= 2, err  # its own root and its copy
             assert x[f"{step}-unchanged"], (step, x)
@@ -238,11 +247,12 @@ def test_corrupted_original_uses_the_copy_and_corrupted_copy_is_an_error(cluster
 
     c.replace_node(1)
     _flip(_data_file(_step_dir(c, 0, 2) / "copies" / "rank00001"))
-    out = c.run(_load, [2, "fallback"], 3)
+    out = c.run(_load, [2, None, "fallback"], 3)
     for x in out:
-        err = x["2"]
-        assert err[0] == "CorruptCheckpointError" and "no good copy of rank 1's files is left" in err[1], x
-        assert x["2-unchanged"], x
+        for step in ("2", "None"):  # damaged, not lost: a plain load() does not pass over it either
+            err = x[step]
+            assert err[0] == "CorruptCheckpointError" and "no good copy of rank 1's files is left" in err[1], x
+            assert x[f"{step}-unchanged"], x
         assert x["fallback"] == [1, True] and x["resumed"][0] == 3, x
 
 
@@ -252,8 +262,10 @@ def test_node_killed_during_replication_keeps_the_previous_protected_step(cluste
     logger). Step 2 stays committed, not protected (ReplicationError); step 1 stays protected,
     and kept (retention never deletes the newest protected step). Node 1 is
     replaced by an empty disk: step 1 loads bit exact on both ranks (from the copy on node 0);
-    the latest, step 2, is a CorruptCheckpointError (its copy of rank 1 never landed) leaving the
-    model unchanged, load(fallback=True) loads step 1, and the job saves on."""
+    loading step 2 by its number is a StepFilesLostError (its copy of rank 1 never landed: lost,
+    not damaged) leaving the model unchanged; a plain load() loads step 1, the newest step
+    complete across the surviving copies, says so (LoadResult.lost, a warning naming step 2);
+    load(fallback=True) loads step 1 too, and the job saves on."""
     c = cluster(2)
     job = c.start(_save, [1, 2], "replication", 1, 1)  # keep_last=1: only the protected step keeps step 1
     assert job.wait_for("replicating", rank=1, timeout=120) == "node1"
@@ -264,12 +276,40 @@ def test_node_killed_during_replication_keeps_the_previous_protected_step(cluste
     assert not (_step_dir(c, 0, 2) / "protected").exists() and (_step_dir(c, 0, 1) / "protected").exists()
 
     c.replace_node(1)
-    out = c.run(_load, [1, None, "fallback"], 3, 1)
+    out = c.run(_load, [1, 2, None, "fallback"], 3, 1)
     for y in out:
         assert y["1"] == [1, True], y
-        err = y["None"]  # the latest, step 2: committed, rank 1's files lost with node 1, no copy made
-        assert err[0] == "CorruptCheckpointError" and "no good copy of rank 1's files is left" in err[1], y
+        err = y["2"]  # step 2: committed, rank 1's files lost with node 1, no copy made
+        assert err[0] == "StepFilesLostError" and "no good copy of rank 1's files is left" in err[1], y
         assert "copies/rank00001/manifest-rank00001.json of step 2 (rank 1) is missing" in err[1], y
-        assert y["None-unchanged"], y
+        assert "every copy was lost with its node" in err[1] and y["2-unchanged"], y
+        assert y["None"] == [1, True], y  # a plain load(): the newest complete step
         assert y["fallback"] == [1, True] and y["resumed"] == [3, [1, 3]], y  # at 3's commit: 2 goes, 1 (protected) stays
+        assert any("passed over step(s) [2]" in w and "loaded step 1" in w for w in y["warnings"]), y
+    assert out[0]["lost"] == [], "the last load (fallback=True) passed over no lost step"
     assert [y["None"] for y in c.run(_load, [None])] == [[3, True]] * 2
+
+
+def test_replaced_node_is_refilled_so_a_second_node_loss_is_survived(cluster):
+    """3 nodes, replicas=2, step 1 protected. Node 1 is replaced by an empty disk: the job loads
+    step 1 bit exact (rank 1's files from their copy), and in the background the refill
+    re-creates on node 1 rank 1's own files and the copies node 1 held, checked by crc32c, then
+    the step's manifest names node 1's new root (wait_protected() waits for it). Then node 2,
+    another node, is replaced: with no new save, step 1 still loads bit exact on every rank
+    (without the refill, rank 1's own files and its copy would both be gone)."""
+    c = cluster(3)
+    got = c.run(_save, [1])
+    assert [x["protected1"] for x in got] == [1] * 3, got
+    c.replace_node(1)
+    out = c.run(_load, [None], None, None, True)
+    for x in out:
+        assert x["refilled"] is None, x["refilled"]
+        assert x["None"] == [1, True], x
+    refilled = (_step_dir(c, 1, 1) / "manifest-rank00001.json").is_file()
+    c.replace_node(2)
+    again = c.run(_load, [None])
+    assert [x["None"] for x in again] == [[1, True]] * 3, again
+    assert any("restored rank 2's files from the copy" in w for x in again for w in x["warnings"]), again
+    assert refilled, "rank 1's own files were back on node 1 before node 2 was lost"
+    assert [x["protected"] for x in out] == [1] * 3, "protected again, on every rank"
+    assert any("step 1 is refilled" in w for w in out[0]["warnings"]), out[0]

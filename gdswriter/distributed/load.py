@@ -51,7 +51,7 @@ from ..load.reader import check_step_files, parse_manifest, read_storages, tenso
 from . import crossmem, hostshare
 from .group import Coordinator, bounded, describe, unbound
 from .load_messages import FallbackDecision, OwnVerdict, ShardReport, TransportOffer, choose_transport
-from .loadcopies import reached_copies, use_copies, verified_copies
+from .loadcopies import newest_complete, reached_copies, use_copies, verified_copies
 from .loadmanifest import (broadcast_manifest, broadcast_manifest_bytes, gather_merged, json_text,  # noqa: F401
                            received_manifest)
 from .loadplan import reach_of, relay, relay_between_hosts, template_of  # noqa: F401 - relay*: importable here
@@ -477,6 +477,7 @@ def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitP
     ``cross_memory``: they pull it from each other's memory instead where they can
     (DistOptions.load_cross_memory)."""
     damaged: tuple[int, ...] = ()
+    lost: tuple[int, ...] = ()
     if fallback:
         step, state, plan, damaged = _newest_intact(coord, layout, protocol, live, live_state, engine, strict=strict,
                                                     verify=verify, share_dir=share_dir,
@@ -484,9 +485,11 @@ def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitP
         if damaged:
             log.warning("gdswriter: loaded step %d, the newest intact step (passed over damaged step(s) %s)",
                         step, list(damaged))
-    else:
-        step, state, plan = _prepare(coord, layout, protocol, live, live_state, step, engine, strict=strict,
-                                     verify=verify, share_dir=share_dir, cross_memory=cross_memory)
+    else:  # a plain load() passes over the newest steps whose files were lost with a node (loadcopies.py)
+        (step, state, plan), lost = newest_complete(
+            step, lambda s: _prepare(coord, layout, protocol, live, live_state, s, engine, strict=strict,
+                                     verify=verify, share_dir=share_dir, cross_memory=cross_memory),
+            lambda: _fallback_steps(coord, protocol, layout.primary_rank), protocol.primary)
     error = None
     try:
         apply_state(live, state, plan)
@@ -495,7 +498,7 @@ def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitP
     coord.agree(error, f"loading step {step} (applying)", hint="ranks that did not fail loaded the step; fix the "
                                                                "problem and load again")
     return LoadResult(step, tuple(plan.loaded), tuple(plan.skipped), tuple(plan.missing), tuple(plan.unexpected),
-                      atomic=verify, damaged=damaged)
+                      atomic=verify, damaged=damaged, lost=lost)
 
 
 def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,

@@ -11,8 +11,12 @@ short file), ``verified_copies`` finds out whose files are bad: each rank's curr
 checked by a rank that sees it (its shard against the manifest, every chunk against the
 shard), a bad one moves to the next copy, which is checked in turn, and the load runs once
 more on the places that passed (a step protected by parity first rebuilds the files of ranks
-whose root is gone into such a copy: parityload.py). A rank with no good copy left is a CorruptCheckpointError
-naming every copy tried: never a load of bytes no checksum vouched for.
+whose root is gone into such a copy: parityload.py). A rank with no good copy left is a
+CorruptCheckpointError naming every copy tried: never a load of bytes no checksum vouched for.
+Where every place of that rank was lost (no rank sees its root, or the copy's folder is
+missing: a node lost before the step was protected) and none was damaged, it is
+StepFilesLostError, and a plain ``load()`` loads the newest step that is complete instead
+(``newest_complete``; format.md 11.3), saying which it passed.
 """
 
 from __future__ import annotations
@@ -20,15 +24,16 @@ from __future__ import annotations
 import errno
 import logging
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from ..engines.base import IOEngine
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnreachableDataError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, StepFilesLostError, UnreachableDataError
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.copies import copy_ref, describe_root, with_copies
 from ..format.manifest import Manifest, StorageRecord
-from ..format.sharded import GlobalManifest, parse_shard, read_shard
+from ..format.sharded import GlobalManifest, ShardRef, parse_shard, read_shard
 from ..load.verify import verify_step
 from .group import Coordinator, describe
 from .loadplan import reach_of
@@ -87,12 +92,18 @@ def _chunks_view(g: GlobalManifest, shard) -> Manifest:
 
 
 def check_place(g: GlobalManifest, r: int, root: int, copy: bool, reach: Sequence[Path | None],
-                engine: IOEngine) -> str | None:
+                engine: IOEngine) -> tuple[str, bool] | None:
     """Rank ``r``'s files at one place (its own root, or its copy on ``root``), read by this rank
     (it sees ``root``): None when its shard matches the manifest and every chunk its crc32c,
-    else what is wrong. A step deleted meanwhile raises CheckpointNotFoundError."""
+    else (what is wrong, whether the place is lost: its shard is not there at all). A step
+    deleted meanwhile raises CheckpointNotFoundError."""
     ref = copy_ref(g.shards[r], root) if copy else g.shards[r]
     d = reach[root] / step_dir_name(g.step)  # type: ignore[operator]
+    problem = _place_problem(g, ref, d, reach, engine)
+    return None if problem is None else (problem, not (d / ref.name).exists())
+
+
+def _place_problem(g: GlobalManifest, ref: ShardRef, d: Path, reach: Sequence[Path | None], engine: IOEngine) -> str | None:
     try:
         shard = parse_shard(read_shard(d, g, ref, reach[0]), g, ref, str(d / ref.name))
         away = sorted({f.root for f in shard.files if reach[f.root] is None})
@@ -120,6 +131,7 @@ def verified_copies(coord: Coordinator, layout: RootLayout, g: GlobalManifest, c
     reach = reach_of(g, layout)
     pos = [0] * g.world_size
     tried: dict[int, list[str]] = {}
+    damaged: dict[int, bool] = {}  # some place of the rank was there but bad (not only lost)
 
     def place(r: int) -> int:
         return g.shards[r].root if pos[r] == 0 else copies[r][pos[r] - 1]
@@ -133,21 +145,57 @@ def verified_copies(coord: Coordinator, layout: RootLayout, g: GlobalManifest, c
                 if ranks and ranks[r % len(ranks)] == coord.rank:
                     problem = check_place(g, r, place(r), pos[r] > 0, reach, engine)
                     if problem is not None:
-                        mine.append([r, problem])
+                        mine.append([r, *problem])
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
-        bad = dict(coord.decide(error, mine, f"{what} (checking the copies)",
-                                lambda outs: sorted(x for out in outs for x in out), hint="the live state was not changed",
-                                root=src))
+        bad = {r: (m, lost) for r, m, lost in coord.decide(error, mine, f"{what} (checking the copies)",
+                                                           lambda outs: sorted(x for out in outs for x in out),
+                                                           hint="the live state was not changed", root=src)}
         for r in pending:
             if not seen.get(g.roots[place(r)].id):
-                bad[r] = "no rank of this job sees it"
+                bad[r] = ("no rank of this job sees it", True)
         pending = sorted(bad)
         for r in pending:
-            tried.setdefault(r, []).append(f"{'copy on ' if pos[r] else 'own '}{describe_root(g, place(r))}: {bad[r]}")
+            m, lost = bad[r]
+            tried.setdefault(r, []).append(f"{'copy on ' if pos[r] else 'own '}{describe_root(g, place(r))}: {m}")
+            damaged[r] = damaged.get(r, False) or not lost
             pos[r] += 1
             if pos[r] > len(copies[r]):
-                raise CorruptCheckpointError(f"{what}: no good copy of rank {r}'s files is left, tried: "
-                                             f"{'; '.join(tried[r])}: the checkpoint is damaged; load an earlier "
-                                             f"step (load(fallback=True))")
+                kind = CorruptCheckpointError if damaged[r] else StepFilesLostError
+                raise kind(f"{what}: no good copy of rank {r}'s files is left, tried: {'; '.join(tried[r])}: "
+                           f"{'the checkpoint is damaged' if damaged[r] else 'every copy was lost with its node'}; "
+                           f"load an earlier step (load(fallback=True))")
     return {r: place(r) for r in range(g.world_size) if pos[r]}
+
+
+_Prepared = TypeVar("_Prepared")
+
+
+def newest_complete(step: int | None, prepare: Callable[[int | None], _Prepared], order: Callable[[], list[int]],
+                    where: Any) -> tuple[_Prepared, tuple[int, ...]]:
+    """Collective: ``prepare(step)``; where ``step`` is None (the latest) and it raised
+    StepFilesLostError (alike on every rank: verified_copies' verdict is every rank's), the
+    newest older step of ``order()`` (the fallback order, newest first, every rank's) that
+    prepares, passing over only steps that lost files the same way (a damaged step raises, as
+    without); (what ``prepare`` returned, the steps passed over). No complete step: the first
+    error."""
+    if step is not None:
+        return prepare(step), ()
+    try:
+        return prepare(None), ()
+    except StepFilesLostError as e:
+        first = e
+    steps = order()
+    lost = steps[:1]
+    for s in steps[1:]:
+        try:
+            got = prepare(s)
+        except StepFilesLostError as e:
+            log.warning("gdswriter: step %d under %s lost files too (%s)", s, where, " ".join(str(e).split()))
+            lost.append(s)
+            continue
+        log.warning("gdswriter: loaded step %d under %s, the newest step complete across the surviving copies: "
+                    "passed over step(s) %s, whose files some lost node held with no copy left (%s)", s, where, lost,
+                    " ".join(str(first).split()))
+        return got, tuple(lost)
+    raise first

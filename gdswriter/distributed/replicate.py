@@ -27,6 +27,10 @@ interleave):
    rank succeeded, the primary rank writes ``step_S/protected`` ({"copies": C}, durably) and
    says so; the ranks holding the primary's copy then write ``step_S/copies/protected``.
 
+**After a load** (``RefillJob``, refill.py), in the same queue: the loaded step's files that
+lived on a replaced node are re-created there from the surviving copies, and the step is
+protected again (format.md 11.2).
+
 A failure (a peer dead or hung, a short or damaged copy, a root that cannot be written)
 leaves the step committed and not protected: logged, and raised once by ``wait_protected`` as
 ReplicationError. It never touches the next save (another channel). A short or damaged copy,
@@ -64,6 +68,7 @@ from ..format.sharded import RankShard, parse_global
 from ..fs import atomic_write, fsync_dir, read_regular_file
 from ..planner.replicas import ReplicaPart, failure_domains, place_replicas
 from .group import Coordinator, Transfer, bounded, describe, unbound
+from .refill import RefillJob, run_refill
 from .replicastream import Incoming, Outgoing, Pipeline, Source
 from .roots import RootLayout
 
@@ -171,7 +176,7 @@ class Replicator:
     def __init__(self, coord: Coordinator, layout: RootLayout, peers: ReplicaPeers):
         self.coord, self.layout, self.peers = coord, layout, peers
         self._cv = threading.Condition()
-        self._todo: deque[ReplicationJob] = deque()
+        self._todo: deque[ReplicationJob | RefillJob] = deque()
         self._running: int | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -180,7 +185,7 @@ class Replicator:
         self._pipe: Pipeline | None = None  # the last step's pieces (a failed one's buffers stay alive)
         self.stopped: str | None = None  # why the replication group broke: every later step fails at once
 
-    def submit(self, job: ReplicationJob) -> None:
+    def submit(self, job: ReplicationJob | RefillJob) -> None:
         with self._cv:
             if self._closed:
                 return
@@ -230,7 +235,7 @@ class Replicator:
             try:
                 if self.stopped is not None:
                     raise self._refused(job.step)
-                if self.replicate(job):
+                if self._run(job):
                     with self._cv:
                         self.protected = max(self.protected or job.step, job.step)
             except ReplicationError as e:
@@ -246,6 +251,18 @@ class Replicator:
                 with self._cv:
                     self._running = None
                     self._cv.notify_all()
+
+    def _run(self, job: ReplicationJob | RefillJob) -> bool:
+        """A committed step's replication, or a loaded step's refill (refill.py)."""
+        if not isinstance(job, RefillJob):
+            return self.replicate(job)
+        try:
+            return run_refill(self.coord, job, self.peers.copies)
+        except CollectiveFailedError as e:
+            self._stop(job.step, e)
+            raise ReplicationError(f"step {job.step} was restored but not refilled: a peer failed or left during "
+                                   f"the refill ({e}); replication stops: restart the job to protect steps again",
+                                   job.step) from e
 
     def _refused(self, step: int) -> ReplicationError:
         """A later step's error once the replication group broke (``stopped``): nothing is tried."""

@@ -12,7 +12,9 @@ checkpointer's own coordination channel.
 With ``DistOptions(replicas=C)``, C > 1, the roots' opening also places the copies
 (replicate.py ``plan_peers``), and every committed step is handed to the session's
 ``replicator`` (replicate.py), whose thread copies it to peer nodes over a second channel of its
-own; ``close`` waits for it. Retention then keeps the newest protected step. With
+own; ``close`` waits for it. Retention then keeps the newest protected step. After each load
+the loaded step goes to the same thread (refill.py): the files a replaced node held are
+re-created from their copies in the background; ``wait_protected`` waits for that too. With
 ``DistOptions(parity_group=G)`` the same thread protects each step with parity instead
 (parity.py).
 
@@ -45,6 +47,7 @@ from .group import Coordinator, describe, raise_failures
 from .load import collective_restore
 from .options import DistOptions
 from .parity import plan_parity, replicator_for
+from .refill import RefillJob
 from .replicate import ReplicaPeers, ReplicationJob, Replicator, plan_peers
 from .opening import open_roots
 from .roots import RootLayout, adopt_copies, clean_led, owned, share_table
@@ -235,10 +238,13 @@ class DistSession:
                 self.layout = share_table(self.coord, self.layout, "loading")
                 self._table_shared = True
             live_state = state()
-            return collective_restore(self.coord, self.layout, self.protocol, live, live_state, step, engines()[0],
-                                      strict=strict, verify=verify, fallback=fallback,
-                                      share_dir=self.options.load_share_dir,
-                                      cross_memory=self.options.load_cross_memory)
+            result = collective_restore(self.coord, self.layout, self.protocol, live, live_state, step, engines()[0],
+                                        strict=strict, verify=verify, fallback=fallback,
+                                        share_dir=self.options.load_share_dir,
+                                        cross_memory=self.options.load_cross_memory)
+            if self.replicator is not None:  # files a replaced node held: re-created in the background
+                self.replicator.submit(RefillJob(result.step, self.layout))
+            return result
 
     def close(self) -> None:
         """Release the roots' locks and this checkpointer's coordination channel (local; after its

@@ -16,8 +16,11 @@ load, the reshard plan, the merge, the fetch) reads the copy without knowing it 
 from __future__ import annotations
 
 import errno
+import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import crc32c as _crc32c
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnreachableDataError
 from ..fs import TMP_PREFIX, fsync_dir, link_no_clobber, read_regular_file, write_durable
@@ -144,3 +147,19 @@ def adopt_copy(step_dir: Path) -> bool:
     link_no_clobber(tmp, step_dir / MANIFEST_NAME)
     fsync_dir(step_dir)
     return True
+
+
+def relocate_roots(raw: bytes, moved: Mapping[int, tuple[str, str]], where: str) -> bytes:
+    """The global manifest ``raw`` with table roots ``moved`` (index -> (id, path)) replaced: a
+    node's root replaced by a new one holding the same files (distributed/refill.py), every
+    other byte of the body kept, its manifest_crc32c recomputed, parsed back (format.md 11.2)."""
+    body = json.loads(raw)
+    for j, (rid, path) in moved.items():
+        body["dist"]["roots"][j]["id"], body["dist"]["roots"][j]["path"] = rid, path
+    body.pop("manifest_crc32c", None)
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    out = (json.dumps({**body, "manifest_crc32c": _crc32c.crc32c(canonical)}, separators=(",", ":"),
+                      allow_nan=False) + "\n").encode()
+    if parse_global(out, where) is None:
+        raise CorruptCheckpointError(f"{where}: not a global manifest")
+    return out

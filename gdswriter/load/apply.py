@@ -50,7 +50,9 @@ class LoadResult:
     checkpoint. unexpected: in the checkpoint, not live (a dict target receives them as new keys,
     so for dicts they are in ``loaded`` too).
     atomic: every byte was verified before the first live tensor changed. damaged: steps
-    ``load(fallback=True)`` passed over, newest first."""
+    ``load(fallback=True)`` passed over, newest first. lost: newer steps a plain ``load()``
+    passed over because every copy of some rank's files was lost with its nodes (replicas:
+    StepFilesLostError; docs/format.md 11.3), newest first."""
 
     step: int
     loaded: tuple[str, ...] = ()
@@ -59,6 +61,7 @@ class LoadResult:
     unexpected: tuple[str, ...] = ()
     atomic: bool = False
     damaged: tuple[int, ...] = ()
+    lost: tuple[int, ...] = ()
 
 
 _COMPILED = re.compile(r"(^|\.)_orig_mod\.")

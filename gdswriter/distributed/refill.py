@@ -1,0 +1,334 @@
+"""Refill after a restore from copies (issue 39 item 3; format.md 11.2).
+
+A load of a step saved with replicas in which some node was replaced (its root is new: an id no
+rank of the step knew) reads that node's ranks' files from their copies; the step then has one
+copy fewer of those files, and of the copies the lost node held. After every load the session
+hands the step to its Replicator (``RefillJob``), whose thread and gloo group re-create, in the
+background (never touching the next save, which runs on another channel):
+
+1. ``plan_refill`` (pure, the same on every rank: the step's global manifest, which the primary
+   rank sends, and the root table every rank holds): each root of the step no rank sees is
+   replaced by the one root its ranks see now (a node replaced; a rank of two roots, or roots
+   seen by ranks of different old roots, are not refilled: logged). For every rank whose own
+   root or a copy root was replaced: its files are read where they survive (its own root, else
+   its first copy), by the lowest rank that sees them, checked as they stream (the shard's
+   size and crc32c against the manifest, every chunk against the shard), and sent to the
+   leader of each replacement root, which writes them with replication's protocol
+   (replicastream.py ``Incoming``: a temporary folder, each file fdatasynced and checked
+   against the sender's crc32c, renamed into ``copies/rank<R>`` whole); the rank's own files
+   are then renamed from there into the step directory (fsynced), beside an owner file.
+2. When every rank succeeded: every root holding the copy of the primary's files writes the
+   global manifest with the replaced roots' ids and paths (``relocate_roots``; the same bytes
+   everywhere) into ``copies/manifest.json`` and marks ``copies/protected``; then the primary
+   rank replaces ``manifest.json`` by it (atomically: the old one or the new one, both commit
+   the same bytes of state) and rewrites ``protected``. A later load finds every rank's files
+   and copies where the manifest says, so it survives another node's loss.
+
+A failure leaves the step as the load found it (loadable, with fewer copies): ReplicationError
+from ``wait_protected``; a crash mid-way leaves files no manifest names (removed with the step).
+A step whose primary root was replaced (its manifest adopted from a copy) is not refilled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c as _crc32c
+import torch
+
+from ..errors import ChecksumMismatchError, CollectiveFailedError, GDSWriterError, ReplicationError
+from ..format.commit import step_dir_name
+from ..format.copies import copy_ref, relocate_roots, replicas_of
+from ..format.manifest import MANIFEST_NAME
+from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, protected_marker
+from ..format.sharded import GlobalManifest, parse_global, parse_shard
+from ..fs import atomic_write, fsync_dir, read_regular_file
+from .group import Coordinator, Transfer, describe
+from .loadplan import reach_of
+from .replicastream import Incoming, Outgoing, Pipeline, Source
+from .roots import RootLayout, write_owner_files
+
+log = logging.getLogger("gdswriter")
+TRAILER_BYTES = 64 << 10
+MANIFEST_LIMIT = 1 << 30
+
+
+@dataclass(frozen=True)
+class RefillJob:
+    """A loaded step to refill; ``layout``: the session's, holding the whole root table."""
+
+    step: int
+    layout: RootLayout
+
+
+@dataclass(frozen=True)
+class Move:
+    """Rank ``rank``'s files, read at table root ``source`` (``copy``: its copy there) by
+    ``sender``, written by each of ``targets``: (receiver rank, its new root's id, own files?)."""
+
+    rank: int
+    source: int
+    copy: bool
+    sender: int
+    targets: tuple[tuple[int, str, bool], ...]
+
+
+@dataclass(frozen=True)
+class RefillPlan:
+    moves: tuple[Move, ...]
+    mapping: dict[int, tuple[str, str]]  # table root of the step -> (new id, new path)
+    skipped: str | None = None
+
+
+def _replacements(g: GlobalManifest, layout: RootLayout) -> tuple[dict[int, tuple[str, str, int]], list[int]]:
+    """Each root of ``g`` no rank sees -> (id, path, leader) of the one root its ranks see now;
+    and the unseen roots that have no such replacement."""
+    seen = {info.id: info for info in layout.table}
+    old = {g.roots[j].id for j in range(len(g.roots))}
+    out, none = {}, []
+    for j in range(len(g.roots)):
+        if g.roots[j].id in seen:
+            continue
+        ranks = set(g.roots[j].ranks)
+        now = [info for info in layout.table if ranks & set(info.ranks)]
+        if len(now) == 1 and now[0].id not in old and set(now[0].ranks) == ranks:
+            out[j] = (now[0].id, now[0].path, min(now[0].ranks))
+        else:
+            none.append(j)
+    return out, none
+
+
+def plan_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
+    """Pure (the module docstring, 1): what to copy where to refill step ``g.step``."""
+    copies = replicas_of(g, "the step's manifest")
+    seen = {info.id: info.ranks for info in layout.table}
+    if copies is None or all(g.roots[j].id in seen for j in range(len(g.roots))):
+        return RefillPlan((), {})  # saved without replicas, or nothing lost: nothing to do, silently
+    if g.world_size != layout.world_size:
+        return RefillPlan((), {}, f"it was saved by {g.world_size} ranks, this job has {layout.world_size}")
+    if g.roots[0].id not in seen:
+        return RefillPlan((), {}, "its primary root was replaced (its manifest was adopted from a copy)")
+    new, unmapped = _replacements(g, layout)
+    if unmapped:
+        return RefillPlan((), {}, f"roots {unmapped} of the step are gone with no single root replacing each")
+    moves = []
+    for r in range(g.world_size):
+        own = g.shards[r].root
+        targets = [(new[j][2], new[j][0], j == own) for j in (own, *copies[r]) if j in new]
+        if not targets:
+            continue
+        source = next(((j, k > 0) for k, j in enumerate((own, *copies[r])) if g.roots[j].id in seen), None)
+        if source is None:
+            return RefillPlan((), {}, f"no copy of rank {r}'s files survives")
+        sender = min(seen[g.roots[source[0]].id])
+        if any(t[0] == sender for t in targets):
+            return RefillPlan((), {}, f"rank {sender} would send rank {r}'s files to itself")
+        moves.append(Move(r, source[0], source[1], sender, tuple(targets)))
+    return RefillPlan(tuple(moves), {j: (v[0], v[1]) for j, v in new.items()})
+
+
+def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
+    """Collective on the replication group: refill ``job.step`` (the module docstring). True
+    when something was refilled and the step is protected again; False when nothing was lost
+    (or it cannot be refilled: logged); ReplicationError when a rank failed."""
+    step, layout = job.step, job.layout
+    what = f"refilling step {step}"
+    raw = _manifest_bytes(coord, layout, step, what)
+    g = parse_global(raw, f"{step_dir_name(step)}/{MANIFEST_NAME}")
+    if g is None:
+        return False
+    plan = plan_refill(g, layout)
+    if plan.skipped is not None or not plan.moves:
+        if plan.skipped is not None and coord.rank == layout.primary_rank:
+            log.warning("gdswriter: step %d is not refilled after its restore: %s", step, plan.skipped)
+        return False
+    log.info("gdswriter: %s: %d rank(s)' files to re-create on replaced roots", what, len(plan.moves))
+    problems: list[str] = []
+    for move in plan.moves:
+        if coord.rank == move.sender or any(t[0] == coord.rank for t in move.targets):
+            problems += _move(coord, layout, g, move, what)
+    failed = coord.decide(None, "; ".join(problems)[:2000], f"{what} (outcomes)",
+                          lambda outs: [[r, m] for r, m in enumerate(outs) if m][:8], root=layout.primary_rank)
+    if failed:
+        raise ReplicationError(f"step {step} was restored but not refilled: "
+                               f"{'; '.join(f'rank {r}: {m}' for r, m in failed)}; it loads as it did, with fewer "
+                               f"copies; fix what the message names (a full or failing disk?) and load again", step)
+    _commit(coord, layout, g, raw, plan, copies, what)
+    return True
+
+
+def _manifest_bytes(coord: Coordinator, layout: RootLayout, step: int, what: str) -> bytes:
+    """The step's manifest.json, read by the primary rank and sent to every rank."""
+    mine: dict = {}
+    if coord.rank == layout.primary_rank:
+        try:
+            path = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step) / MANIFEST_NAME
+            mine = {"raw": read_regular_file(path, MANIFEST_LIMIT).decode()}  # JSON: UTF-8, byte for byte
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            mine = {"error": describe(e)}
+    got = coord.broadcast(mine, f"{what} (manifest)", src=layout.primary_rank)
+    if "error" in got:
+        raise ReplicationError(f"step {step} was restored but not refilled: its manifest could not be read "
+                               f"({got['error']})", step)
+    return got["raw"].encode()
+
+
+def _sources(layout: RootLayout, g: GlobalManifest, move: Move) -> list[Source]:
+    """Rank ``move.rank``'s shard and data files where they survive, checked as they stream."""
+    ref = copy_ref(g.shards[move.rank], move.source) if move.copy else g.shards[move.rank]
+    reach = reach_of(g, layout)
+    d = reach[move.source] / step_dir_name(g.step)  # type: ignore[operator]
+    raw = read_regular_file(d / ref.name, ref.size + 1)
+    if len(raw) != ref.size or _crc32c.crc32c(raw) != ref.crc32c:
+        raise ChecksumMismatchError(str(d / ref.name), "its manifest shard", 0, ref.size, ref.crc32c,
+                                    _crc32c.crc32c(raw))
+    shard = parse_shard(raw, g, ref, str(d / ref.name))
+    out = [Source("shard", ref.name.rsplit("/", 1)[-1], len(raw), data=raw)]
+    per_file = shard.chunks_by_file()
+    for fid, f in enumerate(shard.files):
+        if f.root != move.source or reach[f.root] is None:
+            raise GDSWriterError(f"rank {move.rank}'s data file {f.path} is not beside its shard on "
+                                 f"{reach[move.source]}: a rank of several roots is not refilled")
+        out.append(Source("data", f.path.rsplit("/", 1)[-1], f.size,
+                          path=reach[f.root] / step_dir_name(g.step) / f.path,  # type: ignore[operator]
+                          chunks=tuple(per_file[fid])))
+    return out
+
+
+def _move(coord: Coordinator, layout: RootLayout, g: GlobalManifest, move: Move, what: str) -> list[str]:
+    """This rank's part of one move (sender or receiver); what failed here."""
+    me, s = coord.rank, move.sender
+    dests = [t[0] for t in move.targets] if me == s else []
+    error: BaseException | None = None
+    sources: list[Source] = []
+    if me == s:
+        try:
+            sources = _sources(layout, g, move)
+        except Exception as e:  # noqa: BLE001 - sent to the receivers in the trailer
+            error = e
+    out = Outgoing(sources, error)
+    head = torch.tensor([len(out.header), out.total], dtype=torch.int64)
+    sizes = torch.zeros(2, dtype=torch.int64)
+    coord.exchange([Transfer(s, d, 0, head) for d in dests] + ([Transfer(s, me, 0, sizes)] if me != s else []),
+                   f"{what} (sizes)")
+    header = torch.zeros(max(int(sizes[0]), 1), dtype=torch.uint8)
+    mine = torch.frombuffer(bytearray(out.header), dtype=torch.uint8)
+    coord.exchange([Transfer(s, d, 1, mine) for d in dests] +
+                   ([Transfer(s, me, 1, header[:int(sizes[0])])] if me != s else []), f"{what} (headers)")
+    problems: list[str] = []
+    inc: Incoming | None = None
+    own = False
+    if me != s:
+        target = next(t for t in move.targets if t[0] == me)
+        own = target[2]
+        try:
+            inc = Incoming(_copies_dir(layout, g.step, target[1]), move.rank, bytes(header[:int(sizes[0])].numpy()))
+        except Exception as e:  # noqa: BLE001 - reported to the primary rank
+            problems.append(f"rank {move.rank}'s files: {describe(e)}")
+    incoming = {s: inc} if me != s else {}
+    try:
+        Pipeline(coord, g.step, out, dests, {s: int(sizes[1])} if me != s else {}, incoming, problems).run()
+        trailer = _trailer(coord, out, s, dests, what)
+    except BaseException:
+        if inc is not None:
+            inc.discard()
+        raise
+    finally:
+        out.close()
+    inc = incoming.get(s)
+    if inc is not None:
+        try:
+            inc.publish(trailer)
+            if own:
+                _move_up(inc.copies, move.rank)
+        except Exception as e:  # noqa: BLE001 - reported to the primary rank
+            inc.discard()
+            problems.append(f"rank {move.rank}'s files: {describe(e)}")
+    return problems
+
+
+def _copies_dir(layout: RootLayout, step: int, root_id: str) -> Path:
+    """``step_S/copies`` on this rank's root ``root_id`` (made durably, the step directory with
+    its owner file)."""
+    root = layout.local_paths[layout.local_ids.index(root_id)]
+    d = root / step_dir_name(step)
+    if not d.is_dir():
+        d.mkdir()
+        write_owner_files(layout, d)
+        fsync_dir(root)
+    copies = d / COPIES_DIR
+    if not copies.is_dir():
+        copies.mkdir()
+        fsync_dir(d)
+    return copies
+
+
+def _move_up(copies: Path, rank: int) -> None:
+    """A rank's own files, received as ``copies/rank<R>``, renamed into the step directory."""
+    src = copies / copy_dir_name(rank)
+    for p in sorted(src.iterdir()):
+        os.replace(p, copies.parent / p.name)
+    fsync_dir(copies.parent)
+    shutil.rmtree(src)
+    fsync_dir(copies)
+
+
+def _trailer(coord: Coordinator, out: Outgoing, s: int, dests: list[int], what: str) -> dict:
+    """The sender's trailer (each file's crc32c, or why it stopped) on every receiver."""
+    data = out.trailer()[:TRAILER_BYTES - 8]
+    mine = torch.zeros(TRAILER_BYTES, dtype=torch.uint8)
+    mine[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    mine[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    got = torch.zeros(TRAILER_BYTES, dtype=torch.uint8)
+    coord.exchange([Transfer(s, d, 1001, mine) for d in dests] +
+                   ([Transfer(s, coord.rank, 1001, got)] if coord.rank != s else []), f"{what} (trailers)")
+    n = int(got[:8].view(torch.int64))
+    try:
+        return json.loads(bytes(got[8:8 + n].numpy()))
+    except ValueError:
+        return {"ok": False, "error": "its trailer is not readable"}
+
+
+def _commit(coord: Coordinator, layout: RootLayout, g: GlobalManifest, raw: bytes, plan: RefillPlan, copies: int,
+            what: str) -> None:
+    """Step 2 of the module docstring: the manifest's copies, then the manifest, then ``protected``."""
+    step, p = g.step, layout.primary_rank
+    new = relocate_roots(raw, plan.mapping, f"{step_dir_name(step)}/{MANIFEST_NAME}")
+    holders = {plan.mapping.get(j, (g.roots[j].id,))[0] for j in replicas_of(g, "")[min(g.roots[0].ranks)]}
+    error = None
+    try:
+        for i, rid in enumerate(layout.local_ids):
+            if rid in holders and layout.leads(i):
+                d = layout.local_paths[i] / step_dir_name(step) / COPIES_DIR
+                atomic_write(d / MANIFEST_NAME, new)
+                atomic_write(d / PROTECTED_NAME, protected_marker(copies))
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    _agree(coord, error, f"{what} (the manifest's copies)", step, p)
+    error = None
+    if coord.rank == p:
+        try:
+            d = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step)
+            atomic_write(d / MANIFEST_NAME, new)
+            atomic_write(d / PROTECTED_NAME, protected_marker(copies))
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
+    _agree(coord, error, f"{what} (the manifest)", step, p)
+    if coord.rank == p:
+        log.warning("gdswriter: step %d is refilled: the files of replaced root(s) %s re-created from their "
+                    "copies, and the step is protected again", step, sorted(plan.mapping))
+
+
+def _agree(coord: Coordinator, error: BaseException | None, what: str, step: int, p: int) -> None:
+    try:
+        coord.agree(error, what, root=p)
+    except GDSWriterError as e:
+        if isinstance(e, (ReplicationError, CollectiveFailedError)):
+            raise
+        raise ReplicationError(f"step {step} was restored but not refilled ({what}: {describe(e)}); it loads as it "
+                               f"did, with fewer copies", step) from e
