@@ -204,6 +204,26 @@ def test_the_functions_above_the_complexity_ceiling_only_get_fewer():
     assert len(marked) <= _COMPLEX_FUNCTIONS_CEILING, marked
 
 
+# No function in gdswriter/ over 80 lines (docs/architecture.md, issue 38), counted from its def line
+# to its last line, docstring included. The ones not split yet are named here, with why; the list only
+# shrinks (an entry whose function was split fails the test too, so that it is taken out).
+_LONG_FUNCTIONS_ALLOWED = {
+    "gdswriter/distributed/fetch.py:fetch_storages",  # 91 lines: rewritten by the one-executor work of issue 38
+}
+
+
+def test_no_function_in_the_package_is_over_80_lines():
+    import ast
+
+    repo = Path(__file__).resolve().parents[1]
+    long = {f"{p.relative_to(repo)}:{node.name}"
+            for p in sorted((repo / "gdswriter").rglob("*.py"))
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80}
+    assert sorted(long - _LONG_FUNCTIONS_ALLOWED) == [], "split these by idea (docs/architecture.md)"
+    assert sorted(_LONG_FUNCTIONS_ALLOWED - long) == [], "no longer over 80 lines: take them out of the list"
+
+
 def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
