@@ -189,11 +189,11 @@ def test_no_underscore_name_crosses_a_module():
 # The functions above the complexity ceiling (pyproject: C901, max-complexity 15) on the day the rule
 # came in, each marked with a noqa for C901 at the end of its def line. Refactors lower this number;
 # it never rises (lower it here when a marker goes). gdswriter/distributed/dcp.py is exempt by a per-file-ignore
-# until its split lands. 16: load_own and plan_from_shards split (issue 38). 4: state_codec's enc
+# until its split lands. 16: load_own and plan_from_shards split (issue 38). 3: state_codec's enc
 # and dec, manifest's _from_body, affinity's assign_bytes, sharded's _parse_shard, verify's verify_step,
 # deepspeed's from_plain, distributed.commit's vote, benchmarks/report.py's report, fake_kvikio's _build,
-# dist_scaling's _round, gpu_probe's bandwidth.
-_COMPLEX_FUNCTIONS_CEILING = 4
+# dist_scaling's _round, gpu_probe's bandwidth, test_powerloss's check_image.
+_COMPLEX_FUNCTIONS_CEILING = 3
 
 
 def test_the_functions_above_the_complexity_ceiling_only_get_fewer():
