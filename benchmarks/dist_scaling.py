@@ -147,72 +147,104 @@ def _gather_bytes(n: int) -> list[int]:
     return [int(x) for x in out]
 
 
-def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, world: int, base: str, state: dict,  # noqa: C901
+def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, world: int, base: str, state: dict,
            target: dict, reference: dict) -> None:
     """One round of ``case``: a save and a load, their times appended to ``run``, which also
     keeps the case's checkpointer or writer from round to round ("ck")."""
+    if case in ("gdswriter", "gdswriter-tmpfs", "gdswriter-relay"):
+        _round_checkpointer(run, case, nroots, rnd, rounds, rank, world, base, state, reference)
+    elif case in ("dcp-kept", "dcp-node-local", "dcp-resave"):
+        _round_kept_writer(run, case, nroots, rnd, rounds, rank, world, base, state, target)
+    else:
+        _round_fresh(run, case, nroots, rnd, rank, world, base, state, target)
+
+
+def _round_checkpointer(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, world: int, base: str,
+                        state: dict, reference: dict) -> None:
+    """A round of a GDSCheckpointer case: one checkpointer for all rounds, as a training job keeps
+    one (its engines and buffers are made before the first timed save); loads into the live state."""
+    import torch
+    import torch.distributed as dist
+
+    from gdswriter import CheckpointOptions, GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+    from gdswriter.format.commit import step_dir_name
+
+    saves, loads, mine, ck = run["saves"], run["loads"], run["mine"], run["ck"]
+    if ck is None:
+        dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
+        share = {"gdswriter": {}, "gdswriter-tmpfs": {"load_cross_memory": False},
+                 "gdswriter-relay": {"load_share_dir": None, "load_cross_memory": False}}[case]
+        ck = run["ck"] = GDSCheckpointer(state, root=dirs, options=CheckpointOptions(keep_last=1),
+                                         dist_options=DistOptions(**share))
+        _ = ck.engine_info  # the engines exist before the timed rounds
+    dirs = [str(r) for r in ck.protocol.roots]
+    saves.append(_timed(ck.save, rnd))
+    ck.wait()  # retention (keep_last=1) has deleted the previous round's step
+    step_dirs = [os.path.join(d, step_dir_name(rnd)) for d in dirs]
+    # one process writes data-r<root>-f<k>.bin (the single-process path)
+    mine.append(_rank_bytes(step_dirs, f"data-rank{rank}-*" if world > 1 else "data-*"))
+    dist.barrier()
+    if rank == 0:
+        _evict(step_dirs)
+    for t in state.values():
+        t.zero_()
+    loads.append(_timed(ck.load, rnd))  # into the live state, as a resumed job does
+    assert all(torch.equal(state[k], v) for k, v in reference.items()), f"{case}: load differs"
+    dist.barrier()
+    if rnd == rounds - 1:
+        _close_kept(ck, dirs, rank)
+
+
+def _round_kept_writer(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, world: int, base: str,
+                       state: dict, target: dict) -> None:
+    """A round of a dcp case with one GDSStorageWriter kept for all rounds: on shared roots
+    (dcp-kept), on each rank's own (dcp-node-local), or saving the same step again (dcp-resave)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
+    from gdswriter.format.commit import step_dir_name
+
+    saves, loads, mine, ck = run["saves"], run["loads"], run["mine"], run["ck"]
+    own = case != "dcp-kept"  # each rank its own roots
+    dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}{f'-rank{rank}' if own else ''}-root{i}")
+            for i in range(nroots)]
+    step = 0 if case == "dcp-resave" else rnd
+    if ck is None:
+        ck = run["ck"] = GDSStorageWriter(dirs)
+        # opens the roots, builds engines (and commits the step dcp-resave saves again)
+        dcp.save(state, storage_writer=ck, checkpoint_id=0 if case == "dcp-resave" else rounds)
+    saves.append(_timed(dcp.save, state, storage_writer=ck, checkpoint_id=step))
+    step_dirs = [os.path.join(d, step_dir_name(step)) for d in dirs]
+    mine.append(_save_bytes(step_dirs, rank))
+    if rank == 0 or own:
+        _evict(step_dirs)
+    loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, step)))
+    assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
+    for t in target.values():
+        t.zero_()
+    dist.barrier()
+    if rnd == rounds - 1:
+        _close_kept(ck, dirs, rank, own)
+    dist.barrier()
+
+
+def _round_fresh(run: dict, case: str, nroots: int, rnd: int, rank: int, world: int, base: str, state: dict,
+                 target: dict) -> None:
+    """A round of a case that keeps nothing between rounds (gdswriter-dcp: a new GDSStorageWriter;
+    dcp-fs: DCP's own FileSystemWriter); its directories are removed afterwards."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-    from gdswriter import CheckpointOptions, GDSCheckpointer
-    from gdswriter.distributed import DistOptions, GDSStorageReader, GDSStorageWriter
-    from gdswriter.format.commit import step_dir_name
+    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter
 
-    saves, loads, mine, ck = run["saves"], run["loads"], run["mine"], run["ck"]
+    saves, loads, mine = run["saves"], run["loads"], run["mine"]
     dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-{rnd}-root{i}") for i in range(nroots)]
-    if case in ("gdswriter", "gdswriter-tmpfs", "gdswriter-relay"):
-        # One checkpointer for all rounds, as a training job keeps one: its engines and
-        # buffers are made before the first timed save (the other cases keep nothing).
-        if ck is None:
-            dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}-root{i}") for i in range(nroots)]
-            share = {"gdswriter": {}, "gdswriter-tmpfs": {"load_cross_memory": False},
-                     "gdswriter-relay": {"load_share_dir": None, "load_cross_memory": False}}[case]
-            ck = run["ck"] = GDSCheckpointer(state, root=dirs, options=CheckpointOptions(keep_last=1),
-                                             dist_options=DistOptions(**share))
-            _ = ck.engine_info  # the engines exist before the timed rounds
-        dirs = [str(r) for r in ck.protocol.roots]
-        saves.append(_timed(ck.save, rnd))
-        ck.wait()  # retention (keep_last=1) has deleted the previous round's step
-        step_dirs = [os.path.join(d, step_dir_name(rnd)) for d in dirs]
-        # one process writes data-r<root>-f<k>.bin (the single-process path)
-        mine.append(_rank_bytes(step_dirs, f"data-rank{rank}-*" if world > 1 else "data-*"))
-        dist.barrier()
-        if rank == 0:
-            _evict(step_dirs)
-        for t in state.values():
-            t.zero_()
-        loads.append(_timed(ck.load, rnd))  # into the live state, as a resumed job does
-        assert all(torch.equal(state[k], v) for k, v in reference.items()), f"{case}: load differs"
-        dist.barrier()
-        if rnd == rounds - 1:
-            _close_kept(ck, dirs, rank)
-        return
-    elif case in ("dcp-kept", "dcp-node-local", "dcp-resave"):
-        own = case != "dcp-kept"  # each rank its own roots
-        dirs = [os.path.join(base, f"w{world}-r{nroots}-{case}{f'-rank{rank}' if own else ''}-root{i}")
-                for i in range(nroots)]
-        step = 0 if case == "dcp-resave" else rnd
-        if ck is None:
-            ck = run["ck"] = GDSStorageWriter(dirs)
-            # opens the roots, builds engines (and commits the step dcp-resave saves again)
-            dcp.save(state, storage_writer=ck, checkpoint_id=0 if case == "dcp-resave" else rounds)
-        saves.append(_timed(dcp.save, state, storage_writer=ck, checkpoint_id=step))
-        step_dirs = [os.path.join(d, step_dir_name(step)) for d in dirs]
-        mine.append(_save_bytes(step_dirs, rank))
-        if rank == 0 or own:
-            _evict(step_dirs)
-        loads.append(_timed(dcp.load, target, storage_reader=GDSStorageReader(dirs, step)))
-        assert all(torch.equal(target[k], v) for k, v in state.items()), f"{case}: load differs"
-        for t in target.values():
-            t.zero_()
-        dist.barrier()
-        if rnd == rounds - 1:
-            _close_kept(ck, dirs, rank, own)
-        dist.barrier()
-        return
-    elif case == "gdswriter-dcp":
+    if case == "gdswriter-dcp":
         saves.append(_timed(dcp.save, state, storage_writer=GDSStorageWriter(dirs, rnd)))
         mine.append(_rank_bytes(dirs, f"data-rank{rank}-*"))
         if rank == 0:

@@ -92,11 +92,21 @@ def best(rows, suite, kind, size, cases) -> tuple[float | None, str]:
     return max(vals) if vals else (None, "")
 
 
-def report(rows) -> tuple[str, list[bool]]:  # noqa: C901
-    parts: list[str] = []
-    verdicts: list[bool] = []
+def report(rows) -> tuple[str, list[bool]]:
     sizes = sizes_of(rows)
+    parts = [*engine_tables(rows, sizes), *save_table(rows, sizes), *load_table(rows, sizes)]
+    goals, verdicts = goal_lines(rows, sizes)
+    if goals:
+        parts.append("### Goals\n\n" + "\n".join(goals))
+    if any(r["fio"] for r in rows.values()):
+        parts.append("\\* fio rows: GB/s is fio's own reported bandwidth (its job runtime, which for writes "
+                     "includes the end_fsync); wall GB/s is the whole fio process, start-up included.")
+    return "\n\n".join(parts) + "\n", verdicts
 
+
+def engine_tables(rows, sizes) -> list[str]:
+    """The engine's sequential write and read tables (none where there are no engine rows)."""
+    parts = []
     for kind in ("write", "read"):
         body = []
         for size in sizes:
@@ -107,7 +117,11 @@ def report(rows) -> tuple[str, list[bool]]:  # noqa: C901
         if body:
             parts.append(f"### Engine sequential {kind} ({'durable, fdatasync' if kind == 'write' else 'cold cache'})\n\n"
                          + table(["case", "size", "median s", "GB/s", "wall GB/s", "x best raw"], body))
+    return parts
 
+
+def save_table(rows, sizes) -> list[str]:
+    """The checkpoint save table, against torch.save, dcp.save t4 and the engine's raw write."""
     body = []
     for size in sizes:
         eng = get(rows, "engine", "write", size, ENGINE)
@@ -116,10 +130,14 @@ def report(rows) -> tuple[str, list[bool]]:  # noqa: C901
             body.append([r["case"], size, fmt(r["bytes"] / 1e9), fmt(r["median"], 3), fmt(r["gbps"]),
                          fmt(ratio(r["gbps"], ts), 2, "x"), fmt(ratio(r["gbps"], d4), 2, "x"),
                          fmt(ratio(r["gbps"], eng), 2, "x")])
-    if body:
-        parts.append("### Checkpoint save (durable)\n\n" + table(
-            ["case", "size", "GB", "median s", "GB/s", "x torch.save", "x dcp.save t4", "x engine raw write"], body))
+    if not body:
+        return []
+    return ["### Checkpoint save (durable)\n\n" + table(
+        ["case", "size", "GB", "median s", "GB/s", "x torch.save", "x dcp.save t4", "x engine raw write"], body)]
 
+
+def load_table(rows, sizes) -> list[str]:
+    """The checkpoint load table, against torch.load and the fastest other loader."""
     body = []
     for size in sizes:
         tl = get(rows, "checkpoint", "load", size, "torch.load")
@@ -127,11 +145,16 @@ def report(rows) -> tuple[str, list[bool]]:  # noqa: C901
         for r in ordered(rows, "checkpoint", "load", size):
             body.append([r["case"], size, fmt(r["bytes"] / 1e9), fmt(r["median"], 3), fmt(r["gbps"]),
                          fmt(ratio(r["gbps"], tl), 2, "x"), fmt(ratio(r["gbps"], fastest), 2, "x")])
-    if body:
-        parts.append("### Checkpoint load (cold cache)\n\n" + table(
-            ["case", "size", "GB", "median s", "GB/s", "x torch.load", "x fastest other loader"], body))
+    if not body:
+        return []
+    return ["### Checkpoint load (cold cache)\n\n" + table(
+        ["case", "size", "GB", "median s", "GB/s", "x torch.load", "x fastest other loader"], body)]
 
-    goals = []
+
+def goal_lines(rows, sizes) -> tuple[list[str], list[bool]]:
+    """One line per goal that can be judged or is missing a figure, and the verdicts (True: met)."""
+    goals: list[str] = []
+    verdicts: list[bool] = []
 
     def goal(label: str, value: float | None, ref: float | None, ref_name: str, want: float) -> None:
         r = ratio(value, ref)
@@ -159,12 +182,7 @@ def report(rows) -> tuple[str, list[bool]]:  # noqa: C901
         fastest, name = best(rows, "checkpoint", "load", size, LOAD_REFS)
         if load or fastest:
             goal(f"{size} load vs fastest loader", load, fastest, f"fastest loader ({name})" if name else "fastest loader", 1.0)
-    if goals:
-        parts.append("### Goals\n\n" + "\n".join(goals))
-    if any(r["fio"] for r in rows.values()):
-        parts.append("\\* fio rows: GB/s is fio's own reported bandwidth (its job runtime, which for writes "
-                     "includes the end_fsync); wall GB/s is the whole fio process, start-up included.")
-    return "\n\n".join(parts) + "\n", verdicts
+    return goals, verdicts
 
 
 FAMILIES = {"torch": ("torch.save", "torch.load"), "dcp t1": ("dcp.save t1", None),

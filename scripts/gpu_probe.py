@@ -133,144 +133,168 @@ def _timed(label, nbytes, write, read, path, check):
         pass
 
 
-@section("raw GPU<->file paths (durable writes, cold reads)")
-def bandwidth(args):  # noqa: C901
-    import torch
-    n = args.size
-    src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    torch.cuda.synchronize()
-    check = lambda: bool(torch.equal(src, dst))  # noqa: E731
-    path = os.path.join(args.dir, "probe.bin")
+class _Buffers:
+    """What every raw path moves: ``n`` random bytes on the GPU (``src``), read back into ``dst``
+    (``check``: they are equal) through the file ``path``."""
 
-    def fsync_path():
-        fd = os.open(path, os.O_RDONLY)
+    def __init__(self, args):
+        import torch
+
+        self.n = args.size
+        self.src = torch.randint(0, 256, (self.n,), dtype=torch.uint8, device="cuda")
+        self.dst = torch.empty_like(self.src)
+        torch.cuda.synchronize()
+        self.path = os.path.join(args.dir, "probe.bin")
+
+    def check(self) -> bool:
+        import torch
+
+        return bool(torch.equal(self.src, self.dst))
+
+    def fsync_path(self) -> None:
+        fd = os.open(self.path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
 
-    try:
-        import kvikio
-        import kvikio.defaults as d
 
-        def kv_write(task=None):
-            with kvikio.CuFile(path, "w") as f:
-                assert f.pwrite(src, task_size=task).get() == n
-            fsync_path()
+@section("raw GPU<->file paths (durable writes, cold reads)")
+def bandwidth(args):
+    b = _Buffers(args)
+    for probe in (_kvikio_paths, _torch_gds, _pinned_odirect, _gdswriter_engines, _torch_save):
+        try:  # each path on its own: a failure is printed and the next one runs
+            probe(b)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc(limit=3, file=sys.stdout)
 
-        def kv_read(task=None):
-            with kvikio.CuFile(path, "r") as f:
-                assert f.pread(dst, task_size=task).get() == n
-            torch.cuda.synchronize()
 
-        for mode in ("default", "on"):
-            ctx = d.set("compat_mode", kvikio.CompatMode.ON) if mode == "on" else d.set({})
-            with ctx:
-                for task in (None, 16 << 20):
-                    dst.zero_()
-                    _timed(f"kvikio compat={mode} task={task or 'dflt'}", n, lambda: kv_write(task),
-                           lambda: kv_read(task), path, check)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc(limit=3, file=sys.stdout)
+def _kvikio_paths(b: _Buffers) -> None:
+    """KvikIO, in its default mode and in forced compat mode, with its default task size and 16 MiB."""
+    import kvikio
+    import kvikio.defaults as d
+    import torch
 
-    try:
-        from torch.cuda import gds
+    def kv_write(task=None):
+        with kvikio.CuFile(b.path, "w") as f:
+            assert f.pwrite(b.src, task_size=task).get() == b.n
+        b.fsync_path()
 
-        def g_write():
-            fd_path = path
-            f = gds.GdsFile(fd_path, os.O_CREAT | os.O_RDWR | os.O_TRUNC)
-            f.save_storage(src.untyped_storage(), 0)
-            del f
-            fsync_path()
+    def kv_read(task=None):
+        with kvikio.CuFile(b.path, "r") as f:
+            assert f.pread(b.dst, task_size=task).get() == b.n
+        torch.cuda.synchronize()
 
-        def g_read():
-            f = gds.GdsFile(path, os.O_RDWR)
-            f.load_storage(dst.untyped_storage(), 0)
-            del f
-            torch.cuda.synchronize()
+    for mode in ("default", "on"):
+        ctx = d.set("compat_mode", kvikio.CompatMode.ON) if mode == "on" else d.set({})
+        with ctx:
+            for task in (None, 16 << 20):
+                b.dst.zero_()
+                _timed(f"kvikio compat={mode} task={task or 'dflt'}", b.n, lambda: kv_write(task),
+                       lambda: kv_read(task), b.path, b.check)
 
-        dst.zero_()
-        _timed("torch.cuda.gds.GdsFile", n, g_write, g_read, path, check)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc(limit=3, file=sys.stdout)
 
-    # Ceiling without gdswriter: D2H into pinned memory in 64 MiB pieces, O_DIRECT pwrite from 4 threads.
-    try:
-        chunk = 64 << 20
-        pinned = torch.empty(n, dtype=torch.uint8).pin_memory()
+def _torch_gds(b: _Buffers) -> None:
+    """torch.cuda.gds.GdsFile."""
+    import torch
+    from torch.cuda import gds
 
-        def pw_write():
-            t = time.perf_counter()
-            pinned.copy_(src)
-            torch.cuda.synchronize()
-            RESULTS["d2h_pinned_gbps"] = n / (time.perf_counter() - t) / 1e9
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
-            mv = memoryview(pinned.numpy())
-            offs = list(range(0, n, chunk))
+    def g_write():
+        f = gds.GdsFile(b.path, os.O_CREAT | os.O_RDWR | os.O_TRUNC)
+        f.save_storage(b.src.untyped_storage(), 0)
+        del f
+        b.fsync_path()
 
-            def worker(k):
-                for o in offs[k::4]:
-                    assert os.pwrite(fd, mv[o:o + chunk], o) == min(chunk, n - o)
-            ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-            for th in ts:
-                th.start()
-            for th in ts:
-                th.join()
-            os.fsync(fd)
-            os.close(fd)
+    def g_read():
+        f = gds.GdsFile(b.path, os.O_RDWR)
+        f.load_storage(b.dst.untyped_storage(), 0)
+        del f
+        torch.cuda.synchronize()
 
-        def pw_read():
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            mv = memoryview(pinned.numpy())
-            offs = list(range(0, n, chunk))
+    b.dst.zero_()
+    _timed("torch.cuda.gds.GdsFile", b.n, g_write, g_read, b.path, b.check)
 
-            def worker(k):
-                for o in offs[k::4]:
-                    assert os.preadv(fd, [mv[o:o + chunk]], o) == min(chunk, n - o)
-            ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-            for th in ts:
-                th.start()
-            for th in ts:
-                th.join()
-            os.close(fd)
-            t = time.perf_counter()
-            dst.copy_(pinned)
-            torch.cuda.synchronize()
-            RESULTS["h2d_pinned_gbps"] = n / (time.perf_counter() - t) / 1e9
 
-        dst.zero_()
-        _timed("pinned + O_DIRECT pwrite x4", n, pw_write, pw_read, path, check)
-        print(f"   D2H {RESULTS.get('d2h_pinned_gbps', 0):.1f} GB/s, H2D {RESULTS.get('h2d_pinned_gbps', 0):.1f} GB/s (pinned)")
-        pinned = None  # free it (the closures above are not called again)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc(limit=3, file=sys.stdout)
+def _pinned_odirect(b: _Buffers) -> None:
+    """Ceiling without gdswriter: D2H into pinned memory in 64 MiB pieces, O_DIRECT pwrite from 4 threads."""
+    import torch
 
-    try:
-        from gdswriter import EngineOptions, ReadSpan, WriteSpan, create_engine
-        for name in ("io_uring", "posix"):
-            with create_engine(EngineOptions.from_env(engine=name)) as eng:
-                dst.zero_()
-                _timed(f"gdswriter {eng.info.name} (pinned staging)", n,
-                       lambda: eng.write_file(path, [WriteSpan(0, src)]),
-                       lambda: (eng.read_file(path, [ReadSpan(0, dst)]), torch.cuda.synchronize()),
-                       path, check)
-    except Exception:  # noqa: BLE001
-        traceback.print_exc(limit=3, file=sys.stdout)
+    n, chunk = b.n, 64 << 20
+    pinned = torch.empty(n, dtype=torch.uint8).pin_memory()
 
-    try:
-        def ts_write():
-            with open(path, "wb") as f:
-                torch.save(src, f)
-                f.flush()
-                os.fsync(f.fileno())
+    def pw_write():
+        t = time.perf_counter()
+        pinned.copy_(b.src)
+        torch.cuda.synchronize()
+        RESULTS["d2h_pinned_gbps"] = n / (time.perf_counter() - t) / 1e9
+        fd = os.open(b.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+        mv = memoryview(pinned.numpy())
+        offs = list(range(0, n, chunk))
 
-        out = {}
+        def worker(k):
+            for o in offs[k::4]:
+                assert os.pwrite(fd, mv[o:o + chunk], o) == min(chunk, n - o)
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        os.fsync(fd)
+        os.close(fd)
 
-        def ts_read():
-            out["t"] = torch.load(path, map_location="cuda")
-            torch.cuda.synchronize()
-        _timed("torch.save + fsync / torch.load", n, ts_write, ts_read, path, lambda: bool(torch.equal(out["t"], src)))
-    except Exception:  # noqa: BLE001
-        traceback.print_exc(limit=3, file=sys.stdout)
+    def pw_read():
+        fd = os.open(b.path, os.O_RDONLY | os.O_DIRECT)
+        mv = memoryview(pinned.numpy())
+        offs = list(range(0, n, chunk))
+
+        def worker(k):
+            for o in offs[k::4]:
+                assert os.preadv(fd, [mv[o:o + chunk]], o) == min(chunk, n - o)
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for th in ts:
+            th.start()
+        for th in ts:
+            th.join()
+        os.close(fd)
+        t = time.perf_counter()
+        b.dst.copy_(pinned)
+        torch.cuda.synchronize()
+        RESULTS["h2d_pinned_gbps"] = n / (time.perf_counter() - t) / 1e9
+
+    b.dst.zero_()
+    _timed("pinned + O_DIRECT pwrite x4", n, pw_write, pw_read, b.path, b.check)
+    print(f"   D2H {RESULTS.get('d2h_pinned_gbps', 0):.1f} GB/s, H2D {RESULTS.get('h2d_pinned_gbps', 0):.1f} GB/s (pinned)")
+
+
+def _gdswriter_engines(b: _Buffers) -> None:
+    """gdswriter's own engines (io_uring, posix), staging through pinned memory."""
+    import torch
+
+    from gdswriter import EngineOptions, ReadSpan, WriteSpan, create_engine
+    for name in ("io_uring", "posix"):
+        with create_engine(EngineOptions.from_env(engine=name)) as eng:
+            b.dst.zero_()
+            _timed(f"gdswriter {eng.info.name} (pinned staging)", b.n,
+                   lambda: eng.write_file(b.path, [WriteSpan(0, b.src)]),
+                   lambda: (eng.read_file(b.path, [ReadSpan(0, b.dst)]), torch.cuda.synchronize()),
+                   b.path, b.check)
+
+
+def _torch_save(b: _Buffers) -> None:
+    """torch.save with an fsync, and torch.load onto the GPU."""
+    import torch
+
+    def ts_write():
+        with open(b.path, "wb") as f:
+            torch.save(b.src, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    out = {}
+
+    def ts_read():
+        out["t"] = torch.load(b.path, map_location="cuda")
+        torch.cuda.synchronize()
+    _timed("torch.save + fsync / torch.load", b.n, ts_write, ts_read, b.path,
+           lambda: bool(torch.equal(out["t"], b.src)))
 
 
 def parse_size(s: str) -> int:

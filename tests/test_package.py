@@ -189,8 +189,11 @@ def test_no_underscore_name_crosses_a_module():
 # The functions above the complexity ceiling (pyproject: C901, max-complexity 15) on the day the rule
 # came in, each marked with a noqa for C901 at the end of its def line. Refactors lower this number;
 # it never rises (lower it here when a marker goes). gdswriter/distributed/dcp.py is exempt by a per-file-ignore
-# until its split lands. 16: load_own and plan_from_shards split (issue 38).
-_COMPLEX_FUNCTIONS_CEILING = 16
+# until its split lands. 16: load_own and plan_from_shards split (issue 38). 3: state_codec's enc
+# and dec, manifest's _from_body, affinity's assign_bytes, sharded's _parse_shard, verify's verify_step,
+# deepspeed's from_plain, distributed.commit's vote, benchmarks/report.py's report, fake_kvikio's _build,
+# dist_scaling's _round, gpu_probe's bandwidth, test_powerloss's check_image.
+_COMPLEX_FUNCTIONS_CEILING = 3
 
 
 def test_the_functions_above_the_complexity_ceiling_only_get_fewer():
@@ -200,6 +203,26 @@ def test_the_functions_above_the_complexity_ceiling_only_get_fewer():
               for i, line in enumerate(p.read_text().splitlines(), 1)
               if line.lstrip().startswith(("def ", "async def ")) and line.rstrip().endswith("# noqa: C901")]
     assert len(marked) <= _COMPLEX_FUNCTIONS_CEILING, marked
+
+
+# No function in gdswriter/ over 80 lines (docs/architecture.md, issue 38), counted from its def line
+# to its last line, docstring included. The ones not split yet are named here, with why; the list only
+# shrinks (an entry whose function was split fails the test too, so that it is taken out).
+_LONG_FUNCTIONS_ALLOWED = {
+    "gdswriter/distributed/fetch.py:fetch_storages",  # 91 lines: rewritten by the one-executor work of issue 38
+}
+
+
+def test_no_function_in_the_package_is_over_80_lines():
+    import ast
+
+    repo = Path(__file__).resolve().parents[1]
+    long = {f"{p.relative_to(repo)}:{node.name}"
+            for p in sorted((repo / "gdswriter").rglob("*.py"))
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 80}
+    assert sorted(long - _LONG_FUNCTIONS_ALLOWED) == [], "split these by idea (docs/architecture.md)"
+    assert sorted(_LONG_FUNCTIONS_ALLOWED - long) == [], "no longer over 80 lines: take them out of the list"
 
 
 def _private(name: str) -> bool:

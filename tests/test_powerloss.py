@@ -482,13 +482,16 @@ class Checker:
                 self.images_checked += 1
         self.check_s += time.monotonic() - t0
 
-    def check_image(self, where: str, lines: list[str]) -> None:  # noqa: C901
+    def check_image(self, where: str, lines: list[str]) -> None:
+        """A GDSCheckpointer job's disk: the committed steps are a state the run passes through, none
+        older than what was acknowledged; ``latest`` names a committed step; each step loads
+        bit-exact (checksums verified) as its generation; an acknowledged export is there, and one
+        under its final name is whole; opening the roots changes nothing committed and leaves
+        nothing behind, and load() gives the newest step."""
         if self.sc.dcp:
             return self.check_dcp_image(where, lines)
-        from powerloss.app import EXPORT_DIR, HF_CONFIG, export_name, hf_export_name, make_net
-
-        from gdswriter import GDSCheckpointer, load_state
-        from gdswriter.format.commit import CommitProtocol, parse_step_dir
+        from gdswriter import load_state
+        from gdswriter.format.commit import CommitProtocol
         from gdswriter.load.reader import read_manifest
 
         roots = self.roots()
@@ -508,17 +511,7 @@ class Checker:
         assert idx >= floor, (f"committed steps {state}, but the application had been told {states[floor]} was "
                               f"saved: an acknowledged save was lost; {where}")
         self.states_seen.add(idx)
-
-        named = None
-        if (roots[0] / "latest").exists():
-            latest_text = (roots[0] / "latest").read_text()
-            assert re.fullmatch(r"\d+\n", latest_text), f"`latest` holds {latest_text!r}; {where}"
-            named = int(latest_text)
-            if named not in steps:
-                assert states is STATES_NO_EXCHANGE and state == {2: 2} and named == 3, (
-                    f"`latest` names step {named}, which is not committed ({steps}); {where}")
-        else:  # written after the first commit: may lag behind it, never disappear
-            assert self.sc.fresh and max(steps, default=0) <= 1, f"`latest` is missing; {where}"
+        named = self.check_latest(roots, steps, state, where)
 
         for s in steps:  # every committed step loads bit-exact, checksums verified
             try:
@@ -528,6 +521,27 @@ class Checker:
             self.assert_gen(tree["model"], tree["extra"]["progress"], state[s], f"step {s}; {where}")
         if steps:
             self.verify_all(roots, where)
+        self.check_exports(where, lines)
+        self.check_reopened(roots, steps, state, named, where)
+
+    def check_latest(self, roots: list[Path], steps: list[int], state: dict, where: str) -> int | None:
+        """The step ``latest`` names (None where there is none yet): a committed one, but in the
+        no-exchange run's one gap; it may lag behind the first commit, never disappear."""
+        if not (roots[0] / "latest").exists():  # written after the first commit: may lag behind it, never disappear
+            assert self.sc.fresh and max(steps, default=0) <= 1, f"`latest` is missing; {where}"
+            return None
+        latest_text = (roots[0] / "latest").read_text()
+        assert re.fullmatch(r"\d+\n", latest_text), f"`latest` holds {latest_text!r}; {where}"
+        named = int(latest_text)
+        if named not in steps:
+            assert self.sc.states is STATES_NO_EXCHANGE and state == {2: 2} and named == 3, (
+                f"`latest` names step {named}, which is not committed ({steps}); {where}")
+        return named
+
+    def check_exports(self, where: str, lines: list[str]) -> None:
+        """An acknowledged export (Hugging Face directory, safetensors file) is there; one under its
+        final name, acknowledged or not, is whole and holds step 4's weights."""
+        from powerloss.app import EXPORT_DIR, HF_CONFIG, export_name, hf_export_name
 
         hf = self.mnt / EXPORT_DIR / hf_export_name(4)
         if "exported-hf 4" in lines:
@@ -555,6 +569,15 @@ class Checker:
             for k, v in model.items():
                 got = [t for name, t in flat.items() if name.endswith(k)]
                 assert len(got) == 1 and torch.equal(got[0], v), f"export: {k} differs; {where}"
+
+    def check_reopened(self, roots: list[Path], steps: list[int], state: dict, named: int | None,
+                       where: str) -> None:
+        """Opening the roots with a checkpointer changes no committed step and leaves no temporary
+        directory, trash or uncommitted secondary step; load() gives the newest step."""
+        from powerloss.app import make_net
+
+        from gdswriter import GDSCheckpointer
+        from gdswriter.format.commit import parse_step_dir
 
         net, extra = make_net(), {}
         with GDSCheckpointer(net, None, roots, state={"progress": extra}, options=M.small_options(**OPTIONS)) as ck:

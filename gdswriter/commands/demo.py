@@ -7,7 +7,9 @@ import math
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import crc32c as _crc32c
 
@@ -36,9 +38,6 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from ..engines.base import ReadSpan, WriteSpan
     from ..engines.select import create_engine
     from ..options import EngineOptions
 
@@ -61,7 +60,6 @@ def run(args) -> int:
     opts = EngineOptions.from_env(engine=args.engine)
     work = Path(tempfile.mkdtemp(prefix=".gdswriter-demo-", dir=base))
     cache: dict = {}
-    ok = True
     try:
         moved = 4 * size + 2 * ckpt_size
         fio = ("not used (--no-fio)" if args.no_fio else "installed" if shutil.which("fio")
@@ -70,45 +68,14 @@ def run(args) -> int:
         out(f"needs       {human(need)} free here ({human(free)} free; all removed afterwards); moves "
             f"{human(moved)} through the disk: {_duration(moved / 1e9)} at 1 GB/s, "
             f"{_duration(moved / 3e9)} at 3 GB/s; fio {fio}")
-        block = min(size, 64 * MiB)
-        gen = torch.Generator().manual_seed(1234)
-        src = torch.randint(0, 256, (block,), dtype=torch.uint8, generator=gen)
-        src_np = src.numpy()
-        crc_block = _crc32c.crc32c(src_np)
-        tail = size % block
-        crc_tail = _crc32c.crc32c(src_np[:tail]) if tail else crc_block
-        offsets = list(range(0, size, block))
-        expect = [crc_tail if (o + block > size) else crc_block for o in offsets]
-
-        # -- the engine: one file, written durably, then read back cold
+        pattern = _Pattern.of(size)
         engine_file = work / "engine.bin"
         with create_engine(opts) as engine:
-            spans = [WriteSpan(o, src[:min(block, size - o)]) for o in offsets]
-            t0 = time.perf_counter()
-            crcs = engine.write_file(engine_file, spans, size=size, durable=True)
-            t_write = time.perf_counter() - t0
-            info = engine.info
-            bad_w = sum(1 for a, b in zip(crcs, expect) if a != b)
-            cold(engine_file, cache)
-            avail = mem_available()
-            dest_len = max(block, min(size, 1 * GiB, (avail // 4) // block * block if avail else GiB))
-            dest = torch.zeros(dest_len, dtype=torch.uint8)  # touched: page faults are not the engine's time
-            t_read, bad_r, bad_mem = 0.0, 0, 0
-            for start in range(0, size, dest_len):
-                batch = [o for o in offsets if start <= o < start + dest_len]
-                rspans = [ReadSpan(o, dest[o - start:o - start + min(block, size - o)]) for o in batch]
-                t0 = time.perf_counter()
-                got = engine.read_file(engine_file, rspans)
-                t_read += time.perf_counter() - t0
-                for o, g, s in zip(batch, got, rspans):
-                    want = expect[o // block]
-                    bad_r += g != want
-                    bad_mem += _crc32c.crc32c(s.out.numpy()) != want  # what landed in memory, recomputed
-            del dest
+            eng = _engine_round_trip(engine, engine_file, pattern, cache)
         with contextlib.suppress(OSError):
             engine_file.unlink()
-        ok = not (bad_w or bad_r or bad_mem)
-
+        ok = not (eng.bad_w or eng.bad_r or eng.bad_mem)
+        info = eng.info
         direct = (f"yes ({info.direct_memory_alignment}-byte aligned memory goes zero-copy)"
                   if info.direct_io else "no")
         out(f"engine      {info.name}: direct I/O {direct}, registered buffers "
@@ -118,7 +85,8 @@ def run(args) -> int:
 
         # -- the disk's ceiling on the same directory: fio if installed, else the built-in loop
         try:
-            ref, why = disk_reference(work / "reference.bin", size, memoryview(src_np), cache, use_fio=not args.no_fio)
+            ref, why = disk_reference(work / "reference.bin", size, memoryview(pattern.src_np), cache,
+                                      use_fio=not args.no_fio)
         except OSError as e:
             ref, why = None, f"failed: {e.strerror or e}"
         out(f"ceiling     {ref.name if ref else 'none'} ({why})")
@@ -126,27 +94,10 @@ def run(args) -> int:
                                             " (drop_caches not permitted)")
         out(f"cold cache  {how}; write timings include fdatasync")
         out("")
-        eng_w, eng_r = size / t_write, size / t_read
-
-        def cell(x: float | None) -> str:
-            return f"{x / 1e9:.2f}" if x else "-"
-
-        def share(x: float, ceiling: float | None) -> str:
-            return f"{100 * x / ceiling:.0f}%" if ceiling else "-"
-
-        rows = [["", "write GB/s", "read GB/s"],
-                [f"gdswriter engine ({info.name})", cell(eng_w), cell(eng_r)],
-                [f"ceiling: {ref.name if ref else 'not measured'}", cell(ref and ref.write_bps),
-                 cell(ref and ref.read_bps)],
-                ["engine / ceiling", share(eng_w, ref and ref.write_bps), share(eng_r, ref and ref.read_bps)]]
-        for line in table(rows, right={1, 2}):
-            out(line)
-        if ref and (eng_w > 1.1 * ref.write_bps or eng_r > 1.1 * ref.read_bps):
-            out("  (above 100%: the disk's speed moved between the two measurements, or the engine keeps more "
-                f"requests in flight ({opts.queue_depth} x {human(opts.request_bytes)}) than the reference; a "
-                "larger --size evens out drift)")
-        out(f"  crc32c: {len(offsets)} span(s) written, read back and recomputed from memory: "
-             + ("ok" if ok else f"MISMATCH (write {bad_w}, read {bad_r}, memory {bad_mem})"))
+        eng_w, eng_r = size / eng.t_write, size / eng.t_read
+        _print_against_ceiling(info.name, eng_w, eng_r, ref, opts)
+        out(f"  crc32c: {len(pattern.offsets)} span(s) written, read back and recomputed from memory: "
+             + ("ok" if ok else f"MISMATCH (write {eng.bad_w}, read {eng.bad_r}, memory {eng.bad_mem})"))
 
         # -- a small end-to-end checkpoint
         out("")
@@ -158,6 +109,101 @@ def run(args) -> int:
             with contextlib.suppress(OSError):
                 base.rmdir()
     return EXIT_OK if ok else EXIT_CORRUPT
+
+
+@dataclass
+class _Pattern:
+    """What the engine writes: ``size`` bytes as spans of one random block (the last one cut
+    short), with each span's expected crc32c."""
+
+    size: int
+    block: int
+    src: Any  # torch.Tensor (uint8, ``block`` bytes)
+    src_np: Any  # its numpy view
+    offsets: list[int]
+    expect: list[int]
+
+    @staticmethod
+    def of(size: int) -> _Pattern:
+        import torch
+
+        block = min(size, 64 * MiB)
+        gen = torch.Generator().manual_seed(1234)
+        src = torch.randint(0, 256, (block,), dtype=torch.uint8, generator=gen)
+        src_np = src.numpy()
+        crc_block = _crc32c.crc32c(src_np)
+        tail = size % block
+        crc_tail = _crc32c.crc32c(src_np[:tail]) if tail else crc_block
+        offsets = list(range(0, size, block))
+        expect = [crc_tail if (o + block > size) else crc_block for o in offsets]
+        return _Pattern(size, block, src, src_np, offsets, expect)
+
+
+@dataclass
+class _EngineRun:
+    """The engine's round trip: its info, the seconds to write (durably) and to read (cold), and
+    the spans whose crc32c differed on write, on read and as recomputed from memory."""
+
+    info: Any
+    t_write: float
+    t_read: float
+    bad_w: int
+    bad_r: int
+    bad_mem: int
+
+
+def _engine_round_trip(engine, path: Path, pattern: _Pattern, cache: dict) -> _EngineRun:
+    """Write ``pattern`` to one file through ``engine``, durably, then read it back from a cold
+    cache in batches of at most a quarter of the available memory (1 GiB at most)."""
+    import torch
+
+    from ..engines.base import ReadSpan, WriteSpan
+
+    size, block, offsets, expect = pattern.size, pattern.block, pattern.offsets, pattern.expect
+    spans = [WriteSpan(o, pattern.src[:min(block, size - o)]) for o in offsets]
+    t0 = time.perf_counter()
+    crcs = engine.write_file(path, spans, size=size, durable=True)
+    t_write = time.perf_counter() - t0
+    bad_w = sum(1 for a, b in zip(crcs, expect) if a != b)
+    cold(path, cache)
+    avail = mem_available()
+    dest_len = max(block, min(size, 1 * GiB, (avail // 4) // block * block if avail else GiB))
+    dest = torch.zeros(dest_len, dtype=torch.uint8)  # touched: page faults are not the engine's time
+    t_read, bad_r, bad_mem = 0.0, 0, 0
+    for start in range(0, size, dest_len):
+        batch = [o for o in offsets if start <= o < start + dest_len]
+        rspans = [ReadSpan(o, dest[o - start:o - start + min(block, size - o)]) for o in batch]
+        t0 = time.perf_counter()
+        got = engine.read_file(path, rspans)
+        t_read += time.perf_counter() - t0
+        for o, g, s in zip(batch, got, rspans):
+            want = expect[o // block]
+            bad_r += g != want
+            bad_mem += _crc32c.crc32c(s.out.numpy()) != want  # what landed in memory, recomputed
+    del dest
+    return _EngineRun(engine.info, t_write, t_read, bad_w, bad_r, bad_mem)
+
+
+def _print_against_ceiling(name: str, eng_w: float, eng_r: float, ref: Any, opts: Any) -> None:
+    """The engine's GB/s beside the ceiling's (``ref``, None when not measured), and their ratio."""
+
+    def cell(x: float | None) -> str:
+        return f"{x / 1e9:.2f}" if x else "-"
+
+    def share(x: float, ceiling: float | None) -> str:
+        return f"{100 * x / ceiling:.0f}%" if ceiling else "-"
+
+    rows = [["", "write GB/s", "read GB/s"],
+            [f"gdswriter engine ({name})", cell(eng_w), cell(eng_r)],
+            [f"ceiling: {ref.name if ref else 'not measured'}", cell(ref and ref.write_bps),
+             cell(ref and ref.read_bps)],
+            ["engine / ceiling", share(eng_w, ref and ref.write_bps), share(eng_r, ref and ref.read_bps)]]
+    for line in table(rows, right={1, 2}):
+        out(line)
+    if ref and (eng_w > 1.1 * ref.write_bps or eng_r > 1.1 * ref.read_bps):
+        out("  (above 100%: the disk's speed moved between the two measurements, or the engine keeps more "
+            f"requests in flight ({opts.queue_depth} x {human(opts.request_bytes)}) than the reference; a "
+            "larger --size evens out drift)")
 
 
 def _duration(seconds: float) -> str:

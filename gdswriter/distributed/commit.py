@@ -139,7 +139,7 @@ class RankCommit:
             f"{outcome.format(step=self.step)}")
 
     # -- 2 and 3 -----------------------------------------------------------------
-    def vote(self, outcome: Any, check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None = None  # noqa: C901
+    def vote(self, outcome: Any, check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None = None
              ) -> list[Any] | None:
         """Collective. ``outcome`` is what this rank reports to the primary rank (JSON), or the
         exception that stopped it. Returns every rank's report there, None elsewhere; raises on every
@@ -148,45 +148,73 @@ class RankCommit:
         Only the primary receives the reports; the decision every rank receives is bounded."""
         error = self.setup_error or (outcome if isinstance(outcome, BaseException) else None)
         if error is None:
-            try:  # before the primary un-commits anything: a step_S of another checkpoint is refused here
-                for i in self.layout.led:
-                    if not self.layout.is_primary(i):
-                        self._check_secondary_final(i)
-            except OSError as e:
-                error = _io_error(e, self.dirs[i], "commit")
+            error = self._secondary_final_error()
         try:
             gathered = self.coord.gather({"error": describe(error)} if error else {"report": outcome},
                                          f"{self.what} (vote)", dst=self.p)
             failures: dict[int, str] = {}
             hint = None
             if self.coordinates:
-                assert gathered is not None and self.primary_index is not None
-                failures = {r: x["error"] for r, x in enumerate(gathered) if "error" in x}
-                if not failures and check is not None:
-                    refused = check([x["report"] for x in gathered])
-                    if refused is not None:
-                        failures, hint = refused
-                final = self.layout.local_paths[self.primary_index] / step_dir_name(self.step)
-                if not failures and final.exists():
-                    try:
-                        self._check_primary_final(final)
-                        retire(final)  # re-saving step S: un-commit the old one first
-                    except OSError as e:
-                        error = _io_error(e, final, "un-commit the old step")
-                        failures = {self.coord.rank: describe(error)}
+                assert gathered is not None
+                failures, hint, error = self._decide(gathered, check, error)
             decision = self.coord.broadcast({**bounded(failures), "hint": hint}, f"{self.what} (decision)",
                                             src=self.p)
         except BaseException:
             self.abort()
             raise
+        self._raise_if_refused(decision, error)
+        self._rename_secondaries()
+        return [x["report"] for x in gathered] if gathered is not None else None
+
+    def _secondary_final_error(self) -> BaseException | None:
+        """This rank's refusal of a secondary ``step_S`` of another checkpoint (_check_secondary_final),
+        found before the primary un-commits anything; None when there is none."""
+        try:
+            for i in self.layout.led:
+                if not self.layout.is_primary(i):
+                    self._check_secondary_final(i)
+        except OSError as e:
+            return _io_error(e, self.dirs[i], "commit")
+        return None
+
+    def _decide(self, gathered: list[Any], check: Callable[[list[Any]], tuple[dict[int, str], str] | None] | None,
+                error: BaseException | None) -> tuple[dict[int, str], str | None, BaseException | None]:
+        """The primary rank: (failures by rank, hint, this rank's error) from every rank's vote and
+        ``check``. When nothing fails, an old committed ``step_S`` is un-committed first; a failure to
+        do so is this rank's error."""
+        assert self.primary_index is not None
+        failures = {r: x["error"] for r, x in enumerate(gathered) if "error" in x}
+        hint = None
+        if not failures and check is not None:
+            refused = check([x["report"] for x in gathered])
+            if refused is not None:
+                failures, hint = refused
+        final = self.layout.local_paths[self.primary_index] / step_dir_name(self.step)
+        if not failures and final.exists():
+            try:
+                self._check_primary_final(final)
+                retire(final)  # re-saving step S: un-commit the old one first
+            except OSError as e:
+                error = _io_error(e, final, "un-commit the old step")
+                failures = {self.coord.rank: describe(error)}
+        return failures, hint, error
+
+    def _raise_if_refused(self, decision: dict, error: BaseException | None) -> None:
+        """Every rank, when the decision names failures: abort, and raise the check's refusal (with
+        its hint), this rank's own error, or a RankFailedError naming the ranks that failed."""
         shown, total = unbound(decision)
-        if total:
-            self.abort()
-            if decision["hint"] is not None:
-                raise RankFailedError(self.what, shown, decision["hint"], total=total)
-            if error is not None:
-                raise error
-            raise RankFailedError(self.what, shown, total=total)
+        if not total:
+            return
+        self.abort()
+        if decision["hint"] is not None:
+            raise RankFailedError(self.what, shown, decision["hint"], total=total)
+        if error is not None:
+            raise error
+        raise RankFailedError(self.what, shown, total=total)
+
+    def _rename_secondaries(self) -> None:
+        """Step 3: the temporary directories this rank leads are synced and its secondary roots'
+        renamed into place; the primary rank receives each rank's failure (secondary_failures)."""
         try:
             for i in self.layout.led:
                 fsync_dir(self.dirs[i])
@@ -199,7 +227,6 @@ class RankCommit:
                                      f"{self.what} (secondary roots)", dst=self.p)  # only the primary receives
         if statuses is not None:
             self.secondary_failures = {r: s for r, s in enumerate(statuses) if s is not None}
-        return [x["report"] for x in gathered] if gathered is not None else None
 
     def _check_secondary_final(self, i: int) -> None:
         """Refuse (EngineIOError EEXIST) a secondary ``step_S`` that was not written for this

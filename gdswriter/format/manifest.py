@@ -240,79 +240,105 @@ class Manifest:
                                          f"damaged: load an earlier step") from e
 
     @classmethod
-    def _from_body(cls, body: Any, where: str) -> Manifest:  # noqa: C901
-        def bad(msg: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
-
-        if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
-            raise bad("not a gdswriter manifest (no \"format\": \"gdswriter\")")
-        version = body.get("version")
-        if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) and v >= 0 for v in version)):
-            raise bad(f"bad version field {version!r}")
-        if version[0] > FORMAT_VERSION[0]:
-            raise UnsupportedFormatVersionError(
-                f"{where} uses format version {version[0]}.{version[1]}, newer than this gdswriter reads "
-                f"({FORMAT_VERSION[0]}.x): upgrade gdswriter (pip install -U gdswriter)")
-        expected = body.pop("manifest_crc32c", None)
-        if not _is_int(expected) or _crc32c.crc32c(_canonical(body)) != expected:
-            raise bad("manifest checksum does not match its content")
-
-        files = tuple(FileRecord(_nonneg(r[0]), _relpath(r[1]), _nonneg(r[2]), _file_info(r[3:]))
-                      for r in _list(body["files"]))
-        if len({(f.root, f.path) for f in files}) != len(files):
-            raise bad("a data file is listed twice")  # its bytes would count (and be allocated) twice
-        storages = []
-        n_files = len(files)
-        for s in _list(body["storages"]):
-            nbytes = _nonneg(s["nbytes"])
-            chunks = []
-            covered = 0
-            listed = [_chunk(x, n_files) for x in _list(s["chunks"])]
-            if len(listed) > 1:
-                listed.sort(key=lambda c: c.storage_offset)
-            for c in listed:
-                if c.storage_offset != covered:
-                    raise bad(f"storage {len(storages)} has a gap or overlap at byte {covered}")
-                if c.file_offset + c.length > files[c.file].size:
-                    raise bad(f"chunk of storage {len(storages)} runs past the end of {files[c.file].path}")
-                covered += c.length
-                chunks.append(c)
-            if covered != nbytes:
-                raise bad(f"storage {len(storages)} chunks cover {covered} of {nbytes} bytes")
-            storages.append(StorageRecord(nbytes, tuple(chunks)))
-        extents = sorted((c.file, c.file_offset, c.file_offset + c.length) for st in storages for c in st.chunks
-                         if c.length)
-        for (fa, _, end_a), (fb, start_b, _) in zip(extents, extents[1:]):
-            if fa == fb and start_b < end_a:
-                raise bad(f"two chunks overlap in {files[fa].path} at byte {start_b}")
-        tensors = []
-        itemsizes = _itemsizes()
-        for t in _list(body["tensors"]):
-            rec = TensorRecord(_str(t["name"]), _nonneg(t["storage"]), _nonneg(t["byte_offset"]), _str(t["dtype"]),
-                               tuple([_nonneg(x) for x in _list(t["shape"])]),
-                               tuple([_int(x) for x in _list(t["stride"])]), _str(t.get("device", "cpu")),
-                               _str(t.get("kind", "tensor")))
-            if rec.storage >= len(storages) or rec.kind not in ("tensor", "ndarray"):
-                raise bad(f"tensor {rec.name[:200]!r} has an invalid storage index or kind")
-            if rec.stride and min(rec.stride) < 0:
-                raise bad(f"tensor {rec.name[:200]!r} has a negative stride")
-            nbytes = storages[rec.storage].nbytes
-            why = "" if _contiguous_inside(rec, itemsizes.get(rec.dtype, 0), nbytes) else rec.problem(nbytes)
-            if why:
-                raise bad(f"tensor {rec.name[:200]!r} has {why}")
-            if "shard" in t:
-                rec = replace(rec, shard=_shard(t["shard"], rec))
-            tensors.append(rec)
+    def _from_body(cls, body: Any, where: str) -> Manifest:
+        version = _checked_header(body, where)
+        files = _files(body["files"], where)
+        storages = _storages(body["storages"], files, where)
+        tensors = _tensors(body["tensors"], storages, where)
         dist = _dist_info(body["dist"], files) if "dist" in body else None
         metadata = body.get("metadata", {})
         if not isinstance(metadata, dict):
-            raise bad("metadata is not an object")
+            raise _damaged(where, "metadata is not an object")
         created = body.get("created_unix", 0.0)
         if not isinstance(created, (int, float)) or isinstance(created, bool) or not abs(created) < 1e300:
-            raise bad("created_unix is not a number")
-        return cls(step=_nonneg(body["step"]), files=files, storages=tuple(storages), tensors=tuple(tensors),
+            raise _damaged(where, "created_unix is not a number")
+        return cls(step=_nonneg(body["step"]), files=files, storages=storages, tensors=tensors,
                    state=body["state"], created_unix=float(created), metadata=metadata,
-                   version=(version[0], version[1]), dist=dist)
+                   version=version, dist=dist)
+
+
+def _damaged(where: str, msg: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
+
+
+def _checked_header(body: Any, where: str) -> tuple[int, int]:
+    """The format version of a manifest body, after its format name, its version (a newer major
+    one is UnsupportedFormatVersionError) and its checksum (taken out of ``body``) are checked."""
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+        raise _damaged(where, "not a gdswriter manifest (no \"format\": \"gdswriter\")")
+    version = body.get("version")
+    if not (isinstance(version, list) and len(version) == 2 and all(_is_int(v) and v >= 0 for v in version)):
+        raise _damaged(where, f"bad version field {version!r}")
+    if version[0] > FORMAT_VERSION[0]:
+        raise UnsupportedFormatVersionError(
+            f"{where} uses format version {version[0]}.{version[1]}, newer than this gdswriter reads "
+            f"({FORMAT_VERSION[0]}.x): upgrade gdswriter (pip install -U gdswriter)")
+    expected = body.pop("manifest_crc32c", None)
+    if not _is_int(expected) or _crc32c.crc32c(_canonical(body)) != expected:
+        raise _damaged(where, "manifest checksum does not match its content")
+    return version[0], version[1]
+
+
+def _files(rows: Any, where: str) -> tuple[FileRecord, ...]:
+    """The data file table; a file listed twice is damage (its bytes would count, and be allocated, twice)."""
+    files = tuple(FileRecord(_nonneg(r[0]), _relpath(r[1]), _nonneg(r[2]), _file_info(r[3:])) for r in _list(rows))
+    if len({(f.root, f.path) for f in files}) != len(files):
+        raise _damaged(where, "a data file is listed twice")
+    return files
+
+
+def _storages(rows: Any, files: tuple[FileRecord, ...], where: str) -> tuple[StorageRecord, ...]:
+    """The storage table: each storage's chunks cover it exactly, inside their files, and no two
+    chunks share a byte of a file."""
+    storages = []
+    n_files = len(files)
+    for s in _list(rows):
+        nbytes = _nonneg(s["nbytes"])
+        chunks = []
+        covered = 0
+        listed = [_chunk(x, n_files) for x in _list(s["chunks"])]
+        if len(listed) > 1:
+            listed.sort(key=lambda c: c.storage_offset)
+        for c in listed:
+            if c.storage_offset != covered:
+                raise _damaged(where, f"storage {len(storages)} has a gap or overlap at byte {covered}")
+            if c.file_offset + c.length > files[c.file].size:
+                raise _damaged(where, f"chunk of storage {len(storages)} runs past the end of {files[c.file].path}")
+            covered += c.length
+            chunks.append(c)
+        if covered != nbytes:
+            raise _damaged(where, f"storage {len(storages)} chunks cover {covered} of {nbytes} bytes")
+        storages.append(StorageRecord(nbytes, tuple(chunks)))
+    extents = sorted((c.file, c.file_offset, c.file_offset + c.length) for st in storages for c in st.chunks
+                     if c.length)
+    for (fa, _, end_a), (fb, start_b, _) in zip(extents, extents[1:]):
+        if fa == fb and start_b < end_a:
+            raise _damaged(where, f"two chunks overlap in {files[fa].path} at byte {start_b}")
+    return tuple(storages)
+
+
+def _tensors(rows: Any, storages: tuple[StorageRecord, ...], where: str) -> tuple[TensorRecord, ...]:
+    """The tensor table: each record a valid view of its storage (the usual C-contiguous one
+    answered by _contiguous_inside, the rest by TensorRecord.problem), with its shard if any."""
+    tensors = []
+    itemsizes = _itemsizes()
+    for t in _list(rows):
+        rec = TensorRecord(_str(t["name"]), _nonneg(t["storage"]), _nonneg(t["byte_offset"]), _str(t["dtype"]),
+                           tuple([_nonneg(x) for x in _list(t["shape"])]),
+                           tuple([_int(x) for x in _list(t["stride"])]), _str(t.get("device", "cpu")),
+                           _str(t.get("kind", "tensor")))
+        if rec.storage >= len(storages) or rec.kind not in ("tensor", "ndarray"):
+            raise _damaged(where, f"tensor {rec.name[:200]!r} has an invalid storage index or kind")
+        if rec.stride and min(rec.stride) < 0:
+            raise _damaged(where, f"tensor {rec.name[:200]!r} has a negative stride")
+        nbytes = storages[rec.storage].nbytes
+        why = "" if _contiguous_inside(rec, itemsizes.get(rec.dtype, 0), nbytes) else rec.problem(nbytes)
+        if why:
+            raise _damaged(where, f"tensor {rec.name[:200]!r} has {why}")
+        if "shard" in t:
+            rec = replace(rec, shard=_shard(t["shard"], rec))
+        tensors.append(rec)
+    return tuple(tensors)
 
 
 _ITEMSIZES: dict[str, int] = {}

@@ -628,7 +628,7 @@ def _replicas(value: Any, world: int, n_roots: int) -> tuple[tuple[int, ...], ..
     return out if all(len(set(e)) == len(e) for e in out) else ()
 
 
-def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:  # noqa: C901
+def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_roots: int) -> RankShard:
     def bad(msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
 
@@ -637,14 +637,33 @@ def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_root
     if (body["step"], body["rank"], body["world_size"]) != (step, rank, world):
         raise bad(f"it is rank {body['rank']}'s shard of step {body['step']} (world {body['world_size']}), not rank "
                   f"{rank}'s of step {step} (world {world})")
+    groups = _holder_groups(body["groups"], rank, world, bad)
+    items = _shard_items(body["items"], groups, rank, bad)
+    files = _shard_files(body["files"], n_roots, bad)
+    chunks = _shard_chunks(body["chunks"], items, files, bad)
+    tensors = _shard_tensors(body["tensors"], items, bad)
+    tensor_refs(body["tree"], len(tensors))  # every reference names one of its records
+    return RankShard(step, rank, world, files, items, chunks, tensors, body["tree"])
+
+
+def _holder_groups(rows: Any, rank: int, world: int,
+                   bad: Callable[[str], CorruptCheckpointError]) -> list[tuple[int, ...]]:
+    """A shard's holder groups: each a sorted set of at least two ranks, this ``rank`` among them."""
     groups = []
-    for g in _list(body["groups"], "groups"):
+    for g in _list(rows, "groups"):
         ranks = tuple(_int(x, "a holder rank", world) for x in _list(g, "a group"))
         if len(ranks) < 2 or list(ranks) != sorted(set(ranks)) or rank not in ranks:
             raise bad(f"holder group {list(ranks)[:8]} is not a sorted set of ranks including rank {rank}")
         groups.append(ranks)
+    return groups
+
+
+def _shard_items(rows: Any, groups: list[tuple[int, ...]], rank: int,
+                 bad: Callable[[str], CorruptCheckpointError]) -> tuple[ItemRecord, ...]:
+    """A shard's items, each with its holders (every rank, this rank only, or one of ``groups``);
+    keys are distinct."""
     items = []
-    for x in _list(body["items"], "items"):
+    for x in _list(rows, "items"):
         key, nbytes, ref = _list(x, "an item")
         if isinstance(ref, bool) or not isinstance(ref, int) or not EVERY_RANK <= ref < len(groups):
             raise bad(f"an item's holders {ref!r}")
@@ -652,8 +671,14 @@ def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_root
         items.append(ItemRecord(_text(key, "an item key"), _int(nbytes, "an item's size"), holders))
     if len({it.key for it in items}) != len(items):
         raise bad("an item is listed twice")
+    return tuple(items)
+
+
+def _shard_files(rows: Any, n_roots: int, bad: Callable[[str], CorruptCheckpointError]) -> tuple[FileRecord, ...]:
+    """A shard's data files, each on one of the ``n_roots`` roots with a small info object of
+    short scalars; none listed twice."""
     files = []
-    for x in _list(body["files"], "files"):
+    for x in _list(rows, "files"):
         x = _list(x, "a file entry")
         info = x[3] if len(x) > 3 else {}
         if len(x) not in (3, 4) or not isinstance(info, dict) or len(info) > 16 or not all(
@@ -664,9 +689,16 @@ def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_root
                                 dict(info)))
     if len({(f.root, f.path) for f in files}) != len(files):
         raise bad("a data file is listed twice")
+    return tuple(files)
+
+
+def _shard_chunks(rows: Any, items: tuple[ItemRecord, ...], files: tuple[FileRecord, ...],
+                  bad: Callable[[str], CorruptCheckpointError]) -> tuple[tuple[ChunkRecord, ...], ...]:
+    """Each item's chunks, by item offset: inside their file and their item, no two overlapping
+    in an item or in a data file."""
     chunks: list[list[ChunkRecord]] = [[] for _ in items]
     in_files: list[tuple[int, int, int]] = []
-    for x in _list(body["chunks"], "chunks"):
+    for x in _list(rows, "chunks"):
         i, f, fo, so, ln, crc = _list(x, "a chunk")
         i, f = _int(i, "a chunk's item", len(items)), _int(f, "a chunk's file", len(files))
         c = ChunkRecord(f, _int(fo, "file offset"), _int(so, "item offset"), _int(ln, "length"),
@@ -683,8 +715,14 @@ def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_root
     in_files.sort()
     if any(fa == fb and sb < ea for (fa, _, ea), (fb, sb, _) in zip(in_files, in_files[1:])):
         raise bad("two chunks overlap in one data file")
+    return tuple(tuple(cs) for cs in chunks)
+
+
+def _shard_tensors(rows: Any, items: tuple[ItemRecord, ...],
+                   bad: Callable[[str], CorruptCheckpointError]) -> tuple[TensorRecord, ...]:
+    """A shard's tensor records: each a valid view of its item, with its block of a global tensor if any."""
     tensors = []
-    for x in _list(body["tensors"], "tensors"):
+    for x in _list(rows, "tensors"):
         i, name, byte_offset, dtype, shape, stride, device, kind, shard = _list(x, "a tensor")
         i = _int(i, "a tensor's item", len(items))
         rec = TensorRecord(_text(name, "a tensor name", 4096), i, _int(byte_offset, "byte_offset"),
@@ -697,17 +735,20 @@ def _parse_shard(body: Any, where: str, step: int, rank: int, world: int, n_root
         if why:
             raise bad(f"tensor {rec.name[:200]!r} has {why}")
         if shard is not None:
-            gshape = tuple(_int(v, "a global dimension") for v in _list(shard[0], "global shape"))
-            offsets = tuple(_int(v, "an offset") for v in _list(shard[1], "offsets"))
-            if len(gshape) != len(rec.shape) or len(offsets) != len(rec.shape) or any(
-                    o + n > s for o, n, s in zip(offsets, rec.shape, gshape)):
-                raise bad(f"tensor {rec.name[:200]!r}: its block does not fit in its global shape")
-            rec = TensorRecord(rec.name, rec.storage, rec.byte_offset, rec.dtype, rec.shape, rec.stride, rec.device,
-                               rec.kind, ShardInfo(gshape, offsets))
+            rec = _with_block(rec, shard, bad)
         tensors.append(rec)
-    tensor_refs(body["tree"], len(tensors))  # every reference names one of its records
-    return RankShard(step, rank, world, tuple(files), tuple(items), tuple(tuple(cs) for cs in chunks),
-                     tuple(tensors), body["tree"])
+    return tuple(tensors)
+
+
+def _with_block(rec: TensorRecord, shard: Any, bad: Callable[[str], CorruptCheckpointError]) -> TensorRecord:
+    """``rec`` with its block ([global shape, offsets]), which must fit in the global shape."""
+    gshape = tuple(_int(v, "a global dimension") for v in _list(shard[0], "global shape"))
+    offsets = tuple(_int(v, "an offset") for v in _list(shard[1], "offsets"))
+    if len(gshape) != len(rec.shape) or len(offsets) != len(rec.shape) or any(
+            o + n > s for o, n, s in zip(offsets, rec.shape, gshape)):
+        raise bad(f"tensor {rec.name[:200]!r}: its block does not fit in its global shape")
+    return TensorRecord(rec.name, rec.storage, rec.byte_offset, rec.dtype, rec.shape, rec.stride, rec.device,
+                        rec.kind, ShardInfo(gshape, offsets))
 
 
 # -- the root and shard tables of a parsed global manifest ----------------------------------------

@@ -131,6 +131,9 @@ class FrozenDictOfDicts:
             yield k, dict(zip(islice(keys, n), islice(values, n)))
 
 
+_CONTAINERS = frozenset({list, tuple, torch.Size, dict, collections.OrderedDict, FrozenOrderedDict, FrozenDictOfDicts})
+
+
 def freeze_state(obj: object) -> tuple[object, list[torch.Tensor], dict[int, torch.Tensor]]:
     """``(frozen, tensors, arrays)``: the state with every container copied (dict, list, tuple;
     an OrderedDict, with its ``_metadata``, as a FrozenOrderedDict; a dict of dicts of plain
@@ -264,7 +267,7 @@ class _Encoder:
             self.names[i] = name or "<root>"
         return i
 
-    def enc(self, obj: Any, path: str, depth: int, name: str | None = None) -> object:  # noqa: C901
+    def enc(self, obj: Any, path: str, depth: int, name: str | None = None) -> object:
         """``path``: the key path for error messages; ``name``: the one tensors are named by
         (None: names not asked for; while they agree, ``name`` is ``path``, one string).
 
@@ -281,6 +284,13 @@ class _Encoder:
             return {"$tensor": self.add(obj, self.check_tensor(obj, path), name, "tensor")}
         if t is float:
             return _enc_float(obj)
+        if t in _CONTAINERS:
+            return self.enc_container(obj, t, path, depth, name)
+        return self.enc_rare_leaf(obj, t, path, name)
+
+    def enc_rare_leaf(self, obj: Any, t: type, path: str, name: str | None) -> object:
+        """The leaves enc does not handle inline: bytes, tensor subclasses (rejected by check_tensor),
+        numpy arrays and scalars, dtypes and devices; anything else is UnsupportedObjectError."""
         if t is bytes:
             return {"$bytes": base64.b64encode(obj).decode("ascii")}
         if isinstance(obj, torch.Tensor):
@@ -294,9 +304,11 @@ class _Encoder:
             return {"$dtype": dtype_to_name(obj)}
         if t is torch.device:
             return {"$device": str(obj)}
-        if t not in (list, tuple, torch.Size, dict, collections.OrderedDict, FrozenOrderedDict, FrozenDictOfDicts):
-            raise UnsupportedObjectError(path, obj, _why(obj))
+        raise UnsupportedObjectError(path, obj, _why(obj))
 
+    def enc_container(self, obj: Any, t: type, path: str, depth: int, name: str | None) -> object:
+        """A list, tuple, torch.Size or mapping (``t``: its type), guarded against nesting deeper than
+        MAX_DEPTH and against cycles (a container on the current path met again)."""
         if depth >= MAX_DEPTH:
             raise UnsupportedObjectError(path, obj, f"nesting deeper than {MAX_DEPTH} levels")
         if id(obj) in self.active:
@@ -304,54 +316,65 @@ class _Encoder:
         self.active.add(id(obj))
         try:
             if t is list or t is tuple:
-                items = []
-                for i, v in enumerate(obj):
-                    tv = type(v)
-                    if (v is None or tv is str or tv is bool or (tv is int and -_BIG_INT < v < _BIG_INT)
-                            or (tv is float and math.isfinite(v))):
-                        items.append(v)  # a plain leaf: as enc would give it
-                        continue
-                    at = _join(path, i)
-                    items.append(self.enc(v, at, depth + 1,
-                                          at if name is path else None if name is None else _join(name, i)))
-                return items if t is list else {"$tuple": items}
+                return self.enc_items(obj, t, path, depth, name)
             if t is torch.Size:
                 return {"$size": [_enc_int(int(v)) for v in obj]}
-            pairs = []
-            for k, v in obj.items():
-                tk = type(k)
-                if tk is str or (tk is int and -_BIG_INT < k < _BIG_INT):
-                    ek: object = k  # as enc would give it
-                elif not _is_key(k):
-                    raise UnsupportedObjectError(_join(path, repr(k)), k, "dict keys must be str, int, float, "
-                                                 "bool, None or tuples of those")
-                else:
-                    ek = self.enc(k, path, depth + 1)
-                tv = type(v)
-                if (v is None or tv is str or tv is bool or (tv is int and -_BIG_INT < v < _BIG_INT)
-                        or (tv is float and math.isfinite(v))):
-                    pairs.append([ek, v])  # a plain leaf: as enc would give it
-                    continue
-                at = _join(path, k)
-                if name is None:
-                    child = None
-                elif name is path and type(ek) is not dict:  # the name is the path (the same string)
-                    child = at
-                else:  # a key stored as an object is named by its repr in the tree
-                    child = _join(name, k if type(ek) is not dict else repr(ek))
-                if tv is torch.Tensor or tv is torch.nn.Parameter:
-                    pairs.append([ek, {"$tensor": self.add(v, self.check_tensor(v, at), child, "tensor")}])
-                else:
-                    pairs.append([ek, self.enc(v, at, depth + 1, child)])
-            if t is dict or t is FrozenDictOfDicts:
-                return {"$dict": pairs}
-            out: dict[str, object] = {"$odict": pairs}
-            meta = getattr(obj, "_metadata", None)
-            if meta is not None:  # nn.Module.state_dict() keeps per-module versions here
-                out["meta"] = self.enc(meta, _join(path, "_metadata"), depth + 1)
-            return out
+            return self.enc_mapping(obj, t, path, depth, name)
         finally:
             self.active.discard(id(obj))
+
+    def enc_items(self, obj: list | tuple, t: type, path: str, depth: int, name: str | None) -> object:
+        """A list (as a list) or a tuple (as ``$tuple``); plain leaves are kept inline (see enc)."""
+        items = []
+        for i, v in enumerate(obj):
+            tv = type(v)
+            if (v is None or tv is str or tv is bool or (tv is int and -_BIG_INT < v < _BIG_INT)
+                    or (tv is float and math.isfinite(v))):
+                items.append(v)  # a plain leaf: as enc would give it
+                continue
+            at = _join(path, i)
+            items.append(self.enc(v, at, depth + 1,
+                                  at if name is path else None if name is None else _join(name, i)))
+        return items if t is list else {"$tuple": items}
+
+    def enc_mapping(self, obj: Any, t: type, path: str, depth: int, name: str | None) -> object:
+        """A dict (``$dict``) or an OrderedDict (``$odict``, with its ``_metadata``) as [key, value]
+        pairs; plain leaves, plain keys and plain tensors are handled inline (see enc)."""
+        pairs = []
+        for k, v in obj.items():
+            tk = type(k)
+            ek = k if tk is str or (tk is int and -_BIG_INT < k < _BIG_INT) else self.enc_key(k, path, depth)
+            tv = type(v)
+            if (v is None or tv is str or tv is bool or (tv is int and -_BIG_INT < v < _BIG_INT)
+                    or (tv is float and math.isfinite(v))):
+                pairs.append([ek, v])  # a plain leaf: as enc would give it
+                continue
+            at = _join(path, k)
+            if name is None:
+                child = None
+            elif name is path and type(ek) is not dict:  # the name is the path (the same string)
+                child = at
+            else:  # a key stored as an object is named by its repr in the tree
+                child = _join(name, k if type(ek) is not dict else repr(ek))
+            if tv is torch.Tensor or tv is torch.nn.Parameter:
+                pairs.append([ek, {"$tensor": self.add(v, self.check_tensor(v, at), child, "tensor")}])
+            else:
+                pairs.append([ek, self.enc(v, at, depth + 1, child)])
+        if t is dict or t is FrozenDictOfDicts:
+            return {"$dict": pairs}
+        out: dict[str, object] = {"$odict": pairs}
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:  # nn.Module.state_dict() keeps per-module versions here
+            out["meta"] = self.enc(meta, _join(path, "_metadata"), depth + 1)
+        return out
+
+    def enc_key(self, k: object, path: str, depth: int) -> object:
+        """A dict key other than a str or an int within 2**63 (those are kept inline): a float, bool,
+        None, big int or tuple of those, encoded as a value; any other type is UnsupportedObjectError."""
+        if not _is_key(k):
+            raise UnsupportedObjectError(_join(path, repr(k)), k, "dict keys must be str, int, float, "
+                                         "bool, None or tuples of those")
+        return self.enc(k, path, depth + 1)
 
     @staticmethod
     def check_tensor(t: torch.Tensor, path: str) -> torch.Tensor:
@@ -462,6 +485,24 @@ def _dec_b64(s: object) -> bytes:
     raise _bad(f"expected base64 text, got {_show(s)}")
 
 
+def _dec_size(x: object) -> torch.Size:
+    if type(x) is not list:
+        raise _bad("$size must hold a list")
+    dims = [_dec_int(e) for e in x]
+    if any(not 0 <= d < _BIG_INT for d in dims):
+        raise _bad(f"bad torch.Size {_show(dims)}")
+    return torch.Size(dims)
+
+
+def _dec_device(x: object) -> torch.device:
+    if type(x) is str and len(x) <= 64:
+        try:
+            return torch.device(x)
+        except (RuntimeError, ValueError, TypeError):
+            pass
+    raise _bad(f"bad device {_show(x)}")
+
+
 def _show(v: object) -> str:
     return shown(v, 80)
 
@@ -494,7 +535,7 @@ class _Decoder:
             raise _bad(f"tensor index {_show(i)} out of range (checkpoint holds {len(self.tensors)} tensors)")
         return self.tensors[i]
 
-    def dec(self, v: object, depth: int) -> object:  # noqa: C901
+    def dec(self, v: object, depth: int) -> object:
         t = type(v)
         if v is None or t in (bool, int, float, str):
             return v
@@ -506,40 +547,50 @@ class _Decoder:
             raise _bad(f"unexpected {t.__qualname__} in state tree")
         if len(v) == 1 and "$tensor" in v:  # the most common tagged value: no tag search
             return self.tensor(v["$tensor"])
+        return self.dec_tagged(v, depth)  # type: ignore[arg-type]
+
+    def dec_tagged(self, v: dict, depth: int) -> object:
+        """A single-tag dict (``$odict`` may add ``meta``): a container decoded here, a scalar by
+        dec_scalar; any other key set is damage."""
         keys = set(v)
         tag = next((k for k in keys if k in _TAGS), None)
         if tag is None or keys != ({tag, "meta"} if tag == "$odict" and "meta" in keys else {tag}):
             raise _bad(f"unknown or malformed tagged value with keys {_show(sorted(map(str, keys)))}")
         x = v[tag]
         if tag in ("$dict", "$odict"):
-            out = {} if tag == "$dict" else collections.OrderedDict()
-            if type(x) is not list:
-                raise _bad(f"{tag} must hold a list of [key, value] pairs")
-            for pair in x:
-                if type(pair) is not list or len(pair) != 2:
-                    raise _bad(f"{tag} entry {_show(pair)} is not a [key, value] pair")
-                key = pair[0]
-                if type(key) is not str:  # a str key is itself (dec and _is_key need not ask)
-                    key = self.dec(key, depth + 1)
-                    if not _is_key(key):
-                        raise _bad(f"dict key {_show(key)} has a type keys cannot have")
-                if key in out:
-                    raise _bad(f"duplicate dict key {_show(key)}")
-                out[key] = self.dec(pair[1], depth + 1)
+            out = self.dec_pairs(tag, x, depth)
             if "meta" in v:
-                out._metadata = self.dec(v["meta"], depth + 1)
+                out._metadata = self.dec(v["meta"], depth + 1)  # type: ignore[attr-defined]
             return out
         if tag == "$tuple":
             if type(x) is not list:
                 raise _bad("$tuple must hold a list")
             return tuple(self.dec(e, depth + 1) for e in x)
+        return self.dec_scalar(tag, v, x)
+
+    def dec_pairs(self, tag: str, x: object, depth: int) -> dict:
+        """The [key, value] pairs of a ``$dict`` (a dict) or ``$odict`` (an OrderedDict); keys must be
+        of a key type and distinct."""
+        out = {} if tag == "$dict" else collections.OrderedDict()
+        if type(x) is not list:
+            raise _bad(f"{tag} must hold a list of [key, value] pairs")
+        for pair in x:
+            if type(pair) is not list or len(pair) != 2:
+                raise _bad(f"{tag} entry {_show(pair)} is not a [key, value] pair")
+            key = pair[0]
+            if type(key) is not str:  # a str key is itself (dec and _is_key need not ask)
+                key = self.dec(key, depth + 1)
+                if not _is_key(key):
+                    raise _bad(f"dict key {_show(key)} has a type keys cannot have")
+            if key in out:
+                raise _bad(f"duplicate dict key {_show(key)}")
+            out[key] = self.dec(pair[1], depth + 1)
+        return out
+
+    def dec_scalar(self, tag: str, v: dict, x: object) -> object:
+        """The value of a tag that holds no nested tree (``x``: what it holds, ``v``: the tagged dict)."""
         if tag == "$size":
-            if type(x) is not list:
-                raise _bad("$size must hold a list")
-            dims = [_dec_int(e) for e in x]
-            if any(not 0 <= d < _BIG_INT for d in dims):
-                raise _bad(f"bad torch.Size {_show(dims)}")
-            return torch.Size(dims)
+            return _dec_size(x)
         if tag == "$float":
             return _dec_float(v)
         if tag == "$int":
@@ -554,13 +605,7 @@ class _Decoder:
             return self.np_scalar(x)
         if tag == "$dtype":
             return dtype_from_name(x)
-        # "$device"
-        if type(x) is str and len(x) <= 64:
-            try:
-                return torch.device(x)
-            except (RuntimeError, ValueError, TypeError):
-                pass
-        raise _bad(f"bad device {_show(x)}")
+        return _dec_device(x)  # "$device"
 
     def array(self, i: object) -> np.ndarray:
         t = self.tensor(i)

@@ -199,9 +199,29 @@ def to_plain(obj: Any, where: str = "", tags: list | None = None, key_path: tupl
     raise UnsupportedObjectError(at(), obj, why)
 
 
-def from_plain(obj: Any, tags: Any) -> Any:  # noqa: C901
+def from_plain(obj: Any, tags: Any) -> Any:
     """Inverse of ``to_plain``. ``tags`` come from a checkpoint: anything but a list of
     ``[key path, known tag, class]`` pointing at a value of the right kind is CorruptCheckpointError."""
+    todo = _tag_table(tags)
+    found: set[tuple] = set()
+
+    def walk(o: Any, key_path: tuple) -> Any:
+        o = _with_children(o, key_path, walk)
+        hit = todo.get(key_path)
+        if hit is None:
+            return o
+        found.add(key_path)
+        return _rebuilt(o, key_path, *hit)
+
+    out = walk(obj, ())
+    if len(found) != len(todo):
+        missing = sorted(set(todo) - found, key=str)[:3]
+        raise CorruptCheckpointError(f"{TYPES_KEY} names key paths the checkpoint does not hold: {missing}")
+    return out
+
+
+def _tag_table(tags: Any) -> dict[tuple, tuple[str, Any]]:
+    """A checkpoint's tags, checked, by key path: (tag, class name or None)."""
     if not isinstance(tags, list):
         raise CorruptCheckpointError(f"{TYPES_KEY} must be a list, got {type(tags).__name__}")
     todo: dict[tuple, tuple[str, Any]] = {}
@@ -210,55 +230,66 @@ def from_plain(obj: Any, tags: Any) -> Any:  # noqa: C901
                 and (entry[2] is None or isinstance(entry[2], str))):
             raise CorruptCheckpointError(f"bad {TYPES_KEY} entry {entry!r:.80}")
         todo[tuple(entry[0])] = (entry[1], entry[2])
-    found: set[tuple] = set()
+    return todo
 
-    def walk(o: Any, key_path: tuple) -> Any:
-        if type(o) in (dict, collections.OrderedDict):
-            items = {k: walk(v, (*key_path, k)) for k, v in o.items()}
-            if type(o) is collections.OrderedDict:
-                meta = getattr(o, "_metadata", None)
-                items = collections.OrderedDict(items)
-                if meta is not None:
-                    items._metadata = meta
-            o = items
-        elif type(o) in (list, tuple):
-            o = type(o)(walk(v, (*key_path, i)) for i, v in enumerate(o))
-        hit = todo.get(key_path)
-        if hit is None:
-            return o
-        found.add(key_path)
-        tag, name = hit
-        fields = type(o) is dict and all(type(k) is str for k in o)
-        try:
-            if tag == "path" and type(o) is str:
-                return Path(o)
-            if tag == "namespace" and fields:
-                return argparse.Namespace(**o)
-            if tag in ("set", "frozenset") and type(o) is list:
-                return (set if tag == "set" else frozenset)(o)
-            if tag in ("enum", "object", "dataclass"):
-                cls = _safe_class(str(name))
-                if SAFE_CLASSES[str(name)] != tag:
-                    raise CorruptCheckpointError(f"{TYPES_KEY} records {name} as {tag!r}")
-                if tag == "enum":
-                    return cls(o)
-                if tag == "dataclass" and fields:
-                    return cls(**o)
-                if tag == "object" and fields:
-                    out = cls.__new__(cls)
-                    out.__dict__.update(o)
-                    return out
-        except (TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"{'/'.join(map(str, key_path))}: cannot rebuild the {name or tag} "
-                                         f"recorded there: {e}") from e
-        raise CorruptCheckpointError(f"{'/'.join(map(str, key_path))}: recorded as {name or tag}, holds a "
-                                     f"{type(o).__name__}")
 
-    out = walk(obj, ())
-    if len(found) != len(todo):
-        missing = sorted(set(todo) - found, key=str)[:3]
-        raise CorruptCheckpointError(f"{TYPES_KEY} names key paths the checkpoint does not hold: {missing}")
-    return out
+def _with_children(o: Any, key_path: tuple, walk: Callable[[Any, tuple], Any]) -> Any:
+    """A dict, OrderedDict (its ``_metadata`` kept), list or tuple remade of its values passed
+    through ``walk`` (with their key paths); anything else as it is."""
+    if type(o) in (dict, collections.OrderedDict):
+        items = {k: walk(v, (*key_path, k)) for k, v in o.items()}
+        if type(o) is collections.OrderedDict:
+            meta = getattr(o, "_metadata", None)
+            items = collections.OrderedDict(items)
+            if meta is not None:
+                items._metadata = meta
+        return items
+    if type(o) in (list, tuple):
+        return type(o)(walk(v, (*key_path, i)) for i, v in enumerate(o))
+    return o
+
+
+def _rebuilt(o: Any, key_path: tuple, tag: str, name: Any) -> Any:
+    """The object a tag recorded at ``key_path``, rebuilt from its plain form ``o``; a plain form
+    of the wrong kind, or one the class refuses, is CorruptCheckpointError."""
+    fields = type(o) is dict and all(type(k) is str for k in o)
+    try:
+        if tag == "path" and type(o) is str:
+            return Path(o)
+        if tag == "namespace" and fields:
+            return argparse.Namespace(**o)
+        if tag in ("set", "frozenset") and type(o) is list:
+            return (set if tag == "set" else frozenset)(o)
+        if tag in ("enum", "object", "dataclass"):
+            made = _rebuilt_instance(o, tag, str(name), fields)
+            if made is not _NOT_REBUILT:
+                return made
+    except (TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{'/'.join(map(str, key_path))}: cannot rebuild the {name or tag} "
+                                     f"recorded there: {e}") from e
+    raise CorruptCheckpointError(f"{'/'.join(map(str, key_path))}: recorded as {name or tag}, holds a "
+                                 f"{type(o).__name__}")
+
+
+_NOT_REBUILT = object()  # _rebuilt_instance: the plain form is not of the kind the tag needs
+
+
+def _rebuilt_instance(o: Any, tag: str, name: str, fields: bool) -> Any:
+    """An instance of the safe class ``name`` (an enum member, a dataclass or a plain object, as
+    ``tag`` says and SAFE_CLASSES agrees), or _NOT_REBUILT where ``o`` is not the plain form it needs
+    (``fields``: ``o`` is a dict of str keys)."""
+    cls = _safe_class(name)
+    if SAFE_CLASSES[name] != tag:
+        raise CorruptCheckpointError(f"{TYPES_KEY} records {name} as {tag!r}")
+    if tag == "enum":
+        return cls(o)
+    if tag == "dataclass" and fields:
+        return cls(**o)
+    if tag == "object" and fields:
+        out = cls.__new__(cls)
+        out.__dict__.update(o)
+        return out
+    return _NOT_REBUILT
 
 
 # ----------------------------------------------------------------------------- reading a tag's step

@@ -135,7 +135,7 @@ def balance_bounds(target: int, tolerance: Fraction) -> tuple[int, int]:
     return math.ceil(target * (1 - tolerance)), math.floor(target * (1 + tolerance))
 
 
-def assign_bytes(supply: Sequence[int], target: Sequence[int], cost: Sequence[Sequence[int]], *,  # noqa: C901
+def assign_bytes(supply: Sequence[int], target: Sequence[int], cost: Sequence[Sequence[int]], *,
                  tolerance: Fraction | float = 0) -> list[list[int]]:
     """Min-cost transportation: ``x[w][r] >= 0`` with row ``w`` summing to ``supply[w]`` and
     column ``r`` within ``balance_bounds(target[r], tolerance)``.
@@ -160,34 +160,57 @@ def assign_bytes(supply: Sequence[int], target: Sequence[int], cost: Sequence[Se
     over = sum(hi - t for t, (_, hi) in zip(target, bounds)) + 1
     must = (max((c for row in cost for c in row), default=0) + 1) * over + 1
     src, sink = 0, n_w + n_r + 1
-    adj: list[list[int]] = [[] for _ in range(sink + 1)]
-    head: list[int] = []
-    cap: list[int] = []
-    price: list[int] = []
-
-    def edge(u: int, v: int, c: int, p: int) -> int:
-        for a, b, cc, pp in ((u, v, c, p), (v, u, 0, -p)):
-            adj[a].append(len(head))
-            head.append(b)
-            cap.append(cc)
-            price.append(pp)
-        return len(head) - 2
-
+    g = _ResidualGraph(sink + 1)
     total = sum(supply)
     for w in range(n_w):
-        edge(src, 1 + w, supply[w], 0)
-    link = [[edge(1 + w, 1 + n_w + r, total, cost[w][r] * over) for r in range(n_r)] for w in range(n_w)]
+        g.edge(src, 1 + w, supply[w], 0)
+    link = [[g.edge(1 + w, 1 + n_w + r, total, cost[w][r] * over) for r in range(n_r)] for w in range(n_w)]
     for r, (t, (lo, hi)) in enumerate(zip(target, bounds)):
-        edge(1 + n_w + r, sink, lo, -must)
-        edge(1 + n_w + r, sink, t - lo, 0)
-        edge(1 + n_w + r, sink, hi - t, 1)
+        g.edge(1 + n_w + r, sink, lo, -must)
+        g.edge(1 + n_w + r, sink, t - lo, 0)
+        g.edge(1 + n_w + r, sink, hi - t, 1)
     sent = 0
     while sent < total:
-        # Bellman-Ford (queue-based) over the residual graph; it has no negative cycles.
-        dist = [math.inf] * (sink + 1)
-        via = [-1] * (sink + 1)
+        via = g.cheapest_paths(src)
+        if via[sink] < 0:
+            raise AssertionError("no feasible flow")  # cannot happen: complete graph, sum of bounds brackets total
+        sent += g.augment(via, src, sink, total - sent)
+    flow = [[g.flow(link[w][r]) for r in range(n_r)] for w in range(n_w)]
+    _consolidate(flow, cost, bounds)
+    return flow
+
+
+class _ResidualGraph:
+    """A flow network for successive shortest paths: each edge ``e`` is stored with its reverse
+    (``e ^ 1``), as parallel lists of head node, residual capacity and price per unit."""
+
+    def __init__(self, n_nodes: int) -> None:
+        self.adj: list[list[int]] = [[] for _ in range(n_nodes)]
+        self.head: list[int] = []
+        self.cap: list[int] = []
+        self.price: list[int] = []
+
+    def edge(self, u: int, v: int, c: int, p: int) -> int:
+        """Add an edge u -> v of capacity ``c`` at price ``p`` per unit; returns its index."""
+        for a, b, cc, pp in ((u, v, c, p), (v, u, 0, -p)):
+            self.adj[a].append(len(self.head))
+            self.head.append(b)
+            self.cap.append(cc)
+            self.price.append(pp)
+        return len(self.head) - 2
+
+    def flow(self, e: int) -> int:
+        """The units edge ``e`` carries (its reverse's residual capacity)."""
+        return self.cap[e ^ 1]
+
+    def cheapest_paths(self, src: int) -> list[int]:
+        """Per node, the edge by which a cheapest residual path from ``src`` reaches it (-1: none).
+        Bellman-Ford, queue-based: the residual graph has no negative cycles."""
+        adj, head, cap, price = self.adj, self.head, self.cap, self.price
+        dist = [math.inf] * len(adj)
+        via = [-1] * len(adj)
         dist[src] = 0
-        queue, queued = [src], [False] * (sink + 1)
+        queue, queued = [src], [False] * len(adj)
         while queue:
             u = queue.pop(0)
             queued[u] = False
@@ -198,21 +221,21 @@ def assign_bytes(supply: Sequence[int], target: Sequence[int], cost: Sequence[Se
                     if not queued[head[e]]:
                         queued[head[e]] = True
                         queue.append(head[e])
-        if via[sink] < 0:
-            raise AssertionError("no feasible flow")  # cannot happen: complete graph, sum of bounds brackets total
-        push, v = total - sent, sink
+        return via
+
+    def augment(self, via: list[int], src: int, sink: int, limit: int) -> int:
+        """Push as much as the path ``via`` gives from ``src`` to ``sink`` allows, at most ``limit``;
+        returns the units pushed."""
+        push, v = limit, sink
         while v != src:
-            push = min(push, cap[via[v]])
-            v = head[via[v] ^ 1]
+            push = min(push, self.cap[via[v]])
+            v = self.head[via[v] ^ 1]
         v = sink
         while v != src:
-            cap[via[v]] -= push
-            cap[via[v] ^ 1] += push
-            v = head[via[v] ^ 1]
-        sent += push
-    flow = [[cap[link[w][r] ^ 1] for r in range(n_r)] for w in range(n_w)]
-    _consolidate(flow, cost, bounds)
-    return flow
+            self.cap[via[v]] -= push
+            self.cap[via[v] ^ 1] += push
+            v = self.head[via[v] ^ 1]
+        return push
 
 
 def _uncross(flow: list[list[int]]) -> None:

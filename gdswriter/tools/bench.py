@@ -532,35 +532,16 @@ def run_bench(opts: BenchOptions, *, step: Step | None = None) -> BenchResult:
     from ..checkpointer import GDSCheckpointer
     from ..options import CheckpointOptions
 
-    step = step or (lambda note: None)
     directory = Path(opts.directory)
     directory.mkdir(parents=True, exist_ok=True)
-    need_disk = 2 * opts.size + 256 * MiB
-    free = shutil.disk_usage(directory).free
-    if free < need_disk:
-        raise InvalidOptionError(f"not enough free space in {directory}: the bench needs {human(need_disk)} "
-                                 f"(2 x --size), {human(free)} is free; use a smaller --size or another --dir")
-    avail = mem_available()
-    need_mem = int(2.3 * opts.size)
-    if avail is not None and avail < need_mem:
-        raise InvalidOptionError(f"not enough memory: the bench holds the state and one loaded copy, about "
-                                 f"{human(need_mem)}, and {human(avail)} is available; use a smaller --size")
+    _check_room(directory, opts.size)
     skipped = {m: why for m in opts.compare if (why := missing(m))}
     methods = ["gdswriter", *[m for m in opts.compare if m not in skipped and m != "gdswriter"]]
     model, opt = build_state(opts.size)
-    nbytes = state_bytes(model, opt)
-    canary = Canary(model, opt)
-    pattern = memoryview(torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8).numpy())
-    save: dict[str, list[float]] = {m: [] for m in (CEILING, *methods)}
-    load: dict[str, list[float]] = {m: [] for m in (CEILING, *methods)}
-    first_save: list[float] = []
-    written: dict[str, int] = {}
-    cache: dict = {}
-    ceiling: Reference | None = None
-    why = ""
     work = Path(tempfile.mkdtemp(prefix=".gdswriter-bench-", dir=directory))
     order = [CEILING, *methods]
     try:
+        run = _Rounds(opts, model, opt, work, order, step or (lambda note: None))
         with GDSCheckpointer(model, opt, root=work / "gdswriter", options=CheckpointOptions()) as gds:
             engine = gds.engine_info.name  # creates the engines outside the timed rounds
             cases = Methods(work, model, opt, gds)
@@ -571,45 +552,91 @@ def run_bench(opts: BenchOptions, *, step: Step | None = None) -> BenchResult:
                 for m in order[shift:] + order[:shift]:
                     where = f"round {r + 1}/{opts.rounds}: {m}"
                     if m == CEILING:
-                        quiesce()
-                        path = work / "ceiling.bin"
-                        if ceiling is None:
-                            ceiling, why = disk_reference(path, nbytes, pattern, cache, use_fio=opts.use_fio)
-                            ref = ceiling
-                        elif ceiling.name == FIO_NAME:
-                            ref = fio_reference(path, nbytes, cache)
-                        else:
-                            ref = builtin_reference(path, nbytes, pattern, cache)
-                        save[m].append(ref.write_bps / 1e9)
-                        load[m].append(ref.read_bps / 1e9)
-                        step(f"{where} write + read")
-                        continue
-                    case = SAVE_CASE.get(m, m)
-                    cases.clear(case)
-                    quiesce()
-                    t = time.perf_counter()
-                    cases.save(case)
-                    save[m].append(nbytes / (time.perf_counter() - t) / 1e9)
-                    written.setdefault(m, files_bytes(cases.path(case)))
-                    step(f"{where} save")
-                    settle(opts.settle)
-                    evict_paths(*cases.files(case))
-                    canary.spoil()
-                    t = time.perf_counter()
-                    cases.load(m)
-                    load[m].append(nbytes / (time.perf_counter() - t) / 1e9)
-                    canary.check(LOAD_NAMES[m])
-                    cases.clear(case)
-                    step(f"{where} load")
-                    if m == "gdswriter":
-                        first_save.append(nbytes / _first_save(model, opt, work / f"first-{r}") / 1e9)
-                        step(f"{where} (the first save of a fresh checkpointer)")
+                        run.ceiling_round(where)
+                    else:
+                        run.method_round(cases, m, r, where)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    assert ceiling is not None
-    return BenchResult(nbytes, opts.rounds, str(directory.resolve()), mount_of(directory), ceiling.name, why,
-                       save, load, skipped, host_info(), engine,
-                       datetime.datetime.now().astimezone().isoformat(timespec="seconds"), first_save, written)
+    assert run.ceiling is not None
+    return BenchResult(run.nbytes, opts.rounds, str(directory.resolve()), mount_of(directory), run.ceiling.name,
+                       run.why, run.save, run.load, skipped, host_info(), engine,
+                       datetime.datetime.now().astimezone().isoformat(timespec="seconds"), run.first_save,
+                       run.written)
+
+
+def _check_room(directory: Path, size: int) -> None:
+    """InvalidOptionError when ``directory``'s file system or the memory available cannot hold a
+    bench of a ``size``-byte state (two copies on disk; the state and one loaded copy in memory)."""
+    need_disk = 2 * size + 256 * MiB
+    free = shutil.disk_usage(directory).free
+    if free < need_disk:
+        raise InvalidOptionError(f"not enough free space in {directory}: the bench needs {human(need_disk)} "
+                                 f"(2 x --size), {human(free)} is free; use a smaller --size or another --dir")
+    avail = mem_available()
+    need_mem = int(2.3 * size)
+    if avail is not None and avail < need_mem:
+        raise InvalidOptionError(f"not enough memory: the bench holds the state and one loaded copy, about "
+                                 f"{human(need_mem)}, and {human(avail)} is available; use a smaller --size")
+
+
+class _Rounds:
+    """run_bench's measurements as they accumulate: GB/s per method (and the ceiling) for saves
+    and loads, gdswriter's first saves, the bytes each method left on disk, and the ceiling's
+    reference (chosen in the first round, fio or the built-in loop, and kept)."""
+
+    def __init__(self, opts: BenchOptions, model: Any, opt: Any, work: Path, order: list[str], step: Step) -> None:
+        self.opts, self.model, self.opt, self.work, self.step = opts, model, opt, work, step
+        self.nbytes = state_bytes(model, opt)
+        self.canary = Canary(model, opt)
+        self.pattern = memoryview(torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8).numpy())
+        self.save: dict[str, list[float]] = {m: [] for m in order}
+        self.load: dict[str, list[float]] = {m: [] for m in order}
+        self.first_save: list[float] = []
+        self.written: dict[str, int] = {}
+        self.cache: dict = {}
+        self.ceiling: Reference | None = None
+        self.why = ""
+
+    def ceiling_round(self, where: str) -> None:
+        """The disk's ceiling: write and read the state's bytes with the reference."""
+        quiesce()
+        path = self.work / "ceiling.bin"
+        if self.ceiling is None:
+            self.ceiling, self.why = disk_reference(path, self.nbytes, self.pattern, self.cache,
+                                                    use_fio=self.opts.use_fio)
+            ref = self.ceiling
+        elif self.ceiling.name == FIO_NAME:
+            ref = fio_reference(path, self.nbytes, self.cache)
+        else:
+            ref = builtin_reference(path, self.nbytes, self.pattern, self.cache)
+        self.save[CEILING].append(ref.write_bps / 1e9)
+        self.load[CEILING].append(ref.read_bps / 1e9)
+        self.step(f"{where} write + read")
+
+    def method_round(self, cases: Methods, m: str, r: int, where: str) -> None:
+        """Method ``m`` in round ``r``: a timed save, then a timed cold load (checked by the canary);
+        for gdswriter also the first save of a fresh checkpointer."""
+        nbytes = self.nbytes
+        case = SAVE_CASE.get(m, m)
+        cases.clear(case)
+        quiesce()
+        t = time.perf_counter()
+        cases.save(case)
+        self.save[m].append(nbytes / (time.perf_counter() - t) / 1e9)
+        self.written.setdefault(m, files_bytes(cases.path(case)))
+        self.step(f"{where} save")
+        settle(self.opts.settle)
+        evict_paths(*cases.files(case))
+        self.canary.spoil()
+        t = time.perf_counter()
+        cases.load(m)
+        self.load[m].append(nbytes / (time.perf_counter() - t) / 1e9)
+        self.canary.check(LOAD_NAMES[m])
+        cases.clear(case)
+        self.step(f"{where} load")
+        if m == "gdswriter":
+            self.first_save.append(nbytes / _first_save(self.model, self.opt, self.work / f"first-{r}") / 1e9)
+            self.step(f"{where} (the first save of a fresh checkpointer)")
 
 
 def files_bytes(path: Path) -> int:

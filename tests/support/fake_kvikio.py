@@ -107,11 +107,23 @@ class FakeKvikio:
         return _Future(futs, self, "GDS" if gds else "POSIX")
 
     # -- the module ------------------------------------------------------------
-    def _build(self, with_statistics: bool) -> types.ModuleType:  # noqa: C901
+    def _build(self, with_statistics: bool) -> types.ModuleType:
         fake = self
         kv = types.ModuleType("kvikio")
         kv.__version__ = "26.10.00-fake"
         kv.CompatMode = CompatMode
+        kv.CuFile = self._cufile_class()
+        kv.memory_register = lambda buf: fake.registered.append(id(buf))
+        kv.memory_deregister = lambda buf: fake.registered.remove(id(buf))
+        kv.defaults = self._defaults_module()
+        kv.cufile_driver = self._driver_module()
+        if with_statistics:
+            kv.SummaryMonitor = self._summary_monitor_class()
+        return kv
+
+    def _cufile_class(self) -> type:
+        """kvikio.CuFile: a file opened with os.open, whose pread/pwrite go through ``_io``."""
+        fake = self
 
         class CuFile:
             def __init__(self, file, flags: str = "r"):
@@ -151,10 +163,11 @@ class FakeKvikio:
             def pwrite(self, buf, size=None, file_offset=0, task_size=None):
                 return fake._io("write", self._fd, buf, size, file_offset, task_size)
 
-        kv.CuFile = CuFile
-        kv.memory_register = lambda buf: fake.registered.append(id(buf))
-        kv.memory_deregister = lambda buf: fake.registered.remove(id(buf))
+        return CuFile
 
+    def _defaults_module(self) -> types.ModuleType:
+        """kvikio.defaults: get and set (one setting, or a dict of them, restorable) over ``settings``."""
+        fake = self
         defaults = types.ModuleType("kvikio.defaults")
 
         def dset(*config):
@@ -166,8 +179,11 @@ class FakeKvikio:
         defaults.get = lambda name: fake.settings[name]
         defaults.set = dset
         defaults.is_compat_mode_preferred = fake.compat_preferred
-        kv.defaults = defaults
+        return defaults
 
+    def _driver_module(self) -> types.ModuleType:
+        """kvikio.cufile_driver: the driver's properties (``driver``) and libcufile's version."""
+        fake = self
         driver = types.ModuleType("kvikio.cufile_driver")
 
         def dget(name):
@@ -177,19 +193,21 @@ class FakeKvikio:
 
         driver.get = dget
         driver.libcufile_version = lambda: (1, 15)
-        kv.cufile_driver = driver
+        return driver
 
-        if with_statistics:
-            class SummaryMonitor:
-                def get(self):
-                    return _Summary(dict(fake.backend_bytes))
+    def _summary_monitor_class(self) -> type:
+        """kvikio.SummaryMonitor (kvikio 26.x): bytes moved per backend, now and since a summary."""
+        fake = self
 
-                def since(self, previous):
-                    now = fake.backend_bytes
-                    return _Summary({k: now[k] - previous.raw.get(k, 0) for k in now})
+        class SummaryMonitor:
+            def get(self):
+                return _Summary(dict(fake.backend_bytes))
 
-            kv.SummaryMonitor = SummaryMonitor
-        return kv
+            def since(self, previous):
+                now = fake.backend_bytes
+                return _Summary({k: now[k] - previous.raw.get(k, 0) for k in now})
+
+        return SummaryMonitor
 
     def install(self, monkeypatch) -> None:
         """Make ``import kvikio`` (and its submodules) find this fake for the test's duration."""
