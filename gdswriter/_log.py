@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 log = logging.getLogger("gdswriter")
 _said: set[str] = set()
@@ -14,3 +15,15 @@ def log_once(key: str, message: str | Callable[[], str], level: int = logging.WA
     if key not in _said:
         _said.add(key)
         log.log(level, message if isinstance(message, str) else message())
+
+
+@contextmanager
+def log_once_forgotten() -> Iterator[None]:
+    """Within the block, every one-time message is said again, once (tests that check one use
+    this, whichever test said it before); the messages said before count again afterwards."""
+    global _said
+    saved, _said = _said, set()
+    try:
+        yield
+    finally:
+        _said = saved

@@ -255,6 +255,23 @@ class GDSCheckpointer:
         page-locked memory is still being reserved, for diagnosis."""
         return self._snapshot_pool
 
+    @property
+    def engines_made(self) -> dict[Any, tuple[IOEngine, ...]]:
+        """The engines made so far, by the options they were made with: the full-size ones
+        (``options.engine``) and the smaller ones that saves and loads of a small state use
+        (engines/select.py); for diagnosis. Makes none (unlike ``engines``)."""
+        with self._mutex:
+            made = {k: tuple(v) for k, v in self._small_engines.items()}
+            if self._engines:
+                made[self.options.engine] = tuple(self._engines)
+            return made
+
+    @property
+    def save_queue(self) -> SaveQueue:
+        """The queue of asynchronous saves (save/queue.py): its jobs and its worker thread, for
+        diagnosis."""
+        return self._queue
+
     def steps(self) -> list[int]:
         """Committed steps, ascending (after any pending retention deletes)."""
         self._wait_retention()

@@ -200,11 +200,13 @@ class LocalSession:
         key = (sizes, devices, targets)
         if self._last_plan is not None and self._last_plan[0] == key:
             return self._last_plan[1]
-        plan = self._new_plan(sizes, devices, targets)
+        plan = self.new_plan(sizes, devices, targets)
         self._last_plan = (key, plan)
         return plan
 
-    def _new_plan(self, sizes: list[int], devices: list[str], targets: list) -> SavePlan:
+    def new_plan(self, sizes: list[int], devices: list[str], targets: list) -> SavePlan:
+        """A fresh plan for storages of these sizes on these devices (uncached: _plan keeps the
+        last one). A seam too: tests replace it to force a plan (a GPU-local one, a lagging root)."""
         if not any(d.startswith("cuda") for d in devices):
             return plan_save(sizes, targets)
         try:

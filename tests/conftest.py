@@ -25,12 +25,12 @@ def io_small_options():
 
 
 @pytest.fixture
-def io_fresh_log_once(monkeypatch):
+def io_fresh_log_once():
     """Forget which one-time warnings were already logged, so caplog sees them again."""
-    import gdswriter._log
+    from gdswriter.testing import log_once_forgotten
 
-    # The once-only log set is private to _log.py: no public reset, and one would serve tests only.
-    monkeypatch.setattr(gdswriter._log, "_said", set())
+    with log_once_forgotten():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -221,10 +221,10 @@ def test_engine_pins_its_staging_buffers_at_the_first_cuda_tensor_only(monkeypat
 
     fake = _FakeCuda(monkeypatch)
     with PosixEngine(io_small_options()) as eng:
-        eng._prepare_memory([torch.zeros(10, dtype=torch.uint8)] * 3)
+        eng.prepare_memory([torch.zeros(10, dtype=torch.uint8)] * 3)
         assert fake.calls == [] and not eng._pool.cuda_pinned
-        eng._prepare_memory([torch.zeros(10, dtype=torch.uint8), _FakeCudaTensor(5), _FakeCudaTensor(2)])
-        eng._prepare_memory([_FakeCudaTensor(0)])
+        eng.prepare_memory([torch.zeros(10, dtype=torch.uint8), _FakeCudaTensor(5), _FakeCudaTensor(2)])
+        eng.prepare_memory([_FakeCudaTensor(0)])
         assert [(c[0], c[3], c[4]) for c in fake.calls] == [("register", 1, torch.device("cuda", 5))]
 
 

@@ -871,9 +871,9 @@ def test_async_snapshot_and_fresh_buffers_skip_the_staging_copy(tmp_path, monkey
     nbytes = sum(v.numel() * v.element_size() for v in want.values()) + \
         sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values())
     copied = []
-    real_copy = staged._copy
+    real_copy = staged.copy_bytes
     # Counting the bytes staged: the staging copy is internal to the engine, no public seam.
-    monkeypatch.setattr(staged, "_copy", lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k)))
+    monkeypatch.setattr(staged, "copy_bytes", lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k)))
 
     with GDSCheckpointer(model, opt, root=tmp_path / "ck") as ck:
         direct = ck.engine_info.direct_io
@@ -936,8 +936,8 @@ model = nn.Linear(1024, 1024)  # 4 MiB weight
 assert model.weight.data_ptr() % 4096 == 0, "THP_MEM_ALLOC_ENABLE=1 did not page-align the weight"
 want = {k: v.clone() for k, v in model.state_dict().items()}
 copied = []
-real_copy = staged._copy
-staged._copy = lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k))
+real_copy = staged.copy_bytes
+staged.copy_bytes = lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k))
 with GDSCheckpointer(model, None, root=sys.argv[1]) as ck:
     ck.save(1)
     written = sum(copied)
@@ -979,13 +979,12 @@ def test_gpu_local_plans_are_written_and_recorded(tmp_path, monkeypatch):
     model = {f"w{i}": torch.randn(1000 + 37 * i) for i in range(8)}
     want = {k: v.clone() for k, v in model.items()}
     with ckpt(model, None, roots) as ck:
-        def gpu_local(snap, targets):
-            devices = [f"cuda:{i % 4}" for i in range(len(snap.extents))]
-            return plan_for_save([e.nbytes for e in snap.extents], devices, ck.protocol.roots, targets, topo,
-                                 cuda_gpus={g: g for g in range(4)})
+        def gpu_local(sizes, devices, targets):
+            devices = [f"cuda:{i % 4}" for i in range(len(sizes))]
+            return plan_for_save(sizes, devices, ck.protocol.roots, targets, topo, cuda_gpus={g: g for g in range(4)})
 
-        # A GPU-local plan on a CPU machine: the session takes no plan from outside (an argument for tests only).
-        monkeypatch.setattr(ck.session, "_plan", gpu_local)
+        # A GPU-local plan on a CPU machine: the session takes no plan from outside (its seam, new_plan).
+        monkeypatch.setattr(ck.session, "new_plan", gpu_local)
         ck.save(1)
         for v in model.values():
             v.zero_()

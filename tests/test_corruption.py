@@ -22,7 +22,7 @@ from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpo
 from gdswriter.cli import main as cli_main
 from gdswriter.export import export_step
 from gdswriter.format.commit import step_dir_name
-from gdswriter.format.manifest import MANIFEST_NAME, _canonical
+from gdswriter.format.manifest import MANIFEST_NAME, canonical_json
 
 
 def _state(step: int) -> dict:
@@ -57,7 +57,7 @@ def rewrite(root: Path, step: int, body: dict) -> None:
     """Write a manifest with a correct self-checksum (as a newer or a malicious writer would)."""
     body = dict(body)
     body.pop("manifest_crc32c", None)
-    body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+    body["manifest_crc32c"] = crc32c.crc32c(canonical_json(body))
     mpath(root, step).write_bytes((json.dumps(body, separators=(",", ":")) + "\n").encode())
 
 
@@ -368,7 +368,7 @@ def hostile_checkpoint(root: Path, claim: int, *, shape=None, stride=None, data:
                          "shape": [claim] if shape is None else shape, "stride": [1] if stride is None else stride,
                          "device": "cpu", "kind": "tensor"}],
             "state": {"$dict": [["model", {"$dict": [["w", {"$tensor": 0}]]}]]}}
-    body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+    body["manifest_crc32c"] = crc32c.crc32c(canonical_json(body))
     raw = (json.dumps(body, separators=(",", ":")) + "\n").encode()
     (d / MANIFEST_NAME).write_bytes(raw)
     return d / MANIFEST_NAME

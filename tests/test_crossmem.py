@@ -34,7 +34,7 @@ def test_pull_copies_every_move_and_probe_reads_the_marker():
 def test_short_copies_are_asked_for_again_from_where_they_stopped(monkeypatch):
     """The kernel may copy fewer bytes than asked (a fault part way, its per-call cap): the
     rest is asked for again; a call that copies nothing raises."""
-    plain = crossmem._readv
+    plain = crossmem.process_vm_readv
     calls = []
 
     def short(pid, local, nlocal, remote, nremote, flags):  # at most 3,000 bytes a call, across iovecs
@@ -48,17 +48,17 @@ def test_short_copies_are_asked_for_again_from_where_they_stopped(monkeypatch):
         calls.append(got)
         return got
 
-    monkeypatch.setattr(crossmem, "_readv", short)
+    monkeypatch.setattr(crossmem, "process_vm_readv", short)
     src = [_filled(5000, s) for s in range(4)]
     dst = [ctypes.create_string_buffer(5000) for _ in range(4)]
     moves = [(ctypes.addressof(a), ctypes.addressof(b), 5000 - 700 * k) for k, (a, b) in enumerate(zip(src, dst))]
     assert crossmem.pull(os.getpid(), moves) == sum(n for *_, n in moves)
     assert len(calls) > 1
     assert all(b.raw[:n] == a.raw[:n] for (a, b), (*_, n) in zip(zip(src, dst), moves))
-    monkeypatch.setattr(crossmem, "_readv", lambda *args: 0)
+    monkeypatch.setattr(crossmem, "process_vm_readv", lambda *args: 0)
     with pytest.raises(CrossMemoryError, match="no byte copied"):
         crossmem.pull(os.getpid(), moves)
-    monkeypatch.setattr(crossmem, "_readv", plain)
+    monkeypatch.setattr(crossmem, "process_vm_readv", plain)
 
 
 def test_a_copy_running_into_unmapped_memory_raises_after_the_bytes_before_it():

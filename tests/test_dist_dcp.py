@@ -446,7 +446,7 @@ def _collectives_worker(rank: int, world: int, tmp: str) -> dict:
                               for i in range(3)]}
     kept.close()
     saved["paths"] = (Path(tmp, "run", "step-2"), 2)
-    out["channels"] = len(Coordinator._shared)  # no save made the writer's coordination channel
+    out["channels"] = Coordinator.shared_channels()  # no save made the writer's coordination channel
     for name, (root, step) in saved.items():
         out[name]["ok"] = _saved(root, step, sd)
     for name, root in (("shared", Path(tmp, "shared")), ("node_local", Path(tmp, f"node{rank}"))):
@@ -789,7 +789,7 @@ def _node_roots_worker(rank: int, world: int, tmp: str) -> dict:  # noqa: C901
     root = Path(tmp, f"node{rank // 2}")
     w = writer(root)
     calls = [_count_dist_calls(lambda: dcp.save(sd, storage_writer=w)) for _ in range(3)]
-    channels = len(Coordinator._shared)  # before the load (a reader may make its own)
+    channels = Coordinator.shared_channels()  # before the load (a reader may make its own)
     w.close()
     back = {"rep": torch.zeros(2000), "blob": b""}
     dcp.load(back, storage_reader=reader(root, 2))

@@ -83,7 +83,7 @@ def _traffic_worker(rank: int, world: int, root: str) -> dict:
         crossmem.domain = lambda: f"{plain_domain()}:host{rank // 2}"  # private: the process domain
         ck.load(2)
         loaded = stats.snapshot()
-        hits = ck.session._plans.hits  # private: the plan cache
+        hits = ck.session.plans.hits
     return {"save": [a - b for a, b in zip(after, before)], "load": [a - b for a, b in zip(loaded, after)],
             "hits": hits, "load_by_name": dict(received)}
 
@@ -193,7 +193,7 @@ def _read_once_worker(rank: int, world: int, root: str, share: str | list | None
         plain_domain = crossmem.domain
         crossmem.domain = lambda: f"{plain_domain()}:{share}"  # private: one process domain per "host"
     if refuse is not None and refuse[0] == rank:
-        plain_readv = crossmem._readv
+        plain_readv = crossmem.process_vm_readv
 
         def refusing(pid, local, nlocal, remote, nremote, flags):
             if refuse[1] == "probe" or sum(remote[i].iov_len for i in range(nremote)) > len(crossmem.MAGIC):
@@ -201,7 +201,7 @@ def _read_once_worker(rank: int, world: int, root: str, share: str | list | None
                 return -1
             return plain_readv(pid, local, nlocal, remote, nremote, flags)
 
-        crossmem._readv = refusing  # private: the bound syscall
+        crossmem.process_vm_readv = refusing
     pulled = [0]
     plain_pull = crossmem.pull
 
@@ -342,7 +342,7 @@ def _replica_group_worker(rank: int, world: int, root: str, hosts: int, within: 
         import ctypes
         import errno
 
-        plain_readv = crossmem._readv
+        plain_readv = crossmem.process_vm_readv
 
         def refusing(pid, local, nlocal, remote, nremote, flags):
             if sum(remote[i].iov_len for i in range(nremote)) > len(crossmem.MAGIC):
@@ -350,7 +350,7 @@ def _replica_group_worker(rank: int, world: int, root: str, hosts: int, within: 
                 return -1
             return plain_readv(pid, local, nlocal, remote, nremote, flags)
 
-        crossmem._readv = refusing  # private: the bound syscall
+        crossmem.process_vm_readv = refusing
     if hosts > 1:
         plain_domain = crossmem.domain
         crossmem.domain = lambda: f"{plain_domain()}:host{rank * hosts // world}"  # private: the process domain

@@ -189,21 +189,21 @@ def test_fsdp_ranks_reading_apart_read_the_chunks_of_their_blocks(tmp_path):
 
 
 def test_a_plain_tensors_block_is_read_from_the_chunks_holding_it():
-    """_plain_blocks: rows 4..7 of a saved 16 x 1024 fp32 tensor in four chunks of 4 rows (16
+    """plain_blocks: rows 4..7 of a saved 16 x 1024 fp32 tensor in four chunks of 4 rows (16
     KiB) become a block record in a storage of its own made of the second chunk alone; a block
     of rows 3..8 takes the three chunks it meets; an empty block takes none."""
-    from gdswriter.distributed.load import _plain_blocks
+    from gdswriter.distributed.rebuild import plain_blocks
     from gdswriter.format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord, TensorRecord
 
     chunks = tuple(ChunkRecord(0, 8192 + k * 16384, k * 16384, 16384, k) for k in range(4))
     m = Manifest(step=1, files=(FileRecord(0, "data.bin", 1 << 20),), storages=(StorageRecord(1 << 16, chunks),),
                  tensors=(TensorRecord("model/w", 0, 0, "float32", (16, 1024), (1024, 1)),), state=None)
-    read, at, added = _plain_blocks(m, {0: ((4, 0), (4, 1024), None)}, set())
+    read, at, added = plain_blocks(m, {0: ((4, 0), (4, 1024), None)}, set())
     assert added == {1} and read.storages[1] == StorageRecord(16384, (ChunkRecord(0, 8192 + 16384, 0, 16384, 1),))
     assert read.tensors[at[0]] == TensorRecord("model/w", 1, 0, "float32", (4, 1024), (1024, 1))
-    read, at, added = _plain_blocks(m, {0: ((3, 0), (6, 1024), None)}, set())
+    read, at, added = plain_blocks(m, {0: ((3, 0), (6, 1024), None)}, set())
     assert [c.crc32c for c in read.storages[1].chunks] == [0, 1, 2] and read.tensors[at[0]].byte_offset == 3 * 4096
-    read, at, added = _plain_blocks(m, {0: ((16, 0), (0, 1024), None)}, set())
+    read, at, added = plain_blocks(m, {0: ((16, 0), (0, 1024), None)}, set())
     assert at == {} and added == set()
-    read, at, added = _plain_blocks(m, {0: ((4, 0), (4, 1024), None)}, {0})  # its storage read whole anyway
+    read, at, added = plain_blocks(m, {0: ((4, 0), (4, 1024), None)}, {0})  # its storage read whole anyway
     assert added == set() and read.tensors[at[0]] == TensorRecord("model/w", 0, 16384, "float32", (4, 1024), (1024, 1))

@@ -130,7 +130,7 @@ def test_io_uring_disabled_warns_with_the_fix_and_tests_posix_only(capsys, tmp_p
 def test_low_mlock_limit_warns(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda r: (64 << 10, 64 << 10))
     # CAP_IPC_LOCK comes from /proc/self/status: the doctor takes no other /proc, so its probe is replaced.
-    monkeypatch.setattr(doctor, "_can_lock_any", lambda: False)
+    monkeypatch.setattr(doctor, "can_lock_any", lambda: False)
     (f,) = doctor.check_memlock(doctor.EngineOptions())
     assert f.status == "WARN" and "memlock=-1" in f.fix and f.data["soft_limit"] == 64 << 10
     monkeypatch.setattr(resource, "getrlimit", lambda r: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
@@ -141,13 +141,13 @@ def test_capability_parse_matches_the_kernel():
     """CAP_IPC_LOCK as /proc/self/status reports it; root on this machine has it."""
     status = Path("/proc/self/status").read_text()
     cap = int(next(ln for ln in status.splitlines() if ln.startswith("CapEff:")).split()[1], 16)
-    assert doctor._can_lock_any() == bool(cap & (1 << 14))
+    assert doctor.can_lock_any() == bool(cap & (1 << 14))
 
 
 def test_transparent_huge_pages_off_warns(monkeypatch):
-    real = doctor._read
-    # The doctor reads sysfs through _read: it takes no other root, so the one file is redirected (no public seam).
-    monkeypatch.setattr(doctor, "_read", lambda p: "always madvise [never]" if "transparent_hugepage" in p else real(p))
+    real = doctor.read_system_file
+    # The doctor reads sysfs through its seam read_system_file: the one file is redirected.
+    monkeypatch.setattr(doctor, "read_system_file", lambda p: "always madvise [never]" if "transparent_hugepage" in p else real(p))
     (f,) = doctor.check_thp()
     assert f.status == "WARN" and f.data["mode"] == "never" and "madvise" in f.fix
 

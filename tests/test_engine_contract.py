@@ -349,9 +349,9 @@ def test_zero_copy_taken_only_where_it_can_be(make_staged_engine, tmp_path, gen,
     n = 2 * MiB + 123
     spans = [WriteSpan(0, host_tensor(n, memory, gen=gen))]
     staged_bytes = []
-    real_copy = staged._copy
+    real_copy = staged.copy_bytes
     # Counting the bytes staged: the staging copy is internal to the engine, no public seam.
-    monkeypatch.setattr(staged, "_copy", lambda d, do, s, so, k: (staged_bytes.append(k), real_copy(d, do, s, so, k)))
+    monkeypatch.setattr(staged, "copy_bytes", lambda d, do, s, so, k: (staged_bytes.append(k), real_copy(d, do, s, so, k)))
     path = tmp_path / "zc.bin"
     write_and_check(eng, path, spans)
     written = sum(staged_bytes)

@@ -65,7 +65,7 @@ def roundtrip(eng, path, data: torch.Tensor, offset: int = 0) -> None:
 def assert_drained(eng) -> None:
     """Nothing left in flight or queued after an error."""
     assert eng._backend.in_flight == 0
-    assert not eng._backlog
+    assert not eng.backlog
 
 
 @pytest.fixture(params=BACKENDS)
@@ -359,9 +359,9 @@ def test_statx_report_decides_direct_io_and_zero_copy(backend, tmp_path, monkeyp
             "512 memory": DirectIOAlignment(512, 512)}[reported]
     monkeypatch.setattr(engine_mod, "direct_io_alignment", lambda fd: fake)
     copied = []
-    real_copy = engine_mod._copy
+    real_copy = engine_mod.copy_bytes
     # Counting the bytes staged: the staging copy is internal to the engine, no public seam.
-    monkeypatch.setattr(engine_mod, "_copy", lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k)))
+    monkeypatch.setattr(engine_mod, "copy_bytes", lambda d, do, s, so, k: (copied.append(k), real_copy(d, do, s, so, k)))
     def at_512(t):  # 512 bytes into a page
         return t[512 + (-t.data_ptr()) % 4096:][:3 * MiB + 5]
 
@@ -554,7 +554,7 @@ def fail_then_prove_isolation(eng, tmp_path, op: str, expect: type[BaseException
             assert e.errno == errno_
     assert not isinstance(e, KeyError) and type(e) not in (OSError, BlockingIOError, InterruptedError)
     assert path.exists() == (op == "read"), "a failed write must remove its file; a failed read keeps it"
-    if not eng._broken:  # (else everything the old requests may touch is kept for good)
+    if not eng.broken:  # (else everything the old requests may touch is kept for good)
         assert_drained(eng)  # nothing left that could still write into ``out`` or the staging buffers
     faults = eng.faults
 
@@ -592,14 +592,14 @@ def stuck_request(eng):
     ring = eng._backend.real.ring
     rpipe, wpipe = os.pipe()
     buf = ctypes.create_string_buffer(16)
-    real, fired = ring._enter, []
+    real, fired = ring.enter_syscall, []
 
     def enter(*args):
         if not fired and eng.plan.enter_errno is not None:
             fired.append(ring.prep(uring_mod.OP_READ, rpipe, ctypes.addressof(buf), 16, 0, user_data=1 << 62))
         return real(*args)
 
-    ring._enter = enter
+    ring.enter_syscall = enter
     try:
         yield
     finally:
@@ -619,21 +619,21 @@ def test_enter_failing_for_good_mid_transfer(tmp_path, io_small_options, fast_ri
     plan = FaultPlan(enter_errno=err, enter_fail_at=3, enter_fail_times=10**9)
     # queue_depth 12 on a 16-entry ring: room for the stuck request at any time
     with FaultInjectingEngine(io_small_options(queue_depth=12), plan) as eng:
-        kept_before = len(engine_mod._KEPT)
+        kept_before = len(engine_mod.kept_for_good())
         old_pool, old_backend = eng._pool, eng._backend
         with stuck_request(eng) if stuck else contextlib.nullcontext():
             closed, faults = fail_then_prove_isolation(eng, tmp_path, op, EngineIOError, err or errno.EAGAIN)
             assert faults["enter"] >= (1 if err == errno.EFAULT else uring_mod.STALL_RETRIES)
             if stuck:
                 assert not closed
-                backend, pool, fd, spans = engine_mod._KEPT[-1]
-                assert len(engine_mod._KEPT) == kept_before + 1
+                backend, pool, fd, spans = engine_mod.kept_for_good()[-1]
+                assert len(engine_mod.kept_for_good()) == kept_before + 1
                 assert (backend, pool) == (old_backend, old_pool) and eng._pool is not old_pool
-                assert pool._mm is not None and pool.buffers, "buffers the kernel may still use were released"
+                assert not pool.closed and pool.buffers, "buffers the kernel may still use were released"
                 assert spans and os.fstat(fd)  # the tensors are referenced, the fd open
         if stuck:  # closing the engine does not release what is kept either
             eng.close()
-            assert pool._mm is not None and os.fstat(fd)
+            assert not pool.closed and os.fstat(fd)
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
@@ -720,7 +720,7 @@ def test_posix_cleanup_does_not_trust_its_counts(tmp_path, io_small_options, op,
         with deadline(20), pytest.raises(KeyboardInterrupt):
             (eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))]) if op == "write" else
              eng.read_file(tmp_path / "failed.bin", [ReadSpan(0, torch.zeros(FAILED, dtype=torch.uint8))]))
-        assert not eng._broken
+        assert not eng.broken
         assert_drained(eng)
         roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=12))
 
@@ -730,7 +730,7 @@ def test_posix_cleanup_does_not_trust_its_counts(tmp_path, io_small_options, op,
 def test_exception_in_the_pipeline(tmp_path, io_small_options, monkeypatch, op, backend_kind):
     """Any exception while requests are in flight (here a failing copy of the 5th staged piece;
     memory 64 bytes into a page is staged whole) propagates as itself, after the same cleanup."""
-    real, calls = engine_mod._copy, []
+    real, calls = engine_mod.copy_bytes, []
 
     def copy(*args):
         calls.append(1)
@@ -741,13 +741,13 @@ def test_exception_in_the_pipeline(tmp_path, io_small_options, monkeypatch, op, 
     with FaultInjectingEngine(io_small_options(), FaultPlan(), backend=backend_kind) as eng:
         if op == "read":  # the file first, with the real copy
             eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, rand(FAILED, seed=11))])
-        # Fault injection at the staging copy (undone below): no public seam (one would widen the API for tests only).
-        monkeypatch.setattr(engine_mod, "_copy", copy)
+        # Fault injection at the staging copy (undone below), through its seam.
+        monkeypatch.setattr(engine_mod, "copy_bytes", copy)
         data = host_tensor(FAILED, "aligned+64", gen=torch.Generator().manual_seed(11))
         with pytest.raises(RuntimeError, match="injected"):
             (eng.write_file(tmp_path / "failed.bin", [WriteSpan(0, data)]) if op == "write" else
              eng.read_file(tmp_path / "failed.bin", [ReadSpan(0, host_tensor(FAILED, "aligned+64", fill=0))]))
-        monkeypatch.setattr(engine_mod, "_copy", real)
+        monkeypatch.setattr(engine_mod, "copy_bytes", real)
         assert_drained(eng)
         assert (tmp_path / "failed.bin").exists() == (op == "read")
         roundtrip(eng, tmp_path / "next.bin", rand(FAILED, seed=12))

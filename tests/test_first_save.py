@@ -125,7 +125,7 @@ def test_closing_while_the_full_pool_is_reserved_does_not_wait_and_the_pool_is_h
     gigabytes): close returns at once, the helper hands its pool to the process's slot when done,
     and the next checkpointer's helper waits for that handover and takes it, not a second region."""
     gate, regions = threading.Event(), []
-    new_region = snapshot_pool._new_region
+    new_region = snapshot_pool.new_region
 
     def slow_region(size, lock_memory):
         if size > 2 * MiB:  # the full pool, on the helper thread (the ring is not held up)
@@ -134,7 +134,7 @@ def test_closing_while_the_full_pool_is_reserved_does_not_wait_and_the_pool_is_h
         regions.append(mem)
         return mem
 
-    monkeypatch.setattr(snapshot_pool, "_new_region", slow_region)
+    monkeypatch.setattr(snapshot_pool, "new_region", slow_region)
     state = random_state(8 * MiB, seed=4)
     ck = GDSCheckpointer(state, None, tmp_path / "a", options=M.small_options())
     ck.save_async(1).result(timeout=120)
@@ -175,8 +175,8 @@ def test_first_host_save_writes_through_small_engines_and_a_small_load_reads_thr
         for v in state.values():
             v.zero_()
         ck.load(1)
-        assert ck._engines == []
-        made = sorted(((o.num_buffers, o.buffer_bytes), len(e)) for o, e in ck._small_engines.items())
+        assert opts.engine not in ck.engines_made  # no full-size engines
+        made = sorted(((o.num_buffers, o.buffer_bytes), len(e)) for o, e in ck.engines_made.items())
         assert made == [((2, opts.engine.request_bytes), 1), ((2, opts.engine.buffer_bytes), 1)]
     assert same(state, want)
 

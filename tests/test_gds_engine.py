@@ -252,7 +252,7 @@ def test_short_transfers_are_typed_errors(write):
     never pass for success."""
     from gdswriter.errors import ShortIOError
 
-    reqs = gds._Requests("/x/f.bin", write=write)
+    reqs = gds.Requests("/x/f.bin", write=write)
     key = reqs.issue(gds.Piece(8192, 4096, 0), lambda: _ShortFuture(1000))
     with pytest.raises(EngineIOError) as ei:
         reqs.wait(key)
@@ -313,7 +313,7 @@ def test_an_interrupted_drain_still_waits_for_every_request():
             self.done = True
             return 0
 
-    reqs = gds._Requests("f.bin", write=True)
+    reqs = gds.Requests("f.bin", write=True)
     futs = [Fut(2), Fut(0), Fut(1)]
     reqs.pending = {i: (None, f) for i, f in enumerate(futs)}
     with pytest.raises(KeyboardInterrupt):
@@ -367,8 +367,8 @@ def test_mixed_file_device_and_host_spans(monkeypatch, tmp_path, gen):
     device = {s.data.data_ptr() for s in spans[::2]}
     outs = [ReadSpan(s.offset, torch.zeros_like(s.data)) for s in spans]
     device |= {o.out.data_ptr() for o in outs[::2]}
-    # Which spans count as device memory (no CUDA here): decided by _on_gpu alone, no public seam.
-    monkeypatch.setattr(gds, "_on_gpu", lambda t: t.data_ptr() in device)
+    # Which spans count as device memory (no CUDA here): decided by on_gpu alone, the engine's seam.
+    monkeypatch.setattr(gds, "on_gpu", lambda t: t.data_ptr() in device)
     with gds.GdsEngine(small_options(), host_engine=lambda: pytest.fail("a mixed file went to the host engine")) as eng:
         write_and_check(eng, tmp_path / "m.bin", spans)
         assert eng.info.name == "kvikio-compat"

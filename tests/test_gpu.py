@@ -106,7 +106,7 @@ def test_staging_buffers_are_registered_at_the_first_cuda_tensor_only(tmp_path):
         assert not pool.cuda_pinned
         src = host.cuda()
         eng.write_file(tmp_path / "gpu", [WriteSpan(0, src)])
-        assert pool.cuda_pinned and pool._cuda_device == src.device
+        assert pool.cuda_pinned and pool.cuda_device == src.device
         out = torch.empty_like(src)
         eng.read_file(tmp_path / "gpu", [ReadSpan(0, out)])
         assert torch.equal(out, src)
@@ -130,7 +130,7 @@ def test_every_gpu_through_an_engine_created_on_another_thread(tmp_path):
             out = torch.empty_like(src)
             assert eng.read_file(tmp_path / f"d{d}", [ReadSpan(4096, out)]) == crc_w
             assert torch.equal(out, src), f"cuda:{d}"
-        assert eng._pool._cuda_device == torch.device("cuda", last)
+        assert eng._pool.cuda_device == torch.device("cuda", last)
     finally:
         eng.close()
 

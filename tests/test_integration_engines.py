@@ -32,7 +32,7 @@ def test_engines_handed_back_are_lent_again_and_idle_ones_are_bounded(tmp_path, 
     data = torch.arange(8192, dtype=torch.int32).view(torch.uint8)
     first[0].write_file(tmp_path / "f", [WriteSpan(0, data)])
     assert (tmp_path / "f").read_bytes() == data.numpy().tobytes()
-    inner = [e._engine for e in first]
+    inner = [e.engine for e in first]
     for e in first:
         e.close()
         e.close()  # idempotent: handed back once
@@ -40,7 +40,7 @@ def test_engines_handed_back_are_lent_again_and_idle_ones_are_bounded(tmp_path, 
     with pytest.raises(GDSWriterError, match="handed back"):
         first[0].write_file(tmp_path / "g", [WriteSpan(0, data)])
     again = shelf.lease(opts, 2, factory)
-    assert shelf.made == 3 and {id(e._engine) for e in again} == {id(inner[0]), id(inner[1])}
+    assert shelf.made == 3 and {id(e.engine) for e in again} == {id(inner[0]), id(inner[1])}
     other = shelf.lease(io_small_options(num_buffers=4), 1, factory)  # another kind: a new engine
     assert shelf.made == 4
     for e in again + other:

@@ -324,9 +324,9 @@ def test_a_save_outside_a_trainer_returns_once_the_tensors_are_copied(tmp_path, 
     from gdswriter.save import pool as snapshot_pool
 
     gate = threading.Event()
-    real = snapshot_pool._copy_all
+    real = snapshot_pool.copy_all
     # Holding the copier, the snapshot pool's own thread: no public hook (one would widen the API for tests only).
-    monkeypatch.setattr(snapshot_pool, "_copy_all", lambda *a: (gate.wait(60), real(*a)))
+    monkeypatch.setattr(snapshot_pool, "copy_all", lambda *a: (gate.wait(60), real(*a)))
     w = torch.arange(2 * 1024 * 1024, dtype=torch.float32)  # 8 MiB
     want = w.clone()
     io = GDSCheckpointIO()

@@ -338,7 +338,7 @@ def test_rotation_deletes_off_the_save_and_never_before_the_newer_checkpoint_is_
                 if deleting:
                     violations.append(f"writing step {step} while {deleting} is still being deleted")
 
-    real_publish, real_delete = integration._publish, integration._delete_rotated
+    real_publish, real_delete = integration.publish_checkpoint, integration.delete_rotated
 
     def publish(tmp, final):
         step = int(final.name.rpartition("-")[2])
@@ -358,8 +358,8 @@ def test_rotation_deletes_off_the_save_and_never_before_the_newer_checkpoint_is_
             let_delete.release()
             return control
 
-    monkeypatch.setattr(integration, "_publish", publish)
-    monkeypatch.setattr(integration, "_delete_rotated", delete)
+    monkeypatch.setattr(integration, "publish_checkpoint", publish)
+    monkeypatch.setattr(integration, "delete_rotated", delete)
     trainer = GDSTrainer(model=hf_run.model(5), args=hf_run.args(out, max_steps=6, save_steps=1),
                          train_dataset=hf_run.data(), callbacks=[rec, SeeDeleting()], gds_async_save=async_save,
                          gds_engine_factory=Check)

@@ -71,9 +71,9 @@ def test_the_reused_layout_is_the_fresh_one(change, first):
 
 def test_an_unchanged_state_is_laid_out_once(monkeypatch):
     calls = []
-    real = S._group_by_allocation
-    # Counting layouts: the grouping is internal to the snapshot, no public counter (one would serve tests only).
-    monkeypatch.setattr(S, "_group_by_allocation", lambda *a: calls.append(1) or real(*a))
+    real = S.group_by_allocation
+    # Counting layouts through the snapshot's seam.
+    monkeypatch.setattr(S, "group_by_allocation", lambda *a: calls.append(1) or real(*a))
     state, cache = base_state(), S.LayoutCache()
     S.take_snapshot({**state, "n": 0}, 0, layout=cache)
     # Twice per layout: the tensors no optimizer hook guards (here all) are grouped at the call, as
@@ -91,9 +91,9 @@ def test_an_unchanged_state_is_laid_out_once(monkeypatch):
 
 def test_a_training_loop_lays_out_once_and_a_replaced_tensor_is_saved_right(tmp_path, monkeypatch):
     calls = []
-    real = S._group_by_allocation
-    # Counting layouts: the grouping is internal to the snapshot, no public counter (one would serve tests only).
-    monkeypatch.setattr(S, "_group_by_allocation", lambda *a: calls.append(1) or real(*a))
+    real = S.group_by_allocation
+    # Counting layouts through the snapshot's seam.
+    monkeypatch.setattr(S, "group_by_allocation", lambda *a: calls.append(1) or real(*a))
     model, opt, sched, _ = M.build(0, scaler=False)
     with GDSCheckpointer(model, opt, tmp_path, options=M.small_options()) as ck:
         M.train_steps(model, opt, sched, 1)

@@ -27,7 +27,7 @@ from gdswriter.cli import main as cli_main
 from gdswriter.format.commit import CommitProtocol, step_dir_name
 from gdswriter.format.dtypes import dtype_from_name
 from gdswriter.format.manifest import (FORMAT_VERSION, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest,
-                                       StorageRecord, TensorRecord, _canonical)
+                                       StorageRecord, TensorRecord, canonical_json)
 from gdswriter.format.state_codec import decode_state
 from gdswriter.options import EngineOptions
 from gdswriter.load.reader import tensors_from_storages
@@ -136,7 +136,7 @@ def test_the_storage_table_is_the_text_json_dumps_gives(rows):
     storages = tuple(StorageRecord(n, tuple(ChunkRecord(*c) for c in chunks)) for n, chunks in rows)
     plain = [{"nbytes": s.nbytes, "chunks": [[c.file, c.file_offset, c.storage_offset, c.length, c.crc32c]
                                              for c in s.chunks]} for s in storages]
-    assert manifest_mod._storage_table(storages) == (json.dumps(plain, sort_keys=True, separators=(",", ":")),
+    assert manifest_mod.storage_table(storages) == (json.dumps(plain, sort_keys=True, separators=(",", ":")),
                                                      json.dumps(plain, separators=(",", ":")))
 
 
@@ -211,7 +211,7 @@ def test_fuzz_arbitrary_json(value):
     if isinstance(value, dict):  # also with the fields a real manifest has and a valid checksum
         body = {"format": "gdswriter", "version": [1, 0], **value}
         body.pop("manifest_crc32c", None)
-        body["manifest_crc32c"] = crc32c.crc32c(_canonical(body))
+        body["manifest_crc32c"] = crc32c.crc32c(canonical_json(body))
         parse(json.dumps(body).encode())
 
 
@@ -258,7 +258,7 @@ def test_fuzz_mutated_valid_manifest(mutations, fix_checksum):
             continue  # an earlier mutation removed this path
     try:
         text = json.dumps(body, sort_keys=False, separators=(",", ":"), allow_nan=False)
-        canon = _canonical(body)
+        canon = canonical_json(body)
     except (ValueError, TypeError):  # not JSON, or keys of mixed types (a mutation put an int key in a dict)
         assume(False)
     crc = crc32c.crc32c(canon) if fix_checksum else crc32c.crc32c(canon) ^ 1
@@ -288,7 +288,7 @@ def test_version_checks():
                          ([1], CorruptCheckpointError), (["1", 0], CorruptCheckpointError),
                          ([-1, 0], CorruptCheckpointError), ([True, 0], CorruptCheckpointError)):
         b = dict(body, version=version)
-        b["manifest_crc32c"] = crc32c.crc32c(_canonical(b))
+        b["manifest_crc32c"] = crc32c.crc32c(canonical_json(b))
         with pytest.raises(err):
             Manifest.from_json_bytes(json.dumps(b).encode())
     # a newer major is refused even if its checksum scheme changed (checked first)
@@ -462,7 +462,7 @@ def test_fuzz_structured_checkpoints(tmp_path_factory, monkeypatch, ckpt, fields
         with contextlib.suppress(KeyError, IndexError, TypeError):
             _mutate_field(body, *f)
     try:
-        canon = _canonical(body)
+        canon = canonical_json(body)
     except (ValueError, TypeError):
         assume(False)
     body["manifest_crc32c"] = crc32c.crc32c(canon) ^ (0 if fix_checksum or not fields else 1)

@@ -110,9 +110,9 @@ def hold_engines(ck) -> Gate:
 def hold_copier(monkeypatch) -> Gate:
     """The host pool's copier waits until the returned gate is set."""
     gate = Gate()
-    real = snapshot_pool._copy_all
+    real = snapshot_pool.copy_all
     # Holding the copier, the snapshot pool's own thread: no public hook (one would widen the API for tests only).
-    monkeypatch.setattr(snapshot_pool, "_copy_all", lambda *a: (gate.wait(60), real(*a)))
+    monkeypatch.setattr(snapshot_pool, "copy_all", lambda *a: (gate.wait(60), real(*a)))
     return gate
 
 
@@ -559,7 +559,7 @@ def test_engine_failure_surfaces_at_the_next_save_async_wait_or_result(tmp_path)
                          engines=[FaultInjectingEngine(opts.engine)]) as ck:
         fault_engine(ck, FaultPlan(fail_at_request=1, errno=errno.EIO, op="write"))
         h = ck.save_async(1)
-        h._future.exception(timeout=60)
+        assert h.wait(timeout=60)
         with pytest.raises(EngineIOError):
             ck.save_async(2)
         ck.wait()  # already reported
@@ -577,7 +577,7 @@ def test_a_failing_copy_aborts_the_save_with_its_own_error(tmp_path, monkeypatch
     """A tensor that cannot be copied (here: the copier's second copy fails): the engine
     waiting for that piece gives up, nothing is committed, the error keeps its type."""
     calls = []
-    real = snapshot_pool._copy_in
+    real = snapshot_pool.copy_in
 
     def flaky(buf, at, src):
         calls.append(at)
@@ -586,7 +586,7 @@ def test_a_failing_copy_aborts_the_save_with_its_own_error(tmp_path, monkeypatch
         real(buf, at, src)
 
     # Fault injection at the copier: no public seam, and adding one would widen the API for tests only.
-    monkeypatch.setattr(snapshot_pool, "_copy_in", flaky)
+    monkeypatch.setattr(snapshot_pool, "copy_in", flaky)
     model, opt = build()
     train(model, opt, 1)
     with GDSCheckpointer(model, opt, tmp_path, options=options(snapshot="host", snapshot_pool_bytes=1 * MiB)) as ck:
@@ -627,7 +627,7 @@ def test_wait_policy_bounds_what_is_queued(tmp_path):
             def caller():
                 for s in range(12):
                     handles.append(ck.save_async(s))
-                    seen.append(len(ck._queue.jobs))
+                    seen.append(len(ck.save_queue.jobs))
 
             t = threading.Thread(target=caller, daemon=True)
             t.start()
@@ -655,7 +655,7 @@ def test_close_with_saves_in_flight_finishes_them(tmp_path):
         want[s] = state_of(model, opt)
         ck.save_async(s)
     threading.Timer(0.2, gate.set).start()
-    worker = ck._queue.worker
+    worker = ck.save_queue.worker
     ck.close()
     assert not opt._optimizer_step_pre_hooks
     assert worker is not None and not worker.is_alive(), "close() must end the save thread"
@@ -838,12 +838,12 @@ def test_pool_is_allocated_once_and_reused(tmp_path, caplog):
     with GDSCheckpointer(model, opt, tmp_path, options=options(snapshot="host")) as ck:
         ck.save(1)
         pool = ck.snapshot_pool
-        address, capacity = pool._mem.buffers[0].address, pool.capacity
+        address, capacity = pool.address, pool.capacity
         for s in range(2, 6):
             train(model, opt, 1)
             ck.save_async(s)
         ck.wait()
-        assert (pool._mem.buffers[0].address, pool.capacity) == (address, capacity)
+        assert (pool.address, pool.capacity) == (address, capacity)
         want = state_of(model, opt)
         nbytes = sum(v.numel() * v.element_size() for v in want.values())
         assert nbytes <= capacity <= nbytes + 2 * MiB + 4 * KiB * len(want)  # the state's size, not the 4 GiB bound
@@ -896,9 +896,9 @@ def test_copies_checksummed_after_the_copy_get_their_checksums_from_the_pool(tmp
     """A copy from a GPU is asynchronous: the copier cannot checksum it as it goes, and the
     piece computes its chunks' crc32c from the pool once the engine finds it ready. Here the
     host copies take that path (the copier reports no checksum); the step must verify."""
-    real = snapshot_pool._copy_in
+    real = snapshot_pool.copy_in
     # The GPU copies' path (the copier gives no checksum) on host tensors: the copier is internal, no public seam.
-    monkeypatch.setattr(snapshot_pool, "_copy_in", lambda buf, at, src: (real(buf, at, src), None)[1])
+    monkeypatch.setattr(snapshot_pool, "copy_in", lambda buf, at, src: (real(buf, at, src), None)[1])
     model, opt = build()
     train(model, opt, 1)
     want = state_of(model, opt)
@@ -922,14 +922,14 @@ def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
     that would never happen."""
     freed = threading.Event()
     # Watching pieces being freed and allocated inside the pool (here and below): internal to save/pool.py, no seam.
-    real_release = snapshot_pool._Piece.release
-    monkeypatch.setattr(snapshot_pool._Piece, "release", lambda self: (freed.set(), real_release(self))[1])
+    real_release = snapshot_pool.Piece.release
+    monkeypatch.setattr(snapshot_pool.Piece, "release", lambda self: (freed.set(), real_release(self))[1])
     order = []
-    real_allocate = snapshot_pool._allocate
-    monkeypatch.setattr(snapshot_pool, "_allocate", lambda o, cap: (order.extend(o), real_allocate(o, cap))[1])
+    real_allocate = snapshot_pool.allocate
+    monkeypatch.setattr(snapshot_pool, "allocate", lambda o, cap: (order.extend(o), real_allocate(o, cap))[1])
     seen = []
     calls = []
-    real_copy = snapshot_pool._copy_in
+    real_copy = snapshot_pool.copy_in
 
     def copy_in(buf, at, src):
         calls.append(at)
@@ -938,7 +938,7 @@ def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
         real_copy(buf, at, src)
 
     # Holding the copier at one copy: the copier is internal to the pool, no public seam.
-    monkeypatch.setattr(snapshot_pool, "_copy_in", copy_in)
+    monkeypatch.setattr(snapshot_pool, "copy_in", copy_in)
     monkeypatch.setattr(snapshot_pool, "PIECE_MAX", 1 * MiB)  # pieces of 1 MiB; the pool holds all of them
     base = M.crash_base(8 << 20)
     state = M.crash_state(base)
@@ -953,9 +953,9 @@ def test_writing_starts_before_the_snapshot_is_complete(tmp_path, monkeypatch):
 def test_save_async_copies_nothing_on_the_callers_thread(tmp_path, monkeypatch):
     """The bytes move on the copier thread; save_async returns while the copier is held."""
     threads = set()
-    real = snapshot_pool._copy_in
+    real = snapshot_pool.copy_in
     # Which thread copies shows only at the copier: internal to the pool, no public seam.
-    monkeypatch.setattr(snapshot_pool, "_copy_in",
+    monkeypatch.setattr(snapshot_pool, "copy_in",
                         lambda b, at, src: (threads.add(threading.current_thread().name), real(b, at, src))[1])
     gate = hold_copier(monkeypatch)
     model, opt = build()

@@ -164,9 +164,9 @@ def test_spans_whose_checksum_the_producer_keeps_are_written_but_not_checksummed
     the bytes are written all the same, the span's crc32c is 0 or its true value, and the
     io_uring/POSIX engines spend no checksum on it, whether written zero-copy or staged."""
     summed = []
-    real = staged_module._crc
+    real = staged_module.crc_extend
     # Counting the bytes checksummed: the engines' crc32c is internal to them, no public seam.
-    monkeypatch.setattr(staged_module, "_crc", lambda view, crc: (summed.append(len(view)), real(view, crc))[1])
+    monkeypatch.setattr(staged_module, "crc_extend", lambda view, crc: (summed.append(len(view)), real(view, crc))[1])
     gen = torch.Generator().manual_seed(9)
     eng = build_engine(engine_kind, io_small_options)
     try:

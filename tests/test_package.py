@@ -295,19 +295,33 @@ def _private_reach() -> list[tuple[str, str, int]]:
     return sorted(set(reach))
 
 
-# Places in tests/ that touch a private name of the package (_private_reach): 164 when this test came
-# in (31 files, 50 names; the most: _snapshot_pool 16, _session 12). The issue's goal is a commented
-# allowlist of at most 20 entries; until public seams get there, today's count is a ceiling that may
-# only go down (lower it here when a test moves to a public seam). 158: the ring's retry constants
-# became public. 131: GDSCheckpointer.session and .snapshot_pool (read-only properties) replaced the
-# tests' ck._session and ck._snapshot_pool.
-_PRIVATE_REACH_CEILING = 131
+# Where tests may touch a private name of the package (_private_reach), as (test file, name): each
+# place that does is a place where a refactor breaks a test that tests nothing wrong (issue 38), so
+# tests go through public seams (documented in the modules that have them: gdswriter/testing lists
+# them). 164 places when this was counted first, 131 under the last ceiling, 20 now, all here.
+PRIVATE_REACH_ALLOWED: dict[tuple[str, str], str] = {
+    ("tests/test_package.py", "_version"): "checks the one file the version is written in",
+    ("tests/test_cli.py", "_TAGS"): "every state_codec tag is in docs/format.md (the tags are not an API)",
+    ("tests/test_engine_faults.py", "_done"): "a Ctrl-C inside the POSIX backend's own completion queue",
+    ("tests/test_dist_dcp.py", "_check_secondary_final"):
+        "another rank's rename (or a cleaning job) between OrderedCommit's count and its own rename",
+    ("tests/test_dist_dcp.py", "_write"): "rank 0's write of a re-save fails after the others wrote beside it",
+    ("tests/test_dist_dcp.py", "_wrote"): "a rank as if it failed before write_data last time (opens afresh)",
+    ("tests/test_dist_dcp.py", "_engines"): "GDSStorageWriter keeps its engines from save to save, drops them on "
+                                            "failure and pickling",
+    ("tests/test_dcp_paths.py", "_engines"): "GDSStorageWriter made one engine per root, kept across checkpoint_ids",
+    ("tests/test_dist_safety.py", "_session"): "GDSStorageWriter still holds its roots' lock when DCP skips finish",
+    ("tests/test_dist_scale.py", "_open_shared"): "counts the host-tmpfs set-ups of a multi-rank load",
+}
 
 
-def test_the_tests_reach_into_private_names_only_gets_smaller():
-    """Each place a test touches a private name is a place where a refactor breaks a test that tests
-    nothing wrong (issue 38). Tests use public seams; today's reach is a ceiling that may only go down
-    (lower it here when a test moves to a public seam)."""
-    reach = _private_reach()
-    assert any(n == "_copy_in" for _, n, _ in reach)  # the reach was read
-    assert len(reach) <= _PRIVATE_REACH_CEILING, reach
+def test_the_tests_reach_into_private_names_only_through_the_allowlist():
+    """Tests use public seams; a private name a test touches is in PRIVATE_REACH_ALLOWED, with its
+    reason, and every entry there is still used (a stale one fails too). At most 20 entries."""
+    reach = {(p, n) for p, n, _ in _private_reach()}
+    assert len(PRIVATE_REACH_ALLOWED) <= 20
+    assert not reach - PRIVATE_REACH_ALLOWED.keys(), (
+        f"tests reach into private names: {sorted(reach - PRIVATE_REACH_ALLOWED.keys())}; use a public seam "
+        f"(or add an entry to PRIVATE_REACH_ALLOWED, with its reason)")
+    assert not PRIVATE_REACH_ALLOWED.keys() - reach, (
+        f"stale entries in PRIVATE_REACH_ALLOWED: {sorted(PRIVATE_REACH_ALLOWED.keys() - reach)}; remove them")

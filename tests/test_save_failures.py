@@ -255,7 +255,7 @@ def test_the_save_thread_lets_go_of_the_snapshot(tmp_path, monkeypatch):
         ck.save_async(1).result(timeout=60)
         ck.wait()
         gc.collect()
-        assert ck._queue.worker is not None and ck._queue.worker.is_alive()
+        assert ck.save_queue.worker is not None and ck.save_queue.worker.is_alive()
         assert len(refs) == 2 and all(r() is None for r in refs), "the idle save thread still holds the snapshot"
 
 

@@ -24,17 +24,17 @@ from gdswriter.planner.assign import FilePlan, FileTarget, SavePlan, cut_stream
 
 
 # ----------------------------------------------------------------------------- the allocation
-def pieces_of(files: list[tuple[int, list[int]]], piece: int, lag: int, lagging: int) -> list[snapshot_pool._Piece]:
+def pieces_of(files: list[tuple[int, list[int]]], piece: int, lag: int, lagging: int) -> list[snapshot_pool.Piece]:
     """The pieces of ``files`` ((root, sizes in bytes) per root) cut as _layout cuts them (at
     multiples of ``piece``, the last piece of a file shorter), in _layout's round-robin order
     over roots, except that root ``lagging``'s pieces come ``lag`` places late."""
-    ring = snapshot_pool._Ring()
+    ring = snapshot_pool.Ring()
     queues = []
     for root, sizes in files:
         q = []
         for size in sizes:
             for lo in range(0, size, piece):
-                p = snapshot_pool._Piece(ring, root, lo)
+                p = snapshot_pool.Piece(ring, root, lo)
                 p.hi = min(size, lo + piece)
                 q.append(p)
         queues.append(q)
@@ -43,7 +43,7 @@ def pieces_of(files: list[tuple[int, list[int]]], piece: int, lag: int, lagging:
     return sorted(order, key=lambda p: (place[id(p)], p.root == lagging))  # stable: each root's order kept
 
 
-def check_no_range_reused_early(order: list[snapshot_pool._Piece], capacity: int) -> None:
+def check_no_range_reused_early(order: list[snapshot_pool.Piece], capacity: int) -> None:
     """Every piece lies in the pool, and for every byte (4 KiB unit: pieces are whole units) of
     its range, the last earlier piece that held that byte is freed before it is filled: it is
     among its blockers or among theirs, transitively (the copier fills a piece once its
@@ -100,7 +100,7 @@ TAIL = ([(0, [8 * U, 8 * U, 3 * 64 * U, 7 * 64 * U + 8 * U, 7 * 64 * U + 8 * U, 
 def test_no_pool_range_is_reused_before_its_last_writer_is_freed(layout):
     files, piece, capacity, lag, lagging = layout
     order = pieces_of(files, piece, lag, lagging)
-    snapshot_pool._allocate(order, capacity)
+    snapshot_pool.allocate(order, capacity)
     check_no_range_reused_early(order, capacity)
 
 
@@ -108,11 +108,11 @@ def test_blockers_are_the_last_writers_only():
     """A piece waits for the last writer of each of its bytes and for nothing older: what those
     waited for is freed already (the interval map keeps the waits short)."""
     order = pieces_of([(0, [5 * 64 * U])], 64 * U, 0, 0)  # five full pieces, a pool of two
-    snapshot_pool._allocate(order, 2 * 64 * U)
+    snapshot_pool.allocate(order, 2 * 64 * U)
     assert [p.ring for p in order] == [0, 64 * U, 0, 64 * U, 0]
     assert [p.blockers for p in order] == [[], [], [order[0]], [order[1]], [order[2]]]
     order = pieces_of([(0, [2 * 64 * U, 32 * U, 64 * U])], 64 * U, 0, 0)
-    snapshot_pool._allocate(order, 2 * 64 * U)  # the third piece (32 units) wraps; the fourth spans two
+    snapshot_pool.allocate(order, 2 * 64 * U)  # the third piece (32 units) wraps; the fourth spans two
     assert [p.ring for p in order] == [0, 64 * U, 0, 32 * U]
     assert order[3].blockers == [order[0], order[1]]
 
@@ -143,10 +143,10 @@ class _Watch:
     then the lag would hold the save forever)."""
 
     def __init__(self) -> None:
-        self.lagging: snapshot_pool._Piece | None = None
+        self.lagging: snapshot_pool.Piece | None = None
         self.go = threading.Event()
         self.copier_waited = False
-        self.order: list[snapshot_pool._Piece] = []
+        self.order: list[snapshot_pool.Piece] = []
         self.capacity = 0
 
 
@@ -171,9 +171,9 @@ def test_lagging_root_piece_is_not_overwritten_before_it_is_written(tmp_path: Pa
     """A real save (2 roots, real engines, a 2 MiB pool for a 7.6 MiB state, files of unequal size) whose root 1 lags
     on its last piece; the step must load with every checksum right and bit-exact bytes."""
     watch = _Watch()
-    slot = snapshot_pool._Piece.__dict__["freed"]  # the slot the pool sets and reads
+    slot = snapshot_pool.Piece.__dict__["freed"]  # the slot the pool sets and reads
 
-    class WatchedPiece(snapshot_pool._Piece):
+    class WatchedPiece(snapshot_pool.Piece):
         """Tells ``watch`` when the copier finds the lagging piece not freed: it waits for it."""
 
         __slots__ = ()
@@ -190,7 +190,7 @@ def test_lagging_root_piece_is_not_overwritten_before_it_is_written(tmp_path: Pa
         def freed(self, v: bool) -> None:
             slot.__set__(self, v)
 
-    real_allocate = snapshot_pool._allocate
+    real_allocate = snapshot_pool.allocate
 
     def allocate(order, capacity):
         real_allocate(order, capacity)
@@ -198,8 +198,8 @@ def test_lagging_root_piece_is_not_overwritten_before_it_is_written(tmp_path: Pa
         watch.lagging = [p for p in order if p.root == 1][-1]
 
     # Watching the pool's pieces and their allocation: internal to save/pool.py, no public seam.
-    monkeypatch.setattr(snapshot_pool, "_Piece", WatchedPiece)
-    monkeypatch.setattr(snapshot_pool, "_allocate", allocate)
+    monkeypatch.setattr(snapshot_pool, "Piece", WatchedPiece)
+    monkeypatch.setattr(snapshot_pool, "allocate", allocate)
 
     n_bytes = sum(SHARES)
     g = torch.Generator().manual_seed(22)
@@ -209,7 +209,7 @@ def test_lagging_root_piece_is_not_overwritten_before_it_is_written(tmp_path: Pa
     with GDSCheckpointer(state, None, roots, options=M.small_options(snapshot="host",
                                                                       snapshot_pool_bytes=2 * MiB)) as ck:
         # A plan that makes one root lag: the session takes no plan from outside (an argument for tests only).
-        monkeypatch.setattr(ck.session, "_new_plan", lambda sizes, devices, targets: plan)
+        monkeypatch.setattr(ck.session, "new_plan", lambda sizes, devices, targets: plan)
         e0, e1 = ck.engines
         root0_files = sum(1 for f in plan.files if f.target.root == 0)
         written = []

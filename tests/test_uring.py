@@ -232,13 +232,13 @@ def fast_backoff(monkeypatch):
 
 
 class ScriptedEnter:
-    """Replaces ring._enter: answers the first calls from ``script`` (an int is returned as the
+    """Replaces ring.enter_syscall: answers the first calls from ``script`` (an int is returned as the
     syscall's result without calling the kernel, None passes the call through), then passes
     every call through. Records (to_submit, min_complete, result) of every call."""
 
     def __init__(self, ring: uring.IoUring, script):
-        self.real, self.script, self.calls = ring._enter, list(script), []
-        ring._enter = self
+        self.real, self.script, self.calls = ring.enter_syscall, list(script), []
+        ring.enter_syscall = self
 
     def __call__(self, to_submit, min_complete, flags):
         answer = self.script.pop(0) if self.script else None
@@ -374,17 +374,17 @@ def test_counts_survive_an_interruption_between_syscall_and_bookkeeping(ring, tm
     fd = os.open(tmp_path / "intr.bin", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         keep = write_requests(ring, fd, 6)
-        real = ring._enter
+        real = ring.enter_syscall
 
         def interrupted(*args):
             if interrupt_after:
                 real(*args)
             raise KeyboardInterrupt
 
-        ring._enter = interrupted
+        ring.enter_syscall = interrupted
         with pytest.raises(KeyboardInterrupt):
             ring.wait(6)
-        ring._enter = real
+        ring.enter_syscall = real
         assert ring.queued == (6 if not interrupt_after else 0)
         assert ring.in_flight == 6
         with deadline(20):

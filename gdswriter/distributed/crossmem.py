@@ -53,7 +53,9 @@ def _bind():
     return fn
 
 
-_readv = _bind()
+# The bound syscall (None where there is none): a seam, looked up at each call, that tests replace
+# to make it fail (EPERM) or transfer short.
+process_vm_readv = _bind()
 _marker = ctypes.create_string_buffer(MAGIC, len(MAGIC))  # lives as long as the process
 
 
@@ -71,7 +73,7 @@ def domain() -> str | None:
     """Who can pull from this process: the same string on two ranks exactly when they run under
     one kernel (boot id), in one PID namespace and as one user; None where process_vm_readv is
     missing."""
-    if _readv is None:
+    if process_vm_readv is None:
         return None
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -99,7 +101,7 @@ def pull(pid: int, moves: Sequence[tuple[int, int, int]], what: str = "copying a
     this one; returns the bytes copied (all of them). The kernel may copy fewer bytes than asked
     (a fault part way, or its per-call cap): the rest is asked for again from where it stopped,
     and a call that copies nothing raises CrossMemoryError, as does any refusal."""
-    if _readv is None:
+    if process_vm_readv is None:
         raise CrossMemoryError(errno.ENOSYS, pid, 0, what)
     todo = [(r, d, n) for r, d, n in moves if n > 0]
     done = 0
@@ -107,7 +109,7 @@ def pull(pid: int, moves: Sequence[tuple[int, int, int]], what: str = "copying a
         batch = todo[:_IOV_MAX]
         local = (_Iovec * len(batch))(*[_Iovec(d, n) for _, d, n in batch])
         remote = (_Iovec * len(batch))(*[_Iovec(r, n) for r, _, n in batch])
-        got = _readv(pid, local, len(batch), remote, len(batch), 0)
+        got = process_vm_readv(pid, local, len(batch), remote, len(batch), 0)
         if got < 0:
             raise CrossMemoryError(ctypes.get_errno() or errno.EIO, pid, batch[0][0], what)
         if got == 0:

@@ -155,6 +155,12 @@ class Coordinator:
             return coord
 
     @classmethod
+    def shared_channels(cls) -> int:
+        """How many shared channels (for_group) this process made: each costs a process group."""
+        with cls._cache_lock:
+            return len(cls._shared)
+
+    @classmethod
     def _new(cls, process_group: Any, timeout_s: float, label: str, *, owned: bool) -> Coordinator:
         import torch.distributed as dist
 

@@ -115,6 +115,11 @@ class DistSession:
         self.saved: dict[int, tuple[str, list]] = {}  # step -> (token, this rank's shard ref) of its last saves
 
     @property
+    def plans(self) -> PlanCache:
+        """The cache of save plans (distributed/save.py): its hits, for diagnosis."""
+        return self._plans
+
+    @property
     def rank(self) -> int:
         return self.coord.rank
 

@@ -105,6 +105,16 @@ class AlignedBufferPool:
         ]
         whole.release()
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() unmapped the buffers (kept pools never are)."""
+        return self._mm is None
+
+    @property
+    def cuda_device(self) -> torch.device | None:
+        """The device current when the pool was registered with CUDA (None: never tried)."""
+        return self._cuda_device
+
     def regions(self) -> list[tuple[int, int]]:
         return [(b.address, b.size) for b in self.buffers]
 

@@ -365,8 +365,9 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def _on_gpu(t: torch.Tensor) -> bool:
-    """Device memory (the one place that decides it; tests without a GPU redirect it)."""
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` is device memory: the one place that decides it, a seam that tests without a
+    GPU replace (monkeypatch) so that host tensors take the device path."""
     return t.device.type == "cuda"
 
 
@@ -494,9 +495,9 @@ class GdsEngine(IOEngine):
     def _crcs(self, tensors: Sequence[torch.Tensor]) -> list[int]:
         """crc32c of each tensor: on its GPU for device memory, with the crc32c package for host memory."""
         out = [0] * len(tensors)
-        dev = [i for i, t in enumerate(tensors) if _on_gpu(t) and t.numel()]
+        dev = [i for i, t in enumerate(tensors) if on_gpu(t) and t.numel()]
         for i, t in enumerate(tensors):
-            if not _on_gpu(t) and t.numel():
+            if not on_gpu(t) and t.numel():
                 out[i] = _crc32c.crc32c(t.numpy())
         if dev:
             with self._stream(tensors[dev[0]].device):
@@ -513,7 +514,7 @@ class GdsEngine(IOEngine):
         if self.mode != GDS or self._monitor is None:
             return self.mode
         threshold = self._kvikio.defaults.get("gds_threshold")
-        expected = sum(p.length for p in pieces if p.length >= threshold and (p.span < 0 or _on_gpu(datas[p.span])))
+        expected = sum(p.length for p in pieces if p.length >= threshold and (p.span < 0 or on_gpu(datas[p.span])))
         by_backend = self._monitor.since(before).by_backend
         carried = sum(v.get("bytes_transferred", 0) for k, v in by_backend.items() if k.upper() == "GDS")
         if expected and carried >= expected:
@@ -529,7 +530,7 @@ class GdsEngine(IOEngine):
         path = os.fspath(path)
         with self._lock:
             self._check_open()
-            if not any(_on_gpu(s.data) for s in spans):
+            if not any(on_gpu(s.data) for s in spans):
                 host = self._host_engine()
                 crcs = host.write_file(path, spans, size=size, durable=durable)
                 self._last_name = host.info.name
@@ -563,9 +564,9 @@ class GdsEngine(IOEngine):
             return crcs
 
     def _write_pieces(self, f, path: str, datas: list[torch.Tensor], pieces: list[Piece]) -> list[int]:
-        staging_device = next(t.device for t in datas if _on_gpu(t))
+        staging_device = next(t.device for t in datas if on_gpu(t))
         bufs = self._staging_buffers(staging_device) if any(p.span < 0 for p in pieces) else []
-        requests = _Requests(path, write=True)
+        requests = Requests(path, write=True)
         slot_request = [-1] * len(bufs)  # the request last issued from each staging buffer
         slot = 0
         try:
@@ -597,7 +598,7 @@ class GdsEngine(IOEngine):
         path = os.fspath(path)
         with self._lock:
             self._check_open()
-            if not any(_on_gpu(s.out) for s in spans):
+            if not any(on_gpu(s.out) for s in spans):
                 host = self._host_engine()
                 crcs = host.read_file(path, spans)
                 self._last_name = host.info.name
@@ -624,9 +625,9 @@ class GdsEngine(IOEngine):
             return self._crcs(outs)
 
     def _read_pieces(self, f, path: str, outs: list[torch.Tensor], pieces: list[Piece]) -> None:
-        staging_device = next(t.device for t in outs if _on_gpu(t))
+        staging_device = next(t.device for t in outs if on_gpu(t))
         bufs = self._staging_buffers(staging_device) if any(p.span < 0 for p in pieces) else []
-        requests = _Requests(path, write=False)
+        requests = Requests(path, write=False)
         staged: list[tuple[int, Piece] | None] = [None] * len(bufs)  # (request, piece) reading into each buffer
         slot = 0
 
@@ -665,7 +666,7 @@ class GdsEngine(IOEngine):
             self._streams[device].synchronize()
 
 
-class _Requests:
+class Requests:
     """KvikIO futures in flight for one file. Each future is waited for exactly once (a
     KvikIO future cannot be asked twice); failures and short transfers raise typed errors."""
 

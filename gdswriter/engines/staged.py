@@ -47,7 +47,7 @@ from .buffers import AlignedBufferPool, StagingBuffer
 from .dio import direct_io_alignment
 from ..fs import closed_on_failure, open_regular
 
-_crc = _crc32c.crc32c
+crc_extend = _crc32c.crc32c  # crc32c(bytes, crc): a seam, like copy_bytes (tests count what it sums)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _MERGE_GAP = 1 << 20  # read through gaps smaller than this rather than issuing another request
@@ -78,6 +78,12 @@ _QUIESCE_TRIES = 5  # interruptions (Ctrl-C) tolerated while quiescing before gi
 _KEPT: list[tuple] = []  # what quiesced-unclean backends may still touch: never released (see StagedEngine)
 
 
+def kept_for_good() -> tuple[tuple, ...]:
+    """What engines kept for the rest of the process (backend, pool, fd, spans) because their
+    requests could not be waited for after a failure (see _keep_forever); for diagnosis."""
+    return tuple(_KEPT)
+
+
 def _keep_forever(*things) -> None:
     """Keep ``things`` (a backend, its pool, an fd number, spans) alive and open for the rest of
     the process: requests that could not be waited for may still use them."""
@@ -102,12 +108,14 @@ def _direct_buffer(t) -> StagingBuffer:
     return StagingBuffer(-1, t.data_ptr(), t.numel(), memoryview(t.numpy()), t)
 
 
-def _copy(dst, dst_off: int, src, src_off: int, n: int) -> None:
+def copy_bytes(dst, dst_off: int, src, src_off: int, n: int) -> None:
     """Copy n bytes between flat uint8 tensors. Host to host (both on device "cpu") uses memmove
     (releases the GIL, one thread, ~memory speed); torch's copy_ splits small copies across
     threads and ran 4x slower on a loaded 2-core machine. Any other device (CUDA, and XPU, MPS
     or whatever else torch can copy to and from the host) goes through copy_, which reaches
-    its memory through its own runtime; a device pointer is never read as host memory."""
+    its memory through its own runtime; a device pointer is never read as host memory. A seam:
+    every staging copy goes through this module-level name, so tests wrap it (monkeypatch) to
+    count staged bytes or make the n-th copy fail."""
     if dst.is_cpu and src.is_cpu:
         ctypes.memmove(dst.data_ptr() + dst_off, src.data_ptr() + src_off, n)
     else:
@@ -122,8 +130,8 @@ def _stage_in(buf: StagingBuffer, lo: int, src, src_off: int, n: int, crc: int) 
     step = FUSED_BYTES if src.is_cpu else n
     for k in range(0, n, step):
         m = min(step, n - k)
-        _copy(buf.tensor, lo + k, src, src_off + k, m)
-        crc = _crc(buf.view[lo + k:lo + k + m], crc)
+        copy_bytes(buf.tensor, lo + k, src, src_off + k, m)
+        crc = crc_extend(buf.view[lo + k:lo + k + m], crc)
     return crc
 
 
@@ -132,8 +140,8 @@ def _stage_out(buf: StagingBuffer, lo: int, dst, dst_off: int, n: int, crc: int)
     step = FUSED_BYTES if dst.is_cpu else n
     for k in range(0, n, step):
         m = min(step, n - k)
-        crc = _crc(buf.view[lo + k:lo + k + m], crc)
-        _copy(dst, dst_off + k, buf.tensor, lo + k, m)
+        crc = crc_extend(buf.view[lo + k:lo + k + m], crc)
+        copy_bytes(dst, dst_off + k, buf.tensor, lo + k, m)
     return crc
 
 
@@ -290,6 +298,17 @@ class StagedEngine(IOEngine):
         self._tags = 0
         self._backlog: deque = deque()
 
+    @property
+    def broken(self) -> bool:
+        """Whether the backend may still have requests in the kernel (a failure it could not wait
+        out: its buffers are kept for good, and the next transfer starts on fresh ones)."""
+        return self._broken
+
+    @property
+    def backlog(self) -> int:
+        """Requests queued for the backend and not submitted yet (0 once a transfer ended)."""
+        return len(self._backlog)
+
     def _build(self) -> tuple[AlignedBufferPool, object]:
         o = self.options
         pool = AlignedBufferPool(o.buffer_bytes, o.num_buffers, lock_memory=o.lock_memory, huge_pages=o.huge_pages)
@@ -364,7 +383,7 @@ class StagedEngine(IOEngine):
         if interrupted is not None:
             raise interrupted
 
-    def _prepare_memory(self, tensors) -> None:
+    def prepare_memory(self, tensors) -> None:
         """Refuse span memory the engine cannot move; register the staging buffers with CUDA
         when the first CUDA tensor comes (never before: CPU-only jobs never touch CUDA)."""
         for t in tensors:
@@ -468,7 +487,7 @@ class StagedEngine(IOEngine):
         path = os.fspath(path)
         with self._lock:
             self._check_open()
-            self._prepare_memory(s.data for s in spans)
+            self.prepare_memory(s.data for s in spans)
             fd, memory_alignment = self._opened(path, write=True)
             direct = memory_alignment > 0
             ok = False
@@ -522,7 +541,7 @@ class StagedEngine(IOEngine):
                     s = spans[j]
                     buf = _direct_buffer(s.data[off - s.offset:off - s.offset + n])
                     if s.checksum:
-                        crcs[j] = _crc(buf.view, crcs[j])
+                        crcs[j] = crc_extend(buf.view, crcs[j])
                     if guards:
                         guards.hold(j)
                         if off + n == s.end:
@@ -584,7 +603,7 @@ class StagedEngine(IOEngine):
             if s.checksum:
                 crcs[si] = _stage_in(buf, pos - file_off, s.data, a, b - a, crcs[si])
             else:
-                _copy(buf.tensor, pos - file_off, s.data, a, b - a)
+                copy_bytes(buf.tensor, pos - file_off, s.data, a, b - a)
             pos = s.offset + b
             if guards and pos == s.end:
                 guards.read(si)
@@ -596,7 +615,7 @@ class StagedEngine(IOEngine):
         path = os.fspath(path)
         with self._lock:
             self._check_open()
-            self._prepare_memory(s.out for s in spans)
+            self.prepare_memory(s.out for s in spans)
             fd, memory_alignment = self._opened(path, write=False)
             ok = False
             try:
@@ -670,7 +689,7 @@ class StagedEngine(IOEngine):
                 while next_drain in done:
                     c = done.pop(next_drain)
                     if c.span >= 0:  # read in place: only the checksum is left to do
-                        crcs[c.span] = _crc(c.buf.view, crcs[c.span])
+                        crcs[c.span] = crc_extend(c.buf.view, crcs[c.span])
                     else:
                         si = self._drain_chunk(c, spans, si, crcs)
                         free.append(c.buf)

@@ -317,8 +317,9 @@ class IoUring:
         _U32.pack_into(self._sq_ring, self._sq_array + idx * 4, idx)
         self._store_release(self._sq_tail, (tail + 1) & _WRAP)  # publishes the SQE: the one state change
 
-    def _enter(self, to_submit: int, min_complete: int, flags: int) -> int:
-        """One io_uring_enter syscall: its result, or -errno. (The fault-injecting engine wraps this.)"""
+    def enter_syscall(self, to_submit: int, min_complete: int, flags: int) -> int:
+        """One io_uring_enter syscall: its result, or -errno, never retried. A seam: the fault-injecting
+        engine (gdswriter.testing) and tests replace it on a ring to fail or interrupt the syscall."""
         ret = _syscall(SYS_IO_URING_ENTER, ctypes.c_long(self.fd), ctypes.c_long(to_submit),
                        ctypes.c_long(min_complete), ctypes.c_long(flags), None, ctypes.c_long(0))
         return ret if ret >= 0 else -ctypes.get_errno()
@@ -351,7 +352,7 @@ class IoUring:
                 return
             # The kernel skips the wait when it took fewer SQEs than offered, so ``want`` may count
             # SQEs submitted by this very call without blocking forever.
-            ret = self._enter(to_submit, max(want, 0), IORING_ENTER_GETEVENTS if want > 0 else 0)
+            ret = self.enter_syscall(to_submit, max(want, 0), IORING_ENTER_GETEVENTS if want > 0 else 0)
             got = self.reap() if out is not None else []
             if out is not None:
                 out.extend(got)

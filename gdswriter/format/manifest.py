@@ -203,7 +203,7 @@ class Manifest:
             "created_unix": self.created_unix,
             "metadata": self.metadata,
             "files": [[f.root, f.path, f.size] + ([dict(f.info)] if f.info else []) for f in self.files],
-            "storages": None,  # encoded by _storage_table
+            "storages": None,  # encoded by storage_table
             "tensors": None,  # encoded by _tensor_table
             "state": self.state,
         }
@@ -215,7 +215,7 @@ class Manifest:
                             **({"dcp": d.dcp} if d.dcp is not None else {})}
         # The same text as json.dumps of the whole body, one top-level entry at a time, so that
         # the tensor table is encoded once per layout rather than twice per save.
-        canonical_storages, plain_storages = _storage_table(self.storages)
+        canonical_storages, plain_storages = storage_table(self.storages)
         made = {"tensors": (canonical_tensors, plain_tensors), "storages": (canonical_storages, plain_storages)}
         canonical = {k: made[k][0] if k in made else _json(v, sort_keys=True) for k, v in body.items()}
         crc = _crc32c.crc32c(_join(sorted(canonical.items())).encode())
@@ -274,7 +274,7 @@ def _checked_header(body: Any, where: str) -> tuple[int, int]:
             f"{where} uses format version {version[0]}.{version[1]}, newer than this gdswriter reads "
             f"({FORMAT_VERSION[0]}.x): upgrade gdswriter (pip install -U gdswriter)")
     expected = body.pop("manifest_crc32c", None)
-    if not _is_int(expected) or _crc32c.crc32c(_canonical(body)) != expected:
+    if not _is_int(expected) or _crc32c.crc32c(canonical_json(body)) != expected:
         raise _damaged(where, "manifest checksum does not match its content")
     return version[0], version[1]
 
@@ -367,7 +367,8 @@ def _contiguous_inside(rec: TensorRecord, itemsize: int, storage_nbytes: int) ->
     return rec.byte_offset + want * itemsize <= storage_nbytes
 
 
-def _canonical(body: dict) -> bytes:
+def canonical_json(body: dict) -> bytes:
+    """The canonical JSON of a manifest's keys, which its manifest_crc32c covers (docs/format.md)."""
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -380,7 +381,7 @@ def _join(entries: list[tuple[str, str]]) -> str:
     return "{" + ",".join(f"{_json(k)}:{v}" for k, v in entries) + "}"
 
 
-def _storage_table(storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
+def storage_table(storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
     """The manifest's "storages" entry, with sorted keys (for the checksum) and as written: the
     text json.dumps gives (compact separators), formatted directly, each chunk's list once for
     both (a state of 100,000 tensors has 100,000 storages: json.dumps of their dicts and lists,

@@ -43,6 +43,11 @@ class LeasedEngine(IOEngine):
         self.honours_span_guards = engine.honours_span_guards
         self._lock = threading.Lock()
 
+    @property
+    def engine(self) -> IOEngine | None:
+        """The real engine lent (None once handed back)."""
+        return self._engine
+
     def _inner(self) -> IOEngine:
         engine = self._engine
         if engine is None:

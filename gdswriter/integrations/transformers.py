@@ -184,9 +184,11 @@ def _fsync_files(top: Path, skip: str) -> None:
     fsync_dir(top)
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def publish_checkpoint(tmp: Path, final: Path) -> None:
     """Make the complete directory ``tmp`` appear as ``final`` durably (fs.replace_dir: replacing
-    an older one in one atomic exchange where the file system allows), then delete the older one."""
+    an older one in one atomic exchange where the file system allows), then delete the older one.
+    Every publication goes through this module-level name: a seam that tests wrap to check
+    the order of publications and deletions (as does delete_rotated)."""
     old = replace_dir(tmp, final, final.with_name(f"{TMP_PREFIX}{final.name}-old-{secrets.token_hex(4)}"))
     if old is not None:
         shutil.rmtree(old)
@@ -372,7 +374,7 @@ class GDSCheckpointing:
                 if close:
                     job.ckpt.close()
             _fsync_files(job.tmp, GDS_DIR)
-            _publish(job.tmp, job.final)
+            publish_checkpoint(job.tmp, job.final)
         except BaseException:
             shutil.rmtree(job.tmp, ignore_errors=True)
             raise
@@ -438,7 +440,7 @@ class GDSCheckpointing:
                     return
                 hidden = bg["removing"][0]
             try:
-                _delete_rotated(hidden)
+                delete_rotated(hidden)
             except BaseException as e:  # noqa: BLE001 - the thread must go on, and end, for the waiters
                 log.warning("gdswriter: deleting %s (rotation, save_total_limit) failed: %s", hidden, e)
             finally:
@@ -609,7 +611,7 @@ def _wait_unreported(handle: SaveHandle) -> None:
         raise error
 
 
-def _delete_rotated(hidden: Path) -> None:
+def delete_rotated(hidden: Path) -> None:
     """Delete a checkpoint the rotation renamed away (errors ignored, as the Trainer's rotation)."""
     shutil.rmtree(hidden, ignore_errors=True)
 

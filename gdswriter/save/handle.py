@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait as futures_wait
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -119,6 +119,12 @@ class SaveHandle:
 
     def exception(self) -> BaseException | None:
         return self._future.exception() if self._future.done() else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the save ended (False after ``timeout`` s), without raising its error or
+        counting it as reported: the next save_async or wait() still raises it."""
+        done, _ = futures_wait([self._future], timeout)
+        return bool(done)
 
     def snapshotted(self) -> bool:
         """True once the save no longer reads the live tensors (copied, or written, or failed):

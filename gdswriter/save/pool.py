@@ -35,7 +35,7 @@ alignment gaps between chunks), so it sits in the pool at the same 4 KiB phase a
 file and the engine writes it as one span, zero-copy. Pieces take the pool in turn, as a
 ring: a piece that does not fit waits until the pieces it would overwrite were written
 (the engine releases each span once it will not read it again; engine.SpanGuards): for
-each of its bytes, the last piece that held it, however many laps back (_allocate). One
+each of its bytes, the last piece that held it, however many laps back (allocate). One
 copier thread fills the pieces in the order the engines write them (round-robin over
 roots); the engines start writing a piece as soon as it is filled. The pool keeps each
 chunk's crc32c, so the engines checksum nothing (WriteSpan.checksum False). On the CPU the
@@ -51,6 +51,11 @@ so with a pool of at least 4 x roots x max(piece, staging buffer) bytes the piec
 copier needs next never overlaps what a waiting engine holds. An engine that fails holds the
 room of the pieces it will never write: the save stops at once (``stream``'s stop), so that
 the copier and the other engines do not wait for it.
+
+Test seams: ``Piece``, ``Ring``, ``allocate``, ``copy_all``, ``copy_in`` and ``new_region`` are
+public so that tests can build pieces, check the allocation, and wrap a step (monkeypatch the
+module attribute: the pool looks each up at call time) to delay it or inject a fault at exactly
+that point. They are not part of the checkpoint API; keep them module-level and looked up so.
 """
 
 from __future__ import annotations
@@ -90,7 +95,7 @@ def _align_up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
 
 
-class _Ring:
+class Ring:
     """What the copier and the engines share: one condition, the first error, and the pool's
     bytes (``view``, set once the pool is reserved)."""
 
@@ -110,7 +115,7 @@ class _Stopped(Exception):
     """The save failed elsewhere: the copier stops."""
 
 
-class _Piece:
+class Piece:
     """A file range [lo, hi) laid out at ``ring`` in the pool, written by the engine as one span
     (so its gaps, the alignment padding between chunks, are zeroed by the copier); the
     SpanGuard of that span. ``crcs`` holds the crc32c of every chunk copied into it: computed
@@ -120,7 +125,7 @@ class _Piece:
     __slots__ = ("blockers", "copies", "crcs", "events", "freed", "gaps", "hi", "lo", "ready", "ring", "ring_state",
                  "root", "unsummed")
 
-    def __init__(self, ring_state: _Ring, root: int, lo: int):
+    def __init__(self, ring_state: Ring, root: int, lo: int):
         self.ring_state, self.root, self.lo, self.hi = ring_state, root, lo, lo
         # (offset in the piece, length, source): the source's bytes as a flat uint8 tensor, or
         # (address, length) of bytes in host memory (no tensor per chunk, see _layout)
@@ -129,7 +134,7 @@ class _Piece:
         self.crcs: dict[tuple[int, int], int] = {}  # (offset in the piece, length) -> crc32c of that copy
         self.unsummed: list[tuple[int, int]] = []  # copies from a GPU whose crc32c is still to compute
         self.ring = 0
-        self.blockers: list[_Piece] = []  # earlier pieces whose pool range this one reuses
+        self.blockers: list[Piece] = []  # earlier pieces whose pool range this one reuses
         self.ready = False
         self.events: dict = {}
         self.freed = False
@@ -236,7 +241,7 @@ def _take_kept(size: int, most: int, lock_memory: bool) -> AlignedBufferPool | N
         return mem
 
 
-def _new_region(size: int, lock_memory: bool) -> AlignedBufferPool:
+def new_region(size: int, lock_memory: bool) -> AlignedBufferPool:
     return AlignedBufferPool(size, 1, lock_memory=lock_memory)
 
 
@@ -262,6 +267,11 @@ class HostSnapshotPool:
     @property
     def capacity(self) -> int:
         return self._mem.size if self._mem is not None else 0
+
+    @property
+    def address(self) -> int | None:
+        """Where the pool's region starts (None: no region yet): the same while saves reuse it."""
+        return self._mem.buffers[0].address if self._mem is not None else None
 
     @property
     def reserving(self) -> bool:
@@ -305,7 +315,7 @@ class HostSnapshotPool:
                 self._free_mem()
                 size = _align_up(ring, HUGE_PAGE)
                 log.debug("gdswriter: allocating a %d MiB host snapshot pool", size >> 20)
-                self._mem = _new_region(size, self.lock_memory)
+                self._mem = new_region(size, self.lock_memory)
         if cuda_device is not None:  # registered once, portable to every GPU, unregistered by close()
             self._mem.pin_for_cuda(torch.device("cuda", cuda_device))
         return self._mem.buffers[0], _align_up(want, HUGE_PAGE)
@@ -354,7 +364,7 @@ class HostSnapshotPool:
                 mem = _take_kept(size, most, self.lock_memory)
                 if mem is None:
                     log.debug("gdswriter: reserving a %d MiB host snapshot pool ahead", size >> 20)
-                    mem = _new_region(size, self.lock_memory)
+                    mem = new_region(size, self.lock_memory)
                 if cuda_device is not None:
                     mem.pin_for_cuda(torch.device("cuda", cuda_device))
             except BaseException as e:  # noqa: BLE001 - the saves keep streaming through the ring
@@ -407,7 +417,7 @@ class HostSnapshotPool:
         room the copier waits for; the others would wait for the copier forever). Leaving with
         an error stops the copier too. Once every file is written, ``chunk_crcs()`` gives the
         crc32c of every chunk of ``plan``, cut where pieces end."""
-        ring = _Ring()
+        ring = Ring()
         n_roots = len({f.target.root for f in plan.files})
         need = sum(_align_up(f.size) for f in plan.files)
         if not need:  # nothing but empty tensors: nothing to copy
@@ -421,10 +431,10 @@ class HostSnapshotPool:
         piece = max(ALIGN, min(PIECE_MAX, buf.size // (4 * n_roots)) // ALIGN * ALIGN)
         with gc_paused():  # a view and a chunk per tensor, no cycles (see gc_paused)
             order, pieces_per_file, chunks = _layout(snap, plan, ring, piece)
-            _allocate(order, buf.size)
+            allocate(order, buf.size)
             spans = [[(p, WriteSpan(p.lo, buf.tensor[p.ring:p.ring + p.hi - p.lo], guard=p, checksum=False))
                       for p in pieces] for pieces in pieces_per_file]
-        copier = threading.Thread(target=_copy_all, args=(snap, order, ring, buf, release),
+        copier = threading.Thread(target=copy_all, args=(snap, order, ring, buf, release),
                                   name="gdswriter-snapshot", daemon=False)
         copier.start()
         try:
@@ -443,8 +453,8 @@ class HostSnapshotPool:
 class PoolStream:
     """What a save writes through the pool (see HostSnapshotPool.stream)."""
 
-    def __init__(self, spans: list[list[tuple[_Piece, WriteSpan]]], stop: Callable[[BaseException], None],
-                 chunks: dict[PlannedChunk, tuple[tuple[_Piece, int] | tuple[()], int]]):
+    def __init__(self, spans: list[list[tuple[Piece, WriteSpan]]], stop: Callable[[BaseException], None],
+                 chunks: dict[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]]):
         self.spans, self.stop, self._chunks = spans, stop, chunks
 
     def chunk_crcs(self) -> dict[PlannedChunk, int]:
@@ -452,15 +462,15 @@ class PoolStream:
         return {c: where[0].crcs[where[1], n] if where else 0 for c, (where, n) in self._chunks.items()}
 
 
-def _layout(snap: Snapshot, plan: SavePlan, ring: _Ring, piece: int):
+def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
     """Cut every file into pieces; returns the pieces in copy order (round-robin over roots,
     each root's files in plan order), each file's pieces, and every chunk of the plan, cut at
     piece ends, with where it lies: ((its piece, its offset there) or () if empty, length)."""
-    per_root: dict[int, list[_Piece]] = {}
+    per_root: dict[int, list[Piece]] = {}
     per_file = []
-    chunks: dict[PlannedChunk, tuple[tuple[_Piece, int] | tuple[()], int]] = {}
+    chunks: dict[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]] = {}
     for fp in plan.files:
-        pieces: dict[int, _Piece] = {}
+        pieces: dict[int, Piece] = {}
         for c in fp.chunks:
             if c.length == 0:
                 chunks[c] = ((), 0)
@@ -474,7 +484,7 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: _Ring, piece: int):
                 cut = min(end, (k + 1) * piece)
                 p = pieces.get(k)
                 if p is None:
-                    p = pieces[k] = _Piece(ring, fp.target.root, k * piece)
+                    p = pieces[k] = Piece(ring, fp.target.root, k * piece)
                     per_root.setdefault(fp.target.root, []).append(p)
                 src = c.storage_offset + pos - c.file_offset
                 p.add(pos - p.lo, cut - pos, (host + src, cut - pos) if flat is None else flat[src:src + cut - pos])
@@ -487,7 +497,7 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: _Ring, piece: int):
     return order, per_file, chunks
 
 
-def _allocate(order: Sequence[_Piece], capacity: int) -> None:
+def allocate(order: Sequence[Piece], capacity: int) -> None:
     """Give each piece its place in the pool, in turn (a ring: a piece that does not fit before
     the end starts again at 0, leaving the tail as it is); a piece waits for the earlier pieces
     whose range it reuses (its blockers).
@@ -509,7 +519,7 @@ def _allocate(order: Sequence[_Piece], capacity: int) -> None:
     (at most one per 4 KiB of pool)."""
     starts: list[int] = []  # the intervals' starts, sorted
     ends: list[int] = []  # their ends (sorted too: the intervals are disjoint)
-    writers: list[_Piece] = []  # the last piece that wrote each interval
+    writers: list[Piece] = []  # the last piece that wrote each interval
     cursor = 0
     for p in order:
         n = p.length
@@ -534,7 +544,7 @@ def _allocate(order: Sequence[_Piece], capacity: int) -> None:
         starts[i:j], ends[i:j], writers[i:j] = s_new, e_new, w_new
 
 
-def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: StagingBuffer, release) -> None:
+def copy_all(snap: Snapshot, order: Sequence[Piece], ring: Ring, buf: StagingBuffer, release) -> None:
     """The copier thread: fill every piece in order, then set ``release``."""
     try:
         used: set[int] = set()
@@ -549,7 +559,7 @@ def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: Staging
                 for rel, n in p.gaps:
                     ctypes.memset(buf.address + p.ring + rel, 0, n)
                 for rel, n, src in p.copies:
-                    crc = _copy_in(buf, p.ring + rel, src)
+                    crc = copy_in(buf, p.ring + rel, src)
                     if crc is None:
                         p.unsummed.append((rel, n))
                     else:
@@ -566,7 +576,7 @@ def _copy_all(snap: Snapshot, order: Sequence[_Piece], ring: _Ring, buf: Staging
         ring.fail(e)
 
 
-def _copy_in(buf: StagingBuffer, at: int, src: torch.Tensor | tuple[int, int]) -> int | None:
+def copy_in(buf: StagingBuffer, at: int, src: torch.Tensor | tuple[int, int]) -> int | None:
     """Copy ``src`` (a flat uint8 tensor, or (address, length) of host memory) into the pool
     at byte ``at``. From host memory: memmove and crc32c by turns, a cache-sized
     piece at a time (the GIL is released meanwhile), so the checksum reads the copy from cache

@@ -516,7 +516,7 @@ def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], la
     cached = layout.reuse(key, tensors, storages) if layout is not None else None
     if cached is not None:
         return cached
-    extents, placed = _group_by_allocation(tensors, names)
+    extents, placed = group_by_allocation(tensors, names)
     if not records:
         if layout is not None:
             layout.remember(key, extents, placed, [])
@@ -593,8 +593,9 @@ def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs:
     return left_live
 
 
-def _group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple[list[Extent], list[tuple[int, int]]]:
-    """Extents of ``tensors`` and, per tensor, (extent index, byte offset in it).
+def group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple[list[Extent], list[tuple[int, int]]]:
+    """Extents of ``tensors`` and, per tensor, (extent index, byte offset in it). Every layout a
+    snapshot makes goes through this module-level name: a seam that tests wrap to count layouts.
 
     Tensors whose bytes overlap in memory (views of one storage, or numpy arrays and their
     views wrapped by torch.from_numpy, which give separate torch storages over the same
@@ -638,7 +639,7 @@ _ITEM_SIZES = frozenset({1, 2, 4, 8, 16})  # divide STORAGE_ALIGN: a lone tensor
 
 
 def _each_alone(tensors: list[torch.Tensor], names: list[str]) -> tuple[list[Extent], list[tuple[int, int]]] | None:
-    """_group_by_allocation's usual case in C-level passes: every tensor non-empty, contiguous,
+    """group_by_allocation's usual case in C-level passes: every tensor non-empty, contiguous,
     of one device, and alone in memory (the storages' byte ranges are pairwise disjoint, so no
     two tensors share a byte): one extent per tensor, viewing its storage from the 16-byte
     boundary at or below its first byte. None where that does not hold (the general path)."""

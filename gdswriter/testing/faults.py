@@ -127,7 +127,7 @@ class _FaultBackend:
         self._fake: list[tuple[int, int]] = []  # completions of requests that were never performed
         self._uring = hasattr(real, "ring")
         if self._uring:  # io_uring: the backend calls are the ring's syscalls
-            real.ring._enter = self._faulty_enter(real.ring._enter)
+            real.ring.enter_syscall = self._faulty_enter(real.ring.enter_syscall)
 
     def _call(self, fn, *args):
         """One backend call (numbered), raising as the plan says."""

@@ -60,7 +60,9 @@ def worst(findings: Sequence[Finding]) -> str:
     return max((f.status for f in findings), key=_RANK.__getitem__, default=OK)
 
 
-def _read(path: str) -> str | None:
+def read_system_file(path: str) -> str | None:
+    """The text of a /proc or /sys file (None: unreadable). Every such read of the doctor goes
+    through it: a seam that tests redirect (monkeypatch) to show the doctor another machine."""
     try:
         with open(path) as f:
             return f.read().strip()
@@ -75,7 +77,7 @@ def check_gpus() -> list[Finding]:
     import torch
 
     data = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
-    driver = _read("/proc/driver/nvidia/version")
+    driver = read_system_file("/proc/driver/nvidia/version")
     if driver:
         data["driver"] = driver.splitlines()[0]
     with contextlib.suppress(Exception):
@@ -174,8 +176,8 @@ def check_gds() -> list[Finding]:
 
 def check_io_uring() -> list[Finding]:
     why = uring.probe()
-    data = {"io_uring_disabled": _read("/proc/sys/kernel/io_uring_disabled")}
-    status = _read("/proc/self/status") or ""
+    data = {"io_uring_disabled": read_system_file("/proc/sys/kernel/io_uring_disabled")}
+    status = read_system_file("/proc/self/status") or ""
     data["seccomp"] = next((ln.split(":", 1)[1].strip() for ln in status.splitlines() if ln.startswith("Seccomp:")),
                            None)
     if why is None:
@@ -194,7 +196,7 @@ def check_memlock(options: EngineOptions) -> list[Finding]:
     data = {"soft_limit": None if soft == resource.RLIM_INFINITY else soft, "staging_bytes": need}
     if soft == resource.RLIM_INFINITY:
         return [Finding(MACHINE, "memlock", OK, "ulimit -l unlimited", data=data)]
-    if soft >= need or _can_lock_any():
+    if soft >= need or can_lock_any():
         extra = "" if soft >= need else " (CAP_IPC_LOCK lifts the limit)"
         return [Finding(MACHINE, "memlock", OK, f"ulimit -l {human(soft)}, staging pool {human(need)}{extra}", data=data)]
     return [Finding(MACHINE, "memlock", WARN, f"ulimit -l is {human(soft)}, below the {human(need)} staging pool: buffers "
@@ -203,10 +205,10 @@ def check_memlock(options: EngineOptions) -> list[Finding]:
                     "docker --ulimit memlock=-1)", data)]
 
 
-def _can_lock_any() -> bool:
+def can_lock_any() -> bool:
     """CAP_IPC_LOCK (bit 14 of the effective capabilities): mlock and io_uring buffer
     registration ignore RLIMIT_MEMLOCK. Root in a default Docker container lacks it."""
-    status = _read("/proc/self/status") or ""
+    status = read_system_file("/proc/self/status") or ""
     for line in status.splitlines():
         if line.startswith("CapEff:"):
             return bool(int(line.split()[1], 16) >> 14 & 1)
@@ -214,7 +216,7 @@ def _can_lock_any() -> bool:
 
 
 def check_thp() -> list[Finding]:
-    text = _read("/sys/kernel/mm/transparent_hugepage/enabled")
+    text = read_system_file("/sys/kernel/mm/transparent_hugepage/enabled")
     if text is None:
         return [Finding(MACHINE, "huge pages", WARN, "transparent huge pages not reported by this kernel; staging buffers "
                                             "use 4 KiB pages", "use a kernel with CONFIG_TRANSPARENT_HUGEPAGE")]
@@ -256,8 +258,8 @@ def block_device(path: Path) -> dict:
     node = sys_dir.resolve()
     disk = node.parent if (node / "partition").exists() else node
     info = {"name": node.name, "disk": disk.name,
-            "model": (_read(str(disk / "device" / "model")) or "").strip() or None,
-            "rotational": _read(str(disk / "queue" / "rotational")) == "1",
+            "model": (read_system_file(str(disk / "device" / "model")) or "").strip() or None,
+            "rotational": read_system_file(str(disk / "queue" / "rotational")) == "1",
             "nvme": disk.name.startswith("nvme")}
     slaves = sorted(p.name for p in (node / "slaves").glob("*")) if (node / "slaves").exists() else []
     if slaves:

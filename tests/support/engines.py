@@ -95,9 +95,8 @@ def take_host_tensors_for_device_memory(monkeypatch) -> None:
     """The KvikIO engine's device path for host tensors (no CUDA here)."""
     import gdswriter.engines.kvikio as gds
 
-    # The engine's own test of where a tensor lives: no public seam, and one (a memory-kind
-    # option) would widen the engine's API only so that host tensors pass for device memory.
-    monkeypatch.setattr(gds, "_on_gpu", lambda t: True)
+    # The engine's own test of where a tensor lives, through its seam: host tensors pass for device memory.
+    monkeypatch.setattr(gds, "on_gpu", lambda t: True)
 
 
 def pretend_cuda(monkeypatch, available: bool) -> None:
