@@ -189,8 +189,9 @@ def test_no_underscore_name_crosses_a_module():
 # The functions above the complexity ceiling (pyproject: C901, max-complexity 15) on the day the rule
 # came in, each marked with a noqa for C901 at the end of its def line. Refactors lower this number;
 # it never rises (lower it here when a marker goes). gdswriter/distributed/dcp.py is exempt by a per-file-ignore
-# until its split lands. 16: load_own and plan_from_shards split (issue 38).
-_COMPLEX_FUNCTIONS_CEILING = 16
+# until its split lands. 16: load_own and plan_from_shards split (issue 38); 14: read_reached and
+# fetch_storages on the one read executor (distributed/readexec.py).
+_COMPLEX_FUNCTIONS_CEILING = 14
 
 
 def test_the_functions_above_the_complexity_ceiling_only_get_fewer():
