@@ -109,7 +109,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
         out = execute(fetch_plan(m, needed, local, []), reach.paths, engine, verify=verify, alloc=alloc, given=into)
         if out.error is not None:
             raise out.error
-        return out.buffers
+        return {s: out.buffers[s] for s in needed}
     moves = locate_chunks(coord, m, reach, remote, what)
     rank = coord.rank
     mine = [(s, ci) for s, ci in local] + [(s, ci) for _, src, _, s, ci in moves if src == rank]
