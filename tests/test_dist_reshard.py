@@ -390,13 +390,13 @@ def _ddp_worker(rank: int, world: int, root: str, out: str, saving: bool, refuse
 
         reads = _count_shard_reads()
         data: list[int] = []
-        plain = reshard.read_chunks
+        plain = reshard.execute
 
-        def counting(m, reach, wanted, engine, **kw):
-            data.extend(dest.numel() for _, _, dest in wanted)
-            return plain(m, reach, wanted, engine, **kw)
+        def counting(plan, reach, engine, **kw):
+            data.extend(r.length for r in plan.reads)
+            return plain(plan, reach, engine, **kw)
 
-        reshard.read_chunks = counting  # counts the data bytes this rank reads
+        reshard.execute = counting  # counts the data bytes this rank reads (the executor's plan)
         if refused:
             before = _full(model, opt)
             allocated: list[int] = []

@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import errno
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
-import crc32c as _crc32c
 import torch
 
 from ..engines.base import IOEngine
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, UnreachableDataError
-from ..format.commit import CommitProtocol
-from ..format.manifest import ChunkRecord, Manifest, StorageRecord, TensorRecord
-from ..load.reader import check_step_files, host_buffer, read_storages, vanished_instead
+from ..errors import ChecksumMismatchError, UnreachableDataError
+from ..format.manifest import ChunkRecord, Manifest
+from ..load.reader import check_step_files, host_buffer
 from .group import Coordinator, Transfer
+from .ownplan import Move
+from .readexec import ChunkCheck, ReadPlan, check_chunks, chunk_range, execute, send_moves
 from .roots import RootLayout
 
 
@@ -68,31 +68,6 @@ def manifest_reach(m: Manifest, layout: RootLayout) -> Reach:
     return Reach(tuple(paths))
 
 
-def read_chunks(m: Manifest, reach: Reach, wanted: Sequence[tuple[int, int, torch.Tensor]], engine: IOEngine,
-                *, verify: bool) -> None:
-    """Read chunks (storage, chunk index, destination) from the roots this rank reaches, through
-    load.reader.read_storages: each chunk is presented to it as a storage of its own."""
-    if not wanted:
-        return
-    names: dict[int, str] = {}
-    for t in m.tensors:
-        names.setdefault(t.storage, t.name)
-    storages, tensors = [], []
-    for j, (s, ci, _) in enumerate(wanted):
-        c = m.storages[s].chunks[ci]
-        storages.append(StorageRecord(c.length, (ChunkRecord(c.file, c.file_offset, 0, c.length, c.crc32c),)))
-        tensors.append(TensorRecord(names.get(s, f"<storage {s}>"), j, 0, "uint8", (c.length,), (1,)))
-    view = replace(m, storages=tuple(storages), tensors=tuple(tensors))
-    protocol = CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach.paths])
-    try:
-        read_storages(protocol, view, [dest for _, _, dest in wanted], [engine], verify=verify)
-    except (CorruptCheckpointError, OSError) as e:  # the step deleted meanwhile: gone, not damaged
-        gone = vanished_instead(m.step, m.created_unix, reach.paths, {f.root for f in m.files}, e)
-        if gone is None:
-            raise
-        raise gone from e
-
-
 def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
     """The data files ``files`` (indices into ``m.files``, on roots this rank reaches) are regular
     files of their recorded sizes (load.reader.check_step_files: CheckpointNotFoundError when the
@@ -100,7 +75,7 @@ def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
     check_step_files(m.step, m.created_unix, reach.paths, (m.files[f] for f in sorted(files)))
 
 
-def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,  # noqa: C901
+def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,
                    verify: bool, what: str, alloc: Callable[[int], torch.Tensor] = host_buffer,
                    into: Mapping[int, torch.Tensor] | None = None, alone: bool = False) -> dict[int, torch.Tensor]:
     """Collective: {storage: flat uint8 buffer of its nbytes, filled} for ``storages`` on every rank.
@@ -110,7 +85,9 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
     the real files, on every rank, whatever a damaged manifest claims. ``alloc`` makes a buffer;
     ``into`` gives the buffer of some storages (flat uint8 CPU tensors of their nbytes, e.g. the
     caller's live tensors): those are filled in place, and a failure may leave them partly
-    written (the hints of the errors say so).
+    written (the hints of the errors say so). The reads are one plan (``fetch_plan``) carried
+    out by readexec.py's executor; the chunks read for other ranks travel in one round of moves
+    and are checked where they arrive.
 
     ``alone`` (the same on every rank): every rank reaches every root of ``m`` and the caller's
     own protocol tells every rank of a failure (DCP's gather of read_data's outcomes): then
@@ -124,19 +101,70 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
     untouched = "the live state was not changed" if not into else \
         "tensors read in place may be partly overwritten: load again"
     needed = sorted(set(storages))
-    local, remote = [], []
-    for s in needed:
-        for ci, c in enumerate(m.storages[s].chunks):
-            if c.length:
-                (local if reach.paths[m.files[c.file].root] is not None else remote).append([s, ci])
+    local, remote = split_reached(m, reach, needed)
     if alone:
         if remote:
             raise ValueError(f"fetch_storages: alone=True, but this rank reaches no root of storage {remote[0][0]}")
         check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci in local})
-        buffers = {s: into[s] if s in into else alloc(m.storages[s].nbytes) for s in needed}
-        read_chunks(m, reach, [(s, ci, _slice(buffers[s], m.storages[s].chunks[ci])) for s, ci in local], engine,
-                    verify=verify)
-        return buffers
+        out = execute(fetch_plan(m, needed, local, []), reach.paths, engine, verify=verify, alloc=alloc, given=into)
+        if out.error is not None:
+            raise out.error
+        return {s: out.buffers[s] for s in needed}
+    moves = locate_chunks(coord, m, reach, remote, what)
+    rank = coord.rank
+    mine = [(s, ci) for s, ci in local] + [(s, ci) for _, src, _, s, ci in moves if src == rank]
+    error = None
+    try:  # every file this rank reads, checked before any rank allocates a byte for it
+        check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci in mine})
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    coord.agree(error, f"{what} (checking the data files)", hint="the live state was not changed")
+    plan = fetch_plan(m, needed, local, [(s, ci) for _, src, _, s, ci in moves if src == rank])
+    out = execute(plan, reach.paths, engine, verify=verify, alloc=alloc, given=into)
+    coord.agree(out.error, f"{what} (reading)", hint=untouched)
+    error = _pass_chunks(coord, m, moves, out.buffers, verify=verify, what=what)
+    coord.agree(error, f"{what} (checking received chunks)", hint=untouched)
+    return {s: out.buffers[s] for s in needed}
+
+
+def split_reached(m: Manifest, reach: Reach, needed: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """The [storage, chunk] of ``needed``'s chunks with bytes: (on roots this rank reaches, the rest)."""
+    local: list[list[int]] = []
+    remote: list[list[int]] = []
+    for s in needed:
+        for ci, c in enumerate(m.storages[s].chunks):
+            if c.length:
+                (local if reach.paths[m.files[c.file].root] is not None else remote).append([s, ci])
+    return local, remote
+
+
+def fetch_plan(m: Manifest, needed: Sequence[int], local: Sequence[Sequence[int]],
+               others: Sequence[tuple[int, int]]) -> ReadPlan:
+    """The reads of a fetch (readexec.py): a buffer per ``needed`` storage, each ``local`` chunk
+    into its storage's buffer, and each chunk read for other ranks (``others``, not among
+    ``local``: a chunk this rank reads for itself is sent from there) into a buffer of its own
+    (key ("to", storage, chunk)); every chunk checked as it is read."""
+    names: dict[int, str] = {}
+    for t in m.tensors:
+        names.setdefault(t.storage, t.name)
+    buffers: list[tuple[Hashable, int]] = [(s, m.storages[s].nbytes) for s in needed]
+    reads = [chunk_range(m.storages[s].chunks[ci], s, m.storages[s].chunks[ci].storage_offset,
+                         names.get(s, f"<storage {s}>")) for s, ci in local]
+    seen = {(s, ci) for s, ci in local}
+    for s, ci in others:
+        if (s, ci) not in seen:
+            seen.add((s, ci))
+            c = m.storages[s].chunks[ci]
+            buffers.append((("to", s, ci), c.length))
+            reads.append(chunk_range(c, ("to", s, ci), 0, names.get(s, f"<storage {s}>")))
+    return ReadPlan(m.step, m.created_unix, m.files, tuple(reads), tuple(buffers))
+
+
+def locate_chunks(coord: Coordinator, m: Manifest, reach: Reach, remote: list[list[int]],
+                  what: str) -> list[tuple[int, int, int, int, int]]:
+    """Collective: the (tag, src, dst, storage, chunk) moves this rank takes part in: rank 0
+    gathers what each rank cannot read and the roots it sees, assigns every chunk a reader
+    (``assign_readers``) and sends each rank its own part (``scatter_own``)."""
     asks = coord.gather({"need": remote, "reach": [g for g, p in enumerate(reach.paths) if p is not None]},
                         f"{what} (locating chunks)", dst=0)
     parts: list[dict] | None = None
@@ -149,48 +177,32 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
     part = scatter_own(coord, parts, f"{what} (the chunks each rank sends and receives)")
     if "error" in part:
         raise plan_error or UnreachableDataError(2, part["error"])
-    moves: list[tuple[int, int, int, int, int]] = [tuple(x) for x in part["moves"]]  # type: ignore[misc]
+    return [tuple(x) for x in part["moves"]]  # type: ignore[misc]
+
+
+def _pass_chunks(coord: Coordinator, m: Manifest, moves: Sequence[tuple[int, int, int, int, int]],
+                 buffers: Mapping[Hashable, torch.Tensor], *, verify: bool, what: str) -> BaseException | None:
+    """The chunks of ``moves`` from their readers to the ranks that need them (one round), and
+    those this rank received checked against their crc32c: the first mismatch, or None."""
     rank = coord.rank
-    mine = [(s, ci) for s, ci in local] + [(s, ci) for _, src, _, s, ci in moves if src == rank]
-    error = None
-    try:  # every file this rank reads, checked before any rank allocates a byte for it
-        check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci in mine})
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    coord.agree(error, f"{what} (checking the data files)", hint="the live state was not changed")
-    buffers: dict[int, torch.Tensor] = {}
-    sends: dict[tuple[int, int], torch.Tensor] = {}
-    error = None
-    try:
-        buffers = {s: into[s] if s in into else alloc(m.storages[s].nbytes) for s in needed}
-        wanted = [(s, ci, _slice(buffers[s], m.storages[s].chunks[ci])) for s, ci in local]
-        sends = {(s, ci): dest for s, ci, dest in wanted}  # a chunk this rank reads for itself is sent from there
-        for _, src, _, s, ci in moves:
-            if src == rank and (s, ci) not in sends:
-                sends[(s, ci)] = alloc(m.storages[s].chunks[ci].length)
-                wanted.append((s, ci, sends[(s, ci)]))
-        read_chunks(m, reach, wanted, engine, verify=verify)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it below
-        error = e
-    coord.agree(error, f"{what} (reading)", hint=untouched)
-    transfers = []
+    views: dict[int, torch.Tensor] = {}  # per move this rank takes part in: what it sends or receives into
+    checks = []
     for tag, src, dst, s, ci in moves:
+        c = m.storages[s].chunks[ci]
         if rank == src:
-            transfers.append(Transfer(src, dst, tag, sends[(s, ci)]))
+            views[tag] = buffers[("to", s, ci)] if ("to", s, ci) in buffers else _slice(buffers[s], c)
         elif rank == dst:
-            transfers.append(Transfer(src, dst, tag, _slice(buffers[s], m.storages[s].chunks[ci])))
-    coord.exchange(transfers, f"{what} (sending chunks)")
-    error = None
-    if verify:
-        for _, src, dst, s, ci in moves:
-            c = m.storages[s].chunks[ci]
-            got = _crc32c.crc32c(_slice(buffers[s], c).numpy()) if dst == rank else c.crc32c
-            if got != c.crc32c:
-                error = ChecksumMismatchError(f"<chunk received from rank {src}>", f"<storage {s}>", c.file_offset,
-                                              c.length, c.crc32c, got)
-                break
-    coord.agree(error, f"{what} (checking received chunks)", hint=untouched)
-    return buffers
+            views[tag] = _slice(buffers[s], c)
+            checks.append(ChunkCheck(s, c.storage_offset, c.length, c.crc32c, f"<chunk received from rank {src}>",
+                                     f"<storage {s}>", c.file_offset))
+    send_moves(coord, [Move(src, dst, tag, 0, m.storages[s].chunks[ci].length) for tag, src, dst, s, ci in moves],
+               views, {}, f"{what} (sending chunks)")
+    try:
+        if verify:
+            check_chunks(checks, buffers)
+    except ChecksumMismatchError as e:
+        return e
+    return None
 
 
 def scatter_own(coord: Coordinator, parts: Sequence[dict] | None, what: str) -> dict:

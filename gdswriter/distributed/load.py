@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import errno
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Sequence
@@ -41,13 +40,13 @@ from ..errors import (CheckpointNotFoundError, CollectiveFailedError, CorruptChe
                       RankFailedError, UnreachableDataError)
 from ..format.commit import CommitProtocol, step_dir_name
 from ..format.dtypes import dtype_from_name
-from ..format.manifest import MANIFEST_NAME, Manifest, StorageRecord, TensorRecord
+from ..format.manifest import MANIFEST_NAME, Manifest, StorageRecord
 from ..format.copies import replicas_of
 from ..format.sharded import GlobalManifest, RankShard, parse_shard, parse_step, read_shard
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
 from ..load.policy import DAMAGE
-from ..load.reader import check_step_files, parse_manifest, read_storages, tensors_from_storages, vanished_instead
+from ..load.reader import check_step_files, parse_manifest, tensors_from_storages, vanished_instead
 from . import crossmem, hostshare
 from .group import Coordinator, bounded, describe, unbound
 from .load_messages import FallbackDecision, OwnVerdict, ShardReport, TransportOffer, choose_transport
@@ -61,7 +60,8 @@ from .rebuild import live_templates, plain_blocks, rebuild_state
 from .reshard import plan_indexed, read_replicated_once
 from .roots import RootLayout
 from .shards import assemble, target_block
-from .transport import CrossMemoryTransport, HostTmpfsTransport, ProcessGroupTransport, Transport, send_rounds
+from .readexec import ReadPlan, chunk_range, execute, send_rounds
+from .transport import CrossMemoryTransport, HostTmpfsTransport, ProcessGroupTransport, Transport
 
 _plain_blocks = plain_blocks  # importable here under its former name (tests)
 log = logging.getLogger("gdswriter")
@@ -255,15 +255,20 @@ def carry_out_own(coord: Coordinator, g: GlobalManifest, shard: RankShard, reach
 
 def _read_pieces(g: GlobalManifest, shard: RankShard, reach: list[Path | None], into: Sequence[torch.Tensor],
                  engine: IOEngine, *, verify: bool) -> None:
-    """Read the pieces this rank wrote (its shard's chunks) into ``into``, each checked."""
-    wanted = [(c, into[sid][c.storage_offset:c.storage_offset + c.length])
-              for sid, cs in enumerate(shard.chunks) for c in cs if c.length]
-    view = Manifest(step=g.step, files=shard.files,
-                    storages=tuple(StorageRecord(c.length, (replace(c, storage_offset=0),)) for c, _ in wanted),
-                    tensors=tuple(TensorRecord(f"<piece of {shard.items[0].key[:16]}>", j, 0, "uint8", (c.length,),
-                                               (1,)) for j, (c, _) in enumerate(wanted)), state=None)
-    read_storages(CommitProtocol([p if p is not None else Path("/nonexistent-root") for p in reach]), view,
-                  [dest for _, dest in wanted], [engine], verify=verify)
+    """Read the pieces this rank wrote (its shard's chunks) into ``into``, each checked: one
+    plan (``own_read_plan``) carried out by readexec.py's executor."""
+    out = execute(own_read_plan(g, shard), reach, engine, verify=verify, given=dict(enumerate(into)))
+    if out.error is not None:
+        raise out.error
+
+
+def own_read_plan(g: GlobalManifest, shard: RankShard) -> ReadPlan:
+    """The reads of the own-shard short path: each chunk of ``shard`` with bytes into its item's
+    buffer (key: the item's index), checked as it is read."""
+    name = f"<piece of {shard.items[0].key[:16]}>" if shard.items else ""
+    reads = tuple(chunk_range(c, sid, c.storage_offset, name) for sid, cs in enumerate(shard.chunks) for c in cs
+                  if c.length)
+    return ReadPlan(g.step, g.created_unix, shard.files, reads)
 
 
 def _rebuild_own(g: GlobalManifest, shard: RankShard, buffers: Sequence[torch.Tensor], templates: dict[str, Any],

@@ -48,11 +48,10 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Sequence
 
-import crc32c as _crc32c
 import torch
 
 from ..engines.base import IOEngine
-from ..errors import ChecksumMismatchError, CorruptCheckpointError, RankFailedError, UnreachableDataError
+from ..errors import CorruptCheckpointError, RankFailedError, UnreachableDataError
 from ..format.assembly import remap_tree
 from ..format.commit import step_dir_name
 from ..format.manifest import MULTI_RANK_VERSION, ChunkRecord, DistInfo, FileRecord, Manifest, StorageRecord, TensorRecord
@@ -60,10 +59,12 @@ from ..format.sharded import SHARDED_VERSION, GlobalManifest, ItemRecord, RankSh
 from ..format.state_codec import tensor_refs
 from ..load.reader import host_buffer
 from ..planner.ranks import split_stream
-from .fetch import Reach, check_reached_files, read_chunks
-from .group import Coordinator, Transfer, bounded, describe, unbound
+from .fetch import Reach, check_reached_files
+from .group import Coordinator, bounded, describe, unbound
 from .loadplan import reach_of, relay, template_of, tiles
+from .ownplan import Move
 from .rankfiles import item_pieces
+from .readexec import ChunkCheck, RangeRead, ReadPlan, check_chunks, chunk_range, execute, send_rounds
 from .roots import RootLayout
 from .shards import target_block
 
@@ -399,7 +400,7 @@ def _covered(m: Manifest, together: Sequence[int]) -> Manifest:
     return replace(m, files=files, storages=tuple(storages))
 
 
-def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, engine: IOEngine, *, verify: bool,  # noqa: C901
+def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, engine: IOEngine, *, verify: bool,
                  what: str, shared: SharedRead | None = None) -> dict[int, torch.Tensor]:
     """Collective: fetch.fetch_storages for a manifest whose every chunk this rank reaches (as
     plan_from_shards makes it): each rank reads its own, no rank tells another what it needs.
@@ -410,65 +411,61 @@ def read_reached(coord: Coordinator, reach: Reach, m: Manifest, storages: Any, e
     in all. A chunk read whole is checked against its crc32c where it is read (a receiver has no
     records of it); a chunk the pieces cut (``shared.cut``) is checked whole once the pieces
     have spread, by the rank that read its first byte, and all ranks agree on the outcome
-    before anything is rebuilt."""
+    before anything is rebuilt. The reads are one plan (``reached_plan``) carried out by
+    readexec.py's executor."""
     together = shared.storages if shared is not None else ()
     ranges = {s: _runs([(off, n) for j, off, n in split if j == coord.rank])
               for s, split in zip(together, shared.pieces)} if shared is not None else {}
-    needed = sorted(set(storages) | set(together))
-    spans: list[tuple[int, int, int, int]] = []  # (storage, chunk, start, end) of the bytes this rank reads
-    for s in needed:
-        for ci, c in enumerate(m.storages[s].chunks):
-            if not c.length:
-                continue
-            if s not in ranges:
-                spans.append((s, ci, c.storage_offset, c.storage_offset + c.length))
-                continue
-            for a, n in ranges[s]:
-                lo, hi = max(a, c.storage_offset), min(a + n, c.storage_offset + c.length)
-                if lo < hi:
-                    spans.append((s, ci, lo, hi))
+    plan, cut = reached_plan(m, sorted(set(storages) | set(together)), ranges)
     error = None
     try:
-        if any(reach.paths[m.files[m.storages[s].chunks[ci].file].root] is None for s, ci, _, _ in spans):
+        if any(reach.paths[m.files[r.file].root] is None for r in plan.reads):
             raise UnreachableDataError(2, f"{what}: a data file this rank needs is on a root it does not see")
-        check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci, _, _ in spans})
+        check_reached_files(m, reach, {r.file for r in plan.reads})
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     _agree_on_damage(coord, error, f"{what} (checking the data files)")
-    buffers: dict[int, torch.Tensor] = {}
-    cut: list[tuple[int, int]] = []  # chunks this rank read part of
-    error = None
-    try:
-        buffers = {s: host_buffer(m.storages[s].nbytes) for s in needed}
-        view: dict[int, list[ChunkRecord]] = {}  # each span as a chunk of its own
-        whole, parts = [], []
-        for s, ci, lo, hi in spans:
-            c = m.storages[s].chunks[ci]
-            full = (lo, hi) == (c.storage_offset, c.storage_offset + c.length)
-            (whole if full else parts).append((s, len(view.setdefault(s, [])), buffers[s][lo:hi]))
-            view[s].append(replace(c, file_offset=c.file_offset + lo - c.storage_offset, storage_offset=lo,
-                                   length=hi - lo))
-            if not full:
-                cut.append((s, ci))
-        v = replace(m, storages=tuple(replace(r, chunks=tuple(view[s])) if s in view else r
-                                      for s, r in enumerate(m.storages)))
-        read_chunks(v, reach, whole, engine, verify=verify)
-        read_chunks(v, reach, parts, engine, verify=False)  # checked whole after the spread
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error = e
-    _agree_on_damage(coord, error, f"{what} (reading)")
+    out = execute(plan, reach.paths, engine, verify=verify, alloc=host_buffer)
+    _agree_on_damage(coord, out.error, f"{what} (reading)")
     if shared is not None:
-        _pass_pieces(coord, m, shared, buffers, what)
+        _pass_pieces(coord, m, shared, out.buffers, what)
     if shared is not None and shared.cut:
         error = None
         try:
             if verify:
-                _check_cut(reach, m, buffers, [(s, ci) for s, ci in dict.fromkeys(cut)
-                                               if _meets(m.storages[s].chunks[ci].storage_offset, 1, ranges[s])])
+                check_chunks(_cut_checks(reach, m, [(s, ci) for s, ci in dict.fromkeys(cut)
+                                                    if _meets(m.storages[s].chunks[ci].storage_offset, 1, ranges[s])]),
+                             out.buffers)
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
         _agree_on_damage(coord, error, f"{what} (checking the replicated chunks read in parts)")
-    return buffers
+    return out.buffers
+
+
+def reached_plan(m: Manifest, needed: Sequence[int], ranges: dict[int, list[tuple[int, int]]]
+                 ) -> tuple[ReadPlan, list[tuple[int, int]]]:
+    """(the reads of ``read_reached``: a buffer per ``needed`` storage, each chunk with bytes read
+    whole into it, or of a storage read together (``ranges``: the (offset, length) runs this
+    rank reads of it) the bytes inside those runs; the (storage, chunk) of every chunk read in
+    part, checked whole after the spread, not as it is read)."""
+    names: dict[int, str] = {}
+    for t in m.tensors:
+        names.setdefault(t.storage, t.name)
+    reads: list[RangeRead] = []
+    cut: list[tuple[int, int]] = []
+    for s in needed:
+        for ci, c in enumerate(m.storages[s].chunks):
+            if not c.length:
+                continue
+            end = c.storage_offset + c.length
+            spans = [(max(a, c.storage_offset), min(a + n, end)) for a, n in ranges[s]] if s in ranges else \
+                [(c.storage_offset, end)]
+            for lo, hi in spans:
+                if lo < hi:
+                    reads.append(chunk_range(c, s, lo, names.get(s, f"<storage {s}>"), lo, hi))
+                    if (lo, hi) != (c.storage_offset, end):
+                        cut.append((s, ci))
+    return ReadPlan(m.step, m.created_unix, m.files, tuple(reads), tuple((s, m.storages[s].nbytes) for s in needed)), cut
 
 
 def _agree_on_damage(coord: Coordinator, error: BaseException | None, what: str) -> None:
@@ -534,18 +531,19 @@ def _runs(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def _check_cut(reach: Reach, m: Manifest, buffers: dict[int, torch.Tensor], chunks: Sequence[tuple[int, int]]) -> None:
-    """Each chunk (storage, chunk index), read in parts by several ranks and now whole in
-    ``buffers``, against its recorded crc32c (ChecksumMismatchError naming its file)."""
+def _cut_checks(reach: Reach, m: Manifest, chunks: Sequence[tuple[int, int]]) -> list[ChunkCheck]:
+    """The checks of the chunks (storage, chunk index) read in parts by several ranks, each
+    against its recorded crc32c once whole in its storage's buffer, naming its file."""
+    checks = []
     for s, ci in chunks:
         c = m.storages[s].chunks[ci]
-        got = _crc32c.crc32c(buffers[s][c.storage_offset:c.storage_offset + c.length].numpy())
-        if got != c.crc32c:
-            f = m.files[c.file]
-            root = reach.paths[f.root]
-            name = next((t.name for t in m.tensors if t.storage == s), f"<storage {s}>")
-            raise ChecksumMismatchError(str(root / step_dir_name(m.step) / f.path) if root is not None else f.path,
-                                        name, c.file_offset, c.length, c.crc32c, got)
+        f = m.files[c.file]
+        root = reach.paths[f.root]
+        name = next((t.name for t in m.tensors if t.storage == s), f"<storage {s}>")
+        checks.append(ChunkCheck(s, c.storage_offset, c.length, c.crc32c,
+                                 str(root / step_dir_name(m.step) / f.path) if root is not None else f.path, name,
+                                 c.file_offset))
+    return checks
 
 
 def _pass_pieces(coord: Coordinator, m: Manifest, shared: SharedRead, buffers: dict[int, torch.Tensor],
@@ -553,7 +551,7 @@ def _pass_pieces(coord: Coordinator, m: Manifest, shared: SharedRead, buffers: d
     """Spread each piece of the items read together from its reader to every loading rank (the
     same schedule on every rank, computed from ``read_split`` alone: no message)."""
     rank, world = coord.rank, coord.world_size
-    rounds: list[list[tuple[int, int, int, int, int]]] = []
+    rounds: list[list[Move]] = []
     for s, split in zip(shared.storages, shared.pieces):
         item = ItemRecord("", m.storages[s].nbytes, None)
         for reader, off, n in split:
@@ -561,14 +559,8 @@ def _pass_pieces(coord: Coordinator, m: Manifest, shared: SharedRead, buffers: d
                 for k, a, b in relay(item, reader, rank, world):
                     while len(rounds) <= k:
                         rounds.append([])
-                    rounds[k].append((a, b, s, off, n))
-    tags: dict[tuple[int, int], int] = {}  # numbered across rounds: a pair's messages never match another's
-    for k, moves in enumerate(rounds):
-        transfers = []
-        for a, b, s, off, n in moves:
-            tag = tags[(a, b)] = tags.get((a, b), -1) + 1
-            transfers.append(Transfer(a, b, tag, buffers[s][off:off + n]))
-        coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
+                    rounds[k].append(Move(a, b, s, off, n))
+    send_rounds(coord, rounds, buffers, {}, what)  # numbered across rounds: a pair's messages never match another's
 
 
 def plan_indexed(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any], *,

@@ -7,7 +7,7 @@ hostshare.py), ``ProcessGroupTransport`` (every piece over the process group). E
 buffers a rank reads its pieces into (``buffers``), says which items stay within a host
 (``shared``: they cross hosts only, ``relay_between_hosts``) and what a rank tells its host's
 ranks once it has read (``address``); the relay rounds between hosts go over the process group
-on every transport (``send_rounds``); ``release`` drops what only the exchange needed, ``pull``
+on every transport (readexec.py ``send_rounds``); ``release`` drops what only the exchange needed, ``pull``
 copies from the host's peers. A test passes its own Transport.
 """
 
@@ -22,8 +22,7 @@ import torch
 from ..format.sharded import ItemRecord, RankShard
 from ..load.reader import host_buffer
 from . import crossmem, hostshare
-from .group import Coordinator, Transfer
-from .ownplan import Move, OwnLoadPlan, per_host, pull_moves
+from .ownplan import OwnLoadPlan, per_host, pull_moves
 
 
 class Transport:
@@ -179,16 +178,3 @@ class CrossMemoryTransport(Transport):
         except Exception as e:  # noqa: BLE001 - agreed by the caller: then the process group
             return e
         return None
-
-
-def send_rounds(coord: Coordinator, rounds: Sequence[Sequence[Move]], into: Sequence[torch.Tensor],
-                tags: dict[tuple[int, int], int], what: str) -> None:
-    """Run ``rounds`` (ownplan.relay_rounds) over the process group, from and into ``into``;
-    ``tags`` numbers each pair's messages across calls."""
-    for k, moves in enumerate(rounds):  # a rank runs the rounds of the deepest tree it is in
-        transfers = []
-        for a, b, sid, off, n in moves:  # shared items travel from and into the shared files
-            tag = tags[(a, b)] = tags.get((a, b), -1) + 1
-            transfers.append(Transfer(a, b, tag, into[sid][off:off + n]))
-        coord.exchange(transfers, f"{what} (sending replicated pieces, round {k + 1})")
-
