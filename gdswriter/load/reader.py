@@ -233,7 +233,8 @@ def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
 
 RUN_SLACK = 8  # a run of chunks is read as one span when the gaps in it are at most 1/8 of its bytes
 RUN_GAP = 4096  # (plus one alignment gap): its buffer holds at most 1/8 + 4 KiB more than its storages
-RUN_MAX = _POPULATE_MIN  # a run's buffer stays below host_buffer's mapped size: small tensors are what runs batch
+RUN_MAX = 16 << 20  # a run's buffer: one host_buffer (huge pages, 2 MiB aligned: read zero-copy under O_DIRECT)
+# of at most this many bytes, shared by the storages in it (small tensors are what runs batch)
 
 
 def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torch.Tensor | None],
@@ -244,8 +245,8 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     Fresh storages of one chunk that lie next to each other in a file (a state of many small
     tensors: most of its storages) are read as one run: one buffer, one span (zero-copy
     under O_DIRECT, however many tensors it holds), each chunk checksummed there, each
-    storage a view of it (runs below RUN_MAX bytes: larger storages have buffers of their own,
-    which host_buffer maps on huge pages). The buffers cover disjoint byte ranges of the files, so what is
+    storage a view of it (runs below RUN_MAX bytes, mapped by host_buffer: the read needs no
+    staging copy; larger storages have buffers of their own). The buffers cover disjoint byte ranges of the files, so what is
     allocated stays within the files' sizes (checked before: check_data_files)."""
     per_file: dict[int, list[tuple[ChunkRecord, int]]] = {}
     for sid, s in enumerate(manifest.storages):

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 from ..cuda import streams
 from ..engines.base import IOEngine, WriteSpan
@@ -68,6 +68,26 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
 def _manifest(snap: Snapshot, plan: SavePlan, crcs: dict[PlannedChunk, int],
               written_by: dict[int, str]) -> tuple[bytes, Manifest]:
     """The manifest of ``snap`` written by ``plan`` (each chunk's crc32c in ``crcs``), and its bytes."""
+    storages = _storage_records(snap, crcs)
+    files = tuple(FileRecord(f.target.root, f.target.name, f.size,
+                             {"engine": written_by[fid],
+                              **({"gpu": f.gpu} if f.gpu is not None else {})})
+                  for fid, f in enumerate(plan.files))
+    manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
+                        state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
+    return manifest.to_json_bytes(), manifest
+
+
+def _storage_records(snap: Snapshot, crcs: dict[PlannedChunk, int]) -> list[StorageRecord]:
+    """Each extent's StorageRecord: its chunks by offset, with their crc32c. A state of many
+    tensors has one chunk per storage, listed by storage: its records are made in one pass
+    over columns (no grouping, no sort)."""
+    chunks = list(crcs)
+    n = len(snap.extents)
+    if len(chunks) == n and list(map(_STORAGE, chunks)) == list(range(n)):
+        return list(map(StorageRecord, [e.nbytes for e in snap.extents],
+                        zip(map(ChunkRecord, map(_FILE, chunks), map(_FILE_OFFSET, chunks), map(_STORAGE_OFFSET, chunks),
+                                map(_LENGTH, chunks), crcs.values()))))
     # Per storage its chunks by offset (one per storage, mostly: no sort of them all)
     by_storage: dict[int, list[tuple]] = {}
     for c, crc in crcs.items():
@@ -79,13 +99,11 @@ def _manifest(snap: Snapshot, plan: SavePlan, crcs: dict[PlannedChunk, int],
             parts.sort(key=itemgetter(0))
         storages.append(StorageRecord(ext.nbytes, tuple([ChunkRecord(f, fo, so, n, crc)
                                                          for so, f, fo, n, crc in parts])))
-    files = tuple(FileRecord(f.target.root, f.target.name, f.size,
-                             {"engine": written_by[fid],
-                              **({"gpu": f.gpu} if f.gpu is not None else {})})
-                  for fid, f in enumerate(plan.files))
-    manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
-                        state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
-    return manifest.to_json_bytes(), manifest
+    return storages
+
+
+_STORAGE, _STORAGE_OFFSET, _LENGTH = attrgetter("storage"), attrgetter("storage_offset"), attrgetter("length")
+_FILE, _FILE_OFFSET = attrgetter("file"), attrgetter("file_offset")
 
 
 def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit, engines: Sequence[IOEngine], *,
