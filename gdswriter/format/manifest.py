@@ -10,7 +10,7 @@ docs/format.md for the full description.
 from __future__ import annotations
 
 import json
-from itertools import chain
+from itertools import accumulate, chain
 from operator import add, attrgetter, le
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -482,14 +482,17 @@ def _storage_table(storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
     both (a state of 100,000 tensors has 100,000 storages: json.dumps of their dicts and lists,
     twice, took most of the manifest's encoding). Every field is a plain int (the records are
     made from the plan's ints and crc32c's); anything else is refused as json.dumps would."""
-    if storages and set(map(len, map(_CHUNKS, storages))) == {1}:  # one chunk each: formatted by columns
-        one = [s.chunks[0] for s in storages]
-        cols = [[s.nbytes for s in storages], *([getattr(c, k) for c in one]
-                                               for k in ("file", "file_offset", "storage_offset", "length", "crc32c"))]
-        if set(map(type, chain.from_iterable(cols))) == {int}:
-            chunks = list(map("[{},{},{},{},{}]".format, *cols[1:]))
-            return ("[" + ",".join(map('{{"chunks":[{}],"nbytes":{}}}'.format, chunks, cols[0])) + "]",
-                    "[" + ",".join(map('{{"nbytes":{},"chunks":[{}]}}'.format, cols[0], chunks)) + "]")
+    counts = list(map(len, map(_CHUNKS, storages)))
+    every = list(chain.from_iterable(map(_CHUNKS, storages)))
+    cols = [[s.nbytes for s in storages], *([getattr(c, k) for c in every]
+                                           for k in ("file", "file_offset", "storage_offset", "length", "crc32c"))]
+    if set(map(type, chain.from_iterable(cols))) <= {int}:  # plain ints (the usual table): formatted by columns
+        chunks = list(map("[{},{},{},{},{}]".format, *cols[1:]))
+        if set(counts) != {1}:  # storages cut in several chunks (or none): joined per storage
+            at = list(accumulate(counts, initial=0))
+            chunks = [",".join(chunks[a:b]) for a, b in zip(at, at[1:])]
+        return ("[" + ",".join(map('{{"chunks":[{}],"nbytes":{}}}'.format, chunks, cols[0])) + "]",
+                "[" + ",".join(map('{{"nbytes":{},"chunks":[{}]}}'.format, cols[0], chunks)) + "]")
     canonical, plain = [], []
     for s in storages:
         n = s.nbytes

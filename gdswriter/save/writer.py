@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from operator import attrgetter, itemgetter
+from operator import attrgetter, itemgetter, le
 
 from ..cuda import streams
 from ..engines.base import IOEngine, WriteSpan
@@ -80,14 +80,26 @@ def _manifest(snap: Snapshot, plan: SavePlan, crcs: dict[PlannedChunk, int],
 
 def _storage_records(snap: Snapshot, crcs: dict[PlannedChunk, int]) -> list[StorageRecord]:
     """Each extent's StorageRecord: its chunks by offset, with their crc32c. A state of many
-    tensors has one chunk per storage, listed by storage: its records are made in one pass
-    over columns (no grouping, no sort)."""
+    tensors lists its chunks by storage (a storage's parts, cut where pool pieces end, next to
+    each other): the records are made by columns, and cut apart in one pass (no grouping by
+    storage, no sort of them all)."""
     chunks = list(crcs)
+    sids = list(map(_STORAGE, chunks))
     n = len(snap.extents)
-    if len(chunks) == n and list(map(_STORAGE, chunks)) == list(range(n)):
-        return list(map(StorageRecord, [e.nbytes for e in snap.extents],
-                        zip(map(ChunkRecord, map(_FILE, chunks), map(_FILE_OFFSET, chunks), map(_STORAGE_OFFSET, chunks),
-                                map(_LENGTH, chunks), crcs.values()))))
+    if sids and sids[0] == 0 and sids[-1] == n - 1 and all(map(le, sids, sids[1:])) and len(set(sids)) == n:
+        records = list(map(ChunkRecord, map(_FILE, chunks), map(_FILE_OFFSET, chunks), map(_STORAGE_OFFSET, chunks),
+                           map(_LENGTH, chunks), crcs.values()))
+        if len(records) == n:
+            return list(map(StorageRecord, [e.nbytes for e in snap.extents], zip(records)))
+        out, at = [], 0
+        for sid, ext in enumerate(snap.extents):
+            end = at + 1
+            while end < len(sids) and sids[end] == sid:
+                end += 1
+            parts = sorted(records[at:end], key=_STORAGE_OFFSET) if end - at > 1 else records[at:end]
+            out.append(StorageRecord(ext.nbytes, tuple(parts)))
+            at = end
+        return out
     # Per storage its chunks by offset (one per storage, mostly: no sort of them all)
     by_storage: dict[int, list[tuple]] = {}
     for c, crc in crcs.items():
