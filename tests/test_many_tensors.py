@@ -5,11 +5,15 @@ between saves is never served from the reused one."""
 
 from __future__ import annotations
 
+import json
+
+import crc32c
 import pytest
 import torch
 
 from gdswriter import GDSCheckpointer, load_state
-from gdswriter.errors import ChecksumMismatchError
+from gdswriter.errors import ChecksumMismatchError, CorruptCheckpointError
+from gdswriter.format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord, TensorRecord
 from gdswriter.save import snapshot as S
 
 MiB = 1 << 20
@@ -166,3 +170,84 @@ def test_each_loaded_storage_starts_at_its_own_first_byte(tmp_path):
     torch.set_rng_state(loaded["rng"])
     assert torch.equal(torch.get_rng_state(), want)
     assert all(torch.equal(t, torch.full((100,), float(i))) for i, t in enumerate(loaded["small"].values()))
+
+
+def many_manifest() -> Manifest:
+    """A manifest of 3,000 storages and 3,004 tensors, as a save of many tensors writes it
+    (one chunk per storage), with what the per-record checks are also there for: a storage cut
+    into two chunks listed out of order, a non-contiguous view, an empty tensor, a scalar."""
+    storages, tensors, at = [], [], 0
+    for i in range(3_000):
+        n = 64 if i != 9 else 8192
+        if i == 9:  # cut where a pool piece ended: two chunks, the second listed first
+            chunks = (ChunkRecord(0, at + 4096, 4096, 4096, 11), ChunkRecord(0, at, 0, 4096, 10))
+        else:
+            chunks = (ChunkRecord(0, at, 0, n, i),)
+        storages.append(StorageRecord(n, chunks))
+        tensors.append(TensorRecord(f"g{i // 100}/t{i % 100}", i, 0, "float32", (4, n // 16), (n // 16, 1)))
+        at += n
+    tensors += [TensorRecord("view_t", 3, 0, "float32", (4, 4), (1, 4)),
+                TensorRecord("empty", 4, 64, "float32", (0, 3), (3, 1)),
+                TensorRecord("scalar", 5, 8, "int64", (), ()),
+                TensorRecord("tail", 9, 4096, "float16", (2048,), (1,))]
+    return Manifest(step=3, files=(FileRecord(0, "data-r0-f0.bin", at),), storages=tuple(storages),
+                    tensors=tuple(tensors), state={"$list": [{"$tensor": i} for i in range(len(tensors))]})
+
+
+def with_checksum(body: dict) -> bytes:
+    """``body`` as a manifest file whose checksum matches it (what damage that kept the checksum right looks like)."""
+    body.pop("manifest_crc32c", None)
+    body["manifest_crc32c"] = crc32c.crc32c(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def test_a_manifest_of_many_records_parses_back_to_the_same_records():
+    """The usual tables are checked as a whole (a state of many tensors: one chunk per
+    storage); what they hold comes back exactly, the unusual records among them included."""
+    m = many_manifest()
+    got = Manifest.from_json_bytes(m.to_json_bytes())
+    assert got.storages == m.storages[:9] + (StorageRecord(8192, m.storages[9].chunks[::-1]),) + m.storages[10:]
+    assert got.tensors == m.tensors and got.files == m.files
+
+
+SIZE = 3_000 * 64 + 8192 - 64
+DAMAGE = {  # (table, record, field): value; every one refused as the per-record checks refuse it
+    "chunk past its file's end": (("storages", 5, 1), SIZE - 32),
+    "crc32c out of range": (("storages", 5, 4), 1 << 32),
+    "file index out of range": (("storages", 5, 0), 1),
+    "chunk offset a bool": (("storages", 5, 3), True),
+    "chunk offset a float": (("storages", 5, 1), 320.0),
+    "negative file offset": (("storages", 5, 1), -64),
+    "offset past int64": (("storages", 5, 1), 1 << 63),
+    "gap at a storage's start": (("storages", 5, 2), 8),
+    "chunks overlapping in the file": (("storages", 6, 1), 5 * 64),
+    "cut storage with a gap": (("storages", 9, (0, 2)), 4100),
+    "storage index out of range": (("tensors", 7, "storage"), 3_000),
+    "storage index a bool": (("tensors", 7, "storage"), True),
+    "view past its storage": (("tensors", 7, "shape"), [4, 5]),
+    "negative stride": (("tensors", 7, "stride"), [-4, 1]),
+    "shape of floats": (("tensors", 7, "shape"), [4.0, 4.0]),
+    "misaligned offset": (("tensors", 7, "byte_offset"), 2),
+    "quantized dtype": (("tensors", 7, "dtype"), "qint8"),
+    "unknown kind": (("tensors", 7, "kind"), "pickle"),
+    "name not a string": (("tensors", 7, "name"), 7),
+    "expanded view too large": (("tensors", 7, "stride"), [0, 0]),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_a_manifest_of_many_records_refuses_each_damage(damage):
+    """One damaged record among thousands, its checksum made to match: a typed error, as a
+    record checked alone gets, before anything is allocated for the tensors."""
+    (table, index, field), value = DAMAGE[damage]
+    body = json.loads(many_manifest().to_json_bytes())
+    record = body[table][index]
+    if table == "storages":
+        chunk, field = (0, field) if isinstance(field, int) else field
+        record["chunks"][chunk][field] = value
+    else:
+        record[field] = value
+        if damage == "expanded view too large":
+            record["shape"] = [1 << 40, 1 << 40]
+    with pytest.raises(CorruptCheckpointError):
+        Manifest.from_json_bytes(with_checksum(body))

@@ -10,6 +10,8 @@ docs/format.md for the full description.
 from __future__ import annotations
 
 import json
+from itertools import accumulate, chain
+from operator import add, attrgetter, le
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -232,7 +234,8 @@ class Manifest:
         """Validate a manifest.json decoded by decode_json (taken over: its checksum entry is
         removed); any damage raises CorruptCheckpointError naming ``where``."""
         try:
-            return cls._from_body(body, where)
+            with gc_paused():  # a record per chunk, storage and tensor beside the decoded body: no cycles
+                return cls._from_body(body, where)
         except (CorruptCheckpointError, UnsupportedFormatVersionError):
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError) as e:
@@ -243,8 +246,9 @@ class Manifest:
     def _from_body(cls, body: Any, where: str) -> Manifest:
         version = _checked_header(body, where)
         files = _files(body["files"], where)
-        storages = _storages(body["storages"], files, where)
-        tensors = _tensors(body["tensors"], storages, where)
+        # the usual tables checked as a whole (C-level passes over their columns); anything odd: record by record
+        storages = tuple(_bulk_storages(body["storages"], files) or _storages(body["storages"], files, where))
+        tensors = tuple(_bulk_tensors(body["tensors"], storages) or _tensors(body["tensors"], storages, where))
         dist = _dist_info(body["dist"], files) if "dist" in body else None
         metadata = body.get("metadata", {})
         if not isinstance(metadata, dict):
@@ -367,6 +371,123 @@ def _contiguous_inside(rec: TensorRecord, itemsize: int, storage_nbytes: int) ->
     return rec.byte_offset + want * itemsize <= storage_nbytes
 
 
+def _bulk_storages(rows: Any, files: tuple[FileRecord, ...]) -> list[StorageRecord] | None:
+    """The "storages" table checked as a whole, with C-level passes over the columns of its
+    chunks, by the rules _from_body applies record by record: plain ints in [0, 2**63), each
+    storage covered by its chunks from byte 0 without gap or overlap, every chunk inside a
+    listed file, crc32c in range, no two chunks overlapping in a file. None when something
+    is malformed or refused: _from_body's per-record path then checks it (and names the damage)."""
+    if type(rows) is not list or not rows or not files:
+        return None
+    try:
+        nbytes = [s["nbytes"] for s in rows]
+        listed = [s["chunks"] for s in rows]
+    except (TypeError, KeyError, IndexError):
+        return None
+    if set(map(type, listed)) != {list}:
+        return None
+    counts = list(map(len, listed))
+    one = list(chain.from_iterable(listed))
+    if not one or set(map(type, one)) != {list} or set(map(len, one)) != {5}:
+        return None
+    flat = list(chain.from_iterable(one))
+    if set(map(type, flat)) != {int} or set(map(type, nbytes)) != {int}:  # bools and floats: per record
+        return None
+    if min(flat) < 0 or max(flat) >= INT64_LIMIT or min(nbytes) < 0 or max(nbytes) >= INT64_LIMIT:
+        return None
+    fid, fo, so, ln, crc = flat[0::5], flat[1::5], flat[2::5], flat[3::5], flat[4::5]
+    if max(fid) >= len(files) or max(crc) > 0xFFFFFFFF:
+        return None
+    ends = list(map(add, fo, ln))
+    if not all(map(le, ends, map([f.size for f in files].__getitem__, fid))):
+        return None
+    if _overlap(fid, fo, ends):
+        return None
+    return _covering(list(map(ChunkRecord, fid, fo, so, ln, crc)), counts, nbytes)
+
+
+def _overlap(fid: list[int], starts: list[int], ends: list[int]) -> bool:
+    """Whether two of the chunks [starts, ends) of files ``fid`` overlap (empty ones never do)."""
+    last_file, last_end = -1, 0
+    for f, start, end in sorted(zip(fid, starts, ends)):  # an empty chunk may share an offset
+        if f == last_file and start < last_end:
+            return True
+        if start != end:
+            last_file, last_end = f, end
+    return False
+
+
+def _covering(chunks: list[ChunkRecord], counts: list[int], nbytes: list[int]) -> list[StorageRecord] | None:
+    """The StorageRecords of ``chunks`` (``counts[i]`` of them for storage i, in order), each
+    storage covered from byte 0 without gap or overlap (sorted by offset); None if one is not."""
+    out, at = [], 0
+    for n, size in zip(counts, nbytes):
+        mine = chunks[at:at + n] if n != 1 else [chunks[at]]
+        at += n
+        if n > 1:
+            mine.sort(key=_STORAGE_OFFSET)
+        covered = 0
+        for c in mine:
+            if c.storage_offset != covered:
+                return None
+            covered += c.length
+        if covered != size:
+            return None
+        out.append(StorageRecord(size, tuple(mine)))
+    return out
+
+
+def _bulk_tensors(rows: Any, storages: list[StorageRecord]) -> list[TensorRecord] | None:
+    """The "tensors" table, checked in one pass by the rules _from_body applies (the usual
+    record, a C-contiguous view, answered by its shape's contiguous strides, computed once per
+    shape; any other by TensorRecord.problem); None when some record has a "shard", is
+    malformed or is refused: _from_body's per-record path then checks it (and names the damage)."""
+    if type(rows) is not list or not rows or not storages:
+        return None
+    try:
+        if any("shard" in t for t in rows):
+            return None
+        names, sids, offsets = [t["name"] for t in rows], [t["storage"] for t in rows], [t["byte_offset"] for t in rows]
+        dtypes, shapes, strides = [t["dtype"] for t in rows], [t["shape"] for t in rows], [t["stride"] for t in rows]
+        devices, kinds = [t.get("device", "cpu") for t in rows], [t.get("kind", "tensor") for t in rows]
+    except (TypeError, KeyError, IndexError, AttributeError):
+        return None
+    if (set(map(type, names)) | set(map(type, dtypes)) | set(map(type, devices)) | set(map(type, kinds)) != {str}
+            or set(map(type, sids)) | set(map(type, offsets)) != {int}
+            or set(map(type, shapes)) | set(map(type, strides)) != {list}
+            or not set(kinds) <= {"tensor", "ndarray"}
+            or not set(map(type, chain.from_iterable(shapes))) | set(map(type, chain.from_iterable(strides))) <= {int}
+            or min(sids) < 0 or max(sids) >= len(storages) or min(offsets) < 0 or max(offsets) >= INT64_LIMIT):
+        return None
+    itemsizes, sizes = _itemsizes(), [s.nbytes for s in storages]
+    contiguous: dict[tuple, tuple[tuple, int] | None] = {}  # shape -> (its C-contiguous strides, numel), or None
+    out = []
+    for name, sid, offset, dtype, shape, stride, device, kind in zip(names, sids, offsets, dtypes, shapes, strides,
+                                                                     devices, kinds):
+        shape, stride, itemsize = tuple(shape), tuple(stride), itemsizes.get(dtype, 0)
+        if shape not in contiguous:
+            contiguous[shape] = _contiguous_strides(shape)
+        want = contiguous[shape]
+        rec = TensorRecord(name, sid, offset, dtype, shape, stride, device, kind)
+        if (want is None or stride != want[0] or not itemsize or offset % itemsize
+                or offset + want[1] * itemsize > sizes[sid]) and rec.problem(sizes[sid]):
+            return None  # problem() also refuses negative sizes and strides, as _from_body does
+        out.append(rec)
+    return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int] | None:
+    """The strides of a C-contiguous view of ``shape`` and its element count; None if some
+    dimension is below 1 or there are more than 64 (such records go to TensorRecord.problem)."""
+    if len(shape) > 64 or (shape and min(shape) < 1):
+        return None
+    out, n = [], 1
+    for d in reversed(shape):
+        out.append(n)
+        n *= d
+    return tuple(reversed(out)), n
+
+
 def canonical_json(body: dict) -> bytes:
     """The canonical JSON of a manifest's keys, which its manifest_crc32c covers (docs/format.md)."""
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
@@ -387,6 +508,17 @@ def storage_table(storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
     both (a state of 100,000 tensors has 100,000 storages: json.dumps of their dicts and lists,
     twice, took most of the manifest's encoding). Every field is a plain int (the records are
     made from the plan's ints and crc32c's); anything else is refused as json.dumps would."""
+    counts = list(map(len, map(_CHUNKS, storages)))
+    every = list(chain.from_iterable(map(_CHUNKS, storages)))
+    cols = [[s.nbytes for s in storages], *([getattr(c, k) for c in every]
+                                           for k in ("file", "file_offset", "storage_offset", "length", "crc32c"))]
+    if set(map(type, chain.from_iterable(cols))) <= {int}:  # plain ints (the usual table): formatted by columns
+        chunks = list(map("[{},{},{},{},{}]".format, *cols[1:]))
+        if set(counts) != {1}:  # storages cut in several chunks (or none): joined per storage
+            at = list(accumulate(counts, initial=0))
+            chunks = [",".join(chunks[a:b]) for a, b in zip(at, at[1:])]
+        return ("[" + ",".join(map('{{"chunks":[{}],"nbytes":{}}}'.format, chunks, cols[0])) + "]",
+                "[" + ",".join(map('{{"nbytes":{},"chunks":[{}]}}'.format, cols[0], chunks)) + "]")
     canonical, plain = [], []
     for s in storages:
         n = s.nbytes
@@ -400,6 +532,9 @@ def storage_table(storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
         canonical.append(f'{{"chunks":[{chunks}],"nbytes":{n}}}')
         plain.append(f'{{"nbytes":{n},"chunks":[{chunks}]}}')
     return "[" + ",".join(canonical) + "]", "[" + ",".join(plain) + "]"
+
+
+_CHUNKS, _STORAGE_OFFSET = attrgetter("chunks"), attrgetter("storage_offset")
 
 
 # The last tensor table: (records, their storages' sizes, canonical text, file text). A
@@ -416,7 +551,10 @@ def _tensor_table(tensors: tuple[TensorRecord, ...], storages: tuple[StorageReco
     last = _last_table
     if last is not None and last[1] == sizes and last[0] == tensors:
         return last[2], last[3]
+    itemsizes = _itemsizes()
     for t in tensors:
+        if t.storage < len(sizes) and _contiguous_inside(t, itemsizes.get(t.dtype, 0), sizes[t.storage]):
+            continue  # the usual record: problem() would find nothing
         why = t.problem(sizes[t.storage]) if t.storage < len(sizes) else "no storage"
         if why:
             raise UnsupportedObjectError(t.name, None, f"it would be saved with {why}; save t.contiguous() "

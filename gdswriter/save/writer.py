@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from operator import itemgetter
+from operator import attrgetter, itemgetter, le
 
 from ..cuda import streams
 from ..engines.base import IOEngine, WriteSpan
@@ -68,6 +68,38 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
 def _manifest(snap: Snapshot, plan: SavePlan, crcs: dict[PlannedChunk, int],
               written_by: dict[int, str]) -> tuple[bytes, Manifest]:
     """The manifest of ``snap`` written by ``plan`` (each chunk's crc32c in ``crcs``), and its bytes."""
+    storages = _storage_records(snap, crcs)
+    files = tuple(FileRecord(f.target.root, f.target.name, f.size,
+                             {"engine": written_by[fid],
+                              **({"gpu": f.gpu} if f.gpu is not None else {})})
+                  for fid, f in enumerate(plan.files))
+    manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
+                        state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
+    return manifest.to_json_bytes(), manifest
+
+
+def _storage_records(snap: Snapshot, crcs: dict[PlannedChunk, int]) -> list[StorageRecord]:
+    """Each extent's StorageRecord: its chunks by offset, with their crc32c. A state of many
+    tensors lists its chunks by storage (a storage's parts, cut where pool pieces end, next to
+    each other): the records are made by columns, and cut apart in one pass (no grouping by
+    storage, no sort of them all)."""
+    chunks = list(crcs)
+    sids = list(map(_STORAGE, chunks))
+    n = len(snap.extents)
+    if sids and sids[0] == 0 and sids[-1] == n - 1 and all(map(le, sids, sids[1:])) and len(set(sids)) == n:
+        records = list(map(ChunkRecord, map(_FILE, chunks), map(_FILE_OFFSET, chunks), map(_STORAGE_OFFSET, chunks),
+                           map(_LENGTH, chunks), crcs.values()))
+        if len(records) == n:
+            return list(map(StorageRecord, [e.nbytes for e in snap.extents], zip(records)))
+        out, at = [], 0
+        for sid, ext in enumerate(snap.extents):
+            end = at + 1
+            while end < len(sids) and sids[end] == sid:
+                end += 1
+            parts = sorted(records[at:end], key=_STORAGE_OFFSET) if end - at > 1 else records[at:end]
+            out.append(StorageRecord(ext.nbytes, tuple(parts)))
+            at = end
+        return out
     # Per storage its chunks by offset (one per storage, mostly: no sort of them all)
     by_storage: dict[int, list[tuple]] = {}
     for c, crc in crcs.items():
@@ -79,13 +111,11 @@ def _manifest(snap: Snapshot, plan: SavePlan, crcs: dict[PlannedChunk, int],
             parts.sort(key=itemgetter(0))
         storages.append(StorageRecord(ext.nbytes, tuple([ChunkRecord(f, fo, so, n, crc)
                                                          for so, f, fo, n, crc in parts])))
-    files = tuple(FileRecord(f.target.root, f.target.name, f.size,
-                             {"engine": written_by[fid],
-                              **({"gpu": f.gpu} if f.gpu is not None else {})})
-                  for fid, f in enumerate(plan.files))
-    manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
-                        state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
-    return manifest.to_json_bytes(), manifest
+    return storages
+
+
+_STORAGE, _STORAGE_OFFSET, _LENGTH = attrgetter("storage"), attrgetter("storage_offset"), attrgetter("length")
+_FILE, _FILE_OFFSET = attrgetter("file"), attrgetter("file_offset")
 
 
 def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit, engines: Sequence[IOEngine], *,
