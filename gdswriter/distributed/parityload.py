@@ -34,7 +34,7 @@ import torch
 
 from ..errors import CollectiveFailedError, CorruptCheckpointError
 from ..format.commit import step_dir_name
-from ..format.parity import PARITY_DIR, chunk_lengths, read_stripe
+from ..format.parity import PARITY_DIR, chunk_lengths, read_stripe, stream_size
 from ..format.replicas import COPIES_DIR
 from ..format.sharded import GlobalManifest
 from ..fs import fsync_dir
@@ -167,7 +167,8 @@ class Contribution:
 
     @staticmethod
     def _pread(files: list[tuple[Path, int]], offset: int, out: memoryview) -> None:
-        """``len(out)`` bytes at ``offset`` of ``files`` laid end to end."""
+        """``len(out)`` bytes at ``offset`` of ``files`` laid end to end as the stream lays them
+        (each in whole blocks: stream_size; ``out`` comes zeroed, so the padding is left as is)."""
         got, start = 0, 0
         for path, size in files:
             if got == len(out):
@@ -180,7 +181,10 @@ class Contribution:
                         if k <= 0:
                             raise CorruptCheckpointError(f"{path} is shorter than its parity description says")
                         got, pos = got + k, pos + k
-            start += size
+            end = start + stream_size(size)
+            if offset + got < end:  # the file's padding
+                got = min(len(out), end - offset)
+            start = end
         if got < len(out):
             raise CorruptCheckpointError(f"{files[-1][0]}: a member's files are shorter than recorded")
 

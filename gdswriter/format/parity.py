@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import CorruptCheckpointError, GDSWriterError
 from ..fs import read_regular_file
+from ..options import ALIGN
 
 PARITY_DIR = "parity"
 STRIPE_VERSION = 1
@@ -51,6 +52,12 @@ def protected_parity(step_dir: Path) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
 
 
+def stream_size(size: int) -> int:
+    """The bytes a member's file of ``size`` bytes takes in its striped stream: whole ALIGN
+    blocks, zero padded (the replication stream's layout, distributed/replicastream.py)."""
+    return -(-size // ALIGN) * ALIGN
+
+
 def read_stripe(path: Path) -> dict:
     """A ``rank<R>.json``, parsed and checked for the keys a rebuild reads (untrusted input:
     CorruptCheckpointError when it is not one gdswriter wrote)."""
@@ -63,7 +70,7 @@ def read_stripe(path: Path) -> dict:
         for m in members:
             n_files = len(m["files"])
             if len(m["roots"]) != n_files or len(m["file_crcs"]) != n_files or \
-                    len(m["chunk_crcs"]) != len(lane) - 1 or sum(int(f[2]) for f in m["files"]) != int(m["total"]):
+                    len(m["chunk_crcs"]) != len(lane) - 1 or sum(stream_size(int(f[2])) for f in m["files"]) != int(m["total"]):
                 raise ValueError("a member's entry is inconsistent")
         int(body["parity"]["length"]), int(body["parity"]["crc32c"]), int(body["parity"]["rank"])
         return body
