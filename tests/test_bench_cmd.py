@@ -196,6 +196,7 @@ def test_deepspeed_plumbing_with_a_stand_in(tmp_path, monkeypatch):
     (pkg / "ops" / "__init__.py").write_text("")
     (pkg / "accelerator.py").write_text(
         "class _Acc:\n"
+        "    def device_name(self): return 'cuda'\n"
         "    def pin_memory(self, t, align_bytes=1): return t\n"
         "def get_accelerator(): return _Acc()\n")
     monkeypatch.syspath_prepend(str(tmp_path / "stand_in"))

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from gdswriter.format.commit import step_dir_name
+from gdswriter.format.parity import chunk_lengths, stream_size
 from powerloss.harness import PowerLossMount, require_fuse
 from support.models import small_options
 from support.nodes import NVME, Cluster, unavailable
@@ -101,6 +102,23 @@ def _bytes(d: Path, parity: bool) -> int:
                                                                          p.name.startswith("manifest-rank")))
 
 
+def _read_for_rebuild(step_dir: Path) -> tuple[Path, int]:
+    """A byte of rank 0's files (lane [0, 1, 2]) that rank 1's rebuild reads: in rank 0's chunk 1
+    (stripe 2, rank 1's chunk 0 too), within rank 1's chunk 0's length, and a byte of a file
+    (not the stream's padding), found from the parity description (format.md 11.1)."""
+    body = json.loads((step_dir / "parity" / "rank00000.json").read_bytes())
+    m0, m1 = body["members"][0], body["members"][1]
+    per0, len1 = chunk_lengths(m0["total"], 3)[0], chunk_lengths(m1["total"], 3)[0]
+    at, start = per0 + min(len1, chunk_lengths(m0["total"], 3)[1]) // 2, 0
+    for _, name, size in m0["files"]:
+        end = start + stream_size(size)
+        if at < end:
+            assert at - start < size, "the byte chosen is padding"
+            return step_dir / name, at - start
+        start = end
+    raise AssertionError("rank 0's stream is shorter than its description")
+
+
 def _flip(path: Path, at: int) -> None:
     with open(path, "r+b") as f:
         f.seek(at)
@@ -174,8 +192,7 @@ def test_parity_damaged_block_or_chunk_is_detected_and_fallback_loads_older(clus
         assert "rank 1's files could not be rebuilt from its parity group" in err[1], x
         assert "rebuilt chunk 0 of rank 1's files does not match its crc32c" in err[1], x
         assert x["fallback"] == [1, True], x
-    data = max((p for p in _step_dir(c, 0, 1).iterdir() if p.name.startswith("data-")), key=lambda p: p.stat().st_size)
-    _flip(data, data.stat().st_size - 1000)  # rank 0's chunk 1: XORed into stripe 2, read for rank 1's chunk 0
+    _flip(*_read_for_rebuild(_step_dir(c, 0, 1)))  # rank 0's chunk 1: XORed into stripe 2, read for rank 1's chunk 0
     shutil.rmtree(_step_dir(c, 0, 1) / "copies")  # the copy step 1's load rebuilt: rebuilt again
     for x in c.run(_load, [1], 3):
         assert x["1"][0] == "CorruptCheckpointError" and x["1-untouched"], x

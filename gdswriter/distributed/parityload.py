@@ -38,6 +38,7 @@ from ..format.parity import PARITY_DIR, chunk_lengths, read_stripe, stream_size
 from ..format.replicas import COPIES_DIR
 from ..format.sharded import GlobalManifest
 from ..fs import fsync_dir
+from ..options import ALIGN
 from .group import Coordinator, Transfer, describe
 from .loadplan import reach_of
 from .replicastream import PIECE_BYTES, Incoming
@@ -189,6 +190,14 @@ class Contribution:
             raise CorruptCheckpointError(f"{files[-1][0]}: a member's files are shorter than recorded")
 
 
+def _aligned_zeros(n: int) -> torch.Tensor:
+    """``n`` zero bytes at an ALIGN-aligned address: the rebuilt stream goes to Incoming, which
+    writes whole blocks with O_DIRECT (replicastream.py), and every file starts on a block."""
+    raw = torch.zeros(n + ALIGN, dtype=torch.uint8)
+    at = -raw.data_ptr() % ALIGN
+    return raw[at:at + n]
+
+
 def _rebuild(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict, reach: Sequence[Path | None],
              what: str) -> None:
     """One lost rank's files rebuilt (step 2 of the module docstring): every sender and the
@@ -207,7 +216,7 @@ def _rebuild(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict, rea
     try:
         for x in range(0, total, PIECE_BYTES):
             size = min(PIECE_BYTES, total - x)
-            bufs = {k: torch.zeros(size, dtype=torch.uint8) for k, reader in entry["senders"]
+            bufs = {k: _aligned_zeros(size) for k, reader in entry["senders"]
                     if reader == me or me == rebuilder}
             for k, part in mine.items():
                 if problem is None:

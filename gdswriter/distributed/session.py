@@ -247,7 +247,8 @@ class DistSession:
                                         strict=strict, verify=verify, fallback=fallback,
                                         share_dir=self.options.load_share_dir,
                                         cross_memory=self.options.load_cross_memory)
-            if self.replicator is not None:  # files a replaced node held: re-created in the background
+            if self.replicator is not None and self.options.replicas > 1:  # files a replaced node held: re-created
+                # in the background from their full copies (a parity step's are rebuilt at each load instead)
                 self.replicator.submit(RefillJob(result.step, self.layout))
             return result
 

@@ -165,6 +165,18 @@ def settle(seconds: float) -> None:
 
 
 # ----------------------------------------------------------------------------- methods
+def _fastpersist_on_cpu() -> None:
+    """What FastPersist needs on a machine without an accelerator (docs/benchmarks: DeepSpeed's
+    CPU accelerator has no build of the small "utils" op FastFileWriter loads, so it takes
+    DeepSpeed's generic build of the same source; pinned buffers through torch, not the CPU
+    accelerator's shared-memory allocator). Nothing else of DeepSpeed's path changes."""
+    import deepspeed.io.fast_file_writer as fast_file_writer
+    from deepspeed.ops.op_builder.utils import UtilsBuilder
+
+    os.environ.setdefault("DS_PIN_MEMORY_BACKEND", "native")
+    fast_file_writer.UtilsBuilder = UtilsBuilder
+
+
 def deepspeed_missing() -> str | None:
     """Why DeepSpeed's FastPersist writer cannot run here, or None when it can."""
     chatter = io.StringIO()  # DeepSpeed logs to stdout as it imports and probes: not into bench's output
@@ -275,6 +287,9 @@ class Methods:
         if self._fastpersist is None:
             from deepspeed.accelerator import get_accelerator
             from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            if get_accelerator().device_name() == "cpu":
+                _fastpersist_on_cpu()
 
             # block size, queue depth, single submit, overlap events, intra-op parallelism
             handle = AsyncIOBuilder().load(verbose=False).aio_handle(8 * MiB, 8, False, False, 1)
