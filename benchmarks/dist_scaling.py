@@ -151,6 +151,9 @@ def _round(run: dict, case: str, nroots: int, rnd: int, rounds: int, rank: int, 
            target: dict, reference: dict) -> None:
     """One round of ``case``: a save and a load, their times appended to ``run``, which also
     keeps the case's checkpointer or writer from round to round ("ck")."""
+    import torch.distributed.checkpoint  # noqa: F401 - imported before any timed save, whichever case runs first
+
+    import gdswriter.distributed  # noqa: F401
     if case in ("gdswriter", "gdswriter-tmpfs", "gdswriter-relay"):
         _round_checkpointer(run, case, nroots, rnd, rounds, rank, world, base, state, reference)
     elif case in ("dcp-kept", "dcp-node-local", "dcp-resave"):
