@@ -40,15 +40,15 @@ from collections.abc import Sequence
 import crc32c as _crc32c
 import torch
 
-from ..errors import ChecksumMismatchError, GDSWriterError, InvalidOptionError, RankFailedError, ReplicationError
+from ..errors import ChecksumMismatchError, GDSWriterError, InvalidOptionError, ReplicationError
 from ..format.commit import TMP_PREFIX, step_dir_name
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import PARITY_DIR, STRIPE_VERSION, chunk_lengths, parity_name, stripe_name
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME
 from ..fs import atomic_write, fsync_dir
-from ..planner.replicas import ReplicaPart, failure_domains, parity_groups
-from .group import Coordinator, Transfer, bounded, describe, unbound
-from .replicate import ReplicaPeers, ReplicationJob, Replicator, host_name
+from ..planner.replicas import ReplicaPart, parity_groups
+from .group import Coordinator, Transfer, describe
+from .replicate import ReplicaPeers, ReplicationJob, Replicator, placement_round
 from .replicastream import Outgoing, Pipeline, Source
 from .roots import RootLayout
 
@@ -69,33 +69,8 @@ class ParityPeers(ReplicaPeers):
 def plan_parity(coord: Coordinator, layout: RootLayout, group: int, domains: Any) -> ParityPeers:
     """Collective (the module docstring): this rank's lane. Every rank raises alike:
     InvalidOptionError when the grouping is refused, or the failing ranks' errors."""
-    what = "placing the parity groups"
-    error: BaseException | None = None
-    try:
-        host = host_name()
-        mine: dict = {"host": host, "domain": list(failure_domains(coord.rank, host, domains)), "group": group,
-                      "root": layout.local_ids[0]}
-    except Exception as e:  # noqa: BLE001 - every rank learns of it
-        error, mine = e, {"error": describe(e)}
-    got = coord.gather(mine, what, dst=0)
-    parts: list | None = None
-    if got is not None:
-        failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
-        if failures:
-            parts = [bounded(failures)] * coord.world_size
-        else:
-            try:
-                parts = lanes_of(got, group)
-            except InvalidOptionError as e:
-                error, parts = e, [{"refused": str(e)}] * coord.world_size
-    part = coord.scatter(parts, f"{what} (lanes)", src=0)
-    if "refused" in part:
-        raise error if error is not None else InvalidOptionError(part["refused"])
-    if "failed" in part:
-        shown, total = unbound(part)
-        raise error if error is not None else RankFailedError(what, shown, "no root was changed; fix the failing "
-                                                                            "rank's options and open again",
-                                                              total=total)
+    part = placement_round(coord, layout, domains, "placing the parity groups", {"group": group},
+                           lambda got: lanes_of(got, group))
     lane = tuple(int(r) for r in part["lane"])
     others = tuple(r for r in lane if r != coord.rank)
     return ParityPeers(1, ReplicaPart(coord.rank, others, others), tuple(part["roots"]), lane, lane.index(coord.rank))

@@ -54,7 +54,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 import torch
@@ -100,12 +100,22 @@ def plan_peers(coord: Coordinator, layout: RootLayout, replicas: int, domains: A
     """Collective (the module docstring): this rank's part of the copies' placement. Every rank
     raises alike: InvalidOptionError when the placement is refused (fewer hosts than copies,
     ranks asking for different copies), or the failing ranks' errors."""
-    what = "placing the replicas"
+    part = placement_round(coord, layout, domains, "placing the replicas", {"copies": replicas},
+                           lambda got: _parts(got, replicas))
+    return ReplicaPeers(replicas, ReplicaPart.from_message(coord.rank, part["part"]), tuple(part["roots"]))
+
+
+def placement_round(coord: Coordinator, layout: RootLayout, domains: Any, what: str, asked: dict,
+                    decide: Callable[[list[dict]], list[dict]]) -> dict:
+    """Collective, the round both placements make at open (copies here, parity lanes in
+    parity.py): every rank sends rank 0 its host, failure domains, first root's id and
+    ``asked``; rank 0 ``decide``s every rank's part (InvalidOptionError: a refusal) and sends
+    each rank its own. Every rank raises alike: the refusal, or the failing ranks' errors."""
     mine: dict = {}
     error: BaseException | None = None
     try:
         host = host_name()
-        mine = {"host": host, "domain": list(failure_domains(coord.rank, host, domains)), "copies": replicas,
+        mine = {"host": host, "domain": list(failure_domains(coord.rank, host, domains)), **asked,
                 "root": layout.local_ids[0]}
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error, mine = e, {"error": describe(e)}
@@ -117,7 +127,7 @@ def plan_peers(coord: Coordinator, layout: RootLayout, replicas: int, domains: A
             parts = [bounded(failures)] * coord.world_size
         else:
             try:
-                parts = _parts(got, replicas)
+                parts = decide(got)
             except InvalidOptionError as e:
                 error, parts = e, [{"refused": str(e)}] * coord.world_size
     part = coord.scatter(parts, f"{what} (parts)", src=0)
@@ -128,7 +138,7 @@ def plan_peers(coord: Coordinator, layout: RootLayout, replicas: int, domains: A
         raise error if error is not None else RankFailedError(what, shown, "no root was changed; fix the failing "
                                                                             "rank's options and open again",
                                                               total=total)
-    return ReplicaPeers(replicas, ReplicaPart.from_message(coord.rank, part["part"]), tuple(part["roots"]))
+    return part
 
 
 def _parts(got: Sequence[dict], replicas: int) -> list[dict]:
