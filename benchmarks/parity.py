@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -38,36 +35,7 @@ from gdswriter import DistOptions, GDSCheckpointer
 from gdswriter.format.commit import step_dir_name
 from gdswriter.planner.replicas import parity_groups
 from gdswriter.units import human, parse_size
-
-TENSORS = 8
-
-
-def make_state(nbytes: int, rank: int) -> dict:
-    n = max(nbytes // TENSORS // 4, 1)
-    g = torch.Generator().manual_seed(rank)
-    return {f"w{i}": torch.randn(n, generator=g) for i in range(TENSORS)}
-
-
-def slowest(seconds: float) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def timed_save(ck: GDSCheckpointer, step: int, protected: bool) -> dict:
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    ck.save(step)
-    out = {"committed": slowest(time.perf_counter() - t0)}
-    if protected:
-        assert ck.wait_protected() == step
-        out["protected"] = slowest(time.perf_counter() - t0)
-    return out
-
+from replicas import make_state, spawn_ranks, timed_save  # this directory: run as a script
 
 def drive_bytes(root: Path, world: int, step: int) -> dict:
     """The own files (data and shard) and the parity blocks of ``step`` on every rank's root."""
@@ -116,19 +84,7 @@ def worker(rank: int, world: int, port: int, base: str, a: dict) -> None:
 
 
 def run(world: int, base: Path, a: dict) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, world, port, str(base), a)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    errors = [(base / f"error-{r}.txt").read_text() for r in range(world) if (base / f"error-{r}.txt").exists()]
-    if errors or any(p.exitcode for p in procs):
-        raise SystemExit(f"{world} ranks failed:\n" + "\n".join(errors))
-    return json.loads((base / "result.json").read_text())
+    return spawn_ranks(worker, world, base, a)
 
 
 def table(world: int, res: dict) -> list[str]:

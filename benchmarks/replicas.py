@@ -79,7 +79,7 @@ def make_state(nbytes: int, seed: int = 0) -> dict:
     return {f"w{i}": torch.randn(n, generator=g) for i in range(TENSORS)}
 
 
-def _slowest(seconds: float) -> float:
+def slowest(seconds: float) -> float:
     import torch.distributed as dist
 
     t = torch.tensor([seconds], dtype=torch.float64)
@@ -87,18 +87,18 @@ def _slowest(seconds: float) -> float:
     return float(t)
 
 
-def _timed_save(ck: GDSCheckpointer, step: int, protected: bool) -> dict:
+def timed_save(ck: GDSCheckpointer, step: int, protected: bool) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
     t0 = time.perf_counter()
     ck.save(step)
     committed = time.perf_counter() - t0
-    out = {"committed": _slowest(committed)}
+    out = {"committed": slowest(committed)}
     if protected:
         got = ck.wait_protected()
         assert got == step, (got, step)
-        out["protected"] = _slowest(time.perf_counter() - t0)
+        out["protected"] = slowest(time.perf_counter() - t0)
     return out
 
 
@@ -124,7 +124,7 @@ def _saves(rank: int, world: int, base: Path, size: int, rounds: int, restore_ro
     rows: dict = {c: [] for c in CASES}
     for r in range(1, rounds + 1):
         for case in CASES:
-            rows[case].append(_timed_save(cks[case], r, case == "replicas=2"))
+            rows[case].append(timed_save(cks[case], r, case == "replicas=2"))
     stored = 0
     if rank == 0:
         rep = base / "replicas2"
@@ -153,7 +153,7 @@ def _gloo_ring(rank: int, world: int, nbytes: int) -> float:
         works += [dist.isend(out, (rank + 1) % world, tag=k), dist.irecv(got[k % 2], (rank - 1) % world, tag=k)]
     for w in works:
         w.wait()
-    return _slowest(time.perf_counter() - t0)
+    return slowest(time.perf_counter() - t0)
 
 
 def _cold_read(root: Path, step: int) -> float:
@@ -174,7 +174,7 @@ def _cold_read(root: Path, step: int) -> float:
                 off += k
         finally:
             os.close(fd)
-    seconds = _slowest(time.perf_counter() - t0)
+    seconds = slowest(time.perf_counter() - t0)
     pool.close()
     return seconds
 
@@ -189,7 +189,7 @@ def _timed_load(rank: int, base: Path, state: dict, step: int) -> float:
     t0 = time.perf_counter()
     with GDSCheckpointer(live, root=base / f"n{rank}", dist_options=DistOptions(replicas=2)) as ck:
         got = ck.load(step, strict=False)
-    seconds = _slowest(time.perf_counter() - t0)
+    seconds = slowest(time.perf_counter() - t0)
     assert got == step and all(torch.equal(live[k], v) for k, v in state.items()), "the load is not bit exact"
     return seconds
 
@@ -265,7 +265,7 @@ def _train(rank: int, base: Path, train_size: int, iters: int, every: int, round
                 ck.wait()
                 if case == "replicas=2":
                     ck.wait_protected()
-            times[case].append(_slowest(elapsed) / iters)
+            times[case].append(slowest(elapsed) / iters)
     for ck in cks.values():
         ck.close()
     state = sum(p.nbytes for p in model.parameters()) * 3
@@ -291,7 +291,7 @@ def restart(rank: int, base: Path, a: dict, spawned: float) -> dict:
         opt.zero_grad()
         model(x).square().mean().backward()
         opt.step()
-        seconds = _slowest(time.time() - spawned)
+        seconds = slowest(time.time() - spawned)
     return {"step": step, "seconds": seconds}
 
 
@@ -336,9 +336,15 @@ def run(world: int, base: Path, a: dict) -> dict:
 
 
 def spawn(world: int, base: Path, a: dict, spawned: float | None) -> dict:
+    return spawn_ranks(worker, world, base, a, spawned)
+
+
+def spawn_ranks(target, world: int, base: Path, *args) -> dict:
+    """``target(rank, world, port, base, *args)`` in ``world`` fresh processes (benchmarks/parity.py
+    too); the result.json rank 0 wrote, or SystemExit with the ranks' tracebacks."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, str(base), a, spawned)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, port, str(base), *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
