@@ -43,3 +43,21 @@ def _no_kept_snapshot_pool():
     pool = sys.modules.get("gdswriter.save.pool")  # imported only by the tests that save
     if pool is not None:
         pool.release_kept_pool()
+
+
+# --- simulated nodes (test_nodes_harness.py, test_node_scenarios.py, test_parity.py) ---
+@pytest.fixture
+def cluster(tmp_path):
+    """A factory of namespace Clusters (support/nodes.py) under tmp_path; every node's namespace
+    is killed at the end, whatever happened."""
+    from support.nodes import Cluster
+
+    made: list = []
+
+    def make(nodes: int, ranks_per_node: int = 1) -> Cluster:
+        made.append(Cluster(tmp_path / f"cluster{len(made)}", nodes=nodes, ranks_per_node=ranks_per_node))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()

@@ -29,20 +29,6 @@ ROOT = f"{NVME}/ckpt"  # node-local on every node
 TENSORS, NUMEL = 4, 512 * 1024  # four 2 MiB float32 tensors
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """A factory of Clusters under tmp_path; every namespace is killed at the end."""
-    made: list[Cluster] = []
-
-    def make(nodes: int) -> Cluster:
-        made.append(Cluster(tmp_path / f"cluster{len(made)}", nodes=nodes))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
-
-
 class Model(torch.nn.Module):
     """TENSORS buffers of NUMEL float32: a model whose state_dict is the saved state."""
 

@@ -14,27 +14,13 @@ import torch
 
 from support.engines import HookedWrites
 from support.models import small_engine, small_options
-from support.nodes import NVME, Cluster, reached, unavailable
+from support.nodes import NVME, reached, unavailable
 from support.ranks import caught
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 
 ROOT = f"{NVME}/ckpt"  # node-local on every node: the same path, each node's own disk
 TENSORS, NUMEL = 4, 512 * 1024  # four 2 MiB float32 tensors, split over the ranks when saved
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    """A factory of Clusters under tmp_path; every namespace is killed at the end, whatever happened."""
-    made: list[Cluster] = []
-
-    def make(nodes: int, ranks_per_node: int = 1) -> Cluster:
-        made.append(Cluster(tmp_path / f"cluster{len(made)}", nodes=nodes, ranks_per_node=ranks_per_node))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
 
 
 # ----------------------------------------------------------------------------- the namespaces

@@ -128,27 +128,17 @@ class DistOptions:
     def from_env(cls, **overrides) -> DistOptions:
         """Defaults, then GDSWRITER_DIST_TIMEOUT, GDSWRITER_REPLICAS and GDSWRITER_PARITY_GROUP,
         then ``overrides``."""
-        raw = os.environ.get(TIMEOUT_ENV)
         values: dict = {}
-        if raw is not None and raw.strip():
+        for var, field, kind, what in ((TIMEOUT_ENV, "timeout_s", float, "a number of seconds"),
+                                       (REPLICAS_ENV, "replicas", int, "a whole number of copies (1, 2, ...)"),
+                                       (PARITY_ENV, "parity_group", int,
+                                        "a whole number of hosts per parity group (2, 3, ...)")):
+            raw = os.environ.get(var)
+            if raw is None or not raw.strip():
+                continue
             try:
-                values["timeout_s"] = float(raw)
+                values[field] = kind(raw)
             except ValueError as e:
-                raise InvalidOptionError(f"environment variable {TIMEOUT_ENV}={raw!r} is not a number of "
-                                         f"seconds") from e
-        raw = os.environ.get(REPLICAS_ENV)
-        if raw is not None and raw.strip():
-            try:
-                values["replicas"] = int(raw)
-            except ValueError as e:
-                raise InvalidOptionError(f"environment variable {REPLICAS_ENV}={raw!r} is not a whole number of "
-                                         f"copies (1, 2, ...)") from e
-        raw = os.environ.get(PARITY_ENV)
-        if raw is not None and raw.strip():
-            try:
-                values["parity_group"] = int(raw)
-            except ValueError as e:
-                raise InvalidOptionError(f"environment variable {PARITY_ENV}={raw!r} is not a whole number of hosts "
-                                         f"per parity group (2, 3, ...)") from e
+                raise InvalidOptionError(f"environment variable {var}={raw!r} is not {what}") from e
         values.update(overrides)
         return cls(**values)
