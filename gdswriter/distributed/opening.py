@@ -28,10 +28,11 @@ from ..errors import EngineIOError, RootUnavailableError
 from ..format.commit import ROOT_MARKER_NAME, TMP_PREFIX, RootIdentity, RootLock
 from ..fs import fsync_dir, link_no_clobber, write_durable
 from .dcp_messages import RootsOffer
-from .group import Coordinator, bounded, describe
+from .group import Coordinator, describe
 from .roots import (
     RootLayout,
     build_table,
+    decide_at_rank0,
     identify_roots,
     layout_of_part,
     layout_parts,
@@ -39,7 +40,6 @@ from .roots import (
     primary_of,
     probe_root,
     raise_decided,
-    refusal,
     root_identity,
     table_runs,
     table_of_runs,
@@ -194,23 +194,18 @@ def open_roots(coord: Coordinator, roots: Sequence[Path], *, failed: BaseExcepti
             opening = offer_roots(roots, coord.rank)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
             error = e
-    got = coord.gather({"error": describe(error)} if opening is None else {"offer": opening.offer.to_wire()},
-                       WHAT, dst=0)
-    parts: list[dict] | None = None
     decided = None
-    if got is not None:
-        failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
-        if failures:
-            parts = [bounded(failures)] * coord.world_size
-        else:
-            try:
-                assert opening is not None
-                decided = decide_roots(opening, [RootsOffer.from_wire(x["offer"]) for x in got],
-                                       movable_primary=movable_primary)
-                parts = [{**p, "probe": decided.probe} for p in decided.parts]
-            except Exception as e:  # noqa: BLE001 - raised alike on every rank
-                error, parts = e, [{"refused": refusal(e)}] * coord.world_size
-    part = coord.scatter(parts, f"{WHAT} (the table)", src=0)
+
+    def decide(got: list[dict]) -> list[dict]:
+        nonlocal decided
+        assert opening is not None
+        decided = decide_roots(opening, [RootsOffer.from_wire(x["offer"]) for x in got],
+                               movable_primary=movable_primary)
+        return [{**p, "probe": decided.probe} for p in decided.parts]
+
+    part, refused = decide_at_rank0(coord, {"error": describe(error)} if opening is None else
+                                    {"offer": opening.offer.to_wire()}, WHAT, decide)
+    error = error or refused
     try:
         raise_decided(part, error, WHAT, HINT)
     except BaseException:

@@ -60,7 +60,7 @@ import crc32c as _crc32c
 import torch
 
 from ..errors import (ChecksumMismatchError, CollectiveFailedError, GDSWriterError,
-                      InvalidOptionError, RankFailedError, ReplicationError)
+                      InvalidOptionError, ReplicationError)
 from ..format.commit import step_dir_name
 from ..format.manifest import MANIFEST_NAME
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, protected_marker
@@ -70,7 +70,7 @@ from ..planner.replicas import ReplicaPart, failure_domains, place_replicas
 from .group import Coordinator, Transfer, bounded, describe, unbound
 from .refill import RefillJob, run_refill
 from .replicastream import Incoming, Outgoing, Pipeline, Source
-from .roots import RootLayout
+from .roots import RootLayout, decide_at_rank0, raise_decided
 
 log = logging.getLogger("gdswriter")
 
@@ -119,25 +119,8 @@ def placement_round(coord: Coordinator, layout: RootLayout, domains: Any, what: 
                 "root": layout.local_ids[0]}
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error, mine = e, {"error": describe(e)}
-    got = coord.gather(mine, what, dst=0)
-    parts: list | None = None
-    if got is not None:
-        failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
-        if failures:
-            parts = [bounded(failures)] * coord.world_size
-        else:
-            try:
-                parts = decide(got)
-            except InvalidOptionError as e:
-                error, parts = e, [{"refused": str(e)}] * coord.world_size
-    part = coord.scatter(parts, f"{what} (parts)", src=0)
-    if "refused" in part:
-        raise error if error is not None else InvalidOptionError(part["refused"])
-    if "failed" in part:
-        shown, total = unbound(part)
-        raise error if error is not None else RankFailedError(what, shown, "no root was changed; fix the failing "
-                                                                            "rank's options and open again",
-                                                              total=total)
+    part, refused = decide_at_rank0(coord, mine, what, decide)
+    raise_decided(part, error or refused, what, "no root was changed; fix the failing rank's options and open again")
     return part
 
 

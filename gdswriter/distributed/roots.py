@@ -44,7 +44,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..errors import EngineIOError, InvalidOptionError, RankFailedError, RootUnavailableError
 from ..format.commit import (ROOT_MARKER_NAME, CommitProtocol, RootLock, step_dirs, owned_by, step_owner,
@@ -252,6 +252,29 @@ def raise_decided(msg: dict, error: BaseException | None, what: str, hint: str) 
             raise RankFailedError(what, shown, hint, total=total)
 
 
+def decide_at_rank0(coord: Coordinator, mine: dict, what: str, decide: Callable[[list[dict]], list[dict]],
+                    refusable: tuple[type[BaseException], ...] = (Exception,)) -> tuple[dict, BaseException | None]:
+    """Collective, the shape of the decisions made at open (the roots' table, their opening, the
+    placement of copies and parity lanes): every rank's ``mine`` (``{"error": ...}`` where it
+    failed) is gathered to rank 0, which ``decide``s every rank's part unless a rank failed
+    (then every part is the bounded failure set); a ``refusable`` error of ``decide`` becomes a
+    refusal that every rank raises alike (raise_decided). Returns this rank's part, and rank
+    0's own refusal (None elsewhere): raise_decided(part, error, ...) raises what it says."""
+    got = coord.gather(mine, what, dst=0)
+    parts: list | None = None
+    error: BaseException | None = None
+    if got is not None:
+        failures = {r: x["error"] for r, x in enumerate(got) if "error" in x}
+        if failures:
+            parts = [bounded(failures)] * coord.world_size
+        else:
+            try:
+                parts = decide(got)
+            except refusable as e:
+                error, parts = e, [{"refused": refusal(e)}] * coord.world_size
+    return coord.scatter(parts, f"{what} (parts)", src=0), error
+
+
 def refusal(e: BaseException) -> dict:
     """An error of the deciding rank, as every rank re-raises it (raise_decided)."""
     return {"type": type(e).__name__, "errno": getattr(e, "errno", None) or errno.EIO,
@@ -296,18 +319,15 @@ def discover_layout(coord: Coordinator, roots: Sequence[Path], *, create: bool =
         mine = {"roots": [[i, str(r.resolve())] for i, r in zip(ids, roots)]}
     except Exception as e:  # noqa: BLE001 - reported to every rank below
         error = e
-    what = "opening the roots"
-    everyone = coord.gather(mine if error is None else {"error": describe(error)}, what, dst=0)
-    parts: list | None = None
     table: tuple[RootInfo, ...] = ()
-    if everyone is not None:
-        failures = {r: x["error"] for r, x in enumerate(everyone) if "error" in x}
-        if failures:
-            parts = [bounded(failures)] * coord.world_size
-        else:
-            table, where = build_table(everyone)
-            parts = layout_parts(table, where)
-    part = coord.scatter(parts, f"{what} (the table)", src=0)
+
+    def decide(everyone: list[dict]) -> list[dict]:
+        nonlocal table
+        table, where = build_table(everyone)
+        return layout_parts(table, where)
+
+    part, _ = decide_at_rank0(coord, mine if error is None else {"error": describe(error)}, "opening the roots",
+                              decide)
     raise_decided(part, error, "opening the checkpoint roots",
                    "no root was changed; fix the failing rank's roots and open again")
     if table:
