@@ -19,7 +19,8 @@ from torch.futures import Future
 
 from ..engines.base import IOEngine
 from ..engines.select import create_engine
-from ..errors import CorruptCheckpointError, InvalidOptionError
+from ..errors import CorruptCheckpointError, InvalidOptionError, StepFilesLostError
+from ..format.commit import ROOT_MARKER_NAME, step_dir_name
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, RootInfo, TensorRecord
 from ..load.reader import host_buffer, read_manifest_bytes
@@ -169,6 +170,7 @@ class GDSStorageReader(Collective, StorageReader):
         in_place: dict[int, torch.Tensor] = {}  # item -> DCP's target, read into directly
         try:  # this rank's part before the first collective: a failure here reaches every rank
             records = records_of(plan, m, where)
+            check_lost_roots(m, manifest_reach(m, layout).paths)
             if not self.atomic:
                 in_place = in_place_targets(plan, records, m, planner)
             engine = self._engine(sum(m.storages[s].nbytes for s in {rec.storage for rec in records}))
@@ -217,6 +219,24 @@ class GDSStorageReader(Collective, StorageReader):
     def __del__(self) -> None:
         if getattr(self, "_engines", None):
             self.close()
+
+
+def check_lost_roots(m: Manifest, reach: Sequence[Path | None]) -> None:
+    """StepFilesLostError when a root of step ``m`` this rank reaches holds none of it any more:
+    matched by its path alone (it has no ``.gdswriter-root`` while the manifest recorded one) and
+    without the step's directory: a wiped or replaced node's disk. Said plainly, on every rank
+    (read_data agrees on it), rather than as a step deleted while it was read; a DCP step has no
+    copies on peer nodes to read instead (GDSStorageWriter refuses replicas)."""
+    for g, (info, path) in enumerate(zip(m.dist.roots if m.dist is not None else (), reach)):
+        if path is None or info.id.startswith("path:") or not any(f.root == g for f in m.files):
+            continue
+        if not (path / ROOT_MARKER_NAME).exists() and not (path / step_dir_name(m.step)).exists():
+            raise StepFilesLostError(f"step {m.step}: root {path} (table root {g}, id {info.id}, ranks "
+                                     f"{list(info.ranks)}) holds none of it any more: no {ROOT_MARKER_NAME}, no "
+                                     f"{step_dir_name(m.step)} (a wiped or replaced node's disk?); its data files are "
+                                     f"lost and a DCP step has no copies on peer nodes. Restore that disk, or load a "
+                                     f"step saved elsewhere (for checkpoints that survive a lost node, save with "
+                                     f"GDSCheckpointer and DistOptions(replicas=2))")
 
 
 def records_of(plan: LoadPlan, m: Manifest, where: dict) -> list[TensorRecord]:

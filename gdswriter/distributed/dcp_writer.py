@@ -49,6 +49,7 @@ from .dcp_writer_parts import (
     SaveInProgress,
     Source,
     check_fs_options,
+    check_protection,
     checked_reports,
     chunk_key,
     dcp_manifest,
@@ -85,7 +86,12 @@ class GDSStorageWriter(Collective, StorageWriter):
     (this writer is no AsyncStager: give dcp.async_save an ``async_stager``), ``_extensions``
     (gdswriter stores raw bytes with crc32c, no stream transforms such as compression) and a
     ``serialization_format`` other than TORCH_SAVE (gdswriter has its own format; ``gdswriter
-    export --to safetensors`` converts a step)."""
+    export --to safetensors`` converts a step).
+
+    Not yet for DCP steps (one format 1.2 manifest; replication, parity and the drain work on
+    GDSCheckpointer's per-rank shards): ``DistOptions(replicas=C)`` with C > 1, ``parity_group``
+    and ``CheckpointOptions(drain_root=...)`` are refused (InvalidOptionError: check_protection),
+    never ignored."""
 
     def __init__(self, root: Any = None, step: int | None = None, *, options: CheckpointOptions | None = None,
                  dist_options: DistOptions | None = None, process_group: Any = None, single_process: bool = False,
@@ -100,6 +106,7 @@ class GDSStorageWriter(Collective, StorageWriter):
             raise InvalidOptionError(f"overwrite={overwrite!r}: expected True or False")
         Collective.__init__(self, root, step, process_group, single_process, dist_options)
         self.options = options or CheckpointOptions()
+        check_protection(self.options, self.dist_options, from_env=dist_options is None)
         self.overwrite = overwrite
         self.save_id = uuid.uuid4().hex
         self._session: DistSession | None = None  # the opened roots, kept from save to save (their locks are not)
