@@ -159,35 +159,35 @@ class Contribution:
             want = min(length - done, self.per_m - y)
             t = (self.m + 1 + c) % self.n
             if t == self.k:
-                self._pread([(self.parity, self.parity_len)], y, view[done:done + want])
+                read_stream([(self.parity, self.parity_len)], y, view[done:done + want])
             else:
                 ck = (t - self.k - 1) % self.n
                 have = max(0, min(want, self.lens_k[ck] - y))
-                self._pread(self.files, ck * self.lens_k[0] + y, view[done:done + have])
+                read_stream(self.files, ck * self.lens_k[0] + y, view[done:done + have])
             done += want
 
-    @staticmethod
-    def _pread(files: list[tuple[Path, int]], offset: int, out: memoryview) -> None:
-        """``len(out)`` bytes at ``offset`` of ``files`` laid end to end as the stream lays them
-        (each in whole blocks: stream_size; ``out`` comes zeroed, so the padding is left as is)."""
-        got, start = 0, 0
-        for path, size in files:
-            if got == len(out):
-                return
-            if offset + got < start + size:
-                with open(path, "rb", buffering=0) as f:
-                    pos = offset + got - start
-                    while got < len(out) and pos < size:
-                        k = os.preadv(f.fileno(), [out[got:got + min(len(out) - got, size - pos)]], pos)
-                        if k <= 0:
-                            raise CorruptCheckpointError(f"{path} is shorter than its parity description says")
-                        got, pos = got + k, pos + k
-            end = start + stream_size(size)
-            if offset + got < end:  # the file's padding
-                got = min(len(out), end - offset)
-            start = end
-        if got < len(out):
-            raise CorruptCheckpointError(f"{files[-1][0]}: a member's files are shorter than recorded")
+
+def read_stream(files: Sequence[tuple[Path, int]], offset: int, out: memoryview) -> None:
+    """``len(out)`` bytes at ``offset`` of ``files`` laid end to end as a member's stream lays
+    them (each in whole blocks: stream_size; ``out`` comes zeroed, so the padding is left as is)."""
+    got, start = 0, 0
+    for path, size in files:
+        if got == len(out):
+            return
+        if offset + got < start + size:
+            with open(path, "rb", buffering=0) as f:
+                pos = offset + got - start
+                while got < len(out) and pos < size:
+                    k = os.preadv(f.fileno(), [out[got:got + min(len(out) - got, size - pos)]], pos)
+                    if k <= 0:
+                        raise CorruptCheckpointError(f"{path} is shorter than its parity description says")
+                    got, pos = got + k, pos + k
+        end = start + stream_size(size)
+        if offset + got < end:  # the file's padding
+            got = min(len(out), end - offset)
+        start = end
+    if got < len(out):
+        raise CorruptCheckpointError(f"{files[-1][0]}: a member's files are shorter than recorded")
 
 
 def _aligned_zeros(n: int) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""Refill of a step protected by parity after a load rebuilt a lost member (format.md 11.1, 11.2;
+issue 39 item 3), on the kill-a-node harness (tests/support/nodes.py: each node its own
+namespaces, hostname and /local_nvme, 1 rank each, gloo on loopback): the replaced node gets back
+its rank's files and the parity block it stored, so a second node of the group lost is survived
+with no new save."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.models import small_options
+from support.nodes import NVME, Cluster, unavailable
+from support.ranks import caught
+
+needs_nodes = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
+
+ROOT = f"{NVME}/ckpt"
+NUMEL = 3 * 256 * 1024 + 777  # 3 MiB (and a bit) float32 per tensor: chunks end mid-file
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made: list[Cluster] = []
+
+    def make(nodes: int, ranks_per_node: int = 1) -> Cluster:
+        made.append(Cluster(tmp_path / f"cluster{len(made)}", nodes=nodes, ranks_per_node=ranks_per_node))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+class Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def state_of(rank: int, step: int) -> dict:
+    """Rank-local state of different sizes per rank (members of unequal length)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return {"a": torch.randn(NUMEL + 1000 * rank, generator=g), "b": torch.randn(NUMEL // 2, generator=g)}
+
+
+def checkpointer(live: dict, group: int):
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    return GDSCheckpointer(state={"own": live}, root=ROOT, options=small_options(),
+                           dist_options=DistOptions(timeout_s=60, parity_group=group, replicated=()))
+
+
+def save(rank: int, world: int, steps: list[int], group: int) -> dict:
+    live: dict = {}
+    out: dict = {"host": socket.gethostname()}
+    with checkpointer(live, group) as ck:
+        for step in steps:
+            live.clear()
+            live.update(state_of(rank, step))
+            ck.save(step)
+            out[f"protected{step}"] = caught(lambda: ck.wait_protected(120))
+    return out
+
+
+def load(rank: int, world: int, group: int, refill: bool) -> dict:
+    """The latest step into zeroed tensors: [step, bit exact] or the error; with ``refill``, then
+    wait for the refill (wait_protected: "refilled"); the warnings logged."""
+    seen = Warnings()
+    logging.getLogger("gdswriter").addHandler(seen)
+    live = {k: torch.zeros_like(v) for k, v in state_of(rank, 0).items()}
+    out: dict = {}
+    got: list = []
+    with checkpointer(live, group) as ck:
+        err = caught(lambda: got.append(ck.load(None, strict=False)))
+        if err:
+            out["load"] = err
+        else:
+            want = state_of(rank, got[0])
+            out["load"] = [got[0], all(torch.equal(live[k].view(torch.int32), v.view(torch.int32))
+                                       for k, v in want.items())]
+        if refill:
+            out["refilled"] = caught(lambda: ck.wait_protected(120))
+    out["warnings"] = seen.lines
+    return out
+
+
+def step_dir(c: Cluster, node: int, step: int) -> Path:
+    return c.nvme_dir(node) / "ckpt" / f"step_{step:012d}"
+
+
+@needs_nodes
+def test_parity_refill_survives_a_second_node_loss(cluster):
+    """3 nodes, parity_group=3, step 1 protected. Node 1 replaced by an empty disk: the load
+    rebuilds rank 1's files from the group and loads bit exact; in the background the refill
+    re-creates on node 1 rank 1's shard and data files and its parity block (bit for bit the
+    block saved: the same length and crc32c in its description), and the manifest names node
+    1's new root (wait_protected() waits for it). Then node 2 is replaced: with no new save,
+    step 1 loads bit exact on every rank, rank 2's files rebuilt from node 0 and the refilled
+    node 1 (without the refill, two members of one lane would be lost: an error)."""
+    c = cluster(3)
+    assert [x["protected1"] for x in c.run(save, [1], 3)] == [None] * 3
+    before = json.loads((step_dir(c, 1, 1) / "parity" / "rank00001.json").read_bytes())
+    own = sorted(p.name for p in step_dir(c, 1, 1).iterdir() if p.name.startswith(("data-", "manifest-rank")))
+    c.replace_node(1)
+    out = c.run(load, 3, True)
+    for x in out:
+        assert x["load"] == [1, True] and x["refilled"] is None, x
+    assert any("step 1 is refilled" in w for w in out[0]["warnings"]), out[0]["warnings"]
+    after = json.loads((step_dir(c, 1, 1) / "parity" / "rank00001.json").read_bytes())
+    assert after["parity"] == before["parity"] and after["members"] == before["members"], (before, after)
+    assert (step_dir(c, 1, 1) / "parity" / "rank00001.xor").stat().st_size == before["parity"]["length"]
+    back = {p.name for p in step_dir(c, 1, 1).iterdir() if p.is_file()}
+    assert set(own) <= back, (own, back)
+
+    c.replace_node(2)
+    again = c.run(load, 3, False)
+    assert [x["load"] for x in again] == [[1, True]] * 3, again
+    assert any("rebuilt rank 2's files from its parity group" in w for x in again for w in x["warnings"]), again
