@@ -126,3 +126,71 @@ def test_parity_refill_survives_a_second_node_loss(cluster):
     again = c.run(load, 3, False)
     assert [x["load"] for x in again] == [[1, True]] * 3, again
     assert any("rebuilt rank 2's files from its parity group" in w for x in again for w in x["warnings"]), again
+
+
+class Model(torch.nn.Module):
+    """Buffers of 3 MiB float32, the same on every rank (DistOptions.replicated's default: written
+    once, split over the ranks), so a job on fewer ranks reshards it."""
+
+    def __init__(self):
+        super().__init__()
+        for i in range(3):
+            self.register_buffer(f"t{i}", torch.zeros(NUMEL))
+
+
+def model_state(step: int) -> dict:
+    g = torch.Generator().manual_seed(1000 + step)
+    return {f"t{i}": torch.randn(NUMEL, generator=g) for i in range(3)}
+
+
+def copies_job(rank: int, world: int, save_step: int | None) -> dict:
+    """replicas=2: save ``save_step`` and wait until protected; else load the latest into a
+    zeroed model ([step, bit exact]), wait for its refill, and report protected_step() and the
+    warnings."""
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    seen = Warnings()
+    logging.getLogger("gdswriter").addHandler(seen)
+    model = Model()
+    out: dict = {}
+    with GDSCheckpointer(model, root=ROOT, options=small_options(),
+                         dist_options=DistOptions(timeout_s=60, replicas=2)) as ck:
+        if save_step is not None:
+            model.load_state_dict(model_state(save_step))
+            ck.save(save_step)
+            out["protected"] = ck.wait_protected(120)
+            return out
+        got: list = []
+        err = caught(lambda: got.append(ck.load()))
+        live = model.state_dict()
+        out["load"] = err or [got[0], all(torch.equal(live[k].view(torch.int32), v.view(torch.int32))
+                                          for k, v in model_state(got[0]).items())]
+        out["refilled"] = caught(lambda: ck.wait_protected(120))
+        out["protected"] = ck.protected_step()
+    out["warnings"] = seen.lines
+    return out
+
+
+@needs_nodes
+def test_refill_not_done_on_another_world_size_leaves_the_step_loadable_not_protected(cluster, capsys):
+    """3 nodes, replicas=2, step 1 protected; node 2 lost and the job restarted on nodes 0 and 1
+    (2 ranks: a reshard). The load is bit exact; the refill is not done (a step saved by another
+    world size: a documented limitation), and says so: the step is no longer protected
+    (protected_step() is None, ``gdswriter ls`` shows it committed), nothing is changed on the
+    disks beyond the marker, and it loads again bit exact, on 2 nodes and on all 3."""
+    from gdswriter.cli import main
+
+    c = cluster(3)
+    assert [x["protected"] for x in c.run(copies_job, 1)] == [1] * 3
+    out = c.run(copies_job, None, nodes=[0, 1])
+    for x in out:
+        assert x["load"] == [1, True] and x["refilled"] is None and x["protected"] is None, x
+    assert any("step 1 is not refilled after its restore: it was saved by 3 ranks, this job has 2" in w
+               and "no longer protected" in w for w in out[0]["warnings"]), out[0]["warnings"]
+    capsys.readouterr()
+    assert main(["ls", str(c.nvme_dir(0) / "ckpt")]) == 0
+    shown = capsys.readouterr().out
+    assert "committed (0/1 copies)" in shown and "protected (" not in shown, shown
+    assert [x["load"] for x in c.run(copies_job, None, nodes=[0, 1])] == [[1, True]] * 2
+    assert [x["load"] for x in c.run(copies_job, None)] == [[1, True]] * 3

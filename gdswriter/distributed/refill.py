@@ -185,7 +185,7 @@ def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
     plan = plan_refill(g, layout) if parity is None else plan_parity_refill(g, layout)
     if plan.skipped is not None or not plan.moves:
         if plan.skipped is not None and coord.rank == layout.primary_rank:
-            log.warning("gdswriter: step %d is not refilled after its restore: %s", step, plan.skipped)
+            _unprotect(layout, step, plan.skipped)
         return False
     log.info("gdswriter: %s: %d rank(s)' files to re-create on replaced roots", what, len(plan.moves))
     problems: list[str] = []
@@ -204,6 +204,23 @@ def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
         json.dumps({"copies": 1, "parity_group": parity}).encode()
     _commit(coord, layout, g, raw, plan, marker, what)
     return True
+
+
+def _unprotect(layout: RootLayout, step: int, why: str) -> None:
+    """The primary rank: a step that lost files and is not refilled (``why``) is no longer
+    protected: its ``protected`` marker removed (fsynced), so ``gdswriter ls``, retention and
+    ``protected_step()`` say so; it stays committed and loadable (format.md 11.2)."""
+    d = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step)
+    try:
+        if (d / PROTECTED_NAME).exists():
+            os.unlink(d / PROTECTED_NAME)
+            fsync_dir(d)
+    except OSError as e:
+        log.warning("gdswriter: step %d is not refilled after its restore (%s), and its protected marker could "
+                    "not be removed (%s)", step, why, describe(e))
+        return
+    log.warning("gdswriter: step %d is not refilled after its restore: %s; it stays loadable, no longer protected "
+                "(its files that lived on lost nodes have fewer copies): the next step saved is protected", step, why)
 
 
 def _stripes(coord: Coordinator, layout: RootLayout, g: GlobalManifest, plan: RefillPlan, what: str) -> list[str]:
