@@ -194,3 +194,28 @@ def test_refill_not_done_on_another_world_size_leaves_the_step_loadable_not_prot
     assert "committed (0/1 copies)" in shown and "protected (" not in shown, shown
     assert [x["load"] for x in c.run(copies_job, None, nodes=[0, 1])] == [[1, True]] * 2
     assert [x["load"] for x in c.run(copies_job, None)] == [[1, True]] * 3
+
+
+@needs_nodes
+def test_refill_not_done_with_an_adopted_primary_leaves_the_step_loadable_not_protected(cluster, capsys):
+    """3 nodes, replicas=2, step 1 protected; node 0 (the primary root, with the step's manifest)
+    replaced by an empty disk. The load adopts the manifest's copy and is bit exact; the refill
+    is not done (a documented limitation) and says why: the step is not protected (``gdswriter
+    ls`` on the adopted primary shows it committed), and it loads again bit exact."""
+    from gdswriter.cli import main
+
+    c = cluster(3)
+    assert [x["protected"] for x in c.run(copies_job, 1)] == [1] * 3
+    c.replace_node(0)
+    out = c.run(copies_job, None)
+    for x in out:
+        assert x["load"] == [1, True] and x["refilled"] is None and x["protected"] is None, x
+    assert any("step 1 is not refilled after its restore: its primary root was replaced" in w
+               for x in out for w in x["warnings"]), out
+    shown = []
+    for k in range(3):
+        capsys.readouterr()
+        if main(["ls", str(c.nvme_dir(k) / "ckpt")]) == 0:
+            shown.append(capsys.readouterr().out)
+    assert any("committed (0/1 copies)" in s for s in shown) and not any("protected (" in s for s in shown), shown
+    assert [x["load"] for x in c.run(copies_job, None)] == [[1, True]] * 3
