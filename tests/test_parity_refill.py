@@ -219,3 +219,59 @@ def test_refill_not_done_with_an_adopted_primary_leaves_the_step_loadable_not_pr
             shown.append(capsys.readouterr().out)
     assert any("committed (0/1 copies)" in s for s in shown) and not any("protected (" in s for s in shown), shown
     assert [x["load"] for x in c.run(copies_job, None)] == [[1, True]] * 3
+
+
+def load_read_only(rank: int, world: int, read_only: list[int]) -> dict:
+    """``load`` (parity_group=3, then wait for the refill), where the ranks of ``read_only``
+    make their root read-only (a bind mount remounted ro in their node's mount namespace: the
+    file system turned read-only under a running job) once the checkpointer is open."""
+    import subprocess
+
+    seen = Warnings()
+    logging.getLogger("gdswriter").addHandler(seen)
+    live = {k: torch.zeros_like(v) for k, v in state_of(rank, 0).items()}
+    out: dict = {}
+    got: list = []
+    with checkpointer(live, 3) as ck:
+        if rank in read_only:
+            for cmd in (["mount", "--bind", ROOT, ROOT], ["mount", "-o", "remount,bind,ro", ROOT]):
+                subprocess.run(cmd, check=True, capture_output=True)
+        err = caught(lambda: got.append(ck.load(None, strict=False)))
+        if err:
+            out["load"] = err
+            out["untouched"] = all(not t.any() for t in live.values())
+        else:
+            want = state_of(rank, got[0])
+            out["load"] = [got[0], all(torch.equal(live[k].view(torch.int32), v.view(torch.int32))
+                                       for k, v in want.items())]
+        out["refilled"] = caught(lambda: ck.wait_protected(120))
+    out["warnings"] = seen.lines
+    return out
+
+
+@needs_nodes
+def test_parity_rebuild_onto_read_only_roots(cluster):
+    """3 nodes, parity_group=3, step 1 protected, node 1 replaced. Node 0's root turns read-only
+    under the job (the first root that may hold rank 1's rebuilt copy): the rebuilt copy goes to
+    node 2's root instead and the load is bit exact on every rank (the refill, which must rewrite
+    the manifest on node 0, fails with ReplicationError: the step stays as it was). Nodes 0 and 2
+    both read-only: no root can hold the copy; every rank raises ReadOnlyRootError at once,
+    saying so and how to fix it, its tensors untouched. With the roots writable again, the step
+    loads bit exact: nothing was damaged."""
+    c = cluster(3)
+    assert [x["protected1"] for x in c.run(save, [1], 3)] == [None] * 3
+    c.replace_node(1)
+    out = c.run(load_read_only, [0])
+    for x in out:
+        assert x["load"] == [1, True], x
+        assert x["refilled"] is not None and x["refilled"][0] == "ReplicationError", x
+    assert any("rebuilt rank 1's files from its parity group" in w and "copies" in w
+               for w in out[2]["warnings"]), out[2]["warnings"]
+    assert (step_dir(c, 2, 1) / "copies" / "rank00001" / "manifest-rank00001.json").is_file()
+    assert not (step_dir(c, 0, 1) / "copies" / "rank00001").exists()
+
+    for x in c.run(load_read_only, [0, 2]):
+        assert x["load"][0] == "ReadOnlyRootError" and x["untouched"], x
+        assert "no root that may hold the rebuilt copy can be written" in x["load"][1], x
+        assert "make one of them writable" in x["load"][1], x
+    assert [x["load"] for x in c.run(load, 3, False)] == [[1, True]] * 3
