@@ -24,9 +24,16 @@ background (never touching the next save, which runs on another channel):
    the same bytes of state) and rewrites ``protected``. A later load finds every rank's files
    and copies where the manifest says, so it survives another node's loss.
 
+A step protected by parity (its ``protected`` marker names the group, which the primary rank
+sends with the manifest) is planned by ``plan_parity_refill``: each lost rank's files are read
+from the copy its load rebuilt (parityload.py) and moved as above; then the parity block it
+stored is re-created on its new root (parityrefill.py), before step 2.
+
 A failure leaves the step as the load found it (loadable, with fewer copies): ReplicationError
 from ``wait_protected``; a crash mid-way leaves files no manifest names (removed with the step).
-A step whose primary root was replaced (its manifest adopted from a copy) is not refilled.
+A step loaded on another world size, or whose primary root was replaced (its manifest adopted
+from a copy), is not refilled: the primary rank removes its ``protected`` marker (it is no
+longer protected; it stays loadable) and logs why.
 """
 
 from __future__ import annotations
