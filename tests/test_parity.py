@@ -142,9 +142,11 @@ def test_parity_save_is_protected_at_g_plus_1_over_g(cluster, capsys):
 def test_parity_lose_one_node_rebuilds_bit_exact_and_two_is_an_error(cluster):
     """3 nodes, parity_group=3: steps 1 and 2 protected. Node 1 replaced by an empty disk: the
     latest step loads bit exact on every rank (rank 1's files rebuilt from nodes 0 and 2 and the
-    parity, into a copy on a surviving node, and the log says so), and loads again from that
-    copy. Then node 2 is replaced too: two nodes of one group lost, every load is a typed
-    CorruptCheckpointError naming the lost ranks, the tensors untouched; never a wrong load."""
+    parity, into a copy on a surviving node, and the log says so), and loads again. Then nodes
+    1 and 2 are replaced at once (node 1's files, refilled after the loads above, lost again
+    before any load): two nodes of one group lost, every load is a typed CorruptCheckpointError
+    naming the lost ranks, the tensors untouched; never a wrong load (one after the other, with
+    the refill between, is survived: tests/test_parity_refill.py)."""
     c = cluster(3)
     got = c.run(_save, [1, 2], 3)
     assert [x["protected"] for x in got] == [2] * 3, got
@@ -153,6 +155,7 @@ def test_parity_lose_one_node_rebuilds_bit_exact_and_two_is_an_error(cluster):
     assert [(x["None"], x["1"]) for x in out] == [([2, True], [1, True])] * 3, out
     assert (_step_dir(c, 0, 2) / "copies" / "rank00001" / "manifest-rank00001.json").is_file()
 
+    c.replace_node(1)
     c.replace_node(2)
     for x in c.run(_load, [None, "fallback"], 3):
         for step in ("None", "fallback"):

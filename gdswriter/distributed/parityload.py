@@ -8,7 +8,8 @@ by no rank of the job (its node lost or replaced) and falls back to the copies
 1. each rank reads the stripe descriptions (``step_S/parity/rank<R>.json``) on the roots it
    leads, and reports those whose lane holds a lost rank to the primary rank, which decides,
    for each lost rank, the rebuilder (the lowest rank seeing the first of its copy roots that
-   some rank sees) and the rank reading each surviving member. A lane missing another member
+   some rank sees and its leader can write) and the rank reading each surviving member. Where
+   no such root can be written (read-only roots), ReadOnlyRootError on every rank, at once. A lane missing another member
    (two nodes of one group lost, or a step never protected) is a CorruptCheckpointError
    naming what is lost, on every rank: never a guess;
 2. each surviving member streams, in pieces, the XOR contribution it holds for every chunk of
@@ -23,6 +24,7 @@ The load then reads that copy as any other, checked again against the manifest's
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -32,7 +34,7 @@ from pathlib import Path
 import crc32c as _crc32c
 import torch
 
-from ..errors import CollectiveFailedError, CorruptCheckpointError
+from ..errors import CollectiveFailedError, CorruptCheckpointError, ReadOnlyRootError
 from ..format.commit import step_dir_name
 from ..format.parity import PARITY_DIR, chunk_lengths, read_stripe, stream_size
 from ..format.replicas import COPIES_DIR
@@ -45,6 +47,7 @@ from .replicastream import PIECE_BYTES, Incoming
 from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
+READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)  # a root that cannot be written
 
 
 def lost_ranks(layout: RootLayout, g: GlobalManifest) -> list[int]:
@@ -64,21 +67,10 @@ def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copi
     seen = {info.id: tuple(info.ranks) for info in layout.table}
     reach = reach_of(g, layout)
     held: dict[int, tuple[dict, Path]] = {}
-    mine: list = []
+    mine: dict = {"stripes": [], "writable": []}
     error: BaseException | None = None
     try:
-        for j, p in enumerate(reach):
-            ranks = seen.get(g.roots[j].id)
-            d = None if p is None else p / step_dir_name(g.step) / PARITY_DIR
-            if d is None or not ranks or min(ranks) != coord.rank or not d.is_dir():
-                continue
-            for f in sorted(d.glob("rank*.json")):
-                body = read_stripe(f)
-                hits = [r for r in lost if r in body["lane"]]
-                if hits:
-                    held[body["parity"]["rank"]] = (body, p / step_dir_name(g.step))
-                    mine.append({"holder": body["parity"]["rank"], "lane": body["lane"],
-                                 "lost": [[r, body["members"][body["lane"].index(r)]] for r in hits]})
+        mine = _held(coord, g, reach, seen, lost, held)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     plan = coord.decide(error, mine, f"{what} (finding the parity of lost ranks)",
@@ -86,6 +78,9 @@ def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copi
     failed = [x["error"] for x in plan if "error" in x]
     if failed:
         raise CorruptCheckpointError("; ".join(failed))
+    unwritable = [x["readonly"] for x in plan if "readonly" in x]
+    if unwritable:
+        raise ReadOnlyRootError(errno.EROFS, "; ".join(unwritable))
     for entry in plan:
         problem = None
         try:
@@ -93,9 +88,13 @@ def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copi
         except CollectiveFailedError:
             raise
         except Exception as e:  # noqa: BLE001 - decided together below
-            problem = describe(e)
+            problem = ("cannot write: " if isinstance(e, OSError) and e.errno in READ_ONLY_ERRNOS else "") + describe(e)
         bad = coord.decide(None, problem, f"{what} (rebuilding rank {entry['rank']})",
                            lambda outs: [x for x in outs if x], root=src)
+        if any(x.startswith("cannot write: ") for x in bad):
+            raise ReadOnlyRootError(errno.EROFS, f"{what}: rank {entry['rank']}'s files were lost and its rebuilt copy "
+                                                 f"could not be written on {_copies(reach, g, entry)}: "
+                                                 f"{'; '.join(bad)[:2000]}: make that root writable and load again")
         if bad:
             raise CorruptCheckpointError(f"{what}: rank {entry['rank']}'s files could not be rebuilt from its parity "
                                          f"group (lane {entry['lane']}): {'; '.join(bad)[:2000]}; the checkpoint's "
@@ -106,18 +105,49 @@ def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copi
                         entry["rank"], [k for k in entry["lane"] if k != entry["rank"]], _copies(reach, g, entry))
 
 
+def _held(coord: Coordinator, g: GlobalManifest, reach: Sequence[Path | None], seen: dict, lost: list[int],
+          held: dict[int, tuple[dict, Path]]) -> dict:
+    """This rank's report: the stripe descriptions, on the roots it leads, of lanes holding a lost
+    rank (kept in ``held``), and which of those roots' step directories it can write (where a
+    rebuilt copy may go)."""
+    out: dict = {"stripes": [], "writable": []}
+    for j, p in enumerate(reach):
+        ranks = seen.get(g.roots[j].id)
+        if p is None or not ranks or min(ranks) != coord.rank:
+            continue
+        if os.access(p / step_dir_name(g.step), os.W_OK):
+            out["writable"].append(j)
+        d = p / step_dir_name(g.step) / PARITY_DIR
+        for f in sorted(d.glob("rank*.json")) if d.is_dir() else ():
+            body = read_stripe(f)
+            hits = [r for r in lost if r in body["lane"]]
+            if hits:
+                held[body["parity"]["rank"]] = (body, p / step_dir_name(g.step))
+                out["stripes"].append({"holder": body["parity"]["rank"], "lane": body["lane"],
+                                       "lost": [[r, body["members"][body["lane"].index(r)]] for r in hits]})
+    return out
+
+
 def _plan(g: GlobalManifest, copies: Sequence[Sequence[int]], seen: dict, lost: list[int], outs: list,
           what: str) -> list[dict]:
     """The primary rank: for each lost rank of a parity lane, who rebuilds it and who sends what."""
     plan = []
+    writable = {j for out in outs for j in out["writable"]}
     for r in lost:
-        reps = [(reader, x) for reader, out in enumerate(outs) for x in out if r in x["lane"]]
+        reps = [(reader, x) for reader, out in enumerate(outs) for x in out["stripes"] if r in x["lane"]]
         if not reps:
             continue  # no parity holds it: not a parity step, or its whole lane is gone (the copies' error says so)
         lane = reps[0][1]["lane"]
         have = {x["holder"]: reader for reader, x in reps}
         missing = [k for k in lane if k != r and k not in have]
-        target = next((j for j in copies[r] if g.roots[j].id in seen), None)
+        reached = [j for j in copies[r] if g.roots[j].id in seen]
+        target = next((j for j in reached if j in writable), None)
+        if not missing and reached and target is None:
+            plan.append({"readonly": f"{what}: rank {r}'s files are lost (no rank of this job sees its root); its "
+                                     f"parity group (ranks {lane}) can rebuild them, but no root that may hold the "
+                                     f"rebuilt copy can be written ({', '.join(g.roots[j].path for j in reached)}: "
+                                     f"read-only, or no permission): make one of them writable and load again"})
+            continue
         if missing or target is None:
             plan.append({"error": f"{what}: rank {r}'s files are lost (no rank of this job sees its root) and its "
                                   f"parity group (ranks {lane}) cannot rebuild them: the files and parity of rank(s) "
@@ -159,35 +189,35 @@ class Contribution:
             want = min(length - done, self.per_m - y)
             t = (self.m + 1 + c) % self.n
             if t == self.k:
-                self._pread([(self.parity, self.parity_len)], y, view[done:done + want])
+                read_stream([(self.parity, self.parity_len)], y, view[done:done + want])
             else:
                 ck = (t - self.k - 1) % self.n
                 have = max(0, min(want, self.lens_k[ck] - y))
-                self._pread(self.files, ck * self.lens_k[0] + y, view[done:done + have])
+                read_stream(self.files, ck * self.lens_k[0] + y, view[done:done + have])
             done += want
 
-    @staticmethod
-    def _pread(files: list[tuple[Path, int]], offset: int, out: memoryview) -> None:
-        """``len(out)`` bytes at ``offset`` of ``files`` laid end to end as the stream lays them
-        (each in whole blocks: stream_size; ``out`` comes zeroed, so the padding is left as is)."""
-        got, start = 0, 0
-        for path, size in files:
-            if got == len(out):
-                return
-            if offset + got < start + size:
-                with open(path, "rb", buffering=0) as f:
-                    pos = offset + got - start
-                    while got < len(out) and pos < size:
-                        k = os.preadv(f.fileno(), [out[got:got + min(len(out) - got, size - pos)]], pos)
-                        if k <= 0:
-                            raise CorruptCheckpointError(f"{path} is shorter than its parity description says")
-                        got, pos = got + k, pos + k
-            end = start + stream_size(size)
-            if offset + got < end:  # the file's padding
-                got = min(len(out), end - offset)
-            start = end
-        if got < len(out):
-            raise CorruptCheckpointError(f"{files[-1][0]}: a member's files are shorter than recorded")
+
+def read_stream(files: Sequence[tuple[Path, int]], offset: int, out: memoryview) -> None:
+    """``len(out)`` bytes at ``offset`` of ``files`` laid end to end as a member's stream lays
+    them (each in whole blocks: stream_size; ``out`` comes zeroed, so the padding is left as is)."""
+    got, start = 0, 0
+    for path, size in files:
+        if got == len(out):
+            return
+        if offset + got < start + size:
+            with open(path, "rb", buffering=0) as f:
+                pos = offset + got - start
+                while got < len(out) and pos < size:
+                    k = os.preadv(f.fileno(), [out[got:got + min(len(out) - got, size - pos)]], pos)
+                    if k <= 0:
+                        raise CorruptCheckpointError(f"{path} is shorter than its parity description says")
+                    got, pos = got + k, pos + k
+        end = start + stream_size(size)
+        if offset + got < end:  # the file's padding
+            got = min(len(out), end - offset)
+        start = end
+    if got < len(out):
+        raise CorruptCheckpointError(f"{files[-1][0]}: a member's files are shorter than recorded")
 
 
 def _aligned_zeros(n: int) -> torch.Tensor:
@@ -198,6 +228,19 @@ def _aligned_zeros(n: int) -> torch.Tensor:
     return raw[at:at + n]
 
 
+def _incoming(reach: Sequence[Path | None], g: GlobalManifest, entry: dict) -> tuple[Incoming | None,
+                                                                                     BaseException | None]:
+    """The rebuilder's copy being written, or why it cannot be: the exchanges still run (the
+    senders wait on them) and the failure is raised after them."""
+    try:
+        copies = _copies(reach, g, entry)
+        copies.mkdir(exist_ok=True)
+        fsync_dir(copies.parent)
+        return Incoming(copies, entry["rank"], json.dumps(entry["info"]["files"]).encode()), None
+    except Exception as e:  # noqa: BLE001 - raised after the exchanges
+        return None, e
+
+
 def _rebuild(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict, reach: Sequence[Path | None],
              what: str) -> None:
     """One lost rank's files rebuilt (step 2 of the module docstring): every sender and the
@@ -206,12 +249,7 @@ def _rebuild(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict, rea
     rebuilder, n, total = entry["rebuilder"], len(entry["lane"]), int(info["total"])
     lens = chunk_lengths(total, n)
     mine = {k: Contribution(*held[k], reach, g.step, r) for k, reader in entry["senders"] if reader == me}
-    inc, problem = None, None
-    if me == rebuilder:
-        copies = _copies(reach, g, entry)
-        copies.mkdir(exist_ok=True)
-        fsync_dir(copies.parent)
-        inc = Incoming(copies, r, json.dumps(info["files"]).encode())
+    inc, problem = _incoming(reach, g, entry) if me == rebuilder else (None, None)
     crc, c = 0, 0
     try:
         for x in range(0, total, PIECE_BYTES):

@@ -24,9 +24,16 @@ background (never touching the next save, which runs on another channel):
    the same bytes of state) and rewrites ``protected``. A later load finds every rank's files
    and copies where the manifest says, so it survives another node's loss.
 
+A step protected by parity (its ``protected`` marker names the group, which the primary rank
+sends with the manifest) is planned by ``plan_parity_refill``: each lost rank's files are read
+from the copy its load rebuilt (parityload.py) and moved as above; then the parity block it
+stored is re-created on its new root (parityrefill.py), before step 2.
+
 A failure leaves the step as the load found it (loadable, with fewer copies): ReplicationError
 from ``wait_protected``; a crash mid-way leaves files no manifest names (removed with the step).
-A step whose primary root was replaced (its manifest adopted from a copy) is not refilled.
+A step loaded on another world size, or whose primary root was replaced (its manifest adopted
+from a copy), is not refilled: the primary rank removes its ``protected`` marker (it is no
+longer protected; it stays loadable) and logs why.
 """
 
 from __future__ import annotations
@@ -45,11 +52,13 @@ from ..errors import ChecksumMismatchError, CollectiveFailedError, GDSWriterErro
 from ..format.commit import step_dir_name
 from ..format.copies import copy_ref, relocate_roots, replicas_of
 from ..format.manifest import MANIFEST_NAME
+from ..format.parity import protected_parity
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, protected_marker
 from ..format.sharded import GlobalManifest, parse_global, parse_shard
 from ..fs import atomic_write, fsync_dir, read_regular_file
 from .group import Coordinator, Transfer, describe
 from .loadplan import reach_of
+from .parityrefill import refill_stripes
 from .replicastream import Incoming, Outgoing, Pipeline, Source
 from .roots import RootLayout, write_owner_files
 
@@ -109,10 +118,9 @@ def plan_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
     seen = {info.id: info.ranks for info in layout.table}
     if copies is None or all(g.roots[j].id in seen for j in range(len(g.roots))):
         return RefillPlan((), {})  # saved without replicas, or nothing lost: nothing to do, silently
-    if g.world_size != layout.world_size:
-        return RefillPlan((), {}, f"it was saved by {g.world_size} ranks, this job has {layout.world_size}")
-    if g.roots[0].id not in seen:
-        return RefillPlan((), {}, "its primary root was replaced (its manifest was adopted from a copy)")
+    skipped = _not_refilled(g, layout)
+    if skipped is not None:
+        return RefillPlan((), {}, skipped)
     new, unmapped = _replacements(g, layout)
     if unmapped:
         return RefillPlan((), {}, f"roots {unmapped} of the step are gone with no single root replacing each")
@@ -132,50 +140,126 @@ def plan_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
     return RefillPlan(tuple(moves), {j: (v[0], v[1]) for j, v in new.items()})
 
 
+def plan_parity_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
+    """Pure, for a step protected by parity (format.md 11.2): each lost rank's files, read from
+    the copy its load rebuilt (on the first root of its ``replicas`` entry some rank sees:
+    parityload.py), go to the leader of its replacement root; its parity block follows
+    (parityrefill.py)."""
+    copies = replicas_of(g, "the step's manifest")
+    seen = {info.id: info.ranks for info in layout.table}
+    lost = [r for r in range(g.world_size) if g.roots[g.shards[r].root].id not in seen]
+    if copies is None or not lost:
+        return RefillPlan((), {})
+    skipped = _not_refilled(g, layout)
+    if skipped is not None:
+        return RefillPlan((), {}, skipped)
+    new, unmapped = _replacements(g, layout)
+    if unmapped:
+        return RefillPlan((), {}, f"roots {unmapped} of the step are gone with no single root replacing each")
+    moves = []
+    for r in lost:
+        own = g.shards[r].root
+        source = next((j for j in copies[r] if g.roots[j].id in seen), None)
+        if source is None:
+            return RefillPlan((), {}, f"no member of rank {r}'s parity lane survives")
+        sender = min(seen[g.roots[source].id])
+        if sender == new[own][2]:
+            return RefillPlan((), {}, f"rank {sender} would send rank {r}'s files to itself")
+        moves.append(Move(r, source, True, sender, ((new[own][2], new[own][0], True),)))
+    return RefillPlan(tuple(moves), {j: (v[0], v[1]) for j, v in new.items()})
+
+
+def _not_refilled(g: GlobalManifest, layout: RootLayout) -> str | None:
+    """Why a step whose roots changed is not refilled (format.md 11.2), or None."""
+    if g.world_size != layout.world_size:
+        return f"it was saved by {g.world_size} ranks, this job has {layout.world_size}"
+    if g.roots[0].id not in {info.id for info in layout.table}:
+        return "its primary root was replaced (its manifest was adopted from a copy)"
+    return None
+
+
 def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
-    """Collective on the replication group: refill ``job.step`` (the module docstring). True
-    when something was refilled and the step is protected again; False when nothing was lost
-    (or it cannot be refilled: logged); ReplicationError when a rank failed."""
+    """Collective on the replication group: refill ``job.step`` (the module docstring; a step
+    protected by parity: its lost members' files and parity blocks, parityrefill.py). True when
+    something was refilled and the step is protected again; False when nothing was lost (or it
+    cannot be refilled: logged); ReplicationError when a rank failed."""
     step, layout = job.step, job.layout
     what = f"refilling step {step}"
-    raw = _manifest_bytes(coord, layout, step, what)
+    raw, parity = _manifest_bytes(coord, layout, step, what)
     g = parse_global(raw, f"{step_dir_name(step)}/{MANIFEST_NAME}")
     if g is None:
         return False
-    plan = plan_refill(g, layout)
+    plan = plan_refill(g, layout) if parity is None else plan_parity_refill(g, layout)
     if plan.skipped is not None or not plan.moves:
         if plan.skipped is not None and coord.rank == layout.primary_rank:
-            log.warning("gdswriter: step %d is not refilled after its restore: %s", step, plan.skipped)
+            _unprotect(layout, step, plan.skipped)
         return False
     log.info("gdswriter: %s: %d rank(s)' files to re-create on replaced roots", what, len(plan.moves))
     problems: list[str] = []
     for move in plan.moves:
         if coord.rank == move.sender or any(t[0] == coord.rank for t in move.targets):
             problems += _move(coord, layout, g, move, what)
+    if parity is not None:
+        problems += _stripes(coord, layout, g, plan, what)
     failed = coord.decide(None, "; ".join(problems)[:2000], f"{what} (outcomes)",
                           lambda outs: [[r, m] for r, m in enumerate(outs) if m][:8], root=layout.primary_rank)
     if failed:
         raise ReplicationError(f"step {step} was restored but not refilled: "
                                f"{'; '.join(f'rank {r}: {m}' for r, m in failed)}; it loads as it did, with fewer "
                                f"copies; fix what the message names (a full or failing disk?) and load again", step)
-    _commit(coord, layout, g, raw, plan, copies, what)
+    marker = protected_marker(copies) if parity is None else \
+        json.dumps({"copies": 1, "parity_group": parity}).encode()
+    _commit(coord, layout, g, raw, plan, marker, what)
     return True
 
 
-def _manifest_bytes(coord: Coordinator, layout: RootLayout, step: int, what: str) -> bytes:
-    """The step's manifest.json, read by the primary rank and sent to every rank."""
+def _unprotect(layout: RootLayout, step: int, why: str) -> None:
+    """The primary rank: a step that lost files and is not refilled (``why``) is no longer
+    protected: its ``protected`` marker removed (fsynced), so ``gdswriter ls``, retention and
+    ``protected_step()`` say so; it stays committed and loadable (format.md 11.2)."""
+    d = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step)
+    try:
+        if (d / PROTECTED_NAME).exists():
+            os.unlink(d / PROTECTED_NAME)
+            fsync_dir(d)
+    except OSError as e:
+        log.warning("gdswriter: step %d is not refilled after its restore (%s), and its protected marker could "
+                    "not be removed (%s)", step, why, describe(e))
+        return
+    log.warning("gdswriter: step %d is not refilled after its restore: %s; it stays loadable, no longer protected "
+                "(its files that lived on lost nodes have fewer copies): the next step saved is protected", step, why)
+
+
+def _stripes(coord: Coordinator, layout: RootLayout, g: GlobalManifest, plan: RefillPlan, what: str) -> list[str]:
+    """Collective: the parity blocks the lost ranks of ``plan`` stored, re-created on their new
+    roots (parityrefill.py); what failed here. Its collective steps failing on some rank (a
+    description that cannot be read) fail the refill on every rank."""
+    try:
+        return refill_stripes(coord, layout, g, {m.rank: m.targets[0][:2] for m in plan.moves}, what,
+                              layout.primary_rank)
+    except GDSWriterError as e:
+        if isinstance(e, (ReplicationError, CollectiveFailedError)):
+            raise
+        raise ReplicationError(f"step {g.step} was restored but not refilled ({describe(e)}); it loads as it did, "
+                               f"rebuilding its lost members at each load", g.step) from e
+
+
+def _manifest_bytes(coord: Coordinator, layout: RootLayout, step: int, what: str) -> tuple[bytes, int | None]:
+    """The step's manifest.json, read by the primary rank and sent to every rank, and the group
+    size its ``protected`` marker records where parity protects it (else None)."""
     mine: dict = {}
     if coord.rank == layout.primary_rank:
         try:
             path = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step) / MANIFEST_NAME
-            mine = {"raw": read_regular_file(path, MANIFEST_LIMIT).decode()}  # JSON: UTF-8, byte for byte
+            mine = {"raw": read_regular_file(path, MANIFEST_LIMIT).decode(),  # JSON: UTF-8, byte for byte
+                    "parity": protected_parity(path.parent)}
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             mine = {"error": describe(e)}
     got = coord.broadcast(mine, f"{what} (manifest)", src=layout.primary_rank)
     if "error" in got:
         raise ReplicationError(f"step {step} was restored but not refilled: its manifest could not be read "
                                f"({got['error']})", step)
-    return got["raw"].encode()
+    return got["raw"].encode(), got.get("parity")
 
 
 def _sources(layout: RootLayout, g: GlobalManifest, move: Move) -> list[Source]:
@@ -294,7 +378,7 @@ def _trailer(coord: Coordinator, out: Outgoing, s: int, dests: list[int], what: 
         return {"ok": False, "error": "its trailer is not readable"}
 
 
-def _commit(coord: Coordinator, layout: RootLayout, g: GlobalManifest, raw: bytes, plan: RefillPlan, copies: int,
+def _commit(coord: Coordinator, layout: RootLayout, g: GlobalManifest, raw: bytes, plan: RefillPlan, marker: bytes,
             what: str) -> None:
     """Step 2 of the module docstring: the manifest's copies, then the manifest, then ``protected``."""
     step, p = g.step, layout.primary_rank
@@ -306,7 +390,7 @@ def _commit(coord: Coordinator, layout: RootLayout, g: GlobalManifest, raw: byte
             if rid in holders and layout.leads(i):
                 d = layout.local_paths[i] / step_dir_name(step) / COPIES_DIR
                 atomic_write(d / MANIFEST_NAME, new)
-                atomic_write(d / PROTECTED_NAME, protected_marker(copies))
+                atomic_write(d / PROTECTED_NAME, marker)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     _agree(coord, error, f"{what} (the manifest's copies)", step, p)
@@ -315,7 +399,7 @@ def _commit(coord: Coordinator, layout: RootLayout, g: GlobalManifest, raw: byte
         try:
             d = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step)
             atomic_write(d / MANIFEST_NAME, new)
-            atomic_write(d / PROTECTED_NAME, protected_marker(copies))
+            atomic_write(d / PROTECTED_NAME, marker)
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
     _agree(coord, error, f"{what} (the manifest)", step, p)

@@ -16,7 +16,7 @@ own; ``close`` waits for it. Retention then keeps the newest protected step. Aft
 the loaded step goes to the same thread (refill.py): the files a replaced node held are
 re-created from their copies in the background; ``wait_protected`` waits for that too. With
 ``DistOptions(parity_group=G)`` the same thread protects each step with parity instead
-(parity.py).
+(parity.py), and refills a lost member's files and parity block after a load.
 
 Each session has a channel of its own (group.py): another checkpointer's save thread never
 shares its collectives. Its collective operations (a save's writes and commit, a retention,
@@ -247,8 +247,8 @@ class DistSession:
                                         strict=strict, verify=verify, fallback=fallback,
                                         share_dir=self.options.load_share_dir,
                                         cross_memory=self.options.load_cross_memory)
-            if self.replicator is not None and self.options.replicas > 1:  # files a replaced node held: re-created
-                # in the background from their full copies (a parity step's are rebuilt at each load instead)
+            if self.replicator is not None:  # files a replaced node held: re-created in the background from
+                # their full copies, or from the copy the load rebuilt from parity, with its parity block (refill.py)
                 self.replicator.submit(RefillJob(result.step, self.layout))
             return result
 
