@@ -24,19 +24,6 @@ ROOT = f"{NVME}/ckpt"
 NUMEL = 3 * 256 * 1024 + 777  # 3 MiB (and a bit) float32 per tensor: chunks end mid-file
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    made: list[Cluster] = []
-
-    def make(nodes: int, ranks_per_node: int = 1) -> Cluster:
-        made.append(Cluster(tmp_path / f"cluster{len(made)}", nodes=nodes, ranks_per_node=ranks_per_node))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close()
-
-
 class Warnings(logging.Handler):
     def __init__(self):
         super().__init__(logging.WARNING)
