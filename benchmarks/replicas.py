@@ -21,15 +21,19 @@ and calls save_async every --every iterations, without a checkpointer (none), wi
 and with replicas=2 (interleaved, --train-rounds each); the overhead is the mean step time
 against none's, in points.
 
-Restore (interleaved, --restore-rounds each, on the last replicas=2 step): a fresh
-checkpointer on every rank loads the step into zeroed tensors, bit exact, with every root
-intact ("local load") and with node 1's root replaced by an empty one ("from peers": node 1's
-files are read from their copy on a peer and sent over gloo); each as state bytes per second of
-the slowest rank's load. Against: gloo's loopback throughput (every rank sends the state's size
-to the next rank and receives as much from the previous one, in PIECE_BYTES messages: bytes per
-second of the slowest), and the local cold read (every rank reads its own data files of the
-step with O_DIRECT, at once: the state's bytes per second of the slowest); the goal is a
-restore from peers of at least 0.8x the slower of the two.
+Restore (interleaved, --restore-rounds each, on the last replicas=2 step): every rank builds a
+fresh checkpointer (what a restarted job does anyway: "set-up", timed on its own) and loads the
+step into zeroed tensors, bit exact, with every root intact ("local load") and with node 1's root
+replaced by an empty one ("from peers": node 1's files are read from their copy on a peer and
+sent over gloo); each as state bytes per second of the slowest rank's load call (from a barrier
+after the set-up to the load's end: the engines a first load builds included, alike in both).
+Against, in the same rounds: gloo's loopback throughput (every rank sends the state's size to
+the next rank and receives as much from the previous one, in PIECE_BYTES messages: bytes per
+second of the slowest), and the local cold read (every rank reads its own data files of the step
+with O_DIRECT, at once: the state's bytes per second of the slowest); the goal is a restore from
+peers of at least 0.8x the slower of the two, round by round (medians). "read all, then send
+all" is the same restore with fetch.STREAM_BYTES unbounded (one round: every chunk read before
+any is sent, the schedule before the streaming), in the same rounds.
 
 Restart to the first training step: fresh ranks are spawned (a new process group), each opens
 the training loop's replicas=2 checkpointer, loads the newest step and trains one step; the
@@ -64,6 +68,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from gdswriter import DistOptions, GDSCheckpointer  # noqa: E402
+from gdswriter.distributed import fetch  # noqa: E402
 from gdswriter.distributed.replicastream import PIECE_BYTES  # noqa: E402
 from gdswriter.engines.buffers import AlignedBufferPool  # noqa: E402
 from gdswriter.format.commit import step_dir_name  # noqa: E402
@@ -179,19 +184,25 @@ def _cold_read(root: Path, step: int) -> float:
     return seconds
 
 
-def _timed_load(rank: int, base: Path, state: dict, step: int) -> float:
-    """A fresh replicas=2 checkpointer loads ``step`` into zeroed tensors, bit exact; seconds
-    (slowest rank), from the barrier before the open to the load's end."""
+def _timed_load(rank: int, base: Path, state: dict, step: int) -> dict:
+    """A fresh replicas=2 checkpointer loads ``step`` into zeroed tensors, bit exact: seconds
+    (slowest rank) of its set-up (the constructor) and of the load call."""
     import torch.distributed as dist
 
     live = {k: torch.zeros_like(v) for k, v in state.items()}
     dist.barrier()
     t0 = time.perf_counter()
-    with GDSCheckpointer(live, root=base / f"n{rank}", dist_options=DistOptions(replicas=2)) as ck:
+    ck = GDSCheckpointer(live, root=base / f"n{rank}", dist_options=DistOptions(replicas=2))
+    setup = slowest(time.perf_counter() - t0)
+    try:
+        dist.barrier()
+        t0 = time.perf_counter()
         got = ck.load(step, strict=False)
-    seconds = slowest(time.perf_counter() - t0)
+        seconds = slowest(time.perf_counter() - t0)
+    finally:
+        ck.close()
     assert got == step and all(torch.equal(live[k], v) for k, v in state.items()), "the load is not bit exact"
-    return seconds
+    return {"setup": setup, "load": seconds}
 
 
 def _lose_node(base: Path, node: int, lost: bool) -> None:
@@ -205,24 +216,60 @@ def _lose_node(base: Path, node: int, lost: bool) -> None:
         kept.rename(root)
 
 
+def _small_files(root: Path) -> dict[Path, bytes]:
+    """Every file of ``root`` but the data files (manifests, shards, markers): what a refill
+    rewrites (refill.py: the step's manifest names the replaced root afterwards)."""
+    return {f: f.read_bytes() for f in root.rglob("*") if f.is_file() and not f.name.startswith("data-")}
+
+
 def _restores(rank: int, world: int, base: Path, state: dict, step: int, rounds: int) -> dict:
     """Interleaved rounds of: gloo ring, cold read, local load, load with node 1 lost."""
     import torch.distributed as dist
 
     nbytes = sum(v.nbytes for v in state.values())
-    out: dict = {"gloo": [], "cold read": [], "local load": [], "from peers": []}
+    out: dict = {"gloo": [], "cold read": [], "local load": [], "from peers": [], "from peers, one round": [],
+                 "setup local": [], "setup peers": []}
+    # each load from peers refills node 1's empty root (closing the checkpointer waits for it) and
+    # names it in the step's manifest: every round puts the roots back as they were saved
+    kept = _small_files(base / f"n{rank}")
     for _ in range(rounds):
         out["gloo"].append(_gloo_ring(rank, world, nbytes))
         out["cold read"].append(_cold_read(base / f"n{rank}", step))
-        out["local load"].append(_timed_load(rank, base, state, step))
+        t = _timed_load(rank, base, state, step)
+        out["local load"].append(t["load"])
+        out["setup local"].append(t["setup"])
         if rank == 1:
             _lose_node(base, 1, True)
         dist.barrier()
-        out["from peers"].append(_timed_load(rank, base, state, step))
-        dist.barrier()
-        if rank == 1:
-            _lose_node(base, 1, False)
+        t = _timed_load(rank, base, state, step)
+        out["from peers"].append(t["load"])
+        out["setup peers"].append(t["setup"])
+        _put_back(rank, base, kept, lost=True)
+        fetch.STREAM_BYTES, streamed = 1 << 62, fetch.STREAM_BYTES  # every chunk read, then all sent (as before)
+        try:
+            out["from peers, one round"].append(_timed_load(rank, base, state, step)["load"])
+        finally:
+            fetch.STREAM_BYTES = streamed
+        _put_back(rank, base, kept, lost=False)
     return out
+
+
+def _put_back(rank: int, base: Path, kept: dict[Path, bytes], lost: bool) -> None:
+    """Collective: every root as saved (``kept``: its small files), node 1's root empty again if
+    ``lost``, else its own root back."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(base / "n1")
+        if lost:
+            (base / "n1").mkdir()
+        else:
+            (base / "n1.kept").rename(base / "n1")
+    else:
+        for f, data in kept.items():
+            f.write_bytes(data)
+    dist.barrier()
 
 
 def _model(train_size: int) -> tuple:
@@ -355,6 +402,23 @@ def spawn_ranks(target, world: int, base: Path, *args) -> dict:
     return json.loads((base / "result.json").read_text())
 
 
+def run_worlds(run_one, table_of, prefix: str, ranks: str, a: dict, where: str | None, json_path: str | None) -> dict:
+    """For each world size of ``ranks`` ("2,4"): ``run_one(world, base, a)`` in a temporary
+    directory (under ``where``; removed after), its ``table_of(world, result)`` printed; every
+    result written to ``json_path`` if given (benchmarks/parity.py too). Returns them by world."""
+    results = {}
+    for world in [int(w) for w in ranks.split(",")]:
+        base = Path(tempfile.mkdtemp(prefix=f"{prefix}-{world}-", dir=where))
+        try:
+            results[world] = run_one(world, base, a)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        print("\n".join(table_of(world, results[world])), flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1))
+    return results
+
+
 def _ratio(rows: dict, a: tuple[str, str], b: tuple[str, str]) -> float:
     return statistics.median(x[a[1]] / y[b[1]] for x, y in zip(rows[a[0]], rows[b[0]]))
 
@@ -387,17 +451,23 @@ def table(world: int, res: dict) -> list[str]:
 def restore_lines(res: dict) -> list[str]:
     """The restore and restart figures (module docstring)."""
     rs, gb = res["restore"], res["state_bytes"] / 1e9
-    rate = {k: statistics.median(gb / x for x in v) for k, v in rs.items()}
+    cases = ("local load", "from peers", "from peers, one round", "gloo", "cold read")
+    rate = {k: statistics.median(gb / x for x in rs[k]) for k in cases}
     floor = min(rate["gloo"], rate["cold read"])
-    ratios = [p / min(g, c) for p, g, c in zip(*([gb / x for x in rs[k]] for k in ("from peers", "gloo", "cold read")))]
+    ratios = {p: [a / min(g, c) for a, g, c in zip(*([gb / x for x in rs[k]] for k in (p, "gloo", "cold read")))]
+              for p in ("from peers", "from peers, one round")}
     rt = res["restart"]
-    return [f"  restore GB/s (state bytes / slowest rank's time): local load {rate['local load']:.2f}, "
-            f"from peers (node 1 lost) {rate['from peers']:.2f}; gloo loopback {rate['gloo']:.2f}, "
-            f"local cold read {rate['cold read']:.2f}",
+    return [f"  restore GB/s (state bytes / slowest rank's load call): local load {rate['local load']:.2f}, "
+            f"from peers (node 1 lost) {rate['from peers']:.2f} (read all, then send all: "
+            f"{rate['from peers, one round']:.2f}); gloo loopback {rate['gloo']:.2f}, local cold read "
+            f"{rate['cold read']:.2f}",
+            f"  restore set-up (a fresh checkpointer, s): local {statistics.median(rs['setup local']):.3f}, "
+            f"from peers {statistics.median(rs['setup peers']):.3f}",
             f"  restore from peers / local load:                      "
             f"{statistics.median(x / y for x, y in zip(rs['local load'], rs['from peers'])):.2f}",
-            f"  restore from peers / slower of gloo and cold read:    {statistics.median(ratios):.2f}  "
-            f"(goal >= 0.80; that floor {floor:.2f} GB/s)",
+            f"  restore from peers / slower of gloo and cold read:    {statistics.median(ratios['from peers']):.2f}  "
+            f"(goal >= 0.80; that floor {floor:.2f} GB/s; read all, then send all: "
+            f"{statistics.median(ratios['from peers, one round']):.2f})",
             f"  restart to first training step (spawn, load, one step): intact {statistics.median(rt['intact']):.2f} s, "
             f"node 1 lost {statistics.median(rt['node 1 lost']):.2f} s"]
 
@@ -417,16 +487,7 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     a = {"size": parse_size(ns.size), "rounds": ns.rounds, "train_size": parse_size(ns.train_size),
          "iters": ns.iters, "every": ns.every, "train_rounds": ns.train_rounds, "restore_rounds": ns.restore_rounds}
-    results = {}
-    for world in [int(w) for w in ns.ranks.split(",")]:
-        base = Path(tempfile.mkdtemp(prefix=f"gdswriter-replicas-{world}-", dir=ns.dir))
-        try:
-            results[world] = run(world, base, a)
-        finally:
-            shutil.rmtree(base, ignore_errors=True)
-        print("\n".join(table(world, results[world])), flush=True)
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(results, indent=1))
+    run_worlds(run, table, "gdswriter-replicas", ns.ranks, a, ns.dir, ns.json)
     return 0
 
 
