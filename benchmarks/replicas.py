@@ -44,6 +44,7 @@ Every simulated node shares this machine's disks and cores: a copy costs disk ti
 would not on a cluster, where each node's NVMe writes only its own bytes.
 
     .venv/bin/python benchmarks/replicas.py [--size 256M] [--ranks 2,4] [--rounds 3] [--restore-rounds 3] [--dir D]
+    .venv/bin/python benchmarks/replicas.py --restore-only [--size 256M] [--ranks 2,4] [--restore-rounds 5]
 """
 
 from __future__ import annotations
@@ -349,6 +350,8 @@ def worker(rank: int, world: int, port: int, base: str, a: dict, spawned: float 
         _join(rank, world, port)
         if spawned is not None:
             out = restart(rank, Path(base), a, spawned)
+        elif a.get("restore_only"):
+            out = _restore_only(rank, world, Path(base), a["size"], a["restore_rounds"])
         else:
             out = _saves(rank, world, Path(base), a["size"], a["rounds"], a["restore_rounds"])
             out.update(_train(rank, Path(base), a["train_size"], a["iters"], a["every"], a["train_rounds"]))
@@ -361,6 +364,16 @@ def worker(rank: int, world: int, port: int, base: str, a: dict, spawned: float 
     os._exit(0)
 
 
+def _restore_only(rank: int, world: int, base: Path, size: int, rounds: int) -> dict:
+    """--restore-only: one replicas=2 step (untimed), then the restore rounds alone."""
+    state = make_state(size)
+    with GDSCheckpointer(state, root=base / "replicas2" / f"n{rank}", dist_options=DistOptions(replicas=2)) as ck:
+        ck.save(1)
+        ck.wait_protected()
+    return {"state_bytes": sum(v.nbytes for v in state.values()),
+            "restore": _restores(rank, world, base / "replicas2", state, 1, rounds)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -370,6 +383,8 @@ def free_port() -> int:
 def run(world: int, base: Path, a: dict) -> dict:
     """The saves, restores and training loop; then the restarts (interleaved: intact, node 1 lost)."""
     res = spawn(world, base, a, None)
+    if a.get("restore_only"):
+        return res
     res["restart"] = {"intact": [], "node 1 lost": []}
     for _ in range(a["train_rounds"]):
         for case in res["restart"]:
@@ -424,6 +439,9 @@ def _ratio(rows: dict, a: tuple[str, str], b: tuple[str, str]) -> float:
 
 
 def table(world: int, res: dict) -> list[str]:
+    if "rows" not in res:  # --restore-only
+        return [f"{world} ranks, state {human(res['state_bytes'])} (every rank the same; each writes its share)",
+                *restore_lines(res)]
     rows, mb = res["rows"], res["state_bytes"] / 1e6
     med = {(c, k): statistics.median(x[k] for x in rows[c]) for c in CASES for k in rows[c][0]}
     lines = [f"{world} ranks, state {human(res['state_bytes'])} (every rank the same; each writes its share)",
@@ -456,8 +474,8 @@ def restore_lines(res: dict) -> list[str]:
     floor = min(rate["gloo"], rate["cold read"])
     ratios = {p: [a / min(g, c) for a, g, c in zip(*([gb / x for x in rs[k]] for k in (p, "gloo", "cold read")))]
               for p in ("from peers", "from peers, one round")}
-    rt = res["restart"]
-    return [f"  restore GB/s (state bytes / slowest rank's load call): local load {rate['local load']:.2f}, "
+    rt = res.get("restart")
+    lines = [f"  restore GB/s (state bytes / slowest rank's load call): local load {rate['local load']:.2f}, "
             f"from peers (node 1 lost) {rate['from peers']:.2f} (read all, then send all: "
             f"{rate['from peers, one round']:.2f}); gloo loopback {rate['gloo']:.2f}, local cold read "
             f"{rate['cold read']:.2f}",
@@ -467,9 +485,11 @@ def restore_lines(res: dict) -> list[str]:
             f"{statistics.median(x / y for x, y in zip(rs['local load'], rs['from peers'])):.2f}",
             f"  restore from peers / slower of gloo and cold read:    {statistics.median(ratios['from peers']):.2f}  "
             f"(goal >= 0.80; that floor {floor:.2f} GB/s; read all, then send all: "
-            f"{statistics.median(ratios['from peers, one round']):.2f})",
-            f"  restart to first training step (spawn, load, one step): intact {statistics.median(rt['intact']):.2f} s, "
-            f"node 1 lost {statistics.median(rt['node 1 lost']):.2f} s"]
+            f"{statistics.median(ratios['from peers, one round']):.2f})"]
+    if rt is not None:
+        lines.append(f"  restart to first training step (spawn, load, one step): intact "
+                     f"{statistics.median(rt['intact']):.2f} s, node 1 lost {statistics.median(rt['node 1 lost']):.2f} s")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -482,11 +502,13 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--train-rounds", type=int, default=2)
     ap.add_argument("--restore-rounds", type=int, default=3)
+    ap.add_argument("--restore-only", action="store_true", help="only the restore rounds (one untimed step)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     a = {"size": parse_size(ns.size), "rounds": ns.rounds, "train_size": parse_size(ns.train_size),
-         "iters": ns.iters, "every": ns.every, "train_rounds": ns.train_rounds, "restore_rounds": ns.restore_rounds}
+         "iters": ns.iters, "every": ns.every, "train_rounds": ns.train_rounds, "restore_rounds": ns.restore_rounds,
+         "restore_only": ns.restore_only}
     run_worlds(run, table, "gdswriter-replicas", ns.ranks, a, ns.dir, ns.json)
     return 0
 
