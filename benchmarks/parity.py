@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +33,7 @@ from gdswriter import DistOptions, GDSCheckpointer
 from gdswriter.format.commit import step_dir_name
 from gdswriter.planner.replicas import parity_groups
 from gdswriter.units import human, parse_size
-from replicas import make_state, spawn_ranks, timed_save  # this directory: run as a script
+from replicas import make_state, run_worlds, spawn_ranks, timed_save  # this directory: run as a script
 
 def drive_bytes(root: Path, world: int, step: int) -> dict:
     """The own files (data and shard) and the parity blocks of ``step`` on every rank's root."""
@@ -115,16 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     a = {"size": parse_size(ns.size), "rounds": ns.rounds, "group": ns.group}
-    results = {}
-    for world in [int(w) for w in ns.ranks.split(",")]:
-        base = Path(tempfile.mkdtemp(prefix=f"gdswriter-parity-{world}-", dir=ns.dir))
-        try:
-            results[world] = run(world, base, a)
-        finally:
-            shutil.rmtree(base, ignore_errors=True)
-        print("\n".join(table(world, results[world])), flush=True)
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(results, indent=1))
+    run_worlds(run, table, "gdswriter-parity", ns.ranks, a, ns.dir, ns.json)
     return 0
 
 

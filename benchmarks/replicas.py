@@ -21,15 +21,19 @@ and calls save_async every --every iterations, without a checkpointer (none), wi
 and with replicas=2 (interleaved, --train-rounds each); the overhead is the mean step time
 against none's, in points.
 
-Restore (interleaved, --restore-rounds each, on the last replicas=2 step): a fresh
-checkpointer on every rank loads the step into zeroed tensors, bit exact, with every root
-intact ("local load") and with node 1's root replaced by an empty one ("from peers": node 1's
-files are read from their copy on a peer and sent over gloo); each as state bytes per second of
-the slowest rank's load. Against: gloo's loopback throughput (every rank sends the state's size
-to the next rank and receives as much from the previous one, in PIECE_BYTES messages: bytes per
-second of the slowest), and the local cold read (every rank reads its own data files of the
-step with O_DIRECT, at once: the state's bytes per second of the slowest); the goal is a
-restore from peers of at least 0.8x the slower of the two.
+Restore (interleaved, --restore-rounds each, on the last replicas=2 step): every rank builds a
+fresh checkpointer (what a restarted job does anyway: "set-up", timed on its own) and loads the
+step into zeroed tensors, bit exact, with every root intact ("local load") and with node 1's root
+replaced by an empty one ("from peers": node 1's files are read from their copy on a peer and
+sent over gloo); each as state bytes per second of the slowest rank's load call (from a barrier
+after the set-up to the load's end: the engines a first load builds included, alike in both).
+Against, in the same rounds: gloo's loopback throughput (every rank sends the state's size to
+the next rank and receives as much from the previous one, in PIECE_BYTES messages: bytes per
+second of the slowest), and the local cold read (every rank reads its own data files of the step
+with O_DIRECT, at once: the state's bytes per second of the slowest); the goal is a restore from
+peers of at least 0.8x the slower of the two, round by round (medians). "read all, then send
+all" is the same restore with fetch.STREAM_BYTES unbounded (one round: every chunk read before
+any is sent, the schedule before the streaming), in the same rounds.
 
 Restart to the first training step: fresh ranks are spawned (a new process group), each opens
 the training loop's replicas=2 checkpointer, loads the newest step and trains one step; the
@@ -40,6 +44,7 @@ Every simulated node shares this machine's disks and cores: a copy costs disk ti
 would not on a cluster, where each node's NVMe writes only its own bytes.
 
     .venv/bin/python benchmarks/replicas.py [--size 256M] [--ranks 2,4] [--rounds 3] [--restore-rounds 3] [--dir D]
+    .venv/bin/python benchmarks/replicas.py --restore-only [--size 256M] [--ranks 2,4] [--restore-rounds 5]
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 
 from gdswriter import DistOptions, GDSCheckpointer  # noqa: E402
+from gdswriter.distributed import fetch  # noqa: E402
 from gdswriter.distributed.replicastream import PIECE_BYTES  # noqa: E402
 from gdswriter.engines.buffers import AlignedBufferPool  # noqa: E402
 from gdswriter.format.commit import step_dir_name  # noqa: E402
@@ -179,19 +185,25 @@ def _cold_read(root: Path, step: int) -> float:
     return seconds
 
 
-def _timed_load(rank: int, base: Path, state: dict, step: int) -> float:
-    """A fresh replicas=2 checkpointer loads ``step`` into zeroed tensors, bit exact; seconds
-    (slowest rank), from the barrier before the open to the load's end."""
+def _timed_load(rank: int, base: Path, state: dict, step: int) -> dict:
+    """A fresh replicas=2 checkpointer loads ``step`` into zeroed tensors, bit exact: seconds
+    (slowest rank) of its set-up (the constructor) and of the load call."""
     import torch.distributed as dist
 
     live = {k: torch.zeros_like(v) for k, v in state.items()}
     dist.barrier()
     t0 = time.perf_counter()
-    with GDSCheckpointer(live, root=base / f"n{rank}", dist_options=DistOptions(replicas=2)) as ck:
+    ck = GDSCheckpointer(live, root=base / f"n{rank}", dist_options=DistOptions(replicas=2))
+    setup = slowest(time.perf_counter() - t0)
+    try:
+        dist.barrier()
+        t0 = time.perf_counter()
         got = ck.load(step, strict=False)
-    seconds = slowest(time.perf_counter() - t0)
+        seconds = slowest(time.perf_counter() - t0)
+    finally:
+        ck.close()
     assert got == step and all(torch.equal(live[k], v) for k, v in state.items()), "the load is not bit exact"
-    return seconds
+    return {"setup": setup, "load": seconds}
 
 
 def _lose_node(base: Path, node: int, lost: bool) -> None:
@@ -205,24 +217,60 @@ def _lose_node(base: Path, node: int, lost: bool) -> None:
         kept.rename(root)
 
 
+def _small_files(root: Path) -> dict[Path, bytes]:
+    """Every file of ``root`` but the data files (manifests, shards, markers): what a refill
+    rewrites (refill.py: the step's manifest names the replaced root afterwards)."""
+    return {f: f.read_bytes() for f in root.rglob("*") if f.is_file() and not f.name.startswith("data-")}
+
+
 def _restores(rank: int, world: int, base: Path, state: dict, step: int, rounds: int) -> dict:
     """Interleaved rounds of: gloo ring, cold read, local load, load with node 1 lost."""
     import torch.distributed as dist
 
     nbytes = sum(v.nbytes for v in state.values())
-    out: dict = {"gloo": [], "cold read": [], "local load": [], "from peers": []}
+    out: dict = {"gloo": [], "cold read": [], "local load": [], "from peers": [], "from peers, one round": [],
+                 "setup local": [], "setup peers": []}
+    # each load from peers refills node 1's empty root (closing the checkpointer waits for it) and
+    # names it in the step's manifest: every round puts the roots back as they were saved
+    kept = _small_files(base / f"n{rank}")
     for _ in range(rounds):
         out["gloo"].append(_gloo_ring(rank, world, nbytes))
         out["cold read"].append(_cold_read(base / f"n{rank}", step))
-        out["local load"].append(_timed_load(rank, base, state, step))
+        t = _timed_load(rank, base, state, step)
+        out["local load"].append(t["load"])
+        out["setup local"].append(t["setup"])
         if rank == 1:
             _lose_node(base, 1, True)
         dist.barrier()
-        out["from peers"].append(_timed_load(rank, base, state, step))
-        dist.barrier()
-        if rank == 1:
-            _lose_node(base, 1, False)
+        t = _timed_load(rank, base, state, step)
+        out["from peers"].append(t["load"])
+        out["setup peers"].append(t["setup"])
+        _put_back(rank, base, kept, lost=True)
+        fetch.STREAM_BYTES, streamed = 1 << 62, fetch.STREAM_BYTES  # every chunk read, then all sent (as before)
+        try:
+            out["from peers, one round"].append(_timed_load(rank, base, state, step)["load"])
+        finally:
+            fetch.STREAM_BYTES = streamed
+        _put_back(rank, base, kept, lost=False)
     return out
+
+
+def _put_back(rank: int, base: Path, kept: dict[Path, bytes], lost: bool) -> None:
+    """Collective: every root as saved (``kept``: its small files), node 1's root empty again if
+    ``lost``, else its own root back."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 1:
+        shutil.rmtree(base / "n1")
+        if lost:
+            (base / "n1").mkdir()
+        else:
+            (base / "n1.kept").rename(base / "n1")
+    else:
+        for f, data in kept.items():
+            f.write_bytes(data)
+    dist.barrier()
 
 
 def _model(train_size: int) -> tuple:
@@ -302,6 +350,8 @@ def worker(rank: int, world: int, port: int, base: str, a: dict, spawned: float 
         _join(rank, world, port)
         if spawned is not None:
             out = restart(rank, Path(base), a, spawned)
+        elif a.get("restore_only"):
+            out = _restore_only(rank, world, Path(base), a["size"], a["restore_rounds"])
         else:
             out = _saves(rank, world, Path(base), a["size"], a["rounds"], a["restore_rounds"])
             out.update(_train(rank, Path(base), a["train_size"], a["iters"], a["every"], a["train_rounds"]))
@@ -314,6 +364,16 @@ def worker(rank: int, world: int, port: int, base: str, a: dict, spawned: float 
     os._exit(0)
 
 
+def _restore_only(rank: int, world: int, base: Path, size: int, rounds: int) -> dict:
+    """--restore-only: one replicas=2 step (untimed), then the restore rounds alone."""
+    state = make_state(size)
+    with GDSCheckpointer(state, root=base / "replicas2" / f"n{rank}", dist_options=DistOptions(replicas=2)) as ck:
+        ck.save(1)
+        ck.wait_protected()
+    return {"state_bytes": sum(v.nbytes for v in state.values()),
+            "restore": _restores(rank, world, base / "replicas2", state, 1, rounds)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -323,6 +383,8 @@ def free_port() -> int:
 def run(world: int, base: Path, a: dict) -> dict:
     """The saves, restores and training loop; then the restarts (interleaved: intact, node 1 lost)."""
     res = spawn(world, base, a, None)
+    if a.get("restore_only"):
+        return res
     res["restart"] = {"intact": [], "node 1 lost": []}
     for _ in range(a["train_rounds"]):
         for case in res["restart"]:
@@ -355,11 +417,31 @@ def spawn_ranks(target, world: int, base: Path, *args) -> dict:
     return json.loads((base / "result.json").read_text())
 
 
+def run_worlds(run_one, table_of, prefix: str, ranks: str, a: dict, where: str | None, json_path: str | None) -> dict:
+    """For each world size of ``ranks`` ("2,4"): ``run_one(world, base, a)`` in a temporary
+    directory (under ``where``; removed after), its ``table_of(world, result)`` printed; every
+    result written to ``json_path`` if given (benchmarks/parity.py too). Returns them by world."""
+    results = {}
+    for world in [int(w) for w in ranks.split(",")]:
+        base = Path(tempfile.mkdtemp(prefix=f"{prefix}-{world}-", dir=where))
+        try:
+            results[world] = run_one(world, base, a)
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        print("\n".join(table_of(world, results[world])), flush=True)
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1))
+    return results
+
+
 def _ratio(rows: dict, a: tuple[str, str], b: tuple[str, str]) -> float:
     return statistics.median(x[a[1]] / y[b[1]] for x, y in zip(rows[a[0]], rows[b[0]]))
 
 
 def table(world: int, res: dict) -> list[str]:
+    if "rows" not in res:  # --restore-only
+        return [f"{world} ranks, state {human(res['state_bytes'])} (every rank the same; each writes its share)",
+                *restore_lines(res)]
     rows, mb = res["rows"], res["state_bytes"] / 1e6
     med = {(c, k): statistics.median(x[k] for x in rows[c]) for c in CASES for k in rows[c][0]}
     lines = [f"{world} ranks, state {human(res['state_bytes'])} (every rank the same; each writes its share)",
@@ -387,19 +469,27 @@ def table(world: int, res: dict) -> list[str]:
 def restore_lines(res: dict) -> list[str]:
     """The restore and restart figures (module docstring)."""
     rs, gb = res["restore"], res["state_bytes"] / 1e9
-    rate = {k: statistics.median(gb / x for x in v) for k, v in rs.items()}
+    cases = ("local load", "from peers", "from peers, one round", "gloo", "cold read")
+    rate = {k: statistics.median(gb / x for x in rs[k]) for k in cases}
     floor = min(rate["gloo"], rate["cold read"])
-    ratios = [p / min(g, c) for p, g, c in zip(*([gb / x for x in rs[k]] for k in ("from peers", "gloo", "cold read")))]
-    rt = res["restart"]
-    return [f"  restore GB/s (state bytes / slowest rank's time): local load {rate['local load']:.2f}, "
-            f"from peers (node 1 lost) {rate['from peers']:.2f}; gloo loopback {rate['gloo']:.2f}, "
-            f"local cold read {rate['cold read']:.2f}",
+    ratios = {p: [a / min(g, c) for a, g, c in zip(*([gb / x for x in rs[k]] for k in (p, "gloo", "cold read")))]
+              for p in ("from peers", "from peers, one round")}
+    rt = res.get("restart")
+    lines = [f"  restore GB/s (state bytes / slowest rank's load call): local load {rate['local load']:.2f}, "
+            f"from peers (node 1 lost) {rate['from peers']:.2f} (read all, then send all: "
+            f"{rate['from peers, one round']:.2f}); gloo loopback {rate['gloo']:.2f}, local cold read "
+            f"{rate['cold read']:.2f}",
+            f"  restore set-up (a fresh checkpointer, s): local {statistics.median(rs['setup local']):.3f}, "
+            f"from peers {statistics.median(rs['setup peers']):.3f}",
             f"  restore from peers / local load:                      "
             f"{statistics.median(x / y for x, y in zip(rs['local load'], rs['from peers'])):.2f}",
-            f"  restore from peers / slower of gloo and cold read:    {statistics.median(ratios):.2f}  "
-            f"(goal >= 0.80; that floor {floor:.2f} GB/s)",
-            f"  restart to first training step (spawn, load, one step): intact {statistics.median(rt['intact']):.2f} s, "
-            f"node 1 lost {statistics.median(rt['node 1 lost']):.2f} s"]
+            f"  restore from peers / slower of gloo and cold read:    {statistics.median(ratios['from peers']):.2f}  "
+            f"(goal >= 0.80; that floor {floor:.2f} GB/s; read all, then send all: "
+            f"{statistics.median(ratios['from peers, one round']):.2f})"]
+    if rt is not None:
+        lines.append(f"  restart to first training step (spawn, load, one step): intact "
+                     f"{statistics.median(rt['intact']):.2f} s, node 1 lost {statistics.median(rt['node 1 lost']):.2f} s")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -412,21 +502,14 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--train-rounds", type=int, default=2)
     ap.add_argument("--restore-rounds", type=int, default=3)
+    ap.add_argument("--restore-only", action="store_true", help="only the restore rounds (one untimed step)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     a = {"size": parse_size(ns.size), "rounds": ns.rounds, "train_size": parse_size(ns.train_size),
-         "iters": ns.iters, "every": ns.every, "train_rounds": ns.train_rounds, "restore_rounds": ns.restore_rounds}
-    results = {}
-    for world in [int(w) for w in ns.ranks.split(",")]:
-        base = Path(tempfile.mkdtemp(prefix=f"gdswriter-replicas-{world}-", dir=ns.dir))
-        try:
-            results[world] = run(world, base, a)
-        finally:
-            shutil.rmtree(base, ignore_errors=True)
-        print("\n".join(table(world, results[world])), flush=True)
-    if ns.json:
-        Path(ns.json).write_text(json.dumps(results, indent=1))
+         "iters": ns.iters, "every": ns.every, "train_rounds": ns.train_rounds, "restore_rounds": ns.restore_rounds,
+         "restore_only": ns.restore_only}
+    run_worlds(run, table, "gdswriter-replicas", ns.ranks, a, ns.dir, ns.json)
     return 0
 
 

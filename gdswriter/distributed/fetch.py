@@ -11,7 +11,9 @@ read and the roots it sees (a gather), and it sends each rank its own moves alon
 whatever the world size. Before any rank allocates a buffer, each rank checks the files it
 reads against their recorded sizes and all ranks agree on the outcome, so a manifest claiming
 more than its files hold is refused before it costs memory anywhere. Chunks are checked
-against their crc32c where they are read, and again where they arrive. All ranks agree on
+against their crc32c where they are read, and again where they arrive; the chunks read for
+others go in rounds of STREAM_BYTES per pair of ranks, a round sent while the next is read
+(``stream_chunks``), so a restore from a copy on a peer reads and sends at once. All ranks agree on
 failure: if one fails, all raise. A caller may name storages to read in place (``into``: the
 DCP reader hands DCP's own target tensors, saving a buffer and a copy); those are the only
 memory a failed fetch can leave partly written.
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import errno
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
@@ -33,8 +36,10 @@ from ..format.manifest import ChunkRecord, Manifest
 from ..load.reader import check_step_files, host_buffer
 from .group import Coordinator, Transfer
 from .ownplan import Move
-from .readexec import ChunkCheck, ReadPlan, check_chunks, chunk_range, execute, send_moves
+from .readexec import ChunkCheck, RangeRead, ReadPlan, check_chunks, chunk_range, execute, send_moves
 from .roots import RootLayout
+
+STREAM_BYTES = 32 << 20  # per pair of ranks, the chunk bytes of one round: sent while the next are read
 
 
 @dataclass(frozen=True)
@@ -86,8 +91,8 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
     ``into`` gives the buffer of some storages (flat uint8 CPU tensors of their nbytes, e.g. the
     caller's live tensors): those are filled in place, and a failure may leave them partly
     written (the hints of the errors say so). The reads are one plan (``fetch_plan``) carried
-    out by readexec.py's executor; the chunks read for other ranks travel in one round of moves
-    and are checked where they arrive.
+    out by readexec.py's executor; the chunks read for other ranks travel in rounds while the next
+    are read (``stream_chunks``) and are checked where they arrive.
 
     ``alone`` (the same on every rank): every rank reaches every root of ``m`` and the caller's
     own protocol tells every rank of a failure (DCP's gather of read_data's outcomes): then
@@ -120,11 +125,12 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
         error = e
     coord.agree(error, f"{what} (checking the data files)", hint="the live state was not changed")
     plan = fetch_plan(m, needed, local, [(s, ci) for _, src, _, s, ci in moves if src == rank])
-    out = execute(plan, reach.paths, engine, verify=verify, alloc=alloc, given=into)
-    coord.agree(out.error, f"{what} (reading)", hint=untouched)
-    error = _pass_chunks(coord, m, moves, out.buffers, verify=verify, what=what)
-    coord.agree(error, f"{what} (checking received chunks)", hint=untouched)
-    return {s: out.buffers[s] for s in needed}
+    buffers: dict = dict(into)
+    read_error, check_error = stream_chunks(coord, m, plan, moves, reach, buffers, engine, verify=verify,
+                                            alloc=alloc, what=what)
+    coord.agree(read_error, f"{what} (reading)", hint=untouched)
+    coord.agree(check_error, f"{what} (checking received chunks)", hint=untouched)
+    return {s: buffers[s] for s in needed}
 
 
 def split_reached(m: Manifest, reach: Reach, needed: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
@@ -180,23 +186,118 @@ def locate_chunks(coord: Coordinator, m: Manifest, reach: Reach, remote: list[li
     return [tuple(x) for x in part["moves"]]  # type: ignore[misc]
 
 
-def _pass_chunks(coord: Coordinator, m: Manifest, moves: Sequence[tuple[int, int, int, int, int]],
-                 buffers: Mapping[Hashable, torch.Tensor], *, verify: bool, what: str) -> BaseException | None:
-    """The chunks of ``moves`` from their readers to the ranks that need them (one round), and
-    those this rank received checked against their crc32c: the first mismatch, or None."""
+def stream_rounds(m: Manifest, moves: Sequence[tuple[int, int, int, int, int]],
+                  limit: int) -> list[list[tuple[int, int, int, int, int]]]:
+    """``moves`` (this rank's part of a fetch: (tag, src, dst, storage, chunk)) in rounds: the
+    moves between two ranks, in tag order, go ``limit`` bytes to a round. Both ranks of a pair
+    derive the same rounds from the moves they share, so round k's sends meet round k's
+    receives whatever the other pairs hold: no order of ranks can deadlock."""
+    sent: dict[tuple[int, int], int] = {}
+    rounds: list[list[tuple[int, int, int, int, int]]] = []
+    for move in sorted(moves):
+        _, src, dst, s, ci = move
+        k = sent.get((src, dst), 0) // max(limit, 1)
+        sent[(src, dst)] = sent.get((src, dst), 0) + m.storages[s].chunks[ci].length
+        rounds.extend([] for _ in range(k + 1 - len(rounds)))
+        rounds[k].append(move)
+    return rounds
+
+
+def _work_by_round(m: Manifest, plan: ReadPlan, rounds: Sequence[Sequence[tuple[int, int, int, int, int]]],
+                   rank: int) -> list[tuple[list[tuple[Hashable, int]], ReadPlan]]:
+    """Per round, then once more for what no round needs: the buffers of ``plan`` first used
+    there (sent from, received or read into) and the reads of ``plan`` whose chunks this rank
+    sends there first (the others in the last); each round's done before it runs."""
+    first: dict[tuple, int] = {}
+    use: dict[Hashable, int] = {}
+    for k, moves in enumerate(rounds):
+        for _, src, _dst, s, ci in moves:
+            c = m.storages[s].chunks[ci]
+            if src == rank:
+                first.setdefault((("to", s, ci), 0), k)
+                first.setdefault((s, c.storage_offset), k)
+                use.setdefault(("to", s, ci), k)
+            use.setdefault(s, k)
+    groups: list[list[RangeRead]] = [[] for _ in range(len(rounds) + 1)]
+    for r in plan.reads:
+        k = first.get((r.dest, r.dest_offset), len(rounds))
+        groups[k].append(r)
+        use[r.dest] = min(use.get(r.dest, k), k)
+    allocs: list[list[tuple[Hashable, int]]] = [[] for _ in groups]
+    for key, nbytes in plan.buffers:
+        allocs[use.get(key, len(rounds))].append((key, nbytes))
+    return [(a, replace(plan, reads=tuple(g), buffers=())) for a, g in zip(allocs, groups)]
+
+
+def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequence[tuple[int, int, int, int, int]],
+                  reach: Reach, buffers: dict, engine: IOEngine, *, verify: bool,
+                  alloc: Callable[[int], torch.Tensor], what: str
+                  ) -> tuple[BaseException | None, BaseException | None]:
+    """Collective: ``plan`` carried out into ``buffers`` while the chunks of ``moves`` go from
+    their readers to the ranks that need them. A thread allocates the buffers (``alloc``; those
+    ``buffers`` lacks) and reads the chunks of each round (``stream_rounds``: STREAM_BYTES per
+    pair) through ``engine``, each checked against its crc32c as it is read, while the rounds
+    already there travel and each round received is checked against its crc32c. Every round is
+    sent and received even after a failed allocation or read (from and into what the buffers
+    hold then, or scratch: the rank's failure is agreed on first, and no rank uses those bytes),
+    so no rank waits for a message that never comes. Returns (this rank's failure allocating or
+    reading, the first received chunk that fails its check)."""
+    rank = coord.rank
+    rounds = stream_rounds(m, moves, STREAM_BYTES)
+    work = _work_by_round(m, plan, rounds, rank)
+    ready = [threading.Event() for _ in work]
+    failed: list[BaseException] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        for (todo, part), event in zip(work, ready):
+            if not failed and not stop.is_set():
+                try:
+                    for key, nbytes in todo:
+                        if key not in buffers:
+                            buffers[key] = alloc(nbytes)
+                except Exception as e:  # noqa: BLE001 - the caller agrees on it
+                    failed.append(e)
+                    continue
+                out = execute(part, reach.paths, engine, verify=verify, given=buffers)
+                if out.error is not None:
+                    failed.append(out.error)
+            event.set()
+
+    worker = threading.Thread(target=run, name="gdswriter-fetch", daemon=True)
+    worker.start()
+    check_error: BaseException | None = None
+    tags: dict[tuple[int, int], int] = {}
+    try:
+        for k, moves_k in enumerate(rounds):
+            ready[k].wait()
+            error = _pass_round(coord, m, moves_k, buffers, tags, verify=verify and not failed and check_error is None,
+                                what=f"{what} (sending chunks, round {k + 1} of {len(rounds)})")
+            check_error = check_error or error
+    finally:
+        stop.set()
+        worker.join()
+    return (failed[0] if failed else None), check_error
+
+
+def _pass_round(coord: Coordinator, m: Manifest, moves: Sequence[tuple[int, int, int, int, int]],
+                buffers: Mapping[Hashable, torch.Tensor], tags: dict[tuple[int, int], int], *, verify: bool,
+                what: str) -> BaseException | None:
+    """One round of chunk moves from their readers to the ranks that need them, and those this
+    rank received checked against their crc32c: the first mismatch, or None."""
     rank = coord.rank
     views: dict[int, torch.Tensor] = {}  # per move this rank takes part in: what it sends or receives into
     checks = []
     for tag, src, dst, s, ci in moves:
         c = m.storages[s].chunks[ci]
         if rank == src:
-            views[tag] = buffers[("to", s, ci)] if ("to", s, ci) in buffers else _slice(buffers[s], c)
+            views[tag] = buffers[("to", s, ci)] if ("to", s, ci) in buffers else _slice(buffers.get(s), c)
         elif rank == dst:
-            views[tag] = _slice(buffers[s], c)
+            views[tag] = _slice(buffers.get(s), c)
             checks.append(ChunkCheck(s, c.storage_offset, c.length, c.crc32c, f"<chunk received from rank {src}>",
                                      f"<storage {s}>", c.file_offset))
     send_moves(coord, [Move(src, dst, tag, 0, m.storages[s].chunks[ci].length) for tag, src, dst, s, ci in moves],
-               views, {}, f"{what} (sending chunks)")
+               views, tags, what)
     try:
         if verify:
             check_chunks(checks, buffers)
@@ -257,5 +358,9 @@ def assign_readers(m: Manifest, asks: Sequence[dict], what: str) -> list[list[li
     return parts
 
 
-def _slice(buf: torch.Tensor, c: ChunkRecord) -> torch.Tensor:
+def _slice(buf: torch.Tensor | None, c: ChunkRecord) -> torch.Tensor:
+    """Chunk ``c``'s bytes in its storage's buffer; scratch where the buffer could not be made
+    (the rank's failure is agreed on before any rank uses what it sent or received)."""
+    if buf is None:
+        return torch.empty(c.length, dtype=torch.uint8)
     return buf[c.storage_offset:c.storage_offset + c.length]

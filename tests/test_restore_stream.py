@@ -1,0 +1,115 @@
+"""A restore from a copy on a peer streams (distributed/fetch.py ``stream_chunks``): the chunks
+read for other ranks go in rounds of fetch.STREAM_BYTES per pair of ranks, a round sent while
+the next is read. Real gloo ranks (each its own host and node-local root), real replicas=2
+saves; small rounds here so that a step takes several."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.models import small_options
+from support.ranks import caught, run_ranks
+
+MiB = 1 << 20
+ROUND = 1 * MiB  # fetch.STREAM_BYTES in the ranks: rank 1's copy (6 MiB of data) takes several rounds
+
+
+def state(step: int) -> dict:
+    """Three 4 MiB tensors, the same on every rank (each rank writes its share)."""
+    g = torch.Generator().manual_seed(700 + step)
+    return {f"t{i}": torch.randn(MiB, generator=g) for i in range(3)}
+
+
+def open_node(base: str, rank: int, live: dict):
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    return GDSCheckpointer(live, root=Path(base, f"n{rank}"), options=small_options(),
+                           dist_options=DistOptions(replicas=2, timeout_s=60))
+
+
+def save_steps(rank: int, world: int, base: str) -> None:
+    """Steps 1 and 2, each protected (its copies on the peer)."""
+    live = state(1)
+    with open_node(base, rank, live) as ck:
+        ck.save(1)
+        assert ck.wait_protected() == 1
+        for k, v in state(2).items():
+            live[k].copy_(v)
+        ck.save(2)
+        assert ck.wait_protected() == 2
+
+
+def load_streamed(rank: int, world: int, base: str, fallback: bool) -> dict:
+    """Load the latest step into zeroed tensors with fetch.STREAM_BYTES = ROUND: {"got": [step,
+    bit exact] or the error, "untouched": whether the live tensors are still zeros}."""
+    from gdswriter.distributed import fetch
+
+    fetch.STREAM_BYTES = ROUND
+    live = {k: torch.zeros_like(v) for k, v in state(1).items()}
+    got: list = []
+
+    def load() -> None:
+        with open_node(base, rank, live) as ck:
+            got.append(ck.load(fallback=fallback))
+
+    err = caught(load)
+    untouched = all(not t.any() for t in live.values())
+    if err:
+        return {"got": err, "untouched": untouched}
+    want = state(got[0])
+    return {"got": [got[0], all(torch.equal(live[k].view(torch.int32), want[k].view(torch.int32)) for k in want)],
+            "untouched": untouched}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("saved")
+    run_ranks(2, save_steps, str(base), out=base / "out")
+    return base
+
+
+@pytest.fixture()
+def job(saved, tmp_path) -> Path:
+    """A fresh copy of the saved roots (their ids travel with them), node 1 replaced by an empty root."""
+    base = tmp_path / "job"
+    shutil.copytree(saved / "n0", base / "n0")
+    (base / "n1").mkdir()
+    return base
+
+
+def copy_of_rank1(job: Path, step: int) -> Path:
+    return next((job / "n0" / f"step_{step:012d}" / "copies" / "rank00001").glob("data-rank1-*.bin"))
+
+
+def test_node_replaced_restores_in_rounds_bit_exact(job):
+    """Rank 1's files read from their copy on node 0 and streamed to rank 1 in 1 MiB rounds: both
+    ranks load the newest step bit exact."""
+    out = run_ranks(2, load_streamed, str(job), False, out=job / "out")
+    assert [x["got"] for x in out] == [[2, True]] * 2, out
+
+
+def test_damage_late_in_the_stream_fails_every_rank_at_once_and_changes_nothing(job):
+    """A flipped byte three quarters into the copy of rank 1's data file (a late round: the rounds
+    before it already sent): every rank raises a typed error (the copy named; no rank waits out
+    the timeout for rounds the reader never read), no live tensor changed; load(fallback=True)
+    loads step 1 from its intact copy, bit exact."""
+    path = copy_of_rank1(job, 2)
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x40
+    path.write_bytes(bytes(data))
+    out = run_ranks(2, load_streamed, str(job), False, out=job / "out")
+    for x in out:
+        assert x["untouched"], x
+        assert x["got"][0] in ("CorruptCheckpointError", "RankFailedError"), x
+        assert "CollectiveFailedError" not in x["got"][1], x
+    kind, msg = out[0]["got"]
+    assert kind == "CorruptCheckpointError" and "no good copy of rank 1's files" in msg, out
+    older = run_ranks(2, load_streamed, str(job), True, out=job / "out2")
+    assert [x["got"] for x in older] == [[1, True]] * 2, older
