@@ -239,8 +239,11 @@ def test_tensor_counts_beside_fastpersist_and_torch(tmp_path, monkeypatch):
         forget()
     assert res.methods == ("deepspeed", "torch", "dcp") and res.skipped == {} and res.labels == ("gdswriter",)
     assert len(notes) == bench.count_steps((4, 200), 2, n_cases=5)
-    assert [n.split(": ")[1] for n in notes[:5]] == ["ceiling", "gdswriter", "deepspeed", "torch", "dcp"]
-    assert [n.split(": ")[1] for n in notes[5:10]] == ["gdswriter", "deepspeed", "torch", "dcp", "ceiling"]
+    cases = [n.split(": ")[1].split(" (")[0] for n in notes]
+    assert cases[:10] == ["ceiling", "gdswriter", "deepspeed", "torch", "dcp",
+                          "gdswriter", "deepspeed", "torch", "dcp", "ceiling"], notes
+    assert notes[0].startswith("4 tensors, round 1: ceiling (write ") and notes[0].endswith(" GB/s)"), notes
+    assert "(first save " in notes[1] and ", second save " in notes[1] and ", load " in notes[1], notes
     for n in (4, 200):
         for case in ("gdswriter first save", "gdswriter second save", "gdswriter load", "deepspeed save",
                      "deepspeed load", "torch save", "torch load", "dcp save", "dcp load"):

@@ -994,17 +994,17 @@ class _CountRounds:
         self.gbps.setdefault((n, case), []).append(value)
 
     def run(self, case: str, n: int, r: int, state: dict) -> None:
+        """Case ``case`` of round ``r``; ``step`` gets "<n> tensors, round <r>: <case> (<GB/s each>)"."""
         if case == "ceiling":
             quiesce()
             ref = builtin_reference(self.work / "ceiling.bin", state_nbytes(state), self.pattern, self.cache)
             self.ceiling = ref.name
-            self.add(n, "ceiling write", ref.write_bps / 1e9)
-            self.add(n, "ceiling read", ref.read_bps / 1e9)
+            got = {"write": ref.write_bps / 1e9, "read": ref.read_bps / 1e9}
         elif case in self.trees:
-            for what, v in self.trees[case](state, self.work / f"gds-{n}-{r}").items():
-                self.add(n, f"{case} {what}", v)
+            got = self.trees[case](state, self.work / f"gds-{n}-{r}")
         else:
             path = self.work / f"{case}-{n}-{r}"
-            for what, v in method_counts_round(case, state, path, self.fastpersist, settle_s=self.settle_s).items():
-                self.add(n, f"{case} {what}", v)
-        self.step(f"{n} tensors, round {r + 1}: {case}")
+            got = method_counts_round(case, state, path, self.fastpersist, settle_s=self.settle_s)
+        for what, v in got.items():
+            self.add(n, f"{case} {what}", v)
+        self.step(f"{n} tensors, round {r + 1}: {case} ({', '.join(f'{k} {v:.3f}' for k, v in got.items())} GB/s)")
