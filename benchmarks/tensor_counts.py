@@ -90,7 +90,7 @@ class TreeWorker:
 
     def __init__(self, tree: Path, settle_s: float, device: str) -> None:
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        self.settle_s, self.device = settle_s, device
+        self.tree, self.settle_s, self.device = tree, settle_s, device
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
 
@@ -102,8 +102,8 @@ class TreeWorker:
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
                 return json.loads(line[len("RESULT "):])
-        raise RuntimeError(f"the worker for PYTHONPATH={self.proc.args} ended (exit {self.proc.wait()}): see its "
-                           f"stderr above")
+        raise RuntimeError(f"the worker measuring {self.tree} ended (exit {self.proc.wait()}): see its stderr above "
+                           f"(is it a gdswriter checkout?)")
 
     def close(self) -> None:
         self.proc.stdin.close()
