@@ -53,8 +53,12 @@ def worker() -> None:
     loaded into that gdswriter package). One JSON request per stdin line, one "RESULT" line back."""
     import importlib.util
 
-    import gdswriter.tools  # noqa: F401 - the package the harness's relative imports resolve in
+    import gdswriter.tools  # the package the harness's relative imports resolve in
 
+    tree = Path(os.environ["PYTHONPATH"]).resolve()
+    if not Path(gdswriter.tools.__file__).resolve().is_relative_to(tree):
+        sys.exit(f"tensor_counts.py --worker: gdswriter comes from {gdswriter.tools.__file__}, not from {tree}")
+    print(f"worker: gdswriter from {Path(gdswriter.tools.__file__).parent.parent}", file=sys.stderr, flush=True)
     spec = importlib.util.spec_from_file_location("gdswriter.tools.bench_harness",
                                                   HERE.parent / "gdswriter" / "tools" / "bench.py")
     harness = importlib.util.module_from_spec(spec)
@@ -89,6 +93,8 @@ class TreeWorker:
     called as run_counts's round function (state, root) -> GB/s per case."""
 
     def __init__(self, tree: Path, settle_s: float, device: str) -> None:
+        if not (tree / "gdswriter" / "__init__.py").is_file():
+            sys.exit(f"--tree {tree}: not a gdswriter checkout (no gdswriter/__init__.py there)")
         env = {**os.environ, "PYTHONPATH": str(tree)}
         self.tree, self.settle_s, self.device = tree, settle_s, device
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
