@@ -912,14 +912,14 @@ class CountResult:
             cols = self.columns(kind)
             rows = [["tensors", *[h for h, _ in cols]]]
             for n in self.counts:
-                rows.append([self._row(n), *[f"{med(self.gbps[n, k]):.2f}" + ("" if k.startswith("ceiling") else
-                                         f" ({self.ratio(n, k):.2f}x)") for _, k in cols]])
+                rows.append([self._row(n), *[_fig(med(self.gbps[n, k])) + ("" if k.startswith("ceiling") else
+                                         f" ({_fig(self.ratio(n, k))}x)") for _, k in cols]])
             widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
             lines += [""] + ["  " + "  ".join(c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]
         for lab in self.labels:
             for m in self.methods:
                 lines.append(f"  {lab} first save / {COUNT_NAMES[m][0]}: " + ", ".join(
-                    f"{n:,} tensors {self.ratio(n, f'{lab} first save', f'{m} save'):.2f}x" for n in self.counts))
+                    f"{n:,} tensors {_fig(self.ratio(n, f'{lab} first save', f'{m} save'))}x" for n in self.counts))
         lines += [f"  skipped {m}: {why}" for m, why in self.skipped.items()]
         return lines
 
@@ -938,6 +938,11 @@ class CountResult:
                                                         {"x_ceiling": self.ratio(n, case)})}
                                     for (c, case), v in self.gbps.items() if c == n}
                            for n in self.counts}}
+
+
+def _fig(v: float) -> str:
+    """Two decimals, three below 0.1 (a CPU-bound case on a loaded machine is not 0.00)."""
+    return f"{v:.2f}" if v >= 0.1 else f"{v:.3f}"
 
 
 def count_steps(counts: Sequence[int], rounds: int, n_cases: int = 2) -> int:
