@@ -264,6 +264,22 @@ def test_tensor_counts_skip_fastpersist_with_the_reason(tmp_path, monkeypatch):
         bench.run_counts(tmp_path, counts=(3,), compare=("safetensors",))
 
 
+def test_a_count_load_that_does_not_restore_fails_the_run(tmp_path, monkeypatch):
+    """run_counts checks every method's load: a torch.load that hands back a spoiled tensor stops
+    the run (its figures would be meaningless), and the run's files are removed."""
+    real = torch.load
+
+    def spoiled(*args, **kwargs):
+        sd = real(*args, **kwargs)
+        sd["g0"]["t0"].fill_(-1.0)
+        return sd
+
+    monkeypatch.setattr(torch, "load", spoiled)
+    with pytest.raises(LoadCheckError, match="torch.load did not restore"):
+        bench.run_counts(tmp_path, counts=(3,), size=64 * 1024, rounds=1, settle_s=0, compare=("torch",))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bench_shows_the_many_tensor_case_beside_the_few_large_tensors_by_default(capsys, tmp_path):
     """Without --tensors, `gdswriter bench` adds the many-tensor table (64 and 10,000 tensors) after
     the methods' table of the model + AdamW state (a few large tensors)."""
