@@ -1,15 +1,31 @@
-"""At the disk's ceiling with any number of tensors? 256 MiB as 64 and as 10,000 tensors (a
-nested dict), in interleaved rounds with the disk's ceiling (the built-in O_DIRECT loop, same
-bytes): a fresh checkpointer's first save, its second save (both durable) and a cold load
-(files evicted first). Medians of GB/s and of per-round ratios to the ceiling
-(gdswriter/tools/bench.py ``run_counts``, as ``gdswriter bench`` shows it).
+"""At the disk's ceiling with any number of tensors, and ahead of FastPersist? 256 MiB as 64,
+10,000 and 100,000 tensors (a nested dict), in interleaved rounds with the disk's ceiling (the
+built-in O_DIRECT loop, same bytes): gdswriter (a fresh checkpointer's first save, its second
+save, both durable, and a cold load), DeepSpeed's FastPersist (``torch.save`` into its
+FastFileWriter over libaio, as its fast checkpoint engine does, + fsync; loaded with torch.load),
+torch.save + fsync, and optionally DCP. Medians of GB/s and of per-round ratios to the ceiling
+(gdswriter/tools/bench.py ``run_counts``, as ``gdswriter bench`` shows gdswriter's part).
+FastPersist is skipped with the reason where DeepSpeed or its async_io op cannot be built
+(libaio-dev); the op JIT-compiles on first use (about a minute, before the first round).
+
+``--tree LABEL=PATH`` (repeatable): gdswriter from each of these checkouts instead of this
+one, each in a worker process (PYTHONPATH=PATH) driven round by round, interleaved with the
+rest: before / after in one command (``--tree before=/work/main --tree after=.``).
+
+``--device cuda``: the state on the GPU (FastPersist's own setting: torch.save copies each
+tensor to the host; gdswriter saves from the device).
 
 ``--profile N``: instead, profile a first and a second save of N tensors (cProfile, per
 thread: the calling thread, the save thread, the pool's copier and the writers; the save
 thread is let go idle before each, so that a new one starts under the profiler) and a load,
 and print the top entries of each by own time.
 
-    .venv/bin/python benchmarks/tensor_counts.py [--counts 64,10000] [--size 256M] [--rounds 3] [--dir D]
+The issue's table, before and after, in one command:
+
+    .venv/bin/python benchmarks/tensor_counts.py --counts 64@2G,10000,100000 --tree before=/work/main --tree after=.
+
+    .venv/bin/python benchmarks/tensor_counts.py [--counts 64,10000,100000] [--size 256M] [--rounds 3]
+        [--compare deepspeed,torch[,dcp]] [--device cpu|cuda] [--tree LABEL=PATH ...] [--dir D] [--json]
     .venv/bin/python benchmarks/tensor_counts.py --profile 10000 [--top 15]
 """
 
@@ -19,21 +35,85 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+
+
+def worker() -> None:
+    """``--worker``: gdswriter's rounds for a parent run, with the gdswriter on PYTHONPATH (another
+    checkout's) measured by this checkout's harness (bench.py's ``gdswriter_counts_round``,
+    loaded into that gdswriter package). One JSON request per stdin line, one "RESULT" line back."""
+    import importlib.util
+
+    import gdswriter.tools  # the package the harness's relative imports resolve in
+
+    tree = Path(os.environ["PYTHONPATH"]).resolve()
+    if not Path(gdswriter.tools.__file__).resolve().is_relative_to(tree):
+        sys.exit(f"tensor_counts.py --worker: gdswriter comes from {gdswriter.tools.__file__}, not from {tree}")
+    print(f"worker: gdswriter from {Path(gdswriter.tools.__file__).parent.parent}", file=sys.stderr, flush=True)
+    spec = importlib.util.spec_from_file_location("gdswriter.tools.bench_harness",
+                                                  HERE.parent / "gdswriter" / "tools" / "bench.py")
+    harness = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = harness
+    spec.loader.exec_module(harness)
+    state, key = None, None
+    for line in sys.stdin:
+        req = json.loads(line)
+        if key != (req["count"], req["size"]):
+            state, key = None, (req["count"], req["size"])
+            state = harness.tensor_state(req["count"], req["size"], req["device"])
+        got = harness.gdswriter_counts_round(state, Path(req["root"]), settle_s=req["settle"])
+        print("RESULT " + json.dumps(got), flush=True)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    worker()
+    sys.exit(0)
+
+sys.path.insert(0, str(HERE))
 import _util  # noqa: E402,F401
 
 from gdswriter import GDSCheckpointer  # noqa: E402
 from gdswriter.save.pool import release_kept_pool  # noqa: E402
 from gdswriter.save.queue import WORKER_IDLE_S  # noqa: E402
-from gdswriter.tools.bench import run_counts, tensor_state  # noqa: E402
+from gdswriter.tools.bench import run_counts, state_nbytes, tensor_state  # noqa: E402
 from gdswriter.units import parse_size  # noqa: E402
+
+
+class TreeWorker:
+    """gdswriter's rounds from another checkout: a ``--worker`` process with PYTHONPATH=tree,
+    called as run_counts's round function (state, root) -> GB/s per case."""
+
+    def __init__(self, tree: Path, settle_s: float, device: str) -> None:
+        if not (tree / "gdswriter" / "__init__.py").is_file():
+            sys.exit(f"--tree {tree}: not a gdswriter checkout (no gdswriter/__init__.py there)")
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.tree, self.settle_s, self.device = tree, settle_s, device
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+
+    def __call__(self, state: dict, root: Path) -> dict[str, float]:
+        count = sum(len(g) for g in state.values())  # the same state again: tensor_state(count, its bytes)
+        req = {"count": count, "size": state_nbytes(state), "root": str(root), "settle": self.settle_s, "device": self.device}
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        raise RuntimeError(f"the worker measuring {self.tree} ended (exit {self.proc.wait()}): see its stderr above "
+                           f"(is it a gdswriter checkout?)")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 class ThreadProfiles:
@@ -102,9 +182,15 @@ def profile(n: int, size: int, top: int, directory: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--counts", default="64,10000", help="tensor counts (default 64,10000)")
+    ap.add_argument("--counts", default="64,10000,100000",
+                    help="tensor counts, each with @SIZE where not --size, e.g. 64@2G,10000 (default 64,10000,100000)")
     ap.add_argument("--size", default="256M", help="bytes of state for every count (default 256M)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--compare", default="deepspeed,torch",
+                    help="methods beside gdswriter, from deepspeed,torch,dcp (default deepspeed,torch; '' none)")
+    ap.add_argument("--device", default="cpu", help="where the state lives (cpu, cuda)")
+    ap.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
+                    help="measure gdswriter from this checkout (repeatable), in a worker process each")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds to wait after a sync before a cold load")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--json", action="store_true", help="also print every round's figures as JSON")
@@ -115,9 +201,21 @@ def main() -> None:
     if a.profile:
         profile(a.profile, size, a.top, a.dir)
         return
-    counts = [int(x) for x in a.counts.split(",") if x.strip()]
-    with tempfile.TemporaryDirectory(dir=a.dir) as d:
-        result = run_counts(Path(d), counts=counts, size=size, rounds=a.rounds, settle_s=a.settle)
+    counts = [int(x.partition("@")[0]) for x in a.counts.split(",") if x.strip()]
+    sizes = {int(x.partition("@")[0]): parse_size(x.partition("@")[2]) for x in a.counts.split(",") if "@" in x}
+    compare = [m.strip() for m in a.compare.split(",") if m.strip()]
+    workers = {}
+    try:
+        for t in a.tree:
+            label, _, path = t.partition("=")
+            workers[label] = TreeWorker(Path(path).resolve(), a.settle, a.device)
+        with tempfile.TemporaryDirectory(dir=a.dir) as d:
+            result = run_counts(Path(d), counts=counts, size=size, rounds=a.rounds, settle_s=a.settle,
+                                compare=compare, device=a.device, trees=workers or None, sizes=sizes,
+                                step=lambda note: print(f"  done: {note}", file=sys.stderr, flush=True))
+    finally:
+        for w in workers.values():
+            w.close()
     for line in result.table():
         print(line)
     if a.json:

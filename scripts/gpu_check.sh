@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU verification run: the one script a session with a device runs (about 6 minutes on an
-# H200). Sections are independent, each under its own timeout; each prints a header, and a
-# summary at the end lists every section's exit status. Logs and JSON land in $OUT.
+# H200, and up to 6 more for the FastPersist section). Sections are independent, each under its
+# own timeout; each prints a header, and a summary at the end lists every section's exit status.
+# Logs and JSON land in $OUT.
 #
 #   OUT=/some/dir bash scripts/gpu_check.sh
 #
@@ -16,7 +17,8 @@
 #
 # Knobs: GDS_BENCH_SIZE (8G), GDS_BENCH_BUDGET (seconds for the benchmark, 150),
 # GDS_BENCH_DIR (.bench-tmp/gpu-check), GDS_DOCTOR_TEST_SIZE (256M), GDS_TESTS_TIMEOUT (180),
-# GDSWRITER_TRAINING_SIZE (state size of the training-loop benchmark, 1G).
+# GDSWRITER_TRAINING_SIZE (state size of the training-loop benchmark, 1G), GDS_FASTPERSIST_COUNTS
+# (64@2G,10000,100000), GDS_FASTPERSIST_ROUNDS (2), GDS_FASTPERSIST_TIMEOUT (360).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-.gpu-out}
@@ -130,6 +132,19 @@ else
     run training 240 "$PY" benchmarks/training_loop.py --device cuda --size "${GDSWRITER_TRAINING_SIZE:-1G}" \
         --iters 20 --rounds 4 --dir "$BENCH_DIR" \
         --cases "none,gdswriter live,gdswriter host,torch.save thread,dcp.async_save,copy+crc only"
+fi
+
+section "many tensors beside DeepSpeed FastPersist, from GPU tensors"
+# FastPersist's own setting: torch.save of CUDA tensors into its FastFileWriter (libaio, O_DIRECT);
+# gdswriter and torch.save+fsync in the same interleaved rounds, with the disk's ceiling. Without
+# DeepSpeed (or libaio-dev for its async_io op, which JIT-compiles on first use) the table says
+# "skipped deepspeed: <why>" and the other cases still run.
+if [ "$HAS_CUDA" -eq 0 ]; then
+    skip fastpersist "no CUDA device"
+else
+    run fastpersist "${GDS_FASTPERSIST_TIMEOUT:-360}" "$PY" benchmarks/tensor_counts.py --device cuda \
+        --counts "${GDS_FASTPERSIST_COUNTS:-64@2G,10000,100000}" --size 256M --rounds "${GDS_FASTPERSIST_ROUNDS:-2}" \
+        --compare deepspeed,torch --dir "$BENCH_DIR" --json
 fi
 
 rm -rf "$BENCH_DIR"

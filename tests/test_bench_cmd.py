@@ -163,11 +163,9 @@ installed. It writes through a plain Python file."""
 '''
 
 
-def test_deepspeed_plumbing_with_a_stand_in(tmp_path, monkeypatch):
-    """DeepSpeed is too heavy to install here: a stand-in module with the calls gdswriter makes
-    (AsyncIOBuilder().load().aio_handle, get_accelerator().pin_memory, FastFileWriterConfig,
-    FastFileWriter as torch.save's file) checks the plumbing: durable file, torch.load back,
-    figures reported. It cannot check DeepSpeed itself."""
+def _stand_in_deepspeed(tmp_path, monkeypatch):
+    """Puts the stand-in deepspeed package first on sys.path; returns ``forget``, which drops any
+    deepspeed module imported so far (call it before and after)."""
     pkg = tmp_path / "stand_in" / "deepspeed"
     (pkg / "io").mkdir(parents=True)
     (pkg / "ops").mkdir()
@@ -205,6 +203,15 @@ def test_deepspeed_plumbing_with_a_stand_in(tmp_path, monkeypatch):
         for name in [m for m in sys.modules if m == "deepspeed" or m.startswith("deepspeed.")]:
             del sys.modules[name]
 
+    return forget
+
+
+def test_deepspeed_plumbing_with_a_stand_in(tmp_path, monkeypatch):
+    """DeepSpeed is too heavy to install here: a stand-in module with the calls gdswriter makes
+    (AsyncIOBuilder().load().aio_handle, get_accelerator().pin_memory, FastFileWriterConfig,
+    FastFileWriter as torch.save's file) checks the plumbing: durable file, torch.load back,
+    figures reported. It cannot check DeepSpeed itself."""
+    forget = _stand_in_deepspeed(tmp_path, monkeypatch)
     forget()
     try:
         assert bench.deepspeed_missing() is None
@@ -215,6 +222,77 @@ def test_deepspeed_plumbing_with_a_stand_in(tmp_path, monkeypatch):
     assert res.skipped == {} and len(res.save["deepspeed"]) == 1 and res.load["deepspeed"][0] > 0
     assert res.label("deepspeed", "save") == "deepspeed FastPersist"
     shutil.rmtree(tmp_path / "stand_in")
+
+
+def test_tensor_counts_beside_fastpersist_and_torch(tmp_path, monkeypatch):
+    """run_counts's many-tensor rounds with FastPersist (the stand-in: the plumbing, not DeepSpeed),
+    torch.save+fsync and DCP in the same interleaved rounds: each method's save and checked cold
+    load per round, the tables' columns and gdswriter's ratio to each."""
+    forget = _stand_in_deepspeed(tmp_path, monkeypatch)
+    forget()
+    notes: list[str] = []
+    try:
+        (tmp_path / "d").mkdir()
+        res = bench.run_counts(tmp_path / "d", counts=(4, 200), size=256 * 1024, rounds=2, settle_s=0,
+                               compare=("dcp", "torch", "deepspeed"), sizes={4: 128 * 1024}, step=notes.append)
+    finally:
+        forget()
+    assert res.methods == ("deepspeed", "torch", "dcp") and res.skipped == {} and res.labels == ("gdswriter",)
+    assert len(notes) == bench.count_steps((4, 200), 2, n_cases=5)
+    cases = [n.split(": ")[1].split(" (")[0] for n in notes]
+    assert cases[:10] == ["ceiling", "gdswriter", "deepspeed", "torch", "dcp",
+                          "gdswriter", "deepspeed", "torch", "dcp", "ceiling"], notes
+    assert notes[0].startswith("4 tensors, round 1: ceiling (write ") and notes[0].endswith(" GB/s)"), notes
+    assert "(first save " in notes[1] and ", second save " in notes[1] and ", load " in notes[1], notes
+    for n in (4, 200):
+        for case in ("gdswriter first save", "gdswriter second save", "gdswriter load", "deepspeed save",
+                     "deepspeed load", "torch save", "torch load", "dcp save", "dcp load"):
+            assert len(res.gbps[n, case]) == 2 and min(res.gbps[n, case]) > 0, (n, case)
+    text = "\n".join(res.table())
+    assert "FastPersist" in text and "torch.load (FastPersist's file)" in text and "dcp.load" in text, text
+    assert "  gdswriter first save / FastPersist: 4 tensors " in text and "4 (128.00 KiB)" in text, text
+    assert res.to_json()["counts"]["200"]["deepspeed save"]["x_ceiling"] > 0
+    assert list((tmp_path / "d").iterdir()) == []
+
+
+def test_tensor_counts_skip_fastpersist_with_the_reason(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import deepspeed raises ImportError
+    res = bench.run_counts(tmp_path, counts=(3,), size=64 * 1024, rounds=1, settle_s=0, compare=("deepspeed",))
+    assert res.methods == () and "DeepSpeed is not installed" in res.skipped["deepspeed"]
+    assert any(line.startswith("  skipped deepspeed: DeepSpeed is not installed") for line in res.table())
+    with pytest.raises(InvalidOptionError, match="unknown method.*safetensors.*choose from deepspeed, torch, dcp"):
+        bench.run_counts(tmp_path, counts=(3,), compare=("safetensors",))
+
+
+def test_a_count_load_that_does_not_restore_fails_the_run(tmp_path, monkeypatch):
+    """run_counts checks every method's load: a torch.load that hands back a spoiled tensor stops
+    the run (its figures would be meaningless), and the run's files are removed."""
+    real = torch.load
+
+    def spoiled(*args, **kwargs):
+        sd = real(*args, **kwargs)
+        sd["g0"]["t0"].fill_(-1.0)
+        return sd
+
+    monkeypatch.setattr(torch, "load", spoiled)
+    with pytest.raises(LoadCheckError, match="torch.load did not restore"):
+        bench.run_counts(tmp_path, counts=(3,), size=64 * 1024, rounds=1, settle_s=0, compare=("torch",))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_shows_the_many_tensor_case_beside_the_few_large_tensors_by_default(capsys, tmp_path):
+    """Without --tensors, `gdswriter bench` adds the many-tensor table (64 and 10,000 tensors) after
+    the methods' table of the model + AdamW state (a few large tensors)."""
+    rc, out, err = _run(capsys, "bench", "--dir", tmp_path, "--size", "256K", "--rounds", "1", "--settle", "0",
+                        "--compare", "torch", "--no-fio")
+    assert rc == 0, err
+    lines = out.splitlines()
+    methods = next(i for i, line in enumerate(lines) if line.split()[:2] == ["method", "save"])
+    counts = next(i for i, line in enumerate(lines) if "as N tensors (a nested dict)" in line)
+    assert methods < counts, out
+    rows = [line.split()[0] for line in lines[counts:] if line.strip().split(" ")[0] in ("64", "10,000")]
+    assert rows == ["64", "10,000", "64", "10,000"], out  # saves, then cold loads
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_deepspeed_absent_is_skipped_with_the_reason(tmp_path, monkeypatch):

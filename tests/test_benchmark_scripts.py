@@ -175,18 +175,50 @@ def test_drain_benchmark(tmp_path):
 
 
 def test_tensor_counts(tmp_path):
-    out = run_script("tensor_counts.py", "--counts", "8,300", "--size", "2M", "--rounds", "2", "--settle", "0",
-                     "--json", "--dir", str(tmp_path))
-    rows = [line.split() for line in out.splitlines() if line.strip().split(" ")[0] in ("8", "300")]
-    assert [r[0] for r in rows] == ["8", "300"] and all(len(r) == 10 for r in rows), out
-    got = json.loads(out.splitlines()[-1])
-    assert set(got["counts"]) == {"8", "300"}
+    """Two counts (one with its own size), gdswriter beside torch.save and DCP, and gdswriter also
+    from a checkout given as --tree (here this one), in a worker process, in the same rounds."""
+    root = str(BENCH.parent)
+    out = run_script("tensor_counts.py", "--counts", "8@1M,300", "--size", "2M", "--rounds", "2", "--settle", "0",
+                     "--compare", "torch,dcp", "--tree", f"a={root}", "--tree", f"b={root}", "--json",
+                     "--dir", str(tmp_path))
+    lines = out.splitlines()
+    heads = [line.split() for line in lines if line.strip().startswith("tensors ")]
+    assert heads == [["tensors", "ceiling", "write", "a", "first", "save", "a", "second", "save", "b", "first",
+                      "save", "b", "second", "save", "torch.save+fsync", "dcp.save", "t4"],
+                     ["tensors", "ceiling", "read", "a", "load", "b", "load", "torch.load", "dcp.load"]], out
+    rows = [line.split() for line in lines if line.strip().split(" ")[0] in ("8", "300")]
+    assert [r[0] for r in rows] == ["8", "300", "8", "300"], out
+    assert [len(r) for r in rows] == [1 + 2 + 1 + 6 * 2, 1 + 1 + 6 * 2, 1 + 2 + 1 + 4 * 2, 1 + 1 + 4 * 2], out
+    assert "  a first save / torch.save+fsync: 8 tensors " in out and "  b first save / dcp.save t4: " in out, out
+    got = json.loads(lines[-1])
+    assert set(got["counts"]) == {"8", "300"} and got["sizes"] == {"8": 1 << 20} and got["labels"] == ["a", "b"]
+    assert set(got["counts"]["300"]) == {"ceiling write", "ceiling read", "torch save", "torch load", "dcp save",
+                                         "dcp load", *[f"{t} {c}" for t in "ab" for c in ("first save",
+                                                                                           "second save", "load")]}
     assert all(len(v["gbps"]) == 2 for c in got["counts"].values() for v in c.values())
     assert list(tmp_path.iterdir()) == []
     prof = run_script("tensor_counts.py", "--profile", "300", "--size", "1M", "--top", "5", "--dir", str(tmp_path))
     for what in ("first save", "second save", "load"):
         assert f"=== {what} of 300 tensors" in prof and f"--- {what}: calling thread" in prof, prof
     assert "--- second save: gdswriter-save" in prof, prof
+
+
+@pytest.mark.slow  # DeepSpeed's start-up, and its async_io op's build on first use (about a minute)
+def test_tensor_counts_with_fastpersist(tmp_path):
+    """DeepSpeed's own FastPersist writer beside gdswriter, where it can run (CPU: libaio-dev)."""
+    from gdswriter.tools.bench import deepspeed_missing
+
+    why = deepspeed_missing()
+    if why:
+        pytest.skip(why)
+    out = run_script("tensor_counts.py", "--counts", "8,300", "--size", "2M", "--rounds", "1", "--settle", "0",
+                     "--compare", "deepspeed", "--json", "--dir", str(tmp_path), timeout=900)
+    got = json.loads(out.splitlines()[-1])
+    assert got["methods"] == ["deepspeed"] and got["skipped"] == {}, out
+    assert all(c["deepspeed save"]["gbps"][0] > 0 and c["deepspeed load"]["gbps"][0] > 0
+               for c in got["counts"].values())
+    assert "  gdswriter first save / FastPersist: 8 tensors " in out, out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_replicas_benchmark(tmp_path):

@@ -209,6 +209,74 @@ def missing(method: str) -> str | None:
     return None
 
 
+def torch_save_durable(obj: Any, path: Path) -> None:
+    """``torch.save`` into a file, then flush and fsync it (the torch method's save)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def dcp_save(obj: Any, path: Path, *, threads: int = 4) -> None:
+    """``torch.distributed.checkpoint.save`` of ``obj`` (one process, no process group) with
+    FileSystemWriter(thread_count=threads, sync_files=True)."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(path, thread_count=threads, sync_files=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(obj, storage_writer=writer)
+
+
+def dcp_load(obj: Any, path: Path) -> None:
+    """``torch.distributed.checkpoint.load`` into ``obj`` in place (one process)."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(obj, storage_reader=dcp.FileSystemReader(path))
+
+
+class FastPersist:
+    """DeepSpeed's FastPersist writer as its fast checkpoint engine drives it (FastCheckpointEngine:
+    ``torch.save`` into a ``FastFileWriter`` over the ``async_io`` op: libaio, O_DIRECT, a pinned
+    double buffer), then fsync. The libaio handle and the pinned buffer are made on the first
+    save and reused, as the engine's writer factory does. CUDA tensors go through torch.save's
+    own device-to-host copies, as in DeepSpeed. Needs DeepSpeed (``deepspeed_missing``)."""
+
+    def __init__(self) -> None:
+        self._buffers: tuple[Any, torch.Tensor] | None = None
+
+    def save(self, obj: Any, path: Path) -> None:
+        from deepspeed.io import FastFileWriter, FastFileWriterConfig
+
+        handle, pinned = self.buffers()
+        config = FastFileWriterConfig(dnvme_handle=handle, pinned_tensor=pinned, double_buffer=True,
+                                      num_parallel_writers=1, writer_rank=0)
+        writer = FastFileWriter(file_path=str(path), config=config)
+        try:
+            torch.save(obj, writer)
+        finally:
+            writer.close()
+        fsync_file(path)
+
+    def buffers(self) -> tuple[Any, torch.Tensor]:
+        """The libaio handle and the pinned I/O buffer (made once; the first call JIT-builds the
+        async_io op if it is not built yet, about a minute here)."""
+        if self._buffers is None:
+            from deepspeed.accelerator import get_accelerator
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            if get_accelerator().device_name() == "cpu":
+                _fastpersist_on_cpu()
+
+            # block size, queue depth, single submit, overlap events, intra-op parallelism
+            handle = AsyncIOBuilder().load(verbose=False).aio_handle(8 * MiB, 8, False, False, 1)
+            pinned = get_accelerator().pin_memory(torch.zeros(64 * MiB, dtype=torch.uint8))
+            self._buffers = (handle, pinned)
+        return self._buffers
+
+
 class Methods:
     """How each method saves and loads the state, and where its files are. Case names:
     torch, dcp1 / dcp4 (DCP with 1 / 4 writer threads; loads as "dcp"), safetensors,
@@ -217,7 +285,7 @@ class Methods:
     def __init__(self, workdir: Path, model, opt, gds):
         self.dir, self.model, self.opt, self.gds = Path(workdir), model, opt, gds
         self.step = 0
-        self._fastpersist = None
+        self.fastpersist = FastPersist()
 
     def path(self, case: str) -> Path:
         return {"torch": self.dir / "state.pt", "dcp1": self.dir / "dcp", "dcp4": self.dir / "dcp",
@@ -242,17 +310,9 @@ class Methods:
     def save(self, case: str) -> None:
         m, o, p = self.model, self.opt, self.path(case)
         if case == "torch":
-            with open(p, "wb") as f:
-                torch.save(collect(m, o), f)
-                f.flush()
-                os.fsync(f.fileno())
+            torch_save_durable(collect(m, o), p)
         elif case in ("dcp1", "dcp4", "dcp"):
-            import torch.distributed.checkpoint as dcp
-
-            writer = dcp.FileSystemWriter(p, thread_count=1 if case == "dcp1" else 4, sync_files=True)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dcp.save(collect(m, o), storage_writer=writer)
+            dcp_save(collect(m, o), p, threads=1 if case == "dcp1" else 4)
         elif case == "safetensors":
             from safetensors.torch import save_file
 
@@ -263,39 +323,9 @@ class Methods:
             self.step += 1
             self.gds.save(self.step)
         elif case == "deepspeed":
-            self._save_fastpersist(p)
+            self.fastpersist.save(collect(m, o), p)
         else:
             raise ValueError(case)
-
-    def _save_fastpersist(self, p: Path) -> None:
-        """torch.save through DeepSpeed's FastPersist writer (libaio, O_DIRECT, a pinned double
-        buffer), as DeepSpeed's own FastPersist benchmarks call it; then fsync."""
-        from deepspeed.io import FastFileWriter, FastFileWriterConfig
-
-        handle, pinned = self._fastpersist_buffers()
-        config = FastFileWriterConfig(dnvme_handle=handle, pinned_tensor=pinned, double_buffer=True,
-                                      num_parallel_writers=1, writer_rank=0)
-        writer = FastFileWriter(file_path=str(p), config=config)
-        try:
-            torch.save(collect(self.model, self.opt), writer)
-        finally:
-            writer.close()
-        fsync_file(p)
-
-    def _fastpersist_buffers(self):
-        """The libaio handle and pinned I/O buffer, made once (outside the timed saves after the first)."""
-        if self._fastpersist is None:
-            from deepspeed.accelerator import get_accelerator
-            from deepspeed.ops.op_builder import AsyncIOBuilder
-
-            if get_accelerator().device_name() == "cpu":
-                _fastpersist_on_cpu()
-
-            # block size, queue depth, single submit, overlap events, intra-op parallelism
-            handle = AsyncIOBuilder().load(verbose=False).aio_handle(8 * MiB, 8, False, False, 1)
-            pinned = get_accelerator().pin_memory(torch.zeros(64 * MiB, dtype=torch.uint8))
-            self._fastpersist = (handle, pinned)
-        return self._fastpersist
 
     def load(self, case: str) -> None:
         m, o, p = self.model, self.opt, self.path(case)
@@ -304,12 +334,8 @@ class Methods:
             m.load_state_dict(state["model"])
             o.load_state_dict(state["optimizer"])
         elif case in ("dcp", "dcp4", "dcp1"):
-            import torch.distributed.checkpoint as dcp
-
             sd = collect(m, o)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dcp.load(sd, storage_reader=dcp.FileSystemReader(p))
+            dcp_load(sd, p)
             o.load_state_dict(sd["optimizer"])  # model tensors were filled in place
         elif case == "safetensors":
             from safetensors import safe_open
@@ -743,121 +769,247 @@ def plot(result: BenchResult, path: str | os.PathLike) -> Path:
 COUNT_CASES = ("first save", "second save", "load")
 DEFAULT_COUNTS = (64, 10_000)
 COUNT_SIZE = 256 * MiB
+COUNT_METHODS = ("deepspeed", "torch", "dcp")  # beside gdswriter in run_counts, in this order
+COUNT_NAMES = {"deepspeed": ("FastPersist", "torch.load (FastPersist's file)"),
+               "torch": ("torch.save+fsync", "torch.load"), "dcp": ("dcp.save t4", "dcp.load")}
+GDSWRITER = "gdswriter"
+GdsRound = Callable[[dict, Path], dict[str, float]]  # (state, root) -> GB/s per COUNT_CASES entry
 
 
-def tensor_state(count: int, size: int) -> dict:
+def tensor_state(count: int, size: int, device: str = "cpu") -> dict:
     """A nested dict of ``count`` float32 tensors of about ``size`` bytes in all, each its own
     allocation (groups of 100 under "g<i>"), random values: the many-small-tensors state."""
     per = max(1, size // 4 // count)
     g = torch.Generator().manual_seed(count)
     state: dict = {}
     for i in range(count):
-        state.setdefault(f"g{i // 100}", {})[f"t{i % 100}"] = torch.rand(per, generator=g)
+        state.setdefault(f"g{i // 100}", {})[f"t{i % 100}"] = torch.rand(per, generator=g).to(device)
     return state
+
+
+def state_nbytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for g in state.values() for t in g.values())
+
+
+def _check_first(first: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    if not torch.equal(first, want):
+        raise LoadCheckError(f"{what} did not restore the saved state (a spoiled tensor stayed spoiled): "
+                             f"its figures would be meaningless")
+
+
+def gdswriter_counts_round(state: dict, root: Path, *, settle_s: float = 1.0) -> dict[str, float]:
+    """GB/s of a fresh checkpointer's first save of ``state`` under ``root``, its second save
+    (both durable) and a cold load of step 2 into ``state`` (checked: its first tensor is
+    spoiled before). The kept pool is released first (the process's first save); ``root`` is
+    removed afterwards."""
+    from ..checkpointer import GDSCheckpointer
+    from ..save.pool import release_kept_pool
+
+    nbytes = state_nbytes(state)
+    want = state["g0"]["t0"].clone()
+    got: dict[str, float] = {}
+    release_kept_pool()
+    quiesce()
+    try:
+        with GDSCheckpointer(state, None, root) as ck:
+            for s, what in ((1, "first save"), (2, "second save")):
+                quiesce()
+                t = time.perf_counter()
+                ck.save(s)
+                got[what] = nbytes / (time.perf_counter() - t) / 1e9
+            ck.wait()
+            settle(settle_s)
+            evict_paths(root)
+            state["g0"]["t0"].fill_(-1.0)
+            t = time.perf_counter()
+            ck.load(2)
+            got["load"] = nbytes / (time.perf_counter() - t) / 1e9
+            _check_first(state["g0"]["t0"], want, "gdswriter.load")  # a dict's tensors are replaced by the loaded ones
+    finally:
+        remove(root)
+    return got
+
+
+def method_counts_round(method: str, state: dict, path: Path, fastpersist: FastPersist, *,
+                        settle_s: float = 1.0) -> dict[str, float]:
+    """GB/s of ``method``'s (COUNT_METHODS) durable save of ``state`` to ``path`` and its cold
+    load (checked); ``path`` is removed before and after."""
+    nbytes = state_nbytes(state)
+    want = state["g0"]["t0"].clone()
+    remove(path)
+    quiesce()
+    try:
+        t = time.perf_counter()
+        if method == "deepspeed":
+            fastpersist.save(state, path)
+        elif method == "torch":
+            torch_save_durable(state, path)
+        else:
+            dcp_save(state, path)
+        saved = nbytes / (time.perf_counter() - t) / 1e9
+        settle(settle_s)
+        evict_paths(path)
+        t = time.perf_counter()
+        if method == "dcp":
+            state["g0"]["t0"].fill_(-1.0)
+            dcp_load(state, path)  # in place
+            first = state["g0"]["t0"]
+        else:
+            first = torch.load(path, weights_only=True, mmap=False)["g0"]["t0"]
+        loaded = nbytes / (time.perf_counter() - t) / 1e9
+        _check_first(first, want, COUNT_NAMES[method][1])
+        state["g0"]["t0"].copy_(want)
+    finally:
+        remove(path)
+    return {"save": saved, "load": loaded}
 
 
 @dataclass(frozen=True)
 class CountResult:
-    """GB/s per round of each tensor count: the disk's ceiling (write, read) and gdswriter's
-    first save (a fresh checkpointer), second save (the same one) and cold load."""
+    """GB/s per round of each tensor count: the disk's ceiling ("ceiling write" / "ceiling
+    read"), gdswriter's first save (a fresh checkpointer), second save (the same one) and
+    cold load under each label (``labels``: "gdswriter", or one per tree compared; keys
+    "<label> <case>"), and each other method's save and load ("<method> save" / "<method> load")."""
 
     size: int
     rounds: int
     ceiling: str
-    gbps: dict[tuple[int, str], list[float]]  # (count, case or "ceiling write"/"ceiling read") -> per round
+    gbps: dict[tuple[int, str], list[float]]  # (count, case) -> per round
+    labels: tuple[str, ...] = (GDSWRITER,)
+    methods: tuple[str, ...] = ()
+    skipped: dict[str, str] = field(default_factory=dict)  # method -> why it did not run
+    device: str = "cpu"
+    sizes: dict[int, int] = field(default_factory=dict)  # count -> bytes, where not ``size``
 
     @property
     def counts(self) -> list[int]:
         return sorted({c for c, _ in self.gbps})
 
-    def ratio(self, count: int, case: str) -> float:
-        """Median over rounds of ``case``'s GB/s over the ceiling's (write for saves, read for loads)."""
-        ref = self.gbps[count, "ceiling read" if case == "load" else "ceiling write"]
-        return statistics.median(a / b for a, b in zip(self.gbps[count, case], ref))
+    def ratio(self, count: int, case: str, ref: str | None = None) -> float:
+        """Median over rounds of ``case``'s GB/s over ``ref``'s (default: the ceiling's, read for
+        loads, write for saves)."""
+        ref = ref or ("ceiling read" if case.endswith("load") else "ceiling write")
+        return statistics.median(a / b for a, b in zip(self.gbps[count, case], self.gbps[count, ref]))
+
+    def columns(self, kind: str) -> list[tuple[str, str]]:
+        """(heading, case key) of the saves' ("save") or the loads' ("load") table."""
+        if kind == "save":
+            mine = [(f"{lab} {c}", f"{lab} {c}") for lab in self.labels for c in COUNT_CASES[:2]]
+            return [("ceiling write", "ceiling write"), *mine,
+                    *[(COUNT_NAMES[m][0], f"{m} save") for m in self.methods]]
+        return [("ceiling read", "ceiling read"), *[(f"{lab} load", f"{lab} load") for lab in self.labels],
+                *[(COUNT_NAMES[m][1], f"{m} load") for m in self.methods]]
 
     def table(self) -> list[str]:
-        """One row per tensor count: the ceiling and each case, GB/s median (x ceiling)."""
-        head = ["tensors", "ceiling write / read", *[f"{c} (x ceiling)" for c in COUNT_CASES]]
-        rows = [head]
+        """Two tables (saves, cold loads), one row per tensor count: GB/s median (x ceiling); then
+        gdswriter's first save over each other method's save, per count."""
+        where = f" from {self.device} tensors" if self.device != "cpu" else ""
+        lines = [f"{self._sizes()} as N tensors (a nested dict){where}, GB/s median (x ceiling: median of "
+                 f"per-round ratios) of {self.rounds} interleaved round(s) with the ceiling ({self.ceiling}); "
+                 f"saves durable, loads cold"]
         med = statistics.median
-        for n in self.counts:
-            g = self.gbps
-            rows.append([f"{n:,}", f"{med(g[n, 'ceiling write']):.2f} / {med(g[n, 'ceiling read']):.2f}",
-                         *[f"{med(g[n, c]):.2f} ({self.ratio(n, c):.2f}x)" for c in COUNT_CASES]])
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        return [f"gdswriter, {human(self.size)} as N tensors (a nested dict), GB/s, median of {self.rounds} "
-                f"interleaved round(s) with the ceiling ({self.ceiling}); saves durable, loads cold"] + [
-            "  " + "  ".join(c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]
+        for kind in ("save", "load"):
+            cols = self.columns(kind)
+            rows = [["tensors", *[h for h, _ in cols]]]
+            for n in self.counts:
+                rows.append([self._row(n), *[_fig(med(self.gbps[n, k])) + ("" if k.startswith("ceiling") else
+                                         f" ({_fig(self.ratio(n, k))}x)") for _, k in cols]])
+            widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+            lines += [""] + ["  " + "  ".join(c.rjust(widths[i]) for i, c in enumerate(r)) for r in rows]
+        for lab in self.labels:
+            for m in self.methods:
+                lines.append(f"  {lab} first save / {COUNT_NAMES[m][0]}: " + ", ".join(
+                    f"{n:,} tensors {_fig(self.ratio(n, f'{lab} first save', f'{m} save'))}x" for n in self.counts))
+        lines += [f"  skipped {m}: {why}" for m, why in self.skipped.items()]
+        return lines
+
+    def _sizes(self) -> str:
+        return ", ".join(f"{human(self.sizes.get(n, self.size))} ({n:,})" for n in self.counts) if self.sizes \
+            else human(self.size)
+
+    def _row(self, n: int) -> str:
+        return f"{n:,} ({human(self.sizes[n])})" if n in self.sizes else f"{n:,}"
 
     def to_json(self) -> dict:
-        return {"bytes": self.size, "rounds": self.rounds, "ceiling": self.ceiling,
-                "counts": {str(n): {case: {"gbps": self.gbps[n, case],
-                                           **({"x_ceiling": self.ratio(n, case)} if case in COUNT_CASES else {})}
-                                    for case in ("ceiling write", "ceiling read", *COUNT_CASES)}
+        return {"bytes": self.size, "sizes": {str(n): b for n, b in self.sizes.items()},
+                "rounds": self.rounds, "ceiling": self.ceiling, "device": self.device,
+                "labels": list(self.labels), "methods": list(self.methods), "skipped": self.skipped,
+                "counts": {str(n): {case: {"gbps": v, **({} if case.startswith("ceiling") else
+                                                        {"x_ceiling": self.ratio(n, case)})}
+                                    for (c, case), v in self.gbps.items() if c == n}
                            for n in self.counts}}
 
 
-def count_steps(counts: Sequence[int], rounds: int) -> int:
-    """How many times ``run_counts`` calls ``step``."""
-    return len(counts) * rounds * 2
+def _fig(v: float) -> str:
+    """Two decimals, three below 0.1 (a CPU-bound case on a loaded machine is not 0.00)."""
+    return f"{v:.2f}" if v >= 0.1 else f"{v:.3f}"
+
+
+def count_steps(counts: Sequence[int], rounds: int, n_cases: int = 2) -> int:
+    """How many times ``run_counts`` calls ``step`` (``n_cases``: the ceiling, each gdswriter
+    label and each other method)."""
+    return len(counts) * rounds * n_cases
 
 
 def run_counts(directory: Path, *, counts: Sequence[int] = DEFAULT_COUNTS, size: int = COUNT_SIZE,
-               rounds: int = 3, settle_s: float = 1.0, step: Step | None = None) -> CountResult:
+               rounds: int = 3, settle_s: float = 1.0, step: Step | None = None, compare: Sequence[str] = (),
+               device: str = "cpu", trees: dict[str, GdsRound] | None = None,
+               sizes: dict[int, int] | None = None) -> CountResult:
     """For each tensor count, in interleaved rounds (order rotated): the disk's ceiling (the
-    built-in O_DIRECT loop, same bytes), then a fresh checkpointer's first save, its second
-    save and a cold load of that step into the live state (checked). Everything written is
-    removed afterwards."""
-    from ..checkpointer import GDSCheckpointer
-    from ..save.pool import release_kept_pool
-
-    step = step or (lambda note: None)
-    pattern = memoryview(torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8).numpy())
-    gbps: dict[tuple[int, str], list[float]] = {}
-    cache: dict = {}
-    name = ""
+    built-in O_DIRECT loop, same bytes); gdswriter (``gdswriter_counts_round``: a fresh
+    checkpointer's first save, its second save, a cold load), or, with ``trees``, each label's
+    round function in turn (another tree's gdswriter in a worker process); and each method of
+    ``compare`` (COUNT_METHODS, those that cannot run here skipped with the reason). ``sizes``:
+    bytes per count where not ``size``. Everything written is removed afterwards."""
+    unknown = [m for m in compare if m not in COUNT_METHODS]
+    if unknown:
+        raise InvalidOptionError(f"unknown method(s) {', '.join(unknown)}: choose from {', '.join(COUNT_METHODS)}")
+    skipped = {m: why for m in compare if (why := missing(m))}
+    methods = tuple(m for m in COUNT_METHODS if m in compare and m not in skipped)
     work = Path(tempfile.mkdtemp(prefix=".gdswriter-counts-", dir=directory))
+    trees = trees or {GDSWRITER: lambda state, root: gdswriter_counts_round(state, root, settle_s=settle_s)}
+    rounder = _CountRounds(work, settle_s, trees, step or (lambda note: None))
+    order = ["ceiling", *trees, *methods]
     try:
         for n in counts:
-            state = tensor_state(n, size)
-            nbytes = sum(t.numel() * t.element_size() for g in state.values() for t in g.values())
-            first = next(iter(state["g0"].values()))
-            want = first.clone()
+            state = tensor_state(n, (sizes or {}).get(n, size), device)
             for r in range(rounds):
-                for case in (("ceiling", "gdswriter") if r % 2 == 0 else ("gdswriter", "ceiling")):
-                    if case == "ceiling":
-                        quiesce()
-                        ref = builtin_reference(work / "ceiling.bin", nbytes, pattern, cache)
-                        name = ref.name
-                        gbps.setdefault((n, "ceiling write"), []).append(ref.write_bps / 1e9)
-                        gbps.setdefault((n, "ceiling read"), []).append(ref.read_bps / 1e9)
-                        step(f"{n} tensors, round {r + 1}: ceiling")
-                        continue
-                    release_kept_pool()
-                    root = work / f"gds-{n}-{r}"
-                    quiesce()
-                    try:
-                        with GDSCheckpointer(state, None, root) as ck:
-                            for s, what in ((1, "first save"), (2, "second save")):
-                                quiesce()
-                                t = time.perf_counter()
-                                ck.save(s)
-                                gbps.setdefault((n, what), []).append(nbytes / (time.perf_counter() - t) / 1e9)
-                            ck.wait()
-                            settle(settle_s)
-                            evict_paths(root)
-                            first.fill_(-1.0)
-                            t = time.perf_counter()
-                            ck.load(2)
-                            gbps.setdefault((n, "load"), []).append(nbytes / (time.perf_counter() - t) / 1e9)
-                            first = state["g0"]["t0"]  # a dict's tensors are replaced by the loaded ones
-                            if not torch.equal(first, want):
-                                raise LoadCheckError("gdswriter.load did not restore the saved state (a spoiled "
-                                                     "tensor stayed spoiled): its figures would be meaningless")
-                    finally:
-                        remove(root)
-                    step(f"{n} tensors, round {r + 1}: gdswriter")
-            del state, first, want
+                shift = r % len(order)
+                for case in order[shift:] + order[:shift]:
+                    rounder.run(case, n, r, state)
+            del state
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return CountResult(size, rounds, name, gbps)
+    return CountResult(size, rounds, rounder.ceiling, rounder.gbps, tuple(trees), methods, skipped, device,
+                       dict(sizes or {}))
+
+
+class _CountRounds:
+    """run_counts's cases, one at a time, and the GB/s they accumulate."""
+
+    def __init__(self, work: Path, settle_s: float, trees: dict[str, GdsRound], step: Step) -> None:
+        self.work, self.settle_s, self.trees, self.step = work, settle_s, trees, step
+        self.pattern = memoryview(torch.randint(0, 256, (4 * MiB,), dtype=torch.uint8).numpy())
+        self.gbps: dict[tuple[int, str], list[float]] = {}
+        self.cache: dict = {}
+        self.ceiling = ""
+        self.fastpersist = FastPersist()
+
+    def add(self, n: int, case: str, value: float) -> None:
+        self.gbps.setdefault((n, case), []).append(value)
+
+    def run(self, case: str, n: int, r: int, state: dict) -> None:
+        """Case ``case`` of round ``r``; ``step`` gets "<n> tensors, round <r>: <case> (<GB/s each>)"."""
+        if case == "ceiling":
+            quiesce()
+            ref = builtin_reference(self.work / "ceiling.bin", state_nbytes(state), self.pattern, self.cache)
+            self.ceiling = ref.name
+            got = {"write": ref.write_bps / 1e9, "read": ref.read_bps / 1e9}
+        elif case in self.trees:
+            got = self.trees[case](state, self.work / f"gds-{n}-{r}")
+        else:
+            path = self.work / f"{case}-{n}-{r}"
+            got = method_counts_round(case, state, path, self.fastpersist, settle_s=self.settle_s)
+        for what, v in got.items():
+            self.add(n, f"{case} {what}", v)
+        self.step(f"{n} tensors, round {r + 1}: {case} ({', '.join(f'{k} {v:.3f}' for k, v in got.items())} GB/s)")
