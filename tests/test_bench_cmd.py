@@ -292,6 +292,7 @@ def test_bench_shows_the_many_tensor_case_beside_the_few_large_tensors_by_defaul
     assert methods < counts, out
     rows = [line.split()[0] for line in lines[counts:] if line.strip().split(" ")[0] in ("64", "10,000")]
     assert rows == ["64", "10,000", "64", "10,000"], out  # saves, then cold loads
+    assert "torch.save+fsync" in "\n".join(lines[counts:]), out  # --compare's methods beside gdswriter there too
     assert list(tmp_path.iterdir()) == []
 
 

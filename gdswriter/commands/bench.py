@@ -6,7 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from ..tools.bench import COMPARABLE, COUNT_SIZE, DEFAULT_COUNTS, BenchOptions, count_steps, plot, run_bench, run_counts, steps_of
+from ..tools.bench import COMPARABLE, COUNT_METHODS, COUNT_SIZE, DEFAULT_COUNTS, BenchOptions, count_steps, plot, run_bench, run_counts, steps_of
 from ..progress import Progress
 from ..units import human, parse_size
 from ._common import EXIT_OK, UsageError, out
@@ -67,10 +67,12 @@ def run(args) -> int:
     made = not base.exists()
     try:
         count_size = parse_size(args.tensors_size) if args.tensors_size else min(opts.size, COUNT_SIZE)
-        with Progress("bench", total=steps_of(opts) + count_steps(counts, opts.rounds), unit="steps") as bar:
+        beside = tuple(m for m in COUNT_METHODS if m in compare)  # the many-tensor rounds' other methods
+        with Progress("bench", total=steps_of(opts) + count_steps(counts, opts.rounds, 2 + len(beside)),
+                      unit="steps") as bar:
             result = run_bench(opts, step=lambda note: bar.advance(1, note=note))
             by_count = (run_counts(base, counts=counts, size=count_size, rounds=opts.rounds, settle_s=opts.settle,
-                                   step=lambda note: bar.advance(1, note=note)) if counts else None)
+                                   compare=beside, step=lambda note: bar.advance(1, note=note)) if counts else None)
     finally:
         if made:
             with contextlib.suppress(OSError):
