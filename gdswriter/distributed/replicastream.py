@@ -35,6 +35,7 @@ from collections.abc import Sequence
 
 import crc32c as _crc32c
 
+from ..crc import crc32c_combine
 from ..engines.buffers import AlignedBufferPool
 from ..engines.dio import direct_io_alignment
 from ..errors import ChecksumMismatchError, CollectiveFailedError, EngineIOError, GDSWriterError, ReplicationError
@@ -111,29 +112,47 @@ class Source:
 
 
 class _ChunkCheck:
-    """crc32c of every chunk of one file, updated as its bytes stream in order."""
+    """One crc32c pass over one file as its bytes stream in order: every chunk's crc32c checked
+    against its shard, and the file's crc32c (the trailer's) built from the chunks' recorded
+    crc32c (crc32c_combine) and the bytes between them, so no byte is checksummed twice.
+    Chunks that overlap or pass the file's end: ``whole`` is False and the caller checksums the
+    file itself."""
 
-    def __init__(self, chunks: Sequence[ChunkRecord], path: Path):
+    def __init__(self, chunks: Sequence[ChunkRecord], path: Path, size: int):
         self.chunks = sorted((c for c in chunks if c.length), key=lambda c: c.file_offset)
-        self.path, self.i, self.crc = path, 0, 0
+        self.path, self.i, self.crc, self.file_crc, self.done = path, 0, 0, 0, 0
+        ends = [0] + [c.file_offset + c.length for c in self.chunks]
+        self.whole = all(c.file_offset >= e for c, e in zip(self.chunks, ends)) and ends[-1] <= size
 
     def feed(self, offset: int, data: memoryview) -> None:
+        """The file's bytes [offset, offset + len(data)), right after the ones fed before."""
         end = offset + len(data)
         while self.i < len(self.chunks):
             c = self.chunks[self.i]
             lo, hi = max(offset, c.file_offset), min(end, c.file_offset + c.length)
             if lo >= hi:
                 if c.file_offset >= end:
-                    return
+                    break
                 self.i += 1
                 continue
+            self._between(offset, data, lo)
             self.crc = _crc32c.crc32c(data[lo - offset:hi - offset], self.crc)
+            self.done = max(self.done, hi)
             if hi < c.file_offset + c.length:
                 return
             if self.crc != c.crc32c:
                 raise ChecksumMismatchError(str(self.path), f"bytes of a chunk of {self.path.name}", c.file_offset,
                                             c.length, c.crc32c, self.crc)
+            self.file_crc = crc32c_combine(self.file_crc, c.crc32c, c.length)
             self.i, self.crc = self.i + 1, 0
+        self._between(offset, data, end)
+
+    def _between(self, offset: int, data: memoryview, upto: int) -> None:
+        """The file's crc32c over its bytes before ``upto`` that no chunk covers."""
+        if self.whole and upto > self.done:
+            lo = max(self.done, offset)
+            self.file_crc = _crc32c.crc32c(data[lo - offset:upto - offset], self.file_crc)
+            self.done = upto
 
 
 class Outgoing:
@@ -176,7 +195,7 @@ class Outgoing:
             assert src.path is not None
             if self._fd < 0:
                 self._fd = open_aligned(src.path, write=False)
-                self._check = _ChunkCheck(src.chunks, src.path)
+                self._check = _ChunkCheck(src.chunks, src.path, src.size)
             got = 0
             while got < real:  # a regular file reads short only at its end (or at an error)
                 try:
@@ -189,6 +208,9 @@ class Outgoing:
                 got += k
             assert self._check is not None
             self._check.feed(self._pos, piece[:real])
+            if self._check.whole:
+                self.crcs[self._file] = self._check.file_crc
+                return
         self.crcs[self._file] = _crc32c.crc32c(piece[:real], self.crcs[self._file])
 
     def _next(self) -> None:
