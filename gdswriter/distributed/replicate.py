@@ -50,6 +50,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,6 +278,7 @@ class Replicator:
         log.debug("gdswriter: rank %d replicates step %d to ranks %s, holds copies of ranks %s", rank, step,
                   list(part.sends_to), list(part.receives_from))
         what = f"replicating step {step}"
+        t0 = time.perf_counter()
         try:
             out = Outgoing(*self._sources(job))
             problems = self._stream(step, out)
@@ -288,6 +290,9 @@ class Replicator:
         if out.error is not None:
             problems.insert(0, f"its own files: {describe(out.error)}")
         mine = {"ok": not problems, "error": "; ".join(problems)[:2000]}
+        if self._pipe is not None:
+            log.debug("gdswriter: rank %d streamed step %d in %.3f s (%s)", rank, step, time.perf_counter() - t0,
+                      self._pipe.timings())
         return self._settle(job, mine, what)
 
     def _settle(self, job: ReplicationJob, mine: dict, what: str) -> bool:
