@@ -453,7 +453,7 @@ class GDSCheckpointer:
             state, prepared = self._session.prepare(collected, step)
             # References, copied containers, and the unguarded tensors' copies: the rest in the save thread (_run)
             snap = record_snapshot(state, step, metadata=metadata, guarded=guarded, layout=self._layout,
-                                   prepared=prepared)
+                                   prepared=prepared, blocking=blocking)
             handle = SaveHandle(step, mode)
             handle.state_dict_s, handle.blocking = state_dict_s, blocking
             with self._mutex:
