@@ -272,7 +272,7 @@ class GuardedMemory:
     among them, are held until the next call compares with them, so an object found there is
     the same object."""
 
-    __slots__ = ("_held", "_split", "_storages", "tensors")
+    __slots__ = ("_held", "_split", "_storages", "plain", "tensors")
 
     def __init__(self, held: list[Any] = ()) -> None:
         self._held: list[Any] = []  # what the optimizers held at the last call, when all plain tensors
@@ -280,6 +280,9 @@ class GuardedMemory:
         # (the saved tensors that are guarded ones, where the others are, where those are,
         # which guarded tensors are not saved as themselves)
         self._split: tuple[list[torch.Tensor], list[bool], list[bool], list[bool]] | None = None
+        # the saved tensors a blocking save last found plain (_check_at_call): a tensor's type,
+        # layout, device kind and quantization are fixed for the object (``.data =`` refuses others)
+        self.plain: list[torch.Tensor] = []
         self.update(list(held))
 
     def update(self, held: list[Any]) -> GuardedMemory:
@@ -432,7 +435,11 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     # Guarded: each views a guarded tensor's storage. A module's aliases come in its parameters'
     # order, so the two lists are usually equal (one comparison); else by set.
     if blocking:
-        _check_at_call(rest, state)
+        last = guarded.plain
+        if len(last) != len(rest) or not all(map(operator.is_, rest, last)):  # else checked last time
+            guarded.plain = []
+            _check_at_call(rest, state)
+            guarded.plain = rest
     elif rest and addresses != (others_at := storage_addresses_of(others)) and not set(others_at).issuperset(addresses):
         held = guarded.storages()  # also views of the guarded tensors that are saved themselves
         at_call = [t for t, a in zip(rest, addresses) if a not in held]
