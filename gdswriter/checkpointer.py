@@ -403,7 +403,9 @@ class GDSCheckpointer:
         ``save_async(step, metadata=metadata).result()`` (so None if skipped, on_busy="skip"),
         except that a blocking save never has the host pool of the state's size reserved: its
         caller waits for the whole write anyway, so it streams through the pool's small ring
-        when no full pool is there (save/pool.py), at the same speed, with no memory set aside."""
+        when no full pool is there (save/pool.py), at the same speed, with no memory set aside;
+        and it copies no small tensor at the call (save/snapshot.py record_snapshot's ``blocking``):
+        nothing can change them before the save has read them."""
         return self._submit(step, metadata, blocking=True).result()
 
     def save_async(self, step: int, *, metadata: dict | None = None) -> SaveHandle:
@@ -453,7 +455,7 @@ class GDSCheckpointer:
             state, prepared = self._session.prepare(collected, step)
             # References, copied containers, and the unguarded tensors' copies: the rest in the save thread (_run)
             snap = record_snapshot(state, step, metadata=metadata, guarded=guarded, layout=self._layout,
-                                   prepared=prepared)
+                                   prepared=prepared, blocking=blocking)
             handle = SaveHandle(step, mode)
             handle.state_dict_s, handle.blocking = state_dict_s, blocking
             with self._mutex:

@@ -109,7 +109,7 @@ def test_a_training_loop_lays_out_once_and_a_replaced_tensor_is_saved_right(tmp_
         # storage: both change which bytes the saved tensors are.
         model.head.weight = model.emb.weight
         model.ln_f.weight = nn.Parameter(torch.full_like(model.ln_f.weight, 7.0))
-        ck.save(4)
+        ck.save_async(4).result(timeout=60)
         assert len(calls) == 4  # the new weight no optimizer holds joins the buffer at the call
         expected = {k: v.clone() for k, v in model.state_dict().items()}
     _, state = load_state(tmp_path, step=4)
@@ -117,6 +117,27 @@ def test_a_training_loop_lays_out_once_and_a_replaced_tensor_is_saved_right(tmp_
         assert torch.equal(state["model"][k], v), k
     assert state["model"]["head.weight"].untyped_storage().data_ptr() == \
         state["model"]["emb.weight"].untyped_storage().data_ptr()
+
+
+def test_a_blocking_save_groups_and_copies_nothing_at_the_call(tmp_path, monkeypatch):
+    """save() waits for the whole save, so its caller cannot change the tensors no optimizer
+    guards before the save reads them: they are laid out once (in the save thread), not also
+    grouped and copied at the call, and saved right, on every save."""
+    calls = []
+    real = S.group_by_allocation
+    # Counting layouts through the snapshot's seam.
+    monkeypatch.setattr(S, "group_by_allocation", lambda *a: calls.append(1) or real(*a))
+    state = {f"b{i}": torch.full((1000 + i,), float(i)) for i in range(50)}  # small: save_async copies them at the call
+    with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
+        ck.save(1)
+        assert len(calls) == 1
+        for t in state.values():
+            t.add_(1.0)
+        ck.save(2)
+        assert len(calls) == 1  # the same layout: reused
+    for step in (1, 2):
+        got = load_state(tmp_path, step)[1]["model"]
+        assert all(torch.equal(got[f"b{i}"], torch.full((1000 + i,), float(i + step - 1))) for i in range(50))
 
 
 def test_storages_of_new_sizes_are_planned_anew(tmp_path):

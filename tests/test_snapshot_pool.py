@@ -249,3 +249,24 @@ def test_lagging_root_piece_is_not_overwritten_before_it_is_written(tmp_path: Pa
     _, got = load_state(roots, 1)  # every chunk's checksum verified
     assert torch.equal(got["model"]["w"], state["w"])
     assert watch.copier_waited, "the piece that reuses root 1's last range did not wait for it"
+
+
+def test_a_later_save_copies_from_where_the_tensors_are_now(tmp_path):
+    """A training loop's saves reuse the pool's layout of the files (the copies' addresses)
+    while the state's layout is the same; a tensor replaced by one of the same size at another
+    address (the old one still alive, other values) is copied from its new memory."""
+    state = {f"t{i}": torch.full((3000,), float(i)) for i in range(200)}
+    old = state["t7"]
+    with GDSCheckpointer(state, None, tmp_path, options=M.small_options(snapshot="host")) as ck:
+        ck.save(1)
+        for t in state.values():
+            t.add_(1.0)
+        ck.save(2)  # the same layout: the pool's layout of the files again
+        state["t7"] = torch.full((3000,), -5.0)
+        ck.save(3)
+    assert torch.equal(old, torch.full((3000,), 8.0))
+    for step in (1, 2, 3):
+        got = load_state(tmp_path, step)[1]["model"]
+        for i in range(200):
+            want = -5.0 if (step, i) == (3, 7) else float(i + min(step, 2) - 1)
+            assert torch.equal(got[f"t{i}"], torch.full((3000,), want)), (step, i)

@@ -262,6 +262,7 @@ class HostSnapshotPool:
         self._growing = 0  # the size the helper is reserving (0: none running)
         self._helper: threading.Thread | None = None
         self._wanted: tuple[int, int | None] | None = None  # (size, CUDA device) the last save lacked
+        self._last_layout: _LayoutTemplate | None = None  # the last save's layout of its files (_layout)
         self._closed = False
 
     @property
@@ -430,7 +431,7 @@ class HostSnapshotPool:
         ring.view = buf.view
         piece = max(ALIGN, min(PIECE_MAX, buf.size // (4 * n_roots)) // ALIGN * ALIGN)
         with gc_paused():  # a view and a chunk per tensor, no cycles (see gc_paused)
-            order, pieces_per_file, chunks = _layout(snap, plan, ring, piece)
+            order, pieces_per_file, chunks = self._layout(snap, plan, ring, piece)
             allocate(order, buf.size)
             spans = [[(p, WriteSpan(p.lo, buf.tensor[p.ring:p.ring + p.hi - p.lo], guard=p, checksum=False))
                       for p in pieces] for pieces in pieces_per_file]
@@ -448,6 +449,18 @@ class HostSnapshotPool:
             raise ring.error
         if self.grow and buf.size < full:  # streamed through the ring: the full pool, for reserve_ahead
             self._wanted = (full, device)
+
+    def _layout(self, snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
+        """_layout, or the last save's layout again (as new pieces) where it is a function of
+        the same things: the same plan and piece size over extents of the same layout
+        (Snapshot.layout_key: the same memory), all in host memory. In a training loop, every
+        save after the first: no Python step per chunk but one to map it to its piece."""
+        last = self._last_layout
+        if last is not None and snap.layout_key is not None and last.fits(snap, plan, piece):
+            return last.rebuild(ring)
+        order, per_file, chunks = _layout(snap, plan, ring, piece)
+        self._last_layout = _LayoutTemplate.of(snap, plan, piece, order, per_file, chunks)
+        return order, per_file, chunks
 
 
 class PoolStream:
@@ -495,6 +508,47 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
     queues = [per_root[r] for r in sorted(per_root)]
     order = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
     return order, per_file, chunks
+
+
+class _LayoutTemplate:
+    """A save's layout of its files in pieces (_layout), kept to be made again for a later save
+    of the same layout: every piece's root, range, copies (addresses in host memory) and gaps,
+    and each chunk's piece and offset there."""
+
+    __slots__ = ("chunks", "key", "per_file", "piece", "pieces", "plan")
+
+    def __init__(self, key, plan: SavePlan, piece: int, pieces: list[tuple], per_file: list[list[int]],
+                 chunks: list[tuple]) -> None:
+        self.key, self.plan, self.piece = key, plan, piece
+        self.pieces, self.per_file, self.chunks = pieces, per_file, chunks
+
+    @classmethod
+    def of(cls, snap: Snapshot, plan: SavePlan, piece: int, order: list[Piece], per_file: list[list[Piece]],
+           chunks: dict) -> _LayoutTemplate | None:
+        """The template of a layout just made (None: not reusable, as an extent is not in host
+        memory or the snapshot has no layout key)."""
+        if snap.layout_key is None or any(type(src) is not tuple for p in order for _, _, src in p.copies):
+            return None
+        index = {id(p): i for i, p in enumerate(order)}
+        return cls(snap.layout_key, plan, piece, [(p.root, p.lo, p.hi, p.copies, p.gaps) for p in order],
+                   [[index[id(p)] for p in pieces] for pieces in per_file],
+                   [(c, index[id(where[0])], where[1], n) if where else (c, -1, 0, n)
+                    for c, (where, n) in chunks.items()])
+
+    def fits(self, snap: Snapshot, plan: SavePlan, piece: int) -> bool:
+        return snap.layout_key is self.key and plan is self.plan and piece == self.piece
+
+    def rebuild(self, ring: Ring):
+        """The layout as _layout returns it, with new pieces in ``ring`` (the copies' and gaps'
+        lists are shared: nothing changes them once laid out)."""
+        order = []
+        for root, lo, hi, copies, gaps in self.pieces:
+            p = Piece(ring, root, lo)
+            p.hi, p.copies, p.gaps = hi, copies, gaps
+            order.append(p)
+        per_file = [[order[i] for i in idx] for idx in self.per_file]
+        chunks = {c: ((order[i], rel), n) if i >= 0 else ((), n) for c, i, rel, n in self.chunks}
+        return order, per_file, chunks
 
 
 def allocate(order: Sequence[Piece], capacity: int) -> None:
@@ -558,12 +612,15 @@ def copy_all(snap: Snapshot, order: Sequence[Piece], ring: Ring, buf: StagingBuf
                 devices = {src.device.index for _, _, src in p.copies if type(src) is not tuple and src.is_cuda}
                 for rel, n in p.gaps:
                     ctypes.memset(buf.address + p.ring + rel, 0, n)
-                for rel, n, src in p.copies:
-                    crc = copy_in(buf, p.ring + rel, src)
-                    if crc is None:
-                        p.unsummed.append((rel, n))
-                    else:
-                        p.crcs[rel, n] = crc
+                if copy_in is _copy_in and not devices:
+                    _copy_host_piece(buf, p)
+                else:  # copies from a GPU, or copy_in wrapped (a test's seam): one call per copy
+                    for rel, n, src in p.copies:
+                        crc = copy_in(buf, p.ring + rel, src)
+                        if crc is None:
+                            p.unsummed.append((rel, n))
+                        else:
+                            p.crcs[rel, n] = crc
                 events = streams.record_side(sorted(devices)) if devices else {}
                 with ring.cv:
                     p.events, p.ready = events, True
@@ -574,6 +631,21 @@ def copy_all(snap: Snapshot, order: Sequence[Piece], ring: Ring, buf: StagingBuf
         pass
     except BaseException as e:
         ring.fail(e)
+
+
+def _copy_host_piece(buf: StagingBuffer, p: Piece) -> None:
+    """copy_in for every copy of ``p``, none from a GPU, in one loop: the small copies from
+    host memory (a state of many tensors: most of them) inline, a memmove and a crc32c each,
+    without a call and type tests per copy."""
+    memmove, view, crcs = ctypes.memmove, buf.view, p.crcs
+    at = p.ring
+    dst = buf.address + at
+    for rel, n, src in p.copies:
+        if type(src) is tuple and n <= FUSED_BYTES:
+            memmove(dst + rel, src[0], n)
+            crcs[rel, n] = _crc32c(view[at + rel:at + rel + n])
+        else:
+            crcs[rel, n] = _copy_in(buf, at + rel, src)  # type: ignore[assignment]
 
 
 def copy_in(buf: StagingBuffer, at: int, src: torch.Tensor | tuple[int, int]) -> int | None:
@@ -603,3 +675,6 @@ def copy_in(buf: StagingBuffer, at: int, src: torch.Tensor | tuple[int, int]) ->
         ctypes.memmove(dst + k, src + k, m)
         crc = _crc32c(buf.view[at + k:at + k + m], crc)
     return crc
+
+
+_copy_in = copy_in  # the module's own: copy_all calls copy_in per copy only when it was replaced

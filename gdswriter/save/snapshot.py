@@ -90,6 +90,10 @@ class Snapshot:
     ready: dict[int, Any] = field(default_factory=dict)
     unguarded: list[str] = field(default_factory=list)
     prepared: Any = None  # what Session.prepare returned beside the state, for this save's write_and_commit
+    # The LayoutCache key the extents were laid out by (the same object while saves reuse the
+    # layout: the extents view the same memory then), None where an extent is a copy or raw
+    # memory: what lets the host pool reuse its layout of the files (pool.py)
+    layout_key: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -268,7 +272,7 @@ class GuardedMemory:
     among them, are held until the next call compares with them, so an object found there is
     the same object."""
 
-    __slots__ = ("_held", "_split", "_storages", "tensors")
+    __slots__ = ("_held", "_split", "_storages", "plain", "tensors")
 
     def __init__(self, held: list[Any] = ()) -> None:
         self._held: list[Any] = []  # what the optimizers held at the last call, when all plain tensors
@@ -276,6 +280,9 @@ class GuardedMemory:
         # (the saved tensors that are guarded ones, where the others are, where those are,
         # which guarded tensors are not saved as themselves)
         self._split: tuple[list[torch.Tensor], list[bool], list[bool], list[bool]] | None = None
+        # the saved tensors a blocking save last found plain (_check_at_call): a tensor's type,
+        # layout, device kind and quantization are fixed for the object (``.data =`` refuses others)
+        self.plain: list[torch.Tensor] = []
         self.update(list(held))
 
     def update(self, held: list[Any]) -> GuardedMemory:
@@ -372,7 +379,8 @@ class PendingSnapshot:
                         tensors[i] = t.detach().resolve_conj().resolve_neg()
         extents, placed, records = _lay_out(tensors, names, kinds, layout)
         unguarded = self._apply_captures(extents, placed, tensors)
-        return Snapshot(self.step, tree, extents, records, self.metadata, self.ready, unguarded, self.prepared)
+        key = layout.key if layout is not None and not self.handled else None
+        return Snapshot(self.step, tree, extents, records, self.metadata, self.ready, unguarded, self.prepared, key)
 
     def _apply_captures(self, extents: list[Extent], placed: list[tuple[int, int]],
                         tensors: list[torch.Tensor]) -> list[str]:
@@ -401,13 +409,17 @@ class PendingSnapshot:
 
 
 def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guarded: GuardedMemory | None = None,
-                    layout: LayoutCache | None = None, prepared: Any = None) -> PendingSnapshot:
+                    layout: LayoutCache | None = None, prepared: Any = None, blocking: bool = False) -> PendingSnapshot:
     """save_async's part of a snapshot (see PendingSnapshot): ``guarded``, the memory the step
     pre-hook guards; the tensors outside it are checked, grouped (with ``layout.at_call``, the
     last save's grouping, while it applies) and (the small ones) copied now, as take_snapshot
     describes. Raises UnsupportedObjectError, naming the key path, for what the format cannot
     store (a quantized tensor only guarded memory holds: in the save thread, from ``complete``).
-    ``prepared``: what Session.prepare returned beside the state, carried to Snapshot.prepared."""
+    ``prepared``: what Session.prepare returned beside the state, carried to Snapshot.prepared.
+    ``blocking``: the caller waits for the whole save (save()), so it cannot change the tensors
+    before the save has read them: they are checked now but none is grouped or copied at the
+    call (a copy per small tensor, and the bytes copied twice, for nothing), except those on
+    devices the background cannot read."""
     guarded = guarded or GuardedMemory()
     try:
         frozen, tensors, arrays = freeze_state(state)
@@ -422,7 +434,13 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     held: set[int] = set()
     # Guarded: each views a guarded tensor's storage. A module's aliases come in its parameters'
     # order, so the two lists are usually equal (one comparison); else by set.
-    if rest and addresses != (others_at := storage_addresses_of(others)) and not set(others_at).issuperset(addresses):
+    if blocking:
+        last = guarded.plain
+        if len(last) != len(rest) or not all(map(operator.is_, rest, last)):  # else checked last time
+            guarded.plain = []
+            _check_at_call(rest, state)
+            guarded.plain = rest
+    elif rest and addresses != (others_at := storage_addresses_of(others)) and not set(others_at).issuperset(addresses):
         held = guarded.storages()  # also views of the guarded tensors that are saved themselves
         at_call = [t for t, a in zip(rest, addresses) if a not in held]
     cuda: set[int] = set()
@@ -459,6 +477,20 @@ def _accelerator_tensors_can_exist() -> bool:
     for CUDA, initialised (a CUDA tensor initialises it). Asks no CUDA call."""
     accelerator = torch.accelerator.current_accelerator()
     return accelerator is not None and (accelerator.type != "cuda" or torch.cuda.is_initialized())
+
+
+def _check_at_call(tensors: list[torch.Tensor], state: Any) -> None:
+    """Raise UnsupportedObjectError, with its key path, for a tensor of ``tensors`` the format
+    cannot store (C-level passes when none is unusual)."""
+    if _plain_strided(tensors):
+        return
+    for t in tensors:
+        try:
+            check_tensor(t, "")
+            _check_quantized("", t)
+        except UnsupportedObjectError:
+            _raise_unsupported(state)
+            raise
 
 
 def _handle_at_call(pending: PendingSnapshot, tensors: list[torch.Tensor], guarded: set[int], state: Any,
