@@ -5,6 +5,9 @@ stride, dtype, key path or kind lays the state out anew, and a training loop lay
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -138,6 +141,20 @@ def test_a_blocking_save_groups_and_copies_nothing_at_the_call(tmp_path, monkeyp
     for step in (1, 2):
         got = load_state(tmp_path, step)[1]["model"]
         assert all(torch.equal(got[f"b{i}"], torch.full((1000 + i,), float(i + step - 1))) for i in range(50))
+
+
+def test_a_blocking_save_keeps_no_tensor_of_the_state_alive(tmp_path):
+    """What a blocking save remembers of the tensors it checked (to skip the checks on the same
+    objects next time) does not keep them alive: a tensor the caller replaced is freed at once."""
+    state = {f"b{i}": torch.full((1000 + i,), float(i)) for i in range(50)}
+    with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
+        ck.save(1)
+        gone = weakref.ref(state["b7"])
+        state["b7"] = torch.zeros(3)
+        gc.collect()
+        assert gone() is None
+        ck.save(2)
+    assert torch.equal(load_state(tmp_path, 2)[1]["model"]["b7"], torch.zeros(3))
 
 
 def test_storages_of_new_sizes_are_planned_anew(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import operator
+import weakref
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress
@@ -280,9 +281,10 @@ class GuardedMemory:
         # (the saved tensors that are guarded ones, where the others are, where those are,
         # which guarded tensors are not saved as themselves)
         self._split: tuple[list[torch.Tensor], list[bool], list[bool], list[bool]] | None = None
-        # the saved tensors a blocking save last found plain (_check_at_call): a tensor's type,
-        # layout, device kind and quantization are fixed for the object (``.data =`` refuses others)
-        self.plain: list[torch.Tensor] = []
+        # weak references to the saved tensors a blocking save last found plain (_check_at_call):
+        # a tensor's type, layout, device kind and quantization are fixed for the object
+        # (``.data =`` refuses others); weak, so that a state the caller dropped is not kept alive
+        self.plain: list[weakref.ref] = []
         self.update(list(held))
 
     def update(self, held: list[Any]) -> GuardedMemory:
@@ -436,10 +438,10 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     # order, so the two lists are usually equal (one comparison); else by set.
     if blocking:
         last = guarded.plain
-        if len(last) != len(rest) or not all(map(operator.is_, rest, last)):  # else checked last time
+        if len(last) != len(rest) or not all(r() is t for r, t in zip(last, rest)):  # else checked last time
             guarded.plain = []
             _check_at_call(rest, state)
-            guarded.plain = rest
+            guarded.plain = list(map(weakref.ref, rest))
     elif rest and addresses != (others_at := storage_addresses_of(others)) and not set(others_at).issuperset(addresses):
         held = guarded.storages()  # also views of the guarded tensors that are saved themselves
         at_call = [t for t, a in zip(rest, addresses) if a not in held]
