@@ -261,7 +261,7 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
             per_file.setdefault(c.file, []).append((c, sid))
     out = dests
     for chunks in per_file.values():
-        chunks.sort(key=lambda x: x[0].file_offset)
+        chunks.sort(key=lambda x: (x[0].file_offset, x[0].length))  # an empty chunk before one at its offset
     runs = {fid: _runs(manifest, chunks, out) for fid, chunks in per_file.items()}
     for sid, s in enumerate(manifest.storages):
         if out[sid] is None:
@@ -388,24 +388,35 @@ def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, in
             c = chunks[j][0]
             crcs[j] = _crc32c(view[c.file_offset - run.lo:c.file_offset - run.lo + c.length])
     if sparse:
-        _read_sparse(engine, path, chunks, sparse, crcs, verify)
+        _read_sparse(engine, path, chunks, sparse, out, crcs, verify)
     return crcs
 
 
 def _read_sparse(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]], runs: list[_Run],
-                 crcs: list[int], verify: bool) -> None:
-    """Read sparse ``runs`` through one scratch buffer of at most SPARSE_SCRATCH bytes, as many
-    runs at a time as it holds (each 4 KiB-aligned in it: read zero-copy where long enough),
-    then copy each chunk to its place in its run's buffer (one memmove each) and sum it there."""
-    placed = [-(-r.span // 4096) * 4096 for r in runs]  # each fits the scratch (RUN_MAX < SPARSE_SCRATCH)
-    scratch = host_buffer(min(SPARSE_SCRATCH, sum(placed)))
+                 out: list, crcs: list[int], verify: bool) -> None:
+    """Read sparse ``runs`` through one scratch buffer, as many runs at a time as it holds (each
+    4 KiB-aligned in it: read zero-copy where long enough), then copy each chunk to its place in
+    its run's buffer (one memmove each) and sum it there. The scratch holds at most the gaps
+    between the runs' chunks (bytes of the file no chunk holds) and SPARSE_SCRATCH, so what a
+    load allocates stays within the files' sizes; a run it cannot hold is read chunk by chunk."""
+    placed = [-(-r.span // 4096) * 4096 for r in runs]
+    size = min(SPARSE_SCRATCH, sum(r.span - r.buf.numel() for r in runs))
+    fits = [i for i, n in enumerate(placed) if n <= size]
+    if len(fits) < len(runs):
+        alone = [j for i, r in enumerate(runs) if placed[i] > size for j in range(r.first, r.end)]
+        got = engine.read_file(path, [ReadSpan(chunks[j][0].file_offset, out[chunks[j][1]]) for j in alone])
+        for j, crc in zip(alone, got):
+            crcs[j] = crc
+    if not fits:
+        return
+    scratch = host_buffer(size)
     base = scratch.data_ptr()
     i = 0
-    while i < len(runs):
+    while i < len(fits):
         batch, at = [], 0
-        while i < len(runs) and at + placed[i] <= scratch.numel():
-            batch.append((runs[i], at))
-            at += placed[i]
+        while i < len(fits) and at + placed[fits[i]] <= size:
+            batch.append((runs[fits[i]], at))
+            at += placed[fits[i]]
             i += 1
         engine.read_file(path, [ReadSpan(run.lo, scratch[pos:pos + run.span]) for run, pos in batch])
         for run, pos in batch:
