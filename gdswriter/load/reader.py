@@ -53,7 +53,8 @@ from ..threads import run_per_file
 log = logging.getLogger("gdswriter")
 
 
-_POPULATE_MIN = 1 << 20
+_ALIGNED_MIN = 1 << 20
+_POPULATE_MIN = 4 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 
@@ -65,7 +66,11 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     pages and 30 ms for torch.empty plus first touch). Where the kernel lacks either advice
     (before Linux 5.14, or THP off) it falls back to MAP_POPULATE."""
     if nbytes < _POPULATE_MIN or not hasattr(mmap, "MAP_POPULATE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes < _ALIGNED_MIN:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes + 4095, dtype=torch.uint8)  # 4 KiB-aligned: read zero-copy under O_DIRECT
+        skip = -raw.data_ptr() % 4096
+        return raw[skip:skip + nbytes]
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     skip = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE  # start on a 2 MiB boundary
     try:
