@@ -172,6 +172,33 @@ def test_each_loaded_storage_starts_at_its_own_first_byte(tmp_path):
     assert all(torch.equal(t, torch.full((100,), float(i))) for i, t in enumerate(loaded["small"].values()))
 
 
+def test_small_storages_far_apart_load_as_their_own_and_are_checked(tmp_path):
+    """Storages of 2.7 KB laid out 4 KiB apart (too sparse to share one buffer with the gaps)
+    are read in runs through a scratch buffer and packed: each loads its own bytes, as a
+    storage of its own of exactly its size, and a flipped byte among them is found."""
+    state = {"g": {f"t{i}": torch.full((675,), float(i)) for i in range(3000)}}
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+        step_dir = ck.protocol.step_dir(1)
+    _, loaded = load_state(tmp_path, 1)
+    got = loaded["model"]["g"]
+    for i in range(3000):
+        t = got[f"t{i}"]
+        assert torch.equal(t, state["g"][f"t{i}"]), i
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == 2700, i
+    data = sorted(step_dir.glob("data-*.bin"))[0]
+    raw = bytearray(data.read_bytes())
+    at = len(raw) // 2 // 4096 * 4096 + 100  # inside a tensor's bytes (each starts 4 KiB-aligned)
+    raw[at] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    try:
+        load_state(tmp_path, 1)
+    except ChecksumMismatchError as e:
+        assert "g/t" in str(e)
+    else:
+        raise AssertionError("a flipped byte among sparse storages was not found")
+
+
 def many_manifest() -> Manifest:
     """A manifest of 3,000 storages and 3,004 tensors, as a save of many tensors writes it
     (one chunk per storage), with what the per-record checks are also there for: a storage cut

@@ -314,6 +314,8 @@ def live_optimizer_state(optimizer: Any) -> dict[str, torch.Tensor]:
 def match_live(manifest: Manifest, live: Mapping[str, torch.Tensor]) -> dict[int, tuple[int, torch.Tensor]]:
     """Storages that can be read straight into a live tensor: {storage: (tensor record, flat view)}:
     the storage's only tensor, same dtype, shape and strides, contiguous, the whole storage."""
+    if not live:
+        return {}
     users: dict[int, int] = {}
     seen: dict[str, int] = {}
     for t in manifest.tensors:

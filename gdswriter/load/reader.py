@@ -22,12 +22,14 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import mmap
 import os
 import stat
+from itertools import accumulate
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -51,7 +53,8 @@ from ..threads import run_per_file
 log = logging.getLogger("gdswriter")
 
 
-_POPULATE_MIN = 1 << 20
+_ALIGNED_MIN = 1 << 20
+_POPULATE_MIN = 4 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 
 
@@ -63,7 +66,11 @@ def host_buffer(nbytes: int) -> torch.Tensor:
     pages and 30 ms for torch.empty plus first touch). Where the kernel lacks either advice
     (before Linux 5.14, or THP off) it falls back to MAP_POPULATE."""
     if nbytes < _POPULATE_MIN or not hasattr(mmap, "MAP_POPULATE"):
-        return torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes < _ALIGNED_MIN:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(nbytes + 4095, dtype=torch.uint8)  # 4 KiB-aligned: read zero-copy under O_DIRECT
+        skip = -raw.data_ptr() % 4096
+        return raw[skip:skip + nbytes]
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     skip = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE  # start on a 2 MiB boundary
     try:
@@ -233,7 +240,13 @@ def read_manifest(protocol: CommitProtocol, step: int) -> Manifest:
 
 RUN_SLACK = 8  # a run of chunks is read as one span when the gaps in it are at most 1/8 of its bytes
 RUN_GAP = 4096  # (plus one alignment gap): its buffer holds at most 1/8 + 4 KiB more than its storages
-RUN_MAX = _POPULATE_MIN  # a run's buffer stays below host_buffer's mapped size: small tensors are what runs batch
+RUN_MAX = HUGE_PAGE
+"""A run's buffer holds at most this many bytes: small tensors are what runs batch, and a loaded
+tensor keeps its run's buffer alive. Runs of 1-2 MiB are read zero-copy (an engine moves spans of
+at least ZERO_COPY_MIN, 1 MiB, straight into their memory: host_buffer's are 2 MiB-aligned);
+the runs below 1 MiB they replaced were staged, a copy of every byte (10,000 tensors of 26 KiB:
+0.16-0.28 s of a 256 MiB load)."""
+SPARSE_SCRATCH = 32 << 20  # file bytes of sparse runs read at a time (the scratch buffer they pass through)
 
 
 def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torch.Tensor | None],
@@ -244,7 +257,7 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     Fresh storages of one chunk that lie next to each other in a file (a state of many small
     tensors: most of its storages) are read as one run: one buffer, one span (zero-copy
     under O_DIRECT, however many tensors it holds), each chunk checksummed there, each
-    storage a view of it (runs below RUN_MAX bytes: larger storages have buffers of their own,
+    storage a view of it (runs up to RUN_MAX bytes: larger storages have buffers of their own,
     which host_buffer maps on huge pages). The buffers cover disjoint byte ranges of the files, so what is
     allocated stays within the files' sizes (checked before: check_data_files)."""
     per_file: dict[int, list[tuple[ChunkRecord, int]]] = {}
@@ -253,14 +266,11 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
             per_file.setdefault(c.file, []).append((c, sid))
     out = dests
     for chunks in per_file.values():
-        chunks.sort(key=lambda x: x[0].file_offset)
+        chunks.sort(key=lambda x: (x[0].file_offset, x[0].length))  # an empty chunk before one at its offset
     runs = {fid: _runs(manifest, chunks, out) for fid, chunks in per_file.items()}
     for sid, s in enumerate(manifest.storages):
         if out[sid] is None:
             out[sid] = host_buffer(s.nbytes)
-    names = {}
-    for t in manifest.tensors:
-        names.setdefault(t.storage, t.name)
     step_dir = {i: protocol.step_dir(manifest.step, i) for i in range(len(protocol.roots))}
 
     def read_one(fid: int) -> None:
@@ -268,23 +278,55 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
         path = step_dir[rec.root] / rec.path
         chunks = per_file[fid]
         crcs = _read_spans(engines[rec.root % len(engines)], path, chunks, runs[fid], out, verify)
-        if verify:
-            for (c, sid), got in zip(chunks, crcs):
-                if got != c.crc32c:
-                    raise ChecksumMismatchError(path, names.get(sid, f"<storage {sid}>"), c.file_offset, c.length,
-                                                c.crc32c, got)
+        if verify and crcs != [c.crc32c for c, _ in chunks]:
+            j = next(j for j, ((c, _), got) in enumerate(zip(chunks, crcs)) if got != c.crc32c)
+            (c, sid), got = chunks[j], crcs[j]
+            name = next((t.name for t in manifest.tensors if t.storage == sid), f"<storage {sid}>")
+            raise ChecksumMismatchError(path, name, c.file_offset, c.length, c.crc32c, got)
 
     run_per_file(read_one, sorted(per_file), len(engines))
     return out  # type: ignore[return-value]
 
 
-def _runs(manifest: Manifest, chunks: list[tuple[ChunkRecord, int]],
-          dests: list[torch.Tensor | None]) -> list[tuple[int, int, torch.Tensor]]:
-    """The runs of a file's ``chunks`` (sorted by offset) read as one span each: (index of the
-    first chunk, index after the last, the run's buffer); each run's storages get their part
-    of it in ``dests`` (a storage of its own over that memory, keeping the buffer alive). A run: two or more consecutive chunks, each the only chunk of a fresh
-    storage, with gaps of at most 1/RUN_SLACK of their bytes plus RUN_GAP between them."""
-    runs = []
+class _Run(NamedTuple):
+    """Chunks [first, end) of a file's sorted chunks, read as one span of ``span`` bytes at file
+    offset ``lo``. Dense (``packed`` None): read straight into ``buf``, whose storages are views
+    of it. Sparse: read through a scratch buffer, each chunk then copied to ``packed[i]`` of
+    ``buf`` (its storages' memory, without the gaps between them)."""
+
+    first: int
+    end: int
+    lo: int
+    span: int
+    buf: torch.Tensor
+    packed: tuple[int, ...] | None
+
+
+def _run_end(chunks: list[tuple[ChunkRecord, int]], k: int, alone: Any, dense: bool) -> tuple[int, int]:
+    """(index after the last chunk, bytes of the chunks) of the run that starts at chunk ``k``:
+    the following ``alone`` chunks within RUN_MAX bytes of file, and when ``dense``, with gaps of
+    at most 1/RUN_SLACK of their bytes plus RUN_GAP."""
+    lo, used, end = chunks[k][0].file_offset, chunks[k][0].length, k + 1
+    while end < len(chunks) and alone(end):
+        c = chunks[end][0]
+        span = c.file_offset + c.length - lo
+        if span > RUN_MAX or (dense and span > (used + c.length) * (RUN_SLACK + 1) // RUN_SLACK + RUN_GAP):
+            break
+        used += c.length
+        end += 1
+    return end, used
+
+
+def _runs(manifest: Manifest, chunks: list[tuple[ChunkRecord, int]], dests: list[torch.Tensor | None]) -> list[_Run]:
+    """The runs of a file's ``chunks`` (sorted by offset): two or more consecutive chunks, each
+    the only chunk of a fresh storage. Dense where the gaps allow (its buffer holds at most
+    1/RUN_SLACK + RUN_GAP more than its storages) and the run is long enough to be read
+    zero-copy; else sparse, up to RUN_MAX bytes of file (small storages laid out 4 KiB apart:
+    100,000 tensors of 2.7 KB, each once a staged span of its own). Each run's storages get
+    their part of its buffer in ``dests``: each a storage of its own that starts at its first
+    byte (torch.frombuffer; code that reads a tensor's storage from its start, as
+    torch.set_rng_state does, gets its bytes), keeping the buffer alive."""
+    runs: list[_Run] = []
     storages = manifest.storages
 
     def alone(k: int) -> bool:
@@ -296,69 +338,122 @@ def _runs(manifest: Manifest, chunks: list[tuple[ChunkRecord, int]],
         if not alone(k):
             k += 1
             continue
-        end = k + 1
-        used = chunks[k][0].length
         lo = chunks[k][0].file_offset
-        while end < n and alone(end):
-            c = chunks[end][0]
-            span = c.file_offset + c.length - lo
-            if span >= RUN_MAX or span > (used + c.length) * (RUN_SLACK + 1) // RUN_SLACK + RUN_GAP:
-                break
-            used += c.length
-            end += 1
+        end, used = _run_end(chunks, k, alone, dense=True)
+        packed = None
+        if chunks[end - 1][0].file_offset + chunks[end - 1][0].length - lo < RUN_MAX // 2:
+            wide, wide_used = _run_end(chunks, k, alone, dense=False)
+            if wide > end:
+                end, used = wide, wide_used
+                packed = tuple(accumulate((c.length for c, _ in chunks[k:end - 1]), initial=0))
         if end - k > 1:
             last = chunks[end - 1][0]
-            buf = host_buffer(last.file_offset + last.length - lo)
+            span = last.file_offset + last.length - lo
+            buf = host_buffer(span if packed is None else used)
             view = memoryview(buf.numpy())
-            for c, sid in chunks[k:end]:  # each a storage of its own that starts at its first byte: code
-                # that reads a tensor's storage from its start (torch.set_rng_state) gets its bytes
-                dests[sid] = torch.frombuffer(view[c.file_offset - lo:c.file_offset - lo + c.length], dtype=torch.uint8)
-            runs.append((k, end, buf))
+            at = packed or [c.file_offset - lo for c, _ in chunks[k:end]]
+            for (c, sid), o in zip(chunks[k:end], at):
+                dests[sid] = torch.frombuffer(view[o:o + c.length], dtype=torch.uint8)
+            runs.append(_Run(k, end, lo, span, buf, packed))
         k = end
     return runs
 
 
-def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]],
-                runs: list[tuple[int, int, torch.Tensor]], out: list, verify: bool) -> list[int]:
-    """Read a file's ``chunks``: each run as one span, each other chunk as its own; returns every
-    chunk's crc32c (a run's chunks summed from its buffer; none without ``verify``)."""
+def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]], runs: list[_Run],
+                out: list, verify: bool) -> list[int]:
+    """Read a file's ``chunks``: each dense run as one span, each other chunk as its own, then
+    the sparse runs (_read_sparse); returns every chunk's crc32c (a run's chunks summed from its
+    buffer; zeros without ``verify``)."""
     spans: list[ReadSpan] = []
-    owner: list[int] = []  # per span: the run it reads (index into runs), or -1: one chunk
+    owner: list[int] = []  # per span: the dense run it reads (index into runs), or -1 - its chunk
+    sparse: list[_Run] = []
     k, r = 0, 0
     while k < len(chunks):
-        if r < len(runs) and runs[r][0] == k:
-            spans.append(ReadSpan(chunks[k][0].file_offset, runs[r][2]))
-            owner.append(r)
-            k, r = runs[r][1], r + 1
+        if r < len(runs) and runs[r].first == k:
+            if runs[r].packed is None:
+                spans.append(ReadSpan(runs[r].lo, runs[r].buf))
+                owner.append(r)
+            else:
+                sparse.append(runs[r])
+            k, r = runs[r].end, r + 1
             continue
         c, sid = chunks[k]
         spans.append(ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length]))
-        owner.append(-1)
+        owner.append(-1 - k)
         k += 1
-    got = engine.read_file(path, spans)
-    if not verify:
-        return []
-    crcs = []
-    for span, crc, r in zip(spans, got, owner):
-        if r < 0:
-            crcs.append(crc)
+    crcs = [0] * len(chunks)
+    got = engine.read_file(path, spans) if spans else []
+    for crc, o in zip(got if verify else (), owner):
+        if o < 0:
+            crcs[-1 - o] = crc
             continue
-        first, end, buf = runs[r]
-        view = memoryview(buf.numpy())
-        crcs += [_crc32c(view[c.file_offset - span.offset:c.file_offset - span.offset + c.length])
-                 for c, _ in chunks[first:end]]
+        run = runs[o]
+        view = memoryview(run.buf.numpy())
+        for j in range(run.first, run.end):
+            c = chunks[j][0]
+            crcs[j] = _crc32c(view[c.file_offset - run.lo:c.file_offset - run.lo + c.length])
+    if sparse:
+        _read_sparse(engine, path, chunks, sparse, out, crcs, verify)
     return crcs
+
+
+def _read_sparse(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]], runs: list[_Run],
+                 out: list, crcs: list[int], verify: bool) -> None:
+    """Read sparse ``runs`` through one scratch buffer, as many runs at a time as it holds (each
+    4 KiB-aligned in it: read zero-copy where long enough), then copy each chunk to its place in
+    its run's buffer (one memmove each) and sum it there. The scratch holds at most the gaps
+    between the runs' chunks (bytes of the file no chunk holds) and SPARSE_SCRATCH, so what a
+    load allocates stays within the files' sizes; a run it cannot hold is read chunk by chunk."""
+    placed = [-(-r.span // 4096) * 4096 for r in runs]
+    size = min(SPARSE_SCRATCH, sum(r.span - r.buf.numel() for r in runs))
+    fits = [i for i, n in enumerate(placed) if n <= size]
+    if len(fits) < len(runs):
+        alone = [j for i, r in enumerate(runs) if placed[i] > size for j in range(r.first, r.end)]
+        got = engine.read_file(path, [ReadSpan(chunks[j][0].file_offset, out[chunks[j][1]]) for j in alone])
+        for j, crc in zip(alone, got):
+            crcs[j] = crc
+    if not fits:
+        return
+    scratch = host_buffer(size)
+    base = scratch.data_ptr()
+    i = 0
+    while i < len(fits):
+        batch, at = [], 0
+        while i < len(fits) and at + placed[fits[i]] <= size:
+            batch.append((runs[fits[i]], at))
+            at += placed[fits[i]]
+            i += 1
+        engine.read_file(path, [ReadSpan(run.lo, scratch[pos:pos + run.span]) for run, pos in batch])
+        for run, pos in batch:
+            dst = run.buf.data_ptr()
+            view = memoryview(run.buf.numpy())
+            for j, o in zip(range(run.first, run.end), run.packed):  # type: ignore[arg-type]
+                c = chunks[j][0]
+                ctypes.memmove(dst + o, base + pos + c.file_offset - run.lo, c.length)
+                if verify:
+                    crcs[j] = _crc32c(view[o:o + c.length])
 
 
 def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """Build each saved tensor as a typed strided view of its storage buffer (sharing restored)."""
     dtypes = {name: dtype_from_name(name) for name in {t.dtype for t in manifest.tensors}}
+    contiguous: dict[tuple, tuple] = {}  # shape -> its C-contiguous strides
     out = []
     for t in manifest.tensors:
         dtype = dtypes[t.dtype]
         buf = buffers[t.storage]
+        shape = t.shape
+        if shape not in contiguous:
+            contiguous[shape] = torch.empty(shape, device="meta").stride()
+        # The usual record, the whole storage as one C-contiguous view: buf.view(dtype), a third
+        # of the cost of set_ (10,000 tensors: 0.1 s); any other view (sharing, offsets) by set_
+        if (t.byte_offset == 0 and t.stride == contiguous[shape] and buf.numel()
+                and buf.numel() == math.prod(shape) * dtype.itemsize and buf.storage_offset() % dtype.itemsize == 0):
+            typed = buf.view(dtype)
+            out.append(typed if len(shape) == 1 else typed.view(shape))
+            continue
         out.append(torch.empty(0, dtype=dtype, device=buf.device).set_(
-            buf.untyped_storage(), (buf.storage_offset() + t.byte_offset) // dtype.itemsize, t.shape, t.stride))
+            buf.untyped_storage(), (buf.storage_offset() + t.byte_offset) // dtype.itemsize, shape, t.stride))
     return out
 
 
@@ -367,7 +462,15 @@ def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
     0-stride expansion of one element, one per dtype): decode_state with these shows the
     saved structure before a byte is read."""
     one = {name: torch.empty((), dtype=dtype_from_name(name)) for name in {t.dtype for t in manifest.tensors}}
-    return [one[t.dtype].expand(t.shape) for t in manifest.tensors]
+    made: dict[tuple[str, tuple], torch.Tensor] = {}  # one stand-in per dtype and shape (expand: 3 us each)
+    out = []
+    for t in manifest.tensors:
+        key = (t.dtype, t.shape)
+        stand_in = made.get(key)
+        if stand_in is None:
+            stand_in = made[key] = one[t.dtype].expand(t.shape)
+        out.append(stand_in)
+    return out
 
 
 def load_state(root: str | os.PathLike | Sequence[str | os.PathLike], step: int | None = None, *,
