@@ -113,3 +113,36 @@ def test_damage_late_in_the_stream_fails_every_rank_at_once_and_changes_nothing(
     assert kind == "CorruptCheckpointError" and "no good copy of rank 1's files" in msg, out
     older = run_ranks(2, load_streamed, str(job), True, out=job / "out2")
     assert [x["got"] for x in older] == [[1, True]] * 2, older
+
+
+def test_a_fetch_reads_everything_however_late_its_reader_thread_starts(tmp_path):
+    """The fetch's reader thread also reads what no round sends (a rank's own chunks: all of
+    them in one process). It was told to stop as soon as the last round was passed, so a
+    reader thread that started late skipped those reads: the load failed with a KeyError, or
+    left buffers given to it unread. Here the reader thread is held back at its first call
+    (a profile hook, the standard threading seam), so it starts after the rounds, always."""
+    import sys
+    import threading
+    import time
+
+    import gdswriter.distributed
+    from gdswriter import GDSCheckpointer
+
+    state = {"w": torch.arange(600_000, dtype=torch.float32), "b": torch.full((1000,), 7.0)}
+    with GDSCheckpointer(state, None, tmp_path, options=small_options()) as ck:
+        ck.save(1)
+    held = []
+
+    def hold_the_reader(frame, event, arg):
+        if threading.current_thread().name == "gdswriter-fetch":
+            held.append(1)
+            time.sleep(0.3)
+        sys.setprofile(None)  # once per thread
+
+    threading.setprofile(hold_the_reader)
+    try:
+        got, st = gdswriter.distributed.load_state(tmp_path, 1)
+    finally:
+        threading.setprofile(None)
+    assert held, "the fetch's reader thread was not seen"
+    assert got == 1 and torch.equal(st["model"]["w"], state["w"]) and torch.equal(st["model"]["b"], state["b"])

@@ -274,8 +274,10 @@ def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequen
             error = _pass_round(coord, m, moves_k, buffers, tags, verify=verify and not failed and check_error is None,
                                 what=f"{what} (sending chunks, round {k + 1} of {len(rounds)})")
             check_error = check_error or error
+    except BaseException:
+        stop.set()  # only when this thread gives up: otherwise the reads no round needs are still to do
+        raise
     finally:
-        stop.set()
         worker.join()
     return (failed[0] if failed else None), check_error
 
