@@ -99,17 +99,22 @@ def test_ten_thousand_tensors_round_trip_first_and_second_save(tmp_path, contigu
         assert m[other].untyped_storage().data_ptr() == m["big2"].untyped_storage().data_ptr()
 
 
+def flip_a_byte_mid_file(step_dir) -> None:
+    """Flip one byte in the middle of the step's first data file, inside a tensor's bytes (each
+    starts 4 KiB-aligned)."""
+    data = sorted(step_dir.glob("data-*.bin"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2 // 4096 * 4096 + 100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
 def test_a_damaged_byte_among_many_tensors_is_found(tmp_path):
     """A file read whole is still checked chunk by chunk: one flipped byte is the tensor's."""
     state = {"tiny": {f"t{i}": torch.full((1020,), float(i)) for i in range(2000)}}  # 4080 B: little padding
     with GDSCheckpointer(state, None, tmp_path) as ck:
         ck.save(1)
         step_dir = ck.protocol.step_dir(1)
-    data = sorted(step_dir.glob("data-*.bin"))[0]
-    raw = bytearray(data.read_bytes())
-    at = len(raw) // 2 // 4096 * 4096 + 100  # inside a tensor's bytes (each starts 4 KiB-aligned)
-    raw[at] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_a_byte_mid_file(step_dir)
     try:
         load_state(tmp_path, 1)
     except ChecksumMismatchError as e:
@@ -186,11 +191,7 @@ def test_small_storages_far_apart_load_as_their_own_and_are_checked(tmp_path):
         t = got[f"t{i}"]
         assert torch.equal(t, state["g"][f"t{i}"]), i
         assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == 2700, i
-    data = sorted(step_dir.glob("data-*.bin"))[0]
-    raw = bytearray(data.read_bytes())
-    at = len(raw) // 2 // 4096 * 4096 + 100  # inside a tensor's bytes (each starts 4 KiB-aligned)
-    raw[at] ^= 0xFF
-    data.write_bytes(bytes(raw))
+    flip_a_byte_mid_file(step_dir)
     try:
         load_state(tmp_path, 1)
     except ChecksumMismatchError as e:

@@ -21,7 +21,7 @@ import torch
 from support.engines import HookedWrites
 from support.models import small_engine, small_options
 from support.nodes import NVME, Cluster, reached, unavailable
-from support.ranks import caught
+from support.ranks import WarningLines, caught
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 
@@ -71,15 +71,6 @@ class HoldReplication(logging.Handler):
             reached("replicating", hold_s=90)
 
 
-class Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _checkpointer(model: Model, engine=None, keep_last: int | None = None):
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import DistOptions
@@ -121,7 +112,7 @@ def _load(rank: int, world: int, steps: list, save_next: int | None = None, keep
     refill of the loaded step (wait_protected: "refilled"). With ``save_next``, the job then
     resumes: saves that step, waits until protected."""
     model = Model()
-    seen = Warnings()
+    seen = WarningLines()
     logging.getLogger("gdswriter").addHandler(seen)
     out: dict = {}
     with _checkpointer(model, keep_last=keep_last) as ck:

@@ -16,21 +16,12 @@ import torch
 
 from support.models import small_options
 from support.nodes import NVME, Cluster, unavailable
-from support.ranks import caught
+from support.ranks import WarningLines, caught
 
 needs_nodes = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 
 ROOT = f"{NVME}/ckpt"
 NUMEL = 3 * 256 * 1024 + 777  # 3 MiB (and a bit) float32 per tensor: chunks end mid-file
-
-
-class Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def state_of(rank: int, step: int) -> dict:
@@ -62,7 +53,7 @@ def save(rank: int, world: int, steps: list[int], group: int) -> dict:
 def load(rank: int, world: int, group: int, refill: bool) -> dict:
     """The latest step into zeroed tensors: [step, bit exact] or the error; with ``refill``, then
     wait for the refill (wait_protected: "refilled"); the warnings logged."""
-    seen = Warnings()
+    seen = WarningLines()
     logging.getLogger("gdswriter").addHandler(seen)
     live = {k: torch.zeros_like(v) for k, v in state_of(rank, 0).items()}
     out: dict = {}
@@ -137,7 +128,7 @@ def copies_job(rank: int, world: int, save_step: int | None) -> dict:
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import DistOptions
 
-    seen = Warnings()
+    seen = WarningLines()
     logging.getLogger("gdswriter").addHandler(seen)
     model = Model()
     out: dict = {}
@@ -214,7 +205,7 @@ def load_read_only(rank: int, world: int, read_only: list[int]) -> dict:
     file system turned read-only under a running job) once the checkpointer is open."""
     import subprocess
 
-    seen = Warnings()
+    seen = WarningLines()
     logging.getLogger("gdswriter").addHandler(seen)
     live = {k: torch.zeros_like(v) for k, v in state_of(rank, 0).items()}
     out: dict = {}

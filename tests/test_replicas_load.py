@@ -20,7 +20,7 @@ import torch
 
 from support.models import small_options
 from support.nodes import NVME, Cluster, unavailable
-from support.ranks import caught, run_ranks
+from support.ranks import WarningLines, caught, run_ranks
 
 STEP = 3
 NUMEL = 1 << 20  # 4 MiB float32 tensors: above the small-copy thresholds
@@ -61,22 +61,13 @@ def _save(rank: int, world: int, base: str) -> None:
             ck.save(step)
 
 
-class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _load(rank: int, world: int, base: str, fallback: bool = False) -> dict:
     """Load the latest step into zeroed tensors: {"got": [step, bit exact] or the error, "untouched":
     whether the live tensors are still zeros, "warnings": the gdswriter warnings}. A 1-rank load
     (a reshard) checks the shared state only."""
     live = {f"t{i}": torch.zeros(NUMEL) for i in range(TENSORS)}
     own = {"own": torch.zeros(NUMEL)}
-    seen = _Warnings()
+    seen = WarningLines()
     logging.getLogger("gdswriter").addHandler(seen)
     got: list = []
 

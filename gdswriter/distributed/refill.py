@@ -112,18 +112,28 @@ def _replacements(g: GlobalManifest, layout: RootLayout) -> tuple[dict[int, tupl
     return out, none
 
 
-def plan_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
-    """Pure (the module docstring, 1): what to copy where to refill step ``g.step``."""
-    copies = replicas_of(g, "the step's manifest")
-    seen = {info.id: info.ranks for info in layout.table}
-    if copies is None or all(g.roots[j].id in seen for j in range(len(g.roots))):
-        return RefillPlan((), {})  # saved without replicas, or nothing lost: nothing to do, silently
+def _replaced(g: GlobalManifest, layout: RootLayout) -> dict | RefillPlan:
+    """Where each lost root of step ``g.step`` was replaced (_replacements), or the plan of no
+    moves that says why no refill is done (another world size, an adopted primary, a lost root
+    with no single replacement)."""
     skipped = _not_refilled(g, layout)
     if skipped is not None:
         return RefillPlan((), {}, skipped)
     new, unmapped = _replacements(g, layout)
     if unmapped:
         return RefillPlan((), {}, f"roots {unmapped} of the step are gone with no single root replacing each")
+    return new
+
+
+def plan_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
+    """Pure (the module docstring, 1): what to copy where to refill step ``g.step``."""
+    copies = replicas_of(g, "the step's manifest")
+    seen = {info.id: info.ranks for info in layout.table}
+    if copies is None or all(g.roots[j].id in seen for j in range(len(g.roots))):
+        return RefillPlan((), {})  # saved without replicas, or nothing lost: nothing to do, silently
+    new = _replaced(g, layout)
+    if isinstance(new, RefillPlan):
+        return new
     moves = []
     for r in range(g.world_size):
         own = g.shards[r].root
@@ -150,12 +160,9 @@ def plan_parity_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
     lost = [r for r in range(g.world_size) if g.roots[g.shards[r].root].id not in seen]
     if copies is None or not lost:
         return RefillPlan((), {})
-    skipped = _not_refilled(g, layout)
-    if skipped is not None:
-        return RefillPlan((), {}, skipped)
-    new, unmapped = _replacements(g, layout)
-    if unmapped:
-        return RefillPlan((), {}, f"roots {unmapped} of the step are gone with no single root replacing each")
+    new = _replaced(g, layout)
+    if isinstance(new, RefillPlan):
+        return new
     moves = []
     for r in lost:
         own = g.shards[r].root

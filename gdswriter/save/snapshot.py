@@ -486,7 +486,7 @@ def _check_at_call(tensors: list[torch.Tensor], state: Any) -> None:
     cannot store (C-level passes when none is unusual)."""
     if _plain_strided(tensors):
         return
-    for t in tensors:
+    for t in tensors:  # one by one: the first the format cannot store is raised, with its key path
         try:
             check_tensor(t, "")
             _check_quantized("", t)
@@ -499,13 +499,8 @@ def _handle_at_call(pending: PendingSnapshot, tensors: list[torch.Tensor], guard
                     layout: LayoutCache | None) -> None:
     """Check, group and capture (see _capture) the tensors that cannot wait for the save thread."""
     if not _plain_strided(tensors):  # else (the usual state) every check passes: no loop
+        _check_at_call(tensors, state)
         for j, t in enumerate(tensors):
-            try:
-                check_tensor(t, "")
-                _check_quantized("", t)
-            except UnsupportedObjectError:
-                _raise_unsupported(state)
-                raise
             if t.is_conj() or t.is_neg():
                 pending.resolved[id(t)] = tensors[j] = t.detach().resolve_conj().resolve_neg()
     pending.handled = {id(t): t for t in tensors}

@@ -7,6 +7,7 @@ of this package): spawn pickles it by name, and the children inherit the parent'
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import sys
@@ -80,3 +81,15 @@ def caught(fn: Callable[[], Any]) -> list[str] | None:
     except BaseException as e:  # noqa: BLE001 - the test looks at what each rank got
         return [type(e).__name__, str(e)]
     return None
+
+
+class WarningLines(logging.Handler):
+    """The messages of the warnings logged while it is attached (``logging.getLogger().addHandler``),
+    in ``lines``: what a rank said to its user, for the test to check."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
