@@ -279,3 +279,23 @@ def test_a_manifest_of_many_records_refuses_each_damage(damage):
             record["shape"] = [1 << 40, 1 << 40]
     with pytest.raises(CorruptCheckpointError):
         Manifest.from_json_bytes(with_checksum(body))
+
+
+def test_every_loaded_tensor_is_a_storage_of_its_own_bytes(tmp_path):
+    """Whatever path reads it (a run of small storages, an aligned buffer of 1-4 MiB, a mapped
+    one above), a loaded tensor's storage holds its bytes alone, from its first: torch.save and
+    an export write a tensor's whole storage (a larger one made `gdswriter export --to torch`
+    write records torch.load refuses), and torch.set_rng_state reads from the storage's start."""
+    sizes = [700, 5000, 300_000, (1 << 20) + 123, 3 << 20, (6 << 20) + 1]
+    state = {f"t{i}": torch.arange(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
+    state["small"] = {f"s{i}": torch.full((2000,), float(i)) for i in range(50)}
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+    got = load_state(tmp_path, 1)[1]["model"]
+    loaded = [got[f"t{i}"] for i in range(len(sizes))] + list(got["small"].values())
+    wanted = [state[f"t{i}"] for i in range(len(sizes))] + list(state["small"].values())
+    for t, want in zip(loaded, wanted):
+        assert torch.equal(t, want)
+        assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == want.nbytes, (want.nbytes, t.untyped_storage().nbytes())
+    torch.save(got, tmp_path / "again.pt")
+    assert torch.equal(torch.load(tmp_path / "again.pt", weights_only=True)[f"t{len(sizes) - 2}"], state[f"t{len(sizes) - 2}"])

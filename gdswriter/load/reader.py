@@ -70,7 +70,9 @@ def host_buffer(nbytes: int) -> torch.Tensor:
             return torch.empty(nbytes, dtype=torch.uint8)
         raw = torch.empty(nbytes + 4095, dtype=torch.uint8)  # 4 KiB-aligned: read zero-copy under O_DIRECT
         skip = -raw.data_ptr() % 4096
-        return raw[skip:skip + nbytes]
+        # a storage of exactly its bytes, from its first (not a view into raw's larger storage:
+        # torch.save, an export and torch.set_rng_state take a tensor's whole storage)
+        return torch.frombuffer(memoryview(raw.numpy())[skip:skip + nbytes], dtype=torch.uint8)
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     skip = -ctypes.addressof(ctypes.c_char.from_buffer(region)) % HUGE_PAGE  # start on a 2 MiB boundary
     try:
