@@ -76,6 +76,15 @@ def step_dir(c: Cluster, node: int, step: int) -> Path:
     return c.nvme_dir(node) / "ckpt" / f"step_{step:012d}"
 
 
+def no_rebuilt_copies(c: Cluster, nodes: int, step: int) -> bool:
+    """No node's ``copies/`` folder of ``step`` holds a rank's copy (rebuilt, or its removal's
+    temporary name) any more: only the manifest's copy and the marker."""
+    left = [p for k in range(nodes) if (step_dir(c, k, step) / "copies").is_dir()
+            for p in (step_dir(c, k, step) / "copies").iterdir() if p.name not in ("manifest.json", "protected")]
+    assert not left, left
+    return True
+
+
 @needs_nodes
 def test_parity_refill_survives_a_second_node_loss(cluster):
     """3 nodes, parity_group=3, step 1 protected. Node 1 replaced by an empty disk: the load
@@ -99,6 +108,7 @@ def test_parity_refill_survives_a_second_node_loss(cluster):
     assert (step_dir(c, 1, 1) / "parity" / "rank00001.xor").stat().st_size == before["parity"]["length"]
     back = {p.name for p in step_dir(c, 1, 1).iterdir() if p.is_file()}
     assert set(own) <= back, (own, back)
+    assert no_rebuilt_copies(c, 3, 1)
 
     c.replace_node(2)
     again = c.run(load, 3, False)
@@ -253,3 +263,29 @@ def test_parity_rebuild_onto_read_only_roots(cluster):
         assert "no root that may hold the rebuilt copy can be written" in x["load"][1], x
         assert "make one of them writable" in x["load"][1], x
     assert [x["load"] for x in c.run(load, 3, False)] == [[1, True]] * 3
+
+
+@needs_nodes
+def test_parity_refill_finds_a_copy_rebuilt_off_a_read_only_root(cluster):
+    """6 nodes, parity_group=3 (lanes [0, 2, 4] and [1, 3, 5]), step 1 protected; node 5 replaced,
+    and node 1's root (the first that may hold rank 5's rebuilt copy) read-only under the job:
+    the copy is rebuilt on node 3 and the load is bit exact. The refill finds it there (not on
+    node 1, where the plan alone would look), puts rank 5's files and parity block back on node
+    5, and the step is protected again; the rebuilt copy is then removed (disk use does not grow
+    per load). Then node 3 is replaced: step 1 still loads bit exact, rank 3 rebuilt from nodes
+    1 and 5 (without the refill, two members of one lane lost: an error)."""
+    c = cluster(6)
+    assert [x["protected1"] for x in c.run(save, [1], 3)] == [None] * 6
+    assert json.loads((step_dir(c, 5, 1) / "parity" / "rank00005.json").read_bytes())["lane"] == [1, 3, 5]
+    c.replace_node(5)
+    out = c.run(load_read_only, [1])
+    for x in out:
+        assert x["load"] == [1, True] and x["refilled"] is None, x
+    assert any("rebuilt rank 5's files" in w for w in out[3]["warnings"]), out[3]["warnings"]
+    assert any("step 1 is refilled" in w for w in out[0]["warnings"]), out[0]["warnings"]
+    assert (step_dir(c, 5, 1) / "parity" / "rank00005.xor").is_file()
+    assert no_rebuilt_copies(c, 6, 1)
+
+    c.replace_node(3)
+    again = c.run(load, 3, False)
+    assert [x["load"] for x in again] == [[1, True]] * 6, again

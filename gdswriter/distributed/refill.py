@@ -26,8 +26,11 @@ background (never touching the next save, which runs on another channel):
 
 A step protected by parity (its ``protected`` marker names the group, which the primary rank
 sends with the manifest) is planned by ``plan_parity_refill``: each lost rank's files are read
-from the copy its load rebuilt (parityload.py) and moved as above; then the parity block it
-stored is re-created on its new root (parityrefill.py), before step 2.
+from the copy its load rebuilt (parityload.py; where it is, ``rebuilt_copies`` asks the ranks:
+a read-only root sends it to a later root of the rank's ``replicas`` entry) and moved as above;
+then the parity block it stored is re-created on its new root (parityrefill.py), before step 2.
+Once the step is protected again, the rebuilt copies are removed (``drop_rebuilt``): disk use
+does not grow with each load.
 
 A failure leaves the step as the load found it (loadable, with fewer copies): ReplicationError
 from ``wait_protected``; a crash mid-way leaves files no manifest names (removed with the step).
@@ -41,7 +44,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,7 +54,7 @@ import crc32c as _crc32c
 import torch
 
 from ..errors import ChecksumMismatchError, CollectiveFailedError, GDSWriterError, ReplicationError
-from ..format.commit import step_dir_name
+from ..format.commit import TMP_PREFIX, step_dir_name
 from ..format.copies import copy_ref, relocate_roots, replicas_of
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import protected_parity
@@ -150,11 +155,12 @@ def plan_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
     return RefillPlan(tuple(moves), {j: (v[0], v[1]) for j, v in new.items()})
 
 
-def plan_parity_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
+def plan_parity_refill(g: GlobalManifest, layout: RootLayout, found: Mapping[int, int] | None = None) -> RefillPlan:
     """Pure, for a step protected by parity (format.md 11.2): each lost rank's files, read from
-    the copy its load rebuilt (on the first root of its ``replicas`` entry some rank sees:
-    parityload.py), go to the leader of its replacement root; its parity block follows
-    (parityrefill.py)."""
+    the copy its load rebuilt, go to the leader of its replacement root; its parity block follows
+    (parityrefill.py). ``found``: lost rank -> the root of its ``replicas`` entry holding that
+    copy (``rebuilt_copies``: the load puts it on the first such root some rank can write, not
+    always the first seen); a rank not in it: the first root of its entry some rank sees."""
     copies = replicas_of(g, "the step's manifest")
     seen = {info.id: info.ranks for info in layout.table}
     lost = [r for r in range(g.world_size) if g.roots[g.shards[r].root].id not in seen]
@@ -166,7 +172,7 @@ def plan_parity_refill(g: GlobalManifest, layout: RootLayout) -> RefillPlan:
     moves = []
     for r in lost:
         own = g.shards[r].root
-        source = next((j for j in copies[r] if g.roots[j].id in seen), None)
+        source = (found or {}).get(r, next((j for j in copies[r] if g.roots[j].id in seen), None))
         if source is None:
             return RefillPlan((), {}, f"no member of rank {r}'s parity lane survives")
         sender = min(seen[g.roots[source].id])
@@ -196,7 +202,8 @@ def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
     g = parse_global(raw, f"{step_dir_name(step)}/{MANIFEST_NAME}")
     if g is None:
         return False
-    plan = plan_refill(g, layout) if parity is None else plan_parity_refill(g, layout)
+    plan = plan_refill(g, layout) if parity is None else \
+        plan_parity_refill(g, layout, rebuilt_copies(coord, layout, g, what))
     if plan.skipped is not None or not plan.moves:
         if plan.skipped is not None and coord.rank == layout.primary_rank:
             _unprotect(layout, step, plan.skipped)
@@ -217,7 +224,60 @@ def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
     marker = protected_marker(copies) if parity is None else \
         json.dumps({"copies": 1, "parity_group": parity}).encode()
     _commit(coord, layout, g, raw, plan, marker, what)
+    if parity is not None:
+        drop_rebuilt(coord.rank, layout, g, plan)
     return True
+
+
+def rebuilt_copies(coord: Coordinator, layout: RootLayout, g: GlobalManifest, what: str) -> dict[int, int]:
+    """Collective: lost rank -> the root of its ``replicas`` entry that holds the copy a load
+    rebuilt (parityload.py: its shard there), the first in the entry's order; each rank looks on
+    the roots it leads and reports what it found (a few integers) to the primary rank."""
+    copies = replicas_of(g, "the step's manifest")
+    seen = {info.id: tuple(info.ranks) for info in layout.table}
+    if copies is None or all(g.roots[g.shards[r].root].id in seen for r in range(g.world_size)):
+        return {}  # nothing lost (every rank alike): no round
+    mine: list = []
+    error: BaseException | None = None
+    try:
+        reach = reach_of(g, layout)
+        for r in range(g.world_size):
+            if g.roots[g.shards[r].root].id in seen:
+                continue
+            for j in copies[r]:
+                ranks = seen.get(g.roots[j].id)
+                if ranks and min(ranks) == coord.rank and \
+                        (reach[j] / step_dir_name(g.step) / copy_ref(g.shards[r], j).name).is_file():  # type: ignore[operator]
+                    mine.append([r, j])
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+
+    def first(outs: list) -> list:
+        have = {(r, j) for out in outs for r, j in out}
+        return [[r, next(j for j in copies[r] if (r, j) in have)] for r in sorted({r for r, _ in have})]
+
+    return {int(r): int(j) for r, j in coord.decide(error, mine, f"{what} (finding the rebuilt copies)", first,
+                                                     root=layout.primary_rank)}
+
+
+def drop_rebuilt(me: int, layout: RootLayout, g: GlobalManifest, plan: RefillPlan) -> None:
+    """After a parity refill is durable and the step protected again: each rebuilt copy the
+    refill read (``copies/rank<R>`` on a lane member's root) removed by the rank that read it,
+    so disk use does not grow per load: renamed to a temporary name (the copy is there whole or
+    gone), the directory fsynced, then deleted. A failure is logged: the step is protected."""
+    reach = reach_of(g, layout)
+    for move in plan.moves:
+        if move.sender != me or not move.copy:
+            continue
+        copies = reach[move.source] / step_dir_name(g.step) / COPIES_DIR  # type: ignore[operator]
+        try:
+            gone = copies / f"{TMP_PREFIX}{copy_dir_name(move.rank)}-{secrets.token_hex(4)}"
+            os.replace(copies / copy_dir_name(move.rank), gone)
+            fsync_dir(copies)
+            shutil.rmtree(gone)
+        except OSError as e:
+            log.warning("gdswriter: step %d is refilled, but rank %d's rebuilt copy in %s could not be removed "
+                        "(%s): remove it by hand", g.step, move.rank, copies, describe(e))
 
 
 def _unprotect(layout: RootLayout, step: int, why: str) -> None:
