@@ -296,6 +296,55 @@ def simulate_parity(world: int, group: int, per_host: int) -> dict:
             "drive_factor": parity_groups(hosts, group).drive_factor()}
 
 
+def simulate_refill(world: int, mode: str, per_host: int) -> dict:
+    """The refill after a load in which the host of rank W // 2 was replaced (distributed/refill.py):
+    the plan a typical rank (W // 2 + per_host, on another host) and rank 0 compute from the
+    global manifest (the least CPU time of 3 runs), the moves it holds, and what each sends to
+    rank 0 in the refill's own rounds (``mode``: "copies", replicas=2 on the next host; or
+    "parity:G", lanes_of's lanes: then also rebuilt_copies' report)."""
+    from gdswriter.distributed.parity import lanes_of
+    from gdswriter.distributed.refill import plan_parity_refill, plan_refill
+    from gdswriter.format.sharded import GlobalManifest, ShardRef
+
+    hosts = [r // per_host for r in range(world)]
+    lost_host = hosts[world // 2]
+    if mode == "copies":
+        replicas = tuple(((r + per_host) % world,) for r in range(world))
+    else:
+        got = [{"host": f"node{h:05d}", "domain": [], "group": int(mode.split(":")[1]), "root": f"{r:032x}"}
+               for r, h in enumerate(hosts)]
+        replicas = tuple(tuple(k for k in part["lane"] if k != r) for r, part in enumerate(lanes_of(got, int(mode.split(":")[1]))))
+    roots = tuple(RootInfo(f"{r:032x}", f"/sim/nvme{r}", (r,)) for r in range(world))
+    g = GlobalManifest(2, world, roots, tuple(ShardRef(r, r, shard_name(r), 1 << 20, 0) for r in range(world)), {},
+                       0.0, {}, None, replicas)
+    table = tuple(RootInfo(f"{r:032x}" if hosts[r] != lost_host else f"{r:031x}n", f"/sim/nvme{r}", (r,))
+                  for r in range(world))
+    out: dict = {"world": world, "mode": mode}
+    for who, rank in (("typical", (world // 2 + per_host) % world), ("rank0", 0)):
+        layout = RootLayout(rank, world, table, (Path(table[rank].path),), (table[rank].id,), (rank,), table[0].path)
+        plan = plan_refill if mode == "copies" else plan_parity_refill
+        runs = []
+        for _ in range(3):
+            t0 = time.process_time()
+            made = plan(g, layout)
+            runs.append(time.process_time() - t0)
+        mine = [m for m in made.moves if rank == m.sender or any(t[0] == rank for t in m.targets)]
+        out[who] = {"cpu_s": min(runs), "moves": len(made.moves), "mine": len(mine), "skipped": made.skipped}
+    # the refill's rounds beyond the moves and the manifest: the outcomes (a message each, "" when
+    # fine; rank 0 broadcasts at most 8 failures) and, for parity, rebuilt_copies (each rank's
+    # [rank, root] pairs: the rebuilt copies on the roots it leads, at most the lost ranks of its
+    # lanes; rank 0 broadcasts the first per lost rank)
+    lost = [r for r in range(world) if hosts[r] == lost_host]
+    t = (world // 2 + per_host) % world
+    pairs = [[r, t] for r in lost if t in replicas[r]] if mode != "copies" else None
+    sent = len(json.dumps({"mine": ""})) + (len(json.dumps({"mine": pairs})) if pairs is not None else 0)
+    back = len(json.dumps({"decision": []})) + (len(json.dumps({"decision": [[r, 0] for r in lost]}))
+                                                if pairs is not None else 0)
+    out["typical"].update(sent=sent, received=back)
+    out["rank0"].update(received=world * sent)
+    return out
+
+
 def least(plan, *args, runs: int = 3) -> dict:
     """The run of ``plan(*args)`` (a load's planning) with the least CPU time of ``runs``: the
     machine is shared, and its other jobs add to one run's time, never take from it."""
@@ -360,7 +409,29 @@ def main(argv=None) -> int:
         print()
         show(replication_table(replication, args.replicas), args.markdown)
     print_parity(args, worlds)
+    print_refill(args, worlds, {r["world"]: r["manifest"] for r in rows if r["kind"] == "fsdp"})
     return 0
+
+
+def print_refill(args, worlds: list[int], manifests: dict[int, int]) -> None:
+    """The refill rows (simulate_refill), for 2 copies and each parity group."""
+    modes = (["copies"] if args.replicas > 1 else []) + [f"parity:{g}" for g in args.parity_groups.split(",") if g]
+    head = ["refill", "W", "moves", "typical: plan CPU (ms) / its moves", "typical sends / receives (B)",
+            "rank 0: plan CPU (ms) / receives (KiB)", "manifest each rank receives (KiB, the fsdp row's)"]
+    table: list[list] = [head]
+    for mode in modes:
+        for w in worlds:
+            if w < 2 * args.ranks_per_host:
+                continue
+            r = simulate_refill(w, mode, args.ranks_per_host)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            t, z = r["typical"], r["rank0"]
+            table.append([mode if mode == "copies" else f"parity G={mode.split(':')[1]}", w, t["moves"],
+                          f"{t['cpu_s'] * 1e3:.1f} / {t['mine']}", f"{t['sent']} / {t['received']}",
+                          f"{z['cpu_s'] * 1e3:.1f} / {z['received'] / 1024:.0f}",
+                          f"{manifests[w] / 1024:.0f}" if w in manifests else "not run"])
+    print()
+    show(table, args.markdown)
 
 
 def replication_rows(worlds: list[int], copies: int) -> list[dict]:

@@ -104,12 +104,19 @@ def _replacements(g: GlobalManifest, layout: RootLayout) -> tuple[dict[int, tupl
     and the unseen roots that have no such replacement."""
     seen = {info.id: info for info in layout.table}
     old = {g.roots[j].id for j in range(len(g.roots))}
+    unseen = [j for j in range(len(g.roots)) if g.roots[j].id not in seen]
+    wanted: dict[int, list[int]] = {}  # a rank of an unseen root -> those roots
+    for j in unseen:
+        for r in g.roots[j].ranks:
+            wanted.setdefault(r, []).append(j)
+    seeing: dict[int, list] = {j: [] for j in unseen}  # one pass over the table, not one per unseen root
+    for info in layout.table:
+        for j in {j for r in info.ranks if r in wanted for j in wanted[r]}:
+            seeing[j].append(info)
     out, none = {}, []
-    for j in range(len(g.roots)):
-        if g.roots[j].id in seen:
-            continue
+    for j in unseen:
         ranks = set(g.roots[j].ranks)
-        now = [info for info in layout.table if ranks & set(info.ranks)]
+        now = seeing[j]
         if len(now) == 1 and now[0].id not in old and set(now[0].ranks) == ranks:
             out[j] = (now[0].id, now[0].path, min(now[0].ranks))
         else:
