@@ -333,8 +333,8 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
     del failure
     log.warning("gdswriter: %s failed on damaged or unreachable files; checking every rank's files and their copies",
                 what)
-    choice = verified_copies(coord, layout, g, copies, engine, what=what, src=src)
-    return _prepare_parsed(*args, use_copies(layout, g, choice, what), **kw)
+    with verified_copies(coord, layout, g, copies, engine, what=what, src=src) as v:  # v.layout: copies held in memory
+        return _prepare_parsed(coord, v.layout, *args[2:], use_copies(v.layout, v.g, v.choice, what), **kw)
 
 
 def _prepare_parsed(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,7 +38,7 @@ from ..format.sharded import GlobalManifest, ShardRef, parse_shard, read_shard
 from ..load.verify import verify_step
 from .group import Coordinator, describe
 from .loadplan import reach_of
-from .parityload import rebuild_lost
+from .parityload import HeldCopies, rebuild_lost
 from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
@@ -119,14 +120,46 @@ def _place_problem(g: GlobalManifest, ref: ShardRef, d: Path, reach: Sequence[Pa
     return "; ".join(problems[:2]) + (f" and {len(problems) - 2} more" if len(problems) > 2 else "") or None
 
 
+@dataclass
+class Verified:
+    """verified_copies' answer: rank -> the copy root to read it from, and the layout and
+    manifest to read through (with a root more per rebuilt copy held in memory: parityload.py
+    HeldCopies); a context manager, whose exit drops those copies (the load has read them)."""
+
+    choice: dict[int, int]
+    layout: RootLayout
+    g: GlobalManifest
+    held: HeldCopies | None = None
+
+    def __enter__(self) -> Verified:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.held is not None:
+            self.held.close()
+
+
 def verified_copies(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copies: Sequence[Sequence[int]],
-                    engine: IOEngine, *, what: str, src: int) -> dict[int, int]:
+                    engine: IOEngine, *, what: str, src: int) -> Verified:
     """Collective: rank -> the copy root to read it from, for each rank whose own files (or
     earlier copies) failed their checks (``check_place``, run by a rank that sees the place);
     every rank gets the same answer. A rank with no good place left: CorruptCheckpointError
     naming every place tried, on every rank. A step protected by parity first rebuilds its lost
     ranks' files into copies (parityload.py), which are then checked as any copy."""
-    rebuild_lost(coord, layout, g, copies, what=what, src=src)
+    held = rebuild_lost(coord, layout, g, copies, what=what, src=src)
+    if held is not None:
+        layout, g, copies = held.apply(layout, g, copies)
+    try:
+        return Verified(_verified(coord, layout, g, copies, engine, what, src), layout, g, held)
+    except BaseException:
+        if held is not None:
+            held.close()
+        raise
+
+
+def _verified(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copies: Sequence[Sequence[int]],
+              engine: IOEngine, what: str, src: int) -> dict[int, int]:
+    """verified_copies' checks, on the places it gives."""
     seen = job_ranks(layout)
     reach = reach_of(g, layout)
     pos = [0] * g.world_size

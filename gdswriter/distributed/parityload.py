@@ -9,9 +9,13 @@ by no rank of the job (its node lost or replaced) and falls back to the copies
    leads, and reports those whose lane holds a lost rank to the primary rank, which decides,
    for each lost rank, the rebuilder (the lowest rank seeing the first of its copy roots that
    some rank sees and its leader can write) and the rank reading each surviving member. Where
-   no such root can be written (read-only roots), ReadOnlyRootError on every rank, at once. A lane missing another member
-   (two nodes of one group lost, or a step never protected) is a CorruptCheckpointError
-   naming what is lost, on every rank: never a guess;
+   no such root can be written (every one read-only), the copy is held in memory instead
+   (``HeldCopies``: a tmpfs directory, /dev/shm, on the lost rank's own host when it is in
+   the job, else on the lowest rank seeing its lane; as many bytes as that rank's files),
+   for this load only: nothing is written on any root, and the step cannot be refilled (a
+   warning says so). A lane missing another member (two nodes of one group lost, or a step
+   never protected) is a CorruptCheckpointError naming what is lost, on every rank: never a
+   guess;
 2. each surviving member streams, in pieces, the XOR contribution it holds for every chunk of
    the lost member: its own chunk in that stripe (zero padded) or, for the stripe it stores,
    its parity block; the rebuilder XORs them (torch.bitwise_xor), checks every rebuilt chunk
@@ -19,15 +23,20 @@ by no rank of the job (its node lost or replaced) and falls back to the copies
    as a received copy is written (replicastream.Incoming: fdatasync, each file's crc32c,
    rename, fsync). A mismatch anywhere is a CorruptCheckpointError on every rank.
 
-The load then reads that copy as any other, checked again against the manifest's crc32c.
+The load then reads that copy as any other, checked again against the manifest's crc32c (a
+copy held in memory through one more root, seen by its rebuilder alone: ``HeldCopies.apply``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
 import os
+import secrets
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +45,7 @@ import torch
 
 from ..errors import CollectiveFailedError, CorruptCheckpointError, ReadOnlyRootError
 from ..format.commit import step_dir_name
+from ..format.manifest import RootInfo
 from ..format.parity import PARITY_DIR, chunk_lengths, read_stripe, stream_size
 from ..format.replicas import COPIES_DIR
 from ..format.sharded import GlobalManifest
@@ -48,6 +58,42 @@ from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)  # a root that cannot be written
+MEMORY_DIR = "/dev/shm"  # where a rebuilt copy no root can take is held (tmpfs: memory), if there
+
+
+@dataclasses.dataclass
+class HeldCopies:
+    """Rebuilt copies held in memory for one load (the module docstring): ``entries`` (every
+    rank alike: each lost rank, its rebuilder, the id of the root standing for its copy, its
+    bytes) and ``paths``, on a rebuilder, the tmpfs directory of each copy it holds."""
+
+    entries: list[dict]
+    paths: dict[int, Path] = dataclasses.field(default_factory=dict)
+
+    def apply(self, layout: RootLayout, g: GlobalManifest, copies: Sequence[Sequence[int]]
+              ) -> tuple[RootLayout, GlobalManifest, tuple[tuple[int, ...], ...]]:
+        """``layout``, ``g`` and its ``replicas`` with one more root per held copy, last in its
+        rank's entry, seen by its rebuilder alone (the load reads it there, or is sent it)."""
+        roots, table, reps = list(g.roots), list(layout.table), [tuple(row) for row in copies]
+        paths, ids, where = list(layout.local_paths), list(layout.local_ids), list(layout.local_to_global)
+        for e in self.entries:
+            info = RootInfo(e["id"], f"(memory of rank {e['rebuilder']})", (e["rebuilder"],))
+            reps[e["rank"]] = (*reps[e["rank"]], len(roots))
+            roots.append(info)
+            table.append(info)
+            if e["rank"] in self.paths:
+                paths.append(self.paths[e["rank"]])
+                ids.append(e["id"])
+                where.append(len(table) - 1)
+        out = dataclasses.replace(layout, table=tuple(table), local_paths=tuple(paths), local_ids=tuple(ids),
+                                  local_to_global=tuple(where), known=None, root_count=None, shares=None)
+        return out, dataclasses.replace(g, roots=tuple(roots), replicas=tuple(reps)), tuple(reps)
+
+    def close(self) -> None:
+        """The copies this rank holds removed (after the load read them)."""
+        for p in self.paths.values():
+            shutil.rmtree(p, ignore_errors=True)
+        self.paths.clear()
 
 
 def lost_ranks(layout: RootLayout, g: GlobalManifest) -> list[int]:
@@ -57,13 +103,14 @@ def lost_ranks(layout: RootLayout, g: GlobalManifest) -> list[int]:
 
 
 def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copies: Sequence[Sequence[int]], *,
-                 what: str, src: int) -> None:
+                 what: str, src: int) -> HeldCopies | None:
     """Collective (the module docstring): every lost rank of a parity lane rebuilt into a copy on
-    a surviving member's root. Nothing to do (no rank lost, no parity): returns at once, with
-    no collective when no rank is lost."""
+    a surviving member's root, or held in memory where none can be written (returned: the
+    caller reads them through ``HeldCopies.apply`` and closes them). Nothing to do (no rank
+    lost, no parity): returns at once, with no collective when no rank is lost."""
     lost = lost_ranks(layout, g)
     if not lost:
-        return
+        return None
     seen = {info.id: tuple(info.ranks) for info in layout.table}
     reach = reach_of(g, layout)
     held: dict[int, tuple[dict, Path]] = {}
@@ -78,31 +125,55 @@ def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copi
     failed = [x["error"] for x in plan if "error" in x]
     if failed:
         raise CorruptCheckpointError("; ".join(failed))
-    unwritable = [x["readonly"] for x in plan if "readonly" in x]
-    if unwritable:
-        raise ReadOnlyRootError(errno.EROFS, "; ".join(unwritable))
-    for entry in plan:
-        problem = None
-        try:
-            _rebuild(coord, g, entry, held, reach, what)
-        except CollectiveFailedError:
-            raise
-        except Exception as e:  # noqa: BLE001 - decided together below
-            problem = ("cannot write: " if isinstance(e, OSError) and e.errno in READ_ONLY_ERRNOS else "") + describe(e)
-        bad = coord.decide(None, problem, f"{what} (rebuilding rank {entry['rank']})",
-                           lambda outs: [x for x in outs if x], root=src)
-        if any(x.startswith("cannot write: ") for x in bad):
-            raise ReadOnlyRootError(errno.EROFS, f"{what}: rank {entry['rank']}'s files were lost and its rebuilt copy "
-                                                 f"could not be written on {_copies(reach, g, entry)}: "
-                                                 f"{'; '.join(bad)[:2000]}: make that root writable and load again")
-        if bad:
-            raise CorruptCheckpointError(f"{what}: rank {entry['rank']}'s files could not be rebuilt from its parity "
-                                         f"group (lane {entry['lane']}): {'; '.join(bad)[:2000]}; the checkpoint's "
-                                         f"parity or a member's files are damaged: load an earlier step "
-                                         f"(load(fallback=True))")
-        if coord.rank == entry["rebuilder"]:
-            log.warning("gdswriter: %s: rebuilt rank %d's files from its parity group (ranks %s) into %s", what,
-                        entry["rank"], [k for k in entry["lane"] if k != entry["rank"]], _copies(reach, g, entry))
+    kept = HeldCopies([{"rank": x["rank"], "rebuilder": x["rebuilder"], "id": x["memory"], "bytes": x["info"]["total"]}
+                       for x in plan if "memory" in x])
+    try:
+        for entry in plan:
+            _rebuild_one(coord, g, entry, held, reach, kept, what, src)
+    except BaseException:
+        kept.close()
+        raise
+    return kept if kept.entries else None
+
+
+def _rebuild_one(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict, reach: Sequence[Path | None],
+                 kept: HeldCopies, what: str, src: int) -> None:
+    """One lost rank rebuilt (step 2 of the module docstring), its outcome agreed by every rank."""
+    r, memory = entry["rank"], "memory" in entry
+    problem = None
+    try:
+        if memory and coord.rank == entry["rebuilder"]:
+            kept.paths[r] = Path(tempfile.mkdtemp(prefix="gdswriter-rebuilt-",
+                                                  dir=MEMORY_DIR if os.path.isdir(MEMORY_DIR) else None))
+        _rebuild(coord, g, entry, held, reach, what, kept.paths.get(r))
+    except CollectiveFailedError:
+        raise
+    except Exception as e:  # noqa: BLE001 - decided together below
+        full = isinstance(e, OSError) and (e.errno in READ_ONLY_ERRNOS or (memory and e.errno == errno.ENOSPC))
+        problem = (("no memory: " if memory else "cannot write: ") if full else "") + describe(e)
+    bad = coord.decide(None, problem, f"{what} (rebuilding rank {r})", lambda outs: [x for x in outs if x], root=src)
+    if any(x.startswith("cannot write: ") for x in bad):
+        raise ReadOnlyRootError(errno.EROFS, f"{what}: rank {r}'s files were lost and its rebuilt copy could not be "
+                                             f"written on {_copies(reach, g, entry)}: {'; '.join(bad)[:2000]}: make "
+                                             f"that root writable and load again")
+    if any(x.startswith("no memory: ") for x in bad):
+        raise ReadOnlyRootError(errno.EROFS, f"{entry['readonly']}; holding the rebuilt copy in memory instead "
+                                             f"({MEMORY_DIR}) failed too: {'; '.join(bad)[:2000]}")
+    if bad:
+        raise CorruptCheckpointError(f"{what}: rank {r}'s files could not be rebuilt from its parity group (lane "
+                                     f"{entry['lane']}): {'; '.join(bad)[:2000]}; the checkpoint's parity or a "
+                                     f"member's files are damaged: load an earlier step (load(fallback=True))")
+    if coord.rank != entry["rebuilder"]:
+        return
+    others = [k for k in entry["lane"] if k != r]
+    if memory:
+        log.warning("gdswriter: %s: rebuilt rank %d's files from its parity group (ranks %s) and holds them in "
+                    "memory for this load (%d bytes in %s): %s; so the step cannot be refilled: it is not protected "
+                    "against another node's loss until a root is writable again and it is loaded, or a new step is "
+                    "saved", what, r, others, int(entry["info"]["total"]), kept.paths.get(r), entry["readonly"])
+    else:
+        log.warning("gdswriter: %s: rebuilt rank %d's files from its parity group (ranks %s) into %s", what, r,
+                    others, _copies(reach, g, entry))
 
 
 def _held(coord: Coordinator, g: GlobalManifest, reach: Sequence[Path | None], seen: dict, lost: list[int],
@@ -142,11 +213,14 @@ def _plan(g: GlobalManifest, copies: Sequence[Sequence[int]], seen: dict, lost: 
         missing = [k for k in lane if k != r and k not in have]
         reached = [j for j in copies[r] if g.roots[j].id in seen]
         target = next((j for j in reached if j in writable), None)
-        if not missing and reached and target is None:
-            plan.append({"readonly": f"{what}: rank {r}'s files are lost (no rank of this job sees its root); its "
-                                     f"parity group (ranks {lane}) can rebuild them, but no root that may hold the "
-                                     f"rebuilt copy can be written ({', '.join(g.roots[j].path for j in reached)}: "
-                                     f"read-only, or no permission): make one of them writable and load again"})
+        info = next(m for rr, m in reps[0][1]["lost"] if rr == r)
+        senders = [[k, have[k]] for k in lane if k != r]
+        if not missing and reached and target is None:  # held in memory: on rank r's host where it is in the job
+            plan.append({"rank": r, "lane": lane, "info": info, "target": None, "senders": senders,
+                         "memory": f"memory:{secrets.token_hex(8)}:rank{r}",
+                         "rebuilder": r if r < len(outs) else min(seen[g.roots[reached[0]].id]),
+                         "readonly": f"no root that may hold rank {r}'s rebuilt copy can be written "
+                                     f"({', '.join(g.roots[j].path for j in reached)}: read-only, or no permission)"})
             continue
         if missing or target is None:
             plan.append({"error": f"{what}: rank {r}'s files are lost (no rank of this job sees its root) and its "
@@ -154,9 +228,8 @@ def _plan(g: GlobalManifest, copies: Sequence[Sequence[int]], seen: dict, lost: 
                                   f"{missing} are lost too (two nodes of one parity group lost, or a step never "
                                   f"protected): load an earlier step (load(fallback=True))"})
             continue
-        info = next(m for rr, m in reps[0][1]["lost"] if rr == r)
         plan.append({"rank": r, "lane": lane, "info": info, "target": target,
-                     "rebuilder": min(seen[g.roots[target].id]), "senders": [[k, have[k]] for k in lane if k != r]})
+                     "rebuilder": min(seen[g.roots[target].id]), "senders": senders})
     return plan
 
 
@@ -228,13 +301,14 @@ def _aligned_zeros(n: int) -> torch.Tensor:
     return raw[at:at + n]
 
 
-def _incoming(reach: Sequence[Path | None], g: GlobalManifest, entry: dict) -> tuple[Incoming | None,
-                                                                                     BaseException | None]:
-    """The rebuilder's copy being written, or why it cannot be: the exchanges still run (the
-    senders wait on them) and the failure is raised after them."""
+def _incoming(reach: Sequence[Path | None], g: GlobalManifest, entry: dict, memory: Path | None
+              ) -> tuple[Incoming | None, BaseException | None]:
+    """The rebuilder's copy being written (on its root, or in ``memory``: a directory standing
+    for a root), or why it cannot be: the exchanges still run (the senders wait on them) and
+    the failure is raised after them."""
     try:
-        copies = _copies(reach, g, entry)
-        copies.mkdir(exist_ok=True)
+        copies = _copies(reach, g, entry) if memory is None else memory / step_dir_name(g.step) / COPIES_DIR
+        copies.mkdir(parents=memory is not None, exist_ok=True)
         fsync_dir(copies.parent)
         return Incoming(copies, entry["rank"], json.dumps(entry["info"]["files"]).encode()), None
     except Exception as e:  # noqa: BLE001 - raised after the exchanges
@@ -242,14 +316,14 @@ def _incoming(reach: Sequence[Path | None], g: GlobalManifest, entry: dict) -> t
 
 
 def _rebuild(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict, reach: Sequence[Path | None],
-             what: str) -> None:
+             what: str, memory: Path | None = None) -> None:
     """One lost rank's files rebuilt (step 2 of the module docstring): every sender and the
     rebuilder run every piece's exchange, a local failure sending zeros and raising at the end."""
     r, me, info = entry["rank"], coord.rank, entry["info"]
     rebuilder, n, total = entry["rebuilder"], len(entry["lane"]), int(info["total"])
     lens = chunk_lengths(total, n)
     mine = {k: Contribution(*held[k], reach, g.step, r) for k, reader in entry["senders"] if reader == me}
-    inc, problem = _incoming(reach, g, entry) if me == rebuilder else (None, None)
+    inc, problem = _incoming(reach, g, entry, memory) if me == rebuilder else (None, None)
     crc, c = 0, 0
     try:
         for x in range(0, total, PIECE_BYTES):

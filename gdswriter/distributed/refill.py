@@ -167,7 +167,8 @@ def plan_parity_refill(g: GlobalManifest, layout: RootLayout, found: Mapping[int
     the copy its load rebuilt, go to the leader of its replacement root; its parity block follows
     (parityrefill.py). ``found``: lost rank -> the root of its ``replicas`` entry holding that
     copy (``rebuilt_copies``: the load puts it on the first such root some rank can write, not
-    always the first seen); a rank not in it: the first root of its entry some rank sees."""
+    always the first seen; a rank not in it: its copy was held in memory, nothing to refill
+    from); None: the first root of its entry some rank sees."""
     copies = replicas_of(g, "the step's manifest")
     seen = {info.id: info.ranks for info in layout.table}
     lost = [r for r in range(g.world_size) if g.roots[g.shards[r].root].id not in seen]
@@ -179,7 +180,10 @@ def plan_parity_refill(g: GlobalManifest, layout: RootLayout, found: Mapping[int
     moves = []
     for r in lost:
         own = g.shards[r].root
-        source = (found or {}).get(r, next((j for j in copies[r] if g.roots[j].id in seen), None))
+        source = next((j for j in copies[r] if g.roots[j].id in seen), None) if found is None else found.get(r)
+        if source is None and found is not None:
+            return RefillPlan((), {}, f"no root of rank {r}'s parity lane holds the copy its load rebuilt (the load "
+                                      f"held it in memory: every such root was read-only)")
         if source is None:
             return RefillPlan((), {}, f"no member of rank {r}'s parity lane survives")
         sender = min(seen[g.roots[source].id])
