@@ -186,11 +186,14 @@ def test_refill_not_done_on_another_world_size_leaves_the_step_loadable_not_prot
 
 
 @needs_nodes
-def test_refill_not_done_with_an_adopted_primary_leaves_the_step_loadable_not_protected(cluster, capsys):
+def test_refill_with_an_adopted_primary_protects_the_step_again(cluster, capsys):
     """3 nodes, replicas=2, step 1 protected; node 0 (the primary root, with the step's manifest)
-    replaced by an empty disk. The load adopts the manifest's copy and is bit exact; the refill
-    is not done (a documented limitation) and says why: the step is not protected (``gdswriter
-    ls`` on the adopted primary shows it committed), and it loads again bit exact."""
+    replaced by an empty disk. The load adopts the manifest's copy (node 1 is the primary now)
+    and is bit exact; the refill puts rank 0's files and the copies node 0 held back on node 0,
+    with a copy of the manifest: the step is protected again (protected_step(), ``gdswriter
+    ls``). Then node 1 is replaced too: the manifest's copy on node 0 is adopted and step 1
+    loads bit exact (without the refill, nothing would be left of rank 0's files or the
+    manifest: no step to load)."""
     from gdswriter.cli import main
 
     c = cluster(3)
@@ -198,15 +201,14 @@ def test_refill_not_done_with_an_adopted_primary_leaves_the_step_loadable_not_pr
     c.replace_node(0)
     out = c.run(copies_job, None)
     for x in out:
-        assert x["load"] == [1, True] and x["refilled"] is None and x["protected"] is None, x
-    assert any("step 1 is not refilled after its restore: its primary root was replaced" in w
-               for x in out for w in x["warnings"]), out
-    shown = []
-    for k in range(3):
-        capsys.readouterr()
-        if main(["ls", str(c.nvme_dir(k) / "ckpt")]) == 0:
-            shown.append(capsys.readouterr().out)
-    assert any("committed (0/1 copies)" in s for s in shown) and not any("protected (" in s for s in shown), shown
+        assert x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1, x
+    assert any("step 1 is refilled" in w for x in out for w in x["warnings"]), out
+    assert (step_dir(c, 0, 1) / "copies" / "manifest.json").is_file()
+    capsys.readouterr()
+    assert main(["ls", str(c.nvme_dir(1) / "ckpt")]) == 0
+    assert "protected (" in capsys.readouterr().out
+
+    c.replace_node(1)
     assert [x["load"] for x in c.run(copies_job, None)] == [[1, True]] * 3
 
 

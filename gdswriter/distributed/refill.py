@@ -34,9 +34,13 @@ does not grow with each load.
 
 A failure leaves the step as the load found it (loadable, with fewer copies): ReplicationError
 from ``wait_protected``; a crash mid-way leaves files no manifest names (removed with the step).
-A step loaded on another world size, or whose primary root was replaced (its manifest adopted
-from a copy), is not refilled: the primary rank removes its ``protected`` marker (it is no
-longer protected; it stays loadable) and logs why.
+A step whose primary root was replaced (the open adopted its manifest's copy on another root,
+which is the primary now: roots.py adopt_copies) is refilled alike: the replacement gets rank
+0's files and the copies the lost root held, and a copy of the manifest (``copies/``, not the
+commit point: the adopted root keeps it, so the steps saved since stay the newest), so the
+manifest is on two nodes again. A step loaded on another world size is not refilled: the
+primary rank removes its ``protected`` marker (it is no longer protected; it stays loadable)
+and logs why.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def _replacements(g: GlobalManifest, layout: RootLayout) -> tuple[dict[int, tupl
 
 def _replaced(g: GlobalManifest, layout: RootLayout) -> dict | RefillPlan:
     """Where each lost root of step ``g.step`` was replaced (_replacements), or the plan of no
-    moves that says why no refill is done (another world size, an adopted primary, a lost root
+    moves that says why no refill is done (another world size, a lost root
     with no single replacement)."""
     skipped = _not_refilled(g, layout)
     if skipped is not None:
@@ -197,8 +201,6 @@ def _not_refilled(g: GlobalManifest, layout: RootLayout) -> str | None:
     """Why a step whose roots changed is not refilled (format.md 11.2), or None."""
     if g.world_size != layout.world_size:
         return f"it was saved by {g.world_size} ranks, this job has {layout.world_size}"
-    if g.roots[0].id not in {info.id for info in layout.table}:
-        return "its primary root was replaced (its manifest was adopted from a copy)"
     return None
 
 
@@ -462,6 +464,8 @@ def _commit(coord: Coordinator, layout: RootLayout, g: GlobalManifest, raw: byte
     step, p = g.step, layout.primary_rank
     new = relocate_roots(raw, plan.mapping, f"{step_dir_name(step)}/{MANIFEST_NAME}")
     holders = {plan.mapping.get(j, (g.roots[j].id,))[0] for j in replicas_of(g, "")[min(g.roots[0].ranks)]}
+    if 0 in plan.mapping:  # the primary root replaced (its manifest adopted on another root): its
+        holders.add(plan.mapping[0][0])  # replacement holds a copy too, so two nodes hold the manifest
     error = None
     try:
         for i, rid in enumerate(layout.local_ids):
