@@ -35,6 +35,13 @@ a rank sends each lane peer after a save (its files and crc32c values, a rank of
 state's 2 files), the bytes a rank sends and receives per byte of its state in the parity
 rounds, and the bytes on the drives per state byte (ParityPlan.drive_factor): all flat in W.
 
+Refill rows (2 copies when ``--replicas`` > 1, and each parity group; distributed/refill.py): a
+load after the host of rank W // 2 was replaced, then its refill. Per W: the moves (flat: the
+lost host's ranks, and the copies it held), the plan's CPU time on a typical rank and rank 0 (a
+pass over the manifest's W ranks, microseconds each), the bytes a typical rank sends to rank 0
+and receives in the refill's own rounds (flat), what rank 0 receives, and the global manifest
+each rank receives first (the same bytes a load of the step receives: the fsdp row's).
+
     python benchmarks/dist_scale_sim.py                       # W = 8, 64, 512, 4096, 16384
     python benchmarks/dist_scale_sim.py --worlds 8,64 --dcp-max 64 --markdown
 """
