@@ -142,7 +142,8 @@ def test_parity_save_is_protected_at_g_plus_1_over_g(cluster, capsys):
 def test_parity_lose_one_node_rebuilds_bit_exact_and_two_is_an_error(cluster):
     """3 nodes, parity_group=3: steps 1 and 2 protected. Node 1 replaced by an empty disk: the
     latest step loads bit exact on every rank (rank 1's files rebuilt from nodes 0 and 2 and the
-    parity, into a copy on a surviving node, and the log says so), and loads again. Then nodes
+    parity, into a copy on a surviving node, and the log says so), and loads again; the refill
+    then puts rank 1's files back on node 1 and removes the rebuilt copy. Then nodes
     1 and 2 are replaced at once (node 1's files, refilled after the loads above, lost again
     before any load): two nodes of one group lost, every load is a typed CorruptCheckpointError
     naming the lost ranks, the tensors untouched; never a wrong load (one after the other, with
@@ -153,7 +154,8 @@ def test_parity_lose_one_node_rebuilds_bit_exact_and_two_is_an_error(cluster):
     c.replace_node(1)
     out = c.run(_load, [None, 1, None], 3)
     assert [(x["None"], x["1"]) for x in out] == [([2, True], [1, True])] * 3, out
-    assert (_step_dir(c, 0, 2) / "copies" / "rank00001" / "manifest-rank00001.json").is_file()
+    assert (_step_dir(c, 1, 2) / "manifest-rank00001.json").is_file()  # refilled on node 1 at each load's end,
+    assert not (_step_dir(c, 0, 2) / "copies" / "rank00001").exists()  # and the copy rebuilt on node 0 removed
 
     c.replace_node(1)
     c.replace_node(2)

@@ -214,7 +214,7 @@ def _plan(g: GlobalManifest, copies: Sequence[Sequence[int]], seen: dict, lost: 
         reached = [j for j in copies[r] if g.roots[j].id in seen]
         target = next((j for j in reached if j in writable), None)
         info = next(m for rr, m in reps[0][1]["lost"] if rr == r)
-        senders = [[k, have[k]] for k in lane if k != r]
+        senders = [[k, have[k]] for k in lane if k != r and k in have]  # every one, where none is missing
         if not missing and reached and target is None:  # held in memory: on rank r's host where it is in the job
             plan.append({"rank": r, "lane": lane, "info": info, "target": None, "senders": senders,
                          "memory": f"memory:{secrets.token_hex(8)}:rank{r}",
