@@ -225,3 +225,67 @@ def test_a_relayed_chunk_that_fails_its_check_fails_every_rank(tmp_path):
     assert out[0]["got"][0] in ("ChecksumMismatchError", "CheckpointNotFoundError") and "corrupt" in out[0]["got"][1], out
     assert all(x["got"][0] == "RankFailedError" for x in out[1:]), out
     assert all("CollectiveFailedError" not in x["got"][1] for x in out), out
+
+
+# ----------------------------------------------------------------------------- reused round buffers
+def _reader_worker(rank: int, world: int, base: str) -> dict:
+    """Rank 0 reads, for rank 1 alone, a file of 8 chunks of 1 MiB (storage 1, 1 MiB rounds),
+    each into a buffer from the ``alloc`` it is given (counted); rank 1 receives them. Returns
+    how many 1 MiB buffers rank 0 allocated, and whether rank 1 got the bytes."""
+    import crc32c
+    import torch.distributed as dist
+    from support.models import small_engine
+
+    from gdswriter.distributed import fetch
+    from gdswriter.distributed.group import Coordinator
+    from gdswriter.engines.select import create_engine
+    from gdswriter.format.commit import step_dir_name
+    from gdswriter.format.manifest import ChunkRecord, DistInfo, FileRecord, Manifest, RootInfo, StorageRecord, \
+        TensorRecord
+    from gdswriter.load.reader import host_buffer
+
+    fetch.STREAM_BYTES = ROUND
+    n = 8
+    data = bytes(torch.randint(0, 256, (n * MiB,), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
+                 .numpy())
+    roots = [Path(base, f"rank{r}") for r in range(world)]
+    d = roots[rank] / step_dir_name(1)
+    d.mkdir(parents=True)
+    (d / "data.bin").write_bytes(data if rank == 0 else data[:4096])
+    chunks = tuple(ChunkRecord(0, k * MiB, k * MiB, MiB, crc32c.crc32c(data[k * MiB:(k + 1) * MiB])) for k in range(n))
+    m = Manifest(step=1, files=(FileRecord(0, "data.bin", n * MiB), FileRecord(1, "data.bin", 4096)),
+                 storages=(StorageRecord(4096, (ChunkRecord(1, 0, 0, 4096, crc32c.crc32c(data[:4096])),)),
+                           StorageRecord(n * MiB, chunks)),
+                 tensors=(TensorRecord("own", 0, 0, "uint8", (4096,), (1,)),
+                          TensorRecord("copy", 1, 0, "uint8", (n * MiB,), (1,))),
+                 state=None, dist=DistInfo(world, "gdswriter", tuple(RootInfo(f"id{r}", str(roots[r]), (r,))
+                                                                     for r in range(world))))
+    reach = fetch.Reach(tuple(p if r == rank else None for r, p in enumerate(roots)))
+    sizes: list[int] = []
+
+    def alloc(nbytes: int) -> torch.Tensor:
+        sizes.append(nbytes)
+        return host_buffer(nbytes)
+
+    dist.barrier()
+    engine = create_engine(small_engine())
+    coord = Coordinator.create(timeout_s=60, label="the round buffers test")
+    try:
+        got = fetch.fetch_storages(coord, reach, m, [0] if rank == 0 else [1], engine, verify=True, what="fetching",
+                                   alloc=alloc)
+    finally:
+        coord.close()
+        engine.close()
+    return {"chunk buffers": sizes.count(MiB), "got": rank == 0 or bytes(got[1].numpy()) == data}
+
+
+def test_a_rank_reading_a_copy_for_another_reuses_a_few_round_buffers(tmp_path):
+    """Rank 0 reads 8 MiB for rank 1 alone, in 1 MiB rounds: it reads at most
+    fetch.AHEAD_ROUNDS rounds ahead of the rounds sent and reads each chunk into a buffer a
+    passed round freed, so it allocates a few 1 MiB buffers, not one per chunk; rank 1 gets
+    the bytes bit exact."""
+    from gdswriter.distributed import fetch
+
+    out = run_ranks(2, _reader_worker, str(tmp_path), out=tmp_path / "out")
+    assert [x["got"] for x in out] == [True, True], out
+    assert 1 <= out[0]["chunk buffers"] <= fetch.AHEAD_ROUNDS + 2, out

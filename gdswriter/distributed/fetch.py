@@ -13,7 +13,10 @@ reads against their recorded sizes and all ranks agree on the outcome, so a mani
 more than its files hold is refused before it costs memory anywhere. Chunks are checked
 against their crc32c where they are read, and again where they arrive; the chunks read for
 others go in rounds of STREAM_BYTES per pair of ranks, a round sent while the next is read
-(``stream_chunks``), so a restore from a copy on a peer reads and sends at once. All ranks agree on
+(``stream_chunks``), so a restore from a copy on a peer reads and sends at once, into a few
+rounds of reused buffers (``RoundWindow``). A large chunk several ranks need spreads down a
+relay tree (``relay_tree``): ranks that received it send it on, so its reader does not send it
+to every rank that needs it, and each rank's sending stays about its share. All ranks agree on
 failure: if one fails, all raise. A caller may name storages to read in place (``into``: the
 DCP reader hands DCP's own target tensors, saving a buffer and a copy); those are the only
 memory a failed fetch can leave partly written.
@@ -40,6 +43,7 @@ from .readexec import ChunkCheck, RangeRead, ReadPlan, check_chunks, chunk_range
 from .roots import RootLayout
 
 STREAM_BYTES = 32 << 20  # per pair of ranks, the chunk bytes of one round: sent while the next are read
+AHEAD_ROUNDS = 2  # how many rounds a fetch's reader thread reads ahead of the rounds sent (RoundWindow)
 RELAY_MIN = 1 << 20  # a chunk this large that several ranks need is relayed (assign_readers), a smaller one sent direct
 
 
@@ -234,9 +238,10 @@ def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequen
                   ) -> tuple[BaseException | None, BaseException | None]:
     """Collective: ``plan`` carried out into ``buffers`` while the chunks of ``moves`` go from
     their readers to the ranks that need them. A thread allocates the buffers (``alloc``; those
-    ``buffers`` lacks) and reads the chunks of each round (``stream_rounds``: STREAM_BYTES per
-    pair) through ``engine``, each checked against its crc32c as it is read, while the rounds
-    already there travel and each round received is checked against its crc32c. Every round is
+    ``buffers`` lacks; a chunk read for others alone into a reused one: ``RoundWindow``) and
+    reads the chunks of each round (``stream_rounds``) through ``engine``, at most AHEAD_ROUNDS
+    ahead, each checked against its crc32c as it is read, while the rounds already there travel
+    and each round received is checked against its crc32c (before any rank forwards it). Every round is
     sent and received even after a failed allocation or read (from and into what the buffers
     hold then, or scratch: the rank's failure is agreed on first, and no rank uses those bytes),
     so no rank waits for a message that never comes. Returns (this rank's failure allocating or
@@ -246,15 +251,16 @@ def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequen
     work = _work_by_round(m, plan, rounds, rank)
     ready = [threading.Event() for _ in work]
     failed: list[BaseException] = []
-    stop = threading.Event()
+    window = RoundWindow(rounds, rank)
 
     def run() -> None:
-        for (todo, part), event in zip(work, ready):
-            if not failed and not stop.is_set():
+        for k, ((todo, part), event) in enumerate(zip(work, ready)):
+            window.wait_turn(k)
+            if not failed and not window.stop.is_set():
                 try:
                     for key, nbytes in todo:
                         if key not in buffers:
-                            buffers[key] = alloc(nbytes)
+                            buffers[key] = window.take(key, nbytes, alloc)
                 except Exception as e:  # noqa: BLE001 - the caller agrees on it
                     failed.append(e)
                     continue
@@ -273,12 +279,51 @@ def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequen
             error = _pass_round(coord, m, moves_k, buffers, tags, verify=verify and not failed and check_error is None,
                                 what=f"{what} (sending chunks, round {k + 1} of {len(rounds)})")
             check_error = check_error or error
+            window.passed(k, buffers)
     except BaseException:
-        stop.set()  # only when this thread gives up: otherwise the reads no round needs are still to do
+        window.stop.set()  # only when this thread gives up: otherwise the reads no round needs are still to do
         raise
     finally:
         worker.join()
     return (failed[0] if failed else None), check_error
+
+
+class RoundWindow:
+    """How far a fetch's reader thread runs ahead, and the buffers it reads other ranks' chunks
+    into, reused. The thread prepares round k once round k - AHEAD_ROUNDS - 1 has been passed
+    (``wait_turn``), so what it has read and not yet sent is a few rounds' worth; a buffer of
+    a chunk read for other ranks only (key ("to", storage, chunk)) goes back to a spare list
+    once the last round that sends it has passed (``passed``) and the next such chunk of its
+    size is read into it (``take``): a rank reading a lost node's copy for it allocates and
+    touches a few rounds of buffers, not the whole copy."""
+
+    def __init__(self, rounds: Sequence[Sequence[tuple[int, int, int, int, int]]], rank: int) -> None:
+        self.done = [threading.Event() for _ in rounds]
+        self.stop = threading.Event()
+        self.last: dict[int, list[Hashable]] = {}  # round -> the "to" buffers it sends last
+        ends = {("to", s, ci): k for k, moves in enumerate(rounds) for _, src, _, s, ci in moves if src == rank}
+        for key, k in ends.items():
+            self.last.setdefault(k, []).append(key)
+        self.spare: dict[int, list[torch.Tensor]] = {}  # appended by the passing thread, popped by the reader
+
+    def wait_turn(self, k: int) -> None:
+        """The reader thread, before round ``k``'s work (k = len(rounds): the reads no round needs)."""
+        j = k - AHEAD_ROUNDS - 1
+        if 0 <= j < len(self.done):
+            while not self.done[j].wait(0.05) and not self.stop.is_set():
+                pass
+
+    def take(self, key: Hashable, nbytes: int, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        spare = self.spare.get(nbytes) if isinstance(key, tuple) and key[0] == "to" else None
+        return spare.pop() if spare else alloc(nbytes)
+
+    def passed(self, k: int, buffers: dict) -> None:
+        """Round ``k`` is sent and received: its last "to" buffers are spare, the reader may go on."""
+        for key in self.last.get(k, ()):
+            buf = buffers.pop(key, None)
+            if buf is not None:
+                self.spare.setdefault(buf.numel(), []).append(buf)
+        self.done[k].set()
 
 
 def _pass_round(coord: Coordinator, m: Manifest, moves: Sequence[tuple[int, int, int, int, int]],
