@@ -13,7 +13,10 @@ reads against their recorded sizes and all ranks agree on the outcome, so a mani
 more than its files hold is refused before it costs memory anywhere. Chunks are checked
 against their crc32c where they are read, and again where they arrive; the chunks read for
 others go in rounds of STREAM_BYTES per pair of ranks, a round sent while the next is read
-(``stream_chunks``), so a restore from a copy on a peer reads and sends at once. All ranks agree on
+(``stream_chunks``), so a restore from a copy on a peer reads and sends at once, into a few
+rounds of reused buffers (``RoundWindow``). A large chunk several ranks need spreads down a
+relay tree (``relay_tree``): ranks that received it send it on, so its reader does not send it
+to every rank that needs it, and each rank's sending stays about its share. All ranks agree on
 failure: if one fails, all raise. A caller may name storages to read in place (``into``: the
 DCP reader hands DCP's own target tensors, saving a buffer and a copy); those are the only
 memory a failed fetch can leave partly written.
@@ -40,6 +43,8 @@ from .readexec import ChunkCheck, RangeRead, ReadPlan, check_chunks, chunk_range
 from .roots import RootLayout
 
 STREAM_BYTES = 32 << 20  # per pair of ranks, the chunk bytes of one round: sent while the next are read
+AHEAD_ROUNDS = 2  # how many rounds a fetch's reader thread reads ahead of the rounds sent (RoundWindow)
+RELAY_MIN = 1 << 20  # a chunk this large that several ranks need is relayed (assign_readers), a smaller one sent direct
 
 
 @dataclass(frozen=True)
@@ -117,14 +122,16 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
         return {s: out.buffers[s] for s in needed}
     moves = locate_chunks(coord, m, reach, remote, what)
     rank = coord.rank
-    mine = [(s, ci) for s, ci in local] + [(s, ci) for _, src, _, s, ci in moves if src == rank]
+    asked = {(s, ci) for s, ci in remote}  # what this rank receives (and may forward), never reads
+    others = [(x[3], x[4]) for x in moves if x[1] == rank and (x[3], x[4]) not in asked]  # read for other ranks
+    mine = [(s, ci) for s, ci in local] + others
     error = None
     try:  # every file this rank reads, checked before any rank allocates a byte for it
         check_reached_files(m, reach, {m.storages[s].chunks[ci].file for s, ci in mine})
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} (checking the data files)", hint="the live state was not changed")
-    plan = fetch_plan(m, needed, local, [(s, ci) for _, src, _, s, ci in moves if src == rank])
+    plan = fetch_plan(m, needed, local, others)
     buffers: dict = dict(into)
     read_error, check_error = stream_chunks(coord, m, plan, moves, reach, buffers, engine, verify=verify,
                                             alloc=alloc, what=what)
@@ -167,8 +174,8 @@ def fetch_plan(m: Manifest, needed: Sequence[int], local: Sequence[Sequence[int]
 
 
 def locate_chunks(coord: Coordinator, m: Manifest, reach: Reach, remote: list[list[int]],
-                  what: str) -> list[tuple[int, int, int, int, int]]:
-    """Collective: the (tag, src, dst, storage, chunk) moves this rank takes part in: rank 0
+                  what: str) -> list[tuple[int, int, int, int, int, int]]:
+    """Collective: the (tag, src, dst, storage, chunk, round) moves this rank takes part in: rank 0
     gathers what each rank cannot read and the roots it sees, assigns every chunk a reader
     (``assign_readers``) and sends each rank its own part (``scatter_own``)."""
     asks = coord.gather({"need": remote, "reach": [g for g, p in enumerate(reach.paths) if p is not None]},
@@ -186,20 +193,16 @@ def locate_chunks(coord: Coordinator, m: Manifest, reach: Reach, remote: list[li
     return [tuple(x) for x in part["moves"]]  # type: ignore[misc]
 
 
-def stream_rounds(m: Manifest, moves: Sequence[tuple[int, int, int, int, int]],
-                  limit: int) -> list[list[tuple[int, int, int, int, int]]]:
-    """``moves`` (this rank's part of a fetch: (tag, src, dst, storage, chunk)) in rounds: the
-    moves between two ranks, in tag order, go ``limit`` bytes to a round. Both ranks of a pair
-    derive the same rounds from the moves they share, so round k's sends meet round k's
-    receives whatever the other pairs hold: no order of ranks can deadlock."""
-    sent: dict[tuple[int, int], int] = {}
+def stream_rounds(moves: Sequence[Sequence[int]]) -> list[list[tuple[int, int, int, int, int]]]:
+    """``moves`` (this rank's part of a fetch: [tag, src, dst, storage, chunk, round], as
+    ``assign_readers`` made them) by round, each round in tag order, as (tag, src, dst, storage,
+    chunk). Both ranks of a pair hold the same moves with the same rounds, so round k's sends
+    meet round k's receives whatever the other pairs hold: as every rank runs its rounds in
+    order, no order of ranks can deadlock; a forward's round follows its arrival's."""
     rounds: list[list[tuple[int, int, int, int, int]]] = []
-    for move in sorted(moves):
-        _, src, dst, s, ci = move
-        k = sent.get((src, dst), 0) // max(limit, 1)
-        sent[(src, dst)] = sent.get((src, dst), 0) + m.storages[s].chunks[ci].length
+    for tag, src, dst, s, ci, k in sorted(moves, key=lambda x: (x[5], x[0])):
         rounds.extend([] for _ in range(k + 1 - len(rounds)))
-        rounds[k].append(move)
+        rounds[k].append((tag, src, dst, s, ci))
     return rounds
 
 
@@ -229,33 +232,35 @@ def _work_by_round(m: Manifest, plan: ReadPlan, rounds: Sequence[Sequence[tuple[
     return [(a, replace(plan, reads=tuple(g), buffers=())) for a, g in zip(allocs, groups)]
 
 
-def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequence[tuple[int, int, int, int, int]],
+def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequence[tuple[int, int, int, int, int, int]],
                   reach: Reach, buffers: dict, engine: IOEngine, *, verify: bool,
                   alloc: Callable[[int], torch.Tensor], what: str
                   ) -> tuple[BaseException | None, BaseException | None]:
     """Collective: ``plan`` carried out into ``buffers`` while the chunks of ``moves`` go from
     their readers to the ranks that need them. A thread allocates the buffers (``alloc``; those
-    ``buffers`` lacks) and reads the chunks of each round (``stream_rounds``: STREAM_BYTES per
-    pair) through ``engine``, each checked against its crc32c as it is read, while the rounds
-    already there travel and each round received is checked against its crc32c. Every round is
+    ``buffers`` lacks; a chunk read for others alone into a reused one: ``RoundWindow``) and
+    reads the chunks of each round (``stream_rounds``) through ``engine``, at most AHEAD_ROUNDS
+    ahead, each checked against its crc32c as it is read, while the rounds already there travel
+    and each round received is checked against its crc32c (before any rank forwards it). Every round is
     sent and received even after a failed allocation or read (from and into what the buffers
     hold then, or scratch: the rank's failure is agreed on first, and no rank uses those bytes),
     so no rank waits for a message that never comes. Returns (this rank's failure allocating or
     reading, the first received chunk that fails its check)."""
     rank = coord.rank
-    rounds = stream_rounds(m, moves, STREAM_BYTES)
+    rounds = stream_rounds(moves)
     work = _work_by_round(m, plan, rounds, rank)
     ready = [threading.Event() for _ in work]
     failed: list[BaseException] = []
-    stop = threading.Event()
+    window = RoundWindow(rounds, rank)
 
     def run() -> None:
-        for (todo, part), event in zip(work, ready):
-            if not failed and not stop.is_set():
+        for k, ((todo, part), event) in enumerate(zip(work, ready)):
+            window.wait_turn(k)
+            if not failed and not window.stop.is_set():
                 try:
                     for key, nbytes in todo:
                         if key not in buffers:
-                            buffers[key] = alloc(nbytes)
+                            buffers[key] = window.take(key, nbytes, alloc)
                 except Exception as e:  # noqa: BLE001 - the caller agrees on it
                     failed.append(e)
                     continue
@@ -274,12 +279,51 @@ def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequen
             error = _pass_round(coord, m, moves_k, buffers, tags, verify=verify and not failed and check_error is None,
                                 what=f"{what} (sending chunks, round {k + 1} of {len(rounds)})")
             check_error = check_error or error
+            window.passed(k, buffers)
     except BaseException:
-        stop.set()  # only when this thread gives up: otherwise the reads no round needs are still to do
+        window.stop.set()  # only when this thread gives up: otherwise the reads no round needs are still to do
         raise
     finally:
         worker.join()
     return (failed[0] if failed else None), check_error
+
+
+class RoundWindow:
+    """How far a fetch's reader thread runs ahead, and the buffers it reads other ranks' chunks
+    into, reused. The thread prepares round k once round k - AHEAD_ROUNDS - 1 has been passed
+    (``wait_turn``), so what it has read and not yet sent is a few rounds' worth; a buffer of
+    a chunk read for other ranks only (key ("to", storage, chunk)) goes back to a spare list
+    once the last round that sends it has passed (``passed``) and the next such chunk of its
+    size is read into it (``take``): a rank reading a lost node's copy for it allocates and
+    touches a few rounds of buffers, not the whole copy."""
+
+    def __init__(self, rounds: Sequence[Sequence[tuple[int, int, int, int, int]]], rank: int) -> None:
+        self.done = [threading.Event() for _ in rounds]
+        self.stop = threading.Event()
+        self.last: dict[int, list[Hashable]] = {}  # round -> the "to" buffers it sends last
+        ends = {("to", s, ci): k for k, moves in enumerate(rounds) for _, src, _, s, ci in moves if src == rank}
+        for key, k in ends.items():
+            self.last.setdefault(k, []).append(key)
+        self.spare: dict[int, list[torch.Tensor]] = {}  # appended by the passing thread, popped by the reader
+
+    def wait_turn(self, k: int) -> None:
+        """The reader thread, before round ``k``'s work (k = len(rounds): the reads no round needs)."""
+        j = k - AHEAD_ROUNDS - 1
+        if 0 <= j < len(self.done):
+            while not self.done[j].wait(0.05) and not self.stop.is_set():
+                pass
+
+    def take(self, key: Hashable, nbytes: int, alloc: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        spare = self.spare.get(nbytes) if isinstance(key, tuple) and key[0] == "to" else None
+        return spare.pop() if spare else alloc(nbytes)
+
+    def passed(self, k: int, buffers: dict) -> None:
+        """Round ``k`` is sent and received: its last "to" buffers are spare, the reader may go on."""
+        for key in self.last.get(k, ()):
+            buf = buffers.pop(key, None)
+            if buf is not None:
+                self.spare.setdefault(buf.numel(), []).append(buf)
+        self.done[k].set()
 
 
 def _pass_round(coord: Coordinator, m: Manifest, moves: Sequence[tuple[int, int, int, int, int]],
@@ -310,7 +354,7 @@ def _pass_round(coord: Coordinator, m: Manifest, moves: Sequence[tuple[int, int,
 
 def scatter_own(coord: Coordinator, parts: Sequence[dict] | None, what: str) -> dict:
     """Collective: rank 0's ``parts[r]`` (JSON) on each rank r, which receives its own part
-    alone: the sizes go out in a fixed-size scatter, then each part point to point. (A plain
+    alone: the sizes go out in a fixed-size scatter (fixed-width numbers), then each part point to point. (A plain
     scatter pads every message to the longest: a rank reading for many others has a long part,
     and every rank would receive that length.)"""
     if coord.solo_mode:
@@ -318,7 +362,9 @@ def scatter_own(coord: Coordinator, parts: Sequence[dict] | None, what: str) -> 
         return json.loads(json.dumps(parts[0]))
     datas = [json.dumps(p, separators=(",", ":"), allow_nan=False).encode() for p in parts] \
         if coord.rank == 0 and parts is not None else []
-    size = int(coord.scatter([len(d) for d in datas] if datas else None, f"{what} (sizes)", src=0))
+    # fixed width (a scatter pads to its longest message): what a rank receives does not grow
+    # with the digits of rank 0's own part, which may grow with the world size
+    size = int(coord.scatter([f"{len(d):015d}" for d in datas] if datas else None, f"{what} (sizes)", src=0))
     if coord.rank == 0:
         coord.exchange([Transfer(0, r, 0, torch.frombuffer(bytearray(d), dtype=torch.uint8))
                         for r, d in enumerate(datas) if r], what)
@@ -330,34 +376,94 @@ def scatter_own(coord: Coordinator, parts: Sequence[dict] | None, what: str) -> 
 
 def assign_readers(m: Manifest, asks: Sequence[dict], what: str) -> list[list[list[int]]]:
     """On rank 0 of a fetch: given each rank's ask (the chunks it needs and cannot read, the roots
-    it reaches), per rank the [tag, src, dst, storage, chunk] moves it takes part in: each chunk
-    read by the least loaded rank that reaches its root. A rank's part holds its own needs and
-    its share of the reading for others, whatever the world size (no rank receives every ask)."""
+    it reaches), per rank the [tag, src, dst, storage, chunk, round] moves it takes part in. Each
+    chunk is read by the least loaded rank that reaches its root; a chunk of RELAY_MIN bytes or
+    more that several ranks need spreads down a tree (``relay_tree``): a rank that received it
+    sends it on, a later round, so the reader sends it once or twice, not once per rank that
+    needs it (a lost node's copy on one peer, which every rank needs, would otherwise leave that
+    peer sending it W - 1 times). ``round``: the round of the move (``MoveRounds``: STREAM_BYTES
+    per pair of ranks, and a forward after the round it arrived in). A rank's part holds its own
+    needs and its share of the reading and forwarding, whatever the world size."""
     readers: dict[int, list[int]] = {}
     for r, x in enumerate(asks):
         for root in x["reach"]:
             readers.setdefault(root, []).append(r)
-    load = [0] * len(asks)
-    parts: list[list[list[int]]] = [[] for _ in asks]
-    tag = 0
+    wanting: dict[tuple[int, int], list[int]] = {}
     for dst, x in enumerate(asks):
         for s, ci in x["need"]:
-            c = m.storages[s].chunks[ci]
-            root = m.files[c.file].root
-            providers = readers.get(root)
-            if not providers:
-                where = m.dist.roots[root] if m.dist is not None else None
-                raise UnreachableDataError(
-                    2, f"{what}: data file {m.files[c.file].path} is on root #{root}"
-                       + (f" (id {where.id}, saved at {where.path} by ranks {list(where.ranks)[:16]})" if where else "")
-                       + ", which no rank of this job can read: give some rank that root (mount it, or copy its "
-                         "step directory and .gdswriter-root there)")
-            src = min(providers, key=lambda r: (load[r], r))
-            load[src] += c.length
-            parts[src].append([tag, src, dst, s, ci])
-            parts[dst].append([tag, src, dst, s, ci])
+            wanting.setdefault((s, ci), []).append(dst)
+    load = [0] * len(asks)  # bytes each rank sends
+    parts: list[list[list[int]]] = [[] for _ in asks]
+    slots = MoveRounds(STREAM_BYTES)
+    tag = 0
+    for (s, ci), dsts in wanting.items():
+        c = m.storages[s].chunks[ci]
+        src = min(_providers(m, readers, c, what), key=lambda r: (load[r], r))
+        edges = relay_tree(src, dsts, load, c.length) if c.length >= RELAY_MIN and len(dsts) > 1 else [(src, d) for d in dsts]
+        arrived = {src: -1}
+        for a, b in edges:  # each parent before its children
+            load[a] += c.length
+            arrived[b] = slots.take(a, b, c.length, arrived[a] + 1)
+            move = [tag, a, b, s, ci, arrived[b]]
+            parts[a].append(move)
+            parts[b].append(move)
             tag += 1
     return parts
+def relay_tree(src: int, dsts: Sequence[int], load: Sequence[int], nbytes: int) -> list[tuple[int, int]]:
+    """The (sender, receiver) edges of one chunk of ``nbytes`` from its reader ``src`` to
+    ``dsts``, parents before children: each receiver gets it from the holder (the reader, or a
+    rank that already received it) that sends the fewest bytes (``load``, with this tree's own
+    sends), among those less than ``relay_depth`` hops from the reader; ties: the nearer, then
+    the lower rank."""
+    cap = relay_depth(len(dsts))
+    depth = {src: 0}
+    sends = {src: load[src]}
+    edges: list[tuple[int, int]] = []
+    for d in dsts:
+        parent = min((h for h in depth if depth[h] < cap), key=lambda h: (sends[h], depth[h], h))
+        edges.append((parent, d))
+        sends[parent] += nbytes
+        depth[d], sends[d] = depth[parent] + 1, load[d]
+    return edges
+
+
+def relay_depth(n: int) -> int:
+    """The most hops a relayed chunk takes to ``n`` receivers: as a binomial tree's (log2(n + 1)
+    rounded up), so a chunk's last receiver waits at most that many rounds after its reader."""
+    return max(1, (n).bit_length())
+
+
+class MoveRounds:
+    """Rank 0's rounds of a fetch's moves: each pair of ranks moves ``limit`` bytes to a round
+    (a move that starts below the limit stays in its round), in the order the moves are taken;
+    a move is never before the round it is given as earliest (a forward: after its arrival)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(limit, 1)
+        self.at: dict[tuple[int, int], tuple[int, int]] = {}  # pair -> (its current round, bytes in it)
+
+    def take(self, a: int, b: int, nbytes: int, earliest: int) -> int:
+        k, used = self.at.get((a, b), (0, 0))
+        if earliest > k:
+            k, used = earliest, 0
+        elif used >= self.limit:
+            k, used = k + 1, 0
+        self.at[(a, b)] = (k, used + nbytes)
+        return k
+
+
+def _providers(m: Manifest, readers: Mapping[int, list[int]], c: ChunkRecord, what: str) -> list[int]:
+    """The ranks that reach chunk ``c``'s root, or UnreachableDataError naming it."""
+    root = m.files[c.file].root
+    providers = readers.get(root)
+    if not providers:
+        where = m.dist.roots[root] if m.dist is not None else None
+        raise UnreachableDataError(
+            2, f"{what}: data file {m.files[c.file].path} is on root #{root}"
+               + (f" (id {where.id}, saved at {where.path} by ranks {list(where.ranks)[:16]})" if where else "")
+               + ", which no rank of this job can read: give some rank that root (mount it, or copy its "
+                 "step directory and .gdswriter-root there)")
+    return providers
 
 
 def _slice(buf: torch.Tensor | None, c: ChunkRecord) -> torch.Tensor:
