@@ -130,10 +130,16 @@ class SpanGuards:
 
 @dataclass(frozen=True)
 class ReadSpan:
-    """Read ``out.numel()`` bytes at byte ``offset`` into ``out`` (flat uint8 tensor)."""
+    """Read ``out.numel()`` bytes at byte ``offset`` into ``out`` (flat uint8 tensor).
+
+    ``checksum`` False: the caller needs no crc32c of these bytes (it sums the pieces it
+    holds itself, e.g. a load's run of many small storages, chunk by chunk): an engine may
+    skip computing it and then returns 0 for the span.
+    """
 
     offset: int
     out: torch.Tensor
+    checksum: bool = True
 
     @property
     def end(self) -> int:

@@ -689,7 +689,8 @@ class StagedEngine(IOEngine):
                 while next_drain in done:
                     c = done.pop(next_drain)
                     if c.span >= 0:  # read in place: only the checksum is left to do
-                        crcs[c.span] = crc_extend(c.buf.view, crcs[c.span])
+                        if spans[c.span].checksum:
+                            crcs[c.span] = crc_extend(c.buf.view, crcs[c.span])
                     else:
                         si = self._drain_chunk(c, spans, si, crcs)
                         free.append(c.buf)
@@ -708,8 +709,10 @@ class StagedEngine(IOEngine):
         while j < len(spans) and spans[j].offset < hi:
             s = spans[j]
             a, b = max(lo, s.offset), min(hi, s.end)
-            if b > a:
+            if b > a and s.checksum:
                 crcs[j] = _stage_out(c.buf, a - lo, s.out, a - s.offset, b - a, crcs[j])
+            elif b > a:
+                copy_bytes(s.out, a - s.offset, c.buf.tensor, a - lo, b - a)
             if s.end > hi:
                 break
             j += 1
