@@ -2,7 +2,8 @@
 
 An engine writes a whole file from an ordered list of spans (byte offset ->
 source bytes) and reads spans back into destination memory, computing the
-crc32c of every span while its bytes stream through the engine's buffers.
+crc32c of every span while its bytes stream through the engine's buffers (a span
+whose ``checksum`` is False may be skipped: its caller sums those bytes itself).
 Sources and destinations are flat uint8 tensors on the CPU or a GPU.
 
 When write_file or read_file returns or raises, nothing the engine started can
