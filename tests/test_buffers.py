@@ -85,11 +85,11 @@ def test_refused_mlock_falls_back_to_unlocked_memory_and_says_so_once(tmp_path):
         src = torch.randint(0, 256, (3_000_001,), dtype=torch.uint8)
         for _ in range(2):
             with create_engine(opts) as eng:
-                info = eng.info
                 eng.write_file({str(tmp_path / 'f')!r}, [WriteSpan(0, src)])
                 out = torch.empty_like(src)
                 eng.read_file({str(tmp_path / 'f')!r}, [ReadSpan(0, out)])
                 assert torch.equal(out, src)
+                info = eng.info  # the staging pool's, once a transfer built it
         print("INFO", info.name, info.page_locked, info.registered_buffers)
     """)
     cmd = ["prlimit", "--memlock=65536:65536", "setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock",
@@ -222,7 +222,7 @@ def test_engine_pins_its_staging_buffers_at_the_first_cuda_tensor_only(monkeypat
     fake = _FakeCuda(monkeypatch)
     with PosixEngine(io_small_options()) as eng:
         eng.prepare_memory([torch.zeros(10, dtype=torch.uint8)] * 3)
-        assert fake.calls == [] and not eng._pool.cuda_pinned
+        assert fake.calls == [] and eng._pool is None  # host tensors alone build no staging pool
         eng.prepare_memory([torch.zeros(10, dtype=torch.uint8), _FakeCudaTensor(5), _FakeCudaTensor(2)])
         eng.prepare_memory([_FakeCudaTensor(0)])
         assert [(c[0], c[3], c[4]) for c in fake.calls] == [("register", 1, torch.device("cuda", 5))]
@@ -241,3 +241,43 @@ def test_meta_tensors_are_refused_with_a_typed_error(tmp_path, io_small_options)
         eng.write_file(tmp_path / "m.bin", [WriteSpan(0, torch.ones(5000, dtype=torch.uint8))])
         with pytest.raises(InvalidOptionError, match="meta device"):
             eng.read_file(tmp_path / "m.bin", [ReadSpan(0, meta)])
+
+
+def _locked_bytes() -> int:
+    """This process's page-locked memory (VmLck), what a staging pool's mlock adds to."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmLck:"))
+
+
+@pytest.mark.parametrize("kind", ["io_uring", "posix"])
+def test_reads_lock_only_the_staging_they_use_and_keep_it(tmp_path, kind):
+    """A read that goes zero-copy builds no staging pool (locks nothing); a read that stages a
+    few KiB locks a pool sized to them (8 x 64 KiB, not 8 x 16 MiB), kept for the next read;
+    a write still gets the full pool, as before."""
+    from gdswriter import EngineOptions, ReadSpan, WriteSpan, create_engine
+    from support.engines import host_tensor, kernel_takes_direct_io_from
+
+    opts = EngineOptions(engine=kind)
+    data = host_tensor(4 << 20, "aligned", fill=7)
+    path = tmp_path / "f.bin"
+    with create_engine(opts) as eng:
+        eng.write_file(path, [WriteSpan(0, data)])
+        if not eng.info.page_locked or not eng.info.direct_io:
+            pytest.skip("needs page-locked staging and O_DIRECT here")
+    full = opts.buffer_bytes * opts.num_buffers
+    before = _locked_bytes()
+    with create_engine(opts) as eng:
+        out = host_tensor(4 << 20, "aligned", fill=0)
+        eng.read_file(path, [ReadSpan(0, out)])
+        assert torch.equal(out, data)
+        if kernel_takes_direct_io_from(out, tmp_path):
+            assert _locked_bytes() == before, "a zero-copy read locked staging memory"
+        small = torch.zeros(3000, dtype=torch.uint8)
+        eng.read_file(path, [ReadSpan(0, small)])
+        grown = _locked_bytes() - before
+        assert 0 < grown <= 1 << 20, f"3000 staged bytes locked {grown} bytes"
+        eng.read_file(path, [ReadSpan(8192, small)])
+        assert _locked_bytes() - before == grown and torch.equal(small, data[8192:11192])
+        eng.write_file(tmp_path / "g.bin", [WriteSpan(0, data)])
+        assert _locked_bytes() - before == full, "a write stages through the full pool, as before"
+    assert _locked_bytes() == before

@@ -98,11 +98,10 @@ def test_cuda_model_through_every_engine_verifies(tmp_path, engine):
 def test_staging_buffers_are_registered_at_the_first_cuda_tensor_only(tmp_path):
     """CPU tensors never register the pool with CUDA; the first CUDA tensor does (portable)."""
     with create_engine(SMALL) as eng:
-        pool = eng._pool
-        assert not pool.cuda_pinned
         host = torch.randint(0, 256, ((3 << 20) + 5,), dtype=torch.uint8)
         eng.write_file(tmp_path / "cpu", [WriteSpan(0, host)])
         eng.read_file(tmp_path / "cpu", [ReadSpan(0, torch.empty_like(host))])
+        pool = eng._pool  # built by the first staged transfer (the write)
         assert not pool.cuda_pinned
         src = host.cuda()
         eng.write_file(tmp_path / "gpu", [WriteSpan(0, src)])

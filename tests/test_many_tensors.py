@@ -299,3 +299,18 @@ def test_every_loaded_tensor_is_a_storage_of_its_own_bytes(tmp_path):
         assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == want.nbytes, (want.nbytes, t.untyped_storage().nbytes())
     torch.save(got, tmp_path / "again.pt")
     assert torch.equal(torch.load(tmp_path / "again.pt", weights_only=True)[f"t{len(sizes) - 2}"], state[f"t{len(sizes) - 2}"])
+
+
+def test_a_damaged_byte_in_a_run_of_small_tensors_fails_the_load_and_leaves_the_live_state(tmp_path):
+    """GDSCheckpointer.load reads small storages that lie together as one span (the engine sums
+    none of it: ReadSpan.checksum False) and checks each chunk's crc32c itself: one flipped byte
+    is the tensor's ChecksumMismatchError, and no live tensor changed."""
+    state = {"tiny": {f"t{i}": torch.full((1020,), float(i)) for i in range(2000)}}  # 4080 B: dense runs
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+        flip_a_byte_mid_file(ck.protocol.step_dir(1))
+        for t in state["tiny"].values():
+            t.fill_(-1.0)
+        with pytest.raises(ChecksumMismatchError, match="tiny/t"):
+            ck.load(1)
+    assert all(bool((t == -1.0).all()) for t in state["tiny"].values())

@@ -17,8 +17,8 @@ from hypothesis import given, settings, strategies as st
 
 from gdswriter.errors import CorruptCheckpointError, UnsupportedObjectError
 from gdswriter.format.dtypes import all_dtypes, dtype_from_name, dtype_to_name
-from gdswriter.format.state_codec import (MAX_DEPTH, Unfreezable, decode_state, encode_state, encode_state_named,
-                                         freeze_state)
+from gdswriter.format.state_codec import (MAX_DEPTH, Unfreezable, decode_state, decode_state_slots, encode_state,
+                                         encode_state_named, fill_slots, freeze_state)
 
 JSON_SETTINGS = settings(max_examples=200, deadline=None)
 
@@ -495,3 +495,26 @@ def test_freeze_refuses_cycles_and_depth_as_the_encoder_does():
         _freeze_and_check(ok)
         with pytest.raises(Unfreezable):
             freeze_state(deeper)
+
+
+# ----------------------------------------------------------------------------- decoded once
+
+def test_a_tree_decoded_over_placeholders_takes_the_real_tensors_in_place():
+    """decode_state_slots + fill_slots (a load decodes its tree once: over placeholders to plan,
+    then the tensors read go where the placeholders were) give what decode_state gives, in
+    dicts, OrderedDicts (their metadata too) and lists; a tensor in a tuple, a numpy array or the
+    tree itself cannot be replaced in place: no slots, and the caller decodes again."""
+    real = [torch.full((2,), float(i)) for i in range(6)]
+    od = collections.OrderedDict(w=real[3])
+    od._metadata = {"v": [real[4]]}
+    obj = {"model": {"a": real[0], "b": [real[1], 7, {"c": real[2]}]}, "od": od, "n": None, "z": [real[5]]}
+    tree, tensors = encode_state(obj)
+    tree = json.loads(json.dumps(tree))
+    stand_ins = [torch.empty(0)] * len(tensors)
+    skeleton, slots = decode_state_slots(tree, stand_ins)
+    assert slots is not None and len(slots) == len(tensors)
+    fill_slots(slots, tensors)
+    assert same(skeleton, decode_state(tree, tensors))
+    for other in ({"t": (real[0], 1)}, {"a": np.arange(3)}, real[0]):
+        tree, tensors = encode_state(other)
+        assert decode_state_slots(json.loads(json.dumps(tree)), [torch.empty(0)] * len(tensors))[1] is None

@@ -2,7 +2,8 @@
 
 An engine writes a whole file from an ordered list of spans (byte offset ->
 source bytes) and reads spans back into destination memory, computing the
-crc32c of every span while its bytes stream through the engine's buffers.
+crc32c of every span while its bytes stream through the engine's buffers (a span
+whose ``checksum`` is False may be skipped: its caller sums those bytes itself).
 Sources and destinations are flat uint8 tensors on the CPU or a GPU.
 
 When write_file or read_file returns or raises, nothing the engine started can
@@ -130,10 +131,16 @@ class SpanGuards:
 
 @dataclass(frozen=True)
 class ReadSpan:
-    """Read ``out.numel()`` bytes at byte ``offset`` into ``out`` (flat uint8 tensor)."""
+    """Read ``out.numel()`` bytes at byte ``offset`` into ``out`` (flat uint8 tensor).
+
+    ``checksum`` False: the caller needs no crc32c of these bytes (it sums the pieces it
+    holds itself, e.g. a load's run of many small storages, chunk by chunk): an engine may
+    skip computing it and then returns 0 for the span.
+    """
 
     offset: int
     out: torch.Tensor
+    checksum: bool = True
 
     @property
     def end(self) -> int:

@@ -51,6 +51,7 @@ crc_extend = _crc32c.crc32c  # crc32c(bytes, crc): a seam, like copy_bytes (test
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 _MERGE_GAP = 1 << 20  # read through gaps smaller than this rather than issuing another request
+_MIN_BUFFER = 64 << 10  # the smallest staging buffer a read sizes its pool to (see StagedEngine._staging)
 ZERO_COPY_MIN = 1 << 20  # smaller spans are cheaper to coalesce through the staging buffers
 FUSED_BYTES = 1 << 20  # copy and checksum this much at a time, so the checksum reads cache (L2), not DRAM;
 # 1 MiB pieces cost the same CPU as 256 KiB ones here, with a quarter of the Python iterations
@@ -149,18 +150,27 @@ def _stage_out(buf: StagingBuffer, lo: int, dst, dst_off: int, n: int, crc: int)
 # Backends: submit (fd, buffer slice, file offset) and report (tag, result).
 # ---------------------------------------------------------------------------
 class _UringBackend:
-    def __init__(self, depth: int, pool: AlignedBufferPool, register: bool):
+    def __init__(self, depth: int, register: bool):
         entries = 1 << max(depth - 1, 0).bit_length()
         self.ring = uring.IoUring(entries)
         self.capacity = depth
+        self.register = register
         self.registered = False
-        if register:
-            try:
-                self.ring.register_buffers(pool.regions())
-                self.registered = True
-            except OSError as e:
-                log_once("uring-register", f"gdswriter: io_uring buffer registration refused ({e.strerror}); "
-                                           f"using unregistered buffers (raise `ulimit -l` to allow it)")
+
+    def use_pool(self, pool: AlignedBufferPool) -> None:
+        """Register ``pool``'s buffers for READ_FIXED/WRITE_FIXED in place of the previous pool's
+        (nothing in flight: the engine swaps pools between transfers only)."""
+        if not self.register:
+            return
+        try:
+            if self.ring.registered_buffers:
+                self.ring.unregister_buffers()
+            self.ring.register_buffers(pool.regions())
+            self.registered = True
+        except OSError as e:
+            self.registered = False
+            log_once("uring-register", f"gdswriter: io_uring buffer registration refused ({e.strerror}); "
+                                       f"using unregistered buffers (raise `ulimit -l` to allow it)")
 
     @property
     def in_flight(self) -> int:
@@ -204,10 +214,15 @@ class _PosixBackend:
     completion was taken, so an interruption can leave it too high (then the engine
     quiesces), never too low."""
 
+    register = False  # pread/pwrite take any memory: no buffers to register
+
     def __init__(self, depth: int):
         self.capacity = depth
         self.registered = False
         self._start()
+
+    def use_pool(self, pool: AlignedBufferPool) -> None:
+        """Nothing to register."""
 
     def _start(self) -> None:
         self.in_flight = 0
@@ -290,7 +305,8 @@ class StagedEngine(IOEngine):
 
     def __init__(self, options: EngineOptions | None = None, *, reason: str = ""):
         self.options = options or EngineOptions.from_env()
-        self._pool, self._backend = self._build()
+        self._pool: AlignedBufferPool | None = None  # built by the first transfer that stages (_staging)
+        self._backend = self._make_backend()
         self._broken = False  # the backend may still have requests in the kernel: see _quiesce
         self._reason = reason
         self._last_memory_alignment = ALIGN if self.options.direct_io else 0  # 0: the last file was buffered
@@ -309,22 +325,47 @@ class StagedEngine(IOEngine):
         """Requests queued for the backend and not submitted yet (0 once a transfer ended)."""
         return len(self._backlog)
 
-    def _build(self) -> tuple[AlignedBufferPool, object]:
+    def _make_backend(self):
+        raise NotImplementedError
+
+    def _staging(self, nbytes: int | None = None) -> AlignedBufferPool:
+        """The staging pool, built (or grown) for a transfer that stages ``nbytes`` (None: writes and
+        device memory, the full options.buffer_bytes per buffer). Built only when a transfer
+        stages, and then num_buffers buffers of at most buffer_bytes, each the next power of two
+        (>= 64 KiB) of an equal share of ``nbytes``: a load whose runs go zero-copy maps, locks and
+        registers nothing, or a few small buffers, instead of 8 x 16 MiB (0.35 s of CPU here).
+        Kept for the next transfers; replaced by a larger one only when one needs more (sizes
+        double, so growing costs at most the final pool's cost again)."""
         o = self.options
-        pool = AlignedBufferPool(o.buffer_bytes, o.num_buffers, lock_memory=o.lock_memory, huge_pages=o.huge_pages)
+        size = o.buffer_bytes
+        if nbytes is not None:
+            size = min(size, max(_MIN_BUFFER, 1 << (-(-nbytes // o.num_buffers) - 1).bit_length()))
+        old = self._pool
+        if old is not None and old.size >= size:
+            return old
+        pool = AlignedBufferPool(size, o.num_buffers, lock_memory=o.lock_memory, huge_pages=o.huge_pages)
         try:
-            return pool, self._make_backend(pool)
+            self._backend.use_pool(pool)
+            if old is not None and old.cuda_device is not None:
+                pool.pin_for_cuda(old.cuda_device)
         except BaseException:
             pool.close()
             raise
-
-    def _make_backend(self, pool: AlignedBufferPool):
-        raise NotImplementedError
+        self._pool = pool
+        if old is not None:
+            old.close()
+        return pool
 
     @property
     def info(self) -> EngineInfo:
-        return EngineInfo(self.name, self._last_memory_alignment > 0, self._backend.registered, self._pool.locked,
-                          self._reason, self._last_memory_alignment, self._pool.huge_pages)
+        """Before any transfer staged (no pool yet), page_locked and huge_page_buffers say what was
+        asked for (options.lock_memory, huge_pages); after, what the pool got."""
+        pool = self._pool
+        locked = pool.locked if pool else self.options.lock_memory
+        huge = pool.huge_pages if pool else self.options.huge_pages
+        registered = self._backend.registered if pool else self._backend.register
+        return EngineInfo(self.name, self._last_memory_alignment > 0, registered, locked,
+                          self._reason, self._last_memory_alignment, huge)
 
     def _check_open(self) -> None:
         if self._backend is None:
@@ -335,7 +376,7 @@ class StagedEngine(IOEngine):
             if interrupted is not None:
                 raise interrupted
         if self._broken:
-            self._pool, self._backend = self._build()
+            self._pool, self._backend = None, self._make_backend()
             self._broken = False
 
     def close(self) -> None:
@@ -345,7 +386,8 @@ class StagedEngine(IOEngine):
         if self._broken:
             return  # backend and pool are kept for good (see _quiesce)
         if backend.close():
-            self._pool.close()
+            if self._pool is not None:
+                self._pool.close()
         else:
             _keep_forever(backend, self._pool)
 
@@ -392,8 +434,8 @@ class StagedEngine(IOEngine):
             if t.is_meta:
                 raise InvalidOptionError("a span's tensor is on the meta device and holds no data: materialize it "
                                          "(e.g. module.to_empty(device=...)) before saving or loading into it")
-            if t.is_cuda and not self._pool.cuda_pinned:
-                self._pool.pin_for_cuda(t.device)
+            if t.is_cuda and not self._staging().cuda_pinned:
+                self._pool.pin_for_cuda(t.device)  # type: ignore[union-attr]
 
     # -- files -------------------------------------------------------------
     def _open(self, path: str, write: bool) -> tuple[int, int]:
@@ -520,7 +562,7 @@ class StagedEngine(IOEngine):
             # EOPNOTSUPP etc.: the file system cannot preallocate; the writes still work.
         crcs = [0] * len(spans)
         reqs: dict[int, _Request] = {}
-        free = list(self._pool.buffers)
+        free = list(self._staging().buffers)
         window = 2 * len(free)  # chunks in flight at most (zero-copy ones need no staging buffer)
         outstanding = 0
         si = 0
@@ -567,7 +609,7 @@ class StagedEngine(IOEngine):
         """The file [0, total) cut into buffer-sized pieces in file order: (file_off, length, span),
         span >= 0 for a piece written straight from that span's memory, -1 for a staged one.
         Under O_DIRECT (``memory_alignment`` > 0) every piece starts on a 4 KiB boundary."""
-        bufsize = self._pool.size
+        bufsize = self._staging().size
         pieces: list[tuple[int, int, int]] = []
 
         def cut(lo: int, hi: int, span: int) -> None:
@@ -651,15 +693,20 @@ class StagedEngine(IOEngine):
                 extents[-1][1] = max(extents[-1][1], hi)
             else:
                 extents.append([lo, hi, -1])
-        bufsize = self._pool.size
-        return [(o, min(bufsize, hi - o), j) for lo, hi, j in extents for o in range(lo, hi, bufsize)]
+        staged = sum(hi - lo for lo, hi, j in extents if j < 0)
+        stage_size = self._staging(staged).size if staged else 0
+        out = []
+        for lo, hi, j in extents:
+            step = stage_size if j < 0 else self.options.buffer_bytes  # zero-copy: cut as ever
+            out.extend((o, min(step, hi - o), j) for o in range(lo, hi, step))
+        return out
 
     def _read_fd(self, fd: int, path: str, spans: Sequence[ReadSpan], size: int, memory_alignment: int) -> list[int]:
         chunks = self._read_chunks(spans, memory_alignment)
         crcs = [0] * len(spans)
         reqs: dict[int, _Request] = {}
-        free = list(self._pool.buffers)
-        window = 2 * len(free)  # chunks read ahead of the one being drained
+        free = list(self._pool.buffers) if any(j < 0 for _, _, j in chunks) else []  # built by _read_chunks
+        window = 2 * self.options.num_buffers  # chunks read ahead of the one being drained
         done: dict[int, _Chunk] = {}
         by_id: dict[int, int] = {}
         next_submit = next_drain = 0
@@ -689,7 +736,8 @@ class StagedEngine(IOEngine):
                 while next_drain in done:
                     c = done.pop(next_drain)
                     if c.span >= 0:  # read in place: only the checksum is left to do
-                        crcs[c.span] = crc_extend(c.buf.view, crcs[c.span])
+                        if spans[c.span].checksum:
+                            crcs[c.span] = crc_extend(c.buf.view, crcs[c.span])
                     else:
                         si = self._drain_chunk(c, spans, si, crcs)
                         free.append(c.buf)
@@ -708,8 +756,10 @@ class StagedEngine(IOEngine):
         while j < len(spans) and spans[j].offset < hi:
             s = spans[j]
             a, b = max(lo, s.offset), min(hi, s.end)
-            if b > a:
+            if b > a and s.checksum:
                 crcs[j] = _stage_out(c.buf, a - lo, s.out, a - s.offset, b - a, crcs[j])
+            elif b > a:
+                copy_bytes(s.out, a - s.offset, c.buf.tensor, a - lo, b - a)
             if s.end > hi:
                 break
             j += 1
@@ -721,12 +771,12 @@ class IoUringEngine(StagedEngine):
 
     name = "io_uring"
 
-    def _make_backend(self, pool: AlignedBufferPool):
+    def _make_backend(self):
         why = uring.probe()
         if why:
             raise EngineUnavailableError(errno.ENOTSUP, f"io_uring is unavailable: {why}. Use engine='posix' "
                                                         f"(GDSWRITER_ENGINE=posix)")
-        return _UringBackend(self.options.queue_depth, pool, self.options.register_buffers)
+        return _UringBackend(self.options.queue_depth, self.options.register_buffers)
 
 
 class PosixEngine(StagedEngine):
@@ -734,5 +784,5 @@ class PosixEngine(StagedEngine):
 
     name = "posix"
 
-    def _make_backend(self, pool: AlignedBufferPool):
+    def _make_backend(self):
         return _PosixBackend(self.options.queue_depth)

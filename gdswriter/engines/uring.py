@@ -302,6 +302,12 @@ class IoUring:
                         iovs, ctypes.c_long(len(regions))), "io_uring_register(BUFFERS)")
         self.registered_buffers = len(regions)
 
+    def unregister_buffers(self) -> None:
+        """Drop the registered regions (none may be in use by a request). Raises OSError."""
+        _check(_syscall(SYS_IO_URING_REGISTER, ctypes.c_long(self.fd), ctypes.c_long(IORING_UNREGISTER_BUFFERS),
+                        None, ctypes.c_long(0)), "io_uring_register(UNREGISTER_BUFFERS)")
+        self.registered_buffers = 0
+
     # -- submission ----------------------------------------------------------
     def prep(self, opcode: int, fd: int, addr: int, length: int, offset: int, user_data: int,
              buf_index: int = 0) -> None:

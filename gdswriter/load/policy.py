@@ -21,9 +21,10 @@ from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, EngineIOError, UnsupportedFormatVersionError
 from ..format.commit import CommitProtocol
 from ..format.manifest import Manifest
-from ..format.state_codec import decode_state
+from ..format.state_codec import decode_state, decode_state_slots, fill_slots
 from ..options import EngineOptions
 from ..tensors import hint_unaligned
+from ..threads import gc_paused
 from .apply import (LiveState, LoadResult, apply_state, live_optimizer_state, live_tensors, match_live,
                     plan_restore)
 from .reader import check_data_files, placeholder_tensors, read_manifest, read_storages, \
@@ -53,12 +54,26 @@ def restore_into(live: LiveState, protocol: CommitProtocol, step: int, engines: 
     live changes before the plan is made; with ``atomic`` nothing changes before every byte
     is verified. ``scan_first``: a non-atomic load first re-hashes the step (bounded memory),
     so that damage found by checksums leaves the live state untouched too. ``manifest``: the
-    step's manifest already parsed (parse_manifest), used when it describes ``step``."""
+    step's manifest already parsed (parse_manifest), used when it describes ``step``.
+
+    Automatic garbage collection is held off meanwhile (threads.gc_paused): a load makes a few
+    objects per tensor and none in cycles, and each full collection walks them all (100,000
+    tensors: about a third of the load's CPU time)."""
+    with gc_paused():
+        return _restore(live, protocol, step, engines, strict=strict, verify=verify, engine_options=engine_options,
+                        atomic=atomic, scan_first=scan_first, manifest=manifest)
+
+
+def _restore(live: LiveState, protocol: CommitProtocol, step: int, engines: Sequence[IOEngine], *,
+             strict: bool, verify: bool, engine_options: EngineOptions, atomic: bool | None,
+             scan_first: bool, manifest: Manifest | None) -> LoadResult:
+    """restore_into's work."""
     if manifest is None or manifest.step != step:
         manifest = read_manifest(protocol, step)
     else:
         check_data_files(protocol, manifest)
-    plan = plan_restore(decode_state(manifest.state, placeholder_tensors(manifest)), live, strict)
+    skeleton, slots = decode_state_slots(manifest.state, placeholder_tensors(manifest))
+    plan = plan_restore(skeleton, live, strict)
     tensors_live = live_tensors(live, plan)
     optimizer_state = live_optimizer_state(live.optimizer) if "optimizer" in plan.apply else {}
     direct = match_live(manifest, {**optimizer_state, **tensors_live})
@@ -91,7 +106,11 @@ def restore_into(live: LiveState, protocol: CommitProtocol, step: int, engines: 
     all_live = {**optimizer_state, **tensors_live}
     for rec_index, _ in direct.values():
         tensors[rec_index] = all_live[manifest.tensors[rec_index].name]
-    state = decode_state(manifest.state, tensors)
+    if slots is None:
+        state = decode_state(manifest.state, tensors)
+    else:  # the tree decoded to plan, its placeholders replaced by the tensors read: decoded once
+        fill_slots(slots, tensors)
+        state = skeleton
     apply_state(live, state, plan)  # type: ignore[arg-type]
     return LoadResult(step, tuple(plan.loaded), tuple(plan.skipped), tuple(plan.missing), tuple(plan.unexpected),
                       atomic=bool(atomic and verify))

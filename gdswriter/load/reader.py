@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 from crc32c import crc32c as _crc32c
 
@@ -48,7 +49,7 @@ from ..format.copies import merged_with_copies, replicas_of
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, load_merged, parse_step, step_vanished, vanished_error
 from ..format.state_codec import decode_state, key_text
 from ..options import EngineOptions
-from ..threads import run_per_file
+from ..threads import gc_paused, run_per_file
 
 log = logging.getLogger("gdswriter")
 
@@ -373,14 +374,14 @@ def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, in
     while k < len(chunks):
         if r < len(runs) and runs[r].first == k:
             if runs[r].packed is None:
-                spans.append(ReadSpan(runs[r].lo, runs[r].buf))
+                spans.append(ReadSpan(runs[r].lo, runs[r].buf, checksum=False))  # summed per chunk below
                 owner.append(r)
             else:
                 sparse.append(runs[r])
             k, r = runs[r].end, r + 1
             continue
         c, sid = chunks[k]
-        spans.append(ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length]))
+        spans.append(ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length], checksum=verify))
         owner.append(-1 - k)
         k += 1
     crcs = [0] * len(chunks)
@@ -425,37 +426,57 @@ def _read_sparse(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, i
             batch.append((runs[fits[i]], at))
             at += placed[fits[i]]
             i += 1
-        engine.read_file(path, [ReadSpan(run.lo, scratch[pos:pos + run.span]) for run, pos in batch])
+        engine.read_file(path, [ReadSpan(run.lo, scratch[pos:pos + run.span], checksum=False)  # summed per chunk
+                                for run, pos in batch])
         for run, pos in batch:
-            dst = run.buf.data_ptr()
-            view = memoryview(run.buf.numpy())
-            for j, o in zip(range(run.first, run.end), run.packed):  # type: ignore[arg-type]
-                c = chunks[j][0]
-                ctypes.memmove(dst + o, base + pos + c.file_offset - run.lo, c.length)
-                if verify:
-                    crcs[j] = _crc32c(view[o:o + c.length])
+            _pack(run, [c for c, _ in chunks[run.first:run.end]], scratch, pos, base)
+            if verify:
+                view = memoryview(run.buf.numpy())
+                crcs[run.first:run.end] = [_crc32c(view[o:o + c.length]) for (c, _), o in
+                                           zip(chunks[run.first:run.end], run.packed)]  # type: ignore[arg-type]
+
+
+def _pack(run: _Run, mine: list[ChunkRecord], scratch: torch.Tensor, pos: int, base: int) -> None:
+    """Copy sparse ``run``'s chunks (``mine``) from where its file bytes lie in ``scratch`` (from
+    byte ``pos``; ``base``: its address) to their places in the run's buffer. Chunks of one
+    length at evenly spaced offsets (small tensors of one size laid out 4 KiB apart) move in
+    one strided copy (numpy: one thread, no per-chunk call); others one memmove each."""
+    n, length = len(mine), mine[0].length
+    step = mine[1].file_offset - mine[0].file_offset
+    first = pos + mine[0].file_offset - run.lo
+    if step >= length and all(c.length == length and c.file_offset == mine[0].file_offset + k * step
+                              for k, c in enumerate(mine)):
+        src = np.lib.stride_tricks.as_strided(scratch[first:first + (n - 1) * step + length].numpy(),
+                                              (n, length), (step, 1), writeable=False)
+        np.copyto(run.buf.numpy().reshape(n, length), src)
+        return
+    dst = run.buf.data_ptr()
+    for c, o in zip(mine, run.packed):  # type: ignore[arg-type]
+        ctypes.memmove(dst + o, base + pos + c.file_offset - run.lo, c.length)
 
 
 def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """Build each saved tensor as a typed strided view of its storage buffer (sharing restored)."""
-    dtypes = {name: dtype_from_name(name) for name in {t.dtype for t in manifest.tensors}}
-    contiguous: dict[tuple, tuple] = {}  # shape -> its C-contiguous strides
+    kinds: dict[tuple[str, tuple], tuple] = {}  # (dtype, shape) -> (dtype, C-contiguous strides, bytes, 1-D)
     out = []
+    append = out.append
     for t in manifest.tensors:
-        dtype = dtypes[t.dtype]
         buf = buffers[t.storage]
-        shape = t.shape
-        if shape not in contiguous:
-            contiguous[shape] = torch.empty(shape, device="meta").stride()
+        kind = kinds.get((t.dtype, t.shape))
+        if kind is None:
+            dtype = dtype_from_name(t.dtype)
+            kind = kinds[t.dtype, t.shape] = (dtype, torch.empty(t.shape, device="meta").stride(),
+                                              math.prod(t.shape) * dtype.itemsize, len(t.shape) == 1)
+        dtype, contiguous, nbytes, flat = kind
         # The usual record, the whole storage as one C-contiguous view: buf.view(dtype), a third
         # of the cost of set_ (10,000 tensors: 0.1 s); any other view (sharing, offsets) by set_
-        if (t.byte_offset == 0 and t.stride == contiguous[shape] and buf.numel()
-                and buf.numel() == math.prod(shape) * dtype.itemsize and buf.storage_offset() % dtype.itemsize == 0):
+        if (t.byte_offset == 0 and t.stride == contiguous and nbytes and buf.numel() == nbytes
+                and (dtype.itemsize == 1 or buf.storage_offset() % dtype.itemsize == 0)):
             typed = buf.view(dtype)
-            out.append(typed if len(shape) == 1 else typed.view(shape))
+            append(typed if flat else typed.view(t.shape))
             continue
-        out.append(torch.empty(0, dtype=dtype, device=buf.device).set_(
-            buf.untyped_storage(), (buf.storage_offset() + t.byte_offset) // dtype.itemsize, shape, t.stride))
+        append(torch.empty(0, dtype=dtype, device=buf.device).set_(
+            buf.untyped_storage(), (buf.storage_offset() + t.byte_offset) // dtype.itemsize, t.shape, t.stride))
     return out
 
 
@@ -515,7 +536,7 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
     try:
         # A small read gets an engine with small staging buffers (engines/select.py: sized_for)
         options = sized_for(engine_options or EngineOptions.from_env(), sum(s.nbytes for s in part.storages))
-        with create_engine(options) as engine:
+        with create_engine(options) as engine, gc_paused():  # objects per storage and tensor, no cycles
             buffers: list = [None] * len(part.storages)
             read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
     except (CorruptCheckpointError, OSError) as e:
@@ -524,7 +545,8 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
             raise
         raise gone from e
     if indices is None:
-        return tensors_from_storages(part, buffers)  # type: ignore[return-value]
+        with gc_paused():
+            return tensors_from_storages(part, buffers)  # type: ignore[return-value]
     out: list[torch.Tensor | None] = [None] * len(manifest.tensors)
     views = tensors_from_storages(replace(part, tensors=tuple(manifest.tensors[i] for i in wanted)), buffers)
     for i, t in zip(wanted, views):

@@ -162,6 +162,13 @@ class _FaultBackend:
         return self.real.registered
 
     @property
+    def register(self) -> bool:
+        return getattr(self.real, "register", False)
+
+    def use_pool(self, pool: AlignedBufferPool) -> None:
+        self.real.use_pool(pool)
+
+    @property
     def in_flight(self) -> int:
         return self.real.in_flight + len(self._fake)
 
@@ -237,9 +244,9 @@ class FaultInjectingEngine(StagedEngine):
         self.call_faults: list[tuple[str, int]] = []
         super().__init__(options, reason=reason or "fault injection (testing)")
 
-    def _make_backend(self, pool: AlignedBufferPool):
-        real = (IoUringEngine._make_backend(self, pool) if self.backend_kind == "io_uring"
-                else PosixEngine._make_backend(self, pool))
+    def _make_backend(self):
+        real = (IoUringEngine._make_backend(self) if self.backend_kind == "io_uring"
+                else PosixEngine._make_backend(self))
         return _FaultBackend(real, self)
 
     def _checked(self, plan: FaultPlan) -> FaultPlan:
