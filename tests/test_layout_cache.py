@@ -50,6 +50,13 @@ CHANGES = {
     "added": lambda s: {**s, "more": torch.ones(3)},
     "removed": lambda s: {k: v for k, v in s.items() if k != "row"},
     "numpy sharing memory": _numpy_sharing,
+    # resize_ moves the storage that "big" and "tail" share (new address and size), with or without new shapes
+    "resized in place": lambda s: {**s, "big": s["big"].resize_(300)},
+    "storage resized in place": lambda s: (s["big"].untyped_storage().resize_(400), s)[1],
+    # same offset, shape, stride, dtype and storage size, in other memory: no longer shares "nx"'s extent
+    "other memory": lambda s: {**s, "ny": torch.from_numpy(np.arange(100, dtype=np.float64)[50:])},
+    # another storage object over the same memory: same addresses and sizes, so the layout holds
+    "another storage at the same address": lambda s: {**s, "big": torch.from_numpy(s["big"].numpy())},
 }
 
 
