@@ -183,11 +183,11 @@ class LocalSession:
 
     # -- save ----------------------------------------------------------------
     def write_and_commit(self, snap: Snapshot, engines: Sequence[IOEngine], files_per_root: int, *,
-                         pool: HostSnapshotPool | None = None, release: Release | None = None) -> Manifest:
+                         pool: HostSnapshotPool | None = None, release: Release | None = None) -> None:
         """Plan (see _plan), write and commit ``snap`` (save/writer.py)."""
         targets = file_targets(len(self.protocol.roots), files_per_root)
-        return write_and_commit(snap, self.protocol, engines, pool=pool, release=release or Release(),
-                                plan=self._plan(snap, targets))
+        write_and_commit(snap, self.protocol, engines, pool=pool, release=release or Release(),
+                         plan=self._plan(snap, targets))
 
     def _plan(self, snap: Snapshot, targets: list) -> SavePlan:
         """Which bytes go to which file: the topology planner's GPU-local plan when storages live

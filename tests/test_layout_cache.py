@@ -50,6 +50,13 @@ CHANGES = {
     "added": lambda s: {**s, "more": torch.ones(3)},
     "removed": lambda s: {k: v for k, v in s.items() if k != "row"},
     "numpy sharing memory": _numpy_sharing,
+    # resize_ moves the storage that "big" and "tail" share (new address and size), with or without new shapes
+    "resized in place": lambda s: {**s, "big": s["big"].resize_(300)},
+    "storage resized in place": lambda s: (s["big"].untyped_storage().resize_(400), s)[1],
+    # same offset, shape, stride, dtype and storage size, in other memory: no longer shares "nx"'s extent
+    "other memory": lambda s: {**s, "ny": torch.from_numpy(np.arange(100, dtype=np.float64)[50:])},
+    # another storage object over the same memory: same addresses and sizes, so the layout holds
+    "another storage at the same address": lambda s: {**s, "big": torch.from_numpy(s["big"].numpy())},
 }
 
 
@@ -171,3 +178,40 @@ def test_storages_of_new_sizes_are_planned_anew(tmp_path):
     for step, want in saved.items():
         got = load_state(tmp_path, step=step)[1]["model"]
         assert all(torch.equal(got[k], v) for k, v in want.items()), step
+
+
+# Each keeps the number of storages; the first two their sizes too, so the plan is the same object.
+TABLE_CHANGES = {
+    "values": lambda s: s["big"].add_(1.0),
+    "new storage of the same size": lambda s: s.__setitem__("small", s["small"].clone() * 3),
+    "dtype, same bytes": lambda s: setattr(s["w"], "data", s["w"].view(torch.int32)),
+    "resized in place": lambda s: s["small"].resize_(17),
+    "storage replaced": lambda s: s["w"].set_(torch.full((300,), 2.5)),
+}
+
+
+@pytest.mark.parametrize("change", TABLE_CHANGES)
+@pytest.mark.parametrize("async_", [False, True], ids=["save", "save_async"])
+def test_every_save_of_a_layout_writes_its_own_checksums(tmp_path, change, async_):
+    """The manifest's storage table is a template per layout (save/writer.py _StorageLayout):
+    every save fills in its own chunks' crc32c, in the table's order (a storage larger than a
+    pool piece is cut into several chunks), and a change of the layout makes a new one. A
+    checksum of an earlier save, or one in another chunk's place, fails the load."""
+    g = torch.Generator().manual_seed(5)
+    # "big" (8 MiB) spans several pool pieces of the small ring: one storage, several chunks
+    state = {"big": torch.randn(2 << 20, generator=g), "small": torch.randn(40, generator=g),
+             "w": torch.randn(300, generator=g), **{f"t{i}": torch.randn(100 + i, generator=g) for i in range(8)}}
+    saved = {}
+    with GDSCheckpointer(state, None, tmp_path, options=M.small_options(snapshot_pool_bytes=4 << 20)) as ck:
+        for step in range(1, 5):
+            if step == 3:
+                TABLE_CHANGES[change](state)
+            else:
+                state["t0"].add_(step)
+                state["big"][::4099].mul_(-1.5)
+            ck.save_async(step).result(timeout=120) if async_ else ck.save(step)
+            saved[step] = {k: v.clone() for k, v in state.items()}
+    for step, want in saved.items():
+        got = load_state(tmp_path, step=step)[1]["model"]
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), (step, k)

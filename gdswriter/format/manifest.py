@@ -10,6 +10,7 @@ docs/format.md for the full description.
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii
 from itertools import accumulate, chain
 from operator import add, attrgetter, le
 from dataclasses import dataclass, field, replace
@@ -194,10 +195,15 @@ class Manifest:
     dist: DistInfo | None = None  # format 1.2: a multi-rank checkpoint
 
     # -- serialisation -------------------------------------------------------
-    def to_json_bytes(self) -> bytes:
+    def to_json_bytes(self, *, storages: EncodedStorages | None = None, encoded_state: bool = False) -> bytes:
         """The manifest file's bytes. Refuses (UnsupportedObjectError) a tensor a reader would
-        refuse, so that nothing is committed that cannot be loaded back."""
-        canonical_tensors, plain_tensors = _tensor_table(self.tensors, self.storages)
+        refuse, so that nothing is committed that cannot be loaded back. ``storages``: the
+        "storages" entry encoded already (StorageTableTemplate.fill; ``self.storages`` is then
+        not read). ``encoded_state``: ``state`` is what state_codec's encoder made, whose
+        objects' keys are in sorted order (one key, or "$odict" and "meta"), so its canonical
+        text is its plain text: encoded once."""
+        sizes = storages.sizes if storages is not None else tuple(s.nbytes for s in self.storages)
+        canonical_tensors, plain_tensors = _tensor_table(self.tensors, sizes)
         body = {
             "format": FORMAT_NAME,
             "version": list(self.version),
@@ -217,8 +223,12 @@ class Manifest:
                             **({"dcp": d.dcp} if d.dcp is not None else {})}
         # The same text as json.dumps of the whole body, one top-level entry at a time, so that
         # the tensor table is encoded once per layout rather than twice per save.
-        canonical_storages, plain_storages = storage_table(self.storages)
+        canonical_storages, plain_storages = (storage_table(self.storages) if storages is None
+                                              else (storages.canonical, storages.plain))
         made = {"tensors": (canonical_tensors, plain_tensors), "storages": (canonical_storages, plain_storages)}
+        if encoded_state:
+            state = _json(self.state)
+            made["state"] = (state, state)
         canonical = {k: made[k][0] if k in made else _json(v, sort_keys=True) for k, v in body.items()}
         crc = _crc32c.crc32c(_join(sorted(canonical.items())).encode())
         plain = [(k, made[k][1] if k in made else _json(v)) for k, v in body.items()]
@@ -502,18 +512,21 @@ def _join(entries: list[tuple[str, str]]) -> str:
     return "{" + ",".join(f"{_json(k)}:{v}" for k, v in entries) + "}"
 
 
-def storage_table(storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
+def storage_table(storages: tuple[StorageRecord, ...], *, open_crcs: bool = False) -> tuple[str, str]:
     """The manifest's "storages" entry, with sorted keys (for the checksum) and as written: the
     text json.dumps gives (compact separators), formatted directly, each chunk's list once for
     both (a state of 100,000 tensors has 100,000 storages: json.dumps of their dicts and lists,
     twice, took most of the manifest's encoding). Every field is a plain int (the records are
-    made from the plan's ints and crc32c's); anything else is refused as json.dumps would."""
+    made from the plan's ints and crc32c's); anything else is refused as json.dumps would.
+    ``open_crcs``: every crc32c is written ``%d`` (StorageTableTemplate; the texts hold no
+    other "%")."""
     counts = list(map(len, map(_CHUNKS, storages)))
     every = list(chain.from_iterable(map(_CHUNKS, storages)))
     cols = [[s.nbytes for s in storages], *([getattr(c, k) for c in every]
                                            for k in ("file", "file_offset", "storage_offset", "length", "crc32c"))]
     if set(map(type, chain.from_iterable(cols))) <= {int}:  # plain ints (the usual table): formatted by columns
-        chunks = list(map("[{},{},{},{},{}]".format, *cols[1:]))
+        chunks = list(map("[{},{},{},{},%d]".format if open_crcs else "[{},{},{},{},{}]".format,
+                          *cols[1:5 if open_crcs else 6]))
         if set(counts) != {1}:  # storages cut in several chunks (or none): joined per storage
             at = list(accumulate(counts, initial=0))
             chunks = [",".join(chunks[a:b]) for a, b in zip(at, at[1:])]
@@ -524,7 +537,7 @@ def storage_table(storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
         n = s.nbytes
         if type(n) is not int:
             raise TypeError(f"storage size {n!r} is not an int")
-        chunks = ",".join([f"[{c.file},{c.file_offset},{c.storage_offset},{c.length},{c.crc32c}]"
+        chunks = ",".join([f"[{c.file},{c.file_offset},{c.storage_offset},{c.length},{'%d' if open_crcs else c.crc32c}]"
                            if type(c.file) is type(c.file_offset) is type(c.storage_offset) is type(c.length)
                            is type(c.crc32c) is int else _json([c.file, c.file_offset, c.storage_offset, c.length,
                                                                  c.crc32c])
@@ -537,17 +550,49 @@ def storage_table(storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
 _CHUNKS, _STORAGE_OFFSET = attrgetter("chunks"), attrgetter("storage_offset")
 
 
+@dataclass(frozen=True)
+class EncodedStorages:
+    """A manifest's "storages" entry, encoded (storage_table's two texts), and each storage's size."""
+
+    canonical: str
+    plain: str
+    sizes: tuple[int, ...]
+
+
+class StorageTableTemplate:
+    """The "storages" entry of every save of one layout (the same storages, cut into the same
+    chunks at the same places) with each chunk's crc32c left open, as printf templates: a
+    save fills in its checksums (``fill``) in one C-level formatting of each text, instead
+    of a ChunkRecord and a StorageRecord per chunk and the table formatted anew (at 100,000
+    tensors, most of the manifest's encoding). ``fill`` gives what storage_table gives for
+    the same records with those checksums."""
+
+    __slots__ = ("_canonical", "_plain", "sizes")
+
+    def __init__(self, storages: tuple[StorageRecord, ...]) -> None:
+        """The template of ``storages`` (their crc32c are ignored), whose chunks' checksums
+        ``fill`` takes in table order: storage by storage, each storage's chunks in order."""
+        self._canonical, self._plain = storage_table(storages, open_crcs=True)
+        self.sizes = tuple(s.nbytes for s in storages)
+
+    def fill(self, crcs: tuple[int, ...]) -> EncodedStorages:
+        """The entry with these checksums, in table order (plain ints below 2**32)."""
+        if set(map(type, crcs)) - {int} or (crcs and not 0 <= min(crcs) <= max(crcs) <= 0xFFFFFFFF):
+            raise TypeError("a chunk's crc32c is not an int in [0, 2**32)")
+        return EncodedStorages(self._canonical % crcs, self._plain % crcs, self.sizes)
+
+
 # The last tensor table: (records, their storages' sizes, canonical text, file text). A
 # training loop's saves have the same records (the same objects: snapshot.LayoutCache), so
 # each is checked and encoded once, not at every save.
 _last_table: tuple[tuple[TensorRecord, ...], tuple[int, ...], str, str] | None = None
 
 
-def _tensor_table(tensors: tuple[TensorRecord, ...], storages: tuple[StorageRecord, ...]) -> tuple[str, str]:
+def _tensor_table(tensors: tuple[TensorRecord, ...], sizes: tuple[int, ...]) -> tuple[str, str]:
     """The manifest's "tensors" entry, encoded with sorted keys (for the checksum) and as
-    written; refuses (UnsupportedObjectError) a record a reader would refuse."""
+    written; refuses (UnsupportedObjectError) a record a reader would refuse. ``sizes``: the
+    storages' sizes."""
     global _last_table
-    sizes = tuple(s.nbytes for s in storages)
     last = _last_table
     if last is not None and last[1] == sizes and last[0] == tensors:
         return last[2], last[3]
@@ -559,14 +604,46 @@ def _tensor_table(tensors: tuple[TensorRecord, ...], storages: tuple[StorageReco
         if why:
             raise UnsupportedObjectError(t.name, None, f"it would be saved with {why}; save t.contiguous() "
                                          f"(or the tensor before expand())", type_name="torch.Tensor")
-    rows = [{"name": t.name, "storage": t.storage, "byte_offset": t.byte_offset, "dtype": t.dtype,
-             "shape": list(t.shape), "stride": list(t.stride), "device": t.device, "kind": t.kind,
-             **({"shard": {"global_shape": list(t.shard.global_shape), "offsets": list(t.shard.offsets)}}
-                if t.shard is not None else {})}
-            for t in tensors]
-    canonical, plain = _json(rows, sort_keys=True), _json(rows)
+    made = _plain_tensor_table(tensors)
+    if made is not None:
+        canonical, plain = made
+    else:
+        rows = [{"name": t.name, "storage": t.storage, "byte_offset": t.byte_offset, "dtype": t.dtype,
+                 "shape": list(t.shape), "stride": list(t.stride), "device": t.device, "kind": t.kind,
+                 **({"shard": {"global_shape": list(t.shard.global_shape), "offsets": list(t.shard.offsets)}}
+                    if t.shard is not None else {})}
+                for t in tensors]
+        canonical, plain = _json(rows, sort_keys=True), _json(rows)
     _last_table = (tuple(tensors), sizes, canonical, plain)
     return canonical, plain
+
+
+_TENSOR_COLUMNS = ("name", "storage", "byte_offset", "dtype", "shape", "stride", "device", "kind")
+_CANONICAL_ROW = '{{"byte_offset":{2},"device":{6},"dtype":{3},"kind":{7},"name":{0},"shape":{4},"storage":{1},"stride":{5}}}'
+_PLAIN_ROW = '{{"name":{0},"storage":{1},"byte_offset":{2},"dtype":{3},"shape":{4},"stride":{5},"device":{6},"kind":{7}}}'
+
+
+def _plain_tensor_table(tensors: tuple[TensorRecord, ...]) -> tuple[str, str] | None:
+    """_tensor_table's two texts, formatted by columns (the text json.dumps gives, compact
+    separators): each name JSON-encoded once, each distinct dtype, device, kind, shape and
+    stride once, and a record per row formatted in one C-level pass (json.dumps of a dict
+    per record, twice, took most of a first save's manifest at 100,000 tensors). None
+    where a record has a shard or a field that is not a plain int or str (json.dumps then)."""
+    if not tensors or any(t.shard is not None for t in tensors):
+        return None
+    cols = [list(map(attrgetter(k), tensors)) for k in _TENSOR_COLUMNS]
+    names, sids, offsets, dtypes, shapes, strides, devices, kinds = cols
+    if (set(map(type, names)) | set(map(type, dtypes)) | set(map(type, devices)) | set(map(type, kinds)) != {str}
+            or set(map(type, sids)) | set(map(type, offsets)) != {int}
+            or not set(map(type, chain.from_iterable(shapes))) | set(map(type, chain.from_iterable(strides))) <= {int}):
+        return None
+    texts = {v: _json(v) for v in {*dtypes, *devices, *kinds}}
+    dims = {v: _json(list(v)) for v in {*shapes, *strides}}
+    row = [list(map(encode_basestring_ascii, names)), sids, offsets, list(map(texts.__getitem__, dtypes)),
+           list(map(dims.__getitem__, shapes)), list(map(dims.__getitem__, strides)),
+           list(map(texts.__getitem__, devices)), list(map(texts.__getitem__, kinds))]
+    return ("[" + ",".join(map(_CANONICAL_ROW.format, *row)) + "]",
+            "[" + ",".join(map(_PLAIN_ROW.format, *row)) + "]")
 
 
 def _is_int(v: Any) -> bool:

@@ -36,6 +36,7 @@ import struct
 import types
 from collections.abc import Iterator, Mapping
 from itertools import chain, compress, islice
+from operator import attrgetter
 from typing import Any
 from collections.abc import Sequence
 
@@ -216,6 +217,10 @@ def _add_tensors(tensors: list, values: list, types: set) -> None:
         tensors += compress(values, map(_TENSOR_TYPES.__contains__, map(type, values)))
 
 
+_BULK_MIN = 8  # mappings of fewer entries are encoded by the loop (the C-level passes cost more)
+_IS_NESTED, _IS_META, _LAYOUT = (attrgetter(a) for a in ("is_nested", "is_meta", "layout"))
+
+
 def _join(path: str, part: object) -> str:
     return f"{path}/{part}" if path else str(part)
 
@@ -340,6 +345,47 @@ class _Encoder:
     def enc_mapping(self, obj: Any, t: type, path: str, depth: int, name: str | None) -> object:
         """A dict (``$dict``) or an OrderedDict (``$odict``, with its ``_metadata``) as [key, value]
         pairs; plain leaves, plain keys and plain tensors are handled inline (see enc)."""
+        pairs = self.tensor_pairs(obj, t, name)
+        if pairs is None:
+            pairs = self.pairs(obj, path, depth, name)
+        if t is dict or t is FrozenDictOfDicts:
+            return {"$dict": pairs}
+        out: dict[str, object] = {"$odict": pairs}
+        meta = getattr(obj, "_metadata", None)
+        if meta is not None:  # nn.Module.state_dict() keeps per-module versions here
+            out["meta"] = self.enc(meta, _join(path, "_metadata"), depth + 1)
+        return out
+
+    def tensor_pairs(self, obj: Any, t: type, name: str | None) -> list | None:
+        """enc_mapping's pairs of the usual mapping of a state of many tensors (a module's
+        state_dict, a group of a nested dict): str keys, each value a plain strided tensor met
+        for the first time, none named "<root>". Encoded in C-level passes and one list
+        comprehension, with exactly the pairs, names and indices the loop gives; None where
+        the mapping is any other (the loop then encodes it)."""
+        if t is FrozenDictOfDicts:
+            return None
+        if t is FrozenOrderedDict:
+            keys, values = obj.keys, obj.values
+        else:
+            keys, values = list(obj), list(obj.values())
+        if (len(keys) < _BULK_MIN or set(map(type, keys)) != {str} or not set(map(type, values)) <= _TENSOR_TYPES or (name == "" and "" in keys)
+                or any(map(_IS_NESTED, values)) or any(map(_IS_META, values))
+                or set(map(_LAYOUT, values)) != {torch.strided}):
+            return None
+        ids = list(map(id, values))
+        index = self.index
+        if len(set(ids)) != len(ids) or not index.keys().isdisjoint(ids):  # a tensor met twice: the loop
+            return None
+        start = len(self.tensors)
+        numbers = range(start, start + len(values))
+        index.update(zip(ids, numbers))
+        self.tensors += values
+        self.names += [""] * len(keys) if name is None else [f"{name}/{k}" for k in keys] if name else keys
+        self.kinds += ["tensor"] * len(keys)
+        return [[k, {"$tensor": i}] for k, i in zip(keys, numbers)]
+
+    def pairs(self, obj: Any, path: str, depth: int, name: str | None) -> list:
+        """enc_mapping's pairs, one entry at a time."""
         pairs = []
         for k, v in obj.items():
             tk = type(k)
@@ -360,13 +406,7 @@ class _Encoder:
                 pairs.append([ek, {"$tensor": self.add(v, self.check_tensor(v, at), child, "tensor")}])
             else:
                 pairs.append([ek, self.enc(v, at, depth + 1, child)])
-        if t is dict or t is FrozenDictOfDicts:
-            return {"$dict": pairs}
-        out: dict[str, object] = {"$odict": pairs}
-        meta = getattr(obj, "_metadata", None)
-        if meta is not None:  # nn.Module.state_dict() keeps per-module versions here
-            out["meta"] = self.enc(meta, _join(path, "_metadata"), depth + 1)
-        return out
+        return pairs
 
     def enc_key(self, k: object, path: str, depth: int) -> object:
         """A dict key other than a str or an int within 2**63 (those are kept inline): a float, bool,

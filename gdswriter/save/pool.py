@@ -423,7 +423,7 @@ class HostSnapshotPool:
         need = sum(_align_up(f.size) for f in plan.files)
         if not need:  # nothing but empty tensors: nothing to copy
             release.set()
-            yield PoolStream([[] for _ in plan.files], ring.fail, {c: ((), 0) for f in plan.files for c in f.chunks})
+            yield PoolStream([[] for _ in plan.files], ring.fail, [(c, ((), 0)) for f in plan.files for c in f.chunks])
             return
         devices = sorted(snap.ready)
         device = devices[0] if devices else None
@@ -467,18 +467,18 @@ class PoolStream:
     """What a save writes through the pool (see HostSnapshotPool.stream)."""
 
     def __init__(self, spans: list[list[tuple[Piece, WriteSpan]]], stop: Callable[[BaseException], None],
-                 chunks: dict[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]]):
-        self.spans, self.stop, self._chunks = spans, stop, chunks
+                 chunks: list[tuple[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]]]):
+        self.spans, self.stop, self._chunks = spans, stop, chunks  # (chunk, (where, length)) pairs
 
     def chunk_crcs(self) -> dict[PlannedChunk, int]:
         """Every chunk's crc32c, as its bytes were copied into the pool (0 for an empty chunk)."""
-        return {c: where[0].crcs[where[1], n] if where else 0 for c, (where, n) in self._chunks.items()}
+        return {c: where[0].crcs[where[1], n] if where else 0 for c, (where, n) in self._chunks}
 
 
 def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
     """Cut every file into pieces; returns the pieces in copy order (round-robin over roots,
     each root's files in plan order), each file's pieces, and every chunk of the plan, cut at
-    piece ends, with where it lies: ((its piece, its offset there) or () if empty, length)."""
+    piece ends, with where it lies: (chunk, ((its piece, its offset there) or () if empty, length)) pairs."""
     per_root: dict[int, list[Piece]] = {}
     per_file = []
     chunks: dict[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]] = {}
@@ -507,7 +507,7 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
         per_file.append(list(pieces.values()))
     queues = [per_root[r] for r in sorted(per_root)]
     order = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
-    return order, per_file, chunks
+    return order, per_file, list(chunks.items())
 
 
 class _LayoutTemplate:
@@ -524,7 +524,7 @@ class _LayoutTemplate:
 
     @classmethod
     def of(cls, snap: Snapshot, plan: SavePlan, piece: int, order: list[Piece], per_file: list[list[Piece]],
-           chunks: dict) -> _LayoutTemplate | None:
+           chunks: list[tuple]) -> _LayoutTemplate | None:
         """The template of a layout just made (None: not reusable, as an extent is not in host
         memory or the snapshot has no layout key)."""
         if snap.layout_key is None or any(type(src) is not tuple for p in order for _, _, src in p.copies):
@@ -533,7 +533,7 @@ class _LayoutTemplate:
         return cls(snap.layout_key, plan, piece, [(p.root, p.lo, p.hi, p.copies, p.gaps) for p in order],
                    [[index[id(p)] for p in pieces] for pieces in per_file],
                    [(c, index[id(where[0])], where[1], n) if where else (c, -1, 0, n)
-                    for c, (where, n) in chunks.items()])
+                    for c, (where, n) in chunks])
 
     def fits(self, snap: Snapshot, plan: SavePlan, piece: int) -> bool:
         return snap.layout_key is self.key and plan is self.plan and piece == self.piece
@@ -547,7 +547,7 @@ class _LayoutTemplate:
             p.hi, p.copies, p.gaps = hi, copies, gaps
             order.append(p)
         per_file = [[order[i] for i in idx] for idx in self.per_file]
-        chunks = {c: ((order[i], rel), n) if i >= 0 else ((), n) for c, i, rel, n in self.chunks}
+        chunks = [(c, ((order[i], rel), n) if i >= 0 else ((), n)) for c, i, rel, n in self.chunks]  # no hash per chunk
         return order, per_file, chunks
 
 

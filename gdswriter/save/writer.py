@@ -18,12 +18,12 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from operator import attrgetter, itemgetter, le
+from operator import attrgetter, is_, itemgetter, le
 
 from ..cuda import streams
 from ..engines.base import IOEngine, WriteSpan
 from ..format.commit import CommitProtocol, PendingCommit
-from ..format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord
+from ..format.manifest import ChunkRecord, EncodedStorages, FileRecord, Manifest, StorageRecord, StorageTableTemplate
 from .._log import log_once
 from ..planner.assign import FileTarget, PlannedChunk, SavePlan
 from ..threads import gc_paused, run_per_file
@@ -37,8 +37,9 @@ def file_targets(n_roots: int, files_per_root: int) -> list[FileTarget]:
 
 
 def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence[IOEngine], *, plan: SavePlan,
-                     release: Release, pool: HostSnapshotPool | None = None) -> Manifest:
-    """Write ``snap`` as step ``snap.step`` under ``protocol``'s roots and commit it.
+                     release: Release, pool: HostSnapshotPool | None = None) -> None:
+    """Write ``snap`` as step ``snap.step`` under ``protocol``'s roots and commit it (its
+    manifest is on disk: peek_manifest reads it).
 
     ``pool``: copy the bytes through this host snapshot pool (mode "host"; only with engines
     that honour span guards, else live); None: the engines read the extents themselves
@@ -55,27 +56,69 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
         written_by: dict[int, str] = {}
         crcs = write_snapshot_files(snap, plan, pending, engines, pool=pool, release=release, written_by=written_by)
         with gc_paused():  # a record per chunk and per storage, no cycles (see gc_paused)
-            manifest_bytes, manifest = _manifest(snap, plan, crcs, written_by)
+            manifest_bytes = _manifest(snap, plan, crcs, written_by)
         pending.commit(manifest_bytes)
     except BaseException as e:
         release.set(error=e)
         if not pending.finished:
             pending.abort()
         raise
-    return manifest
 
 
-def _manifest(snap: Snapshot, plan: SavePlan, crcs: dict[PlannedChunk, int],
-              written_by: dict[int, str]) -> tuple[bytes, Manifest]:
-    """The manifest of ``snap`` written by ``plan`` (each chunk's crc32c in ``crcs``), and its bytes."""
-    storages = _storage_records(snap, crcs)
+def _manifest(snap: Snapshot, plan: SavePlan, crcs: dict[PlannedChunk, int], written_by: dict[int, str]) -> bytes:
+    """The manifest of ``snap`` written by ``plan`` (each chunk's crc32c in ``crcs``), as bytes.
+    Its storage table is the last save's template, filled, where the layout is the same
+    (_StorageLayout), else a new template's: no record per chunk and per storage."""
+    global _last_storages
     files = tuple(FileRecord(f.target.root, f.target.name, f.size,
                              {"engine": written_by[fid],
                               **({"gpu": f.gpu} if f.gpu is not None else {})})
                   for fid, f in enumerate(plan.files))
-    manifest = Manifest(step=snap.step, files=files, storages=tuple(storages), tensors=tuple(snap.records),
+    sizes = [e.nbytes for e in snap.extents]
+    last = _last_storages
+    encoded = last.fill(plan, sizes, crcs) if last is not None else None
+    if encoded is None:
+        last = _last_storages = _StorageLayout.of(snap, plan, sizes, crcs)
+        encoded = last.fill(plan, sizes, crcs)
+    # storages=(): the encoded table stands for them (Manifest.to_json_bytes)
+    manifest = Manifest(step=snap.step, files=files, storages=(), tensors=tuple(snap.records),
                         state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
-    return manifest.to_json_bytes(), manifest
+    return manifest.to_json_bytes(storages=encoded, encoded_state=True)
+
+
+class _StorageLayout:
+    """The storage table of the last save (module-wide, as format/manifest.py keeps the last
+    tensor table) as a StorageTableTemplate, for the saves of the same layout: the same plan
+    (object), storage sizes and chunks (the same objects, in the same order: the plan's own,
+    or the host pool's, reused with its layout). ``order``: per chunk in table order, its
+    position in the checksums dict."""
+
+    __slots__ = ("chunks", "order", "plan", "sizes", "template")
+
+    def __init__(self, plan: SavePlan, sizes: list[int], chunks: list, order: list[int],
+                 template: StorageTableTemplate) -> None:
+        self.plan, self.sizes, self.chunks, self.order, self.template = plan, sizes, chunks, order, template
+
+    @classmethod
+    def of(cls, snap: Snapshot, plan: SavePlan, sizes: list[int], crcs: dict[PlannedChunk, int]) -> _StorageLayout:
+        """The layout of a save that writes the chunks of ``crcs``."""
+        chunks = list(crcs)
+        # the records made with each chunk's position in place of its crc32c: the table order
+        placed = _storage_records(snap, dict(zip(chunks, range(len(chunks)))))
+        order = [c.crc32c for st in placed for c in st.chunks]
+        return cls(plan, sizes, chunks, order, StorageTableTemplate(tuple(placed)))
+
+    def fill(self, plan: SavePlan, sizes: list[int], crcs: dict[PlannedChunk, int]) -> EncodedStorages | None:
+        """The storage table with ``crcs``, if this save has the layout kept; else None."""
+        chunks = self.chunks
+        if (plan is not self.plan or sizes != self.sizes or len(crcs) != len(chunks)
+                or not all(map(is_, crcs, chunks))):
+            return None
+        values = list(crcs.values())
+        return self.template.fill(tuple(map(values.__getitem__, self.order)))
+
+
+_last_storages: _StorageLayout | None = None
 
 
 def _storage_records(snap: Snapshot, crcs: dict[PlannedChunk, int]) -> list[StorageRecord]:
