@@ -30,6 +30,7 @@ from .dcp_failures import CarriedError
 from .dcp_fsreader import fs_metadata_for_load, is_fs_checkpoint, read_fs_items
 from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
+from .dcp_replicas import place_files
 from .dcp_writer_parts import contiguous_stride
 from .fetch import fetch_storages, manifest_reach
 from .group import Coordinator
@@ -166,6 +167,8 @@ class GDSStorageReader(Collective, StorageReader):
         # reads what it needs alone, and DCP's gather of read_data's outcomes tells every rank of a failure
         alone = reaches_all and not self.atomic
         coord = self.coordinator()
+        if not alone:  # a file lost or damaged on its own root: read from a verified copy (dcp_replicas.py)
+            m = place_files(coord, m, manifest_reach(m, layout).paths, f"dcp.load of step {m.step}")
         records, error, engine = [], None, None
         in_place: dict[int, torch.Tensor] = {}  # item -> DCP's target, read into directly
         try:  # this rank's part before the first collective: a failure here reaches every rank
@@ -225,8 +228,8 @@ def check_lost_roots(m: Manifest, reach: Sequence[Path | None]) -> None:
     """StepFilesLostError when a root of step ``m`` this rank reaches holds none of it any more:
     matched by its path alone (it has no ``.gdswriter-root`` while the manifest recorded one) and
     without the step's directory: a wiped or replaced node's disk. Said plainly, on every rank
-    (read_data agrees on it), rather than as a step deleted while it was read; a DCP step has no
-    copies on peer nodes to read instead (GDSStorageWriter refuses replicas)."""
+    (read_data agrees on it), rather than as a step deleted while it was read. Files with a
+    good copy on a peer node were pointed at it before (dcp_replicas.place_files)."""
     for g, (info, path) in enumerate(zip(m.dist.roots if m.dist is not None else (), reach)):
         if path is None or info.id.startswith("path:") or not any(f.root == g for f in m.files):
             continue
@@ -234,9 +237,9 @@ def check_lost_roots(m: Manifest, reach: Sequence[Path | None]) -> None:
             raise StepFilesLostError(f"step {m.step}: root {path} (table root {g}, id {info.id}, ranks "
                                      f"{list(info.ranks)}) holds none of it any more: no {ROOT_MARKER_NAME}, no "
                                      f"{step_dir_name(m.step)} (a wiped or replaced node's disk?); its data files are "
-                                     f"lost and a DCP step has no copies on peer nodes. Restore that disk, or load a "
-                                     f"step saved elsewhere (for checkpoints that survive a lost node, save with "
-                                     f"GDSCheckpointer and DistOptions(replicas=2))")
+                                     f"lost and no copy of them is on a peer node. Restore that disk, or load a "
+                                     f"step saved elsewhere (for DCP steps that survive a lost node, save with "
+                                     f"GDSStorageWriter(..., dist_options=DistOptions(replicas=2)))")
 
 
 def records_of(plan: LoadPlan, m: Manifest, where: dict) -> list[TensorRecord]:

@@ -25,7 +25,9 @@ from ..engines.select import create_engine
 from ..errors import CheckpointExistsError, EngineIOError, GDSWriterError, InvalidOptionError
 from ..format.assembly import record_json
 from ..format.commit import RootLock
-from ..fs import atomic_write
+from ..format.commit import step_dir_name
+from ..format.manifest import MANIFEST_NAME
+from ..fs import atomic_write, read_regular_file
 from ..options import CheckpointOptions
 from ..planner.assign import plan_save
 from ..save.snapshot import Extent, Snapshot
@@ -42,6 +44,7 @@ from .dcp_messages import (
     RootsOffer,
     keep_wire,
 )
+from .dcp_replicas import Committed, DcpReplication, check_replicas_supported
 from .dcp_paths import MARKER_NAME, Collective, is_gdswriter_marker, local_path_ok, marker_bytes, step_in_name
 from .dcp_writer_parts import (
     REPORT_FQN,
@@ -88,9 +91,10 @@ class GDSStorageWriter(Collective, StorageWriter):
     ``serialization_format`` other than TORCH_SAVE (gdswriter has its own format; ``gdswriter
     export --to safetensors`` converts a step).
 
-    Not yet for DCP steps (one format 1.2 manifest; replication, parity and the drain work on
-    GDSCheckpointer's per-rank shards): ``DistOptions(replicas=C)`` with C > 1, ``parity_group``
-    and ``CheckpointOptions(drain_root=...)`` are refused (InvalidOptionError: check_protection),
+    ``DistOptions(replicas=C)``, C > 1: after each commit the step is copied to C - 1 peer nodes
+    in the background and marked protected (dcp_replicas.py; ``wait_protected``); GDSStorageReader
+    reads a lost or damaged file from a verified copy. Not yet for DCP steps: ``parity_group`` and
+    ``CheckpointOptions(drain_root=...)`` are refused (InvalidOptionError: check_protection),
     never ignored."""
 
     def __init__(self, root: Any = None, step: int | None = None, *, options: CheckpointOptions | None = None,
@@ -107,6 +111,9 @@ class GDSStorageWriter(Collective, StorageWriter):
         Collective.__init__(self, root, step, process_group, single_process, dist_options)
         self.options = options or CheckpointOptions()
         check_protection(self.options, self.dist_options, from_env=dist_options is None)
+        check_replicas_supported(self.dist_options, single_process)
+        self._replication: DcpReplication | None = None  # replicas > 1: opened at the first save (dcp_replicas.py)
+        self._pending: tuple | None = None  # the coordinator: (layout, report, error) of the save awaiting finish
         self.overwrite = overwrite
         self.save_id = uuid.uuid4().hex
         self._session: DistSession | None = None  # the opened roots, kept from save to save (their locks are not)
@@ -161,6 +168,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         if self._session is not None and kept and self._session_roots == roots:
             self._session.lock = relock(self._session.layout)
             self._lock_formers(rank, set(self._session.layout.local_ids))
+            self._open_replication(self._session.layout.local_ids[0])
             return
         if self._session is not None:  # roots left for others: a re-save's leftovers there go at this save
             self._formers = (self._formers or []) + [self._session]
@@ -170,6 +178,30 @@ class GDSStorageWriter(Collective, StorageWriter):
         self._opening = offer_roots(roots, rank, whole=False)
         self._beside |= {(rid, step) for rid, r in zip(self._opening.ids, roots) for step in saves_beside(r)}
         self._lock_formers(rank, set(self._opening.ids))
+        self._open_replication(self._opening.ids[0])
+
+    def _open_replication(self, root_id: str) -> None:
+        """replicas > 1: at the first save, every rank opens the replication channel and places
+        the copies (collective: every rank's set_up calls this at the same point)."""
+        if self.dist_options.replicas > 1 and self._replication is None:
+            self._replication = DcpReplication.open(self.process_group, self.dist_options, root_id)
+
+    def wait_protected(self, timeout: float | None = None) -> int | None:
+        """Wait for the copies of the steps saved so far (replicas > 1) and return the newest
+        protected step (None: none yet, or no replicas); ReplicationError once for a step whose
+        copies failed (it stays committed, loadable where its own nodes are)."""
+        if self._replication is None:
+            return None
+        self._replication.wait(timeout)
+        error = self._replication.take_error()
+        if error is not None:
+            raise error
+        return self._replication.protected
+
+    def _replicate(self, layout: Any, step: int, token: str, report: RankReport | None, error: BaseException | None,
+                   committed: bool = False, manifest: bytes | None = None) -> None:
+        if self._replication is not None:
+            self._replication.submit(layout, Committed(step, token, committed, manifest), report, error)
 
     def _lock_formers(self, rank: int, current: set[str]) -> None:
         """Another rank than 0: lock the roots of earlier sessions (another checkpoint_id) where
@@ -295,7 +327,19 @@ class GDSStorageWriter(Collective, StorageWriter):
         session = self._session
         if session is None:
             raise InvalidOptionError("write_data before set_up_storage_writer: use this writer through dcp.save")
-        report = self._write_ordered(session, decided, plan, planner)
+        coordinates = session.rank == session.layout.primary_rank
+        try:
+            report = self._write_ordered(session, decided, plan, planner)
+        except BaseException as e:
+            if coordinates:
+                self._pending = (session.layout, None, e)
+            else:
+                self._replicate(session.layout, decided.decision.step, decided.decision.token, None, e)
+            raise
+        if coordinates:
+            self._pending = (session.layout, report, None)
+        else:
+            self._replicate(session.layout, decided.decision.step, decided.decision.token, report, None)
         results = [WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items]
         results.append(WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=report.nbytes,
                                    storage_data=report.to_wire()))
@@ -323,6 +367,7 @@ class GDSStorageWriter(Collective, StorageWriter):
                 rc.commit_ordered(manifest)
             else:
                 rc.commit_manifest(manifest)
+            self._replicate_committed(rc)
             rc.move_latest()
             marker = rc.layout.local_paths[0] / MARKER_NAME
             if not is_gdswriter_marker(marker):
@@ -333,7 +378,20 @@ class GDSStorageWriter(Collective, StorageWriter):
                                         f"step {rc.step} is committed, but tools that look for that file "
                                         f"(torchtitan's resume) will not see it; gdswriter's reader will") from e
         finally:
-            self._end_save()
+            self._end_save()  # not committed: it tells the peers (their replication waits for rank 0's word)
+
+    def _replicate_committed(self, rc: OrderedCommit) -> None:
+        """The coordinator, at the commit: its files and the committed manifest to the replication."""
+        pending, self._pending = self._pending, None
+        if pending is None or self._replication is None:
+            return
+        layout, report, error = pending
+        manifest = None
+        try:
+            manifest = read_regular_file(rc.layout.local_paths[0] / step_dir_name(rc.step) / MANIFEST_NAME, 1 << 30)
+        except (OSError, GDSWriterError) as e:
+            error = error or e
+        self._replicate(layout, rc.step, rc.token, report, error, committed=True, manifest=manifest)
 
     # -- internals -----------------------------------------------------------
     def _take_part(self, decided: GlobalPlanData) -> None:
@@ -513,6 +571,9 @@ class GDSStorageWriter(Collective, StorageWriter):
         if self._former_lock is not None:
             self._former_lock.release()
             self._former_lock, self._former_paths = None, set()
+        pending, self._pending = self._pending, None
+        if pending is not None and self._save is not None:  # reached write_data, not committed: the peers wait for word
+            self._replicate(pending[0], self._save.commit.step, self._save.token, None, pending[2], committed=False)
         self._opening = None
         self._save = None
 
@@ -523,6 +584,9 @@ class GDSStorageWriter(Collective, StorageWriter):
         self._session = self._session_roots = None
         self._formers = []
         self._close_engines()
+        replication, self._replication = self._replication, None
+        if replication is not None:
+            replication.close()
 
     def __del__(self) -> None:
         session = getattr(self, "_session", None)

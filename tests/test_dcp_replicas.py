@@ -1,0 +1,164 @@
+"""Copies of DCP steps on peer nodes (issue 39 item 6; distributed/dcp_replicas.py): two real gloo
+ranks, each its own node (its own node-local root, its own GDSWRITER_HOSTNAME), save through
+GDSStorageWriter(dist_options=DistOptions(replicas=2)) with dcp.save and dcp.async_save. Every
+step becomes protected in the background, its copies byte-identical; GDSStorageReader then loads
+bit-exact after a node is replaced (its root emptied) or a byte of a file is flipped, from the
+verified copy, saying so; and raises a typed error on every rank when no good copy is left."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdswriter.cli import main as cli_main
+from support.ranks import WarningLines, caught, run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+MiB = 1 << 20
+STEP = "step_000000000001"
+
+
+def _engine():
+    from support.models import small_engine
+
+    return small_engine()
+
+
+def state(step: int) -> dict:
+    """Two 4 MiB tensors (above the small-copy thresholds), the same on every rank (split)."""
+    g = torch.Generator().manual_seed(900 + step)
+    return {"a": torch.randn(MiB, generator=g), "b": torch.randint(0, 1 << 30, (MiB,), generator=g)}
+
+
+def _save(rank: int, root: Path) -> list:
+    """Steps 0 (dcp.save) and 1 (dcp.async_save) with two copies; the protected step after each."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import DistOptions, GDSStorageWriter
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    w = GDSStorageWriter(root, options=CheckpointOptions(engine=_engine()), dist_options=DistOptions(replicas=2))
+    w.reset(0)
+    dcp.save(state(0), storage_writer=w)
+    first = w.wait_protected()
+    w.reset(1)
+    dcp.async_save(state(1), storage_writer=w).result()  # returns at the commit; the copies follow
+    second = w.wait_protected()
+    w.close()
+    return [first, second]
+
+
+def _load(root: Path, step: int) -> tuple[list[str] | None, bool, list[str]]:
+    """(error, bit-exact, warnings) of a DCP load of ``step`` on this rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import GDSStorageReader, dcp_errors
+
+    back = {k: torch.zeros_like(v) for k, v in state(step).items()}
+    lines = WarningLines()
+    logging.getLogger().addHandler(lines)
+
+    def run() -> None:
+        with dcp_errors():
+            dcp.load(back, storage_reader=GDSStorageReader(root, step, engine_options=_engine()))
+    try:
+        got = caught(run)
+    finally:
+        logging.getLogger().removeHandler(lines)
+    return got, all(torch.equal(back[k], v) for k, v in state(step).items()), lines.lines
+
+
+def _flip(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def _protected_worker(rank: int, world: int, tmp: str) -> dict:
+    root = Path(tmp, f"node{rank}")
+    out: dict = {"protected": _save(rank, root)}
+    torch.distributed.barrier()
+    out["intact"] = _load(root, 1)
+    return out
+
+
+def test_a_dcp_save_with_two_replicas_becomes_protected(tmp_path, capsys):
+    """After dcp.save and dcp.async_save with replicas=2, wait_protected names each step; each
+    rank's data files lie byte-identical in copies/rank<R> on the other node's root, the
+    committed manifest's copy beside rank 0's, ``protected`` on rank 0's step; `gdswriter ls`
+    shows both steps protected; the step loads bit-exact (no warning: the own files are good)."""
+    got = run_ranks(2, _protected_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["protected"] == [0, 1], (rank, x)
+        err, exact, lines = x["intact"]
+        assert err is None and exact and not [li for li in lines if "copy" in li], (rank, x["intact"])
+    for step in ("step_000000000000", STEP):
+        n0, n1 = tmp_path / "node0" / step, tmp_path / "node1" / step
+        assert json.loads((n0 / "protected").read_bytes()) == {"copies": 2}
+        assert (n1 / "copies" / "manifest.json").read_bytes() == (n0 / "manifest.json").read_bytes()
+        for own, other, r in ((n0, n1, 0), (n1, n0, 1)):
+            mine = sorted(p.name for p in own.iterdir() if p.suffix == ".bin")
+            copy = other / "copies" / f"rank{r:05d}"
+            assert mine and sorted(p.name for p in copy.iterdir()) == mine, (r, mine)
+            assert all((copy / n).read_bytes() == (own / n).read_bytes() for n in mine)
+    capsys.readouterr()
+    assert cli_main(["ls", str(tmp_path / "node0")]) == 0
+    listed = capsys.readouterr().out
+    assert listed.count("protected (2 copies)") == 2, listed
+
+
+def _fallback_worker(rank: int, world: int, tmp: str) -> dict:
+    root = Path(tmp, f"node{rank}")
+    out: dict = {"protected": _save(rank, root)}
+    torch.distributed.barrier()
+    if rank == 0:  # a byte flipped in a data file of rank 0's own root (its copy on node1 is good)
+        _flip(sorted((root / STEP).glob("*.bin"))[0])
+    torch.distributed.barrier()
+    out["flipped"] = _load(root, 1)
+    torch.distributed.barrier()
+    if rank == 0:  # mended: step 1's file back from its copy
+        for p in (Path(tmp, "node1", STEP, "copies", "rank00000")).iterdir():
+            shutil.copyfile(p, root / STEP / p.name)
+    if rank == 1:  # rank 1's node replaced: its root is an empty directory
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    out["replaced"] = _load(root, 1)
+    torch.distributed.barrier()
+    if rank == 0:  # and now the only copy of rank 1's files of step 1 damaged too
+        _flip(sorted((root / STEP / "copies" / "rank00001").iterdir())[0])
+        shutil.rmtree(root / "step_000000000000" / "copies" / "rank00001")  # step 0's copy gone
+    torch.distributed.barrier()
+    out["damaged"] = _load(root, 1)
+    out["gone"] = _load(root, 0)
+    return out
+
+
+def test_a_dcp_load_reads_a_lost_or_damaged_file_from_its_verified_copy(tmp_path):
+    """A flipped byte in rank 0's own file: the step loads bit-exact from its copy on node1 and
+    the warning names the damaged file; rank 1's root emptied (a replaced node): bit-exact from
+    the copies on node0, saying so; that copy damaged too: CorruptCheckpointError on every rank,
+    nothing loaded wrong; step 0 with its copy removed: StepFilesLostError on every rank."""
+    got = run_ranks(2, _fallback_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["protected"] == [0, 1], (rank, x)
+        err, exact, lines = x["flipped"]
+        assert err is None and exact, (rank, x["flipped"])
+        if rank == 0:
+            assert any("damaged" in li and "copies/rank00000" in li for li in lines), lines
+        err, exact, lines = x["replaced"]
+        assert err is None and exact, (rank, x["replaced"])
+        if rank == 0:
+            assert any("missing" in li and "copies/rank00001" in li for li in lines), lines
+        err, exact, _ = x["damaged"]
+        assert err is not None and err[0] == "CorruptCheckpointError" and "no good place" in err[1], (rank, err)
+        err, exact, _ = x["gone"]
+        assert err is not None and err[0] == "StepFilesLostError", (rank, err)
