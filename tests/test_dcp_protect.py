@@ -1,5 +1,5 @@
-"""The DCP plug-in and the protection of issue 39: GDSStorageWriter refuses parity and the drain
-(GDSCheckpointer provides them; a DCP step is one format 1.2 manifest that they do not handle
+"""The DCP plug-in and the protection of issue 39: GDSStorageWriter refuses parity
+(GDSCheckpointer provides it; a DCP step is one format 1.2 manifest that it does not handle
 yet) and copies in one process rather than ignore them, and GDSStorageReader never loads wrong
 bytes from a lost node's root or a damaged file of a step without copies: it raises a typed error
 on every rank (with copies: tests/test_dcp_replicas.py)."""
@@ -25,7 +25,7 @@ def _engine():
     return small_engine()
 
 
-@pytest.mark.parametrize("kind", ["single_process_replicas", "parity", "env_parity", "drain"])
+@pytest.mark.parametrize("kind", ["single_process_replicas", "parity", "env_parity"])
 def test_the_writer_refuses_protection_it_cannot_give(tmp_path, monkeypatch, kind):
     """Each option the writer cannot honour raises InvalidOptionError at construction, naming it,
     its source (the environment) and the fix (GDSCheckpointer, or the option's default); no file
@@ -43,17 +43,15 @@ def test_the_writer_refuses_protection_it_cannot_give(tmp_path, monkeypatch, kin
         dist_options = DistOptions(replicas=2)
     elif kind == "parity":
         dist_options = DistOptions(parity_group=3)
-    elif kind == "env_parity":
-        monkeypatch.setenv("GDSWRITER_PARITY_GROUP", "2")
     else:
-        options = CheckpointOptions(engine=_engine(), drain_root=str(tmp_path / "shared"), drain_every=2)
+        monkeypatch.setenv("GDSWRITER_PARITY_GROUP", "2")
     with pytest.raises(InvalidOptionError) as got:
         GDSStorageWriter(root, options=options, dist_options=dist_options,
                          single_process=kind == "single_process_replicas")
     msg = str(got.value)
     assert "GDSCheckpointer" in msg or kind == "single_process_replicas", msg
     expected = {"single_process_replicas": "no peer nodes", "parity": "parity_group=3",
-                "env_parity": "environment", "drain": "drain_root"}[kind]
+                "env_parity": "environment"}[kind]
     assert expected in msg, msg
     assert not root.exists() and not (tmp_path / "shared").exists()
 

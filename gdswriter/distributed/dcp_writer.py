@@ -44,6 +44,7 @@ from .dcp_messages import (
     RootsOffer,
     keep_wire,
 )
+from .dcp_drain import DcpDrain
 from .dcp_replicas import Committed, DcpReplication, check_replicas_supported
 from .dcp_paths import MARKER_NAME, Collective, is_gdswriter_marker, local_path_ok, marker_bytes, step_in_name
 from .dcp_writer_parts import (
@@ -114,6 +115,8 @@ class GDSStorageWriter(Collective, StorageWriter):
         check_replicas_supported(self.dist_options, single_process)
         self._replication: DcpReplication | None = None  # replicas > 1: opened at the first save (dcp_replicas.py)
         self._pending: tuple | None = None  # the coordinator: (layout, report, error) of the save awaiting finish
+        self._drain = (DcpDrain(self.options, self.dist_options.timeout_s)  # dcp_drain.py
+                       if self.options.drain_root is not None else None)
         self.overwrite = overwrite
         self.save_id = uuid.uuid4().hex
         self._session: DistSession | None = None  # the opened roots, kept from save to save (their locks are not)
@@ -197,6 +200,18 @@ class GDSStorageWriter(Collective, StorageWriter):
         if error is not None:
             raise error
         return self._replication.protected
+
+    def wait_drained(self, timeout: float | None = None) -> list[int]:
+        """Wait for this rank's part of the drains submitted (CheckpointOptions(drain_root=...));
+        the steps this rank committed at the drain root (the last rank to mark a step commits
+        it). DrainError once for a step not drained (the drain root keeps its earlier steps)."""
+        if self._drain is None:
+            return []
+        self._drain.wait(timeout)
+        error = self._drain.take_error()
+        if error is not None:
+            raise error
+        return list(self._drain.drained)
 
     def _replicate(self, layout: Any, step: int, token: str, report: RankReport | None, error: BaseException | None,
                    committed: bool = False, manifest: bytes | None = None) -> None:
@@ -340,6 +355,8 @@ class GDSStorageWriter(Collective, StorageWriter):
             self._pending = (session.layout, report, None)
         else:
             self._replicate(session.layout, decided.decision.step, decided.decision.token, report, None)
+        if self._drain is not None and self._drain.wanted(report.step) and not coordinates:
+            self._drain.submit(session.layout, report.step, report.token, report, None, session.layout.world_size)
         results = [WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items]
         results.append(WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=report.nbytes,
                                    storage_data=report.to_wire()))
@@ -381,9 +398,10 @@ class GDSStorageWriter(Collective, StorageWriter):
             self._end_save()  # not committed: it tells the peers (their replication waits for rank 0's word)
 
     def _replicate_committed(self, rc: OrderedCommit) -> None:
-        """The coordinator, at the commit: its files and the committed manifest to the replication."""
+        """The coordinator, at the commit: its files and the committed manifest to the replication
+        and the drain (the draft: dcp_drain.py)."""
         pending, self._pending = self._pending, None
-        if pending is None or self._replication is None:
+        if pending is None or (self._replication is None and self._drain is None):
             return
         layout, report, error = pending
         manifest = None
@@ -392,6 +410,14 @@ class GDSStorageWriter(Collective, StorageWriter):
         except (OSError, GDSWriterError) as e:
             error = error or e
         self._replicate(layout, rc.step, rc.token, report, error, committed=True, manifest=manifest)
+        if self._drain is not None and self._drain.wanted(rc.step):
+            if manifest is None:
+                log.warning("gdswriter: step %d is committed but not drained: its manifest could not be read (%s)",
+                            rc.step, error)
+            else:
+                if report is not None:
+                    self._drain.submit(layout, rc.step, rc.token, report, None, layout.world_size)
+                self._drain.submit(layout, rc.step, rc.token, None, manifest, layout.world_size)
 
     # -- internals -----------------------------------------------------------
     def _take_part(self, decided: GlobalPlanData) -> None:
@@ -587,6 +613,8 @@ class GDSStorageWriter(Collective, StorageWriter):
         replication, self._replication = self._replication, None
         if replication is not None:
             replication.close()
+        if self._drain is not None:
+            self._drain.close()
 
     def __del__(self) -> None:
         session = getattr(self, "_session", None)

@@ -86,10 +86,9 @@ def check_fs_options(*, sync_files: Any, thread_count: Any, per_thread_copy_ahea
 
 def check_protection(options: Any, dist_options: Any, from_env: bool) -> None:
     """Refuse what GDSStorageWriter cannot honour yet, rather than ignore it: parity
-    (``parity_group``) and the drain (``CheckpointOptions(drain_root=...)``). A DCP step is one
-    manifest of format 1.2 (format.md 9.5); parity and the drain work on the per-rank shards of
-    format 1.3 that GDSCheckpointer writes (format.md 11.1, 6.1). Copies (``replicas``) are
-    built: dcp_replicas.py."""
+    (``parity_group``). A DCP step is one manifest of format 1.2 (format.md 9.5); parity works on
+    the per-rank shards of format 1.3 that GDSCheckpointer writes (format.md 11.1). Copies
+    (``replicas``: dcp_replicas.py) and the drain (``drain_root``: dcp_drain.py) are built."""
     source = " (from the environment: GDSWRITER_PARITY_GROUP)" if from_env else ""
     if dist_options.parity_group:
         raise InvalidOptionError(f"DistOptions(parity_group={dist_options.parity_group}){source}: GDSStorageWriter "
@@ -98,12 +97,6 @@ def check_protection(options: Any, dist_options: Any, from_env: bool) -> None:
                                  f"copies on peer nodes, or save with GDSCheckpointer(..., dist_options=DistOptions("
                                  f"parity_group={dist_options.parity_group})); for this DCP writer pass "
                                  f"dist_options=DistOptions() (or unset GDSWRITER_PARITY_GROUP)")
-    if options.drain_root is not None:
-        raise InvalidOptionError(f"CheckpointOptions(drain_root={options.drain_root!r}): GDSStorageWriter does not "
-                                 f"drain DCP steps to shared storage yet (the drain copies GDSCheckpointer's per-rank "
-                                 f"shards). Use GDSCheckpointer(..., options=CheckpointOptions(drain_root=...)), or "
-                                 f"save the DCP step on the shared storage itself (dcp.save(..., checkpoint_id="
-                                 f"'/shared/ckpts/step-N')); leave drain_root=None for this writer")
 
 
 class Place:
