@@ -30,9 +30,9 @@ from .dcp_failures import CarriedError
 from .dcp_fsreader import fs_metadata_for_load, is_fs_checkpoint, read_fs_items
 from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
-from .dcp_replicas import place_files
+from .dcp_replicas import held_paths, place_files
 from .dcp_writer_parts import contiguous_stride
-from .fetch import fetch_storages, manifest_reach
+from .fetch import Reach, fetch_storages, manifest_reach
 from .group import Coordinator
 from .loadmanifest import broadcast_manifest, received_manifest
 from .options import DistOptions
@@ -167,13 +167,16 @@ class GDSStorageReader(Collective, StorageReader):
         # reads what it needs alone, and DCP's gather of read_data's outcomes tells every rank of a failure
         alone = reaches_all and not self.atomic
         coord = self.coordinator()
+        reach = manifest_reach(m, layout)
         if not alone:  # a file lost or damaged on its own root: read from a verified copy (dcp_replicas.py)
-            m = place_files(coord, m, manifest_reach(m, layout).paths, f"dcp.load of step {m.step}")
+            reach = Reach(held_paths(m, reach.paths))
+            m = place_files(coord, m, reach.paths, f"dcp.load of step {m.step}")
         records, error, engine = [], None, None
         in_place: dict[int, torch.Tensor] = {}  # item -> DCP's target, read into directly
         try:  # this rank's part before the first collective: a failure here reaches every rank
             records = records_of(plan, m, where)
-            check_lost_roots(m, manifest_reach(m, layout).paths)
+            if alone:
+                check_lost_roots(m, reach.paths)
             if not self.atomic:
                 in_place = in_place_targets(plan, records, m, planner)
             engine = self._engine(sum(m.storages[s].nbytes for s in {rec.storage for rec in records}))
@@ -187,7 +190,7 @@ class GDSStorageReader(Collective, StorageReader):
         # the buffers are allocated once every rank has checked the files it reads against the manifest
         into = {records[i].storage: bytes_of(t) for i, t in in_place.items()}
         try:
-            buffers = fetch_storages(coord, manifest_reach(m, layout), m, {r.storage for r in records}, engine,
+            buffers = fetch_storages(coord, reach, m, {r.storage for r in records}, engine,
                                      verify=self.verify, what=f"dcp.load of step {m.step}", alloc=host_buffer,
                                      into=into, alone=alone)
         except BaseException:
@@ -228,8 +231,8 @@ def check_lost_roots(m: Manifest, reach: Sequence[Path | None]) -> None:
     """StepFilesLostError when a root of step ``m`` this rank reaches holds none of it any more:
     matched by its path alone (it has no ``.gdswriter-root`` while the manifest recorded one) and
     without the step's directory: a wiped or replaced node's disk. Said plainly, on every rank
-    (read_data agrees on it), rather than as a step deleted while it was read. Files with a
-    good copy on a peer node were pointed at it before (dcp_replicas.place_files)."""
+    (read_data agrees on it), rather than as a step deleted while it was read. For one shared
+    root (read alone); with node-local roots dcp_replicas.place_files says it, or reads a copy."""
     for g, (info, path) in enumerate(zip(m.dist.roots if m.dist is not None else (), reach)):
         if path is None or info.id.startswith("path:") or not any(f.root == g for f in m.files):
             continue

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import crc32c as _crc32c
 
 from ..errors import CorruptCheckpointError, InvalidOptionError, ReplicationError, StepFilesLostError
-from ..format.commit import step_dir_name
+from ..format.commit import ROOT_MARKER_NAME, step_dir_name
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, FileRecord, Manifest
 from ..format.replicas import COPIES_DIR
 from .dcp_messages import RankReport
@@ -175,12 +175,6 @@ def _file_problem(path: Path, f: FileRecord, chunks: Sequence[ChunkRecord]) -> s
     return None
 
 
-def _my_roots(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], ranks: Sequence[Sequence[int]]
-              ) -> dict[int, Path]:
-    """The table roots this rank checks: those it reaches and is the lowest such rank of."""
-    return {g: p for g, p in enumerate(reach) if p is not None and min(ranks[g]) == coord.rank}
-
-
 def _copy_names(step_dir: Path) -> dict[str, list[str]]:
     """{copy directory: its file names} under ``step_dir/copies``."""
     base = step_dir / COPIES_DIR
@@ -212,19 +206,50 @@ def _checked_places(m: Manifest, mine: dict[int, Path], copies: dict[int, dict[s
     return {"own": own, "copies": out}
 
 
+def held_paths(m: Manifest, reach: Sequence[Path | None]) -> tuple[Path | None, ...]:
+    """``reach`` without the roots this rank matched by path alone (its root has no
+    ``.gdswriter-root`` while the manifest recorded an id) that hold none of the step: a wiped or
+    replaced node's disk, mounted at the path another node's root has (the same path on every
+    node): this rank does not hold that root."""
+    if m.dist is None:
+        return tuple(reach)
+    d = step_dir_name(m.step)
+    return tuple(None if p is not None and not info.id.startswith("path:") and not (p / ROOT_MARKER_NAME).exists()
+                 and not (p / d).exists() else p for info, p in zip(m.dist.roots, reach))
+
+
+def _unreached(m: Manifest, reached: set[int]) -> None:
+    """StepFilesLostError when a root holding some of step ``m``'s files is reached by no rank."""
+    lost = sorted({f.root for f in m.files} - reached)
+    if lost and m.dist is not None:
+        info = m.dist.roots[lost[0]]
+        raise StepFilesLostError(f"step {m.step}: root {info.path} (table root {lost[0]}, id {info.id}, ranks "
+                                 f"{list(info.ranks)}) holds none of it any more on any rank of this job (a wiped or "
+                                 f"replaced node's disk?), and no copy of its files is on a peer node. Restore that "
+                                 f"disk, or load a step saved elsewhere (for DCP steps that survive a lost node, save "
+                                 f"with GDSStorageWriter(..., dist_options=DistOptions(replicas=2)))")
+
+
 def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], what: str) -> Manifest:
     """Collective (module docstring): ``m`` with each file whose own root lost or damaged it
     pointed at a verified copy (``copies/rank<R>/<name>`` on the copy's table root); ``m``
-    itself where the step has no copies. Raises alike on every rank when some file has no good place."""
+    itself where the step has no copies (StepFilesLostError where a root of it is reached by no
+    rank: held_paths). Raises alike on every rank when some file has no good place."""
     if m.dist is None:
         return m
-    ranks = [info.ranks for info in m.dist.roots]
-    mine = _my_roots(coord, m, reach, ranks)
     d = step_dir_name(m.step)
-    listed = {g: _copy_names(p / d) for g, p in mine.items()}
-    every = coord.all_gather(sum(len(v) for v in listed.values()), f"{what} (finding copies)")
-    if not any(every):
+    reached = {g: p for g, p in enumerate(reach) if p is not None}
+    some = any((p / d / COPIES_DIR).is_dir() for p in reached.values())
+    every = coord.all_gather([some, sorted(reached)], f"{what} (finding copies)")
+    if not any(n for n, _ in every):
+        _unreached(m, {g for _, gs in every for g in gs})
         return m
+    checker: dict[int, int] = {}  # each root checked by the lowest rank of this job reaching it
+    for r, (_, gs) in enumerate(every):
+        for g in gs:
+            checker.setdefault(g, r)
+    mine = {g: p for g, p in reached.items() if checker[g] == coord.rank}
+    listed = {g: _copy_names(p / d) for g, p in mine.items()}
     checked, error = {}, None
     try:
         checked = _checked_places(m, mine, listed)
