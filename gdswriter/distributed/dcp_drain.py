@@ -18,7 +18,11 @@ Every ``drain_every``-th step, on a thread of each rank's writer (never the save
    it to ``step_S`` (the commit point), fsyncs the drain root, moves ``latest`` and writes the
    DCP ``.metadata`` marker. Two ranks may both find the set complete: one rename wins.
 
-The drain root keeps every drained step (no retention there yet)."""
+Only rank 0's draft removes what other saves left (temporary directories of other tokens, for
+steps up to its own): the others drain as soon as their write_data is done, so a rank may be in a
+newer step's directory than rank 0. As in drain.py, a rank slower than rank 0 by a whole save
+may find its directory removed (that step is not drained; liveness, never a wrong step). The
+drain root keeps every drained step (no retention there yet)."""
 
 from __future__ import annotations
 
@@ -133,7 +137,7 @@ class DcpDrain:
                world: int) -> None:
         try:
             ident = self._ident()
-            d = self._enter(step, token)
+            d = self._enter(step, token, clean=report is None)
             if report is not None:
                 self._copy(layout, report, d)
                 mark = f"{MARK_PREFIX}{report.rank}"
@@ -152,10 +156,12 @@ class DcpDrain:
         assert ident is not None
         return ident.id
 
-    def _enter(self, step: int, token: str) -> Path:
-        """The step's temporary directory (made by whichever rank comes first), after removing
-        what other saves' drains left for steps up to ``step``."""
-        for n in os.listdir(self.root):
+    def _enter(self, step: int, token: str, clean: bool) -> Path:
+        """The step's temporary directory (made by whichever rank comes first); with ``clean``
+        (rank 0's draft, after its commit) after removing what other saves' drains left for steps
+        up to ``step``: the other ranks drain as soon as their write_data is done, so they may be
+        in a newer step's directory, never removed here."""
+        for n in os.listdir(self.root) if clean else ():
             if n.startswith(TRASH_PREFIX):
                 shutil.rmtree(self.root / n, ignore_errors=True)
             elif n.startswith(TMP_PREFIX) and "-" in n and not n.endswith(f"-{token}") and (self.root / n).is_dir():
