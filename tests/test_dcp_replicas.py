@@ -86,16 +86,30 @@ def _protected_worker(rank: int, world: int, tmp: str) -> dict:
     root = Path(tmp, f"node{rank}")
     out: dict = {"protected": _save(rank, root)}
     torch.distributed.barrier()
+    before = _rchar()
     out["intact"] = _load(root, 1)
+    out["read"] = _rchar() - before
+    out["own"] = sum(p.stat().st_size for p in (root / STEP).glob("*.bin"))
     return out
+
+
+def _rchar() -> int:
+    """The bytes this process read through read(2) and its kin so far (/proc/self/io)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
 
 
 def test_a_dcp_save_with_two_replicas_becomes_protected(tmp_path, capsys):
     """After dcp.save and dcp.async_save with replicas=2, wait_protected names each step; each
     rank's data files lie byte-identical in copies/rank<R> on the other node's root, the
     committed manifest's copy beside rank 0's, ``protected`` on rank 0's step; `gdswriter ls`
-    shows both steps protected; the step loads bit-exact (no warning: the own files are good)."""
+    shows both steps protected; the step loads bit-exact (no warning: the own files are good),
+    reading the step's data once (rchar: not every file and every copy checked before the fetch)."""
     got = run_ranks(2, _protected_worker, str(tmp_path), out=tmp_path / "ranks")
+    # the load reads each data file once, as the fetch checks it (not every file and copy first)
+    assert sum(x["read"] for x in got) < 1.5 * sum(x["own"] for x in got), got
     for rank, x in enumerate(got):
         assert x["protected"] == [0, 1], (rank, x)
         err, exact, lines = x["intact"]

@@ -30,7 +30,7 @@ from .dcp_failures import CarriedError
 from .dcp_fsreader import fs_metadata_for_load, is_fs_checkpoint, read_fs_items
 from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
-from .dcp_replicas import held_paths, place_files
+from .dcp_replicas import fetch_placed, held_paths, place_files
 from .dcp_writer_parts import contiguous_stride
 from .fetch import Reach, fetch_storages, manifest_reach
 from .group import Coordinator
@@ -168,9 +168,11 @@ class GDSStorageReader(Collective, StorageReader):
         alone = reaches_all and not self.atomic
         coord = self.coordinator()
         reach = manifest_reach(m, layout)
-        if not alone:  # a file lost or damaged on its own root: read from a verified copy (dcp_replicas.py)
+        placed = None
+        if not alone:  # a file lost or damaged on its own root: read from a copy, verified (dcp_replicas.py)
             reach = Reach(held_paths(m, reach.paths))
-            m = place_files(coord, m, reach.paths, f"dcp.load of step {m.step}")
+            placed = place_files(coord, m, reach.paths, f"dcp.load of step {m.step}")
+            m = placed.m
         records, error, engine = [], None, None
         in_place: dict[int, torch.Tensor] = {}  # item -> DCP's target, read into directly
         try:  # this rank's part before the first collective: a failure here reaches every rank
@@ -190,9 +192,12 @@ class GDSStorageReader(Collective, StorageReader):
         # the buffers are allocated once every rank has checked the files it reads against the manifest
         into = {records[i].storage: bytes_of(t) for i, t in in_place.items()}
         try:
-            buffers = fetch_storages(coord, reach, m, {r.storage for r in records}, engine,
-                                     verify=self.verify, what=f"dcp.load of step {m.step}", alloc=host_buffer,
-                                     into=into, alone=alone)
+            def fetch(placed_m: Manifest) -> dict[int, torch.Tensor]:
+                return fetch_storages(coord, reach, placed_m, {r.storage for r in records}, engine,
+                                      verify=self.verify, what=f"dcp.load of step {m.step}", alloc=host_buffer,
+                                      into=into, alone=alone)
+            buffers = fetch(m) if placed is None else fetch_placed(coord, placed, reach.paths, fetch,
+                                                                   f"dcp.load of step {m.step}")
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise

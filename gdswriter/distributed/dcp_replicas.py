@@ -10,12 +10,16 @@ on that channel: the other ranks learn of the commit nowhere else); then the ste
 written and marked exactly as a GDSCheckpointer step: ``step_S/copies/rank<R>/`` on the peers'
 first roots, ``copies/manifest.json`` beside rank 0's copy, ``step_S/protected`` last.
 
-**Load** (``place_files``): the copies are found, not recorded (the manifest is committed
-before them): every rank lists the files on its roots and the copies there, one all_gather;
-where some copy exists, every place of every file (its own root, each copy) is checked against
-the manifest's chunk crc32c by the rank reaching it, and each file is read from its own root when
-that is good, else from the first good copy (a warning names the file and why); none good:
-StepFilesLostError (all missing) or CorruptCheckpointError (some damaged), on every rank."""
+**Load** (``place_files``, ``fetch_placed``): the copies are found, not recorded (the manifest
+is committed before them). Rank 0 gathers the roots each rank reaches and whether it holds
+copies, and sends each rank the roots it looks at (the lowest rank reaching each); each file
+there is checked by its size alone, and rank 0 broadcasts the problems: nothing where nothing is
+lost (a rank sends and receives a fixed few bytes: no all_gather). The fetch reads each file
+once, checking every chunk's crc32c as it reads. A file missing, of the wrong size, or failing
+its crc32c in the fetch (every rank agrees on which) is pointed at a copy of the right size on
+a peer's root (a warning names the file and why), and the fetch is done again; a copy that
+fails its check too gives way to the next; none left: StepFilesLostError (all missing) or
+CorruptCheckpointError (some damaged), on every rank."""
 
 from __future__ import annotations
 
@@ -23,12 +27,17 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
-from collections.abc import Sequence
+from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
 
-import crc32c as _crc32c
-
-from ..errors import CorruptCheckpointError, InvalidOptionError, ReplicationError, StepFilesLostError
+from ..errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    InvalidOptionError,
+    RankFailedError,
+    ReplicationError,
+    StepFilesLostError,
+)
 from ..format.commit import ROOT_MARKER_NAME, step_dir_name
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, FileRecord, Manifest
 from ..format.replicas import COPIES_DIR
@@ -41,7 +50,7 @@ from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
 
-READ_BYTES = 8 << 20  # a verification's reads
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -151,28 +160,28 @@ def rank_sources(layout: RootLayout, report: RankReport, manifest: bytes | None)
 # loading
 
 
-def _file_problem(path: Path, f: FileRecord, chunks: Sequence[ChunkRecord]) -> str | None:
-    """Why the file at ``path`` is not ``f`` with ``chunks`` (size, every chunk's crc32c), or None."""
+@dataclass(frozen=True)
+class Placed:
+    """A step's manifest with each file placed (its own root, or a copy), and what a retry after
+    a damaged read needs; the same on every rank (built from broadcast decisions)."""
+
+    m: Manifest
+    copies: bool  # some root of the step holds copies
+    check: tuple[int, ...] = ()  # the table roots this rank looks at for the others
+    problems: tuple[tuple[int, str], ...] = ()  # (file, why a place of it was not usable), so far
+    failed: frozenset[tuple[int, int, str]] = frozenset()  # (file, root, path) places found bad
+
+
+def _size_problem(path: Path, f: FileRecord) -> str | None:
+    """Why the file at ``path`` is not ``f`` by its size (missing, short, long), or None: the
+    cheap check; the bytes are checked against their crc32c as the fetch reads them."""
     try:
         st = os.stat(path)
-        if st.st_size != f.size:
-            return f"{path}: {st.st_size} bytes, the manifest records {f.size}"
-        with open(path, "rb", buffering=0) as fh:
-            for c in sorted(chunks, key=lambda c: c.file_offset):
-                fh.seek(c.file_offset)
-                crc, left = 0, c.length
-                while left:
-                    data = fh.read(min(left, READ_BYTES))
-                    if not data:
-                        return f"{path}: short read at {c.file_offset}"
-                    crc, left = _crc32c.crc32c(data, crc), left - len(data)
-                if crc != c.crc32c:
-                    return f"{path}: the chunk at offset {c.file_offset} fails its crc32c (damaged)"
     except FileNotFoundError:
         return f"{path}: missing"
     except OSError as e:
         return f"{path}: {describe(e)}"
-    return None
+    return None if st.st_size == f.size else f"{path}: {st.st_size} bytes, the manifest records {f.size}"
 
 
 def _copy_names(step_dir: Path) -> dict[str, list[str]]:
@@ -183,27 +192,6 @@ def _copy_names(step_dir: Path) -> dict[str, list[str]]:
     except OSError:
         return {}
     return {p.name: sorted(q.name for q in p.iterdir() if q.is_file()) for p in dirs}
-
-
-def _checked_places(m: Manifest, mine: dict[int, Path], copies: dict[int, dict[str, list[str]]]) -> dict:
-    """{"own": [[fid, problem], ...], "copies": [[g, dir, fid, problem], ...]}: the places this rank checks."""
-    by_name = {f.path: i for i, f in enumerate(m.files)}
-    chunks: dict[int, list[ChunkRecord]] = {}
-    for s in m.storages:
-        for c in s.chunks:
-            chunks.setdefault(c.file, []).append(c)
-    d = step_dir_name(m.step)
-    own = [[i, _file_problem(mine[f.root] / d / f.path, f, chunks.get(i, ()))]
-           for i, f in enumerate(m.files) if f.root in mine]
-    out = []
-    for g, dirs in copies.items():
-        for name, files in dirs.items():
-            for fn in files:
-                i = by_name.get(fn)
-                if i is not None:
-                    path = mine[g] / d / COPIES_DIR / name / fn
-                    out.append([g, name, i, _file_problem(path, m.files[i], chunks.get(i, ()))])
-    return {"own": own, "copies": out}
 
 
 def held_paths(m: Manifest, reach: Sequence[Path | None]) -> tuple[Path | None, ...]:
@@ -218,76 +206,139 @@ def held_paths(m: Manifest, reach: Sequence[Path | None]) -> tuple[Path | None, 
                  and not (p / d).exists() else p for info, p in zip(m.dist.roots, reach))
 
 
-def _unreached(m: Manifest, reached: set[int]) -> None:
-    """StepFilesLostError when a root holding some of step ``m``'s files is reached by no rank."""
-    lost = sorted({f.root for f in m.files} - reached)
-    if lost and m.dist is not None:
-        info = m.dist.roots[lost[0]]
-        raise StepFilesLostError(f"step {m.step}: root {info.path} (table root {lost[0]}, id {info.id}, ranks "
-                                 f"{list(info.ranks)}) holds none of it any more on any rank of this job (a wiped or "
-                                 f"replaced node's disk?), and no copy of its files is on a peer node. Restore that "
-                                 f"disk, or load a step saved elsewhere (for DCP steps that survive a lost node, save "
-                                 f"with GDSStorageWriter(..., dist_options=DistOptions(replicas=2)))")
+def _lost_message(m: Manifest, lost: Sequence[int]) -> str:
+    info = m.dist.roots[lost[0]]  # type: ignore[union-attr]
+    return (f"step {m.step}: root {info.path} (table root {lost[0]}, id {info.id}, ranks {list(info.ranks)}) holds "
+            f"none of it any more on any rank of this job (a wiped or replaced node's disk?), and no copy of its "
+            f"files is on a peer node. Restore that disk, or load a step saved elsewhere (for DCP steps that survive "
+            f"a lost node, save with GDSStorageWriter(..., dist_options=DistOptions(replicas=2)))")
 
 
-def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], what: str) -> Manifest:
-    """Collective (module docstring): ``m`` with each file whose own root lost or damaged it
-    pointed at a verified copy (``copies/rank<R>/<name>`` on the copy's table root); ``m``
-    itself where the step has no copies (StepFilesLostError where a root of it is reached by no
-    rank: held_paths). Raises alike on every rank when some file has no good place."""
+def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], what: str) -> Placed:
+    """Collective, two rounds of fixed size per rank in the common case (module docstring):
+    rank 0 gathers the roots each rank reaches and whether it holds copies, and sends each rank
+    the roots it looks at (the lowest rank reaching each); there each rank checks the step's
+    files by size alone, and rank 0 broadcasts the problems: none where nothing is lost. Only
+    then are the copies of the lost files looked for (``_from_copies``). Without copies, a root
+    of the step no rank reaches is StepFilesLostError on every rank."""
     if m.dist is None:
-        return m
+        return Placed(m, False)
     d = step_dir_name(m.step)
     reached = {g: p for g, p in enumerate(reach) if p is not None}
     some = any((p / d / COPIES_DIR).is_dir() for p in reached.values())
-    every = coord.all_gather([some, sorted(reached)], f"{what} (finding copies)")
-    if not any(n for n, _ in every):
-        _unreached(m, {g for _, gs in every for g in gs})
-        return m
-    checker: dict[int, int] = {}  # each root checked by the lowest rank of this job reaching it
-    for r, (_, gs) in enumerate(every):
-        for g in gs:
-            checker.setdefault(g, r)
-    mine = {g: p for g, p in reached.items() if checker[g] == coord.rank}
-    listed = {g: _copy_names(p / d) for g, p in mine.items()}
-    checked, error = {}, None
+    needed = sorted({f.root for f in m.files})
+
+    def assign(outs: list) -> list:
+        checker: dict[int, int] = {}
+        for r, (_, gs) in enumerate(outs):
+            for g in gs:
+                checker.setdefault(g, r)
+        lost = [g for g in needed if g not in checker]
+        copies = any(n for n, _ in outs)
+        return [{"check": [g for g, c in checker.items() if c == r], "copies": copies, "lost": lost}
+                for r in range(len(outs))]
+
+    mine = coord.decide_each(None, [some, sorted(reached)], f"{what} (finding the step's files)", assign)
+    if not mine["copies"]:
+        if mine["lost"]:
+            raise StepFilesLostError(_lost_message(m, mine["lost"]))
+        return Placed(m, False)
+    check = tuple(mine["check"])
+    problems, error = [], None
     try:
-        checked = _checked_places(m, mine, listed)
+        problems = [[i, p] for i, f in enumerate(m.files) if f.root in check
+                    and (p := _size_problem(reach[f.root] / d / f.path, f)) is not None]  # type: ignore[operator]
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    coord.agree(error, f"{what} (checking copies)", hint="nothing was loaded")
-    views = coord.all_gather(checked, f"{what} (checked copies)")
-    return _chosen(m, views)
+    bad = coord.decide(error, problems, f"{what} (checking the step's files)",
+                       lambda outs: [x for out in outs for x in out], hint="nothing was loaded")
+    lost = set(mine["lost"])
+    bad += [[i, f"root {f.root} of the step is on no rank of this job (a replaced node?)"]
+            for i, f in enumerate(m.files) if f.root in lost]
+    placed = Placed(m, True, check)
+    return _from_copies(coord, placed, reach, [(i, p) for i, p in bad], what) if bad else placed
 
 
-def _chosen(m: Manifest, views: Sequence[dict]) -> Manifest:
-    """Every file from its own root when good there, else from its first good copy (same on every rank)."""
-    own: dict[int, str | None] = {}
-    good: dict[int, list[tuple[int, str]]] = {}
-    bad: dict[int, list[str]] = {}
-    for v in views:
-        for i, problem in v["own"]:
-            own[i] = problem
-        for g, name, i, problem in v["copies"]:
-            (good.setdefault(i, []).append((g, name)) if problem is None else bad.setdefault(i, []).append(problem))
-    files, lost, damaged = list(m.files), [], False
-    for i, f in enumerate(m.files):
-        problem = own.get(i, f"root {f.root} of the step is on no rank of this job (a replaced node?)")
-        if problem is None:
+def _from_copies(coord: Coordinator, placed: Placed, reach: Sequence[Path | None],
+                 bad: Sequence[tuple[int, str]], what: str) -> Placed:
+    """Collective: ``placed`` with the files ``bad`` (with why) pointed at a copy of the right
+    size not yet found bad (the lowest root, then directory), which the fetch checks against
+    its crc32c as it reads; raises alike on every rank when a file has none left."""
+    m, d = placed.m, step_dir_name(placed.m.step)
+    wanted = {f.path: i for i, f in enumerate(m.files) if i in {i for i, _ in bad}}
+    found, error = [], None
+    try:
+        for g in placed.check:
+            for name, files in _copy_names(reach[g] / d).items():  # type: ignore[operator]
+                for fn in files:
+                    i = wanted.get(fn)
+                    rel = f"{COPIES_DIR}/{name}/{fn}"
+                    if i is not None and (i, g, rel) not in placed.failed:
+                        found.append([i, g, rel, _size_problem(reach[g] / d / rel, m.files[i])])  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    found = coord.decide(error, found, f"{what} (finding copies)", lambda outs: [x for out in outs for x in out],
+                         hint="nothing was loaded")
+    problems = placed.problems + tuple((i, p) for i, p in bad)
+    problems += tuple((i, p) for i, _, _, p in found if p is not None)
+    files, lost = list(m.files), []
+    for i, why in bad:
+        good = sorted((g, rel) for j, g, rel, p in found if j == i and p is None)
+        if not good:
+            lost.append(f"{m.files[i].path} ({'; '.join(p for j, p in problems if j == i)})")
             continue
-        damaged = damaged or "damaged" in problem or any("damaged" in b for b in bad.get(i, ()))
-        if not good.get(i):
-            lost.append(f"{f.path} ({'; '.join([problem, *bad.get(i, [])])})")
-            continue
-        g, name = sorted(good[i])[0]
-        files[i] = replace(f, root=g, path=f"{COPIES_DIR}/{name}/{f.path}")
-        log.warning("gdswriter: step %d: data file %s is not usable from its own root (%s); reading the verified "
-                    "copy %s on table root %d instead", m.step, f.path, problem, files[i].path, g)
+        files[i] = replace(m.files[i], root=good[0][0], path=good[0][1])
+        log.warning("gdswriter: step %d: data file %s is not usable where it was (%s); reading the copy %s on table "
+                    "root %d instead (checked against its crc32c as it is read)", m.step, m.files[i].path, why,
+                    good[0][1], good[0][0])
     if lost:
+        damaged = any("damaged" in p for j, p in problems)
         cls = CorruptCheckpointError if damaged else StepFilesLostError
         raise cls(f"step {m.step}: {len(lost)} data file(s) have no good place left, neither their own root nor a "
                   f"copy on a peer node (first: {lost[0]}); load an older step, or restore those disks")
-    return replace(m, files=tuple(files))
+    return replace(placed, m=replace(m, files=tuple(files)), problems=problems)
+
+
+def fetch_placed(coord: Coordinator, placed: Placed, reach: Sequence[Path | None], fetch: Callable[[Manifest], T],
+                 what: str) -> T:
+    """``fetch(manifest)`` (a collective read verifying every chunk's crc32c), again with the
+    files that failed their check pointed at another copy, until it succeeds or a file has no
+    good copy left (then raises alike on every rank). Only a failure every rank saw from the
+    fetch's agreement (ChecksumMismatchError where it was read, RankFailedError elsewhere) is
+    retried, and only when the step has copies; anything else is raised as it is."""
+    while True:
+        try:
+            return fetch(placed.m)
+        except (ChecksumMismatchError, RankFailedError) as e:
+            if not placed.copies:
+                raise
+            placed = _after_damage(coord, placed, reach, e, what)
+
+
+def _after_damage(coord: Coordinator, placed: Placed, reach: Sequence[Path | None], e: BaseException,
+                  what: str) -> Placed:
+    """Collective, after a fetch failed on every rank: the files whose bytes failed their
+    crc32c where they were read (every rank says which, if any), pointed at their next copy;
+    ``e`` raised again when some rank failed otherwise."""
+    m, d = placed.m, step_dir_name(placed.m.step)
+    mine: int | str | None = None
+    if isinstance(e, ChecksumMismatchError):
+        paths = {str(reach[f.root] / d / f.path): i for i, f in enumerate(m.files)  # type: ignore[operator]
+                 if f.root < len(reach) and reach[f.root] is not None}
+        mine = paths.get(e.path, "other")
+
+    def rule(outs: list) -> list[int] | None:
+        if any(isinstance(x, str) for x in outs) or not any(x is not None for x in outs):
+            return None
+        return sorted({x for x in outs if x is not None})
+
+    damaged = coord.decide(None, mine, f"{what} (after a damaged read)", rule)
+    if damaged is None:
+        raise e
+    failed = placed.failed | {(i, m.files[i].root, m.files[i].path) for i in damaged}
+    bad = [(i, f"{m.files[i].path} on table root {m.files[i].root}: fails its crc32c check (damaged)")
+           for i in damaged]
+    return _from_copies(coord, replace(placed, failed=failed), reach, bad, what)
 
 
 def check_replicas_supported(dist_options: DistOptions, single_process: bool) -> None:
