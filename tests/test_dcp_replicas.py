@@ -176,3 +176,93 @@ def test_a_dcp_load_reads_a_lost_or_damaged_file_from_its_verified_copy(tmp_path
         assert err is not None and err[0] == "CorruptCheckpointError" and "no good place" in err[1], (rank, err)
         err, exact, _ = x["gone"]
         assert err is not None and err[0] == "StepFilesLostError", (rank, err)
+
+
+def _failed_save_worker(rank: int, world: int, tmp: str) -> dict:
+    import time
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import gdswriter.distributed.dcp_writer as dcp_mod
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import DistOptions, GDSStorageWriter
+    from gdswriter.errors import ReplicationError
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    w = GDSStorageWriter(Path(tmp, f"node{rank}"), options=CheckpointOptions(engine=_engine()),
+                         dist_options=DistOptions(replicas=2, timeout_s=5.0))
+    w.reset(0)
+    dcp.save(state(0), storage_writer=w)
+    out: dict = {"first": w.wait_protected(), "failed": False, "errors": []}
+    real = dcp_mod.write_files
+    if rank == 1:  # step 1's save fails on rank 1 (its disk is full): DCP calls no finish on rank 0
+        dcp_mod.write_files = lambda *a, **k: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    w.reset(1)
+    try:
+        dcp.save(state(1), storage_writer=w)
+    except CheckpointException:
+        out["failed"] = True
+    finally:
+        dcp_mod.write_files = real
+    time.sleep(12)  # the next save comes later than timeout_s
+    w.reset(2)
+    dcp.save(state(2), storage_writer=w)
+    for _ in range(3):
+        try:
+            out["last"] = w.wait_protected()
+            break
+        except ReplicationError as e:
+            out["errors"].append(str(e))
+    w.close()
+    return out
+
+
+def test_a_dcp_save_failing_on_one_rank_does_not_stop_the_replication(tmp_path):
+    """Step 1's save fails on rank 1 and the next save comes after timeout_s: the replication
+    of step 1 ends at once on every rank (each says whether it wrote its part), not when rank
+    0's next save settles its word (past the channel's timeout, which broke the channel and
+    left every later step unprotected); step 2 is protected."""
+    got = run_ranks(2, _failed_save_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["first"] == 0 and x["failed"], (rank, x)
+        assert x.get("last") == 2, (rank, x)
+        assert not [e for e in x["errors"] if "replication stops" in e or "stopped" in e], (rank, x)
+    assert json.loads((tmp_path / "node0" / "step_000000000002" / "protected").read_bytes()) == {"copies": 2}
+
+
+def _rank0_lost_worker(rank: int, world: int, tmp: str) -> dict:
+
+    from gdswriter.distributed import GDSStorageReader, dcp_errors
+
+    root = Path(tmp, f"node{rank}")
+    out: dict = {"protected": _save(rank, root)}
+    torch.distributed.barrier()
+    if rank == 0:  # rank 0's node replaced: its root (the step's manifests) is an empty directory
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+
+    def metadata() -> None:
+        with dcp_errors():
+            out["items"] = sorted(GDSStorageReader(root, 1).read_metadata().state_dict_metadata)
+    out["metadata"] = caught(metadata)
+    torch.distributed.barrier()
+    out["replaced"] = _load(root, 1)
+    return out
+
+
+def test_a_dcp_load_after_rank_0s_node_is_replaced_uses_the_manifests_copy(tmp_path):
+    """Rank 0's root (the committed manifest, its data files) emptied after a protected save:
+    read_metadata and dcp.load of step 1 take the verified copy of the manifest on the node
+    holding rank 0's copies (which becomes the primary, as GDSCheckpointer's load adopts it) and
+    load bit-exact from the copies, saying so."""
+    got = run_ranks(2, _rank0_lost_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["protected"] == [0, 1], (rank, x)
+        assert x["metadata"] is None and x["items"] == ["a", "b"], (rank, x)
+        err, exact, lines = x["replaced"]
+        assert err is None and exact, (rank, x["replaced"])
+        assert any("copies/rank00000" in li for li in lines), (rank, lines)
+    assert (tmp_path / "node1" / STEP / "manifest.json").read_bytes() == (
+        tmp_path / "node1" / STEP / "copies" / "manifest.json").read_bytes()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,7 +40,9 @@ from ..errors import (
     StepFilesLostError,
 )
 from ..format.commit import ROOT_MARKER_NAME, step_dir_name
-from ..format.manifest import MANIFEST_NAME, ChunkRecord, FileRecord, Manifest
+from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest
+from ..format.sharded import parse_step
+from ..fs import TMP_PREFIX, fsync_dir, link_no_clobber, read_regular_file, write_durable
 from ..format.replicas import COPIES_DIR
 from .dcp_messages import RankReport
 from .group import Coordinator, describe
@@ -61,14 +64,23 @@ class FirstRoot:
     local_ids: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class Committed:
-    """Rank 0's word on a save, sent to every rank before its replication."""
+class Word:
+    """Rank 0's word on a save that reached its write_data: settled at the commit (committed,
+    the committed manifest's bytes, a failure reading them) or when the save ends without one
+    (the first settle stands)."""
 
-    step: int
-    token: str
-    committed: bool
-    manifest: bytes | None = None  # the committed manifest (rank 0 only)
+    def __init__(self, step: int, token: str):
+        self.step, self.token = step, token
+        self.committed, self.manifest, self.error = False, None, None
+        self._settled = threading.Event()
+
+    def settle(self, committed: bool, manifest: bytes | None = None, error: BaseException | None = None) -> None:
+        if not self._settled.is_set():
+            self.committed, self.manifest, self.error = committed, manifest, error
+            self._settled.set()
+
+    def wait(self, timeout: float) -> bool:
+        return self._settled.wait(timeout)
 
 
 class DcpReplication:
@@ -92,11 +104,15 @@ class DcpReplication:
             raise
         return cls(channel, peers)
 
-    def submit(self, layout: RootLayout, word: Committed, report: RankReport | None,
-               error: BaseException | None) -> None:
+    def submit(self, layout: RootLayout, step: int, token: str, report: RankReport | None,
+               error: BaseException | None, word: Word | None = None) -> None:
         """Hand a save that reached write_data to the replication thread (every rank, every such
-        save, in order): ``word`` is rank 0's (the others' is a placeholder, replaced by rank 0's
-        broadcast), ``report`` this rank's files (None with ``error``: its write failed)."""
+        save, in order, at its write_data): ``report`` this rank's files (None with ``error``: its
+        write failed); ``word`` rank 0's, settled at its commit or when its save ends. On the
+        thread every rank first says whether it wrote its part (one fixed-size round): where one
+        did not, DCP commits nothing and calls no finish, so no rank waits for rank 0's word.
+        Otherwise rank 0 waits for its word, telling the others every timeout_s / 4 that it still
+        does (their wait then never breaks the channel), and sends it."""
         rep = self.replicator
         if rep is None:
             rep = self.replicator = Replicator(self.channel, layout, self.peers)
@@ -106,19 +122,22 @@ class DcpReplication:
         rank = self.channel.rank
 
         def sources(channel: Coordinator) -> tuple[list[Source], BaseException | None]:
-            said = channel.broadcast({"step": word.step, "token": word.token, "committed": word.committed}
-                                     if rank == 0 else None, f"replicating DCP step {word.step} "
-                                     f"(committed?)", src=0)
-            if (said["step"], said["token"]) != (word.step, word.token):
+            what = f"replicating DCP step {step}"
+            if not channel.all_true(error is None and report is not None, f"{what} (written on every rank?)"):
+                return [], error or ReplicationError(f"step {step} was not written on every rank: nothing to "
+                                                     f"protect", step)
+            said = word_of(channel, word, what)
+            if (said["step"], said["token"]) != (step, token):
                 return [], ReplicationError(f"rank 0 replicates step {said['step']} (save {said['token']}), this rank "
-                                            f"step {word.step} (save {word.token}): internal, report it", word.step)
+                                            f"step {step} (save {token}): internal, report it", step)
             if not said["committed"]:
-                return [], ReplicationError(f"step {word.step} was not committed: nothing to protect", word.step)
-            if error is not None or report is None:
-                return [], error or ReplicationError("no report", word.step)
-            return rank_sources(layout, report, word.manifest), None
+                return [], ReplicationError(f"step {step} was not committed: nothing to protect", step)
+            if word is not None and word.error is not None:
+                return [], word.error
+            assert report is not None
+            return rank_sources(layout, report, word.manifest if word is not None else None), None
 
-        rep.submit(SourcedJob(word.step, rank == 0, sources))
+        rep.submit(SourcedJob(step, rank == 0, sources))
 
     def wait(self, timeout: float | None = None) -> bool:
         return True if self.replicator is None else self.replicator.wait(timeout)
@@ -136,6 +155,21 @@ class DcpReplication:
             self.replicator.close()
         else:
             self.channel.close()
+
+
+def word_of(channel: Coordinator, word: Word | None, what: str) -> dict:
+    """Collective on the replication channel: rank 0's ``word`` ({step, token, committed}) on
+    every rank, once settled; meanwhile rank 0 broadcasts {"wait": True} every timeout_s / 4."""
+    if channel.rank == 0:
+        assert word is not None
+        while not word.wait(channel.timeout_s / 4):
+            channel.broadcast({"wait": True}, f"{what} (waiting for the commit)", src=0)
+        return channel.broadcast({"step": word.step, "token": word.token, "committed": word.committed},
+                                 f"{what} (committed?)", src=0)
+    said = channel.broadcast(None, f"{what} (committed?)", src=0)
+    while said.get("wait"):
+        said = channel.broadcast(None, f"{what} (committed?)", src=0)
+    return said
 
 
 def rank_sources(layout: RootLayout, report: RankReport, manifest: bytes | None) -> list[Source]:
@@ -339,6 +373,48 @@ def _after_damage(coord: Coordinator, placed: Placed, reach: Sequence[Path | Non
     bad = [(i, f"{m.files[i].path} on table root {m.files[i].root}: fails its crc32c check (damaged)")
            for i in damaged]
     return _from_copies(coord, replace(placed, failed=failed), reach, bad, what)
+
+
+def adopt_manifest_copy(step_dir: Path) -> bool:
+    """format/copies.py ``adopt_copy`` for a DCP step, whose manifest is one format 1.2 file
+    (adopt_copy takes a 1.3 global manifest only): the copy in ``step_dir/copies`` made the step's
+    commit point when it checks (its manifest_crc32c, its step, a DCP step), linked in as
+    ``manifest.json`` without clobbering, the directory fsynced. False: damaged or another step's."""
+    copy = step_dir / COPIES_DIR / MANIFEST_NAME
+    try:
+        raw = read_regular_file(copy, MANIFEST_MAX_BYTES)
+        m = parse_step(raw, str(copy))
+    except (OSError, CorruptCheckpointError):
+        return False
+    if not isinstance(m, Manifest) or step_dir_name(m.step) != step_dir.name or m.dist is None \
+            or m.dist.layout != "dcp":
+        return False
+    tmp = step_dir / f"{TMP_PREFIX}{MANIFEST_NAME}"
+    tmp.unlink(missing_ok=True)
+    write_durable(tmp, raw)
+    link_no_clobber(tmp, step_dir / MANIFEST_NAME)
+    fsync_dir(step_dir)
+    return True
+
+
+def adopt_dcp_copies(coord: Coordinator, layout: RootLayout, probe: dict, what: str, hint: str) -> dict:
+    """Collective, after settle_primary made a root holding copies of the committed manifests
+    the primary (rank 0's node is gone) and adopted none (they are DCP's 1.2 manifests): as
+    roots.py ``adopt_copies``, with adopt_manifest_copy. Returns the primary's probe with the
+    steps adopted committed; a warning names them."""
+    adopted: list[int] = []
+    error = None
+    if coord.rank == layout.primary_rank:
+        try:
+            root = layout.local_paths[layout.local_of(0) or 0]
+            adopted = [s for s in sorted(probe["copied"], reverse=True) if adopt_manifest_copy(root / step_dir_name(s))]
+            log.warning("gdswriter: the checkpoint's primary root is gone; %s, which holds copies of its DCP "
+                        "manifests, is the primary now, with steps %s", root, sorted(adopted))
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
+    adopted = coord.decide(error, adopted, f"{what} (adopting the copies of the manifests)",
+                           lambda outs: outs[layout.primary_rank], hint=hint, root=layout.primary_rank)
+    return {**probe, "committed": sorted(adopted), "latest": max(adopted) if adopted else None}
 
 
 def check_replicas_supported(dist_options: DistOptions, single_process: bool) -> None:

@@ -45,7 +45,7 @@ from .dcp_messages import (
     keep_wire,
 )
 from .dcp_drain import DcpDrain
-from .dcp_replicas import Committed, DcpReplication, check_replicas_supported
+from .dcp_replicas import DcpReplication, Word, check_replicas_supported
 from .dcp_paths import MARKER_NAME, Collective, is_gdswriter_marker, local_path_ok, marker_bytes, step_in_name
 from .dcp_writer_parts import (
     REPORT_FQN,
@@ -115,6 +115,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         check_replicas_supported(self.dist_options, single_process)
         self._replication: DcpReplication | None = None  # replicas > 1: opened at the first save (dcp_replicas.py)
         self._pending: tuple | None = None  # the coordinator: (layout, report, error) of the save awaiting finish
+        self._word: Word | None = None  # the coordinator, replicas > 1: its word on the save awaiting finish
         self._drain = (DcpDrain(self.options, self.dist_options.timeout_s)  # dcp_drain.py
                        if self.options.drain_root is not None else None)
         self.overwrite = overwrite
@@ -214,9 +215,14 @@ class GDSStorageWriter(Collective, StorageWriter):
         return list(self._drain.drained)
 
     def _replicate(self, layout: Any, step: int, token: str, report: RankReport | None, error: BaseException | None,
-                   committed: bool = False, manifest: bytes | None = None) -> None:
-        if self._replication is not None:
-            self._replication.submit(layout, Committed(step, token, committed, manifest), report, error)
+                   primary: bool = False) -> Word | None:
+        """At write_data, this rank's part of the save to the replication (replicas > 1); the
+        coordinator's Word, settled at its commit or when the save ends (dcp_replicas.py)."""
+        if self._replication is None:
+            return None
+        word = Word(step, token) if primary else None
+        self._replication.submit(layout, step, token, report, error, word)
+        return word
 
     def _lock_formers(self, rank: int, current: set[str]) -> None:
         """Another rank than 0: lock the roots of earlier sessions (another checkpoint_id) where
@@ -348,13 +354,13 @@ class GDSStorageWriter(Collective, StorageWriter):
         except BaseException as e:
             if coordinates:
                 self._pending = (session.layout, None, e)
-            else:
-                self._replicate(session.layout, decided.decision.step, decided.decision.token, None, e)
+            self._word = self._replicate(session.layout, decided.decision.step, decided.decision.token, None, e,
+                                         primary=coordinates)
             raise
         if coordinates:
             self._pending = (session.layout, report, None)
-        else:
-            self._replicate(session.layout, decided.decision.step, decided.decision.token, report, None)
+        self._word = self._replicate(session.layout, decided.decision.step, decided.decision.token, report, None,
+                                     primary=coordinates)
         if self._drain is not None and self._drain.wanted(report.step) and not coordinates:
             self._drain.submit(session.layout, report.step, report.token, report, None, session.layout.world_size)
         results = [WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items]
@@ -409,7 +415,8 @@ class GDSStorageWriter(Collective, StorageWriter):
             manifest = read_regular_file(rc.layout.local_paths[0] / step_dir_name(rc.step) / MANIFEST_NAME, 1 << 30)
         except (OSError, GDSWriterError) as e:
             error = error or e
-        self._replicate(layout, rc.step, rc.token, report, error, committed=True, manifest=manifest)
+        if self._word is not None:
+            self._word.settle(True, manifest, error)
         if self._drain is not None and self._drain.wanted(rc.step):
             if manifest is None:
                 log.warning("gdswriter: step %d is committed but not drained: its manifest could not be read (%s)",
@@ -597,9 +604,10 @@ class GDSStorageWriter(Collective, StorageWriter):
         if self._former_lock is not None:
             self._former_lock.release()
             self._former_lock, self._former_paths = None, set()
-        pending, self._pending = self._pending, None
-        if pending is not None and self._save is not None:  # reached write_data, not committed: the peers wait for word
-            self._replicate(pending[0], self._save.commit.step, self._save.token, None, pending[2], committed=False)
+        self._pending = None
+        word, self._word = self._word, None
+        if word is not None:  # reached write_data, not committed: the peers wait for rank 0's word
+            word.settle(False)
         self._opening = None
         self._save = None
 
