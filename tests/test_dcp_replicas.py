@@ -266,3 +266,40 @@ def test_a_dcp_load_after_rank_0s_node_is_replaced_uses_the_manifests_copy(tmp_p
         assert any("copies/rank00000" in li for li in lines), (rank, lines)
     assert (tmp_path / "node1" / STEP / "manifest.json").read_bytes() == (
         tmp_path / "node1" / STEP / "copies" / "manifest.json").read_bytes()
+
+
+def _placing_worker(rank: int, world: int, tmp: str) -> dict:
+    """A step saved without copies on W node-local roots, an empty copies/ directory added on
+    each (so place_files takes its copies path), then what place_files moved on this rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import GDSStorageWriter
+    from gdswriter.distributed.dcp_replicas import place_files
+    from gdswriter.distributed.group import Coordinator
+    from gdswriter.format.sharded import parse_step
+
+    root = Path(tmp, f"node{rank}")
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    w = GDSStorageWriter(root, options=CheckpointOptions(engine=_engine()))
+    w.reset(1)
+    dcp.save(state(1), storage_writer=w)
+    w.close()
+    (root / STEP / "copies").mkdir()
+    torch.distributed.barrier()
+    m = parse_step(Path(tmp, "node0", STEP, "manifest.json").read_bytes(), "manifest.json")
+    reach = [root if rank in info.ranks else None for info in m.dist.roots]
+    coord = Coordinator.for_group(None, timeout_s=120.0)
+    before = coord.stats.snapshot()
+    placed = place_files(coord, m, reach, "test")
+    after = coord.stats.snapshot()
+    return {"sent": after[0] - before[0], "received": after[1] - before[1], "same": placed.m == m}
+
+
+def test_placing_a_dcp_steps_files_moves_the_same_bytes_per_rank_at_any_world_size(tmp_path):
+    """place_files with every file in place: rank 1 sends and receives the same bytes with 2
+    ranks and with 4 (two fixed-size rounds through rank 0, no all_gather of every rank's
+    roots, which grew with the world), and the manifest is left as it is."""
+    got = {w: run_ranks(w, _placing_worker, str(tmp_path / f"w{w}"), out=tmp_path / f"r{w}") for w in (2, 4)}
+    assert all(x["same"] for xs in got.values() for x in xs), got
+    assert got[4][1]["received"] == got[2][1]["received"] and got[4][1]["sent"] == got[2][1]["sent"], got
