@@ -89,3 +89,61 @@ def test_drained_dcp_steps_load_from_the_drain_root_alone(tmp_path, capsys, ever
                 assert err is not None, (rank, step, x)
         assert x["latest"], (rank, x)
     assert cli_main(["verify", str(shared), "--all"]) == 0
+
+
+def _flipped_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    import gdswriter.distributed.dcp_writer as dcp_mod
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter, dcp_errors
+    from gdswriter.errors import DrainError
+
+    root, shared = Path(tmp, f"node{rank}"), Path(tmp, "shared")
+    w = GDSStorageWriter(root, options=CheckpointOptions(engine=_engine(), drain_root=str(shared)))
+    real = dcp_mod.write_files
+
+    def flipping(*a, **k):  # a byte of rank 1's newest data file goes bad after its write, before the drain
+        out = real(*a, **k)
+        path = max((p for p in root.rglob("*.bin") if "copies" not in p.parts), key=lambda p: p.stat().st_mtime_ns)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        path.write_bytes(bytes(raw))
+        return out
+    out: dict = {"errors": {}}
+    for step in range(3):
+        if rank == 1 and step == 1:
+            dcp_mod.write_files = flipping
+        w.reset(step)
+        try:
+            dcp.save(state(step), storage_writer=w)
+        finally:
+            dcp_mod.write_files = real
+        try:
+            w.wait_drained()
+        except DrainError as e:
+            out["errors"][str(step)] = str(e)
+    w.close()
+    torch.distributed.barrier()
+
+    def run() -> None:
+        back = {k: torch.zeros_like(v) for k, v in state(1).items()}
+        with dcp_errors():
+            dcp.load(back, storage_reader=GDSStorageReader(shared, 1, engine_options=_engine()))
+    out["load1"] = caught(run)
+    return out
+
+
+def test_a_dcp_step_with_a_damaged_local_file_is_not_drained(tmp_path):
+    """A byte of rank 1's data file of step 1 flipped after its write, before the drain copies it:
+    the drain's crc32c check refuses it, so step 1 never commits at the drain root (rank 1's
+    wait_drained says why; loading step 1 there fails on every rank), while steps 0 and 2 are
+    drained and no temporary directory is left."""
+    got = run_ranks(2, _flipped_worker, str(tmp_path), out=tmp_path / "ranks")
+    shared = tmp_path / "shared"
+    assert sorted(p.name for p in shared.iterdir() if p.name.startswith("step_")) == \
+        ["step_000000000000", "step_000000000002"], got
+    assert list(got[1]["errors"]) == ["1"] and "checksum" in got[1]["errors"]["1"], got
+    assert not got[0]["errors"], got
+    assert not [p for p in shared.iterdir() if p.name.startswith(".tmp")], got
+    assert all(x["load1"] is not None for x in got), got
