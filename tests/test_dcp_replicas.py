@@ -303,3 +303,47 @@ def test_placing_a_dcp_steps_files_moves_the_same_bytes_per_rank_at_any_world_si
     got = {w: run_ranks(w, _placing_worker, str(tmp_path / f"w{w}"), out=tmp_path / f"r{w}") for w in (2, 4)}
     assert all(x["same"] for xs in got.values() for x in xs), got
     assert got[4][1]["received"] == got[2][1]["received"] and got[4][1]["sent"] == got[2][1]["sent"], got
+
+
+def _slow_commit_worker(rank: int, world: int, tmp: str) -> dict:
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    import gdswriter.distributed.dcp_writer as dcp_mod
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import DistOptions, GDSStorageWriter
+    from gdswriter.errors import ReplicationError
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    w = GDSStorageWriter(Path(tmp, f"node{rank}"), options=CheckpointOptions(engine=_engine()),
+                         dist_options=DistOptions(replicas=2, timeout_s=3.0))
+    real = dcp_mod.read_regular_file
+
+    def slow(*a, **k):  # rank 0's finish reads the committed manifest late: past timeout_s
+        time.sleep(9)
+        return real(*a, **k)
+    out: dict = {"protected": [], "errors": []}
+    for step in range(2):
+        if rank == 0 and step == 0:
+            dcp_mod.read_regular_file = slow
+        w.reset(step)
+        try:
+            dcp.save(state(step), storage_writer=w)
+        finally:
+            dcp_mod.read_regular_file = real
+        try:
+            out["protected"].append(w.wait_protected())
+        except ReplicationError as e:
+            out["errors"].append(str(e))
+    w.close()
+    return out
+
+
+def test_a_slow_dcp_commit_does_not_break_the_replication(tmp_path):
+    """Rank 0's finish takes longer than timeout_s between every rank's write and its word on
+    the commit: rank 0 tells the others it still waits (every timeout_s / 4), so their wait
+    never times out the replication channel; both steps are protected."""
+    got = run_ranks(2, _slow_commit_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["protected"] == [0, 1] and not x["errors"], (rank, x)
