@@ -33,7 +33,9 @@ from collections.abc import Callable, Sequence
 
 from ..errors import (
     ChecksumMismatchError,
+    CollectiveFailedError,
     CorruptCheckpointError,
+    GDSWriterError,
     InvalidOptionError,
     RankFailedError,
     ReplicationError,
@@ -337,14 +339,15 @@ def fetch_placed(coord: Coordinator, placed: Placed, reach: Sequence[Path | None
                  what: str) -> T:
     """``fetch(manifest)`` (a collective read verifying every chunk's crc32c), again with the
     files that failed their check pointed at another copy, until it succeeds or a file has no
-    good copy left (then raises alike on every rank). Only a failure every rank saw from the
-    fetch's agreement (ChecksumMismatchError where it was read, RankFailedError elsewhere) is
-    retried, and only when the step has copies; anything else is raised as it is."""
+    good copy left (then raises alike on every rank). Only where the step has copies, and after
+    a failure the fetch's agreement gave every rank (its own typed error where it failed,
+    RankFailedError elsewhere): every rank then says which file failed its check, if any, and
+    when some rank failed otherwise, each raises its error as it is."""
     while True:
         try:
             return fetch(placed.m)
-        except (ChecksumMismatchError, RankFailedError) as e:
-            if not placed.copies:
+        except GDSWriterError as e:
+            if not placed.copies or isinstance(e, CollectiveFailedError):  # a broken channel: no round left
                 raise
             placed = _after_damage(coord, placed, reach, e, what)
 
@@ -355,7 +358,7 @@ def _after_damage(coord: Coordinator, placed: Placed, reach: Sequence[Path | Non
     crc32c where they were read (every rank says which, if any), pointed at their next copy;
     ``e`` raised again when some rank failed otherwise."""
     m, d = placed.m, step_dir_name(placed.m.step)
-    mine: int | str | None = None
+    mine: int | str | None = None if isinstance(e, RankFailedError) else "other"
     if isinstance(e, ChecksumMismatchError):
         paths = {str(reach[f.root] / d / f.path): i for i, f in enumerate(m.files)  # type: ignore[operator]
                  if f.root < len(reach) and reach[f.root] is not None}
@@ -366,7 +369,10 @@ def _after_damage(coord: Coordinator, placed: Placed, reach: Sequence[Path | Non
             return None
         return sorted({x for x in outs if x is not None})
 
-    damaged = coord.decide(None, mine, f"{what} (after a damaged read)", rule)
+    try:
+        damaged = coord.decide(None, mine, f"{what} (after a damaged read)", rule)
+    except GDSWriterError as lost:
+        raise e from lost
     if damaged is None:
         raise e
     failed = placed.failed | {(i, m.files[i].root, m.files[i].path) for i in damaged}
