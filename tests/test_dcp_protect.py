@@ -1,7 +1,8 @@
-"""The DCP plug-in and the protection of issue 39: GDSStorageWriter refuses copies on peer nodes,
-parity and the drain (GDSCheckpointer provides them; a DCP step is one format 1.2 manifest that
-they do not handle yet) rather than ignore them, and GDSStorageReader never loads wrong bytes
-from a lost node's root or a damaged file: it raises a typed error on every rank."""
+"""The DCP plug-in and the protection of issue 39: GDSStorageWriter refuses parity
+(GDSCheckpointer provides it; a DCP step is one format 1.2 manifest that it does not handle
+yet) and copies in one process rather than ignore them, and GDSStorageReader never loads wrong
+bytes from a lost node's root or a damaged file of a step without copies: it raises a typed error
+on every rank (with copies: tests/test_dcp_replicas.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _engine():
     return small_engine()
 
 
-@pytest.mark.parametrize("kind", ["replicas", "parity", "env_replicas", "env_parity", "drain"])
+@pytest.mark.parametrize("kind", ["single_process_replicas", "parity", "env_parity"])
 def test_the_writer_refuses_protection_it_cannot_give(tmp_path, monkeypatch, kind):
     """Each option the writer cannot honour raises InvalidOptionError at construction, naming it,
     its source (the environment) and the fix (GDSCheckpointer, or the option's default); no file
@@ -38,22 +39,19 @@ def test_the_writer_refuses_protection_it_cannot_give(tmp_path, monkeypatch, kin
     root = tmp_path / "ckpt"
     options = CheckpointOptions(engine=_engine())
     dist_options = None
-    if kind == "replicas":
+    if kind == "single_process_replicas":
         dist_options = DistOptions(replicas=2)
     elif kind == "parity":
         dist_options = DistOptions(parity_group=3)
-    elif kind == "env_replicas":
-        monkeypatch.setenv("GDSWRITER_REPLICAS", "2")
-    elif kind == "env_parity":
-        monkeypatch.setenv("GDSWRITER_PARITY_GROUP", "2")
     else:
-        options = CheckpointOptions(engine=_engine(), drain_root=str(tmp_path / "shared"), drain_every=2)
+        monkeypatch.setenv("GDSWRITER_PARITY_GROUP", "2")
     with pytest.raises(InvalidOptionError) as got:
-        GDSStorageWriter(root, options=options, dist_options=dist_options)
+        GDSStorageWriter(root, options=options, dist_options=dist_options,
+                         single_process=kind == "single_process_replicas")
     msg = str(got.value)
-    assert "GDSCheckpointer" in msg, msg
-    expected = {"replicas": "replicas=2", "parity": "parity_group=3", "env_replicas": "environment",
-                "env_parity": "environment", "drain": "drain_root"}[kind]
+    assert "GDSCheckpointer" in msg or kind == "single_process_replicas", msg
+    expected = {"single_process_replicas": "no peer nodes", "parity": "parity_group=3",
+                "env_parity": "environment"}[kind]
     assert expected in msg, msg
     assert not root.exists() and not (tmp_path / "shared").exists()
 
@@ -127,7 +125,7 @@ def test_the_reader_never_loads_wrong_bytes_from_a_damaged_or_lost_node(tmp_path
     byte flipped in rank 1's data file of step 1: the load of step 1 raises a checksum error on
     every rank, and step 0 still loads bit-exact; rank 1's root wiped (a replaced node): the load
     raises StepFilesLostError on every rank, naming the lost root (not a step deleted while read).
-    DCP steps have no copies on peer nodes yet, so these are errors, never a fallback."""
+    Saved without copies on peer nodes, so these are errors, never a fallback."""
     res = run_ranks(2, _damage_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(res):
         assert x["intact"] == [None, True], (rank, x)

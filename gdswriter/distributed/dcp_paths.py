@@ -96,7 +96,8 @@ class Collective:
     """What the writer and reader share: roots, options, and a coordinator opened on first use."""
 
     _OPEN = ("_coord", "_session", "_items", "_save", "_loaded", "_engines", "_engine_made", "_opening",
-             "_open_lock", "_formers", "_former_lock", "_former_paths", "_fs")  # resources, per-save state: not pickled
+             "_open_lock", "_formers", "_former_lock", "_former_paths", "_fs", "_replication",
+             "_pending", "_drain")  # resources, per-save state: not pickled
 
     def __init__(self, root: Any, step: int | None, process_group: Any, single_process: bool,
                  dist_options: DistOptions | None):

@@ -30,8 +30,9 @@ from .dcp_failures import CarriedError
 from .dcp_fsreader import fs_metadata_for_load, is_fs_checkpoint, read_fs_items
 from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
+from .dcp_replicas import adopt_dcp_copies, fetch_placed, held_paths, place_files
 from .dcp_writer_parts import contiguous_stride
-from .fetch import fetch_storages, manifest_reach
+from .fetch import Reach, fetch_storages, manifest_reach
 from .group import Coordinator
 from .loadmanifest import broadcast_manifest, received_manifest
 from .options import DistOptions
@@ -125,8 +126,10 @@ class GDSStorageReader(Collective, StorageReader):
                 probes = probe_led(layout)
             except Exception as e:  # noqa: BLE001 - every rank learns of it
                 error = e
-            layout, _ = settle_primary(coord, layout, probes, error, "dcp.load (finding the primary root)",
-                                       "nothing was loaded; fix the failing rank's roots and load again")
+            hint = "nothing was loaded; fix the failing rank's roots and load again"
+            layout, probe = settle_primary(coord, layout, probes, error, "dcp.load (finding the primary root)", hint)
+            if probe.get("copied") and not probe["committed"]:  # rank 0's node is gone: its manifests' copies
+                adopt_dcp_copies(coord, layout, probe, "dcp.load", hint)
             step, m = broadcast_manifest(coord, RankProtocol(layout), step, "dcp.load", src=layout.primary_rank)
         if m.dist is None or m.dist.layout != "dcp" or m.dist.dcp is None:
             raise CorruptCheckpointError(f"step {step} under {roots[0]} was not saved through DCP: load it with "
@@ -166,11 +169,18 @@ class GDSStorageReader(Collective, StorageReader):
         # reads what it needs alone, and DCP's gather of read_data's outcomes tells every rank of a failure
         alone = reaches_all and not self.atomic
         coord = self.coordinator()
+        reach = manifest_reach(m, layout)
+        placed = None
+        if not alone:  # a file lost or damaged on its own root: read from a copy, verified (dcp_replicas.py)
+            reach = Reach(held_paths(m, reach.paths))
+            placed = place_files(coord, m, reach.paths, f"dcp.load of step {m.step}")
+            m = placed.m
         records, error, engine = [], None, None
         in_place: dict[int, torch.Tensor] = {}  # item -> DCP's target, read into directly
         try:  # this rank's part before the first collective: a failure here reaches every rank
             records = records_of(plan, m, where)
-            check_lost_roots(m, manifest_reach(m, layout).paths)
+            if alone:
+                check_lost_roots(m, reach.paths)
             if not self.atomic:
                 in_place = in_place_targets(plan, records, m, planner)
             engine = self._engine(sum(m.storages[s].nbytes for s in {rec.storage for rec in records}))
@@ -184,9 +194,12 @@ class GDSStorageReader(Collective, StorageReader):
         # the buffers are allocated once every rank has checked the files it reads against the manifest
         into = {records[i].storage: bytes_of(t) for i, t in in_place.items()}
         try:
-            buffers = fetch_storages(coord, manifest_reach(m, layout), m, {r.storage for r in records}, engine,
-                                     verify=self.verify, what=f"dcp.load of step {m.step}", alloc=host_buffer,
-                                     into=into, alone=alone)
+            def fetch(placed_m: Manifest) -> dict[int, torch.Tensor]:
+                return fetch_storages(coord, reach, placed_m, {r.storage for r in records}, engine,
+                                      verify=self.verify, what=f"dcp.load of step {m.step}", alloc=host_buffer,
+                                      into=into, alone=alone)
+            buffers = fetch(m) if placed is None else fetch_placed(coord, placed, reach.paths, fetch,
+                                                                   f"dcp.load of step {m.step}")
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise
@@ -225,8 +238,8 @@ def check_lost_roots(m: Manifest, reach: Sequence[Path | None]) -> None:
     """StepFilesLostError when a root of step ``m`` this rank reaches holds none of it any more:
     matched by its path alone (it has no ``.gdswriter-root`` while the manifest recorded one) and
     without the step's directory: a wiped or replaced node's disk. Said plainly, on every rank
-    (read_data agrees on it), rather than as a step deleted while it was read; a DCP step has no
-    copies on peer nodes to read instead (GDSStorageWriter refuses replicas)."""
+    (read_data agrees on it), rather than as a step deleted while it was read. For one shared
+    root (read alone); with node-local roots dcp_replicas.place_files says it, or reads a copy."""
     for g, (info, path) in enumerate(zip(m.dist.roots if m.dist is not None else (), reach)):
         if path is None or info.id.startswith("path:") or not any(f.root == g for f in m.files):
             continue
@@ -234,9 +247,9 @@ def check_lost_roots(m: Manifest, reach: Sequence[Path | None]) -> None:
             raise StepFilesLostError(f"step {m.step}: root {path} (table root {g}, id {info.id}, ranks "
                                      f"{list(info.ranks)}) holds none of it any more: no {ROOT_MARKER_NAME}, no "
                                      f"{step_dir_name(m.step)} (a wiped or replaced node's disk?); its data files are "
-                                     f"lost and a DCP step has no copies on peer nodes. Restore that disk, or load a "
-                                     f"step saved elsewhere (for checkpoints that survive a lost node, save with "
-                                     f"GDSCheckpointer and DistOptions(replicas=2))")
+                                     f"lost and no copy of them is on a peer node. Restore that disk, or load a "
+                                     f"step saved elsewhere (for DCP steps that survive a lost node, save with "
+                                     f"GDSStorageWriter(..., dist_options=DistOptions(replicas=2)))")
 
 
 def records_of(plan: LoadPlan, m: Manifest, where: dict) -> list[TensorRecord]:

@@ -25,7 +25,9 @@ from ..engines.select import create_engine
 from ..errors import CheckpointExistsError, EngineIOError, GDSWriterError, InvalidOptionError
 from ..format.assembly import record_json
 from ..format.commit import RootLock
-from ..fs import atomic_write
+from ..format.commit import step_dir_name
+from ..format.manifest import MANIFEST_NAME
+from ..fs import atomic_write, read_regular_file
 from ..options import CheckpointOptions
 from ..planner.assign import plan_save
 from ..save.snapshot import Extent, Snapshot
@@ -42,6 +44,8 @@ from .dcp_messages import (
     RootsOffer,
     keep_wire,
 )
+from .dcp_drain import DcpDrain
+from .dcp_replicas import DcpReplication, Word, check_replicas_supported
 from .dcp_paths import MARKER_NAME, Collective, is_gdswriter_marker, local_path_ok, marker_bytes, step_in_name
 from .dcp_writer_parts import (
     REPORT_FQN,
@@ -88,9 +92,10 @@ class GDSStorageWriter(Collective, StorageWriter):
     ``serialization_format`` other than TORCH_SAVE (gdswriter has its own format; ``gdswriter
     export --to safetensors`` converts a step).
 
-    Not yet for DCP steps (one format 1.2 manifest; replication, parity and the drain work on
-    GDSCheckpointer's per-rank shards): ``DistOptions(replicas=C)`` with C > 1, ``parity_group``
-    and ``CheckpointOptions(drain_root=...)`` are refused (InvalidOptionError: check_protection),
+    ``DistOptions(replicas=C)``, C > 1: after each commit the step is copied to C - 1 peer nodes
+    in the background and marked protected (dcp_replicas.py; ``wait_protected``); GDSStorageReader
+    reads a lost or damaged file from a verified copy. Not yet for DCP steps: ``parity_group`` and
+    ``CheckpointOptions(drain_root=...)`` are refused (InvalidOptionError: check_protection),
     never ignored."""
 
     def __init__(self, root: Any = None, step: int | None = None, *, options: CheckpointOptions | None = None,
@@ -107,6 +112,12 @@ class GDSStorageWriter(Collective, StorageWriter):
         Collective.__init__(self, root, step, process_group, single_process, dist_options)
         self.options = options or CheckpointOptions()
         check_protection(self.options, self.dist_options, from_env=dist_options is None)
+        check_replicas_supported(self.dist_options, single_process)
+        self._replication: DcpReplication | None = None  # replicas > 1: opened at the first save (dcp_replicas.py)
+        self._pending: tuple | None = None  # the coordinator: (layout, report, error) of the save awaiting finish
+        self._word: Word | None = None  # the coordinator, replicas > 1: its word on the save awaiting finish
+        self._drain = (DcpDrain(self.options, self.dist_options.timeout_s)  # dcp_drain.py
+                       if self.options.drain_root is not None else None)
         self.overwrite = overwrite
         self.save_id = uuid.uuid4().hex
         self._session: DistSession | None = None  # the opened roots, kept from save to save (their locks are not)
@@ -161,6 +172,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         if self._session is not None and kept and self._session_roots == roots:
             self._session.lock = relock(self._session.layout)
             self._lock_formers(rank, set(self._session.layout.local_ids))
+            self._open_replication(self._session.layout.local_ids[0])
             return
         if self._session is not None:  # roots left for others: a re-save's leftovers there go at this save
             self._formers = (self._formers or []) + [self._session]
@@ -170,6 +182,47 @@ class GDSStorageWriter(Collective, StorageWriter):
         self._opening = offer_roots(roots, rank, whole=False)
         self._beside |= {(rid, step) for rid, r in zip(self._opening.ids, roots) for step in saves_beside(r)}
         self._lock_formers(rank, set(self._opening.ids))
+        self._open_replication(self._opening.ids[0])
+
+    def _open_replication(self, root_id: str) -> None:
+        """replicas > 1: at the first save, every rank opens the replication channel and places
+        the copies (collective: every rank's set_up calls this at the same point)."""
+        if self.dist_options.replicas > 1 and self._replication is None:
+            self._replication = DcpReplication.open(self.process_group, self.dist_options, root_id)
+
+    def wait_protected(self, timeout: float | None = None) -> int | None:
+        """Wait for the copies of the steps saved so far (replicas > 1) and return the newest
+        protected step (None: none yet, or no replicas); ReplicationError once for a step whose
+        copies failed (it stays committed, loadable where its own nodes are)."""
+        if self._replication is None:
+            return None
+        self._replication.wait(timeout)
+        error = self._replication.take_error()
+        if error is not None:
+            raise error
+        return self._replication.protected
+
+    def wait_drained(self, timeout: float | None = None) -> list[int]:
+        """Wait for this rank's part of the drains submitted (CheckpointOptions(drain_root=...));
+        the steps this rank committed at the drain root (the last rank to mark a step commits
+        it). DrainError once for a step not drained (the drain root keeps its earlier steps)."""
+        if self._drain is None:
+            return []
+        self._drain.wait(timeout)
+        error = self._drain.take_error()
+        if error is not None:
+            raise error
+        return list(self._drain.drained)
+
+    def _replicate(self, layout: Any, step: int, token: str, report: RankReport | None, error: BaseException | None,
+                   primary: bool = False) -> Word | None:
+        """At write_data, this rank's part of the save to the replication (replicas > 1); the
+        coordinator's Word, settled at its commit or when the save ends (dcp_replicas.py)."""
+        if self._replication is None:
+            return None
+        word = Word(step, token) if primary else None
+        self._replication.submit(layout, step, token, report, error, word)
+        return word
 
     def _lock_formers(self, rank: int, current: set[str]) -> None:
         """Another rank than 0: lock the roots of earlier sessions (another checkpoint_id) where
@@ -295,7 +348,21 @@ class GDSStorageWriter(Collective, StorageWriter):
         session = self._session
         if session is None:
             raise InvalidOptionError("write_data before set_up_storage_writer: use this writer through dcp.save")
-        report = self._write_ordered(session, decided, plan, planner)
+        coordinates = session.rank == session.layout.primary_rank
+        try:
+            report = self._write_ordered(session, decided, plan, planner)
+        except BaseException as e:
+            if coordinates:
+                self._pending = (session.layout, None, e)
+            self._word = self._replicate(session.layout, decided.decision.step, decided.decision.token, None, e,
+                                         primary=coordinates)
+            raise
+        if coordinates:
+            self._pending = (session.layout, report, None)
+        self._word = self._replicate(session.layout, decided.decision.step, decided.decision.token, report, None,
+                                     primary=coordinates)
+        if self._drain is not None and self._drain.wanted(report.step) and not coordinates:
+            self._drain.submit(session.layout, report.step, report.token, report, None, session.layout.world_size)
         results = [WriteResult(index=wi.index, size_in_bytes=0, storage_data=None) for wi in plan.items]
         results.append(WriteResult(index=MetadataIndex(REPORT_FQN), size_in_bytes=report.nbytes,
                                    storage_data=report.to_wire()))
@@ -323,6 +390,7 @@ class GDSStorageWriter(Collective, StorageWriter):
                 rc.commit_ordered(manifest)
             else:
                 rc.commit_manifest(manifest)
+            self._replicate_committed(rc)
             rc.move_latest()
             marker = rc.layout.local_paths[0] / MARKER_NAME
             if not is_gdswriter_marker(marker):
@@ -333,7 +401,30 @@ class GDSStorageWriter(Collective, StorageWriter):
                                         f"step {rc.step} is committed, but tools that look for that file "
                                         f"(torchtitan's resume) will not see it; gdswriter's reader will") from e
         finally:
-            self._end_save()
+            self._end_save()  # not committed: it tells the peers (their replication waits for rank 0's word)
+
+    def _replicate_committed(self, rc: OrderedCommit) -> None:
+        """The coordinator, at the commit: its files and the committed manifest to the replication
+        and the drain (the draft: dcp_drain.py)."""
+        pending, self._pending = self._pending, None
+        if pending is None or (self._replication is None and self._drain is None):
+            return
+        layout, report, error = pending
+        manifest = None
+        try:
+            manifest = read_regular_file(rc.layout.local_paths[0] / step_dir_name(rc.step) / MANIFEST_NAME, 1 << 30)
+        except (OSError, GDSWriterError) as e:
+            error = error or e
+        if self._word is not None:
+            self._word.settle(True, manifest, error)
+        if self._drain is not None and self._drain.wanted(rc.step):
+            if manifest is None:
+                log.warning("gdswriter: step %d is committed but not drained: its manifest could not be read (%s)",
+                            rc.step, error)
+            else:
+                if report is not None:
+                    self._drain.submit(layout, rc.step, rc.token, report, None, layout.world_size)
+                self._drain.submit(layout, rc.step, rc.token, None, manifest, layout.world_size)
 
     # -- internals -----------------------------------------------------------
     def _take_part(self, decided: GlobalPlanData) -> None:
@@ -513,6 +604,10 @@ class GDSStorageWriter(Collective, StorageWriter):
         if self._former_lock is not None:
             self._former_lock.release()
             self._former_lock, self._former_paths = None, set()
+        self._pending = None
+        word, self._word = self._word, None
+        if word is not None:  # reached write_data, not committed: the peers wait for rank 0's word
+            word.settle(False)
         self._opening = None
         self._save = None
 
@@ -523,6 +618,11 @@ class GDSStorageWriter(Collective, StorageWriter):
         self._session = self._session_roots = None
         self._formers = []
         self._close_engines()
+        replication, self._replication = self._replication, None
+        if replication is not None:
+            replication.close()
+        if self._drain is not None:
+            self._drain.close()
 
     def __del__(self) -> None:
         session = getattr(self, "_session", None)

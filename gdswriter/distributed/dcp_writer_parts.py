@@ -85,30 +85,18 @@ def check_fs_options(*, sync_files: Any, thread_count: Any, per_thread_copy_ahea
 
 
 def check_protection(options: Any, dist_options: Any, from_env: bool) -> None:
-    """Refuse what GDSStorageWriter cannot honour yet, rather than ignore it: copies on peer
-    nodes (``DistOptions(replicas=C)``, C > 1), parity (``parity_group``) and the drain
-    (``CheckpointOptions(drain_root=...)``). A DCP step is one manifest of format 1.2 (format.md
-    9.5); the replication, its loading from copies, the refill and the drain all work on the
-    per-rank shards of format 1.3 that GDSCheckpointer writes (format.md 10, 11, 6.1)."""
-    source = " (from the environment: GDSWRITER_REPLICAS / GDSWRITER_PARITY_GROUP)" if from_env else ""
-    why = ("GDSStorageWriter does not protect DCP steps on peer nodes yet (a DCP step is one format 1.2 "
-           "manifest; copies, their verified loading and the refill need GDSCheckpointer's per-rank shards)")
-    if dist_options.replicas > 1:
-        raise InvalidOptionError(f"DistOptions(replicas={dist_options.replicas}){source}: {why}. For checkpoints "
-                                 f"that survive a lost node save with GDSCheckpointer(..., dist_options="
-                                 f"DistOptions(replicas={dist_options.replicas})); for this DCP writer pass "
-                                 f"dist_options=DistOptions(replicas=1) (or unset GDSWRITER_REPLICAS)")
+    """Refuse what GDSStorageWriter cannot honour yet, rather than ignore it: parity
+    (``parity_group``). A DCP step is one manifest of format 1.2 (format.md 9.5); parity works on
+    the per-rank shards of format 1.3 that GDSCheckpointer writes (format.md 11.1). Copies
+    (``replicas``: dcp_replicas.py) and the drain (``drain_root``: dcp_drain.py) are built."""
+    source = " (from the environment: GDSWRITER_PARITY_GROUP)" if from_env else ""
     if dist_options.parity_group:
-        raise InvalidOptionError(f"DistOptions(parity_group={dist_options.parity_group}){source}: {why}. Save with "
-                                 f"GDSCheckpointer(..., dist_options=DistOptions(parity_group="
-                                 f"{dist_options.parity_group})) for parity; for this DCP writer pass "
+        raise InvalidOptionError(f"DistOptions(parity_group={dist_options.parity_group}){source}: GDSStorageWriter "
+                                 f"does not protect DCP steps with parity yet (a DCP step is one format 1.2 manifest; "
+                                 f"parity needs GDSCheckpointer's per-rank shards). Use DistOptions(replicas=2) for "
+                                 f"copies on peer nodes, or save with GDSCheckpointer(..., dist_options=DistOptions("
+                                 f"parity_group={dist_options.parity_group})); for this DCP writer pass "
                                  f"dist_options=DistOptions() (or unset GDSWRITER_PARITY_GROUP)")
-    if options.drain_root is not None:
-        raise InvalidOptionError(f"CheckpointOptions(drain_root={options.drain_root!r}): GDSStorageWriter does not "
-                                 f"drain DCP steps to shared storage yet (the drain copies GDSCheckpointer's per-rank "
-                                 f"shards). Use GDSCheckpointer(..., options=CheckpointOptions(drain_root=...)), or "
-                                 f"save the DCP step on the shared storage itself (dcp.save(..., checkpoint_id="
-                                 f"'/shared/ckpts/step-N')); leave drain_root=None for this writer")
 
 
 class Place:

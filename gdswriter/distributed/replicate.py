@@ -163,6 +163,17 @@ class ReplicationJob:
     primary: bool
 
 
+@dataclass(frozen=True)
+class SourcedJob:
+    """A committed step whose files the submitter names (the DCP plug-in: dcp_replicas.py):
+    ``sources(channel)`` runs on the replication thread, may make collectives on the channel,
+    and returns what ``Replicator._sources`` does."""
+
+    step: int
+    primary: bool
+    sources: Callable[[Coordinator], tuple[list[Source], BaseException | None]]
+
+
 class Replicator:
     """A session's replication (the module docstring): ``submit`` after each commit, in commit
     order on every rank; ``pinned`` for retention; ``wait``, ``take_error``, ``close``."""
@@ -170,7 +181,7 @@ class Replicator:
     def __init__(self, coord: Coordinator, layout: RootLayout, peers: ReplicaPeers):
         self.coord, self.layout, self.peers = coord, layout, peers
         self._cv = threading.Condition()
-        self._todo: deque[ReplicationJob | RefillJob] = deque()
+        self._todo: deque[ReplicationJob | SourcedJob | RefillJob] = deque()
         self._running: int | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -179,7 +190,7 @@ class Replicator:
         self._pipe: Pipeline | None = None  # the last step's pieces (a failed one's buffers stay alive)
         self.stopped: str | None = None  # why the replication group broke: every later step fails at once
 
-    def submit(self, job: ReplicationJob | RefillJob) -> None:
+    def submit(self, job: ReplicationJob | SourcedJob | RefillJob) -> None:
         with self._cv:
             if self._closed:
                 return
@@ -246,7 +257,7 @@ class Replicator:
                     self._running = None
                     self._cv.notify_all()
 
-    def _run(self, job: ReplicationJob | RefillJob) -> bool:
+    def _run(self, job: ReplicationJob | SourcedJob | RefillJob) -> bool:
         """A committed step's replication, or a loaded step's refill (refill.py)."""
         if not isinstance(job, RefillJob):
             return self.replicate(job)
@@ -271,7 +282,7 @@ class Replicator:
         with self._cv:
             self.stopped = f"a peer failed or left during the replication of step {step} ({describe(e)})"
 
-    def replicate(self, job: ReplicationJob) -> bool:
+    def replicate(self, job: ReplicationJob | SourcedJob) -> bool:
         """This rank's part of replicating ``job.step``; True when the step is protected.
         ReplicationError when not (this rank's or another's failure)."""
         step, rank, part = job.step, self.coord.rank, self.peers.part
@@ -295,7 +306,7 @@ class Replicator:
                       self._pipe.timings())
         return self._settle(job, mine, what)
 
-    def _settle(self, job: ReplicationJob, mine: dict, what: str) -> bool:
+    def _settle(self, job: ReplicationJob | SourcedJob, mine: dict, what: str) -> bool:
         """Every rank's outcome to the primary rank, which marks the step protected where all
         succeeded, then tells every rank; the holders of the primary's copy mark theirs."""
         step, p = job.step, self.layout.primary_rank
@@ -336,10 +347,12 @@ class Replicator:
         except OSError as e:
             return {self.coord.rank: f"writing {d / PROTECTED_NAME}: {describe(e)}"}
 
-    def _sources(self, job: ReplicationJob) -> tuple[list[Source], BaseException | None]:
+    def _sources(self, job: ReplicationJob | SourcedJob) -> tuple[list[Source], BaseException | None]:
         """This rank's files of ``job.step``: its shard (checked against its vote), its data files
         (their chunks checked as they stream) and, on the primary rank, the global manifest.
         A failure is sent to the peers as the stream's trailer, not raised."""
+        if isinstance(job, SourcedJob):
+            return job.sources(self.coord)
         step, layout = job.step, self.layout
         g, name, size, crc = job.shard
         try:

@@ -1,0 +1,235 @@
+"""The drain of DCP steps to a shared root (GDSStorageWriter with CheckpointOptions(drain_root=...);
+format.md 9.5), with no collective: the protocol of distributed/drain.py, for one format 1.2
+manifest instead of per-rank shards.
+
+Every ``drain_every``-th step, on a thread of each rank's writer (never the save's), in
+``DRAIN/.tmp-step_S-<token>/`` (the save's token: every rank names the same directory):
+
+1. each rank copies its data files in (drain.py ``copy_checked``: every chunk's crc32c checked
+   as it streams, each file fdatasynced): rank 0 after the commit, the others once their
+   write_data is done, waiting (at most DistOptions.timeout_s) for a file on a root that the
+   commit publishes (rank 0's, or a joint root another rank publishes);
+2. rank 0, once the step committed locally (finish), writes the draft: the committed manifest
+   with every file on root 0 and a root table of one entry (the drain root's identity, every
+   rank), fsynced. A save that did not commit has no draft, so it never commits at the drain
+   root (its directory is removed by a later drain);
+3. each rank writes its mark ``.drained-rank-R`` durably and lists the directory: the rank that
+   finds every rank's mark and the draft writes ``manifest.json``, fsyncs the directory, renames
+   it to ``step_S`` (the commit point), fsyncs the drain root, moves ``latest`` and writes the
+   DCP ``.metadata`` marker. Two ranks may both find the set complete: one rename wins.
+
+Only rank 0's draft removes what other saves left (temporary directories of other tokens, for
+steps up to its own): the others drain as soon as their write_data is done, so a rank may be in a
+newer step's directory than rank 0. As in drain.py, a rank slower than rank 0 by a whole save
+may find its directory removed (that step is not drained; liveness, never a wrong step). The
+drain root keeps every drained step (no retention there yet)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from ..drain import DRAIN_BUFFER_BYTES, copy_checked
+from ..engines.base import IOEngine
+from ..engines.select import create_engine
+from ..errors import DrainError, GDSWriterError
+from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, retire, root_identity, step_dir_name
+from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, RootInfo
+from ..format.sharded import parse_step
+from ..fs import atomic_write, fsync_dir, write_durable
+from ..options import CheckpointOptions
+from .dcp_messages import RankReport
+from .dcp_paths import MARKER_NAME, is_gdswriter_marker, marker_bytes
+from .drain import DRAFT_NAME, MARK_PREFIX, drain_dir_name
+from .roots import RootLayout
+
+log = logging.getLogger("gdswriter")
+
+
+def drained_manifest(raw: bytes, root_id: str, root: Path, world: int) -> bytes:
+    """The committed manifest ``raw`` as the drain root holds it: every file on root 0, one root."""
+    m = parse_step(raw, "the committed manifest")
+    if not isinstance(m, Manifest) or m.dist is None:
+        raise DrainError("the committed step is not a DCP step's manifest (internal: report it)", m.step)
+    return replace(m, files=tuple(replace(f, root=0) for f in m.files),
+                   dist=replace(m.dist, roots=(RootInfo(root_id, str(root), tuple(range(world))),))).to_json_bytes()
+
+
+class DcpDrain:
+    """A GDSStorageWriter's drain (the module docstring): ``submit`` per save, ``wait``,
+    ``take_error``, ``close``."""
+
+    def __init__(self, options: CheckpointOptions, wait_s: float):
+        self.options, self.wait_s = options, wait_s  # wait_s: for a file the commit publishes
+        self.root = Path(str(options.drain_root))
+        self._cv = threading.Condition()
+        self._todo: deque[tuple] = deque()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._engine: IOEngine | None = None
+        self._bufs: list[torch.Tensor] | None = None
+        self.error: DrainError | None = None
+        self.drained: list[int] = []  # steps this rank committed at the drain root
+
+    def wanted(self, step: int) -> bool:
+        return step % self.options.drain_every == 0
+
+    def submit(self, layout: RootLayout, step: int, token: str, report: RankReport | None, manifest: bytes | None,
+               world: int) -> None:
+        """This rank's part of a drained step: its files (``report``) or, on rank 0 after the
+        commit, the committed manifest (``manifest``: the draft)."""
+        with self._cv:
+            self._todo.append((layout, step, token, report, manifest, world))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="gdswriter-dcp-drain", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._todo and not self._busy, timeout)
+
+    def take_error(self) -> DrainError | None:
+        with self._cv:
+            e, self.error = self.error, None
+        return e
+
+    def close(self) -> None:
+        self.wait()
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                if not self._todo:
+                    self._thread = None
+                    return
+                job = self._todo.popleft()
+                self._busy = True
+            try:
+                self._drain(*job)
+            except DrainError as e:
+                log.warning("gdswriter: %s", e)
+                with self._cv:
+                    self.error = e
+            except BaseException as e:  # noqa: BLE001 - a bug must not leave wait() waiting forever
+                log.exception("gdswriter: the drain failed")
+                with self._cv:
+                    self.error = DrainError(f"the drain to {self.root} failed: {type(e).__name__}: {e}", -1)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _drain(self, layout: RootLayout, step: int, token: str, report: RankReport | None, manifest: bytes | None,
+               world: int) -> None:
+        try:
+            ident = self._ident()
+            d = self._enter(step, token, clean=report is None)
+            if report is not None:
+                self._copy(layout, report, d)
+                mark = f"{MARK_PREFIX}{report.rank}"
+            else:
+                write_durable(d / DRAFT_NAME, drained_manifest(manifest or b"", ident, self.root, world))
+                mark = None
+            if self._marked(d, mark, world) and self._publish(step, d):
+                self.drained.append(step)
+        except (GDSWriterError, OSError) as e:
+            raise DrainError(f"step {step} is not drained to {self.root} (save {token}): {e}; the drain root keeps "
+                             f"its earlier steps", step) from e
+
+    def _ident(self) -> str:
+        self.root.mkdir(parents=True, exist_ok=True)
+        ident = root_identity(self.root, create=True)
+        assert ident is not None
+        return ident.id
+
+    def _enter(self, step: int, token: str, clean: bool) -> Path:
+        """The step's temporary directory (made by whichever rank comes first); with ``clean``
+        (rank 0's draft, after its commit) after removing what other saves' drains left for steps
+        up to ``step``: the other ranks drain as soon as their write_data is done, so they may be
+        in a newer step's directory, never removed here."""
+        for n in os.listdir(self.root) if clean else ():
+            if n.startswith(TRASH_PREFIX):
+                shutil.rmtree(self.root / n, ignore_errors=True)
+            elif n.startswith(TMP_PREFIX) and "-" in n and not n.endswith(f"-{token}") and (self.root / n).is_dir():
+                name = n[len(TMP_PREFIX):].rpartition("-")[0]
+                if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) <= step:
+                    try:
+                        retire(self.root / n)
+                    except FileNotFoundError:
+                        pass
+        d = self.root / drain_dir_name(step, token)
+        d.mkdir(exist_ok=True)
+        return d
+
+    def _copy(self, layout: RootLayout, report: RankReport, into: Path) -> None:
+        if self._engine is None:
+            self._engine = create_engine(self.options.engine)
+        if self._bufs is None:
+            self._bufs = [torch.empty(DRAIN_BUFFER_BYTES, dtype=torch.uint8) for _ in range(2)]
+        d = step_dir_name(report.step)
+        for fid, (g, name, size, *_) in enumerate(report.files):
+            local = layout.local_of(g)
+            if local is None:
+                raise DrainError(f"this rank's data file {name} is on a root it does not see", report.step)
+            chunks = [ChunkRecord(fid, c.file_offset, c.item_offset, c.length, c.crc) for c in report.chunks
+                      if c.file == fid]
+            src = layout.local_paths[local] / d / name
+            deadline = time.monotonic() + self.wait_s
+            while not src.exists() and time.monotonic() < deadline:  # a root the commit publishes (rank 0's, joint)
+                time.sleep(0.05)
+            copy_checked(self._engine, src, into / name, size, chunks, self._bufs)
+
+    @staticmethod
+    def _marked(d: Path, mark: str | None, world: int) -> bool:
+        """Write ``mark`` in ``d`` durably (None: the draft was written), then whether every rank's
+        mark and the draft are there."""
+        if mark is not None:
+            tmp = d / f"{TMP_PREFIX}{mark}-{secrets.token_hex(4)}"
+            write_durable(tmp, b"{}")
+            os.rename(tmp, d / mark)
+        fsync_dir(d)
+        names = set(os.listdir(d))
+        return DRAFT_NAME in names and all(f"{MARK_PREFIX}{r}" in names for r in range(world))
+
+    def _publish(self, step: int, d: Path) -> bool:
+        """Commit ``d`` as ``step_S``; False when another rank did first."""
+        final = self.root / step_dir_name(step)
+        data = (d / DRAFT_NAME).read_bytes() if (d / DRAFT_NAME).exists() else None
+        try:
+            tmp = d / f"{TMP_PREFIX}{MANIFEST_NAME}-{secrets.token_hex(4)}"
+            write_durable(tmp, data or b"")
+            os.replace(tmp, d / MANIFEST_NAME)
+            fsync_dir(d)
+            if final.exists():
+                raise FileExistsError(errno.EEXIST, "already drained", str(final))
+            os.rename(d, final)  # the commit point
+        except OSError as e:
+            if data is None or (final / MANIFEST_NAME).exists():
+                return False  # another rank committed it (or it was drained before)
+            raise DrainError(f"its temporary directory vanished before it was committed ({e})", step) from e
+        fsync_dir(self.root)
+        try:
+            named = int((self.root / LATEST_NAME).read_text().strip())
+        except (OSError, ValueError):
+            named = None
+        if named is None or named <= step or not (self.root / step_dir_name(named)).is_dir():
+            atomic_write(self.root / LATEST_NAME, f"{step}\n".encode())
+        marker = self.root / MARKER_NAME
+        if not is_gdswriter_marker(marker):
+            atomic_write(marker, marker_bytes())
+        return True
+

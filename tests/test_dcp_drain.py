@@ -1,0 +1,149 @@
+"""The drain of DCP steps to a shared root (issue 39 items 4 and 6; distributed/dcp_drain.py):
+two real gloo ranks, each its own node-local root, save through GDSStorageWriter with
+CheckpointOptions(drain_root=SHARED); every drained step becomes a complete, committed step
+under SHARED that GDSStorageReader(SHARED) loads bit-exact with no node-local copy left."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdswriter.cli import main as cli_main
+from support.ranks import caught, run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+MiB = 1 << 20
+
+
+def _engine():
+    from support.models import small_engine
+
+    return small_engine()
+
+
+def state(step: int) -> dict:
+    g = torch.Generator().manual_seed(700 + step)
+    return {"a": torch.randn(MiB, generator=g), "b": torch.randint(0, 1 << 30, (MiB,), generator=g)}
+
+
+def _drain_worker(rank: int, world: int, tmp: str, every: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter, dcp_errors
+
+    root, shared = Path(tmp, f"node{rank}"), Path(tmp, "shared")
+    w = GDSStorageWriter(root, options=CheckpointOptions(engine=_engine(), drain_root=str(shared),
+                                                         drain_every=every))
+    drained = []
+    for step in range(3):
+        w.reset(step)
+        if step == 2:
+            dcp.async_save(state(step), storage_writer=w).result()
+        else:
+            dcp.save(state(step), storage_writer=w)
+    drained = w.wait_drained()
+    w.close()
+    torch.distributed.barrier()
+    shutil.rmtree(root)  # every node replaced: no local copy left
+    torch.distributed.barrier()
+    out: dict = {"drained": drained, "loads": {}}
+    for step in range(3):
+        back = {k: torch.zeros_like(v) for k, v in state(step).items()}
+
+        def run() -> None:
+            with dcp_errors():
+                dcp.load(back, storage_reader=GDSStorageReader(shared, step, engine_options=_engine()))
+        err = caught(run)
+        out["loads"][str(step)] = [err and err[0], all(torch.equal(back[k], v) for k, v in state(step).items())]
+    back = {k: torch.zeros_like(v) for k, v in state(2).items()}
+    dcp.load(back, checkpoint_id=str(shared), storage_reader=GDSStorageReader(engine_options=_engine()))
+    out["latest"] = all(torch.equal(back[k], v) for k, v in state(2).items())
+    return out
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_drained_dcp_steps_load_from_the_drain_root_alone(tmp_path, capsys, every):
+    """Steps 0-2 (step 2 by async_save) with drain_every=1 and 2: the drained steps (all; 0 and 2)
+    are committed under the drain root (no temporary directory left), `gdswriter verify` passes
+    there, and after every node-local root is removed each loads bit-exact from the drain root
+    (by step, and as its latest through checkpoint_id); a step not drained is not there."""
+    got = run_ranks(2, _drain_worker, str(tmp_path), every, out=tmp_path / "ranks")
+    wanted = [s for s in range(3) if s % every == 0]
+    assert sorted(s for x in got for s in x["drained"]) == wanted, got
+    shared = tmp_path / "shared"
+    assert sorted(p.name for p in shared.iterdir() if p.name.startswith("step_")) == \
+        [f"step_{s:012d}" for s in wanted]
+    assert not [p for p in shared.iterdir() if p.name.startswith(".tmp")]
+    assert (shared / ".metadata").exists() and (shared / "latest").read_text().strip() == "2"
+    for rank, x in enumerate(got):
+        for step in range(3):
+            err, exact = x["loads"][str(step)]
+            if step in wanted:
+                assert err is None and exact, (rank, step, x)
+            else:
+                assert err is not None, (rank, step, x)
+        assert x["latest"], (rank, x)
+    assert cli_main(["verify", str(shared), "--all"]) == 0
+
+
+def _flipped_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    import gdswriter.distributed.dcp_writer as dcp_mod
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter, dcp_errors
+    from gdswriter.errors import DrainError
+
+    root, shared = Path(tmp, f"node{rank}"), Path(tmp, "shared")
+    w = GDSStorageWriter(root, options=CheckpointOptions(engine=_engine(), drain_root=str(shared)))
+    real = dcp_mod.write_files
+
+    def flipping(*a, **k):  # a byte of rank 1's newest data file goes bad after its write, before the drain
+        out = real(*a, **k)
+        path = max((p for p in root.rglob("*.bin") if "copies" not in p.parts), key=lambda p: p.stat().st_mtime_ns)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        path.write_bytes(bytes(raw))
+        return out
+    out: dict = {"errors": {}}
+    for step in range(3):
+        if rank == 1 and step == 1:
+            dcp_mod.write_files = flipping
+        w.reset(step)
+        try:
+            dcp.save(state(step), storage_writer=w)
+        finally:
+            dcp_mod.write_files = real
+        try:
+            w.wait_drained()
+        except DrainError as e:
+            out["errors"][str(step)] = str(e)
+    w.close()
+    torch.distributed.barrier()
+
+    def run() -> None:
+        back = {k: torch.zeros_like(v) for k, v in state(1).items()}
+        with dcp_errors():
+            dcp.load(back, storage_reader=GDSStorageReader(shared, 1, engine_options=_engine()))
+    out["load1"] = caught(run)
+    return out
+
+
+def test_a_dcp_step_with_a_damaged_local_file_is_not_drained(tmp_path):
+    """A byte of rank 1's data file of step 1 flipped after its write, before the drain copies it:
+    the drain's crc32c check refuses it, so step 1 never commits at the drain root (rank 1's
+    wait_drained says why; loading step 1 there fails on every rank), while steps 0 and 2 are
+    drained and no temporary directory is left."""
+    got = run_ranks(2, _flipped_worker, str(tmp_path), out=tmp_path / "ranks")
+    shared = tmp_path / "shared"
+    assert sorted(p.name for p in shared.iterdir() if p.name.startswith("step_")) == \
+        ["step_000000000000", "step_000000000002"], got
+    assert list(got[1]["errors"]) == ["1"] and "checksum" in got[1]["errors"]["1"], got
+    assert not got[0]["errors"], got
+    assert not [p for p in shared.iterdir() if p.name.startswith(".tmp")], got
+    assert all(x["load1"] is not None for x in got), got
