@@ -30,7 +30,7 @@ from .dcp_failures import CarriedError
 from .dcp_fsreader import fs_metadata_for_load, is_fs_checkpoint, read_fs_items
 from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
-from .dcp_replicas import adopt_dcp_copies, fetch_placed, held_paths, place_files
+from .dcp_replicas import fetch_placed, held_paths, place_files
 from .dcp_writer_parts import contiguous_stride
 from .fetch import Reach, fetch_storages, manifest_reach
 from .group import Coordinator
@@ -127,9 +127,8 @@ class GDSStorageReader(Collective, StorageReader):
             except Exception as e:  # noqa: BLE001 - every rank learns of it
                 error = e
             hint = "nothing was loaded; fix the failing rank's roots and load again"
-            layout, probe = settle_primary(coord, layout, probes, error, "dcp.load (finding the primary root)", hint)
-            if probe.get("copied") and not probe["committed"]:  # rank 0's node is gone: its manifests' copies
-                adopt_dcp_copies(coord, layout, probe, "dcp.load", hint)
+            # rank 0's node gone: settle_primary adopts the copies of its manifests (format/copies.py adopt_copy)
+            layout, _ = settle_primary(coord, layout, probes, error, "dcp.load (finding the primary root)", hint)
             step, m = broadcast_manifest(coord, RankProtocol(layout), step, "dcp.load", src=layout.primary_rank)
         if m.dist is None or m.dist.layout != "dcp" or m.dist.dcp is None:
             raise CorruptCheckpointError(f"step {step} under {roots[0]} was not saved through DCP: load it with "

@@ -42,9 +42,7 @@ from ..errors import (
     StepFilesLostError,
 )
 from ..format.commit import ROOT_MARKER_NAME, step_dir_name
-from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest
-from ..format.sharded import parse_step
-from ..fs import TMP_PREFIX, fsync_dir, link_no_clobber, read_regular_file, write_durable
+from ..format.manifest import MANIFEST_NAME, ChunkRecord, FileRecord, Manifest
 from ..format.replicas import COPIES_DIR
 from .dcp_messages import RankReport
 from .group import Coordinator, describe
@@ -379,48 +377,6 @@ def _after_damage(coord: Coordinator, placed: Placed, reach: Sequence[Path | Non
     bad = [(i, f"{m.files[i].path} on table root {m.files[i].root}: fails its crc32c check (damaged)")
            for i in damaged]
     return _from_copies(coord, replace(placed, failed=failed), reach, bad, what)
-
-
-def adopt_manifest_copy(step_dir: Path) -> bool:
-    """format/copies.py ``adopt_copy`` for a DCP step, whose manifest is one format 1.2 file
-    (adopt_copy takes a 1.3 global manifest only): the copy in ``step_dir/copies`` made the step's
-    commit point when it checks (its manifest_crc32c, its step, a DCP step), linked in as
-    ``manifest.json`` without clobbering, the directory fsynced. False: damaged or another step's."""
-    copy = step_dir / COPIES_DIR / MANIFEST_NAME
-    try:
-        raw = read_regular_file(copy, MANIFEST_MAX_BYTES)
-        m = parse_step(raw, str(copy))
-    except (OSError, CorruptCheckpointError):
-        return False
-    if not isinstance(m, Manifest) or step_dir_name(m.step) != step_dir.name or m.dist is None \
-            or m.dist.layout != "dcp":
-        return False
-    tmp = step_dir / f"{TMP_PREFIX}{MANIFEST_NAME}"
-    tmp.unlink(missing_ok=True)
-    write_durable(tmp, raw)
-    link_no_clobber(tmp, step_dir / MANIFEST_NAME)
-    fsync_dir(step_dir)
-    return True
-
-
-def adopt_dcp_copies(coord: Coordinator, layout: RootLayout, probe: dict, what: str, hint: str) -> dict:
-    """Collective, after settle_primary made a root holding copies of the committed manifests
-    the primary (rank 0's node is gone) and adopted none (they are DCP's 1.2 manifests): as
-    roots.py ``adopt_copies``, with adopt_manifest_copy. Returns the primary's probe with the
-    steps adopted committed; a warning names them."""
-    adopted: list[int] = []
-    error = None
-    if coord.rank == layout.primary_rank:
-        try:
-            root = layout.local_paths[layout.local_of(0) or 0]
-            adopted = [s for s in sorted(probe["copied"], reverse=True) if adopt_manifest_copy(root / step_dir_name(s))]
-            log.warning("gdswriter: the checkpoint's primary root is gone; %s, which holds copies of its DCP "
-                        "manifests, is the primary now, with steps %s", root, sorted(adopted))
-        except Exception as e:  # noqa: BLE001 - every rank learns of it
-            error = e
-    adopted = coord.decide(error, adopted, f"{what} (adopting the copies of the manifests)",
-                           lambda outs: outs[layout.primary_rank], hint=hint, root=layout.primary_rank)
-    return {**probe, "committed": sorted(adopted), "latest": max(adopted) if adopted else None}
 
 
 def check_replicas_supported(dist_options: DistOptions, single_process: bool) -> None:

@@ -27,7 +27,8 @@ from ..fs import TMP_PREFIX, fsync_dir, link_no_clobber, read_regular_file, writ
 from .commit import step_dir_name, step_dirs
 from .replicas import COPIES_DIR, copy_dir_name
 from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
-from .sharded import GlobalManifest, ShardRef, match_roots, merge, parse_global, parse_shard, read_shard, shard_name
+from .sharded import (GlobalManifest, ShardRef, match_roots, merge, parse_global, parse_shard, parse_step, read_shard,
+                      shard_name)
 
 
 
@@ -129,17 +130,19 @@ def copied_steps(root: Path) -> list[int]:
 
 
 def adopt_copy(step_dir: Path) -> bool:
-    """Make the copy of the global manifest in ``step_dir`` (a secondary step directory on the
-    root that becomes the primary) that step's commit point: checked (its crc32c, its step),
-    then linked in as ``manifest.json`` without clobbering, the directory fsynced (fs.py).
-    False: the copy is damaged or names another step (the step is left uncommitted)."""
+    """Make the copy of the step's manifest in ``step_dir`` (a secondary step directory on the
+    root that becomes the primary) that step's commit point: checked (its crc32c, its step, a
+    1.3 global manifest or a DCP step's one 1.2 manifest, format.md 9.5), then linked in as
+    ``manifest.json`` without clobbering, the directory fsynced (fs.py). False: the copy is
+    damaged, names another step or is neither kind (the step is left uncommitted)."""
     copy = step_dir / COPIES_DIR / MANIFEST_NAME
     try:
         raw = read_regular_file(copy, MANIFEST_MAX_BYTES)
-        g = parse_global(raw, str(copy))
+        m = parse_step(raw, str(copy))
     except (OSError, CorruptCheckpointError):
         return False
-    if g is None or step_dir_name(g.step) != step_dir.name:
+    dcp = isinstance(m, Manifest) and m.dist is not None and m.dist.layout == "dcp"
+    if not (isinstance(m, GlobalManifest) or dcp) or step_dir_name(m.step) != step_dir.name:
         return False
     tmp = step_dir / f"{TMP_PREFIX}{MANIFEST_NAME}"
     tmp.unlink(missing_ok=True)
