@@ -94,9 +94,10 @@ class GDSStorageWriter(Collective, StorageWriter):
 
     ``DistOptions(replicas=C)``, C > 1: after each commit the step is copied to C - 1 peer nodes
     in the background and marked protected (dcp_replicas.py; ``wait_protected``); GDSStorageReader
-    reads a lost or damaged file from a verified copy. Not yet for DCP steps: ``parity_group`` and
-    ``CheckpointOptions(drain_root=...)`` are refused (InvalidOptionError: check_protection),
-    never ignored."""
+    reads a lost or damaged file from a verified copy. ``CheckpointOptions(drain_root=...)``:
+    committed steps are drained to a shared root in the background (dcp_drain.py;
+    ``wait_drained``). Not yet for DCP steps: ``parity_group`` is refused (InvalidOptionError:
+    check_protection), never ignored."""
 
     def __init__(self, root: Any = None, step: int | None = None, *, options: CheckpointOptions | None = None,
                  dist_options: DistOptions | None = None, process_group: Any = None, single_process: bool = False,
