@@ -234,3 +234,15 @@ def test_replicas_benchmark(tmp_path):
                  "restart to first training step (spawn, load, one step): intact"):
         assert line in out, out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cold_loads(tmp_path):
+    """Two trees (here this checkout twice) in the same rounds: a row per tree and count, with
+    wall, GB/s and CPU time of a fresh checkpointer's cold load; nothing left behind."""
+    root = str(BENCH.parent)
+    out = run_script("cold_loads.py", "--tree", f"a={root}", "--tree", f"b={root}", "--counts", "8,300",
+                     "--size", str(2 << 20), "--rounds", "1", "--dir", str(tmp_path))
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["a"], ["b"])]
+    assert [(r[0], r[1]) for r in rows] == [("a", "8"), ("b", "8"), ("a", "300"), ("b", "300")], out
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows), out
+    assert list(tmp_path.iterdir()) == []
