@@ -44,13 +44,13 @@ from ..engines.base import IOEngine
 from ..engines.select import create_engine
 from ..errors import DrainError, GDSWriterError
 from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, retire, root_identity, step_dir_name
-from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest, RootInfo
+from ..format.manifest import MANIFEST_NAME, Manifest, RootInfo
 from ..format.sharded import parse_step
 from ..fs import atomic_write, fsync_dir, write_durable
 from ..options import CheckpointOptions
 from .dcp_messages import RankReport
 from .dcp_paths import MARKER_NAME, is_gdswriter_marker, marker_bytes
-from .drain import DRAFT_NAME, MARK_PREFIX, drain_dir_name
+from .drain import DRAFT_NAME, MARK_PREFIX, drain_dir_name, parse_drain_dir
 from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
@@ -164,13 +164,12 @@ class DcpDrain:
         for n in os.listdir(self.root) if clean else ():
             if n.startswith(TRASH_PREFIX):
                 shutil.rmtree(self.root / n, ignore_errors=True)
-            elif n.startswith(TMP_PREFIX) and "-" in n and not n.endswith(f"-{token}") and (self.root / n).is_dir():
-                name = n[len(TMP_PREFIX):].rpartition("-")[0]
-                if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) <= step:
-                    try:
-                        retire(self.root / n)
-                    except FileNotFoundError:
-                        pass
+            elif (parsed := parse_drain_dir(n)) is not None and parsed[1] != token and parsed[0] <= step \
+                    and (self.root / n).is_dir():
+                try:
+                    retire(self.root / n)
+                except FileNotFoundError:
+                    pass
         d = self.root / drain_dir_name(step, token)
         d.mkdir(exist_ok=True)
         return d
@@ -185,8 +184,7 @@ class DcpDrain:
             local = layout.local_of(g)
             if local is None:
                 raise DrainError(f"this rank's data file {name} is on a root it does not see", report.step)
-            chunks = [ChunkRecord(fid, c.file_offset, c.item_offset, c.length, c.crc) for c in report.chunks
-                      if c.file == fid]
+            chunks = report.file_chunks(fid)
             src = layout.local_paths[local] / d / name
             deadline = time.monotonic() + self.wait_s
             while not src.exists() and time.monotonic() < deadline:  # a root the commit publishes (rank 0's, joint)

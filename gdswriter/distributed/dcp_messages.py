@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import GDSWriterError
+from ..format.manifest import ChunkRecord
 
 
 def _need(ok: bool, what: str) -> None:
@@ -246,6 +247,12 @@ class RankReport:
     @property
     def nbytes(self) -> int:
         return sum(c.length for c in self.chunks)
+
+    def file_chunks(self, fid: int) -> tuple[ChunkRecord, ...]:
+        """The chunks written into file ``fid`` as the manifest records them (what the copies
+        and the drain check each byte they read against)."""
+        return tuple(ChunkRecord(fid, c.file_offset, c.item_offset, c.length, c.crc) for c in self.chunks
+                     if c.file == fid)
 
     def to_wire(self) -> dict:
         out = {"rank": self.rank, "step": self.step, "token": self.token, "files": list(self.files),

@@ -42,7 +42,7 @@ from ..errors import (
     StepFilesLostError,
 )
 from ..format.commit import ROOT_MARKER_NAME, step_dir_name
-from ..format.manifest import MANIFEST_NAME, ChunkRecord, FileRecord, Manifest
+from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest
 from ..format.replicas import COPIES_DIR
 from .dcp_messages import RankReport
 from .group import Coordinator, describe
@@ -182,9 +182,8 @@ def rank_sources(layout: RootLayout, report: RankReport, manifest: bytes | None)
         if local is None:
             raise CorruptCheckpointError(f"step {report.step}: this rank's data file {name} is on a root it does "
                                          f"not see (internal: report it)")
-        chunks = tuple(ChunkRecord(fid, c.file_offset, c.item_offset, c.length, c.crc)
-                       for c in report.chunks if c.file == fid)
-        out.append(Source("data", name, size, path=layout.local_paths[local] / d / name, chunks=chunks))
+        out.append(Source("data", name, size, path=layout.local_paths[local] / d / name,
+                          chunks=report.file_chunks(fid)))
     if manifest is not None:
         out.append(Source("global", MANIFEST_NAME, len(manifest), data=manifest))
     return out

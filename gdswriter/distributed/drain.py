@@ -68,7 +68,7 @@ def drain_dir_name(step: int, token: str) -> str:
     return f"{TMP_PREFIX}{step_dir_name(step)}-{token}"
 
 
-def _parse_tmp(name: str) -> tuple[int, str] | None:
+def parse_drain_dir(name: str) -> tuple[int, str] | None:
     """(step, token) of a drain's temporary directory name, else None."""
     if not name.startswith(TMP_PREFIX):
         return None
@@ -136,7 +136,7 @@ class RankDrainer(Drainer):
         self.root.mkdir(parents=True, exist_ok=True)
         self.ident = root_identity(self.root, create=True)
         for n in os.listdir(self.root):
-            parsed = _parse_tmp(n)
+            parsed = parse_drain_dir(n)
             if n.startswith(TRASH_PREFIX):
                 shutil.rmtree(self.root / n, ignore_errors=True)  # a removal that a crash interrupted
             elif parsed is not None and parsed[1] != token and parsed[0] <= step and (self.root / n).is_dir():
