@@ -53,7 +53,6 @@ from .dcp_writer_parts import (
     SaveInProgress,
     Source,
     check_fs_options,
-    check_protection,
     checked_reports,
     chunk_key,
     dcp_manifest,
@@ -94,10 +93,14 @@ class GDSStorageWriter(Collective, StorageWriter):
 
     ``DistOptions(replicas=C)``, C > 1: after each commit the step is copied to C - 1 peer nodes
     in the background and marked protected (dcp_replicas.py; ``wait_protected``); GDSStorageReader
-    reads a lost or damaged file from a verified copy. ``CheckpointOptions(drain_root=...)``:
-    committed steps are drained to a shared root in the background (dcp_drain.py;
-    ``wait_drained``). Not yet for DCP steps: ``parity_group`` is refused (InvalidOptionError:
-    check_protection), never ignored."""
+    reads a lost or damaged file from a verified copy. ``DistOptions(parity_group=G)``: instead
+    of copies, each lane of G nodes gets one XOR parity block per member ((G + 1) / G the bytes,
+    format.md 11.1; the same ``wait_protected``); GDSStorageReader rebuilds a lost or damaged
+    member's files from the rest of its lane, every chunk checked against its crc32c
+    (parityload.py), and two lost in one lane is a typed error on every rank.
+    ``CheckpointOptions(drain_root=...)``: committed steps are drained to a shared root in the
+    background (dcp_drain.py; ``wait_drained``). In one process (single_process=True) copies
+    and parity are refused (no peer node), never ignored."""
 
     def __init__(self, root: Any = None, step: int | None = None, *, options: CheckpointOptions | None = None,
                  dist_options: DistOptions | None = None, process_group: Any = None, single_process: bool = False,
@@ -112,7 +115,6 @@ class GDSStorageWriter(Collective, StorageWriter):
             raise InvalidOptionError(f"overwrite={overwrite!r}: expected True or False")
         Collective.__init__(self, root, step, process_group, single_process, dist_options)
         self.options = options or CheckpointOptions()
-        check_protection(self.options, self.dist_options, from_env=dist_options is None)
         check_replicas_supported(self.dist_options, single_process)
         self._replication: DcpReplication | None = None  # replicas > 1: opened at the first save (dcp_replicas.py)
         self._pending: tuple | None = None  # the coordinator: (layout, report, error) of the save awaiting finish
@@ -186,9 +188,10 @@ class GDSStorageWriter(Collective, StorageWriter):
         self._open_replication(self._opening.ids[0])
 
     def _open_replication(self, root_id: str) -> None:
-        """replicas > 1: at the first save, every rank opens the replication channel and places
-        the copies (collective: every rank's set_up calls this at the same point)."""
-        if self.dist_options.replicas > 1 and self._replication is None:
+        """replicas > 1 or parity_group: at the first save, every rank opens the replication
+        channel and places the copies or the parity lanes (collective: every rank's set_up calls
+        this at the same point)."""
+        if (self.dist_options.replicas > 1 or self.dist_options.parity_group) and self._replication is None:
             self._replication = DcpReplication.open(self.process_group, self.dist_options, root_id)
 
     def wait_protected(self, timeout: float | None = None) -> int | None:
