@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.dcp import dcp_load, dcp_state, flip, node_writer
+from support.dcp import dcp_load, dcp_state, flip, save_two_steps
 from support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -27,18 +27,7 @@ def state(step: int) -> dict:
 
 
 def _save(rank: int, root: Path) -> list:
-    """Steps 0 (dcp.save) and 1 (dcp.async_save) with parity_group=3; the protected step after each."""
-    import torch.distributed.checkpoint as dcp
-
-    w = node_writer(rank, root, parity_group=3)
-    w.reset(0)
-    dcp.save(state(0), storage_writer=w)
-    first = w.wait_protected()
-    w.reset(1)
-    dcp.async_save(state(1), storage_writer=w).result()
-    second = w.wait_protected()
-    w.close()
-    return [first, second]
+    return save_two_steps(rank, root, state, parity_group=3)
 
 
 def _worker(rank: int, world: int, tmp: str) -> dict:

@@ -127,11 +127,10 @@ class DcpReplication:
             rep.layout = layout
         rank = self.channel.rank
 
-        def sources(channel: Coordinator) -> tuple[list[Source], BaseException | None]:
+        def sources(channel: Coordinator) -> tuple[list[Source] | None, BaseException | None]:
             what = f"replicating DCP step {step}"
             if not channel.all_true(error is None and report is not None, f"{what} (written on every rank?)"):
-                return [], error or ReplicationError(f"step {step} was not written on every rank: nothing to "
-                                                     f"protect", step)
+                return None, not_written(step, error)
             said = word_of(channel, word, what)
             if (said["step"], said["token"]) != (step, token):
                 return [], ReplicationError(f"rank 0 replicates step {said['step']} (save {said['token']}), this rank "
@@ -144,6 +143,21 @@ class DcpReplication:
             return rank_sources(layout, report, word.manifest if word is not None else None), None
 
         rep.submit(SourcedJob(step, rank == 0, sources))
+
+    def missed(self, layout: RootLayout | None) -> None:
+        """This rank's answer for a save it set up but whose write_data it never reached (it
+        failed before: DCP calls nothing more on it until its next save or close): the first
+        round of that save's replication says so, so the ranks that reached write_data (waiting
+        there) end it with ReplicationError, no round follows, and every rank's rounds stay in
+        step for the next save. Called at the next set_up, or at close."""
+        rep = self.replicator
+        if rep is None:
+            rep = self.replicator = replicator_for(self.channel, layout, self.peers)  # type: ignore[arg-type]
+
+        def sources(channel: Coordinator) -> tuple[list[Source] | None, BaseException | None]:
+            channel.all_true(False, "replicating a DCP step (written on every rank?)")
+            return None, not_written(-1, None)
+        rep.submit(SourcedJob(-1, self.channel.rank == 0, sources))
 
     def wait(self, timeout: float | None = None) -> bool:
         return True if self.replicator is None else self.replicator.wait(timeout)
@@ -161,6 +175,14 @@ class DcpReplication:
             self.replicator.close()
         else:
             self.channel.close()
+
+
+def not_written(step: int, error: BaseException | None) -> ReplicationError:
+    """A save some rank did not write (its write failed, or it never reached write_data)."""
+    said = f"step {step}" if step >= 0 else "a save"
+    why = f" (this rank: {describe(error)})" if error is not None else ""
+    return ReplicationError(f"{said} was not written on every rank{why}: nothing to protect; it was not committed, "
+                            f"the earlier protected steps stand", step)
 
 
 def word_of(channel: Coordinator, word: Word | None, what: str) -> dict:

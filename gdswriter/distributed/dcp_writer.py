@@ -117,6 +117,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         self.options = options or CheckpointOptions()
         check_replicas_supported(self.dist_options, single_process)
         self._replication: DcpReplication | None = None  # replicas > 1: opened at the first save (dcp_replicas.py)
+        self._unanswered = False  # a save set up whose write_data did not hand its part to the replication yet
         self._pending: tuple | None = None  # the coordinator: (layout, report, error) of the save awaiting finish
         self._word: Word | None = None  # the coordinator, replicas > 1: its word on the save awaiting finish
         self._drain = (DcpDrain(self.options, self.dist_options.timeout_s)  # dcp_drain.py
@@ -159,6 +160,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         write_data: DCP's plans reached every rank then, so every rank decides the same."""
         kept = self._wrote
         self._end_save()
+        self._answer_missed()
         self._wrote = False
         if kwargs.get("use_collectives", True) is False:
             raise InvalidOptionError("GDSStorageWriter commits one step for all ranks: dcp.save(use_collectives=False) "
@@ -193,6 +195,14 @@ class GDSStorageWriter(Collective, StorageWriter):
         this at the same point)."""
         if (self.dist_options.replicas > 1 or self.dist_options.parity_group) and self._replication is None:
             self._replication = DcpReplication.open(self.process_group, self.dist_options, root_id)
+        self._unanswered = self._replication is not None  # until this save's write_data hands its part over
+
+    def _answer_missed(self) -> None:
+        """A save set up on this rank whose write_data it never reached: its replication's first
+        round still waits for this rank's answer on the others (dcp_replicas.py ``missed``)."""
+        if self._unanswered and self._replication is not None:
+            self._replication.missed(self._session.layout if self._session is not None else None)
+        self._unanswered = False
 
     def wait_protected(self, timeout: float | None = None) -> int | None:
         """Wait for the copies of the steps saved so far (replicas > 1) and return the newest
@@ -224,6 +234,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         coordinator's Word, settled at its commit or when the save ends (dcp_replicas.py)."""
         if self._replication is None:
             return None
+        self._unanswered = False
         word = Word(step, token) if primary else None
         self._replication.submit(layout, step, token, report, error, word)
         return word
@@ -619,6 +630,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         """Release everything the writer holds: a save's locks, its opened roots and the engines
         kept between saves (the next save opens and builds new ones)."""
         self._end_save()
+        self._answer_missed()
         self._session = self._session_roots = None
         self._formers = []
         self._close_engines()

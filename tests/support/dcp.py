@@ -67,3 +67,20 @@ def flip(path: Path) -> None:
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x10
     path.write_bytes(bytes(raw))
+
+
+def save_two_steps(rank: int, root: Path, state: Any, **options: Any) -> list:
+    """Steps 0 (dcp.save) and 1 (dcp.async_save, which returns at the commit: the protection
+    follows) of ``state(step)`` through ``node_writer(rank, root, **options)``; the protected
+    step after each."""
+    import torch.distributed.checkpoint as dcp
+
+    w = node_writer(rank, root, **options)
+    w.reset(0)
+    dcp.save(state(0), storage_writer=w)
+    first = w.wait_protected()
+    w.reset(1)
+    dcp.async_save(state(1), storage_writer=w).result()
+    second = w.wait_protected()
+    w.close()
+    return [first, second]
