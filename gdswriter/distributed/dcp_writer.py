@@ -205,9 +205,10 @@ class GDSStorageWriter(Collective, StorageWriter):
         self._unanswered = False
 
     def wait_protected(self, timeout: float | None = None) -> int | None:
-        """Wait for the copies of the steps saved so far (replicas > 1) and return the newest
-        protected step (None: none yet, or no replicas); ReplicationError once for a step whose
-        copies failed (it stays committed, loadable where its own nodes are)."""
+        """Wait for the copies or parity of the steps saved so far (replicas > 1, parity_group)
+        and return the newest protected step (None: none yet, or no protection); ReplicationError
+        once for a step whose protection failed (it stays committed, loadable where its own
+        nodes are), or for a save not written on every rank."""
         if self._replication is None:
             return None
         self._replication.wait(timeout)
