@@ -12,33 +12,24 @@ import pytest
 import torch
 
 from gdswriter.cli import main as cli_main
-from support.ranks import caught, run_ranks
+from support.dcp import dcp_load, dcp_state, flip, node_writer
+from support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-MiB = 1 << 20
-
-
-def _engine():
-    from support.models import small_engine
-
-    return small_engine()
-
 
 def state(step: int) -> dict:
-    g = torch.Generator().manual_seed(700 + step)
-    return {"a": torch.randn(MiB, generator=g), "b": torch.randint(0, 1 << 30, (MiB,), generator=g)}
+    return dcp_state(700, step)
 
 
 def _drain_worker(rank: int, world: int, tmp: str, every: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from gdswriter import CheckpointOptions
-    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter, dcp_errors
+    from support.dcp import engine
+    from gdswriter.distributed import GDSStorageReader
 
     root, shared = Path(tmp, f"node{rank}"), Path(tmp, "shared")
-    w = GDSStorageWriter(root, options=CheckpointOptions(engine=_engine(), drain_root=str(shared),
-                                                         drain_every=every))
+    w = node_writer(rank, root, drain_root=str(shared), drain_every=every)
     drained = []
     for step in range(3):
         w.reset(step)
@@ -53,15 +44,10 @@ def _drain_worker(rank: int, world: int, tmp: str, every: int) -> dict:
     torch.distributed.barrier()
     out: dict = {"drained": drained, "loads": {}}
     for step in range(3):
-        back = {k: torch.zeros_like(v) for k, v in state(step).items()}
-
-        def run() -> None:
-            with dcp_errors():
-                dcp.load(back, storage_reader=GDSStorageReader(shared, step, engine_options=_engine()))
-        err = caught(run)
-        out["loads"][str(step)] = [err and err[0], all(torch.equal(back[k], v) for k, v in state(step).items())]
+        err, exact, _ = dcp_load(shared, step, state(step))
+        out["loads"][str(step)] = [err and err[0], exact]
     back = {k: torch.zeros_like(v) for k, v in state(2).items()}
-    dcp.load(back, checkpoint_id=str(shared), storage_reader=GDSStorageReader(engine_options=_engine()))
+    dcp.load(back, checkpoint_id=str(shared), storage_reader=GDSStorageReader(engine_options=engine()))
     out["latest"] = all(torch.equal(back[k], v) for k, v in state(2).items())
     return out
 
@@ -95,20 +81,15 @@ def _flipped_worker(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import gdswriter.distributed.dcp_writer as dcp_mod
-    from gdswriter import CheckpointOptions
-    from gdswriter.distributed import GDSStorageReader, GDSStorageWriter, dcp_errors
     from gdswriter.errors import DrainError
 
     root, shared = Path(tmp, f"node{rank}"), Path(tmp, "shared")
-    w = GDSStorageWriter(root, options=CheckpointOptions(engine=_engine(), drain_root=str(shared)))
+    w = node_writer(rank, root, drain_root=str(shared))
     real = dcp_mod.write_files
 
     def flipping(*a, **k):  # a byte of rank 1's newest data file goes bad after its write, before the drain
         out = real(*a, **k)
-        path = max((p for p in root.rglob("*.bin") if "copies" not in p.parts), key=lambda p: p.stat().st_mtime_ns)
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0x10
-        path.write_bytes(bytes(raw))
+        flip(max((p for p in root.rglob("*.bin") if "copies" not in p.parts), key=lambda p: p.stat().st_mtime_ns))
         return out
     out: dict = {"errors": {}}
     for step in range(3):
@@ -125,12 +106,7 @@ def _flipped_worker(rank: int, world: int, tmp: str) -> dict:
             out["errors"][str(step)] = str(e)
     w.close()
     torch.distributed.barrier()
-
-    def run() -> None:
-        back = {k: torch.zeros_like(v) for k, v in state(1).items()}
-        with dcp_errors():
-            dcp.load(back, storage_reader=GDSStorageReader(shared, 1, engine_options=_engine()))
-    out["load1"] = caught(run)
+    out["load1"] = dcp_load(shared, 1, state(1))[0]
     return out
 
 

@@ -117,3 +117,62 @@ def test_dcp_node_killed_during_replication_and_replaced(cluster):
         assert x["resumed"] == 4 and x["resumed_exact"], (rank, x)
     said = [w for w in out[0]["warnings"] if "copies/rank00001" in w]
     assert said, out[0]["warnings"]
+
+
+def _parity_save(rank: int, world: int) -> dict:
+    """Step 1 through GDSStorageWriter(parity_group=3), waited for until protected."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import DistOptions, GDSStorageWriter
+
+    w = GDSStorageWriter(ROOT, options=CheckpointOptions(engine=small_engine()),
+                         dist_options=DistOptions(timeout_s=60, parity_group=3))
+    w.reset(1)
+    dcp.save(_state(1), storage_writer=w)
+    out = {"protected": w.wait_protected()}
+    w.close()
+    return out
+
+
+def _parity_load_read_only(rank: int, world: int, read_only: list[int]) -> dict:
+    """A DCP load of step 1 where the ranks of ``read_only`` first make their root read-only (a
+    bind mount remounted ro in their node's mount namespace)."""
+    import subprocess
+    from pathlib import Path
+
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import GDSStorageReader, dcp_errors
+
+    if rank in read_only:
+        for cmd in (["mount", "--bind", ROOT, ROOT], ["mount", "-o", "remount,bind,ro", ROOT]):
+            subprocess.run(cmd, check=True, capture_output=True)
+    seen = WarningLines()
+    logging.getLogger("gdswriter").addHandler(seen)
+    back = {k: torch.zeros_like(v) for k, v in _state(1).items()}
+
+    def run() -> None:
+        with dcp_errors():
+            dcp.load(back, storage_reader=GDSStorageReader(ROOT, 1, engine_options=small_engine()))
+    err = caught(run)
+    return {"load": err or [1, all(torch.equal(back[k], v) for k, v in _state(1).items())],
+            "held": sorted(p.name for p in Path("/dev/shm").glob("gdswriter-rebuilt-*")), "warnings": seen.lines}
+
+
+def test_dcp_parity_rebuild_is_held_in_memory_when_no_root_can_be_written(cluster):
+    """3 nodes, DCP steps with parity_group=3, step 1 protected, node 1 replaced (an empty disk).
+    Nodes 0 and 2 (the lane's survivors) read-only: no root can take rank 1's rebuilt copy, so it
+    is held in memory on node 1 (HeldCopies: one more root, seen by its rebuilder alone) for that
+    load, bit-exact on every rank; nothing is written on any root and the copy is dropped after
+    the load, with a warning that says so."""
+    c = cluster(3)
+    assert [x["protected"] for x in c.run(_parity_save)] == [1] * 3
+    c.replace_node(1)
+    before = {k: sorted(str(p.relative_to(c.nvme_dir(k))) for p in c.nvme_dir(k).rglob("*")) for k in range(3)}
+    out = c.run(_parity_load_read_only, [0, 2])
+    for rank, x in enumerate(out):
+        assert x["load"] == [1, True] and x["held"] == [], (rank, x)
+    assert any("holds them in memory for this load" in w and "read-only" in w for w in out[1]["warnings"]), out
+    after = {k: sorted(str(p.relative_to(c.nvme_dir(k))) for p in c.nvme_dir(k).rglob("*")) for k in range(3)}
+    assert after == before, (before, after)

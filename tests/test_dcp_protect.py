@@ -27,9 +27,10 @@ def _engine():
 
 @pytest.mark.parametrize("kind", ["single_process_replicas", "parity", "env_parity"])
 def test_the_writer_refuses_protection_it_cannot_give(tmp_path, monkeypatch, kind):
-    """Each option the writer cannot honour raises InvalidOptionError at construction, naming it,
-    its source (the environment) and the fix (GDSCheckpointer, or the option's default); no file
-    is made. Without the refusal the writer took the option and saved unprotected steps."""
+    """In one process (single_process=True) copies and parity have no peer node: each raises
+    InvalidOptionError at construction, naming the option, its source (the environment) and the
+    fix; no file is made. Without the refusal the writer took the option and saved unprotected
+    steps."""
     from gdswriter import CheckpointOptions
     from gdswriter.distributed import DistOptions, GDSStorageWriter
     from gdswriter.errors import InvalidOptionError
@@ -47,11 +48,11 @@ def test_the_writer_refuses_protection_it_cannot_give(tmp_path, monkeypatch, kin
         monkeypatch.setenv("GDSWRITER_PARITY_GROUP", "2")
     with pytest.raises(InvalidOptionError) as got:
         GDSStorageWriter(root, options=options, dist_options=dist_options,
-                         single_process=kind == "single_process_replicas")
+                         single_process=True)
     msg = str(got.value)
-    assert "GDSCheckpointer" in msg or kind == "single_process_replicas", msg
-    expected = {"single_process_replicas": "no peer nodes", "parity": "parity_group=3",
-                "env_parity": "environment"}[kind]
+    assert "no peer nodes" in msg, msg
+    expected = {"single_process_replicas": "replicas=2", "parity": "parity_group=3",
+                "env_parity": "GDSWRITER_PARITY_GROUP"}[kind]
     assert expected in msg, msg
     assert not root.exists() and not (tmp_path / "shared").exists()
 

@@ -8,7 +8,6 @@ verified copy, saying so; and raises a typed error on every rank when no good co
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -17,69 +16,26 @@ import pytest
 import torch
 
 from gdswriter.cli import main as cli_main
-from support.ranks import WarningLines, caught, run_ranks
+from support.dcp import dcp_load, dcp_state, engine, flip, node_writer, save_two_steps
+from support.ranks import caught, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-MiB = 1 << 20
 STEP = "step_000000000001"
-
-
-def _engine():
-    from support.models import small_engine
-
-    return small_engine()
 
 
 def state(step: int) -> dict:
     """Two 4 MiB tensors (above the small-copy thresholds), the same on every rank (split)."""
-    g = torch.Generator().manual_seed(900 + step)
-    return {"a": torch.randn(MiB, generator=g), "b": torch.randint(0, 1 << 30, (MiB,), generator=g)}
+    return dcp_state(900, step)
 
 
 def _save(rank: int, root: Path) -> list:
-    """Steps 0 (dcp.save) and 1 (dcp.async_save) with two copies; the protected step after each."""
-    import torch.distributed.checkpoint as dcp
-
-    from gdswriter import CheckpointOptions
-    from gdswriter.distributed import DistOptions, GDSStorageWriter
-
-    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
-    w = GDSStorageWriter(root, options=CheckpointOptions(engine=_engine()), dist_options=DistOptions(replicas=2))
-    w.reset(0)
-    dcp.save(state(0), storage_writer=w)
-    first = w.wait_protected()
-    w.reset(1)
-    dcp.async_save(state(1), storage_writer=w).result()  # returns at the commit; the copies follow
-    second = w.wait_protected()
-    w.close()
-    return [first, second]
+    return save_two_steps(rank, root, state, replicas=2)
 
 
 def _load(root: Path, step: int) -> tuple[list[str] | None, bool, list[str]]:
     """(error, bit-exact, warnings) of a DCP load of ``step`` on this rank."""
-    import torch.distributed.checkpoint as dcp
-
-    from gdswriter.distributed import GDSStorageReader, dcp_errors
-
-    back = {k: torch.zeros_like(v) for k, v in state(step).items()}
-    lines = WarningLines()
-    logging.getLogger().addHandler(lines)
-
-    def run() -> None:
-        with dcp_errors():
-            dcp.load(back, storage_reader=GDSStorageReader(root, step, engine_options=_engine()))
-    try:
-        got = caught(run)
-    finally:
-        logging.getLogger().removeHandler(lines)
-    return got, all(torch.equal(back[k], v) for k, v in state(step).items()), lines.lines
-
-
-def _flip(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x10
-    path.write_bytes(bytes(raw))
+    return dcp_load(root, step, state(step))
 
 
 def _protected_worker(rank: int, world: int, tmp: str) -> dict:
@@ -134,7 +90,7 @@ def _fallback_worker(rank: int, world: int, tmp: str) -> dict:
     out: dict = {"protected": _save(rank, root)}
     torch.distributed.barrier()
     if rank == 0:  # a byte flipped in a data file of rank 0's own root (its copy on node1 is good)
-        _flip(sorted((root / STEP).glob("*.bin"))[0])
+        flip(sorted((root / STEP).glob("*.bin"))[0])
     torch.distributed.barrier()
     out["flipped"] = _load(root, 1)
     torch.distributed.barrier()
@@ -148,7 +104,7 @@ def _fallback_worker(rank: int, world: int, tmp: str) -> dict:
     out["replaced"] = _load(root, 1)
     torch.distributed.barrier()
     if rank == 0:  # and now the only copy of rank 1's files of step 1 damaged too
-        _flip(sorted((root / STEP / "copies" / "rank00001").iterdir())[0])
+        flip(sorted((root / STEP / "copies" / "rank00001").iterdir())[0])
         shutil.rmtree(root / "step_000000000000" / "copies" / "rank00001")  # step 0's copy gone
     torch.distributed.barrier()
     out["damaged"] = _load(root, 1)
@@ -185,13 +141,9 @@ def _failed_save_worker(rank: int, world: int, tmp: str) -> dict:
     from torch.distributed.checkpoint.api import CheckpointException
 
     import gdswriter.distributed.dcp_writer as dcp_mod
-    from gdswriter import CheckpointOptions
-    from gdswriter.distributed import DistOptions, GDSStorageWriter
     from gdswriter.errors import ReplicationError
 
-    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
-    w = GDSStorageWriter(Path(tmp, f"node{rank}"), options=CheckpointOptions(engine=_engine()),
-                         dist_options=DistOptions(replicas=2, timeout_s=5.0))
+    w = node_writer(rank, Path(tmp, f"node{rank}"), replicas=2, timeout_s=5.0)
     w.reset(0)
     dcp.save(state(0), storage_writer=w)
     out: dict = {"first": w.wait_protected(), "failed": False, "errors": []}
@@ -281,7 +233,7 @@ def _placing_worker(rank: int, world: int, tmp: str) -> dict:
 
     root = Path(tmp, f"node{rank}")
     os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
-    w = GDSStorageWriter(root, options=CheckpointOptions(engine=_engine()))
+    w = GDSStorageWriter(root, options=CheckpointOptions(engine=engine()))
     w.reset(1)
     dcp.save(state(1), storage_writer=w)
     w.close()
@@ -311,13 +263,9 @@ def _slow_commit_worker(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     import gdswriter.distributed.dcp_writer as dcp_mod
-    from gdswriter import CheckpointOptions
-    from gdswriter.distributed import DistOptions, GDSStorageWriter
     from gdswriter.errors import ReplicationError
 
-    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
-    w = GDSStorageWriter(Path(tmp, f"node{rank}"), options=CheckpointOptions(engine=_engine()),
-                         dist_options=DistOptions(replicas=2, timeout_s=3.0))
+    w = node_writer(rank, Path(tmp, f"node{rank}"), replicas=2, timeout_s=3.0)
     real = dcp_mod.read_regular_file
 
     def slow(*a, **k):  # rank 0's finish reads the committed manifest late: past timeout_s

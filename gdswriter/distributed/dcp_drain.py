@@ -30,7 +30,6 @@ import errno
 import logging
 import os
 import secrets
-import shutil
 import threading
 import time
 from collections import deque
@@ -43,14 +42,14 @@ from ..drain import DRAIN_BUFFER_BYTES, copy_checked
 from ..engines.base import IOEngine
 from ..engines.select import create_engine
 from ..errors import DrainError, GDSWriterError
-from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, retire, root_identity, step_dir_name
+from ..format.commit import LATEST_NAME, TMP_PREFIX, root_identity, step_dir_name
 from ..format.manifest import MANIFEST_NAME, Manifest, RootInfo
 from ..format.sharded import parse_step
 from ..fs import atomic_write, fsync_dir, write_durable
 from ..options import CheckpointOptions
 from .dcp_messages import RankReport
 from .dcp_paths import MARKER_NAME, is_gdswriter_marker, marker_bytes
-from .drain import DRAFT_NAME, MARK_PREFIX, drain_dir_name, parse_drain_dir
+from .drain import DRAFT_NAME, MARK_PREFIX, enter_drain_dir
 from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
@@ -161,18 +160,7 @@ class DcpDrain:
         (rank 0's draft, after its commit) after removing what other saves' drains left for steps
         up to ``step``: the other ranks drain as soon as their write_data is done, so they may be
         in a newer step's directory, never removed here."""
-        for n in os.listdir(self.root) if clean else ():
-            if n.startswith(TRASH_PREFIX):
-                shutil.rmtree(self.root / n, ignore_errors=True)
-            elif (parsed := parse_drain_dir(n)) is not None and parsed[1] != token and parsed[0] <= step \
-                    and (self.root / n).is_dir():
-                try:
-                    retire(self.root / n)
-                except FileNotFoundError:
-                    pass
-        d = self.root / drain_dir_name(step, token)
-        d.mkdir(exist_ok=True)
-        return d
+        return enter_drain_dir(self.root, step, token, clean)
 
     def _copy(self, layout: RootLayout, report: RankReport, into: Path) -> None:
         if self._engine is None:

@@ -30,7 +30,7 @@ from .dcp_failures import CarriedError
 from .dcp_fsreader import fs_metadata_for_load, is_fs_checkpoint, read_fs_items
 from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
-from .dcp_replicas import fetch_placed, held_paths, place_files
+from .dcp_replicas import Placed, fetch_placed, held_paths, place_files
 from .dcp_writer_parts import contiguous_stride
 from .fetch import Reach, fetch_storages, manifest_reach
 from .group import Coordinator
@@ -186,19 +186,24 @@ class GDSStorageReader(Collective, StorageReader):
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
         if not alone:
-            coord.agree(error, f"dcp.load of step {m.step} (planning)", hint="nothing was loaded")
+            try:
+                coord.agree(error, f"dcp.load of step {m.step} (planning)", hint="nothing was loaded")
+            except BaseException:
+                if placed is not None and placed.held is not None:  # a rebuilt copy held in memory
+                    placed.held.close()
+                raise
         elif error is not None:
             raise error
         assert engine is not None
         # the buffers are allocated once every rank has checked the files it reads against the manifest
         into = {records[i].storage: bytes_of(t) for i, t in in_place.items()}
         try:
-            def fetch(placed_m: Manifest) -> dict[int, torch.Tensor]:
-                return fetch_storages(coord, reach, placed_m, {r.storage for r in records}, engine,
+            def fetch(at: Placed) -> dict[int, torch.Tensor]:
+                return fetch_storages(coord, Reach(at.reach), at.m, {r.storage for r in records}, engine,
                                       verify=self.verify, what=f"dcp.load of step {m.step}", alloc=host_buffer,
                                       into=into, alone=alone)
-            buffers = fetch(m) if placed is None else fetch_placed(coord, placed, reach.paths, fetch,
-                                                                   f"dcp.load of step {m.step}")
+            buffers = fetch(Placed(m, False, reach=reach.paths)) if placed is None else fetch_placed(
+                coord, placed, fetch, f"dcp.load of step {m.step}")
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise

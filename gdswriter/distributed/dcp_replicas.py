@@ -42,12 +42,15 @@ from ..errors import (
     StepFilesLostError,
 )
 from ..format.commit import ROOT_MARKER_NAME, step_dir_name
-from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest
+from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, RootInfo
+from ..format.parity import PARITY_DIR
 from ..format.replicas import COPIES_DIR
 from .dcp_messages import RankReport
 from .group import Coordinator, describe
 from .options import DistOptions
 from .replicastream import Source
+from .parity import plan_parity, replicator_for
+from .parityload import HeldCopies, StepRoots, rebuild_members
 from .replicate import ReplicaPeers, Replicator, SourcedJob, plan_peers
 from .roots import RootLayout
 
@@ -93,12 +96,15 @@ class DcpReplication:
 
     @classmethod
     def open(cls, process_group: Any, options: DistOptions, root_id: str) -> DcpReplication:
-        """Collective, every rank at set_up of the writer's first save: the channel and the placement."""
-        channel = Coordinator.create(process_group, timeout_s=options.timeout_s,
-                                     label=f"GDSStorageWriter(replicas={options.replicas})")
+        """Collective, every rank at set_up of the writer's first save: the channel and the
+        placement (the copies' peers, or the parity lanes: parity.py plan_parity)."""
+        asked = f"parity_group={options.parity_group}" if options.parity_group else f"replicas={options.replicas}"
+        channel = Coordinator.create(process_group, timeout_s=options.timeout_s, label=f"GDSStorageWriter({asked})")
         try:
-            peers = plan_peers(channel, FirstRoot((root_id,)), options.replicas,  # type: ignore[arg-type]
-                               options.failure_domains)
+            first = FirstRoot((root_id,))
+            peers = (plan_parity(channel, first, options.parity_group, options.failure_domains)  # type: ignore[arg-type]
+                     if options.parity_group else
+                     plan_peers(channel, first, options.replicas, options.failure_domains))  # type: ignore[arg-type]
         except BaseException:
             channel.close()
             raise
@@ -115,17 +121,16 @@ class DcpReplication:
         does (their wait then never breaks the channel), and sends it."""
         rep = self.replicator
         if rep is None:
-            rep = self.replicator = Replicator(self.channel, layout, self.peers)
+            rep = self.replicator = replicator_for(self.channel, layout, self.peers)
         elif rep.layout is not layout:
             rep.wait()
             rep.layout = layout
         rank = self.channel.rank
 
-        def sources(channel: Coordinator) -> tuple[list[Source], BaseException | None]:
+        def sources(channel: Coordinator) -> tuple[list[Source] | None, BaseException | None]:
             what = f"replicating DCP step {step}"
             if not channel.all_true(error is None and report is not None, f"{what} (written on every rank?)"):
-                return [], error or ReplicationError(f"step {step} was not written on every rank: nothing to "
-                                                     f"protect", step)
+                return None, not_written(step, error)
             said = word_of(channel, word, what)
             if (said["step"], said["token"]) != (step, token):
                 return [], ReplicationError(f"rank 0 replicates step {said['step']} (save {said['token']}), this rank "
@@ -138,6 +143,21 @@ class DcpReplication:
             return rank_sources(layout, report, word.manifest if word is not None else None), None
 
         rep.submit(SourcedJob(step, rank == 0, sources))
+
+    def missed(self, layout: RootLayout | None) -> None:
+        """This rank's answer for a save it set up but whose write_data it never reached (it
+        failed before: DCP calls nothing more on it until its next save or close): the first
+        round of that save's replication says so, so the ranks that reached write_data (waiting
+        there) end it with ReplicationError, no round follows, and every rank's rounds stay in
+        step for the next save. Called at the next set_up, or at close."""
+        rep = self.replicator
+        if rep is None:
+            rep = self.replicator = replicator_for(self.channel, layout, self.peers)  # type: ignore[arg-type]
+
+        def sources(channel: Coordinator) -> tuple[list[Source] | None, BaseException | None]:
+            channel.all_true(False, "replicating a DCP step (written on every rank?)")
+            return None, not_written(-1, None)
+        rep.submit(SourcedJob(-1, self.channel.rank == 0, sources))
 
     def wait(self, timeout: float | None = None) -> bool:
         return True if self.replicator is None else self.replicator.wait(timeout)
@@ -155,6 +175,14 @@ class DcpReplication:
             self.replicator.close()
         else:
             self.channel.close()
+
+
+def not_written(step: int, error: BaseException | None) -> ReplicationError:
+    """A save some rank did not write (its write failed, or it never reached write_data)."""
+    said = f"step {step}" if step >= 0 else "a save"
+    why = f" (this rank: {describe(error)})" if error is not None else ""
+    return ReplicationError(f"{said} was not written on every rank{why}: nothing to protect; it was not committed, "
+                            f"the earlier protected steps stand", step)
 
 
 def word_of(channel: Coordinator, word: Word | None, what: str) -> dict:
@@ -203,6 +231,11 @@ class Placed:
     check: tuple[int, ...] = ()  # the table roots this rank looks at for the others
     problems: tuple[tuple[int, str], ...] = ()  # (file, why a place of it was not usable), so far
     failed: frozenset[tuple[int, int, str]] = frozenset()  # (file, root, path) places found bad
+    reach: tuple[Path | None, ...] = ()  # this rank's path of each table root (one more per held copy)
+    parity: bool = False  # some root of the step holds parity (parity.py): a lost member is rebuilt
+    checkers: dict[int, int] | None = None  # rank 0: the rank looking at each reached table root
+    rebuilt: bool = False  # the lost members were rebuilt from their parity once (never twice)
+    held: HeldCopies | None = None  # rebuilt copies held in memory for this load (closed after it)
 
 
 def _size_problem(path: Path, f: FileRecord) -> str | None:
@@ -258,24 +291,25 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
         return Placed(m, False)
     d = step_dir_name(m.step)
     reached = {g: p for g, p in enumerate(reach) if p is not None}
-    some = any((p / d / COPIES_DIR).is_dir() for p in reached.values())
+    some = [any((p / d / COPIES_DIR).is_dir() for p in reached.values()),
+            any((p / d / PARITY_DIR).is_dir() for p in reached.values())]
     needed = sorted({f.root for f in m.files})
+    checker: dict[int, int] = {}
 
     def assign(outs: list) -> list:
-        checker: dict[int, int] = {}
         for r, (_, gs) in enumerate(outs):
             for g in gs:
                 checker.setdefault(g, r)
         lost = [g for g in needed if g not in checker]
-        copies = any(n for n, _ in outs)
-        return [{"check": [g for g, c in checker.items() if c == r], "copies": copies, "lost": lost}
-                for r in range(len(outs))]
+        copies, parity = any(n[0] for n, _ in outs), any(n[1] for n, _ in outs)
+        return [{"check": [g for g, c in checker.items() if c == r], "copies": copies or parity, "parity": parity,
+                 "lost": lost} for r in range(len(outs))]
 
     mine = coord.decide_each(None, [some, sorted(reached)], f"{what} (finding the step's files)", assign)
     if not mine["copies"]:
         if mine["lost"]:
             raise StepFilesLostError(_lost_message(m, mine["lost"]))
-        return Placed(m, False)
+        return Placed(m, False, reach=tuple(reach))
     check = tuple(mine["check"])
     problems, error = [], None
     try:
@@ -288,16 +322,16 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
     lost = set(mine["lost"])
     bad += [[i, f"root {f.root} of the step is on no rank of this job (a replaced node?)"]
             for i, f in enumerate(m.files) if f.root in lost]
-    placed = Placed(m, True, check)
-    return _from_copies(coord, placed, reach, [(i, p) for i, p in bad], what) if bad else placed
+    placed = Placed(m, True, check, reach=tuple(reach), parity=mine["parity"], checkers=checker or None)
+    return _from_copies(coord, placed, [(i, p) for i, p in bad], what) if bad else placed
 
 
-def _from_copies(coord: Coordinator, placed: Placed, reach: Sequence[Path | None],
-                 bad: Sequence[tuple[int, str]], what: str) -> Placed:
+def _from_copies(coord: Coordinator, placed: Placed, bad: Sequence[tuple[int, str]], what: str) -> Placed:
     """Collective: ``placed`` with the files ``bad`` (with why) pointed at a copy of the right
     size not yet found bad (the lowest root, then directory), which the fetch checks against
-    its crc32c as it reads; raises alike on every rank when a file has none left."""
-    m, d = placed.m, step_dir_name(placed.m.step)
+    its crc32c as it reads; a parity step's files with none are first rebuilt from their lanes
+    (``_from_parity``, once); raises alike on every rank when a file has none left."""
+    m, d, reach = placed.m, step_dir_name(placed.m.step), placed.reach
     wanted = {f.path: i for i, f in enumerate(m.files) if i in {i for i, _ in bad}}
     found, error = [], None
     try:
@@ -324,6 +358,9 @@ def _from_copies(coord: Coordinator, placed: Placed, reach: Sequence[Path | None
         log.warning("gdswriter: step %d: data file %s is not usable where it was (%s); reading the copy %s on table "
                     "root %d instead (checked against its crc32c as it is read)", m.step, m.files[i].path, why,
                     good[0][1], good[0][0])
+    if lost and placed.parity and not placed.rebuilt:
+        gone = {m.files[i].path for i, _ in bad if not any(j == i and p is None for j, _, _, p in found)}
+        return _from_copies(coord, _from_parity(coord, placed, gone, what), bad, what)
     if lost:
         damaged = any("damaged" in p for j, p in problems)
         cls = CorruptCheckpointError if damaged else StepFilesLostError
@@ -332,29 +369,32 @@ def _from_copies(coord: Coordinator, placed: Placed, reach: Sequence[Path | None
     return replace(placed, m=replace(m, files=tuple(files)), problems=problems)
 
 
-def fetch_placed(coord: Coordinator, placed: Placed, reach: Sequence[Path | None], fetch: Callable[[Manifest], T],
-                 what: str) -> T:
-    """``fetch(manifest)`` (a collective read verifying every chunk's crc32c), again with the
+def fetch_placed(coord: Coordinator, placed: Placed, fetch: Callable[[Placed], T], what: str) -> T:
+    """``fetch(placed)`` (a collective read of ``placed.m`` from ``placed.reach`` verifying every
+    chunk's crc32c), again with the
     files that failed their check pointed at another copy, until it succeeds or a file has no
     good copy left (then raises alike on every rank). Only where the step has copies, and after
     a failure the fetch's agreement gave every rank (its own typed error where it failed,
     RankFailedError elsewhere): every rank then says which file failed its check, if any, and
     when some rank failed otherwise, each raises its error as it is."""
-    while True:
-        try:
-            return fetch(placed.m)
-        except GDSWriterError as e:
-            if not placed.copies or isinstance(e, CollectiveFailedError):  # a broken channel: no round left
-                raise
-            placed = _after_damage(coord, placed, reach, e, what)
+    try:
+        while True:
+            try:
+                return fetch(placed)
+            except GDSWriterError as e:
+                if not placed.copies or isinstance(e, CollectiveFailedError):  # a broken channel: no round left
+                    raise
+                placed = _after_damage(coord, placed, e, what)
+    finally:
+        if placed.held is not None:
+            placed.held.close()
 
 
-def _after_damage(coord: Coordinator, placed: Placed, reach: Sequence[Path | None], e: BaseException,
-                  what: str) -> Placed:
+def _after_damage(coord: Coordinator, placed: Placed, e: BaseException, what: str) -> Placed:
     """Collective, after a fetch failed on every rank: the files whose bytes failed their
     crc32c where they were read (every rank says which, if any), pointed at their next copy;
     ``e`` raised again when some rank failed otherwise."""
-    m, d = placed.m, step_dir_name(placed.m.step)
+    m, d, reach = placed.m, step_dir_name(placed.m.step), placed.reach
     mine: int | str | None = None if isinstance(e, RankFailedError) else "other"
     if isinstance(e, ChecksumMismatchError):
         paths = {str(reach[f.root] / d / f.path): i for i, f in enumerate(m.files)  # type: ignore[operator]
@@ -375,11 +415,42 @@ def _after_damage(coord: Coordinator, placed: Placed, reach: Sequence[Path | Non
     failed = placed.failed | {(i, m.files[i].root, m.files[i].path) for i in damaged}
     bad = [(i, f"{m.files[i].path} on table root {m.files[i].root}: fails its crc32c check (damaged)")
            for i in damaged]
-    return _from_copies(coord, replace(placed, failed=failed), reach, bad, what)
+    return _from_copies(coord, replace(placed, failed=failed), bad, what)
+
+
+def _from_parity(coord: Coordinator, placed: Placed, gone: set[str], what: str) -> Placed:
+    """Collective: the lane members whose files include ``gone`` (data file names with no good
+    place) rebuilt from the rest of their parity lanes (parityload.rebuild_members) into
+    ``copies/rank<R>/`` on a root a surviving member keeps its parity on, every chunk checked
+    against its crc32c, where ``_from_copies`` then finds them; a copy no root can take is held
+    in memory: one more table root, seen by its rebuilder alone. Two members of one lane lost:
+    CorruptCheckpointError on every rank (never a guess)."""
+    m = placed.m
+    assert m.dist is not None
+    roots = tuple(m.dist.roots)
+    ranks = placed.checkers if placed.checkers is not None else {g: coord.rank for g in placed.check}
+    seen = {roots[g].id: (r,) for g, r in ranks.items()}
+    held = rebuild_members(coord, StepRoots(m.step, roots), placed.reach, seen,
+                           lambda _r, member: any(f[1] in gone for f in member["files"]), None, what=what, src=0)
+    placed = replace(placed, rebuilt=True)
+    if held is None:
+        return placed
+    reach, check = list(placed.reach), list(placed.check)
+    for e in held.entries:
+        roots += (RootInfo(e["id"], f"(memory of rank {e['rebuilder']})", (e["rebuilder"],)),)
+        reach.append(held.paths.get(e["rank"]))
+        if e["rebuilder"] == coord.rank:
+            check.append(len(roots) - 1)
+    return replace(placed, m=replace(m, dist=replace(m.dist, roots=roots)), reach=tuple(reach), check=tuple(check),
+                   held=held)
 
 
 def check_replicas_supported(dist_options: DistOptions, single_process: bool) -> None:
-    """GDSStorageWriter's copies need peers: refused in one process."""
+    """GDSStorageWriter's copies and parity need peers: refused in one process."""
     if dist_options.replicas > 1 and single_process:
         raise InvalidOptionError(f"DistOptions(replicas={dist_options.replicas}) with single_process=True: there "
                                  f"are no peer nodes to copy to; pass replicas=1, or save from every rank")
+    if dist_options.parity_group and single_process:
+        raise InvalidOptionError(f"DistOptions(parity_group={dist_options.parity_group}) with single_process=True: "
+                                 f"there are no peer nodes to hold the parity; pass dist_options=DistOptions() (or "
+                                 f"unset GDSWRITER_PARITY_GROUP), or save from every rank")

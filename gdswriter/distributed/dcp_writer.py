@@ -53,7 +53,6 @@ from .dcp_writer_parts import (
     SaveInProgress,
     Source,
     check_fs_options,
-    check_protection,
     checked_reports,
     chunk_key,
     dcp_manifest,
@@ -94,10 +93,14 @@ class GDSStorageWriter(Collective, StorageWriter):
 
     ``DistOptions(replicas=C)``, C > 1: after each commit the step is copied to C - 1 peer nodes
     in the background and marked protected (dcp_replicas.py; ``wait_protected``); GDSStorageReader
-    reads a lost or damaged file from a verified copy. ``CheckpointOptions(drain_root=...)``:
-    committed steps are drained to a shared root in the background (dcp_drain.py;
-    ``wait_drained``). Not yet for DCP steps: ``parity_group`` is refused (InvalidOptionError:
-    check_protection), never ignored."""
+    reads a lost or damaged file from a verified copy. ``DistOptions(parity_group=G)``: instead
+    of copies, each lane of G nodes gets one XOR parity block per member ((G + 1) / G the bytes,
+    format.md 11.1; the same ``wait_protected``); GDSStorageReader rebuilds a lost or damaged
+    member's files from the rest of its lane, every chunk checked against its crc32c
+    (parityload.py), and two lost in one lane is a typed error on every rank.
+    ``CheckpointOptions(drain_root=...)``: committed steps are drained to a shared root in the
+    background (dcp_drain.py; ``wait_drained``). In one process (single_process=True) copies
+    and parity are refused (no peer node), never ignored."""
 
     def __init__(self, root: Any = None, step: int | None = None, *, options: CheckpointOptions | None = None,
                  dist_options: DistOptions | None = None, process_group: Any = None, single_process: bool = False,
@@ -112,9 +115,9 @@ class GDSStorageWriter(Collective, StorageWriter):
             raise InvalidOptionError(f"overwrite={overwrite!r}: expected True or False")
         Collective.__init__(self, root, step, process_group, single_process, dist_options)
         self.options = options or CheckpointOptions()
-        check_protection(self.options, self.dist_options, from_env=dist_options is None)
         check_replicas_supported(self.dist_options, single_process)
         self._replication: DcpReplication | None = None  # replicas > 1: opened at the first save (dcp_replicas.py)
+        self._unanswered = False  # a save set up whose write_data did not hand its part to the replication yet
         self._pending: tuple | None = None  # the coordinator: (layout, report, error) of the save awaiting finish
         self._word: Word | None = None  # the coordinator, replicas > 1: its word on the save awaiting finish
         self._drain = (DcpDrain(self.options, self.dist_options.timeout_s)  # dcp_drain.py
@@ -157,6 +160,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         write_data: DCP's plans reached every rank then, so every rank decides the same."""
         kept = self._wrote
         self._end_save()
+        self._answer_missed()
         self._wrote = False
         if kwargs.get("use_collectives", True) is False:
             raise InvalidOptionError("GDSStorageWriter commits one step for all ranks: dcp.save(use_collectives=False) "
@@ -186,15 +190,25 @@ class GDSStorageWriter(Collective, StorageWriter):
         self._open_replication(self._opening.ids[0])
 
     def _open_replication(self, root_id: str) -> None:
-        """replicas > 1: at the first save, every rank opens the replication channel and places
-        the copies (collective: every rank's set_up calls this at the same point)."""
-        if self.dist_options.replicas > 1 and self._replication is None:
+        """replicas > 1 or parity_group: at the first save, every rank opens the replication
+        channel and places the copies or the parity lanes (collective: every rank's set_up calls
+        this at the same point)."""
+        if (self.dist_options.replicas > 1 or self.dist_options.parity_group) and self._replication is None:
             self._replication = DcpReplication.open(self.process_group, self.dist_options, root_id)
+        self._unanswered = self._replication is not None  # until this save's write_data hands its part over
+
+    def _answer_missed(self) -> None:
+        """A save set up on this rank whose write_data it never reached: its replication's first
+        round still waits for this rank's answer on the others (dcp_replicas.py ``missed``)."""
+        if self._unanswered and self._replication is not None:
+            self._replication.missed(self._session.layout if self._session is not None else None)
+        self._unanswered = False
 
     def wait_protected(self, timeout: float | None = None) -> int | None:
-        """Wait for the copies of the steps saved so far (replicas > 1) and return the newest
-        protected step (None: none yet, or no replicas); ReplicationError once for a step whose
-        copies failed (it stays committed, loadable where its own nodes are)."""
+        """Wait for the copies or parity of the steps saved so far (replicas > 1, parity_group)
+        and return the newest protected step (None: none yet, or no protection); ReplicationError
+        once for a step whose protection failed (it stays committed, loadable where its own
+        nodes are), or for a save not written on every rank."""
         if self._replication is None:
             return None
         self._replication.wait(timeout)
@@ -221,6 +235,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         coordinator's Word, settled at its commit or when the save ends (dcp_replicas.py)."""
         if self._replication is None:
             return None
+        self._unanswered = False
         word = Word(step, token) if primary else None
         self._replication.submit(layout, step, token, report, error, word)
         return word
@@ -616,6 +631,7 @@ class GDSStorageWriter(Collective, StorageWriter):
         """Release everything the writer holds: a save's locks, its opened roots and the engines
         kept between saves (the next save opens and builds new ones)."""
         self._end_save()
+        self._answer_missed()
         self._session = self._session_roots = None
         self._formers = []
         self._close_engines()

@@ -84,21 +84,6 @@ def check_fs_options(*, sync_files: Any, thread_count: Any, per_thread_copy_ahea
         log_once(f"dcp-fs-options:{text}", f"gdswriter: GDSStorageWriter takes FileSystemWriter's options; {text}")
 
 
-def check_protection(options: Any, dist_options: Any, from_env: bool) -> None:
-    """Refuse what GDSStorageWriter cannot honour yet, rather than ignore it: parity
-    (``parity_group``). A DCP step is one manifest of format 1.2 (format.md 9.5); parity works on
-    the per-rank shards of format 1.3 that GDSCheckpointer writes (format.md 11.1). Copies
-    (``replicas``: dcp_replicas.py) and the drain (``drain_root``: dcp_drain.py) are built."""
-    source = " (from the environment: GDSWRITER_PARITY_GROUP)" if from_env else ""
-    if dist_options.parity_group:
-        raise InvalidOptionError(f"DistOptions(parity_group={dist_options.parity_group}){source}: GDSStorageWriter "
-                                 f"does not protect DCP steps with parity yet (a DCP step is one format 1.2 manifest; "
-                                 f"parity needs GDSCheckpointer's per-rank shards). Use DistOptions(replicas=2) for "
-                                 f"copies on peer nodes, or save with GDSCheckpointer(..., dist_options=DistOptions("
-                                 f"parity_group={dist_options.parity_group})); for this DCP writer pass "
-                                 f"dist_options=DistOptions() (or unset GDSWRITER_PARITY_GROUP)")
-
-
 class Place:
     """A rank's place in the writer's group (``rank``, ``world_size``), standing for its
     Coordinator where no collective is made (OrderedCommit, the session it keeps)."""

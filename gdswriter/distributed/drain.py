@@ -77,6 +77,26 @@ def parse_drain_dir(name: str) -> tuple[int, str] | None:
     return None if step is None or not token else (step, token)
 
 
+def enter_drain_dir(root: Path, step: int, token: str, clean: bool) -> Path:
+    """The drain's temporary directory for ``step`` of save ``token`` at the drain ``root`` (made by
+    whichever rank comes first); with ``clean``, after removing what other drains left there for
+    steps up to ``step`` (interrupted ones; a newer step's directory is never touched) and the
+    removals a crash interrupted. Shared by GDSCheckpointer's drain and DCP's (dcp_drain.py)."""
+    for n in os.listdir(root) if clean else ():
+        parsed = parse_drain_dir(n)
+        if n.startswith(TRASH_PREFIX):
+            shutil.rmtree(root / n, ignore_errors=True)  # a removal that a crash interrupted
+        elif parsed is not None and parsed[1] != token and parsed[0] <= step and (root / n).is_dir():
+            try:
+                retire(root / n)
+                log.info("gdswriter: removed %s, left by an interrupted drain", root / n)
+            except FileNotFoundError:
+                pass  # another rank removed it first
+    d = root / drain_dir_name(step, token)
+    d.mkdir(exist_ok=True)
+    return d
+
+
 class RankDrainer(Drainer):
     """Drainer of one rank of a multi-rank checkpointer (the module docstring). ``session``: the
     DistSession (its layout, and what each save of this rank voted: DistSession.saved)."""
@@ -135,19 +155,7 @@ class RankDrainer(Drainer):
         removing what other drains left for steps up to ``step`` (the module docstring)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.ident = root_identity(self.root, create=True)
-        for n in os.listdir(self.root):
-            parsed = parse_drain_dir(n)
-            if n.startswith(TRASH_PREFIX):
-                shutil.rmtree(self.root / n, ignore_errors=True)  # a removal that a crash interrupted
-            elif parsed is not None and parsed[1] != token and parsed[0] <= step and (self.root / n).is_dir():
-                try:
-                    retire(self.root / n)
-                    log.info("gdswriter: removed %s, left by an interrupted drain", self.root / n)
-                except FileNotFoundError:
-                    pass  # another rank removed it first
-        d = self.root / drain_dir_name(step, token)
-        d.mkdir(exist_ok=True)
-        return d
+        return enter_drain_dir(self.root, step, token, clean=True)
 
     def _copy_rank(self, shard: RankShard, step: int, into: Path) -> None:
         if self._engine is None:

@@ -48,7 +48,7 @@ from ..format.replicas import COPIES_DIR, PROTECTED_NAME
 from ..fs import atomic_write, fsync_dir
 from ..planner.replicas import ReplicaPart, parity_groups
 from .group import Coordinator, Transfer, describe
-from .replicate import ReplicaPeers, ReplicationJob, Replicator, placement_round
+from .replicate import ReplicaPeers, ReplicationJob, Replicator, SourcedJob, placement_round
 from .replicastream import Outgoing, Pipeline, Source
 from .roots import RootLayout
 
@@ -195,10 +195,12 @@ class ParityReplicator(Replicator):
 
     peers: ParityPeers
 
-    def _sources(self, job: ReplicationJob) -> tuple[list[Source], BaseException | None]:
+    def _sources(self, job: ReplicationJob | SourcedJob) -> tuple[list[Source] | None, BaseException | None]:
         """The Replicator's sources less the global manifest (kept aside: sent whole), each
         file's table root remembered for the stripe description."""
         out, error = super()._sources(job)
+        if out is None:  # nothing to stream, as every rank agreed (a DCP save not written everywhere)
+            return out, error
         self._global = b"".join(s.data or b"" for s in out if s.kind == "global")
         out = [s for s in out if s.kind != "global"]
         local = self.layout.local_to_global

@@ -37,7 +37,7 @@ import os
 import secrets
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import crc32c as _crc32c
@@ -102,6 +102,15 @@ def lost_ranks(layout: RootLayout, g: GlobalManifest) -> list[int]:
     return [r for r in range(g.world_size) if g.roots[g.shards[r].root].id not in seen]
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRoots:
+    """What a rebuild reads of a step's manifest: its number and its table of roots (a 1.3
+    global manifest's, or a DCP step's 1.2 ``dist.roots``)."""
+
+    step: int
+    roots: tuple[RootInfo, ...]
+
+
 def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copies: Sequence[Sequence[int]], *,
                  what: str, src: int) -> HeldCopies | None:
     """Collective (the module docstring): every lost rank of a parity lane rebuilt into a copy on
@@ -112,16 +121,28 @@ def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copi
     if not lost:
         return None
     seen = {info.id: tuple(info.ranks) for info in layout.table}
-    reach = reach_of(g, layout)
+    return rebuild_members(coord, StepRoots(g.step, tuple(g.roots)), reach_of(g, layout), seen,
+                           lambda r, _member: r in lost, copies, what=what, src=src)
+
+
+def rebuild_members(coord: Coordinator, g: StepRoots, reach: Sequence[Path | None], seen: dict[str, tuple[int, ...]],
+                    is_lost: Callable[[int, dict], bool], copies: Sequence[Sequence[int]] | None, *, what: str,
+                    src: int) -> HeldCopies | None:
+    """Collective: the members of parity lanes that ``is_lost(rank, its stripe entry)`` names
+    rebuilt into ``step_S/copies/rank<R>/`` on a root that may hold them (``copies[r]``, the
+    manifest's ``replicas`` entry; None: the roots where the lane's other members keep their
+    parity, as a DCP step has no such entry), or held in memory (returned, as rebuild_lost).
+    ``reach``: this rank's path of each table root; ``seen``: root id -> the ranks seeing it.
+    CorruptCheckpointError on every rank where a lane cannot rebuild a lost member."""
     held: dict[int, tuple[dict, Path]] = {}
     mine: dict = {"stripes": [], "writable": []}
     error: BaseException | None = None
     try:
-        mine = _held(coord, g, reach, seen, lost, held)
+        mine = _held(coord, g, reach, seen, is_lost, held)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     plan = coord.decide(error, mine, f"{what} (finding the parity of lost ranks)",
-                        lambda outs: _plan(g, copies, seen, lost, outs, what), root=src)
+                        lambda outs: _plan(g, copies, seen, outs, what), root=src)
     failed = [x["error"] for x in plan if "error" in x]
     if failed:
         raise CorruptCheckpointError("; ".join(failed))
@@ -136,7 +157,7 @@ def rebuild_lost(coord: Coordinator, layout: RootLayout, g: GlobalManifest, copi
     return kept if kept.entries else None
 
 
-def _rebuild_one(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict, reach: Sequence[Path | None],
+def _rebuild_one(coord: Coordinator, g: StepRoots, entry: dict, held: dict, reach: Sequence[Path | None],
                  kept: HeldCopies, what: str, src: int) -> None:
     """One lost rank rebuilt (step 2 of the module docstring), its outcome agreed by every rank."""
     r, memory = entry["rank"], "memory" in entry
@@ -176,11 +197,11 @@ def _rebuild_one(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict,
                     others, _copies(reach, g, entry))
 
 
-def _held(coord: Coordinator, g: GlobalManifest, reach: Sequence[Path | None], seen: dict, lost: list[int],
-          held: dict[int, tuple[dict, Path]]) -> dict:
+def _held(coord: Coordinator, g: StepRoots, reach: Sequence[Path | None], seen: dict,
+          is_lost: Callable[[int, dict], bool], held: dict[int, tuple[dict, Path]]) -> dict:
     """This rank's report: the stripe descriptions, on the roots it leads, of lanes holding a lost
-    rank (kept in ``held``), and which of those roots' step directories it can write (where a
-    rebuilt copy may go)."""
+    rank (kept in ``held``; with the table root each lies on), and which of those roots' step
+    directories it can write (where a rebuilt copy may go)."""
     out: dict = {"stripes": [], "writable": []}
     for j, p in enumerate(reach):
         ranks = seen.get(g.roots[j].id)
@@ -191,27 +212,27 @@ def _held(coord: Coordinator, g: GlobalManifest, reach: Sequence[Path | None], s
         d = p / step_dir_name(g.step) / PARITY_DIR
         for f in sorted(d.glob("rank*.json")) if d.is_dir() else ():
             body = read_stripe(f)
-            hits = [r for r in lost if r in body["lane"]]
+            hits = [r for r, member in zip(body["lane"], body["members"]) if is_lost(r, member)]
             if hits:
                 held[body["parity"]["rank"]] = (body, p / step_dir_name(g.step))
-                out["stripes"].append({"holder": body["parity"]["rank"], "lane": body["lane"],
+                out["stripes"].append({"holder": body["parity"]["rank"], "lane": body["lane"], "root": j,
                                        "lost": [[r, body["members"][body["lane"].index(r)]] for r in hits]})
     return out
 
 
-def _plan(g: GlobalManifest, copies: Sequence[Sequence[int]], seen: dict, lost: list[int], outs: list,
-          what: str) -> list[dict]:
-    """The primary rank: for each lost rank of a parity lane, who rebuilds it and who sends what."""
+def _plan(g: StepRoots, copies: Sequence[Sequence[int]] | None, seen: dict, outs: list, what: str) -> list[dict]:
+    """The primary rank: for each lost rank of a parity lane (as the reports name them), who
+    rebuilds it and who sends what. A lost rank no parity holds is left to the caller (not a
+    parity step, or its whole lane is gone: the copies' error says so)."""
     plan = []
     writable = {j for out in outs for j in out["writable"]}
-    for r in lost:
+    for r in sorted({int(r) for out in outs for x in out["stripes"] for r, _ in x["lost"]}):
         reps = [(reader, x) for reader, out in enumerate(outs) for x in out["stripes"] if r in x["lane"]]
-        if not reps:
-            continue  # no parity holds it: not a parity step, or its whole lane is gone (the copies' error says so)
         lane = reps[0][1]["lane"]
         have = {x["holder"]: reader for reader, x in reps}
         missing = [k for k in lane if k != r and k not in have]
-        reached = [j for j in copies[r] if g.roots[j].id in seen]
+        targets = copies[r] if copies is not None else sorted({x["root"] for _, x in reps if x["holder"] != r})
+        reached = [j for j in targets if g.roots[j].id in seen]
         target = next((j for j in reached if j in writable), None)
         info = next(m for rr, m in reps[0][1]["lost"] if rr == r)
         senders = [[k, have[k]] for k in lane if k != r and k in have]  # every one, where none is missing
@@ -233,7 +254,7 @@ def _plan(g: GlobalManifest, copies: Sequence[Sequence[int]], seen: dict, lost: 
     return plan
 
 
-def _copies(reach: Sequence[Path | None], g: GlobalManifest, entry: dict) -> Path:
+def _copies(reach: Sequence[Path | None], g: StepRoots, entry: dict) -> Path:
     return reach[entry["target"]] / step_dir_name(g.step) / COPIES_DIR  # type: ignore[operator]
 
 
@@ -301,7 +322,7 @@ def _aligned_zeros(n: int) -> torch.Tensor:
     return raw[at:at + n]
 
 
-def _incoming(reach: Sequence[Path | None], g: GlobalManifest, entry: dict, memory: Path | None
+def _incoming(reach: Sequence[Path | None], g: StepRoots, entry: dict, memory: Path | None
               ) -> tuple[Incoming | None, BaseException | None]:
     """The rebuilder's copy being written (on its root, or in ``memory``: a directory standing
     for a root), or why it cannot be: the exchanges still run (the senders wait on them) and
@@ -315,7 +336,7 @@ def _incoming(reach: Sequence[Path | None], g: GlobalManifest, entry: dict, memo
         return None, e
 
 
-def _rebuild(coord: Coordinator, g: GlobalManifest, entry: dict, held: dict, reach: Sequence[Path | None],
+def _rebuild(coord: Coordinator, g: StepRoots, entry: dict, held: dict, reach: Sequence[Path | None],
              what: str, memory: Path | None = None) -> None:
     """One lost rank's files rebuilt (step 2 of the module docstring): every sender and the
     rebuilder run every piece's exchange, a local failure sending zeros and raising at the end."""

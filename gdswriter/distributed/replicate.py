@@ -167,7 +167,8 @@ class ReplicationJob:
 class SourcedJob:
     """A committed step whose files the submitter names (the DCP plug-in: dcp_replicas.py):
     ``sources(channel)`` runs on the replication thread, may make collectives on the channel,
-    and returns what ``Replicator._sources`` does."""
+    and returns what ``Replicator._sources`` does, or (None, a ReplicationError) where every
+    rank agreed on the channel that there is nothing to stream: then no round follows."""
 
     step: int
     primary: bool
@@ -291,7 +292,10 @@ class Replicator:
         what = f"replicating step {step}"
         t0 = time.perf_counter()
         try:
-            out = Outgoing(*self._sources(job))
+            sources, error = self._sources(job)
+            if sources is None:  # every rank agreed: nothing to stream (SourcedJob), no round follows
+                raise error if isinstance(error, ReplicationError) else ReplicationError(str(error), step)
+            out = Outgoing(sources, error)
             problems = self._stream(step, out)
         except CollectiveFailedError as e:
             self._stop(step, e)
@@ -347,7 +351,7 @@ class Replicator:
         except OSError as e:
             return {self.coord.rank: f"writing {d / PROTECTED_NAME}: {describe(e)}"}
 
-    def _sources(self, job: ReplicationJob | SourcedJob) -> tuple[list[Source], BaseException | None]:
+    def _sources(self, job: ReplicationJob | SourcedJob) -> tuple[list[Source] | None, BaseException | None]:
         """This rank's files of ``job.step``: its shard (checked against its vote), its data files
         (their chunks checked as they stream) and, on the primary rank, the global manifest.
         A failure is sent to the peers as the stream's trailer, not raised."""

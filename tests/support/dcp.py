@@ -1,0 +1,86 @@
+"""What the DCP plug-in's multi-rank tests share (test_dcp_replicas.py, test_dcp_drain.py,
+test_dcp_parity.py): the state of a step (two 4 MiB tensors, above the small-copy thresholds,
+the same on every rank: DCP splits them), a writer on a rank's own node, a verified load of a
+step with the warnings it logged, a flipped byte."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from support.ranks import WarningLines, caught
+
+MiB = 1 << 20
+
+
+def engine() -> Any:
+    from support.models import small_engine
+
+    return small_engine()
+
+
+def dcp_state(seed: int, step: int) -> dict:
+    """Two 4 MiB tensors whose values depend on ``seed`` and ``step``."""
+    g = torch.Generator().manual_seed(seed + step)
+    return {"a": torch.randn(MiB, generator=g), "b": torch.randint(0, 1 << 30, (MiB,), generator=g)}
+
+
+def node_writer(rank: int, root: Path, **options: Any) -> Any:
+    """A GDSStorageWriter on ``root`` for a rank that stands for node ``node<rank>``
+    (GDSWRITER_HOSTNAME: its copies and parity go to other ranks), with ``options`` as
+    DistOptions (timeout_s: 120 unless given), or as CheckpointOptions where ``drain_root`` is."""
+    from gdswriter import CheckpointOptions
+    from gdswriter.distributed import DistOptions, GDSStorageWriter
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    ck = {k: options.pop(k) for k in ("drain_root", "drain_every") if k in options}
+    return GDSStorageWriter(root, options=CheckpointOptions(engine=engine(), **ck),
+                            dist_options=DistOptions(**{"timeout_s": 120.0, **options}))
+
+
+def dcp_load(root: Path, step: int, want: dict) -> tuple[list[str] | None, bool, list[str]]:
+    """(error, bit-exact against ``want``, warnings) of a DCP load of ``step`` on this rank."""
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import GDSStorageReader, dcp_errors
+
+    back = {k: torch.zeros_like(v) for k, v in want.items()}
+    lines = WarningLines()
+    logging.getLogger().addHandler(lines)
+
+    def run() -> None:
+        with dcp_errors():
+            dcp.load(back, storage_reader=GDSStorageReader(root, step, engine_options=engine()))
+    try:
+        got = caught(run)
+    finally:
+        logging.getLogger().removeHandler(lines)
+    return got, all(torch.equal(back[k], v) for k, v in want.items()), lines.lines
+
+
+def flip(path: Path) -> None:
+    """One byte in the middle of ``path`` flipped."""
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def save_two_steps(rank: int, root: Path, state: Any, **options: Any) -> list:
+    """Steps 0 (dcp.save) and 1 (dcp.async_save, which returns at the commit: the protection
+    follows) of ``state(step)`` through ``node_writer(rank, root, **options)``; the protected
+    step after each."""
+    import torch.distributed.checkpoint as dcp
+
+    w = node_writer(rank, root, **options)
+    w.reset(0)
+    dcp.save(state(0), storage_writer=w)
+    first = w.wait_protected()
+    w.reset(1)
+    dcp.async_save(state(1), storage_writer=w).result()
+    second = w.wait_protected()
+    w.close()
+    return [first, second]

@@ -1,0 +1,89 @@
+"""Parity for DCP steps (issue 39 items 5 and 6; GDSStorageWriter with DistOptions(parity_group=G),
+dcp_replicas.py over parity.py and parityload.py): three real gloo ranks, each its own node (its
+own node-local root, its own GDSWRITER_HOSTNAME), one lane of 3. Each step is protected by one
+XOR parity block per member (3/2 the bytes on the drives); a node replaced (its root emptied)
+or a damaged data file is rebuilt from the rest of the lane, checked against its crc32c, and
+loads bit-exact, saying so; two members of the lane lost is a typed error on every rank."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.dcp import dcp_load, dcp_state, flip, save_two_steps
+from support.ranks import run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+STEP = "step_000000000001"
+
+
+def state(step: int) -> dict:
+    return dcp_state(300, step)
+
+
+def _save(rank: int, root: Path) -> list:
+    return save_two_steps(rank, root, state, parity_group=3)
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict:
+    root = Path(tmp, f"node{rank}")
+    out: dict = {"protected": _save(rank, root)}
+    step = root / STEP
+    out["own"] = sum(p.stat().st_size for p in step.glob("*.bin"))
+    out["parity"] = sum(p.stat().st_size for p in (step / "parity").glob("*.xor"))
+    torch.distributed.barrier()
+    out["intact"] = dcp_load(root, 1, state(1))
+    torch.distributed.barrier()
+    damaged = sorted(step.glob("*.bin"))[0]
+    kept = damaged.read_bytes()
+    if rank == 2:  # a byte flipped in one of rank 2's data files of step 1
+        flip(damaged)
+    torch.distributed.barrier()
+    out["flipped"] = dcp_load(root, 1, state(1))
+    out["rebuilt"] = sorted(p.name for p in step.glob("copies/rank*"))
+    torch.distributed.barrier()
+    if rank == 2:  # mended again
+        damaged.write_bytes(kept)
+    shutil.rmtree(step / "copies" / "rank00002", ignore_errors=True)  # the rebuilt copy put away
+    if rank == 1:  # rank 1's node replaced: its root is an empty directory
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    out["replaced"] = dcp_load(root, 1, state(1))
+    torch.distributed.barrier()
+    if rank == 2:  # and now rank 2's node too, for step 0 (rank 1's files of step 0 are gone already)
+        shutil.rmtree(root / "step_000000000000")
+    torch.distributed.barrier()
+    out["two"] = dcp_load(root, 0, state(0))
+    return out
+
+
+def test_dcp_parity_protects_at_3_over_2_and_rebuilds_a_lost_or_damaged_member(tmp_path):
+    """parity_group=3 on 3 nodes: steps 0 and 1 protected (``protected`` says the group), each
+    member's parity block half its data (bytes on the drives 1.5x); an intact load reads no
+    rebuild; a flipped byte in rank 2's file: rebuilt from ranks 0 and 1 and loaded bit-exact;
+    rank 1's root emptied: rebuilt from ranks 0 and 2, bit-exact on every rank, saying so;
+    ranks 1 and 2 of step 0 both lost: CorruptCheckpointError on every rank, never a wrong load."""
+    got = run_ranks(3, _worker, str(tmp_path), out=tmp_path / "ranks")
+    own, parity = sum(x["own"] for x in got), sum(x["parity"] for x in got)
+    assert 1.45 < (own + parity) / own < 1.55, (own, parity)
+    assert json.loads((tmp_path / "node0" / STEP / "protected").read_bytes()) == {"copies": 1, "parity_group": 3}
+    for rank, x in enumerate(got):
+        assert x["protected"] == [0, 1], (rank, x)
+        err, exact, lines = x["intact"]
+        assert err is None and exact and not [li for li in lines if "rebuilt" in li], (rank, x["intact"])
+        for case in ("flipped", "replaced"):
+            err, exact, lines = x[case]
+            assert err is None and exact, (rank, case, x[case])
+        err, exact, _ = x["two"]
+        assert err is not None and err[0] == "CorruptCheckpointError" and "cannot rebuild" in err[1], (rank, err)
+    said = [li for x in got for li in x["replaced"][2] if "rebuilt rank 1's files" in li]
+    assert said, [x["replaced"][2] for x in got]
+    said = [li for x in got for li in x["flipped"][2] if "rebuilt rank 2's files" in li]
+    assert said, [x["flipped"][2] for x in got]
+    assert [x["rebuilt"] for x in got].count(["rank00002"]) == 1, got  # one copy, on a surviving member's root
