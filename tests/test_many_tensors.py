@@ -314,3 +314,43 @@ def test_a_damaged_byte_in_a_run_of_small_tensors_fails_the_load_and_leaves_the_
         with pytest.raises(ChecksumMismatchError, match="tiny/t"):
             ck.load(1)
     assert all(bool((t == -1.0).all()) for t in state["tiny"].values())
+
+
+def test_small_storages_of_uneven_sizes_far_apart_load_as_their_own_and_a_damaged_one_changes_nothing(tmp_path):
+    """Storages of 1.2-3.6 KB laid out 4 KiB apart: sparse runs whose chunks are not evenly
+    spaced (each copied out of the scratch buffer on its own, not in one strided copy). Each
+    loads its own bytes as a storage of exactly its size; one flipped byte among them is the
+    tensor's ChecksumMismatchError and leaves every live tensor as it was."""
+    sizes = [300 + (i * 37) % 600 for i in range(3000)]
+    state = {"g": {f"t{i}": torch.full((n,), float(i)) for i, n in enumerate(sizes)}}
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+        got = load_state(tmp_path, 1)[1]["model"]["g"]
+        for i, n in enumerate(sizes):
+            t = got[f"t{i}"]
+            assert torch.equal(t, state["g"][f"t{i}"]), i
+            assert t.storage_offset() == 0 and t.untyped_storage().nbytes() == 4 * n, i
+        flip_a_byte_mid_file(ck.protocol.step_dir(1))
+        for t in state["g"].values():
+            t.fill_(-1.0)
+        with pytest.raises(ChecksumMismatchError, match="g/t"):
+            ck.load(1)
+    assert all(bool((t == -1.0).all()) for t in state["g"].values())
+
+
+def test_a_damaged_byte_in_the_last_part_of_a_large_file_of_small_tensors_is_found(tmp_path):
+    """A file of small tensors larger than one read call (reader.PIPELINE_BYTES, 32 MiB) is read
+    in parts while earlier parts are summed: a flipped byte past the first part is still found,
+    and every tensor loaded intact before."""
+    state = {"tiny": {f"t{i}": torch.full((1020,), float(i)) for i in range(10_000)}}  # 40 MiB of runs
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+        step_dir = ck.protocol.step_dir(1)
+    got = load_state(tmp_path, 1)[1]["model"]["tiny"]
+    assert all(torch.equal(got[f"t{i}"], state["tiny"][f"t{i}"]) for i in range(10_000))
+    data = sorted(step_dir.glob("data-*.bin"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[9_500 * 4096 + 100] ^= 0xFF  # inside tensor 9,500 (each starts 4 KiB-aligned), past the first 32 MiB
+    data.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match="tiny/t"):
+        load_state(tmp_path, 1)

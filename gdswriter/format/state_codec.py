@@ -641,21 +641,23 @@ class _Decoder:
         out = {} if tag == "$dict" else collections.OrderedDict()
         if type(x) is not list:
             raise _bad(f"{tag} must hold a list of [key, value] pairs")
+        tensors, count, slots, leaf = self.tensors, len(self.tensors), self.slots, depth + 1 < MAX_DEPTH
         for pair in x:
             if type(pair) is not list or len(pair) != 2:
                 raise _bad(f"{tag} entry {_show(pair)} is not a [key, value] pair")
-            key = pair[0]
+            key, val = pair
             if type(key) is not str:  # a str key is itself (dec and _is_key need not ask)
                 key = self.dec(key, depth + 1)
                 if not _is_key(key):
                     raise _bad(f"dict key {_show(key)} has a type keys cannot have")
             if key in out:
                 raise _bad(f"duplicate dict key {_show(key)}")
-            val = pair[1]
-            if type(val) is dict and len(val) == 1 and "$tensor" in val and depth + 1 < MAX_DEPTH:  # a tensor leaf
-                out[key] = self.tensor(val["$tensor"])
-                if self.slots is not None:
-                    self.slots.append((out, key, val["$tensor"]))
+            if type(val) is dict and len(val) == 1 and "$tensor" in val and leaf:  # a tensor leaf, inline
+                i = val["$tensor"]
+                out[key] = tensors[i] if type(i) is int and 0 <= i < count else self.tensor(i)  # (raises)
+                self.used += 1
+                if slots is not None:
+                    slots.append((out, key, i))
                 continue
             out[key] = self.dec(val, depth + 1)
         return out
