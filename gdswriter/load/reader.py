@@ -29,8 +29,7 @@ import stat
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -242,7 +241,6 @@ at least ZERO_COPY_MIN, 1 MiB, straight into their memory: host_buffer's are pag
 the runs below 1 MiB they replaced were staged, a copy of every byte (10,000 tensors of 26 KiB:
 0.16-0.28 s of a 256 MiB load)."""
 SPARSE_SCRATCH = 32 << 20  # file bytes of sparse runs read at a time (the scratch buffer they pass through)
-PIPELINE_BYTES = 32 << 20  # a file's spans are read in calls of this many bytes while the runs read are summed
 
 
 def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torch.Tensor | None],
@@ -423,45 +421,19 @@ def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, in
         owner.append(-1 - k)
         k += 1
     crcs = [0] * len(chunks)
-    for a, got in _read_batches(engine, path, spans, PIPELINE_BYTES if verify and runs else 0):
-        for crc, o in zip(got if verify else (), owner[a:]):
-            if o < 0:
-                crcs[-1 - o] = crc
-                continue
-            run = runs[o]
-            view = memoryview(run.buf.numpy())
-            for j in range(run.first, run.end):
-                c = chunks[j][0]
-                crcs[j] = _crc32c(view[c.file_offset - run.lo:c.file_offset - run.lo + c.length])
+    got = engine.read_file(path, spans) if spans else []
+    for crc, o in zip(got if verify else (), owner):
+        if o < 0:
+            crcs[-1 - o] = crc
+            continue
+        run = runs[o]
+        view = memoryview(run.buf.numpy())
+        for j in range(run.first, run.end):
+            c = chunks[j][0]
+            crcs[j] = _crc32c(view[c.file_offset - run.lo:c.file_offset - run.lo + c.length])
     if sparse:
         _read_sparse(engine, path, chunks, sparse, out, crcs, verify)
     return crcs
-
-
-def _read_batches(engine: IOEngine, path: Path, spans: list[ReadSpan], batch: int) -> Iterator[tuple[int, list[int]]]:
-    """engine.read_file of ``spans``, yielding (index of the first span, their crc32c) per call.
-    With ``batch`` > 0 they are read in calls of about ``batch`` bytes, one after another by a
-    thread of their own, while the caller sums the runs of what arrived (10,000 tensors of
-    26 KiB: the crc32c of 256 MiB, once done after the whole read, now during it). Every
-    read has ended, or was cancelled before it began, when this returns or raises."""
-    cuts, acc = [0], 0
-    for i, s in enumerate(spans[:-1]):
-        acc += s.out.numel()
-        if batch and acc >= batch:
-            cuts.append(i + 1)
-            acc = 0
-    if len(cuts) == 1:
-        if spans:
-            yield 0, engine.read_file(path, spans)
-        return
-    cuts.append(len(spans))
-    pool = ThreadPoolExecutor(1, thread_name_prefix="gdswriter-read")
-    try:
-        calls = [(a, pool.submit(engine.read_file, path, spans[a:b])) for a, b in zip(cuts, cuts[1:])]
-        for a, call in calls:
-            yield a, call.result()
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _read_sparse(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]], runs: list[_Run],
