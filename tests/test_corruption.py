@@ -54,8 +54,9 @@ def body(root: Path, step: int) -> dict:
     """The step's manifest as 1.1 rows (a 2.0 manifest's records re-written as 1.1 writes them,
     which a 1.x reader path checks once ``rewrite`` wrote them back): the edits below name rows."""
     raw = mpath(root, step).read_bytes()
-    m = Manifest.from_json_bytes(raw)
-    return json.loads(replace(m, version=(1, 1)).to_json_bytes() if m.version >= (2, 0) else raw)
+    b = json.loads(raw)
+    return json.loads(replace(Manifest.from_json_bytes(raw), version=(1, 1)).to_json_bytes()) \
+        if b.get("version", [0])[0] >= 2 else b
 
 
 def rewrite(root: Path, step: int, body: dict) -> None:

@@ -152,7 +152,7 @@ HOSTILE = {
     "more than 2**63 elements": _huge_shape,
     "a view past its storage": _set("tensors", "shape", 0, 9),
     "an expanded view above 64 MiB": _expanded,
-    "a misaligned byte offset": _set("tensors", "byte_offset", 0, 2),
+    "a misaligned byte offset": _set("tensors", "byte_offset", 4, 12),
     "an empty view's offset past its storage": _set("tensors", "byte_offset", 5, 64),
     "a storage index out of range": _set("tensors", "storage", 0, 4),
     "a dtype index out of range": _set("tensors", "dtype", 0, 3),

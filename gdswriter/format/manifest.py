@@ -1015,8 +1015,8 @@ def column_tables(body: dict, files: tuple[FileRecord, ...], where: str
         if type(v) is not list or set(map(type, v)) - {str}:
             raise ValueError("a tensor column of names is not a list of strings")
     lists, arrays = {}, {}
-    for k in (*_TENSOR_INT_COLUMNS, "shape", "stride"):
-        lists[k], arrays[k] = _int_column(t, k, len(names) if k in _TENSOR_INT_COLUMNS else None)
+    for k in (*_TENSOR_INT_COLUMNS, "shape", "stride"):  # their lengths: check_tensor_columns
+        lists[k], arrays[k] = _int_column(t, k)
     found = check_tensor_columns(arrays, dtype_names, len(device_names),
                                  np.array([s.nbytes for s in storages], dtype=np.int64), names)
     if found is not None:
