@@ -27,7 +27,6 @@ from .dtypes import all_dtypes, dtype_from_name, dtype_to_name
 FORMAT_NAME = "gdswriter"
 FORMAT_VERSION = (2, 0)  # (major, minor): readers refuse a newer major, accept any minor
 COLUMNS_VERSION = (2, 0)  # column tables, the checksum over the bytes as written (docs/format.md 3)
-ROWS_VERSION = (1, 1)  # the last single-process format of a record per row (still read, and re-written as read)
 MULTI_RANK_VERSION = (1, 2)  # what multi-rank saves write: adds "dist" and tensor "shard" (docs/format.md 9)
 MANIFEST_NAME = "manifest.json"
 
