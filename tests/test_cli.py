@@ -178,7 +178,7 @@ def test_inspect_text(capsys, ckpt):
     root, expected = ckpt
     rc, out, err = _run(capsys, "inspect", root)
     assert rc == 0, err
-    assert "gdswriter 1.1" in out and "step        2 (latest)" in out
+    assert "gdswriter 2.0" in out and "step        2 (latest)" in out
     assert '"note": "second"' in out and "data-r0-f0.bin" in out
     for name in expected:
         assert name in out
@@ -191,7 +191,7 @@ def test_inspect_text(capsys, ckpt):
 def test_inspect_json_ranges_match_the_bytes(capsys, ckpt):
     root, expected = ckpt
     doc = _inspect_json(capsys, root)
-    assert doc["step"] == 2 and doc["version"] == "1.1" and doc["metadata"]["epoch"] == 2
+    assert doc["step"] == 2 and doc["version"] == "2.0" and doc["metadata"]["epoch"] == 2
     assert doc["state_keys"] == ["model", "extra"]
     files = {f["index"]: Path(f["location"]) for f in doc["files"]}
     for t in doc["tensors"]:
@@ -558,12 +558,12 @@ def test_format_doc_reading_recipe_matches_load_state(ckpt):
     """The "reading a checkpoint without gdswriter" recipe in docs/format.md works."""
     root, expected = ckpt
     text = (REPO / "docs" / "format.md").read_text()
-    section = text[text.index("Reading a checkpoint without gdswriter"):]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = text[text.index("## 8. Reading a checkpoint without gdswriter"):text.index("## 9.")]
     ns: dict = {}
-    exec(compile(code, "docs/format.md", "exec"), ns)
+    for code in re.findall(r"```python\n(.*?)```", section, re.S):
+        exec(compile(code, "docs/format.md", "exec"), ns)
     step, state, manifest = ns["read_checkpoint"]([str(root)])
-    assert step == 2 and manifest["version"] == [1, 1]
+    assert step == 2 and manifest["version"] == [2, 0]
     _, ref = load_state(root)
     assert state["extra"]["sched"] == {"epoch": 3, "lr": 0.5}
     for k, v in ref["model"].items():
@@ -581,7 +581,7 @@ def test_format_doc_manifest_keys_match_the_code(ckpt):
     m = json.loads((root / "step_000000000002" / "manifest.json").read_text())
     for key in m:
         assert f"`{key}`" in text, key
-    for key in m["tensors"][0]:
+    for key in (*m["tensors"], *m["storages"]):  # format 2.0's columns
         assert f"`{key}`" in text, key
     from gdswriter.format.state_codec import _TAGS
 

@@ -4,6 +4,7 @@ and the earlier, intact steps still load."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpo
 from gdswriter.cli import main as cli_main
 from gdswriter.export import export_step
 from gdswriter.format.commit import step_dir_name
-from gdswriter.format.manifest import MANIFEST_NAME, canonical_json
+from gdswriter.format.manifest import MANIFEST_NAME, Manifest, canonical_json
 
 
 def _state(step: int) -> dict:
@@ -50,7 +51,12 @@ def mpath(root: Path, step: int) -> Path:
 
 
 def body(root: Path, step: int) -> dict:
-    return json.loads(mpath(root, step).read_bytes())
+    """The step's manifest as 1.1 rows (a 2.0 manifest's records re-written as 1.1 writes them,
+    which a 1.x reader path checks once ``rewrite`` wrote them back): the edits below name rows."""
+    raw = mpath(root, step).read_bytes()
+    b = json.loads(raw)
+    return json.loads(replace(Manifest.from_json_bytes(raw), version=(1, 1)).to_json_bytes()) \
+        if b.get("version", [0])[0] >= 2 else b
 
 
 def rewrite(root: Path, step: int, body: dict) -> None:
@@ -242,8 +248,11 @@ def test_a_huge_manifest_is_refused_before_it_is_read(two_steps, capsys):
 
 @pytest.mark.parametrize("edit", ["step", "chunk_crc", "nbytes", "shape", "state", "metadata", "whitespace"])
 def test_manifest_self_checksum(two_steps, edit):
+    """1.x's checksum over the canonical JSON (the step re-written as 1.1); 2.0's over the bytes:
+    tests/test_manifest_columns.py."""
     root = two_steps
     p = mpath(root, 2)
+    p.write_bytes((json.dumps(body(root, 2), separators=(",", ":")) + "\n").encode())
     text = p.read_text()
     b = json.loads(text)
     if edit == "step":
@@ -275,9 +284,9 @@ def test_manifest_self_checksum(two_steps, edit):
 def test_newer_major_version(two_steps):
     root = two_steps
     b = body(root, 2)
-    b["version"] = [2, 0]
+    b["version"] = [3, 0]
     rewrite(root, 2, b)
-    with pytest.raises(UnsupportedFormatVersionError, match="2.0.*upgrade") as ei:
+    with pytest.raises(UnsupportedFormatVersionError, match="3.0.*upgrade") as ei:
         load_state(root)
     assert not isinstance(ei.value, CorruptCheckpointError)
     with pytest.raises(UnsupportedFormatVersionError):

@@ -70,16 +70,60 @@ def golden_1_1(engine: str) -> bytes:
     return (json.dumps(body, separators=(",", ":")) + "\n").encode()
 
 
+# What format 2.0 writes for the same state (docs/format.md 3): column tables, then the checksum
+# of every byte before its trailer. {engine}: the engine that wrote the file.
+GOLDEN_2_0_HEAD = (
+    '{{"format":"gdswriter","version":[2,0],"step":42,"created_unix":1700000000.25,"metadata":{{"note":"golden"}},'
+    '"files":[[0,"data-r0-f0.bin",12288,{{"engine":"{engine}"}}]],'
+    '"storages":{{"nbytes":[24,4,8,0],"chunks":[1,1,1,1],"file":[0,0,0,0],"file_offset":[0,4096,8192,12288],'
+    '"storage_offset":[0,0,0,0],"length":[24,4,8,0],"crc32c":[2258899752,4092339023,1987164046,0]}},'
+    '"tensors":{{"name":["model/ids","model/ids_t","model/half","model/step","model/empty"],"storage":[0,0,1,2,3],'
+    '"byte_offset":[0,0,0,0,0],"dtype":[0,0,1,2,3],"ndim":[1,2,1,0,1],"shape":[6,3,2,2,0],"stride":[1,1,3,1,1],'
+    '"device":[0,0,0,0,0],"kind":[0,0,0,0,0],"dtype_names":["int32","float16","int64","float32"],'
+    '"device_names":["cpu"]}},'
+    '"state":{{"$dict":[["model",{{"$dict":[["ids",{{"$tensor":0}}],["ids_t",{{"$tensor":1}}],["half",{{"$tensor":2}}],'
+    '["step",{{"$tensor":3}}],["empty",{{"$tensor":4}}]]}}],["extra",{{"$dict":[["cfg",{{"$dict":[["lr",0.5],'
+    '["name","tiny"],["betas",{{"$tuple":[0.9,0.99]}}],["nan",{{"$float":"nan"}}]]}}]]}}]]}}')
+
+
+def golden_2_0(engine: str) -> bytes:
+    """The 2.0 manifest of the golden state: its head, then the trailer with the crc32c of the head."""
+    head = GOLDEN_2_0_HEAD.format(engine=engine).encode()
+    return head + b',"manifest_crc32c":%d}\n' % crc32c.crc32c(head)
+
+
+def test_golden_manifest_bytes_2_0(tmp_path, monkeypatch):
+    """A save writes format 2.0, byte for byte; the checksum is the crc32c of the bytes before
+    ``,"manifest_crc32c":``; the 1.0 and 1.1 manifests of the same state still load the same."""
+    monkeypatch.setattr(writer_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.25))
+    model, extra = _golden_state()
+    with GDSCheckpointer(model, None, tmp_path, state=extra, options=M.small_options()) as ck:
+        ck.save(42, metadata={"note": "golden"})
+        engine = ck.engine_info.name
+    raw = (tmp_path / "step_000000000042" / MANIFEST_NAME).read_bytes()
+    assert raw == golden_2_0(engine)
+    m = Manifest.from_json_bytes(raw)
+    assert m.version == FORMAT_VERSION == (2, 0)
+    old = Manifest.from_json_bytes(golden_1_1(engine))
+    assert old.version == (1, 1) and Manifest.from_json_bytes(GOLDEN_MANIFEST).version == (1, 0)
+    assert (m.files, m.storages, m.tensors, m.metadata) == (old.files, old.storages, old.tensors, old.metadata)
+    assert m.to_json_bytes() == raw and old.to_json_bytes() == golden_1_1(engine)  # each re-written as read
+    s, state = load_state(tmp_path)
+    assert s == 42 and torch.equal(state["model"]["ids_t"], model["ids_t"])
+
+
 def test_golden_manifest_bytes(tmp_path, monkeypatch):
+    """The 1.1 golden manifest (what gdswriter wrote before 2.0), written by the 1.x encoder."""
     monkeypatch.setattr(writer_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.25))
     model, extra = _golden_state()
     with GDSCheckpointer(model, None, tmp_path, state=extra, options=M.small_options()) as ck:
         ck.save(42, metadata={"note": "golden"})
         engine = ck.engine_info.name
     step_dir = tmp_path / "step_000000000042"
-    assert (step_dir / MANIFEST_NAME).read_bytes() == golden_1_1(engine)
+    saved = Manifest.from_json_bytes((step_dir / MANIFEST_NAME).read_bytes())
+    assert replace(saved, version=(1, 1)).to_json_bytes() == golden_1_1(engine)
     m = Manifest.from_json_bytes(golden_1_1(engine))
-    assert m.version == FORMAT_VERSION == (1, 1) and m.files[0].info == {"engine": engine}
+    assert m.version == (1, 1) and m.files[0].info == {"engine": engine}
     assert (tmp_path / "latest").read_bytes() == b"42\n"
 
     # the data file: each storage at a 4 KiB-aligned offset, zero padding between
@@ -284,7 +328,8 @@ def test_nan_and_non_json_values_rejected():
 def test_version_checks():
     body = json.loads(GOLDEN_MANIFEST)
     body.pop("manifest_crc32c")
-    for version, err in (([2, 0], UnsupportedFormatVersionError), ([99, 5], UnsupportedFormatVersionError),
+    for version, err in (([3, 0], UnsupportedFormatVersionError), ([99, 5], UnsupportedFormatVersionError),
+                         ([2, 0], CorruptCheckpointError),  # a 2.0 body without its byte trailer
                          ([1], CorruptCheckpointError), (["1", 0], CorruptCheckpointError),
                          ([-1, 0], CorruptCheckpointError), ([True, 0], CorruptCheckpointError)):
         b = dict(body, version=version)
@@ -292,7 +337,7 @@ def test_version_checks():
         with pytest.raises(err):
             Manifest.from_json_bytes(json.dumps(b).encode())
     # a newer major is refused even if its checksum scheme changed (checked first)
-    b = dict(body, version=[2, 0], manifest_crc32c="sha256:...")
+    b = dict(body, version=[3, 0], manifest_crc32c="sha256:...")
     with pytest.raises(UnsupportedFormatVersionError):
         Manifest.from_json_bytes(json.dumps(b).encode())
 

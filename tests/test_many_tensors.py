@@ -219,7 +219,8 @@ def many_manifest() -> Manifest:
                 TensorRecord("scalar", 5, 8, "int64", (), ()),
                 TensorRecord("tail", 9, 4096, "float16", (2048,), (1,))]
     return Manifest(step=3, files=(FileRecord(0, "data-r0-f0.bin", at),), storages=tuple(storages),
-                    tensors=tuple(tensors), state={"$list": [{"$tensor": i} for i in range(len(tensors))]})
+                    tensors=tuple(tensors), state={"$list": [{"$tensor": i} for i in range(len(tensors))]},
+                    version=(1, 1))  # the rows of 1.x and their bulk checks (2.0: test_manifest_columns.py)
 
 
 def with_checksum(body: dict) -> bytes:

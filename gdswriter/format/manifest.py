@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 from json.encoder import encode_basestring_ascii
-from itertools import accumulate, chain
+from itertools import accumulate, chain, islice
 from operator import add, attrgetter, le
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import crc32c as _crc32c
+import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError, UnsupportedObjectError
@@ -24,7 +25,8 @@ from ..threads import gc_paused
 from .dtypes import all_dtypes, dtype_from_name, dtype_to_name
 
 FORMAT_NAME = "gdswriter"
-FORMAT_VERSION = (1, 1)  # (major, minor): readers refuse a newer major, accept any minor
+FORMAT_VERSION = (2, 0)  # (major, minor): readers refuse a newer major, accept any minor
+COLUMNS_VERSION = (2, 0)  # column tables, the checksum over the bytes as written (docs/format.md 3)
 MULTI_RANK_VERSION = (1, 2)  # what multi-rank saves write: adds "dist" and tensor "shard" (docs/format.md 9)
 MANIFEST_NAME = "manifest.json"
 
@@ -201,7 +203,10 @@ class Manifest:
         "storages" entry encoded already (StorageTableTemplate.fill; ``self.storages`` is then
         not read). ``encoded_state``: ``state`` is what state_codec's encoder made, whose
         objects' keys are in sorted order (one key, or "$odict" and "meta"), so its canonical
-        text is its plain text: encoded once."""
+        text is its plain text: encoded once. Format 2 (``version``'s major) writes column
+        tables and a checksum over the bytes (docs/format.md 3); 1.x a record per row."""
+        if self.version[0] >= 2:
+            return columns_bytes(self, storages)
         sizes = storages.sizes if storages is not None else tuple(s.nbytes for s in self.storages)
         canonical_tensors, plain_tensors = _tensor_table(self.tensors, sizes)
         body = {
@@ -237,15 +242,16 @@ class Manifest:
     @classmethod
     def from_json_bytes(cls, raw: bytes, where: str = "manifest") -> Manifest:
         """Parse and validate; any damage raises CorruptCheckpointError naming ``where``."""
-        return cls.from_body(decode_json(raw, where), where)
+        return cls.from_body(decode_json(raw, where), where, raw=raw)
 
     @classmethod
-    def from_body(cls, body: Any, where: str = "manifest") -> Manifest:
+    def from_body(cls, body: Any, where: str = "manifest", *, raw: bytes | None = None) -> Manifest:
         """Validate a manifest.json decoded by decode_json (taken over: its checksum entry is
-        removed); any damage raises CorruptCheckpointError naming ``where``."""
+        removed); any damage raises CorruptCheckpointError naming ``where``. ``raw``: the file's
+        bytes, which a format 2 manifest's checksum covers (required for one)."""
         try:
             with gc_paused():  # a record per chunk, storage and tensor beside the decoded body: no cycles
-                return cls._from_body(body, where)
+                return cls._from_body(body, where, raw)
         except (CorruptCheckpointError, UnsupportedFormatVersionError):
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError, OverflowError) as e:
@@ -253,13 +259,18 @@ class Manifest:
                                          f"damaged: load an earlier step") from e
 
     @classmethod
-    def _from_body(cls, body: Any, where: str) -> Manifest:
-        version = _checked_header(body, where)
+    def _from_body(cls, body: Any, where: str, raw: bytes | None) -> Manifest:
+        version = _checked_header(body, where, raw)
         files = _files(body["files"], where)
-        # the usual tables checked as a whole (C-level passes over their columns); anything odd: record by record
-        storages = tuple(_bulk_storages(body["storages"], files) or _storages(body["storages"], files, where))
-        tensors = tuple(_bulk_tensors(body["tensors"], storages) or _tensors(body["tensors"], storages, where))
-        dist = _dist_info(body["dist"], files) if "dist" in body else None
+        if version[0] >= 2:  # column tables, checked by vectorised passes over each column
+            storages, tensors = column_tables(body, files, where)
+            if "dist" in body:
+                raise _damaged(where, "a format 2 manifest has no \"dist\" (multi-rank steps are 1.x)")
+            dist = None
+        else:  # the usual tables checked as a whole (C-level passes over their columns); anything odd: per record
+            storages = tuple(_bulk_storages(body["storages"], files) or _storages(body["storages"], files, where))
+            tensors = tuple(_bulk_tensors(body["tensors"], storages) or _tensors(body["tensors"], storages, where))
+            dist = _dist_info(body["dist"], files) if "dist" in body else None
         metadata = body.get("metadata", {})
         if not isinstance(metadata, dict):
             raise _damaged(where, "metadata is not an object")
@@ -275,9 +286,10 @@ def _damaged(where: str, msg: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{where}: {msg}; the checkpoint is damaged: load an earlier step")
 
 
-def _checked_header(body: Any, where: str) -> tuple[int, int]:
+def _checked_header(body: Any, where: str, raw: bytes | None = None) -> tuple[int, int]:
     """The format version of a manifest body, after its format name, its version (a newer major
-    one is UnsupportedFormatVersionError) and its checksum (taken out of ``body``) are checked."""
+    one is UnsupportedFormatVersionError) and its checksum (taken out of ``body``) are checked:
+    format 2's over ``raw``, the bytes as written (check_trailer), 1.x's over the canonical JSON."""
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
         raise _damaged(where, "not a gdswriter manifest (no \"format\": \"gdswriter\")")
     version = body.get("version")
@@ -288,7 +300,13 @@ def _checked_header(body: Any, where: str) -> tuple[int, int]:
             f"{where} uses format version {version[0]}.{version[1]}, newer than this gdswriter reads "
             f"({FORMAT_VERSION[0]}.x): upgrade gdswriter (pip install -U gdswriter)")
     expected = body.pop("manifest_crc32c", None)
-    if not _is_int(expected) or _crc32c.crc32c(canonical_json(body)) != expected:
+    if version[0] >= 2:
+        if raw is None:
+            raise _damaged(where, "a format 2 manifest's checksum covers its bytes, which were not given "
+                                  "(Manifest.from_body(..., raw=...))")
+        if check_trailer(raw, where) != expected:
+            raise _damaged(where, "manifest checksum entry is not the file's last")
+    elif not _is_int(expected) or _crc32c.crc32c(canonical_json(body)) != expected:
         raise _damaged(where, "manifest checksum does not match its content")
     return version[0], version[1]
 
@@ -550,36 +568,55 @@ def storage_table(storages: tuple[StorageRecord, ...], *, open_crcs: bool = Fals
 _CHUNKS, _STORAGE_OFFSET = attrgetter("chunks"), attrgetter("storage_offset")
 
 
-@dataclass(frozen=True)
 class EncodedStorages:
-    """A manifest's "storages" entry, encoded (storage_table's two texts), and each storage's size."""
+    """A manifest's "storages" entry, encoded, and each storage's size: ``columns`` (format 2),
+    or storage_table's two texts (1.x: ``canonical`` and ``plain``, made when first asked)."""
 
-    canonical: str
-    plain: str
-    sizes: tuple[int, ...]
+    __slots__ = ("_crcs", "_template", "columns", "sizes")
+
+    def __init__(self, template: StorageTableTemplate, crcs: tuple[int, ...]) -> None:
+        self._template, self._crcs, self.sizes = template, crcs, template.sizes
+        self.columns = template.columns % ",".join(map(str, map(crcs.__getitem__, template.order)))
+
+    @property
+    def canonical(self) -> str:
+        return self._template.rows()[0] % self._crcs
+
+    @property
+    def plain(self) -> str:
+        return self._template.rows()[1] % self._crcs
 
 
 class StorageTableTemplate:
     """The "storages" entry of every save of one layout (the same storages, cut into the same
     chunks at the same places) with each chunk's crc32c left open, as printf templates: a
-    save fills in its checksums (``fill``) in one C-level formatting of each text, instead
-    of a ChunkRecord and a StorageRecord per chunk and the table formatted anew (at 100,000
-    tensors, most of the manifest's encoding). ``fill`` gives what storage_table gives for
-    the same records with those checksums."""
+    save fills in its checksums (``fill``) in one C-level formatting, instead of a ChunkRecord
+    and a StorageRecord per chunk and the table formatted anew (at 100,000 tensors, most of the
+    manifest's encoding). ``fill`` gives what storage_columns (and storage_table, for 1.x) give
+    for the same records with those checksums."""
 
-    __slots__ = ("_canonical", "_plain", "sizes")
+    __slots__ = ("_rows", "_storages", "columns", "order", "sizes")
 
     def __init__(self, storages: tuple[StorageRecord, ...]) -> None:
         """The template of ``storages`` (their crc32c are ignored), whose chunks' checksums
         ``fill`` takes in table order: storage by storage, each storage's chunks in order."""
-        self._canonical, self._plain = storage_table(storages, open_crcs=True)
+        self._storages, self._rows = storages, None
+        self.columns, self.order = storage_columns(storages, open_crcs=True)
         self.sizes = tuple(s.nbytes for s in storages)
+
+    def rows(self) -> tuple[str, str]:
+        """The 1.x texts (storage_table's, crc32c open), made once when first asked."""
+        if self._rows is None:
+            self._rows = storage_table(self._storages, open_crcs=True)
+        return self._rows
 
     def fill(self, crcs: tuple[int, ...]) -> EncodedStorages:
         """The entry with these checksums, in table order (plain ints below 2**32)."""
         if set(map(type, crcs)) - {int} or (crcs and not 0 <= min(crcs) <= max(crcs) <= 0xFFFFFFFF):
             raise TypeError("a chunk's crc32c is not an int in [0, 2**32)")
-        return EncodedStorages(self._canonical % crcs, self._plain % crcs, self.sizes)
+        if len(crcs) != len(self.order):
+            raise TypeError(f"{len(crcs)} checksums for a table of {len(self.order)} chunks")
+        return EncodedStorages(self, crcs)
 
 
 # The last tensor table: (records, their storages' sizes, canonical text, file text). A
@@ -749,3 +786,289 @@ def _dist_info(x: Any, files: tuple[FileRecord, ...]) -> DistInfo:
     if (dcp is None) != (layout != "dcp") or not (dcp is None or isinstance(dcp, dict)):
         raise ValueError("dist: a \"dcp\" object goes with layout \"dcp\", and only with it")
     return DistInfo(world, layout, tuple(roots), rank_states, dcp)
+
+
+# ----------------------------------------------------------------------------- format 2: column tables
+TRAILER_KEY = b',"manifest_crc32c":'
+KINDS = ("tensor", "ndarray")  # a format 2 tensor's "kind" column indexes this
+_TENSOR_INT_COLUMNS = ("storage", "byte_offset", "dtype", "ndim", "device", "kind")
+_CHUNK_COLUMNS = ("file", "file_offset", "storage_offset", "length", "crc32c")
+_EXACT_BELOW = float(1 << 52)  # a float64 estimate below this: the int64 arithmetic cannot overflow
+
+
+def check_trailer(raw: bytes, where: str) -> int:
+    """The checksum of a format 2 manifest, checked: the file ends with
+    ``,"manifest_crc32c":N}`` and a newline, N decimal digits (no leading zero), and N is the
+    crc32c of every byte before that trailer's comma (docs/format.md 3)."""
+    at = raw.rfind(TRAILER_KEY)
+    digits = raw[at + len(TRAILER_KEY):-2] if at >= 0 else b""
+    if (at < 0 or not raw.endswith(b"}\n") or not digits.isdigit() or len(digits) > 10
+            or (digits[:1] == b"0" and len(digits) > 1)):
+        raise _damaged(where, "no manifest_crc32c trailer at its end")
+    if _crc32c.crc32c(memoryview(raw)[:at]) != int(digits):
+        raise _damaged(where, "manifest checksum does not match its content")
+    return int(digits)
+
+
+def _ints(v: Any, what: str) -> str:
+    """A JSON list of plain ints, formatted ("[1,2]"); anything else is refused as json.dumps would."""
+    if set(map(type, v)) - {int}:
+        raise TypeError(f"{what}: a value that is not a plain int")
+    return "[" + ",".join(map(str, v)) + "]"
+
+
+def columns_bytes(m: Manifest, storages: EncodedStorages | None) -> bytes:
+    """A format 2 manifest's bytes (docs/format.md 3): the head, the column tables, the state
+    tree, then the checksum of everything before it as the last entry. ``storages``: the
+    "storages" entry already encoded (StorageTableTemplate.fill)."""
+    if m.dist is not None:
+        raise ValueError("format 2 holds single-process steps: a multi-rank manifest is 1.x")
+    sizes = storages.sizes if storages is not None else tuple(s.nbytes for s in m.storages)
+    entries = [("format", _json(FORMAT_NAME)), ("version", _json(list(m.version))), ("step", _json(m.step)),
+               ("created_unix", _json(m.created_unix)), ("metadata", _json(m.metadata)),
+               ("files", _json([[f.root, f.path, f.size] + ([dict(f.info)] if f.info else []) for f in m.files])),
+               ("storages", storages.columns if storages is not None else storage_columns(m.storages)[0]),
+               ("tensors", tensor_columns(m.tensors, sizes)), ("state", _json(m.state))]
+    if type(m.step) is not int or not 0 <= m.step < INT64_LIMIT:
+        raise ValueError(f"step {m.step!r} is not an integer in [0, 2**63)")
+    head = _join(entries)[:-1].encode()
+    return head + b'%s%d}\n' % (TRAILER_KEY, _crc32c.crc32c(head))
+
+
+def storage_columns(storages: tuple[StorageRecord, ...], *, open_crcs: bool = False) -> tuple[str, list[int]]:
+    """The format 2 "storages" entry of ``storages`` (each storage's chunks by storage offset),
+    and the order of its chunks in the records' own order (their checksums, in that order, fill
+    a template: ``open_crcs`` leaves the crc32c column as "%s"). Plain ints only."""
+    counts = list(map(len, map(_CHUNKS, storages)))
+    every = list(chain.from_iterable(map(_CHUNKS, storages)))
+    order = list(range(len(every)))
+    if any(n > 1 for n in counts):  # each storage's chunks by offset (format 2 requires it)
+        at = list(accumulate(counts, initial=0))
+        order = list(chain.from_iterable(sorted(range(a, b), key=lambda i: every[i].storage_offset)
+                                         for a, b in zip(at, at[1:])))
+        every = [every[i] for i in order]
+    cols = [_ints([s.nbytes for s in storages], "storage nbytes"), _ints(counts, "chunks"),
+            *(_ints([getattr(c, k) for c in every], k) for k in _CHUNK_COLUMNS[:4])]
+    crcs = "[%s]" if open_crcs else _ints([c.crc32c for c in every], "crc32c")
+    names = ("nbytes", "chunks", *_CHUNK_COLUMNS)
+    return "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*cols, crcs])) + "}", order
+
+
+_last_columns: tuple[tuple[TensorRecord, ...], tuple[int, ...], str] | None = None
+
+
+def tensor_columns(tensors: tuple[TensorRecord, ...], sizes: tuple[int, ...]) -> str:
+    """The format 2 "tensors" entry: one JSON list per field, dtype and device names in tables
+    of their own, shapes and strides flattened (``ndim`` per tensor). Refuses
+    (UnsupportedObjectError) a record a reader would refuse, by the reader's own vectorised
+    checks (check_tensor_columns). The same records as the last save's: encoded once."""
+    global _last_columns
+    last = _last_columns
+    if last is not None and last[1] == sizes and last[0] == tensors:
+        return last[2]
+    if any(t.shard is not None for t in tensors):
+        raise ValueError("format 2 holds no shard records: a multi-rank manifest is 1.x")
+    names, dtypes, devices = ([getattr(t, k) for t in tensors] for k in ("name", "dtype", "device"))
+    if (set(map(type, names)) | set(map(type, dtypes)) | set(map(type, devices))) - {str}:
+        raise TypeError("a tensor record's name, dtype or device is not a str")
+    dtype_names, device_names = list(dict.fromkeys(dtypes)), list(dict.fromkeys(devices))
+    kinds = {k: i for i, k in enumerate(KINDS)}
+    shapes, strides = [t.shape for t in tensors], [t.stride for t in tensors]
+    ndim = list(map(len, shapes))
+    bad = next((i for i, (a, b) in enumerate(zip(ndim, map(len, strides))) if a != b), None)
+    if bad is None:
+        bad = next((i for i, t in enumerate(tensors) if t.kind not in kinds), None)
+    cols = {"name": names, "storage": [t.storage for t in tensors], "byte_offset": [t.byte_offset for t in tensors],
+            "dtype": list(map({n: i for i, n in enumerate(dtype_names)}.__getitem__, dtypes)), "ndim": ndim,
+            "shape": list(chain.from_iterable(shapes)), "stride": list(chain.from_iterable(strides)),
+            "device": list(map({n: i for i, n in enumerate(device_names)}.__getitem__, devices)),
+            "kind": [kinds.get(t.kind, len(KINDS)) for t in tensors]}
+    texts = {k: _ints(v, f"tensor {k}") for k, v in cols.items() if k != "name"}  # before np.array sees them
+    found = (bad, "a shape and stride of different lengths or an unknown kind") if bad is not None else \
+        _saved_problem(tensors, cols, dtype_names, len(device_names), sizes)
+    if found is not None:
+        row, why = found
+        raise UnsupportedObjectError(names[row] if 0 <= row < len(names) else "<tensors>", None,
+                                     f"it would be saved with {why}; save t.contiguous() (or the tensor before "
+                                     f"expand())", type_name="torch.Tensor")
+    out = ('{"name":[' + ",".join(map(encode_basestring_ascii, names)) + "],"
+           + ",".join(f'"{k}":{v}' for k, v in texts.items())
+           + f',"dtype_names":{_json(dtype_names)},"device_names":{_json(device_names)}}}')
+    _last_columns = (tuple(tensors), sizes, out)
+    return out
+
+
+def _saved_problem(tensors: tuple[TensorRecord, ...], cols: dict, dtype_names: list[str], n_devices: int,
+                   sizes: tuple[int, ...]) -> tuple[int, str] | None:
+    """The first record to be saved that a reader would refuse (row, why), by the reader's checks
+    (check_tensor_columns); one beyond int64 or negative: found by TensorRecord.problem."""
+    try:
+        arrays = {k: np.array(v, dtype=np.int64) for k, v in cols.items() if k != "name"}
+        if any(len(a) and a.min() < 0 for a in arrays.values()):
+            raise OverflowError("a negative value")
+    except OverflowError:
+        return next(((i, why) for i, t in enumerate(tensors)
+                     if (why := t.problem(sizes[t.storage]) if t.storage < len(sizes) else "no storage")), None)
+    return check_tensor_columns(arrays, dtype_names, n_devices, np.array(sizes, dtype=np.int64), cols["name"])
+
+
+def _first(mask: np.ndarray) -> int | None:
+    """The first row where ``mask`` holds, or None."""
+    return int(np.argmax(mask)) if mask.any() else None
+
+
+def check_tensor_columns(c: dict[str, np.ndarray], dtype_names: list[str], n_devices: int, sizes: np.ndarray,
+                         names: list[str]) -> tuple[int, str] | None:
+    """The first tensor (row, why) that is not a possible view of its storage (``sizes``: the
+    storages' byte counts), by docs/format.md 3's rules over whole columns at once; None when
+    all are. Columns are non-negative int64s (the callers checked); a row whose arithmetic
+    might not fit in an int64 is checked exactly by TensorRecord.problem."""
+    n, ndim = len(names), c["ndim"]
+    if any(len(c[k]) != n for k in _TENSOR_INT_COLUMNS):
+        return -1, f"columns of different lengths ({n} names)"
+    for key, bound, what in (("storage", len(sizes), "a storage index"), ("dtype", len(dtype_names), "a dtype index"),
+                             ("device", n_devices, "a device index"), ("kind", len(KINDS), "a kind index"),
+                             ("ndim", 65, "more than 64 dimensions (ndim)")):
+        row = _first(c[key] >= bound)
+        if row is not None:
+            return row, what if key == "ndim" else f"{what} {int(c[key][row])} outside its table"
+    total = int(ndim.sum())
+    if total != len(c["shape"]) or total != len(c["stride"]):
+        return -1, f"ndim summing to {total} over {len(c['shape'])} sizes and {len(c['stride'])} strides"
+    itemsize = np.array([_itemsizes().get(d, 0) for d in dtype_names] or [0], dtype=np.int64)[c["dtype"]]
+    row = _first(itemsize == 0)
+    if row is not None:
+        return row, f"dtype {dtype_names[int(c['dtype'][row])]!r} (unknown to this torch, or quantized)"
+    row = _first(c["byte_offset"] % itemsize != 0)
+    if row is not None:
+        return row, f"byte_offset {int(c['byte_offset'][row])} that is not a multiple of its item size"
+    return _view_problem(c, itemsize, sizes, names, dtype_names)
+
+
+def _view_problem(c: dict[str, np.ndarray], itemsize: np.ndarray, sizes: np.ndarray, names: list[str],
+                  dtype_names: list[str]) -> tuple[int, str] | None:
+    """check_tensor_columns' view rules: inside the storage, at most max(storage, 64 MiB)
+    presented, fewer than 2**63 elements; exact in int64 where float64 estimates show no
+    overflow, by TensorRecord.problem for the rare other rows."""
+    n, ndim, shape, stride = len(names), c["ndim"], c["shape"], c["stride"]
+    owner = np.repeat(np.arange(n), ndim)
+    shape_f = shape.astype(np.float64)
+    log_numel = np.bincount(owner, np.log2(np.maximum(shape_f, 1.0)), minlength=n)
+    span_f = np.bincount(owner, np.maximum(shape_f - 1.0, 0.0) * stride.astype(np.float64), minlength=n)
+    empty = np.bincount(owner, (shape == 0).astype(np.float64), minlength=n) > 0
+    nbytes = sizes[c["storage"]]
+    exact = (log_numel < 52.0) & (span_f < _EXACT_BELOW)
+    for row in np.flatnonzero(~exact).tolist():  # huge sizes or strides: Python integers
+        at = int(ndim[:row].sum())
+        k = int(ndim[row])
+        rec = TensorRecord(names[row], int(c["storage"][row]), int(c["byte_offset"][row]),
+                           dtype_names[int(c["dtype"][row])], tuple(shape[at:at + k].tolist()),
+                           tuple(stride[at:at + k].tolist()))
+        why = rec.problem(int(nbytes[row]))
+        if why:
+            return row, why
+    starts = np.flatnonzero(ndim > 0)
+    first = np.cumsum(ndim) - ndim
+    numel = np.ones(n, dtype=np.int64)
+    span = np.zeros(n, dtype=np.int64)
+    if len(starts):  # rows of ndim 0: one element, offset 0
+        numel[starts] = np.multiply.reduceat(np.where(np.repeat(exact, ndim), shape, 1), first[starts])
+        span[starts] = np.add.reduceat(np.where(np.repeat(exact & ~empty, ndim), np.maximum(shape - 1, 0) * stride, 0),
+                                       first[starts])
+    extent = np.where(empty, 0, (span + 1) * itemsize)  # an empty view's offset stays inside too
+    row = _first(exact & (extent > nbytes - c["byte_offset"]))
+    if row is not None:
+        return row, "a view reaching past the end of its storage"
+    row = _first(exact & (numel * itemsize > np.maximum(nbytes, EXPANDED_VIEW_MAX_BYTES)))
+    if row is not None:
+        return row, (f"{int(numel[row] * itemsize[row])} bytes presented over a storage of {int(nbytes[row])} "
+                     f"(an expanded view larger than {EXPANDED_VIEW_MAX_BYTES} bytes)")
+    return None
+
+
+def _int_column(table: dict, key: str, n: int | None = None) -> tuple[list[int], np.ndarray]:
+    """Column ``key`` of a format 2 table: a list of ``n`` (if given) plain ints in [0, 2**63),
+    and the same as an int64 array."""
+    col = table[key]
+    if type(col) is not list or (n is not None and len(col) != n):
+        raise ValueError(f"column {key!r} is not a list" + (f" of {n} values" if n is not None else ""))
+    if set(map(type, col)) - {int}:
+        raise ValueError(f"column {key!r} holds a value that is not an integer")
+    arr = np.array(col, dtype=np.int64)  # OverflowError: a value of 2**63 or more
+    if len(arr) and arr.min() < 0:
+        raise ValueError(f"column {key!r} holds a negative value")
+    return col, arr
+
+
+def column_tables(body: dict, files: tuple[FileRecord, ...], where: str
+                  ) -> tuple[tuple[StorageRecord, ...], tuple[TensorRecord, ...]]:
+    """A format 2 manifest's storage and tensor tables, checked as whole columns (docs/format.md
+    3, "Reader validation"), then as records."""
+    storages = _column_storages(body["storages"], files, where)
+    t = body["tensors"]
+    if type(t) is not dict:
+        raise ValueError("\"tensors\" is not an object of columns")
+    names = t["name"]
+    dtype_names, device_names = t["dtype_names"], t["device_names"]
+    for v in (names, dtype_names, device_names):
+        if type(v) is not list or set(map(type, v)) - {str}:
+            raise ValueError("a tensor column of names is not a list of strings")
+    lists, arrays = {}, {}
+    for k in (*_TENSOR_INT_COLUMNS, "shape", "stride"):  # their lengths: check_tensor_columns
+        lists[k], arrays[k] = _int_column(t, k)
+    found = check_tensor_columns(arrays, dtype_names, len(device_names),
+                                 np.array([s.nbytes for s in storages], dtype=np.int64), names)
+    if found is not None:
+        row, why = found
+        raise _damaged(where, f"tensor {names[row][:200]!r} has {why}" if row >= 0 else f"its tensor table has {why}")
+    shapes, strides = iter(lists["shape"]), iter(lists["stride"])
+    dims = lists["ndim"]
+    tensors = tuple(map(TensorRecord, names, lists["storage"], lists["byte_offset"],
+                        map(dtype_names.__getitem__, lists["dtype"]),
+                        [tuple(islice(shapes, k)) for k in dims], [tuple(islice(strides, k)) for k in dims],
+                        map(device_names.__getitem__, lists["device"]), map(KINDS.__getitem__, lists["kind"])))
+    return storages, tensors
+
+
+def _column_storages(t: Any, files: tuple[FileRecord, ...], where: str) -> tuple[StorageRecord, ...]:
+    """The format 2 storage table: each storage's chunks, listed by storage offset, tile it from
+    byte 0; every chunk lies inside a listed file; no two chunks share a byte of a file."""
+    if type(t) is not dict:
+        raise ValueError("\"storages\" is not an object of columns")
+    nbytes, sizes = _int_column(t, "nbytes")
+    counts, count_arr = _int_column(t, "chunks", len(nbytes))
+    m = len(t["file"]) if type(t["file"]) is list else -1
+    cols = [_int_column(t, k, m) for k in _CHUNK_COLUMNS]
+    fid, fo, so, ln, crc = (a for _, a in cols)
+    if len(count_arr) and (count_arr.max() > m or int(count_arr.sum()) != m):
+        raise _damaged(where, f"its storages' chunk counts do not add up to the {m} chunks listed")
+    if m and (fid.max() >= len(files) or crc.max() > 0xFFFFFFFF):
+        raise _damaged(where, "a chunk names a file not listed, or has a crc32c beyond 32 bits")
+    file_sizes = [f.size for f in files]
+    if sum(file_sizes) >= INT64_LIMIT:
+        raise _damaged(where, "its data files add up to 2**63 bytes or more")
+    room = np.array(file_sizes or [0], dtype=np.int64)[fid] - fo  # both in [0, 2**63): no overflow
+    row = _first(ln > room)
+    if row is not None:
+        raise _damaged(where, f"a chunk runs past the end of {files[int(fid[row])].path}")
+    full = np.flatnonzero(ln > 0)
+    order = full[np.lexsort((fo[full], fid[full]))]
+    clash = (fid[order][1:] == fid[order][:-1]) & (fo[order][1:] < (fo + ln)[order][:-1])
+    if clash.any():
+        raise _damaged(where, f"two chunks overlap in {files[int(fid[order][1:][clash][0])].path}")
+    ends = np.cumsum(ln)  # at most the files' total (no chunks overlap): no overflow
+    first = np.cumsum(count_arr) - count_arr
+    base = np.zeros(len(nbytes), dtype=np.int64)
+    used = count_arr > 0
+    base[used] = (ends - ln)[first[used]]
+    owner = np.repeat(np.arange(len(nbytes)), count_arr)
+    if _first(so != (ends - ln) - base[owner]) is not None:
+        raise _damaged(where, "a storage's chunks (by storage offset) leave a gap or overlap")
+    covered = np.concatenate(([0], ends))
+    if len(nbytes) and _first(covered[first + count_arr] - covered[first] != sizes) is not None:
+        raise _damaged(where, "a storage's chunks do not cover exactly its nbytes")
+    chunks = list(map(ChunkRecord, *(c for c, _ in cols)))
+    if all(n == 1 for n in counts):
+        return tuple(map(StorageRecord, nbytes, zip(chunks)))
+    at = list(accumulate(counts, initial=0))
+    return tuple(StorageRecord(b, tuple(chunks[x:y])) for b, x, y in zip(nbytes, at, at[1:]))

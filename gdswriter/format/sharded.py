@@ -255,7 +255,7 @@ def parse_step(raw: bytes, where: str) -> GlobalManifest | Manifest:
     """A step's manifest.json, decoded once: a 1.3 step's GlobalManifest (its shards unread), or
     a 1.0-1.2 step's Manifest. Damage is CorruptCheckpointError."""
     body = decode_json(raw, where)
-    return GlobalManifest.from_body(body, where) if is_sharded(body) else Manifest.from_body(body, where)
+    return GlobalManifest.from_body(body, where) if is_sharded(body) else Manifest.from_body(body, where, raw=raw)
 
 
 def check_shard_bytes(ref: ShardRef, raw: bytes, where: str) -> None:

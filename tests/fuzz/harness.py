@@ -106,10 +106,18 @@ def reseal(raw: bytes) -> bytes:
         if not isinstance(body, dict) or "manifest_crc32c" not in body:
             return raw
         body.pop("manifest_crc32c", None)
+        if _major(body) >= 2:  # format 2: the crc32c of the bytes before the trailer (docs/format.md 3.0)
+            head = json.dumps(body, separators=(",", ":")).encode()[:-1]
+            return head + b',"manifest_crc32c":%d}\n' % crc32c.crc32c(head)
         crc = crc32c.crc32c(canonical(body))
     except (ValueError, RecursionError, UnicodeDecodeError):
         return raw
     return json.dumps({**body, "manifest_crc32c": crc}, separators=(",", ":")).encode()
+
+
+def _major(body: dict) -> int:
+    v = body.get("version")
+    return v[0] if isinstance(v, list) and v and type(v[0]) is int else 0
 
 
 def loads(raw: bytes) -> Any:
@@ -359,6 +367,7 @@ def seed_inputs(fx: Fixtures) -> dict[str, bytes]:
 
     single = fx.original[fx.single_manifest]
     v10 = step_bytes(fx.root / "v10" / "a", SINGLE_STEP)
+    v20 = replace(fx.manifest, version=(2, 0)).to_json_bytes()  # the 1.1 seed's step as format 2.0 writes it
     ranks, shard1 = fx.original[fx.ranks_manifest], fx.original[fx.ranks_shard]
     dcp = fx.original[fx.dcp_manifest]
     shard0 = step_bytes(fx.ranks, RANKS_STEP, "manifest-rank00000.json")
@@ -366,12 +375,12 @@ def seed_inputs(fx: Fixtures) -> dict[str, bytes]:
         json.dumps(json.loads(shard1)["tree"]).encode()]
     out = {}
     for name, payloads in {
-        "manifest": [single, v10, dcp], "step": [single, ranks, dcp], "shard": [shard1, shard0],
+        "manifest": [single, v10, dcp, v20], "step": [single, ranks, dcp, v20], "shard": [shard1, shard0],
         "state": states, "dcp_metadata": [json.dumps(json.loads(dcp)["dist"]["dcp"]).encode()],
         "markers": [(fx.single[0] / ".gdswriter-root").read_bytes(), (fx.dcp / ".metadata").read_bytes(),
                     (fx.single[0] / "latest").read_bytes(),
                     step_bytes(fx.single[1], SINGLE_STEP, "primary-id")],
-        "load_single": [single, v10], "load_ranks": [ranks], "load_shard": [shard1], "load_dcp": [dcp],
+        "load_single": [single, v10, v20], "load_ranks": [ranks], "load_shard": [shard1], "load_dcp": [dcp],
         "dcp_load": [dcp],
     }.items():
         for i, p in enumerate(payloads):
