@@ -190,7 +190,7 @@ def step_gone(protocol: CommitProtocol, manifest: Manifest) -> bool:
     A reader that hits a missing file asks this: then it lost a race, the checkpoint is not damaged.
     A 1.3 step (its shards merged) is compared by its global manifest (format/sharded.py
     ``step_vanished``, the rule read_shard applies to its shards), without merging it again."""
-    if manifest.version >= SHARDED_VERSION:
+    if manifest.dist is not None and manifest.version >= SHARDED_VERSION:  # merged from a 1.3+ step's shards
         return step_vanished(manifest.step, manifest.created_unix, protocol.primary)
     try:
         raw = read_manifest_bytes(protocol, manifest.step)
