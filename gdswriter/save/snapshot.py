@@ -556,7 +556,7 @@ def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], la
     cached = layout.reuse(key, tensors, storages) if layout is not None else None
     if cached is not None:
         return cached
-    extents, placed = group_by_allocation(tensors, names, storages)
+    extents, placed = group_by_allocation(tensors, names, storages, key)
     if not records:
         if layout is not None:
             layout.remember(key, extents, placed, [], storages)
@@ -648,11 +648,13 @@ def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs:
 
 
 def group_by_allocation(tensors: list[torch.Tensor], names: list[str],
-                        storages: Sequence[torch.UntypedStorage] | None = None) -> tuple[list[Extent], list[tuple[int, int]]]:
+                        storages: Sequence[torch.UntypedStorage] | None = None,
+                        key: tuple | None = None) -> tuple[list[Extent], list[tuple[int, int]]]:
     """Extents of ``tensors`` and, per tensor, (extent index, byte offset in it). Every layout a
     snapshot makes goes through this module-level name: a seam that tests wrap to count layouts.
     ``storages``: each tensor's untyped_storage(), if the caller has them (the usual case's
-    extents then view those very objects).
+    extents then view those very objects); ``key``: their LayoutCache.key_of, if made (its
+    columns are not read again).
 
     Tensors whose bytes overlap in memory (views of one storage, or numpy arrays and their
     views wrapped by torch.from_numpy, which give separate torch storages over the same
@@ -660,7 +662,7 @@ def group_by_allocation(tensors: list[torch.Tensor], names: list[str],
     storage that covers it. CPU memory that no single storage covers is viewed raw; on other
     devices such a group is split by storage (each piece saved whole, so the bytes are right
     and only the sharing is not restored)."""
-    alone = _each_alone(tensors, names, storages)
+    alone = _each_alone(tensors, names, storages, key)
     if alone is not None:
         return alone
     found: list[tuple[Extent, list[tuple[int, int]]]] = []  # each extent with its (tensor, byte offset)s
@@ -696,26 +698,32 @@ _ITEM_SIZES = frozenset({1, 2, 4, 8, 16})  # divide STORAGE_ALIGN: a lone tensor
 
 
 def _each_alone(tensors: list[torch.Tensor], names: list[str], storages: Sequence[torch.UntypedStorage] | None = None,
-                ) -> tuple[list[Extent], list[tuple[int, int]]] | None:
+                key: tuple | None = None) -> tuple[list[Extent], list[tuple[int, int]]] | None:
     """group_by_allocation's usual case in C-level passes: every tensor non-empty, contiguous,
     of one device, and alone in memory (the storages' byte ranges are pairwise disjoint, so no
     two tensors share a byte): one extent per tensor, viewing its storage from the 16-byte
     boundary at or below its first byte. None where that does not hold (the general path)."""
-    if not tensors or len(set(map(_DEVICE, tensors))) != 1 or not all(map(torch.Tensor.is_contiguous, tensors)):
+    if key is None:  # the columns _each_alone reads: see LayoutCache.key_of
+        if storages is None:
+            storages = list(map(torch.Tensor.untyped_storage, tensors))
+        key = (None, None, list(map(torch.UntypedStorage.data_ptr, storages)),
+               list(map(torch.UntypedStorage.nbytes, storages)), list(map(torch.Tensor.storage_offset, tensors)),
+               None, None, None, list(map(_DEVICE, tensors)))
+    elif storages is None:
+        storages = list(map(torch.Tensor.untyped_storage, tensors))
+    if not tensors or len(set(key[8])) != 1 or not all(map(torch.Tensor.is_contiguous, tensors)):
         return None
     sizes = list(map(torch.Tensor.element_size, tensors))
     numels = list(map(torch.Tensor.numel, tensors))
     if not all(numels) or not set(sizes) <= _ITEM_SIZES:
         return None
-    if storages is None:
-        storages = list(map(torch.Tensor.untyped_storage, tensors))
-    bases = np.fromiter(map(torch.UntypedStorage.data_ptr, storages), dtype=np.uint64, count=len(storages))
-    ends = bases + np.fromiter(map(torch.UntypedStorage.nbytes, storages), dtype=np.uint64, count=len(storages))
+    bases = np.fromiter(key[2], dtype=np.uint64, count=len(storages))
+    ends = bases + np.fromiter(key[3], dtype=np.uint64, count=len(storages))
     order = np.argsort(bases, kind="stable")
     if not bases.all() or (len(order) > 1 and (ends[order[:-1]] > bases[order[1:]]).any()):
         return None
     device = tensors[0].device
-    los = [o * k for o, k in zip(map(torch.Tensor.storage_offset, tensors), sizes)]
+    los = list(map(operator.mul, key[4], sizes))
     starts = [lo // STORAGE_ALIGN * STORAGE_ALIGN for lo in los]
     extents = [Extent(name, view=(st, device, start, lo + n * k - start))
                for name, st, start, lo, n, k in zip(names, storages, starts, los, numels, sizes)]
