@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gdswriter")
 
+_NBYTES, _DEVICE = attrgetter("nbytes"), attrgetter("device")  # of a snapshot's extents
 TIMEOUT_ENV = "GDSWRITER_DIST_TIMEOUT"  # DistOptions.from_env's (distributed/options.py)
 
 __all__ = ["LocalSession", "Session", "open_session", "peek_manifest"]
@@ -194,7 +196,9 @@ class LocalSession:
         on GPUs (each GPU writes to its nearest root; the topology is discovered once), else the
         balanced plan. A planner failure falls back to the balanced plan, with a warning: where
         bytes go is an optimisation, never a reason not to save."""
-        sizes, devices = [e.nbytes for e in snap.extents], [str(e.device) for e in snap.extents]
+        sizes, where = list(map(_NBYTES, snap.extents)), list(map(_DEVICE, snap.extents))
+        names = {d: str(d) for d in set(where)}  # str() per device, not per storage
+        devices = list(map(names.__getitem__, where))
         # A plan is a function of these (the topology is discovered once): in a training loop
         # every save after the first reuses the last one.
         key = (sizes, devices, targets)

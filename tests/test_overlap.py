@@ -869,13 +869,17 @@ def test_state_larger_than_the_pool_streams_through_it(tmp_path, caplog, io_fres
     assert all(torch.equal(st["model"]["small"][k], v) for k, v in small.items())
 
 
-def test_host_mode_writes_the_same_files_as_live_mode(tmp_path):
+@pytest.mark.parametrize("sizes", [
+    [1, 4095, 4097, 3 << 20, 70_001, 1 << 20, 12_345, (2 << 20) + 3],
+    # a state of many small tensors: a gap after every chunk, so the copier zeroes each piece whole first
+    [1001 + (i % 7) for i in range(3000)],
+], ids=["few gaps", "a gap per small chunk"])
+def test_host_mode_writes_the_same_files_as_live_mode(tmp_path, sizes):
     """The pool's pieces are written whole, gaps included: the copier zeroes the gaps between
     chunks, so stale pool bytes (here 0xFF from an earlier save of other tensors) never reach
     a file, and a host-mode step is byte for byte the live-mode step of the same state."""
     g = torch.Generator().manual_seed(11)
     state: dict = {"old": torch.full((16 << 20,), 255, dtype=torch.uint8)}  # the pool: 16 MiB, kept
-    sizes = [1, 4095, 4097, 3 << 20, 70_001, 1 << 20, 12_345, (2 << 20) + 3]
     new = {f"t{i}": torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for i, n in enumerate(sizes)}
     with GDSCheckpointer(state, None, tmp_path / "host", options=options(snapshot="host")) as ck:
         ck.save(1)  # fills the pool with 0xFF

@@ -216,10 +216,20 @@ class LayoutCache:
         return extents, self.placed, list(self.records)
 
     def remember(self, key: tuple, extents: Sequence[Extent], placed: list[tuple[int, int]],
-                 records: list[TensorRecord]) -> None:
+                 records: list[TensorRecord], storages: Sequence[torch.UntypedStorage] = ()) -> None:
         """Keep this layout (before any extent is captured), unless an extent views raw memory
-        (numpy arrays sharing memory that no single storage covers): those are laid out anew."""
+        (numpy arrays sharing memory that no single storage covers): those are laid out anew.
+        ``storages``: the tensors' untyped storages the extents were made from, if known (the
+        usual state, one extent per tensor viewing that tensor's own storage object: its
+        recipe in C-level passes)."""
         self.key = None
+        views = [e._view for e in extents]
+        if (len(views) == len(storages) and None not in views
+                and all(map(operator.is_, map(_FIRST, views), storages))):
+            self.key, self.placed, self.records = key, placed, list(records)
+            self.recipe = list(zip(range(len(views)), map(_SECOND, views), map(_THIRD, views), map(_FOURTH, views),
+                                   map(_FIRST_TENSOR, extents)))
+            return
         source = {}  # a tensor per (storage address, size, device): any of them views the same bytes
         for i, where in enumerate(zip(key[2], key[3], key[8])):
             source.setdefault(where, i)
@@ -541,23 +551,38 @@ def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], la
     still applies, else laid out anew (and kept in ``layout``). ``records`` False: none are
     made (save_async's grouping at the call, which names nothing)."""
     storages = [t.untyped_storage() for t in tensors]
-    key = LayoutCache.key_of(tensors, names, kinds, storages) if layout is not None else None
+    # the key's columns serve the layout and the records too (each tensor property read once)
+    key = LayoutCache.key_of(tensors, names, kinds, storages) if layout is not None or records else None
     cached = layout.reuse(key, tensors, storages) if layout is not None else None
     if cached is not None:
         return cached
-    extents, placed = group_by_allocation(tensors, names)
+    extents, placed = group_by_allocation(tensors, names, storages, key)
     if not records:
         if layout is not None:
-            layout.remember(key, extents, placed, [])
+            layout.remember(key, extents, placed, [], storages)
         return extents, placed, []
-    dtypes = {d: dtype_to_name(d) for d in set(map(_DTYPE, tensors))}
-    devices = {d: str(d) for d in set(map(_DEVICE, tensors))}
-    made = [TensorRecord(name or f"<tensor {i}>", sid, off, dtypes[t.dtype], tuple(t.shape), t.stride(),
-                            devices[t.device], kind)
-            for i, (t, name, kind, (sid, off)) in enumerate(zip(tensors, names, kinds, placed))]
+    made = _records(key, placed)
     if layout is not None:
-        layout.remember(key, extents, placed, made)
+        layout.remember(key, extents, placed, made, storages)
     return extents, placed, made
+
+
+def _records(key: tuple, placed: list[tuple[int, int]]) -> list[TensorRecord]:
+    """Every tensor's TensorRecord, from the columns of its LayoutCache key (names, kinds,
+    dtypes, shapes, strides, devices) and where it was placed: C-level passes, no tensor
+    property read again."""
+    names, kinds, dtypes, shapes, strides, devices = key[0], key[1], key[5], key[6], key[7], key[8]
+    dtype_names = {d: dtype_to_name(d) for d in set(dtypes)}
+    device_names = {d: str(d) for d in set(devices)}
+    if not all(names):
+        names = [name or f"<tensor {i}>" for i, name in enumerate(names)]
+    return list(map(TensorRecord, names, map(_FIRST, placed), map(_SECOND, placed),
+                    map(dtype_names.__getitem__, dtypes), map(tuple, shapes), strides,
+                    map(device_names.__getitem__, devices), kinds))
+
+
+_FIRST, _SECOND, _THIRD, _FOURTH = (operator.itemgetter(i) for i in range(4))
+_FIRST_TENSOR = operator.attrgetter("first_tensor")
 
 
 def _extent_key(e: Extent) -> tuple:
@@ -622,9 +647,14 @@ def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs:
     return left_live
 
 
-def group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple[list[Extent], list[tuple[int, int]]]:
+def group_by_allocation(tensors: list[torch.Tensor], names: list[str],
+                        storages: Sequence[torch.UntypedStorage] | None = None,
+                        key: tuple | None = None) -> tuple[list[Extent], list[tuple[int, int]]]:
     """Extents of ``tensors`` and, per tensor, (extent index, byte offset in it). Every layout a
     snapshot makes goes through this module-level name: a seam that tests wrap to count layouts.
+    ``storages``: each tensor's untyped_storage(), if the caller has them (the usual case's
+    extents then view those very objects); ``key``: their LayoutCache.key_of, if made (its
+    columns are not read again).
 
     Tensors whose bytes overlap in memory (views of one storage, or numpy arrays and their
     views wrapped by torch.from_numpy, which give separate torch storages over the same
@@ -632,7 +662,7 @@ def group_by_allocation(tensors: list[torch.Tensor], names: list[str]) -> tuple[
     storage that covers it. CPU memory that no single storage covers is viewed raw; on other
     devices such a group is split by storage (each piece saved whole, so the bytes are right
     and only the sharing is not restored)."""
-    alone = _each_alone(tensors, names)
+    alone = _each_alone(tensors, names, storages, key)
     if alone is not None:
         return alone
     found: list[tuple[Extent, list[tuple[int, int]]]] = []  # each extent with its (tensor, byte offset)s
@@ -667,25 +697,33 @@ _Member = tuple  # (first byte's address, end address, tensor index, its Untyped
 _ITEM_SIZES = frozenset({1, 2, 4, 8, 16})  # divide STORAGE_ALIGN: a lone tensor always fits its extent
 
 
-def _each_alone(tensors: list[torch.Tensor], names: list[str]) -> tuple[list[Extent], list[tuple[int, int]]] | None:
+def _each_alone(tensors: list[torch.Tensor], names: list[str], storages: Sequence[torch.UntypedStorage] | None = None,
+                key: tuple | None = None) -> tuple[list[Extent], list[tuple[int, int]]] | None:
     """group_by_allocation's usual case in C-level passes: every tensor non-empty, contiguous,
     of one device, and alone in memory (the storages' byte ranges are pairwise disjoint, so no
     two tensors share a byte): one extent per tensor, viewing its storage from the 16-byte
     boundary at or below its first byte. None where that does not hold (the general path)."""
-    if not tensors or len(set(map(_DEVICE, tensors))) != 1 or not all(map(torch.Tensor.is_contiguous, tensors)):
+    if key is None:  # the columns _each_alone reads: see LayoutCache.key_of
+        if storages is None:
+            storages = list(map(torch.Tensor.untyped_storage, tensors))
+        key = (None, None, list(map(torch.UntypedStorage.data_ptr, storages)),
+               list(map(torch.UntypedStorage.nbytes, storages)), list(map(torch.Tensor.storage_offset, tensors)),
+               None, None, None, list(map(_DEVICE, tensors)))
+    elif storages is None:
+        storages = list(map(torch.Tensor.untyped_storage, tensors))
+    if not tensors or len(set(key[8])) != 1 or not all(map(torch.Tensor.is_contiguous, tensors)):
         return None
     sizes = list(map(torch.Tensor.element_size, tensors))
     numels = list(map(torch.Tensor.numel, tensors))
     if not all(numels) or not set(sizes) <= _ITEM_SIZES:
         return None
-    storages = list(map(torch.Tensor.untyped_storage, tensors))
-    bases = np.fromiter(map(torch.UntypedStorage.data_ptr, storages), dtype=np.uint64, count=len(storages))
-    ends = bases + np.fromiter(map(torch.UntypedStorage.nbytes, storages), dtype=np.uint64, count=len(storages))
+    bases = np.fromiter(key[2], dtype=np.uint64, count=len(storages))
+    ends = bases + np.fromiter(key[3], dtype=np.uint64, count=len(storages))
     order = np.argsort(bases, kind="stable")
     if not bases.all() or (len(order) > 1 and (ends[order[:-1]] > bases[order[1:]]).any()):
         return None
     device = tensors[0].device
-    los = [o * k for o, k in zip(map(torch.Tensor.storage_offset, tensors), sizes)]
+    los = list(map(operator.mul, key[4], sizes))
     starts = [lo // STORAGE_ALIGN * STORAGE_ALIGN for lo in los]
     extents = [Extent(name, view=(st, device, start, lo + n * k - start))
                for name, st, start, lo, n, k in zip(names, storages, starts, los, numels, sizes)]
