@@ -26,13 +26,16 @@ def state(step: int) -> dict:
     return {f"t{i}": torch.randn(MiB, generator=g) for i in range(3)}
 
 
-def open_node(base: str, rank: int, live: dict):
+def open_node(base: str, rank: int, live: dict, share: bool = True):
+    """Rank ``rank``'s checkpointer; without ``share`` its ranks pass every piece over the
+    process group (no cross memory, no tmpfs)."""
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import DistOptions
 
     os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    extra = {} if share else {"load_cross_memory": False, "load_share_dir": None}
     return GDSCheckpointer(live, root=Path(base, f"n{rank}"), options=small_options(),
-                           dist_options=DistOptions(replicas=2, timeout_s=60))
+                           dist_options=DistOptions(replicas=2, timeout_s=60, **extra))
 
 
 def save_steps(rank: int, world: int, base: str) -> None:
@@ -47,7 +50,7 @@ def save_steps(rank: int, world: int, base: str) -> None:
         assert ck.wait_protected() == 2
 
 
-def load_live(rank: int, world: int, base: str, atomic: bool) -> dict:
+def load_live(rank: int, world: int, base: str, atomic: bool, share: bool = True) -> dict:
     """Load the latest step with ``atomic`` into zeroed tensors: {"got": [step, bit exact, the
     storage pointers unchanged, last_load.atomic] or the error, "zeros": whether every live
     tensor is still all zeros}."""
@@ -56,7 +59,7 @@ def load_live(rank: int, world: int, base: str, atomic: bool) -> dict:
     got: list = []
 
     def load() -> None:
-        with open_node(base, rank, live) as ck:
+        with open_node(base, rank, live, share) as ck:
             got.append(ck.load(atomic=atomic))
             got.append(ck.last_load.atomic)
 
@@ -111,9 +114,12 @@ def test_non_atomic_load_from_peers_lands_bit_exact_in_the_live_tensors(job):
     assert [x["got"] for x in out] == [[2, True, True, False]] * 2, out
 
 
-def test_non_atomic_load_with_every_root_intact_is_bit_exact(job):
-    """Every root intact: atomic=False loads bit exact in place, on both ranks."""
-    out = run_ranks(2, load_live, str(job), False, out=job / "out")
+@pytest.mark.parametrize("share", [True, False], ids=["host-sharing", "process-group"])
+def test_non_atomic_load_with_every_root_intact_is_bit_exact(job, share):
+    """Every root intact: atomic=False loads bit exact, on both ranks: through the ranks' memory
+    (into fresh buffers, then copied), or over the process group, each piece read and received
+    straight into the live tensors."""
+    out = run_ranks(2, load_live, str(job), False, share, out=job / "out")
     assert [x["got"] for x in out] == [[2, True, True, False]] * 2, out
 
 
