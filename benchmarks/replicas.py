@@ -33,7 +33,9 @@ second of the slowest), and the local cold read (every rank reads its own data f
 with O_DIRECT, at once: the state's bytes per second of the slowest); the goal is a restore from
 peers of at least 0.8x the slower of the two, round by round (medians). "read all, then send
 all" is the same restore with fetch.STREAM_BYTES unbounded (one round: every chunk read before
-any is sent, the schedule before the streaming), in the same rounds.
+any is sent, the schedule before the streaming), in the same rounds. "load(atomic=False)": the same
+local load and load from peers with load(atomic=False) (bytes read and received straight into
+the live tensors; the rows above stay atomic, the default), in the same rounds.
 
 Restart to the first training step: fresh ranks are spawned (a new process group), each opens
 the training loop's replicas=2 checkpointer, loads the newest step and trains one step; the
@@ -185,9 +187,9 @@ def _cold_read(root: Path, step: int) -> float:
     return seconds
 
 
-def _timed_load(rank: int, base: Path, state: dict, step: int) -> dict:
+def _timed_load(rank: int, base: Path, state: dict, step: int, atomic: bool | None = None) -> dict:
     """A fresh replicas=2 checkpointer loads ``step`` into zeroed tensors, bit exact: seconds
-    (slowest rank) of its set-up (the constructor) and of the load call."""
+    (slowest rank) of its set-up (the constructor) and of the load call (``atomic``: load's)."""
     import torch.distributed as dist
 
     live = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -198,7 +200,7 @@ def _timed_load(rank: int, base: Path, state: dict, step: int) -> dict:
     try:
         dist.barrier()
         t0 = time.perf_counter()
-        got = ck.load(step, strict=False)
+        got = ck.load(step, strict=False, atomic=atomic)
         seconds = slowest(time.perf_counter() - t0)
     finally:
         ck.close()
@@ -229,7 +231,7 @@ def _restores(rank: int, world: int, base: Path, state: dict, step: int, rounds:
 
     nbytes = sum(v.nbytes for v in state.values())
     out: dict = {"gloo": [], "cold read": [], "local load": [], "from peers": [], "from peers, one round": [],
-                 "setup local": [], "setup peers": []}
+                 "setup local": [], "setup peers": [], "local load, in place": [], "from peers, in place": []}
     # each load from peers refills node 1's empty root (closing the checkpointer waits for it) and
     # names it in the step's manifest: every round puts the roots back as they were saved
     kept = _small_files(base / f"n{rank}")
@@ -239,12 +241,15 @@ def _restores(rank: int, world: int, base: Path, state: dict, step: int, rounds:
         t = _timed_load(rank, base, state, step)
         out["local load"].append(t["load"])
         out["setup local"].append(t["setup"])
+        out["local load, in place"].append(_timed_load(rank, base, state, step, atomic=False)["load"])
         if rank == 1:
             _lose_node(base, 1, True)
         dist.barrier()
         t = _timed_load(rank, base, state, step)
         out["from peers"].append(t["load"])
         out["setup peers"].append(t["setup"])
+        _put_back(rank, base, kept, lost=True)
+        out["from peers, in place"].append(_timed_load(rank, base, state, step, atomic=False)["load"])
         _put_back(rank, base, kept, lost=True)
         fetch.STREAM_BYTES, streamed = 1 << 62, fetch.STREAM_BYTES  # every chunk read, then all sent (as before)
         try:
@@ -469,11 +474,12 @@ def table(world: int, res: dict) -> list[str]:
 def restore_lines(res: dict) -> list[str]:
     """The restore and restart figures (module docstring)."""
     rs, gb = res["restore"], res["state_bytes"] / 1e9
-    cases = ("local load", "from peers", "from peers, one round", "gloo", "cold read")
+    cases = ("local load", "from peers", "from peers, one round", "gloo", "cold read", "local load, in place",
+             "from peers, in place")
     rate = {k: statistics.median(gb / x for x in rs[k]) for k in cases}
     floor = min(rate["gloo"], rate["cold read"])
     ratios = {p: [a / min(g, c) for a, g, c in zip(*([gb / x for x in rs[k]] for k in (p, "gloo", "cold read")))]
-              for p in ("from peers", "from peers, one round")}
+              for p in ("from peers", "from peers, one round", "from peers, in place")}
     rt = res.get("restart")
     lines = [f"  restore GB/s (state bytes / slowest rank's load call): local load {rate['local load']:.2f}, "
             f"from peers (node 1 lost) {rate['from peers']:.2f} (read all, then send all: "
@@ -485,7 +491,11 @@ def restore_lines(res: dict) -> list[str]:
             f"{statistics.median(x / y for x, y in zip(rs['local load'], rs['from peers'])):.2f}",
             f"  restore from peers / slower of gloo and cold read:    {statistics.median(ratios['from peers']):.2f}  "
             f"(goal >= 0.80; that floor {floor:.2f} GB/s; read all, then send all: "
-            f"{statistics.median(ratios['from peers, one round']):.2f})"]
+            f"{statistics.median(ratios['from peers, one round']):.2f})",
+            f"  load(atomic=False) GB/s: local load {rate['local load, in place']:.2f}, from peers "
+            f"{rate['from peers, in place']:.2f}; from peers / slower of gloo and cold read: "
+            f"{statistics.median(ratios['from peers, in place']):.2f} (min {min(ratios['from peers, in place']):.2f}, "
+            f"max {max(ratios['from peers, in place']):.2f})"]
     if rt is not None:
         lines.append(f"  restart to first training step (spawn, load, one step): intact "
                      f"{statistics.median(rt['intact']):.2f} s, node 1 lost {statistics.median(rt['node 1 lost']):.2f} s")

@@ -689,9 +689,14 @@ class GDSCheckpointer:
         passed over without a warning (not in ``last_load.damaged``), and the steps committed by
         then are tried (once).
 
-        A multi-rank checkpoint (on its ranks, or in one process) always loads atomically: every
-        rank reads into fresh buffers and verifies them, and all agree, before any live tensor
-        changes; with ``fallback`` every rank lands on the same step.
+        A multi-rank checkpoint loads atomically by default (``atomic`` None or True; in one
+        process, always): every rank reads into fresh buffers and verifies them, and all agree,
+        before any live tensor changes; with ``fallback`` every rank lands on the same step.
+        On its ranks, ``atomic=False`` reads (and receives from peers) each plain CPU tensor
+        straight into the live one, every chunk still checked against its crc32c where it lands
+        (a bad copy still moves to the next copy): no fresh buffers and no copy, but a load that
+        fails leaves those tensors partly written (the error's hint says so): load an intact
+        step before training on. ``fallback=True`` stays atomic.
         """
         self._check_open()
         self._quiesce()

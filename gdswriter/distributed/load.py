@@ -16,8 +16,11 @@ rebuilds the state it needs (rebuild.py ``rebuild_state``).
 
 Either way the state is rebuilt and handed to the live objects as a single-process load
 does, and nothing live changes before every rank has read and verified its part into fresh
-buffers and every rank agrees the plan fits (a collective load is always atomic). The
-agreements carry typed messages (load_messages.py).
+buffers and every rank agrees the plan fits (an atomic load, the default). ``load(atomic=False)``
+reads and receives each storage that is one live tensor straight into it instead (no fresh
+buffer, no copy; every chunk still checked where it lands), and a failure then leaves those
+tensors partly written (``collective_restore``). The agreements carry typed messages
+(load_messages.py).
 
 ``load(fallback=True)``: rank 0's fallback order (the latest step, then older ones) is every
 rank's. After a failed step each rank says how it saw the failure (damage, another error, or
@@ -29,9 +32,10 @@ from __future__ import annotations
 
 import errno
 import logging
+from functools import partial
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -44,10 +48,11 @@ from ..format.manifest import MANIFEST_NAME, Manifest, StorageRecord
 from ..format.copies import replicas_of
 from ..format.sharded import GlobalManifest, RankShard, parse_shard, parse_step, read_shard
 from ..format.state_codec import decode_state
-from ..load.apply import LiveState, LoadResult, apply_state, plan_restore
+from ..load.apply import LiveState, LoadResult, apply_state, match_live, plan_restore
 from ..load.policy import DAMAGE
-from ..load.reader import check_step_files, parse_manifest, tensors_from_storages, vanished_instead
+from ..load.reader import check_step_files, host_buffer, parse_manifest, tensors_from_storages, vanished_instead
 from . import crossmem, hostshare
+from .fetch import fetch_storages
 from .group import Coordinator, bounded, describe, unbound
 from .load_messages import FallbackDecision, OwnVerdict, ShardReport, TransportOffer, choose_transport
 from .loadcopies import newest_complete, reached_copies, use_copies, verified_copies
@@ -59,12 +64,35 @@ from .rankfiles import disagreeing_holders, holder_set_digests
 from .rebuild import live_templates, plain_blocks, rebuild_state
 from .reshard import plan_indexed, read_replicated_once
 from .roots import RootLayout
-from .shards import assemble, target_block
+from .shards import assemble, is_dtensor, leaves, target_block
 from .readexec import ReadPlan, chunk_range, execute, send_rounds
 from .transport import CrossMemoryTransport, HostTmpfsTransport, ProcessGroupTransport, Transport
 
 _plain_blocks = plain_blocks  # importable here under its former name (tests)
 log = logging.getLogger("gdswriter")
+UNCHANGED = "the live state was not changed"
+IN_PLACE = ("live tensors read in place (load(atomic=False)) may hold part of the step's bytes; load an intact step "
+            "(or load(atomic=True)) before training on")
+
+
+def in_place_targets(live_state: dict, strict: bool) -> dict[str, torch.Tensor]:
+    """Key path -> live tensor a non-atomic load reads into (load(atomic=False)): the plain CPU
+    tensors of the state as saving collects it (parameters, buffers, dict and extra tensors, a
+    resumed optimizer's state; no DTensor, nothing on a GPU). Without ``strict`` the optimizer's
+    are left out: a non-strict plan may skip the optimizer, whose state must then stay as it is."""
+    return {k: v.detach() for k, v in leaves(live_state)
+            if isinstance(v, torch.Tensor) and not is_dtensor(v) and v.device.type == "cpu"
+            and (strict or not str(k).startswith("optimizer/"))}
+
+
+def in_place(m: Manifest, targets: Mapping[str, torch.Tensor] | None) -> dict[int, torch.Tensor]:
+    """Storage -> the flat bytes of the live tensor it is read into (load.apply.match_live: the
+    storage's one tensor, alike in dtype, shape and strides, contiguous, the whole storage; never
+    a DTensor's block), for a non-atomic load's ``targets``; {} for an atomic load."""
+    if not targets:
+        return {}
+    blocks = {t.storage for t in m.tensors if t.shard is not None}
+    return {s: flat for s, (_, flat) in match_live(m, targets).items() if s not in blocks}
 
 
 def _own_verdict(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any], *,
@@ -120,8 +148,8 @@ def _own_verdict(coord: Coordinator, layout: RootLayout, g: GlobalManifest, temp
 
 def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, templates: dict[str, Any],
              engine: IOEngine, *, verify: bool, what: str, src: int, share_dir: str | None = None,
-             cross_memory: bool = False, check: Callable[[Any], Any] = lambda state: None
-             ) -> tuple[Any, Any] | None:
+             cross_memory: bool = False, check: Callable[[Any], Any] = lambda state: None,
+             targets: Mapping[str, torch.Tensor] | None = None) -> tuple[Any, Any] | None:
     """Collective: this rank's saved state from its own shard alone, when every rank can do so
     (the same world size, its shard and data files on roots it sees, its DTensor blocks the
     ones its live tensors hold), else None on every rank (then ``gather_merged``). Items
@@ -139,7 +167,9 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     ``share_dir`` (hostshare.py), the holders on a host read their pieces into one shared file
     per item instead, with the same relay between hosts; else the process group. The plan
     (ownplan.py ``plan_own``) is pure; ``carry_out_own`` executes it. Returns (the state,
-    ``check(state)``), ``check`` agreed on with the rebuilding (plan_restore: one collective)."""
+    ``check(state)``), ``check`` agreed on with the rebuilding (plan_restore: one collective).
+    ``targets`` (load(atomic=False), ``in_place_targets``): over the process group, the items
+    that are one live tensor each are read and received into it (``carry_out_own``)."""
     shard, reach, verdict = _own_verdict(coord, layout, g, templates, what=what, src=src, share_dir=share_dir,
                                          cross_memory=cross_memory)
     if not verdict.own:
@@ -157,7 +187,7 @@ def load_own(coord: Coordinator, layout: RootLayout, g: GlobalManifest, template
     transport = _agree_transport(coord, shard, plan, verdict, error, share_dir=share_dir, what=what, src=src)
     assert plan is not None
     return carry_out_own(coord, g, shard, reach, plan, transport, templates, engine, verify=verify, what=what, src=src,
-                      check=check)
+                         check=check, targets=targets)
 
 
 def _agree_transport(coord: Coordinator, shard: RankShard, plan: OwnLoadPlan | None, verdict: OwnVerdict,
@@ -207,25 +237,35 @@ def _agree_transport(coord: Coordinator, shard: RankShard, plan: OwnLoadPlan | N
 
 def carry_out_own(coord: Coordinator, g: GlobalManifest, shard: RankShard, reach: list[Path | None], plan: OwnLoadPlan,
                transport: Transport, templates: dict[str, Any], engine: IOEngine, *, verify: bool, what: str,
-               src: int, check: Callable[[Any], Any]) -> tuple[Any, Any]:
+               src: int, check: Callable[[Any], Any], targets: Mapping[str, torch.Tensor] | None = None
+               ) -> tuple[Any, Any]:
     """Collective: ``plan`` carried out through ``transport``: each rank reads its pieces, the
     relay rounds run over the process group, the ranks of a host pull from each other where the
     transport does, and the state is rebuilt and checked (one agreement, which with cross
     memory also tells that every rank has pulled: only after it may a rank free or change the
-    buffer its peers copy from)."""
-    unchanged = "the live state was not changed"
+    buffer its peers copy from). ``targets`` (a non-atomic load) with the process group as the
+    transport: an item that is one live tensor is read and received into that tensor itself
+    (``in_place``), no fresh buffer and no copy; each piece read is checked as it is read, and
+    a failure leaves those tensors partly written (the errors' hints say so)."""
     rank, world = coord.rank, coord.world_size
     rounds: list[list[Move]] = []
     buffers: list[torch.Tensor] = []
     into: list[torch.Tensor] = []
     error = None
+    direct: dict[int, torch.Tensor] = {}
     try:
         rounds = relay_rounds(shard, plan.pieces, rank, world, transport.block, transport.shared)
-        # shared on this host: read into the shared file, view it through this rank's private mapping
-        buffers, into = transport.buffers(shard.items)
+        if targets and transport.kind == ProcessGroupTransport.kind:
+            direct = in_place(_views(g, shard), targets)
+        if direct:
+            buffers = [direct[sid] if sid in direct else host_buffer(it.nbytes) for sid, it in enumerate(shard.items)]
+            into = buffers
+        else:  # shared on this host: read into the shared file, view it through this rank's private mapping
+            buffers, into = transport.buffers(shard.items)
         _read_pieces(g, shard, reach, into, engine, verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = vanished_instead(g.step, g.created_unix, reach, [f.root for f in shard.files], e) or e
+    unchanged = IN_PLACE if direct else UNCHANGED
     # once every rank has read (this agreement), the shared files hold every piece read on their
     # host; pulling ranks learn where the buffers of their host's ranks are
     bases = coord.decide_each(error, transport.address(), f"{what} (reading)", transport.route, hint=unchanged,
@@ -275,9 +315,7 @@ def _rebuild_own(g: GlobalManifest, shard: RankShard, buffers: Sequence[torch.Te
                  check: Callable[[Any], Any]) -> tuple[Any, Any, BaseException | None]:
     """(the state, ``check(state)``, None) rebuilt from ``buffers``, or (None, None, the failure)."""
     try:
-        views = Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
-                         tensors=shard.tensors, state=shard.tree)
-        tensors = tensors_from_storages(views, buffers)  # type: ignore[arg-type]
+        tensors = tensors_from_storages(_views(g, shard), buffers)  # type: ignore[arg-type]
         for i, rec in enumerate(shard.tensors):
             if rec.shard is not None:
                 offsets, shape, wrap = target_block(template_of(templates, rec.name), rec.shard.global_shape)
@@ -287,6 +325,12 @@ def _rebuild_own(g: GlobalManifest, shard: RankShard, buffers: Sequence[torch.Te
         return state, check(state), None
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         return None, None, e
+
+
+def _views(g: GlobalManifest, shard: RankShard) -> Manifest:
+    """The tensors of ``shard`` as views of its items (a storage per item; no file, no chunk)."""
+    return Manifest(step=g.step, files=(), storages=tuple(StorageRecord(it.nbytes, ()) for it in shard.items),
+                    tensors=shard.tensors, state=shard.tree)
 
 
 def _open_shared(shard: RankShard, share_dir: str | None, token: str, sids: Sequence[int], world: int,
@@ -301,9 +345,11 @@ def _open_shared(shard: RankShard, share_dir: str | None, token: str, sids: Sequ
 
 def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState, live_state: dict,
              step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
-             share_dir: str | None = None, cross_memory: bool = False) -> tuple[int, Any, Any]:
+             share_dir: str | None = None, cross_memory: bool = False,
+             targets: Mapping[str, torch.Tensor] | None = None) -> tuple[int, Any, Any]:
     """Collective: (step, state, plan) of ``step`` (None: the latest), read, verified and checked
-    against the live state on every rank; nothing live has changed yet. A step saved with
+    against the live state on every rank; nothing live has changed yet (with ``targets``, a
+    non-atomic load: the live tensors read in place hold the step's bytes). A step saved with
     replicas reads each rank's files from its own root, else from the first copy a rank sees,
     and after damage from the places loadcopies.verified_copies found good (loadcopies.py)."""
     src = layout.primary_rank
@@ -314,7 +360,8 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
     parsed = parse_step(raw, where)
     copies = replicas_of(parsed, where) if isinstance(parsed, GlobalManifest) else None
     args = (coord, layout, protocol, live, live_state, step, engine)
-    kw: dict[str, Any] = {"strict": strict, "verify": verify, "share_dir": share_dir, "cross_memory": cross_memory}
+    kw: dict[str, Any] = {"strict": strict, "verify": verify, "share_dir": share_dir, "cross_memory": cross_memory,
+                          "targets": targets}
     if copies is None:
         return _prepare_parsed(*args, parsed, **kw)
     g: GlobalManifest = parsed  # type: ignore[assignment]
@@ -339,8 +386,10 @@ def _prepare(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, l
 
 def _prepare_parsed(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
                     live_state: dict, step: int, engine: IOEngine, parsed: GlobalManifest | Manifest, *, strict: bool,
-                    verify: bool, share_dir: str | None = None, cross_memory: bool = False) -> tuple[int, Any, Any]:
-    """_prepare of the step whose manifest is ``parsed``."""
+                    verify: bool, share_dir: str | None = None, cross_memory: bool = False,
+                    targets: Mapping[str, torch.Tensor] | None = None) -> tuple[int, Any, Any]:
+    """_prepare of the step whose manifest is ``parsed``; ``targets``: the live tensors a
+    non-atomic load reads into (the own-shard path and the merged path's fetch)."""
     src = layout.primary_rank
     what = f"loading step {step}"
     templates = live_templates(live_state, live.optimizer)
@@ -350,7 +399,8 @@ def _prepare_parsed(coord: Coordinator, layout: RootLayout, protocol: CommitProt
         return plan_restore(state, live, strict)
 
     own = None if g is None else load_own(coord, layout, g, templates, engine, verify=verify, what=what, src=src,
-                                          share_dir=share_dir, cross_memory=cross_memory, check=check)
+                                          share_dir=share_dir, cross_memory=cross_memory, check=check,
+                                          targets=targets)
     if own is not None:
         return (step, *own)
     state = None
@@ -366,14 +416,17 @@ def _prepare_parsed(coord: Coordinator, layout: RootLayout, protocol: CommitProt
             error = InvalidOptionError(f"step {step} was saved through torch.distributed.checkpoint: load it with "
                                        f"dcp.load(state_dict, storage_reader=GDSStorageReader(root, step={step}))")
         coord.agree(error, what, hint="the live state was not changed")
+        # a non-atomic load of a multi-rank step: each storage that is one live tensor is read and received into it
+        into = in_place(m, targets) if g is not None else {}
         state = rebuild_state(coord, layout, m, templates, live.optimizer, engine, verify=verify, what=what,
-                              single=g is None and m.dist is None, read_once=read_replicated_once)
+                              single=g is None and m.dist is None, read_once=read_replicated_once,
+                              fetch=partial(fetch_storages, into=into) if into else fetch_storages)
     plan, error = None, None
     try:
         plan = check(state)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    coord.agree(error, f"{what} (checking the live state)", hint="the live state was not changed")
+    coord.agree(error, f"{what} (checking the live state)", hint=IN_PLACE if targets else UNCHANGED)
     return step, state, plan
 
 
@@ -469,20 +522,27 @@ def _newest_intact(coord: Coordinator, layout: RootLayout, protocol: CommitProto
 
 def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,
                        live_state: dict, step: int | None, engine: IOEngine, *, strict: bool, verify: bool,
-                       fallback: bool = False, share_dir: str | None = None, cross_memory: bool = False
-                       ) -> LoadResult:
+                       fallback: bool = False, share_dir: str | None = None, cross_memory: bool = False,
+                       atomic: bool = True) -> LoadResult:
     """Collective: restore ``live`` on every rank from ``step`` (None: the latest; with
     ``fallback`` the newest intact step, see GDSCheckpointer.load). ``live_state`` is what saving
     ``live`` would collect (its tensors say what each rank needs).
 
-    Always atomic: every rank reads into fresh buffers and verifies every chunk, and all ranks
-    agree that every rank did, before any live tensor changes (load(atomic=...) has nothing to
-    add), so a damaged step leaves the live state untouched on every rank. ``share_dir``: the
+    ``atomic`` (the default): every rank reads into fresh buffers and verifies every chunk, and
+    all ranks agree that every rank did, before any live tensor changes, so a damaged step
+    leaves the live state untouched on every rank. Without it (load(atomic=False); not with
+    ``fallback``, which stays atomic: a damaged step is passed over untouched), the storages
+    that are one plain CPU live tensor each (``in_place_targets``) are read and received
+    straight into those tensors, with no fresh buffer and no copy: every chunk is still checked
+    against its crc32c where it lands (read or received; a bad copy still moves to the next
+    one), but a load that fails leaves those tensors partly written (its error's hint says so;
+    no load_state_dict has run): load an intact step before training on. ``share_dir``: the
     tmpfs through which ranks on one host share what they read (DistOptions.load_share_dir);
     ``cross_memory``: they pull it from each other's memory instead where they can
     (DistOptions.load_cross_memory)."""
     damaged: tuple[int, ...] = ()
     lost: tuple[int, ...] = ()
+    targets = in_place_targets(live_state, strict) if not atomic and not fallback else None
     if fallback:
         step, state, plan, damaged = _newest_intact(coord, layout, protocol, live, live_state, engine, strict=strict,
                                                     verify=verify, share_dir=share_dir,
@@ -491,10 +551,11 @@ def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitP
             log.warning("gdswriter: loaded step %d, the newest intact step (passed over damaged step(s) %s)",
                         step, list(damaged))
     else:  # a plain load() passes over the newest steps whose files were lost with a node (loadcopies.py)
-        (step, state, plan), lost = newest_complete(
+        (step, state, plan), lost = _noted(targets, lambda: newest_complete(
             step, lambda s: _prepare(coord, layout, protocol, live, live_state, s, engine, strict=strict,
-                                     verify=verify, share_dir=share_dir, cross_memory=cross_memory),
-            lambda: _fallback_steps(coord, protocol, layout.primary_rank), protocol.primary)
+                                     verify=verify, share_dir=share_dir, cross_memory=cross_memory,
+                                     targets=targets),
+            lambda: _fallback_steps(coord, protocol, layout.primary_rank), protocol.primary))
     error = None
     try:
         apply_state(live, state, plan)
@@ -503,7 +564,18 @@ def collective_restore(coord: Coordinator, layout: RootLayout, protocol: CommitP
     coord.agree(error, f"loading step {step} (applying)", hint="ranks that did not fail loaded the step; fix the "
                                                                "problem and load again")
     return LoadResult(step, tuple(plan.loaded), tuple(plan.skipped), tuple(plan.missing), tuple(plan.unexpected),
-                      atomic=verify, damaged=damaged, lost=lost)
+                      atomic=verify and not targets, damaged=damaged, lost=lost)
+
+
+def _noted(targets: Mapping[str, torch.Tensor] | None, prepare: Callable[[], Any]) -> Any:
+    """``prepare()``; its failure, in a non-atomic load (``targets``), noted as leaving the live
+    tensors read in place partly written (as the single-process in-place load notes it)."""
+    try:
+        return prepare()
+    except Exception as e:
+        if targets:
+            e.add_note(f"gdswriter: {IN_PLACE}")
+        raise
 
 
 def collective_load(coord: Coordinator, layout: RootLayout, protocol: CommitProtocol, live: LiveState,

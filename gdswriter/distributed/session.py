@@ -235,9 +235,11 @@ class DistSession:
              engines: Callable[[], Sequence[IOEngine]], *, strict: bool, verify: bool, fallback: bool = False,
              atomic: bool | None = None, engine_options: EngineOptions | None = None) -> LoadResult:
         """Collective: every rank reads into fresh buffers and verifies them, and all agree, before
-        any live tensor changes on any rank (atomic, whatever ``atomic`` says); ``fallback``: the
-        newest intact step, as every rank agrees (load.py). ``state()``: this rank's live
-        state; the first of ``engines()`` reads."""
+        any live tensor changes on any rank (atomic: the default, ``atomic`` None or True);
+        ``atomic=False`` reads into the live tensors in place (load.py ``collective_restore``: a
+        failure leaves them partly written); ``fallback``: the newest intact step, as every rank
+        agrees (load.py; always atomic). ``state()``: this rank's live state; the first of
+        ``engines()`` reads."""
         with self._serial:
             if not self._table_shared:  # once, on every rank: until then a rank holds only its own part of it
                 self.layout = share_table(self.coord, self.layout, "loading")
@@ -246,7 +248,7 @@ class DistSession:
             result = collective_restore(self.coord, self.layout, self.protocol, live, live_state, step, engines()[0],
                                         strict=strict, verify=verify, fallback=fallback,
                                         share_dir=self.options.load_share_dir,
-                                        cross_memory=self.options.load_cross_memory)
+                                        cross_memory=self.options.load_cross_memory, atomic=atomic is not False)
             if self.replicator is not None:  # files a replaced node held: re-created in the background from
                 # their full copies, or from the copy the load rebuilt from parity, with its parity block (refill.py)
                 self.replicator.submit(RefillJob(result.step, self.layout))

@@ -1,0 +1,156 @@
+"""load(atomic=False) on real gloo ranks (distributed/load.py ``in_place_targets``): the bytes of
+each plain CPU tensor are read, or received from the peer reading a lost node's copy, straight
+into the live tensor, every chunk still checked against its crc32c where it lands; a bad copy
+moves to the next one, and a copy damaged on every holder is the typed error (the live tensors
+then partly written, as the error's hint says). Each rank its own host and node-local root,
+replicas=2 saves of three 4 MiB tensors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.models import small_options
+from support.ranks import caught, run_ranks
+
+MiB = 1 << 20
+
+
+def state(step: int) -> dict:
+    """Three 4 MiB tensors, the same on every rank (each rank writes its share)."""
+    g = torch.Generator().manual_seed(900 + step)
+    return {f"t{i}": torch.randn(MiB, generator=g) for i in range(3)}
+
+
+def open_node(base: str, rank: int, live: dict, share: bool = True):
+    """Rank ``rank``'s checkpointer; without ``share`` its ranks pass every piece over the
+    process group (no cross memory, no tmpfs)."""
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    extra = {} if share else {"load_cross_memory": False, "load_share_dir": None}
+    return GDSCheckpointer(live, root=Path(base, f"n{rank}"), options=small_options(),
+                           dist_options=DistOptions(replicas=2, timeout_s=60, **extra))
+
+
+def save_steps(rank: int, world: int, base: str) -> None:
+    """Steps 1 and 2, each protected (its copies on the peer)."""
+    live = state(1)
+    with open_node(base, rank, live) as ck:
+        ck.save(1)
+        assert ck.wait_protected() == 1
+        for k, v in state(2).items():
+            live[k].copy_(v)
+        ck.save(2)
+        assert ck.wait_protected() == 2
+
+
+def load_live(rank: int, world: int, base: str, atomic: bool, share: bool = True) -> dict:
+    """Load the latest step with ``atomic`` into zeroed tensors: {"got": [step, bit exact, the
+    storage pointers unchanged, last_load.atomic] or the error, "zeros": whether every live
+    tensor is still all zeros}."""
+    live = {k: torch.zeros_like(v) for k, v in state(1).items()}
+    before = {k: v.untyped_storage().data_ptr() for k, v in live.items()}
+    got: list = []
+
+    def load() -> None:
+        with open_node(base, rank, live, share) as ck:
+            got.append(ck.load(atomic=atomic))
+            got.append(ck.last_load.atomic)
+
+    err = caught(load)
+    zeros = all(not t.any() for t in live.values())
+    if err:
+        return {"got": err, "zeros": zeros}
+    want = state(got[0])
+    exact = all(torch.equal(live[k].view(torch.int32), want[k].view(torch.int32)) for k in want)
+    same = all(live[k].untyped_storage().data_ptr() == p for k, p in before.items())
+    return {"got": [got[0], exact, same, got[1]], "zeros": zeros}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("saved")
+    run_ranks(2, save_steps, str(base), out=base / "out")
+    return base
+
+
+@pytest.fixture()
+def job(saved, tmp_path) -> Path:
+    """A fresh copy of the saved roots (their ids travel with them) for one test to change."""
+    base = tmp_path / "job"
+    for k in range(2):
+        shutil.copytree(saved / f"n{k}", base / f"n{k}")
+    return base
+
+
+def _replace_node(root: Path) -> None:
+    shutil.rmtree(root)
+    root.mkdir()
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _data_file(root: Path, rank: int, copy: bool = False) -> Path:
+    d = root / f"step_{2:012d}" / (f"copies/rank{rank:05d}" if copy else "")
+    return next(d.glob(f"data-rank{rank}-*.bin"))
+
+
+def test_non_atomic_load_from_peers_lands_bit_exact_in_the_live_tensors(job):
+    """Node 1 replaced by an empty root: with atomic=False both ranks load step 2 bit exact into
+    the very tensors they hold (the same storages before and after), rank 1's bytes received
+    from rank 0, which reads its copy; last_load says the load was not atomic."""
+    _replace_node(job / "n1")
+    out = run_ranks(2, load_live, str(job), False, out=job / "out")
+    assert [x["got"] for x in out] == [[2, True, True, False]] * 2, out
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["host-sharing", "process-group"])
+def test_non_atomic_load_with_every_root_intact_is_bit_exact(job, share):
+    """Every root intact: atomic=False loads bit exact, on both ranks: through the ranks' memory
+    (into fresh buffers, then copied), or over the process group, each piece read and received
+    straight into the live tensors."""
+    out = run_ranks(2, load_live, str(job), False, share, out=job / "out")
+    assert [x["got"] for x in out] == [[2, True, True, False]] * 2, out
+
+
+def test_non_atomic_load_moves_from_a_bad_file_to_its_copy(job):
+    """A flipped byte in rank 1's own data file: the non-atomic load finds it, moves to the copy
+    on rank 0's root and ends bit exact in the live tensors (the bad bytes it may have placed
+    first are all read again from the good copy)."""
+    _flip(_data_file(job / "n1", 1))
+    out = run_ranks(2, load_live, str(job), False, out=job / "out")
+    assert [x["got"] for x in out] == [[2, True, True, False]] * 2, out
+
+
+def test_non_atomic_load_of_a_copy_damaged_on_every_holder_is_the_typed_error(job):
+    """Node 1 replaced, and the only copy of its files (on node 0) has a flipped byte: the
+    non-atomic load fails on every rank with a typed error (CorruptCheckpointError naming rank
+    1's files), never a load of the bad bytes; an atomic load of the older step then restores them bit exact."""
+    _replace_node(job / "n1")
+    _flip(_data_file(job / "n0", 1, copy=True))
+    out = run_ranks(2, load_live, str(job), False, out=job / "out")
+    for x in out:
+        assert x["got"][0] in ("CorruptCheckpointError", "RankFailedError"), x
+    kind, msg = out[0]["got"]
+    assert kind == "CorruptCheckpointError" and "no good copy of rank 1's files" in msg, out
+    older = run_ranks(2, load_live_fallback, str(job), out=job / "out2")
+    assert [x["got"][:2] for x in older] == [[1, True]] * 2, older
+
+
+def load_live_fallback(rank: int, world: int, base: str) -> dict:
+    """load(fallback=True) (atomic) into zeroed tensors: {"got": [step, bit exact]}."""
+    live = {k: torch.zeros_like(v) for k, v in state(1).items()}
+    with open_node(base, rank, live) as ck:
+        step = ck.load(fallback=True)
+    want = state(step)
+    return {"got": [step, all(torch.equal(live[k].view(torch.int32), want[k].view(torch.int32)) for k in want)]}
