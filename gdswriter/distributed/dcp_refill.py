@@ -134,10 +134,11 @@ def _survey(job: DcpRefillJob) -> dict:
     c = 0
     for g in job.placed.check:
         base = job.placed.reach[g] / d  # type: ignore[operator]
-        try:
-            c = max(c, int(json.loads(read_regular_file(base / PROTECTED_NAME, 4096)).get("copies", 0)))
-        except (OSError, ValueError, GDSWriterError, AttributeError):
-            pass
+        for marker in (base / PROTECTED_NAME, base / COPIES_DIR / PROTECTED_NAME):  # copies/: beside the manifest's copy
+            try:
+                c = max(c, int(json.loads(read_regular_file(marker, 4096)).get("copies", 0)))
+            except (OSError, ValueError, GDSWriterError, AttributeError):
+                pass
         try:
             ranks += [int(k.group(1)) for p in (base / COPIES_DIR).iterdir()
                       if p.is_dir() and (k := _COPY_DIR.match(p.name))]

@@ -85,3 +85,10 @@ def save_two_steps(rank: int, root: Path, state: Any, **options: Any) -> list:
     second = w.wait_protected()
     w.close()
     return [first, second]
+
+
+def refilled(reader: Any) -> Any:
+    """What ``reader.wait_refilled(120)`` returned (the step refilled, or None), or its error."""
+    got: list = []
+    err = caught(lambda: got.append(reader.wait_refilled(120)))
+    return err if err is not None else got[0]
