@@ -40,6 +40,11 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     torch.distributed.barrier()
     if rank == 1:
         _replace(root)
+    else:  # a crash mid-refill left a temporary folder: garbage under a copy's file name, which no one reads
+        good = next((root / STEP / "copies" / "rank00001").iterdir())
+        tmp_dir = root / STEP / "copies" / ".tmp-rank00001-deadbeef"
+        tmp_dir.mkdir()
+        (tmp_dir / good.name).write_bytes(b"\x55" * good.stat().st_size)
     torch.distributed.barrier()
     reader = GDSStorageReader(root, 1, engine_options=engine())
     out["first"] = dcp_load(root, 1, state(1), reader)
@@ -57,8 +62,8 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
 
 def test_a_dcp_step_loaded_from_copies_is_refilled_and_survives_the_other_nodes_loss(tmp_path):
     """replicas=2, node 1 replaced: the load is bit-exact from the copies; wait_refilled names step
-    1; node 1's new root holds rank 1's files, rank 0's copy, the manifest's copy and
-    copies/protected; then node 0 replaced: the step loads bit-exact again on both ranks."""
+    1 (a crash's temporary folder beside the copy read by neither); node 1's new root holds rank
+    1's files, rank 0's copy, the manifest's copy and copies/protected; then node 0 replaced: the step loads bit-exact again on both ranks."""
     got = run_ranks(2, _worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(got):
         assert x["protected"] == [0, 1], (rank, x)

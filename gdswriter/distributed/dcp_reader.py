@@ -61,7 +61,9 @@ class GDSStorageReader(Collective, StorageReader):
     from load to load (``engine_options``; default: reader_engine_options()); ``close()``
     releases it. ``_extension_registry`` (FileSystemReader's) must
     be None: gdswriter applies no stream transforms. A directory that DCP's own FileSystemWriter
-    wrote is read too, without unpickling anything outside an allowlist (dcp_fsreader.py)."""
+    wrote is read too, without unpickling anything outside an allowlist (dcp_fsreader.py). A
+    load that read a replaced node's files from their copies re-creates them, and the copies
+    that node held, on its new disk in the background (dcp_refill.py): ``wait_refilled()``."""
 
     def __init__(self, root: Any = None, step: int | None = None, *, verify: bool = True, atomic: bool = False,
                  engine_options: EngineOptions | None = None, dist_options: DistOptions | None = None,
