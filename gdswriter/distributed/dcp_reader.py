@@ -30,7 +30,7 @@ from .dcp_failures import CarriedError
 from .dcp_fsreader import fs_metadata_for_load, is_fs_checkpoint, read_fs_items
 from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
-from .dcp_refill import DcpRefill, DcpRefillJob
+from .dcp_refill import DcpRefill, DcpRefillJob, start_refill
 from .dcp_replicas import Placed, fetch_placed, held_paths, place_files
 from .dcp_writer_parts import contiguous_stride
 from .fetch import Reach, fetch_storages, manifest_reach
@@ -211,10 +211,10 @@ class GDSStorageReader(Collective, StorageReader):
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise
-        if placed is not None and placed.lost and not placed.parity and placed.held is None:
+        if placed is not None and placed.lost and not placed.parity:  # the same on every rank
             # read from copies because a node was replaced: its files re-created there in the background
-            self._refill = DcpRefill(self.process_group, self.dist_options.timeout_s,
-                                     DcpRefillJob(saved, placed, layout))
+            self._refill = start_refill(self.process_group, self.dist_options.timeout_s,
+                                        DcpRefillJob(saved, placed, layout))
         hand_over(plan, records, in_place, buffers, planner)
         fut: Future = Future()
         fut.set_result(None)

@@ -96,10 +96,14 @@ def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copie
                 raise GDSWriterError(f"table root {j}'s files are read from {prefix or 'their root'} on table root "
                                      f"{g}, not from one rank's copy: not refilled")
             moves.append(DcpMove(int(k.group(1)), g, prefix, checkers[g], receiver, j, True, tuple(files)))
+    by_rank: dict[int, list[int]] = {}  # one pass over the files, not one per rank
+    for i, f in enumerate(m.files):
+        if (k := _RANK_FILE.match(f.path)) is not None:
+            by_rank.setdefault(int(k.group(1)), []).append(i)
     for r in range(m.dist.world_size):
         if r in on_lost or copies.get(r, 0) >= c - 1:
             continue
-        mine = [i for i, f in enumerate(m.files) if (k := _RANK_FILE.match(f.path)) and int(k.group(1)) == r]
+        mine = by_rank.get(r, [])
         where = {m.files[i].root for i in mine}
         j = next((j for j in lost if r not in roots[j].ranks), None)
         if not mine or j is None or len(where) != 1 or min(where) not in checkers:
@@ -112,9 +116,15 @@ def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copie
     return moves
 
 
-def _chunks(m: Manifest, i: int) -> tuple[ChunkRecord, ...]:
-    """The chunks the manifest records in file ``i`` (each checked as the file streams)."""
-    return tuple(c for s in m.storages for c in s.chunks if c.file == i)
+def _chunks(m: Manifest, files: tuple[int, ...]) -> dict[int, list[ChunkRecord]]:
+    """The chunks the manifest records in each of ``files`` (each checked as the file streams):
+    one pass over the storages."""
+    out: dict[int, list[ChunkRecord]] = {i: [] for i in files}
+    for s in m.storages:
+        for c in s.chunks:
+            if c.file in out:
+                out[c.file].append(c)
+    return out
 
 
 @dataclass(frozen=True)
@@ -151,9 +161,10 @@ def _sources(job: DcpRefillJob, mv: DcpMove) -> list[Source]:
     """The files of one move where the sender reads them, with the committed manifest for rank 0's."""
     m, d = job.m, step_dir_name(job.m.step)
     base = job.placed.reach[mv.source] / d  # type: ignore[operator]
+    chunks = _chunks(m, mv.files)
     out = [Source("data", m.files[i].path, m.files[i].size,
                   path=base / mv.prefix / m.files[i].path if mv.prefix else base / m.files[i].path,
-                  chunks=_chunks(m, i)) for i in mv.files]
+                  chunks=tuple(chunks[i])) for i in mv.files]
     if mv.rank == 0:
         at = base / MANIFEST_NAME
         raw = read_regular_file(at if at.is_file() else base / COPIES_DIR / MANIFEST_NAME, MANIFEST_LIMIT)
@@ -286,3 +297,15 @@ class DcpRefill:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def start_refill(process_group: Any, timeout_s: float, job: DcpRefillJob) -> DcpRefill | None:
+    """Collective (every rank of the load, alike): a DcpRefill of ``job``, or None where its
+    channel could not be made (logged: the load stands, the step keeps its fewer copies)."""
+    try:
+        return DcpRefill(process_group, timeout_s, job)
+    except Exception as e:  # noqa: BLE001 - the load's data is fetched: a refill failing costs redundancy only
+        log.warning("gdswriter: DCP step %d was loaded from copies but is not refilled (its channel: %s); it loads "
+                    "as it did, with fewer copies, until it is loaded again or a newer step is protected",
+                    job.m.step, describe(e))
+        return None
