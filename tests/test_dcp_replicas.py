@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from gdswriter.cli import main as cli_main
-from support.dcp import dcp_load, dcp_state, engine, flip, node_writer, save_two_steps
+from gdswriter.distributed import GDSStorageReader
+from support.dcp import dcp_load, dcp_state, engine, flip, node_writer, refilled, save_two_steps
 from support.ranks import caught, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -101,11 +102,15 @@ def _fallback_worker(rank: int, world: int, tmp: str) -> dict:
         shutil.rmtree(root)
         root.mkdir()
     torch.distributed.barrier()
-    out["replaced"] = _load(root, 1)
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out["replaced"] = dcp_load(root, 1, state(1), reader)
+    out["refilled"] = refilled(reader)  # rank 1's files re-created on its new root (dcp_refill.py)
     torch.distributed.barrier()
-    if rank == 0:  # and now the only copy of rank 1's files of step 1 damaged too
+    if rank == 0:  # and now the copy of rank 1's files of step 1 damaged too
         flip(sorted((root / STEP / "copies" / "rank00001").iterdir())[0])
         shutil.rmtree(root / "step_000000000000" / "copies" / "rank00001")  # step 0's copy gone
+    else:  # as the files the refill re-created: no good place left
+        flip(sorted((root / STEP).glob("data-rank1-*"))[0])
     torch.distributed.barrier()
     out["damaged"] = _load(root, 1)
     out["gone"] = _load(root, 0)
@@ -115,7 +120,7 @@ def _fallback_worker(rank: int, world: int, tmp: str) -> dict:
 def test_a_dcp_load_reads_a_lost_or_damaged_file_from_its_verified_copy(tmp_path):
     """A flipped byte in rank 0's own file: the step loads bit-exact from its copy on node1 and
     the warning names the damaged file; rank 1's root emptied (a replaced node): bit-exact from
-    the copies on node0, saying so; that copy damaged too: CorruptCheckpointError on every rank,
+    the copies on node0, saying so (and refilled); that copy and the refilled files damaged too: CorruptCheckpointError on every rank,
     nothing loaded wrong; step 0 with its copy removed: StepFilesLostError on every rank."""
     got = run_ranks(2, _fallback_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(got):
@@ -128,6 +133,7 @@ def test_a_dcp_load_reads_a_lost_or_damaged_file_from_its_verified_copy(tmp_path
         assert err is None and exact, (rank, x["replaced"])
         if rank == 0:
             assert any("replaced node" in li and "copies/rank00001" in li for li in lines), lines
+        assert x["refilled"] == 1, (rank, x["refilled"])
         err, exact, _ = x["damaged"]
         assert err is not None and err[0] == "CorruptCheckpointError" and "no good place" in err[1], (rank, err)
         err, exact, _ = x["gone"]
@@ -200,7 +206,16 @@ def _rank0_lost_worker(rank: int, world: int, tmp: str) -> dict:
             out["items"] = sorted(GDSStorageReader(root, 1).read_metadata().state_dict_metadata)
     out["metadata"] = caught(metadata)
     torch.distributed.barrier()
-    out["replaced"] = _load(root, 1)
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out["replaced"] = dcp_load(root, 1, state(1), reader)
+    out["refilled"] = refilled(reader)  # rank 0's files, rank 1's copy, the manifest's copy on node0
+    reader.close()
+    torch.distributed.barrier()
+    if rank == 1:  # then node 1 (the adopted primary) replaced too: the step loads from what the refill wrote
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    out["second"] = _load(root, 1)
     return out
 
 
@@ -208,7 +223,9 @@ def test_a_dcp_load_after_rank_0s_node_is_replaced_uses_the_manifests_copy(tmp_p
     """Rank 0's root (the committed manifest, its data files) emptied after a protected save:
     read_metadata and dcp.load of step 1 take the verified copy of the manifest on the node
     holding rank 0's copies (which becomes the primary, as GDSCheckpointer's load adopts it) and
-    load bit-exact from the copies, saying so."""
+    load bit-exact from the copies, saying so; the load refills node 0's new root (rank 0's files,
+    rank 1's copy, the manifest's copy), so once node 1 is replaced too the step loads bit-exact
+    again (node 0 adopting the manifest's copy in its turn)."""
     got = run_ranks(2, _rank0_lost_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(got):
         assert x["protected"] == [0, 1], (rank, x)
@@ -216,8 +233,11 @@ def test_a_dcp_load_after_rank_0s_node_is_replaced_uses_the_manifests_copy(tmp_p
         err, exact, lines = x["replaced"]
         assert err is None and exact, (rank, x["replaced"])
         assert any("copies/rank00000" in li for li in lines), (rank, lines)
-    assert (tmp_path / "node1" / STEP / "manifest.json").read_bytes() == (
-        tmp_path / "node1" / STEP / "copies" / "manifest.json").read_bytes()
+        assert x["refilled"] == 1, (rank, x["refilled"])
+        err, exact, _ = x["second"]
+        assert err is None and exact, (rank, x["second"])
+    assert (tmp_path / "node0" / STEP / "manifest.json").read_bytes() == (
+        tmp_path / "node0" / STEP / "copies" / "manifest.json").read_bytes()
 
 
 def _placing_worker(rank: int, world: int, tmp: str) -> dict:

@@ -97,7 +97,7 @@ class Collective:
 
     _OPEN = ("_coord", "_session", "_items", "_save", "_loaded", "_engines", "_engine_made", "_opening",
              "_open_lock", "_formers", "_former_lock", "_former_paths", "_fs", "_replication",
-             "_pending", "_drain")  # resources, per-save state: not pickled
+             "_pending", "_drain", "_refill")  # resources, per-save state: not pickled
 
     def __init__(self, root: Any, step: int | None, process_group: Any, single_process: bool,
                  dist_options: DistOptions | None):

@@ -19,7 +19,7 @@ from torch.futures import Future
 
 from ..engines.base import IOEngine
 from ..engines.select import create_engine
-from ..errors import CorruptCheckpointError, InvalidOptionError, StepFilesLostError
+from ..errors import CorruptCheckpointError, GDSWriterError, InvalidOptionError, StepFilesLostError
 from ..format.commit import ROOT_MARKER_NAME, step_dir_name
 from ..format.dtypes import dtype_from_name, dtype_to_name
 from ..format.manifest import Manifest, RootInfo, TensorRecord
@@ -30,6 +30,7 @@ from .dcp_failures import CarriedError
 from .dcp_fsreader import fs_metadata_for_load, is_fs_checkpoint, read_fs_items
 from .dcp_messages import SharedRootOffer
 from .dcp_paths import Collective, local_path_ok
+from .dcp_refill import DcpRefill, DcpRefillJob, start_refill
 from .dcp_replicas import Placed, fetch_placed, held_paths, place_files
 from .dcp_writer_parts import contiguous_stride
 from .fetch import Reach, fetch_storages, manifest_reach
@@ -60,7 +61,9 @@ class GDSStorageReader(Collective, StorageReader):
     from load to load (``engine_options``; default: reader_engine_options()); ``close()``
     releases it. ``_extension_registry`` (FileSystemReader's) must
     be None: gdswriter applies no stream transforms. A directory that DCP's own FileSystemWriter
-    wrote is read too, without unpickling anything outside an allowlist (dcp_fsreader.py)."""
+    wrote is read too, without unpickling anything outside an allowlist (dcp_fsreader.py). A
+    load that read a replaced node's files from their copies re-creates them, and the copies
+    that node held, on its new disk in the background (dcp_refill.py): ``wait_refilled()``."""
 
     def __init__(self, root: Any = None, step: int | None = None, *, verify: bool = True, atomic: bool = False,
                  engine_options: EngineOptions | None = None, dist_options: DistOptions | None = None,
@@ -79,6 +82,7 @@ class GDSStorageReader(Collective, StorageReader):
         self._engines: list[IOEngine] | None = None  # [the engine], kept from load to load
         self._engine_made: EngineOptions | None = None  # the options it was built with
         self._fs: tuple[Path, Metadata] | None = None  # a FileSystemWriter checkpoint's directory, its metadata
+        self._refill: DcpRefill | None = None  # the last load's refill of a replaced node's files (dcp_refill.py)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -169,7 +173,7 @@ class GDSStorageReader(Collective, StorageReader):
         alone = reaches_all and not self.atomic
         coord = self.coordinator()
         reach = manifest_reach(m, layout)
-        placed = None
+        placed, saved = None, m
         if not alone:  # a file lost or damaged on its own root: read from a copy, verified (dcp_replicas.py)
             reach = Reach(held_paths(m, reach.paths))
             placed = place_files(coord, m, reach.paths, f"dcp.load of step {m.step}")
@@ -207,6 +211,10 @@ class GDSStorageReader(Collective, StorageReader):
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise
+        if placed is not None and placed.lost and not placed.parity:  # the same on every rank
+            # read from copies because a node was replaced: its files re-created there in the background
+            self._refill = start_refill(self.process_group, self.dist_options.timeout_s,
+                                        DcpRefillJob(saved, placed, layout))
         hand_over(plan, records, in_place, buffers, planner)
         fut: Future = Future()
         fut.set_result(None)
@@ -229,9 +237,22 @@ class GDSStorageReader(Collective, StorageReader):
         for e in engines:
             e.close()
 
+    def wait_refilled(self, timeout: float | None = None) -> int | None:
+        """Wait for the refill that the last load started (a load that read a replaced node's
+        files from their copies re-creates them on its new disk in the background: dcp_refill.py):
+        the step refilled, or None (nothing to refill); ReplicationError where it failed (the step
+        then loads as before, with one copy fewer of the replaced node's files)."""
+        return None if self._refill is None else self._refill.wait(timeout)
+
     def close(self) -> None:
-        """Release the engine kept between loads (the next load builds a new one)."""
+        """Release the engine kept between loads (the next load builds a new one); waits for a
+        refill still running (its failure is logged, not raised: wait_refilled raises it)."""
         self._close_engines()
+        if self._refill is not None:
+            try:
+                self._refill.wait()
+            except GDSWriterError:
+                pass
 
     def __del__(self) -> None:
         if getattr(self, "_engines", None):

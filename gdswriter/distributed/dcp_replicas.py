@@ -236,6 +236,7 @@ class Placed:
     checkers: dict[int, int] | None = None  # rank 0: the rank looking at each reached table root
     rebuilt: bool = False  # the lost members were rebuilt from their parity once (never twice)
     held: HeldCopies | None = None  # rebuilt copies held in memory for this load (closed after it)
+    lost: tuple[int, ...] = ()  # the step's table roots no rank reaches (replaced nodes: dcp_refill.py)
 
 
 def _size_problem(path: Path, f: FileRecord) -> str | None:
@@ -322,7 +323,8 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
     lost = set(mine["lost"])
     bad += [[i, f"root {f.root} of the step is on no rank of this job (a replaced node?)"]
             for i, f in enumerate(m.files) if f.root in lost]
-    placed = Placed(m, True, check, reach=tuple(reach), parity=mine["parity"], checkers=checker or None)
+    placed = Placed(m, True, check, reach=tuple(reach), parity=mine["parity"], checkers=checker or None,
+                    lost=tuple(mine["lost"]))
     return _from_copies(coord, placed, [(i, p) for i, p in bad], what) if bad else placed
 
 

@@ -50,7 +50,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -366,16 +366,43 @@ def _sources(layout: RootLayout, g: GlobalManifest, move: Move) -> list[Source]:
 
 def _move(coord: Coordinator, layout: RootLayout, g: GlobalManifest, move: Move, what: str) -> list[str]:
     """This rank's part of one move (sender or receiver); what failed here."""
+    target = next((t for t in move.targets if t[0] == coord.rank), None)
+    return move_files(coord, FileMove(g.step, move.rank, move.sender, tuple(t[0] for t in move.targets),
+                                      bool(target and target[2])),
+                      lambda: _sources(layout, g, move),
+                      lambda: _copies_dir(layout, g.step, target[1]), what)  # type: ignore[index]
+
+
+@dataclass(frozen=True)
+class FileMove:
+    """Rank ``rank``'s files of step ``step``, streamed by ``sender`` to each of ``receivers``
+    (``own``: on a receiver, the rank's own files, moved up into the step directory)."""
+
+    step: int
+    rank: int
+    sender: int
+    receivers: tuple[int, ...]
+    own: bool = False
+
+
+def move_files(coord: Coordinator, move: FileMove, sources: Callable[[], list[Source]],
+               copies_dir: Callable[[], Path], what: str) -> list[str]:
+    """This rank's part of one move (called by its sender and receivers alone, in the same order
+    of moves): the sender streams ``sources()`` (each chunk checked against its crc32c as it is
+    read); each receiver writes them into ``copies_dir()/.tmp-...``, checks every file against
+    the sender's crc32c, renames the folder to ``copies/rank<R>`` (replicastream.Incoming) and,
+    for ``own``, moves the files up into the step directory. Returns what failed here (shared by
+    GDSCheckpointer's refill and the DCP plug-in's, dcp_refill.py)."""
     me, s = coord.rank, move.sender
-    dests = [t[0] for t in move.targets] if me == s else []
+    dests = list(move.receivers) if me == s else []
     error: BaseException | None = None
-    sources: list[Source] = []
+    srcs: list[Source] = []
     if me == s:
         try:
-            sources = _sources(layout, g, move)
+            srcs = sources()
         except Exception as e:  # noqa: BLE001 - sent to the receivers in the trailer
             error = e
-    out = Outgoing(sources, error)
+    out = Outgoing(srcs, error)
     head = torch.tensor([len(out.header), out.total], dtype=torch.int64)
     sizes = torch.zeros(2, dtype=torch.int64)
     coord.exchange([Transfer(s, d, 0, head) for d in dests] + ([Transfer(s, me, 0, sizes)] if me != s else []),
@@ -386,17 +413,14 @@ def _move(coord: Coordinator, layout: RootLayout, g: GlobalManifest, move: Move,
                    ([Transfer(s, me, 1, header[:int(sizes[0])])] if me != s else []), f"{what} (headers)")
     problems: list[str] = []
     inc: Incoming | None = None
-    own = False
     if me != s:
-        target = next(t for t in move.targets if t[0] == me)
-        own = target[2]
         try:
-            inc = Incoming(_copies_dir(layout, g.step, target[1]), move.rank, bytes(header[:int(sizes[0])].numpy()))
+            inc = Incoming(copies_dir(), move.rank, bytes(header[:int(sizes[0])].numpy()))
         except Exception as e:  # noqa: BLE001 - reported to the primary rank
             problems.append(f"rank {move.rank}'s files: {describe(e)}")
     incoming = {s: inc} if me != s else {}
     try:
-        Pipeline(coord, g.step, out, dests, {s: int(sizes[1])} if me != s else {}, incoming, problems).run()
+        Pipeline(coord, move.step, out, dests, {s: int(sizes[1])} if me != s else {}, incoming, problems).run()
         trailer = _trailer(coord, out, s, dests, what)
     except BaseException:
         if inc is not None:
@@ -408,7 +432,7 @@ def _move(coord: Coordinator, layout: RootLayout, g: GlobalManifest, move: Move,
     if inc is not None:
         try:
             inc.publish(trailer)
-            if own:
+            if move.own:
                 _move_up(inc.copies, move.rank)
         except Exception as e:  # noqa: BLE001 - reported to the primary rank
             inc.discard()

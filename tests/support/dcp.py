@@ -42,8 +42,9 @@ def node_writer(rank: int, root: Path, **options: Any) -> Any:
                             dist_options=DistOptions(**{"timeout_s": 120.0, **options}))
 
 
-def dcp_load(root: Path, step: int, want: dict) -> tuple[list[str] | None, bool, list[str]]:
-    """(error, bit-exact against ``want``, warnings) of a DCP load of ``step`` on this rank."""
+def dcp_load(root: Path, step: int, want: dict, reader: Any = None) -> tuple[list[str] | None, bool, list[str]]:
+    """(error, bit-exact against ``want``, warnings) of a DCP load of ``step`` on this rank
+    (through ``reader``, a GDSStorageReader, where given)."""
     import torch.distributed.checkpoint as dcp
 
     from gdswriter.distributed import GDSStorageReader, dcp_errors
@@ -54,7 +55,7 @@ def dcp_load(root: Path, step: int, want: dict) -> tuple[list[str] | None, bool,
 
     def run() -> None:
         with dcp_errors():
-            dcp.load(back, storage_reader=GDSStorageReader(root, step, engine_options=engine()))
+            dcp.load(back, storage_reader=reader or GDSStorageReader(root, step, engine_options=engine()))
     try:
         got = caught(run)
     finally:
@@ -84,3 +85,10 @@ def save_two_steps(rank: int, root: Path, state: Any, **options: Any) -> list:
     second = w.wait_protected()
     w.close()
     return [first, second]
+
+
+def refilled(reader: Any) -> Any:
+    """What ``reader.wait_refilled(120)`` returned (the step refilled, or None), or its error."""
+    got: list = []
+    err = caught(lambda: got.append(reader.wait_refilled(120)))
+    return err if err is not None else got[0]

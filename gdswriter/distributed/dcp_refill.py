@@ -1,0 +1,311 @@
+"""Refill of a DCP step after a load from copies (issue 39 item 3 for the DCP plug-in; docs/format.md 9.5).
+
+A DCP load (``GDSStorageReader``) of a step saved with ``replicas=C`` where a node was replaced
+(a table root of the step no rank reaches: its disk at the same path is empty) reads that node's
+ranks' files from their copies; the step then keeps one copy fewer of them, and of the copies
+the lost root held, until the next save. The reader then refills it in the background, on a
+channel of its own (``DcpRefill``), over replication's verified stream (refill.py ``move_files``):
+
+1. Every rank names the copy directories (``copies/rank<R>``) on the roots it looked at and the
+   ``protected`` marker's copies there (one fixed-size gather to rank 0, which decides the moves
+   and broadcasts them: their number is that of the lost node's ranks and of the ranks whose
+   copies it held, never the world size). ``plan_dcp_refill`` (pure): each lost root's ranks get
+   their files back on the replacement root (the same path, now seen by the lowest of its ranks),
+   read from the copy the load read; each rank left with fewer than C - 1 copies on the roots
+   reached gets one on a replacement root; rank 0's files carry the committed manifest, written
+   as ``copies/manifest.json`` beside them (with ``copies/protected``).
+2. Each file streams from the rank that sees it, every chunk checked against the crc32c the
+   manifest records, into a ``.tmp-`` folder of ``step_S/copies`` on the replacement root, each
+   file fdatasynced and checked against the sender's crc32c, then renamed whole to
+   ``copies/rank<R>`` (a rank's own files then moved up into ``step_S``, beside the owner files
+   naming the primary). A crash leaves the ``.tmp-`` folder, which no load reads.
+3. When every rank succeeded, the primary rank rewrites ``step_S/protected`` last.
+
+The 1.2 manifest is not rewritten (its own commit point): the replacement root is found by its
+path, as at the load that triggered the refill. A step rebuilt from parity is not refilled here
+(its parity block would have to be re-created: logged)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import GDSWriterError, ReplicationError
+from ..format.commit import step_dir_name, write_owner
+from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
+from ..format.replicas import COPIES_DIR, PROTECTED_NAME, protected_marker
+from ..format.sharded import parse_step
+from ..fs import atomic_write, fsync_dir, read_regular_file
+from .dcp_replicas import Placed
+from .group import Coordinator, describe
+from .refill import FileMove, move_files
+from .replicastream import Source
+from .roots import RootLayout
+
+log = logging.getLogger("gdswriter")
+_RANK_FILE = re.compile(r"^data-rank(\d+)-")
+_COPY_DIR = re.compile(r"^rank(\d+)$")
+MANIFEST_LIMIT = 1 << 30
+
+
+@dataclass(frozen=True)
+class DcpMove:
+    """Rank ``rank``'s files ``files`` (indices into the manifest's), read by ``sender`` at
+    ``prefix`` in the step directory on table root ``source``, written by ``receiver`` on its
+    root at the lost table root ``target``'s path (``own``: moved up into the step directory)."""
+
+    rank: int
+    source: int
+    prefix: str
+    sender: int
+    receiver: int
+    target: int
+    own: bool
+    files: tuple[int, ...]
+
+    def wire(self) -> list:
+        return [self.rank, self.source, self.prefix, self.sender, self.receiver, self.target, self.own,
+                list(self.files)]
+
+
+def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copies: dict[int, int],
+                    c: int) -> list[DcpMove]:
+    """Pure, on rank 0 (module docstring, 1): ``placed`` the load's placement (its ``lost``
+    roots, each lost file pointed at a copy), ``checkers`` the rank looking at each reached
+    root, ``copies`` the number of ``copies/rank<R>`` directories per rank R on reached roots,
+    ``c`` the step's copies."""
+    assert m.dist is not None
+    roots, lost = m.dist.roots, list(placed.lost)
+    moves: list[DcpMove] = []
+    on_lost = {r for j in lost for r in roots[j].ranks}
+    for j in lost:
+        receiver = min(roots[j].ranks)
+        groups: dict[tuple[int, str], list[int]] = {}
+        for i, f in enumerate(m.files):
+            if f.root == j:
+                at = placed.m.files[i]
+                groups.setdefault((at.root, at.path.rsplit("/", 1)[0] if "/" in at.path else ""), []).append(i)
+        for (g, prefix), files in sorted(groups.items()):
+            k = _COPY_DIR.match(prefix.rsplit("/", 1)[-1])
+            if k is None or g not in checkers:
+                raise GDSWriterError(f"table root {j}'s files are read from {prefix or 'their root'} on table root "
+                                     f"{g}, not from one rank's copy: not refilled")
+            moves.append(DcpMove(int(k.group(1)), g, prefix, checkers[g], receiver, j, True, tuple(files)))
+    by_rank: dict[int, list[int]] = {}  # one pass over the files, not one per rank
+    for i, f in enumerate(m.files):
+        if (k := _RANK_FILE.match(f.path)) is not None:
+            by_rank.setdefault(int(k.group(1)), []).append(i)
+    for r in range(m.dist.world_size):
+        if r in on_lost or copies.get(r, 0) >= c - 1:
+            continue
+        mine = by_rank.get(r, [])
+        where = {m.files[i].root for i in mine}
+        j = next((j for j in lost if r not in roots[j].ranks), None)
+        if not mine or j is None or len(where) != 1 or min(where) not in checkers:
+            continue
+        g = min(where)
+        moves.append(DcpMove(r, g, "", checkers[g], min(roots[j].ranks), j, False, tuple(mine)))
+    for mv in moves:
+        if mv.sender == mv.receiver:
+            raise GDSWriterError(f"rank {mv.sender} would send rank {mv.rank}'s files to itself: not refilled")
+    return moves
+
+
+def _chunks(m: Manifest, files: tuple[int, ...]) -> dict[int, list[ChunkRecord]]:
+    """The chunks the manifest records in each of ``files`` (each checked as the file streams):
+    one pass over the storages."""
+    out: dict[int, list[ChunkRecord]] = {i: [] for i in files}
+    for s in m.storages:
+        for c in s.chunks:
+            if c.file in out:
+                out[c.file].append(c)
+    return out
+
+
+@dataclass(frozen=True)
+class DcpRefillJob:
+    """What a refill needs of its load: the manifest, the placement, this rank's roots."""
+
+    m: Manifest
+    placed: Placed
+    layout: RootLayout
+
+
+def _survey(job: DcpRefillJob) -> dict:
+    """This rank's part of the gather: the copy directories per rank and the ``protected``
+    marker's copies on the roots it looked at."""
+    d = step_dir_name(job.m.step)
+    ranks: list[int] = []
+    c = 0
+    for g in job.placed.check:
+        base = job.placed.reach[g] / d  # type: ignore[operator]
+        for marker in (base / PROTECTED_NAME, base / COPIES_DIR / PROTECTED_NAME):  # copies/: beside the manifest's copy
+            try:
+                c = max(c, int(json.loads(read_regular_file(marker, 4096)).get("copies", 0)))
+            except (OSError, ValueError, GDSWriterError, AttributeError):
+                pass
+        try:
+            ranks += [int(k.group(1)) for p in (base / COPIES_DIR).iterdir()
+                      if p.is_dir() and (k := _COPY_DIR.match(p.name))]
+        except OSError:
+            pass
+    return {"copies": ranks, "c": c}
+
+
+def _sources(job: DcpRefillJob, mv: DcpMove) -> list[Source]:
+    """The files of one move where the sender reads them, with the committed manifest for rank 0's."""
+    m, d = job.m, step_dir_name(job.m.step)
+    base = job.placed.reach[mv.source] / d  # type: ignore[operator]
+    chunks = _chunks(m, mv.files)
+    out = [Source("data", m.files[i].path, m.files[i].size,
+                  path=base / mv.prefix / m.files[i].path if mv.prefix else base / m.files[i].path,
+                  chunks=tuple(chunks[i])) for i in mv.files]
+    if mv.rank == 0:
+        at = base / MANIFEST_NAME
+        raw = read_regular_file(at if at.is_file() else base / COPIES_DIR / MANIFEST_NAME, MANIFEST_LIMIT)
+        got = parse_step(raw, str(at))
+        if not isinstance(got, Manifest) or got.step != m.step:
+            raise GDSWriterError(f"{at}: not step {m.step}'s DCP manifest")
+        out.append(Source("global", MANIFEST_NAME, len(raw), data=raw))
+    return out
+
+
+def _copies_dir(job: DcpRefillJob, mv: DcpMove) -> Path:
+    """``step_S/copies`` on this rank's root at the lost root's path, made durably (the step
+    directory with the owner files naming the step's primary)."""
+    assert job.m.dist is not None
+    want = job.m.dist.roots[mv.target].path
+    root = next((p for p in job.layout.local_paths if str(p.resolve()) == want), None)
+    if root is None:
+        raise GDSWriterError(f"no root of this rank is at {want} (the replaced root's path): not refilled")
+    d = root / step_dir_name(job.m.step)
+    if not d.is_dir():
+        d.mkdir()
+        primary = job.m.dist.roots[0]
+        write_owner(d, primary.path, primary.id)
+        fsync_dir(root)
+    copies = d / COPIES_DIR
+    if not copies.is_dir():
+        copies.mkdir()
+        fsync_dir(d)
+    return copies
+
+
+def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMove], int]:
+    """Collective: the moves (rank 0 decides from every rank's survey) and the step's copies."""
+    error, mine = None, {"copies": [], "c": 0}
+    try:
+        mine = _survey(job)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+
+    def rule(outs: list) -> dict:
+        count: dict[int, int] = {}
+        for o in outs:
+            for r in o["copies"]:
+                count[r] = count.get(r, 0) + 1
+        c = max(o["c"] for o in outs)
+        if c < 2:
+            return {"moves": [], "c": c}
+        moves = plan_dcp_refill(job.m, job.placed, job.placed.checkers or {}, count, c)
+        return {"moves": [mv.wire() for mv in moves], "c": c}
+
+    got = coord.decide(error, mine, f"{what} (planning)", rule)
+    return [DcpMove(r, g, p, s, d, t, bool(o), tuple(f)) for r, g, p, s, d, t, o, f in got["moves"]], got["c"]
+
+
+def run_dcp_refill(coord: Coordinator, job: DcpRefillJob) -> bool:
+    """Collective on the refill channel (module docstring): True when the step was refilled."""
+    step = job.m.step
+    what = f"refilling DCP step {step}"
+    moves, c = _plan(coord, job, what)
+    if not moves:
+        return False
+    problems: list[str] = []
+    for mv in moves:
+        if coord.rank in (mv.sender, mv.receiver):
+            problems += move_files(coord, FileMove(step, mv.rank, mv.sender, (mv.receiver,), mv.own),
+                                   lambda mv=mv: _sources(job, mv), lambda mv=mv: _copies_dir(job, mv), what)
+            if coord.rank == mv.receiver and mv.rank == 0 and not problems:
+                try:
+                    atomic_write(_copies_dir(job, mv) / PROTECTED_NAME, protected_marker(c))
+                except Exception as e:  # noqa: BLE001 - reported to rank 0
+                    problems.append(describe(e))
+    failed = coord.decide(None, "; ".join(problems)[:2000], f"{what} (outcomes)",
+                          lambda outs: [[r, m] for r, m in enumerate(outs) if m][:8])
+    if failed:
+        raise ReplicationError(f"DCP step {step} was loaded but not refilled: "
+                               f"{'; '.join(f'rank {r}: {m}' for r, m in failed)}; it loads as it did, with fewer "
+                               f"copies; fix what the message names (a full or failing disk?) and load again", step)
+    _protect(coord, job, c, what)
+    return True
+
+
+def _protect(coord: Coordinator, job: DcpRefillJob, c: int, what: str) -> None:
+    """The primary rank rewrites ``step_S/protected`` last, once every rank's files are durable."""
+    error = None
+    layout = job.layout
+    if coord.rank == layout.primary_rank:
+        try:
+            local = layout.local_of(0)
+            d = layout.local_paths[local if local is not None else 0] / step_dir_name(job.m.step)
+            atomic_write(d / PROTECTED_NAME, protected_marker(c))
+            log.warning("gdswriter: DCP step %d is refilled: the files of replaced root(s) %s re-created from their "
+                        "copies, and the step is protected again", job.m.step, list(job.placed.lost))
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
+    coord.agree(error, f"{what} (protected)", root=layout.primary_rank)
+
+
+class DcpRefill:
+    """A refill running in the background on its own channel (made at the load, collectively):
+    ``wait()`` returns the step once refilled (None: nothing to refill) or raises its
+    ReplicationError; the channel is given back at its end."""
+
+    def __init__(self, process_group: Any, timeout_s: float, job: DcpRefillJob):
+        self.job = job
+        self.channel = Coordinator.create(process_group, timeout_s=timeout_s, label="GDSStorageReader(refill)")
+        self.result: int | None = None
+        self.error: ReplicationError | None = None
+        self._thread = threading.Thread(target=self._run, name="gdswriter-dcp-refill", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            if run_dcp_refill(self.channel, self.job):
+                self.result = self.job.m.step
+        except ReplicationError as e:
+            self.error = e
+        except Exception as e:  # noqa: BLE001 - handed to wait()
+            self.error = ReplicationError(f"DCP step {self.job.m.step} was loaded but not refilled: {describe(e)}; "
+                                          f"it loads as it did, with fewer copies", self.job.m.step)
+            self.error.__cause__ = e
+            log.warning("gdswriter: %s", self.error)
+        finally:
+            self.channel.close()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise ReplicationError(f"the refill of DCP step {self.job.m.step} is still running after {timeout} s; "
+                                   f"call wait_refilled() again", self.job.m.step)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def start_refill(process_group: Any, timeout_s: float, job: DcpRefillJob) -> DcpRefill | None:
+    """Collective (every rank of the load, alike): a DcpRefill of ``job``, or None where its
+    channel could not be made (logged: the load stands, the step keeps its fewer copies)."""
+    try:
+        return DcpRefill(process_group, timeout_s, job)
+    except Exception as e:  # noqa: BLE001 - the load's data is fetched: a refill failing costs redundancy only
+        log.warning("gdswriter: DCP step %d was loaded from copies but is not refilled (its channel: %s); it loads "
+                    "as it did, with fewer copies, until it is loaded again or a newer step is protected",
+                    job.m.step, describe(e))
+        return None

@@ -1,0 +1,115 @@
+"""The refill of a DCP step after a load from copies (issue 39 item 3 for the DCP plug-in;
+distributed/dcp_refill.py): two real gloo ranks, each its own node, save with replicas=2; node 1
+is replaced (its root emptied), a DCP load reads its files from their copies and re-creates them
+(and rank 0's copy, the manifest's copy) on the new disk in the background; once refilled, the
+OTHER node (rank 0's: the step's primary, its manifest and rank 1's copy) is replaced too, and
+the step still loads bit-exact, from what the refill wrote."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.dcp import dcp_load, dcp_state, engine, flip, refilled, save_two_steps
+from support.ranks import caught, run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+STEP = "step_000000000001"
+
+
+def state(step: int) -> dict:
+    return dcp_state(700, step)
+
+
+def _replace(root: Path) -> None:
+    """A replaced node: its root is an empty directory at the same path."""
+    shutil.rmtree(root)
+    root.mkdir()
+
+
+def _worker(rank: int, world: int, tmp: str) -> dict:
+    from gdswriter.distributed import GDSStorageReader
+
+    root = Path(tmp, f"node{rank}")
+    out: dict = {"protected": save_two_steps(rank, root, state, replicas=2)}
+    torch.distributed.barrier()
+    if rank == 1:
+        _replace(root)
+    else:  # a crash mid-refill left a temporary folder: garbage under a copy's file name, which no one reads
+        good = next((root / STEP / "copies" / "rank00001").iterdir())
+        tmp_dir = root / STEP / "copies" / ".tmp-rank00001-deadbeef"
+        tmp_dir.mkdir()
+        (tmp_dir / good.name).write_bytes(b"\x55" * good.stat().st_size)
+    torch.distributed.barrier()
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out["first"] = dcp_load(root, 1, state(1), reader)
+    out["refilled"] = refilled(reader)
+    reader.close()
+    out["files"] = sorted(str(p.relative_to(root / STEP)) for p in (root / STEP).rglob("*") if p.is_file()) \
+        if (root / STEP).is_dir() else []
+    torch.distributed.barrier()
+    if rank == 0:
+        _replace(root)
+    torch.distributed.barrier()
+    out["second"] = dcp_load(root, 1, state(1))
+    return out
+
+
+def test_a_dcp_step_loaded_from_copies_is_refilled_and_survives_the_other_nodes_loss(tmp_path):
+    """replicas=2, node 1 replaced: the load is bit-exact from the copies; wait_refilled names step
+    1 (a crash's temporary folder beside the copy read by neither); node 1's new root holds rank
+    1's files, rank 0's copy, the manifest's copy and copies/protected; then node 0 replaced: the step loads bit-exact again on both ranks."""
+    got = run_ranks(2, _worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["protected"] == [0, 1], (rank, x)
+        err, exact, _ = x["first"]
+        assert err is None and exact, (rank, x["first"])
+        assert x["refilled"] == 1, (rank, x["refilled"])
+    files = got[1]["files"]
+    assert "copies/manifest.json" in files and "copies/protected" in files, files
+    assert any(f.startswith("copies/rank00000/data-rank0") for f in files), files
+    assert any(f.startswith("data-rank1") for f in files), files
+    assert not [f for f in files if ".tmp-" in f], files
+    assert json.loads((tmp_path / "node1" / STEP / "copies" / "protected").read_bytes()) == {"copies": 2}
+    for rank, x in enumerate(got):
+        err, exact, _ = x["second"]
+        assert err is None and exact, (rank, x["second"])
+
+
+def _damaged_worker(rank: int, world: int, tmp: str) -> dict:
+    from gdswriter.distributed import GDSStorageReader
+
+    root = Path(tmp, f"node{rank}")
+    save_two_steps(rank, root, state, replicas=2)
+    torch.distributed.barrier()
+    if rank == 1:
+        _replace(root)
+    else:  # the copy the load (verify=False: it checks nothing) and the refill read, damaged
+        flip(next((root / STEP / "copies" / "rank00001").iterdir()))
+    torch.distributed.barrier()
+    reader = GDSStorageReader(root, 1, verify=False, engine_options=engine())
+    out: dict = {"first": dcp_load(root, 1, state(1), reader)[0]}
+    out["refill"] = caught(lambda: reader.wait_refilled(120))
+    reader.close()
+    out["files"] = sorted(str(p.relative_to(root / STEP)) for p in (root / STEP).rglob("*")) \
+        if (root / STEP).is_dir() else []
+    return out
+
+
+def test_a_dcp_refill_publishes_no_file_that_fails_its_crc32c(tmp_path):
+    """The copy of rank 1's files damaged (a byte flipped), loaded with verify=False (nothing
+    checked): the refill checks every chunk as it streams, so wait_refilled raises
+    ReplicationError naming the checksum on every rank, and node 1's new root holds none of
+    rank 1's files (the temporary folder removed)."""
+    got = run_ranks(2, _damaged_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["first"] is None, (rank, x)
+        assert x["refill"] is not None and x["refill"][0] == "ReplicationError", (rank, x["refill"])
+    assert "crc32c" in got[1]["refill"][1] or "checksum" in got[1]["refill"][1].lower(), got[1]["refill"]
+    files = got[1]["files"]
+    assert not [f for f in files if "data-rank1" in f or ".tmp-" in f], files
