@@ -21,6 +21,7 @@ import torch
 from support.models import small_options
 from support.nodes import NVME, Cluster, unavailable
 from support.ranks import WarningLines, caught, run_ranks
+from support.roots import copy_nodes
 
 STEP = 3
 NUMEL = 1 << 20  # 4 MiB float32 tensors: above the small-copy thresholds
@@ -152,10 +153,7 @@ def saved(tmp_path_factory) -> Path:
 @pytest.fixture()
 def job(saved, tmp_path) -> Path:
     """A fresh copy of the saved roots (their ids travel with them) for one test to damage."""
-    base = tmp_path / "job"
-    for k in range(2):
-        shutil.copytree(saved / f"n{k}", base / f"n{k}")
-    return base
+    return copy_nodes(saved, tmp_path / "job", 2)
 
 
 def _restored(out: dict, rank: int) -> bool:

@@ -7,59 +7,26 @@ replicas=2 saves of three 4 MiB tensors."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from support.models import small_options
 from support.ranks import caught, run_ranks
-
-MiB = 1 << 20
-
-
-def state(step: int) -> dict:
-    """Three 4 MiB tensors, the same on every rank (each rank writes its share)."""
-    g = torch.Generator().manual_seed(900 + step)
-    return {f"t{i}": torch.randn(MiB, generator=g) for i in range(3)}
-
-
-def open_node(base: str, rank: int, live: dict, share: bool = True):
-    """Rank ``rank``'s checkpointer; without ``share`` its ranks pass every piece over the
-    process group (no cross memory, no tmpfs)."""
-    from gdswriter import GDSCheckpointer
-    from gdswriter.distributed import DistOptions
-
-    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
-    extra = {} if share else {"load_cross_memory": False, "load_share_dir": None}
-    return GDSCheckpointer(live, root=Path(base, f"n{rank}"), options=small_options(),
-                           dist_options=DistOptions(replicas=2, timeout_s=60, **extra))
-
-
-def save_steps(rank: int, world: int, base: str) -> None:
-    """Steps 1 and 2, each protected (its copies on the peer)."""
-    live = state(1)
-    with open_node(base, rank, live) as ck:
-        ck.save(1)
-        assert ck.wait_protected() == 1
-        for k, v in state(2).items():
-            live[k].copy_(v)
-        ck.save(2)
-        assert ck.wait_protected() == 2
+from support.roots import copy_nodes, open_replica_node, replica_state, save_protected_steps
 
 
 def load_live(rank: int, world: int, base: str, atomic: bool, share: bool = True) -> dict:
     """Load the latest step with ``atomic`` into zeroed tensors: {"got": [step, bit exact, the
     storage pointers unchanged, last_load.atomic] or the error, "zeros": whether every live
     tensor is still all zeros}."""
-    live = {k: torch.zeros_like(v) for k, v in state(1).items()}
+    live = {k: torch.zeros_like(v) for k, v in replica_state(1).items()}
     before = {k: v.untyped_storage().data_ptr() for k, v in live.items()}
     got: list = []
 
     def load() -> None:
-        with open_node(base, rank, live, share) as ck:
+        with open_replica_node(base, rank, live, share) as ck:
             got.append(ck.load(atomic=atomic))
             got.append(ck.last_load.atomic)
 
@@ -67,7 +34,7 @@ def load_live(rank: int, world: int, base: str, atomic: bool, share: bool = True
     zeros = all(not t.any() for t in live.values())
     if err:
         return {"got": err, "zeros": zeros}
-    want = state(got[0])
+    want = replica_state(got[0])
     exact = all(torch.equal(live[k].view(torch.int32), want[k].view(torch.int32)) for k in want)
     same = all(live[k].untyped_storage().data_ptr() == p for k, p in before.items())
     return {"got": [got[0], exact, same, got[1]], "zeros": zeros}
@@ -76,17 +43,14 @@ def load_live(rank: int, world: int, base: str, atomic: bool, share: bool = True
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("saved")
-    run_ranks(2, save_steps, str(base), out=base / "out")
+    run_ranks(2, save_protected_steps, str(base), out=base / "out")
     return base
 
 
 @pytest.fixture()
 def job(saved, tmp_path) -> Path:
     """A fresh copy of the saved roots (their ids travel with them) for one test to change."""
-    base = tmp_path / "job"
-    for k in range(2):
-        shutil.copytree(saved / f"n{k}", base / f"n{k}")
-    return base
+    return copy_nodes(saved, tmp_path / "job", 2)
 
 
 def _replace_node(root: Path) -> None:
@@ -149,8 +113,8 @@ def test_non_atomic_load_of_a_copy_damaged_on_every_holder_is_the_typed_error(jo
 
 def load_live_fallback(rank: int, world: int, base: str) -> dict:
     """load(fallback=True) (atomic) into zeroed tensors: {"got": [step, bit exact]}."""
-    live = {k: torch.zeros_like(v) for k, v in state(1).items()}
-    with open_node(base, rank, live) as ck:
+    live = {k: torch.zeros_like(v) for k, v in replica_state(1).items()}
+    with open_replica_node(base, rank, live) as ck:
         step = ck.load(fallback=True)
-    want = state(step)
+    want = replica_state(step)
     return {"got": [step, all(torch.equal(live[k].view(torch.int32), want[k].view(torch.int32)) for k in want)]}

@@ -5,8 +5,6 @@ saves; small rounds here so that a step takes several."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -14,36 +12,10 @@ import torch
 
 from support.models import small_options
 from support.ranks import caught, run_ranks
+from support.roots import copy_nodes, open_replica_node, replica_state, save_protected_steps
 
 MiB = 1 << 20
 ROUND = 1 * MiB  # fetch.STREAM_BYTES in the ranks: rank 1's copy (6 MiB of data) takes several rounds
-
-
-def state(step: int) -> dict:
-    """Three 4 MiB tensors, the same on every rank (each rank writes its share)."""
-    g = torch.Generator().manual_seed(700 + step)
-    return {f"t{i}": torch.randn(MiB, generator=g) for i in range(3)}
-
-
-def open_node(base: str, rank: int, live: dict):
-    from gdswriter import GDSCheckpointer
-    from gdswriter.distributed import DistOptions
-
-    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
-    return GDSCheckpointer(live, root=Path(base, f"n{rank}"), options=small_options(),
-                           dist_options=DistOptions(replicas=2, timeout_s=60))
-
-
-def save_steps(rank: int, world: int, base: str) -> None:
-    """Steps 1 and 2, each protected (its copies on the peer)."""
-    live = state(1)
-    with open_node(base, rank, live) as ck:
-        ck.save(1)
-        assert ck.wait_protected() == 1
-        for k, v in state(2).items():
-            live[k].copy_(v)
-        ck.save(2)
-        assert ck.wait_protected() == 2
 
 
 def load_streamed(rank: int, world: int, base: str, fallback: bool) -> dict:
@@ -52,18 +24,18 @@ def load_streamed(rank: int, world: int, base: str, fallback: bool) -> dict:
     from gdswriter.distributed import fetch
 
     fetch.STREAM_BYTES = ROUND
-    live = {k: torch.zeros_like(v) for k, v in state(1).items()}
+    live = {k: torch.zeros_like(v) for k, v in replica_state(1).items()}
     got: list = []
 
     def load() -> None:
-        with open_node(base, rank, live) as ck:
+        with open_replica_node(base, rank, live) as ck:
             got.append(ck.load(fallback=fallback))
 
     err = caught(load)
     untouched = all(not t.any() for t in live.values())
     if err:
         return {"got": err, "untouched": untouched}
-    want = state(got[0])
+    want = replica_state(got[0])
     return {"got": [got[0], all(torch.equal(live[k].view(torch.int32), want[k].view(torch.int32)) for k in want)],
             "untouched": untouched}
 
@@ -71,17 +43,14 @@ def load_streamed(rank: int, world: int, base: str, fallback: bool) -> dict:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("saved")
-    run_ranks(2, save_steps, str(base), out=base / "out")
+    run_ranks(2, save_protected_steps, str(base), out=base / "out")
     return base
 
 
 @pytest.fixture()
 def job(saved, tmp_path) -> Path:
     """A fresh copy of the saved roots (their ids travel with them), node 1 replaced by an empty root."""
-    base = tmp_path / "job"
-    shutil.copytree(saved / "n0", base / "n0")
-    (base / "n1").mkdir()
-    return base
+    return copy_nodes(saved, tmp_path / "job", 2, replaced=(1,))
 
 
 def copy_of_rank1(job: Path, step: int) -> Path:
