@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from support import models as M
+from support.manifests import rows_of
 from gdswriter import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
                        GDSCheckpointer, GDSWriterError, InvalidOptionError, StateMismatchError,
                        UnsupportedObjectError, load_state)
@@ -46,7 +47,8 @@ def leftovers(*roots) -> list[str]:
 
 
 def manifest_of(root, step) -> dict:
-    return json.loads((Path(root) / step_dir_name(step) / MANIFEST_NAME).read_bytes())
+    """Step ``step``'s manifest.json, its tables as rows (support/manifests.py)."""
+    return rows_of(json.loads((Path(root) / step_dir_name(step) / MANIFEST_NAME).read_bytes()))
 
 
 def fill_random(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

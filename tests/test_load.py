@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from support import models as M
+from support.manifests import rows_of
 import gdswriter.load.policy as policy_mod
 from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpointer, InvalidOptionError,
                        LoadResult, NothingToLoadError, ReadOnlyRootError, StateMismatchError, load_state)
@@ -255,7 +256,7 @@ def test_compiled_model_checkpoints_load_into_the_plain_model_and_back(tmp_path,
 
 # ----------------------------------------------------------------------------- damage mid-load
 def _flip_in(root: Path, step: int, tensor: str) -> None:
-    body = json.loads((root / step_dir_name(step) / MANIFEST_NAME).read_bytes())
+    body = rows_of(json.loads((root / step_dir_name(step) / MANIFEST_NAME).read_bytes()))
     (t,) = [t for t in body["tensors"] if t["name"] == tensor]
     f, file_off, _, length, _ = body["storages"][t["storage"]]["chunks"][0]
     path = root / step_dir_name(step) / body["files"][f][1]
