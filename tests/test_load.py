@@ -21,7 +21,7 @@ from gdswriter import (ChecksumMismatchError, CorruptCheckpointError, GDSCheckpo
                        LoadResult, NothingToLoadError, ReadOnlyRootError, StateMismatchError, load_state)
 from gdswriter.export import export_step
 from gdswriter.format.commit import step_dir_name
-from gdswriter.format.manifest import MANIFEST_NAME
+from gdswriter.format.manifest import MANIFEST_NAME, Manifest
 
 
 def ckpt(model=None, optimizer=None, root=None, **kw) -> GDSCheckpointer:
@@ -255,10 +255,11 @@ def test_compiled_model_checkpoints_load_into_the_plain_model_and_back(tmp_path,
 
 # ----------------------------------------------------------------------------- damage mid-load
 def _flip_in(root: Path, step: int, tensor: str) -> None:
-    body = json.loads((root / step_dir_name(step) / MANIFEST_NAME).read_bytes())
-    (t,) = [t for t in body["tensors"] if t["name"] == tensor]
-    f, file_off, _, length, _ = body["storages"][t["storage"]]["chunks"][0]
-    path = root / step_dir_name(step) / body["files"][f][1]
+    m = Manifest.from_json_bytes((root / step_dir_name(step) / MANIFEST_NAME).read_bytes())
+    (t,) = [t for t in m.tensors if t.name == tensor]
+    c = m.storages[t.storage].chunks[0]
+    file_off, length = c.file_offset, c.length
+    path = root / step_dir_name(step) / m.files[c.file].path
     with open(path, "r+b") as fh:
         fh.seek(file_off + length // 2)
         b = fh.read(1)[0]

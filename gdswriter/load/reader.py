@@ -43,7 +43,8 @@ from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptChe
 from ..format.commit import CommitProtocol, normalize_roots, step_dir_name
 from ..fs import read_regular_file
 from ..format.dtypes import dtype_from_name
-from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
+from ..format.manifest import (MANIFEST_MAX_BYTES, MANIFEST_NAME, FileRecord, Manifest, StorageRecord, chunk_columns,
+                               tensor_table_columns)
 from ..format.copies import merged_with_copies, replicas_of
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, load_merged, parse_step, step_vanished, vanished_error
 from ..format.state_codec import decode_state, key_text
@@ -253,38 +254,47 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     under O_DIRECT, however many tensors it holds), each chunk checksummed there, each
     storage a view of it (runs up to RUN_MAX bytes: larger storages have buffers of their own,
     mapped by host_buffer). The buffers cover disjoint byte ranges of the files, so what is
-    allocated stays within the files' sizes (checked before: check_data_files)."""
-    pairs = [(c, sid) for sid, s in enumerate(manifest.storages) for c in s.chunks]
-    files = {c.file for c, _ in pairs}
-    per_file: dict[int, list[tuple[ChunkRecord, int]]] = {f: [] for f in files}
-    if len(files) == 1:
-        per_file[files.pop()] = pairs
-    else:
-        for pair in pairs:
-            per_file[pair[0].file].append(pair)
+    allocated stays within the files' sizes (checked before: check_data_files). The chunks are
+    taken as arrays: a format 2 manifest's columns, else made from its records."""
+    every, sizes = _chunk_table(manifest, dests)
+    fids = np.unique(every.fid).tolist()
     out = dests
-    tables = {fid: _table(manifest, chunks, out) for fid, chunks in per_file.items()}
-    for fid, t in tables.items():
-        per_file[fid], tables[fid] = _sorted(per_file[fid], t)
-    runs = {fid: _runs(per_file[fid], tables[fid], out) for fid in per_file}
-    for sid, s in enumerate(manifest.storages):
+    tables = {fids[0]: every} if len(fids) == 1 else {f: _take(every, every.fid == f) for f in fids}
+    tables = {fid: _sorted(t) for fid, t in tables.items()}
+    runs = {fid: _runs(t, out) for fid, t in tables.items()}
+    for sid, n in enumerate(sizes):
         if out[sid] is None:
-            out[sid] = host_buffer(s.nbytes)
+            out[sid] = host_buffer(n)
     step_dir = {i: protocol.step_dir(manifest.step, i) for i in range(len(protocol.roots))}
 
     def read_one(fid: int) -> None:
         rec = manifest.files[fid]
         path = step_dir[rec.root] / rec.path
-        chunks = per_file[fid]
-        crcs = _read_spans(engines[rec.root % len(engines)], path, chunks, runs[fid], out, verify)
-        if verify and crcs != [c.crc32c for c, _ in chunks]:
-            j = next(j for j, ((c, _), got) in enumerate(zip(chunks, crcs)) if got != c.crc32c)
-            (c, sid), got = chunks[j], crcs[j]
-            name = next((t.name for t in manifest.tensors if t.storage == sid), f"<storage {sid}>")
-            raise ChecksumMismatchError(path, name, c.file_offset, c.length, c.crc32c, got)
+        t = tables[fid]
+        crcs = _read_spans(engines[rec.root % len(engines)], path, t, runs[fid], out, verify)
+        if verify and (bad := _first_bad(crcs, t.crc)) is not None:
+            sid = int(t.sid[bad])
+            raise ChecksumMismatchError(path, _storage_name(manifest, sid), int(t.offs[bad]), int(t.lens[bad]),
+                                        int(t.crc[bad]), int(crcs[bad]))
 
-    run_per_file(read_one, sorted(per_file), len(engines))
+    run_per_file(read_one, fids, len(engines))
     return out  # type: ignore[return-value]
+
+
+def _first_bad(crcs: list[int], expected: np.ndarray) -> int | None:
+    """The first chunk whose crc32c is not the recorded one, or None."""
+    got = np.array(crcs, dtype=np.int64)
+    bad = np.flatnonzero(got != expected)
+    return int(bad[0]) if len(bad) else None
+
+
+def _storage_name(manifest: Manifest, sid: int) -> str:
+    """The name of a tensor viewing storage ``sid``, for messages."""
+    cols = tensor_table_columns(manifest.tensors)
+    if cols is not None:
+        rows = np.flatnonzero(cols.storage == sid)
+        return cols.names[int(rows[0])] if len(rows) else f"<storage {sid}>"
+    return next((t.name for t in manifest.tensors if t.storage == sid), f"<storage {sid}>")
 
 
 class _Run(NamedTuple):
@@ -304,27 +314,46 @@ class _Run(NamedTuple):
 
 
 class _Table(NamedTuple):
-    """A file's sorted chunks as arrays (int64): file offsets, lengths, ends, running byte
-    totals (``cum[j]``: bytes of chunks before j), and which chunks may join a run."""
+    """Chunks as arrays (int64): their file, file offsets, lengths, ends, storage offsets,
+    crc32c, storages, which may join a run (the only chunk of a fresh storage, not empty),
+    and (once sorted by _sorted, per file) running byte totals (``cum[j]``: bytes before j)."""
 
+    fid: np.ndarray
     offs: np.ndarray
     lens: np.ndarray
     ends: np.ndarray
-    cum: np.ndarray
+    so: np.ndarray
+    crc: np.ndarray
+    sid: np.ndarray
     alone: np.ndarray
+    cum: np.ndarray
 
 
-def _table(manifest: Manifest, chunks: list[tuple[ChunkRecord, int]], dests: list[torch.Tensor | None]) -> _Table:
-    """The arrays _runs cuts from: one pass over the records, the rest vectorised."""
-    n = len(chunks)
+def _chunk_table(manifest: Manifest, dests: list[torch.Tensor | None]) -> tuple[_Table, list[int]]:
+    """Every chunk of ``manifest`` as a _Table (storage by storage), and each storage's size:
+    from the manifest's validated columns (format 2), else one pass over its records."""
+    fresh = np.fromiter((d is None for d in dests), bool, len(dests))
+    cols = chunk_columns(manifest.storages)
+    if cols is not None:
+        sid = np.repeat(np.arange(len(cols.nbytes)), cols.counts)
+        alone = (fresh & (cols.counts == 1))[sid] & (cols.ln > 0)
+        empty = np.zeros(0, np.int64)
+        return (_Table(cols.fid, cols.fo, cols.ln, cols.fo + cols.ln, cols.so, cols.crc, sid, alone, empty),
+                cols.nbytes.tolist())
     storages = manifest.storages
-    offs = np.fromiter((c.file_offset for c, _ in chunks), np.int64, n)
-    lens = np.fromiter((c.length for c, _ in chunks), np.int64, n)
-    alone = np.fromiter((dests[sid] is None and len(storages[sid].chunks) == 1 for _, sid in chunks), bool, n)
-    alone &= lens > 0
-    cum = np.zeros(n + 1, np.int64)
-    np.cumsum(lens, out=cum[1:])
-    return _Table(offs, lens, offs + lens, cum, alone)
+    pairs = [(c, s) for s, st in enumerate(storages) for c in st.chunks]
+    n = len(pairs)
+    fid, fo, so, ln, crc = (np.fromiter((getattr(c, k) for c, _ in pairs), np.int64, n)
+                                 for k in ("file", "file_offset", "storage_offset", "length", "crc32c"))
+    sid = np.fromiter((s for _, s in pairs), np.int64, n)
+    single = np.fromiter((len(st.chunks) == 1 for st in storages), bool, len(storages))
+    alone = (fresh & single)[sid] & (ln > 0) if n else np.zeros(0, bool)
+    return _Table(fid, fo, ln, fo + ln, so, crc, sid, alone, np.zeros(0, np.int64)), [s.nbytes for s in storages]
+
+
+def _take(t: _Table, which: np.ndarray) -> _Table:
+    """The chunks of ``t`` that ``which`` (a mask or an index array) selects, in its order."""
+    return _Table(*(a[which] for a in t[:-1]), t.cum)
 
 
 def _run_end(t: _Table, k: int, stop: int) -> tuple[int, int]:
@@ -340,28 +369,27 @@ def _run_end(t: _Table, k: int, stop: int) -> tuple[int, int]:
     return (k + 1 + first if gappy[first] else wide), wide
 
 
-def _sorted(chunks: list[tuple[ChunkRecord, int]], t: _Table) -> tuple[list[tuple[ChunkRecord, int]], _Table]:
-    """``chunks`` and their table in file order (an empty chunk before one at its offset); as
-    they are when already in that order (a save writes them so)."""
+def _sorted(t: _Table) -> _Table:
+    """A file's chunks ``t`` in file order (an empty chunk before one at its offset; as they are
+    when already in that order: a save writes them so), with their running byte totals."""
     order = np.lexsort((t.lens, t.offs))
-    if not (order[1:] < order[:-1]).any():
-        return chunks, t
-    lens = t.lens[order]
-    cum = np.zeros(len(lens) + 1, np.int64)
-    np.cumsum(lens, out=cum[1:])
-    return [chunks[i] for i in order.tolist()], _Table(t.offs[order], lens, t.ends[order], cum, t.alone[order])
+    if (order[1:] < order[:-1]).any():
+        t = _take(t, order)
+    cum = np.zeros(len(t.lens) + 1, np.int64)
+    np.cumsum(t.lens, out=cum[1:])
+    return t._replace(cum=cum)
 
 
-def _runs(chunks: list[tuple[ChunkRecord, int]], t: _Table, dests: list[torch.Tensor | None]) -> list[_Run]:
-    """The runs of a file's ``chunks`` (sorted by offset): two or more consecutive chunks, each
+def _runs(t: _Table, dests: list[torch.Tensor | None]) -> list[_Run]:
+    """The runs of a file's chunks ``t`` (sorted by offset): two or more consecutive chunks, each
     the only chunk of a fresh storage. Dense where the gaps allow (its buffer holds at most
     1/RUN_SLACK + RUN_GAP more than its storages) and the run is long enough to be read
     zero-copy; else sparse, up to RUN_MAX bytes of file (small storages laid out 4 KiB apart:
     100,000 tensors of 2.7 KB, each once a staged span of its own). Each run's storages get
     their part of its buffer in ``dests``: each a storage of its own that starts at its first
     byte (torch.frombuffer; code that reads a tensor's storage from its start, as
-    torch.set_rng_state does, gets its bytes), keeping the buffer alive. Cut with numpy over
-    the file's chunks (``t``, from _table), a few array operations per run, not per chunk."""
+    torch.set_rng_state does, gets its bytes), keeping the buffer alive. Cut with numpy, a few
+    array operations per run, not per chunk."""
     runs: list[_Run] = []
     edges = np.flatnonzero(np.diff(t.alone.astype(np.int8), prepend=0, append=0))
     for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):  # [a, b): chunks that may join runs
@@ -373,13 +401,12 @@ def _runs(chunks: list[tuple[ChunkRecord, int]], t: _Table, dests: list[torch.Te
                 end = wide
                 packed = (t.cum[k:end] - t.cum[k]).tolist()
             if end - k > 1:
-                runs.append(_make_run(t, chunks, k, end, packed, dests))
+                runs.append(_make_run(t, k, end, packed, dests))
             k = end
     return runs
 
 
-def _make_run(t: _Table, chunks: list[tuple[ChunkRecord, int]], k: int, end: int, packed: list[int] | None,
-              dests: list[torch.Tensor | None]) -> _Run:
+def _make_run(t: _Table, k: int, end: int, packed: list[int] | None, dests: list[torch.Tensor | None]) -> _Run:
     """Run ``[k, end)``: its buffer, and each storage's part of it in ``dests`` (torch.frombuffer
     at an offset: a storage of exactly its bytes, a third of the cost of slicing a memoryview)."""
     lo = int(t.offs[k])
@@ -388,7 +415,7 @@ def _make_run(t: _Table, chunks: list[tuple[ChunkRecord, int]], k: int, end: int
     base = buf.numpy()
     at = packed if packed is not None else (t.offs[k:end] - lo).tolist()
     frombuffer, u8 = torch.frombuffer, torch.uint8
-    for (_, sid), o, n in zip(chunks[k:end], at, t.lens[k:end].tolist()):
+    for sid, o, n in zip(t.sid[k:end].tolist(), at, t.lens[k:end].tolist()):
         dests[sid] = frombuffer(base, dtype=u8, count=n, offset=o)
     if packed is None:
         return _Run(k, end, lo, span, buf, None)
@@ -398,16 +425,16 @@ def _make_run(t: _Table, chunks: list[tuple[ChunkRecord, int]], k: int, end: int
     return _Run(k, end, lo, span, buf, tuple(packed), step if even else 0)
 
 
-def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]], runs: list[_Run],
-                out: list, verify: bool) -> list[int]:
-    """Read a file's ``chunks``: each dense run as one span, each other chunk as its own, then
+def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: list, verify: bool) -> list[int]:
+    """Read a file's chunks ``t``: each dense run as one span, each other chunk as its own, then
     the sparse runs (_read_sparse); returns every chunk's crc32c (a run's chunks summed from its
     buffer; zeros without ``verify``)."""
     spans: list[ReadSpan] = []
     owner: list[int] = []  # per span: the dense run it reads (index into runs), or -1 - its chunk
     sparse: list[_Run] = []
+    offs, lens, so, sids = t.offs.tolist(), t.lens.tolist(), t.so.tolist(), t.sid.tolist()
     k, r = 0, 0
-    while k < len(chunks):
+    while k < len(offs):
         if r < len(runs) and runs[r].first == k:
             if runs[r].packed is None:
                 spans.append(ReadSpan(runs[r].lo, runs[r].buf, checksum=False))  # summed per chunk below
@@ -416,11 +443,10 @@ def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, in
                 sparse.append(runs[r])
             k, r = runs[r].end, r + 1
             continue
-        c, sid = chunks[k]
-        spans.append(ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length], checksum=verify))
+        spans.append(ReadSpan(offs[k], out[sids[k]][so[k]:so[k] + lens[k]], checksum=verify))
         owner.append(-1 - k)
         k += 1
-    crcs = [0] * len(chunks)
+    crcs = [0] * len(offs)
     got = engine.read_file(path, spans) if spans else []
     for crc, o in zip(got if verify else (), owner):
         if o < 0:
@@ -429,26 +455,27 @@ def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, in
         run = runs[o]
         view = memoryview(run.buf.numpy())
         for j in range(run.first, run.end):
-            c = chunks[j][0]
-            crcs[j] = _crc32c(view[c.file_offset - run.lo:c.file_offset - run.lo + c.length])
+            crcs[j] = _crc32c(view[offs[j] - run.lo:offs[j] - run.lo + lens[j]])
     if sparse:
-        _read_sparse(engine, path, chunks, sparse, out, crcs, verify)
+        _read_sparse(engine, path, (offs, lens, sids), sparse, out, crcs, verify)
     return crcs
 
 
-def _read_sparse(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]], runs: list[_Run],
+def _read_sparse(engine: IOEngine, path: Path, chunks: tuple[list[int], list[int], list[int]], runs: list[_Run],
                  out: list, crcs: list[int], verify: bool) -> None:
     """Read sparse ``runs`` through one scratch buffer, as many runs at a time as it holds (each
     4 KiB-aligned in it: read zero-copy where long enough), then copy each chunk to its place in
-    its run's buffer (one memmove each) and sum it there. The scratch holds at most the gaps
-    between the runs' chunks (bytes of the file no chunk holds) and SPARSE_SCRATCH, so what a
-    load allocates stays within the files' sizes; a run it cannot hold is read chunk by chunk."""
+    its run's buffer (one memmove each) and sum it there. ``chunks``: the file's chunks' file
+    offsets, lengths and storages. The scratch holds at most the gaps between the runs' chunks
+    (bytes of the file no chunk holds) and SPARSE_SCRATCH, so what a load allocates stays within
+    the files' sizes; a run it cannot hold is read chunk by chunk."""
+    offs, lens, sids = chunks
     placed = [-(-r.span // 4096) * 4096 for r in runs]
     size = min(SPARSE_SCRATCH, sum(r.span - r.buf.numel() for r in runs))
     fits = [i for i, n in enumerate(placed) if n <= size]
     if len(fits) < len(runs):
         alone = [j for i, r in enumerate(runs) if placed[i] > size for j in range(r.first, r.end)]
-        got = engine.read_file(path, [ReadSpan(chunks[j][0].file_offset, out[chunks[j][1]]) for j in alone])
+        got = engine.read_file(path, [ReadSpan(offs[j], out[sids[j]]) for j in alone])
         for j, crc in zip(alone, got):
             crcs[j] = crc
     if not fits:
@@ -465,29 +492,29 @@ def _read_sparse(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, i
         engine.read_file(path, [ReadSpan(run.lo, scratch[pos:pos + run.span], checksum=False)  # summed per chunk
                                 for run, pos in batch])
         for run, pos in batch:
-            _pack(run, [c for c, _ in chunks[run.first:run.end]], scratch, pos, base)
+            _pack(run, offs[run.first:run.end], lens[run.first:run.end], scratch, pos, base)
             if verify:
                 view = memoryview(run.buf.numpy())
-                crcs[run.first:run.end] = [_crc32c(view[o:o + c.length]) for (c, _), o in
-                                           zip(chunks[run.first:run.end], run.packed)]  # type: ignore[arg-type]
+                crcs[run.first:run.end] = [_crc32c(view[o:o + n]) for o, n in
+                                           zip(run.packed, lens[run.first:run.end])]  # type: ignore[arg-type]
 
 
-def _pack(run: _Run, mine: list[ChunkRecord], scratch: torch.Tensor, pos: int, base: int) -> None:
-    """Copy sparse ``run``'s chunks (``mine``) from where its file bytes lie in ``scratch`` (from
-    byte ``pos``; ``base``: its address) to their places in the run's buffer. Chunks of one
-    length at evenly spaced offsets (``run.step``: small tensors of one size laid out 4 KiB
-    apart) move in one strided copy (numpy: one thread, no per-chunk call); others one
-    memmove each."""
-    n, length, step = len(mine), mine[0].length, run.step
-    first = pos + mine[0].file_offset - run.lo
+def _pack(run: _Run, offs: list[int], lens: list[int], scratch: torch.Tensor, pos: int, base: int) -> None:
+    """Copy sparse ``run``'s chunks (file offsets ``offs``, lengths ``lens``) from where its file
+    bytes lie in ``scratch`` (from byte ``pos``; ``base``: its address) to their places in the
+    run's buffer. Chunks of one length at evenly spaced offsets (``run.step``: small tensors of
+    one size laid out 4 KiB apart) move in one strided copy (numpy: one thread, no per-chunk
+    call); others one memmove each."""
+    n, length, step = len(offs), lens[0], run.step
+    first = pos + offs[0] - run.lo
     if step:
         src = np.lib.stride_tricks.as_strided(scratch[first:first + (n - 1) * step + length].numpy(),
                                               (n, length), (step, 1), writeable=False)
         np.copyto(run.buf.numpy().reshape(n, length), src)
         return
     dst = run.buf.data_ptr()
-    for c, o in zip(mine, run.packed):  # type: ignore[arg-type]
-        ctypes.memmove(dst + o, base + pos + c.file_offset - run.lo, c.length)
+    for fo, ln, o in zip(offs, lens, run.packed):  # type: ignore[arg-type]
+        ctypes.memmove(dst + o, base + pos + fo - run.lo, ln)
 
 
 def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
