@@ -197,6 +197,38 @@ class Manifest:
     version: tuple[int, int] = FORMAT_VERSION
     dist: DistInfo | None = None  # format 1.2: a multi-rank checkpoint
 
+    def storage_bytes(self) -> int:
+        """The bytes of all its storages (what a whole load reads): a format 2 manifest's column
+        summed, no records made."""
+        cols = chunk_columns(self.storages)
+        return int(cols.nbytes.sum()) if cols is not None else sum(s.nbytes for s in self.storages)
+
+    def storage_sizes(self) -> list[int]:
+        """Each storage's byte count (no records made for a format 2 manifest)."""
+        cols = chunk_columns(self.storages)
+        return cols.nbytes.tolist() if cols is not None else [s.nbytes for s in self.storages]
+
+    def tensor_names(self) -> list[str]:
+        """The tensors' names, in record order (a format 2 manifest's column: no records made)."""
+        cols = tensor_table_columns(self.tensors)
+        return cols.names if cols is not None else [t.name for t in self.tensors]
+
+    def tensor_storages(self) -> list[int]:
+        """The storage each tensor views, in record order (no records made for format 2)."""
+        cols = tensor_table_columns(self.tensors)
+        return cols.storage.tolist() if cols is not None else [t.storage for t in self.tensors]
+
+    def tensor_view(self, i: int) -> tuple[int, int, str, tuple[int, ...], tuple[int, ...]]:
+        """Tensor ``i``'s (storage, byte_offset, dtype name, shape, stride), without making the
+        records of a format 2 manifest."""
+        cols = tensor_table_columns(self.tensors)
+        if cols is None:
+            t = self.tensors[i]
+            return t.storage, t.byte_offset, t.dtype, t.shape, t.stride
+        at, k = int(cols.starts[i]), int(cols.ndim[i])
+        return (int(cols.storage[i]), int(cols.byte_offset[i]), cols.dtype_names[int(cols.dtype[i])],
+                tuple(cols.shape[at:at + k].tolist()), tuple(cols.stride[at:at + k].tolist()))
+
     # -- serialisation -------------------------------------------------------
     def to_json_bytes(self, *, storages: EncodedStorages | None = None, encoded_state: bool = False) -> bytes:
         """The manifest file's bytes. Refuses (UnsupportedObjectError) a tensor a reader would
@@ -816,7 +848,8 @@ class ChunkColumns(NamedTuple):
 class TensorColumns(NamedTuple):
     """A format 2 tensor table's validated columns: ``names``, per tensor its ``storage``,
     ``byte_offset``, ``dtype`` (an index into ``dtype_names``) and ``ndim``; ``shape`` and
-    ``stride`` flattened (``ndim`` values per tensor). Arrays are int64 and read-only."""
+    ``stride`` flattened (``ndim`` values per tensor, from ``starts``). Arrays are int64 and
+    read-only."""
 
     names: list[str]
     storage: np.ndarray
@@ -826,6 +859,7 @@ class TensorColumns(NamedTuple):
     ndim: np.ndarray
     shape: np.ndarray
     stride: np.ndarray
+    starts: np.ndarray  # where each tensor's sizes and strides begin in ``shape`` and ``stride``
 
 
 class RecordTable(Sequence):
@@ -842,6 +876,11 @@ class RecordTable(Sequence):
             if isinstance(a, np.ndarray):
                 a.setflags(write=False)
         self._len, self._make, self._made, self.columns = n, make, None, columns
+
+    @property
+    def made(self) -> bool:
+        """Whether the records were made (a load that read only the columns made none)."""
+        return self._made is not None
 
     def records(self) -> tuple:
         """The records, made once."""
@@ -1125,7 +1164,7 @@ def column_tables(body: dict, files: tuple[FileRecord, ...], where: str) -> tupl
         row, why = found
         raise _damaged(where, f"tensor {names[row][:200]!r} has {why}" if row >= 0 else f"its tensor table has {why}")
     cols = TensorColumns(names, arrays["storage"], arrays["byte_offset"], arrays["dtype"], tuple(dtype_names),
-                         arrays["ndim"], arrays["shape"], arrays["stride"])
+                         arrays["ndim"], arrays["shape"], arrays["stride"], np.cumsum(arrays["ndim"]) - arrays["ndim"])
 
     def records() -> tuple[TensorRecord, ...]:
         shapes, strides = iter(lists["shape"]), iter(lists["stride"])

@@ -26,6 +26,7 @@ import math
 import mmap
 import os
 import stat
+from itertools import repeat
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,8 +44,8 @@ from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptChe
 from ..format.commit import CommitProtocol, normalize_roots, step_dir_name
 from ..fs import read_regular_file
 from ..format.dtypes import dtype_from_name
-from ..format.manifest import (MANIFEST_MAX_BYTES, MANIFEST_NAME, FileRecord, Manifest, StorageRecord, chunk_columns,
-                               tensor_table_columns)
+from ..format.manifest import (MANIFEST_MAX_BYTES, MANIFEST_NAME, FileRecord, Manifest, StorageRecord, TensorColumns,
+                               chunk_columns, tensor_table_columns)
 from ..format.copies import merged_with_copies, replicas_of
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, load_merged, parse_step, step_vanished, vanished_error
 from ..format.state_codec import decode_state, key_text
@@ -518,7 +519,11 @@ def _pack(run: _Run, offs: list[int], lens: list[int], scratch: torch.Tensor, po
 
 
 def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Build each saved tensor as a typed strided view of its storage buffer (sharing restored)."""
+    """Build each saved tensor as a typed strided view of its storage buffer (sharing restored):
+    from a format 2 manifest's columns (_tensors_from_columns), else from its records."""
+    cols = tensor_table_columns(manifest.tensors)
+    if cols is not None:
+        return _tensors_from_columns(cols, buffers)
     kinds: dict[tuple[str, tuple], tuple] = {}  # (dtype, shape) -> (dtype, C-contiguous strides, bytes, 1-D)
     out = []
     append = out.append
@@ -542,18 +547,108 @@ def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> li
     return out
 
 
+def contiguous_rows(cols: TensorColumns) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor of ``cols``: its element count, and whether it is a C-contiguous view with every
+    dimension at least 1 (its strides the products of the sizes after them). By ndim, a few
+    array operations each; no overflow (the columns' checks bound every product of sizes)."""
+    n = len(cols.names)
+    numel = np.ones(n, np.int64)
+    contiguous = np.ones(n, bool)
+    starts = cols.starts
+    for k in np.unique(cols.ndim).tolist():
+        if k == 0:
+            continue
+        rows = np.flatnonzero(cols.ndim == k)
+        at = starts[rows][:, None] + np.arange(k)
+        shape, stride = cols.shape[at], cols.stride[at]
+        rev = np.cumprod(shape[:, ::-1], axis=1)  # rev[:, j]: the product of the last j + 1 sizes
+        want = np.concatenate((rev[:, -2::-1], np.ones((len(rows), 1), np.int64)), axis=1)
+        numel[rows] = rev[:, -1]
+        contiguous[rows] = (stride == want).all(axis=1) & (shape >= 1).all(axis=1)
+    return numel, contiguous
+
+
+def _scatter(out: list, rows: np.ndarray, values: Iterable) -> None:
+    """``out[rows[j]] = values[j]`` (rows ascending); all of ``out`` at once when rows are all of it."""
+    if len(rows) == len(out):
+        out[:] = values
+        return
+    for r, v in zip(rows.tolist(), values):
+        out[r] = v
+
+
+def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """tensors_from_storages over a format 2 manifest's columns. The usual view (the whole
+    storage, C-contiguous, 1-D: ``buf.view(dtype)``) is found by whole columns and made per
+    dtype in one C-level map; any other view (sharing, offsets, other shapes) one by one."""
+    dtypes = [dtype_from_name(d) for d in cols.dtype_names]
+    itemsize = np.array([d.itemsize for d in dtypes] or [1], np.int64)[cols.dtype]
+    numel, contiguous = contiguous_rows(cols)
+    nbytes = numel * itemsize
+    sid = cols.storage
+    have = np.fromiter(map(torch.Tensor.numel, buffers), np.int64, len(buffers))[sid]
+    skew = np.fromiter(map(torch.Tensor.storage_offset, buffers), np.int64, len(buffers))[sid] % itemsize
+    plain = contiguous & (cols.byte_offset == 0) & (nbytes > 0) & (have == nbytes) & (skew == 0)
+    out: list = [None] * len(cols.names)
+    for d in np.unique(cols.dtype[plain & (cols.ndim == 1)]).tolist():
+        rows = np.flatnonzero(plain & (cols.ndim == 1) & (cols.dtype == d))
+        _scatter(out, rows, map(torch.Tensor.view, map(buffers.__getitem__, sid[rows].tolist()),
+                                repeat(dtypes[d], len(rows))))
+    shapes, strides, starts = cols.shape.tolist(), cols.stride.tolist(), cols.starts.tolist()
+    for i in np.flatnonzero(~plain | (cols.ndim != 1)).tolist():
+        buf, dtype, at, k = buffers[sid[i]], dtypes[cols.dtype[i]], starts[i], int(cols.ndim[i])
+        if plain[i]:
+            out[i] = buf.view(dtype).view(shapes[at:at + k])
+            continue
+        out[i] = torch.empty(0, dtype=dtype, device=buf.device).set_(
+            buf.untyped_storage(), (buf.storage_offset() + int(cols.byte_offset[i])) // dtype.itemsize,
+            shapes[at:at + k], strides[at:at + k])
+    return out
+
+
 def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
     """One stand-in per saved tensor with its dtype and shape and no memory of its own (a
     0-stride expansion of one element, one per dtype): decode_state with these shows the
-    saved structure before a byte is read."""
-    one = {name: torch.empty((), dtype=dtype_from_name(name)) for name in {t.dtype for t in manifest.tensors}}
+    saved structure before a byte is read. From a format 2 manifest's columns: one stand-in
+    per distinct (dtype, shape), found with numpy, no tuple per tensor."""
+    cols = tensor_table_columns(manifest.tensors)
+    if cols is None:
+        return _placeholders([(t.dtype, t.shape) for t in manifest.tensors])
+    out: list = [None] * len(cols.names)
+    for k in np.unique(cols.ndim).tolist():
+        rows = np.flatnonzero(cols.ndim == k)
+        at = cols.starts[rows][:, None] + np.arange(k)
+        table = np.concatenate((cols.dtype[rows][:, None], cols.shape[at]), axis=1)
+        which = _row_kinds(table)
+        first = np.zeros(int(which.max()) + 1, np.int64)
+        first[which[::-1]] = np.arange(len(which))[::-1]  # each kind's first row
+        made = _placeholders([(cols.dtype_names[row[0]], tuple(row[1:])) for row in table[first].tolist()])
+        _scatter(out, rows, map(made.__getitem__, which.tolist()))
+    return out
+
+
+def _row_kinds(table: np.ndarray) -> np.ndarray:
+    """Per row of ``table`` (int64, rows x columns): a number in [0, distinct rows), the same
+    for equal rows. Column by column, each a 1-D unique (np.unique over whole rows sorts them
+    as records: 0.1 s at 100,000 tensors)."""
+    ids = np.zeros(len(table), np.int64)
+    for col in table.T:
+        inv = np.unique(col, return_inverse=True)[1].reshape(-1)
+        ids = np.unique(ids * (int(inv.max()) + 1) + inv, return_inverse=True)[1].reshape(-1)
+    return ids
+
+
+def _placeholders(keys: list[tuple[str, tuple]]) -> list[torch.Tensor]:
+    """placeholder_tensors of these (dtype name, shape) pairs."""
+    one: dict[str, torch.Tensor] = {}
     made: dict[tuple[str, tuple], torch.Tensor] = {}  # one stand-in per dtype and shape (expand: 3 us each)
     out = []
-    for t in manifest.tensors:
-        key = (t.dtype, t.shape)
+    for key in keys:
         stand_in = made.get(key)
         if stand_in is None:
-            stand_in = made[key] = one[t.dtype].expand(t.shape)
+            if key[0] not in one:
+                one[key[0]] = torch.empty((), dtype=dtype_from_name(key[0]))
+            stand_in = made[key] = one[key[0]].expand(key[1])
         out.append(stand_in)
     return out
 
@@ -597,7 +692,7 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
                                                 for sid, s in enumerate(manifest.storages)))
     try:
         # A small read gets an engine with small staging buffers (engines/select.py: sized_for)
-        options = sized_for(engine_options or EngineOptions.from_env(), sum(s.nbytes for s in part.storages))
+        options = sized_for(engine_options or EngineOptions.from_env(), part.storage_bytes())
         with create_engine(options) as engine, gc_paused():  # objects per storage and tensor, no cycles
             buffers: list = [None] * len(part.storages)
             read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
