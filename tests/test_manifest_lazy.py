@@ -14,7 +14,7 @@ import torch
 from support import models as M
 from gdswriter import ChecksumMismatchError, GDSCheckpointer, load_state
 from gdswriter.format.commit import CommitProtocol, normalize_roots, step_dir_name
-from gdswriter.format.manifest import RecordTable, chunk_columns, tensor_table_columns
+from gdswriter.format.manifest import Manifest, RecordTable, chunk_columns, tensor_table_columns
 from gdswriter.load.apply import match_live
 from gdswriter.load.reader import placeholder_tensors, read_manifest, read_tensors
 
@@ -126,3 +126,14 @@ def test_a_damaged_chunk_of_a_run_is_named_from_the_columns(tmp_path):
         read_tensors(protocol, read_manifest(protocol, 1))
     with pytest.raises(ChecksumMismatchError, match="model/many/20"):
         read_tensors(protocol, records_only(read_manifest(protocol, 1)))
+
+
+def test_a_1_x_manifest_keeps_its_records(tmp_path):
+    """1.x manifests (multi-rank steps, old ones) are parsed into plain tuples: the record path."""
+    m = read_manifest(saved(tmp_path), 1)
+    old = Manifest.from_json_bytes(replace(m, version=(1, 1)).to_json_bytes())
+    assert type(old.storages) is tuple and type(old.tensors) is tuple
+    assert chunk_columns(old.storages) is None and tensor_table_columns(old.tensors) is None
+    assert old.tensors == m.tensors and old.storages == m.storages
+    assert old.tensor_names() == m.tensor_names() and old.storage_sizes() == m.storage_sizes()
+    assert [old.tensor_view(i) for i in range(len(m.tensors))] == [m.tensor_view(i) for i in range(len(m.tensors))]
