@@ -24,6 +24,7 @@ import errno
 import logging
 import math
 import mmap
+import operator
 import os
 import stat
 from itertools import repeat
@@ -586,8 +587,8 @@ def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> l
     numel, contiguous = contiguous_rows(cols)
     nbytes = numel * itemsize
     sid = cols.storage
-    have = np.fromiter(map(torch.Tensor.numel, buffers), np.int64, len(buffers))[sid]
-    skew = np.fromiter(map(torch.Tensor.storage_offset, buffers), np.int64, len(buffers))[sid] % itemsize
+    have, skew = _buffer_columns(buffers)
+    have, skew = have[sid], skew[sid] % itemsize
     plain = contiguous & (cols.byte_offset == 0) & (nbytes > 0) & (have == nbytes) & (skew == 0)
     out: list = [None] * len(cols.names)
     for d in np.unique(cols.dtype[plain & (cols.ndim == 1)]).tolist():
@@ -604,6 +605,15 @@ def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> l
             buf.untyped_storage(), (buf.storage_offset() + int(cols.byte_offset[i])) // dtype.itemsize,
             shapes[at:at + k], strides[at:at + k])
     return out
+
+
+def _buffer_columns(buffers: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Each buffer's byte count and storage offset (-1, 0 for a storage left unread: None)."""
+    if not any(map(operator.is_, buffers, repeat(None))):
+        return (np.fromiter(map(torch.Tensor.numel, buffers), np.int64, len(buffers)),
+                np.fromiter(map(torch.Tensor.storage_offset, buffers), np.int64, len(buffers)))
+    return (np.fromiter((-1 if b is None else b.numel() for b in buffers), np.int64, len(buffers)),
+            np.fromiter((0 if b is None else b.storage_offset() for b in buffers), np.int64, len(buffers)))
 
 
 def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
