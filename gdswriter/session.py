@@ -256,7 +256,7 @@ class LocalSession:
         if fallback:
             return restore_newest_intact(live, self.protocol, engines(), **kw)
         # The bytes to read, for engines(nbytes) to size its staging for (a small load needs little)
-        nbytes = sum(s.nbytes for s in peeked.storages) if peeked is not None else None
+        nbytes = peeked.storage_bytes() if peeked is not None else None
         return restore_into(live, self.protocol, self.protocol.require(step), engines(nbytes), **kw)
 
     def close(self) -> None:

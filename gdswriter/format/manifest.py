@@ -14,7 +14,8 @@ from json.encoder import encode_basestring_ascii
 from itertools import accumulate, chain, islice
 from operator import add, attrgetter, le
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Sequence
 
 import crc32c as _crc32c
 import numpy as np
@@ -195,6 +196,38 @@ class Manifest:
     metadata: dict = field(default_factory=dict)
     version: tuple[int, int] = FORMAT_VERSION
     dist: DistInfo | None = None  # format 1.2: a multi-rank checkpoint
+
+    def storage_bytes(self) -> int:
+        """The bytes of all its storages (what a whole load reads): a format 2 manifest's column
+        summed, no records made."""
+        cols = chunk_columns(self.storages)
+        return int(cols.nbytes.sum()) if cols is not None else sum(s.nbytes for s in self.storages)
+
+    def storage_sizes(self) -> list[int]:
+        """Each storage's byte count (no records made for a format 2 manifest)."""
+        cols = chunk_columns(self.storages)
+        return cols.nbytes.tolist() if cols is not None else [s.nbytes for s in self.storages]
+
+    def tensor_names(self) -> list[str]:
+        """The tensors' names, in record order (a format 2 manifest's column: no records made)."""
+        cols = tensor_table_columns(self.tensors)
+        return cols.names if cols is not None else [t.name for t in self.tensors]
+
+    def tensor_storages(self) -> list[int]:
+        """The storage each tensor views, in record order (no records made for format 2)."""
+        cols = tensor_table_columns(self.tensors)
+        return cols.storage.tolist() if cols is not None else [t.storage for t in self.tensors]
+
+    def tensor_view(self, i: int) -> tuple[int, int, str, tuple[int, ...], tuple[int, ...]]:
+        """Tensor ``i``'s (storage, byte_offset, dtype name, shape, stride), without making the
+        records of a format 2 manifest."""
+        cols = tensor_table_columns(self.tensors)
+        if cols is None:
+            t = self.tensors[i]
+            return t.storage, t.byte_offset, t.dtype, t.shape, t.stride
+        at, k = int(cols.starts[i]), int(cols.ndim[i])
+        return (int(cols.storage[i]), int(cols.byte_offset[i]), cols.dtype_names[int(cols.dtype[i])],
+                tuple(cols.shape[at:at + k].tolist()), tuple(cols.stride[at:at + k].tolist()))
 
     # -- serialisation -------------------------------------------------------
     def to_json_bytes(self, *, storages: EncodedStorages | None = None, encoded_state: bool = False) -> bytes:
@@ -796,6 +829,117 @@ _CHUNK_COLUMNS = ("file", "file_offset", "storage_offset", "length", "crc32c")
 _EXACT_BELOW = float(1 << 52)  # a float64 estimate below this: the int64 arithmetic cannot overflow
 
 
+class ChunkColumns(NamedTuple):
+    """A format 2 storage table's validated columns (int64, read-only): per storage its
+    ``nbytes``, chunk ``counts`` and ``first`` chunk; per chunk, storage by storage and each
+    storage's by storage offset, its file ``fid``, file offset ``fo``, storage offset ``so``,
+    length ``ln`` and ``crc`` (crc32c)."""
+
+    nbytes: np.ndarray
+    counts: np.ndarray
+    first: np.ndarray
+    fid: np.ndarray
+    fo: np.ndarray
+    so: np.ndarray
+    ln: np.ndarray
+    crc: np.ndarray
+
+
+class TensorColumns(NamedTuple):
+    """A format 2 tensor table's validated columns: ``names``, per tensor its ``storage``,
+    ``byte_offset``, ``dtype`` (an index into ``dtype_names``) and ``ndim``; ``shape`` and
+    ``stride`` flattened (``ndim`` values per tensor, from ``starts``). Arrays are int64 and
+    read-only."""
+
+    names: list[str]
+    storage: np.ndarray
+    byte_offset: np.ndarray
+    dtype: np.ndarray
+    dtype_names: tuple[str, ...]
+    ndim: np.ndarray
+    shape: np.ndarray
+    stride: np.ndarray
+    starts: np.ndarray  # where each tensor's sizes and strides begin in ``shape`` and ``stride``
+
+
+class RecordTable(Sequence):
+    """A format 2 manifest's storages or tensors: a tuple of records, made on first use from the
+    validated ``columns`` (a single-process load reads the columns and never makes them: at
+    100,000 tensors, a third of the manifest's parse). Equal to the tuple of its records;
+    pickles and copies as that tuple. ``dataclasses.replace`` with another sequence drops the
+    columns with the table, so columns always describe the records beside them."""
+
+    __slots__ = ("_len", "_make", "_made", "columns")
+
+    def __init__(self, n: int, make: Callable[[], tuple], columns: Any) -> None:
+        for a in columns:
+            if isinstance(a, np.ndarray):
+                a.setflags(write=False)
+        self._len, self._make, self._made, self.columns = n, make, None, columns
+
+    @property
+    def made(self) -> bool:
+        """Whether the records were made (a load that read only the columns made none)."""
+        return self._made is not None
+
+    def records(self) -> tuple:
+        """The records, made once."""
+        made = self._made
+        if made is None:
+            made = self._made = self._make()
+        return made
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.records()[i]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.records())
+
+    def __eq__(self, other: object) -> bool:
+        return self.records() == (other.records() if isinstance(other, RecordTable) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.records())
+
+    def __add__(self, other: tuple) -> tuple:
+        return self.records() + tuple(other)
+
+    def __radd__(self, other: tuple) -> tuple:
+        return tuple(other) + self.records()
+
+    def __reduce__(self) -> tuple:
+        return tuple, (self.records(),)
+
+    def __repr__(self) -> str:
+        return repr(self.records())
+
+
+class StorageTable(RecordTable):
+    """RecordTable of StorageRecords; ``columns``: ChunkColumns."""
+
+    columns: ChunkColumns
+
+
+class TensorTable(RecordTable):
+    """RecordTable of TensorRecords; ``columns``: TensorColumns."""
+
+    columns: TensorColumns
+
+
+def chunk_columns(storages: Sequence[StorageRecord]) -> ChunkColumns | None:
+    """The validated columns of a manifest's ``storages`` when it was read from format 2 columns
+    (and not replaced since), else None: the caller walks the records."""
+    return storages.columns if isinstance(storages, StorageTable) else None
+
+
+def tensor_table_columns(tensors: Sequence[TensorRecord]) -> TensorColumns | None:
+    """The validated columns of a manifest's ``tensors`` (as chunk_columns), else None."""
+    return tensors.columns if isinstance(tensors, TensorTable) else None
+
+
 def check_trailer(raw: bytes, where: str) -> int:
     """The checksum of a format 2 manifest, checked: the file ends with
     ``,"manifest_crc32c":N}`` and a newline, N decimal digits (no leading zero), and N is the
@@ -1000,10 +1144,9 @@ def _int_column(table: dict, key: str, n: int | None = None) -> tuple[list[int],
     return col, arr
 
 
-def column_tables(body: dict, files: tuple[FileRecord, ...], where: str
-                  ) -> tuple[tuple[StorageRecord, ...], tuple[TensorRecord, ...]]:
+def column_tables(body: dict, files: tuple[FileRecord, ...], where: str) -> tuple[StorageTable, TensorTable]:
     """A format 2 manifest's storage and tensor tables, checked as whole columns (docs/format.md
-    3, "Reader validation"), then as records."""
+    3, "Reader validation"); their records are made only when a caller asks for them."""
     storages = _column_storages(body["storages"], files, where)
     t = body["tensors"]
     if type(t) is not dict:
@@ -1016,21 +1159,25 @@ def column_tables(body: dict, files: tuple[FileRecord, ...], where: str
     lists, arrays = {}, {}
     for k in (*_TENSOR_INT_COLUMNS, "shape", "stride"):  # their lengths: check_tensor_columns
         lists[k], arrays[k] = _int_column(t, k)
-    found = check_tensor_columns(arrays, dtype_names, len(device_names),
-                                 np.array([s.nbytes for s in storages], dtype=np.int64), names)
+    found = check_tensor_columns(arrays, dtype_names, len(device_names), storages.columns.nbytes, names)
     if found is not None:
         row, why = found
         raise _damaged(where, f"tensor {names[row][:200]!r} has {why}" if row >= 0 else f"its tensor table has {why}")
-    shapes, strides = iter(lists["shape"]), iter(lists["stride"])
-    dims = lists["ndim"]
-    tensors = tuple(map(TensorRecord, names, lists["storage"], lists["byte_offset"],
-                        map(dtype_names.__getitem__, lists["dtype"]),
-                        [tuple(islice(shapes, k)) for k in dims], [tuple(islice(strides, k)) for k in dims],
-                        map(device_names.__getitem__, lists["device"]), map(KINDS.__getitem__, lists["kind"])))
-    return storages, tensors
+    cols = TensorColumns(names, arrays["storage"], arrays["byte_offset"], arrays["dtype"], tuple(dtype_names),
+                         arrays["ndim"], arrays["shape"], arrays["stride"], np.cumsum(arrays["ndim"]) - arrays["ndim"])
+
+    def records() -> tuple[TensorRecord, ...]:
+        shapes, strides = iter(lists["shape"]), iter(lists["stride"])
+        dims = lists["ndim"]
+        return tuple(map(TensorRecord, names, lists["storage"], lists["byte_offset"],
+                         map(dtype_names.__getitem__, lists["dtype"]),
+                         [tuple(islice(shapes, k)) for k in dims], [tuple(islice(strides, k)) for k in dims],
+                         map(device_names.__getitem__, lists["device"]), map(KINDS.__getitem__, lists["kind"])))
+
+    return storages, TensorTable(len(names), records, cols)
 
 
-def _column_storages(t: Any, files: tuple[FileRecord, ...], where: str) -> tuple[StorageRecord, ...]:
+def _column_storages(t: Any, files: tuple[FileRecord, ...], where: str) -> StorageTable:
     """The format 2 storage table: each storage's chunks, listed by storage offset, tile it from
     byte 0; every chunk lies inside a listed file; no two chunks share a byte of a file."""
     if type(t) is not dict:
@@ -1067,8 +1214,13 @@ def _column_storages(t: Any, files: tuple[FileRecord, ...], where: str) -> tuple
     covered = np.concatenate(([0], ends))
     if len(nbytes) and _first(covered[first + count_arr] - covered[first] != sizes) is not None:
         raise _damaged(where, "a storage's chunks do not cover exactly its nbytes")
-    chunks = list(map(ChunkRecord, *(c for c, _ in cols)))
-    if all(n == 1 for n in counts):
-        return tuple(map(StorageRecord, nbytes, zip(chunks)))
-    at = list(accumulate(counts, initial=0))
-    return tuple(StorageRecord(b, tuple(chunks[x:y])) for b, x, y in zip(nbytes, at, at[1:]))
+    lists = [c for c, _ in cols]
+
+    def records() -> tuple[StorageRecord, ...]:
+        chunks = list(map(ChunkRecord, *lists))
+        if all(n == 1 for n in counts):
+            return tuple(map(StorageRecord, nbytes, zip(chunks)))
+        at = list(accumulate(counts, initial=0))
+        return tuple(StorageRecord(b, tuple(chunks[x:y])) for b, x, y in zip(nbytes, at, at[1:]))
+
+    return StorageTable(len(nbytes), records, ChunkColumns(sizes, count_arr, first, fid, fo, so, ln, crc))

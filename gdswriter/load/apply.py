@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Iterable, Mapping, Sequence
@@ -313,27 +314,29 @@ def live_optimizer_state(optimizer: Any) -> dict[str, torch.Tensor]:
 
 def match_live(manifest: Manifest, live: Mapping[str, torch.Tensor]) -> dict[int, tuple[int, torch.Tensor]]:
     """Storages that can be read straight into a live tensor: {storage: (tensor record, flat view)}:
-    the storage's only tensor, same dtype, shape and strides, contiguous, the whole storage."""
+    the storage's only tensor, same dtype, shape and strides, contiguous, the whole storage.
+    Read off the manifest's columns where it has them (format 2: no records made)."""
     if not live:
         return {}
-    users: dict[int, int] = {}
-    seen: dict[str, int] = {}
-    for t in manifest.tensors:
-        users[t.storage] = users.get(t.storage, 0) + 1
-        seen[t.name] = seen.get(t.name, 0) + 1
+    names = manifest.tensor_names()
+    users = Counter(manifest.tensor_storages())
+    seen = Counter(names)
+    sizes = None
     direct = {}
-    for i, rec in enumerate(manifest.tensors):
-        lt = live.get(rec.name)
-        if lt is None or seen[rec.name] > 1:  # an ambiguous name is never read in place
+    for i, name in enumerate(names):
+        lt = live.get(name)
+        if lt is None or seen[name] > 1:  # an ambiguous name is never read in place
             continue
-        if dtype_to_name(lt.dtype) != rec.dtype or tuple(lt.shape) != rec.shape:
+        sid, byte_offset, dtype, shape, stride = manifest.tensor_view(i)
+        if dtype_to_name(lt.dtype) != dtype or tuple(lt.shape) != shape:
             continue
+        if sizes is None:
+            sizes = manifest.storage_sizes()
         nbytes = lt.numel() * lt.element_size()
-        if (users[rec.storage] == 1 and lt.is_contiguous() and rec.byte_offset == 0
-                and manifest.storages[rec.storage].nbytes == nbytes and nbytes
-                and rec.stride == tuple(lt.stride()) and not lt.is_conj() and not lt.is_neg()):
-            direct[rec.storage] = (i, flat_bytes(lt.untyped_storage(), lt.device,
-                                                  lt.storage_offset() * lt.element_size(), nbytes))
+        if (users[sid] == 1 and lt.is_contiguous() and byte_offset == 0 and sizes[sid] == nbytes and nbytes
+                and stride == tuple(lt.stride()) and not lt.is_conj() and not lt.is_neg()):
+            direct[sid] = (i, flat_bytes(lt.untyped_storage(), lt.device,
+                                         lt.storage_offset() * lt.element_size(), nbytes))
     return direct
 
 

@@ -91,7 +91,8 @@ def _restore(live: LiveState, protocol: CommitProtocol, step: int, engines: Sequ
         read_storages(protocol, manifest, buffers, engines, verify=verify)  # fills the Nones
     except (CorruptCheckpointError, EngineIOError) as e:
         if direct and not atomic:
-            names = [manifest.tensors[i].name for i, _ in direct.values()]
+            every = manifest.tensor_names()
+            names = [every[i] for i, _ in direct.values()]
             e.add_note(f"gdswriter: {len(names)} live tensor(s) read in place ({', '.join(names[:8])}"
                        f"{', ...' if len(names) > 8 else ''}) may now hold part of step {step}'s bytes; nothing "
                        f"else changed (load_state_dict was not called). Load an intact step "
@@ -104,8 +105,9 @@ def _restore(live: LiveState, protocol: CommitProtocol, step: int, engines: Sequ
         hint_unaligned([flat for _, flat in direct.values()], engine_options, engines[0].info)
     tensors = tensors_from_storages(manifest, buffers)
     all_live = {**optimizer_state, **tensors_live}
+    names = manifest.tensor_names() if direct else []
     for rec_index, _ in direct.values():
-        tensors[rec_index] = all_live[manifest.tensors[rec_index].name]
+        tensors[rec_index] = all_live[names[rec_index]]
     if slots is None:
         state = decode_state(manifest.state, tensors)
     else:  # the tree decoded to plan, its placeholders replaced by the tensors read: decoded once

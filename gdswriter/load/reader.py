@@ -24,8 +24,10 @@ import errno
 import logging
 import math
 import mmap
+import operator
 import os
 import stat
+from itertools import repeat
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,7 +45,8 @@ from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, CorruptChe
 from ..format.commit import CommitProtocol, normalize_roots, step_dir_name
 from ..fs import read_regular_file
 from ..format.dtypes import dtype_from_name
-from ..format.manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord
+from ..format.manifest import (MANIFEST_MAX_BYTES, MANIFEST_NAME, FileRecord, Manifest, StorageRecord, TensorColumns,
+                               chunk_columns, tensor_table_columns)
 from ..format.copies import merged_with_copies, replicas_of
 from ..format.sharded import SHARDED_VERSION, GlobalManifest, load_merged, parse_step, step_vanished, vanished_error
 from ..format.state_codec import decode_state, key_text
@@ -253,38 +256,47 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     under O_DIRECT, however many tensors it holds), each chunk checksummed there, each
     storage a view of it (runs up to RUN_MAX bytes: larger storages have buffers of their own,
     mapped by host_buffer). The buffers cover disjoint byte ranges of the files, so what is
-    allocated stays within the files' sizes (checked before: check_data_files)."""
-    pairs = [(c, sid) for sid, s in enumerate(manifest.storages) for c in s.chunks]
-    files = {c.file for c, _ in pairs}
-    per_file: dict[int, list[tuple[ChunkRecord, int]]] = {f: [] for f in files}
-    if len(files) == 1:
-        per_file[files.pop()] = pairs
-    else:
-        for pair in pairs:
-            per_file[pair[0].file].append(pair)
+    allocated stays within the files' sizes (checked before: check_data_files). The chunks are
+    taken as arrays: a format 2 manifest's columns, else made from its records."""
+    every, sizes = _chunk_table(manifest, dests)
+    fids = np.unique(every.fid).tolist()
     out = dests
-    tables = {fid: _table(manifest, chunks, out) for fid, chunks in per_file.items()}
-    for fid, t in tables.items():
-        per_file[fid], tables[fid] = _sorted(per_file[fid], t)
-    runs = {fid: _runs(per_file[fid], tables[fid], out) for fid in per_file}
-    for sid, s in enumerate(manifest.storages):
+    tables = {fids[0]: every} if len(fids) == 1 else {f: _take(every, every.fid == f) for f in fids}
+    tables = {fid: _sorted(t) for fid, t in tables.items()}
+    runs = {fid: _runs(t, out) for fid, t in tables.items()}
+    for sid, n in enumerate(sizes):
         if out[sid] is None:
-            out[sid] = host_buffer(s.nbytes)
+            out[sid] = host_buffer(n)
     step_dir = {i: protocol.step_dir(manifest.step, i) for i in range(len(protocol.roots))}
 
     def read_one(fid: int) -> None:
         rec = manifest.files[fid]
         path = step_dir[rec.root] / rec.path
-        chunks = per_file[fid]
-        crcs = _read_spans(engines[rec.root % len(engines)], path, chunks, runs[fid], out, verify)
-        if verify and crcs != [c.crc32c for c, _ in chunks]:
-            j = next(j for j, ((c, _), got) in enumerate(zip(chunks, crcs)) if got != c.crc32c)
-            (c, sid), got = chunks[j], crcs[j]
-            name = next((t.name for t in manifest.tensors if t.storage == sid), f"<storage {sid}>")
-            raise ChecksumMismatchError(path, name, c.file_offset, c.length, c.crc32c, got)
+        t = tables[fid]
+        crcs = _read_spans(engines[rec.root % len(engines)], path, t, runs[fid], out, verify)
+        if verify and (bad := _first_bad(crcs, t.crc)) is not None:
+            sid = int(t.sid[bad])
+            raise ChecksumMismatchError(path, _storage_name(manifest, sid), int(t.offs[bad]), int(t.lens[bad]),
+                                        int(t.crc[bad]), int(crcs[bad]))
 
-    run_per_file(read_one, sorted(per_file), len(engines))
+    run_per_file(read_one, fids, len(engines))
     return out  # type: ignore[return-value]
+
+
+def _first_bad(crcs: list[int], expected: np.ndarray) -> int | None:
+    """The first chunk whose crc32c is not the recorded one, or None."""
+    got = np.array(crcs, dtype=np.int64)
+    bad = np.flatnonzero(got != expected)
+    return int(bad[0]) if len(bad) else None
+
+
+def _storage_name(manifest: Manifest, sid: int) -> str:
+    """The name of a tensor viewing storage ``sid``, for messages."""
+    cols = tensor_table_columns(manifest.tensors)
+    if cols is not None:
+        rows = np.flatnonzero(cols.storage == sid)
+        return cols.names[int(rows[0])] if len(rows) else f"<storage {sid}>"
+    return next((t.name for t in manifest.tensors if t.storage == sid), f"<storage {sid}>")
 
 
 class _Run(NamedTuple):
@@ -304,27 +316,46 @@ class _Run(NamedTuple):
 
 
 class _Table(NamedTuple):
-    """A file's sorted chunks as arrays (int64): file offsets, lengths, ends, running byte
-    totals (``cum[j]``: bytes of chunks before j), and which chunks may join a run."""
+    """Chunks as arrays (int64): their file, file offsets, lengths, ends, storage offsets,
+    crc32c, storages, which may join a run (the only chunk of a fresh storage, not empty),
+    and (once sorted by _sorted, per file) running byte totals (``cum[j]``: bytes before j)."""
 
+    fid: np.ndarray
     offs: np.ndarray
     lens: np.ndarray
     ends: np.ndarray
-    cum: np.ndarray
+    so: np.ndarray
+    crc: np.ndarray
+    sid: np.ndarray
     alone: np.ndarray
+    cum: np.ndarray
 
 
-def _table(manifest: Manifest, chunks: list[tuple[ChunkRecord, int]], dests: list[torch.Tensor | None]) -> _Table:
-    """The arrays _runs cuts from: one pass over the records, the rest vectorised."""
-    n = len(chunks)
+def _chunk_table(manifest: Manifest, dests: list[torch.Tensor | None]) -> tuple[_Table, list[int]]:
+    """Every chunk of ``manifest`` as a _Table (storage by storage), and each storage's size:
+    from the manifest's validated columns (format 2), else one pass over its records."""
+    fresh = np.fromiter((d is None for d in dests), bool, len(dests))
+    cols = chunk_columns(manifest.storages)
+    if cols is not None:
+        sid = np.repeat(np.arange(len(cols.nbytes)), cols.counts)
+        alone = (fresh & (cols.counts == 1))[sid] & (cols.ln > 0)
+        empty = np.zeros(0, np.int64)
+        return (_Table(cols.fid, cols.fo, cols.ln, cols.fo + cols.ln, cols.so, cols.crc, sid, alone, empty),
+                cols.nbytes.tolist())
     storages = manifest.storages
-    offs = np.fromiter((c.file_offset for c, _ in chunks), np.int64, n)
-    lens = np.fromiter((c.length for c, _ in chunks), np.int64, n)
-    alone = np.fromiter((dests[sid] is None and len(storages[sid].chunks) == 1 for _, sid in chunks), bool, n)
-    alone &= lens > 0
-    cum = np.zeros(n + 1, np.int64)
-    np.cumsum(lens, out=cum[1:])
-    return _Table(offs, lens, offs + lens, cum, alone)
+    pairs = [(c, s) for s, st in enumerate(storages) for c in st.chunks]
+    n = len(pairs)
+    fid, fo, so, ln, crc = (np.fromiter((getattr(c, k) for c, _ in pairs), np.int64, n)
+                                 for k in ("file", "file_offset", "storage_offset", "length", "crc32c"))
+    sid = np.fromiter((s for _, s in pairs), np.int64, n)
+    single = np.fromiter((len(st.chunks) == 1 for st in storages), bool, len(storages))
+    alone = (fresh & single)[sid] & (ln > 0) if n else np.zeros(0, bool)
+    return _Table(fid, fo, ln, fo + ln, so, crc, sid, alone, np.zeros(0, np.int64)), [s.nbytes for s in storages]
+
+
+def _take(t: _Table, which: np.ndarray) -> _Table:
+    """The chunks of ``t`` that ``which`` (a mask or an index array) selects, in its order."""
+    return _Table(*(a[which] for a in t[:-1]), t.cum)
 
 
 def _run_end(t: _Table, k: int, stop: int) -> tuple[int, int]:
@@ -340,28 +371,27 @@ def _run_end(t: _Table, k: int, stop: int) -> tuple[int, int]:
     return (k + 1 + first if gappy[first] else wide), wide
 
 
-def _sorted(chunks: list[tuple[ChunkRecord, int]], t: _Table) -> tuple[list[tuple[ChunkRecord, int]], _Table]:
-    """``chunks`` and their table in file order (an empty chunk before one at its offset); as
-    they are when already in that order (a save writes them so)."""
+def _sorted(t: _Table) -> _Table:
+    """A file's chunks ``t`` in file order (an empty chunk before one at its offset; as they are
+    when already in that order: a save writes them so), with their running byte totals."""
     order = np.lexsort((t.lens, t.offs))
-    if not (order[1:] < order[:-1]).any():
-        return chunks, t
-    lens = t.lens[order]
-    cum = np.zeros(len(lens) + 1, np.int64)
-    np.cumsum(lens, out=cum[1:])
-    return [chunks[i] for i in order.tolist()], _Table(t.offs[order], lens, t.ends[order], cum, t.alone[order])
+    if (order[1:] < order[:-1]).any():
+        t = _take(t, order)
+    cum = np.zeros(len(t.lens) + 1, np.int64)
+    np.cumsum(t.lens, out=cum[1:])
+    return t._replace(cum=cum)
 
 
-def _runs(chunks: list[tuple[ChunkRecord, int]], t: _Table, dests: list[torch.Tensor | None]) -> list[_Run]:
-    """The runs of a file's ``chunks`` (sorted by offset): two or more consecutive chunks, each
+def _runs(t: _Table, dests: list[torch.Tensor | None]) -> list[_Run]:
+    """The runs of a file's chunks ``t`` (sorted by offset): two or more consecutive chunks, each
     the only chunk of a fresh storage. Dense where the gaps allow (its buffer holds at most
     1/RUN_SLACK + RUN_GAP more than its storages) and the run is long enough to be read
     zero-copy; else sparse, up to RUN_MAX bytes of file (small storages laid out 4 KiB apart:
     100,000 tensors of 2.7 KB, each once a staged span of its own). Each run's storages get
     their part of its buffer in ``dests``: each a storage of its own that starts at its first
     byte (torch.frombuffer; code that reads a tensor's storage from its start, as
-    torch.set_rng_state does, gets its bytes), keeping the buffer alive. Cut with numpy over
-    the file's chunks (``t``, from _table), a few array operations per run, not per chunk."""
+    torch.set_rng_state does, gets its bytes), keeping the buffer alive. Cut with numpy, a few
+    array operations per run, not per chunk."""
     runs: list[_Run] = []
     edges = np.flatnonzero(np.diff(t.alone.astype(np.int8), prepend=0, append=0))
     for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):  # [a, b): chunks that may join runs
@@ -373,13 +403,12 @@ def _runs(chunks: list[tuple[ChunkRecord, int]], t: _Table, dests: list[torch.Te
                 end = wide
                 packed = (t.cum[k:end] - t.cum[k]).tolist()
             if end - k > 1:
-                runs.append(_make_run(t, chunks, k, end, packed, dests))
+                runs.append(_make_run(t, k, end, packed, dests))
             k = end
     return runs
 
 
-def _make_run(t: _Table, chunks: list[tuple[ChunkRecord, int]], k: int, end: int, packed: list[int] | None,
-              dests: list[torch.Tensor | None]) -> _Run:
+def _make_run(t: _Table, k: int, end: int, packed: list[int] | None, dests: list[torch.Tensor | None]) -> _Run:
     """Run ``[k, end)``: its buffer, and each storage's part of it in ``dests`` (torch.frombuffer
     at an offset: a storage of exactly its bytes, a third of the cost of slicing a memoryview)."""
     lo = int(t.offs[k])
@@ -388,7 +417,7 @@ def _make_run(t: _Table, chunks: list[tuple[ChunkRecord, int]], k: int, end: int
     base = buf.numpy()
     at = packed if packed is not None else (t.offs[k:end] - lo).tolist()
     frombuffer, u8 = torch.frombuffer, torch.uint8
-    for (_, sid), o, n in zip(chunks[k:end], at, t.lens[k:end].tolist()):
+    for sid, o, n in zip(t.sid[k:end].tolist(), at, t.lens[k:end].tolist()):
         dests[sid] = frombuffer(base, dtype=u8, count=n, offset=o)
     if packed is None:
         return _Run(k, end, lo, span, buf, None)
@@ -398,16 +427,16 @@ def _make_run(t: _Table, chunks: list[tuple[ChunkRecord, int]], k: int, end: int
     return _Run(k, end, lo, span, buf, tuple(packed), step if even else 0)
 
 
-def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]], runs: list[_Run],
-                out: list, verify: bool) -> list[int]:
-    """Read a file's ``chunks``: each dense run as one span, each other chunk as its own, then
+def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: list, verify: bool) -> list[int]:
+    """Read a file's chunks ``t``: each dense run as one span, each other chunk as its own, then
     the sparse runs (_read_sparse); returns every chunk's crc32c (a run's chunks summed from its
     buffer; zeros without ``verify``)."""
     spans: list[ReadSpan] = []
     owner: list[int] = []  # per span: the dense run it reads (index into runs), or -1 - its chunk
     sparse: list[_Run] = []
+    offs, lens, so, sids = t.offs.tolist(), t.lens.tolist(), t.so.tolist(), t.sid.tolist()
     k, r = 0, 0
-    while k < len(chunks):
+    while k < len(offs):
         if r < len(runs) and runs[r].first == k:
             if runs[r].packed is None:
                 spans.append(ReadSpan(runs[r].lo, runs[r].buf, checksum=False))  # summed per chunk below
@@ -416,11 +445,10 @@ def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, in
                 sparse.append(runs[r])
             k, r = runs[r].end, r + 1
             continue
-        c, sid = chunks[k]
-        spans.append(ReadSpan(c.file_offset, out[sid][c.storage_offset:c.storage_offset + c.length], checksum=verify))
+        spans.append(ReadSpan(offs[k], out[sids[k]][so[k]:so[k] + lens[k]], checksum=verify))
         owner.append(-1 - k)
         k += 1
-    crcs = [0] * len(chunks)
+    crcs = [0] * len(offs)
     got = engine.read_file(path, spans) if spans else []
     for crc, o in zip(got if verify else (), owner):
         if o < 0:
@@ -429,26 +457,27 @@ def _read_spans(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, in
         run = runs[o]
         view = memoryview(run.buf.numpy())
         for j in range(run.first, run.end):
-            c = chunks[j][0]
-            crcs[j] = _crc32c(view[c.file_offset - run.lo:c.file_offset - run.lo + c.length])
+            crcs[j] = _crc32c(view[offs[j] - run.lo:offs[j] - run.lo + lens[j]])
     if sparse:
-        _read_sparse(engine, path, chunks, sparse, out, crcs, verify)
+        _read_sparse(engine, path, (offs, lens, sids), sparse, out, crcs, verify)
     return crcs
 
 
-def _read_sparse(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, int]], runs: list[_Run],
+def _read_sparse(engine: IOEngine, path: Path, chunks: tuple[list[int], list[int], list[int]], runs: list[_Run],
                  out: list, crcs: list[int], verify: bool) -> None:
     """Read sparse ``runs`` through one scratch buffer, as many runs at a time as it holds (each
     4 KiB-aligned in it: read zero-copy where long enough), then copy each chunk to its place in
-    its run's buffer (one memmove each) and sum it there. The scratch holds at most the gaps
-    between the runs' chunks (bytes of the file no chunk holds) and SPARSE_SCRATCH, so what a
-    load allocates stays within the files' sizes; a run it cannot hold is read chunk by chunk."""
+    its run's buffer (one memmove each) and sum it there. ``chunks``: the file's chunks' file
+    offsets, lengths and storages. The scratch holds at most the gaps between the runs' chunks
+    (bytes of the file no chunk holds) and SPARSE_SCRATCH, so what a load allocates stays within
+    the files' sizes; a run it cannot hold is read chunk by chunk."""
+    offs, lens, sids = chunks
     placed = [-(-r.span // 4096) * 4096 for r in runs]
     size = min(SPARSE_SCRATCH, sum(r.span - r.buf.numel() for r in runs))
     fits = [i for i, n in enumerate(placed) if n <= size]
     if len(fits) < len(runs):
         alone = [j for i, r in enumerate(runs) if placed[i] > size for j in range(r.first, r.end)]
-        got = engine.read_file(path, [ReadSpan(chunks[j][0].file_offset, out[chunks[j][1]]) for j in alone])
+        got = engine.read_file(path, [ReadSpan(offs[j], out[sids[j]]) for j in alone])
         for j, crc in zip(alone, got):
             crcs[j] = crc
     if not fits:
@@ -465,33 +494,37 @@ def _read_sparse(engine: IOEngine, path: Path, chunks: list[tuple[ChunkRecord, i
         engine.read_file(path, [ReadSpan(run.lo, scratch[pos:pos + run.span], checksum=False)  # summed per chunk
                                 for run, pos in batch])
         for run, pos in batch:
-            _pack(run, [c for c, _ in chunks[run.first:run.end]], scratch, pos, base)
+            _pack(run, offs[run.first:run.end], lens[run.first:run.end], scratch, pos, base)
             if verify:
                 view = memoryview(run.buf.numpy())
-                crcs[run.first:run.end] = [_crc32c(view[o:o + c.length]) for (c, _), o in
-                                           zip(chunks[run.first:run.end], run.packed)]  # type: ignore[arg-type]
+                crcs[run.first:run.end] = [_crc32c(view[o:o + n]) for o, n in
+                                           zip(run.packed, lens[run.first:run.end])]  # type: ignore[arg-type]
 
 
-def _pack(run: _Run, mine: list[ChunkRecord], scratch: torch.Tensor, pos: int, base: int) -> None:
-    """Copy sparse ``run``'s chunks (``mine``) from where its file bytes lie in ``scratch`` (from
-    byte ``pos``; ``base``: its address) to their places in the run's buffer. Chunks of one
-    length at evenly spaced offsets (``run.step``: small tensors of one size laid out 4 KiB
-    apart) move in one strided copy (numpy: one thread, no per-chunk call); others one
-    memmove each."""
-    n, length, step = len(mine), mine[0].length, run.step
-    first = pos + mine[0].file_offset - run.lo
+def _pack(run: _Run, offs: list[int], lens: list[int], scratch: torch.Tensor, pos: int, base: int) -> None:
+    """Copy sparse ``run``'s chunks (file offsets ``offs``, lengths ``lens``) from where its file
+    bytes lie in ``scratch`` (from byte ``pos``; ``base``: its address) to their places in the
+    run's buffer. Chunks of one length at evenly spaced offsets (``run.step``: small tensors of
+    one size laid out 4 KiB apart) move in one strided copy (numpy: one thread, no per-chunk
+    call); others one memmove each."""
+    n, length, step = len(offs), lens[0], run.step
+    first = pos + offs[0] - run.lo
     if step:
         src = np.lib.stride_tricks.as_strided(scratch[first:first + (n - 1) * step + length].numpy(),
                                               (n, length), (step, 1), writeable=False)
         np.copyto(run.buf.numpy().reshape(n, length), src)
         return
     dst = run.buf.data_ptr()
-    for c, o in zip(mine, run.packed):  # type: ignore[arg-type]
-        ctypes.memmove(dst + o, base + pos + c.file_offset - run.lo, c.length)
+    for fo, ln, o in zip(offs, lens, run.packed):  # type: ignore[arg-type]
+        ctypes.memmove(dst + o, base + pos + fo - run.lo, ln)
 
 
 def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Build each saved tensor as a typed strided view of its storage buffer (sharing restored)."""
+    """Build each saved tensor as a typed strided view of its storage buffer (sharing restored):
+    from a format 2 manifest's columns (_tensors_from_columns), else from its records."""
+    cols = tensor_table_columns(manifest.tensors)
+    if cols is not None:
+        return _tensors_from_columns(cols, buffers)
     kinds: dict[tuple[str, tuple], tuple] = {}  # (dtype, shape) -> (dtype, C-contiguous strides, bytes, 1-D)
     out = []
     append = out.append
@@ -515,18 +548,117 @@ def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> li
     return out
 
 
+def contiguous_rows(cols: TensorColumns) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor of ``cols``: its element count, and whether it is a C-contiguous view with every
+    dimension at least 1 (its strides the products of the sizes after them). By ndim, a few
+    array operations each; no overflow (the columns' checks bound every product of sizes)."""
+    n = len(cols.names)
+    numel = np.ones(n, np.int64)
+    contiguous = np.ones(n, bool)
+    starts = cols.starts
+    for k in np.unique(cols.ndim).tolist():
+        if k == 0:
+            continue
+        rows = np.flatnonzero(cols.ndim == k)
+        at = starts[rows][:, None] + np.arange(k)
+        shape, stride = cols.shape[at], cols.stride[at]
+        rev = np.cumprod(shape[:, ::-1], axis=1)  # rev[:, j]: the product of the last j + 1 sizes
+        want = np.concatenate((rev[:, -2::-1], np.ones((len(rows), 1), np.int64)), axis=1)
+        numel[rows] = rev[:, -1]
+        contiguous[rows] = (stride == want).all(axis=1) & (shape >= 1).all(axis=1)
+    return numel, contiguous
+
+
+def _scatter(out: list, rows: np.ndarray, values: Iterable) -> None:
+    """``out[rows[j]] = values[j]`` (rows ascending); all of ``out`` at once when rows are all of it."""
+    if len(rows) == len(out):
+        out[:] = values
+        return
+    for r, v in zip(rows.tolist(), values):
+        out[r] = v
+
+
+def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """tensors_from_storages over a format 2 manifest's columns. The usual view (the whole
+    storage, C-contiguous, 1-D: ``buf.view(dtype)``) is found by whole columns and made per
+    dtype in one C-level map; any other view (sharing, offsets, other shapes) one by one."""
+    dtypes = [dtype_from_name(d) for d in cols.dtype_names]
+    itemsize = np.array([d.itemsize for d in dtypes] or [1], np.int64)[cols.dtype]
+    numel, contiguous = contiguous_rows(cols)
+    nbytes = numel * itemsize
+    sid = cols.storage
+    have, skew = _buffer_columns(buffers)
+    have, skew = have[sid], skew[sid] % itemsize
+    plain = contiguous & (cols.byte_offset == 0) & (nbytes > 0) & (have == nbytes) & (skew == 0)
+    out: list = [None] * len(cols.names)
+    for d in np.unique(cols.dtype[plain & (cols.ndim == 1)]).tolist():
+        rows = np.flatnonzero(plain & (cols.ndim == 1) & (cols.dtype == d))
+        _scatter(out, rows, map(torch.Tensor.view, map(buffers.__getitem__, sid[rows].tolist()),
+                                repeat(dtypes[d], len(rows))))
+    shapes, strides, starts = cols.shape.tolist(), cols.stride.tolist(), cols.starts.tolist()
+    for i in np.flatnonzero(~plain | (cols.ndim != 1)).tolist():
+        buf, dtype, at, k = buffers[sid[i]], dtypes[cols.dtype[i]], starts[i], int(cols.ndim[i])
+        if plain[i]:
+            out[i] = buf.view(dtype).view(shapes[at:at + k])
+            continue
+        out[i] = torch.empty(0, dtype=dtype, device=buf.device).set_(
+            buf.untyped_storage(), (buf.storage_offset() + int(cols.byte_offset[i])) // dtype.itemsize,
+            shapes[at:at + k], strides[at:at + k])
+    return out
+
+
+def _buffer_columns(buffers: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """Each buffer's byte count and storage offset (-1, 0 for a storage left unread: None)."""
+    if not any(map(operator.is_, buffers, repeat(None))):
+        return (np.fromiter(map(torch.Tensor.numel, buffers), np.int64, len(buffers)),
+                np.fromiter(map(torch.Tensor.storage_offset, buffers), np.int64, len(buffers)))
+    return (np.fromiter((-1 if b is None else b.numel() for b in buffers), np.int64, len(buffers)),
+            np.fromiter((0 if b is None else b.storage_offset() for b in buffers), np.int64, len(buffers)))
+
+
 def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
     """One stand-in per saved tensor with its dtype and shape and no memory of its own (a
     0-stride expansion of one element, one per dtype): decode_state with these shows the
-    saved structure before a byte is read."""
-    one = {name: torch.empty((), dtype=dtype_from_name(name)) for name in {t.dtype for t in manifest.tensors}}
+    saved structure before a byte is read. From a format 2 manifest's columns: one stand-in
+    per distinct (dtype, shape), found with numpy, no tuple per tensor."""
+    cols = tensor_table_columns(manifest.tensors)
+    if cols is None:
+        return _placeholders([(t.dtype, t.shape) for t in manifest.tensors])
+    out: list = [None] * len(cols.names)
+    for k in np.unique(cols.ndim).tolist():
+        rows = np.flatnonzero(cols.ndim == k)
+        at = cols.starts[rows][:, None] + np.arange(k)
+        table = np.concatenate((cols.dtype[rows][:, None], cols.shape[at]), axis=1)
+        which = _row_kinds(table)
+        first = np.zeros(int(which.max()) + 1, np.int64)
+        first[which[::-1]] = np.arange(len(which))[::-1]  # each kind's first row
+        made = _placeholders([(cols.dtype_names[row[0]], tuple(row[1:])) for row in table[first].tolist()])
+        _scatter(out, rows, map(made.__getitem__, which.tolist()))
+    return out
+
+
+def _row_kinds(table: np.ndarray) -> np.ndarray:
+    """Per row of ``table`` (int64, rows x columns): a number in [0, distinct rows), the same
+    for equal rows. Column by column, each a 1-D unique (np.unique over whole rows sorts them
+    as records: 0.1 s at 100,000 tensors)."""
+    ids = np.zeros(len(table), np.int64)
+    for col in table.T:
+        inv = np.unique(col, return_inverse=True)[1].reshape(-1)
+        ids = np.unique(ids * (int(inv.max()) + 1) + inv, return_inverse=True)[1].reshape(-1)
+    return ids
+
+
+def _placeholders(keys: list[tuple[str, tuple]]) -> list[torch.Tensor]:
+    """placeholder_tensors of these (dtype name, shape) pairs."""
+    one: dict[str, torch.Tensor] = {}
     made: dict[tuple[str, tuple], torch.Tensor] = {}  # one stand-in per dtype and shape (expand: 3 us each)
     out = []
-    for t in manifest.tensors:
-        key = (t.dtype, t.shape)
+    for key in keys:
         stand_in = made.get(key)
         if stand_in is None:
-            stand_in = made[key] = one[t.dtype].expand(t.shape)
+            if key[0] not in one:
+                one[key[0]] = torch.empty((), dtype=dtype_from_name(key[0]))
+            stand_in = made[key] = one[key[0]].expand(key[1])
         out.append(stand_in)
     return out
 
@@ -570,7 +702,7 @@ def read_tensors(protocol: CommitProtocol, manifest: Manifest, indices: Sequence
                                                 for sid, s in enumerate(manifest.storages)))
     try:
         # A small read gets an engine with small staging buffers (engines/select.py: sized_for)
-        options = sized_for(engine_options or EngineOptions.from_env(), sum(s.nbytes for s in part.storages))
+        options = sized_for(engine_options or EngineOptions.from_env(), part.storage_bytes())
         with create_engine(options) as engine, gc_paused():  # objects per storage and tensor, no cycles
             buffers: list = [None] * len(part.storages)
             read_storages(protocol, part, buffers, [progress.reads(engine) if progress else engine], verify=verify)
