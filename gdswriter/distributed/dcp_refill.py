@@ -40,10 +40,10 @@ from ..format.commit import step_dir_name, write_owner
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, protected_marker
 from ..format.sharded import parse_step
-from ..fs import atomic_write, fsync_dir, read_regular_file
+from ..fs import atomic_write, read_regular_file
 from .dcp_replicas import Placed
 from .group import Coordinator, describe
-from .refill import FileMove, move_files
+from .refill import FileMove, durable_copies_dir, move_files
 from .replicastream import Source
 from .roots import RootLayout
 
@@ -183,17 +183,8 @@ def _copies_dir(job: DcpRefillJob, mv: DcpMove) -> Path:
     root = next((p for p in job.layout.local_paths if str(p.resolve()) == want), None)
     if root is None:
         raise GDSWriterError(f"no root of this rank is at {want} (the replaced root's path): not refilled")
-    d = root / step_dir_name(job.m.step)
-    if not d.is_dir():
-        d.mkdir()
-        primary = job.m.dist.roots[0]
-        write_owner(d, primary.path, primary.id)
-        fsync_dir(root)
-    copies = d / COPIES_DIR
-    if not copies.is_dir():
-        copies.mkdir()
-        fsync_dir(d)
-    return copies
+    primary = job.m.dist.roots[0]
+    return durable_copies_dir(root, job.m.step, lambda d: write_owner(d, primary.path, primary.id))
 
 
 def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMove], int]:

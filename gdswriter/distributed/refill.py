@@ -444,10 +444,17 @@ def _copies_dir(layout: RootLayout, step: int, root_id: str) -> Path:
     """``step_S/copies`` on this rank's root ``root_id`` (made durably, the step directory with
     its owner file)."""
     root = layout.local_paths[layout.local_ids.index(root_id)]
+    return durable_copies_dir(root, step, lambda d: write_owner_files(layout, d))
+
+
+def durable_copies_dir(root: Path, step: int, write_owners: Callable[[Path], None]) -> Path:
+    """``step_S/copies`` on ``root``, made durably where missing: the step directory first, with
+    the owner files ``write_owners`` puts in it (then ``root`` fsynced), then ``copies`` (then
+    the step directory fsynced). The refills of GDSCheckpointer and of DCP steps both use it."""
     d = root / step_dir_name(step)
     if not d.is_dir():
         d.mkdir()
-        write_owner_files(layout, d)
+        write_owners(d)
         fsync_dir(root)
     copies = d / COPIES_DIR
     if not copies.is_dir():
