@@ -176,7 +176,8 @@ class GDSStorageReader(Collective, StorageReader):
         placed, saved = None, m
         if not alone:  # a file lost or damaged on its own root: read from a copy, verified (dcp_replicas.py)
             reach = Reach(held_paths(m, reach.paths))
-            placed = place_files(coord, m, reach.paths, f"dcp.load of step {m.step}")
+            placed = place_files(coord, m, reach.paths, f"dcp.load of step {m.step}",
+                                 clean=self._refill is None or not self._refill.running())
             m = placed.m
         records, error, engine = [], None, None
         in_place: dict[int, torch.Tensor] = {}  # item -> DCP's target, read into directly

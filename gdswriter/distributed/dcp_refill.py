@@ -18,7 +18,8 @@ channel of its own (``DcpRefill``), over replication's verified stream (refill.p
    manifest records, into a ``.tmp-`` folder of ``step_S/copies`` on the replacement root, each
    file fdatasynced and checked against the sender's crc32c, then renamed whole to
    ``copies/rank<R>`` (a rank's own files then moved up into ``step_S``, beside the owner files
-   naming the primary). A crash leaves the ``.tmp-`` folder, which no load reads.
+   naming the primary). A crash leaves the ``.tmp-`` folder, which no load reads and the next
+   load of the step removes (dcp_leftovers.py).
 3. When every rank succeeded, the primary rank rewrites ``step_S/protected`` last.
 
 The 1.2 manifest is not rewritten (its own commit point): the replacement root is found by its
@@ -279,6 +280,10 @@ class DcpRefill:
             log.warning("gdswriter: %s", self.error)
         finally:
             self.channel.close()
+
+    def running(self) -> bool:
+        """Whether it still runs (its ``.tmp-`` folders are then its own, not a crash's)."""
+        return self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> int | None:
         self._thread.join(timeout)
