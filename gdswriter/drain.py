@@ -342,14 +342,7 @@ class Drainer:
                          per_file[fid], self._bufs)
 
     def _retain(self, newest: int) -> None:
-        steps = self.target.committed_steps()
-        keep = self.options.drain_retained(steps, newest)
-        for s in steps:
-            if s not in keep:
-                try:
-                    self.target.delete_step(s)
-                except OSError as e:
-                    log.warning("gdswriter: could not delete drained step %d under %s: %s", s, self.root, e)
+        retain_drained(self.target, self.options, newest)
 
     def close(self) -> None:
         """Wait for the drains in flight and waiting, then release the engine and the drain
@@ -367,6 +360,25 @@ class Drainer:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+
+def retain_drained(target: CommitProtocol, options: CheckpointOptions, newest: int) -> None:
+    """The drain root's retention once ``newest`` committed there: the steps
+    ``options.drain_retained`` does not keep deleted (``delete_step``: renamed out of the way,
+    the root fsynced, then removed, so a crash leaves every other step loadable and only trash
+    that the next drain removes). ``newest`` and any newer step are kept; a drain in progress
+    is a temporary directory, never a committed step. Shared by GDSCheckpointer's drains and
+    the DCP plug-in's (distributed/dcp_drain.py)."""
+    steps = target.committed_steps()
+    keep = options.drain_retained(steps, newest)
+    for s in steps:
+        if s not in keep:
+            try:
+                target.delete_step(s)
+            except FileNotFoundError:
+                pass  # another rank's retention removed it first
+            except OSError as e:
+                log.warning("gdswriter: could not delete drained step %d under %s: %s", s, target.primary, e)
 
 
 def check_drain_root(drain_root: str | os.PathLike, roots: Sequence[Path]) -> None:

@@ -123,3 +123,37 @@ def test_a_dcp_step_with_a_damaged_local_file_is_not_drained(tmp_path):
     assert not got[0]["errors"], got
     assert not [p for p in shared.iterdir() if p.name.startswith(".tmp")], got
     assert all(x["load1"] is not None for x in got), got
+
+
+def _retained_worker(rank: int, world: int, tmp: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    root, shared = Path(tmp, f"node{rank}"), Path(tmp, "shared")
+    w = node_writer(rank, root, drain_root=str(shared), keep_last=2, keep_every=3)
+    for step in range(6):
+        w.reset(step)
+        dcp.save(state(step), storage_writer=w)
+        w.wait_drained()
+        if step == 1 and rank == 0:  # a deletion a crash interrupted: renamed out of the way, not yet removed
+            (shared / ".trash-step_000000000099-deadbeef").mkdir()
+            (shared / ".trash-step_000000000099-deadbeef" / "manifest.json").write_bytes(b"{")
+        torch.distributed.barrier()
+    w.close()
+    torch.distributed.barrier()
+    return {"loads": {str(s): dcp_load(shared, s, state(s))[:2] for s in (3, 4, 5)}}
+
+
+def test_the_dcp_drain_root_keeps_drain_keep_last_and_keep_every(tmp_path):
+    """Steps 0-5 drained with keep_last=2 (drain_keep_last defaults to it) and keep_every=3: the
+    drain root keeps steps 0 and 3 (keep_every) and 4 and 5 (the newest two), no temporary
+    directory nor the trash a crashed deletion left, `latest` names 5, and steps 3-5 load
+    bit-exact from it on every rank."""
+    got = run_ranks(2, _retained_worker, str(tmp_path), out=tmp_path / "ranks")
+    shared = tmp_path / "shared"
+    assert sorted(p.name for p in shared.iterdir() if p.name.startswith("step_")) == \
+        [f"step_{s:012d}" for s in (0, 3, 4, 5)], got
+    assert not [p for p in shared.iterdir() if p.name.startswith((".tmp", ".trash"))]
+    assert (shared / "latest").read_text().strip() == "5"
+    for rank, x in enumerate(got):
+        for s, (err, exact) in x["loads"].items():
+            assert err is None and exact, (rank, s, x)

@@ -87,3 +87,50 @@ def test_dcp_parity_protects_at_3_over_2_and_rebuilds_a_lost_or_damaged_member(t
     said = [li for x in got for li in x["flipped"][2] if "rebuilt rank 2's files" in li]
     assert said, [x["flipped"][2] for x in got]
     assert [x["rebuilt"] for x in got].count(["rank00002"]) == 1, got  # one copy, on a surviving member's root
+
+
+def _refill_worker(rank: int, world: int, tmp: str) -> dict:
+    from support.dcp import engine, refilled
+    from gdswriter.distributed import GDSStorageReader
+
+    root = Path(tmp, f"node{rank}")
+    _save(rank, root)
+    torch.distributed.barrier()
+    if rank == 1:  # rank 1's node replaced: its root is an empty directory
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out: dict = {"first": dcp_load(root, 1, state(1), reader)[:2]}
+    out["refilled"] = refilled(reader)
+    reader.close()
+    out["files"] = sorted(str(p.relative_to(root / STEP)) for p in (root / STEP).rglob("*") if p.is_file())
+    torch.distributed.barrier()
+    if rank == 2:  # then rank 2's node too: a second member of the lane, survived thanks to the refill
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    out["second"] = dcp_load(root, 1, state(1))
+    return out
+
+
+def test_a_dcp_step_rebuilt_from_parity_is_refilled_and_survives_a_second_members_loss(tmp_path):
+    """parity_group=3, rank 1's node replaced: the load rebuilds rank 1's files from the lane and
+    loads bit-exact; wait_refilled names step 1: node 1's new root holds rank 1's data files
+    again (every chunk checked against the manifest's crc32c as it streamed) and its parity block
+    and description, re-created from ranks 0 and 2; the rebuilt copy is gone from every root;
+    ``protected`` says the group; then rank 2's node replaced too: the step still loads bit-exact
+    on every rank (rebuilt from ranks 0 and 1, which a lane missing rank 1's block could not)."""
+    got = run_ranks(3, _refill_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        err, exact = x["first"]
+        assert err is None and exact, (rank, x["first"])
+        assert x["refilled"] == 1, (rank, x["refilled"])
+        assert not [f for f in x["files"] if f.startswith("copies/rank00001/")], (rank, x["files"])
+    files = got[1]["files"]
+    assert any(f.startswith("data-rank1") for f in files), files
+    assert "parity/rank00001.xor" in files and "parity/rank00001.json" in files, files
+    assert json.loads((tmp_path / "node0" / STEP / "protected").read_bytes()) == {"copies": 1, "parity_group": 3}
+    for rank, x in enumerate(got):
+        err, exact, _ = x["second"]
+        assert err is None and exact, (rank, x["second"])

@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     torch.distributed.barrier()
     if rank == 1:
         _replace(root)
-    else:  # a crash mid-refill left a temporary folder: garbage under a copy's file name, which no one reads
+    else:  # a crash mid-refill left a temporary folder: garbage under a copy's file name
         good = next((root / STEP / "copies" / "rank00001").iterdir())
         tmp_dir = root / STEP / "copies" / ".tmp-rank00001-deadbeef"
         tmp_dir.mkdir()
@@ -55,15 +55,26 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     torch.distributed.barrier()
     if rank == 0:
         _replace(root)
+    else:  # a later refill killed midway on this (replacement) root: its folder, a marker's temporary, trash
+        copies = root / STEP / "copies"
+        good = next((copies / "rank00000").iterdir())
+        (copies / ".tmp-rank00000-cafef00d").mkdir()
+        (copies / ".tmp-rank00000-cafef00d" / good.name).write_bytes(b"\x55" * good.stat().st_size)
+        (copies / ".tmp-protected-0badf00d").write_bytes(b"{")
+        (copies / ".trash-.tmp-rank00000-feedf00d-1234").mkdir()
     torch.distributed.barrier()
     out["second"] = dcp_load(root, 1, state(1))
+    out["copies"] = sorted(p.name for p in (root / STEP / "copies").iterdir()) if rank == 1 else []
     return out
 
 
 def test_a_dcp_step_loaded_from_copies_is_refilled_and_survives_the_other_nodes_loss(tmp_path):
     """replicas=2, node 1 replaced: the load is bit-exact from the copies; wait_refilled names step
-    1 (a crash's temporary folder beside the copy read by neither); node 1's new root holds rank
-    1's files, rank 0's copy, the manifest's copy and copies/protected; then node 0 replaced: the step loads bit-exact again on both ranks."""
+    1; a crash's temporary folder (garbage under a copy's file name) beside the copy on node 0 is
+    removed by the load, the copy kept; node 1's new root holds rank 1's files, rank 0's copy,
+    the manifest's copy and copies/protected; then node 0 replaced, with a killed refill's
+    leftovers (.tmp- folder and file, .trash- folder) planted on node 1: the step loads bit-exact
+    again on both ranks, and those leftovers are gone, the committed copies kept."""
     got = run_ranks(2, _worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(got):
         assert x["protected"] == [0, 1], (rank, x)
@@ -75,10 +86,13 @@ def test_a_dcp_step_loaded_from_copies_is_refilled_and_survives_the_other_nodes_
     assert any(f.startswith("copies/rank00000/data-rank0") for f in files), files
     assert any(f.startswith("data-rank1") for f in files), files
     assert not [f for f in files if ".tmp-" in f], files
+    assert not [f for f in got[0]["files"] if ".tmp-" in f], got[0]["files"]  # the crash's folder: removed
+    assert any(f.startswith("copies/rank00001/") for f in got[0]["files"]), got[0]["files"]
     assert json.loads((tmp_path / "node1" / STEP / "copies" / "protected").read_bytes()) == {"copies": 2}
     for rank, x in enumerate(got):
         err, exact, _ = x["second"]
         assert err is None and exact, (rank, x["second"])
+    assert got[1]["copies"] == ["manifest.json", "protected", "rank00000"], got[1]["copies"]
 
 
 def _damaged_worker(rank: int, world: int, tmp: str) -> dict:

@@ -21,8 +21,14 @@ Every ``drain_every``-th step, on a thread of each rank's writer (never the save
 Only rank 0's draft removes what other saves left (temporary directories of other tokens, for
 steps up to its own): the others drain as soon as their write_data is done, so a rank may be in a
 newer step's directory than rank 0. As in drain.py, a rank slower than rank 0 by a whole save
-may find its directory removed (that step is not drained; liveness, never a wrong step). The
-drain root keeps every drained step (no retention there yet)."""
+may find its directory removed (that step is not drained; liveness, never a wrong step).
+
+4. The rank that committed step S applies the drain root's retention (drain.py
+   ``retain_drained``, as GDSCheckpointer's drain: ``drain_keep_last``, default ``keep_last``,
+   and ``keep_every``): S and any newer step stay, a drain in progress is a temporary directory
+   (never counted nor removed), and each step deleted is renamed out of the way and the root
+   fsynced before its files are removed: a crash mid-delete leaves every other step loadable
+   and trash that the next drain removes."""
 
 from __future__ import annotations
 
@@ -38,11 +44,11 @@ from pathlib import Path
 
 import torch
 
-from ..drain import DRAIN_BUFFER_BYTES, copy_checked
+from ..drain import DRAIN_BUFFER_BYTES, copy_checked, retain_drained
 from ..engines.base import IOEngine
 from ..engines.select import create_engine
 from ..errors import DrainError, GDSWriterError
-from ..format.commit import LATEST_NAME, TMP_PREFIX, root_identity, step_dir_name
+from ..format.commit import LATEST_NAME, TMP_PREFIX, CommitProtocol, root_identity, step_dir_name
 from ..format.manifest import MANIFEST_NAME, Manifest, RootInfo
 from ..format.sharded import parse_step
 from ..fs import atomic_write, fsync_dir, write_durable
@@ -145,6 +151,7 @@ class DcpDrain:
                 mark = None
             if self._marked(d, mark, world) and self._publish(step, d):
                 self.drained.append(step)
+                retain_drained(CommitProtocol([self.root]), self.options, step)
         except (GDSWriterError, OSError) as e:
             raise DrainError(f"step {step} is not drained to {self.root} (save {token}): {e}; the drain root keeps "
                              f"its earlier steps", step) from e

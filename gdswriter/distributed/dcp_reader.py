@@ -176,7 +176,8 @@ class GDSStorageReader(Collective, StorageReader):
         placed, saved = None, m
         if not alone:  # a file lost or damaged on its own root: read from a copy, verified (dcp_replicas.py)
             reach = Reach(held_paths(m, reach.paths))
-            placed = place_files(coord, m, reach.paths, f"dcp.load of step {m.step}")
+            placed = place_files(coord, m, reach.paths, f"dcp.load of step {m.step}",
+                                 clean=self._refill is None or not self._refill.running())
             m = placed.m
         records, error, engine = [], None, None
         in_place: dict[int, torch.Tensor] = {}  # item -> DCP's target, read into directly
@@ -211,8 +212,9 @@ class GDSStorageReader(Collective, StorageReader):
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise
-        if placed is not None and placed.lost and not placed.parity:  # the same on every rank
-            # read from copies because a node was replaced: its files re-created there in the background
+        if placed is not None and placed.lost and placed.held is None:  # the same on every rank
+            # read from copies (or rebuilt from parity) because a node was replaced: its files re-created there
+            # in the background; not a copy held in memory for this load alone (parityload.py: gone after it)
             self._refill = start_refill(self.process_group, self.dist_options.timeout_s,
                                         DcpRefillJob(saved, placed, layout))
         hand_over(plan, records, in_place, buffers, planner)

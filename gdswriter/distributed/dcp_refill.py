@@ -1,4 +1,4 @@
-"""Refill of a DCP step after a load from copies (issue 39 item 3 for the DCP plug-in; docs/format.md 9.5).
+"""Refill of a DCP step after a load from copies or parity (issue 39 item 3 for the DCP plug-in; format.md 9.5).
 
 A DCP load (``GDSStorageReader``) of a step saved with ``replicas=C`` where a node was replaced
 (a table root of the step no rank reaches: its disk at the same path is empty) reads that node's
@@ -18,12 +18,23 @@ channel of its own (``DcpRefill``), over replication's verified stream (refill.p
    manifest records, into a ``.tmp-`` folder of ``step_S/copies`` on the replacement root, each
    file fdatasynced and checked against the sender's crc32c, then renamed whole to
    ``copies/rank<R>`` (a rank's own files then moved up into ``step_S``, beside the owner files
-   naming the primary). A crash leaves the ``.tmp-`` folder, which no load reads.
+   naming the primary). A crash leaves the ``.tmp-`` folder, which no load reads and the next
+   load of the step removes (dcp_leftovers.py).
 3. When every rank succeeded, the primary rank rewrites ``step_S/protected`` last.
 
+A step protected by parity (its ``protected`` names the group), whose load rebuilt the lost
+members into ``copies/rank<R>`` on a surviving member's root (parityload.rebuild_members), is
+refilled alike: each lost rank's files move from that rebuilt copy (step 1: nothing else, no
+copies to top up); then, collectively, the parity block each lost rank stored is re-created
+on its replacement root by the rank that received its files (parityrefill.py
+``refill_lane_stripes``, GDSCheckpointer's code: every member's chunk checked against the crc32c
+its description records, the block fsynced and read back before its description is written);
+step 3 writes the group's marker; then each rank that sent a rebuilt copy removes it
+(refill.py ``drop_copy``: renamed, fsynced, deleted), so disk use does not grow per load. A
+copy the load held in memory (no root could be written) is gone after the load: not refilled.
+
 The 1.2 manifest is not rewritten (its own commit point): the replacement root is found by its
-path, as at the load that triggered the refill. A step rebuilt from parity is not refilled here
-(its parity block would have to be re-created: logged)."""
+path, as at the load that triggered the refill."""
 
 from __future__ import annotations
 
@@ -35,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import GDSWriterError, ReplicationError
+from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, protected_marker
@@ -43,7 +54,9 @@ from ..format.sharded import parse_step
 from ..fs import atomic_write, read_regular_file
 from .dcp_replicas import Placed
 from .group import Coordinator, describe
-from .refill import FileMove, durable_copies_dir, move_files
+from .parityload import StepRoots
+from .parityrefill import refill_lane_stripes
+from .refill import FileMove, drop_copy, durable_copies_dir, move_files
 from .replicastream import Source
 from .roots import RootLayout
 
@@ -141,12 +154,13 @@ def _survey(job: DcpRefillJob) -> dict:
     marker's copies on the roots it looked at."""
     d = step_dir_name(job.m.step)
     ranks: list[int] = []
-    c = 0
+    c = n = 0
     for g in job.placed.check:
         base = job.placed.reach[g] / d  # type: ignore[operator]
         for marker in (base / PROTECTED_NAME, base / COPIES_DIR / PROTECTED_NAME):  # copies/: beside the manifest's copy
             try:
-                c = max(c, int(json.loads(read_regular_file(marker, 4096)).get("copies", 0)))
+                body = json.loads(read_regular_file(marker, 4096))
+                c, n = max(c, int(body.get("copies", 0))), max(n, int(body.get("parity_group", 0)))
             except (OSError, ValueError, GDSWriterError, AttributeError):
                 pass
         try:
@@ -154,7 +168,7 @@ def _survey(job: DcpRefillJob) -> dict:
                       if p.is_dir() and (k := _COPY_DIR.match(p.name))]
         except OSError:
             pass
-    return {"copies": ranks, "c": c}
+    return {"copies": ranks, "c": c, "parity": n}
 
 
 def _sources(job: DcpRefillJob, mv: DcpMove) -> list[Source]:
@@ -187,9 +201,10 @@ def _copies_dir(job: DcpRefillJob, mv: DcpMove) -> Path:
     return durable_copies_dir(root, job.m.step, lambda d: write_owner(d, primary.path, primary.id))
 
 
-def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMove], int]:
-    """Collective: the moves (rank 0 decides from every rank's survey) and the step's copies."""
-    error, mine = None, {"copies": [], "c": 0}
+def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMove], int, int]:
+    """Collective: the moves (rank 0 decides from every rank's survey), the step's copies and
+    its parity group (0: none)."""
+    error, mine = None, {"copies": [], "c": 0, "parity": 0}
     try:
         mine = _survey(job)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
@@ -200,23 +215,25 @@ def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMov
         for o in outs:
             for r in o["copies"]:
                 count[r] = count.get(r, 0) + 1
-        c = max(o["c"] for o in outs)
-        if c < 2:
-            return {"moves": [], "c": c}
-        moves = plan_dcp_refill(job.m, job.placed, job.placed.checkers or {}, count, c)
-        return {"moves": [mv.wire() for mv in moves], "c": c}
+        c, n = max(o["c"] for o in outs), max(o["parity"] for o in outs)
+        if c < 2 and n < 2:
+            return {"moves": [], "c": c, "parity": 0}
+        moves = plan_dcp_refill(job.m, job.placed, job.placed.checkers or {}, count, 1 if n >= 2 else c)
+        return {"moves": [mv.wire() for mv in moves], "c": c, "parity": n if n >= 2 else 0}
 
     got = coord.decide(error, mine, f"{what} (planning)", rule)
-    return [DcpMove(r, g, p, s, d, t, bool(o), tuple(f)) for r, g, p, s, d, t, o, f in got["moves"]], got["c"]
+    return ([DcpMove(r, g, p, s, d, t, bool(o), tuple(f)) for r, g, p, s, d, t, o, f in got["moves"]], got["c"],
+            got["parity"])
 
 
 def run_dcp_refill(coord: Coordinator, job: DcpRefillJob) -> bool:
     """Collective on the refill channel (module docstring): True when the step was refilled."""
     step = job.m.step
     what = f"refilling DCP step {step}"
-    moves, c = _plan(coord, job, what)
+    moves, c, parity = _plan(coord, job, what)
     if not moves:
         return False
+    marker = json.dumps({"copies": 1, "parity_group": parity}).encode() if parity else protected_marker(c)
     problems: list[str] = []
     for mv in moves:
         if coord.rank in (mv.sender, mv.receiver):
@@ -224,20 +241,51 @@ def run_dcp_refill(coord: Coordinator, job: DcpRefillJob) -> bool:
                                    lambda mv=mv: _sources(job, mv), lambda mv=mv: _copies_dir(job, mv), what)
             if coord.rank == mv.receiver and mv.rank == 0 and not problems:
                 try:
-                    atomic_write(_copies_dir(job, mv) / PROTECTED_NAME, protected_marker(c))
+                    atomic_write(_copies_dir(job, mv) / PROTECTED_NAME, marker)
                 except Exception as e:  # noqa: BLE001 - reported to rank 0
                     problems.append(describe(e))
+    if parity:
+        problems += _stripes(coord, job, moves, what)
     failed = coord.decide(None, "; ".join(problems)[:2000], f"{what} (outcomes)",
                           lambda outs: [[r, m] for r, m in enumerate(outs) if m][:8])
     if failed:
         raise ReplicationError(f"DCP step {step} was loaded but not refilled: "
                                f"{'; '.join(f'rank {r}: {m}' for r, m in failed)}; it loads as it did, with fewer "
                                f"copies; fix what the message names (a full or failing disk?) and load again", step)
-    _protect(coord, job, c, what)
+    _protect(coord, job, marker, what)
+    if parity:  # the copies the load rebuilt, read by this refill: the step is protected without them
+        for mv in moves:
+            if mv.sender == coord.rank and mv.own:
+                drop_copy(job.placed.reach[mv.source] / step_dir_name(step) / mv.prefix.rsplit("/", 1)[0],  # type: ignore[operator]
+                          mv.rank, step)
     return True
 
 
-def _protect(coord: Coordinator, job: DcpRefillJob, c: int, what: str) -> None:
+def _stripes(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove], what: str) -> list[str]:
+    """Collective: the parity block each lost rank stored, re-created on its replacement root
+    by the rank that received its files (parityrefill.refill_lane_stripes, as GDSCheckpointer's
+    refill does); what failed here."""
+    assert job.m.dist is not None
+    roots, placed = tuple(job.m.dist.roots), job.placed
+    ranks = placed.checkers if coord.rank == 0 and placed.checkers is not None else \
+        {g: coord.rank for g in placed.check}
+    seen = {roots[g].id: (r,) for g, r in ranks.items() if g < len(roots)}  # not a copy held in memory
+    own = {mv.rank: mv for mv in moves if mv.own}
+
+    def own_root(k: int) -> int:
+        return next(j for j, info in enumerate(roots) if k in info.ranks)
+    try:
+        return refill_lane_stripes(coord, StepRoots(job.m.step, roots), placed.reach[:len(roots)], seen, own_root,
+                                   {r: mv.receiver for r, mv in own.items()},
+                                   lambda r: _copies_dir(job, own[r]).parent, what, 0)
+    except (ReplicationError, CollectiveFailedError):
+        raise
+    except GDSWriterError as e:
+        raise ReplicationError(f"DCP step {job.m.step} was loaded but not refilled ({describe(e)}); it loads as it "
+                               f"did, rebuilding its lost members at each load", job.m.step) from e
+
+
+def _protect(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str) -> None:
     """The primary rank rewrites ``step_S/protected`` last, once every rank's files are durable."""
     error = None
     layout = job.layout
@@ -245,9 +293,10 @@ def _protect(coord: Coordinator, job: DcpRefillJob, c: int, what: str) -> None:
         try:
             local = layout.local_of(0)
             d = layout.local_paths[local if local is not None else 0] / step_dir_name(job.m.step)
-            atomic_write(d / PROTECTED_NAME, protected_marker(c))
+            atomic_write(d / PROTECTED_NAME, marker)
             log.warning("gdswriter: DCP step %d is refilled: the files of replaced root(s) %s re-created from their "
-                        "copies, and the step is protected again", job.m.step, list(job.placed.lost))
+                        "copies%s, and the step is protected again", job.m.step, list(job.placed.lost),
+                        " (rebuilt from parity) and their parity blocks" if job.placed.parity else "")
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
     coord.agree(error, f"{what} (protected)", root=layout.primary_rank)
@@ -279,6 +328,10 @@ class DcpRefill:
             log.warning("gdswriter: %s", self.error)
         finally:
             self.channel.close()
+
+    def running(self) -> bool:
+        """Whether it still runs (its ``.tmp-`` folders are then its own, not a crash's)."""
+        return self._thread.is_alive()
 
     def wait(self, timeout: float | None = None) -> int | None:
         self._thread.join(timeout)

@@ -44,7 +44,8 @@ from ..errors import (
 from ..format.commit import ROOT_MARKER_NAME, step_dir_name
 from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, RootInfo
 from ..format.parity import PARITY_DIR
-from ..format.replicas import COPIES_DIR
+from ..format.replicas import COPIES_DIR, PROTECTED_NAME
+from .dcp_leftovers import drop_leftovers
 from .dcp_messages import RankReport
 from .group import Coordinator, describe
 from .options import DistOptions
@@ -281,19 +282,26 @@ def _lost_message(m: Manifest, lost: Sequence[int]) -> str:
             f"a lost node, save with GDSStorageWriter(..., dist_options=DistOptions(replicas=2)))")
 
 
-def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], what: str) -> Placed:
+def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], what: str,
+                clean: bool = True) -> Placed:
     """Collective, two rounds of fixed size per rank in the common case (module docstring):
     rank 0 gathers the roots each rank reaches and whether it holds copies, and sends each rank
     the roots it looks at (the lowest rank reaching each); there each rank checks the step's
     files by size alone, and rank 0 broadcasts the problems: none where nothing is lost. Only
     then are the copies of the lost files looked for (``_from_copies``). Without copies, a root
-    of the step no rank reaches is StepFilesLostError on every rank."""
+    of the step no rank reaches is StepFilesLostError on every rank. With ``clean`` (no refill
+    of this rank's still writing) and the step protected (a ``protected`` marker in ``step_S``
+    or beside the manifest's copy in ``copies``: its replication is done), each rank
+    first removes what a crashed refill left in ``copies/`` of the roots it looks at
+    (dcp_refill.drop_leftovers)."""
     if m.dist is None:
         return Placed(m, False)
     d = step_dir_name(m.step)
     reached = {g: p for g, p in enumerate(reach) if p is not None}
     some = [any((p / d / COPIES_DIR).is_dir() for p in reached.values()),
-            any((p / d / PARITY_DIR).is_dir() for p in reached.values())]
+            any((p / d / PARITY_DIR).is_dir() for p in reached.values()),
+            any((p / d / PROTECTED_NAME).is_file() or (p / d / COPIES_DIR / PROTECTED_NAME).is_file()
+                for p in reached.values())]
     needed = sorted({f.root for f in m.files})
     checker: dict[int, int] = {}
 
@@ -302,9 +310,9 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
             for g in gs:
                 checker.setdefault(g, r)
         lost = [g for g in needed if g not in checker]
-        copies, parity = any(n[0] for n, _ in outs), any(n[1] for n, _ in outs)
+        copies, parity, protected = (any(n[k] for n, _ in outs) for k in range(3))
         return [{"check": [g for g, c in checker.items() if c == r], "copies": copies or parity, "parity": parity,
-                 "lost": lost} for r in range(len(outs))]
+                 "lost": lost, "protected": protected} for r in range(len(outs))]
 
     mine = coord.decide_each(None, [some, sorted(reached)], f"{what} (finding the step's files)", assign)
     if not mine["copies"]:
@@ -312,6 +320,9 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
             raise StepFilesLostError(_lost_message(m, mine["lost"]))
         return Placed(m, False, reach=tuple(reach))
     check = tuple(mine["check"])
+    if clean and mine["protected"]:
+        for g in check:
+            drop_leftovers(reach[g] / d / COPIES_DIR, m.step)  # type: ignore[operator]
     problems, error = [], None
     try:
         problems = [[i, p] for i, f in enumerate(m.files) if f.root in check

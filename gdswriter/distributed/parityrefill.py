@@ -24,7 +24,7 @@ import json
 import os
 import secrets
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 import torch
@@ -36,7 +36,7 @@ from ..format.sharded import GlobalManifest
 from ..fs import atomic_write, fsync_dir, fsync_file
 from .group import Coordinator, Transfer, describe
 from .loadplan import reach_of
-from .parityload import read_stream
+from .parityload import StepRoots, read_stream
 from .replicastream import PIECE_BYTES
 from .roots import RootLayout
 
@@ -48,19 +48,34 @@ def refill_stripes(coord: Coordinator, layout: RootLayout, g: GlobalManifest, ta
     """Collective (the module docstring): the stripe of each lost rank R of ``targets`` (R ->
     (the rank writing it, its new root's id)) re-created; what failed on this rank."""
     seen = {info.id: tuple(info.ranks) for info in layout.table}
-    reach = reach_of(g, layout)
+
+    def step_dir(r: int) -> Path:
+        return layout.local_paths[layout.local_ids.index(targets[r][1])] / step_dir_name(g.step)
+    return refill_lane_stripes(coord, StepRoots(g.step, tuple(g.roots)), reach_of(g, layout), seen,
+                               lambda k: g.shards[k].root, {r: w for r, (w, _) in targets.items()}, step_dir, what,
+                               src)
+
+
+def refill_lane_stripes(coord: Coordinator, g: StepRoots, reach: Sequence[Path | None],
+                        seen: dict[str, tuple[int, ...]], own_root: Callable[[int], int], writers: dict[int, int],
+                        step_dir: Callable[[int], Path], what: str, src: int) -> list[str]:
+    """``refill_stripes`` over a step's table of roots (a 1.3 global manifest's, or a DCP step's
+    1.2 ``dist.roots``: dcp_refill.py): ``reach`` this rank's path of each root, ``seen`` root id
+    -> the ranks seeing it, ``own_root(k)`` the root rank k's files are on, ``writers`` lost rank
+    R -> the rank writing its stripe, ``step_dir(R)`` (on that rank) the step's directory on R's
+    new root."""
     mine: list = []
     error: BaseException | None = None
     try:
-        mine = _lanes_held(coord, g, reach, seen, set(targets))
+        mine = _lanes_held(coord, g, reach, seen, set(writers))
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     plan = coord.decide(error, mine, f"{what} (finding the lanes of the lost ranks)",
-                        lambda outs: _plan(g, seen, targets, outs), root=src)
+                        lambda outs: _plan(g, seen, own_root, writers, outs), root=src)
     problems: list[str] = []
     for entry in plan:
         try:
-            _stripe(coord, layout, g, reach, entry, what)
+            _stripe(coord, g, reach, entry, step_dir, what)
         except CollectiveFailedError:
             raise
         except Exception as e:  # noqa: BLE001 - reported to the primary rank
@@ -68,13 +83,13 @@ def refill_stripes(coord: Coordinator, layout: RootLayout, g: GlobalManifest, ta
     return problems
 
 
-def _lanes_held(coord: Coordinator, g: GlobalManifest, reach: Sequence[Path | None], seen: dict,
+def _lanes_held(coord: Coordinator, g: StepRoots, reach: Sequence[Path | None], seen: dict,
                 lost: set[int]) -> list[dict]:
     """The descriptions, on the roots this rank leads, of the lowest surviving member of each lane
     holding a lost rank."""
     out = []
-    for j, p in enumerate(reach):
-        ranks = seen.get(g.roots[j].id)
+    for info, p in zip(g.roots, reach):
+        ranks = seen.get(info.id)
         d = None if p is None else p / step_dir_name(g.step) / PARITY_DIR
         if d is None or not ranks or min(ranks) != coord.rank or not d.is_dir():
             continue
@@ -86,26 +101,27 @@ def _lanes_held(coord: Coordinator, g: GlobalManifest, reach: Sequence[Path | No
     return out
 
 
-def _plan(g: GlobalManifest, seen: dict, targets: dict[int, tuple[int, str]], outs: list) -> list[dict]:
+def _plan(g: StepRoots, seen: dict, own_root: Callable[[int], int], writers: dict[int, int],
+          outs: list) -> list[dict]:
     """The primary rank: per lost rank, its lane's description and who reads each member."""
     plan = []
-    for r in sorted(targets):
+    for r in sorted(writers):
         body = next((b for out in outs for b in out if r in b["lane"]), None)
         if body is None:
             raise GDSWriterError(f"no stripe description of rank {r}'s parity lane is left on its surviving members")
         readers = []
         for k in body["lane"]:
-            ranks = seen.get(g.roots[g.shards[k].root].id)
+            ranks = seen.get(g.roots[own_root(k)].id) if k != r else None
             if k != r and not ranks:
                 raise GDSWriterError(f"rank {k}, a member of rank {r}'s parity lane, is lost too")
             if k != r:
-                readers.append([k, min(ranks)])
-        plan.append({"rank": r, "writer": targets[r][0], "root": targets[r][1], "body": body, "readers": readers})
+                readers.append([k, min(ranks)])  # type: ignore[type-var]
+        plan.append({"rank": r, "writer": writers[r], "body": body, "readers": readers})
     return plan
 
 
-def _stripe(coord: Coordinator, layout: RootLayout, g: GlobalManifest, reach: Sequence[Path | None], entry: dict,
-            what: str) -> None:
+def _stripe(coord: Coordinator, g: StepRoots, reach: Sequence[Path | None], entry: dict,
+            step_dir: Callable[[int], Path], what: str) -> None:
     """One lost rank's stripe (step 2 of the module docstring): every reader and the writer run
     every piece's exchange, a local failure sending zeros and raising at the end."""
     r, me, body, writer = entry["rank"], coord.rank, entry["body"], entry["writer"]
@@ -117,7 +133,7 @@ def _stripe(coord: Coordinator, layout: RootLayout, g: GlobalManifest, reach: Se
     sink = None
     if me == writer:
         try:
-            sink = _Block(layout.local_paths[layout.local_ids.index(entry["root"])] / step_dir_name(g.step), r)
+            sink = _Block(step_dir(r), r)
         except Exception as e:  # noqa: BLE001 - the exchange goes on; raised below
             problem = e
     try:

@@ -280,17 +280,21 @@ def drop_rebuilt(me: int, layout: RootLayout, g: GlobalManifest, plan: RefillPla
     gone), the directory fsynced, then deleted. A failure is logged: the step is protected."""
     reach = reach_of(g, layout)
     for move in plan.moves:
-        if move.sender != me or not move.copy:
-            continue
-        copies = reach[move.source] / step_dir_name(g.step) / COPIES_DIR  # type: ignore[operator]
-        try:
-            gone = copies / f"{TMP_PREFIX}{copy_dir_name(move.rank)}-{secrets.token_hex(4)}"
-            os.replace(copies / copy_dir_name(move.rank), gone)
-            fsync_dir(copies)
-            shutil.rmtree(gone)
-        except OSError as e:
-            log.warning("gdswriter: step %d is refilled, but rank %d's rebuilt copy in %s could not be removed "
-                        "(%s): remove it by hand", g.step, move.rank, copies, describe(e))
+        if move.sender == me and move.copy:
+            drop_copy(reach[move.source] / step_dir_name(g.step) / COPIES_DIR, move.rank, g.step)  # type: ignore[operator]
+
+
+def drop_copy(copies: Path, rank: int, step: int) -> None:
+    """Rank ``rank``'s rebuilt copy in ``copies`` removed as ``drop_rebuilt`` says (shared with
+    the DCP plug-in's refill, dcp_refill.py); a failure is logged."""
+    try:
+        gone = copies / f"{TMP_PREFIX}{copy_dir_name(rank)}-{secrets.token_hex(4)}"
+        os.replace(copies / copy_dir_name(rank), gone)
+        fsync_dir(copies)
+        shutil.rmtree(gone)
+    except OSError as e:
+        log.warning("gdswriter: step %d is refilled, but rank %d's rebuilt copy in %s could not be removed "
+                    "(%s): remove it by hand", step, rank, copies, describe(e))
 
 
 def _unprotect(layout: RootLayout, step: int, why: str) -> None:
