@@ -13,8 +13,8 @@ import torch
 
 from gdswriter import (CorruptCheckpointError, GDSCheckpointer, UnsupportedFormatVersionError, UnsupportedObjectError,
                        load_state)
-from gdswriter.format.manifest import (MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, StorageRecord, TensorRecord,
-                                       check_trailer)
+from gdswriter.format.manifest import (MANIFEST_NAME, ChunkRecord, FileRecord, Manifest, ShardInfo, StorageRecord,
+                                       TensorRecord, check_trailer)
 from gdswriter.format.sharded import parse_step
 
 SIZE = 3 * 4096 + 256
@@ -190,6 +190,7 @@ def test_a_2_0_manifest_refuses_each_damage(case):
                                     TensorRecord("x", 0, 2, "float32", (8,), (1,)),
                                     TensorRecord("x", 0, 0, "float32", (9, 8), (8, 1)),
                                     TensorRecord("x", 0, 0, "float32", (8,), (-1,)),
+                                    TensorRecord("x", 0, 0, "float32", (8,), (1,), kind="blob"),
                                     TensorRecord("x", 0, 0, "float32", (8, 8), (1,)),
                                     TensorRecord("x", 0, 0, "float32", (1 << 40, 1 << 40), (0, 0))])
 def test_a_save_refuses_what_a_2_0_reader_refuses(record):
@@ -197,6 +198,18 @@ def test_a_save_refuses_what_a_2_0_reader_refuses(record):
     cannot be loaded back (UnsupportedObjectError, naming the tensor)."""
     m = small()
     with pytest.raises(UnsupportedObjectError, match="x"):
+        replace(m, tensors=m.tensors + (record,)).to_json_bytes()
+
+
+@pytest.mark.parametrize("record", [TensorRecord("x", 0, 0, "float32", (8,), (1,), shard=ShardInfo((16,), (8,))),
+                                    TensorRecord(7, 0, 0, "float32", (8,), (1,)),
+                                    TensorRecord("x", 0, 0, "float32", (8,), (True,)),
+                                    TensorRecord("x", 0, 0.0, "float32", (8,), (1,))])
+def test_a_2_0_save_refuses_records_it_cannot_write(record):
+    """A shard (multi-rank manifests are 1.x) or a field that is not a plain str or int: refused
+    (ValueError or TypeError, as json.dumps would), nothing written."""
+    m = small()
+    with pytest.raises((ValueError, TypeError)):
         replace(m, tensors=m.tensors + (record,)).to_json_bytes()
 
 

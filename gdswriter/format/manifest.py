@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from json.encoder import encode_basestring_ascii
-from itertools import accumulate, chain, islice
+from itertools import accumulate, chain, islice, repeat
 from operator import add, attrgetter, le
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
@@ -598,7 +598,7 @@ def storage_table(storages: tuple[StorageRecord, ...], *, open_crcs: bool = Fals
     return "[" + ",".join(canonical) + "]", "[" + ",".join(plain) + "]"
 
 
-_CHUNKS, _STORAGE_OFFSET = attrgetter("chunks"), attrgetter("storage_offset")
+_CHUNKS, _STORAGE_OFFSET, _NBYTES = attrgetter("chunks"), attrgetter("storage_offset"), attrgetter("nbytes")
 
 
 class EncodedStorages:
@@ -826,6 +826,8 @@ TRAILER_KEY = b',"manifest_crc32c":'
 KINDS = ("tensor", "ndarray")  # a format 2 tensor's "kind" column indexes this
 _TENSOR_INT_COLUMNS = ("storage", "byte_offset", "dtype", "ndim", "device", "kind")
 _CHUNK_COLUMNS = ("file", "file_offset", "storage_offset", "length", "crc32c")
+_CHUNK_FIELDS = attrgetter(*_CHUNK_COLUMNS)
+_TENSOR_FIELDS = attrgetter("name", "storage", "byte_offset", "dtype", "shape", "stride", "device", "kind", "shard")
 _EXACT_BELOW = float(1 << 52)  # a float64 estimate below this: the int64 arithmetic cannot overflow
 
 
@@ -955,10 +957,12 @@ def check_trailer(raw: bytes, where: str) -> int:
 
 
 def _ints(v: Any, what: str) -> str:
-    """A JSON list of plain ints, formatted ("[1,2]"); anything else is refused as json.dumps would."""
+    """A JSON list of plain ints, formatted ("[1,2]"); anything else is refused as json.dumps would.
+    A list of plain ints is its repr without the spaces (one C-level pass, about twice as fast
+    as formatting each int and joining)."""
     if set(map(type, v)) - {int}:
         raise TypeError(f"{what}: a value that is not a plain int")
-    return "[" + ",".join(map(str, v)) + "]"
+    return repr(v if type(v) is list else list(v)).replace(" ", "")
 
 
 def columns_bytes(m: Manifest, storages: EncodedStorages | None) -> bytes:
@@ -991,9 +995,10 @@ def storage_columns(storages: tuple[StorageRecord, ...], *, open_crcs: bool = Fa
         order = list(chain.from_iterable(sorted(range(a, b), key=lambda i: every[i].storage_offset)
                                          for a, b in zip(at, at[1:])))
         every = [every[i] for i in order]
-    cols = [_ints([s.nbytes for s in storages], "storage nbytes"), _ints(counts, "chunks"),
-            *(_ints([getattr(c, k) for c in every], k) for k in _CHUNK_COLUMNS[:4])]
-    crcs = "[%s]" if open_crcs else _ints([c.crc32c for c in every], "crc32c")
+    fields = list(zip(*map(_CHUNK_FIELDS, every))) or [()] * len(_CHUNK_COLUMNS)  # one pass: a tuple per column
+    cols = [_ints(list(map(_NBYTES, storages)), "storage nbytes"), _ints(counts, "chunks"),
+            *(_ints(v, k) for v, k in zip(fields, _CHUNK_COLUMNS[:4]))]
+    crcs = "[%s]" if open_crcs else _ints(fields[4], "crc32c")
     names = ("nbytes", "chunks", *_CHUNK_COLUMNS)
     return "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*cols, crcs])) + "}", order
 
@@ -1010,23 +1015,26 @@ def tensor_columns(tensors: tuple[TensorRecord, ...], sizes: tuple[int, ...]) ->
     last = _last_columns
     if last is not None and last[1] == sizes and last[0] == tensors:
         return last[2]
-    if any(t.shard is not None for t in tensors):
+    # one pass over the records, a tuple per field (a list comprehension per field took a third of the encoding)
+    names, sids, offsets, dtypes, shapes, strides, devices, kinds, shards = (
+        map(list, zip(*map(_TENSOR_FIELDS, tensors))) if tensors else ([] for _ in range(9)))
+    if shards.count(None) != len(shards):
         raise ValueError("format 2 holds no shard records: a multi-rank manifest is 1.x")
-    names, dtypes, devices = ([getattr(t, k) for t in tensors] for k in ("name", "dtype", "device"))
     if (set(map(type, names)) | set(map(type, dtypes)) | set(map(type, devices))) - {str}:
         raise TypeError("a tensor record's name, dtype or device is not a str")
     dtype_names, device_names = list(dict.fromkeys(dtypes)), list(dict.fromkeys(devices))
-    kinds = {k: i for i, k in enumerate(KINDS)}
-    shapes, strides = [t.shape for t in tensors], [t.stride for t in tensors]
+    kind_index = {k: i for i, k in enumerate(KINDS)}
     ndim = list(map(len, shapes))
-    bad = next((i for i, (a, b) in enumerate(zip(ndim, map(len, strides))) if a != b), None)
-    if bad is None:
-        bad = next((i for i, t in enumerate(tensors) if t.kind not in kinds), None)
-    cols = {"name": names, "storage": [t.storage for t in tensors], "byte_offset": [t.byte_offset for t in tensors],
+    bad = None
+    if list(map(len, strides)) != ndim:
+        bad = next(i for i, (a, b) in enumerate(zip(ndim, map(len, strides))) if a != b)
+    elif not set(kinds) <= kind_index.keys():
+        bad = next(i for i, k in enumerate(kinds) if k not in kind_index)
+    cols = {"name": names, "storage": sids, "byte_offset": offsets,
             "dtype": list(map({n: i for i, n in enumerate(dtype_names)}.__getitem__, dtypes)), "ndim": ndim,
             "shape": list(chain.from_iterable(shapes)), "stride": list(chain.from_iterable(strides)),
             "device": list(map({n: i for i, n in enumerate(device_names)}.__getitem__, devices)),
-            "kind": [kinds.get(t.kind, len(KINDS)) for t in tensors]}
+            "kind": list(map(kind_index.get, kinds, repeat(len(KINDS))))}
     texts = {k: _ints(v, f"tensor {k}") for k, v in cols.items() if k != "name"}  # before np.array sees them
     found = (bad, "a shape and stride of different lengths or an unknown kind") if bad is not None else \
         _saved_problem(tensors, cols, dtype_names, len(device_names), sizes)
@@ -1035,7 +1043,7 @@ def tensor_columns(tensors: tuple[TensorRecord, ...], sizes: tuple[int, ...]) ->
         raise UnsupportedObjectError(names[row] if 0 <= row < len(names) else "<tensors>", None,
                                      f"it would be saved with {why}; save t.contiguous() (or the tensor before "
                                      f"expand())", type_name="torch.Tensor")
-    out = ('{"name":[' + ",".join(map(encode_basestring_ascii, names)) + "],"
+    out = ('{"name":' + _json(names) + ","  # (str checked above) json's C encoder: no Python step per name
            + ",".join(f'"{k}":{v}' for k, v in texts.items())
            + f',"dtype_names":{_json(dtype_names)},"device_names":{_json(device_names)}}}')
     _last_columns = (tuple(tensors), sizes, out)
