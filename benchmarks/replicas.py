@@ -47,12 +47,19 @@ would not on a cluster, where each node's NVMe writes only its own bytes.
 
     .venv/bin/python benchmarks/replicas.py [--size 256M] [--ranks 2,4] [--rounds 3] [--restore-rounds 3] [--dir D]
     .venv/bin/python benchmarks/replicas.py --restore-only [--size 256M] [--ranks 2,4] [--restore-rounds 5]
+    .venv/bin/python benchmarks/replicas.py --saves-only [--profile] [--size 256M] [--ranks 2,4] [--rounds 3]
+
+--saves-only: the save rounds alone (no restore, training or restart). --profile: each rank logs,
+per step, where its replication spent its time (replicate.py, at debug: sources, sizes+headers,
+copies dir, pipeline, trailers, publish, settle; and the pipeline's stages: read, wait read, wire,
+write).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -139,8 +146,10 @@ def _saves(rank: int, world: int, base: Path, size: int, rounds: int, restore_ro
         stored = _drive_bytes(rep, world, rounds)
     for ck in cks.values():
         ck.close()
-    return {"rows": rows, "drive_bytes": stored, "state_bytes": sum(v.nbytes for v in state.values()),
-            "restore": _restores(rank, world, base / "replicas2", state, rounds, restore_rounds)}
+    out = {"rows": rows, "drive_bytes": stored, "state_bytes": sum(v.nbytes for v in state.values())}
+    if restore_rounds:
+        out["restore"] = _restores(rank, world, base / "replicas2", state, rounds, restore_rounds)
+    return out
 
 
 def _gloo_ring(rank: int, world: int, nbytes: int) -> float:
@@ -358,8 +367,12 @@ def worker(rank: int, world: int, port: int, base: str, a: dict, spawned: float 
         elif a.get("restore_only"):
             out = _restore_only(rank, world, Path(base), a["size"], a["restore_rounds"])
         else:
+            if a.get("profile"):  # each step's replication phases, per rank (replicate.py logs them at debug)
+                logging.basicConfig(format=f"rank {rank}: %(message)s")
+                logging.getLogger("gdswriter").setLevel(logging.DEBUG)
             out = _saves(rank, world, Path(base), a["size"], a["rounds"], a["restore_rounds"])
-            out.update(_train(rank, Path(base), a["train_size"], a["iters"], a["every"], a["train_rounds"]))
+            if not a.get("saves_only"):
+                out.update(_train(rank, Path(base), a["train_size"], a["iters"], a["every"], a["train_rounds"]))
         if rank == 0:
             Path(base, "result.json").write_text(json.dumps(out))
         dist.barrier()
@@ -388,7 +401,7 @@ def free_port() -> int:
 def run(world: int, base: Path, a: dict) -> dict:
     """The saves, restores and training loop; then the restarts (interleaved: intact, node 1 lost)."""
     res = spawn(world, base, a, None)
-    if a.get("restore_only"):
+    if a.get("restore_only") or a.get("saves_only"):
         return res
     res["restart"] = {"intact": [], "node 1 lost": []}
     for _ in range(a["train_rounds"]):
@@ -462,6 +475,8 @@ def table(world: int, res: dict) -> list[str]:
               f"  time to protected / local engine, same total bytes:   "
               f"{_ratio(rows, ('replicas=2', 'protected'), ('local 2x bytes', 'committed')):.2f}  (goal <= 1.10)",
               f"  drive bytes / state byte (replicas=2, data files):    {res['drive_bytes'] / res['state_bytes']:.3f}"]
+    if "times" not in res:  # --saves-only
+        return lines
     t = res["times"]
     none = statistics.median(t["none"])
     lines.append(f"  training (state {human(res['train_state'])}): mean step " +
@@ -513,12 +528,16 @@ def main(argv=None) -> int:
     ap.add_argument("--train-rounds", type=int, default=2)
     ap.add_argument("--restore-rounds", type=int, default=3)
     ap.add_argument("--restore-only", action="store_true", help="only the restore rounds (one untimed step)")
+    ap.add_argument("--saves-only", action="store_true", help="only the save rounds (no restore, training, restart)")
+    ap.add_argument("--profile", action="store_true", help="log each rank's replication phases (debug)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     ns = ap.parse_args(argv)
     a = {"size": parse_size(ns.size), "rounds": ns.rounds, "train_size": parse_size(ns.train_size),
          "iters": ns.iters, "every": ns.every, "train_rounds": ns.train_rounds, "restore_rounds": ns.restore_rounds,
-         "restore_only": ns.restore_only}
+         "restore_only": ns.restore_only, "saves_only": ns.saves_only, "profile": ns.profile}
+    if ns.saves_only:
+        a["restore_rounds"] = 0
     run_worlds(run, table, "gdswriter-replicas", ns.ranks, a, ns.dir, ns.json)
     return 0
 

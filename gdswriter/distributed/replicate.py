@@ -189,6 +189,7 @@ class Replicator:
         self.error: ReplicationError | None = None
         self.protected: int | None = None  # the newest step this session saw protected
         self._pipe: Pipeline | None = None  # the last step's pieces (a failed one's buffers stay alive)
+        self._phases: dict[str, float] = {}  # seconds per phase of the step being replicated (debug log)
         self.stopped: str | None = None  # why the replication group broke: every later step fails at once
 
     def submit(self, job: ReplicationJob | SourcedJob | RefillJob) -> None:
@@ -291,8 +292,10 @@ class Replicator:
                   list(part.sends_to), list(part.receives_from))
         what = f"replicating step {step}"
         t0 = time.perf_counter()
+        self._phases = {}
         try:
             sources, error = self._sources(job)
+            self._lap("sources", t0)
             if sources is None:  # every rank agreed: nothing to stream (SourcedJob), no round follows
                 raise error if isinstance(error, ReplicationError) else ReplicationError(str(error), step)
             out = Outgoing(sources, error)
@@ -305,10 +308,21 @@ class Replicator:
         if out.error is not None:
             problems.insert(0, f"its own files: {describe(out.error)}")
         mine = {"ok": not problems, "error": "; ".join(problems)[:2000]}
-        if self._pipe is not None:
-            log.debug("gdswriter: rank %d streamed step %d in %.3f s (%s)", rank, step, time.perf_counter() - t0,
-                      self._pipe.timings())
-        return self._settle(job, mine, what)
+        t1 = time.perf_counter()
+        try:
+            return self._settle(job, mine, what)
+        finally:
+            self._lap("settle", t1)
+            if self._pipe is not None:
+                log.debug("gdswriter: rank %d replicated step %d in %.3f s (%s; pipeline: %s)", rank, step,
+                          time.perf_counter() - t0, ", ".join(f"{k} {v:.3f} s" for k, v in self._phases.items()),
+                          self._pipe.timings())
+
+    def _lap(self, phase: str, since: float) -> float:
+        """Add the seconds since ``since`` to ``phase`` of this step's timings (logged at debug)."""
+        now = time.perf_counter()
+        self._phases[phase] = self._phases.get(phase, 0.0) + now - since
+        return now
 
     def _settle(self, job: ReplicationJob | SourcedJob, mine: dict, what: str) -> bool:
         """Every rank's outcome to the primary rank, which marks the step protected where all
@@ -391,6 +405,7 @@ class Replicator:
         of, in rounds (sizes, headers, PIECE_BYTES pieces, trailers); returns what failed here."""
         me, part, what = self.coord.rank, self.peers.part, f"replicating step {step}"
         senders, dests = list(part.receives_from), list(part.sends_to)
+        t = time.perf_counter()
         sizes = {s: torch.zeros(2, dtype=torch.int64) for s in senders}
         head = torch.tensor([len(out.header), out.total], dtype=torch.int64)
         self.coord.exchange([Transfer(me, d, 0, head) for d in dests] +
@@ -399,6 +414,7 @@ class Replicator:
         mine = torch.frombuffer(bytearray(out.header), dtype=torch.uint8)
         self.coord.exchange([Transfer(me, d, 1, mine) for d in dests] +
                             [Transfer(s, me, 1, heads[s][:int(sizes[s][0])]) for s in senders], f"{what} (headers)")
+        t = self._lap("sizes+headers", t)
         problems: list[str] = []
         incoming: dict[int, Incoming | None] = {}
         copies = self.layout.local_paths[0] / step_dir_name(step) / COPIES_DIR
@@ -412,11 +428,15 @@ class Replicator:
             except Exception as e:  # noqa: BLE001 - reported to the primary rank
                 incoming[s] = None
                 problems.append(f"the copy of rank {s}: {describe(e)}")
+        t = self._lap("copies dir", t)
         try:
             self._pipe = Pipeline(self.coord, step, out, dests, {s: int(sizes[s][1]) for s in senders}, incoming,
                                    problems)
+            t = self._lap("pipeline setup", t)
             self._pipe.run()
+            t = self._lap("pipeline", t)
             trailers = self._trailers(step, out, senders, dests)
+            t = self._lap("trailers", t)
         except BaseException:
             for inc in incoming.values():  # a peer lost mid-stream: nothing of its copy is left behind
                 if inc is not None:
@@ -433,6 +453,7 @@ class Replicator:
             except Exception as e:  # noqa: BLE001 - reported to the primary rank
                 inc.discard()
                 problems.append(f"the copy of rank {s}: {describe(e)}")
+        self._lap("publish", t)
         return problems
 
     def _trailers(self, step: int, out: Outgoing, senders: list[int], dests: list[int]) -> dict[int, dict]:
