@@ -332,7 +332,7 @@ class StagedEngine(IOEngine):
         """The staging pool, built (or grown) for a transfer that stages ``nbytes`` (None: device
         memory, the full options.buffer_bytes per buffer). Built only when a transfer
         stages, and then num_buffers buffers of at most buffer_bytes, each the next power of two
-        (>= 64 KiB) of an equal share of ``nbytes``: a load whose runs go zero-copy maps, locks and
+        (>= 64 KiB) of an equal share of ``nbytes``: a load or write that goes zero-copy maps, locks and
         registers nothing, or a few small buffers, instead of 8 x 16 MiB (0.35 s of CPU here).
         Kept for the next transfers; replaced by a larger one only when one needs more (sizes
         double, so growing costs at most the final pool's cost again)."""
