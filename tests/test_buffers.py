@@ -253,7 +253,8 @@ def _locked_bytes() -> int:
 def test_reads_lock_only_the_staging_they_use_and_keep_it(tmp_path, kind):
     """A read that goes zero-copy builds no staging pool (locks nothing); a read that stages a
     few KiB locks a pool sized to them (8 x 64 KiB, not 8 x 16 MiB), kept for the next read;
-    a write still gets the full pool, as before."""
+    writes size it the same way: a zero-copy one or one staging a few KiB reuses it, one that
+    stages 4 MiB grows it to 8 x 512 KiB, and the file is bit-exact."""
     from gdswriter import EngineOptions, ReadSpan, WriteSpan, create_engine
     from support.engines import host_tensor, kernel_takes_direct_io_from
 
@@ -264,7 +265,7 @@ def test_reads_lock_only_the_staging_they_use_and_keep_it(tmp_path, kind):
         eng.write_file(path, [WriteSpan(0, data)])
         if not eng.info.page_locked or not eng.info.direct_io:
             pytest.skip("needs page-locked staging and O_DIRECT here")
-    full = opts.buffer_bytes * opts.num_buffers
+    full = opts.num_buffers * (512 << 10)  # 4 MiB staged: 8 x 512 KiB
     before = _locked_bytes()
     with create_engine(opts) as eng:
         out = host_tensor(4 << 20, "aligned", fill=0)
@@ -279,5 +280,11 @@ def test_reads_lock_only_the_staging_they_use_and_keep_it(tmp_path, kind):
         eng.read_file(path, [ReadSpan(8192, small)])
         assert _locked_bytes() - before == grown and torch.equal(small, data[8192:11192])
         eng.write_file(tmp_path / "g.bin", [WriteSpan(0, data)])
-        assert _locked_bytes() - before == full, "a write stages through the full pool, as before"
+        if kernel_takes_direct_io_from(data, tmp_path):
+            assert _locked_bytes() - before == grown, "a zero-copy write grew the staging pool"
+        eng.write_file(tmp_path / "h.bin", [WriteSpan(0, data[:-1])])  # the last partial block is staged
+        assert _locked_bytes() - before == grown, "a write staging under 4 KiB grew the pool"
+        eng.write_file(tmp_path / "i.bin", [WriteSpan(0, data[1:])])  # misaligned: all of it staged
+        assert _locked_bytes() - before == full, "a write staging 4 MiB locks 8 x 512 KiB"
+        assert (tmp_path / "i.bin").read_bytes() == data[1:].numpy().tobytes()
     assert _locked_bytes() == before

@@ -67,16 +67,44 @@ def layout(snap: S.Snapshot) -> tuple:
     return extents, snap.records
 
 
+FIRSTS = {
+    "base": base_state,
+    "numpy sharing memory": lambda: _numpy_sharing(base_state()),
+    # no empty extent: the cache rebuilds the extents from its recipe's columns (LayoutCache._columns)
+    "no empty tensor": lambda: {k: v for k, v in base_state().items() if k != "empty"},
+}
+
+
 @pytest.mark.parametrize("change", CHANGES)
-@pytest.mark.parametrize("first", ["base", "numpy sharing memory"])
+@pytest.mark.parametrize("first", FIRSTS)
 def test_the_reused_layout_is_the_fresh_one(change, first):
-    state = base_state() if first == "base" else _numpy_sharing(base_state())
+    state = FIRSTS[first]()
     cache = S.LayoutCache()
     assert layout(S.take_snapshot(state, 1, layout=cache)) == layout(S.take_snapshot(state, 1))
     changed = CHANGES[change](state)
     assert layout(S.take_snapshot(changed, 2, layout=cache)) == layout(S.take_snapshot(changed, 2))
     again = S.take_snapshot(changed, 3, layout=cache)  # the cache now holds the changed layout (or nothing)
     assert layout(again) == layout(S.take_snapshot(changed, 3))
+
+
+@pytest.mark.parametrize("change", ["nothing", "new storage", "offset", "shape", "dtype"])
+def test_a_state_of_lone_tensors_reuses_its_layout_right(change):
+    """The usual state (each tensor alone in its storage: extent i views tensor i's storage) is
+    rebuilt from the cached columns, each extent over this save's own storages."""
+    state = {f"t{i}": torch.arange(10 + i, dtype=torch.float32) for i in range(5)}
+    changed = {
+        "nothing": lambda s: s,
+        "new storage": lambda s: {**s, "t1": s["t1"].clone()},
+        "offset": lambda s: {**s, "t2": torch.arange(20, dtype=torch.float32)[1:13]},
+        "shape": lambda s: {**s, "t3": s["t3"].reshape(1, -1)},
+        "dtype": lambda s: {**s, "t4": s["t4"].view(torch.int32)},
+    }[change](state)
+    cache = S.LayoutCache()  # protected: guarded, so left live (not copied at the call)
+    S.take_snapshot(state, 1, layout=cache, protected=list(state.values()))
+    reused = S.take_snapshot(changed, 2, layout=cache, protected=list(changed.values()))
+    assert layout(reused) == layout(S.take_snapshot(changed, 2, protected=list(changed.values())))
+    assert [reused.extents[r.storage].flat.data_ptr() + r.byte_offset for r in reused.records] == \
+        [t.data_ptr() for t in changed.values()]
 
 
 def test_an_unchanged_state_is_laid_out_once(monkeypatch):

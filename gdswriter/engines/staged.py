@@ -329,10 +329,10 @@ class StagedEngine(IOEngine):
         raise NotImplementedError
 
     def _staging(self, nbytes: int | None = None) -> AlignedBufferPool:
-        """The staging pool, built (or grown) for a transfer that stages ``nbytes`` (None: writes and
-        device memory, the full options.buffer_bytes per buffer). Built only when a transfer
+        """The staging pool, built (or grown) for a transfer that stages ``nbytes`` (None: device
+        memory, the full options.buffer_bytes per buffer). Built only when a transfer
         stages, and then num_buffers buffers of at most buffer_bytes, each the next power of two
-        (>= 64 KiB) of an equal share of ``nbytes``: a load whose runs go zero-copy maps, locks and
+        (>= 64 KiB) of an equal share of ``nbytes``: a load or write that goes zero-copy maps, locks and
         registers nothing, or a few small buffers, instead of 8 x 16 MiB (0.35 s of CPU here).
         Kept for the next transfers; replaced by a larger one only when one needs more (sizes
         double, so growing costs at most the final pool's cost again)."""
@@ -562,13 +562,14 @@ class StagedEngine(IOEngine):
             # EOPNOTSUPP etc.: the file system cannot preallocate; the writes still work.
         crcs = [0] * len(spans)
         reqs: dict[int, _Request] = {}
-        free = list(self._staging().buffers)
-        window = 2 * len(free)  # chunks in flight at most (zero-copy ones need no staging buffer)
+        plan = self._write_plan(spans, total, memory_alignment)
+        free = list(self._pool.buffers) if any(j < 0 for _, _, j in plan) else []  # built by _write_plan
+        window = 2 * self.options.num_buffers  # chunks in flight at most (zero-copy ones need no staging buffer)
         outstanding = 0
         si = 0
         guards = SpanGuards.of(spans)  # spans whose bytes a producer is still filling (WriteSpan.guard)
         try:
-            for off, n, j in self._write_plan(spans, total, memory_alignment):
+            for off, n, j in plan:
                 while outstanding >= window or (j < 0 and not free) or (guards and not guards.ready(off, off + n)):
                     if not reqs:  # only the producer can make progress
                         guards.wait(off, off + n)  # type: ignore[union-attr]
@@ -606,23 +607,30 @@ class StagedEngine(IOEngine):
         return crcs
 
     def _write_plan(self, spans: Sequence[WriteSpan], total: int, memory_alignment: int) -> list[tuple[int, int, int]]:
-        """The file [0, total) cut into buffer-sized pieces in file order: (file_off, length, span),
-        span >= 0 for a piece written straight from that span's memory, -1 for a staged one.
-        Under O_DIRECT (``memory_alignment`` > 0) every piece starts on a 4 KiB boundary."""
-        bufsize = self._staging().size
-        pieces: list[tuple[int, int, int]] = []
-
-        def cut(lo: int, hi: int, span: int) -> None:
-            pieces.extend((o, min(bufsize, hi - o), span) for o in range(lo, hi, bufsize))
-
+        """The file [0, total) cut into pieces in file order: (file_off, length, span), span >= 0
+        for a piece written straight from that span's memory, -1 for a staged one. Under O_DIRECT
+        (``memory_alignment`` > 0) every piece starts on a 4 KiB boundary. The staging pool is
+        sized to the staged bytes (_staging), as for reads: a write that goes almost all
+        zero-copy (many tensors copied into one snapshot region) builds a few 64 KiB buffers,
+        not num_buffers x buffer_bytes of page-locked memory; staged pieces are cut to its
+        buffer size, zero-copy ones to buffer_bytes."""
+        extents: list[tuple[int, int, int]] = []  # (lo, hi, span), uncut
         pos = 0
         for j, s in enumerate(spans if memory_alignment and self.options.zero_copy else ()):
             d = _direct_length(s.data, s.offset, memory_alignment)
             if d:
-                cut(pos, s.offset, -1)
-                cut(s.offset, s.offset + d, j)
+                if s.offset > pos:
+                    extents.append((pos, s.offset, -1))
+                extents.append((s.offset, s.offset + d, j))
                 pos = s.offset + d
-        cut(pos, total, -1)
+        if total > pos:
+            extents.append((pos, total, -1))
+        staged = sum(hi - lo for lo, hi, j in extents if j < 0)
+        stage_size = self._staging(staged).size if staged else 0
+        pieces: list[tuple[int, int, int]] = []
+        for lo, hi, j in extents:
+            step = stage_size if j < 0 else self.options.buffer_bytes
+            pieces.extend((o, min(step, hi - o), j) for o in range(lo, hi, step))
         return pieces
 
     @staticmethod

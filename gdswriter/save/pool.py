@@ -64,9 +64,10 @@ import bisect
 import ctypes
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from operator import itemgetter
 
 import torch
 from crc32c import crc32c as _crc32c
@@ -471,9 +472,43 @@ class PoolStream:
                  chunks: list[tuple[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]]]):
         self.spans, self.stop, self._chunks = spans, stop, chunks  # (chunk, (where, length)) pairs
 
-    def chunk_crcs(self) -> dict[PlannedChunk, int]:
+    def chunk_crcs(self) -> ChunkCrcs:
         """Every chunk's crc32c, as its bytes were copied into the pool (0 for an empty chunk)."""
-        return {c: where[0].crcs[where[1], n] if where else 0 for c, (where, n) in self._chunks}
+        pairs = self._chunks
+        return ChunkCrcs(list(map(_FIRST, pairs)),
+                         [where[0].crcs[where[1], n] if where else 0 for _, (where, n) in pairs])
+
+
+_FIRST = itemgetter(0)
+
+
+class ChunkCrcs(Mapping):
+    """Chunk -> crc32c, as two parallel lists: what the manifest iterates over (in order), with
+    no hash of a chunk (a PlannedChunk's dataclass hash runs in Python: tens of ms per 100,000
+    chunks); looking a chunk up builds the dict once."""
+
+    __slots__ = ("_by_chunk", "chunks", "crcs")
+
+    def __init__(self, chunks: list[PlannedChunk], crcs: list[int]) -> None:
+        self.chunks, self.crcs = chunks, crcs
+        self._by_chunk: dict[PlannedChunk, int] | None = None
+
+    def __getitem__(self, chunk: PlannedChunk) -> int:
+        if self._by_chunk is None:
+            self._by_chunk = dict(zip(self.chunks, self.crcs))
+        return self._by_chunk[chunk]
+
+    def __iter__(self) -> Iterator[PlannedChunk]:
+        return iter(self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def values(self):  # type: ignore[override]
+        return self.crcs
+
+    def items(self):  # type: ignore[override]
+        return zip(self.chunks, self.crcs)
 
 
 def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):

@@ -21,7 +21,7 @@ import operator
 import weakref
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from itertools import chain, compress
+from itertools import chain, compress, repeat
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,7 @@ class Extent:
 
     __slots__ = ("_flat", "_view", "captured", "device", "first_tensor", "keepalive", "nbytes")
 
-    def __init__(self, first_tensor: str, *, flat: torch.Tensor | None = None,
+    def __init__(self, first_tensor: str, flat: torch.Tensor | None = None,
                  view: tuple[torch.UntypedStorage, torch.device, int, int] | None = None, keepalive: tuple = ()):
         self.first_tensor, self.captured, self.keepalive = first_tensor, False, keepalive
         self._flat, self._view = flat, view
@@ -170,7 +170,7 @@ class LayoutCache:
     computing it again would, for a fraction of the save call's time (the grouping and the
     records are most of it, for a state of hundreds of tensors)."""
 
-    __slots__ = ("_at_call", "key", "placed", "recipe", "records")
+    __slots__ = ("_at_call", "_columns", "key", "placed", "recipe", "records")
 
     def __init__(self) -> None:
         self._at_call: LayoutCache | None = None
@@ -180,6 +180,9 @@ class LayoutCache:
         self.recipe: list[tuple[int, torch.device, int, int, str]] = []
         self.records: list[TensorRecord] = []
         self.placed: list[tuple[int, int]] = []  # per tensor: (extent index, byte offset in it)
+        # the recipe as columns (sources, devices, starts, sizes, names), where no extent is empty;
+        # sources None where extent i views tensor i's storage (the usual state)
+        self._columns: tuple | None = None
 
     @property
     def at_call(self) -> LayoutCache:
@@ -210,9 +213,14 @@ class LayoutCache:
             return None
         if storages is None:
             storages = [t.untyped_storage() for t in tensors]
-        empty = torch.empty(0, dtype=torch.uint8)
-        extents = [Extent(name, view=(storages[src], device, start, n)) if src >= 0 else Extent(name, flat=empty)
-                   for src, device, start, n, name in self.recipe]
+        if self._columns is not None:  # the views' tuples made by zip and the extents by map: no Python loop
+            sources, devices, starts, sizes, names = self._columns
+            viewed = storages if sources is None else list(map(storages.__getitem__, sources))
+            extents = list(map(Extent, names, repeat(None), zip(viewed, devices, starts, sizes)))
+        else:
+            empty = torch.empty(0, dtype=torch.uint8)
+            extents = [Extent(name, view=(storages[src], device, start, n)) if src >= 0 else Extent(name, flat=empty)
+                       for src, device, start, n, name in self.recipe]
         return extents, self.placed, list(self.records)
 
     def remember(self, key: tuple, extents: Sequence[Extent], placed: list[tuple[int, int]],
@@ -222,13 +230,15 @@ class LayoutCache:
         ``storages``: the tensors' untyped storages the extents were made from, if known (the
         usual state, one extent per tensor viewing that tensor's own storage object: its
         recipe in C-level passes)."""
-        self.key = None
+        self.key, self._columns = None, None
         views = [e._view for e in extents]
         if (len(views) == len(storages) and None not in views
                 and all(map(operator.is_, map(_FIRST, views), storages))):
             self.key, self.placed, self.records = key, placed, list(records)
-            self.recipe = list(zip(range(len(views)), map(_SECOND, views), map(_THIRD, views), map(_FOURTH, views),
-                                   map(_FIRST_TENSOR, extents)))
+            columns = (list(map(_SECOND, views)), list(map(_THIRD, views)), list(map(_FOURTH, views)),
+                       list(map(_FIRST_TENSOR, extents)))
+            self.recipe = list(zip(range(len(views)), *columns))
+            self._columns = (None, *columns)
             return
         source = {}  # a tensor per (storage address, size, device): any of them views the same bytes
         for i, where in enumerate(zip(key[2], key[3], key[8])):
@@ -243,6 +253,9 @@ class LayoutCache:
             else:
                 return
         self.key, self.recipe, self.placed, self.records = key, recipe, placed, list(records)
+        columns = tuple(map(list, zip(*recipe)))  # sources, devices, starts, sizes, names
+        if columns and -1 not in columns[0]:
+            self._columns = columns
 
 
 def _address_of_storage_slow(t: torch.Tensor) -> int:
@@ -550,7 +563,7 @@ def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], la
     """The extents, the (extent, offset) of each tensor and the records: ``layout``'s when it
     still applies, else laid out anew (and kept in ``layout``). ``records`` False: none are
     made (save_async's grouping at the call, which names nothing)."""
-    storages = [t.untyped_storage() for t in tensors]
+    storages = list(map(torch.Tensor.untyped_storage, tensors))
     # the key's columns serve the layout and the records too (each tensor property read once)
     key = LayoutCache.key_of(tensors, names, kinds, storages) if layout is not None or records else None
     cached = layout.reuse(key, tensors, storages) if layout is not None else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from operator import attrgetter, is_, itemgetter, le
 
@@ -65,7 +65,7 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
         raise
 
 
-def _manifest(snap: Snapshot, plan: SavePlan, crcs: dict[PlannedChunk, int], written_by: dict[int, str]) -> bytes:
+def _manifest(snap: Snapshot, plan: SavePlan, crcs: Mapping[PlannedChunk, int], written_by: dict[int, str]) -> bytes:
     """The manifest of ``snap`` written by ``plan`` (each chunk's crc32c in ``crcs``), as bytes.
     Its storage table is the last save's template, filled, where the layout is the same
     (_StorageLayout), else a new template's: no record per chunk and per storage."""
@@ -100,7 +100,7 @@ class _StorageLayout:
         self.plan, self.sizes, self.chunks, self.order, self.template = plan, sizes, chunks, order, template
 
     @classmethod
-    def of(cls, snap: Snapshot, plan: SavePlan, sizes: list[int], crcs: dict[PlannedChunk, int]) -> _StorageLayout:
+    def of(cls, snap: Snapshot, plan: SavePlan, sizes: list[int], crcs: Mapping[PlannedChunk, int]) -> _StorageLayout:
         """The layout of a save that writes the chunks of ``crcs``."""
         chunks = list(crcs)
         # the records made with each chunk's position in place of its crc32c: the table order
@@ -108,7 +108,7 @@ class _StorageLayout:
         order = [c.crc32c for st in placed for c in st.chunks]
         return cls(plan, sizes, chunks, order, StorageTableTemplate(tuple(placed)))
 
-    def fill(self, plan: SavePlan, sizes: list[int], crcs: dict[PlannedChunk, int]) -> EncodedStorages | None:
+    def fill(self, plan: SavePlan, sizes: list[int], crcs: Mapping[PlannedChunk, int]) -> EncodedStorages | None:
         """The storage table with ``crcs``, if this save has the layout kept; else None."""
         chunks = self.chunks
         if (plan is not self.plan or sizes != self.sizes or len(crcs) != len(chunks)
@@ -121,7 +121,7 @@ class _StorageLayout:
 _last_storages: _StorageLayout | None = None
 
 
-def _storage_records(snap: Snapshot, crcs: dict[PlannedChunk, int]) -> list[StorageRecord]:
+def _storage_records(snap: Snapshot, crcs: Mapping[PlannedChunk, int]) -> list[StorageRecord]:
     """Each extent's StorageRecord: its chunks by offset, with their crc32c. A state of many
     tensors lists its chunks by storage (a storage's parts, cut where pool pieces end, next to
     each other): the records are made by columns, and cut apart in one pass (no grouping by
@@ -163,7 +163,7 @@ _FILE, _FILE_OFFSET = attrgetter("file"), attrgetter("file_offset")
 
 def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit, engines: Sequence[IOEngine], *,
                          pool: HostSnapshotPool | None = None, release: Release,
-                         written_by: dict[int, str]) -> dict[PlannedChunk, int]:
+                         written_by: dict[int, str]) -> Mapping[PlannedChunk, int]:
     """Write the files of ``plan`` (over ``snap``'s extents) into the pending step: through
     ``pool`` (host mode) or from the extents themselves (live mode), setting ``release`` once
     their memory is free. Returns each chunk's crc32c; ``written_by`` gets each file's engine."""
