@@ -126,12 +126,29 @@ def test_pulls_copy_each_missing_piece_from_its_holder_at_the_same_place_in_its_
     assert isinstance(plan, OwnLoadPlan)
     peer_base = 1 << 40
     bases = [{name: peer_base + at for name, at in plan.arena.regions.items()}, {}]
-    moves = pull_moves(plan, block, bases, 1 << 30)
+    mine = {sid: (1 << 30) + at for sid, at in plan.arena.offsets.items()}
+    moves = pull_moves(plan, block, bases, mine)
     assert list(moves) == [0]  # only from rank 0
     want = sum(n for sid in plan.arena.offsets for w, _, n in plan.pieces[sid] if w == 0)
     assert sum(n for *_, n in moves[0]) == want
     for src, dst, _ in moves[0]:
         assert src - peer_base == dst - (1 << 30)  # laid out alike: the same offset in both buffers
+
+
+def test_pulls_between_live_tensors_copy_each_missing_piece_between_its_items_own_addresses():
+    """load(atomic=False) through cross memory: a holder gives each item's own address (its live
+    tensor), and this rank pulls into its own items' addresses; each piece lands at its offset
+    in the item, from the same offset in the holder's item."""
+    world, block, rank = 2, 2, 1
+    shard = _shard(rank, world)
+    plan = plan_own(shard, rank, world, pull_block=block, share_block=None, what="t")
+    theirs = {sid: (1 << 40) + (sid << 32) for sid in plan.arena.offsets}  # scattered, unlike the arena
+    mine = {sid: (1 << 30) + (sid << 28) for sid in plan.arena.offsets}
+    bases = [{name: [theirs[sid] for sid in sids] for name, sids in plan.arena.sets.items()}, {}]
+    moves = pull_moves(plan, block, bases, mine)
+    want = sorted((theirs[sid] + off, mine[sid] + off, n) for sid in plan.arena.offsets
+                  for w, off, n in plan.pieces[sid] if w == 0 and n)
+    assert want and list(moves) == [0] and sorted(moves[0]) == want
 
 
 # ----------------------------------------------------------------------------- a transport of the test's own
@@ -164,7 +181,7 @@ def _fake_transport_worker(rank: int, world: int, root: str) -> dict:
             self.calls: list[str] = []
             self.bases = None
 
-        def buffers(self, items):
+        def buffers(self, items, direct):
             self.calls.append("buffers")
             out = [host_buffer(it.nbytes) for it in items]
             return out, out
