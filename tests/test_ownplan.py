@@ -151,6 +151,30 @@ def test_pulls_between_live_tensors_copy_each_missing_piece_between_its_items_ow
     assert want and list(moves) == [0] and sorted(moves[0]) == want
 
 
+def test_a_holder_set_of_many_live_tensors_goes_through_the_arena_so_its_address_stays_one_int():
+    """load(atomic=False) through cross memory sends one address per item of a holder set held
+    in live tensors, which rank 0 gathers from every rank: a set of more than
+    LIVE_ITEMS_PER_SET items stays in the arena (one address for the set), a small one is
+    pulled into its live tensors, so what each rank sends is bounded by its sets, not its state."""
+    import torch
+
+    from gdswriter.distributed import transport as tr
+
+    world, block, rank = 2, 2, 0
+    many = tuple(ItemRecord(f"every-{i:03d}", 4096, None) for i in range(tr.LIVE_ITEMS_PER_SET + 1))
+    few = (ItemRecord("group-a", 4096, (0, 1)), ItemRecord("group-b", 4096, (0, 1)))
+    shard = _shard(rank, world, many + few)
+    plan = plan_own(shard, rank, world, pull_block=block, share_block=None, what="t")
+    assert len(plan.arena.sets) == 2
+    cma = tr.CrossMemoryTransport(world, block, plan, [(0, 0), (0, 0)])
+    live = {sid: torch.zeros(it.nbytes, dtype=torch.uint8) for sid, it in enumerate(shard.items)}
+    direct = cma.addressable(live)
+    assert sorted(shard.items[sid].key for sid in direct) == ["group-a", "group-b"]
+    cma.buffers(shard.items, direct)
+    sizes = sorted(len(a) if isinstance(a, list) else 1 for a in cma.address().values())
+    assert sizes == [1, 2]
+
+
 # ----------------------------------------------------------------------------- a transport of the test's own
 def _fake_transport_worker(rank: int, world: int, root: str) -> dict:
     """Save replicated state on 2 ranks, then carry out each rank's own-shard plan through a

@@ -123,6 +123,15 @@ def test_non_atomic_load_through_the_ranks_memory_reads_and_pulls_into_the_live_
     assert all(x["kinds"] == ["cma"] and x["fresh"] >= 3 * 4 * 2**20 for x in atomic), atomic
 
 
+def test_atomic_load_of_a_copy_damaged_on_every_holder_leaves_the_live_tensors_as_they_were(job):
+    """Node 1 replaced and its only copy damaged: the atomic load (the default) fails on every
+    rank with a typed error, and every live tensor is still all zeros, on both ranks."""
+    _replace_node(job / "n1")
+    _flip(_data_file(job / "n0", 1, copy=True))
+    out = run_ranks(2, load_live, str(job), True, out=job / "out")
+    assert all(x["got"][0] in ("CorruptCheckpointError", "RankFailedError") and x["zeros"] for x in out), out
+
+
 def test_non_atomic_load_moves_from_a_bad_file_to_its_copy(job):
     """A flipped byte in rank 1's own data file: the non-atomic load finds it, moves to the copy
     on rank 0's root and ends bit exact in the live tensors (the bad bytes it may have placed

@@ -258,6 +258,8 @@ def carry_out_own(coord: Coordinator, g: GlobalManifest, shard: RankShard, reach
         rounds = relay_rounds(shard, plan.pieces, rank, world, transport.block, transport.shared)
         if targets and transport.kind in (ProcessGroupTransport.kind, CrossMemoryTransport.kind):
             direct = in_place(_views(g, shard), targets)
+            if transport.kind == CrossMemoryTransport.kind:
+                direct = transport.addressable(direct)  # type: ignore[attr-defined]
         # with the tmpfs, shared on this host: read into the shared file, viewed through this rank's private mapping
         buffers, into = transport.buffers(shard.items, direct)
         _read_pieces(g, shard, reach, into, engine, verify=verify)

@@ -123,6 +123,9 @@ class HostTmpfsTransport(Transport):
         self.share.release_shared()
 
 
+LIVE_ITEMS_PER_SET = 64  # CrossMemoryTransport.address: at most this many addresses per holder set
+
+
 class CrossMemoryTransport(Transport):
     """The items several ranks of a host hold, in one buffer per rank laid out alike
     (``plan.arena``); each rank copies the pieces it lacks from its host's ranks' buffers
@@ -171,6 +174,15 @@ class CrossMemoryTransport(Transport):
         self.starts = {sid: out[sid].data_ptr() for sid in at}
         self.live = set(direct) & set(at)
         return out, out
+
+    def addressable(self, direct: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """``direct`` less the items of holder sets of more than LIVE_ITEMS_PER_SET items: a set
+        held in live tensors sends one address per item (``address``), which rank 0 gathers from
+        every rank, so what it gathers stays (holder sets x a constant) per rank, flat in the
+        state's size, as with the arena's one address per set. Those items go through the arena
+        and are copied into the live tensors as an atomic load's are."""
+        big = {sid for sids in self.plan.arena.sets.values() if len(sids) > LIVE_ITEMS_PER_SET for sid in sids}
+        return {sid: t for sid, t in direct.items() if sid not in big}
 
     def address(self) -> Any:
         """Where each holder set's pieces are in this rank's memory: its region's start in the
