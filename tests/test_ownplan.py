@@ -126,12 +126,53 @@ def test_pulls_copy_each_missing_piece_from_its_holder_at_the_same_place_in_its_
     assert isinstance(plan, OwnLoadPlan)
     peer_base = 1 << 40
     bases = [{name: peer_base + at for name, at in plan.arena.regions.items()}, {}]
-    moves = pull_moves(plan, block, bases, 1 << 30)
+    mine = {sid: (1 << 30) + at for sid, at in plan.arena.offsets.items()}
+    moves = pull_moves(plan, block, bases, mine)
     assert list(moves) == [0]  # only from rank 0
     want = sum(n for sid in plan.arena.offsets for w, _, n in plan.pieces[sid] if w == 0)
     assert sum(n for *_, n in moves[0]) == want
     for src, dst, _ in moves[0]:
         assert src - peer_base == dst - (1 << 30)  # laid out alike: the same offset in both buffers
+
+
+def test_pulls_between_live_tensors_copy_each_missing_piece_between_its_items_own_addresses():
+    """load(atomic=False) through cross memory: a holder gives each item's own address (its live
+    tensor), and this rank pulls into its own items' addresses; each piece lands at its offset
+    in the item, from the same offset in the holder's item."""
+    world, block, rank = 2, 2, 1
+    shard = _shard(rank, world)
+    plan = plan_own(shard, rank, world, pull_block=block, share_block=None, what="t")
+    theirs = {sid: (1 << 40) + (sid << 32) for sid in plan.arena.offsets}  # scattered, unlike the arena
+    mine = {sid: (1 << 30) + (sid << 28) for sid in plan.arena.offsets}
+    bases = [{name: [theirs[sid] for sid in sids] for name, sids in plan.arena.sets.items()}, {}]
+    moves = pull_moves(plan, block, bases, mine)
+    want = sorted((theirs[sid] + off, mine[sid] + off, n) for sid in plan.arena.offsets
+                  for w, off, n in plan.pieces[sid] if w == 0 and n)
+    assert want and list(moves) == [0] and sorted(moves[0]) == want
+
+
+def test_a_holder_set_of_many_live_tensors_goes_through_the_arena_so_its_address_stays_one_int():
+    """load(atomic=False) through cross memory sends one address per item of a holder set held
+    in live tensors, which rank 0 gathers from every rank: a set of more than
+    LIVE_ITEMS_PER_SET items stays in the arena (one address for the set), a small one is
+    pulled into its live tensors, so what each rank sends is bounded by its sets, not its state."""
+    import torch
+
+    from gdswriter.distributed import transport as tr
+
+    world, block, rank = 2, 2, 0
+    many = tuple(ItemRecord(f"every-{i:03d}", 4096, None) for i in range(tr.LIVE_ITEMS_PER_SET + 1))
+    few = (ItemRecord("group-a", 4096, (0, 1)), ItemRecord("group-b", 4096, (0, 1)))
+    shard = _shard(rank, world, many + few)
+    plan = plan_own(shard, rank, world, pull_block=block, share_block=None, what="t")
+    assert len(plan.arena.sets) == 2
+    cma = tr.CrossMemoryTransport(world, block, plan, [(0, 0), (0, 0)])
+    live = {sid: torch.zeros(it.nbytes, dtype=torch.uint8) for sid, it in enumerate(shard.items)}
+    direct = cma.addressable(live)
+    assert sorted(shard.items[sid].key for sid in direct) == ["group-a", "group-b"]
+    cma.buffers(shard.items, direct)
+    sizes = sorted(len(a) if isinstance(a, list) else 1 for a in cma.address().values())
+    assert sizes == [1, 2]
 
 
 # ----------------------------------------------------------------------------- a transport of the test's own
@@ -164,7 +205,7 @@ def _fake_transport_worker(rank: int, world: int, root: str) -> dict:
             self.calls: list[str] = []
             self.bases = None
 
-        def buffers(self, items):
+        def buffers(self, items, direct):
             self.calls.append("buffers")
             out = [host_buffer(it.nbytes) for it in items]
             return out, out

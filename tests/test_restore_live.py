@@ -80,11 +80,56 @@ def test_non_atomic_load_from_peers_lands_bit_exact_in_the_live_tensors(job):
 
 @pytest.mark.parametrize("share", [True, False], ids=["host-sharing", "process-group"])
 def test_non_atomic_load_with_every_root_intact_is_bit_exact(job, share):
-    """Every root intact: atomic=False loads bit exact, on both ranks: through the ranks' memory
-    (into fresh buffers, then copied), or over the process group, each piece read and received
-    straight into the live tensors."""
+    """Every root intact: atomic=False loads bit exact, on both ranks, each piece read and then
+    pulled through the ranks' memory, or received over the process group, straight into the
+    live tensors."""
     out = run_ranks(2, load_live, str(job), False, share, out=job / "out")
     assert [x["got"] for x in out] == [[2, True, True, False]] * 2, out
+
+
+def load_live_counting(rank: int, world: int, base: str, atomic: bool) -> dict:
+    """load_live, noting the transport's kind and the fresh bytes it asked for (transport.host_buffer)."""
+    from gdswriter.distributed import load as dload, transport
+
+    fresh: list[int] = []
+    kinds: list[str] = []
+    made, carry = transport.host_buffer, dload.carry_out_own
+
+    def counted(nbytes: int) -> torch.Tensor:
+        fresh.append(nbytes)
+        return made(nbytes)
+
+    def noted(*args, **kw):
+        kinds.append(args[5].kind)  # the transport
+        return carry(*args, **kw)
+
+    transport.host_buffer, dload.carry_out_own = counted, noted
+    try:
+        out = load_live(rank, world, base, atomic)
+    finally:
+        transport.host_buffer, dload.carry_out_own = made, carry
+    return {**out, "kinds": kinds, "fresh": sum(fresh)}
+
+
+def test_non_atomic_load_through_the_ranks_memory_reads_and_pulls_into_the_live_tensors(job):
+    """Every root intact, the ranks pulling from each other's memory (cross memory): atomic=False
+    reads each rank's pieces into its live tensors and pulls its peer's pieces from the peer's
+    live tensors into its own, bit exact, with no fresh buffer (the atomic load reads into one)."""
+    out = run_ranks(2, load_live_counting, str(job), False, out=job / "out")
+    assert [x["got"] for x in out] == [[2, True, True, False]] * 2, out
+    assert [(x["kinds"], x["fresh"]) for x in out] == [(["cma"], 0)] * 2, out
+    atomic = run_ranks(2, load_live_counting, str(job), True, out=job / "out2")
+    assert [x["got"] for x in atomic] == [[2, True, True, True]] * 2, atomic
+    assert all(x["kinds"] == ["cma"] and x["fresh"] >= 3 * 4 * 2**20 for x in atomic), atomic
+
+
+def test_atomic_load_of_a_copy_damaged_on_every_holder_leaves_the_live_tensors_as_they_were(job):
+    """Node 1 replaced and its only copy damaged: the atomic load (the default) fails on every
+    rank with a typed error, and every live tensor is still all zeros, on both ranks."""
+    _replace_node(job / "n1")
+    _flip(_data_file(job / "n0", 1, copy=True))
+    out = run_ranks(2, load_live, str(job), True, out=job / "out")
+    assert all(x["got"][0] in ("CorruptCheckpointError", "RankFailedError") and x["zeros"] for x in out), out
 
 
 def test_non_atomic_load_moves_from_a_bad_file_to_its_copy(job):

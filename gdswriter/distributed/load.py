@@ -50,7 +50,7 @@ from ..format.sharded import GlobalManifest, RankShard, parse_shard, parse_step,
 from ..format.state_codec import decode_state
 from ..load.apply import LiveState, LoadResult, apply_state, match_live, plan_restore
 from ..load.policy import DAMAGE
-from ..load.reader import check_step_files, host_buffer, parse_manifest, tensors_from_storages, vanished_instead
+from ..load.reader import check_step_files, parse_manifest, tensors_from_storages, vanished_instead
 from . import crossmem, hostshare
 from .fetch import fetch_storages
 from .group import Coordinator, bounded, describe, unbound
@@ -243,10 +243,11 @@ def carry_out_own(coord: Coordinator, g: GlobalManifest, shard: RankShard, reach
     relay rounds run over the process group, the ranks of a host pull from each other where the
     transport does, and the state is rebuilt and checked (one agreement, which with cross
     memory also tells that every rank has pulled: only after it may a rank free or change the
-    buffer its peers copy from). ``targets`` (a non-atomic load) with the process group as the
-    transport: an item that is one live tensor is read and received into that tensor itself
-    (``in_place``), no fresh buffer and no copy; each piece read is checked as it is read, and
-    a failure leaves those tensors partly written (the errors' hints say so)."""
+    buffer its peers copy from). ``targets`` (a non-atomic load) with the process group or
+    cross memory as the transport: an item that is one live tensor is read, received and
+    pulled into that tensor itself (``in_place``), no fresh buffer and no copy (its host's
+    ranks pull their pieces from it); each piece read is checked as it is read, and a failure
+    leaves those tensors partly written (the errors' hints say so)."""
     rank, world = coord.rank, coord.world_size
     rounds: list[list[Move]] = []
     buffers: list[torch.Tensor] = []
@@ -255,13 +256,12 @@ def carry_out_own(coord: Coordinator, g: GlobalManifest, shard: RankShard, reach
     direct: dict[int, torch.Tensor] = {}
     try:
         rounds = relay_rounds(shard, plan.pieces, rank, world, transport.block, transport.shared)
-        if targets and transport.kind == ProcessGroupTransport.kind:
+        if targets and transport.kind in (ProcessGroupTransport.kind, CrossMemoryTransport.kind):
             direct = in_place(_views(g, shard), targets)
-        if direct:
-            buffers = [direct[sid] if sid in direct else host_buffer(it.nbytes) for sid, it in enumerate(shard.items)]
-            into = buffers
-        else:  # shared on this host: read into the shared file, view it through this rank's private mapping
-            buffers, into = transport.buffers(shard.items)
+            if transport.kind == CrossMemoryTransport.kind:
+                direct = transport.addressable(direct)  # type: ignore[attr-defined]
+        # with the tmpfs, shared on this host: read into the shared file, viewed through this rank's private mapping
+        buffers, into = transport.buffers(shard.items, direct)
         _read_pieces(g, shard, reach, into, engine, verify=verify)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = vanished_instead(g.step, g.created_unix, reach, [f.root for f in shard.files], e) or e

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ..errors import CorruptCheckpointError
 from ..format.sharded import RankShard
@@ -171,20 +171,22 @@ def relay_rounds(shard: RankShard, pieces: Sequence[Sequence[tuple[int, int, int
     return rounds
 
 
-def pull_moves(plan: OwnLoadPlan, block: int, bases: Sequence[dict[str, int]], mine: int
-               ) -> dict[int, list[tuple[int, int, int]]]:
+def pull_moves(plan: OwnLoadPlan, block: int, bases: Sequence[dict[str, int | Sequence[int]]],
+               mine: Mapping[int, int]) -> dict[int, list[tuple[int, int, int]]]:
     """By local index of the holder on this host, the (source address, destination address,
     length) copies that bring this rank the arena's pieces it lacks: ``bases`` say where each
-    holder set's region starts in the buffers of this host's ``block`` ranks, ``mine`` where
-    this rank's buffer starts. The holder is the writer's local index (its writer, or for the
-    items every rank holds the rank the piece crossed hosts to)."""
+    holder set is in the memory of this host's ``block`` ranks (its region's start, laid out
+    alike by every holder, or each of its items' start in set order: CrossMemoryTransport.address),
+    ``mine`` where this rank holds each item. The holder is the writer's local index (its
+    writer, or for the items every rank holds the rank the piece crossed hosts to)."""
     moves: dict[int, list[tuple[int, int, int]]] = {}
     for name, sids in plan.arena.sets.items():
         region = plan.arena.offsets[sids[0]]
-        for sid in sids:
-            at = plan.arena.offsets[sid]
+        for i, sid in enumerate(sids):
             for w, off, n in plan.pieces[sid]:
                 holder = w % block  # its local index on this host
                 if n and holder != plan.rank % block:
-                    moves.setdefault(holder, []).append((bases[holder][name] + at - region + off, mine + at + off, n))
+                    base = bases[holder][name]
+                    start = base[i] if isinstance(base, (list, tuple)) else base + plan.arena.offsets[sid] - region
+                    moves.setdefault(holder, []).append((start + off, mine[sid] + off, n))
     return moves

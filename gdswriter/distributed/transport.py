@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -45,10 +45,12 @@ class Transport:
         there once every rank has them: one agreement)."""
         return False
 
-    def buffers(self, items: Sequence[ItemRecord]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def buffers(self, items: Sequence[ItemRecord], direct: Mapping[int, torch.Tensor]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(this rank's private view of each item, which the state is built on; where its pieces
-        are read into and sent from and into)."""
-        out = [host_buffer(it.nbytes) for it in items]
+        are read into and sent from and into). ``direct`` (load(atomic=False)): item -> the flat
+        bytes of the live tensor it is read, received and pulled into, instead of a fresh buffer."""
+        out = [direct[sid] if sid in direct else host_buffer(it.nbytes) for sid, it in enumerate(items)]
         return out, out
 
     def address(self) -> Any:
@@ -95,7 +97,9 @@ class HostTmpfsTransport(Transport):
     def within_host(self) -> bool:
         return True
 
-    def buffers(self, items: Sequence[ItemRecord]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def buffers(self, items: Sequence[ItemRecord], direct: Mapping[int, torch.Tensor]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The shared items through the tmpfs; ``direct`` is not used (load.py gives none here)."""
         views = [self.share.private[sid] if sid in self.share.private else host_buffer(it.nbytes)
                  for sid, it in enumerate(items)]
         return views, [self.share.shared.get(sid, b) for sid, b in enumerate(views)]
@@ -119,6 +123,9 @@ class HostTmpfsTransport(Transport):
         self.share.release_shared()
 
 
+LIVE_ITEMS_PER_SET = 64  # CrossMemoryTransport.address: at most this many addresses per holder set
+
+
 class CrossMemoryTransport(Transport):
     """The items several ranks of a host hold, in one buffer per rank laid out alike
     (``plan.arena``); each rank copies the pieces it lacks from its host's ranks' buffers
@@ -130,6 +137,8 @@ class CrossMemoryTransport(Transport):
         self.plan = plan
         self.peers = peers
         self.arena: torch.Tensor | None = None
+        self.starts: dict[int, int] = {}  # arena item -> where this rank holds it (buffers)
+        self.live: set[int] = set()  # the arena items held in live tensors instead
 
     @classmethod
     def probe(cls, world: int, block: int, plan: OwnLoadPlan, peers: Sequence[Sequence[int]]
@@ -152,17 +161,37 @@ class CrossMemoryTransport(Transport):
     def within_host(self) -> bool:
         return True
 
-    def buffers(self, items: Sequence[ItemRecord]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def buffers(self, items: Sequence[ItemRecord], direct: Mapping[int, torch.Tensor]
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The arena's items at their place in one fresh buffer, or, those in ``direct``
+        (load(atomic=False)), in their live tensors: then read, pulled from and pulled into there,
+        with no arena byte and no copy out of it (the buffer is made only for the items left)."""
         at = self.plan.arena.offsets
-        self.arena = arena = host_buffer(self.plan.arena.size)
-        out = [arena[at[sid]:at[sid] + it.nbytes] if sid in at else host_buffer(it.nbytes)
-               for sid, it in enumerate(items)]
+        if any(sid not in direct for sid in at):
+            self.arena = host_buffer(self.plan.arena.size)
+        out = [direct[sid] if sid in direct else self.arena[at[sid]:at[sid] + it.nbytes] if sid in at  # type: ignore[index]
+               else host_buffer(it.nbytes) for sid, it in enumerate(items)]
+        self.starts = {sid: out[sid].data_ptr() for sid in at}
+        self.live = set(direct) & set(at)
         return out, out
 
+    def addressable(self, direct: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """``direct`` less the items of holder sets of more than LIVE_ITEMS_PER_SET items: a set
+        held in live tensors sends one address per item (``address``), which rank 0 gathers from
+        every rank, so what it gathers stays (holder sets x a constant) per rank, flat in the
+        state's size, as with the arena's one address per set. Those items go through the arena
+        and are copied into the live tensors as an atomic load's are."""
+        big = {sid for sids in self.plan.arena.sets.values() if len(sids) > LIVE_ITEMS_PER_SET for sid in sids}
+        return {sid: t for sid, t in direct.items() if sid not in big}
+
     def address(self) -> Any:
-        if self.arena is None:
+        """Where each holder set's pieces are in this rank's memory: its region's start in the
+        arena (an int: the set laid out alike by every holder), or, for a set with an item in a
+        live tensor, each of its items' start in set order (a list)."""
+        if not self.starts:
             return None
-        return {name: self.arena.data_ptr() + at for name, at in self.plan.arena.regions.items()}
+        return {name: [self.starts[sid] for sid in sids] if self.live & set(sids) else self.starts[sids[0]]
+                for name, sids in self.plan.arena.sets.items()}
 
     def route(self, outs: list[Any]) -> list[Any]:
         return per_host(outs, self.block)
@@ -172,7 +201,7 @@ class CrossMemoryTransport(Transport):
 
     def pull(self, plan: OwnLoadPlan, bases: Any) -> BaseException | None:
         try:
-            moves = pull_moves(plan, self.block, bases, self.arena.data_ptr())  # type: ignore[union-attr]
+            moves = pull_moves(plan, self.block, bases, self.starts)
             for holder, todo in sorted(moves.items()):
                 crossmem.pull(self.peers[holder][0], todo)
         except Exception as e:  # noqa: BLE001 - agreed by the caller: then the process group
