@@ -508,7 +508,7 @@ class ChunkCrcs(Mapping):
         return self.crcs
 
     def items(self):  # type: ignore[override]
-        return zip(self.chunks, self.crcs)
+        return list(zip(self.chunks, self.crcs))  # a list, not a one-pass iterator: iterable again, as a view is
 
 
 def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
