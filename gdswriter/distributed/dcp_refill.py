@@ -49,7 +49,7 @@ from typing import Any
 from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
-from ..format.replicas import COPIES_DIR, PROTECTED_NAME, protected_marker
+from ..format.replicas import COPIES_DIR, PROTECTED_NAME, parity_marker, protected_marker
 from ..format.sharded import parse_step
 from ..fs import atomic_write, read_regular_file
 from .dcp_replicas import Placed
@@ -233,7 +233,7 @@ def run_dcp_refill(coord: Coordinator, job: DcpRefillJob) -> bool:
     moves, c, parity = _plan(coord, job, what)
     if not moves:
         return False
-    marker = json.dumps({"copies": 1, "parity_group": parity}).encode() if parity else protected_marker(c)
+    marker = parity_marker(parity) if parity else protected_marker(c)
     problems: list[str] = []
     for mv in moves:
         if coord.rank in (mv.sender, mv.receiver):

@@ -44,7 +44,7 @@ from ..errors import ChecksumMismatchError, GDSWriterError, InvalidOptionError, 
 from ..format.commit import TMP_PREFIX, step_dir_name
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import PARITY_DIR, STRIPE_VERSION, chunk_lengths, parity_name, stripe_name
-from ..format.replicas import COPIES_DIR, PROTECTED_NAME
+from ..format.replicas import COPIES_DIR, PROTECTED_NAME, parity_marker
 from ..fs import atomic_write, fsync_dir
 from ..planner.replicas import ReplicaPart, parity_groups
 from .group import Coordinator, Transfer, describe
@@ -211,7 +211,7 @@ class ParityReplicator(Replicator):
 
     def _mark(self, d: Path) -> dict[int, str]:
         try:
-            atomic_write(d / PROTECTED_NAME, json.dumps({"copies": 1, "parity_group": len(self.peers.lane)}).encode())
+            atomic_write(d / PROTECTED_NAME, parity_marker(len(self.peers.lane)))
             return {}
         except OSError as e:
             return {self.coord.rank: f"writing {d / PROTECTED_NAME}: {describe(e)}"}

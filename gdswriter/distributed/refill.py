@@ -62,7 +62,7 @@ from ..format.commit import TMP_PREFIX, step_dir_name
 from ..format.copies import copy_ref, relocate_roots, replicas_of
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import protected_parity
-from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, protected_marker
+from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
 from ..format.sharded import GlobalManifest, parse_global, parse_shard
 from ..fs import atomic_write, fsync_dir, read_regular_file
 from .group import Coordinator, Transfer, describe
@@ -234,8 +234,7 @@ def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
         raise ReplicationError(f"step {step} was restored but not refilled: "
                                f"{'; '.join(f'rank {r}: {m}' for r, m in failed)}; it loads as it did, with fewer "
                                f"copies; fix what the message names (a full or failing disk?) and load again", step)
-    marker = protected_marker(copies) if parity is None else \
-        json.dumps({"copies": 1, "parity_group": parity}).encode()
+    marker = protected_marker(copies) if parity is None else parity_marker(parity)
     _commit(coord, layout, g, raw, plan, marker, what)
     if parity is not None:
         drop_rebuilt(coord.rank, layout, g, plan)

@@ -27,6 +27,11 @@ def protected_marker(copies: int) -> bytes:
     return json.dumps({"copies": copies}).encode() + b"\n"
 
 
+def parity_marker(group: int) -> bytes:
+    """The bytes of a ``protected`` marker of a step protected by parity groups of ``group``."""
+    return json.dumps({"copies": 1, "parity_group": group}).encode() + b"\n"
+
+
 def protected_copies(step_dir: Path) -> int | None:
     """The copies ``step_dir/protected`` records (None: no marker, or not one gdswriter wrote)."""
     try:
