@@ -250,6 +250,11 @@ class GDSStorageReader(Collective, StorageReader):
         """Release the engine kept between loads (the next load builds a new one); waits for a
         refill still running (its failure is logged, not raised: wait_refilled raises it)."""
         self._close_engines()
+        self._end_refill()
+
+    def _end_refill(self) -> None:
+        """Wait for the last load's refill, if any, and give its channel back (its failure is
+        not raised here: wait_refilled raises it)."""
         if self._refill is not None:
             try:
                 self._refill.wait()
@@ -257,8 +262,10 @@ class GDSStorageReader(Collective, StorageReader):
                 pass
 
     def __del__(self) -> None:
+        # the engines only: a refill's channel is given back by a call every rank makes at the same
+        # point (close, wait_refilled, the next load), never at a collection (dcp_refill.DcpRefill)
         if getattr(self, "_engines", None):
-            self.close()
+            self._close_engines()
 
 
 def check_lost_roots(m: Manifest, reach: Sequence[Path | None]) -> None:

@@ -305,7 +305,12 @@ def _protect(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str) ->
 class DcpRefill:
     """A refill running in the background on its own channel (made at the load, collectively):
     ``wait()`` returns the step once refilled (None: nothing to refill) or raises its
-    ReplicationError; the channel is given back at its end."""
+    ReplicationError. The channel is given back by the first ``wait()`` that finds the refill
+    ended (the reader's close, wait_refilled or next refilling load: every rank at the same
+    point), never by the thread nor at a garbage collection: a channel given back goes to a pool
+    the next ``Coordinator.create`` takes from, so a rank giving it back sooner than another
+    would take the pooled group where the other creates a new one (a hang). A refill whose
+    reader is dropped unclosed keeps its channel."""
 
     def __init__(self, process_group: Any, timeout_s: float, job: DcpRefillJob):
         self.job = job
@@ -326,8 +331,6 @@ class DcpRefill:
                                           f"it loads as it did, with fewer copies", self.job.m.step)
             self.error.__cause__ = e
             log.warning("gdswriter: %s", self.error)
-        finally:
-            self.channel.close()
 
     def running(self) -> bool:
         """Whether it still runs (its ``.tmp-`` folders are then its own, not a crash's)."""
@@ -338,6 +341,7 @@ class DcpRefill:
         if self._thread.is_alive():
             raise ReplicationError(f"the refill of DCP step {self.job.m.step} is still running after {timeout} s; "
                                    f"call wait_refilled() again", self.job.m.step)
+        self.channel.close()  # idempotent
         if self.error is not None:
             raise self.error
         return self.result
