@@ -206,3 +206,55 @@ def test_a_dcp_file_with_a_flipped_byte_on_a_reached_root_is_refilled(tmp_path):
     (wait_refilled names step 1): node 1's files equal their copies again, and node 0's later
     loss is survived bit-exact."""
     _check_mended(tmp_path, killed=False, flipped=True)
+
+
+def _stopped_worker(rank: int, world: int, tmp: str) -> dict:
+    import gdswriter.distributed.dcp_refill as dcp_refill
+    from gdswriter.distributed import GDSStorageReader
+    from gdswriter.errors import GDSWriterError
+
+    root = Path(tmp, f"node{rank}")
+    save_two_steps(rank, root, state, replicas=2)
+    torch.distributed.barrier()
+    if rank == 1:
+        _replace(root)
+    torch.distributed.barrier()
+    real, calls = dcp_refill.move_files, []
+
+    def first_move_only(*args, **kwargs):  # the refill killed once its first move is done (every rank)
+        if calls:
+            raise GDSWriterError("killed")
+        calls.append(1)
+        return real(*args, **kwargs)
+    dcp_refill.move_files = first_move_only
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out: dict = {"first": dcp_load(root, 1, state(1), reader), "stopped": refilled(reader)}
+    reader.close()
+    dcp_refill.move_files = real
+    torch.distributed.barrier()
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out["again"] = dcp_load(root, 1, state(1), reader)
+    out["refilled"] = refilled(reader)
+    reader.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        _replace(root)
+    torch.distributed.barrier()
+    out["second"] = dcp_load(root, 1, state(1))
+    return out
+
+
+def test_a_dcp_refill_stopped_after_its_first_move_is_finished_by_the_next_load(tmp_path):
+    """replicas=2, node 1 replaced; its refill stops after its first move (every rank's
+    move_files raises from its second call: as a kill there leaves it). The copies move first,
+    so node 1 lacks some of its own files: the next load reads them from their copies and
+    refills (wait_refilled names step 1), and node 0's later loss is survived bit-exact (with
+    the own files first, the stopped refill left every own file and no copy of rank 0's: the
+    next load found nothing to refill)."""
+    got = run_ranks(2, _stopped_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        for load in ("first", "again", "second"):
+            err, exact, _ = x[load]
+            assert err is None and exact, (rank, load, x[load])
+        assert x["stopped"] is not None and x["stopped"][0] == "ReplicationError", (rank, x["stopped"])
+        assert x["refilled"] == 1, (rank, x["refilled"])

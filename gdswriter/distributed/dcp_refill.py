@@ -16,7 +16,9 @@ channel of its own (``DcpRefill``), over replication's verified stream (refill.p
    them, or failing their crc32c in the fetch), written by the rank looking at that root; each
    rank left with fewer than C - 1 copies on the roots reached gets one on a refilled root (a
    lost one first); rank 0's files carry the committed manifest, written as
-   ``copies/manifest.json`` beside them (with ``copies/protected``).
+   ``copies/manifest.json`` beside them (with ``copies/protected``). The copies move first,
+   the own files last: a refill stopped before its end leaves some own file missing, so the
+   next load refills again (all files there: the copies are too).
 2. Each file streams from the rank that sees it, every chunk checked against the crc32c the
    manifest records, into a ``.tmp-`` folder of ``step_S/copies`` on the replacement root, each
    file fdatasynced and checked against the sender's crc32c, then renamed whole to
@@ -126,14 +128,16 @@ def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copie
         mine = by_rank.get(r, [])
         where = {m.files[i].root for i in mine}
         j = next((j for j in writer if r not in roots[j].ranks), None)  # a lost root first, then a refilled one
-        if not mine or j is None or len(where) != 1 or min(where) not in checkers:
+        if not mine or j is None or len(where) != 1 or min(where) not in checkers or unfit.intersection(mine):
             continue
         g = min(where)
         moves.append(DcpMove(r, g, "", checkers[g], writer[j], j, False, tuple(mine)))
     for mv in moves:
         if mv.sender == mv.receiver:
             raise GDSWriterError(f"rank {mv.sender} would send rank {mv.rank}'s files to itself: not refilled")
-    return moves
+    # the copies first, a root's own files last: a refill stopped midway leaves some own file missing,
+    # which the next load finds (place_files' size check) and refills, copies included
+    return sorted(moves, key=lambda mv: mv.own)
 
 
 def _chunks(m: Manifest, files: tuple[int, ...]) -> dict[int, list[ChunkRecord]]:
