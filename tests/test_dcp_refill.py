@@ -3,7 +3,9 @@ distributed/dcp_refill.py): two real gloo ranks, each its own node, save with re
 is replaced (its root emptied), a DCP load reads its files from their copies and re-creates them
 (and rank 0's copy, the manifest's copy) on the new disk in the background; once refilled, the
 OTHER node (rank 0's: the step's primary, its manifest and rank 1's copy) is replaced too, and
-the step still loads bit-exact, from what the refill wrote."""
+the step still loads bit-exact, from what the refill wrote. A refill killed midway (some own files
+on the new root, no copies), a file damaged on a reached root, and a refill stopped after its
+first move are all finished by the next load's refill, with the same outcome."""
 
 from __future__ import annotations
 
