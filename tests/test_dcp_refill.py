@@ -3,7 +3,9 @@ distributed/dcp_refill.py): two real gloo ranks, each its own node, save with re
 is replaced (its root emptied), a DCP load reads its files from their copies and re-creates them
 (and rank 0's copy, the manifest's copy) on the new disk in the background; once refilled, the
 OTHER node (rank 0's: the step's primary, its manifest and rank 1's copy) is replaced too, and
-the step still loads bit-exact, from what the refill wrote."""
+the step still loads bit-exact, from what the refill wrote. A refill killed midway (some own files
+on the new root, no copies), a file damaged on a reached root, and a refill stopped after its
+first move are all finished by the next load's refill, with the same outcome."""
 
 from __future__ import annotations
 
@@ -127,3 +129,134 @@ def test_a_dcp_refill_publishes_no_file_that_fails_its_crc32c(tmp_path):
     assert "crc32c" in got[1]["refill"][1] or "checksum" in got[1]["refill"][1].lower(), got[1]["refill"]
     files = got[1]["files"]
     assert not [f for f in files if "data-rank1" in f or ".tmp-" in f], files
+
+
+def _killed_worker(rank: int, world: int, tmp: str, killed: bool, flipped: bool) -> dict:
+    from gdswriter.distributed import GDSStorageReader
+
+    root = Path(tmp, f"node{rank}")
+    save_two_steps(rank, root, state, replicas=2, files_per_root=3)
+    torch.distributed.barrier()
+    step = root / STEP
+    out: dict = {}
+    own = sorted(step.glob("data-rank1-*"))
+    out["own"] = [p.name for p in own]
+    if rank == 1 and killed:  # node 1 replaced, its refill killed midway: one of rank 1's files landed, no copy
+        for p in own[1:]:
+            p.unlink()
+        shutil.rmtree(step / "copies")
+        (step / "copies").mkdir()
+        (step / "copies" / ".tmp-rank00001-deadbeef").mkdir()
+        (step / "copies" / ".tmp-rank00001-deadbeef" / own[1].name).write_bytes(b"\x55" * 4096)
+    if rank == 1 and flipped:  # rank 1's first file damaged on the disk (a byte flipped)
+        flip(own[0])
+    torch.distributed.barrier()
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out["first"] = dcp_load(root, 1, state(1), reader)
+    out["refilled"] = refilled(reader)
+    reader.close()
+    out["files"] = sorted(str(p.relative_to(step)) for p in step.rglob("*") if p.is_file())
+    torch.distributed.barrier()
+    if rank == 0:  # node 1's files as the copies on node 0 hold them
+        out["same"] = all((Path(tmp, "node1", STEP, p.name)).read_bytes() == p.read_bytes()
+                          for p in (step / "copies" / "rank00001").iterdir())
+    torch.distributed.barrier()
+    if rank == 0:  # then the OTHER node (the step's primary, its manifest and rank 1's copy) is lost
+        _replace(root)
+    torch.distributed.barrier()
+    out["second"] = dcp_load(root, 1, state(1))
+    return out
+
+
+def _check_mended(tmp_path: Path, killed: bool, flipped: bool) -> None:
+    got = run_ranks(2, _killed_worker, str(tmp_path), killed, flipped, out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        for load in ("first", "second"):  # the second: node 0 lost after the refill
+            err, exact, _ = x[load]
+            assert err is None and exact, (rank, load, x[load])
+        assert x["refilled"] == 1, (rank, x["refilled"])
+    own, files = got[1]["own"], got[1]["files"]
+    assert len(own) == 3, own
+    assert all(name in files for name in own), files
+    assert got[0]["same"], "node 1's files differ from their copies on node 0"
+    assert "copies/manifest.json" in files and "copies/protected" in files, files
+    assert any(f.startswith("copies/rank00000/data-rank0") for f in files), files
+    assert not [f for f in files if ".tmp-" in f or f.startswith("copies/rank00001")], files
+    assert json.loads((tmp_path / "node1" / STEP / "copies" / "protected").read_bytes()) == {"copies": 2}
+
+
+def test_a_dcp_refill_killed_midway_is_finished_by_the_next_load(tmp_path):
+    """replicas=2, three files per root; node 1 replaced and its refill killed midway: one of
+    rank 1's files landed, the others did not (a .tmp- folder left), nor its copy of rank 0's
+    files. The next load reaches node 1's root (it holds the step's folder), reads the missing
+    files from their copies bit-exact, and refills them and rank 0's copy (wait_refilled names
+    step 1): node 1 holds every file again and copies/protected; then node 0 is lost too and
+    the step still loads bit-exact on both ranks, from what this refill wrote."""
+    _check_mended(tmp_path, killed=True, flipped=False)
+
+
+def test_a_dcp_file_damaged_on_a_reached_root_is_refilled_from_its_copy(tmp_path):
+    """As above, with a byte flipped in the one file of rank 1 the killed refill had written:
+    the load finds it failing its crc32c, reads its copy, and the refill replaces it durably
+    (after the load) with the good bytes: node 0's later loss is survived bit-exact."""
+    _check_mended(tmp_path, killed=True, flipped=True)
+
+
+def test_a_dcp_file_with_a_flipped_byte_on_a_reached_root_is_refilled(tmp_path):
+    """No node lost: a byte flipped in one of rank 1's files on node 1. The load reads its copy
+    on node 0 (bit-exact), the refill replaces the damaged file durably once the load is done
+    (wait_refilled names step 1): node 1's files equal their copies again, and node 0's later
+    loss is survived bit-exact."""
+    _check_mended(tmp_path, killed=False, flipped=True)
+
+
+def _stopped_worker(rank: int, world: int, tmp: str) -> dict:
+    import gdswriter.distributed.dcp_refill as dcp_refill
+    from gdswriter.distributed import GDSStorageReader
+    from gdswriter.errors import GDSWriterError
+
+    root = Path(tmp, f"node{rank}")
+    save_two_steps(rank, root, state, replicas=2)
+    torch.distributed.barrier()
+    if rank == 1:
+        _replace(root)
+    torch.distributed.barrier()
+    real, calls = dcp_refill.move_files, []
+
+    def first_move_only(*args, **kwargs):  # the refill killed once its first move is done (every rank)
+        if calls:
+            raise GDSWriterError("killed")
+        calls.append(1)
+        return real(*args, **kwargs)
+    dcp_refill.move_files = first_move_only
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out: dict = {"first": dcp_load(root, 1, state(1), reader), "stopped": refilled(reader)}
+    reader.close()
+    dcp_refill.move_files = real
+    torch.distributed.barrier()
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out["again"] = dcp_load(root, 1, state(1), reader)
+    out["refilled"] = refilled(reader)
+    reader.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        _replace(root)
+    torch.distributed.barrier()
+    out["second"] = dcp_load(root, 1, state(1))
+    return out
+
+
+def test_a_dcp_refill_stopped_after_its_first_move_is_finished_by_the_next_load(tmp_path):
+    """replicas=2, node 1 replaced; its refill stops after its first move (every rank's
+    move_files raises from its second call: as a kill there leaves it). The copies move first,
+    so node 1 lacks some of its own files: the next load reads them from their copies and
+    refills (wait_refilled names step 1), and node 0's later loss is survived bit-exact (with
+    the own files first, the stopped refill left every own file and no copy of rank 0's: the
+    next load found nothing to refill)."""
+    got = run_ranks(2, _stopped_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        for load in ("first", "again", "second"):
+            err, exact, _ = x[load]
+            assert err is None and exact, (rank, load, x[load])
+        assert x["stopped"] is not None and x["stopped"][0] == "ReplicationError", (rank, x["stopped"])
+        assert x["refilled"] == 1, (rank, x["refilled"])

@@ -207,14 +207,18 @@ class GDSStorageReader(Collective, StorageReader):
                 return fetch_storages(coord, Reach(at.reach), at.m, {r.storage for r in records}, engine,
                                       verify=self.verify, what=f"dcp.load of step {m.step}", alloc=host_buffer,
                                       into=into, alone=alone)
-            buffers = fetch(Placed(m, False, reach=reach.paths)) if placed is None else fetch_placed(
-                coord, placed, fetch, f"dcp.load of step {m.step}")
+            if placed is None:
+                buffers = fetch(Placed(m, False, reach=reach.paths))
+            else:
+                buffers, placed = fetch_placed(coord, placed, fetch, f"dcp.load of step {m.step}")
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise
-        if placed is not None and placed.lost and placed.held is None:  # the same on every rank
-            # read from copies (or rebuilt from parity) because a node was replaced: its files re-created there
-            # in the background; not a copy held in memory for this load alone (parityload.py: gone after it)
+        if placed is not None and (placed.lost or placed.unfit) and placed.held is None:  # the same on every rank
+            # read from copies (or rebuilt from parity) because a node was replaced, or because files were missing,
+            # short or damaged on a root a rank reaches (a refill killed midway): re-created there in the
+            # background; not a copy held in memory for this load alone (parityload.py: gone after it)
+            self._end_refill()  # the last load's, first: its channel given back here, alike on every rank
             self._refill = start_refill(self.process_group, self.dist_options.timeout_s,
                                         DcpRefillJob(saved, placed, layout))
         hand_over(plan, records, in_place, buffers, planner)
@@ -250,6 +254,11 @@ class GDSStorageReader(Collective, StorageReader):
         """Release the engine kept between loads (the next load builds a new one); waits for a
         refill still running (its failure is logged, not raised: wait_refilled raises it)."""
         self._close_engines()
+        self._end_refill()
+
+    def _end_refill(self) -> None:
+        """Wait for the last load's refill, if any, and give its channel back (its failure is
+        not raised here: wait_refilled raises it)."""
         if self._refill is not None:
             try:
                 self._refill.wait()
@@ -257,8 +266,10 @@ class GDSStorageReader(Collective, StorageReader):
                 pass
 
     def __del__(self) -> None:
+        # the engines only: a refill's channel is given back by a call every rank makes at the same
+        # point (close, wait_refilled, the next load), never at a collection (dcp_refill.DcpRefill)
         if getattr(self, "_engines", None):
-            self.close()
+            self._close_engines()
 
 
 def check_lost_roots(m: Manifest, reach: Sequence[Path | None]) -> None:

@@ -11,15 +11,22 @@ channel of its own (``DcpRefill``), over replication's verified stream (refill.p
    and broadcasts them: their number is that of the lost node's ranks and of the ranks whose
    copies it held, never the world size). ``plan_dcp_refill`` (pure): each lost root's ranks get
    their files back on the replacement root (the same path, now seen by the lowest of its ranks),
-   read from the copy the load read; each rank left with fewer than C - 1 copies on the roots
-   reached gets one on a replacement root; rank 0's files carry the committed manifest, written
-   as ``copies/manifest.json`` beside them (with ``copies/protected``).
+   read from the copy the load read; so do the load's ``unfit`` files, read from a copy though
+   their root is reached (missing or of the wrong size there, as a refill killed midway leaves
+   them, or failing their crc32c in the fetch), written by the rank looking at that root; each
+   rank left with fewer than C - 1 copies on the roots reached gets one on a refilled root (a
+   lost one first); rank 0's files carry the committed manifest, written as
+   ``copies/manifest.json`` beside them (with ``copies/protected``). The copies move first,
+   the own files last: a refill stopped before its end leaves some own file missing, so the
+   next load refills again (all files there: the copies are too).
 2. Each file streams from the rank that sees it, every chunk checked against the crc32c the
    manifest records, into a ``.tmp-`` folder of ``step_S/copies`` on the replacement root, each
    file fdatasynced and checked against the sender's crc32c, then renamed whole to
    ``copies/rank<R>`` (a rank's own files then moved up into ``step_S``, beside the owner files
-   naming the primary). A crash leaves the ``.tmp-`` folder, which no load reads and the next
-   load of the step removes (dcp_leftovers.py).
+   naming the primary; a damaged file is replaced by that rename, after the load: a reader
+   holding it open keeps the old bytes). A crash leaves the ``.tmp-`` folder, which no load
+   reads and the next load of the step removes (dcp_leftovers.py); that load finds the files
+   still missing and refills them.
 3. When every rank succeeded, the primary rank rewrites ``step_S/protected`` last.
 
 A step protected by parity (its ``protected`` names the group), whose load rebuilt the lost
@@ -89,26 +96,28 @@ class DcpMove:
 def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copies: dict[int, int],
                     c: int) -> list[DcpMove]:
     """Pure, on rank 0 (module docstring, 1): ``placed`` the load's placement (its ``lost``
-    roots, each lost file pointed at a copy), ``checkers`` the rank looking at each reached
-    root, ``copies`` the number of ``copies/rank<R>`` directories per rank R on reached roots,
-    ``c`` the step's copies."""
+    roots and its ``unfit`` files, each pointed at a copy), ``checkers`` the rank looking at
+    each reached root, ``copies`` the number of ``copies/rank<R>`` directories per rank R on
+    reached roots, ``c`` the step's copies. A lost root is written by the lowest of its ranks,
+    a reached root's unfit files by the rank looking at it."""
     assert m.dist is not None
     roots, lost = m.dist.roots, list(placed.lost)
+    unfit = set(placed.unfit)
     moves: list[DcpMove] = []
     on_lost = {r for j in lost for r in roots[j].ranks}
-    for j in lost:
-        receiver = min(roots[j].ranks)
-        groups: dict[tuple[int, str], list[int]] = {}
-        for i, f in enumerate(m.files):
-            if f.root == j:
-                at = placed.m.files[i]
-                groups.setdefault((at.root, at.path.rsplit("/", 1)[0] if "/" in at.path else ""), []).append(i)
-        for (g, prefix), files in sorted(groups.items()):
-            k = _COPY_DIR.match(prefix.rsplit("/", 1)[-1])
-            if k is None or g not in checkers:
-                raise GDSWriterError(f"table root {j}'s files are read from {prefix or 'their root'} on table root "
-                                     f"{g}, not from one rank's copy: not refilled")
-            moves.append(DcpMove(int(k.group(1)), g, prefix, checkers[g], receiver, j, True, tuple(files)))
+    writer = {j: min(roots[j].ranks) for j in lost}
+    writer.update({m.files[i].root: checkers[m.files[i].root] for i in sorted(unfit) if m.files[i].root in checkers})
+    groups: dict[tuple[int, int, str], list[int]] = {}
+    for i, f in enumerate(m.files):
+        if f.root in lost or i in unfit:
+            at = placed.m.files[i]
+            groups.setdefault((f.root, at.root, at.path.rsplit("/", 1)[0] if "/" in at.path else ""), []).append(i)
+    for (j, g, prefix), files in sorted(groups.items(), key=lambda kv: (kv[0][0] not in lost, kv[0])):
+        k = _COPY_DIR.match(prefix.rsplit("/", 1)[-1])
+        if k is None or g not in checkers or j not in writer:
+            raise GDSWriterError(f"table root {j}'s files are read from {prefix or 'their root'} on table root "
+                                 f"{g}, not from one rank's copy: not refilled")
+        moves.append(DcpMove(int(k.group(1)), g, prefix, checkers[g], writer[j], j, True, tuple(files)))
     by_rank: dict[int, list[int]] = {}  # one pass over the files, not one per rank
     for i, f in enumerate(m.files):
         if (k := _RANK_FILE.match(f.path)) is not None:
@@ -118,15 +127,17 @@ def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copie
             continue
         mine = by_rank.get(r, [])
         where = {m.files[i].root for i in mine}
-        j = next((j for j in lost if r not in roots[j].ranks), None)
-        if not mine or j is None or len(where) != 1 or min(where) not in checkers:
+        j = next((j for j in writer if r not in roots[j].ranks), None)  # a lost root first, then a refilled one
+        if not mine or j is None or len(where) != 1 or min(where) not in checkers or unfit.intersection(mine):
             continue
         g = min(where)
-        moves.append(DcpMove(r, g, "", checkers[g], min(roots[j].ranks), j, False, tuple(mine)))
+        moves.append(DcpMove(r, g, "", checkers[g], writer[j], j, False, tuple(mine)))
     for mv in moves:
         if mv.sender == mv.receiver:
             raise GDSWriterError(f"rank {mv.sender} would send rank {mv.rank}'s files to itself: not refilled")
-    return moves
+    # the copies first, a root's own files last: a refill stopped midway leaves some own file missing,
+    # which the next load finds (place_files' size check) and refills, copies included
+    return sorted(moves, key=lambda mv: mv.own)
 
 
 def _chunks(m: Manifest, files: tuple[int, ...]) -> dict[int, list[ChunkRecord]]:
@@ -270,7 +281,7 @@ def _stripes(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove], what: 
     ranks = placed.checkers if coord.rank == 0 and placed.checkers is not None else \
         {g: coord.rank for g in placed.check}
     seen = {roots[g].id: (r,) for g, r in ranks.items() if g < len(roots)}  # not a copy held in memory
-    own = {mv.rank: mv for mv in moves if mv.own}
+    own = {mv.rank: mv for mv in moves if mv.own and mv.target in placed.lost}  # a reached root keeps its block
 
     def own_root(k: int) -> int:
         return next(j for j, info in enumerate(roots) if k in info.ranks)
@@ -294,8 +305,9 @@ def _protect(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str) ->
             local = layout.local_of(0)
             d = layout.local_paths[local if local is not None else 0] / step_dir_name(job.m.step)
             atomic_write(d / PROTECTED_NAME, marker)
-            log.warning("gdswriter: DCP step %d is refilled: the files of replaced root(s) %s re-created from their "
-                        "copies%s, and the step is protected again", job.m.step, list(job.placed.lost),
+            log.warning("gdswriter: DCP step %d is refilled: the files of replaced root(s) %s and %d file(s) missing "
+                        "or damaged on reached roots re-created from their copies%s, and the step is protected again",
+                        job.m.step, list(job.placed.lost), len(job.placed.unfit),
                         " (rebuilt from parity) and their parity blocks" if job.placed.parity else "")
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
@@ -305,7 +317,12 @@ def _protect(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str) ->
 class DcpRefill:
     """A refill running in the background on its own channel (made at the load, collectively):
     ``wait()`` returns the step once refilled (None: nothing to refill) or raises its
-    ReplicationError; the channel is given back at its end."""
+    ReplicationError. The channel is given back by the first ``wait()`` that finds the refill
+    ended (the reader's close, wait_refilled or next refilling load: every rank at the same
+    point), never by the thread nor at a garbage collection: a channel given back goes to a pool
+    the next ``Coordinator.create`` takes from, so a rank giving it back sooner than another
+    would take the pooled group where the other creates a new one (a hang). A refill whose
+    reader is dropped unclosed keeps its channel."""
 
     def __init__(self, process_group: Any, timeout_s: float, job: DcpRefillJob):
         self.job = job
@@ -326,8 +343,6 @@ class DcpRefill:
                                           f"it loads as it did, with fewer copies", self.job.m.step)
             self.error.__cause__ = e
             log.warning("gdswriter: %s", self.error)
-        finally:
-            self.channel.close()
 
     def running(self) -> bool:
         """Whether it still runs (its ``.tmp-`` folders are then its own, not a crash's)."""
@@ -338,6 +353,7 @@ class DcpRefill:
         if self._thread.is_alive():
             raise ReplicationError(f"the refill of DCP step {self.job.m.step} is still running after {timeout} s; "
                                    f"call wait_refilled() again", self.job.m.step)
+        self.channel.close()  # idempotent
         if self.error is not None:
             raise self.error
         return self.result

@@ -19,7 +19,8 @@ once, checking every chunk's crc32c as it reads. A file missing, of the wrong si
 its crc32c in the fetch (every rank agrees on which) is pointed at a copy of the right size on
 a peer's root (a warning names the file and why), and the fetch is done again; a copy that
 fails its check too gives way to the next; none left: StepFilesLostError (all missing) or
-CorruptCheckpointError (some damaged), on every rank."""
+CorruptCheckpointError (some damaged), on every rank. Such files of a reached root are the
+placement's ``unfit``: the load's refill re-creates them from their copy (dcp_refill.py)."""
 
 from __future__ import annotations
 
@@ -238,6 +239,7 @@ class Placed:
     rebuilt: bool = False  # the lost members were rebuilt from their parity once (never twice)
     held: HeldCopies | None = None  # rebuilt copies held in memory for this load (closed after it)
     lost: tuple[int, ...] = ()  # the step's table roots no rank reaches (replaced nodes: dcp_refill.py)
+    unfit: tuple[int, ...] = ()  # files read from a copy though their root is reached: refilled too (dcp_refill.py)
 
 
 def _size_problem(path: Path, f: FileRecord) -> str | None:
@@ -331,11 +333,12 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
         error = e
     bad = coord.decide(error, problems, f"{what} (checking the step's files)",
                        lambda outs: [x for out in outs for x in out], hint="nothing was loaded")
+    unfit = tuple(sorted({i for i, _ in bad}))  # missing or of the wrong size on a root a rank reaches
     lost = set(mine["lost"])
     bad += [[i, f"root {f.root} of the step is on no rank of this job (a replaced node?)"]
             for i, f in enumerate(m.files) if f.root in lost]
     placed = Placed(m, True, check, reach=tuple(reach), parity=mine["parity"], checkers=checker or None,
-                    lost=tuple(mine["lost"]))
+                    lost=tuple(mine["lost"]), unfit=unfit)
     return _from_copies(coord, placed, [(i, p) for i, p in bad], what) if bad else placed
 
 
@@ -382,18 +385,19 @@ def _from_copies(coord: Coordinator, placed: Placed, bad: Sequence[tuple[int, st
     return replace(placed, m=replace(m, files=tuple(files)), problems=problems)
 
 
-def fetch_placed(coord: Coordinator, placed: Placed, fetch: Callable[[Placed], T], what: str) -> T:
+def fetch_placed(coord: Coordinator, placed: Placed, fetch: Callable[[Placed], T], what: str) -> tuple[T, Placed]:
     """``fetch(placed)`` (a collective read of ``placed.m`` from ``placed.reach`` verifying every
     chunk's crc32c), again with the
     files that failed their check pointed at another copy, until it succeeds or a file has no
-    good copy left (then raises alike on every rank). Only where the step has copies, and after
+    good copy left (then raises alike on every rank); with the placement that succeeded (its
+    ``unfit`` names the files found damaged on their own root too). Only where the step has copies, and after
     a failure the fetch's agreement gave every rank (its own typed error where it failed,
     RankFailedError elsewhere): every rank then says which file failed its check, if any, and
     when some rank failed otherwise, each raises its error as it is."""
     try:
         while True:
             try:
-                return fetch(placed)
+                return fetch(placed), placed
             except GDSWriterError as e:
                 if not placed.copies or isinstance(e, CollectiveFailedError):  # a broken channel: no round left
                     raise
@@ -428,7 +432,8 @@ def _after_damage(coord: Coordinator, placed: Placed, e: BaseException, what: st
     failed = placed.failed | {(i, m.files[i].root, m.files[i].path) for i in damaged}
     bad = [(i, f"{m.files[i].path} on table root {m.files[i].root}: fails its crc32c check (damaged)")
            for i in damaged]
-    return _from_copies(coord, replace(placed, failed=failed), bad, what)
+    own = {i for i in damaged if not m.files[i].path.startswith(f"{COPIES_DIR}/")}  # not a copy: its own place
+    return _from_copies(coord, replace(placed, failed=failed, unfit=tuple(sorted(set(placed.unfit) | own))), bad, what)
 
 
 def _from_parity(coord: Coordinator, placed: Placed, gone: set[str], what: str) -> Placed:

@@ -33,13 +33,14 @@ def node_writer(rank: int, root: Path, **options: Any) -> Any:
     """A GDSStorageWriter on ``root`` for a rank that stands for node ``node<rank>``
     (GDSWRITER_HOSTNAME: its copies and parity go to other ranks), with ``options`` as
     DistOptions (timeout_s: 120 unless given), or as CheckpointOptions for the drain and its
-    retention (``drain_root``, ``drain_every``, ``keep_last``, ``keep_every``, ``drain_keep_last``)."""
+    retention (``drain_root``, ``drain_every``, ``keep_last``, ``keep_every``, ``drain_keep_last``)
+    and ``files_per_root``."""
     from gdswriter import CheckpointOptions
     from gdswriter.distributed import DistOptions, GDSStorageWriter
 
     os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
-    ck = {k: options.pop(k) for k in ("drain_root", "drain_every", "keep_last", "keep_every", "drain_keep_last")
-          if k in options}
+    ck = {k: options.pop(k) for k in ("drain_root", "drain_every", "keep_last", "keep_every", "drain_keep_last",
+                                      "files_per_root") if k in options}
     return GDSStorageWriter(root, options=CheckpointOptions(engine=engine(), **ck),
                             dist_options=DistOptions(**{"timeout_s": 120.0, **options}))
 
