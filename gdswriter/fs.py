@@ -176,9 +176,10 @@ def read_regular_file(path: str | os.PathLike, limit: int | None = None) -> byte
         os.close(fd)
 
 
-def write_durable(path: Path, data: bytes) -> None:
-    """Create ``path`` holding ``data`` and fsync it (its directory is fsynced by the caller)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+def write_durable(path: Path | str, data: bytes, *, dir_fd: int | None = None) -> None:
+    """Create ``path`` (relative to ``dir_fd`` where given) holding ``data`` and fsync it (its
+    directory is fsynced by the caller)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:

@@ -157,3 +157,35 @@ def test_the_dcp_drain_root_keeps_drain_keep_last_and_keep_every(tmp_path):
     for rank, x in enumerate(got):
         for s, (err, exact) in x["loads"].items():
             assert err is None and exact, (rank, s, x)
+
+
+def test_a_mark_written_as_another_rank_commits_the_step_is_no_error(tmp_path, monkeypatch):
+    """A rank's mark is the last one: the other rank, finding every mark, renames the temporary
+    directory to step_S before this rank has fsynced and listed it. This rank still sees its
+    mark and the draft (one descriptor of the directory), and its own commit then finds the step
+    committed by the other: no DrainError (a rank's drain used to fail there, by the path)."""
+    import os
+
+    from gdswriter.distributed import dcp_drain
+
+    root = tmp_path / "shared"
+    d = root / ".tmp-step_000000000001-abcd"
+    d.mkdir(parents=True)
+    (d / dcp_drain.DRAFT_NAME).write_bytes(b"{}")
+    (d / f"{dcp_drain.MARK_PREFIX}1").write_bytes(b"{}")
+    rename = os.rename
+
+    def rename_then_commit(src, dst, *args, **kwargs):
+        rename(src, dst, *args, **kwargs)
+        if not (root / "step_000000000001").exists():
+            (d / "manifest.json").write_bytes(b"{}")
+            rename(d, root / "step_000000000001")  # the other rank's commit point
+
+    monkeypatch.setattr(os, "rename", rename_then_commit)
+    assert dcp_drain.DcpDrain._marked(d, f"{dcp_drain.MARK_PREFIX}0", 2)
+    monkeypatch.setattr(os, "rename", rename)
+    drain = dcp_drain.DcpDrain.__new__(dcp_drain.DcpDrain)
+    drain.root = root
+    assert drain._publish(1, d) is False
+    assert sorted(p.name for p in (root / "step_000000000001").iterdir()) == \
+        sorted([f"{dcp_drain.MARK_PREFIX}0", f"{dcp_drain.MARK_PREFIX}1", dcp_drain.DRAFT_NAME, "manifest.json"])

@@ -189,13 +189,18 @@ class DcpDrain:
     @staticmethod
     def _marked(d: Path, mark: str | None, world: int) -> bool:
         """Write ``mark`` in ``d`` durably (None: the draft was written), then whether every rank's
-        mark and the draft are there."""
-        if mark is not None:
-            tmp = d / f"{TMP_PREFIX}{mark}-{secrets.token_hex(4)}"
-            write_durable(tmp, b"{}")
-            os.rename(tmp, d / mark)
-        fsync_dir(d)
-        names = set(os.listdir(d))
+        mark and the draft are there. All through one descriptor of ``d``, as drain.py's marks:
+        another rank may rename ``d`` to ``step_S`` as soon as this mark is in it."""
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if mark is not None:
+                tmp = f"{TMP_PREFIX}{mark}-{secrets.token_hex(4)}"
+                write_durable(tmp, b"{}", dir_fd=dfd)
+                os.rename(tmp, mark, src_dir_fd=dfd, dst_dir_fd=dfd)
+            os.fsync(dfd)
+            names = set(os.listdir(dfd))
+        finally:
+            os.close(dfd)
         return DRAFT_NAME in names and all(f"{MARK_PREFIX}{r}" in names for r in range(world))
 
     def _publish(self, step: int, d: Path) -> bool:
