@@ -181,11 +181,15 @@ def test_a_mark_written_as_another_rank_commits_the_step_is_no_error(tmp_path, m
             (d / "manifest.json").write_bytes(b"{}")
             rename(d, root / "step_000000000001")  # the other rank's commit point
 
-    monkeypatch.setattr(os, "rename", rename_then_commit)
-    assert dcp_drain.DcpDrain._marked(d, f"{dcp_drain.MARK_PREFIX}0", 2)
-    monkeypatch.setattr(os, "rename", rename)
     drain = dcp_drain.DcpDrain.__new__(dcp_drain.DcpDrain)
     drain.root = root
+    monkeypatch.setattr(os, "rename", rename_then_commit)
+    assert drain._marked(1, d, f"{dcp_drain.MARK_PREFIX}0", 2)
+    monkeypatch.setattr(os, "rename", rename)
     assert drain._publish(1, d) is False
     assert sorted(p.name for p in (root / "step_000000000001").iterdir()) == \
         sorted([f"{dcp_drain.MARK_PREFIX}0", f"{dcp_drain.MARK_PREFIX}1", dcp_drain.DRAFT_NAME, "manifest.json"])
+    # rank 0 wrote the draft last, and the other rank, marking then, committed before rank 0 looked
+    assert drain._marked(1, d, None, 2) is False
+    with pytest.raises(FileNotFoundError):  # gone, and not committed: not drained (a DrainError)
+        drain._marked(2, root / ".tmp-step_000000000002-abcd", None, 2)

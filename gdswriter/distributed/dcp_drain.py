@@ -149,7 +149,7 @@ class DcpDrain:
             else:
                 write_durable(d / DRAFT_NAME, drained_manifest(manifest or b"", ident, self.root, world))
                 mark = None
-            if self._marked(d, mark, world) and self._publish(step, d):
+            if self._marked(step, d, mark, world) and self._publish(step, d):
                 self.drained.append(step)
                 retain_drained(CommitProtocol([self.root]), self.options, step)
         except (GDSWriterError, OSError) as e:
@@ -186,12 +186,18 @@ class DcpDrain:
                 time.sleep(0.05)
             copy_checked(self._engine, src, into / name, size, chunks, self._bufs)
 
-    @staticmethod
-    def _marked(d: Path, mark: str | None, world: int) -> bool:
+    def _marked(self, step: int, d: Path, mark: str | None, world: int) -> bool:
         """Write ``mark`` in ``d`` durably (None: the draft was written), then whether every rank's
         mark and the draft are there. All through one descriptor of ``d``, as drain.py's marks:
-        another rank may rename ``d`` to ``step_S`` as soon as this mark is in it."""
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        another rank may rename ``d`` to ``step_S`` as soon as this mark is in it, or, once the
+        draft is in, before this rank opens it (then False: the step is committed, not by this
+        rank; ``d`` gone with no committed step is the FileNotFoundError)."""
+        try:
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if mark is None and (self.root / step_dir_name(step) / MANIFEST_NAME).is_file():
+                return False
+            raise
         try:
             if mark is not None:
                 tmp = f"{TMP_PREFIX}{mark}-{secrets.token_hex(4)}"
