@@ -142,13 +142,13 @@ def open_regular(path: str, write: bool, *, direct: bool = False) -> tuple[int, 
     return fd, direct
 
 
-def read_regular_file(path: str | os.PathLike, limit: int | None = None) -> bytes:
-    """The bytes of ``path``, which must be a regular file reached without following a symbolic
-    link in its last component (FileNotFoundError if it does not exist). UnsafePathError for a
-    link or special file (a FIFO would block, a device never ends); CorruptCheckpointError when
-    it holds more than ``limit`` bytes."""
+def read_regular_file(path: str | os.PathLike, limit: int | None = None, *, dir_fd: int | None = None) -> bytes:
+    """The bytes of ``path`` (relative to ``dir_fd`` where given), which must be a regular file
+    reached without following a symbolic link in its last component (FileNotFoundError if it
+    does not exist). UnsafePathError for a link or special file (a FIFO would block, a device
+    never ends); CorruptCheckpointError when it holds more than ``limit`` bytes."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafePathError(f"{path} is a symbolic link: gdswriter does not follow links it did not "

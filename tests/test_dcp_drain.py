@@ -162,17 +162,19 @@ def test_the_dcp_drain_root_keeps_drain_keep_last_and_keep_every(tmp_path):
 def test_a_mark_written_as_another_rank_commits_the_step_is_no_error(tmp_path, monkeypatch):
     """A rank's mark is the last one: the other rank, finding every mark, renames the temporary
     directory to step_S before this rank has fsynced and listed it. This rank still sees its
-    mark and the draft (one descriptor of the directory), and its own commit then finds the step
-    committed by the other: no DrainError (a rank's drain used to fail there, by the path)."""
+    mark and the draft (drain.put_mark: one descriptor of the directory, shared by both drains),
+    and its own commit then finds the step committed by the other: no DrainError (a rank's drain
+    used to fail there, by the path)."""
     import os
 
     from gdswriter.distributed import dcp_drain
+    from gdswriter.distributed.drain import DRAFT_NAME, MARK_PREFIX, put_mark
 
     root = tmp_path / "shared"
     d = root / ".tmp-step_000000000001-abcd"
     d.mkdir(parents=True)
-    (d / dcp_drain.DRAFT_NAME).write_bytes(b"{}")
-    (d / f"{dcp_drain.MARK_PREFIX}1").write_bytes(b"{}")
+    (d / DRAFT_NAME).write_bytes(b"{}")
+    (d / f"{MARK_PREFIX}1").write_bytes(b'{"size": 7}')
     rename = os.rename
 
     def rename_then_commit(src, dst, *args, **kwargs):
@@ -184,12 +186,32 @@ def test_a_mark_written_as_another_rank_commits_the_step_is_no_error(tmp_path, m
     drain = dcp_drain.DcpDrain.__new__(dcp_drain.DcpDrain)
     drain.root = root
     monkeypatch.setattr(os, "rename", rename_then_commit)
-    assert drain._marked(1, d, f"{dcp_drain.MARK_PREFIX}0", 2)
+    marks = put_mark(d, 0, {"size": 3})
+    assert marks is not None and marks.complete(2) and not marks.complete(3)
+    assert marks.found == {0: {"size": 3}, 1: {"size": 7}}
     monkeypatch.setattr(os, "rename", rename)
     assert drain._publish(1, d) is False
     assert sorted(p.name for p in (root / "step_000000000001").iterdir()) == \
-        sorted([f"{dcp_drain.MARK_PREFIX}0", f"{dcp_drain.MARK_PREFIX}1", dcp_drain.DRAFT_NAME, "manifest.json"])
+        sorted([f"{MARK_PREFIX}0", f"{MARK_PREFIX}1", DRAFT_NAME, "manifest.json"])
     # rank 0 wrote the draft last, and the other rank, marking then, committed before rank 0 looked
-    assert drain._marked(1, d, None, 2) is False
+    assert put_mark(d, None, {}) is None
+    with pytest.raises(FileNotFoundError):  # a rank with a mark: its mark must be in before any commit
+        put_mark(d, 0, {})
     with pytest.raises(FileNotFoundError):  # gone, and not committed: not drained (a DrainError)
-        drain._marked(2, root / ".tmp-step_000000000002-abcd", None, 2)
+        put_mark(root / ".tmp-step_000000000002-abcd", None, {})
+
+
+def test_a_mark_that_is_not_a_json_object_fails_the_drain_and_leaves_the_directory(tmp_path):
+    """A mark another job (or a damaged disk) left that is no JSON object is a DrainError naming
+    it, raised before this rank could commit from it; nothing is removed."""
+    from gdswriter.distributed.drain import DRAFT_NAME, MARK_PREFIX, put_mark
+    from gdswriter.errors import DrainError
+
+    d = tmp_path / ".tmp-step_000000000004-abcd"
+    d.mkdir()
+    (d / DRAFT_NAME).write_bytes(b"{}")
+    (d / f"{MARK_PREFIX}1").write_bytes(b"[1, 2]")
+    with pytest.raises(DrainError, match=f"{MARK_PREFIX}1 is not a drain mark") as e:
+        put_mark(d, 0, {"size": 1})
+    assert e.value.step == 4
+    assert sorted(p.name for p in d.iterdir()) == sorted([DRAFT_NAME, f"{MARK_PREFIX}0", f"{MARK_PREFIX}1"])

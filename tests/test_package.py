@@ -311,9 +311,9 @@ PRIVATE_REACH_ALLOWED: dict[tuple[str, str], str] = {
     ("tests/test_dcp_paths.py", "_engines"): "GDSStorageWriter made one engine per root, kept across checkpoint_ids",
     ("tests/test_dist_safety.py", "_session"): "GDSStorageWriter still holds its roots' lock when DCP skips finish",
     ("tests/test_dist_scale.py", "_open_shared"): "counts the host-tmpfs set-ups of a multi-rank load",
-    ("tests/test_dcp_drain.py", "_marked"): "another rank's commit (rename) of the drain directory right after "
-                                            "this rank's mark: a race two processes cannot be timed into",
-    ("tests/test_dcp_drain.py", "_publish"): "this rank's commit after that race finds the step committed",
+    ("tests/test_dcp_drain.py", "_publish"): "this rank's commit after another rank's commit (rename) of the drain "
+                                             "directory right after its mark (drain.put_mark): a race two "
+                                             "processes cannot be timed into",
 }
 
 

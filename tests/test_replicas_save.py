@@ -285,3 +285,97 @@ def test_a_malformed_replicas_table_is_damage(bad):
     assert plain is not None and plain.replicas is None and plain.version == (1, 3)
     with pytest.raises(CorruptCheckpointError, match="replicas table is malformed"):
         parse_global(GlobalManifest.new(3, 2, roots, shards, {}, {}, None, bad).to_json_bytes(), "bad")
+
+
+class _Records(logging.Handler):
+    """Keeps the messages of the "gdswriter" logger's records that reach it."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _profiled(rank: int, world: int, tmp: str) -> dict:
+    holder = state(1)
+    ck = _open(tmp, rank, holder, 2)
+    log = logging.getLogger("gdswriter")
+    records = _Records()
+    log.addHandler(records)
+    ck.save(1)  # the logger at its default level: no timings
+    ck.wait_protected()
+    log.setLevel(logging.DEBUG)  # as benchmarks/replicas.py --profile does
+    for k, v in state(2).items():
+        holder[k].copy_(v)
+    ck.save(2)
+    protected = ck.wait_protected()
+    ck.close()
+    return {"protected": protected, "timings": [m for m in records.messages if " replicated step " in m]}
+
+
+def test_the_replication_timings_are_logged_at_debug_only(tmp_path):
+    """A step replicated with the gdswriter logger at debug logs its phases and its pipeline's
+    stages, measured; one replicated at the default level logs none (and measures none: the
+    pipeline's own test in test_replicas_stream.py)."""
+    got = run_ranks(2, _profiled, str(tmp_path), out=tmp_path / "out")
+    for rank, x in enumerate(got):
+        assert x["protected"] == 2, x
+        assert len(x["timings"]) == 1 and f"rank {rank} replicated step 2 in " in x["timings"][0], x
+        stages = dict(kv.rsplit(" ", 2)[:2] for kv in x["timings"][0].split("pipeline: ", 1)[1].split(", "))
+        assert set(stages) == {"pipeline", "read", "wait read", "wire", "write"}, x
+        assert float(stages["pipeline"]) > 0, x
+
+
+class _LateEnd(logging.Handler):
+    """Holds this rank's replication thread ``seconds`` once step ``step``'s replication is over
+    (its last collective done, the debug line logged): the thread ends that much later here."""
+
+    def __init__(self, step: int, seconds: float):
+        super().__init__(logging.DEBUG)
+        self.step, self.seconds = step, seconds
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if f" replicated step {self.step} in " in record.getMessage():
+            time.sleep(self.seconds)
+
+
+def _late_thread(rank: int, world: int, tmp: str) -> dict:
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    opts = DistOptions(replicas=2, timeout_s=20)
+    holder = state(1)
+    a = GDSCheckpointer(holder, root=f"{tmp}/n{rank}", dist_options=opts)
+    a.save(1)
+    a.wait_protected()
+    if rank == 1:
+        log = logging.getLogger("gdswriter")
+        log.setLevel(logging.DEBUG)
+        log.addHandler(_LateEnd(2, 3.0))
+    a.save(2)  # rank 1's replication thread ends 3 s after rank 0's
+    if rank == 0:
+        a.wait_protected()  # rank 0's thread is idle, rank 1's still runs
+    # now: another checkpointer's channels (a collective creation), while the threads differ
+    b = GDSCheckpointer(state(3), root=f"{tmp}/b{rank}", dist_options=opts)
+    b.save(3)
+    loaded = a.load(2)  # its refill (refill.py: nothing lost) on the same thread and channel
+    protected = [a.wait_protected(), b.wait_protected()]
+    b.close()
+    a.close()
+    c = GDSCheckpointer(state(4), root=f"{tmp}/c{rank}", dist_options=opts)  # channels from the pool
+    c.save(4)
+    protected.append(c.wait_protected())
+    c.close()
+    return {"loaded": loaded, "protected": protected}
+
+
+def test_a_replication_thread_ending_later_on_one_rank_never_splits_the_channels(tmp_path):
+    """The Replicator's channel (its saves' replications and its loads' refills, refill.py) is
+    given back to group.py's pool by close() alone, which every rank calls at the same point,
+    never by its thread: with rank 1's thread ending 3 s after rank 0's, a checkpointer made
+    meanwhile creates its channels alike on both ranks, and one made after the closes takes the
+    pooled ones alike (a thread giving its channel back as it ended would have rank 0 take a
+    pooled group where rank 1 creates one: a CollectiveFailedError after the timeout)."""
+    got = run_ranks(2, _late_thread, str(tmp_path), out=tmp_path / "out")
+    assert [x["loaded"] for x in got] == [2, 2], got
+    assert [x["protected"] for x in got] == [[2, 3, 4], [2, 3, 4]], got

@@ -15,7 +15,7 @@ import pytest
 from gdswriter.engines.buffers import AlignedBufferPool
 from gdswriter.errors import ChecksumMismatchError
 from gdswriter.format.manifest import ChunkRecord
-from gdswriter.distributed.replicastream import Incoming, Outgoing, Source
+from gdswriter.distributed.replicastream import Incoming, Outgoing, Pipeline, Source
 
 PIECE = 12 << 10  # three blocks: chunks span pieces, pieces span files
 
@@ -89,3 +89,27 @@ def test_a_byte_damaged_on_the_way_is_refused_by_the_receiver(tmp_path, where):
     with pytest.raises(ChecksumMismatchError):
         _send(sources, tmp_path / "copies", damage=damage)
     assert not (tmp_path / "copies" / "rank00000").exists()
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_the_pipeline_reads_its_clock_only_when_profiling(tmp_path, debug):
+    """A pipeline's stage timings are measured only where the gdswriter logger is at debug (the
+    one switch, replicastream.profiling: where they are logged): otherwise every stage stays
+    0.0 and ``timings()`` says they were not measured."""
+    import logging
+
+    from gdswriter.distributed.group import Coordinator
+
+    log = logging.getLogger("gdswriter")
+    level = log.level
+    log.setLevel(logging.DEBUG if debug else logging.INFO)
+    try:
+        out = Outgoing([], None)
+        pipe = Pipeline(Coordinator.solo(), 1, out, [], {}, {}, [])
+        pipe.run()  # its reader and writer threads start and end: the whole is never 0 s, measured
+        out.close()
+    finally:
+        log.setLevel(level)
+    assert (pipe.seconds["pipeline"] > 0) is debug, pipe.seconds
+    assert all(v == 0.0 for k, v in pipe.seconds.items() if k != "pipeline"), pipe.seconds
+    assert ("not measured" in pipe.timings()) is not debug, pipe.timings()

@@ -13,8 +13,10 @@ Every ``drain_every``-th step, on a thread of each rank's writer (never the save
    with every file on root 0 and a root table of one entry (the drain root's identity, every
    rank), fsynced. A save that did not commit has no draft, so it never commits at the drain
    root (its directory is removed by a later drain);
-3. each rank writes its mark ``.drained-rank-R`` durably and lists the directory: the rank that
-   finds every rank's mark and the draft writes ``manifest.json``, fsyncs the directory, renames
+3. each rank writes its mark ``.drained-rank-R`` durably and lists the directory (drain.py
+   ``put_mark``, as GDSCheckpointer's drain; rank 0 lists it after its draft, with no mark, and
+   finds it committed already where another rank marked just then): the rank that finds every
+   rank's mark and the draft writes ``manifest.json``, fsyncs the directory, renames
    it to ``step_S`` (the commit point), fsyncs the drain root, moves ``latest`` and writes the
    DCP ``.metadata`` marker. Two ranks may both find the set complete: one rename wins.
 
@@ -55,7 +57,7 @@ from ..fs import atomic_write, fsync_dir, write_durable
 from ..options import CheckpointOptions
 from .dcp_messages import RankReport
 from .dcp_paths import MARKER_NAME, is_gdswriter_marker, marker_bytes
-from .drain import DRAFT_NAME, MARK_PREFIX, enter_drain_dir
+from .drain import DRAFT_NAME, enter_drain_dir, put_mark
 from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
@@ -145,11 +147,10 @@ class DcpDrain:
             d = self._enter(step, token, clean=report is None)
             if report is not None:
                 self._copy(layout, report, d)
-                mark = f"{MARK_PREFIX}{report.rank}"
             else:
                 write_durable(d / DRAFT_NAME, drained_manifest(manifest or b"", ident, self.root, world))
-                mark = None
-            if self._marked(step, d, mark, world) and self._publish(step, d):
+            marks = put_mark(d, report.rank if report is not None else None, {})  # None: committed by another
+            if marks is not None and marks.complete(world) and self._publish(step, d):
                 self.drained.append(step)
                 retain_drained(CommitProtocol([self.root]), self.options, step)
         except (GDSWriterError, OSError) as e:
@@ -185,29 +186,6 @@ class DcpDrain:
             while not src.exists() and time.monotonic() < deadline:  # a root the commit publishes (rank 0's, joint)
                 time.sleep(0.05)
             copy_checked(self._engine, src, into / name, size, chunks, self._bufs)
-
-    def _marked(self, step: int, d: Path, mark: str | None, world: int) -> bool:
-        """Write ``mark`` in ``d`` durably (None: the draft was written), then whether every rank's
-        mark and the draft are there. All through one descriptor of ``d``, as drain.py's marks:
-        another rank may rename ``d`` to ``step_S`` as soon as this mark is in it, or, once the
-        draft is in, before this rank opens it (then False: the step is committed, not by this
-        rank; ``d`` gone with no committed step is the FileNotFoundError)."""
-        try:
-            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if mark is None and (self.root / step_dir_name(step) / MANIFEST_NAME).is_file():
-                return False
-            raise
-        try:
-            if mark is not None:
-                tmp = f"{TMP_PREFIX}{mark}-{secrets.token_hex(4)}"
-                write_durable(tmp, b"{}", dir_fd=dfd)
-                os.rename(tmp, mark, src_dir_fd=dfd, dst_dir_fd=dfd)
-            os.fsync(dfd)
-            names = set(os.listdir(dfd))
-        finally:
-            os.close(dfd)
-        return DRAFT_NAME in names and all(f"{MARK_PREFIX}{r}" in names for r in range(world))
 
     def _publish(self, step: int, d: Path) -> bool:
         """Commit ``d`` as ``step_S``; False when another rank did first."""

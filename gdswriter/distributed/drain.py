@@ -13,7 +13,8 @@ rank broadcast, so every rank names the same directory, with no message):
    locally (metadata, totals, layout index: what only it reads), fsynced;
 3. it writes its mark ``.drained-rank-R`` (its new shard's size and crc32c), durably (a
    fsynced temporary file renamed into place, so a mark is never seen half written), then
-   lists the directory; the rank that finds every rank's mark and the draft writes the new
+   lists the directory (``put_mark``, which DCP's drain shares: all through one descriptor of
+   the directory, which another rank may rename as soon as this mark is in); the rank that finds every rank's mark and the draft writes the new
    global manifest (a root table of one entry: the drain root's identity; the new shard refs),
    fsyncs the directory and renames it to ``step_S``: the commit point. Two ranks may both find
    the set complete; one rename wins, the other finds its source gone and checks that
@@ -40,7 +41,7 @@ import os
 import secrets
 import shutil
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,65 @@ def enter_drain_dir(root: Path, step: int, token: str, clean: bool) -> Path:
     return d
 
 
+@dataclass(frozen=True)
+class DrainMarks:
+    """What a rank's listing of a drain directory found just after its mark went in: each
+    rank's mark (rank -> its JSON object) and whether the draft is there."""
+
+    found: dict[int, dict]
+    draft: bool
+
+    def complete(self, world: int) -> bool:
+        """Every rank of ``world`` marked and the draft is in: this rank may commit the step."""
+        return self.draft and all(r in self.found for r in range(world))
+
+
+def put_mark(d: Path, rank: int | None, mark: dict) -> DrainMarks | None:
+    """Write rank ``rank``'s mark ``.drained-rank-R`` (``mark``, JSON) in the drain directory
+    ``d`` durably (a fsynced temporary file renamed into place, so no mark is seen half written;
+    the directory fsynced), then list the marks and the draft there. ``rank`` None: no mark, the
+    caller just wrote the draft (DCP's rank 0). Shared by GDSCheckpointer's drain and DCP's.
+
+    All through one descriptor of ``d``: once this mark is in, another rank may find every mark
+    and rename ``d`` to ``step_S`` (a path would then fail with FileNotFoundError though the step
+    is drained). Where ``rank`` is None, the draft is in before this call, so another rank
+    marking then may have committed ``d`` before this rank opens it: None (committed, not by this
+    rank). ``d`` gone and not committed stays FileNotFoundError (removed by another drain)."""
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        parsed = parse_drain_dir(d.name)
+        if rank is None and parsed is not None and (d.parent / step_dir_name(parsed[0]) / MANIFEST_NAME).is_file():
+            return None
+        raise
+    try:
+        if rank is not None:
+            tmp = f"{TMP_PREFIX}{MARK_PREFIX}{rank}-{secrets.token_hex(4)}"
+            write_durable(tmp, json.dumps(mark).encode(), dir_fd=dfd)
+            os.rename(tmp, f"{MARK_PREFIX}{rank}", src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.fsync(dfd)
+        names = os.listdir(dfd)
+        found = {int(n[len(MARK_PREFIX):]): _read_mark(dfd, n, d)
+                 for n in names if n.startswith(MARK_PREFIX) and n[len(MARK_PREFIX):].isdigit()}
+        return DrainMarks(found, DRAFT_NAME in names)
+    finally:
+        os.close(dfd)
+
+
+def _read_mark(dfd: int, name: str, d: Path) -> dict:
+    """A mark in the directory ``dfd`` (a small JSON object); DrainError where it is not one."""
+    raw = read_regular_file(name, 4096, dir_fd=dfd)
+    try:
+        mark = json.loads(raw)
+    except ValueError:
+        mark = None
+    if not isinstance(mark, dict):
+        parsed = parse_drain_dir(d.name)
+        raise DrainError(f"{d / name} is not a drain mark ({raw[:64]!r}): remove {d} (a drain in progress of "
+                         f"another job on this drain root?)", parsed[0] if parsed else -1)
+    return mark
+
+
 class RankDrainer(Drainer):
     """Drainer of one rank of a multi-rank checkpointer (the module docstring). ``session``: the
     DistSession (its layout, and what each save of this rank voted: DistSession.saved)."""
@@ -139,8 +199,8 @@ class RankDrainer(Drainer):
             write_durable(d / shard_name(rank), new)
             if draft is not None:
                 write_durable(d / DRAFT_NAME, draft)
-            found, drafted = self._mark(d, rank, {"size": len(new), "crc32c": _crc32c.crc32c(new)})
-            if len(found) == layout.world_size and drafted and self._publish(step, d, found):
+            marks = put_mark(d, rank, {"size": len(new), "crc32c": _crc32c.crc32c(new)})
+            if marks is not None and marks.complete(layout.world_size) and self._publish(step, d, marks.found):
                 self.published.append(step)
                 self._retain(step)
         except (GDSWriterError, OSError) as e:
@@ -181,35 +241,6 @@ class RankDrainer(Drainer):
             raise DrainError(f"step {step}: {path} is not the manifest of the save this rank drains (the step was "
                              f"saved again?)", step)
         return raw
-
-    @staticmethod
-    def _mark(d: Path, rank: int, mark: dict) -> tuple[dict[int, dict], bool]:
-        """Write this rank's mark in ``d`` durably (a fsynced temporary file renamed into place,
-        the directory fsynced), then list the marks there and whether the draft is there. All
-        through one descriptor of ``d``: the last rank may rename it as soon as this mark is in."""
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            tmp = f"{TMP_PREFIX}{MARK_PREFIX}{rank}-{secrets.token_hex(4)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=dfd)
-            try:
-                os.write(fd, json.dumps(mark).encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, f"{MARK_PREFIX}{rank}", src_dir_fd=dfd, dst_dir_fd=dfd)
-            os.fsync(dfd)
-            names = os.listdir(dfd)
-            found = {}
-            for n in names:
-                if n.startswith(MARK_PREFIX) and n[len(MARK_PREFIX):].isdigit():
-                    fd = os.open(n, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dfd)
-                    try:
-                        found[int(n[len(MARK_PREFIX):])] = json.loads(os.read(fd, 4096))
-                    finally:
-                        os.close(fd)
-            return found, DRAFT_NAME in names
-        finally:
-            os.close(dfd)
 
     def _published(self, final: Path, data: bytes) -> bool:
         try:

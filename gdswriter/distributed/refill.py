@@ -41,6 +41,13 @@ commit point: the adopted root keeps it, so the steps saved since stay the newes
 manifest is on two nodes again. A step loaded on another world size is not refilled: the
 primary rank removes its ``protected`` marker (it is no longer protected; it stays loadable)
 and logs why.
+
+The refill never creates nor gives back a channel: it runs on the Replicator's thread and gloo
+group (replicate.py), made at the checkpointer's construction and given back to group.py's pool
+by ``Replicator.close`` alone, from the checkpointer's close(), which waits for the thread's jobs
+first and which every rank calls at the same point of its program. A thread ending sooner on
+one rank than on another so never changes which pooled group the next ``Coordinator.create``
+takes (the hazard DCP's refill had, dcp_refill.DcpRefill: tests/test_replicas_save.py).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import queue
 import secrets
@@ -32,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import crc32c as _crc32c
 
@@ -46,6 +47,24 @@ from ..format.replicas import copy_dir_name
 from ..fs import atomic_write, closed_on_failure, fsync_dir, open_regular
 from ..options import ALIGN
 from .group import Coordinator, describe
+
+log = logging.getLogger("gdswriter")
+
+
+def profiling() -> bool:
+    """The one switch of a replication's phase timings (Pipeline.seconds, the Replicator's
+    phases): on where the "gdswriter" logger is enabled for debug, which is where they are
+    logged (benchmarks/replicas.py --profile sets it); off, no clock is read per piece."""
+    return log.isEnabledFor(logging.DEBUG)
+
+
+def clock_for(profile: bool) -> Callable[[], float]:
+    """``time.perf_counter`` where ``profile``, else a clock that reads nothing (always 0.0)."""
+    return time.perf_counter if profile else _no_clock
+
+
+def _no_clock() -> float:
+    return 0.0
 
 PIECE_BYTES = 32 << 20  # one piece of a rank's stream to its peers (and of each stream it receives)
 DEPTH = 3  # pieces of each stream in flight or in a buffer at once (read ahead, on the wire, being written)
@@ -356,12 +375,17 @@ class Pipeline:
         self.stop = threading.Event()
         self.works: list = []  # the last works posted: kept alive (with their buffers) after a failure
         # seconds (``timings``): the pieces' whole exchange, and per stage: reading and checking,
-        # the exchange waiting for a read, waiting on the wire, writing, checking and syncing
+        # the exchange waiting for a read, waiting on the wire, writing, checking and syncing;
+        # measured only where ``profiling()`` (else every one stays 0.0)
+        self.profile = profiling()
+        self.clock = clock_for(self.profile)
         self.seconds = {"pipeline": 0.0, "read": 0.0, "wait read": 0.0, "wire": 0.0, "write": 0.0}
 
     def timings(self) -> str:
         """Where this step's replication spent its time (logged at debug level): a stage near
         the whole is the bottleneck; "wait read" near "read" means nothing hid the reads."""
+        if not self.profile:
+            return "not measured (the gdswriter logger is not at debug)"
         return ", ".join(f"{k} {v:.3f} s" for k, v in self.seconds.items())
 
     @staticmethod
@@ -376,7 +400,7 @@ class Pipeline:
                    threading.Thread(target=self._write, name="gdswriter-replicate-write", daemon=True)]
         for t in threads:
             t.start()
-        done, t0 = False, time.perf_counter()
+        done, t0 = False, self.clock()
         try:
             self._exchange()
             done = True
@@ -388,7 +412,7 @@ class Pipeline:
             self.to_write.put(None)
             for t in threads:
                 t.join()
-            self.seconds["pipeline"] = time.perf_counter() - t0
+            self.seconds["pipeline"] = self.clock() - t0
             if done:  # no transfer and no thread uses the buffers any more
                 give_back(self.coord, self.pools)
 
@@ -408,9 +432,9 @@ class Pipeline:
                 works = [dist.irecv(self.recv_bufs[s][i][:n], group=group, group_src=s, tag=tag) for s, i, n in recvs]
                 slot = None
                 if k < self.send_rounds:
-                    t0 = time.perf_counter()
+                    t0 = self.clock()
                     got = self.filled.get()
-                    self.seconds["wait read"] += time.perf_counter() - t0
+                    self.seconds["wait read"] += self.clock() - t0
                     if isinstance(got, BaseException):
                         raise got
                     slot, n = got
@@ -427,10 +451,10 @@ class Pipeline:
         self.coord.stats.add(sent, received)
 
     def _complete(self, slot: int | None, recvs: list, works: list) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for w in works:
             w.wait(timedelta(seconds=self.coord.timeout_s))
-        self.seconds["wire"] += time.perf_counter() - t0
+        self.seconds["wire"] += self.clock() - t0
         for r in recvs:
             self.to_write.put(r)
         if slot is not None:
@@ -445,9 +469,9 @@ class Pipeline:
                 if slot is None or self.stop.is_set():
                     return
                 want = min(PIECE_BYTES, self.out.total - k * PIECE_BYTES)
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 n = self.out.fill(memoryview(self.send_bufs[slot].numpy())[:want])
-                self.seconds["read"] += time.perf_counter() - t0
+                self.seconds["read"] += self.clock() - t0
                 self.filled.put((slot, n))
         except BaseException as e:  # noqa: BLE001 - a bug must not leave the exchange waiting
             self.filled.put(e)
@@ -463,9 +487,9 @@ class Pipeline:
             inc = self.incoming[s]
             if inc is not None and not self.stop.is_set():
                 try:
-                    t0 = time.perf_counter()
+                    t0 = self.clock()
                     inc.write(memoryview(self.recv_bufs[s][slot].numpy())[:n])
-                    self.seconds["write"] += time.perf_counter() - t0
+                    self.seconds["write"] += self.clock() - t0
                 except Exception as e:  # noqa: BLE001 - reported to the primary rank
                     inc.discard()
                     self.incoming[s] = None

@@ -50,7 +50,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,7 +69,7 @@ from ..fs import atomic_write, fsync_dir, read_regular_file
 from ..planner.replicas import ReplicaPart, failure_domains, place_replicas
 from .group import Coordinator, Transfer, bounded, describe, unbound
 from .refill import RefillJob, run_refill
-from .replicastream import Incoming, Outgoing, Pipeline, Source
+from .replicastream import Incoming, Outgoing, Pipeline, Source, clock_for, profiling
 from .roots import RootLayout, decide_at_rank0, raise_decided
 
 log = logging.getLogger("gdswriter")
@@ -190,6 +189,7 @@ class Replicator:
         self.protected: int | None = None  # the newest step this session saw protected
         self._pipe: Pipeline | None = None  # the last step's pieces (a failed one's buffers stay alive)
         self._phases: dict[str, float] = {}  # seconds per phase of the step being replicated (debug log)
+        self._clock: Callable[[], float] = clock_for(False)  # the step's (replicastream.profiling)
         self.stopped: str | None = None  # why the replication group broke: every later step fails at once
 
     def submit(self, job: ReplicationJob | SourcedJob | RefillJob) -> None:
@@ -291,7 +291,9 @@ class Replicator:
         log.debug("gdswriter: rank %d replicates step %d to ranks %s, holds copies of ranks %s", rank, step,
                   list(part.sends_to), list(part.receives_from))
         what = f"replicating step {step}"
-        t0 = time.perf_counter()
+        profile = profiling()  # the phase timings: measured, and logged, only at debug
+        self._clock = clock_for(profile)
+        t0 = self._clock()
         self._phases = {}
         try:
             sources, error = self._sources(job)
@@ -308,19 +310,20 @@ class Replicator:
         if out.error is not None:
             problems.insert(0, f"its own files: {describe(out.error)}")
         mine = {"ok": not problems, "error": "; ".join(problems)[:2000]}
-        t1 = time.perf_counter()
+        t1 = self._clock()
         try:
             return self._settle(job, mine, what)
         finally:
             self._lap("settle", t1)
-            if self._pipe is not None:
+            if profile and self._pipe is not None:
                 log.debug("gdswriter: rank %d replicated step %d in %.3f s (%s; pipeline: %s)", rank, step,
-                          time.perf_counter() - t0, ", ".join(f"{k} {v:.3f} s" for k, v in self._phases.items()),
+                          self._clock() - t0, ", ".join(f"{k} {v:.3f} s" for k, v in self._phases.items()),
                           self._pipe.timings())
 
     def _lap(self, phase: str, since: float) -> float:
-        """Add the seconds since ``since`` to ``phase`` of this step's timings (logged at debug)."""
-        now = time.perf_counter()
+        """Add the seconds since ``since`` to ``phase`` of this step's timings (logged at debug;
+        with the profile off, the clock reads nothing and every phase stays 0.0)."""
+        now = self._clock()
         self._phases[phase] = self._phases.get(phase, 0.0) + now - since
         return now
 
@@ -405,7 +408,7 @@ class Replicator:
         of, in rounds (sizes, headers, PIECE_BYTES pieces, trailers); returns what failed here."""
         me, part, what = self.coord.rank, self.peers.part, f"replicating step {step}"
         senders, dests = list(part.receives_from), list(part.sends_to)
-        t = time.perf_counter()
+        t = self._clock()
         sizes = {s: torch.zeros(2, dtype=torch.int64) for s in senders}
         head = torch.tensor([len(out.header), out.total], dtype=torch.int64)
         self.coord.exchange([Transfer(me, d, 0, head) for d in dests] +
