@@ -315,3 +315,42 @@ def test_a_slow_dcp_commit_does_not_break_the_replication(tmp_path):
     got = run_ranks(2, _slow_commit_worker, str(tmp_path), out=tmp_path / "ranks")
     for rank, x in enumerate(got):
         assert x["protected"] == [0, 1] and not x["errors"], (rank, x)
+
+
+def _dropped_writer_worker(rank: int, world: int, tmp: str) -> dict:
+    import gc
+
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(tmp, f"node{rank}")
+    w = node_writer(rank, root, replicas=2, timeout_s=20.0)
+    w.reset(0)
+    dcp.save(state(0), storage_writer=w)
+    out: dict = {"first": w.wait_protected()}
+    kept = None
+    if rank == 0:  # dropped unclosed, in a reference cycle: collected here, on this rank only
+        w.cycle = w
+        del w
+        gc.collect()
+    else:
+        kept = w
+    torch.distributed.barrier()
+    w2 = node_writer(rank, root, replicas=2, timeout_s=20.0)
+    w2.reset(1)
+    out["second"] = caught(lambda: dcp.save(state(1), storage_writer=w2)) or caught(
+        lambda: out.__setitem__("protected", w2.wait_protected()))
+    w2.close()
+    if kept is not None:
+        kept.close()
+    return out
+
+
+def test_a_writer_collected_unclosed_on_one_rank_keeps_the_next_writers_channels_matched(tmp_path):
+    """A GDSStorageWriter with replicas dropped without close() in a reference cycle is collected
+    at another moment on each rank; were its replication channel given back to the pool then,
+    the next writer's channel would be the pooled group on that rank and a new one on the other,
+    and its replication would time out. The collection releases locks and engines only: the
+    next writer's step becomes protected on both ranks."""
+    got = run_ranks(2, _dropped_writer_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["first"] == 0 and x["second"] is None and x.get("protected") == 1, (rank, x)

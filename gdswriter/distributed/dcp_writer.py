@@ -629,21 +629,30 @@ class GDSStorageWriter(Collective, StorageWriter):
 
     def close(self) -> None:
         """Release everything the writer holds: a save's locks, its opened roots and the engines
-        kept between saves (the next save opens and builds new ones)."""
+        kept between saves (the next save opens and builds new ones), and the replication's
+        channel (given back to group.py's pool: every rank calls close at the same point)."""
+        self._release(channel=True)
+
+    def _release(self, *, channel: bool) -> None:
         self._end_save()
         self._answer_missed()
         self._session = self._session_roots = None
         self._formers = []
         self._close_engines()
-        replication, self._replication = self._replication, None
-        if replication is not None:
+        replication = self._replication
+        if replication is not None and channel:
+            self._replication = None
             replication.close()
         if self._drain is not None:
             self._drain.close()
 
     def __del__(self) -> None:
+        # Locks and engines only. A replication's channel is never given back at a collection: a
+        # writer in a reference cycle is collected at another moment on each rank, the next
+        # Coordinator.create would then take a pooled group on one rank and a new one on another
+        # and hang (dcp_refill.DcpRefill had that hazard). Unclosed, the channel stays open.
         session = getattr(self, "_session", None)
         if ((session is not None and session.lock is not None) or getattr(self, "_engines", None)
                 or getattr(getattr(self, "_opening", None), "lock", None) is not None
                 or getattr(self, "_former_lock", None) is not None):
-            self.close()
+            self._release(channel=False)
