@@ -3,7 +3,8 @@ each plain CPU tensor are read, or received from the peer reading a lost node's 
 into the live tensor, every chunk still checked against its crc32c where it lands; a bad copy
 moves to the next one, and a copy damaged on every holder is the typed error (the live tensors
 then partly written, as the error's hint says). Each rank its own host and node-local root,
-replicas=2 saves of three 4 MiB tensors."""
+replicas=2 saves of three 4 MiB tensors; and a holder set of more than LIVE_ITEMS_PER_SET small
+tensors, which a non-atomic load pulls through the arena (transport.py ``addressable``)."""
 
 from __future__ import annotations
 
@@ -163,3 +164,80 @@ def load_live_fallback(rank: int, world: int, base: str) -> dict:
         step = ck.load(fallback=True)
     want = replica_state(step)
     return {"got": [step, all(torch.equal(live[k].view(torch.int32), want[k].view(torch.int32)) for k in want)]}
+
+
+def many_small(step: int) -> dict:
+    """LIVE_ITEMS_PER_SET + 16 tensors of 4 KiB, the same on every rank: one holder set larger
+    than a live set may be (transport.py ``CrossMemoryTransport.addressable``)."""
+    from gdswriter.distributed.transport import LIVE_ITEMS_PER_SET
+
+    g = torch.Generator().manual_seed(900 + step)
+    return {f"s{i:03d}": torch.randn(1024, generator=g) for i in range(LIVE_ITEMS_PER_SET + 16)}
+
+
+def save_many_small(rank: int, world: int, base: str) -> None:
+    """A run_ranks worker: step 1 of many_small, protected."""
+    live = many_small(1)
+    with open_replica_node(base, rank, live) as ck:
+        ck.save(1)
+        assert ck.wait_protected() == 1
+
+
+def load_many_small(rank: int, world: int, base: str) -> dict:
+    """load(atomic=False) of many_small into zeroed tensors: bit exact, the same storages, the
+    transport's kind, the fresh bytes it asked for (transport.host_buffer) and the largest
+    number of addresses this rank sent for one holder set (CrossMemoryTransport.address)."""
+    from gdswriter.distributed import load as dload, transport
+
+    live = {k: torch.zeros_like(v) for k, v in many_small(1).items()}
+    before = {k: v.untyped_storage().data_ptr() for k, v in live.items()}
+    fresh: list[int] = []
+    kinds: list[str] = []
+    sent: list[int] = []
+    made, carry = transport.host_buffer, dload.carry_out_own
+
+    def counted(nbytes: int) -> torch.Tensor:
+        fresh.append(nbytes)
+        return made(nbytes)
+
+    def noted(*args, **kw):
+        t = args[5]  # the transport
+        kinds.append(t.kind)
+        address = t.address
+
+        def told():
+            out = address()
+            sent.extend(len(v) if isinstance(v, list) else 1 for v in (out or {}).values())
+            return out
+
+        t.address = told
+        return carry(*args, **kw)
+
+    transport.host_buffer, dload.carry_out_own = counted, noted
+    try:
+        with open_replica_node(base, rank, live) as ck:
+            step = ck.load(atomic=False)
+            atomic = ck.last_load.atomic
+    finally:
+        transport.host_buffer, dload.carry_out_own = made, carry
+    want = many_small(step)
+    exact = all(torch.equal(live[k].view(torch.int32), want[k].view(torch.int32)) for k in want)
+    same = all(live[k].untyped_storage().data_ptr() == p for k, p in before.items())
+    return {"got": [step, exact, same, atomic], "kinds": kinds, "fresh": sum(fresh), "sent": max(sent, default=0),
+            "set": sum(v.nbytes for v in want.values())}
+
+
+def test_non_atomic_load_of_a_large_holder_set_pulls_it_through_the_arena(tmp_path):
+    """LIVE_ITEMS_PER_SET + 16 small tensors every rank holds, the ranks pulling from each
+    other's memory: atomic=False restores them bit exact into the very live tensors, but the
+    set is too large to send one address per item (what rank 0 gathers would grow with the
+    state), so it is read and pulled through the arena (fresh bytes for the whole set) and each
+    rank sends one address for it, then copies into the live tensors."""
+    from gdswriter.distributed.transport import LIVE_ITEMS_PER_SET
+
+    run_ranks(2, save_many_small, str(tmp_path), out=tmp_path / "out")
+    out = run_ranks(2, load_many_small, str(tmp_path), out=tmp_path / "out2")
+    assert [x["got"] for x in out] == [[1, True, True, False]] * 2, out
+    assert all(x["kinds"] == ["cma"] for x in out), out
+    assert all(x["fresh"] >= x["set"] for x in out), out
+    assert all(1 <= x["sent"] <= LIVE_ITEMS_PER_SET for x in out), out
