@@ -77,6 +77,16 @@ class Extent:
         self.device = flat.device
 
 
+def host_addresses(extents: Sequence[Extent]) -> list[int | None]:
+    """Each extent's host_address: in C-level passes where every extent is a view of a CPU
+    storage (a first save of many tensors: no Python call per extent), else one by one."""
+    views = [e._view for e in extents]
+    if None in views or not all(d.type == "cpu" for d in set(map(operator.itemgetter(1), views))):
+        return [e.host_address() for e in extents]
+    return list(map(operator.add, map(torch.UntypedStorage.data_ptr, map(operator.itemgetter(0), views)),
+                    map(operator.itemgetter(2), views)))
+
+
 @dataclass
 class Snapshot:
     """A save's view of the state: the encoded tree, the extents to write, one record per
