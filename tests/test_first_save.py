@@ -11,12 +11,14 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 
 import pytest
 import torch
 
 from support import models as M
 from gdswriter import GDSCheckpointer, load_state
+from gdswriter.errors import UnsupportedObjectError
 from gdswriter.options import MiB
 from gdswriter.save import pool as snapshot_pool
 
@@ -259,3 +261,45 @@ def test_a_host_save_stages_through_a_pool_sized_to_its_tails_and_reuses_it(tmp_
         assert eng._pool is pool, "the second save rebuilt the staging pool"
         ck.load(1)
         assert same(state, want)
+
+
+# The save thread looks for quantized tensors and lazy conj/neg bits by the fewest passes: the
+# quantized ones by one tensor per dtype, the conj bit only among complex dtypes, and none at all
+# where save() found every tensor plain at this same call. A blocking save that found the same
+# tensor objects as the last one skips that check at the call, so a bit set since by ``.data =``
+# must still be seen in the save thread.
+def _set_lazy_bit(t: torch.Tensor, bit: str) -> None:
+    z = torch.randn(t.shape, dtype=torch.complex64, generator=torch.Generator().manual_seed(7))
+    t.data = z.conj() if bit == "conj" else z.conj().imag  # the imag of a conj view: a float32 neg view
+    assert (t.is_conj() if bit == "conj" else t.is_neg()) and t.is_complex() == (bit == "conj")
+
+
+@pytest.mark.parametrize("bit", ["conj", "neg"])
+def test_a_lazy_bit_set_by_data_between_blocking_saves_is_materialised(tmp_path, bit):
+    dtype = torch.complex64 if bit == "conj" else torch.float32
+    state = {f"t{i}": torch.zeros(5, dtype=dtype) for i in range(3)}
+    state["real"] = torch.arange(4.0)  # other dtypes beside it
+    with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
+        ck.save(1)
+        _set_lazy_bit(state["t1"], bit)
+        want = state["t1"].resolve_conj().resolve_neg()
+        ck.save(2)
+    _, got = load_state(tmp_path, step=2)
+    g = got["model"]["t1"]
+    assert not g.is_conj() and not g.is_neg()
+    assert torch.equal(g, want)
+    assert torch.equal(got["model"]["t0"], state["t0"]) and torch.equal(got["model"]["real"], state["real"])
+
+
+def test_a_quantized_tensor_only_the_optimizer_holds_fails_the_save_in_the_save_thread(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GDSCheckpointer(model, opt, tmp_path, options=M.small_options()) as ck:
+        ck.save(1)
+        with warnings.catch_warnings():  # quantized tensors are deprecated (warned once per process)
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8)
+        opt.state[model.weight]["q"] = q  # guarded by identity: not looked at in save_async
+        with pytest.raises(UnsupportedObjectError, match="dequantize"):  # the save thread's check, before any write
+            ck.save_async(2).result()
+        assert ck.steps() == [1]

@@ -270,3 +270,24 @@ def test_a_later_save_copies_from_where_the_tensors_are_now(tmp_path):
         for i in range(200):
             want = -5.0 if (step, i) == (3, 7) else float(i + min(step, 2) - 1)
             assert torch.equal(got[f"t{i}"], torch.full((3000,), want)), (step, i)
+
+
+def test_host_addresses_are_each_extents_host_address(tmp_path):
+    """The pool's column of extent addresses (snapshot.host_addresses, C-level passes where every
+    extent views a CPU storage) is what host_address gives each extent: views at offsets,
+    a copy taken at the call, an empty extent."""
+    from gdswriter.save.snapshot import LayoutCache, host_addresses, take_snapshot
+
+    base = torch.arange(64, dtype=torch.float32)
+    alone = {f"t{i}": torch.full((i + 3,), float(i)) for i in range(20)}
+    mixed = {"view": base[5:40], "tie": base[7:9], "odd": torch.ones(9, dtype=torch.float16)[3:],
+             "small": torch.ones(4)}
+    for state in (alone, mixed):  # protected: every extent a view of its live storage
+        snap = take_snapshot(state, 1, protected=list(state.values()), layout=LayoutCache())
+        assert not any(e.captured for e in snap.extents)
+        want = [e.host_address() for e in snap.extents]
+        assert host_addresses(snap.extents) == want
+        assert sorted(want) == sorted({e.host_address() for e in snap.extents})  # one address each
+    snap = take_snapshot(alone, 1, layout=LayoutCache())  # nothing protected: the small ones are copies
+    assert any(e.captured for e in snap.extents)
+    assert host_addresses(snap.extents) == [e.host_address() for e in snap.extents]

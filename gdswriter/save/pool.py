@@ -80,7 +80,7 @@ from ..options import ALIGN, MiB
 from .._log import log_once
 from ..planner.assign import PlannedChunk, SavePlan
 from ..threads import gc_paused
-from .snapshot import Snapshot
+from .snapshot import Snapshot, host_addresses
 
 log = logging.getLogger("gdswriter")
 
@@ -516,7 +516,7 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
     each root's files in plan order), each file's pieces, and every chunk of the plan, cut at
     piece ends, with where it lies: (chunk, ((its piece, its offset there) or () if empty, length)) pairs.
     The usual chunk (host memory, inside one piece) is laid out inline; the others by _cut."""
-    hosts = [e.host_address() for e in snap.extents]  # host memory: copied from its address, no tensor per chunk
+    hosts = host_addresses(snap.extents)  # host memory: copied from its address, no tensor per chunk
     per_root: dict[int, list[Piece]] = {}
     per_file = []
     chunks: list[tuple[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]]] = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import operator
 import weakref
 from collections.abc import Collection, Sequence
@@ -74,6 +75,16 @@ class Extent:
         """Hold ``flat`` (a copy taken now) instead of the live bytes."""
         self._flat, self._view, self.captured, self.keepalive = flat, None, True, ()
         self.device = flat.device
+
+
+def host_addresses(extents: Sequence[Extent]) -> list[int | None]:
+    """Each extent's host_address: in C-level passes where every extent is a view of a CPU
+    storage (a first save of many tensors: no Python call per extent), else one by one."""
+    views = [e._view for e in extents]
+    if None in views or not all(d.type == "cpu" for d in set(map(operator.itemgetter(1), views))):
+        return [e.host_address() for e in extents]
+    return list(map(operator.add, map(torch.UntypedStorage.data_ptr, map(operator.itemgetter(0), views)),
+                    map(operator.itemgetter(2), views)))
 
 
 @dataclass
@@ -193,16 +204,17 @@ class LayoutCache:
 
     @staticmethod
     def key_of(tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str],
-               storages: Sequence[torch.UntypedStorage] | None = None) -> tuple:
+               storages: Sequence[torch.UntypedStorage] | None = None,
+               dtypes: Sequence[torch.dtype] | None = None) -> tuple:
         """What the layout is a function of, as one list per property (C-level passes, no tuple
-        per tensor); ``storages``: each tensor's untyped_storage(), if the caller has them
-        already (one call per tensor fewer)."""
+        per tensor); ``storages``: each tensor's untyped_storage(), ``dtypes``: each one's dtype,
+        if the caller has them already (one call per tensor fewer each)."""
         if storages is None:
             storages = [t.untyped_storage() for t in tensors]
         return (list(names), list(kinds), list(map(torch.UntypedStorage.data_ptr, storages)),
                 list(map(torch.UntypedStorage.nbytes, storages)), list(map(torch.Tensor.storage_offset, tensors)),
-                list(map(_DTYPE, tensors)), list(map(_SHAPE, tensors)), list(map(torch.Tensor.stride, tensors)),
-                list(map(_DEVICE, tensors)))
+                list(map(_DTYPE, tensors)) if dtypes is None else list(dtypes), list(map(_SHAPE, tensors)),
+                list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
 
     def reuse(self, key: tuple, tensors: Sequence[torch.Tensor],
               storages: Sequence[torch.UntypedStorage] | None = None) -> tuple[list[Extent], list[tuple[int, int]],
@@ -380,6 +392,9 @@ class PendingSnapshot:
         self.captured: dict[tuple, torch.Tensor] = {}  # extent key (see _extent_key) -> its bytes, copied at the call
         self.left_live: set[tuple] = set()  # keys of the extents left live that no hook guards
         self.unguarded: list[torch.Tensor] = []  # the first tensor of each of those
+        # every tensor was found plain strided (_plain_strided: no quantized, conj or neg one) at this
+        # very call, so complete need not look again (a blocking save: the caller waits for the save)
+        self.checked = False
 
     def unguarded_name(self) -> str:
         """The key path of the first tensor left live unguarded (for a message)."""
@@ -390,22 +405,27 @@ class PendingSnapshot:
         UnsupportedObjectError for a quantized guarded tensor, SnapshotChangedError where a
         tensor copied at the call was given other memory or shape in place since."""
         tree, tensors, names, kinds = encode_state_named(self.tree, arrays=self.arrays)
-        resolved = self.resolved
-        # The usual state (nothing quantized, conjugated or negated: C-level passes) needs no loop
-        if (resolved or any(map(_IS_QUANTIZED, tensors)) or any(map(torch.Tensor.is_conj, tensors))
-                or any(map(torch.Tensor.is_neg, tensors))):
-            for i, t in enumerate(tensors):
-                done = resolved.get(id(t)) if resolved else None
-                if done is not None:
-                    tensors[i] = done
-                else:
-                    _check_quantized(names[i], t)
-                    if t.is_conj() or t.is_neg():  # lazy conj/neg bits are not in the bytes: materialise
-                        tensors[i] = t.detach().resolve_conj().resolve_neg()
-        extents, placed, records = _lay_out(tensors, names, kinds, layout)
+        dtypes = list(map(_DTYPE, tensors))  # read once: the checks below, the layout key and the records
+        if self.resolved or _needs_resolving(tensors, dtypes, checked=self.checked):
+            self._resolve(tensors, names)
+        extents, placed, records = _lay_out(tensors, names, kinds, layout, dtypes=dtypes)
         unguarded = self._apply_captures(extents, placed, tensors)
         key = layout.key if layout is not None and not self.handled else None
         return Snapshot(self.step, tree, extents, records, self.metadata, self.ready, unguarded, self.prepared, key)
+
+    def _resolve(self, tensors: list[torch.Tensor], names: list[str]) -> None:
+        """Each tensor resolved at the call in place of its copy; each other one checked (quantized:
+        UnsupportedObjectError) and, with a lazy conj or neg bit, materialised (the bits are not
+        in the bytes). In place in ``tensors``; the dtypes stay what they were."""
+        resolved = self.resolved
+        for i, t in enumerate(tensors):
+            done = resolved.get(id(t)) if resolved else None
+            if done is not None:
+                tensors[i] = done
+            else:
+                _check_quantized(names[i], t)
+                if t.is_conj() or t.is_neg():
+                    tensors[i] = t.detach().resolve_conj().resolve_neg()
 
     def _apply_captures(self, extents: list[Extent], placed: list[tuple[int, int]],
                         tensors: list[torch.Tensor]) -> list[str]:
@@ -463,7 +483,7 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
         last = guarded.plain
         if len(last) != len(rest) or not all(r() is t for r, t in zip(last, rest)):  # else checked last time
             guarded.plain = []
-            _check_at_call(rest, state)
+            pending.checked = _check_at_call(rest, state) and len(rest) == len(tensors)
             guarded.plain = list(map(weakref.ref, rest))
     elif rest and addresses != (others_at := storage_addresses_of(others)) and not set(others_at).issuperset(addresses):
         held = guarded.storages()  # also views of the guarded tensors that are saved themselves
@@ -488,6 +508,23 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
 _IS_NESTED, _IS_META, _LAYOUT = (operator.attrgetter(a) for a in ("is_nested", "is_meta", "layout"))
 
 
+def _needs_resolving(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], *, checked: bool) -> bool:
+    """Whether some tensor of ``tensors`` (of the given ``dtypes``) is quantized or has a lazy
+    conj or neg bit (PendingSnapshot._resolve then looks at each). A tensor is quantized exactly
+    when its dtype is a quantized one, so one tensor per dtype is asked; the conj bit only means
+    something for complex dtypes, so the conj pass runs only where there are some; the neg bit
+    (``z.conj().imag`` is a float32 view with it) needs a pass, unless ``checked``: every tensor
+    was found plain strided at this same call (record_snapshot)."""
+    if checked:
+        return False
+    one_of_each = dict(zip(dtypes, tensors)).values()  # a C-level pass: the last tensor of each dtype
+    if any(map(_IS_QUANTIZED, one_of_each)):
+        return True
+    if any(map(operator.attrgetter("is_complex"), set(dtypes))) and any(map(torch.Tensor.is_conj, tensors)):
+        return True
+    return any(map(torch.Tensor.is_neg, tensors))
+
+
 def _plain_strided(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every one of ``tensors`` passes check_tensor and _check_quantized and has no lazy
     conj/neg bit: C-level passes over the list, no Python call per tensor (False: check each)."""
@@ -504,11 +541,12 @@ def _accelerator_tensors_can_exist() -> bool:
     return accelerator is not None and (accelerator.type != "cuda" or torch.cuda.is_initialized())
 
 
-def _check_at_call(tensors: list[torch.Tensor], state: Any) -> None:
+def _check_at_call(tensors: list[torch.Tensor], state: Any) -> bool:
     """Raise UnsupportedObjectError, with its key path, for a tensor of ``tensors`` the format
-    cannot store (C-level passes when none is unusual)."""
+    cannot store (C-level passes when none is unusual). Returns whether every one is plain
+    strided (_plain_strided: none has a lazy conj or neg bit either)."""
     if _plain_strided(tensors):
-        return
+        return True
     for t in tensors:  # one by one: the first the format cannot store is raised, with its key path
         try:
             check_tensor(t, "")
@@ -516,6 +554,7 @@ def _check_at_call(tensors: list[torch.Tensor], state: Any) -> None:
         except UnsupportedObjectError:
             _raise_unsupported(state)
             raise
+    return False
 
 
 def _handle_at_call(pending: PendingSnapshot, tensors: list[torch.Tensor], guarded: set[int], state: Any,
@@ -559,13 +598,15 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
 
 
 def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], layout: LayoutCache | None, *,
-             records: bool = True) -> tuple[list[Extent], list[tuple[int, int]], list[TensorRecord]]:
+             records: bool = True, dtypes: Sequence[torch.dtype] | None = None
+             ) -> tuple[list[Extent], list[tuple[int, int]], list[TensorRecord]]:
     """The extents, the (extent, offset) of each tensor and the records: ``layout``'s when it
     still applies, else laid out anew (and kept in ``layout``). ``records`` False: none are
-    made (save_async's grouping at the call, which names nothing)."""
+    made (save_async's grouping at the call, which names nothing). ``dtypes``: the tensors'
+    dtypes, if the caller read them already."""
     storages = list(map(torch.Tensor.untyped_storage, tensors))
     # the key's columns serve the layout and the records too (each tensor property read once)
-    key = LayoutCache.key_of(tensors, names, kinds, storages) if layout is not None or records else None
+    key = LayoutCache.key_of(tensors, names, kinds, storages, dtypes) if layout is not None or records else None
     cached = layout.reuse(key, tensors, storages) if layout is not None else None
     if cached is not None:
         return cached
@@ -726,21 +767,29 @@ def _each_alone(tensors: list[torch.Tensor], names: list[str], storages: Sequenc
         storages = list(map(torch.Tensor.untyped_storage, tensors))
     if not tensors or len(set(key[8])) != 1 or not all(map(torch.Tensor.is_contiguous, tensors)):
         return None
-    sizes = list(map(torch.Tensor.element_size, tensors))
-    numels = list(map(torch.Tensor.numel, tensors))
+    if key[5] is None:
+        sizes = list(map(torch.Tensor.element_size, tensors))
+        numels = list(map(torch.Tensor.numel, tensors))
+    else:  # from the key's columns: a dict look-up per tensor, no call into torch
+        sizes = list(map({d: d.itemsize for d in set(key[5])}.__getitem__, key[5]))
+        numels = list(map(math.prod, key[6]))
     if not all(numels) or not set(sizes) <= _ITEM_SIZES:
         return None
-    bases = np.fromiter(key[2], dtype=np.uint64, count=len(storages))
-    ends = bases + np.fromiter(key[3], dtype=np.uint64, count=len(storages))
+    count = len(storages)
+    bases = np.fromiter(key[2], dtype=np.uint64, count=count)
+    ends = bases + np.fromiter(key[3], dtype=np.uint64, count=count)
     order = np.argsort(bases, kind="stable")
-    if not bases.all() or (len(order) > 1 and (ends[order[:-1]] > bases[order[1:]]).any()):
+    if not bases.all() or (count > 1 and (ends[order[:-1]] > bases[order[1:]]).any()):
         return None
-    device = tensors[0].device
-    los = list(map(operator.mul, key[4], sizes))
-    starts = [lo // STORAGE_ALIGN * STORAGE_ALIGN for lo in los]
-    extents = [Extent(name, view=(st, device, start, lo + n * k - start))
-               for name, st, start, lo, n, k in zip(names, storages, starts, los, numels, sizes)]
-    return extents, [(i, lo - start) for i, (lo, start) in enumerate(zip(los, starts))]
+    # per tensor, in numpy columns: its first byte in its storage, the 16-byte boundary at or
+    # below it (where its extent starts), the extent's length and the tensor's offset in it
+    item = np.fromiter(sizes, dtype=np.int64, count=count)
+    los = np.fromiter(key[4], dtype=np.int64, count=count) * item
+    starts = los // STORAGE_ALIGN * STORAGE_ALIGN
+    lengths = los + np.fromiter(numels, dtype=np.int64, count=count) * item - starts
+    views = zip(storages, repeat(tensors[0].device), starts.tolist(), lengths.tolist())
+    extents = list(map(Extent, names, repeat(None), views))
+    return extents, list(zip(range(count), (los - starts).tolist()))
 
 
 def _add_group(group: list[_Member], tensors: list[torch.Tensor], names: list[str], device: torch.device,
