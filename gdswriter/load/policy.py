@@ -48,7 +48,7 @@ in place)."""
 SMALL_IN_PLACE_BYTES = 1 << 20
 """Live tensors below this size (the engines' ZERO_COPY_MIN: smaller reads are staged, a copy
 of every byte either way) are read with the fresh storages, in runs (one span for many), and
-then copied into the live tensors in one torch._foreach_copy_ per dtype, after every byte is
+then copied into the live tensors (a memmove each: apply.copy_into_live), after every byte is
 verified; read in place, each was a span of its own (100,000 live tensors of 2.7 KB: a
 cold load of 13 s, where fresh tensors took 2 s)."""
 
@@ -135,13 +135,14 @@ def split_in_place(matched: dict[int, tuple[int, torch.Tensor]], *, atomic: bool
                    ) -> tuple[dict[int, tuple[int, torch.Tensor]], dict[int, tuple[int, torch.Tensor]]]:
     """match_live_tensors' storages as (read in place: {storage: (record, flat view)}, read fresh
     and then copied into the live tensor: {storage: (record, live tensor)}). Atomic: all of them
-    fresh. Else the small ones (below SMALL_IN_PLACE_BYTES), up to STAGED_LIVE_MAX_BYTES in all."""
+    fresh. Else the small CPU ones (below SMALL_IN_PLACE_BYTES), up to STAGED_LIVE_MAX_BYTES in
+    all (a GPU's are read in place, as before: its engine may move them straight to the GPU)."""
     if atomic:
         return {}, matched
     direct, staged, budget = {}, {}, STAGED_LIVE_MAX_BYTES
     for sid, (i, lt) in matched.items():
         n = lt.nbytes
-        if n < SMALL_IN_PLACE_BYTES and n <= budget:
+        if n < SMALL_IN_PLACE_BYTES and n <= budget and lt.is_cpu:
             staged[sid] = (i, lt)
             budget -= n
         else:
