@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -157,3 +158,17 @@ def test_match_live_looks_up_live_tensors_by_name_in_any_order(tmp_path):
     assert sorted(names[i] for i, _ in got.values()) == ["model/a", "model/c"]
     assert all(lt is live[names[i]] for i, lt in got.values())
     assert {s: i for s, (i, _) in match_live(m, live).items()} == {s: i for s, (i, _) in got.items()}
+
+
+def test_an_ambiguous_name_is_never_matched(tmp_path):
+    """Two saved tensors with one name ("a/b" as a key, and "b" inside "a"): neither is read
+    into a live tensor of that name, by the columns or by the records."""
+    state = {"a/b": torch.ones(3), "a": {"b": torch.zeros(3)}, "c": torch.ones(2)}
+    with ckpt(state, None, tmp_path) as ck:
+        ck.save(1)
+    m = read_manifest(CommitProtocol([tmp_path]), 1)
+    assert m.tensor_names().count("model/a/b") == 2
+    live = {"model/a/b": torch.empty(3), "model/c": torch.empty(2)}
+    for manifest in (m, replace(m, storages=tuple(m.storages), tensors=tuple(m.tensors))):  # columns, records
+        got = match_live_tensors(manifest, live)
+        assert [manifest.tensor_names()[i] for i, _ in got.values()] == ["model/c"]
