@@ -282,11 +282,15 @@ def _three_steps(tmp_path):
     return root, want
 
 
-@pytest.mark.parametrize("atomic", [None, False])
-def test_checksum_mismatch_mid_load(tmp_path, atomic):
+@pytest.mark.parametrize("atomic,in_place_min", [(None, None), (False, None), (False, 0)])
+def test_checksum_mismatch_mid_load(tmp_path, monkeypatch, atomic, in_place_min):
     """A damaged data file found while loading: by default (small states) the bytes are verified
-    before any live tensor changes; read in place (atomic=False, the default above
-    ATOMIC_LOAD_MAX_BYTES) the error says which live tensors may hold part of the step."""
+    before any live tensor changes; so are small live tensors read with atomic=False (read fresh,
+    copied in once verified: policy.SMALL_IN_PLACE_BYTES); read in place (atomic=False, the
+    default above ATOMIC_LOAD_MAX_BYTES, here every tensor) the error says which live tensors
+    may hold part of the step."""
+    if in_place_min is not None:
+        monkeypatch.setattr(policy_mod, "SMALL_IN_PLACE_BYTES", in_place_min)
     root, _ = _three_steps(tmp_path)
     _flip_in(root, 3, "model/2.weight")  # the second file: the first is read (in place) before
     model, opt = trained(5, (64, 128, 8))
@@ -294,8 +298,9 @@ def test_checksum_mismatch_mid_load(tmp_path, atomic):
     with ckpt(model, opt, root, files_per_root=2) as ck:
         with pytest.raises(ChecksumMismatchError) as ei:
             ck.load(atomic=atomic)
-    if atomic is None:
+    if in_place_min is None:
         assert_unchanged(before, model, opt)
+        assert not getattr(ei.value, "__notes__", [])
     else:
         notes = " ".join(getattr(ei.value, "__notes__", []))
         assert "may now hold part of step 3's bytes" in notes and "model/0.weight" in notes
@@ -317,6 +322,7 @@ def test_fallback_loads_the_newest_intact_step(tmp_path, caplog, monkeypatch):
             assert torch.equal(everything(model)[k], v), k
         assert "step 3" in caplog.text and "checksum mismatch" in caplog.text and "newest intact step" in caplog.text
         # read in place (large states): the damaged step is re-hashed first, never read into the model
+        monkeypatch.setattr(policy_mod, "SMALL_IN_PLACE_BYTES", 0)  # these tensors are small: in place all the same
         read = []
         real = policy_mod.read_storages
         monkeypatch.setattr(policy_mod, "read_storages", lambda p, m, *a, **k: (read.append(m.step), real(p, m, *a, **k)))

@@ -17,6 +17,8 @@ import errno
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from ..engines.base import IOEngine
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, EngineIOError, UnsupportedFormatVersionError
 from ..format.commit import CommitProtocol
@@ -25,8 +27,8 @@ from ..format.state_codec import decode_state, decode_state_slots, fill_slots
 from ..options import EngineOptions
 from ..tensors import hint_unaligned
 from ..threads import gc_paused
-from .apply import (LiveState, LoadResult, apply_state, live_optimizer_state, live_tensors, match_live,
-                    plan_restore)
+from .apply import (LiveState, LoadResult, apply_state, copy_into_live, flat_of, live_optimizer_state, live_tensors,
+                    match_live_tensors, plan_restore)
 from .reader import check_data_files, placeholder_tensors, read_manifest, read_storages, \
     tensors_from_storages
 from .verify import verify_step
@@ -42,6 +44,17 @@ benchmarks/load_atomic.py on this project's VM, cold, 2.3x the in-place time at 
 where that is small in absolute terms; larger states keep the zero-copy in-place path
 (``load(atomic=True)`` opts in, ``load(fallback=True)`` re-hashes a step before reading it
 in place)."""
+
+SMALL_IN_PLACE_BYTES = 1 << 20
+"""Live tensors below this size (the engines' ZERO_COPY_MIN: smaller reads are staged, a copy
+of every byte either way) are read with the fresh storages, in runs (one span for many), and
+then copied into the live tensors (a memmove each: apply.copy_into_live), after every byte is
+verified; read in place, each was a span of its own (100,000 live tensors of 2.7 KB: a
+cold load of 13 s, where fresh tensors took 2 s)."""
+
+STAGED_LIVE_MAX_BYTES = 256 << 20
+"""The most bytes of small live tensors read through fresh buffers in one load (the transient
+memory it adds); the small live tensors beyond are read in place."""
 
 SCAN_SCRATCH_BYTES = 64 << 20
 """Read buffer of the checksum pass ``load(fallback=True)`` makes before an in-place load."""
@@ -76,21 +89,24 @@ def _restore(live: LiveState, protocol: CommitProtocol, step: int, engines: Sequ
     plan = plan_restore(skeleton, live, strict)
     tensors_live = live_tensors(live, plan)
     optimizer_state = live_optimizer_state(live.optimizer) if "optimizer" in plan.apply else {}
-    direct = match_live(manifest, {**optimizer_state, **tensors_live})
-    in_place = sum(flat.numel() for _, flat in direct.values())
+    all_live = {**optimizer_state, **tensors_live}
+    matched = match_live_tensors(manifest, all_live)
     if atomic is None:
-        atomic = verify and in_place <= ATOMIC_LOAD_MAX_BYTES
-    if scan_first and verify and direct and not atomic:
+        atomic = verify and sum(lt.nbytes for _, lt in matched.values()) <= ATOMIC_LOAD_MAX_BYTES
+    direct, staged = split_in_place(matched, atomic=atomic)
+    if scan_first and verify and direct:
         problems: list[str] = []
         verify_step(protocol, manifest, engines[0], SCAN_SCRATCH_BYTES, problems)
         if problems:
             raise CorruptCheckpointError(f"step {step} is damaged: {problems[0]}" +
                                          (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""))
-    buffers = [direct[sid][1] if sid in direct and not atomic else None for sid in range(len(manifest.storages))]
+    buffers = [None] * len(manifest.storages)
+    for sid, (_, flat) in direct.items():
+        buffers[sid] = flat
     try:
         read_storages(protocol, manifest, buffers, engines, verify=verify)  # fills the Nones
     except (CorruptCheckpointError, EngineIOError) as e:
-        if direct and not atomic:
+        if direct:
             every = manifest.tensor_names()
             names = [every[i] for i, _ in direct.values()]
             e.add_note(f"gdswriter: {len(names)} live tensor(s) read in place ({', '.join(names[:8])}"
@@ -98,16 +114,13 @@ def _restore(live: LiveState, protocol: CommitProtocol, step: int, engines: Sequ
                        f"else changed (load_state_dict was not called). Load an intact step "
                        f"(load(fallback=True)) before training on.")
         raise
-    if atomic:
-        for sid, (_, flat) in direct.items():
-            flat.copy_(buffers[sid])
-    else:
-        hint_unaligned([flat for _, flat in direct.values()], engine_options, engines[0].info)
+    hint_unaligned([flat for _, flat in direct.values()], engine_options, engines[0].info)
     tensors = tensors_from_storages(manifest, buffers)
-    all_live = {**optimizer_state, **tensors_live}
-    names = manifest.tensor_names() if direct else []
-    for rec_index, _ in direct.values():
-        tensors[rec_index] = all_live[names[rec_index]]
+    copy_into_live((tensors[i], lt) for i, lt in staged.values())  # verified: all was read
+    for i, lt in staged.values():
+        tensors[i] = lt
+    for sid, (i, _) in direct.items():
+        tensors[i] = matched[sid][1]
     if slots is None:
         state = decode_state(manifest.state, tensors)
     else:  # the tree decoded to plan, its placeholders replaced by the tensors read: decoded once
@@ -116,6 +129,25 @@ def _restore(live: LiveState, protocol: CommitProtocol, step: int, engines: Sequ
     apply_state(live, state, plan)  # type: ignore[arg-type]
     return LoadResult(step, tuple(plan.loaded), tuple(plan.skipped), tuple(plan.missing), tuple(plan.unexpected),
                       atomic=bool(atomic and verify))
+
+
+def split_in_place(matched: dict[int, tuple[int, torch.Tensor]], *, atomic: bool
+                   ) -> tuple[dict[int, tuple[int, torch.Tensor]], dict[int, tuple[int, torch.Tensor]]]:
+    """match_live_tensors' storages as (read in place: {storage: (record, flat view)}, read fresh
+    and then copied into the live tensor: {storage: (record, live tensor)}). Atomic: all of them
+    fresh. Else the small CPU ones (below SMALL_IN_PLACE_BYTES), up to STAGED_LIVE_MAX_BYTES in
+    all (a GPU's are read in place, as before: its engine may move them straight to the GPU)."""
+    if atomic:
+        return {}, matched
+    direct, staged, budget = {}, {}, STAGED_LIVE_MAX_BYTES
+    for sid, (i, lt) in matched.items():
+        n = lt.nbytes
+        if n < SMALL_IN_PLACE_BYTES and n <= budget and lt.is_cpu:
+            staged[sid] = (i, lt)
+            budget -= n
+        else:
+            direct[sid] = (i, flat_of(lt))
+    return direct, staged
 
 
 DAMAGE = (CorruptCheckpointError, UnsupportedFormatVersionError, CheckpointNotFoundError, EngineIOError)
