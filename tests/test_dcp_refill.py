@@ -260,3 +260,68 @@ def test_a_dcp_refill_stopped_after_its_first_move_is_finished_by_the_next_load(
             assert err is None and exact, (rank, load, x[load])
         assert x["stopped"] is not None and x["stopped"][0] == "ReplicationError", (rank, x["stopped"])
         assert x["refilled"] == 1, (rank, x["refilled"])
+
+
+def _two_readers_worker(rank: int, world: int, tmp: str) -> dict:
+    import threading
+
+    import gdswriter.distributed.refill as refill
+    from gdswriter.distributed import GDSStorageReader
+
+    root = Path(tmp, f"node{rank}")
+    save_two_steps(rank, root, state, replicas=2)
+    torch.distributed.barrier()
+    if rank == 1:
+        _replace(root)
+    torch.distributed.barrier()
+    real, entered, go = refill.Incoming, threading.Event(), threading.Event()
+
+    class Paused(real):  # type: ignore[misc,valid-type]
+        """The first refill's first arrival paused once its .tmp- folder is made (a slow refill)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if not entered.is_set():
+                entered.set()
+                go.wait(60)
+    refill.Incoming = Paused
+    copies = root / STEP / "copies"
+    first = GDSStorageReader(root, 1, engine_options=engine())
+    out: dict = {"first": dcp_load(root, 1, state(1), first)}
+    if rank == 1:
+        out["paused"] = entered.wait(60)
+        out["tmp"] = sorted(p.name for p in copies.iterdir() if p.name.startswith(".tmp-"))
+    refill.Incoming = real
+    torch.distributed.barrier()
+    second = GDSStorageReader(root, 1, engine_options=engine())  # a second reader loads the step meanwhile
+    out["second"] = dcp_load(root, 1, state(1), second)
+    if rank == 1:
+        out["kept"] = [name for name in out["tmp"] if (copies / name).exists()]
+    go.set()
+    out["refilled"] = refilled(first)
+    first.close()
+    out["again"] = refilled(second)
+    second.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        _replace(root)
+    torch.distributed.barrier()
+    out["last"] = dcp_load(root, 1, state(1))
+    return out
+
+
+def test_a_second_readers_load_leaves_a_running_refills_temporaries_alone(tmp_path):
+    """replicas=2, node 1 replaced; a first reader's load starts a refill, paused once its first
+    .tmp- folder is made on node 1 (a slow refill still running); a second reader then loads the
+    step (its load removes crash leftovers in copies/): the running refill's .tmp- folder is kept
+    (it holds a lock there: dcp_leftovers.RefillLocks), so the first refill ends well
+    (wait_refilled names step 1) and the step survives node 0's loss afterwards, bit-exact."""
+    got = run_ranks(2, _two_readers_worker, str(tmp_path), out=tmp_path / "ranks")
+    assert got[1]["paused"] and got[1]["tmp"], got[1]
+    assert got[1]["kept"] == got[1]["tmp"], got[1]
+    for rank, x in enumerate(got):
+        for load in ("first", "second", "last"):
+            err, exact, _ = x[load]
+            assert err is None and exact, (rank, load, x[load])
+        assert x["refilled"] == 1, (rank, x["refilled"])
+        assert x["again"] == 1, (rank, x["again"])  # the second reader refilled too (the same files)

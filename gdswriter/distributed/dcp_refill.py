@@ -49,7 +49,7 @@ import json
 import logging
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, parity_marker, protected_marker
 from ..format.sharded import parse_step
 from ..fs import atomic_write, read_regular_file
+from .dcp_leftovers import RefillLocks
 from .dcp_replicas import Placed
 from .group import Coordinator, describe
 from .parityload import StepRoots
@@ -153,11 +154,14 @@ def _chunks(m: Manifest, files: tuple[int, ...]) -> dict[int, list[ChunkRecord]]
 
 @dataclass(frozen=True)
 class DcpRefillJob:
-    """What a refill needs of its load: the manifest, the placement, this rank's roots."""
+    """What a refill needs of its load: the manifest, the placement, this rank's roots; the
+    locks it holds on the ``copies`` directories it writes into while it runs (dcp_leftovers.py:
+    no other reader's load removes its temporaries)."""
 
     m: Manifest
     placed: Placed
     layout: RootLayout
+    locks: RefillLocks = field(default_factory=RefillLocks, compare=False)
 
 
 def _survey(job: DcpRefillJob) -> dict:
@@ -202,14 +206,15 @@ def _sources(job: DcpRefillJob, mv: DcpMove) -> list[Source]:
 
 def _copies_dir(job: DcpRefillJob, mv: DcpMove) -> Path:
     """``step_S/copies`` on this rank's root at the lost root's path, made durably (the step
-    directory with the owner files naming the step's primary)."""
+    directory with the owner files naming the step's primary), locked shared until the refill
+    ends (dcp_leftovers.RefillLocks) before anything is written into it."""
     assert job.m.dist is not None
     want = job.m.dist.roots[mv.target].path
     root = next((p for p in job.layout.local_paths if str(p.resolve()) == want), None)
     if root is None:
         raise GDSWriterError(f"no root of this rank is at {want} (the replaced root's path): not refilled")
     primary = job.m.dist.roots[0]
-    return durable_copies_dir(root, job.m.step, lambda d: write_owner(d, primary.path, primary.id))
+    return job.locks.hold(durable_copies_dir(root, job.m.step, lambda d: write_owner(d, primary.path, primary.id)))
 
 
 def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMove], int, int]:
@@ -238,7 +243,16 @@ def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMov
 
 
 def run_dcp_refill(coord: Coordinator, job: DcpRefillJob) -> bool:
-    """Collective on the refill channel (module docstring): True when the step was refilled."""
+    """Collective on the refill channel (module docstring): True when the step was refilled; the
+    locks on the ``copies`` directories written into released at its end, whatever it was."""
+    try:
+        return _refill(coord, job)
+    finally:
+        job.locks.release()
+
+
+def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
+    """``run_dcp_refill``'s work."""
     step = job.m.step
     what = f"refilling DCP step {step}"
     moves, c, parity = _plan(coord, job, what)
