@@ -325,3 +325,58 @@ def test_a_second_readers_load_leaves_a_running_refills_temporaries_alone(tmp_pa
             assert err is None and exact, (rank, load, x[load])
         assert x["refilled"] == 1, (rank, x["refilled"])
         assert x["again"] == 1, (rank, x["again"])  # the second reader refilled too (the same files)
+
+
+def _both_roots_worker(rank: int, world: int, tmp: str, bad_copy: bool) -> dict:
+    from gdswriter.distributed import GDSStorageReader
+
+    root = Path(tmp, f"node{rank}")
+    save_two_steps(rank, root, state, replicas=2)
+    torch.distributed.barrier()
+    damaged = sorted((Path(tmp, "node1") / STEP).glob("data-rank1-*"))[0]
+    copy = Path(tmp, "node0", STEP, "copies", "rank00001", damaged.name)
+    if rank == 1 and not bad_copy:  # a byte flipped in rank 1's file on node 1
+        flip(damaged)
+    if rank == 1 and bad_copy:  # the file gone from node 1, its copy damaged (read unchecked: verify=False)
+        damaged.unlink()
+        flip(copy)
+    torch.distributed.barrier()
+    roots = [Path(tmp, "node0"), Path(tmp, "node1")] if rank == 0 else [root]  # rank 0 sees both disks
+    reader = GDSStorageReader(roots, 1, verify=not bad_copy, engine_options=engine())
+    out: dict = {"first": dcp_load(roots, 1, state(1), reader), "refilled": refilled(reader)}
+    reader.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        out["same"] = all((damaged.parent / p.name).read_bytes() == p.read_bytes()
+                          for p in copy.parent.iterdir() if p != copy or not bad_copy)
+        out["there"] = damaged.exists()
+        out["tmp"] = [str(p) for p in Path(tmp).rglob(".tmp-*")]
+    return out
+
+
+def test_a_rank_seeing_both_the_damaged_root_and_its_copys_root_refills_it(tmp_path):
+    """replicas=2; a byte flipped in one of rank 1's files on node 1; at the load rank 0 sees both
+    disks (node 0's, with rank 1's copy, and node 1's): it looks at both, so it both reads the
+    copy and writes the refilled file. The load is bit-exact, the refill (a local move, every
+    chunk checked against its crc32c, as the streamed one) names step 1, and node 1's files equal
+    their copies again, no temporary left."""
+    got = run_ranks(2, _both_roots_worker, str(tmp_path), False, out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        err, exact, _ = x["first"]
+        assert err is None and exact, (rank, x["first"])
+        assert x["refilled"] == 1, (rank, x["refilled"])
+    assert got[0]["same"], "node 1's files differ from their copies on node 0"
+    assert got[0]["tmp"] == [], got[0]["tmp"]
+
+
+def test_a_local_refill_move_publishes_no_file_that_fails_its_crc32c(tmp_path):
+    """As above, with rank 1's file missing on node 1 and its copy on node 0 damaged, loaded with
+    verify=False (nothing checked): the local move checks every chunk as it reads, so
+    wait_refilled raises ReplicationError naming the checksum, and node 1 gets no such file nor
+    any temporary."""
+    got = run_ranks(2, _both_roots_worker, str(tmp_path), True, out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["first"][0] is None, (rank, x["first"])
+        assert isinstance(x["refilled"], list) and x["refilled"][0] == "ReplicationError", (rank, x["refilled"])
+    assert "crc32c" in got[0]["refilled"][1] or "checksum" in got[0]["refilled"][1].lower(), got[0]["refilled"]
+    assert not got[0]["there"] and got[0]["tmp"] == [], got[0]

@@ -85,3 +85,14 @@ def test_nothing_lost_nothing_moved_and_files_from_no_copy_are_refused():
     odd = _placed(m, {1: (0, "elsewhere")}, lost=(1,))
     with pytest.raises(GDSWriterError, match="not from one rank's copy"):
         plan_dcp_refill(m, odd, {0: 0}, {1: 1}, 2)
+
+
+def test_a_rank_looking_at_both_roots_is_sender_and_receiver():
+    """Rank 0 looks at both roots (it sees both disks): rank 1's unfit file is read from its copy
+    on root 0 and written on root 1 by rank 0 alike (dcp_refill runs it as a local move)."""
+    m = _manifest(2)
+    placed = _placed(m, {}, unfit=(2,))
+    placed = replace(placed, m=replace(placed.m, files=placed.m.files[:2] + (
+        replace(m.files[2], root=0, path=f"copies/rank00001/{m.files[2].path}"),) + placed.m.files[3:]))
+    assert plan_dcp_refill(m, placed, {0: 0, 1: 0}, {0: 1, 1: 1}, 2) == [
+        DcpMove(1, 0, "copies/rank00001", 0, 0, 1, True, (2,))]

@@ -21,7 +21,9 @@ channel of its own (``DcpRefill``), over replication's verified stream (refill.p
    next load refills again (all files there: the copies are too).
 2. Each file streams from the rank that sees it, every chunk checked against the crc32c the
    manifest records, into a ``.tmp-`` folder of ``step_S/copies`` on the replacement root, each
-   file fdatasynced and checked against the sender's crc32c, then renamed whole to
+   file fdatasynced and checked against the sender's crc32c (a rank that sees both the copy's
+   root and the target's, as one process seeing both disks, is sender and receiver: the same
+   read and checks, in one process, ``_local_move``), then renamed whole to
    ``copies/rank<R>`` (a rank's own files then moved up into ``step_S``, beside the owner files
    naming the primary; a damaged file is replaced by that rename, after the load: a reader
    holding it open keeps the old bytes). A crash leaves the ``.tmp-`` folder, which no load
@@ -47,6 +49,8 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -56,22 +60,23 @@ from typing import Any
 from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
-from ..format.replicas import COPIES_DIR, PROTECTED_NAME, parity_marker, protected_marker
+from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
 from ..format.sharded import parse_step
-from ..fs import atomic_write, read_regular_file
+from ..fs import atomic_write, fsync_dir, read_regular_file
 from .dcp_leftovers import RefillLocks
 from .dcp_replicas import Placed
 from .group import Coordinator, describe
 from .parityload import StepRoots
 from .parityrefill import refill_lane_stripes
 from .refill import FileMove, drop_copy, durable_copies_dir, move_files
-from .replicastream import Source
+from .replicastream import Incoming, Outgoing, Source
 from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
 _RANK_FILE = re.compile(r"^data-rank(\d+)-")
 _COPY_DIR = re.compile(r"^rank(\d+)$")
 MANIFEST_LIMIT = 1 << 30
+LOCAL_PIECE = 8 << 20  # a move within one rank (it sees both roots) copies in pieces of this size
 
 
 @dataclass(frozen=True)
@@ -133,9 +138,6 @@ def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copie
             continue
         g = min(where)
         moves.append(DcpMove(r, g, "", checkers[g], writer[j], j, False, tuple(mine)))
-    for mv in moves:
-        if mv.sender == mv.receiver:
-            raise GDSWriterError(f"rank {mv.sender} would send rank {mv.rank}'s files to itself: not refilled")
     # the copies first, a root's own files last: a refill stopped midway leaves some own file missing,
     # which the next load finds (place_files' size check) and refills, copies included
     return sorted(moves, key=lambda mv: mv.own)
@@ -217,6 +219,44 @@ def _copies_dir(job: DcpRefillJob, mv: DcpMove) -> Path:
     return job.locks.hold(durable_copies_dir(root, job.m.step, lambda d: write_owner(d, primary.path, primary.id)))
 
 
+def _local_move(job: DcpRefillJob, mv: DcpMove) -> list[str]:
+    """A move whose sender is its receiver (a rank seeing both the copy's root and the target's):
+    the files copied locally with move_files' checks (replicastream's Outgoing read, every chunk
+    against its crc32c, into an Incoming: each file fdatasynced and checked against the crc32c
+    of what was read, the folder renamed whole, the own files moved up); what failed."""
+    try:
+        out = Outgoing(_sources(job, mv), None)
+        inc = Incoming(_copies_dir(job, mv), mv.rank, out.header)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0
+        return [f"rank {mv.rank}'s files: {describe(e)}"]
+    # page-aligned (O_DIRECT reads and writes); unmapped when collected: a read error Outgoing keeps holds
+    # views of it in its traceback, so closing it here could fail
+    view = memoryview(mmap.mmap(-1, LOCAL_PIECE))
+    try:
+        while n := out.fill(view):
+            inc.write(view[:n])
+        inc.publish(json.loads(out.trailer()))
+        if mv.own:
+            _move_up(inc.copies, mv.rank)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0
+        inc.discard()
+        return [f"rank {mv.rank}'s files: {describe(e)}"]
+    finally:
+        out.close()
+    return []
+
+
+def _move_up(copies: Path, rank: int) -> None:
+    """A rank's own files, published as ``copies/rank<R>``, renamed into the step directory, as
+    refill.move_files does."""
+    src = copies / copy_dir_name(rank)
+    for p in sorted(src.iterdir()):
+        os.replace(p, copies.parent / p.name)
+    fsync_dir(copies.parent)
+    src.rmdir()
+    fsync_dir(copies)
+
+
 def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMove], int, int]:
     """Collective: the moves (rank 0 decides from every rank's survey), the step's copies and
     its parity group (0: none)."""
@@ -261,7 +301,9 @@ def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
     marker = parity_marker(parity) if parity else protected_marker(c)
     problems: list[str] = []
     for mv in moves:
-        if coord.rank in (mv.sender, mv.receiver):
+        if coord.rank == mv.sender == mv.receiver:  # this rank sees both roots: no stream
+            problems += _local_move(job, mv)
+        elif coord.rank in (mv.sender, mv.receiver):
             problems += move_files(coord, FileMove(step, mv.rank, mv.sender, (mv.receiver,), mv.own),
                                    lambda mv=mv: _sources(job, mv), lambda mv=mv: _copies_dir(job, mv), what)
             if coord.rank == mv.receiver and mv.rank == 0 and not problems:
