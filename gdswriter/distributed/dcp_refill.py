@@ -60,11 +60,12 @@ from typing import Any
 from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
+from ..format.parity import PARITY_DIR
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
 from ..format.sharded import parse_step
 from ..fs import atomic_write, fsync_dir, read_regular_file
 from .dcp_leftovers import RefillLocks
-from .dcp_replicas import Placed
+from .dcp_replicas import REFILLING_NAME, Placed
 from .group import Coordinator, describe
 from .parityload import StepRoots
 from .parityrefill import refill_lane_stripes
@@ -174,7 +175,8 @@ def _survey(job: DcpRefillJob) -> dict:
     c = n = 0
     for g in job.placed.check:
         base = job.placed.reach[g] / d  # type: ignore[operator]
-        for marker in (base / PROTECTED_NAME, base / COPIES_DIR / PROTECTED_NAME):  # copies/: beside the manifest's copy
+        for marker in (base / PROTECTED_NAME, base / COPIES_DIR / PROTECTED_NAME,  # copies/: beside the manifest's copy
+                       base / PARITY_DIR / REFILLING_NAME):  # a parity refill stopped after it unprotected the step
             try:
                 body = json.loads(read_regular_file(marker, 4096))
                 c, n = max(c, int(body.get("copies", 0))), max(n, int(body.get("parity_group", 0)))
@@ -296,9 +298,11 @@ def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
     step = job.m.step
     what = f"refilling DCP step {step}"
     moves, c, parity = _plan(coord, job, what)
-    if not moves:
+    if not moves and not (parity and job.placed.stripes):
         return False
     marker = parity_marker(parity) if parity else protected_marker(c)
+    if parity:  # the step lacks a member's files or parity block until the end: not protected meanwhile
+        _mark(coord, job, marker, what, refilling=True)
     problems: list[str] = []
     for mv in moves:
         if coord.rank == mv.sender == mv.receiver:  # this rank sees both roots: no stream
@@ -319,7 +323,7 @@ def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
         raise ReplicationError(f"DCP step {step} was loaded but not refilled: "
                                f"{'; '.join(f'rank {r}: {m}' for r, m in failed)}; it loads as it did, with fewer "
                                f"copies; fix what the message names (a full or failing disk?) and load again", step)
-    _protect(coord, job, marker, what)
+    _mark(coord, job, marker, what, refilling=False)
     if parity:  # the copies the load rebuilt, read by this refill: the step is protected without them
         for mv in moves:
             if mv.sender == coord.rank and mv.own:
@@ -341,10 +345,18 @@ def _stripes(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove], what: 
 
     def own_root(k: int) -> int:
         return next(j for j, info in enumerate(roots) if k in info.ranks)
+    writers = {r: mv.receiver for r, mv in own.items()}
+    # a block missing on a reached root (a refill stopped after the files): written by the rank looking at it
+    # (known on rank 0, which plans the stripes: the others need the ranks alone)
+    writers.update({r: ranks.get(own_root(r), -1) for r in placed.stripes if r not in writers})
+
+    def step_dir(r: int) -> Path:
+        if r in own:
+            return _copies_dir(job, own[r]).parent
+        return placed.reach[own_root(r)] / step_dir_name(job.m.step)  # type: ignore[operator]
     try:
         return refill_lane_stripes(coord, StepRoots(job.m.step, roots), placed.reach[:len(roots)], seen, own_root,
-                                   {r: mv.receiver for r, mv in own.items()},
-                                   lambda r: _copies_dir(job, own[r]).parent, what, 0)
+                                   writers, step_dir, what, 0)
     except (ReplicationError, CollectiveFailedError):
         raise
     except GDSWriterError as e:
@@ -352,22 +364,55 @@ def _stripes(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove], what: 
                                f"did, rebuilding its lost members at each load", job.m.step) from e
 
 
-def _protect(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str) -> None:
-    """The primary rank rewrites ``step_S/protected`` last, once every rank's files are durable."""
+def _mark(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str, refilling: bool) -> None:
+    """The primary rank's ``step_S/protected``: rewritten last once every rank's files are
+    durable (``refilling`` False); for a parity step, at the start (``refilling`` True) the
+    marker removed (the step lacks a member's files or parity block until the refill ends: it
+    claims no protection it lacks) with ``parity/refilling`` (the marker's body) written first,
+    so a load after a stop still knows the step's group and refills it; removed after the
+    rewrite. Collective: every rank learns the outcome."""
     error = None
     layout = job.layout
     if coord.rank == layout.primary_rank:
         try:
             local = layout.local_of(0)
             d = layout.local_paths[local if local is not None else 0] / step_dir_name(job.m.step)
-            atomic_write(d / PROTECTED_NAME, marker)
-            log.warning("gdswriter: DCP step %d is refilled: the files of replaced root(s) %s and %d file(s) missing "
-                        "or damaged on reached roots re-created from their copies%s, and the step is protected again",
-                        job.m.step, list(job.placed.lost), len(job.placed.unfit),
-                        " (rebuilt from parity) and their parity blocks" if job.placed.parity else "")
+            _marks(d, marker, refilling)
+            if not refilling:
+                log.warning("gdswriter: DCP step %d is refilled: the files of replaced root(s) %s and %d file(s) "
+                            "missing or damaged on reached roots re-created from their copies%s, and the step is "
+                            "protected again", job.m.step, list(job.placed.lost), len(job.placed.unfit),
+                            f" (rebuilt from parity) and the parity blocks of ranks "
+                            f"{sorted(set(job.placed.stripes) | _lost_ranks(job))}" if job.placed.parity else "")
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
-    coord.agree(error, f"{what} (protected)", root=layout.primary_rank)
+    coord.agree(error, f"{what} ({'unprotected' if refilling else 'protected'})", root=layout.primary_rank)
+
+
+def _marks(d: Path, marker: bytes, refilling: bool) -> None:
+    """``_mark``'s files in the step directory ``d`` (where it exists: a replaced primary root's
+    gets its ``protected`` at the end)."""
+    note = d / PARITY_DIR / REFILLING_NAME
+    if refilling:
+        if not d.is_dir():
+            return
+        if not note.parent.is_dir():
+            note.parent.mkdir()
+            fsync_dir(d)
+        atomic_write(note, marker)
+        if (d / PROTECTED_NAME).exists():
+            os.unlink(d / PROTECTED_NAME)
+            fsync_dir(d)
+        return
+    atomic_write(d / PROTECTED_NAME, marker)
+    if note.exists():
+        os.unlink(note)
+        fsync_dir(note.parent)
+
+
+def _lost_ranks(job: DcpRefillJob) -> set[int]:
+    assert job.m.dist is not None
+    return {k for j in job.placed.lost for k in job.m.dist.roots[j].ranks}
 
 
 class DcpRefill:
