@@ -38,7 +38,11 @@ copies to top up); then, collectively, the parity block each lost rank stored is
 on its replacement root by the rank that received its files (parityrefill.py
 ``refill_lane_stripes``, GDSCheckpointer's code: every member's chunk checked against the crc32c
 its description records, the block fsynced and read back before its description is written);
-step 3 writes the group's marker; then each rank that sent a rebuilt copy removes it
+step 3 writes the group's marker (removed at the start, ``parity/refilling`` keeping the group
+meanwhile: the step lacks a member's files or block until then, and claims no protection it
+lacks; ``_mark``); a load that finds a member's block missing or cut short on a reached root
+(``Placed.stripes``: a refill stopped after the files landed) re-creates it alike, written by
+the rank looking at that root, no file moving; then each rank that sent a rebuilt copy removes it
 (refill.py ``drop_copy``: renamed, fsynced, deleted), so disk use does not grow per load. A
 copy the load held in memory (no root could be written) is gone after the load: not refilled.
 

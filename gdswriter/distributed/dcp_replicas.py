@@ -20,7 +20,10 @@ its crc32c in the fetch (every rank agrees on which) is pointed at a copy of the
 a peer's root (a warning names the file and why), and the fetch is done again; a copy that
 fails its check too gives way to the next; none left: StepFilesLostError (all missing) or
 CorruptCheckpointError (some damaged), on every rank. Such files of a reached root are the
-placement's ``unfit``: the load's refill re-creates them from their copy (dcp_refill.py)."""
+placement's ``unfit``: the load's refill re-creates them from their copy (dcp_refill.py). For a
+parity step the same round reports the parity blocks on the roots each rank looks at; a lane
+member of a reached root whose block is missing or of the wrong length is in ``stripes``: the
+refill re-creates that block."""
 
 from __future__ import annotations
 
