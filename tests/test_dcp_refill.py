@@ -335,6 +335,7 @@ def _both_roots_worker(rank: int, world: int, tmp: str, bad_copy: bool) -> dict:
     torch.distributed.barrier()
     damaged = sorted((Path(tmp, "node1") / STEP).glob("data-rank1-*"))[0]
     copy = Path(tmp, "node0", STEP, "copies", "rank00001", damaged.name)
+    torch.distributed.barrier()  # both ranks named the file before it changes
     if rank == 1 and not bad_copy:  # a byte flipped in rank 1's file on node 1
         flip(damaged)
     if rank == 1 and bad_copy:  # the file gone from node 1, its copy damaged (read unchecked: verify=False)
