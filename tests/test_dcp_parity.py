@@ -165,6 +165,7 @@ def _stopped_worker(rank: int, world: int, tmp: str) -> dict:
     marks = Path(tmp, "node0", STEP)
     block = Path(tmp, "node1", STEP, "parity", "rank00001.xor")
     out["after stop"] = [(marks / "protected").exists(), (marks / "parity" / "refilling").exists(), block.exists()]
+    out["rebuilt"] = sorted(str(p.relative_to(tmp)) for p in Path(tmp).glob("node*/step_*/copies/rank*"))
     torch.distributed.barrier()
     loads = []
     for case in ("refilling", "protected", "intact"):
@@ -176,7 +177,8 @@ def _stopped_worker(rank: int, world: int, tmp: str) -> dict:
         reader.close()
         torch.distributed.barrier()
         said = json.loads((marks / "protected").read_bytes()) if (marks / "protected").exists() else None
-        loads[-1].append([said, (marks / "parity" / "refilling").exists(), block.exists()])
+        loads[-1].append([said, (marks / "parity" / "refilling").exists(), block.exists(),
+                          sorted(str(p.relative_to(tmp)) for p in Path(tmp).glob("node*/step_*/copies/rank*"))])
         torch.distributed.barrier()
     out["loads"] = loads
     if rank == 2:  # then rank 2's node too: a second member of the lane, survived thanks to rank 1's block
@@ -201,9 +203,10 @@ def test_a_dcp_parity_block_missing_on_a_reached_root_is_re_created(tmp_path):
         assert err is None and exact, (rank, x["first"])
         assert isinstance(x["stopped"], list) and x["stopped"][0] == "ReplicationError", (rank, x["stopped"])
         assert x["after stop"] == [False, True, False], (rank, x["after stop"])
+        assert x["rebuilt"], (rank, x["rebuilt"])  # the stopped refill left the rebuilt copy
         for case, (err, exact), done, marks in x["loads"]:
             assert err is None and exact, (rank, case, err)
             assert done == (None if case == "intact" else 1), (rank, case, done)
-            assert marks == [{"copies": 1, "parity_group": 3}, False, True], (rank, case, marks)
+            assert marks == [{"copies": 1, "parity_group": 3}, False, True, []], (rank, case, marks)  # no copy left
         err, exact, _ = x["second"]
         assert err is None and exact, (rank, x["second"])

@@ -329,11 +329,24 @@ def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
                                f"copies; fix what the message names (a full or failing disk?) and load again", step)
     _mark(coord, job, marker, what, refilling=False)
     if parity:  # the copies the load rebuilt, read by this refill: the step is protected without them
-        for mv in moves:
-            if mv.sender == coord.rank and mv.own:
-                drop_copy(job.placed.reach[mv.source] / step_dir_name(step) / mv.prefix.rsplit("/", 1)[0],  # type: ignore[operator]
-                          mv.rank, step)
+        _drop_rebuilt(coord, job, moves)
     return True
+
+
+def _drop_rebuilt(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove]) -> None:
+    """A parity step's rebuilt copies removed once it is protected again: those this rank sent,
+    and on the roots it looks at those of the ranks whose block was re-created alone (a copy a
+    stopped refill left: a parity step holds no other ``copies/rank<R>``)."""
+    step = job.m.step
+    for mv in moves:
+        if mv.sender == coord.rank and mv.own:
+            drop_copy(job.placed.reach[mv.source] / step_dir_name(step) / mv.prefix.rsplit("/", 1)[0],  # type: ignore[operator]
+                      mv.rank, step)
+    for g in job.placed.check[:len(job.m.dist.roots)]:  # type: ignore[union-attr]
+        copies = job.placed.reach[g] / step_dir_name(step) / COPIES_DIR  # type: ignore[operator]
+        for r in job.placed.stripes:
+            if (copies / copy_dir_name(r)).is_dir():
+                drop_copy(copies, r, step)
 
 
 def _stripes(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove], what: str) -> list[str]:
