@@ -34,6 +34,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     root = Path(tmp, f"node{rank}")
     out: dict = {"protected": _save(rank, root)}
     step = root / STEP
+    out["marker"] = json.loads((step / "protected").read_bytes()) if rank == 0 else None
     out["own"] = sum(p.stat().st_size for p in step.glob("*.bin"))
     out["parity"] = sum(p.stat().st_size for p in (step / "parity").glob("*.xor"))
     torch.distributed.barrier()
@@ -72,7 +73,7 @@ def test_dcp_parity_protects_at_3_over_2_and_rebuilds_a_lost_or_damaged_member(t
     got = run_ranks(3, _worker, str(tmp_path), out=tmp_path / "ranks")
     own, parity = sum(x["own"] for x in got), sum(x["parity"] for x in got)
     assert 1.45 < (own + parity) / own < 1.55, (own, parity)
-    assert json.loads((tmp_path / "node0" / STEP / "protected").read_bytes()) == {"copies": 1, "parity_group": 3}
+    assert got[0]["marker"] == {"copies": 1, "parity_group": 3}, got[0]["marker"]
     for rank, x in enumerate(got):
         assert x["protected"] == [0, 1], (rank, x)
         err, exact, lines = x["intact"]
@@ -106,6 +107,9 @@ def _refill_worker(rank: int, world: int, tmp: str) -> dict:
     reader.close()
     out["files"] = sorted(str(p.relative_to(root / STEP)) for p in (root / STEP).rglob("*") if p.is_file())
     torch.distributed.barrier()
+    # before the next load's refill (left running in the background) unprotects the step while it runs
+    out["protected"] = json.loads(Path(tmp, "node0", STEP, "protected").read_bytes())
+    torch.distributed.barrier()
     if rank == 2:  # then rank 2's node too: a second member of the lane, survived thanks to the refill
         shutil.rmtree(root)
         root.mkdir()
@@ -130,7 +134,79 @@ def test_a_dcp_step_rebuilt_from_parity_is_refilled_and_survives_a_second_member
     files = got[1]["files"]
     assert any(f.startswith("data-rank1") for f in files), files
     assert "parity/rank00001.xor" in files and "parity/rank00001.json" in files, files
-    assert json.loads((tmp_path / "node0" / STEP / "protected").read_bytes()) == {"copies": 1, "parity_group": 3}
+    assert got[0]["protected"] == {"copies": 1, "parity_group": 3}, got[0]["protected"]
     for rank, x in enumerate(got):
+        err, exact, _ = x["second"]
+        assert err is None and exact, (rank, x["second"])
+
+
+def _stopped_worker(rank: int, world: int, tmp: str) -> dict:
+    import gdswriter.distributed.dcp_refill as dcp_refill
+    from support.dcp import engine, refilled
+    from gdswriter.distributed import GDSStorageReader
+    from gdswriter.errors import GDSWriterError
+
+    root = Path(tmp, f"node{rank}")
+    _save(rank, root)
+    torch.distributed.barrier()
+    if rank == 1:  # rank 1's node replaced
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    real = dcp_refill.refill_lane_stripes
+
+    def stopped(*args, **kwargs):  # the refill stopped once rank 1's files landed, before its parity block
+        raise GDSWriterError("killed")
+    dcp_refill.refill_lane_stripes = stopped
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out: dict = {"first": dcp_load(root, 1, state(1), reader)[:2], "stopped": refilled(reader)}
+    reader.close()
+    dcp_refill.refill_lane_stripes = real
+    marks = Path(tmp, "node0", STEP)
+    block = Path(tmp, "node1", STEP, "parity", "rank00001.xor")
+    out["after stop"] = [(marks / "protected").exists(), (marks / "parity" / "refilling").exists(), block.exists()]
+    out["rebuilt"] = sorted(str(p.relative_to(tmp)) for p in Path(tmp).glob("node*/step_*/copies/rank*"))
+    torch.distributed.barrier()
+    loads = []
+    for case in ("refilling", "protected", "intact"):
+        if rank == 1 and case == "protected":  # the block lost again while the step says it is protected
+            block.unlink(missing_ok=True)
+        torch.distributed.barrier()
+        reader = GDSStorageReader(root, 1, engine_options=engine())
+        loads.append([case, dcp_load(root, 1, state(1), reader)[:2], refilled(reader)])
+        reader.close()
+        torch.distributed.barrier()
+        said = json.loads((marks / "protected").read_bytes()) if (marks / "protected").exists() else None
+        loads[-1].append([said, (marks / "parity" / "refilling").exists(), block.exists(),
+                          sorted(str(p.relative_to(tmp)) for p in Path(tmp).glob("node*/step_*/copies/rank*"))])
+        torch.distributed.barrier()
+    out["loads"] = loads
+    if rank == 2:  # then rank 2's node too: a second member of the lane, survived thanks to rank 1's block
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    out["second"] = dcp_load(root, 1, state(1))
+    return out
+
+
+def test_a_dcp_parity_block_missing_on_a_reached_root_is_re_created(tmp_path):
+    """parity_group=3, rank 1's node replaced; the refill is stopped once rank 1's files landed,
+    before its parity block is re-created: the step is then not ``protected`` (the marker is
+    removed when the refill starts; ``parity/refilling`` keeps its group). The next load finds
+    the files whole but the block missing on a reached root and re-creates it (wait_refilled
+    names step 1), ``protected`` rewritten last, the note gone; the block removed again while the
+    step says it is protected: found and re-created alike; an intact load refills nothing; then
+    rank 2's node replaced: the step loads bit-exact (rebuilt with rank 1's block)."""
+    got = run_ranks(3, _stopped_worker, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        err, exact = x["first"]
+        assert err is None and exact, (rank, x["first"])
+        assert isinstance(x["stopped"], list) and x["stopped"][0] == "ReplicationError", (rank, x["stopped"])
+        assert x["after stop"] == [False, True, False], (rank, x["after stop"])
+        assert x["rebuilt"], (rank, x["rebuilt"])  # the stopped refill left the rebuilt copy
+        for case, (err, exact), done, marks in x["loads"]:
+            assert err is None and exact, (rank, case, err)
+            assert done == (None if case == "intact" else 1), (rank, case, done)
+            assert marks == [{"copies": 1, "parity_group": 3}, False, True, []], (rank, case, marks)  # no copy left
         err, exact, _ = x["second"]
         assert err is None and exact, (rank, x["second"])

@@ -260,3 +260,124 @@ def test_a_dcp_refill_stopped_after_its_first_move_is_finished_by_the_next_load(
             assert err is None and exact, (rank, load, x[load])
         assert x["stopped"] is not None and x["stopped"][0] == "ReplicationError", (rank, x["stopped"])
         assert x["refilled"] == 1, (rank, x["refilled"])
+
+
+def _two_readers_worker(rank: int, world: int, tmp: str) -> dict:
+    import threading
+
+    import gdswriter.distributed.refill as refill
+    from gdswriter.distributed import GDSStorageReader
+
+    root = Path(tmp, f"node{rank}")
+    save_two_steps(rank, root, state, replicas=2)
+    torch.distributed.barrier()
+    if rank == 1:
+        _replace(root)
+    torch.distributed.barrier()
+    real, entered, go = refill.Incoming, threading.Event(), threading.Event()
+
+    class Paused(real):  # type: ignore[misc,valid-type]
+        """The first refill's first arrival paused once its .tmp- folder is made (a slow refill)."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if not entered.is_set():
+                entered.set()
+                go.wait(60)
+    refill.Incoming = Paused
+    copies = root / STEP / "copies"
+    first = GDSStorageReader(root, 1, engine_options=engine())
+    out: dict = {"first": dcp_load(root, 1, state(1), first)}
+    if rank == 1:
+        out["paused"] = entered.wait(60)
+        out["tmp"] = sorted(p.name for p in copies.iterdir() if p.name.startswith(".tmp-"))
+    refill.Incoming = real
+    torch.distributed.barrier()
+    second = GDSStorageReader(root, 1, engine_options=engine())  # a second reader loads the step meanwhile
+    out["second"] = dcp_load(root, 1, state(1), second)
+    if rank == 1:
+        out["kept"] = [name for name in out["tmp"] if (copies / name).exists()]
+    go.set()
+    out["refilled"] = refilled(first)
+    first.close()
+    out["again"] = refilled(second)
+    second.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        _replace(root)
+    torch.distributed.barrier()
+    out["last"] = dcp_load(root, 1, state(1))
+    return out
+
+
+def test_a_second_readers_load_leaves_a_running_refills_temporaries_alone(tmp_path):
+    """replicas=2, node 1 replaced; a first reader's load starts a refill, paused once its first
+    .tmp- folder is made on node 1 (a slow refill still running); a second reader then loads the
+    step (its load removes crash leftovers in copies/): the running refill's .tmp- folder is kept
+    (it holds a lock there: dcp_leftovers.RefillLocks), so the first refill ends well
+    (wait_refilled names step 1) and the step survives node 0's loss afterwards, bit-exact."""
+    got = run_ranks(2, _two_readers_worker, str(tmp_path), out=tmp_path / "ranks")
+    assert got[1]["paused"] and got[1]["tmp"], got[1]
+    assert got[1]["kept"] == got[1]["tmp"], got[1]
+    for rank, x in enumerate(got):
+        for load in ("first", "second", "last"):
+            err, exact, _ = x[load]
+            assert err is None and exact, (rank, load, x[load])
+        assert x["refilled"] == 1, (rank, x["refilled"])
+        assert x["again"] == 1, (rank, x["again"])  # the second reader refilled too (the same files)
+
+
+def _both_roots_worker(rank: int, world: int, tmp: str, bad_copy: bool) -> dict:
+    from gdswriter.distributed import GDSStorageReader
+
+    root = Path(tmp, f"node{rank}")
+    save_two_steps(rank, root, state, replicas=2)
+    torch.distributed.barrier()
+    damaged = sorted((Path(tmp, "node1") / STEP).glob("data-rank1-*"))[0]
+    copy = Path(tmp, "node0", STEP, "copies", "rank00001", damaged.name)
+    torch.distributed.barrier()  # both ranks named the file before it changes
+    if rank == 1 and not bad_copy:  # a byte flipped in rank 1's file on node 1
+        flip(damaged)
+    if rank == 1 and bad_copy:  # the file gone from node 1, its copy damaged (read unchecked: verify=False)
+        damaged.unlink()
+        flip(copy)
+    torch.distributed.barrier()
+    roots = [Path(tmp, "node0"), Path(tmp, "node1")] if rank == 0 else [root]  # rank 0 sees both disks
+    reader = GDSStorageReader(roots, 1, verify=not bad_copy, engine_options=engine())
+    out: dict = {"first": dcp_load(roots, 1, state(1), reader), "refilled": refilled(reader)}
+    reader.close()
+    torch.distributed.barrier()
+    if rank == 0:
+        out["same"] = all((damaged.parent / p.name).read_bytes() == p.read_bytes()
+                          for p in copy.parent.iterdir() if p != copy or not bad_copy)
+        out["there"] = damaged.exists()
+        out["tmp"] = [str(p) for p in Path(tmp).rglob(".tmp-*")]
+    return out
+
+
+def test_a_rank_seeing_both_the_damaged_root_and_its_copys_root_refills_it(tmp_path):
+    """replicas=2; a byte flipped in one of rank 1's files on node 1; at the load rank 0 sees both
+    disks (node 0's, with rank 1's copy, and node 1's): it looks at both, so it both reads the
+    copy and writes the refilled file. The load is bit-exact, the refill (a local move, every
+    chunk checked against its crc32c, as the streamed one) names step 1, and node 1's files equal
+    their copies again, no temporary left."""
+    got = run_ranks(2, _both_roots_worker, str(tmp_path), False, out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        err, exact, _ = x["first"]
+        assert err is None and exact, (rank, x["first"])
+        assert x["refilled"] == 1, (rank, x["refilled"])
+    assert got[0]["same"], "node 1's files differ from their copies on node 0"
+    assert got[0]["tmp"] == [], got[0]["tmp"]
+
+
+def test_a_local_refill_move_publishes_no_file_that_fails_its_crc32c(tmp_path):
+    """As above, with rank 1's file missing on node 1 and its copy on node 0 damaged, loaded with
+    verify=False (nothing checked): the local move checks every chunk as it reads, so
+    wait_refilled raises ReplicationError naming the checksum, and node 1 gets no such file nor
+    any temporary."""
+    got = run_ranks(2, _both_roots_worker, str(tmp_path), True, out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["first"][0] is None, (rank, x["first"])
+        assert isinstance(x["refilled"], list) and x["refilled"][0] == "ReplicationError", (rank, x["refilled"])
+    assert "crc32c" in got[0]["refilled"][1] or "checksum" in got[0]["refilled"][1].lower(), got[0]["refilled"]
+    assert not got[0]["there"] and got[0]["tmp"] == [], got[0]

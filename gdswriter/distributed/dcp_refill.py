@@ -21,7 +21,9 @@ channel of its own (``DcpRefill``), over replication's verified stream (refill.p
    next load refills again (all files there: the copies are too).
 2. Each file streams from the rank that sees it, every chunk checked against the crc32c the
    manifest records, into a ``.tmp-`` folder of ``step_S/copies`` on the replacement root, each
-   file fdatasynced and checked against the sender's crc32c, then renamed whole to
+   file fdatasynced and checked against the sender's crc32c (a rank that sees both the copy's
+   root and the target's, as one process seeing both disks, is sender and receiver: the same
+   read and checks, in one process, ``_local_move``), then renamed whole to
    ``copies/rank<R>`` (a rank's own files then moved up into ``step_S``, beside the owner files
    naming the primary; a damaged file is replaced by that rename, after the load: a reader
    holding it open keeps the old bytes). A crash leaves the ``.tmp-`` folder, which no load
@@ -36,7 +38,11 @@ copies to top up); then, collectively, the parity block each lost rank stored is
 on its replacement root by the rank that received its files (parityrefill.py
 ``refill_lane_stripes``, GDSCheckpointer's code: every member's chunk checked against the crc32c
 its description records, the block fsynced and read back before its description is written);
-step 3 writes the group's marker; then each rank that sent a rebuilt copy removes it
+step 3 writes the group's marker (removed at the start, ``parity/refilling`` keeping the group
+meanwhile: the step lacks a member's files or block until then, and claims no protection it
+lacks; ``_mark``); a load that finds a member's block missing or cut short on a reached root
+(``Placed.stripes``: a refill stopped after the files landed) re-creates it alike, written by
+the rank looking at that root, no file moving; then each rank that sent a rebuilt copy removes it
 (refill.py ``drop_copy``: renamed, fsynced, deleted), so disk use does not grow per load. A
 copy the load held in memory (no root could be written) is gone after the load: not refilled.
 
@@ -47,30 +53,35 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
+import os
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
-from ..format.replicas import COPIES_DIR, PROTECTED_NAME, parity_marker, protected_marker
+from ..format.parity import PARITY_DIR
+from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
 from ..format.sharded import parse_step
-from ..fs import atomic_write, read_regular_file
-from .dcp_replicas import Placed
+from ..fs import atomic_write, fsync_dir, read_regular_file
+from .dcp_leftovers import RefillLocks
+from .dcp_replicas import REFILLING_NAME, Placed
 from .group import Coordinator, describe
 from .parityload import StepRoots
 from .parityrefill import refill_lane_stripes
 from .refill import FileMove, drop_copy, durable_copies_dir, move_files
-from .replicastream import Source
+from .replicastream import Incoming, Outgoing, Source
 from .roots import RootLayout
 
 log = logging.getLogger("gdswriter")
 _RANK_FILE = re.compile(r"^data-rank(\d+)-")
 _COPY_DIR = re.compile(r"^rank(\d+)$")
 MANIFEST_LIMIT = 1 << 30
+LOCAL_PIECE = 8 << 20  # a move within one rank (it sees both roots) copies in pieces of this size
 
 
 @dataclass(frozen=True)
@@ -132,9 +143,6 @@ def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copie
             continue
         g = min(where)
         moves.append(DcpMove(r, g, "", checkers[g], writer[j], j, False, tuple(mine)))
-    for mv in moves:
-        if mv.sender == mv.receiver:
-            raise GDSWriterError(f"rank {mv.sender} would send rank {mv.rank}'s files to itself: not refilled")
     # the copies first, a root's own files last: a refill stopped midway leaves some own file missing,
     # which the next load finds (place_files' size check) and refills, copies included
     return sorted(moves, key=lambda mv: mv.own)
@@ -153,11 +161,14 @@ def _chunks(m: Manifest, files: tuple[int, ...]) -> dict[int, list[ChunkRecord]]
 
 @dataclass(frozen=True)
 class DcpRefillJob:
-    """What a refill needs of its load: the manifest, the placement, this rank's roots."""
+    """What a refill needs of its load: the manifest, the placement, this rank's roots; the
+    locks it holds on the ``copies`` directories it writes into while it runs (dcp_leftovers.py:
+    no other reader's load removes its temporaries)."""
 
     m: Manifest
     placed: Placed
     layout: RootLayout
+    locks: RefillLocks = field(default_factory=RefillLocks, compare=False)
 
 
 def _survey(job: DcpRefillJob) -> dict:
@@ -168,7 +179,8 @@ def _survey(job: DcpRefillJob) -> dict:
     c = n = 0
     for g in job.placed.check:
         base = job.placed.reach[g] / d  # type: ignore[operator]
-        for marker in (base / PROTECTED_NAME, base / COPIES_DIR / PROTECTED_NAME):  # copies/: beside the manifest's copy
+        for marker in (base / PROTECTED_NAME, base / COPIES_DIR / PROTECTED_NAME,  # copies/: beside the manifest's copy
+                       base / PARITY_DIR / REFILLING_NAME):  # a parity refill stopped after it unprotected the step
             try:
                 body = json.loads(read_regular_file(marker, 4096))
                 c, n = max(c, int(body.get("copies", 0))), max(n, int(body.get("parity_group", 0)))
@@ -202,14 +214,53 @@ def _sources(job: DcpRefillJob, mv: DcpMove) -> list[Source]:
 
 def _copies_dir(job: DcpRefillJob, mv: DcpMove) -> Path:
     """``step_S/copies`` on this rank's root at the lost root's path, made durably (the step
-    directory with the owner files naming the step's primary)."""
+    directory with the owner files naming the step's primary), locked shared until the refill
+    ends (dcp_leftovers.RefillLocks) before anything is written into it."""
     assert job.m.dist is not None
     want = job.m.dist.roots[mv.target].path
     root = next((p for p in job.layout.local_paths if str(p.resolve()) == want), None)
     if root is None:
         raise GDSWriterError(f"no root of this rank is at {want} (the replaced root's path): not refilled")
     primary = job.m.dist.roots[0]
-    return durable_copies_dir(root, job.m.step, lambda d: write_owner(d, primary.path, primary.id))
+    return job.locks.hold(durable_copies_dir(root, job.m.step, lambda d: write_owner(d, primary.path, primary.id)))
+
+
+def _local_move(job: DcpRefillJob, mv: DcpMove) -> list[str]:
+    """A move whose sender is its receiver (a rank seeing both the copy's root and the target's):
+    the files copied locally with move_files' checks (replicastream's Outgoing read, every chunk
+    against its crc32c, into an Incoming: each file fdatasynced and checked against the crc32c
+    of what was read, the folder renamed whole, the own files moved up); what failed."""
+    try:
+        out = Outgoing(_sources(job, mv), None)
+        inc = Incoming(_copies_dir(job, mv), mv.rank, out.header)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0
+        return [f"rank {mv.rank}'s files: {describe(e)}"]
+    # page-aligned (O_DIRECT reads and writes); unmapped when collected: a read error Outgoing keeps holds
+    # views of it in its traceback, so closing it here could fail
+    view = memoryview(mmap.mmap(-1, LOCAL_PIECE))
+    try:
+        while n := out.fill(view):
+            inc.write(view[:n])
+        inc.publish(json.loads(out.trailer()))
+        if mv.own:
+            _move_up(inc.copies, mv.rank)
+    except Exception as e:  # noqa: BLE001 - reported to rank 0
+        inc.discard()
+        return [f"rank {mv.rank}'s files: {describe(e)}"]
+    finally:
+        out.close()
+    return []
+
+
+def _move_up(copies: Path, rank: int) -> None:
+    """A rank's own files, published as ``copies/rank<R>``, renamed into the step directory, as
+    refill.move_files does."""
+    src = copies / copy_dir_name(rank)
+    for p in sorted(src.iterdir()):
+        os.replace(p, copies.parent / p.name)
+    fsync_dir(copies.parent)
+    src.rmdir()
+    fsync_dir(copies)
 
 
 def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMove], int, int]:
@@ -238,16 +289,29 @@ def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMov
 
 
 def run_dcp_refill(coord: Coordinator, job: DcpRefillJob) -> bool:
-    """Collective on the refill channel (module docstring): True when the step was refilled."""
+    """Collective on the refill channel (module docstring): True when the step was refilled; the
+    locks on the ``copies`` directories written into released at its end, whatever it was."""
+    try:
+        return _refill(coord, job)
+    finally:
+        job.locks.release()
+
+
+def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
+    """``run_dcp_refill``'s work."""
     step = job.m.step
     what = f"refilling DCP step {step}"
     moves, c, parity = _plan(coord, job, what)
-    if not moves:
+    if not moves and not (parity and job.placed.stripes):
         return False
     marker = parity_marker(parity) if parity else protected_marker(c)
+    if parity:  # the step lacks a member's files or parity block until the end: not protected meanwhile
+        _mark(coord, job, marker, what, refilling=True)
     problems: list[str] = []
     for mv in moves:
-        if coord.rank in (mv.sender, mv.receiver):
+        if coord.rank == mv.sender == mv.receiver:  # this rank sees both roots: no stream
+            problems += _local_move(job, mv)
+        elif coord.rank in (mv.sender, mv.receiver):
             problems += move_files(coord, FileMove(step, mv.rank, mv.sender, (mv.receiver,), mv.own),
                                    lambda mv=mv: _sources(job, mv), lambda mv=mv: _copies_dir(job, mv), what)
             if coord.rank == mv.receiver and mv.rank == 0 and not problems:
@@ -263,13 +327,26 @@ def run_dcp_refill(coord: Coordinator, job: DcpRefillJob) -> bool:
         raise ReplicationError(f"DCP step {step} was loaded but not refilled: "
                                f"{'; '.join(f'rank {r}: {m}' for r, m in failed)}; it loads as it did, with fewer "
                                f"copies; fix what the message names (a full or failing disk?) and load again", step)
-    _protect(coord, job, marker, what)
+    _mark(coord, job, marker, what, refilling=False)
     if parity:  # the copies the load rebuilt, read by this refill: the step is protected without them
-        for mv in moves:
-            if mv.sender == coord.rank and mv.own:
-                drop_copy(job.placed.reach[mv.source] / step_dir_name(step) / mv.prefix.rsplit("/", 1)[0],  # type: ignore[operator]
-                          mv.rank, step)
+        _drop_rebuilt(coord, job, moves)
     return True
+
+
+def _drop_rebuilt(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove]) -> None:
+    """A parity step's rebuilt copies removed once it is protected again: those this rank sent,
+    and on the roots it looks at those of the ranks whose block was re-created alone (a copy a
+    stopped refill left: a parity step holds no other ``copies/rank<R>``)."""
+    step = job.m.step
+    for mv in moves:
+        if mv.sender == coord.rank and mv.own:
+            drop_copy(job.placed.reach[mv.source] / step_dir_name(step) / mv.prefix.rsplit("/", 1)[0],  # type: ignore[operator]
+                      mv.rank, step)
+    for g in job.placed.check[:len(job.m.dist.roots)]:  # type: ignore[union-attr]
+        copies = job.placed.reach[g] / step_dir_name(step) / COPIES_DIR  # type: ignore[operator]
+        for r in job.placed.stripes:
+            if (copies / copy_dir_name(r)).is_dir():
+                drop_copy(copies, r, step)
 
 
 def _stripes(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove], what: str) -> list[str]:
@@ -285,10 +362,18 @@ def _stripes(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove], what: 
 
     def own_root(k: int) -> int:
         return next(j for j, info in enumerate(roots) if k in info.ranks)
+    writers = {r: mv.receiver for r, mv in own.items()}
+    # a block missing on a reached root (a refill stopped after the files): written by the rank looking at it
+    # (known on rank 0, which plans the stripes: the others need the ranks alone)
+    writers.update({r: ranks.get(own_root(r), -1) for r in placed.stripes if r not in writers})
+
+    def step_dir(r: int) -> Path:
+        if r in own:
+            return _copies_dir(job, own[r]).parent
+        return placed.reach[own_root(r)] / step_dir_name(job.m.step)  # type: ignore[operator]
     try:
         return refill_lane_stripes(coord, StepRoots(job.m.step, roots), placed.reach[:len(roots)], seen, own_root,
-                                   {r: mv.receiver for r, mv in own.items()},
-                                   lambda r: _copies_dir(job, own[r]).parent, what, 0)
+                                   writers, step_dir, what, 0)
     except (ReplicationError, CollectiveFailedError):
         raise
     except GDSWriterError as e:
@@ -296,22 +381,55 @@ def _stripes(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove], what: 
                                f"did, rebuilding its lost members at each load", job.m.step) from e
 
 
-def _protect(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str) -> None:
-    """The primary rank rewrites ``step_S/protected`` last, once every rank's files are durable."""
+def _mark(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str, refilling: bool) -> None:
+    """The primary rank's ``step_S/protected``: rewritten last once every rank's files are
+    durable (``refilling`` False); for a parity step, at the start (``refilling`` True) the
+    marker removed (the step lacks a member's files or parity block until the refill ends: it
+    claims no protection it lacks) with ``parity/refilling`` (the marker's body) written first,
+    so a load after a stop still knows the step's group and refills it; removed after the
+    rewrite. Collective: every rank learns the outcome."""
     error = None
     layout = job.layout
     if coord.rank == layout.primary_rank:
         try:
             local = layout.local_of(0)
             d = layout.local_paths[local if local is not None else 0] / step_dir_name(job.m.step)
-            atomic_write(d / PROTECTED_NAME, marker)
-            log.warning("gdswriter: DCP step %d is refilled: the files of replaced root(s) %s and %d file(s) missing "
-                        "or damaged on reached roots re-created from their copies%s, and the step is protected again",
-                        job.m.step, list(job.placed.lost), len(job.placed.unfit),
-                        " (rebuilt from parity) and their parity blocks" if job.placed.parity else "")
+            _marks(d, marker, refilling)
+            if not refilling:
+                log.warning("gdswriter: DCP step %d is refilled: the files of replaced root(s) %s and %d file(s) "
+                            "missing or damaged on reached roots re-created from their copies%s, and the step is "
+                            "protected again", job.m.step, list(job.placed.lost), len(job.placed.unfit),
+                            f" (rebuilt from parity) and the parity blocks of ranks "
+                            f"{sorted(set(job.placed.stripes) | _lost_ranks(job))}" if job.placed.parity else "")
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
-    coord.agree(error, f"{what} (protected)", root=layout.primary_rank)
+    coord.agree(error, f"{what} ({'unprotected' if refilling else 'protected'})", root=layout.primary_rank)
+
+
+def _marks(d: Path, marker: bytes, refilling: bool) -> None:
+    """``_mark``'s files in the step directory ``d`` (where it exists: a replaced primary root's
+    gets its ``protected`` at the end)."""
+    note = d / PARITY_DIR / REFILLING_NAME
+    if refilling:
+        if not d.is_dir():
+            return
+        if not note.parent.is_dir():
+            note.parent.mkdir()
+            fsync_dir(d)
+        atomic_write(note, marker)
+        if (d / PROTECTED_NAME).exists():
+            os.unlink(d / PROTECTED_NAME)
+            fsync_dir(d)
+        return
+    atomic_write(d / PROTECTED_NAME, marker)
+    if note.exists():
+        os.unlink(note)
+        fsync_dir(note.parent)
+
+
+def _lost_ranks(job: DcpRefillJob) -> set[int]:
+    assert job.m.dist is not None
+    return {k for j in job.placed.lost for k in job.m.dist.roots[j].ranks}
 
 
 class DcpRefill:

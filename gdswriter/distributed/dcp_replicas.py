@@ -20,7 +20,10 @@ its crc32c in the fetch (every rank agrees on which) is pointed at a copy of the
 a peer's root (a warning names the file and why), and the fetch is done again; a copy that
 fails its check too gives way to the next; none left: StepFilesLostError (all missing) or
 CorruptCheckpointError (some damaged), on every rank. Such files of a reached root are the
-placement's ``unfit``: the load's refill re-creates them from their copy (dcp_refill.py)."""
+placement's ``unfit``: the load's refill re-creates them from their copy (dcp_refill.py). For a
+parity step the same round reports the parity blocks on the roots each rank looks at; a lane
+member of a reached root whose block is missing or of the wrong length is in ``stripes``: the
+refill re-creates that block."""
 
 from __future__ import annotations
 
@@ -44,7 +47,7 @@ from ..errors import (
 )
 from ..format.commit import ROOT_MARKER_NAME, step_dir_name
 from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, RootInfo
-from ..format.parity import PARITY_DIR
+from ..format.parity import PARITY_DIR, read_stripe
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME
 from .dcp_leftovers import drop_leftovers
 from .dcp_messages import RankReport
@@ -240,6 +243,38 @@ class Placed:
     held: HeldCopies | None = None  # rebuilt copies held in memory for this load (closed after it)
     lost: tuple[int, ...] = ()  # the step's table roots no rank reaches (replaced nodes: dcp_refill.py)
     unfit: tuple[int, ...] = ()  # files read from a copy though their root is reached: refilled too (dcp_refill.py)
+    stripes: tuple[int, ...] = ()  # ranks of reached roots whose parity block is missing: re-created (dcp_refill.py)
+
+
+REFILLING_NAME = "refilling"  # step_S/parity/refilling: a parity refill runs or was stopped (dcp_refill.py)
+
+
+def _blocks(reach: Sequence[Path | None], check: Sequence[int], d: str) -> list[list[int]]:
+    """[the lane members the stripe descriptions name, the ranks whose parity block is there
+    with the length its description records] on the roots ``check`` (a description unreadable
+    here counts as its block missing; its lane is named by the other members')."""
+    lanes: set[int] = set()
+    have: set[int] = set()
+    for g in check:
+        pdir = reach[g] / d / PARITY_DIR  # type: ignore[operator]
+        for f in sorted(pdir.glob("rank*.json")) if pdir.is_dir() else ():
+            try:
+                body = read_stripe(f)
+                lanes.update(int(k) for k in body["lane"])
+                if os.stat(pdir / body["parity"]["file"]).st_size == int(body["parity"]["length"]):
+                    have.add(int(body["parity"]["rank"]))
+            except (OSError, GDSWriterError, KeyError, TypeError, ValueError):
+                continue
+    return [sorted(lanes), sorted(have)]
+
+
+def _missing_blocks(m: Manifest, lost: set[int], outs: list) -> list[int]:
+    """Rank 0: the lane members with no parity block on any reached root, whose roots are all
+    reached (a lost root's ranks get theirs with their files)."""
+    lanes = {k for _, blocks in outs for k in blocks[0]}
+    have = {k for _, blocks in outs for k in blocks[1]}
+    gone = {k for j in lost for k in m.dist.roots[j].ranks}  # type: ignore[union-attr]
+    return sorted(lanes - have - gone)
 
 
 def _size_problem(path: Path, f: FileRecord) -> str | None:
@@ -303,7 +338,7 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
     some = [any((p / d / COPIES_DIR).is_dir() for p in reached.values()),
             any((p / d / PARITY_DIR).is_dir() for p in reached.values()),
             any((p / d / PROTECTED_NAME).is_file() or (p / d / COPIES_DIR / PROTECTED_NAME).is_file()
-                for p in reached.values())]
+                or (p / d / PARITY_DIR / REFILLING_NAME).is_file() for p in reached.values())]
     needed = sorted({f.root for f in m.files})
     checker: dict[int, int] = {}
 
@@ -325,20 +360,24 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
     if clean and mine["protected"]:
         for g in check:
             drop_leftovers(reach[g] / d / COPIES_DIR, m.step)  # type: ignore[operator]
-    problems, error = [], None
+    problems, blocks, error = [], [[], []], None
+    lost = set(mine["lost"])
     try:
         problems = [[i, p] for i, f in enumerate(m.files) if f.root in check
                     and (p := _size_problem(reach[f.root] / d / f.path, f)) is not None]  # type: ignore[operator]
+        if mine["parity"] and mine["protected"]:  # a parity block a stopped refill did not re-create
+            blocks = _blocks(reach, check, d)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
-    bad = coord.decide(error, problems, f"{what} (checking the step's files)",
-                       lambda outs: [x for out in outs for x in out], hint="nothing was loaded")
+    said = coord.decide(error, [problems, blocks], f"{what} (checking the step's files)",
+                        lambda outs: {"bad": [x for out, _ in outs for x in out],
+                                      "stripes": _missing_blocks(m, lost, outs)}, hint="nothing was loaded")
+    bad = said["bad"]
     unfit = tuple(sorted({i for i, _ in bad}))  # missing or of the wrong size on a root a rank reaches
-    lost = set(mine["lost"])
     bad += [[i, f"root {f.root} of the step is on no rank of this job (a replaced node?)"]
             for i, f in enumerate(m.files) if f.root in lost]
     placed = Placed(m, True, check, reach=tuple(reach), parity=mine["parity"], checkers=checker or None,
-                    lost=tuple(mine["lost"]), unfit=unfit)
+                    lost=tuple(mine["lost"]), unfit=unfit, stripes=tuple(said["stripes"]))
     return _from_copies(coord, placed, [(i, p) for i, p in bad], what) if bad else placed
 
 
