@@ -438,7 +438,7 @@ def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: 
     buffer; zeros without ``verify``)."""
     spans: list[ReadSpan] = []
     owner: list[int] = []  # per span: the dense run it reads (index into runs), or -1 - its chunk
-    shared: list[tuple[int, int, int]] = []  # (earlier run, later run, bytes): see _dense_span
+    shared: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # see _dense_span
     sparse: list[_Run] = []
     offs, lens, so, sids = t.offs.tolist(), t.lens.tolist(), t.so.tolist(), t.sid.tolist()
     k, r = 0, 0
@@ -456,9 +456,8 @@ def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: 
         k += 1
     crcs = [0] * len(offs)
     got = engine.read_file(path, spans) if spans else []
-    for a, b, n in shared:  # the earlier run's last bytes, read into the later run's first block
-        ra, rb = runs[a], runs[b]
-        ra.buf[rb.lo - ra.lo:rb.lo - ra.lo + n].copy_(rb.buf[:n])
+    for dst, src, _ in shared:  # a span's last bytes, read into the next run's first block
+        dst.copy_(src)
     for crc, o in zip(got if verify else (), owner):
         if o < 0:
             crcs[-1 - o] = crc
@@ -467,26 +466,31 @@ def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: 
         view = memoryview(run.buf.numpy())
         for j in range(run.first, run.end):
             crcs[j] = _crc32c(view[offs[j] - run.lo:offs[j] - run.lo + lens[j]])
+    for _, _, o in shared if verify else ():
+        if o < 0:  # a chunk's span that was cut: its engine checksum covers part of it
+            k = -1 - o
+            crcs[k] = _crc32c(out[sids[k]][so[k]:so[k] + lens[k]].numpy())
     if sparse:
         _read_sparse(engine, path, (offs, lens, sids), sparse, out, crcs, verify)
     return crcs
 
 
 def _dense_span(runs: list[_Run], r: int, spans: list[ReadSpan], owner: list[int],
-                shared: list[tuple[int, int, int]]) -> ReadSpan:
+                shared: list[tuple[torch.Tensor, torch.Tensor, int]]) -> ReadSpan:
     """The span that reads dense run ``r`` into its buffer, from its buffer's first byte where
-    the spans before it allow. Packed storages (format 2.1) share 4 KiB blocks, so the dense run
-    before it may end inside this run's first block: that span is cut at the block (both stay
-    4 KiB-aligned, read zero-copy) and the bytes cut off are copied from this run's buffer once
-    read (``shared``). After any other span, this one starts where that one ends."""
+    the span before it allows. Packed storages (format 2.1) share 4 KiB blocks, so that span
+    (the run before, or a chunk of its own) may end inside this run's first block: it is cut
+    at the block, so both stay 4 KiB-aligned and are read zero-copy, and the bytes cut off are
+    copied from this run's buffer once read (``shared``: destination, source, that span's
+    owner). When the span before starts past the block's start, this one starts where it ends."""
     run = runs[r]
     start = run.lo
     if spans and spans[-1].end > start:
-        prev, a = spans[-1], owner[-1]
-        if a >= 0 and prev.offset < start:
-            p = runs[a]
-            spans[-1] = ReadSpan(prev.offset, p.buf[prev.offset - p.lo:start - p.lo], checksum=False)
-            shared.append((a, r, prev.end - start))
+        prev = spans[-1]
+        if prev.offset <= start:  # (cut to nothing where it starts at the block: all copied)
+            cut = start - prev.offset
+            spans[-1] = ReadSpan(prev.offset, prev.out[:cut], checksum=prev.checksum)
+            shared.append((prev.out[cut:], run.buf[:prev.end - start], owner[-1]))
         else:
             start = prev.end
     return ReadSpan(start, run.buf[start - run.lo:], checksum=False)
