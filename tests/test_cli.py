@@ -563,7 +563,7 @@ def test_format_doc_reading_recipe_matches_load_state(ckpt):
     for code in re.findall(r"```python\n(.*?)```", section, re.S):
         exec(compile(code, "docs/format.md", "exec"), ns)
     step, state, manifest = ns["read_checkpoint"]([str(root)])
-    assert step == 2 and manifest["version"] == [2, 0]
+    assert step == 2 and manifest["version"] == [2, 1]
     _, ref = load_state(root)
     assert state["extra"]["sched"] == {"epoch": 3, "lr": 0.5}
     for k, v in ref["model"].items():
