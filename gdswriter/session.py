@@ -32,7 +32,7 @@ from .load.policy import restore_into, restore_newest_intact
 from .load.reader import parse_manifest, read_manifest_bytes
 from .options import CheckpointOptions, EngineOptions
 from .planner.affinity import plan_for_save
-from .planner.assign import SavePlan, plan_save
+from .planner.assign import PACK_BELOW, SavePlan, plan_save
 from .planner.discover import discover
 from .planner.topology import Topology
 from .save.handle import Release
@@ -212,7 +212,7 @@ class LocalSession:
         """A fresh plan for storages of these sizes on these devices (uncached: _plan keeps the
         last one). A seam too: tests replace it to force a plan (a GPU-local one, a lagging root)."""
         if not any(d.startswith("cuda") for d in devices):
-            return plan_save(sizes, targets)
+            return plan_save(sizes, targets, pack_below=PACK_BELOW)
         try:
             if self._topology is None:
                 self._topology = discover(roots=self.protocol.roots)
@@ -220,7 +220,7 @@ class LocalSession:
         except Exception as e:  # noqa: BLE001 - see _plan's docstring
             log_once("topology-plan", f"gdswriter: the topology planner failed ({type(e).__name__}: {e}); "
                                       f"balancing bytes across the roots without GPU locality")
-            return plan_save(sizes, targets)
+            return plan_save(sizes, targets, pack_below=PACK_BELOW)
 
     def apply_retention(self, newest: int, retained: Callable[[list[int], int], Any]) -> None:
         """Delete committed steps the policy no longer keeps (never ``newest``). A step that

@@ -92,28 +92,46 @@ def golden_2_0(engine: str) -> bytes:
     return head + b',"manifest_crc32c":%d}\n' % crc32c.crc32c(head)
 
 
-def test_golden_manifest_bytes_2_0(tmp_path, monkeypatch):
-    """A save writes format 2.0, byte for byte; the checksum is the crc32c of the bytes before
-    ``,"manifest_crc32c":``; the 1.0 and 1.1 manifests of the same state still load the same."""
+# What format 2.1 writes for the same state (docs/format.md 2): the storages under 4 KiB packed
+# 64 bytes apart, the file exactly as long as its chunks, the zero-byte storage at its end.
+GOLDEN_2_1_HEAD = GOLDEN_2_0_HEAD.replace('"version":[2,0]', '"version":[2,1]').replace(
+    '12288,{{"engine"', '136,{{"engine"').replace('"file_offset":[0,4096,8192,12288]', '"file_offset":[0,64,128,136]')
+
+
+def golden_2_1(engine: str) -> bytes:
+    """The 2.1 manifest of the golden state, as golden_2_0."""
+    head = GOLDEN_2_1_HEAD.format(engine=engine).encode()
+    return head + b',"manifest_crc32c":%d}\n' % crc32c.crc32c(head)
+
+
+def test_golden_manifest_bytes_2_1(tmp_path, monkeypatch):
+    """A save writes format 2.1, byte for byte; the checksum is the crc32c of the bytes before
+    ``,"manifest_crc32c":``; the 2.0, 1.0 and 1.1 manifests of the same state still load the
+    same records (but the chunks' places in the file)."""
     monkeypatch.setattr(writer_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.25))
     model, extra = _golden_state()
     with GDSCheckpointer(model, None, tmp_path, state=extra, options=M.small_options()) as ck:
         ck.save(42, metadata={"note": "golden"})
         engine = ck.engine_info.name
     raw = (tmp_path / "step_000000000042" / MANIFEST_NAME).read_bytes()
-    assert raw == golden_2_0(engine)
+    assert raw == golden_2_1(engine)
     m = Manifest.from_json_bytes(raw)
-    assert m.version == FORMAT_VERSION == (2, 0)
+    assert m.version == FORMAT_VERSION == (2, 1)
+    v20 = Manifest.from_json_bytes(golden_2_0(engine))
     old = Manifest.from_json_bytes(golden_1_1(engine))
-    assert old.version == (1, 1) and Manifest.from_json_bytes(GOLDEN_MANIFEST).version == (1, 0)
-    assert (m.files, m.storages, m.tensors, m.metadata) == (old.files, old.storages, old.tensors, old.metadata)
-    assert m.to_json_bytes() == raw and old.to_json_bytes() == golden_1_1(engine)  # each re-written as read
+    assert v20.version == (2, 0) and old.version == (1, 1) and Manifest.from_json_bytes(GOLDEN_MANIFEST).version == (1, 0)
+    assert (v20.files, v20.storages, v20.tensors, v20.metadata) == (old.files, old.storages, old.tensors, old.metadata)
+    assert (m.tensors, m.metadata, m.storage_sizes()) == (old.tensors, old.metadata, old.storage_sizes())
+    assert [c.crc32c for s in m.storages for c in s.chunks] == [c.crc32c for s in old.storages for c in s.chunks]
+    assert m.to_json_bytes() == raw and v20.to_json_bytes() == golden_2_0(engine)  # each re-written as read
+    assert old.to_json_bytes() == golden_1_1(engine)
     s, state = load_state(tmp_path)
     assert s == 42 and torch.equal(state["model"]["ids_t"], model["ids_t"])
 
 
 def test_golden_manifest_bytes(tmp_path, monkeypatch):
-    """The 1.1 golden manifest (what gdswriter wrote before 2.0), written by the 1.x encoder."""
+    """The 1.1 golden manifest (what gdswriter wrote before 2.0), written by the 1.x encoder,
+    and the 2.1 data file: the small storages packed 64 bytes apart, zero padding between."""
     monkeypatch.setattr(writer_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.25))
     model, extra = _golden_state()
     with GDSCheckpointer(model, None, tmp_path, state=extra, options=M.small_options()) as ck:
@@ -121,17 +139,18 @@ def test_golden_manifest_bytes(tmp_path, monkeypatch):
         engine = ck.engine_info.name
     step_dir = tmp_path / "step_000000000042"
     saved = Manifest.from_json_bytes((step_dir / MANIFEST_NAME).read_bytes())
-    assert replace(saved, version=(1, 1)).to_json_bytes() == golden_1_1(engine)
+    v20 = Manifest.from_json_bytes(golden_2_0(engine))
+    assert replace(saved, version=(1, 1), files=v20.files, storages=v20.storages).to_json_bytes() == golden_1_1(engine)
     m = Manifest.from_json_bytes(golden_1_1(engine))
     assert m.version == (1, 1) and m.files[0].info == {"engine": engine}
     assert (tmp_path / "latest").read_bytes() == b"42\n"
 
-    # the data file: each storage at a 4 KiB-aligned offset, zero padding between
+    # the data file: each storage at a 64-byte-aligned offset, zero padding between
     data = (step_dir / "data-r0-f0.bin").read_bytes()
     ids = torch.arange(6, dtype=torch.int32).numpy().tobytes()
     half = torch.tensor([1.5, -2.0], dtype=torch.float16).numpy().tobytes()
     step = torch.tensor(7).numpy().tobytes()
-    assert data == ids.ljust(4096, b"\0") + half.ljust(4096, b"\0") + step.ljust(4096, b"\0")
+    assert data == ids.ljust(64, b"\0") + half.ljust(64, b"\0") + step
     # the recorded checksums are plain crc32c of those bytes
     assert [crc32c.crc32c(b) for b in (ids, half, step, b"")] == [2258899752, 4092339023, 1987164046, 0]
     body = json.loads(GOLDEN_MANIFEST)
@@ -568,7 +587,8 @@ def test_a_filled_storage_template_is_the_table_storage_table_writes():
     assert (filled.canonical, filled.plain) == manifest_mod.storage_table(storages)
     assert filled.sizes == tuple(s.nbytes for s in storages)
     files = (manifest_mod.FileRecord(0, "a.bin", 4096), manifest_mod.FileRecord(0, "b.bin", 4096))
-    m = manifest_mod.Manifest(step=3, files=files, storages=(), tensors=(), state={"$dict": []})
+    m = manifest_mod.Manifest(step=3, files=files, storages=(), tensors=(), state={"$dict": []},
+                                version=(2, 0))  # a hand-made layout: 2.0 does not hold it to 2.1's rules
     back = manifest_mod.Manifest.from_json_bytes(m.to_json_bytes(storages=filled, encoded_state=True))
     assert back.storages == storages
     with pytest.raises(TypeError):

@@ -1,6 +1,7 @@
-"""Format 2.0 manifests (docs/format.md 3): the checksum over the bytes as written, and the
-column tables checked as whole columns, each rule with a hostile case that only it refuses (a
-typed error from the parse, before anything is allocated for the tensors)."""
+"""Format 2.0 and 2.1 manifests (docs/format.md 3): the checksum over the bytes as written, and
+the column tables checked as whole columns, each rule with a hostile case that only it refuses
+(a typed error from the parse, before anything is allocated for the tensors); 2.1's layout rules
+(chunks 64-byte aligned, files exactly as long as their chunks) refuse what 2.0 still accepts."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from gdswriter.format.sharded import parse_step
 SIZE = 3 * 4096 + 256
 
 
-def small() -> Manifest:
-    """A 2.0 manifest with what each rule is there for: a storage cut in two chunks (listed out of
+def small(version: tuple[int, int] = (2, 0)) -> Manifest:
+    """A 2.0 manifest (2.1: its first file exactly as long as its chunks) with what each rule is there for: a storage cut in two chunks (listed out of
     order), a second file, a transposed view, an empty tensor, a scalar, an expanded view (stride
     0), an ndarray, two dtypes and two devices."""
     storages = (StorageRecord(256, (ChunkRecord(0, 0, 0, 256, 1),)),
@@ -35,9 +36,10 @@ def small() -> Manifest:
                TensorRecord("scalar", 2, 8, "int64", (), ()),
                TensorRecord("empty", 3, 0, "float32", (0, 3), (3, 1)),
                TensorRecord("expanded", 0, 4, "float32", (1024, 16), (0, 1)))
-    return Manifest(step=5, files=(FileRecord(0, "data-r0-f0.bin", SIZE), FileRecord(0, "data-r0-f1.bin", 64)),
+    size = SIZE if version < (2, 1) else 3 * 4096
+    return Manifest(step=5, files=(FileRecord(0, "data-r0-f0.bin", size), FileRecord(0, "data-r0-f1.bin", 64)),
                     storages=storages, tensors=tensors, state={"$list": [{"$tensor": i} for i in range(7)]},
-                    metadata={"note": "x"})
+                    metadata={"note": "x"}, version=version)
 
 
 def sealed(body: dict) -> bytes:
@@ -48,10 +50,11 @@ def sealed(body: dict) -> bytes:
     return head + b',"manifest_crc32c":%d}\n' % crc32c.crc32c(head)
 
 
-def test_a_2_0_manifest_parses_back_to_its_records():
-    m = small()
+@pytest.mark.parametrize("version", [(2, 0), (2, 1)], ids=["2.0", "2.1"])
+def test_a_2_0_manifest_parses_back_to_its_records(version):
+    m = small(version)
     raw = m.to_json_bytes()
-    assert raw.startswith(b'{"format":"gdswriter","version":[2,0],') and raw.endswith(b"}\n")
+    assert raw.startswith(b'{"format":"gdswriter","version":[2,%d],' % version[1]) and raw.endswith(b"}\n")
     got = Manifest.from_json_bytes(raw)
     assert got.tensors == m.tensors and got.files == m.files and got.metadata == m.metadata
     assert got.storages[1].chunks == m.storages[1].chunks[::-1]  # written by storage offset
@@ -176,14 +179,38 @@ HOSTILE = {
 }
 
 
+@pytest.mark.parametrize("version", [(2, 0), (2, 1)], ids=["2.0", "2.1"])
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_a_2_0_manifest_refuses_each_damage(case):
+def test_a_2_0_manifest_refuses_each_damage(case, version):
     """Each hostile column, its checksum made to match: CorruptCheckpointError from the parse."""
-    body = json.loads(small().to_json_bytes())
+    body = json.loads(small(version).to_json_bytes())
     Manifest.from_json_bytes(sealed(body))  # sealed as is: parses
     HOSTILE[case](body)
     with pytest.raises(CorruptCheckpointError):
         Manifest.from_json_bytes(sealed(body))
+
+
+def _grow_first_file(b: dict) -> None:
+    b["files"][0][2] += 4096
+
+
+DENSE_HOSTILE = {
+    "a chunk not 64-byte aligned": _set("storages", "file_offset", 0, 8),
+    "a file longer than its chunks": _grow_first_file,
+    "a file of no chunk not empty": lambda b: b["files"].append([0, "data-r0-f2.bin", 4096]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DENSE_HOSTILE))
+def test_a_2_1_manifest_refuses_what_its_layout_rules_forbid(case):
+    """2.1's own rules (docs/format.md 3.0): each case is refused as 2.1 with a message naming the
+    rule, and the same bytes labelled 2.0 still parse (a 2.0 reader refuses nothing it accepted)."""
+    body = json.loads(small((2, 1)).to_json_bytes())
+    DENSE_HOSTILE[case](body)
+    with pytest.raises(CorruptCheckpointError, match="format 2.1"):
+        Manifest.from_json_bytes(sealed(body))
+    body["version"] = [2, 0]
+    assert Manifest.from_json_bytes(sealed(body)).version == (2, 0)
 
 
 @pytest.mark.parametrize("record", [TensorRecord("x", 0, 0, "float32", (1 << 21, 16), (0, 1)),
@@ -222,7 +249,7 @@ def test_old_versions_still_load(tmp_path):
         ck.save(2)
     one = tmp_path / "step_000000000001" / MANIFEST_NAME
     m = Manifest.from_json_bytes(one.read_bytes())
-    assert m.version == (2, 0)
+    assert m.version == (2, 1)
     one.write_bytes(replace(m, version=(1, 1)).to_json_bytes())
     assert json.loads(one.read_bytes())["version"] == [1, 1]
     for step in (1, 2):

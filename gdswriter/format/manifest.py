@@ -26,8 +26,10 @@ from ..threads import gc_paused
 from .dtypes import all_dtypes, dtype_from_name, dtype_to_name
 
 FORMAT_NAME = "gdswriter"
-FORMAT_VERSION = (2, 0)  # (major, minor): readers refuse a newer major, accept any minor
+FORMAT_VERSION = (2, 1)  # (major, minor): readers refuse a newer major, accept any minor
 COLUMNS_VERSION = (2, 0)  # column tables, the checksum over the bytes as written (docs/format.md 3)
+DENSE_VERSION = (2, 1)  # small storages packed PACK_ALIGN apart; files exactly as long as their chunks (docs/format.md 2)
+PACK_ALIGN = 64  # every non-empty chunk of a 2.1 step starts at a multiple of this in its file (planner/assign.py)
 MULTI_RANK_VERSION = (1, 2)  # what multi-rank saves write: adds "dist" and tensor "shard" (docs/format.md 9)
 MANIFEST_NAME = "manifest.json"
 
@@ -297,6 +299,8 @@ class Manifest:
         files = _files(body["files"], where)
         if version[0] >= 2:  # column tables, checked by vectorised passes over each column
             storages, tensors = column_tables(body, files, where)
+            if version >= DENSE_VERSION:
+                check_dense_layout(storages.columns, files, where)
             if "dist" in body:
                 raise _damaged(where, "a format 2 manifest has no \"dist\" (multi-rank steps are 1.x)")
             dist = None
@@ -1183,6 +1187,26 @@ def column_tables(body: dict, files: tuple[FileRecord, ...], where: str) -> tupl
                          map(device_names.__getitem__, lists["device"]), map(KINDS.__getitem__, lists["kind"])))
 
     return storages, TensorTable(len(names), records, cols)
+
+
+def check_dense_layout(cols: ChunkColumns, files: tuple[FileRecord, ...], where: str) -> None:
+    """What a 2.1 manifest promises beyond 2.0's rules (docs/format.md 3.0), checked on whole
+    columns: every non-empty chunk starts at a multiple of PACK_ALIGN in its file (so each
+    storage read into a buffer that mirrors the file's 4 KiB phase starts aligned for its
+    dtype), and each file's recorded size is exactly the end of its last chunk (0 without any).
+    A 2.0 manifest is not held to these (nothing it was accepted with is refused now)."""
+    full = cols.ln > 0
+    row = _first(full & (cols.fo % PACK_ALIGN != 0))
+    if row is not None:
+        raise _damaged(where, f"a chunk of {files[int(cols.fid[row])].path} starts at offset {int(cols.fo[row])}, "
+                              f"not a multiple of {PACK_ALIGN} (format 2.1)")
+    ends = np.zeros(max(len(files), 1), dtype=np.int64)
+    np.maximum.at(ends, cols.fid, cols.fo + cols.ln)
+    sizes = np.array([f.size for f in files] or [0], dtype=np.int64)
+    row = _first(ends != sizes)
+    if row is not None:
+        raise _damaged(where, f"{files[row].path} is recorded as {int(sizes[row])} bytes but its chunks end at "
+                              f"{int(ends[row])} (format 2.1: a file is exactly as long as its chunks)")
 
 
 def _column_storages(t: Any, files: tuple[FileRecord, ...], where: str) -> StorageTable:
