@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from support import models as M
+from support.models import fill_random
 from support.manifests import rows_of
 from gdswriter import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, EngineIOError,
                        GDSCheckpointer, GDSWriterError, InvalidOptionError, StateMismatchError,
@@ -49,14 +50,6 @@ def leftovers(*roots) -> list[str]:
 def manifest_of(root, step) -> dict:
     """Step ``step``'s manifest.json, its tables as rows (support/manifests.py)."""
     return rows_of(json.loads((Path(root) / step_dir_name(step) / MANIFEST_NAME).read_bytes()))
-
-
-def fill_random(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Random bytes into every byte of t's storage (any dtype)."""
-    st = t.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
-    flat.copy_(torch.randint(0, 256, (st.nbytes(),), dtype=torch.uint8, generator=gen))
-    return t
 
 
 def creatable_dtypes() -> list[torch.dtype]:

@@ -34,6 +34,15 @@ def _replace(root: Path) -> None:
     root.mkdir()
 
 
+def _saved_then_node1_replaced(rank: int, root: Path) -> None:
+    """Steps 0 and 1 saved with replicas=2, then node 1 replaced (every rank past both)."""
+    save_two_steps(rank, root, state, replicas=2)
+    torch.distributed.barrier()
+    if rank == 1:
+        _replace(root)
+    torch.distributed.barrier()
+
+
 def _worker(rank: int, world: int, tmp: str) -> dict:
     from gdswriter.distributed import GDSStorageReader
 
@@ -216,11 +225,7 @@ def _stopped_worker(rank: int, world: int, tmp: str) -> dict:
     from gdswriter.errors import GDSWriterError
 
     root = Path(tmp, f"node{rank}")
-    save_two_steps(rank, root, state, replicas=2)
-    torch.distributed.barrier()
-    if rank == 1:
-        _replace(root)
-    torch.distributed.barrier()
+    _saved_then_node1_replaced(rank, root)
     real, calls = dcp_refill.move_files, []
 
     def first_move_only(*args, **kwargs):  # the refill killed once its first move is done (every rank)
@@ -269,11 +274,7 @@ def _two_readers_worker(rank: int, world: int, tmp: str) -> dict:
     from gdswriter.distributed import GDSStorageReader
 
     root = Path(tmp, f"node{rank}")
-    save_two_steps(rank, root, state, replicas=2)
-    torch.distributed.barrier()
-    if rank == 1:
-        _replace(root)
-    torch.distributed.barrier()
+    _saved_then_node1_replaced(rank, root)
     real, entered, go = refill.Incoming, threading.Event(), threading.Event()
 
     class Paused(real):  # type: ignore[misc,valid-type]

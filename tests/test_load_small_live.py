@@ -15,6 +15,7 @@ import torch
 from torch.testing._internal.common_dtype import all_types_and_complex_and
 
 from support import models as M
+from support.models import fill_random
 from support.manifests import rows_of
 import gdswriter.load.policy as policy_mod
 from gdswriter import ChecksumMismatchError, GDSCheckpointer
@@ -26,14 +27,6 @@ from gdswriter.load.reader import read_manifest
 
 def ckpt(model=None, optimizer=None, root=None, **kw) -> GDSCheckpointer:
     return GDSCheckpointer(model, optimizer, root, options=M.small_options(**kw))
-
-
-def fill_random(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Random bytes into every byte of t's storage (any dtype)."""
-    st = t.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
-    flat.copy_(torch.randint(0, 256, (st.nbytes(),), dtype=torch.uint8, generator=gen))
-    return t
 
 
 def dtypes() -> list[torch.dtype]:

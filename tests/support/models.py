@@ -151,6 +151,14 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
         assert torch.equal(a[k], b[k]), f"{k} differs"
 
 
+def fill_random(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Random bytes into every byte of t's storage (any dtype)."""
+    st = t.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8).set_(st, 0, (st.nbytes(),), (1,))
+    flat.copy_(torch.randint(0, 256, (st.nbytes(),), dtype=torch.uint8, generator=gen))
+    return t
+
+
 def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes a tensor views, as a flat uint8 tensor (works for every dtype: no dtype kernels run)."""
     assert t.is_contiguous()
