@@ -73,7 +73,7 @@ from .dcp_replicas import REFILLING_NAME, Placed
 from .group import Coordinator, describe
 from .parityload import StepRoots
 from .parityrefill import refill_lane_stripes
-from .refill import FileMove, drop_copy, durable_copies_dir, move_files
+from .refill import FileMove, drop_copy, durable_copies_dir, move_files, publish_copy
 from .replicastream import Incoming, Outgoing, Source
 from .roots import RootLayout
 
@@ -241,26 +241,13 @@ def _local_move(job: DcpRefillJob, mv: DcpMove) -> list[str]:
     try:
         while n := out.fill(view):
             inc.write(view[:n])
-        inc.publish(json.loads(out.trailer()))
-        if mv.own:
-            _move_up(inc.copies, mv.rank)
+        publish_copy(inc, json.loads(out.trailer()), mv.rank, mv.own)
     except Exception as e:  # noqa: BLE001 - reported to rank 0
         inc.discard()
         return [f"rank {mv.rank}'s files: {describe(e)}"]
     finally:
         out.close()
     return []
-
-
-def _move_up(copies: Path, rank: int) -> None:
-    """A rank's own files, published as ``copies/rank<R>``, renamed into the step directory, as
-    refill.move_files does."""
-    src = copies / copy_dir_name(rank)
-    for p in sorted(src.iterdir()):
-        os.replace(p, copies.parent / p.name)
-    fsync_dir(copies.parent)
-    src.rmdir()
-    fsync_dir(copies)
 
 
 def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMove], int, int]:

@@ -52,6 +52,7 @@ takes (the hazard DCP's refill had, dcp_refill.DcpRefill: tests/test_replicas_sa
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -441,9 +442,7 @@ def move_files(coord: Coordinator, move: FileMove, sources: Callable[[], list[So
     inc = incoming.get(s)
     if inc is not None:
         try:
-            inc.publish(trailer)
-            if move.own:
-                _move_up(inc.copies, move.rank)
+            publish_copy(inc, trailer, move.rank, move.own)
         except Exception as e:  # noqa: BLE001 - reported to the primary rank
             inc.discard()
             problems.append(f"rank {move.rank}'s files: {describe(e)}")
@@ -471,6 +470,21 @@ def durable_copies_dir(root: Path, step: int, write_owners: Callable[[Path], Non
         copies.mkdir()
         fsync_dir(d)
     return copies
+
+
+def publish_copy(inc: Incoming, trailer: dict, rank: int, own: bool) -> None:
+    """``inc``'s files put in place (Incoming.publish: ``copies/rank<R>``) and, for ``own``, moved
+    up into the step directory, under an exclusive flock of the step directory: two refills of
+    one step (two readers loading it at once, each refilling the same files) publish one after
+    the other, never one into the other's folder as it is moved up and removed."""
+    fd = os.open(inc.copies.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # brief: held by renames and fsyncs only
+        inc.publish(trailer)
+        if own:
+            _move_up(inc.copies, rank)
+    finally:
+        os.close(fd)  # the lock goes with the descriptor
 
 
 def _move_up(copies: Path, rank: int) -> None:
