@@ -826,9 +826,11 @@ def test_ordered_dict_metadata_and_module_versions_roundtrip(tmp_path):
     assert sd["num_batches_tracked"].dtype == torch.int64 and sd["num_batches_tracked"].item() == 1
 
 
-def test_load_reads_model_and_optimizer_state_in_place(tmp_path):
+@pytest.mark.parametrize("atomic", [None, False])
+def test_load_reads_model_and_optimizer_state_in_place(tmp_path, atomic):
     """A resumed optimizer that already has state is filled in place, like the model:
-    same tensors (same memory) afterwards, holding the saved values."""
+    same tensors (same memory) afterwards, holding the saved values; atomic=False too (its
+    small live tensors are read with the fresh storages, then copied in: load/policy.py)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 8))
     opt = torch.optim.AdamW(model.parameters())
@@ -842,7 +844,7 @@ def test_load_reads_model_and_optimizer_state_in_place(tmp_path):
         opt.step()  # both now differ from step 1
         model_ptrs = {k: v.data_ptr() for k, v in model.state_dict().items()}
         opt_ptrs = {(id(p), k): v.data_ptr() for p, st in opt.state.items() for k, v in st.items()}
-        ck.load(1)
+        ck.load(1, atomic=atomic)
     for k, v in model.state_dict().items():
         assert v.data_ptr() == model_ptrs[k] and torch.equal(v, saved_model[k]), k
     for p, st in opt.state.items():
