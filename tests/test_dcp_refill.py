@@ -43,6 +43,16 @@ def _saved_then_node1_replaced(rank: int, root: Path) -> None:
     torch.distributed.barrier()
 
 
+def _loaded_after_node0_replaced(rank: int, root: Path) -> tuple[list[str] | None, bool, list[str]]:
+    """Node 0 replaced (every rank past it), then step 1 loaded: dcp_load's (error, bit-exact,
+    warnings) on this rank."""
+    torch.distributed.barrier()
+    if rank == 0:
+        _replace(root)
+    torch.distributed.barrier()
+    return dcp_load(root, 1, state(1))
+
+
 def _worker(rank: int, world: int, tmp: str) -> dict:
     from gdswriter.distributed import GDSStorageReader
 
@@ -169,11 +179,8 @@ def _killed_worker(rank: int, world: int, tmp: str, killed: bool, flipped: bool)
     if rank == 0:  # node 1's files as the copies on node 0 hold them
         out["same"] = all((Path(tmp, "node1", STEP, p.name)).read_bytes() == p.read_bytes()
                           for p in (step / "copies" / "rank00001").iterdir())
-    torch.distributed.barrier()
-    if rank == 0:  # then the OTHER node (the step's primary, its manifest and rank 1's copy) is lost
-        _replace(root)
-    torch.distributed.barrier()
-    out["second"] = dcp_load(root, 1, state(1))
+    # then the OTHER node (the step's primary, its manifest and rank 1's copy) is lost
+    out["second"] = _loaded_after_node0_replaced(rank, root)
     return out
 
 
@@ -243,11 +250,7 @@ def _stopped_worker(rank: int, world: int, tmp: str) -> dict:
     out["again"] = dcp_load(root, 1, state(1), reader)
     out["refilled"] = refilled(reader)
     reader.close()
-    torch.distributed.barrier()
-    if rank == 0:
-        _replace(root)
-    torch.distributed.barrier()
-    out["second"] = dcp_load(root, 1, state(1))
+    out["second"] = _loaded_after_node0_replaced(rank, root)
     return out
 
 
@@ -303,11 +306,7 @@ def _two_readers_worker(rank: int, world: int, tmp: str) -> dict:
     first.close()
     out["again"] = refilled(second)
     second.close()
-    torch.distributed.barrier()
-    if rank == 0:
-        _replace(root)
-    torch.distributed.barrier()
-    out["last"] = dcp_load(root, 1, state(1))
+    out["last"] = _loaded_after_node0_replaced(rank, root)
     return out
 
 
