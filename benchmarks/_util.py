@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import mmap
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -314,3 +317,29 @@ def finish(benchmark, timer: RoundTimer, *, suite: str, kind: str, size: BenchSi
 def ratio(benchmark, name: str, value: float, ref: float | None) -> None:
     if ref:
         benchmark.extra_info[name] = round(value / ref, 3)
+
+
+class TreeWorker:
+    """``script --worker`` in a process of its own with PYTHONPATH=``tree`` (gdswriter from that
+    checkout), for the scripts that compare checkouts in interleaved rounds (tensor_counts.py,
+    cold_loads.py, live_loads.py): one request line in, one ``RESULT <json>`` line back."""
+
+    def __init__(self, script: str, tree: str | os.PathLike) -> None:
+        self.tree = Path(tree).resolve()
+        env = {**os.environ, "PYTHONPATH": str(self.tree)}
+        self.proc = subprocess.Popen([sys.executable, script, "--worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env)
+
+    def ask(self, request: str) -> dict:
+        """Send one request line; the worker's RESULT, parsed."""
+        self.proc.stdin.write(request + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+        raise RuntimeError(f"the worker measuring {self.tree} ended (exit {self.proc.wait()}): see its stderr above "
+                           f"(is it a gdswriter checkout?)")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,21 +56,12 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     a = ap.parse_args()
     counts = [int(x) for x in a.counts.split(",")]
-    procs = {}
-    for t in a.tree:
-        label, _, path = t.partition("=")
-        env = {**os.environ, "PYTHONPATH": str(Path(path).resolve())}
-        procs[label] = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=env)
+    import _util
+
+    procs = {label: _util.TreeWorker(__file__, path) for label, _, path in (t.partition("=") for t in a.tree)}
 
     def ask(label: str, **req) -> dict:
-        p = procs[label]
-        p.stdin.write(json.dumps(req) + "\n")
-        p.stdin.flush()
-        for line in p.stdout:
-            if line.startswith("RESULT "):
-                return json.loads(line[7:])
-        raise RuntimeError(f"worker {label} ended")
+        return procs[label].ask(json.dumps(req))
 
     rows: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory(dir=a.dir) as d:
@@ -84,9 +74,8 @@ def main() -> None:
                     rows.setdefault((label, n), []).append(
                         ask(label, count=n, size=a.size, root=f"{d}/{label}-{n}", setup=False))
             print(f"  round {r + 1} done", file=sys.stderr, flush=True)
-    for p in procs.values():
-        p.stdin.close()
-        p.wait(timeout=60)
+    for w in procs.values():
+        w.close()
     print(f"{'tree':<8} {'tensors':>8} {'wall s':>8} {'GB/s':>6} {'CPU s':>7}   (medians of {a.rounds}; wall/CPU all rounds)")
     for (label, n), got in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         wall = statistics.median(g["wall"] for g in got)

@@ -87,21 +87,12 @@ def main() -> None:
     ap.add_argument("--dir", default=None)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="live-loads-", dir=a.dir))
-    procs = {}
-    for spec in a.tree:
-        label, path = spec.split("=", 1)
-        env = {**os.environ, "PYTHONPATH": str(Path(path).resolve())}
-        procs[label] = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=env)
+    import _util
+
+    procs = {label: _util.TreeWorker(__file__, path) for label, path in (spec.split("=", 1) for spec in a.tree)}
 
     def ask(label: str, line: str) -> dict:
-        p = procs[label]
-        p.stdin.write(line + "\n")
-        p.stdin.flush()
-        for out in p.stdout:
-            if out.startswith("RESULT "):
-                return json.loads(out[7:])
-        raise RuntimeError(f"worker {label} ended")
+        return procs[label].ask(line)
 
     for label in procs:
         ask(label, f"setup {work / label} {a.params}")
@@ -122,9 +113,8 @@ def main() -> None:
     for label in procs:
         print(f"  {label}: load {statistics.median(walls[label]):.3f} s, {statistics.median(ratios[label]):.2f}x "
               f"the ceiling")
-    for p in procs.values():
-        p.stdin.close()
-        p.wait()
+    for w in procs.values():
+        w.close()
     subprocess.run(["rm", "-rf", str(work)], check=False)
 
 

@@ -45,7 +45,6 @@ import io
 import json
 import os
 import pstats
-import subprocess
 import sys
 import tempfile
 import threading
@@ -87,7 +86,7 @@ if __name__ == "__main__" and "--worker" in sys.argv:
     sys.exit(0)
 
 sys.path.insert(0, str(HERE))
-import _util  # noqa: E402,F401
+import _util  # noqa: E402
 
 from gdswriter import GDSCheckpointer  # noqa: E402
 from gdswriter.save.pool import release_kept_pool  # noqa: E402
@@ -96,32 +95,20 @@ from gdswriter.tools.bench import run_counts, state_nbytes, tensor_state  # noqa
 from gdswriter.units import parse_size  # noqa: E402
 
 
-class TreeWorker:
+class TreeWorker(_util.TreeWorker):
     """gdswriter's rounds from another checkout: a ``--worker`` process with PYTHONPATH=tree,
     called as run_counts's round function (state, root) -> GB/s per case."""
 
     def __init__(self, tree: Path, settle_s: float, device: str) -> None:
         if not (tree / "gdswriter" / "__init__.py").is_file():
             sys.exit(f"--tree {tree}: not a gdswriter checkout (no gdswriter/__init__.py there)")
-        env = {**os.environ, "PYTHONPATH": str(tree)}
-        self.tree, self.settle_s, self.device = tree, settle_s, device
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+        super().__init__(__file__, tree)
+        self.settle_s, self.device = settle_s, device
 
     def __call__(self, state: dict, root: Path) -> dict[str, float]:
         count = sum(len(g) for g in state.values())  # the same state again: tensor_state(count, its bytes)
         req = {"count": count, "size": state_nbytes(state), "root": str(root), "settle": self.settle_s, "device": self.device}
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
-        raise RuntimeError(f"the worker measuring {self.tree} ended (exit {self.proc.wait()}): see its stderr above "
-                           f"(is it a gdswriter checkout?)")
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        return self.ask(json.dumps(req))
 
 
 class ThreadProfiles:
