@@ -30,6 +30,16 @@ def _save(rank: int, root: Path) -> list:
     return save_two_steps(rank, root, state, parity_group=3)
 
 
+def _loaded_after_node2_replaced(rank: int, root: Path) -> tuple[list[str] | None, bool, list[str]]:
+    """Rank 2's node replaced (its root an empty directory; every rank past it), then step 1
+    loaded: dcp_load's (error, bit-exact, warnings) on this rank."""
+    if rank == 2:
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    return dcp_load(root, 1, state(1))
+
+
 def _worker(rank: int, world: int, tmp: str) -> dict:
     root = Path(tmp, f"node{rank}")
     out: dict = {"protected": _save(rank, root)}
@@ -110,11 +120,8 @@ def _refill_worker(rank: int, world: int, tmp: str) -> dict:
     # before the next load's refill (left running in the background) unprotects the step while it runs
     out["protected"] = json.loads(Path(tmp, "node0", STEP, "protected").read_bytes())
     torch.distributed.barrier()
-    if rank == 2:  # then rank 2's node too: a second member of the lane, survived thanks to the refill
-        shutil.rmtree(root)
-        root.mkdir()
-    torch.distributed.barrier()
-    out["second"] = dcp_load(root, 1, state(1))
+    # then rank 2's node too: a second member of the lane, survived thanks to the refill
+    out["second"] = _loaded_after_node2_replaced(rank, root)
     return out
 
 
@@ -181,11 +188,8 @@ def _stopped_worker(rank: int, world: int, tmp: str) -> dict:
                           sorted(str(p.relative_to(tmp)) for p in Path(tmp).glob("node*/step_*/copies/rank*"))])
         torch.distributed.barrier()
     out["loads"] = loads
-    if rank == 2:  # then rank 2's node too: a second member of the lane, survived thanks to rank 1's block
-        shutil.rmtree(root)
-        root.mkdir()
-    torch.distributed.barrier()
-    out["second"] = dcp_load(root, 1, state(1))
+    # then rank 2's node too: a second member of the lane, survived thanks to rank 1's block
+    out["second"] = _loaded_after_node2_replaced(rank, root)
     return out
 
 
