@@ -236,7 +236,9 @@ class RootLock:
                 if not os.pread(fd, 1, 0):
                     fsync_parents(root)
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                holder, done = f"{os.getpid()}\n".encode(), 0
+                while done < len(holder):  # a short write is continued, never left half-written
+                    done += os.pwrite(fd, holder[done:], done)
         except BaseException:
             self.release()
             raise
