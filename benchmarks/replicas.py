@@ -13,8 +13,11 @@ rounds (built, with its engines, by an untimed first save):
                   on the drives), replicas=1: the local engine's time for those bytes
 
 Times are the slowest rank's (an all_reduce of the maximum); medians of the rounds, and their
-ratios within a round (medians). "drive bytes / state byte" counts the data files of the last
-replicas=2 step (its own and its copies) over the state's tensor bytes.
+ratios within a round (medians). "CPU s (ranks)": the processes' CPU time (user + sys, every
+thread, io_uring's workers included) from the save's start to committed (to protected for
+replicas=2), summed over the ranks: set it against the wall time x the cores. "drive bytes /
+state byte" counts the data files of the last replicas=2 step (its own and its copies) over
+the state's tensor bytes.
 
 Training: a small MLP with AdamW (its state about --train-size bytes) trains --iters iterations
 and calls save_async every --every iterations, without a checkpointer (none), with replicas=1
@@ -102,18 +105,29 @@ def slowest(seconds: float) -> float:
     return float(t)
 
 
+def summed(seconds: float) -> float:
+    """``seconds`` summed over the ranks (an all_reduce)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return float(t)
+
+
 def timed_save(ck: GDSCheckpointer, step: int, protected: bool) -> dict:
     import torch.distributed as dist
 
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     ck.save(step)
-    committed = time.perf_counter() - t0
+    committed, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = {"committed": slowest(committed)}
     if protected:
         got = ck.wait_protected()
         assert got == step, (got, step)
         out["protected"] = slowest(time.perf_counter() - t0)
+        cpu = time.process_time() - c0
+    out["cpu"] = summed(cpu)
     return out
 
 
@@ -463,11 +477,11 @@ def table(world: int, res: dict) -> list[str]:
     rows, mb = res["rows"], res["state_bytes"] / 1e6
     med = {(c, k): statistics.median(x[k] for x in rows[c]) for c in CASES for k in rows[c][0]}
     lines = [f"{world} ranks, state {human(res['state_bytes'])} (every rank the same; each writes its share)",
-             f"  {'case':<16} {'committed s':>12} {'protected s':>12} {'MB/s (state)':>13}"]
+             f"  {'case':<16} {'committed s':>12} {'protected s':>12} {'MB/s (state)':>13} {'CPU s (ranks)':>14}"]
     for c in CASES:
         prot = med.get((c, "protected"))
         lines.append(f"  {c:<16} {med[(c, 'committed')]:>12.3f} {'' if prot is None else f'{prot:.3f}':>12} "
-                     f"{mb / (prot or med[(c, 'committed')]):>13.0f}")
+                     f"{mb / (prot or med[(c, 'committed')]):>13.0f} {med[(c, 'cpu')]:>14.3f}")
     lines += [f"  time to committed, replicas=2 / no replicas:          "
               f"{_ratio(rows, ('replicas=2', 'committed'), ('no replicas', 'committed')):.2f}",
               f"  time to protected, replicas=2 / no replicas:          "
