@@ -16,7 +16,10 @@ others go in rounds of STREAM_BYTES per pair of ranks, a round sent while the ne
 (``stream_chunks``), so a restore from a copy on a peer reads and sends at once, into a few
 rounds of reused buffers (``RoundWindow``). A large chunk several ranks need spreads down a
 relay tree (``relay_tree``): ranks that received it send it on, so its reader does not send it
-to every rank that needs it, and each rank's sending stays about its share. All ranks agree on
+to every rank that needs it, and each rank's sending stays about its share. Where two ranks may read
+each other's memory (crossmem.py; DistOptions.load_cross_memory), the receiver pulls each
+round from the reader's buffers as soon as the round is read, instead of receiving it over the
+process group, and answers once it has (``_pull_round``): then the reader may reuse them. All ranks agree on
 failure: if one fails, all raise. A caller may name storages to read in place (``into``: the
 DCP reader hands DCP's own target tensors, saving a buffer and a copy); those are the only
 memory a failed fetch can leave partly written.
