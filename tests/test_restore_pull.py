@@ -137,3 +137,17 @@ def test_a_refused_pull_sends_the_chunks_over_the_process_group(job):
     out = run_ranks(2, load_pulled, str(job), "refuse", out=job / "out")
     assert [x["got"] for x in out] == [[2, True]] * 2, out
     assert out[1]["pulled"] == 0 and any("over the process group instead" in w for w in out[1]["warnings"]), out
+
+
+def test_pull_partners_are_the_ranks_of_a_part_that_share_its_domain():
+    """Rank 0's pure rule: a rank pulls from (or is pulled from by) exactly the ranks of its own
+    part's moves whose gathered crossmem domain is its own; a rank without one (cross memory
+    off, or no process_vm_readv) has none, and neither has its partner for that pair."""
+    from gdswriter.distributed.fetch import pull_partners
+
+    asks = [{"cma": ["a", 100]}, {"cma": ["a", 101]}, {"cma": ["b", 102]}, {"cma": None}]
+    moves = [[0, 0, 1, 5, 0, 0], [1, 0, 2, 5, 0, 0], [2, 0, 3, 5, 1, 0], [3, 1, 0, 6, 0, 1]]  # rank 0's part
+    assert pull_partners(moves, asks, 0) == [[1, 101]]
+    assert pull_partners([moves[0], moves[3]], asks, 1) == [[0, 100]]
+    assert pull_partners([moves[1]], asks, 2) == []
+    assert pull_partners([moves[2]], asks, 3) == []
