@@ -35,10 +35,7 @@ peers of at least 0.8x the slower of the two, round by round (medians). "read al
 all" is the same restore with fetch.STREAM_BYTES unbounded (one round: every chunk read before
 any is sent, the schedule before the streaming), in the same rounds. "load(atomic=False)": the same
 local load and load from peers with load(atomic=False) (bytes read and received straight into
-the live tensors; the rows above stay atomic, the default), in the same rounds. The ranks here
-share one kernel, so "from peers" pulls node 1's chunks from rank 0's memory (fetch.py
-``_pull_round``, DistOptions.load_cross_memory); "from peers over gloo" is the same atomic load
-with load_cross_memory=False (the chunks sent over gloo, as between real nodes), in the same rounds.
+the live tensors; the rows above stay atomic, the default), in the same rounds.
 
 Restart to the first training step: fresh ranks are spawned (a new process group), each opens
 the training loop's replicas=2 checkpointer, loads the newest step and trains one step; the
@@ -199,18 +196,15 @@ def _cold_read(root: Path, step: int) -> float:
     return seconds
 
 
-def _timed_load(rank: int, base: Path, state: dict, step: int, atomic: bool | None = None,
-                cross_memory: bool = True) -> dict:
+def _timed_load(rank: int, base: Path, state: dict, step: int, atomic: bool | None = None) -> dict:
     """A fresh replicas=2 checkpointer loads ``step`` into zeroed tensors, bit exact: seconds
-    (slowest rank) of its set-up (the constructor) and of the load call (``atomic``: load's;
-    ``cross_memory``: DistOptions.load_cross_memory)."""
+    (slowest rank) of its set-up (the constructor) and of the load call (``atomic``: load's)."""
     import torch.distributed as dist
 
     live = {k: torch.zeros_like(v) for k, v in state.items()}
     dist.barrier()
     t0 = time.perf_counter()
-    ck = GDSCheckpointer(live, root=base / f"n{rank}",
-                         dist_options=DistOptions(replicas=2, load_cross_memory=cross_memory))
+    ck = GDSCheckpointer(live, root=base / f"n{rank}", dist_options=DistOptions(replicas=2))
     setup = slowest(time.perf_counter() - t0)
     try:
         dist.barrier()
@@ -246,8 +240,7 @@ def _restores(rank: int, world: int, base: Path, state: dict, step: int, rounds:
 
     nbytes = sum(v.nbytes for v in state.values())
     out: dict = {"gloo": [], "cold read": [], "local load": [], "from peers": [], "from peers, one round": [],
-                 "setup local": [], "setup peers": [], "local load, in place": [], "from peers, in place": [],
-                 "from peers, over gloo": []}
+                 "setup local": [], "setup peers": [], "local load, in place": [], "from peers, in place": []}
     # each load from peers refills node 1's empty root (closing the checkpointer waits for it) and
     # names it in the step's manifest: every round puts the roots back as they were saved
     kept = _small_files(base / f"n{rank}")
@@ -266,8 +259,6 @@ def _restores(rank: int, world: int, base: Path, state: dict, step: int, rounds:
         out["setup peers"].append(t["setup"])
         _put_back(rank, base, kept, lost=True)
         out["from peers, in place"].append(_timed_load(rank, base, state, step, atomic=False)["load"])
-        _put_back(rank, base, kept, lost=True)
-        out["from peers, over gloo"].append(_timed_load(rank, base, state, step, cross_memory=False)["load"])
         _put_back(rank, base, kept, lost=True)
         fetch.STREAM_BYTES, streamed = 1 << 62, fetch.STREAM_BYTES  # every chunk read, then all sent (as before)
         try:
@@ -499,11 +490,11 @@ def restore_lines(res: dict) -> list[str]:
     """The restore and restart figures (module docstring)."""
     rs, gb = res["restore"], res["state_bytes"] / 1e9
     cases = ("local load", "from peers", "from peers, one round", "gloo", "cold read", "local load, in place",
-             "from peers, in place", "from peers, over gloo")
+             "from peers, in place")
     rate = {k: statistics.median(gb / x for x in rs[k]) for k in cases}
     floor = min(rate["gloo"], rate["cold read"])
     ratios = {p: [a / min(g, c) for a, g, c in zip(*([gb / x for x in rs[k]] for k in (p, "gloo", "cold read")))]
-              for p in ("from peers", "from peers, one round", "from peers, in place", "from peers, over gloo")}
+              for p in ("from peers", "from peers, one round", "from peers, in place")}
     rt = res.get("restart")
     lines = [f"  restore GB/s (state bytes / slowest rank's load call): local load {rate['local load']:.2f}, "
             f"from peers (node 1 lost) {rate['from peers']:.2f} (read all, then send all: "
@@ -519,9 +510,7 @@ def restore_lines(res: dict) -> list[str]:
             f"  load(atomic=False) GB/s: local load {rate['local load, in place']:.2f}, from peers "
             f"{rate['from peers, in place']:.2f}; from peers / slower of gloo and cold read: "
             f"{statistics.median(ratios['from peers, in place']):.2f} (min {min(ratios['from peers, in place']):.2f}, "
-            f"max {max(ratios['from peers, in place']):.2f})",
-            f"  from peers over gloo (load_cross_memory=False, the chunks received, not pulled): "
-            f"{rate['from peers, over gloo']:.2f} GB/s, {statistics.median(ratios['from peers, over gloo']):.2f} x the floor"]
+            f"max {max(ratios['from peers, in place']):.2f})"]
     if rt is not None:
         lines.append(f"  restart to first training step (spawn, load, one step): intact "
                      f"{statistics.median(rt['intact']):.2f} s, node 1 lost {statistics.median(rt['node 1 lost']):.2f} s")

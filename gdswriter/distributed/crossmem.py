@@ -17,7 +17,7 @@ anywhere, the ranks share through the tmpfs (hostshare.py) or the process group,
 would without it. A pull that fails later raises CrossMemoryError, which the ranks agree on
 and answer by sending the pieces over the process group instead. A peer's buffer must stay
 mapped and unchanged until every rank has pulled from it: load.py agrees on that before it
-hands any state out; fetch.py's rounds wait for each puller's answer (fetch._pull_round).
+hands any state out.
 """
 
 from __future__ import annotations

@@ -16,10 +16,7 @@ others go in rounds of STREAM_BYTES per pair of ranks, a round sent while the ne
 (``stream_chunks``), so a restore from a copy on a peer reads and sends at once, into a few
 rounds of reused buffers (``RoundWindow``). A large chunk several ranks need spreads down a
 relay tree (``relay_tree``): ranks that received it send it on, so its reader does not send it
-to every rank that needs it, and each rank's sending stays about its share. Where two ranks may read
-each other's memory (crossmem.py; DistOptions.load_cross_memory), the receiver pulls each
-round from the reader's buffers as soon as the round is read, instead of receiving it over the
-process group, and answers once it has (``_pull_round``): then the reader may reuse them. All ranks agree on
+to every rank that needs it, and each rank's sending stays about its share. All ranks agree on
 failure: if one fails, all raise. A caller may name storages to read in place (``into``: the
 DCP reader hands DCP's own target tensors, saving a buffer and a copy); those are the only
 memory a failed fetch can leave partly written.
@@ -29,8 +26,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
-import os
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,15 +37,13 @@ from ..engines.base import IOEngine
 from ..errors import ChecksumMismatchError, UnreachableDataError
 from ..format.manifest import ChunkRecord, Manifest
 from ..load.reader import check_step_files, host_buffer
-from . import crossmem
-from .group import Coordinator, Transfer, describe
+from .group import Coordinator, Transfer
 from .ownplan import Move
 from .readexec import ChunkCheck, RangeRead, ReadPlan, check_chunks, chunk_range, execute, send_moves
 from .roots import RootLayout
 
 STREAM_BYTES = 32 << 20  # per pair of ranks, the chunk bytes of one round: sent while the next are read
 AHEAD_ROUNDS = 2  # how many rounds a fetch's reader thread reads ahead of the rounds sent (RoundWindow)
-log = logging.getLogger("gdswriter")
 RELAY_MIN = 1 << 20  # a chunk this large that several ranks need is relayed (assign_readers), a smaller one sent direct
 
 
@@ -94,8 +87,7 @@ def check_reached_files(m: Manifest, reach: Reach, files: set[int]) -> None:
 
 def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iterable[int], engine: IOEngine, *,
                    verify: bool, what: str, alloc: Callable[[int], torch.Tensor] = host_buffer,
-                   into: Mapping[int, torch.Tensor] | None = None, alone: bool = False,
-                   cross_memory: bool = False) -> dict[int, torch.Tensor]:
+                   into: Mapping[int, torch.Tensor] | None = None, alone: bool = False) -> dict[int, torch.Tensor]:
     """Collective: {storage: flat uint8 buffer of its nbytes, filled} for ``storages`` on every rank.
 
     Nothing is allocated before every rank has checked the files it reads (for itself or for
@@ -110,12 +102,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
     ``alone`` (the same on every rank): every rank reaches every root of ``m`` and the caller's
     own protocol tells every rank of a failure (DCP's gather of read_data's outcomes): then
     each rank reads what it needs itself, with no collective, after checking its own files
-    (so what it allocates is bounded by them) and raises its own error.
-
-    ``cross_memory`` (DistOptions.load_cross_memory): a rank that may read the memory of the
-    rank that reads a chunk for it (one kernel, PID namespace and user: crossmem.domain) copies
-    the chunk from that rank's buffer once the round it travels in is read (``_pull_round``),
-    instead of receiving it over the process group; checked where it arrives all the same."""
+    (so what it allocates is bounded by them) and raises its own error."""
     into = into or {}
     for s, t in into.items():
         if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() != m.storages[s].nbytes:
@@ -133,7 +120,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
         if out.error is not None:
             raise out.error
         return {s: out.buffers[s] for s in needed}
-    moves, pulls = locate_chunks(coord, m, reach, remote, what, cross_memory=cross_memory)
+    moves = locate_chunks(coord, m, reach, remote, what)
     rank = coord.rank
     asked = {(s, ci) for s, ci in remote}  # what this rank receives (and may forward), never reads
     others = [(x[3], x[4]) for x in moves if x[1] == rank and (x[3], x[4]) not in asked]  # read for other ranks
@@ -147,7 +134,7 @@ def fetch_storages(coord: Coordinator, reach: Reach, m: Manifest, storages: Iter
     plan = fetch_plan(m, needed, local, others)
     buffers: dict = dict(into)
     read_error, check_error = stream_chunks(coord, m, plan, moves, reach, buffers, engine, verify=verify,
-                                            alloc=alloc, what=what, pulls=pulls)
+                                            alloc=alloc, what=what)
     coord.agree(read_error, f"{what} (reading)", hint=untouched)
     coord.agree(check_error, f"{what} (checking received chunks)", hint=untouched)
     return {s: buffers[s] for s in needed}
@@ -186,39 +173,24 @@ def fetch_plan(m: Manifest, needed: Sequence[int], local: Sequence[Sequence[int]
     return ReadPlan(m.step, m.created_unix, m.files, tuple(reads), tuple(buffers))
 
 
-def locate_chunks(coord: Coordinator, m: Manifest, reach: Reach, remote: list[list[int]], what: str, *,
-                  cross_memory: bool = False) -> tuple[list[tuple[int, int, int, int, int, int]], dict[int, int]]:
-    """Collective: (the (tag, src, dst, storage, chunk, round) moves this rank takes part in, the
-    ranks it moves chunks with that share its crossmem.domain: rank -> pid). Rank 0 gathers
-    what each rank cannot read, the roots it sees and (``cross_memory``) its domain and pid,
-    assigns every chunk a reader (``assign_readers``), and sends each rank its own part
-    (``scatter_own``)."""
-    dom = crossmem.domain() if cross_memory and not coord.solo_mode else None
-    asks = coord.gather({"need": remote, "reach": [g for g, p in enumerate(reach.paths) if p is not None],
-                         "cma": [dom, os.getpid()] if dom else None}, f"{what} (locating chunks)", dst=0)
+def locate_chunks(coord: Coordinator, m: Manifest, reach: Reach, remote: list[list[int]],
+                  what: str) -> list[tuple[int, int, int, int, int, int]]:
+    """Collective: the (tag, src, dst, storage, chunk, round) moves this rank takes part in: rank 0
+    gathers what each rank cannot read and the roots it sees, assigns every chunk a reader
+    (``assign_readers``) and sends each rank its own part (``scatter_own``)."""
+    asks = coord.gather({"need": remote, "reach": [g for g, p in enumerate(reach.paths) if p is not None]},
+                        f"{what} (locating chunks)", dst=0)
     parts: list[dict] | None = None
     plan_error = None
     if asks is not None:  # rank 0 assigns every chunk a reader and tells each rank its own part
         try:
-            parts = [{"moves": p, "pull": pull_partners(p, asks, r)} for r, p in enumerate(assign_readers(m, asks, what))]
+            parts = [{"moves": p} for p in assign_readers(m, asks, what)]
         except UnreachableDataError as e:
             plan_error, parts = e, [{"error": str(e)}] * coord.world_size
     part = scatter_own(coord, parts, f"{what} (the chunks each rank sends and receives)")
     if "error" in part:
         raise plan_error or UnreachableDataError(2, part["error"])
-    return [tuple(x) for x in part["moves"]], {int(r): int(pid) for r, pid in part.get("pull", [])}  # type: ignore[misc]
-
-
-def pull_partners(moves: Sequence[Sequence[int]], asks: Sequence[dict], rank: int) -> list[list[int]]:
-    """On rank 0: the [rank, pid] of each rank ``rank`` moves chunks with (``moves``, its part)
-    whose gathered crossmem domain is its own: the pairs whose chunks are pulled, not sent
-    (both ranks of a pair learn it alike). As long as the part: flat in the world size."""
-    mine = (asks[rank].get("cma") or [None])[0]
-    if mine is None:
-        return []
-    others = {x[1] if x[2] == rank else x[2] for x in moves}
-    return [[r, asks[r]["cma"][1]] for r in sorted(others)
-            if r != rank and asks[r].get("cma") and asks[r]["cma"][0] == mine]
+    return [tuple(x) for x in part["moves"]]  # type: ignore[misc]
 
 
 def stream_rounds(moves: Sequence[Sequence[int]]) -> list[list[tuple[int, int, int, int, int]]]:
@@ -262,7 +234,7 @@ def _work_by_round(m: Manifest, plan: ReadPlan, rounds: Sequence[Sequence[tuple[
 
 def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequence[tuple[int, int, int, int, int, int]],
                   reach: Reach, buffers: dict, engine: IOEngine, *, verify: bool,
-                  alloc: Callable[[int], torch.Tensor], what: str, pulls: dict[int, int] | None = None
+                  alloc: Callable[[int], torch.Tensor], what: str
                   ) -> tuple[BaseException | None, BaseException | None]:
     """Collective: ``plan`` carried out into ``buffers`` while the chunks of ``moves`` go from
     their readers to the ranks that need them. A thread allocates the buffers (``alloc``; those
@@ -272,9 +244,8 @@ def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequen
     and each round received is checked against its crc32c (before any rank forwards it). Every round is
     sent and received even after a failed allocation or read (from and into what the buffers
     hold then, or scratch: the rank's failure is agreed on first, and no rank uses those bytes),
-    so no rank waits for a message that never comes. ``pulls`` (rank -> pid): the partners whose
-    chunks are pulled from their memory instead (``_pull_round``). Returns (this rank's failure
-    allocating or reading, the first received chunk that fails its check)."""
+    so no rank waits for a message that never comes. Returns (this rank's failure allocating or
+    reading, the first received chunk that fails its check)."""
     rank = coord.rank
     rounds = stream_rounds(moves)
     work = _work_by_round(m, plan, rounds, rank)
@@ -306,7 +277,7 @@ def stream_chunks(coord: Coordinator, m: Manifest, plan: ReadPlan, moves: Sequen
         for k, moves_k in enumerate(rounds):
             ready[k].wait()
             error = _pass_round(coord, m, moves_k, buffers, tags, verify=verify and not failed and check_error is None,
-                                what=f"{what} (sending chunks, round {k + 1} of {len(rounds)})", pulls=pulls)
+                                what=f"{what} (sending chunks, round {k + 1} of {len(rounds)})")
             check_error = check_error or error
             window.passed(k, buffers)
     except BaseException:
@@ -357,11 +328,9 @@ class RoundWindow:
 
 def _pass_round(coord: Coordinator, m: Manifest, moves: Sequence[tuple[int, int, int, int, int]],
                 buffers: Mapping[Hashable, torch.Tensor], tags: dict[tuple[int, int], int], *, verify: bool,
-                what: str, pulls: dict[int, int] | None = None) -> BaseException | None:
+                what: str) -> BaseException | None:
     """One round of chunk moves from their readers to the ranks that need them, and those this
-    rank received checked against their crc32c: the first mismatch, or None. The moves between
-    ranks of ``pulls`` are pulled from the reader's memory (``_pull_round``); the rest, and
-    those whose pull failed, go over the process group."""
+    rank received checked against their crc32c: the first mismatch, or None."""
     rank = coord.rank
     views: dict[int, torch.Tensor] = {}  # per move this rank takes part in: what it sends or receives into
     checks = []
@@ -373,61 +342,14 @@ def _pass_round(coord: Coordinator, m: Manifest, moves: Sequence[tuple[int, int,
             views[tag] = _slice(buffers.get(s), c)
             checks.append(ChunkCheck(s, c.storage_offset, c.length, c.crc32c, f"<chunk received from rank {src}>",
                                      f"<storage {s}>", c.file_offset))
-    sent = [Move(src, dst, tag, 0, m.storages[s].chunks[ci].length) for tag, src, dst, s, ci in moves]
-    if pulls:
-        sent = _pull_round(coord, sent, views, tags, pulls, what)
-    send_moves(coord, sent, views, tags, what)
+    send_moves(coord, [Move(src, dst, tag, 0, m.storages[s].chunks[ci].length) for tag, src, dst, s, ci in moves],
+               views, tags, what)
     try:
         if verify:
             check_chunks(checks, buffers)
     except ChecksumMismatchError as e:
         return e
     return None
-
-
-def _pull_round(coord: Coordinator, moves: Sequence[Move], views: Mapping[int, torch.Tensor],
-                tags: dict[tuple[int, int], int], pulls: dict[int, int], what: str) -> list[Move]:
-    """The moves of one round between this rank and its ``pulls`` partners (rank -> pid), pulled:
-    each reader tells the receiver where the round's chunks are in its memory (one message per
-    pair: their addresses), the receiver copies them with process_vm_readv (crossmem.pull) and
-    answers whether it did (one byte), and only then may the reader reuse those buffers (the
-    round passes). Returns the moves left to send over the process group: those of other pairs,
-    and of a pair whose pull failed (that pair sends from then on; ``pulls`` loses it on both
-    ranks alike). The chunks pulled are checked where they arrive as those received are."""
-    rank = coord.rank
-    pairs: dict[tuple[int, int], list[Move]] = {}
-    rest: list[Move] = []
-    for mv in moves:
-        other = mv.dst if mv.src == rank else mv.src
-        (pairs.setdefault((mv.src, mv.dst), []) if other in pulls else rest).append(mv)
-    if not pairs:
-        return rest
-    addr = {pair: torch.tensor([views[mv.sid].data_ptr() if pair[0] == rank else 0 for mv in mvs], dtype=torch.int64)
-            for pair, mvs in pairs.items()}
-    coord.exchange([Transfer(a, b, _tag(tags, a, b), addr[(a, b)].view(torch.uint8)) for a, b in pairs],
-                   f"{what} (where the chunks to pull are)")
-    done = {pair: torch.zeros(1, dtype=torch.uint8) for pair in pairs}
-    for (a, b), mvs in pairs.items():
-        if b == rank:
-            try:
-                crossmem.pull(pulls[a], [(int(x), views[mv.sid].data_ptr(), mv.length)
-                                         for x, mv in zip(addr[(a, b)].tolist(), mvs)])
-                done[(a, b)][0] = 1
-            except crossmem.CrossMemoryError as e:
-                log.warning("gdswriter: %s: reading rank %d's memory failed (%s); its chunks come over the process "
-                            "group instead", what, a, describe(e))
-    coord.exchange([Transfer(b, a, _tag(tags, b, a), done[(a, b)]) for a, b in pairs], f"{what} (pulled)")
-    for (a, b), mvs in pairs.items():
-        if not done[(a, b)][0]:
-            pulls.pop(b if a == rank else a, None)
-            rest.extend(mvs)
-    return rest
-
-
-def _tag(tags: dict[tuple[int, int], int], a: int, b: int) -> int:
-    """The next tag of pair (a, b)'s messages (send_moves numbers them alike)."""
-    tags[(a, b)] = tags.get((a, b), -1) + 1
-    return tags[(a, b)]
 
 
 def scatter_own(coord: Coordinator, parts: Sequence[dict] | None, what: str) -> dict:

@@ -420,7 +420,7 @@ def _prepare_parsed(coord: Coordinator, layout: RootLayout, protocol: CommitProt
         into = in_place(m, targets) if g is not None else {}
         state = rebuild_state(coord, layout, m, templates, live.optimizer, engine, verify=verify, what=what,
                               single=g is None and m.dist is None, read_once=read_replicated_once,
-                              fetch=partial(fetch_storages, into=into, cross_memory=cross_memory))
+                              fetch=partial(fetch_storages, into=into) if into else fetch_storages)
     plan, error = None, None
     try:
         plan = check(state)

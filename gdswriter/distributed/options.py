@@ -51,9 +51,7 @@ class DistOptions:
         Default True; where the call is refused on any rank, every rank uses
         ``load_share_dir`` as if False. Memory: during the load each rank holds its own copy
         of that state (as over the process group), where the tmpfs holds one per host, shared
-        copy-on-write; set False where host memory is tight. A load that moves chunks
-        between ranks (a copy on a peer, distributed/fetch.py) pulls them the same way between
-        such ranks, a round as soon as it is read (a refused pull: over the process group).
+        copy-on-write; set False where host memory is tight.
     replicas: how many distinct hosts hold every file a load needs (env GDSWRITER_REPLICAS;
         1: the rank's own roots only, as before). With C > 1, after each step commits, every
         rank sends its files in the background to C - 1 peer ranks on other hosts (chosen by
