@@ -249,7 +249,7 @@ class LayoutCache:
             self.key, self.placed, self.records = key, placed, list(records)
             columns = (list(map(_SECOND, views)), list(map(_THIRD, views)), list(map(_FOURTH, views)),
                        list(map(_FIRST_TENSOR, extents)))
-            self.recipe = list(zip(range(len(views)), *columns))
+            self.recipe = []  # the columns stand for it (reuse reads them)
             self._columns = (None, *columns)
             return
         source = {}  # a tensor per (storage address, size, device): any of them views the same bytes
