@@ -32,7 +32,9 @@ open checkpointers' pools plus one (plus, until such a handover lands, the pool 
 A save lays its files out in the pool piece by piece: each file is cut at multiples of
 the piece size, and a piece is the file's own bytes for its range (the copier zeroes the
 alignment gaps between chunks), so it sits in the pool at the same 4 KiB phase as in the
-file and the engine writes it as one span, zero-copy. Pieces take the pool in turn, as a
+file and the engine writes it as one span, zero-copy (laid out in numpy columns where every
+extent is in host memory: Python objects per piece, tuples per chunk made by zip; a later
+save of the same layout reuses it, _LayoutTemplate). Pieces take the pool in turn, as a
 ring: a piece that does not fit waits until the pieces it would overwrite were written
 (the engine releases each span once it will not read it again; engine.SpanGuards): for
 each of its bytes, the last piece that held it, however many laps back (allocate). One

@@ -469,7 +469,8 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     try:
         frozen, tensors, arrays = freeze_state(state)
         rest, others = guarded.split(tensors)
-        addresses = list(map(storage_address, rest))  # raises for tensors without a storage (sparse)
+        # raises for tensors without a storage (sparse); a blocking save needs none (_check_at_call checks)
+        addresses = [] if blocking else list(map(storage_address, rest))
     except (Unfreezable, RuntimeError, NotImplementedError):
         _raise_unsupported(state)
         raise
