@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from support import models as M
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -291,3 +292,51 @@ def test_host_addresses_are_each_extents_host_address(tmp_path):
     snap = take_snapshot(alone, 1, layout=LayoutCache())  # nothing protected: the small ones are copies
     assert any(e.captured for e in snap.extents)
     assert host_addresses(snap.extents) == [e.host_address() for e in snap.extents]
+
+
+# ----------------------------------------------------------------------------- the files it lays out
+def _varied_state(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors of the sizes a state holds (zero-byte, packed, a few KiB, larger than a piece),
+    random values, some of other dtypes."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [0, 1, 3, 17, 100, 700, 1023, 1024, 5000, 70_000, 300_000, 90_000]
+    picks = torch.randint(0, len(sizes), (60,), generator=g).tolist()
+    state = {}
+    for i, k in enumerate(picks):
+        dtype = (torch.float32, torch.bfloat16, torch.int8, torch.float64)[i % 4]
+        state[f"t{i}"] = torch.randn(sizes[k], generator=g).to(dtype)
+    return state
+
+
+def _data_files(root: Path, step: int) -> dict[str, bytes]:
+    folder = next(p for p in root.iterdir() if p.name.startswith("step_") and int(p.name[5:]) == step)
+    files = {p.name: p.read_bytes() for p in sorted(folder.glob("data-*.bin"))}
+    assert len(files) == 2, files.keys()  # 2 files per root
+    return files
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_pools_files_are_the_live_saves_byte_for_byte(tmp_path: Path, seed: int):
+    """The pool lays its files out in columns (pieces, chunks cut where pieces end, the gaps the
+    copier zeroes): the files must hold exactly what a live save (the engines read the tensors
+    themselves) writes, on 2 roots of 2 files each through a pool of 8 pieces, for a first save
+    and for a later one whose sizes changed (the pool then holds the earlier save's bytes,
+    which no gap may let through); the step loads back bit-exact."""
+    state = _varied_state(seed)
+    dirs = {mode: [tmp_path / mode / "a", tmp_path / mode / "b"] for mode in ("host", "live")}
+    cks = {mode: GDSCheckpointer(state, None, dirs[mode], options=M.small_options(
+        snapshot=mode, snapshot_pool_bytes=2 * MiB, files_per_root=2)) for mode in dirs}
+    try:
+        for step in (1, 2):
+            for ck in cks.values():
+                ck.save(step)
+            for a, b in zip(dirs["host"], dirs["live"]):
+                got, want = _data_files(a, step), _data_files(b, step)
+                assert got.keys() == want.keys() and got == want, (step, [k for k in got if got[k] != want.get(k)])
+            loaded = load_state(dirs["host"], step)[1]["model"]
+            assert all(torch.equal(loaded[k], t) for k, t in state.items())
+            for k in list(state)[::3]:  # other sizes: another layout, through the same pool
+                state[k] = torch.randn(state[k].numel() + 777)
+    finally:
+        for ck in cks.values():
+            ck.close()

@@ -32,7 +32,9 @@ open checkpointers' pools plus one (plus, until such a handover lands, the pool 
 A save lays its files out in the pool piece by piece: each file is cut at multiples of
 the piece size, and a piece is the file's own bytes for its range (the copier zeroes the
 alignment gaps between chunks), so it sits in the pool at the same 4 KiB phase as in the
-file and the engine writes it as one span, zero-copy. Pieces take the pool in turn, as a
+file and the engine writes it as one span, zero-copy (laid out in numpy columns where every
+extent is in host memory: Python objects per piece, tuples per chunk made by zip; a later
+save of the same layout reuses it, _LayoutTemplate). Pieces take the pool in turn, as a
 ring: a piece that does not fit waits until the pieces it would overwrite were written
 (the engine releases each span once it will not read it again; engine.SpanGuards): for
 each of its bytes, the last piece that held it, however many laps back (allocate). One
@@ -66,9 +68,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from operator import itemgetter
 
+import numpy as np
 import torch
 from crc32c import crc32c as _crc32c
 
@@ -460,8 +462,8 @@ class HostSnapshotPool:
         last = self._last_layout
         if last is not None and snap.layout_key is not None and last.fits(snap, plan, piece):
             return last.rebuild(ring)
-        order, per_file, chunks = _layout(snap, plan, ring, piece)
-        self._last_layout = _LayoutTemplate.of(snap, plan, piece, order, per_file, chunks)
+        order, per_file, chunks, located = _layout(snap, plan, ring, piece)
+        self._last_layout = _LayoutTemplate.of(snap, plan, piece, order, per_file, chunks, located)
         return order, per_file, chunks
 
 
@@ -513,10 +515,21 @@ class ChunkCrcs(Mapping):
 
 def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
     """Cut every file into pieces; returns the pieces in copy order (round-robin over roots,
-    each root's files in plan order), each file's pieces, and every chunk of the plan, cut at
-    piece ends, with where it lies: (chunk, ((its piece, its offset there) or () if empty, length)) pairs.
-    The usual chunk (host memory, inside one piece) is laid out inline; the others by _cut."""
+    each root's files in plan order), each file's pieces, every chunk of the plan, cut at
+    piece ends, with where it lies: (chunk, ((its piece, its offset there) or () if empty,
+    length)) pairs, and the same as (chunk, piece's index in the order or -1, offset, length)
+    for _LayoutTemplate where the columns gave them (else None). Every extent in host memory
+    (the usual state): in columns (_layout_host), else chunk by chunk (_layout_each)."""
     hosts = host_addresses(snap.extents)  # host memory: copied from its address, no tensor per chunk
+    laid = _layout_host(plan, hosts, ring, piece) if None not in hosts else None
+    if laid is None:
+        return (*_layout_each(snap, plan, ring, piece, hosts), None)
+    return laid
+
+
+def _layout_each(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int, hosts: list[int | None]):
+    """_layout chunk by chunk (extents a GPU holds, or a plan whose files are not in order):
+    the usual chunk (host memory, inside one piece) inline, the others by _cut."""
     per_root: dict[int, list[Piece]] = {}
     per_file = []
     chunks: list[tuple[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]]] = []
@@ -567,9 +580,116 @@ def _cut(c: PlannedChunk, ext, host: int | None, piece: int, pieces: dict[int, P
             queue.append(p)
         src = c.storage_offset + pos - c.file_offset
         p.add(pos - p.lo, cut - pos, (host + src, cut - pos) if flat is None else flat[src:src + cut - pos])
-        part = c if cut - pos == c.length else replace(c, storage_offset=src, length=cut - pos, file_offset=pos)
+        part = c if cut - pos == c.length else c._replace(storage_offset=src, length=cut - pos, file_offset=pos)
         chunks.append((part, ((p, pos - p.lo), cut - pos)))
         pos = cut
+
+
+def _layout_host(plan: SavePlan, hosts: list[int], ring: Ring, piece: int):
+    """_layout in numpy columns where every extent is in host memory: per file, its chunks cut
+    into parts where pieces end, each part's piece, offset there, length and source address,
+    and the gaps before parts; Python objects only per piece, and the per-part tuples made by
+    zip. None where a file's chunks are not in file order, disjoint (the plans plan_save makes
+    are): _layout_each then."""
+    address = np.array(hosts, dtype=np.int64)
+    per_root: dict[int, list[Piece]] = {}
+    per_file, laid = [], []
+    for fp in plan.files:
+        parts = _parts(fp.chunks, address, piece)
+        if parts is None:
+            return None
+        pieces = _file_pieces(parts, ring, fp.target.root)
+        per_root.setdefault(fp.target.root, []).extend(pieces)
+        per_file.append(pieces)
+        laid.append(parts)
+    queues = [per_root[r] for r in sorted(per_root)]
+    order = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
+    index = {id(p): i for i, p in enumerate(order)}
+    chunks: list = []
+    located: list = []
+    for pieces, parts in zip(per_file, laid):
+        where = np.array([index[id(p)] for p in pieces], dtype=np.int64)[parts.piece] if pieces else parts.piece
+        local, rel, n = parts.piece.tolist(), parts.rel.tolist(), parts.n.tolist()
+        placed = list(zip(parts.chunks, zip(zip(map(pieces.__getitem__, local), rel), n)))
+        chunks += _in_chunk_order(parts, placed, lambda c: (c, ((), 0)))
+        located += _in_chunk_order(parts, list(zip(parts.chunks, where.tolist(), rel, n)), lambda c: (c, -1, 0, 0))
+    return order, per_file, chunks, located
+
+
+class _Parts:
+    """One file's chunks cut where pieces end, as columns (see _parts)."""
+
+    __slots__ = ("address", "chunks", "empty", "empty_chunks", "first", "lo", "n", "of_chunk", "piece", "rel")
+
+
+def _parts(chunks: Sequence[PlannedChunk], address: np.ndarray, piece: int) -> _Parts | None:
+    """The parts of ``chunks`` (one per piece a chunk meets): per part its chunk (the plan's own,
+    or a PlannedChunk of the part where a chunk is cut), the index of its chunk in ``chunks``,
+    its piece's number in the file (0, 1, ... in file order: ``first`` holds each piece's first
+    part), its offset in that piece, length and source address; ``empty``: the indices of
+    zero-byte chunks. None where the chunks are not in file order and disjoint."""
+    out = _Parts()
+    if not chunks:
+        storage = offset = length = at = np.zeros(0, dtype=np.int64)
+    else:
+        storage, offset, length, _, at = (np.array(col, dtype=np.int64) for col in zip(*chunks))
+    some = np.flatnonzero(length > 0)
+    pos, ln = at[some], length[some]
+    if len(some) > 1 and (pos[1:] < pos[:-1] + ln[:-1]).any():
+        return None
+    k0 = pos // piece
+    count = (pos + ln - 1) // piece - k0 + 1
+    of = np.repeat(np.arange(len(some)), count)  # per part, its chunk among ``some``
+    k = k0[of] + np.arange(len(of)) - np.repeat(np.cumsum(count) - count, count)
+    lo = np.maximum(pos[of], k * piece)
+    n = np.minimum(pos[of] + ln[of], (k + 1) * piece) - lo
+    out.of_chunk, out.rel, out.n, out.empty = some[of], lo - k * piece, n, np.flatnonzero(length == 0)
+    out.address = address[storage[some][of]] + offset[some][of] + lo - pos[of]
+    ks, out.first = np.unique(k, return_index=True)  # k grows part by part: each piece's first part
+    out.lo = (ks * piece).tolist()
+    out.piece = np.repeat(np.arange(len(out.first)), np.diff(np.append(out.first, len(k))))
+    out.chunks = list(map(chunks.__getitem__, out.of_chunk.tolist()))
+    out.empty_chunks = list(map(chunks.__getitem__, out.empty.tolist()))
+    for i in np.flatnonzero(np.repeat(count > 1, count)).tolist():  # a chunk cut where a piece ends
+        c = out.chunks[i]
+        start = int(lo[i])
+        out.chunks[i] = c._replace(storage_offset=c.storage_offset + start - c.file_offset, length=int(n[i]),
+                                   file_offset=start)
+    return out
+
+
+def _file_pieces(parts: _Parts, ring: Ring, root: int) -> list[Piece]:
+    """The pieces of one file's parts: each with its copies ((offset, length, (address,
+    length)) per part) and its gaps (the bytes before a part that no earlier part filled)."""
+    rel, n = parts.rel, parts.n
+    end = rel + n
+    before = np.zeros(len(rel), dtype=np.int64)  # where the piece had been filled up to: the last part's end
+    before[1:] = end[:-1]
+    before[parts.first] = 0
+    gap = np.flatnonzero(rel > before)
+    n_list = n.tolist()
+    copies = list(zip(rel.tolist(), n_list, zip(parts.address.tolist(), n_list)))
+    gaps = list(zip(before[gap].tolist(), (rel - before)[gap].tolist()))
+    bounds = np.append(parts.first, len(rel))
+    gap_bounds = np.searchsorted(gap, bounds).tolist()
+    his = end[bounds[1:] - 1].tolist() if len(rel) else []
+    pieces = []
+    for i, (a, b) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):  # a Python step per piece
+        lo = parts.lo[i]
+        p = Piece(ring, root, lo)
+        p.copies, p.gaps, p.hi = copies[a:b], gaps[gap_bounds[i]:gap_bounds[i + 1]], lo + his[i]
+        pieces.append(p)
+    return pieces
+
+
+def _in_chunk_order(parts: _Parts, entries: list, empty) -> list:
+    """``entries`` (one per part, in part order) with ``empty(chunk)`` for each zero-byte chunk,
+    in the order of the file's chunks (a chunk's parts in file order)."""
+    if not len(parts.empty):
+        return entries
+    order = np.argsort(np.concatenate((parts.of_chunk, parts.empty)), kind="stable")
+    both = entries + list(map(empty, parts.empty_chunks))
+    return list(map(both.__getitem__, order.tolist()))
 
 
 class _LayoutTemplate:
@@ -586,16 +706,18 @@ class _LayoutTemplate:
 
     @classmethod
     def of(cls, snap: Snapshot, plan: SavePlan, piece: int, order: list[Piece], per_file: list[list[Piece]],
-           chunks: list[tuple]) -> _LayoutTemplate | None:
+           chunks: list[tuple], located: list[tuple] | None = None) -> _LayoutTemplate | None:
         """The template of a layout just made (None: not reusable, as an extent is not in host
-        memory or the snapshot has no layout key)."""
-        if snap.layout_key is None or any(type(src) is not tuple for p in order for _, _, src in p.copies):
+        memory or the snapshot has no layout key). ``located``: the chunks as the template keeps
+        them, where _layout_host made them (its copies are all from host memory)."""
+        if snap.layout_key is None or (located is None and any(type(src) is not tuple for p in order
+                                                                for _, _, src in p.copies)):
             return None
         index = {id(p): i for i, p in enumerate(order)}
+        if located is None:
+            located = [(c, index[id(where[0])], where[1], n) if where else (c, -1, 0, n) for c, (where, n) in chunks]
         return cls(snap.layout_key, plan, piece, [(p.root, p.lo, p.hi, p.copies, p.gaps) for p in order],
-                   [[index[id(p)] for p in pieces] for pieces in per_file],
-                   [(c, index[id(where[0])], where[1], n) if where else (c, -1, 0, n)
-                    for c, (where, n) in chunks])
+                   [[index[id(p)] for p in pieces] for pieces in per_file], located)
 
     def fits(self, snap: Snapshot, plan: SavePlan, piece: int) -> bool:
         return snap.layout_key is self.key and plan is self.plan and piece == self.piece

@@ -249,7 +249,7 @@ class LayoutCache:
             self.key, self.placed, self.records = key, placed, list(records)
             columns = (list(map(_SECOND, views)), list(map(_THIRD, views)), list(map(_FOURTH, views)),
                        list(map(_FIRST_TENSOR, extents)))
-            self.recipe = list(zip(range(len(views)), *columns))
+            self.recipe = []  # the columns stand for it (reuse reads them)
             self._columns = (None, *columns)
             return
         source = {}  # a tensor per (storage address, size, device): any of them views the same bytes
@@ -469,7 +469,8 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     try:
         frozen, tensors, arrays = freeze_state(state)
         rest, others = guarded.split(tensors)
-        addresses = list(map(storage_address, rest))  # raises for tensors without a storage (sparse)
+        # raises for tensors without a storage (sparse); a blocking save needs none (_check_at_call checks)
+        addresses = [] if blocking else list(map(storage_address, rest))
     except (Unfreezable, RuntimeError, NotImplementedError):
         _raise_unsupported(state)
         raise
