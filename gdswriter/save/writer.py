@@ -129,7 +129,7 @@ class _StorageLayout:
         counts = np.bincount(sid, minlength=len(sizes)) if m else np.zeros(len(sizes), dtype=np.int64)
         _check_tiling(step, sizes, sid, so, ln, counts)
         template = StorageTableTemplate.of_columns(sizes, counts, fid, fo, so, ln)
-        return cls(plan, sizes, chunks, None if order is None else order.tolist(), template)
+        return cls(plan, sizes, list(chunks), None if order is None else order.tolist(), template)  # (a copy: kept)
 
     def fill(self, plan: SavePlan, sizes: list[int], chunks: list[PlannedChunk],
              crcs: list[int]) -> EncodedStorages | None:
