@@ -10,6 +10,7 @@ docs/format.md for the full description.
 from __future__ import annotations
 
 import json
+import marshal
 from json.encoder import encode_basestring_ascii
 from itertools import accumulate, chain, islice, repeat
 from operator import add, attrgetter, le
@@ -611,9 +612,10 @@ class EncodedStorages:
 
     __slots__ = ("_crcs", "_template", "columns", "sizes")
 
-    def __init__(self, template: StorageTableTemplate, crcs: tuple[int, ...]) -> None:
-        self._template, self._crcs, self.sizes = template, crcs, template.sizes
-        self.columns = template.columns % ",".join(map(str, map(crcs.__getitem__, template.order)))
+    def __init__(self, template: StorageTableTemplate, crcs: Sequence[int]) -> None:
+        self._template, self._crcs, self.sizes = template, tuple(crcs), template.sizes
+        in_table = crcs if template.order is None else list(map(crcs.__getitem__, template.order))
+        self.columns = template.columns % _ints(in_table, "crc32c")
 
     @property
     def canonical(self) -> str:
@@ -632,28 +634,55 @@ class StorageTableTemplate:
     manifest's encoding). ``fill`` gives what storage_columns (and storage_table, for 1.x) give
     for the same records with those checksums."""
 
-    __slots__ = ("_rows", "_storages", "columns", "order", "sizes")
+    __slots__ = ("_rows", "_storages", "chunk_count", "columns", "order", "sizes")
 
     def __init__(self, storages: tuple[StorageRecord, ...]) -> None:
         """The template of ``storages`` (their crc32c are ignored), whose chunks' checksums
-        ``fill`` takes in table order: storage by storage, each storage's chunks in order."""
+        ``fill`` takes in their order: storage by storage, each storage's chunks in order.
+        ``order``: per chunk of the table, its checksum's place in that order (None: the same)."""
         self._storages, self._rows = storages, None
-        self.columns, self.order = storage_columns(storages, open_crcs=True)
+        self.columns, order = storage_columns(storages, open_crcs=True)
+        self.order = None if order == list(range(len(order))) else order
+        self.chunk_count = len(order)
         self.sizes = tuple(s.nbytes for s in storages)
+
+    @classmethod
+    def of_columns(cls, nbytes: Sequence[int], counts: np.ndarray, fid: np.ndarray, fo: np.ndarray, so: np.ndarray,
+                   ln: np.ndarray) -> StorageTableTemplate:
+        """The template of the table of these columns (ChunkColumns' meaning, non-negative int64
+        arrays in table order: storage by storage, each storage's chunks by storage offset), whose
+        checksums ``fill`` takes in that order: no record made (made for the 1.x texts if those
+        are asked for)."""
+        self = cls.__new__(cls)
+        self._rows, self.order, self.sizes, self.chunk_count = None, None, tuple(nbytes), len(fid)
+        cols = [_ints(list(nbytes), "storage nbytes"), *map(_array_ints, (counts, fid, fo, so, ln))]
+        names = ("nbytes", "chunks", *_CHUNK_COLUMNS)
+        self.columns = "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*cols, "%s"])) + "}"
+        self._storages = lambda: _column_records(nbytes, *(a.tolist() for a in (counts, fid, fo, so, ln)))
+        return self
 
     def rows(self) -> tuple[str, str]:
         """The 1.x texts (storage_table's, crc32c open), made once when first asked."""
         if self._rows is None:
-            self._rows = storage_table(self._storages, open_crcs=True)
+            storages = self._storages() if callable(self._storages) else self._storages
+            self._rows = storage_table(storages, open_crcs=True)
         return self._rows
 
-    def fill(self, crcs: tuple[int, ...]) -> EncodedStorages:
-        """The entry with these checksums, in table order (plain ints below 2**32)."""
+    def fill(self, crcs: Sequence[int]) -> EncodedStorages:
+        """The entry with these checksums, in the template's order (plain ints below 2**32)."""
         if set(map(type, crcs)) - {int} or (crcs and not 0 <= min(crcs) <= max(crcs) <= 0xFFFFFFFF):
             raise TypeError("a chunk's crc32c is not an int in [0, 2**32)")
-        if len(crcs) != len(self.order):
-            raise TypeError(f"{len(crcs)} checksums for a table of {len(self.order)} chunks")
+        if len(crcs) != self.chunk_count:
+            raise TypeError(f"{len(crcs)} checksums for a table of {self.chunk_count} chunks")
         return EncodedStorages(self, crcs)
+
+
+def _column_records(nbytes: Sequence[int], counts: list[int], fid: list[int], fo: list[int], so: list[int],
+                    ln: list[int]) -> tuple[StorageRecord, ...]:
+    """The StorageRecords of StorageTableTemplate.of_columns' columns (every crc32c 0: the template leaves them open)."""
+    at = list(accumulate(counts, initial=0))
+    chunks = list(map(ChunkRecord, fid, fo, so, ln, repeat(0)))
+    return tuple(StorageRecord(n, tuple(chunks[a:b])) for n, a, b in zip(nbytes, at, at[1:]))
 
 
 # The last tensor table: (records, their storages' sizes, canonical text, file text). A
@@ -960,13 +989,45 @@ def check_trailer(raw: bytes, where: str) -> int:
     return int(digits)
 
 
-def _ints(v: Any, what: str) -> str:
+def _array_ints(a: np.ndarray) -> str:
+    """_ints' text of an int64 array."""
+    if len(a) > 1 and a.min() == a.max():
+        return _repeated(int(a[0]), len(a))
+    return repr(a.tolist()).replace(" ", "")
+
+
+def _repeated(one: int, n: int) -> str:
+    """The JSON list of ``n`` > 0 times ``one``."""
+    text = str(one)
+    return "[" + (text + ",") * (n - 1) + text + "]"
+
+
+def _ints_and_array(v: list, what: str, typed: bool = False) -> tuple[str, np.ndarray | None]:
+    """A column's _ints text, and its values as an int64 array (None where one is outside [0, 2**63)).
+    ``typed``: every value is known to be a plain int (not looked at again)."""
+    text = _ints(v, what, typed)
+    if len(v) > 1 and v.count(v[0]) == len(v):
+        return text, np.full(len(v), v[0], dtype=np.int64) if 0 <= v[0] < INT64_LIMIT else None
+    try:
+        arr = np.array(v, dtype=np.int64)
+    except OverflowError:
+        return text, None
+    return text, arr if not len(arr) or arr.min() >= 0 else None
+
+
+def _ints(v: Any, what: str, typed: bool = False) -> str:
     """A JSON list of plain ints, formatted ("[1,2]"); anything else is refused as json.dumps would.
     A list of plain ints is its repr without the spaces (one C-level pass, about twice as fast
-    as formatting each int and joining)."""
-    if set(map(type, v)) - {int}:
+    as formatting each int and joining); a list of one value repeated (chunks per storage,
+    storage offsets, ndim, dtype, device, kind: mostly one value) is that value's text repeated,
+    a C-level pass of a count and no formatting."""
+    if type(v) is not list:
+        v = list(v)
+    if not typed and set(map(type, v)) - {int}:
         raise TypeError(f"{what}: a value that is not a plain int")
-    return repr(v if type(v) is list else list(v)).replace(" ", "")
+    if len(v) > 1 and v.count(v[0]) == len(v):  # one value throughout (most columns of a state): repeated
+        return _repeated(v[0], len(v))
+    return repr(v).replace(" ", "")
 
 
 def columns_bytes(m: Manifest, storages: EncodedStorages | None) -> bytes:
@@ -980,11 +1041,34 @@ def columns_bytes(m: Manifest, storages: EncodedStorages | None) -> bytes:
                ("created_unix", _json(m.created_unix)), ("metadata", _json(m.metadata)),
                ("files", _json([[f.root, f.path, f.size] + ([dict(f.info)] if f.info else []) for f in m.files])),
                ("storages", storages.columns if storages is not None else storage_columns(m.storages)[0]),
-               ("tensors", tensor_columns(m.tensors, sizes)), ("state", _json(m.state))]
+               ("tensors", tensor_columns(m.tensors, sizes)), ("state", state_text(m.state))]
     if type(m.step) is not int or not 0 <= m.step < INT64_LIMIT:
         raise ValueError(f"step {m.step!r} is not an integer in [0, 2**63)")
     head = _join(entries)[:-1].encode()
     return head + b'%s%d}\n' % (TRAILER_KEY, _crc32c.crc32c(head))
+
+
+_last_state: tuple[bytes, str] | None = None
+
+
+def state_text(tree: Any) -> str:
+    """The JSON text of a state tree (what state_codec's encoder made: dicts, lists, str, int,
+    float, bool, None), the last save's text again when the tree is the same: a training loop's
+    saves have one tree, whose text is most of a later save's manifest at 100,000 tensors. The
+    same tree: the same marshal bytes (version 2: no back-references, so no dependence on
+    reference counts), which tell True from 1 from 1.0 and -0.0 from 0.0 (``==`` does not, JSON
+    does), and keep every container's order; marshal takes a quarter of json.dumps' time."""
+    global _last_state
+    try:
+        key = marshal.dumps(tree, 2)
+    except ValueError:  # not a marshal type (not an encoded tree): no reuse
+        return _json(tree)
+    last = _last_state
+    if last is not None and last[0] == key:
+        return last[1]
+    text = _json(tree)
+    _last_state = (key, text)
+    return text
 
 
 def storage_columns(storages: tuple[StorageRecord, ...], *, open_crcs: bool = False) -> tuple[str, list[int]]:
@@ -1002,31 +1086,43 @@ def storage_columns(storages: tuple[StorageRecord, ...], *, open_crcs: bool = Fa
     fields = list(zip(*map(_CHUNK_FIELDS, every))) or [()] * len(_CHUNK_COLUMNS)  # one pass: a tuple per column
     cols = [_ints(list(map(_NBYTES, storages)), "storage nbytes"), _ints(counts, "chunks"),
             *(_ints(v, k) for v, k in zip(fields, _CHUNK_COLUMNS[:4]))]
-    crcs = "[%s]" if open_crcs else _ints(fields[4], "crc32c")
+    crcs = "%s" if open_crcs else _ints(fields[4], "crc32c")
     names = ("nbytes", "chunks", *_CHUNK_COLUMNS)
     return "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*cols, crcs])) + "}", order
 
 
-_last_columns: tuple[tuple[TensorRecord, ...], tuple[int, ...], str] | None = None
+_last_columns: tuple[Any, tuple[int, ...], str] | None = None
 
 
-def tensor_columns(tensors: tuple[TensorRecord, ...], sizes: tuple[int, ...]) -> str:
+def tensor_columns(tensors: Sequence[TensorRecord], sizes: tuple[int, ...]) -> str:
     """The format 2 "tensors" entry: one JSON list per field, dtype and device names in tables
-    of their own, shapes and strides flattened (``ndim`` per tensor). Refuses
+    of their own, shapes and strides flattened (``ndim`` per tensor). ``tensors``: a save's
+    SavedTensors (encoded from its columns: no record made), or records. Refuses
     (UnsupportedObjectError) a record a reader would refuse, by the reader's own vectorised
-    checks (check_tensor_columns). The same records as the last save's: encoded once."""
+    checks (check_tensor_columns). The same table as the last save's (the same SavedTensors
+    object, or equal records) over the same storage sizes: encoded once."""
     global _last_columns
     last = _last_columns
-    if last is not None and last[1] == sizes and last[0] == tensors:
+    saved = isinstance(tensors, SavedTensors)
+    if last is not None and last[1] == sizes and (last[0] is tensors if saved else last[0] == tensors):
         return last[2]
-    # one pass over the records, a tuple per field (a list comprehension per field took a third of the encoding)
-    names, sids, offsets, dtypes, shapes, strides, devices, kinds, shards = (
-        map(list, zip(*map(_TENSOR_FIELDS, tensors))) if tensors else ([] for _ in range(9)))
-    if shards.count(None) != len(shards):
-        raise ValueError("format 2 holds no shard records: a multi-rank manifest is 1.x")
-    if (set(map(type, names)) | set(map(type, dtypes)) | set(map(type, devices))) - {str}:
+    cols = tensors.columns if saved else _record_columns(tensors)
+    out = _encoded_tensor_columns(cols, sizes, tensors, saved)
+    _last_columns = (tensors if saved else tuple(tensors), sizes, out)
+    return out
+
+
+def _encoded_tensor_columns(cols: SavedColumns, sizes: tuple[int, ...], tensors: Sequence[TensorRecord],
+                            made_by_save: bool) -> str:
+    """tensor_columns' text of ``cols`` (whose records ``tensors`` are, for the rare row the
+    vectorised checks leave to TensorRecord.problem), checked. ``made_by_save``: the columns are
+    a SavedTensors', whose names are the encoder's str, whose tables and indices saved_tensors
+    made, and whose shapes and strides torch's: only the storages and offsets (the layout's)
+    have their types checked (a pass per column less each, at 100,000 tensors)."""
+    names, shapes, strides, kinds = cols.names, cols.shapes, cols.strides, cols.kinds
+    if not made_by_save and (set(map(type, names)) | set(map(type, cols.dtype_names))
+                             | set(map(type, cols.device_names))) - {str}:
         raise TypeError("a tensor record's name, dtype or device is not a str")
-    dtype_names, device_names = list(dict.fromkeys(dtypes)), list(dict.fromkeys(devices))
     kind_index = {k: i for i, k in enumerate(KINDS)}
     ndim = list(map(len, shapes))
     bad = None
@@ -1034,38 +1130,102 @@ def tensor_columns(tensors: tuple[TensorRecord, ...], sizes: tuple[int, ...]) ->
         bad = next(i for i, (a, b) in enumerate(zip(ndim, map(len, strides))) if a != b)
     elif not set(kinds) <= kind_index.keys():
         bad = next(i for i, k in enumerate(kinds) if k not in kind_index)
-    cols = {"name": names, "storage": sids, "byte_offset": offsets,
-            "dtype": list(map({n: i for i, n in enumerate(dtype_names)}.__getitem__, dtypes)), "ndim": ndim,
-            "shape": list(chain.from_iterable(shapes)), "stride": list(chain.from_iterable(strides)),
-            "device": list(map({n: i for i, n in enumerate(device_names)}.__getitem__, devices)),
-            "kind": list(map(kind_index.get, kinds, repeat(len(KINDS))))}
-    texts = {k: _ints(v, f"tensor {k}") for k, v in cols.items() if k != "name"}  # before np.array sees them
+    flat = {"name": names, "storage": cols.storage, "byte_offset": cols.byte_offset, "dtype": cols.dtype,
+            "ndim": ndim, "shape": list(chain.from_iterable(shapes)), "stride": list(chain.from_iterable(strides)),
+            "device": cols.device, "kind": list(map(kind_index.get, kinds, repeat(len(KINDS))))}
+    made = {k: _ints_and_array(v, f"tensor {k}", made_by_save and k not in ("storage", "byte_offset"))
+            for k, v in flat.items() if k != "name"}  # the text, the array
+    texts = {k: text for k, (text, _) in made.items()}
     found = (bad, "a shape and stride of different lengths or an unknown kind") if bad is not None else \
-        _saved_problem(tensors, cols, dtype_names, len(device_names), sizes)
+        _saved_problem(tensors, {k: a for k, (_, a) in made.items()}, names, cols.dtype_names,
+                       len(cols.device_names), sizes)
     if found is not None:
         row, why = found
         raise UnsupportedObjectError(names[row] if 0 <= row < len(names) else "<tensors>", None,
                                      f"it would be saved with {why}; save t.contiguous() (or the tensor before "
                                      f"expand())", type_name="torch.Tensor")
-    out = ('{"name":' + _json(names) + ","  # (str checked above) json's C encoder: no Python step per name
-           + ",".join(f'"{k}":{v}' for k, v in texts.items())
-           + f',"dtype_names":{_json(dtype_names)},"device_names":{_json(device_names)}}}')
-    _last_columns = (tuple(tensors), sizes, out)
-    return out
+    return ('{"name":' + _json(names) + ","  # (str checked above) json's C encoder: no Python step per name
+            + ",".join(f'"{k}":{v}' for k, v in texts.items())
+            + f',"dtype_names":{_json(cols.dtype_names)},"device_names":{_json(cols.device_names)}}}')
 
 
-def _saved_problem(tensors: tuple[TensorRecord, ...], cols: dict, dtype_names: list[str], n_devices: int,
-                   sizes: tuple[int, ...]) -> tuple[int, str] | None:
+class SavedColumns(NamedTuple):
+    """A save's tensor table as columns (what the snapshot makes of its layout, with no record
+    per tensor): per tensor its ``names``, ``storage``, ``byte_offset``, ``dtype`` (an index
+    into ``dtype_names``), ``shapes`` and ``strides`` (a tuple of ints each), ``device`` (an
+    index into ``device_names``) and ``kinds`` ("tensor" or "ndarray"). Lists, never changed
+    once made."""
+
+    names: list[str]
+    storage: list[int]
+    byte_offset: list[int]
+    dtype: list[int]
+    dtype_names: list[str]
+    shapes: list[tuple[int, ...]]
+    strides: list[tuple[int, ...]]
+    device: list[int]
+    device_names: list[str]
+    kinds: list[str]
+
+
+class SavedTensors(RecordTable):
+    """A save's tensors (snapshot.Snapshot.records): a sequence of TensorRecords, made on first
+    use from ``columns`` (SavedColumns), which tensor_columns encodes without making them."""
+
+    columns: SavedColumns
+
+
+def saved_tensors(names: list[str], storage: list[int], byte_offset: list[int], dtypes: Sequence[Any],
+                  shapes: list[tuple[int, ...]], strides: list[tuple[int, ...]], devices: Sequence[Any],
+                  kinds: list[str]) -> SavedTensors:
+    """The SavedTensors of these columns, one value per tensor: ``dtypes`` torch dtypes (or their
+    names), ``devices`` torch devices (or their names). Each distinct dtype and device is named
+    once; the tables list the names in the order the tensors first give them (as the records'
+    encoding does). C-level passes, no object per tensor."""
+    dtype, dtype_names = _indexed(dtypes, lambda d: d if type(d) is str else dtype_to_name(d))
+    device, device_names = _indexed(devices, str)
+    cols = SavedColumns(names, storage, byte_offset, dtype, dtype_names, shapes, strides, device, device_names,
+                        kinds)
+    return SavedTensors(len(names), lambda: _saved_records(cols), cols)
+
+
+def _indexed(values: Sequence[Any], name_of: Callable[[Any], str]) -> tuple[list[int], list[str]]:
+    """Each value's index in the table of their names (in the order the values first give them), and that table."""
+    named = {v: name_of(v) for v in dict.fromkeys(values)}
+    table = list(dict.fromkeys(named.values()))
+    at = {n: i for i, n in enumerate(table)}
+    index = {v: at[n] for v, n in named.items()}
+    return list(map(index.__getitem__, values)), table
+
+
+def _saved_records(c: SavedColumns) -> tuple[TensorRecord, ...]:
+    return tuple(map(TensorRecord, c.names, c.storage, c.byte_offset, map(c.dtype_names.__getitem__, c.dtype),
+                     map(tuple, c.shapes), map(tuple, c.strides), map(c.device_names.__getitem__, c.device), c.kinds))
+
+
+def _record_columns(tensors: Sequence[TensorRecord]) -> SavedColumns:
+    """The SavedColumns of records (one pass over them, a tuple per field); a record with a
+    shard is refused (format 2 holds single-process steps)."""
+    names, sids, offsets, dtypes, shapes, strides, devices, kinds, shards = (
+        map(list, zip(*map(_TENSOR_FIELDS, tensors))) if tensors else ([] for _ in range(9)))
+    if shards.count(None) != len(shards):
+        raise ValueError("format 2 holds no shard records: a multi-rank manifest is 1.x")
+    if (set(map(type, dtypes)) | set(map(type, devices))) - {str}:
+        raise TypeError("a tensor record's name, dtype or device is not a str")
+    dtype, dtype_names = _indexed(dtypes, str)
+    device, device_names = _indexed(devices, str)
+    return SavedColumns(names, sids, offsets, dtype, dtype_names, shapes, strides, device, device_names, kinds)
+
+
+def _saved_problem(tensors: Sequence[TensorRecord], arrays: dict[str, np.ndarray | None], names: list[str],
+                   dtype_names: list[str], n_devices: int, sizes: tuple[int, ...]) -> tuple[int, str] | None:
     """The first record to be saved that a reader would refuse (row, why), by the reader's checks
-    (check_tensor_columns); one beyond int64 or negative: found by TensorRecord.problem."""
-    try:
-        arrays = {k: np.array(v, dtype=np.int64) for k, v in cols.items() if k != "name"}
-        if any(len(a) and a.min() < 0 for a in arrays.values()):
-            raise OverflowError("a negative value")
-    except OverflowError:
+    (check_tensor_columns) over the columns' ``arrays``; where a column has a value beyond int64
+    or negative (its array None): found by TensorRecord.problem."""
+    if any(a is None for a in arrays.values()):
         return next(((i, why) for i, t in enumerate(tensors)
                      if (why := t.problem(sizes[t.storage]) if t.storage < len(sizes) else "no storage")), None)
-    return check_tensor_columns(arrays, dtype_names, n_devices, np.array(sizes, dtype=np.int64), cols["name"])
+    return check_tensor_columns(arrays, dtype_names, n_devices, np.array(sizes, dtype=np.int64), names)
 
 
 def _first(mask: np.ndarray) -> int | None:

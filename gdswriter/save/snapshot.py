@@ -30,8 +30,7 @@ import torch
 
 from ..cuda import streams
 from ..errors import SnapshotChangedError, UnsupportedObjectError
-from ..format.dtypes import dtype_to_name
-from ..format.manifest import TensorRecord
+from ..format.manifest import SavedTensors, TensorRecord, saved_tensors
 from ..format.state_codec import FrozenOrderedDict, Unfreezable, check_tensor, encode_state_named, freeze_state
 from ..options import MiB
 from .._log import log_once
@@ -97,7 +96,9 @@ class Snapshot:
     step: int
     tree: Any
     extents: list[Extent]
-    records: list[TensorRecord]
+    # per tensor its TensorRecord: a SavedTensors (columns, each record made on first use) from
+    # take_snapshot; any sequence of records where another module makes a Snapshot
+    records: Sequence[TensorRecord]
     metadata: dict
     ready: dict[int, Any] = field(default_factory=dict)
     unguarded: list[str] = field(default_factory=list)
@@ -189,7 +190,7 @@ class LayoutCache:
         # per extent: (index of a tensor whose storage it views, -1 if empty; device; start; nbytes;
         # its first tensor's name)
         self.recipe: list[tuple[int, torch.device, int, int, str]] = []
-        self.records: list[TensorRecord] = []
+        self.records: Sequence[TensorRecord] = ()  # the tensors' records (_records: columns), never changed
         self.placed: list[tuple[int, int]] = []  # per tensor: (extent index, byte offset in it)
         # the recipe as columns (sources, devices, starts, sizes, names), where no extent is empty;
         # sources None where extent i views tensor i's storage (the usual state)
@@ -218,7 +219,7 @@ class LayoutCache:
 
     def reuse(self, key: tuple, tensors: Sequence[torch.Tensor],
               storages: Sequence[torch.UntypedStorage] | None = None) -> tuple[list[Extent], list[tuple[int, int]],
-                                                                                list[TensorRecord]] | None:
+                                                                                Sequence[TensorRecord]] | None:
         """The cached layout with views of ``tensors``' storages (``storages``, if given), if
         ``key`` is the cached one."""
         if key != self.key:
@@ -233,10 +234,10 @@ class LayoutCache:
             empty = torch.empty(0, dtype=torch.uint8)
             extents = [Extent(name, view=(storages[src], device, start, n)) if src >= 0 else Extent(name, flat=empty)
                        for src, device, start, n, name in self.recipe]
-        return extents, self.placed, list(self.records)
+        return extents, self.placed, self.records
 
     def remember(self, key: tuple, extents: Sequence[Extent], placed: list[tuple[int, int]],
-                 records: list[TensorRecord], storages: Sequence[torch.UntypedStorage] = ()) -> None:
+                 records: Sequence[TensorRecord], storages: Sequence[torch.UntypedStorage] = ()) -> None:
         """Keep this layout (before any extent is captured), unless an extent views raw memory
         (numpy arrays sharing memory that no single storage covers): those are laid out anew.
         ``storages``: the tensors' untyped storages the extents were made from, if known (the
@@ -246,7 +247,7 @@ class LayoutCache:
         views = [e._view for e in extents]
         if (len(views) == len(storages) and None not in views
                 and all(map(operator.is_, map(_FIRST, views), storages))):
-            self.key, self.placed, self.records = key, placed, list(records)
+            self.key, self.placed, self.records = key, placed, records
             columns = (list(map(_SECOND, views)), list(map(_THIRD, views)), list(map(_FOURTH, views)),
                        list(map(_FIRST_TENSOR, extents)))
             self.recipe = []  # the columns stand for it (reuse reads them)
@@ -264,7 +265,7 @@ class LayoutCache:
                 recipe.append((-1, e.device, 0, 0, e.first_tensor))
             else:
                 return
-        self.key, self.recipe, self.placed, self.records = key, recipe, placed, list(records)
+        self.key, self.recipe, self.placed, self.records = key, recipe, placed, records
         columns = tuple(map(list, zip(*recipe)))  # sources, devices, starts, sizes, names
         if columns and -1 not in columns[0]:
             self._columns = columns
@@ -600,7 +601,7 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
 
 def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], layout: LayoutCache | None, *,
              records: bool = True, dtypes: Sequence[torch.dtype] | None = None
-             ) -> tuple[list[Extent], list[tuple[int, int]], list[TensorRecord]]:
+             ) -> tuple[list[Extent], list[tuple[int, int]], Sequence[TensorRecord]]:
     """The extents, the (extent, offset) of each tensor and the records: ``layout``'s when it
     still applies, else laid out anew (and kept in ``layout``). ``records`` False: none are
     made (save_async's grouping at the call, which names nothing). ``dtypes``: the tensors'
@@ -622,18 +623,16 @@ def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], la
     return extents, placed, made
 
 
-def _records(key: tuple, placed: list[tuple[int, int]]) -> list[TensorRecord]:
-    """Every tensor's TensorRecord, from the columns of its LayoutCache key (names, kinds,
-    dtypes, shapes, strides, devices) and where it was placed: C-level passes, no tensor
-    property read again."""
+def _records(key: tuple, placed: list[tuple[int, int]]) -> SavedTensors:
+    """The tensors' records as columns (SavedTensors: the manifest encodes the columns, and a
+    TensorRecord per tensor is made only if some reader of Snapshot.records asks), from the
+    columns of their LayoutCache key (names, kinds, dtypes, shapes, strides, devices) and where
+    each was placed: C-level passes, no object per tensor, no tensor property read again."""
     names, kinds, dtypes, shapes, strides, devices = key[0], key[1], key[5], key[6], key[7], key[8]
-    dtype_names = {d: dtype_to_name(d) for d in set(dtypes)}
-    device_names = {d: str(d) for d in set(devices)}
     if not all(names):
         names = [name or f"<tensor {i}>" for i, name in enumerate(names)]
-    return list(map(TensorRecord, names, map(_FIRST, placed), map(_SECOND, placed),
-                    map(dtype_names.__getitem__, dtypes), map(tuple, shapes), strides,
-                    map(device_names.__getitem__, devices), kinds))
+    return saved_tensors(names, list(map(_FIRST, placed)), list(map(_SECOND, placed)), dtypes, shapes, strides,
+                         devices, kinds)
 
 
 _FIRST, _SECOND, _THIRD, _FOURTH = (operator.itemgetter(i) for i in range(4))

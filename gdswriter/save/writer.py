@@ -18,18 +18,21 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from operator import attrgetter, is_, itemgetter, le
+from operator import attrgetter, is_
+
+import numpy as np
 
 from ..cuda import streams
 from ..engines.base import IOEngine, WriteSpan
 from ..format.commit import CommitProtocol, PendingCommit
-from ..format.manifest import ChunkRecord, EncodedStorages, FileRecord, Manifest, StorageRecord, StorageTableTemplate
+from ..errors import CheckpointError
+from ..format.manifest import EncodedStorages, FileRecord, Manifest, SavedTensors, StorageTableTemplate
 from .._log import log_once
 from ..planner.assign import FileTarget, PlannedChunk, SavePlan
 from ..threads import gc_paused, run_per_file
 from .handle import Release
 from .snapshot import Snapshot
-from .pool import HostSnapshotPool
+from .pool import ChunkCrcs, HostSnapshotPool
 
 
 def file_targets(n_roots: int, files_per_root: int) -> list[FileTarget]:
@@ -68,22 +71,34 @@ def write_and_commit(snap: Snapshot, protocol: CommitProtocol, engines: Sequence
 def _manifest(snap: Snapshot, plan: SavePlan, crcs: Mapping[PlannedChunk, int], written_by: dict[int, str]) -> bytes:
     """The manifest of ``snap`` written by ``plan`` (each chunk's crc32c in ``crcs``), as bytes.
     Its storage table is the last save's template, filled, where the layout is the same
-    (_StorageLayout), else a new template's: no record per chunk and per storage."""
+    (_StorageLayout), else a new template made from the chunks' columns; its tensor table is
+    the snapshot's columns (SavedTensors): no record per chunk, storage or tensor."""
     global _last_storages
     files = tuple(FileRecord(f.target.root, f.target.name, f.size,
                              {"engine": written_by[fid],
                               **({"gpu": f.gpu} if f.gpu is not None else {})})
                   for fid, f in enumerate(plan.files))
-    sizes = [e.nbytes for e in snap.extents]
+    sizes = list(map(_NBYTES, snap.extents))
+    chunks, values = _chunks_and_crcs(crcs)
     last = _last_storages
-    encoded = last.fill(plan, sizes, crcs) if last is not None else None
+    encoded = last.fill(plan, sizes, chunks, values) if last is not None else None
     if encoded is None:
-        last = _last_storages = _StorageLayout.of(snap, plan, sizes, crcs)
-        encoded = last.fill(plan, sizes, crcs)
+        last = _last_storages = _StorageLayout.of(snap.step, plan, sizes, chunks)
+        encoded = last.fill(plan, sizes, chunks, values)
+    records = snap.records
     # storages=(): the encoded table stands for them (Manifest.to_json_bytes)
-    manifest = Manifest(step=snap.step, files=files, storages=(), tensors=tuple(snap.records),
+    manifest = Manifest(step=snap.step, files=files, storages=(),
+                        tensors=records if isinstance(records, SavedTensors) else tuple(records),
                         state=snap.tree, created_unix=time.time(), metadata=snap.metadata)
     return manifest.to_json_bytes(storages=encoded, encoded_state=True)
+
+
+def _chunks_and_crcs(crcs: Mapping[PlannedChunk, int]) -> tuple[list[PlannedChunk], list[int]]:
+    """The chunks written and their crc32c, in the same order (the host pool's ChunkCrcs holds
+    both lists: no look-up by chunk)."""
+    if isinstance(crcs, ChunkCrcs):
+        return crcs.chunks, crcs.crcs
+    return list(crcs), list(crcs.values())
 
 
 class _StorageLayout:
@@ -91,74 +106,62 @@ class _StorageLayout:
     tensor table) as a StorageTableTemplate, for the saves of the same layout: the same plan
     (object), storage sizes and chunks (the same objects, in the same order: the plan's own,
     or the host pool's, reused with its layout). ``order``: per chunk in table order, its
-    position in the checksums dict."""
+    position among the chunks written (None: the same order)."""
 
     __slots__ = ("chunks", "order", "plan", "sizes", "template")
 
-    def __init__(self, plan: SavePlan, sizes: list[int], chunks: list, order: list[int],
+    def __init__(self, plan: SavePlan, sizes: list[int], chunks: list, order: list[int] | None,
                  template: StorageTableTemplate) -> None:
         self.plan, self.sizes, self.chunks, self.order, self.template = plan, sizes, chunks, order, template
 
     @classmethod
-    def of(cls, snap: Snapshot, plan: SavePlan, sizes: list[int], crcs: Mapping[PlannedChunk, int]) -> _StorageLayout:
-        """The layout of a save that writes the chunks of ``crcs``."""
-        chunks = list(crcs)
-        # the records made with each chunk's position in place of its crc32c: the table order
-        placed = _storage_records(snap, dict(zip(chunks, range(len(chunks)))))
-        order = [c.crc32c for st in placed for c in st.chunks]
-        return cls(plan, sizes, chunks, order, StorageTableTemplate(tuple(placed)))
+    def of(cls, step: int, plan: SavePlan, sizes: list[int], chunks: list[PlannedChunk]) -> _StorageLayout:
+        """The layout of a save that writes ``chunks`` (of storages of ``sizes`` bytes), from
+        their columns in numpy: the table lists each storage's chunks by storage offset, storage
+        by storage (the order they are written in, mostly: then no sort). Raises CheckpointError
+        (nothing is committed) where the chunks do not tile every storage exactly."""
+        m = len(chunks)
+        sid, so, ln, fid, fo = (np.fromiter(map(get, chunks), dtype=np.int64, count=m) for get in _CHUNK_FIELDS)
+        order = None
+        if m > 1 and not ((sid[1:] > sid[:-1]) | ((sid[1:] == sid[:-1]) & (so[1:] > so[:-1]))).all():
+            order = np.lexsort((so, sid))  # stable: as sorting each storage's chunks by offset
+            sid, so, ln, fid, fo = sid[order], so[order], ln[order], fid[order], fo[order]
+        counts = np.bincount(sid, minlength=len(sizes)) if m else np.zeros(len(sizes), dtype=np.int64)
+        _check_tiling(step, sizes, sid, so, ln, counts)
+        template = StorageTableTemplate.of_columns(sizes, counts, fid, fo, so, ln)
+        return cls(plan, sizes, list(chunks), None if order is None else order.tolist(), template)  # (a copy: kept)
 
-    def fill(self, plan: SavePlan, sizes: list[int], crcs: Mapping[PlannedChunk, int]) -> EncodedStorages | None:
-        """The storage table with ``crcs``, if this save has the layout kept; else None."""
-        chunks = self.chunks
-        if (plan is not self.plan or sizes != self.sizes or len(crcs) != len(chunks)
-                or not all(map(is_, crcs, chunks))):
+    def fill(self, plan: SavePlan, sizes: list[int], chunks: list[PlannedChunk],
+             crcs: list[int]) -> EncodedStorages | None:
+        """The storage table with ``crcs`` (of ``chunks``), if this save has the layout kept; else None."""
+        kept = self.chunks
+        if plan is not self.plan or sizes != self.sizes or len(chunks) != len(kept) or not all(map(is_, chunks, kept)):
             return None
-        values = list(crcs.values())
-        return self.template.fill(tuple(map(values.__getitem__, self.order)))
+        return self.template.fill(crcs if self.order is None else list(map(crcs.__getitem__, self.order)))
 
 
 _last_storages: _StorageLayout | None = None
 
 
-def _storage_records(snap: Snapshot, crcs: Mapping[PlannedChunk, int]) -> list[StorageRecord]:
-    """Each extent's StorageRecord: its chunks by offset, with their crc32c. A state of many
-    tensors lists its chunks by storage (a storage's parts, cut where pool pieces end, next to
-    each other): the records are made by columns, and cut apart in one pass (no grouping by
-    storage, no sort of them all)."""
-    chunks = list(crcs)
-    sids = list(map(_STORAGE, chunks))
-    n = len(snap.extents)
-    if sids and sids[0] == 0 and sids[-1] == n - 1 and all(map(le, sids, sids[1:])) and len(set(sids)) == n:
-        records = list(map(ChunkRecord, map(_FILE, chunks), map(_FILE_OFFSET, chunks), map(_STORAGE_OFFSET, chunks),
-                           map(_LENGTH, chunks), crcs.values()))
-        if len(records) == n:
-            return list(map(StorageRecord, [e.nbytes for e in snap.extents], zip(records)))
-        out, at = [], 0
-        for sid, ext in enumerate(snap.extents):
-            end = at + 1
-            while end < len(sids) and sids[end] == sid:
-                end += 1
-            parts = sorted(records[at:end], key=_STORAGE_OFFSET) if end - at > 1 else records[at:end]
-            out.append(StorageRecord(ext.nbytes, tuple(parts)))
-            at = end
-        return out
-    # Per storage its chunks by offset (one per storage, mostly: no sort of them all)
-    by_storage: dict[int, list[tuple]] = {}
-    for c, crc in crcs.items():
-        by_storage.setdefault(c.storage, []).append((c.storage_offset, c.file, c.file_offset, c.length, crc))
-    storages = []
-    for sid, ext in enumerate(snap.extents):
-        parts = by_storage[sid]
-        if len(parts) > 1:
-            parts.sort(key=itemgetter(0))
-        storages.append(StorageRecord(ext.nbytes, tuple([ChunkRecord(f, fo, so, n, crc)
-                                                         for so, f, fo, n, crc in parts])))
-    return storages
+def _check_tiling(step: int, sizes: list[int], sid: np.ndarray, so: np.ndarray, ln: np.ndarray,
+                  counts: np.ndarray) -> None:
+    """Each storage's chunks (``sid``, ``so``, ``ln`` in table order, ``counts`` per storage)
+    follow each other from its byte 0 to its end (what a reader checks): else CheckpointError."""
+    n = len(sizes)
+    ends = np.cumsum(ln)
+    first = np.cumsum(counts) - counts
+    covered = np.concatenate(([0], ends))
+    base = covered[first]
+    ok = len(counts) == n and (covered[first + counts] - base == np.array(sizes, dtype=np.int64)).all()
+    if ok and len(sid):
+        ok = bool((so == covered[:-1] - base[sid]).all())
+    if not ok:
+        raise CheckpointError(f"step {step} is not saved: the save plan's chunks do not cover each storage exactly "
+                              f"once (a gdswriter bug: please report it); nothing was committed")
 
 
-_STORAGE, _STORAGE_OFFSET, _LENGTH = attrgetter("storage"), attrgetter("storage_offset"), attrgetter("length")
-_FILE, _FILE_OFFSET = attrgetter("file"), attrgetter("file_offset")
+_CHUNK_FIELDS = tuple(map(attrgetter, ("storage", "storage_offset", "length", "file", "file_offset")))
+_NBYTES = attrgetter("nbytes")
 
 
 def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit, engines: Sequence[IOEngine], *,
