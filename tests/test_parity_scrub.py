@@ -124,14 +124,17 @@ def state_of(step: int) -> dict:
 
 
 def _checkpointer(tmp: str, rank: int, holder: dict):
+    """replicas=2 on 2 ranks, parity_group=3 on 3."""
     from gdswriter import GDSCheckpointer
     from gdswriter.distributed import DistOptions
 
     from support.models import small_options
 
     os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    world = torch.distributed.get_world_size()
+    protect = {"replicas": 2} if world == 2 else {"parity_group": 3}
     return GDSCheckpointer(holder, root=f"{tmp}/n{rank}", options=small_options(),
-                           dist_options=DistOptions(replicas=2, timeout_s=60))
+                           dist_options=DistOptions(timeout_s=60, **protect))
 
 
 def _ck_save(rank: int, world: int, tmp: str) -> int | None:
@@ -208,3 +211,92 @@ def test_a_scrub_of_the_other_nodes_roots_alone_checks_what_it_sees(tmp_path, ca
     shutil.rmtree(roots[1] / STEP / "copies" / "rank00000")
     code, said = verify(capsys, roots)
     assert code == 3 and "the copy of rank 0's files on table root 1" in said and "missing" in said, said
+
+
+def test_a_gdscheckpointer_parity_block_set_aside_is_re_created_by_the_next_loads_refill(tmp_path, capsys):
+    """parity_group=3 over 3 nodes (GDSCheckpointer: format 1.4, its refill.py): a byte flipped in
+    rank 2's parity block is found (exit 3), --repair sets it aside and withdraws ``protected``;
+    the next load (bit-exact) re-creates the block byte for byte, ``protected`` comes back as
+    parity wrote it (protected_step() is 1 on every rank) and the scrub passes."""
+    run_ranks(3, _ck_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / f"n{k}" for k in range(3)]
+    pdir = roots[2] / STEP / "parity"
+    saved = (pdir / "rank00002.xor").read_bytes()
+    marker = (roots[0] / STEP / "protected").read_bytes()
+    assert json.loads(marker) == PARITY
+    assert verify(capsys, roots)[0] == 0
+    flip(pdir / "rank00002.xor")
+    code, said = verify(capsys, roots, "--repair")
+    assert code == 3 and f"rank 2's parity block on table root 2: {pdir / 'rank00002.xor'}" in said, said
+    assert not (roots[0] / STEP / "protected").exists() and not (pdir / "rank00002.xor").exists()
+
+    got = run_ranks(3, _ck_load, str(tmp_path), out=tmp_path / "load")
+    for rank, x in enumerate(got):
+        assert x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1, (rank, x)
+    assert (pdir / "rank00002.xor").read_bytes() == saved
+    assert (roots[0] / STEP / "protected").read_bytes() == marker
+    assert not (roots[0] / STEP / "parity" / "refilling").exists()
+    assert verify(capsys, roots)[0] == 0
+
+
+# ----------------------------------------------------------------------------- a replaced primary root
+def _marks(tmp: str) -> dict:
+    """Per node: which of step 1's markers it holds (``protected``, ``copies/protected``,
+    ``parity/refilling``) and whether its step directory exists."""
+    return {k: [(Path(tmp, k, STEP) / n).exists() for n in ("", "protected", "copies/protected", "parity/refilling")]
+            for k in ("node0", "node1", "node2")}
+
+
+def _primary_replaced_stopped(rank: int, world: int, tmp: str) -> dict:
+    import gdswriter.distributed.dcp_refill as dcp_refill
+    from support.dcp import engine, refilled
+    from gdswriter.distributed import GDSStorageReader
+    from gdswriter.errors import GDSWriterError
+
+    root = Path(tmp, f"node{rank}")
+    _dcp_save(rank, world, tmp)
+    torch.distributed.barrier()
+    if rank == 0:  # the primary root's node replaced: an empty directory
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    real = dcp_refill.refill_lane_stripes
+
+    def stopped(*args, **kwargs):  # the refill stopped once rank 0's files landed, before its parity block
+        raise GDSWriterError("killed")
+    dcp_refill.refill_lane_stripes = stopped
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out: dict = {"first": dcp_load(root, 1, dcp_state_of(1), reader)[:2], "stopped": refilled(reader)}
+    reader.close()
+    dcp_refill.refill_lane_stripes = real
+    torch.distributed.barrier()
+    out["after stop"] = _marks(tmp)
+    torch.distributed.barrier()
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out["next"] = [dcp_load(root, 1, dcp_state_of(1), reader)[:2], refilled(reader)]
+    reader.close()
+    torch.distributed.barrier()
+    out["after next"] = _marks(tmp)
+    return out
+
+
+def test_a_parity_refill_onto_a_replaced_primary_root_claims_no_protection_while_it_runs(tmp_path):
+    """parity_group=3 (DCP), the primary root's node (rank 0's) replaced; the refill stopped after
+    rank 0's files landed, before its parity block: no root of the step says ``protected`` (the
+    refill made the replaced root's step directory, wrote ``parity/refilling`` there and removed
+    every ``protected`` claim first); the next load finishes the refill: ``protected`` back on the
+    primary, the note gone."""
+    got = run_ranks(3, _primary_replaced_stopped, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["first"] == [None, True], (rank, x)
+        assert isinstance(x["stopped"], list) and x["stopped"][0] == "ReplicationError", (rank, x["stopped"])
+        stop = x["after stop"]
+        # [step directory, protected, copies/protected, parity/refilling]: the replaced root is noted, claims nothing
+        assert stop["node0"] == [True, False, False, True], (rank, stop)
+        assert not any(m[1] for m in stop.values()), (rank, stop)
+        assert x["next"] == [[None, True], 1], (rank, x["next"])
+        done = x["after next"]
+        assert done["node0"] == [True, False, True, False], (rank, done)
+        assert [m[1] for m in done.values()].count(True) == 1 and not any(m[3] for m in done.values()), (rank, done)
+    primary = next(k for k, m in got[0]["after next"].items() if m[1])
+    assert json.loads(Path(tmp_path, primary, STEP, "protected").read_bytes()) == PARITY
