@@ -32,6 +32,13 @@ then the parity block it stored is re-created on its new root (parityrefill.py),
 Once the step is protected again, the rebuilt copies are removed (``drop_rebuilt``): disk use
 does not grow with each load.
 
+Where the primary's step directory holds a refilling note (``gdswriter verify --repair`` set a
+damaged copy or parity block aside and withdrew ``protected``: load/verify.py
+``set_aside_damage``), ``with_repairs`` adds what is missing on the roots reached (one round:
+each root's leader reports; the primary rank decides): a copy is streamed again from its rank's
+own root, a block re-created by parityrefill.py; then ``protected`` is written back and the note
+removed (format/copies.py ``restore_protection``), the manifest untouched where no root changed.
+
 A failure leaves the step as the load found it (loadable, with fewer copies): ReplicationError
 from ``wait_protected``; a crash mid-way leaves files no manifest names (removed with the step).
 A step whose primary root was replaced (the open adopted its manifest's copy on another root,
