@@ -118,9 +118,9 @@ def _scrubbed(args, protocol: CommitProtocol, step: int, scrub, line: str) -> st
     from ..load.verify import set_aside_damage
 
     checked = (f"{scrub.blocks} parity block{'s' if scrub.blocks != 1 else ''}, {scrub.files} copy "
-               f"file{'s' if scrub.files != 1 else ''}, {human(scrub.bytes)}")
+               f"file{'s' if scrub.files != 1 else ''}, {human(scrub.bytes)} re-read in {scrub.seconds:.2f} s")
     if not scrub.problems:
-        out(f"{line}; protection intact ({checked} re-read)")
+        out(f"{line}; protection intact ({checked})")
         return "ok"
     n = len(scrub.problems)
     if args.all:

@@ -26,7 +26,8 @@ from ..format.commit import CommitProtocol, step_dir_name
 from ..format.copies import copy_dir, refilling_marker, replicas_of, set_aside, withdraw_protection
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.parity import PARITY_DIR, parity_name, protected_parity, read_stripe, refilling_parity, stripe_name
-from ..format.replicas import COPIES_DIR, copy_dir_name, parity_marker, protected_copies, protected_marker
+from ..format.replicas import (COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_copies,
+                               protected_marker)
 from ..format.sharded import GlobalManifest, match_roots, parse_shard, parse_step, shard_name
 from ..format.state_codec import decode_state
 from ..fs import atomic_write, read_regular_file
@@ -237,6 +238,7 @@ class ScrubReport:
     blocks: int = 0
     files: int = 0
     bytes: int = 0
+    seconds: float = 0.0
     dcp: bool = False
 
 
@@ -277,6 +279,7 @@ def _file_problem(path: Path, size: int, spans: list, crcs: list[int], engine: I
                           problems)
     hasher.read(todo)
     report.bytes += hasher.stats.bytes
+    report.seconds += hasher.stats.seconds
     if problems:
         return problems[0]
     for ci, (s, i) in enumerate(todo):
@@ -471,8 +474,11 @@ def set_aside_damage(protocol: CommitProtocol, report: ScrubReport) -> list[str]
     Returns one line per action."""
     primary, done = protocol.step_dir(report.step), []
     if any(p.kind != "manifest copy" for p in report.problems):
-        marker = refilling_marker(primary) or (parity_marker(report.parity) if report.parity
-                                               else protected_marker(report.copies))
+        try:  # the marker the step says now, else the one a note keeps, else the one it would say
+            marker = read_regular_file(primary / PROTECTED_NAME, 4096)
+        except (OSError, GDSWriterError):
+            marker = refilling_marker(primary) or (parity_marker(report.parity) if report.parity
+                                                   else protected_marker(report.copies))
         withdraw_protection(primary, marker, report.parity is not None)
         done.append(f"step {report.step}: no longer marked protected until a load's refill re-creates what is "
                     f"damaged or missing")
