@@ -189,7 +189,7 @@ def test_a_flipped_byte_in_a_replica_copy_is_found_set_aside_and_re_created(tmp_
     assert code == 0 and "protection intact" in said, said
 
 
-def test_a_scrub_of_the_other_nodes_roots_alone_checks_what_it_sees(tmp_path, capsys):
+def test_a_damaged_manifest_copy_is_rewritten_and_a_cut_or_missing_copy_is_reported(tmp_path, capsys):
     """A damaged copy of the global manifest (``copies/manifest.json``) is reported and
     ``--repair`` rewrites it from ``manifest.json`` (no refill needed); a copy's shard cut short
     is reported too."""
