@@ -9,14 +9,21 @@ from ..units import gbps, human, parse_size
 from ._common import (EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, add_roots_argument, check_roots, load_manifest, open_roots,
                       out)
 
+EXIT_UNPROTECTED = 3  # the step's own files intact, a copy or parity block protecting it damaged or missing
+
 
 def register(sub) -> None:
-    sp = sub.add_parser("verify", help="re-read and re-hash every chunk",
+    sp = sub.add_parser("verify", help="re-read and re-hash every chunk, copy and parity block",
                         description="Re-read every chunk of the data files through the I/O engine and compare its "
-                                    "crc32c with the manifest; also check file sizes and the state tree. Memory "
-                                    "stays bounded by --scratch. Exit status 0: intact; 1: corrupt (each problem "
-                                    "names the file, byte range and tensors; with --all, one line per "
-                                    "step); 2: no such root/step.")
+                                    "crc32c with the manifest; also check file sizes and the state tree. For a "
+                                    "multi-rank step protected by replicas or parity (give every node's roots), also "
+                                    "re-read every copy and parity block on the roots given against the crc32c the "
+                                    "step records for them (a scrub: damage found before a lost node needs them). "
+                                    "Memory stays bounded by --scratch. Exit status 0: intact; 1: corrupt (each "
+                                    "problem names the file, byte range and tensors; with --all, one line per "
+                                    "step); 2: no such root/step; 3: the step's own files are intact but a copy or "
+                                    "parity block protecting it is damaged or missing (each named by rank, root "
+                                    "and file; --repair makes it re-creatable).")
     add_roots_argument(sp)
     g = sp.add_mutually_exclusive_group()
     g.add_argument("--step", type=int, metavar="N", help="step to verify (default: the latest)")
@@ -24,14 +31,16 @@ def register(sub) -> None:
                    help="verify every committed step: one line per step, OK or CORRUPT with the first problem")
     sp.add_argument("--scratch", default="256M", metavar="SIZE",
                     help="read buffer size; bounds memory use (default 256M)")
+    sp.add_argument("--repair", action="store_true",
+                    help="for a step whose own files are intact: withdraw its 'protected' marker and set a damaged "
+                         "copy or parity block aside (renamed .damaged-..., nothing deleted), so that the next "
+                         "multi-rank load's refill re-creates it and marks the step protected again")
     sp.set_defaults(func=run)
 
 
 def run(args) -> int:
     from ..engines.select import create_engine
     from ..options import EngineOptions
-    from ..load.reader import step_gone
-    from ..load.verify import verify_step
 
     roots = open_roots(args.root, args.secondary)
     protocol = CommitProtocol(roots)
@@ -42,46 +51,89 @@ def run(args) -> int:
             protocol.require(None)  # raises CheckpointNotFoundError with the usual message
     else:
         steps = [protocol.require(args.step)]
-    corrupt = vanished = 0
+    counts = {"ok": 0, "corrupt": 0, "vanished": 0, "unprotected": 0}
     with create_engine(EngineOptions.from_env()) as engine:
         for step in steps:
-            problems: list[str] = []
-            m = None
-            try:
-                _, m, _ = load_manifest(protocol, step)
-                check_roots(protocol, step, m)
-                with Progress(f"verify step {step}") as bar:  # drawn on a terminal only
-                    stats = verify_step(protocol, m, bar.reads(engine), scratch, problems)
-            except CheckpointNotFoundError:
-                stats = None
-                problems.append("deleted")
-            except (CorruptCheckpointError, UnsupportedFormatVersionError) as e:
-                stats = None
-                problems.append(str(e))
-            # Problems of a step deleted (or saved again) meanwhile are a race with retention, not damage.
-            if problems and (not protocol.is_committed(step) if m is None else step_gone(protocol, m)):
-                vanished += 1
-                out(f"step {step}: deleted while being verified (a running checkpointer's retention?); skipped")
-                continue
-            if problems:
-                corrupt += 1
-                more = f" (+{len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
-                if args.all:  # one line per step
-                    out(f"step {step}: CORRUPT: {problems[0]}{more}")
-                    continue
-                for p in problems:
-                    out(f"step {step}: CORRUPT: {p}")
-                out(f"step {step}: CORRUPT ({len(problems)} problem{'s' if len(problems) != 1 else ''})")
-            else:
-                assert stats is not None
-                out(f"step {step}: OK ({stats.files} file{'s' if stats.files != 1 else ''}, {stats.chunks} "
-                    f"chunk{'s' if stats.chunks != 1 else ''}, {human(stats.bytes)} re-read and re-hashed in "
-                    f"{stats.seconds:.2f} s, {gbps(stats.bytes, stats.seconds):.2f} GB/s; engine {engine.info.name})")
+            counts[_one_step(args, protocol, engine, step, scratch)] += 1
+    corrupt, vanished, unprotected = counts["corrupt"], counts["vanished"], counts["unprotected"]
     if len(steps) > 1:
-        out(f"{len(steps) - corrupt - vanished} of {len(steps)} steps intact" +
-            (f", {corrupt} corrupt" if corrupt else "") + (f", {vanished} deleted meanwhile" if vanished else ""))
+        out(f"{len(steps) - corrupt - vanished - unprotected} of {len(steps)} steps intact" +
+            (f", {corrupt} corrupt" if corrupt else "") +
+            (f", {unprotected} with damaged protection" if unprotected else "") +
+            (f", {vanished} deleted meanwhile" if vanished else ""))
     if corrupt:
         return EXIT_CORRUPT
+    if unprotected:
+        return EXIT_UNPROTECTED
     if vanished and vanished == len(steps):
         return EXIT_USAGE
     return EXIT_OK
+
+
+def _one_step(args, protocol: CommitProtocol, engine, step: int, scratch: int) -> str:
+    """Verify (and scrub) one step, printing its lines: "ok", "corrupt", "vanished" or "unprotected"."""
+    from ..load.reader import step_gone
+    from ..load.verify import scrub_protection, verify_step
+
+    problems: list[str] = []
+    m = scrub = None
+    try:
+        _, m, _ = load_manifest(protocol, step)
+        check_roots(protocol, step, m)
+        with Progress(f"verify step {step}") as bar:  # drawn on a terminal only
+            stats = verify_step(protocol, m, bar.reads(engine), scratch, problems)
+            scrub = scrub_protection(protocol, step, bar.reads(engine), scratch) if m.dist is not None else None
+    except CheckpointNotFoundError:
+        stats = None
+        problems.append("deleted")
+    except (CorruptCheckpointError, UnsupportedFormatVersionError) as e:
+        stats = None
+        problems.append(str(e))
+    # Problems of a step deleted (or saved again) meanwhile are a race with retention, not damage.
+    if (problems or (scrub and scrub.problems)) and \
+            (not protocol.is_committed(step) if m is None else step_gone(protocol, m)):
+        out(f"step {step}: deleted while being verified (a running checkpointer's retention?); skipped")
+        return "vanished"
+    if problems:
+        more = f" (+{len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" if len(problems) > 1 else ""
+        if args.all:  # one line per step
+            out(f"step {step}: CORRUPT: {problems[0]}{more}")
+            return "corrupt"
+        for p in problems:
+            out(f"step {step}: CORRUPT: {p}")
+        out(f"step {step}: CORRUPT ({len(problems)} problem{'s' if len(problems) != 1 else ''})")
+        return "corrupt"
+    assert stats is not None
+    line = (f"step {step}: OK ({stats.files} file{'s' if stats.files != 1 else ''}, {stats.chunks} "
+            f"chunk{'s' if stats.chunks != 1 else ''}, {human(stats.bytes)} re-read and re-hashed in "
+            f"{stats.seconds:.2f} s, {gbps(stats.bytes, stats.seconds):.2f} GB/s; engine {engine.info.name})")
+    if scrub is None or not (scrub.blocks or scrub.files or scrub.problems):
+        out(line)
+        return "ok"
+    return _scrubbed(args, protocol, step, scrub, line)
+
+
+def _scrubbed(args, protocol: CommitProtocol, step: int, scrub, line: str) -> str:
+    """The lines of a step whose own files are intact, after its scrub; --repair's actions."""
+    from ..load.verify import set_aside_damage
+
+    checked = (f"{scrub.blocks} parity block{'s' if scrub.blocks != 1 else ''}, {scrub.files} copy "
+               f"file{'s' if scrub.files != 1 else ''}, {human(scrub.bytes)} re-read in {scrub.seconds:.2f} s")
+    if not scrub.problems:
+        out(f"{line}; protection intact ({checked})")
+        return "ok"
+    n = len(scrub.problems)
+    if args.all:
+        out(f"step {step}: PROTECTION DAMAGED: {scrub.problems[0]}" + (f" (+{n - 1} more)" if n > 1 else ""))
+    else:
+        out(line)
+        for p in scrub.problems:
+            out(f"step {step}: PROTECTION DAMAGED: {p}")
+        out(f"step {step}: its own files are intact, but {n} cop{'ies or blocks' if n != 1 else 'y or block'} "
+            f"protecting it {'are' if n != 1 else 'is'} damaged or missing: it would not survive the loss of the "
+            f"node{'s' if n != 1 else ''} named" + ("" if args.repair else
+                                                    "; run again with --repair, then load it on every rank"))
+    if args.repair:
+        for done in set_aside_damage(protocol, scrub):
+            out(f"repair: {done}")
+    return "unprotected"

@@ -292,8 +292,9 @@ def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
     if not moves and not (parity and job.placed.stripes):
         return False
     marker = parity_marker(parity) if parity else protected_marker(c)
+    zero = tuple(mv for mv in moves if parity and mv.rank == 0 and mv.own and mv.receiver == coord.rank)
     if parity:  # the step lacks a member's files or parity block until the end: not protected meanwhile
-        _mark(coord, job, marker, what, refilling=True)
+        _mark(coord, job, marker, what, refilling=True, zero=zero)
     problems: list[str] = []
     for mv in moves:
         if coord.rank == mv.sender == mv.receiver:  # this rank sees both roots: no stream
@@ -301,7 +302,7 @@ def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
         elif coord.rank in (mv.sender, mv.receiver):
             problems += move_files(coord, FileMove(step, mv.rank, mv.sender, (mv.receiver,), mv.own),
                                    lambda mv=mv: _sources(job, mv), lambda mv=mv: _copies_dir(job, mv), what)
-            if coord.rank == mv.receiver and mv.rank == 0 and not problems:
+            if coord.rank == mv.receiver and mv.rank == 0 and not problems and not parity:  # parity: at the end
                 try:
                     atomic_write(_copies_dir(job, mv) / PROTECTED_NAME, marker)
                 except Exception as e:  # noqa: BLE001 - reported to rank 0
@@ -314,7 +315,7 @@ def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
         raise ReplicationError(f"DCP step {step} was loaded but not refilled: "
                                f"{'; '.join(f'rank {r}: {m}' for r, m in failed)}; it loads as it did, with fewer "
                                f"copies; fix what the message names (a full or failing disk?) and load again", step)
-    _mark(coord, job, marker, what, refilling=False)
+    _mark(coord, job, marker, what, refilling=False, zero=zero)
     if parity:  # the copies the load rebuilt, read by this refill: the step is protected without them
         _drop_rebuilt(coord, job, moves)
     return True
@@ -368,47 +369,72 @@ def _stripes(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove], what: 
                                f"did, rebuilding its lost members at each load", job.m.step) from e
 
 
-def _mark(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str, refilling: bool) -> None:
+def _mark(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str, refilling: bool,
+          zero: tuple[DcpMove, ...] = ()) -> None:
     """The primary rank's ``step_S/protected``: rewritten last once every rank's files are
     durable (``refilling`` False); for a parity step, at the start (``refilling`` True) the
     marker removed (the step lacks a member's files or parity block until the refill ends: it
     claims no protection it lacks) with ``parity/refilling`` (the marker's body) written first,
     so a load after a stop still knows the step's group and refills it; removed after the
-    rewrite. Collective: every rank learns the outcome."""
+    rewrite. ``zero``: a parity step's moves of rank 0's files that this rank receives (onto a
+    replaced root, where the manifest's copy lands): its step directory is made at the start
+    (it does not exist yet) and noted alike; at the end, each root this rank looks at that holds
+    the note beside the manifest's copy gets its ``copies/protected`` (written then only), and
+    the note goes. Collective: every rank learns the outcome."""
     error = None
     layout = job.layout
-    if coord.rank == layout.primary_rank:
-        try:
+    try:
+        if coord.rank == layout.primary_rank:
             local = layout.local_of(0)
-            d = layout.local_paths[local if local is not None else 0] / step_dir_name(job.m.step)
-            _marks(d, marker, refilling)
+            _marks(job, layout.local_paths[local if local is not None else 0] / step_dir_name(job.m.step), marker,
+                   refilling)
             if not refilling:
                 log.warning("gdswriter: DCP step %d is refilled: the files of replaced root(s) %s and %d file(s) "
                             "missing or damaged on reached roots re-created from their copies%s, and the step is "
                             "protected again", job.m.step, list(job.placed.lost), len(job.placed.unfit),
                             f" (rebuilt from parity) and the parity blocks of ranks "
                             f"{sorted(set(job.placed.stripes) | _lost_ranks(job))}" if job.placed.parity else "")
-        except Exception as e:  # noqa: BLE001 - every rank learns of it
-            error = e
+        for mv in zero if refilling else ():
+            _note(_copies_dir(job, mv).parent, marker)
+        if not refilling:  # the replaced roots noted (this refill's, or a stopped one's): the copy's marker, last
+            for g in job.placed.check[:len(job.m.dist.roots)]:  # type: ignore[union-attr]
+                base = job.placed.reach[g] / step_dir_name(job.m.step)  # type: ignore[operator]
+                if (base / PARITY_DIR / REFILLING_NAME).exists() and not (base / MANIFEST_NAME).exists():
+                    if (base / COPIES_DIR / MANIFEST_NAME).is_file():
+                        atomic_write(base / COPIES_DIR / PROTECTED_NAME, marker)
+                    _unnote(base)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
     coord.agree(error, f"{what} ({'unprotected' if refilling else 'protected'})", root=layout.primary_rank)
 
 
-def _marks(d: Path, marker: bytes, refilling: bool) -> None:
-    """``_mark``'s files in the step directory ``d`` (where it exists: a replaced primary root's
-    gets its ``protected`` at the end)."""
-    note = d / PARITY_DIR / REFILLING_NAME
+def _marks(job: DcpRefillJob, d: Path, marker: bytes, refilling: bool) -> None:
+    """``_mark``'s files in the primary's step directory ``d`` (made, with its owner file, where
+    it does not exist yet: a replaced root's)."""
     if refilling:
         if not d.is_dir():
-            return
-        if not note.parent.is_dir():
-            note.parent.mkdir()
-            fsync_dir(d)
-        atomic_write(note, marker)
+            primary = job.m.dist.roots[0]  # type: ignore[union-attr]
+            durable_copies_dir(d.parent, job.m.step, lambda x: write_owner(x, primary.path, primary.id))
+        _note(d, marker)
         if (d / PROTECTED_NAME).exists():
             os.unlink(d / PROTECTED_NAME)
             fsync_dir(d)
         return
     atomic_write(d / PROTECTED_NAME, marker)
+    _unnote(d)
+
+
+def _note(d: Path, marker: bytes) -> None:
+    """``parity/refilling`` (``marker``) in the step directory ``d``, durably."""
+    note = d / PARITY_DIR / REFILLING_NAME
+    if not note.parent.is_dir():
+        note.parent.mkdir()
+        fsync_dir(d)
+    atomic_write(note, marker)
+
+
+def _unnote(d: Path) -> None:
+    note = d / PARITY_DIR / REFILLING_NAME
     if note.exists():
         os.unlink(note)
         fsync_dir(note.parent)

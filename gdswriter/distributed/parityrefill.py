@@ -191,6 +191,24 @@ def _parts(body: dict, r: int, reading: set[int], reach: Sequence[Path | None], 
     return parts
 
 
+def blocks_held(parity_dir: Path) -> tuple[set[int], set[int]]:
+    """(the lane members the stripe descriptions in ``parity_dir`` name, the ranks whose block
+    is there with the length its description records): what a refill re-creates is the
+    difference (a description unreadable counts as its block missing; its lane is named by the
+    other members')."""
+    lanes: set[int] = set()
+    have: set[int] = set()
+    for f in sorted(parity_dir.glob("rank*.json")) if parity_dir.is_dir() else ():
+        try:
+            body = read_stripe(f)
+            lanes.update(int(k) for k in body["lane"])
+            if os.stat(parity_dir / parity_name(int(body["parity"]["rank"]))).st_size == int(body["parity"]["length"]):
+                have.add(int(body["parity"]["rank"]))
+        except (OSError, GDSWriterError, KeyError, TypeError, ValueError):
+            continue
+    return lanes, have
+
+
 class _Block:
     """Rank ``rank``'s parity block being re-created in ``step_dir/parity``, under a temporary
     name until ``publish``: fsynced, read back against the crc32c of what was written, renamed."""

@@ -32,6 +32,13 @@ then the parity block it stored is re-created on its new root (parityrefill.py),
 Once the step is protected again, the rebuilt copies are removed (``drop_rebuilt``): disk use
 does not grow with each load.
 
+Where the primary's step directory holds a refilling note (``gdswriter verify --repair`` set a
+damaged copy or parity block aside and withdrew ``protected``: load/verify.py
+``set_aside_damage``), ``with_repairs`` adds what is missing on the roots reached (one round:
+each root's leader reports; the primary rank decides): a copy is streamed again from its rank's
+own root, a block re-created by parityrefill.py; then ``protected`` is written back and the note
+removed (format/copies.py ``restore_protection``), the manifest untouched where no root changed.
+
 A failure leaves the step as the load found it (loadable, with fewer copies): ReplicationError
 from ``wait_protected``; a crash mid-way leaves files no manifest names (removed with the step).
 A step whose primary root was replaced (the open adopted its manifest's copy on another root,
@@ -67,15 +74,15 @@ import torch
 
 from ..errors import ChecksumMismatchError, CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import TMP_PREFIX, step_dir_name
-from ..format.copies import copy_ref, relocate_roots, replicas_of
+from ..format.copies import copy_ref, refilling_marker, relocate_roots, replicas_of, restore_protection
 from ..format.manifest import MANIFEST_NAME
-from ..format.parity import protected_parity
+from ..format.parity import PARITY_DIR, protected_parity, refilling_parity
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
 from ..format.sharded import GlobalManifest, parse_global, parse_shard
 from ..fs import atomic_write, fsync_dir, read_regular_file
 from .group import Coordinator, Transfer, describe
 from .loadplan import reach_of
-from .parityrefill import refill_stripes
+from .parityrefill import blocks_held, refill_stripes
 from .replicastream import Incoming, Outgoing, Pipeline, Source
 from .roots import RootLayout, write_owner_files
 
@@ -109,6 +116,7 @@ class RefillPlan:
     moves: tuple[Move, ...]
     mapping: dict[int, tuple[str, str]]  # table root of the step -> (new id, new path)
     skipped: str | None = None
+    stripes: tuple[tuple[int, int, str], ...] = ()  # parity blocks missing on reached roots: (rank, writer, root id)
 
 
 def _replacements(g: GlobalManifest, layout: RootLayout) -> tuple[dict[int, tuple[str, str, int]], list[int]]:
@@ -219,13 +227,18 @@ def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
     cannot be refilled: logged); ReplicationError when a rank failed."""
     step, layout = job.step, job.layout
     what = f"refilling step {step}"
-    raw, parity = _manifest_bytes(coord, layout, step, what)
+    raw, parity, note = _manifest_bytes(coord, layout, step, what)
     g = parse_global(raw, f"{step_dir_name(step)}/{MANIFEST_NAME}")
     if g is None:
         return False
     plan = plan_refill(g, layout) if parity is None else \
         plan_parity_refill(g, layout, rebuilt_copies(coord, layout, g, what))
-    if plan.skipped is not None or not plan.moves:
+    if note is not None and plan.skipped is None:  # the scrub set damage aside (load/verify.py set_aside_damage)
+        plan = with_repairs(coord, layout, g, plan, parity, what)
+        if not plan.moves and not plan.stripes:
+            _restore(coord, layout, step, note, what)
+            return True
+    if plan.skipped is not None or not (plan.moves or plan.stripes):
         if plan.skipped is not None and coord.rank == layout.primary_rank:
             _unprotect(layout, step, plan.skipped)
         return False
@@ -242,8 +255,11 @@ def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
         raise ReplicationError(f"step {step} was restored but not refilled: "
                                f"{'; '.join(f'rank {r}: {m}' for r, m in failed)}; it loads as it did, with fewer "
                                f"copies; fix what the message names (a full or failing disk?) and load again", step)
-    marker = protected_marker(copies) if parity is None else parity_marker(parity)
-    _commit(coord, layout, g, raw, plan, marker, what)
+    marker = note or (protected_marker(copies) if parity is None else parity_marker(parity))
+    if plan.mapping:
+        _commit(coord, layout, g, raw, plan, marker, what)
+    else:  # damage set aside on reached roots re-created: the manifest names every root as it is
+        _restore(coord, layout, step, marker, what)
     if parity is not None:
         drop_rebuilt(coord.rank, layout, g, plan)
     return True
@@ -326,8 +342,9 @@ def _stripes(coord: Coordinator, layout: RootLayout, g: GlobalManifest, plan: Re
     roots (parityrefill.py); what failed here. Its collective steps failing on some rank (a
     description that cannot be read) fail the refill on every rank."""
     try:
-        return refill_stripes(coord, layout, g, {m.rank: m.targets[0][:2] for m in plan.moves}, what,
-                              layout.primary_rank)
+        targets = {m.rank: m.targets[0][:2] for m in plan.moves}
+        targets.update({r: (w, rid) for r, w, rid in plan.stripes})
+        return refill_stripes(coord, layout, g, targets, what, layout.primary_rank)
     except GDSWriterError as e:
         if isinstance(e, (ReplicationError, CollectiveFailedError)):
             raise
@@ -335,22 +352,27 @@ def _stripes(coord: Coordinator, layout: RootLayout, g: GlobalManifest, plan: Re
                                f"rebuilding its lost members at each load", g.step) from e
 
 
-def _manifest_bytes(coord: Coordinator, layout: RootLayout, step: int, what: str) -> tuple[bytes, int | None]:
-    """The step's manifest.json, read by the primary rank and sent to every rank, and the group
-    size its ``protected`` marker records where parity protects it (else None)."""
+def _manifest_bytes(coord: Coordinator, layout: RootLayout, step: int,
+                    what: str) -> tuple[bytes, int | None, bytes | None]:
+    """The step's manifest.json, read by the primary rank and sent to every rank; the group
+    size its ``protected`` marker (or its refilling note) records where parity protects it
+    (else None); the marker its refilling note keeps (the scrub set damage aside), else None."""
     mine: dict = {}
     if coord.rank == layout.primary_rank:
         try:
             path = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step) / MANIFEST_NAME
+            note = refilling_marker(path.parent)
             mine = {"raw": read_regular_file(path, MANIFEST_LIMIT).decode(),  # JSON: UTF-8, byte for byte
-                    "parity": protected_parity(path.parent)}
+                    "parity": protected_parity(path.parent) or refilling_parity(path.parent),
+                    "note": None if note is None else note.decode()}
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             mine = {"error": describe(e)}
     got = coord.broadcast(mine, f"{what} (manifest)", src=layout.primary_rank)
     if "error" in got:
         raise ReplicationError(f"step {step} was restored but not refilled: its manifest could not be read "
                                f"({got['error']})", step)
-    return got["raw"].encode(), got.get("parity")
+    note = got.get("note")
+    return got["raw"].encode(), got.get("parity"), None if note is None else note.encode()
 
 
 def _sources(layout: RootLayout, g: GlobalManifest, move: Move) -> list[Source]:
@@ -536,13 +558,79 @@ def _commit(coord: Coordinator, layout: RootLayout, g: GlobalManifest, raw: byte
         try:
             d = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step)
             atomic_write(d / MANIFEST_NAME, new)
-            atomic_write(d / PROTECTED_NAME, marker)
+            restore_protection(d, marker)
         except Exception as e:  # noqa: BLE001 - every rank learns of it
             error = e
     _agree(coord, error, f"{what} (the manifest)", step, p)
     if coord.rank == p:
         log.warning("gdswriter: step %d is refilled: the files of replaced root(s) %s re-created from their "
                     "copies, and the step is protected again", step, sorted(plan.mapping))
+
+
+def with_repairs(coord: Coordinator, layout: RootLayout, g: GlobalManifest, plan: RefillPlan, parity: int | None,
+                 what: str) -> RefillPlan:
+    """Collective, where the step's refilling note says the scrub set damage aside (format.md
+    11.2): ``plan`` with what is missing on the roots reached added, found as for a lost root:
+    the leader of each reached root reports the copies its ``replicas`` entries place there and
+    that are not there, or (parity) the lanes and the blocks of the right length it holds; the
+    primary rank decides. A missing copy of rank r is sent from r's own root (a ``Move``); a
+    missing block is re-created by the leader of its member's own root (``stripes``)."""
+    copies = replicas_of(g, "the step's manifest") or ()
+    seen = {info.id: tuple(info.ranks) for info in layout.table}
+    mine: list = [[], [], []]  # lanes named, blocks held, [rank, root] of copies missing
+    error: BaseException | None = None
+    try:
+        reach = reach_of(g, layout)
+        for j, info in enumerate(g.roots):
+            ranks = seen.get(info.id)
+            if not ranks or min(ranks) != coord.rank or reach[j] is None:
+                continue
+            d = reach[j] / step_dir_name(g.step)  # type: ignore[operator]
+            if parity is not None:
+                lanes, have = blocks_held(d / PARITY_DIR)
+                mine[0] += sorted(lanes)
+                mine[1] += sorted(have)
+                continue
+            mine[2] += [[r, j] for r, row in enumerate(copies) if j in row
+                        and not (d / COPIES_DIR / copy_dir_name(r)).is_dir()]
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    lost = {r for r in range(g.world_size) if g.roots[g.shards[r].root].id not in seen}
+
+    def rule(outs: list) -> list:
+        lanes = {k for out in outs for k in out[0]} - {k for out in outs for k in out[1]} - lost
+        return [sorted(lanes), [x for out in outs for x in out[2] if x[0] not in lost]]
+
+    blocks, missing = coord.decide(error, mine, f"{what} (finding what the scrub set aside)", rule,
+                                   root=layout.primary_rank)
+    moves, by_rank = list(plan.moves), {}
+    for r, j in missing:
+        by_rank.setdefault(r, []).append(j)
+    for r, js in sorted(by_rank.items()):
+        own = g.shards[r].root
+        sender = min(seen[g.roots[own].id])
+        targets = tuple((min(seen[g.roots[j].id]), g.roots[j].id, False) for j in js)
+        if any(t[0] == sender for t in targets):
+            log.warning("gdswriter: %s: rank %d would send rank %d's copy to itself: not re-created", what, sender, r)
+            continue
+        moves.append(Move(r, own, False, sender, targets))
+    stripes = tuple((r, min(seen[g.roots[g.shards[r].root].id]), g.roots[g.shards[r].root].id) for r in blocks)
+    return RefillPlan(tuple(moves), plan.mapping, plan.skipped, plan.stripes + stripes)
+
+
+def _restore(coord: Coordinator, layout: RootLayout, step: int, marker: bytes, what: str) -> None:
+    """Collective: the primary rank writes ``protected`` back and removes the refilling note
+    (format/copies.py restore_protection), once every rank's part is durable."""
+    error = None
+    if coord.rank == layout.primary_rank:
+        try:
+            restore_protection(layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step), marker)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
+    _agree(coord, error, f"{what} (protected again)", step, layout.primary_rank)
+    if coord.rank == layout.primary_rank:
+        log.warning("gdswriter: step %d is refilled: the copies and parity blocks found damaged or missing "
+                    "re-created, and the step is protected again", step)
 
 
 def _agree(coord: Coordinator, error: BaseException | None, what: str, step: int, p: int) -> None:

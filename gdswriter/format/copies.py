@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import crc32c as _crc32c
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnreachableDataError
-from ..fs import TMP_PREFIX, fsync_dir, link_no_clobber, read_regular_file, write_durable
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError, UnreachableDataError
+from ..fs import TMP_PREFIX, atomic_write, fsync_dir, link_no_clobber, read_regular_file, write_durable
 from .commit import step_dir_name, step_dirs
-from .replicas import COPIES_DIR, copy_dir_name
+from .parity import PARITY_DIR, REFILLING_NAME
+from .replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name
 from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
 from .sharded import (GlobalManifest, ShardRef, match_roots, merge, parse_global, parse_shard, parse_step, read_shard,
                       shard_name)
@@ -166,3 +169,58 @@ def relocate_roots(raw: bytes, moved: Mapping[int, tuple[str, str]], where: str)
     if parse_global(out, where) is None:
         raise CorruptCheckpointError(f"{where}: not a global manifest")
     return out
+
+
+DAMAGED_PREFIX = ".damaged-"  # a copy or parity block the scrub found damaged, set aside (never read again)
+
+
+def set_aside(path: Path) -> Path:
+    """``path`` (a copy's folder, a parity block or its description) renamed to
+    ``.damaged-<name>-<hex>`` beside it, its directory fsynced: no reader looks at it any more,
+    so the next load finds it missing and its refill re-creates it; nothing is deleted (it is
+    removed with its step, or by hand). The new path."""
+    gone = path.with_name(f"{DAMAGED_PREFIX}{path.name}-{secrets.token_hex(4)}")
+    os.rename(path, gone)
+    fsync_dir(path.parent)
+    return gone
+
+
+def refilling_marker(step_dir: Path) -> bytes | None:
+    """The ``protected`` marker a refilling note in the primary step directory ``step_dir`` keeps
+    (``parity/refilling`` or ``copies/refilling``: the step lacks a copy or block a refill is to
+    re-create), or None."""
+    for d in (PARITY_DIR, COPIES_DIR):
+        try:
+            raw = read_regular_file(step_dir / d / REFILLING_NAME, 4096)
+            body = json.loads(raw)
+        except (OSError, GDSWriterError, ValueError):
+            continue
+        if isinstance(body, dict) and isinstance(body.get("copies"), int):
+            return raw
+    return None
+
+
+def withdraw_protection(step_dir: Path, marker: bytes, parity: bool) -> None:
+    """The primary step directory ``step_dir`` stops claiming protection (house rule 10): the
+    note ``parity/refilling`` (``parity``) or ``copies/refilling`` holding ``marker`` written
+    durably first (a later load's refill knows from it what to re-create and which marker to
+    write back), then ``protected`` removed and the directory fsynced."""
+    d = step_dir / (PARITY_DIR if parity else COPIES_DIR)
+    if not d.is_dir():
+        d.mkdir()
+        fsync_dir(step_dir)
+    atomic_write(d / REFILLING_NAME, marker)
+    if (step_dir / PROTECTED_NAME).exists():
+        os.unlink(step_dir / PROTECTED_NAME)
+        fsync_dir(step_dir)
+
+
+def restore_protection(step_dir: Path, marker: bytes) -> None:
+    """``protected`` written back durably (``marker``), then the refilling note removed: the
+    end of a refill that re-created what the note's step lacked."""
+    atomic_write(step_dir / PROTECTED_NAME, marker)
+    for d in (PARITY_DIR, COPIES_DIR):
+        note = step_dir / d / REFILLING_NAME
+        if note.exists():
+            os.unlink(note)
+            fsync_dir(note.parent)

@@ -20,6 +20,7 @@ from ..fs import read_regular_file
 from ..options import ALIGN
 
 PARITY_DIR = "parity"
+REFILLING_NAME = "refilling"  # step_S/parity/refilling: the group's marker while the step lacks a member's block
 STRIPE_VERSION = 1
 STRIPE_MAX_BYTES = 64 << 20
 
@@ -41,15 +42,23 @@ def chunk_lengths(total: int, n: int) -> list[int]:
     return [max(0, min(per, total - c * per)) for c in range(max(n - 1, 1))]
 
 
-def protected_parity(step_dir: Path) -> int | None:
+def protected_parity(step_dir: Path, name: str = "protected") -> int | None:
     """The group size a ``protected`` marker written by parity records (None: no marker, or
-    one of full copies)."""
+    one of full copies); ``name``: another file of the marker's body (``refilling_parity``)."""
     try:
-        body = json.loads(read_regular_file(step_dir / "protected", 4096))
+        body = json.loads(read_regular_file(step_dir / name, 4096))
     except (OSError, GDSWriterError, ValueError):
         return None
     n = body.get("parity_group") if isinstance(body, dict) else None
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else None
+
+
+def refilling_parity(step_dir: Path) -> int | None:
+    """The group size ``step_dir/parity/refilling`` records: the note a parity refill (or the
+    scrub, load/verify.py ``set_aside``) writes before it withdraws ``protected``, so the step
+    keeps its group while it lacks a member's files or block (None: no note, or not one
+    gdswriter wrote)."""
+    return protected_parity(step_dir / PARITY_DIR, REFILLING_NAME)
 
 
 def stream_size(size: int) -> int:

@@ -1,0 +1,302 @@
+"""The scrub (issue 39): ``gdswriter verify`` re-reads every parity block and every copy that
+protects a multi-rank step, against the crc32c the step records for them, so damage is found
+before a lost node needs them; ``--repair`` withdraws ``protected`` and sets the damage aside,
+and the next multi-rank load's refill re-creates it bit-exact and marks the step protected
+again (format.md 11.1, 11.2). Real files, real gloo ranks (each rank its own node-local root,
+its own GDSWRITER_HOSTNAME)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.dcp import dcp_load, dcp_state, flip, save_two_steps
+from support.ranks import caught, run_ranks
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+STEP = "step_000000000001"
+PARITY = {"copies": 1, "parity_group": 3}
+
+
+def verify(capsys, roots: list[Path], *more: str) -> tuple[int, str]:
+    """``gdswriter verify`` of step 1 over ``roots`` (the primary first): (exit status, output)."""
+    from gdswriter.cli import main
+
+    capsys.readouterr()
+    code = main(["verify", str(roots[0]), *[a for r in roots[1:] for a in ("--secondary", str(r))], "--step", "1",
+                 *more])
+    return code, capsys.readouterr().out
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under ``root``, by its path relative to it."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ----------------------------------------------------------------------------- parity (a DCP step)
+def dcp_state_of(step: int) -> dict:
+    return dcp_state(300, step)
+
+
+def _dcp_save(rank: int, world: int, tmp: str) -> list:
+    return save_two_steps(rank, Path(tmp, f"node{rank}"), dcp_state_of, parity_group=3)
+
+
+def _dcp_load(rank: int, world: int, tmp: str) -> dict:
+    from support.dcp import engine, refilled
+    from gdswriter.distributed import GDSStorageReader
+
+    root = Path(tmp, f"node{rank}")
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out = {"load": dcp_load(root, 1, dcp_state_of(1), reader)[:2], "refilled": refilled(reader)}
+    reader.close()
+    return out
+
+
+def test_a_flipped_byte_in_a_parity_block_is_found_set_aside_and_re_created(tmp_path, capsys):
+    """parity_group=3 over 3 nodes, step 1 protected: the scrub passes (3 blocks re-read, exit
+    0). A byte flipped in rank 1's parity block (its length unchanged): exit 3 ("intact but
+    protection damaged", not 1), naming rank 1, its root and the block's file. --repair: the
+    step stops saying ``protected`` (``parity/refilling`` keeps its group), the block and its
+    description set aside (nothing deleted: the damaged bytes are still on disk); a scrub now
+    reports the block missing. The next load (bit-exact) re-creates the block: byte for byte
+    the one saved, ``protected`` back, the note gone, and the scrub passes again."""
+    run_ranks(3, _dcp_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / f"node{k}" for k in range(3)]
+    code, said = verify(capsys, roots)
+    assert code == 0 and "protection intact (3 parity blocks" in said, said
+    pdir = roots[1] / STEP / "parity"
+    saved = {n: (pdir / n).read_bytes() for n in ("rank00001.xor", "rank00001.json")}
+    flip(pdir / "rank00001.xor")
+    damaged = (pdir / "rank00001.xor").read_bytes()
+    assert len(damaged) == len(saved["rank00001.xor"])
+
+    code, said = verify(capsys, roots)
+    assert code == 3, said
+    assert "PROTECTION DAMAGED: rank 1's parity block on table root 1" in said and str(pdir / "rank00001.xor") in said
+    assert "crc32c" in said and "CORRUPT" not in said, said
+    code, said = verify(capsys, roots, "--repair")
+    assert code == 3 and "set aside" in said, said
+    marks = roots[0] / STEP
+    assert not (marks / "protected").exists()
+    assert json.loads((marks / "parity" / "refilling").read_bytes()) == PARITY
+    assert not (pdir / "rank00001.xor").exists() and not (pdir / "rank00001.json").exists()
+    aside = sorted(p.name for p in pdir.glob(".damaged-*"))
+    assert [n.rsplit("-", 1)[0] for n in aside] == [".damaged-rank00001.json", ".damaged-rank00001.xor"], aside
+    assert (pdir / aside[1]).read_bytes() == damaged  # nothing deleted
+    code, said = verify(capsys, roots)
+    assert code == 3 and "missing" in said, said
+
+    got = run_ranks(3, _dcp_load, str(tmp_path), out=tmp_path / "load")
+    for rank, x in enumerate(got):
+        assert x["load"] == [None, True] and x["refilled"] == 1, (rank, x)
+    assert (pdir / "rank00001.xor").read_bytes() == saved["rank00001.xor"]
+    assert json.loads((pdir / "rank00001.json").read_bytes()) == json.loads(saved["rank00001.json"])
+    assert json.loads((marks / "protected").read_bytes()) == PARITY and not (marks / "parity" / "refilling").exists()
+    code, said = verify(capsys, roots)
+    assert code == 0 and "protection intact (3 parity blocks" in said, said
+
+
+def test_a_damaged_parity_description_and_a_missing_block_are_reported(tmp_path, capsys):
+    """The scrub reads what it checks as untrusted: rank 2's description cut short, and rank 0's
+    block removed, are each reported (rank, root, file), exit 3; the step's own files are intact."""
+    run_ranks(3, _dcp_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / f"node{k}" for k in range(3)]
+    desc = roots[2] / STEP / "parity" / "rank00002.json"
+    desc.write_bytes(desc.read_bytes()[:40])
+    (roots[0] / STEP / "parity" / "rank00000.xor").unlink()
+    code, said = verify(capsys, roots)
+    assert code == 3, said
+    assert f"rank 2's parity block on table root 2: {desc}: its description" in said, said
+    assert "rank 0's parity block on table root 0" in said and "missing" in said, said
+
+
+# ----------------------------------------------------------------------------- copies (GDSCheckpointer)
+def state_of(step: int) -> dict:
+    g = torch.Generator().manual_seed(700 + step)
+    return {"a": torch.randn(1 << 20, generator=g), "b": torch.randint(0, 1 << 30, (1 << 20,), generator=g)}
+
+
+def _checkpointer(tmp: str, rank: int, holder: dict):
+    """replicas=2 on 2 ranks, parity_group=3 on 3."""
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    from support.models import small_options
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    world = torch.distributed.get_world_size()
+    protect = {"replicas": 2} if world == 2 else {"parity_group": 3}
+    return GDSCheckpointer(holder, root=f"{tmp}/n{rank}", options=small_options(),
+                           dist_options=DistOptions(timeout_s=60, **protect))
+
+
+def _ck_save(rank: int, world: int, tmp: str) -> int | None:
+    with _checkpointer(tmp, rank, state_of(1)) as ck:
+        ck.save(1)
+        return ck.wait_protected(120)
+
+
+def _ck_load(rank: int, world: int, tmp: str) -> dict:
+    holder = {k: torch.zeros_like(v) for k, v in state_of(1).items()}
+    with _checkpointer(tmp, rank, holder) as ck:
+        got = ck.load(1)
+        exact = all(torch.equal(holder[k], v) for k, v in state_of(1).items())
+        refilled = caught(lambda: ck.wait_protected(120))
+        return {"load": [got, exact], "refilled": refilled, "protected": ck.protected_step()}
+
+
+def test_a_flipped_byte_in_a_replica_copy_is_found_set_aside_and_re_created(tmp_path, capsys):
+    """replicas=2 over 2 nodes, step 1 protected: the scrub re-reads both copies (exit 0). A
+    byte flipped in rank 1's data file as its copy on node 0 holds it (same length): exit 3,
+    naming rank 1's copy, table root 0 and the file. --repair: ``protected`` gone
+    (``copies/refilling`` keeps the marker), the copy's folder set aside whole. The next load
+    (bit-exact, from the intact own files) refills: the copy is back, byte for byte the files
+    rank 1 holds, ``protected`` back, the note gone, the scrub passes."""
+    run_ranks(2, _ck_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    code, said = verify(capsys, roots)
+    assert code == 0 and "protection intact (0 parity blocks" in said, said
+    copy = roots[0] / STEP / "copies" / "rank00001"
+    own = {n: (roots[1] / STEP / n).read_bytes() for n in tree(copy)}
+    assert tree(copy) == own  # byte-identical copies
+    marker = (roots[0] / STEP / "protected").read_bytes()
+    victim = next(copy.glob("data-rank1-*.bin"))
+    flip(victim)
+
+    code, said = verify(capsys, roots)
+    assert code == 3, said
+    assert f"the copy of rank 1's files on table root 0: {victim}: bytes [" in said and "CORRUPT" not in said, said
+    code, said = verify(capsys, roots, "--repair")
+    assert code == 3 and "set aside" in said, said
+    assert not (roots[0] / STEP / "protected").exists()
+    assert (roots[0] / STEP / "copies" / "refilling").read_bytes() == marker
+    assert not copy.exists() and len(list(copy.parent.glob(".damaged-rank00001-*"))) == 1
+
+    got = run_ranks(2, _ck_load, str(tmp_path), out=tmp_path / "load")
+    for rank, x in enumerate(got):
+        assert x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1, (rank, x)
+    assert tree(copy) == own
+    assert (roots[0] / STEP / "protected").read_bytes() == marker
+    assert not (roots[0] / STEP / "copies" / "refilling").exists()
+    code, said = verify(capsys, roots)
+    assert code == 0 and "protection intact" in said, said
+
+
+def test_a_damaged_manifest_copy_is_rewritten_and_a_cut_or_missing_copy_is_reported(tmp_path, capsys):
+    """A damaged copy of the global manifest (``copies/manifest.json``) is reported and
+    ``--repair`` rewrites it from ``manifest.json`` (no refill needed); a copy's shard cut short
+    is reported too."""
+    run_ranks(2, _ck_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    mcopy = roots[1] / STEP / "copies" / "manifest.json"
+    flip(mcopy)
+    code, said = verify(capsys, roots)
+    assert code == 3 and f"the global manifest's copy on table root 1: {mcopy}" in said, said
+    code, said = verify(capsys, roots, "--repair")
+    assert code == 3 and "rewritten from manifest.json" in said, said
+    assert mcopy.read_bytes() == (roots[0] / STEP / "manifest.json").read_bytes()
+    assert (roots[0] / STEP / "protected").exists()  # nothing else was wrong: still protected
+    assert verify(capsys, roots)[0] == 0
+    shard = roots[1] / STEP / "copies" / "rank00000" / "manifest-rank00000.json"
+    shard.write_bytes(shard.read_bytes()[:-3])
+    code, said = verify(capsys, roots)
+    assert code == 3 and str(shard) in said, said
+    shutil.rmtree(roots[1] / STEP / "copies" / "rank00000")
+    code, said = verify(capsys, roots)
+    assert code == 3 and "the copy of rank 0's files on table root 1" in said and "missing" in said, said
+
+
+def test_a_gdscheckpointer_parity_block_set_aside_is_re_created_by_the_next_loads_refill(tmp_path, capsys):
+    """parity_group=3 over 3 nodes (GDSCheckpointer: format 1.4, its refill.py): a byte flipped in
+    rank 2's parity block is found (exit 3), --repair sets it aside and withdraws ``protected``;
+    the next load (bit-exact) re-creates the block byte for byte, ``protected`` comes back as
+    parity wrote it (protected_step() is 1 on every rank) and the scrub passes."""
+    run_ranks(3, _ck_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / f"n{k}" for k in range(3)]
+    pdir = roots[2] / STEP / "parity"
+    saved = (pdir / "rank00002.xor").read_bytes()
+    marker = (roots[0] / STEP / "protected").read_bytes()
+    assert json.loads(marker) == PARITY
+    assert verify(capsys, roots)[0] == 0
+    flip(pdir / "rank00002.xor")
+    code, said = verify(capsys, roots, "--repair")
+    assert code == 3 and f"rank 2's parity block on table root 2: {pdir / 'rank00002.xor'}" in said, said
+    assert not (roots[0] / STEP / "protected").exists() and not (pdir / "rank00002.xor").exists()
+
+    got = run_ranks(3, _ck_load, str(tmp_path), out=tmp_path / "load")
+    for rank, x in enumerate(got):
+        assert x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1, (rank, x)
+    assert (pdir / "rank00002.xor").read_bytes() == saved
+    assert (roots[0] / STEP / "protected").read_bytes() == marker
+    assert not (roots[0] / STEP / "parity" / "refilling").exists()
+    assert verify(capsys, roots)[0] == 0
+
+
+# ----------------------------------------------------------------------------- a replaced primary root
+def _marks(tmp: str) -> dict:
+    """Per node: which of step 1's markers it holds (``protected``, ``copies/protected``,
+    ``parity/refilling``) and whether its step directory exists."""
+    return {k: [(Path(tmp, k, STEP) / n).exists() for n in ("", "protected", "copies/protected", "parity/refilling")]
+            for k in ("node0", "node1", "node2")}
+
+
+def _primary_replaced_stopped(rank: int, world: int, tmp: str) -> dict:
+    import gdswriter.distributed.dcp_refill as dcp_refill
+    from support.dcp import engine, refilled
+    from gdswriter.distributed import GDSStorageReader
+    from gdswriter.errors import GDSWriterError
+
+    root = Path(tmp, f"node{rank}")
+    _dcp_save(rank, world, tmp)
+    torch.distributed.barrier()
+    if rank == 0:  # the primary root's node replaced: an empty directory
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    real = dcp_refill.refill_lane_stripes
+
+    def stopped(*args, **kwargs):  # the refill stopped once rank 0's files landed, before its parity block
+        raise GDSWriterError("killed")
+    dcp_refill.refill_lane_stripes = stopped
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out: dict = {"first": dcp_load(root, 1, dcp_state_of(1), reader)[:2], "stopped": refilled(reader)}
+    reader.close()
+    dcp_refill.refill_lane_stripes = real
+    torch.distributed.barrier()
+    out["after stop"] = _marks(tmp)
+    torch.distributed.barrier()
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out["next"] = [dcp_load(root, 1, dcp_state_of(1), reader)[:2], refilled(reader)]
+    reader.close()
+    torch.distributed.barrier()
+    out["after next"] = _marks(tmp)
+    return out
+
+
+def test_a_parity_refill_onto_a_replaced_primary_root_claims_no_protection_while_it_runs(tmp_path):
+    """parity_group=3 (DCP), the primary root's node (rank 0's) replaced; the refill stopped after
+    rank 0's files landed, before its parity block: no root of the step says ``protected`` (the
+    refill made the replaced root's step directory, wrote ``parity/refilling`` there and removed
+    every ``protected`` claim first); the next load finishes the refill: ``protected`` back on the
+    primary, the note gone."""
+    got = run_ranks(3, _primary_replaced_stopped, str(tmp_path), out=tmp_path / "ranks")
+    for rank, x in enumerate(got):
+        assert x["first"] == [None, True], (rank, x)
+        assert isinstance(x["stopped"], list) and x["stopped"][0] == "ReplicationError", (rank, x["stopped"])
+        stop = x["after stop"]
+        # [step directory, protected, copies/protected, parity/refilling]: the replaced root is noted, claims nothing
+        assert stop["node0"] == [True, False, False, True], (rank, stop)
+        assert not any(m[1] for m in stop.values()), (rank, stop)
+        assert x["next"] == [[None, True], 1], (rank, x["next"])
+        done = x["after next"]
+        assert done["node0"] == [True, False, True, False], (rank, done)
+        assert [m[1] for m in done.values()].count(True) == 1 and not any(m[3] for m in done.values()), (rank, done)
+    primary = next(k for k, m in got[0]["after next"].items() if m[1])
+    assert json.loads(Path(tmp_path, primary, STEP, "protected").read_bytes()) == PARITY
