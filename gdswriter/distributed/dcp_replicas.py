@@ -47,7 +47,7 @@ from ..errors import (
 )
 from ..format.commit import ROOT_MARKER_NAME, step_dir_name
 from ..format.manifest import MANIFEST_NAME, FileRecord, Manifest, RootInfo
-from ..format.parity import PARITY_DIR, read_stripe
+from ..format.parity import PARITY_DIR, REFILLING_NAME
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME
 from .dcp_leftovers import drop_leftovers
 from .dcp_messages import RankReport
@@ -56,6 +56,7 @@ from .options import DistOptions
 from .replicastream import Source
 from .parity import plan_parity, replicator_for
 from .parityload import HeldCopies, StepRoots, rebuild_members
+from .parityrefill import blocks_held
 from .replicate import ReplicaPeers, Replicator, SourcedJob, plan_peers
 from .roots import RootLayout
 
@@ -246,25 +247,16 @@ class Placed:
     stripes: tuple[int, ...] = ()  # ranks of reached roots whose parity block is missing: re-created (dcp_refill.py)
 
 
-REFILLING_NAME = "refilling"  # step_S/parity/refilling: a parity refill runs or was stopped (dcp_refill.py)
-
-
 def _blocks(reach: Sequence[Path | None], check: Sequence[int], d: str) -> list[list[int]]:
     """[the lane members the stripe descriptions name, the ranks whose parity block is there
-    with the length its description records] on the roots ``check`` (a description unreadable
-    here counts as its block missing; its lane is named by the other members')."""
+    with the length its description records] on the roots ``check`` (parityrefill.blocks_held
+    of each)."""
     lanes: set[int] = set()
     have: set[int] = set()
     for g in check:
-        pdir = reach[g] / d / PARITY_DIR  # type: ignore[operator]
-        for f in sorted(pdir.glob("rank*.json")) if pdir.is_dir() else ():
-            try:
-                body = read_stripe(f)
-                lanes.update(int(k) for k in body["lane"])
-                if os.stat(pdir / body["parity"]["file"]).st_size == int(body["parity"]["length"]):
-                    have.add(int(body["parity"]["rank"]))
-            except (OSError, GDSWriterError, KeyError, TypeError, ValueError):
-                continue
+        named, held = blocks_held(reach[g] / d / PARITY_DIR)  # type: ignore[operator]
+        lanes |= named
+        have |= held
     return [sorted(lanes), sorted(have)]
 
 
