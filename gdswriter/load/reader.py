@@ -706,9 +706,14 @@ def load_state(root: str | os.PathLike | Sequence[str | os.PathLike], step: int 
     protocol = CommitProtocol(normalize_roots(root))
 
     def read(step: int) -> tuple[int, Any]:
-        manifest = read_manifest(protocol, step)
-        return step, decode_state(manifest.state, read_tensors(protocol, manifest, verify=verify,
-                                                               engine_options=engine_options))
+        # Garbage collection held off: the manifest's objects are freed by reference counting
+        # before it resumes, not walked by a collection after the parse (threads.gc_paused)
+        with gc_paused():
+            manifest = read_manifest(protocol, step)
+            state = decode_state(manifest.state, read_tensors(protocol, manifest, verify=verify,
+                                                              engine_options=engine_options))
+            del manifest
+            return step, state
 
     resolved = protocol.require(step)
     try:
