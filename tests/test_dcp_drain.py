@@ -215,3 +215,34 @@ def test_a_mark_that_is_not_a_json_object_fails_the_drain_and_leaves_the_directo
         put_mark(d, 0, {"size": 1})
     assert e.value.step == 4
     assert sorted(p.name for p in d.iterdir()) == sorted([DRAFT_NAME, f"{MARK_PREFIX}0", f"{MARK_PREFIX}1"])
+
+
+def test_a_draft_gone_between_its_check_and_its_read_is_the_other_ranks_commit(tmp_path, monkeypatch):
+    """The other rank's rename (the commit point) lands between this rank's look for the draft
+    and its read of it: the step is committed, by the other rank; no DrainError (the read of the
+    draft's path used to raise FileNotFoundError out of the commit)."""
+    import os
+    import pathlib
+
+    from gdswriter.distributed import dcp_drain
+    from gdswriter.distributed.drain import DRAFT_NAME, MARK_PREFIX
+
+    root = tmp_path / "shared"
+    d = root / ".tmp-step_000000000001-abcd"
+    d.mkdir(parents=True)
+    (d / DRAFT_NAME).write_bytes(b"{}")
+    (d / f"{MARK_PREFIX}0").write_bytes(b"{}")
+    final = root / "step_000000000001"
+    read_bytes = pathlib.Path.read_bytes
+
+    def committed_first(self):
+        if self == d / DRAFT_NAME and d.exists():
+            (d / "manifest.json").write_bytes(b"{}")
+            os.rename(d, final)  # the other rank's commit point
+        return read_bytes(self)
+
+    drain = dcp_drain.DcpDrain.__new__(dcp_drain.DcpDrain)
+    drain.root = root
+    monkeypatch.setattr(pathlib.Path, "read_bytes", committed_first)
+    assert drain._publish(1, d) is False
+    assert sorted(os.listdir(final)) == sorted([f"{MARK_PREFIX}0", DRAFT_NAME, "manifest.json"])

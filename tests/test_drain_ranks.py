@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import gdswriter
@@ -176,3 +177,43 @@ def test_damaged_local_file_on_one_rank_drains_nothing_of_that_step(tmp_path):
     step, whole = gdswriter.load_state(shared)
     assert step == 1 and _equal(whole, 0, 1)
     assert cli_main(["verify", str(shared)]) == 0
+
+
+def test_a_rank_finding_the_step_committed_by_another_rank_after_its_listing_is_no_error(tmp_path):
+    """Both ranks' listings found every mark and the draft; the other rank's rename (the commit
+    point) lands before this rank reads the draft. This rank's commit finds the step committed
+    by the other (the marks it listed are in step_S): no DrainError (the drain of a drained step
+    used to fail, by the draft's path). A directory gone and not committed (removed by another
+    drain) stays an error."""
+    from gdswriter.distributed.drain import DRAFT_NAME, MARK_PREFIX, RankDrainer, put_mark
+
+    root = tmp_path / "shared"
+    final = root / "step_000000000001"
+    drainer = RankDrainer.__new__(RankDrainer)
+    drainer.root = root
+
+    def drain_dir() -> Path:
+        d = root / ".tmp-step_000000000001-abcd"
+        d.mkdir(parents=True)
+        (d / DRAFT_NAME).write_bytes(b"{}")
+        (d / f"{MARK_PREFIX}1").write_bytes(b'{"size": 7}')
+        marks = put_mark(d, 0, {"size": 3})
+        assert marks is not None and marks.complete(2)
+        return d
+
+    def other_commits(d: Path) -> None:  # the other rank's commit point
+        (d / "manifest.json").write_bytes(b"{}")
+        os.rename(d, final)
+
+    committed = [f"{MARK_PREFIX}0", f"{MARK_PREFIX}1", DRAFT_NAME, "manifest.json"]
+    d = drain_dir()
+    other_commits(d)
+    assert drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}}) is False
+    assert sorted(os.listdir(final)) == sorted(committed)
+
+    (final / f"{MARK_PREFIX}1").write_bytes(b'{"size": 8}')  # step_S is another drain's: not this one
+    with pytest.raises(FileNotFoundError):
+        drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}})
+    shutil.rmtree(final)  # gone, and not committed: not drained, an error
+    with pytest.raises(FileNotFoundError):
+        drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}})

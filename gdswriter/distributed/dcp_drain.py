@@ -190,7 +190,10 @@ class DcpDrain:
     def _publish(self, step: int, d: Path) -> bool:
         """Commit ``d`` as ``step_S``; False when another rank did first."""
         final = self.root / step_dir_name(step)
-        data = (d / DRAFT_NAME).read_bytes() if (d / DRAFT_NAME).exists() else None
+        try:
+            data: bytes | None = (d / DRAFT_NAME).read_bytes()
+        except FileNotFoundError:  # d renamed by another rank's commit (or removed): checked below
+            data = None
         try:
             tmp = d / f"{TMP_PREFIX}{MANIFEST_NAME}-{secrets.token_hex(4)}"
             write_durable(tmp, data or b"")

@@ -157,6 +157,16 @@ def _read_mark(dfd: int, name: str, d: Path) -> dict:
     return mark
 
 
+def _committed_from(final: Path, found: dict[int, dict]) -> bool:
+    """Whether ``final`` (step_S at the drain root) is committed and holds the marks ``found``
+    (what this rank listed in its drain directory): that directory, renamed by another rank."""
+    try:
+        return (final / MANIFEST_NAME).is_file() and all(
+            json.loads(read_regular_file(final / f"{MARK_PREFIX}{r}", 4096)) == mark for r, mark in found.items())
+    except (OSError, ValueError, GDSWriterError):
+        return False
+
+
 class RankDrainer(Drainer):
     """Drainer of one rank of a multi-rank checkpointer (the module docstring). ``session``: the
     DistSession (its layout, and what each save of this rank voted: DistSession.saved)."""
@@ -253,7 +263,15 @@ class RankDrainer(Drainer):
         rename ``d`` to ``step_S`` (the commit point), then move ``latest``. Whether this rank's
         rename committed it (False: another rank, finding every mark too, renamed it first)."""
         world = len(found)
-        g = parse_global(read_regular_file(d / DRAFT_NAME, SMALL_LIMIT), f"{d / DRAFT_NAME}")
+        final = self.root / step_dir_name(step)
+        try:
+            raw = read_regular_file(d / DRAFT_NAME, SMALL_LIMIT)
+        except FileNotFoundError:
+            if _committed_from(final, found):  # another rank found every mark too and renamed d first
+                fsync_dir(self.root)
+                return False
+            raise  # gone, not committed: removed by another drain
+        g = parse_global(raw, f"{d / DRAFT_NAME}")
         if g is None:
             raise DrainError(f"step {step}: {d / DRAFT_NAME} is not a global manifest", step)
         shards = tuple(ShardRef(r, 0, shard_name(r), found[r]["size"], found[r]["crc32c"]) for r in range(world))
@@ -262,7 +280,6 @@ class RankDrainer(Drainer):
                       totals=dict(g.totals, on_disk=on_disk))
         data = new.to_json_bytes()
         parse_global(data, f"the drained manifest of step {step}")
-        final = self.root / step_dir_name(step)
         try:
             tmp_manifest = d / f"{TMP_PREFIX}{MANIFEST_NAME}-{secrets.token_hex(4)}"
             write_durable(tmp_manifest, data)
