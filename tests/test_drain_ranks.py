@@ -217,3 +217,21 @@ def test_a_rank_finding_the_step_committed_by_another_rank_after_its_listing_is_
     shutil.rmtree(final)  # gone, and not committed: not drained, an error
     with pytest.raises(FileNotFoundError):
         drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}})
+
+
+def test_a_faster_ranks_next_drain_leaves_a_slower_ranks_drain_of_the_step_before(tmp_path):
+    """Rank 1 marked step 1 and its drain of step 2 starts; rank 0 is still copying its files of
+    step 1 into step 1's directory (no collective between drains). Rank 1's clean-up must leave
+    that directory: removing it makes rank 0's drain of step 1 fail, and step 1 never drains."""
+    from gdswriter.distributed.drain import enter_drain_dir, put_mark
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    d1 = enter_drain_dir(root, 1, "aaaa", clean=True)  # rank 0 and rank 1 in step 1 (save token aaaa)
+    (d1 / "data-rank00000.bin").write_bytes(b"rank 0 still copying")
+    assert put_mark(d1, 1, {"size": 1}) is not None  # rank 1 done with step 1
+    enter_drain_dir(root, 2, "bbbb", clean=True, marked=1)  # rank 1's drain of step 2 (RankDrainer)
+    (d1 / "data-rank00000.bin").write_bytes(b"rank 0 still copying, more")  # rank 0 goes on
+    assert put_mark(d1, 0, {"size": 1}).complete(2) is False  # no draft here: only the marks matter
+    enter_drain_dir(root, 3, "cccc", clean=True, marked=2)  # a rank with no mark there: it can never commit
+    assert not d1.exists()
