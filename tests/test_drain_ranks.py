@@ -235,3 +235,53 @@ def test_a_faster_ranks_next_drain_leaves_a_slower_ranks_drain_of_the_step_befor
     assert put_mark(d1, 0, {"size": 1}).complete(2) is False  # no draft here: only the marks matter
     enter_drain_dir(root, 3, "cccc", clean=True, marked=2)  # a rank with no mark there: it can never commit
     assert not d1.exists()
+
+
+def _slow_rank_zero(rank: int, world: int, tmp: str) -> dict:
+    """Rank 0's drain of step 1 waits at its first read until rank 1 has done its part of step 1
+    and of step 2 (its drain of step 2 cleaned the drain root then); both ranks then wait for
+    every drain. No collective links two ranks' drains, so this order happens by itself when
+    one rank's disk is slower."""
+    from gdswriter.errors import DrainError
+
+    signal_file = Path(tmp) / "rank1-drained-2"
+
+    def before_read(n: int) -> None:
+        deadline = time.monotonic() + 120
+        while n == 1 and not signal_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    holder = _set(state(rank, 0), rank, 1)
+    ck = _open(tmp, rank, holder, GatedEngine(before_read) if rank == 0 else None)
+    ck.save(1)
+    _set(holder, rank, 2)
+    ck.save(2)
+    errors = []
+    if rank == 1:
+        for _ in range(2):
+            try:
+                ck.wait_drained()
+            except DrainError as e:
+                errors.append(str(e))
+        signal_file.write_text("1")
+    try:
+        ck.wait_drained()
+    except DrainError as e:
+        errors.append(str(e))
+    import torch.distributed as dist
+
+    dist.barrier()
+    ck.close()
+    return {"errors": errors}
+
+
+def test_a_slower_ranks_drain_of_a_step_survives_a_faster_ranks_next_drain(tmp_path):
+    """Rank 1 drains its part of steps 1 and 2 while rank 0 still copies step 1: rank 1's clean-up
+    at step 2 used to remove step 1's directory under rank 0 (a DrainError, step 1 never
+    drained); now both steps drain, with no error and nothing left over."""
+    got = run_ranks(2, _slow_rank_zero, str(tmp_path), out=tmp_path / "out")
+    assert got == [{"errors": []}] * 2, got
+    shared = tmp_path / "shared"
+    assert sorted(n for n in os.listdir(shared) if n.startswith("step_")) == \
+        ["step_000000000001", "step_000000000002"]
+    assert _leftovers(shared) == []
