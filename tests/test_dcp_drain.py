@@ -215,3 +215,87 @@ def test_a_mark_that_is_not_a_json_object_fails_the_drain_and_leaves_the_directo
         put_mark(d, 0, {"size": 1})
     assert e.value.step == 4
     assert sorted(p.name for p in d.iterdir()) == sorted([DRAFT_NAME, f"{MARK_PREFIX}0", f"{MARK_PREFIX}1"])
+
+
+def test_a_draft_gone_between_its_check_and_its_read_is_the_other_ranks_commit(tmp_path, monkeypatch):
+    """The other rank's rename (the commit point) lands between this rank's look for the draft
+    and its read of it: the step is committed, by the other rank; no DrainError (the read of the
+    draft's path used to raise FileNotFoundError out of the commit)."""
+    import os
+    import pathlib
+
+    from gdswriter.distributed import dcp_drain
+    from gdswriter.distributed.drain import DRAFT_NAME, MARK_PREFIX
+
+    root = tmp_path / "shared"
+    d = root / ".tmp-step_000000000001-abcd"
+    d.mkdir(parents=True)
+    (d / DRAFT_NAME).write_bytes(b"{}")
+    (d / f"{MARK_PREFIX}0").write_bytes(b"{}")
+    final = root / "step_000000000001"
+    read_bytes = pathlib.Path.read_bytes
+
+    def committed_first(self):
+        if self == d / DRAFT_NAME and d.exists():
+            (d / "manifest.json").write_bytes(b"{}")
+            os.rename(d, final)  # the other rank's commit point
+        return read_bytes(self)
+
+    drain = dcp_drain.DcpDrain.__new__(dcp_drain.DcpDrain)
+    drain.root = root
+    monkeypatch.setattr(pathlib.Path, "read_bytes", committed_first)
+    assert drain._publish(1, d) is False
+    assert sorted(os.listdir(final)) == sorted([f"{MARK_PREFIX}0", DRAFT_NAME, "manifest.json"])
+
+
+def _slow_rank_one(rank: int, world: int, tmp: str) -> dict:
+    """Rank 1's drain of step 0 waits before its first copy until rank 0 did its whole part of
+    steps 0 and 1 (rank 0's draft of step 1 cleans the drain root); then every drain ends."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    from gdswriter.distributed import dcp_drain
+    from gdswriter.errors import DrainError
+
+    root, shared, signal_file = Path(tmp, f"node{rank}"), Path(tmp, "shared"), Path(tmp, "rank0-drained-1")
+    real = dcp_drain.copy_checked
+
+    def held(*a, **k):
+        deadline = time.monotonic() + 120
+        while not signal_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return real(*a, **k)
+    if rank == 1:
+        dcp_drain.copy_checked = held
+    w = node_writer(rank, root, drain_root=str(shared))
+    for step in range(2):
+        w.reset(step)
+        dcp.save(state(step), storage_writer=w)
+    errors = []
+    if rank == 0:
+        for _ in range(2):
+            try:
+                w.wait_drained()
+            except DrainError as e:
+                errors.append(str(e))
+        signal_file.write_text("1")
+    try:
+        w.wait_drained()
+    except DrainError as e:
+        errors.append(str(e))
+    w.close()
+    torch.distributed.barrier()
+    return {"errors": errors}
+
+
+def test_a_slower_ranks_dcp_drain_of_a_step_survives_the_next_steps_draft(tmp_path):
+    """Rank 0 drains its part and the draft of steps 0 and 1 while rank 1 has not copied step 0
+    yet: rank 0's clean-up at step 1 used to remove step 0's directory under rank 1 (a DrainError,
+    step 0 never drained); now both steps drain, no error, nothing left over."""
+    got = run_ranks(2, _slow_rank_one, str(tmp_path), out=tmp_path / "ranks")
+    assert got == [{"errors": []}] * 2, got
+    shared = tmp_path / "shared"
+    assert sorted(p.name for p in shared.iterdir() if p.name.startswith("step_")) == \
+        ["step_000000000000", "step_000000000001"]
+    assert not [p for p in shared.iterdir() if p.name.startswith((".tmp", ".trash"))]

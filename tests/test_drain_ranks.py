@@ -12,6 +12,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 import gdswriter
@@ -176,3 +177,111 @@ def test_damaged_local_file_on_one_rank_drains_nothing_of_that_step(tmp_path):
     step, whole = gdswriter.load_state(shared)
     assert step == 1 and _equal(whole, 0, 1)
     assert cli_main(["verify", str(shared)]) == 0
+
+
+def test_a_rank_finding_the_step_committed_by_another_rank_after_its_listing_is_no_error(tmp_path):
+    """Both ranks' listings found every mark and the draft; the other rank's rename (the commit
+    point) lands before this rank reads the draft. This rank's commit finds the step committed
+    by the other (the marks it listed are in step_S): no DrainError (the drain of a drained step
+    used to fail, by the draft's path). A directory gone and not committed (removed by another
+    drain) stays an error."""
+    from gdswriter.distributed.drain import DRAFT_NAME, MARK_PREFIX, RankDrainer, put_mark
+
+    root = tmp_path / "shared"
+    final = root / "step_000000000001"
+    drainer = RankDrainer.__new__(RankDrainer)
+    drainer.root = root
+
+    def drain_dir() -> Path:
+        d = root / ".tmp-step_000000000001-abcd"
+        d.mkdir(parents=True)
+        (d / DRAFT_NAME).write_bytes(b"{}")
+        (d / f"{MARK_PREFIX}1").write_bytes(b'{"size": 7}')
+        marks = put_mark(d, 0, {"size": 3})
+        assert marks is not None and marks.complete(2)
+        return d
+
+    def other_commits(d: Path) -> None:  # the other rank's commit point
+        (d / "manifest.json").write_bytes(b"{}")
+        os.rename(d, final)
+
+    committed = [f"{MARK_PREFIX}0", f"{MARK_PREFIX}1", DRAFT_NAME, "manifest.json"]
+    d = drain_dir()
+    other_commits(d)
+    assert drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}}) is False
+    assert sorted(os.listdir(final)) == sorted(committed)
+
+    (final / f"{MARK_PREFIX}1").write_bytes(b'{"size": 8}')  # step_S is another drain's: not this one
+    with pytest.raises(FileNotFoundError):
+        drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}})
+    shutil.rmtree(final)  # gone, and not committed: not drained, an error
+    with pytest.raises(FileNotFoundError):
+        drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}})
+
+
+def test_a_faster_ranks_next_drain_leaves_a_slower_ranks_drain_of_the_step_before(tmp_path):
+    """Rank 1 marked step 1 and its drain of step 2 starts; rank 0 is still copying its files of
+    step 1 into step 1's directory (no collective between drains). Rank 1's clean-up must leave
+    that directory: removing it makes rank 0's drain of step 1 fail, and step 1 never drains."""
+    from gdswriter.distributed.drain import enter_drain_dir, put_mark
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    d1 = enter_drain_dir(root, 1, "aaaa", clean=True)  # rank 0 and rank 1 in step 1 (save token aaaa)
+    (d1 / "data-rank00000.bin").write_bytes(b"rank 0 still copying")
+    assert put_mark(d1, 1, {"size": 1}) is not None  # rank 1 done with step 1
+    enter_drain_dir(root, 2, "bbbb", clean=True, marked=1)  # rank 1's drain of step 2 (RankDrainer)
+    (d1 / "data-rank00000.bin").write_bytes(b"rank 0 still copying, more")  # rank 0 goes on
+    assert put_mark(d1, 0, {"size": 1}).complete(2) is False  # no draft here: only the marks matter
+    enter_drain_dir(root, 3, "cccc", clean=True, marked=2)  # a rank with no mark there: it can never commit
+    assert not d1.exists()
+
+
+def _slow_rank_zero(rank: int, world: int, tmp: str) -> dict:
+    """Rank 0's drain of step 1 waits at its first read until rank 1 has done its part of step 1
+    and of step 2 (its drain of step 2 cleaned the drain root then); both ranks then wait for
+    every drain. No collective links two ranks' drains, so this order happens by itself when
+    one rank's disk is slower."""
+    from gdswriter.errors import DrainError
+
+    signal_file = Path(tmp) / "rank1-drained-2"
+
+    def before_read(n: int) -> None:
+        deadline = time.monotonic() + 120
+        while n == 1 and not signal_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    holder = _set(state(rank, 0), rank, 1)
+    ck = _open(tmp, rank, holder, GatedEngine(before_read) if rank == 0 else None)
+    ck.save(1)
+    _set(holder, rank, 2)
+    ck.save(2)
+    errors = []
+    if rank == 1:
+        for _ in range(2):
+            try:
+                ck.wait_drained()
+            except DrainError as e:
+                errors.append(str(e))
+        signal_file.write_text("1")
+    try:
+        ck.wait_drained()
+    except DrainError as e:
+        errors.append(str(e))
+    import torch.distributed as dist
+
+    dist.barrier()
+    ck.close()
+    return {"errors": errors}
+
+
+def test_a_slower_ranks_drain_of_a_step_survives_a_faster_ranks_next_drain(tmp_path):
+    """Rank 1 drains its part of steps 1 and 2 while rank 0 still copies step 1: rank 1's clean-up
+    at step 2 used to remove step 1's directory under rank 0 (a DrainError, step 1 never
+    drained); now both steps drain, with no error and nothing left over."""
+    got = run_ranks(2, _slow_rank_zero, str(tmp_path), out=tmp_path / "out")
+    assert got == [{"errors": []}] * 2, got
+    shared = tmp_path / "shared"
+    assert sorted(n for n in os.listdir(shared) if n.startswith("step_")) == \
+        ["step_000000000001", "step_000000000002"]
+    assert _leftovers(shared) == []

@@ -20,10 +20,11 @@ Every ``drain_every``-th step, on a thread of each rank's writer (never the save
    it to ``step_S`` (the commit point), fsyncs the drain root, moves ``latest`` and writes the
    DCP ``.metadata`` marker. Two ranks may both find the set complete: one rename wins.
 
-Only rank 0's draft removes what other saves left (temporary directories of other tokens, for
-steps up to its own): the others drain as soon as their write_data is done, so a rank may be in a
-newer step's directory than rank 0. As in drain.py, a rank slower than rank 0 by a whole save
-may find its directory removed (that step is not drained; liveness, never a wrong step).
+Each rank's drain removes what other saves left (temporary directories of other tokens, for
+steps up to its own) that it did not mark, as drain.py's: the others drain as soon as their
+write_data is done, so a rank may be in a newer step's directory than rank 0, or, slower by a
+whole save, still copying into an older one that the cleaning rank marked (kept); one it never
+marked can never commit.
 
 4. The rank that committed step S applies the drain root's retention (drain.py
    ``retain_drained``, as GDSCheckpointer's drain: ``drain_keep_last``, default ``keep_last``,
@@ -144,7 +145,7 @@ class DcpDrain:
                world: int) -> None:
         try:
             ident = self._ident()
-            d = self._enter(step, token, clean=report is None)
+            d = self._enter(step, token, report.rank if report is not None else layout.rank)
             if report is not None:
                 self._copy(layout, report, d)
             else:
@@ -163,12 +164,12 @@ class DcpDrain:
         assert ident is not None
         return ident.id
 
-    def _enter(self, step: int, token: str, clean: bool) -> Path:
-        """The step's temporary directory (made by whichever rank comes first); with ``clean``
-        (rank 0's draft, after its commit) after removing what other saves' drains left for steps
-        up to ``step``: the other ranks drain as soon as their write_data is done, so they may be
-        in a newer step's directory, never removed here."""
-        return enter_drain_dir(self.root, step, token, clean)
+    def _enter(self, step: int, token: str, rank: int) -> Path:
+        """The step's temporary directory (made by whichever rank comes first), after removing
+        what other saves' drains left for steps up to ``step`` and not marked by ``rank``: the
+        other ranks drain as soon as their write_data is done, so they may be in a newer step's
+        directory (never removed here), or, slower, still in an older one this rank marked."""
+        return enter_drain_dir(self.root, step, token, clean=True, marked=rank)
 
     def _copy(self, layout: RootLayout, report: RankReport, into: Path) -> None:
         if self._engine is None:
@@ -190,7 +191,10 @@ class DcpDrain:
     def _publish(self, step: int, d: Path) -> bool:
         """Commit ``d`` as ``step_S``; False when another rank did first."""
         final = self.root / step_dir_name(step)
-        data = (d / DRAFT_NAME).read_bytes() if (d / DRAFT_NAME).exists() else None
+        try:
+            data: bytes | None = (d / DRAFT_NAME).read_bytes()
+        except FileNotFoundError:  # d renamed by another rank's commit (or removed): checked below
+            data = None
         try:
             tmp = d / f"{TMP_PREFIX}{MANIFEST_NAME}-{secrets.token_hex(4)}"
             write_durable(tmp, data or b"")

@@ -24,7 +24,9 @@ rank broadcast, so every rank names the same directory, with no message):
 A rank that fails (a damaged local file, an I/O error) or dies never marks: the step is not
 committed at the drain root, which keeps its earlier steps. What it left is removed by a later
 drain of any rank: the temporary directories of *other* tokens for steps up to the one it
-drains (never a newer step's: a faster rank may be draining it). A removal renames the
+drains (never a newer step's: a faster rank may be draining it), where that rank has no mark
+(one it marked may be an older step a slower rank still copies into; one it never marked can
+never commit: the rank that failed there removes it at its next drain). A removal renames the
 directory away first (format/commit.py ``retire``), so it and a publishing rename exclude each
 other: a directory is either published whole or removed, never committed half deleted.
 
@@ -78,15 +80,20 @@ def parse_drain_dir(name: str) -> tuple[int, str] | None:
     return None if step is None or not token else (step, token)
 
 
-def enter_drain_dir(root: Path, step: int, token: str, clean: bool) -> Path:
+def enter_drain_dir(root: Path, step: int, token: str, clean: bool, marked: int | None = None) -> Path:
     """The drain's temporary directory for ``step`` of save ``token`` at the drain ``root`` (made by
     whichever rank comes first); with ``clean``, after removing what other drains left there for
     steps up to ``step`` (interrupted ones; a newer step's directory is never touched) and the
-    removals a crash interrupted. Shared by GDSCheckpointer's drain and DCP's (dcp_drain.py)."""
+    removals a crash interrupted. Shared by GDSCheckpointer's drain and DCP's (dcp_drain.py).
+    ``marked``: this rank; a directory holding its mark is kept (a slower rank may still be
+    copying into it: drains of ranks are not in step; one this rank never marked can never
+    commit, so it is removed, also by the rank that failed there)."""
     for n in os.listdir(root) if clean else ():
         parsed = parse_drain_dir(n)
         if n.startswith(TRASH_PREFIX):
             shutil.rmtree(root / n, ignore_errors=True)  # a removal that a crash interrupted
+        elif marked is not None and (root / n / f"{MARK_PREFIX}{marked}").exists():
+            continue  # this rank did its part there; another may still be doing its own
         elif parsed is not None and parsed[1] != token and parsed[0] <= step and (root / n).is_dir():
             try:
                 retire(root / n)
@@ -157,6 +164,16 @@ def _read_mark(dfd: int, name: str, d: Path) -> dict:
     return mark
 
 
+def _committed_from(final: Path, found: dict[int, dict]) -> bool:
+    """Whether ``final`` (step_S at the drain root) is committed and holds the marks ``found``
+    (what this rank listed in its drain directory): that directory, renamed by another rank."""
+    try:
+        return (final / MANIFEST_NAME).is_file() and all(
+            json.loads(read_regular_file(final / f"{MARK_PREFIX}{r}", 4096)) == mark for r, mark in found.items())
+    except (OSError, ValueError, GDSWriterError):
+        return False
+
+
 class RankDrainer(Drainer):
     """Drainer of one rank of a multi-rank checkpointer (the module docstring). ``session``: the
     DistSession (its layout, and what each save of this rank voted: DistSession.saved)."""
@@ -215,7 +232,7 @@ class RankDrainer(Drainer):
         removing what other drains left for steps up to ``step`` (the module docstring)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.ident = root_identity(self.root, create=True)
-        return enter_drain_dir(self.root, step, token, clean=True)
+        return enter_drain_dir(self.root, step, token, clean=True, marked=self.session.rank)
 
     def _copy_rank(self, shard: RankShard, step: int, into: Path) -> None:
         if self._engine is None:
@@ -253,7 +270,15 @@ class RankDrainer(Drainer):
         rename ``d`` to ``step_S`` (the commit point), then move ``latest``. Whether this rank's
         rename committed it (False: another rank, finding every mark too, renamed it first)."""
         world = len(found)
-        g = parse_global(read_regular_file(d / DRAFT_NAME, SMALL_LIMIT), f"{d / DRAFT_NAME}")
+        final = self.root / step_dir_name(step)
+        try:
+            raw = read_regular_file(d / DRAFT_NAME, SMALL_LIMIT)
+        except FileNotFoundError:
+            if _committed_from(final, found):  # another rank found every mark too and renamed d first
+                fsync_dir(self.root)
+                return False
+            raise  # gone, not committed: removed by another drain
+        g = parse_global(raw, f"{d / DRAFT_NAME}")
         if g is None:
             raise DrainError(f"step {step}: {d / DRAFT_NAME} is not a global manifest", step)
         shards = tuple(ShardRef(r, 0, shard_name(r), found[r]["size"], found[r]["crc32c"]) for r in range(world))
@@ -262,7 +287,6 @@ class RankDrainer(Drainer):
                       totals=dict(g.totals, on_disk=on_disk))
         data = new.to_json_bytes()
         parse_global(data, f"the drained manifest of step {step}")
-        final = self.root / step_dir_name(step)
         try:
             tmp_manifest = d / f"{TMP_PREFIX}{MANIFEST_NAME}-{secrets.token_hex(4)}"
             write_durable(tmp_manifest, data)

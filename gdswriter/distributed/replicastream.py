@@ -41,10 +41,10 @@ from ..crc import crc32c_combine
 from ..engines.buffers import AlignedBufferPool
 from ..engines.dio import direct_io_alignment
 from ..errors import ChecksumMismatchError, CollectiveFailedError, EngineIOError, GDSWriterError, ReplicationError
-from ..format.commit import TMP_PREFIX
+from ..format.commit import TMP_PREFIX, TRASH_PREFIX
 from ..format.manifest import MANIFEST_NAME, ChunkRecord
 from ..format.replicas import copy_dir_name
-from ..fs import atomic_write, closed_on_failure, fsync_dir, open_regular
+from ..fs import atomic_write, closed_on_failure, fsync_dir, open_regular, replace_dir
 from ..options import ALIGN
 from .group import Coordinator, describe
 
@@ -330,10 +330,12 @@ class Incoming:
             g.unlink()
         fsync_dir(self.tmp)
         final = self.copies / copy_dir_name(self.src)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(self.tmp, final)
-        fsync_dir(self.copies)
+        # an older copy there (a second refill of the step, a damaged copy refilled) is swapped out,
+        # never removed first: a kill at any point leaves copies/rank<R> whole, old or new (the step's
+        # protected counts it); what is swapped out is a .tmp-/.trash- leftover (dcp_leftovers.py)
+        old = replace_dir(self.tmp, final, self.copies / f"{TRASH_PREFIX}{final.name}-{secrets.token_hex(4)}")
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
     def discard(self) -> None:
         if self._fd >= 0:
