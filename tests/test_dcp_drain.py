@@ -13,6 +13,7 @@ import torch
 
 from gdswriter.cli import main as cli_main
 from support.dcp import dcp_load, dcp_state, flip, node_writer
+from support.drain import drain_errors
 from support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -256,7 +257,6 @@ def _slow_rank_one(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from gdswriter.distributed import dcp_drain
-    from gdswriter.errors import DrainError
 
     root, shared, signal_file = Path(tmp, f"node{rank}"), Path(tmp, "shared"), Path(tmp, "rank0-drained-1")
     real = dcp_drain.copy_checked
@@ -272,18 +272,7 @@ def _slow_rank_one(rank: int, world: int, tmp: str) -> dict:
     for step in range(2):
         w.reset(step)
         dcp.save(state(step), storage_writer=w)
-    errors = []
-    if rank == 0:
-        for _ in range(2):
-            try:
-                w.wait_drained()
-            except DrainError as e:
-                errors.append(str(e))
-        signal_file.write_text("1")
-    try:
-        w.wait_drained()
-    except DrainError as e:
-        errors.append(str(e))
+    errors = drain_errors(w.wait_drained, signal_after_two=signal_file if rank == 0 else None)
     w.close()
     torch.distributed.barrier()
     return {"errors": errors}

@@ -148,27 +148,13 @@ def test_a_dcp_step_rebuilt_from_parity_is_refilled_and_survives_a_second_member
 
 
 def _stopped_worker(rank: int, world: int, tmp: str) -> dict:
-    import gdswriter.distributed.dcp_refill as dcp_refill
-    from support.dcp import engine, refilled
+    from support.dcp import engine, load_with_parity_refill_stopped, refilled
     from gdswriter.distributed import GDSStorageReader
-    from gdswriter.errors import GDSWriterError
 
     root = Path(tmp, f"node{rank}")
     _save(rank, root)
-    torch.distributed.barrier()
-    if rank == 1:  # rank 1's node replaced
-        shutil.rmtree(root)
-        root.mkdir()
-    torch.distributed.barrier()
-    real = dcp_refill.refill_lane_stripes
-
-    def stopped(*args, **kwargs):  # the refill stopped once rank 1's files landed, before its parity block
-        raise GDSWriterError("killed")
-    dcp_refill.refill_lane_stripes = stopped
-    reader = GDSStorageReader(root, 1, engine_options=engine())
-    out: dict = {"first": dcp_load(root, 1, state(1), reader)[:2], "stopped": refilled(reader)}
-    reader.close()
-    dcp_refill.refill_lane_stripes = real
+    # rank 1's node replaced, its refill stopped once rank 1's files landed, before its parity block
+    out = load_with_parity_refill_stopped(root, 1, state(1), replaced=rank == 1)
     marks = Path(tmp, "node0", STEP)
     block = Path(tmp, "node1", STEP, "parity", "rank00001.xor")
     out["after stop"] = [(marks / "protected").exists(), (marks / "parity" / "refilling").exists(), block.exists()]

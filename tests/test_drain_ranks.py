@@ -18,7 +18,7 @@ import torch
 import gdswriter
 from gdswriter import CheckpointOptions, GDSCheckpointer
 from gdswriter.cli import main as cli_main
-from support.drain import GatedEngine
+from support.drain import GatedEngine, drain_errors
 from support.ranks import caught, run_ranks
 
 MiB = 1 << 20
@@ -242,7 +242,6 @@ def _slow_rank_zero(rank: int, world: int, tmp: str) -> dict:
     and of step 2 (its drain of step 2 cleaned the drain root then); both ranks then wait for
     every drain. No collective links two ranks' drains, so this order happens by itself when
     one rank's disk is slower."""
-    from gdswriter.errors import DrainError
 
     signal_file = Path(tmp) / "rank1-drained-2"
 
@@ -256,18 +255,7 @@ def _slow_rank_zero(rank: int, world: int, tmp: str) -> dict:
     ck.save(1)
     _set(holder, rank, 2)
     ck.save(2)
-    errors = []
-    if rank == 1:
-        for _ in range(2):
-            try:
-                ck.wait_drained()
-            except DrainError as e:
-                errors.append(str(e))
-        signal_file.write_text("1")
-    try:
-        ck.wait_drained()
-    except DrainError as e:
-        errors.append(str(e))
+    errors = drain_errors(ck.wait_drained, signal_after_two=signal_file if rank == 1 else None)
     import torch.distributed as dist
 
     dist.barrier()

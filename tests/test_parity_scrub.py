@@ -248,27 +248,13 @@ def _marks(tmp: str) -> dict:
 
 
 def _primary_replaced_stopped(rank: int, world: int, tmp: str) -> dict:
-    import gdswriter.distributed.dcp_refill as dcp_refill
-    from support.dcp import engine, refilled
+    from support.dcp import engine, load_with_parity_refill_stopped, refilled
     from gdswriter.distributed import GDSStorageReader
-    from gdswriter.errors import GDSWriterError
 
     root = Path(tmp, f"node{rank}")
     _dcp_save(rank, world, tmp)
-    torch.distributed.barrier()
-    if rank == 0:  # the primary root's node replaced: an empty directory
-        shutil.rmtree(root)
-        root.mkdir()
-    torch.distributed.barrier()
-    real = dcp_refill.refill_lane_stripes
-
-    def stopped(*args, **kwargs):  # the refill stopped once rank 0's files landed, before its parity block
-        raise GDSWriterError("killed")
-    dcp_refill.refill_lane_stripes = stopped
-    reader = GDSStorageReader(root, 1, engine_options=engine())
-    out: dict = {"first": dcp_load(root, 1, dcp_state_of(1), reader)[:2], "stopped": refilled(reader)}
-    reader.close()
-    dcp_refill.refill_lane_stripes = real
+    # the primary root's node replaced (an empty directory), its refill stopped before its parity block
+    out = load_with_parity_refill_stopped(root, 1, dcp_state_of(1), replaced=rank == 0)
     torch.distributed.barrier()
     out["after stop"] = _marks(tmp)
     torch.distributed.barrier()

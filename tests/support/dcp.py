@@ -95,3 +95,33 @@ def refilled(reader: Any) -> Any:
     got: list = []
     err = caught(lambda: got.append(reader.wait_refilled(120)))
     return err if err is not None else got[0]
+
+
+def load_with_parity_refill_stopped(root: Path, step: int, want: dict, replaced: bool) -> dict:
+    """Collective, after a DCP parity step was saved: this rank's root emptied (``replaced``: its
+    node replaced), then a load of ``step`` whose refill stops (GDSWriterError) once the lost
+    rank's files landed, before its parity block is re-created. {"first": the load's outcome,
+    "stopped": the refill's}."""
+    import shutil
+
+    import gdswriter.distributed.dcp_refill as dcp_refill
+    from gdswriter.distributed import GDSStorageReader
+    from gdswriter.errors import GDSWriterError
+
+    torch.distributed.barrier()
+    if replaced:
+        shutil.rmtree(root)
+        root.mkdir()
+    torch.distributed.barrier()
+    real = dcp_refill.refill_lane_stripes
+
+    def stopped(*args: Any, **kwargs: Any) -> None:
+        raise GDSWriterError("killed")
+    dcp_refill.refill_lane_stripes = stopped
+    try:
+        reader = GDSStorageReader(root, step, engine_options=engine())
+        out = {"first": dcp_load(root, step, want, reader)[:2], "stopped": refilled(reader)}
+        reader.close()
+    finally:
+        dcp_refill.refill_lane_stripes = real
+    return out

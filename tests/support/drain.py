@@ -56,6 +56,23 @@ class GatedEngine(IOEngine):
         self.inner.close()
 
 
+
+def drain_errors(wait_drained, *, signal_after_two: Path | None = None) -> list[str]:
+    """The DrainErrors (as text) of a rank's waits for its drains: one wait; with
+    ``signal_after_two``, two waits, then that file written (the other rank's held drain goes
+    on), then the third."""
+    from gdswriter.errors import DrainError
+
+    errors: list[str] = []
+    for k in range(3 if signal_after_two is not None else 1):
+        if k == 2:
+            signal_after_two.write_text("1")
+        try:
+            wait_drained()
+        except DrainError as e:
+            errors.append(str(e))
+    return errors
+
 def main(root_a: str, root_b: str, drain: str, mark: str) -> None:
     """Step 1 drained; step 2's drain stops for good after its first file (two roots: two files)."""
     crash = {"armed": False}
