@@ -36,7 +36,6 @@ from .planner.assign import PACK_BELOW, SavePlan, plan_save
 from .planner.discover import discover
 from .planner.topology import Topology
 from .save.handle import Release
-from .threads import gc_paused
 from .save.pool import HostSnapshotPool
 from .save.snapshot import Snapshot
 from .save.writer import file_targets, write_and_commit
@@ -240,19 +239,9 @@ class LocalSession:
              engines: Callable[..., Sequence[IOEngine]], *, strict: bool, verify: bool, fallback: bool = False,
              atomic: bool | None = None, engine_options: EngineOptions | None = None) -> LoadResult:
         """A checkpoint of one process, or a multi-rank one read in this process (always
-        atomic then: see GDSCheckpointer.load). A single-process load peeks at the manifest and
-        restores with automatic garbage collection held off (threads.gc_paused) and drops the
-        manifest before collection resumes: its objects (the decoded JSON, a list per tensor)
-        are freed by reference counting, not walked by a collection after the peek and another
-        after the load (100,000 tensors: 0.1-0.4 s each)."""
-        with gc_paused():
-            peeked = peek_manifest(self.protocol, step)
-            multi_rank = peeked is not None and saved_by_ranks(peeked)
-            if not multi_rank and not fallback:
-                result = self._restore(live, step, engines, peeked, strict=strict, verify=verify, atomic=atomic,
-                                       engine_options=engine_options)
-                del peeked
-                return result
+        atomic then: see GDSCheckpointer.load)."""
+        peeked = peek_manifest(self.protocol, step)
+        multi_rank = peeked is not None and saved_by_ranks(peeked)
         if peeked is None and fallback:  # the latest manifest is damaged: ask an older one
             older = (peek_manifest(self.protocol, s) for s in self.protocol.fallback_order()[1:])
             multi_rank = next((saved_by_ranks(m) for m in older if m is not None), False)
@@ -264,18 +253,11 @@ class LocalSession:
                                        verify=verify, fallback=fallback)
         kw = dict(strict=strict, verify=verify, engine_options=engine_options or EngineOptions(), atomic=atomic,
                   manifest=peeked)
-        return restore_newest_intact(live, self.protocol, engines(), **kw)
-
-    def _restore(self, live: LiveState, step: int | None, engines: Callable[..., Sequence[IOEngine]],
-                 peeked: Manifest | None, *, strict: bool, verify: bool, atomic: bool | None,
-                 engine_options: EngineOptions | None) -> LoadResult:
-        """load's single-process path without fallback, from the ``peeked`` manifest."""
-        kw = dict(strict=strict, verify=verify, engine_options=engine_options or EngineOptions(), atomic=atomic,
-                  manifest=peeked)
+        if fallback:
+            return restore_newest_intact(live, self.protocol, engines(), **kw)
         # The bytes to read, for engines(nbytes) to size its staging for (a small load needs little)
         nbytes = peeked.storage_bytes() if peeked is not None else None
-        return restore_into(live, self.protocol, self.protocol.require(step), engines(nbytes),
-                            **kw)  # type: ignore[arg-type]
+        return restore_into(live, self.protocol, self.protocol.require(step), engines(nbytes), **kw)
 
     def close(self) -> None:
         if self.lock is not None:
