@@ -1,10 +1,10 @@
-"""Format 2.1 (issue 40): a single-process save packs storages under 4 KiB 64 bytes apart and
-keeps larger ones on 4 KiB boundaries (docs/format.md 2). Mixed states round-trip bit-exact in
+"""Format 2.1 (issue 40): a single-process save packs storages under PACK_BELOW (64 KiB) 64 bytes
+apart and keeps larger ones on 4 KiB boundaries (docs/format.md 2). Mixed states round-trip bit-exact in
 both snapshot modes, first save and second; the padding is zero; a damaged packed chunk is
 found by its crc32c; a load reads packed runs zero-copy from 4 KiB boundaries, each file byte
 once, even where two runs share a block; the planner's layout keeps its invariants. Packing
-thresholds above 4 KiB (pack_below up to PACK_MAX, through the session's new_plan seam): the
-same round trip, verify, export and live load, with packed storages larger than a block."""
+thresholds other than PACK_BELOW (up to PACK_MAX, through the session's new_plan seam): the same
+round trip, verify, export and live load, with packed storages larger than a block."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 def mixed_state(seed: int) -> dict:
     """Small storages of every dtype (odd byte counts among them), views and a tie of one small
-    base, zero-byte tensors, and large storages (>= 4 KiB, one of an odd size) between them."""
+    base, zero-byte tensors, storages just over 4 KiB, and a large one (1.2 MB) between them."""
     g = torch.Generator().manual_seed(seed)
 
     def make(dt, n):
@@ -43,7 +43,7 @@ def mixed_state(seed: int) -> dict:
     state: dict = {}
     for i, dt in enumerate(DTYPES):
         state[f"small{i}"] = make(dt, 1 + 7 * i)  # 1 to 78 elements: 1 to 1248 bytes
-        state[f"large{i}"] = make(dt, 4096 // dt.itemsize + 3 + i)  # just over 4 KiB: 4 KiB-aligned
+        state[f"large{i}"] = make(dt, 4096 // dt.itemsize + 3 + i)  # just over 4 KiB: packed (PACK_BELOW 64 KiB)
     base = torch.randn(6, 5, generator=g)
     state.update({"base": base, "base_t": base.t(), "row": base[2], "tied": base, "cols": base[:, 1::2],
                   "empty": torch.zeros(0), "empty2": torch.zeros(3, 0, dtype=torch.int16),
@@ -66,7 +66,7 @@ def assert_same(got: dict, want: dict) -> None:
 def check_layout(step_dir, manifest: Manifest, pack_below: int = PACK_BELOW) -> None:
     """2.1's layout on disk: small storages' chunks 64-byte aligned (some not 4 KiB-aligned), large
     ones' 4 KiB-aligned, each file exactly as long as its chunks, every byte no chunk holds zero.
-    Above PACK_BELOW: some packed storage larger than 4 KiB starts off the 4 KiB grid."""
+    Packing above 4 KiB: some packed storage larger than 4 KiB starts off the 4 KiB grid."""
     assert manifest.version == (2, 1)
     held: dict[int, list[tuple[int, int]]] = {}
     packed = packed_large = 0

@@ -11,8 +11,10 @@ Dense packing (format 2.1, ``pack_below``): a storage smaller than ``pack_below`
 on a ``PACK_ALIGN`` (64-byte) boundary instead, right after the one before it, and is never
 split across files (it moves to the next file whole, past any file whose share it does not fit),
 even where it is larger than ``align`` (``pack_below`` up to PACK_MAX). 100,000 storages of 2.7 KB took 410 MB
-of file at 4 KiB each, 1.6x their bytes; packed they take what they hold. The engines still
-move whole aligned blocks (they stage what shares a block); loads read such runs whole.
+of file at 4 KiB each, 1.6x their bytes; packed they take what they hold (10,000 of 26.8 KB:
+286.7 MB at 4 KiB each, 268.8 MB packed, hence PACK_BELOW 64 KiB: benchmarks/README.md). The
+engines still move whole aligned blocks (they stage what shares a block, and spans under 1 MiB
+anyway); loads read such runs whole.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from ..errors import InvalidOptionError
 
 DEFAULT_ALIGN = 4096
 PACK_ALIGN = 64  # a packed storage's start: a multiple of every element size (16 at most) and a cache line
-PACK_BELOW = 4096  # single-process saves pack storages smaller than this (format 2.1); 0: none packed
+PACK_BELOW = 65536  # single-process saves pack storages smaller than this (format 2.1); 0: none packed
 PACK_MAX = 1 << 20  # the largest pack_below: from 1 MiB a storage 4 KiB-aligned moves zero-copy (engines' ZERO_COPY_MIN)
 
 
