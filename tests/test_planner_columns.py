@@ -1,5 +1,7 @@
 """planner/assign.py's column layout against the per-storage loop it replaced: the same plan,
-byte for byte (so the same files on disk), for varied states, shares and alignments."""
+byte for byte (so the same files on disk), for varied states, shares and alignments, packing
+storages below 4 KiB (PACK_BELOW) and below larger thresholds up to 1 MiB (PACK_MAX), where a
+packed storage is larger than ``align`` and than a file's share."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from gdswriter.planner.assign import PACK_ALIGN, PACK_BELOW, FileTarget, PlannedChunk, cut_stream, plan_save
+from gdswriter.errors import InvalidOptionError
+from gdswriter.planner.assign import (PACK_ALIGN, PACK_BELOW, PACK_MAX, FileTarget, PlannedChunk, cut_stream,
+                                      plan_save)
 
 
 def _up(n: int, a: int) -> int:
@@ -16,7 +20,9 @@ def _up(n: int, a: int) -> int:
 
 
 def loop_cut_stream(sizes, shares, *, align, pack_below):
-    """cut_stream as main had it (a Python step per storage), as the reference."""
+    """cut_stream as main had it (a Python step per storage), as the reference. A packed storage
+    (under ``pack_below``, of any size) goes whole to the first file from the current one whose
+    share holds it from its fill rounded up to PACK_ALIGN, else to the last file."""
     n = len(shares)
     per_file = [[] for _ in shares]
     fill = [0] * n
@@ -81,19 +87,21 @@ def test_plan_save_matches_the_loop(seed):
     sizes = _state(rng, rng.choice([1, 2, 7, 50, 300, 2000]))
     n = rng.choice([1, 1, 2, 3, 4, 8, 16])
     targets = [FileTarget(i % 3, f"f{i}") for i in range(n)]
-    for pack_below in (0, PACK_BELOW):
+    for pack_below in (0, 4096, 32 << 10, 65536, PACK_MAX):
         plan = plan_save(sizes, targets, pack_below=pack_below)
         want = loop_plan(sizes, targets, 4096, pack_below)
         assert [(f.size, list(f.chunks)) for f in plan.files] == want
         assert all(type(c) is PlannedChunk and type(c.length) is int for f in plan.files for c in f.chunks)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(st.lists(st.integers(0, 20000), max_size=40), st.lists(st.integers(0, 6), min_size=1, max_size=6),
-       st.sampled_from([64, 256, 4096]), st.booleans())
+       st.sampled_from([64, 256, 4096]), st.sampled_from([0, 1, 2, 5, 16, -1]))
 def test_cut_stream_matches_the_loop_for_any_shares(sizes, share_units, align, pack):
-    """Shares of any (aligned) size, empty ones too, and smaller alignments: every branch of the loop."""
-    pack_below = align if pack else 0
+    """Shares of any (aligned) size, empty ones too, and smaller alignments: every branch of the
+    loop. ``pack``: pack_below as a multiple of ``align`` (0: none packed; above 1, packed
+    storages larger than ``align``, and than some shares; -1: PACK_MAX)."""
+    pack_below = PACK_MAX if pack < 0 else pack * align
     shares = [u * align for u in share_units]
     got = cut_stream(sizes, shares, align=align, pack_below=pack_below)
     assert got == loop_cut_stream(sizes, shares, align=align, pack_below=pack_below)
@@ -105,6 +113,23 @@ def test_cut_stream_matches_the_loop_for_any_shares(sizes, share_units, align, p
 def test_cut_stream_without_packing_at_any_alignment(sizes, align, share_units):
     shares = [u * align for u in share_units]
     assert cut_stream(sizes, shares, align=align) == loop_cut_stream(sizes, shares, align=align, pack_below=0)
+
+
+@pytest.mark.parametrize("pack_below", [-1, PACK_MAX + 1, 1 << 30])
+def test_pack_below_out_of_range_is_refused(pack_below):
+    with pytest.raises(InvalidOptionError, match="pack_below"):
+        plan_save([100, 5000], [FileTarget(0, "f")], pack_below=pack_below)
+
+
+def test_a_packed_storage_larger_than_a_share_moves_whole_past_it():
+    """pack_below above align: a 60 KB storage never splits, even where a file's share is smaller
+    than it (file 0 stays empty); larger storages keep 4 KiB; one straddling a cut is split."""
+    (f0, f1) = cut_stream([60_000, 100, 70_000], [16384, 1 << 20], pack_below=65536)
+    assert f0 == [] and f1 == [PlannedChunk(0, 0, 60_000, 1, 0), PlannedChunk(1, 0, 100, 1, 60_032),
+                               PlannedChunk(2, 0, 70_000, 1, 61_440)]
+    (g0, g1) = cut_stream([70_000, 30_000], [65536, 65536], pack_below=65536)
+    assert g0 == [PlannedChunk(0, 0, 65536, 0, 0)] and g1 == [PlannedChunk(0, 65536, 4464, 1, 0),
+                                                               PlannedChunk(1, 0, 30_000, 1, 4480)]
 
 
 def test_a_planned_chunk_is_compared_and_hashed_by_value():

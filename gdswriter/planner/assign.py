@@ -9,9 +9,12 @@ and each file is written front to back.
 
 Dense packing (format 2.1, ``pack_below``): a storage smaller than ``pack_below`` bytes starts
 on a ``PACK_ALIGN`` (64-byte) boundary instead, right after the one before it, and is never
-split across files (it moves to the next file whole). 100,000 storages of 2.7 KB took 410 MB
-of file at 4 KiB each, 1.6x their bytes; packed they take what they hold. The engines still
-move whole aligned blocks (they stage what shares a block); loads read such runs whole.
+split across files (it moves to the next file whole, past any file whose share it does not fit),
+even where it is larger than ``align`` (``pack_below`` up to PACK_MAX). 100,000 storages of 2.7 KB took 410 MB
+of file at 4 KiB each, 1.6x their bytes; packed they take what they hold (10,000 of 26.8 KB:
+286.7 MB at 4 KiB each, 268.8 MB packed, hence PACK_BELOW 64 KiB: benchmarks/README.md). The
+engines still move whole aligned blocks (they stage what shares a block, and spans under 1 MiB
+anyway); loads read such runs whole.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from ..errors import InvalidOptionError
 
 DEFAULT_ALIGN = 4096
 PACK_ALIGN = 64  # a packed storage's start: a multiple of every element size (16 at most) and a cache line
-PACK_BELOW = 4096  # single-process saves pack storages smaller than this (format 2.1); 0: none packed
+PACK_BELOW = 65536  # single-process saves pack storages smaller than this (format 2.1); 0: none packed
+PACK_MAX = 1 << 20  # the largest pack_below: from 1 MiB a storage 4 KiB-aligned moves zero-copy (engines' ZERO_COPY_MIN)
 
 
 @dataclass(frozen=True)
@@ -149,9 +153,9 @@ def _check_sizes(sizes: np.ndarray, align: int, pack_below: int = 0) -> None:
         raise InvalidOptionError(f"align={align} must be a power of two")
     if len(sizes) and sizes.min() < 0:
         raise InvalidOptionError("storage sizes must be >= 0")
-    if pack_below < 0 or pack_below > align or (pack_below and align % PACK_ALIGN):
-        raise InvalidOptionError(f"pack_below={pack_below} must be in [0, align={align}] (and align a multiple "
-                                 f"of {PACK_ALIGN})")
+    if pack_below < 0 or pack_below > max(align, PACK_MAX) or (pack_below and align % PACK_ALIGN):
+        raise InvalidOptionError(f"pack_below={pack_below} must be in [0, {max(align, PACK_MAX)}] (and align={align} "
+                                 f"a multiple of {PACK_ALIGN} to pack): pass a smaller pack_below, or 0 to pack none")
 
 
 def cut_stream(storage_sizes: Sequence[int], shares: Sequence[int], *, align: int = DEFAULT_ALIGN,
