@@ -63,6 +63,7 @@ from typing import Any
 
 from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
+from ..format.copies import withdraw_protection
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.parity import PARITY_DIR
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
@@ -415,10 +416,7 @@ def _marks(job: DcpRefillJob, d: Path, marker: bytes, refilling: bool) -> None:
         if not d.is_dir():
             primary = job.m.dist.roots[0]  # type: ignore[union-attr]
             durable_copies_dir(d.parent, job.m.step, lambda x: write_owner(x, primary.path, primary.id))
-        _note(d, marker)
-        if (d / PROTECTED_NAME).exists():
-            os.unlink(d / PROTECTED_NAME)
-            fsync_dir(d)
+        withdraw_protection(d, marker, parity=True)
         return
     atomic_write(d / PROTECTED_NAME, marker)
     _unnote(d)
