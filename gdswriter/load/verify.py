@@ -59,8 +59,7 @@ def verify_step(protocol: CommitProtocol, m: Manifest, engine: IOEngine, scratch
     # The scratch buffer is sized from chunks the real files hold, never from the manifest alone.
     biggest = max((c.length for fid, size in sizes.items() for c, _ in per_file[fid]
                    if c.file_offset + c.length <= size), default=0)
-    scratch_len = max(4096, -(-min(scratch_bytes, max(biggest, 1)) // 4096) * 4096)
-    scratch = torch.empty(scratch_len, dtype=torch.uint8)
+    scratch = _Scratch(scratch_bytes).get(biggest)
     for fid, size in sizes.items():
         path = protocol.step_dir(m.step, m.files[fid].root) / m.files[fid].path
         todo = _readable_chunks(path, size, per_file[fid], holders, stats, problems)
