@@ -145,7 +145,7 @@ class DcpDrain:
                world: int) -> None:
         try:
             ident = self._ident()
-            d = self._enter(step, token, report.rank if report is not None else layout.rank)
+            d = self._enter(step, token, report.rank if report is not None else layout.rank, world)
             if report is not None:
                 self._copy(layout, report, d)
             else:
@@ -164,12 +164,13 @@ class DcpDrain:
         assert ident is not None
         return ident.id
 
-    def _enter(self, step: int, token: str, rank: int) -> Path:
+    def _enter(self, step: int, token: str, rank: int, world: int) -> Path:
         """The step's temporary directory (made by whichever rank comes first), after removing
         what other saves' drains left for steps up to ``step`` and not marked by ``rank``: the
         other ranks drain as soon as their write_data is done, so they may be in a newer step's
-        directory (never removed here), or, slower, still in an older one this rank marked."""
-        return enter_drain_dir(self.root, step, token, clean=True, marked=rank)
+        directory (never removed here), or, slower, still in an older one this rank marked (unless
+        every rank marked it and its step is at the drain root already: drain._superseded)."""
+        return enter_drain_dir(self.root, step, token, clean=True, marked=rank, world=world)
 
     def _copy(self, layout: RootLayout, report: RankReport, into: Path) -> None:
         if self._engine is None:

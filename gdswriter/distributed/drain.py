@@ -26,7 +26,10 @@ committed at the drain root, which keeps its earlier steps. What it left is remo
 drain of any rank: the temporary directories of *other* tokens for steps up to the one it
 drains (never a newer step's: a faster rank may be draining it), where that rank has no mark
 (one it marked may be an older step a slower rank still copies into; one it never marked can
-never commit: the rank that failed there removes it at its next drain). A removal renames the
+never commit: the rank that failed there removes it at its next drain), or where every rank
+marked it and its step is at the drain root already (a step saved again: never committed, and
+no rank copies into it; a rank publishing it then finds it gone and the step there: "not
+drained again", as when it finds ``step_S``). A removal renames the
 directory away first (format/commit.py ``retire``), so it and a publishing rename exclude each
 other: a directory is either published whole or removed, never committed half deleted.
 
@@ -80,19 +83,22 @@ def parse_drain_dir(name: str) -> tuple[int, str] | None:
     return None if step is None or not token else (step, token)
 
 
-def enter_drain_dir(root: Path, step: int, token: str, clean: bool, marked: int | None = None) -> Path:
+def enter_drain_dir(root: Path, step: int, token: str, clean: bool, marked: int | None = None,
+                    world: int | None = None) -> Path:
     """The drain's temporary directory for ``step`` of save ``token`` at the drain ``root`` (made by
     whichever rank comes first); with ``clean``, after removing what other drains left there for
     steps up to ``step`` (interrupted ones; a newer step's directory is never touched) and the
     removals a crash interrupted. Shared by GDSCheckpointer's drain and DCP's (dcp_drain.py).
     ``marked``: this rank; a directory holding its mark is kept (a slower rank may still be
     copying into it: drains of ranks are not in step; one this rank never marked can never
-    commit, so it is removed, also by the rank that failed there)."""
+    commit, so it is removed, also by the rank that failed there), unless it is done and can
+    never commit (``world``: _superseded)."""
     for n in os.listdir(root) if clean else ():
         parsed = parse_drain_dir(n)
         if n.startswith(TRASH_PREFIX):
             shutil.rmtree(root / n, ignore_errors=True)  # a removal that a crash interrupted
-        elif marked is not None and (root / n / f"{MARK_PREFIX}{marked}").exists():
+        elif (marked is not None and (root / n / f"{MARK_PREFIX}{marked}").exists()
+              and not _superseded(root, n, parsed, world)):
             continue  # this rank did its part there; another may still be doing its own
         elif parsed is not None and parsed[1] != token and parsed[0] <= step and (root / n).is_dir():
             try:
@@ -103,6 +109,21 @@ def enter_drain_dir(root: Path, step: int, token: str, clean: bool, marked: int 
     d = root / drain_dir_name(step, token)
     d.mkdir(exist_ok=True)
     return d
+
+
+def _superseded(root: Path, name: str, parsed: tuple[int, str] | None, world: int | None) -> bool:
+    """Whether drain directory ``name`` (of step ``parsed[0]``) is done and can never commit: every
+    rank of ``world`` marked it and the draft is in (no rank copies into it any more), and its
+    step is committed at the drain root already (a step saved again after its drain: "not
+    drained again"), so that every publish of it stops there. Every rank marked it, so without
+    this no rank would ever remove it: a whole copy of the step left for good."""
+    if parsed is None or world is None or not (root / step_dir_name(parsed[0]) / MANIFEST_NAME).is_file():
+        return False
+    try:
+        names = set(os.listdir(root / name))
+    except OSError:
+        return False
+    return DRAFT_NAME in names and all(f"{MARK_PREFIX}{r}" in names for r in range(world))
 
 
 @dataclass(frozen=True)
@@ -232,7 +253,8 @@ class RankDrainer(Drainer):
         removing what other drains left for steps up to ``step`` (the module docstring)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.ident = root_identity(self.root, create=True)
-        return enter_drain_dir(self.root, step, token, clean=True, marked=self.session.rank)
+        return enter_drain_dir(self.root, step, token, clean=True, marked=self.session.rank,
+                               world=self.session.layout.world_size)
 
     def _copy_rank(self, shard: RankShard, step: int, into: Path) -> None:
         if self._engine is None:
@@ -277,6 +299,9 @@ class RankDrainer(Drainer):
             if _committed_from(final, found):  # another rank found every mark too and renamed d first
                 fsync_dir(self.root)
                 return False
+            if (final / MANIFEST_NAME).is_file():  # removed as superseded (_superseded): as FileExistsError below
+                log.warning("gdswriter: step %d is already committed at %s: not drained again", step, self.root)
+                return False
             raise  # gone, not committed: removed by another drain
         g = parse_global(raw, f"{d / DRAFT_NAME}")
         if g is None:
@@ -299,7 +324,7 @@ class RankDrainer(Drainer):
             if self._published(final, data):  # another rank found every mark too and renamed it first
                 fsync_dir(self.root)
                 return False
-            if isinstance(e, FileExistsError):
+            if isinstance(e, FileExistsError) or (final / MANIFEST_NAME).is_file():  # (d superseded meanwhile)
                 log.warning("gdswriter: step %d is already committed at %s: not drained again", step, self.root)
                 return False
             raise DrainError(f"step {step} is not drained to {self.root}: its temporary directory vanished before "
