@@ -213,7 +213,7 @@ def test_a_rank_finding_the_step_committed_by_another_rank_after_its_listing_is_
 
     (final / f"{MARK_PREFIX}1").write_bytes(b'{"size": 8}')  # step_S is another drain's: not this one
     # (an earlier save's step S: this one is not drained again, as when the rename finds step_S;
-    # d removed as superseded by a rank's next drain, drain._superseded: no error either)
+    # d removed, finished, by a rank's next drain, drain._settled: no error either)
     assert drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}}) is False
     shutil.rmtree(final)  # gone, and not committed: not drained, an error
     with pytest.raises(FileNotFoundError):

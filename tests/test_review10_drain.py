@@ -89,3 +89,67 @@ def test_only_a_finished_drain_directory_of_a_step_already_drained_is_removed_de
     assert waiting.is_dir() and finished_later.is_dir()
     assert not superseded.exists()
     assert sorted(n for n in os.listdir(root) if n.startswith(".trash-")) == []
+
+
+def _publish_fails_once(rank: int, world: int, tmp: str) -> dict:
+    """Step 1's publishing rename fails (EIO, on whichever rank marks last), after every rank
+    marked and the draft went in; then step 2 is saved and drained as usual."""
+    import errno
+
+    import torch.distributed as dist
+
+    from gdswriter import DrainError
+
+    holder = _set(state(rank, 0), rank, 1)
+    ck = _open(tmp, rank, holder)
+    real, failing = os.rename, [True]
+
+    def rename(src, dst, *a, **k):
+        if failing[0] and Path(dst).parent == Path(tmp, "shared") and Path(dst).name.startswith("step_"):
+            raise OSError(errno.EIO, "injected: the publishing rename failed", str(dst))
+        return real(src, dst, *a, **k)
+
+    os.rename = rename  # in this rank's process only
+    failed = False
+    try:
+        ck.save(1)
+        try:
+            ck.wait_drained()
+        except DrainError:
+            failed = True  # the rank whose rename failed
+        dist.barrier()
+    finally:
+        os.rename = real
+    failing[0] = False
+    left = _leftovers(Path(tmp, "shared"))
+    _set(holder, rank, 2)
+    ck.save(2)
+    newest = _drained_everywhere(ck)
+    ck.close()
+    return {"left_after_1": left, "newest": newest, "failed": failed}
+
+
+def test_a_finished_drain_whose_publish_failed_is_committed_by_the_next_drain(tmp_path):
+    """Every rank marked step 1's directory and the draft is in, but its rename failed: no rank
+    removes it (each holds its mark) and, before, none ever published it. The next drain (step
+    2) of a rank that marked it finishes the protocol for it (any rank finding every mark and the
+    draft may commit): step 1 is committed there and loads bit-exact, nothing is left behind."""
+    res = run_ranks(2, _publish_fails_once, str(tmp_path), out=tmp_path / "r")
+    assert all(x["left_after_1"] for x in res) and sum(x["failed"] for x in res) == 1, res  # its directory left
+    assert [x["newest"] for x in res] == [2, 2], res
+    shared = tmp_path / "shared"
+    assert _leftovers(shared) == [], os.listdir(shared)
+    assert (shared / "step_000000000001" / "manifest.json").is_file()
+    got = run_ranks(2, _load_step_from_drain, str(tmp_path), out=tmp_path / "load")
+    assert got == [True, True], got
+
+
+def _load_step_from_drain(rank: int, world: int, tmp: str) -> bool:
+    from gdswriter import GDSCheckpointer
+
+    from test_drain_ranks import _equal
+
+    holder = state(rank, 0)
+    with GDSCheckpointer(holder, root=f"{tmp}/shared") as ck:
+        ck.load(1)
+    return _equal(holder, rank, 1)
