@@ -183,8 +183,8 @@ def test_a_rank_finding_the_step_committed_by_another_rank_after_its_listing_is_
     """Both ranks' listings found every mark and the draft; the other rank's rename (the commit
     point) lands before this rank reads the draft. This rank's commit finds the step committed
     by the other (the marks it listed are in step_S): no DrainError (the drain of a drained step
-    used to fail, by the draft's path). A directory gone and not committed (removed by another
-    drain) stays an error."""
+    used to fail, by the draft's path); an earlier drain's step_S there: not drained again. A
+    directory gone and no step_S (removed by another drain) stays an error."""
     from gdswriter.distributed.drain import DRAFT_NAME, MARK_PREFIX, RankDrainer, put_mark
 
     root = tmp_path / "shared"
@@ -212,8 +212,9 @@ def test_a_rank_finding_the_step_committed_by_another_rank_after_its_listing_is_
     assert sorted(os.listdir(final)) == sorted(committed)
 
     (final / f"{MARK_PREFIX}1").write_bytes(b'{"size": 8}')  # step_S is another drain's: not this one
-    with pytest.raises(FileNotFoundError):
-        drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}})
+    # (an earlier save's step S: this one is not drained again, as when the rename finds step_S;
+    # d removed, finished, by a rank's next drain, drain._settled: no error either)
+    assert drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}}) is False
     shutil.rmtree(final)  # gone, and not committed: not drained, an error
     with pytest.raises(FileNotFoundError):
         drainer._publish(1, d, {0: {"size": 3}, 1: {"size": 7}})

@@ -24,7 +24,8 @@ Each rank's drain removes what other saves left (temporary directories of other 
 steps up to its own) that it did not mark, as drain.py's: the others drain as soon as their
 write_data is done, so a rank may be in a newer step's directory than rank 0, or, slower by a
 whole save, still copying into an older one that the cleaning rank marked (kept); one it never
-marked can never commit.
+marked can never commit; one every rank marked, with the draft, is committed where its step is
+not at the drain root yet (its publish failed), then removed (drain.py enter_drain_dir).
 
 4. The rank that committed step S applies the drain root's retention (drain.py
    ``retain_drained``, as GDSCheckpointer's drain: ``drain_keep_last``, default ``keep_last``,
@@ -145,7 +146,7 @@ class DcpDrain:
                world: int) -> None:
         try:
             ident = self._ident()
-            d = self._enter(step, token, report.rank if report is not None else layout.rank)
+            d = self._enter(step, token, report.rank if report is not None else layout.rank, world)
             if report is not None:
                 self._copy(layout, report, d)
             else:
@@ -164,12 +165,21 @@ class DcpDrain:
         assert ident is not None
         return ident.id
 
-    def _enter(self, step: int, token: str, rank: int) -> Path:
+    def _enter(self, step: int, token: str, rank: int, world: int) -> Path:
         """The step's temporary directory (made by whichever rank comes first), after removing
         what other saves' drains left for steps up to ``step`` and not marked by ``rank``: the
         other ranks drain as soon as their write_data is done, so they may be in a newer step's
-        directory (never removed here), or, slower, still in an older one this rank marked."""
-        return enter_drain_dir(self.root, step, token, clean=True, marked=rank)
+        directory (never removed here), or, slower, still in an older one this rank marked (until
+        every rank marked it: then committed, if its step is not at the drain root, and removed)."""
+        return enter_drain_dir(self.root, step, token, clean=True, marked=rank, world=world, finish=self._finish)
+
+    def _finish(self, step: int, d: Path, found: dict) -> bool:
+        """Commit an earlier step's finished drain directory ``d`` that no rank committed
+        (drain.enter_drain_dir); whether this rank's rename did."""
+        done = self._publish(step, d)
+        if done:
+            self.drained.append(step)
+        return done
 
     def _copy(self, layout: RootLayout, report: RankReport, into: Path) -> None:
         if self._engine is None:

@@ -26,7 +26,12 @@ committed at the drain root, which keeps its earlier steps. What it left is remo
 drain of any rank: the temporary directories of *other* tokens for steps up to the one it
 drains (never a newer step's: a faster rank may be draining it), where that rank has no mark
 (one it marked may be an older step a slower rank still copies into; one it never marked can
-never commit: the rank that failed there removes it at its next drain). A removal renames the
+never commit: the rank that failed there removes it at its next drain), until every rank
+marked it and the draft is in: that rank then commits it where its step is not at the drain
+root (its last rank's publish failed or died; any rank finding every mark may commit, one rename
+wins), and removes it once the step is there (a step saved again: "not drained again"; a rank
+publishing it then finds it gone and the step there: the same, as when it finds ``step_S``).
+A removal renames the
 directory away first (format/commit.py ``retire``), so it and a publishing rename exclude each
 other: a directory is either published whole or removed, never committed half deleted.
 
@@ -45,6 +50,7 @@ import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import crc32c as _crc32c
@@ -80,29 +86,62 @@ def parse_drain_dir(name: str) -> tuple[int, str] | None:
     return None if step is None or not token else (step, token)
 
 
-def enter_drain_dir(root: Path, step: int, token: str, clean: bool, marked: int | None = None) -> Path:
+def enter_drain_dir(root: Path, step: int, token: str, clean: bool, marked: int | None = None,
+                    world: int | None = None, finish: Callable[[int, Path, dict[int, dict]], bool] | None = None) -> Path:
     """The drain's temporary directory for ``step`` of save ``token`` at the drain ``root`` (made by
     whichever rank comes first); with ``clean``, after removing what other drains left there for
     steps up to ``step`` (interrupted ones; a newer step's directory is never touched) and the
     removals a crash interrupted. Shared by GDSCheckpointer's drain and DCP's (dcp_drain.py).
     ``marked``: this rank; a directory holding its mark is kept (a slower rank may still be
     copying into it: drains of ranks are not in step; one this rank never marked can never
-    commit, so it is removed, also by the rank that failed there)."""
+    commit, so it is removed, also by the rank that failed there), until it is finished
+    (``world``, ``finish``: _settled)."""
     for n in os.listdir(root) if clean else ():
         parsed = parse_drain_dir(n)
         if n.startswith(TRASH_PREFIX):
             shutil.rmtree(root / n, ignore_errors=True)  # a removal that a crash interrupted
-        elif marked is not None and (root / n / f"{MARK_PREFIX}{marked}").exists():
+            continue
+        if parsed is None or parsed[1] == token or parsed[0] > step or not (root / n).is_dir():
+            continue
+        if (marked is not None and (root / n / f"{MARK_PREFIX}{marked}").exists()
+                and not _settled(root, n, parsed[0], world, finish)):
             continue  # this rank did its part there; another may still be doing its own
-        elif parsed is not None and parsed[1] != token and parsed[0] <= step and (root / n).is_dir():
-            try:
-                retire(root / n)
-                log.info("gdswriter: removed %s, left by an interrupted drain", root / n)
-            except FileNotFoundError:
-                pass  # another rank removed it first
+        try:
+            retire(root / n)
+            log.info("gdswriter: removed %s, left by an interrupted drain", root / n)
+        except FileNotFoundError:
+            pass  # another rank removed it first (or committed it)
     d = root / drain_dir_name(step, token)
     d.mkdir(exist_ok=True)
     return d
+
+
+def _settled(root: Path, name: str, step: int, world: int | None,
+             finish: Callable[[int, Path, dict[int, dict]], bool] | None) -> bool:
+    """Whether drain directory ``name`` of ``step``, which this rank marked, may be removed: once
+    every rank of ``world`` marked it and the draft is in (no rank copies into it any more) and
+    ``step`` is committed at the drain root (a step saved again after its drain: "not drained
+    again"). A finished one whose step is not there (its last rank's publish failed, or it died
+    before its rename; or it is renaming it now) is committed by ``finish`` first: any rank that
+    finds every mark and the draft may commit it, and one rename wins. Every rank marked it, so
+    without this no rank would ever remove it: a whole copy of the step left for good."""
+    if world is None:
+        return False
+    try:
+        marks = put_mark(root / name, None, {})
+    except (OSError, GDSWriterError):
+        return False  # gone (committed, or removed), or a mark that is not one: the rank writing it says so
+    if marks is None or not marks.complete(world):
+        return False
+    final = root / step_dir_name(step) / MANIFEST_NAME
+    if not final.is_file() and finish is not None:
+        try:
+            finish(step, root / name, marks.found)
+        except (OSError, GDSWriterError) as e:
+            log.warning("gdswriter: %s holds every rank's drain of step %d but could not be committed: %s",
+                        root / name, step, e)
+            return False
+    return final.is_file()
 
 
 @dataclass(frozen=True)
@@ -232,7 +271,16 @@ class RankDrainer(Drainer):
         removing what other drains left for steps up to ``step`` (the module docstring)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.ident = root_identity(self.root, create=True)
-        return enter_drain_dir(self.root, step, token, clean=True, marked=self.session.rank)
+        return enter_drain_dir(self.root, step, token, clean=True, marked=self.session.rank,
+                               world=self.session.layout.world_size, finish=self._finish)
+
+    def _finish(self, step: int, d: Path, found: dict[int, dict]) -> bool:
+        """Commit an earlier step's finished drain directory ``d`` that no rank committed
+        (enter_drain_dir: _settled); whether this rank's rename did."""
+        done = self._publish(step, d, found)
+        if done:
+            self.published.append(step)
+        return done
 
     def _copy_rank(self, shard: RankShard, step: int, into: Path) -> None:
         if self._engine is None:
@@ -277,6 +325,9 @@ class RankDrainer(Drainer):
             if _committed_from(final, found):  # another rank found every mark too and renamed d first
                 fsync_dir(self.root)
                 return False
+            if (final / MANIFEST_NAME).is_file():  # removed once finished (_settled): as FileExistsError below
+                log.warning("gdswriter: step %d is already committed at %s: not drained again", step, self.root)
+                return False
             raise  # gone, not committed: removed by another drain
         g = parse_global(raw, f"{d / DRAFT_NAME}")
         if g is None:
@@ -299,7 +350,7 @@ class RankDrainer(Drainer):
             if self._published(final, data):  # another rank found every mark too and renamed it first
                 fsync_dir(self.root)
                 return False
-            if isinstance(e, FileExistsError):
+            if isinstance(e, FileExistsError) or (final / MANIFEST_NAME).is_file():  # (d superseded meanwhile)
                 log.warning("gdswriter: step %d is already committed at %s: not drained again", step, self.root)
                 return False
             raise DrainError(f"step {step} is not drained to {self.root}: its temporary directory vanished before "
