@@ -135,7 +135,8 @@ def test_a_finished_drain_whose_publish_failed_is_committed_by_the_next_drain(tm
     2) of a rank that marked it finishes the protocol for it (any rank finding every mark and the
     draft may commit): step 1 is committed there and loads bit-exact, nothing is left behind."""
     res = run_ranks(2, _publish_fails_once, str(tmp_path), out=tmp_path / "r")
-    assert all(x["left_after_1"] for x in res) and sum(x["failed"] for x in res) == 1, res  # its directory left
+    # its directory left; the rank whose rename failed says so (both, where both found every mark at once)
+    assert all(x["left_after_1"] for x in res) and any(x["failed"] for x in res), res
     assert [x["newest"] for x in res] == [2, 2], res
     shared = tmp_path / "shared"
     assert _leftovers(shared) == [], os.listdir(shared)
