@@ -355,3 +355,16 @@ def test_a_damaged_byte_in_the_last_part_of_a_large_file_of_small_tensors_is_fou
     data.write_bytes(bytes(raw))
     with pytest.raises(ChecksumMismatchError, match="tiny/t"):
         load_state(tmp_path, 1)
+
+
+def test_the_encoding_told_every_tensor_is_plain_is_the_same():
+    """encode_state_named's ``plain`` (the caller found every tensor plain strided at this call)
+    skips only the encoder's own look at each tensor: the tree, tensors, names and kinds are
+    the same as without it."""
+    from gdswriter.format.state_codec import encode_state_named
+
+    state = many_state(contiguous=False)
+    tree, tensors, names, kinds = encode_state_named(state)
+    told = encode_state_named(state, plain=True)
+    assert json.dumps(told[0]) == json.dumps(tree) and told[2] == names and told[3] == kinds
+    assert len(told[1]) == len(tensors) and all(a is b for a, b in zip(told[1], tensors))

@@ -76,7 +76,7 @@ def encode_state(obj: object, *, key_path: str = "") -> tuple[object, list[torch
     return enc.enc(obj, key_path, 0), enc.tensors
 
 
-def encode_state_named(obj: object, *, arrays: Mapping[int, torch.Tensor] | None = None
+def encode_state_named(obj: object, *, arrays: Mapping[int, torch.Tensor] | None = None, plain: bool = False
                        ) -> tuple[object, list[torch.Tensor], list[str], list[str]]:
     """encode_state, plus each tensor's name and kind ("tensor" or "ndarray"), from its first
     place in the tree: its key path, "/"-joined, where a key that the tree stores as an
@@ -260,6 +260,7 @@ class _Encoder:
         self.kinds: list[str] = []
         self.index: dict[int, int] = {}      # id(tensor or ndarray) -> index in self.tensors
         self.active: set[int] = set()       # ids of containers on the current path (cycle guard)
+        self.plain = False  # every tensor is known plain strided (encode_state_named's ``plain``)
 
     def add(self, key: object, tensor: torch.Tensor, name: str | None, kind: str) -> int:
         i = self.index.get(id(key))
@@ -368,9 +369,11 @@ class _Encoder:
             keys, values = obj.keys, obj.values
         else:
             keys, values = list(obj), list(obj.values())
-        if (len(keys) < _BULK_MIN or set(map(type, keys)) != {str} or not set(map(type, values)) <= _TENSOR_TYPES or (name == "" and "" in keys)
-                or any(map(_IS_NESTED, values)) or any(map(_IS_META, values))
-                or set(map(_LAYOUT, values)) != {torch.strided}):
+        if (len(keys) < _BULK_MIN or set(map(type, keys)) != {str} or not set(map(type, values)) <= _TENSOR_TYPES
+                or (name == "" and "" in keys)):
+            return None
+        if not self.plain and (any(map(_IS_NESTED, values)) or any(map(_IS_META, values))
+                               or set(map(_LAYOUT, values)) != {torch.strided}):
             return None
         ids = list(map(id, values))
         index = self.index
