@@ -82,8 +82,11 @@ def encode_state_named(obj: object, *, arrays: Mapping[int, torch.Tensor] | None
     place in the tree: its key path, "/"-joined, where a key that the tree stores as an
     object (a tuple, an int beyond 2**53, a non-finite float) appears as that object's repr;
     "<root>" for the state itself. ``arrays``: the tensors freeze_state made of the numpy
-    arrays (by id), used instead of converting them again."""
+    arrays (by id), used instead of converting them again. ``plain``: the caller found every
+    tensor of ``obj`` of a plain type and strided, not nested, not meta, so the encoder's own
+    look at those properties, tensor by tensor, is skipped (the same tree, names and kinds)."""
     enc = _Encoder(arrays)
+    enc.plain = plain
     tree = enc.enc(obj, "", 0, "")
     return tree, enc.tensors, enc.names, enc.kinds
 
