@@ -33,14 +33,16 @@ A save lays its files out in the pool piece by piece: each file is cut at multip
 the piece size, and a piece is the file's own bytes for its range (the copier zeroes the
 alignment gaps between chunks), so it sits in the pool at the same 4 KiB phase as in the
 file and the engine writes it as one span, zero-copy (laid out in numpy columns where every
-extent is in host memory: Python objects per piece, tuples per chunk made by zip; a later
+extent is in host memory: Python objects per piece, tuples per copy made by zip; a later
 save of the same layout reuses it, _LayoutTemplate). Pieces take the pool in turn, as a
 ring: a piece that does not fit waits until the pieces it would overwrite were written
 (the engine releases each span once it will not read it again; engine.SpanGuards): for
 each of its bytes, the last piece that held it, however many laps back (allocate). One
 copier thread fills the pieces in the order the engines write them (round-robin over
 roots); the engines start writing a piece as soon as it is filled. The pool keeps each
-chunk's crc32c, so the engines checksum nothing (WriteSpan.checksum False). On the CPU the
+chunk's crc32c, so the engines checksum nothing (WriteSpan.checksum False): one flat list
+per save (Ring.crcs), a slot per copy, and per chunk the slot of its copy (a column the
+layout template keeps). On the CPU the
 copier uses memmove and checksums each cache-sized piece of the copy right after it (the
 GIL is released for both), reading the copy from cache; from a GPU it queues
 device-to-host copies on each device's side stream, behind the event save_async recorded;
