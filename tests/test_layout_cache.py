@@ -247,21 +247,28 @@ def test_every_save_of_a_layout_writes_its_own_checksums(tmp_path, change, async
 
 def test_a_reused_layout_makes_its_extents_only_when_asked():
     """A training loop's snapshot of the same layout makes no extent object (the host pool's
-    reused layout and the plan read only their sizes and devices): the sizes and devices it
-    gives without them are those of the extents it makes when asked, which view this save's
-    storages."""
+    reused layout and the plan read only their sizes and devices), nor does a first one of lone
+    tensors: the sizes, devices and host addresses it gives without them are those of the
+    extents it makes when asked, which view this save's storages."""
     state = {f"t{i}": torch.arange(10 + i, dtype=torch.float32) for i in range(12)}
+    state["t3"] = torch.arange(40, dtype=torch.float32)[9:]  # alone in its storage, 36 bytes in
     cache = S.LayoutCache()
-    S.take_snapshot(state, 1, layout=cache, protected=list(state.values()))
+    first = S.take_snapshot(state, 1, layout=cache, protected=list(state.values()))
+    # a first layout of lone tensors is columns too: the pool copies from their host addresses
+    assert isinstance(first.extents, S.LazyExtents) and first.extents.made is None
+    hosts, sizes = first.host_addresses(), first.extent_sizes()
+    assert hosts == S.host_addresses(list(first.extents)) and sizes == [e.nbytes for e in first.extents]
+    assert hosts[3] == state["t3"].data_ptr() - 4  # its extent starts at the 16-byte boundary below
     state = {k: v.add_(1.0) for k, v in state.items()}  # new values and a new dict: the layout holds
     snap = S.take_snapshot(state, 2, layout=cache, protected=list(state.values()))
-    assert isinstance(snap.extents, S.ReusedExtents) and snap.extents.made is None
+    assert isinstance(snap.extents, S.LazyExtents) and snap.extents.made is None
     sizes, devices, nbytes = snap.extent_sizes(), snap.extent_devices(), snap.nbytes
     assert snap.extents.made is None
     made = list(snap.extents)
     assert made is not None and snap.extents.made is not None and len(snap.extents) == 12
     assert sizes == [e.nbytes for e in made] and devices == [e.device for e in made] and nbytes == sum(sizes)
-    assert [e.flat.data_ptr() for e in made] == [t.data_ptr() for t in state.values()]
+    assert [made[r.storage].flat.data_ptr() + r.byte_offset for r in snap.records] == \
+        [t.data_ptr() for t in state.values()]
     assert snap.extents[4] is made[4]  # made once: a change to an extent (a capture) stays
     assert layout(snap) == layout(S.take_snapshot(state, 2, protected=list(state.values())))
 

@@ -83,7 +83,7 @@ from ..options import ALIGN, MiB
 from .._log import log_once
 from ..planner.assign import PlannedChunk, SavePlan
 from ..threads import gc_paused
-from .snapshot import Snapshot, host_addresses
+from .snapshot import Snapshot
 
 log = logging.getLogger("gdswriter")
 
@@ -521,7 +521,7 @@ def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
     pieces, every chunk of the plan, cut at piece ends, the slot of each one's crc32c
     (Ring.crcs; -1: an empty chunk), and whether every extent was in host memory (the usual
     state: laid out in columns, _layout_host; else chunk by chunk, _layout_each)."""
-    hosts = host_addresses(snap.extents)  # host memory: copied from its address, no tensor per chunk
+    hosts = snap.host_addresses()  # host memory: copied from its address, no tensor per chunk
     laid = _layout_host(plan, hosts, ring, piece) if None not in hosts else None
     if laid is None:
         return (*_layout_each(snap, plan, ring, piece, hosts), False)

@@ -20,7 +20,7 @@ import json
 import math
 import operator
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from typing import Any
@@ -76,21 +76,27 @@ class Extent:
         self.device = flat.device
 
 
-class ReusedExtents(Sequence):
-    """The extents of a reused layout (LayoutCache.reuse), made on first use, all at once, and
-    kept: a save through the host pool's reused layout reads none of them, only their sizes
-    and devices (``sizes``, ``devices``: the layout's own columns, never changed), so a training
-    loop's save makes no object per extent. ``made``: the extents, once made (None before)."""
+class LazyExtents(Sequence):
+    """Extents as columns, each viewing a storage (``viewed[i]``, from byte ``starts[i]``,
+    ``sizes[i]`` bytes, on ``devices[i]``, named ``names[i]``), the Extent objects made on first
+    use, all at once, and kept (``made``; None before): a layout of lone tensors
+    (_each_alone) or a reused one (LayoutCache.reuse). A save through the host pool reads only
+    the columns (the sizes and devices for the plan and the manifest, ``addresses`` for the
+    pool's layout: each extent's first byte in host memory, None where not known), so it makes
+    no object per extent. The columns are never changed (the caller must not change them)."""
 
-    __slots__ = ("_make", "devices", "made", "sizes")
+    __slots__ = ("addresses", "devices", "made", "names", "sizes", "starts", "viewed")
 
-    def __init__(self, make: Callable[[], list[Extent]], sizes: list[int], devices: list[torch.device]) -> None:
-        self._make, self.sizes, self.devices = make, sizes, devices
+    def __init__(self, viewed: Sequence[torch.UntypedStorage], devices: list[torch.device], starts: list[int],
+                 sizes: list[int], names: list[str], addresses: list[int] | None = None) -> None:
+        self.viewed, self.devices, self.starts, self.sizes, self.names = viewed, devices, starts, sizes, names
+        self.addresses = addresses
         self.made: list[Extent] | None = None
 
     def _extents(self) -> list[Extent]:
-        if self.made is None:
-            self.made, self._make = self._make(), None
+        if self.made is None:  # the views' tuples made by zip and the extents by map: no Python loop
+            self.made = list(map(Extent, self.names, repeat(None),
+                                 zip(self.viewed, self.devices, self.starts, self.sizes)))
         return self.made
 
     def __len__(self) -> int:
@@ -125,7 +131,7 @@ class Snapshot:
 
     step: int
     tree: Any
-    extents: Sequence[Extent]  # a list, or ReusedExtents (made on first use)
+    extents: Sequence[Extent]  # a list, or LazyExtents (made on first use)
     # per tensor its TensorRecord: a SavedTensors (columns, each record made on first use) from
     # take_snapshot; any sequence of records where another module makes a Snapshot
     records: Sequence[TensorRecord]
@@ -146,16 +152,24 @@ class Snapshot:
         """Each extent's nbytes (a reused layout's column where its extents are not made yet:
         no extent made for it). The caller must not change the list."""
         ext = self.extents
-        if type(ext) is ReusedExtents and ext.made is None:
+        if type(ext) is LazyExtents and ext.made is None:
             return ext.sizes
         return list(map(_NBYTES, ext))
 
     def extent_devices(self) -> list[torch.device]:
         """Each extent's device (as extent_sizes)."""
         ext = self.extents
-        if type(ext) is ReusedExtents and ext.made is None:
+        if type(ext) is LazyExtents and ext.made is None:
             return ext.devices
         return list(map(_DEVICE, ext))
+
+    def host_addresses(self) -> list[int | None]:
+        """Each extent's first byte in host memory, None where it is not there (host_addresses;
+        the layout's column where its extents are not made yet)."""
+        ext = self.extents
+        if type(ext) is LazyExtents and ext.made is None and ext.addresses is not None:
+            return ext.addresses
+        return host_addresses(ext)
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -271,13 +285,10 @@ class LayoutCache:
             return None
         if storages is None:
             storages = [t.untyped_storage() for t in tensors]
-        if self._columns is not None:  # the views' tuples made by zip and the extents by map, on first use
+        if self._columns is not None:  # the extents made on first use (LazyExtents)
             sources, devices, starts, sizes, names = self._columns
-
-            def make() -> list[Extent]:
-                viewed = storages if sources is None else list(map(storages.__getitem__, sources))
-                return list(map(Extent, names, repeat(None), zip(viewed, devices, starts, sizes)))
-            extents = ReusedExtents(make, sizes, devices)
+            viewed = storages if sources is None else list(map(storages.__getitem__, sources))
+            extents = LazyExtents(viewed, devices, starts, sizes, names)
         else:
             empty = torch.empty(0, dtype=torch.uint8)
             extents = [Extent(name, view=(storages[src], device, start, n)) if src >= 0 else Extent(name, flat=empty)
@@ -292,6 +303,11 @@ class LayoutCache:
         usual state, one extent per tensor viewing that tensor's own storage object: its
         recipe in C-level passes)."""
         self.key, self._columns = None, None
+        if type(extents) is LazyExtents and extents.made is None and extents.viewed is storages:
+            self.key, self.placed, self.records = key, placed, records  # the columns are the recipe
+            self.recipe = []
+            self._columns = (None, extents.devices, extents.starts, extents.sizes, extents.names)
+            return
         views = [e._view for e in extents]
         if (len(views) == len(storages) and None not in views
                 and all(map(operator.is_, map(_FIRST, views), storages))):
@@ -842,8 +858,9 @@ def _each_alone(tensors: list[torch.Tensor], names: list[str], storages: Sequenc
     los = np.fromiter(key[4], dtype=np.int64, count=count) * item
     starts = los // STORAGE_ALIGN * STORAGE_ALIGN
     lengths = los + np.fromiter(numels, dtype=np.int64, count=count) * item - starts
-    views = zip(storages, repeat(tensors[0].device), starts.tolist(), lengths.tolist())
-    extents = list(map(Extent, names, repeat(None), views))
+    device = tensors[0].device
+    addresses = (bases.astype(np.int64) + starts).tolist() if device.type == "cpu" else None
+    extents = LazyExtents(storages, [device] * count, starts.tolist(), lengths.tolist(), names, addresses)
     return extents, list(zip(range(count), (los - starts).tolist()))
 
 
