@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,7 +44,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gdswriter")
 
-_NBYTES, _DEVICE = attrgetter("nbytes"), attrgetter("device")  # of a snapshot's extents
 TIMEOUT_ENV = "GDSWRITER_DIST_TIMEOUT"  # DistOptions.from_env's (distributed/options.py)
 
 __all__ = ["LocalSession", "Session", "open_session", "peek_manifest"]
@@ -196,7 +194,7 @@ class LocalSession:
         on GPUs (each GPU writes to its nearest root; the topology is discovered once), else the
         balanced plan. A planner failure falls back to the balanced plan, with a warning: where
         bytes go is an optimisation, never a reason not to save."""
-        sizes, where = list(map(_NBYTES, snap.extents)), list(map(_DEVICE, snap.extents))
+        sizes, where = snap.extent_sizes(), snap.extent_devices()
         names = {d: str(d) for d in set(where)}  # str() per device, not per storage
         devices = list(map(names.__getitem__, where))
         # A plan is a function of these (the topology is discovered once): in a training loop

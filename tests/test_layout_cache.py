@@ -243,3 +243,50 @@ def test_every_save_of_a_layout_writes_its_own_checksums(tmp_path, change, async
         got = load_state(tmp_path, step=step)[1]["model"]
         for k, v in want.items():
             assert got[k].dtype == v.dtype and torch.equal(got[k], v), (step, k)
+
+
+def test_a_reused_layout_makes_its_extents_only_when_asked():
+    """A training loop's snapshot of the same layout makes no extent object (the host pool's
+    reused layout and the plan read only their sizes and devices), nor does a first one of lone
+    tensors: the sizes, devices and host addresses it gives without them are those of the
+    extents it makes when asked, which view this save's storages."""
+    state = {f"t{i}": torch.arange(10 + i, dtype=torch.float32) for i in range(12)}
+    state["t3"] = torch.arange(40, dtype=torch.float32)[9:]  # alone in its storage, 36 bytes in
+    cache = S.LayoutCache()
+    first = S.take_snapshot(state, 1, layout=cache, protected=list(state.values()))
+    # a first layout of lone tensors is columns too: the pool copies from their host addresses
+    assert isinstance(first.extents, S.LazyExtents) and first.extents.made is None
+    hosts, sizes = first.host_addresses(), first.extent_sizes()
+    assert hosts == S.host_addresses(list(first.extents)) and sizes == [e.nbytes for e in first.extents]
+    assert hosts[3] == state["t3"].data_ptr() - 4  # its extent starts at the 16-byte boundary below
+    state = {k: v.add_(1.0) for k, v in state.items()}  # new values and a new dict: the layout holds
+    snap = S.take_snapshot(state, 2, layout=cache, protected=list(state.values()))
+    assert isinstance(snap.extents, S.LazyExtents) and snap.extents.made is None
+    sizes, devices, nbytes = snap.extent_sizes(), snap.extent_devices(), snap.nbytes
+    assert snap.extents.made is None
+    made = list(snap.extents)
+    assert made is not None and snap.extents.made is not None and len(snap.extents) == 12
+    assert sizes == [e.nbytes for e in made] and devices == [e.device for e in made] and nbytes == sum(sizes)
+    assert [made[r.storage].flat.data_ptr() + r.byte_offset for r in snap.records] == \
+        [t.data_ptr() for t in state.values()]
+    assert snap.extents[4] is made[4]  # made once: a change to an extent (a capture) stays
+    assert layout(snap) == layout(S.take_snapshot(state, 2, protected=list(state.values())))
+
+
+def test_a_blocking_save_resolves_a_conj_bit_given_to_a_tensor_it_saved_before(tmp_path):
+    """A blocking save skips the checks of the tensors it found plain at its last call (the same
+    objects: their type and layout cannot change), but not the look for lazy conj and neg bits,
+    which ``.data =`` can give the same object: the saved values are the resolved ones."""
+    state = {f"z{i}": torch.full((20 + i,), complex(i, 1.0), dtype=torch.complex64) for i in range(12)}
+    with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
+        ck.save(1)
+        z = state["z5"]
+        z.data = torch.full((25,), complex(2.0, 3.0), dtype=torch.complex64).conj()
+        assert z.is_conj()
+        m = state["z7"]
+        m.data = torch.full((27,), 4.0 + 0j, dtype=torch.complex64).imag.neg()._neg_view()
+        ck.save(2)
+    got = load_state(tmp_path, 2)[1]["model"]
+    assert torch.equal(got["z5"], torch.full((25,), complex(2.0, -3.0), dtype=torch.complex64))
+    assert torch.equal(got["z7"], m.resolve_neg())
+    assert torch.equal(got["z0"], torch.full((20,), complex(0, 1.0), dtype=torch.complex64))

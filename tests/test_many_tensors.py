@@ -6,14 +6,16 @@ between saves is never served from the reused one."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import crc32c
 import pytest
 import torch
 
 from gdswriter import GDSCheckpointer, load_state
-from gdswriter.errors import ChecksumMismatchError, CorruptCheckpointError
+from gdswriter.errors import ChecksumMismatchError, CorruptCheckpointError, UnsupportedObjectError
 from gdswriter.format.manifest import ChunkRecord, FileRecord, Manifest, StorageRecord, TensorRecord
+from gdswriter.format.state_codec import encode_state_named
 from gdswriter.save import snapshot as S
 
 MiB = 1 << 20
@@ -355,3 +357,32 @@ def test_a_damaged_byte_in_the_last_part_of_a_large_file_of_small_tensors_is_fou
     data.write_bytes(bytes(raw))
     with pytest.raises(ChecksumMismatchError, match="tiny/t"):
         load_state(tmp_path, 1)
+
+
+def test_the_encoding_told_every_tensor_is_plain_is_the_same():
+    """encode_state_named's ``plain`` (the caller found every tensor plain strided at this call)
+    skips only the encoder's own look at each tensor: the tree, tensors, names and kinds are
+    the same as without it."""
+    state = many_state(contiguous=False)
+    tree, tensors, names, kinds = encode_state_named(state)
+    told = encode_state_named(state, plain=True)
+    assert json.dumps(told[0]) == json.dumps(tree) and told[2] == names and told[3] == kinds
+    assert len(told[1]) == len(tensors) and all(a is b for a, b in zip(told[1], tensors))
+
+
+@pytest.mark.parametrize("kind", ["meta", "nested"])
+def test_a_guarded_tensor_the_format_cannot_store_among_many_is_refused_by_the_save_thread(kind):
+    """Guarded tensors are not looked at by save_async's call (non-blocking): the encoder's own
+    look, in the save thread, refuses one the format cannot store, however many tensors share
+    its mapping (the C-level pairs are taken only where the call found every tensor plain)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bad = (torch.empty(3, device="meta") if kind == "meta"
+               else torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]))
+    group = {f"t{i}": torch.ones(3) for i in range(12)}
+    group["t5"] = bad
+    state = {"group": group}
+    pending = S.record_snapshot(state, 1, guarded=S.GuardedMemory(list(group.values())))
+    with pytest.raises(UnsupportedObjectError) as ei:
+        pending.complete(S.LayoutCache())
+    assert ei.value.key_path == "group/t5"

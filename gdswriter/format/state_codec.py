@@ -76,14 +76,17 @@ def encode_state(obj: object, *, key_path: str = "") -> tuple[object, list[torch
     return enc.enc(obj, key_path, 0), enc.tensors
 
 
-def encode_state_named(obj: object, *, arrays: Mapping[int, torch.Tensor] | None = None
+def encode_state_named(obj: object, *, arrays: Mapping[int, torch.Tensor] | None = None, plain: bool = False
                        ) -> tuple[object, list[torch.Tensor], list[str], list[str]]:
     """encode_state, plus each tensor's name and kind ("tensor" or "ndarray"), from its first
     place in the tree: its key path, "/"-joined, where a key that the tree stores as an
     object (a tuple, an int beyond 2**53, a non-finite float) appears as that object's repr;
     "<root>" for the state itself. ``arrays``: the tensors freeze_state made of the numpy
-    arrays (by id), used instead of converting them again."""
+    arrays (by id), used instead of converting them again. ``plain``: the caller found every
+    tensor of ``obj`` of a plain type and strided, not nested, not meta, so the encoder's own
+    look at those properties, tensor by tensor, is skipped (the same tree, names and kinds)."""
     enc = _Encoder(arrays)
+    enc.plain = plain
     tree = enc.enc(obj, "", 0, "")
     return tree, enc.tensors, enc.names, enc.kinds
 
@@ -260,6 +263,7 @@ class _Encoder:
         self.kinds: list[str] = []
         self.index: dict[int, int] = {}      # id(tensor or ndarray) -> index in self.tensors
         self.active: set[int] = set()       # ids of containers on the current path (cycle guard)
+        self.plain = False  # every tensor is known plain strided (encode_state_named's ``plain``)
 
     def add(self, key: object, tensor: torch.Tensor, name: str | None, kind: str) -> int:
         i = self.index.get(id(key))
@@ -368,9 +372,11 @@ class _Encoder:
             keys, values = obj.keys, obj.values
         else:
             keys, values = list(obj), list(obj.values())
-        if (len(keys) < _BULK_MIN or set(map(type, keys)) != {str} or not set(map(type, values)) <= _TENSOR_TYPES or (name == "" and "" in keys)
-                or any(map(_IS_NESTED, values)) or any(map(_IS_META, values))
-                or set(map(_LAYOUT, values)) != {torch.strided}):
+        if (len(keys) < _BULK_MIN or set(map(type, keys)) != {str} or not set(map(type, values)) <= _TENSOR_TYPES
+                or (name == "" and "" in keys)):
+            return None
+        if not self.plain and (any(map(_IS_NESTED, values)) or any(map(_IS_META, values))
+                               or set(map(_LAYOUT, values)) != {torch.strided}):
             return None
         ids = list(map(id, values))
         index = self.index

@@ -33,14 +33,16 @@ A save lays its files out in the pool piece by piece: each file is cut at multip
 the piece size, and a piece is the file's own bytes for its range (the copier zeroes the
 alignment gaps between chunks), so it sits in the pool at the same 4 KiB phase as in the
 file and the engine writes it as one span, zero-copy (laid out in numpy columns where every
-extent is in host memory: Python objects per piece, tuples per chunk made by zip; a later
+extent is in host memory: Python objects per piece, tuples per copy made by zip; a later
 save of the same layout reuses it, _LayoutTemplate). Pieces take the pool in turn, as a
 ring: a piece that does not fit waits until the pieces it would overwrite were written
 (the engine releases each span once it will not read it again; engine.SpanGuards): for
 each of its bytes, the last piece that held it, however many laps back (allocate). One
 copier thread fills the pieces in the order the engines write them (round-robin over
 roots); the engines start writing a piece as soon as it is filled. The pool keeps each
-chunk's crc32c, so the engines checksum nothing (WriteSpan.checksum False). On the CPU the
+chunk's crc32c, so the engines checksum nothing (WriteSpan.checksum False): one flat list
+per save (Ring.crcs), a slot per copy, and per chunk the slot of its copy (a column the
+layout template keeps). On the CPU the
 copier uses memmove and checksums each cache-sized piece of the copy right after it (the
 GIL is released for both), reading the copy from cache; from a GPU it queues
 device-to-host copies on each device's side stream, behind the event save_async recorded;
@@ -68,7 +70,6 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from operator import itemgetter
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ from ..options import ALIGN, MiB
 from .._log import log_once
 from ..planner.assign import PlannedChunk, SavePlan
 from ..threads import gc_paused
-from .snapshot import Snapshot, host_addresses
+from .snapshot import Snapshot
 
 log = logging.getLogger("gdswriter")
 
@@ -107,6 +108,9 @@ class Ring:
         self.cv = threading.Condition()
         self.error: BaseException | None = None
         self.view: memoryview | None = None
+        # the crc32c of every copy of the save, at its slot (Piece.base + its index in the
+        # piece's copies), and a last 0: an empty chunk's (slot -1)
+        self.crcs: list[int] = [0]
 
     def fail(self, error: BaseException) -> None:
         with self.cv:
@@ -122,11 +126,11 @@ class _Stopped(Exception):
 class Piece:
     """A file range [lo, hi) laid out at ``ring`` in the pool, written by the engine as one span
     (so its gaps, the alignment padding between chunks, are zeroed by the copier); the
-    SpanGuard of that span. ``crcs`` holds the crc32c of every chunk copied into it: computed
-    by the copier as it copies from host memory, or, for a copy from a GPU, from the pool once
-    the copy's events completed (the first time the engine finds the piece ready)."""
+    SpanGuard of that span. The crc32c of its copy k goes to ``ring_state.crcs[base + k]``:
+    computed by the copier as it copies from host memory, or, for a copy from a GPU, from the
+    pool once the copy's events completed (the first time the engine finds the piece ready)."""
 
-    __slots__ = ("blockers", "copies", "crcs", "events", "freed", "gaps", "hi", "lo", "ready", "ring", "ring_state",
+    __slots__ = ("base", "blockers", "copies", "events", "freed", "gaps", "hi", "lo", "ready", "ring", "ring_state",
                  "root", "unsummed")
 
     def __init__(self, ring_state: Ring, root: int, lo: int):
@@ -135,8 +139,8 @@ class Piece:
         # (address, length) of bytes in host memory (no tensor per chunk, see _layout)
         self.copies: list[tuple[int, int, torch.Tensor | tuple[int, int]]] = []
         self.gaps: list[tuple[int, int]] = []  # (offset in the piece, length) of bytes no copy fills
-        self.crcs: dict[tuple[int, int], int] = {}  # (offset in the piece, length) -> crc32c of that copy
-        self.unsummed: list[tuple[int, int]] = []  # copies from a GPU whose crc32c is still to compute
+        self.base = 0  # the slot of its first copy's crc32c in ring_state.crcs (number_copies)
+        self.unsummed: list[tuple[int, int, int]] = []  # (slot, offset, length) of copies from a GPU to checksum
         self.ring = 0
         self.blockers: list[Piece] = []  # earlier pieces whose pool range this one reuses
         self.ready = False
@@ -159,9 +163,9 @@ class Piece:
 
     def _sum_device_copies(self) -> None:
         """Checksum the copies from a GPU now that their bytes are in the pool."""
-        view, at = self.ring_state.view, self.ring
-        for rel, n in self.unsummed:
-            self.crcs[rel, n] = _crc32c(view[at + rel:at + rel + n])  # type: ignore[index]
+        view, at, crcs = self.ring_state.view, self.ring, self.ring_state.crcs
+        for j, rel, n in self.unsummed:
+            crcs[j] = _crc32c(view[at + rel:at + rel + n])  # type: ignore[index]
         self.unsummed = []
 
     # -- SpanGuard ----------------------------------------------------------------
@@ -427,7 +431,8 @@ class HostSnapshotPool:
         need = sum(_align_up(f.size) for f in plan.files)
         if not need:  # nothing but empty tensors: nothing to copy
             release.set()
-            yield PoolStream([[] for _ in plan.files], ring.fail, [(c, ((), 0)) for f in plan.files for c in f.chunks])
+            chunks = [c for f in plan.files for c in f.chunks]
+            yield PoolStream([[] for _ in plan.files], ring.fail, chunks, [-1] * len(chunks), ring.crcs)
             return
         devices = sorted(snap.ready)
         device = devices[0] if devices else None
@@ -435,7 +440,8 @@ class HostSnapshotPool:
         ring.view = buf.view
         piece = max(ALIGN, min(PIECE_MAX, buf.size // (4 * n_roots)) // ALIGN * ALIGN)
         with gc_paused():  # a view and a chunk per tensor, no cycles (see gc_paused)
-            order, pieces_per_file, chunks = self._layout(snap, plan, ring, piece)
+            order, pieces_per_file, chunks, slots = self._layout(snap, plan, ring, piece)
+            ring.crcs = [0] * (order[-1].base + len(order[-1].copies) + 1 if order else 1)
             allocate(order, buf.size)
             spans = [[(p, WriteSpan(p.lo, buf.tensor[p.ring:p.ring + p.hi - p.lo], guard=p, checksum=False))
                       for p in pieces] for pieces in pieces_per_file]
@@ -443,7 +449,7 @@ class HostSnapshotPool:
                                   name="gdswriter-snapshot", daemon=False)
         copier.start()
         try:
-            yield PoolStream(spans, ring.fail, chunks)
+            yield PoolStream(spans, ring.fail, chunks, slots, ring.crcs)
         except BaseException as e:
             ring.fail(e)
             raise
@@ -462,26 +468,22 @@ class HostSnapshotPool:
         last = self._last_layout
         if last is not None and snap.layout_key is not None and last.fits(snap, plan, piece):
             return last.rebuild(ring)
-        order, per_file, chunks, located = _layout(snap, plan, ring, piece)
-        self._last_layout = _LayoutTemplate.of(snap, plan, piece, order, per_file, chunks, located)
-        return order, per_file, chunks
+        order, per_file, chunks, slots, hosted = _layout(snap, plan, ring, piece)
+        self._last_layout = _LayoutTemplate.of(snap, plan, piece, order, per_file, chunks, slots, hosted)
+        return order, per_file, chunks, slots
 
 
 class PoolStream:
     """What a save writes through the pool (see HostSnapshotPool.stream)."""
 
     def __init__(self, spans: list[list[tuple[Piece, WriteSpan]]], stop: Callable[[BaseException], None],
-                 chunks: list[tuple[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]]]):
-        self.spans, self.stop, self._chunks = spans, stop, chunks  # (chunk, (where, length)) pairs
+                 chunks: list[PlannedChunk], slots: list[int], crcs: list[int]):
+        # per chunk, the slot of its copy's crc32c in ``crcs`` (-1: empty, the last 0)
+        self.spans, self.stop, self._chunks, self._slots, self._crcs = spans, stop, chunks, slots, crcs
 
     def chunk_crcs(self) -> ChunkCrcs:
         """Every chunk's crc32c, as its bytes were copied into the pool (0 for an empty chunk)."""
-        pairs = self._chunks
-        return ChunkCrcs(list(map(_FIRST, pairs)),
-                         [where[0].crcs[where[1], n] if where else 0 for _, (where, n) in pairs])
-
-
-_FIRST = itemgetter(0)
+        return ChunkCrcs(self._chunks, list(map(self._crcs.__getitem__, self._slots)))
 
 
 class ChunkCrcs(Mapping):
@@ -515,16 +517,24 @@ class ChunkCrcs(Mapping):
 
 def _layout(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int):
     """Cut every file into pieces; returns the pieces in copy order (round-robin over roots,
-    each root's files in plan order), each file's pieces, every chunk of the plan, cut at
-    piece ends, with where it lies: (chunk, ((its piece, its offset there) or () if empty,
-    length)) pairs, and the same as (chunk, piece's index in the order or -1, offset, length)
-    for _LayoutTemplate where the columns gave them (else None). Every extent in host memory
-    (the usual state): in columns (_layout_host), else chunk by chunk (_layout_each)."""
-    hosts = host_addresses(snap.extents)  # host memory: copied from its address, no tensor per chunk
+    each root's files in plan order, their copies numbered: number_copies), each file's
+    pieces, every chunk of the plan, cut at piece ends, the slot of each one's crc32c
+    (Ring.crcs; -1: an empty chunk), and whether every extent was in host memory (the usual
+    state: laid out in columns, _layout_host; else chunk by chunk, _layout_each)."""
+    hosts = snap.host_addresses()  # host memory: copied from its address, no tensor per chunk
     laid = _layout_host(plan, hosts, ring, piece) if None not in hosts else None
     if laid is None:
-        return (*_layout_each(snap, plan, ring, piece, hosts), None)
-    return laid
+        return (*_layout_each(snap, plan, ring, piece, hosts), False)
+    return (*laid, True)
+
+
+def number_copies(order: Sequence[Piece]) -> None:
+    """Give each piece the slot of its first copy's crc32c in the save's Ring.crcs: the copies
+    numbered in copy order."""
+    at = 0
+    for p in order:
+        p.base = at
+        at += len(p.copies)
 
 
 def _layout_each(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int, hosts: list[int | None]):
@@ -532,7 +542,7 @@ def _layout_each(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int, hosts: 
     the usual chunk (host memory, inside one piece) inline, the others by _cut."""
     per_root: dict[int, list[Piece]] = {}
     per_file = []
-    chunks: list[tuple[PlannedChunk, tuple[tuple[Piece, int] | tuple[()], int]]] = []
+    chunks: list[tuple[PlannedChunk, Piece | None, int]] = []  # (chunk, its piece, its copy's index there)
     for fp in plan.files:
         root = fp.target.root
         queue = per_root.setdefault(root, [])
@@ -540,7 +550,7 @@ def _layout_each(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int, hosts: 
         for c in fp.chunks:
             n = c.length
             if n == 0:
-                chunks.append((c, ((), 0)))
+                chunks.append((c, None, 0))
                 continue
             pos, host = c.file_offset, hosts[c.storage]
             k = pos // piece
@@ -558,11 +568,13 @@ def _layout_each(snap: Snapshot, plan: SavePlan, ring: Ring, piece: int, hosts: 
             p.copies.append((rel, n, (host + c.storage_offset, n)))
             if rel + n > used:
                 p.hi = p.lo + rel + n
-            chunks.append((c, ((p, rel), n)))
+            chunks.append((c, p, len(p.copies) - 1))
         per_file.append(list(pieces.values()))
     queues = [per_root[r] for r in sorted(per_root)]
     order = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
-    return order, per_file, chunks
+    number_copies(order)
+    slots = [p.base + k if p is not None else -1 for _, p, k in chunks]
+    return order, per_file, [c for c, _, _ in chunks], slots
 
 
 def _cut(c: PlannedChunk, ext, host: int | None, piece: int, pieces: dict[int, Piece], queue: list[Piece],
@@ -581,7 +593,7 @@ def _cut(c: PlannedChunk, ext, host: int | None, piece: int, pieces: dict[int, P
         src = c.storage_offset + pos - c.file_offset
         p.add(pos - p.lo, cut - pos, (host + src, cut - pos) if flat is None else flat[src:src + cut - pos])
         part = c if cut - pos == c.length else c._replace(storage_offset=src, length=cut - pos, file_offset=pos)
-        chunks.append((part, ((p, pos - p.lo), cut - pos)))
+        chunks.append((part, p, len(p.copies) - 1))
         pos = cut
 
 
@@ -604,16 +616,16 @@ def _layout_host(plan: SavePlan, hosts: list[int], ring: Ring, piece: int):
         laid.append(parts)
     queues = [per_root[r] for r in sorted(per_root)]
     order = [q[i] for i in range(max(map(len, queues), default=0)) for q in queues if i < len(q)]
-    index = {id(p): i for i, p in enumerate(order)}
+    number_copies(order)
     chunks: list = []
-    located: list = []
+    slots: list = []
     for pieces, parts in zip(per_file, laid):
-        where = np.array([index[id(p)] for p in pieces], dtype=np.int64)[parts.piece] if pieces else parts.piece
-        local, rel, n = parts.piece.tolist(), parts.rel.tolist(), parts.n.tolist()
-        placed = list(zip(parts.chunks, zip(zip(map(pieces.__getitem__, local), rel), n)))
-        chunks += _in_chunk_order(parts, placed, lambda c: (c, ((), 0)))
-        located += _in_chunk_order(parts, list(zip(parts.chunks, where.tolist(), rel, n)), lambda c: (c, -1, 0, 0))
-    return order, per_file, chunks, located
+        # part i is copy (i - its piece's first part) of its piece
+        bases = np.array([p.base for p in pieces], dtype=np.int64) - parts.first if pieces else parts.first
+        slot = bases[parts.piece] + np.arange(len(parts.piece)) if pieces else parts.piece
+        chunks += _in_chunk_order(parts, parts.chunks, lambda c: c)
+        slots += _in_chunk_order(parts, slot.tolist(), lambda c: -1)
+    return order, per_file, chunks, slots
 
 
 class _Parts:
@@ -694,45 +706,43 @@ def _in_chunk_order(parts: _Parts, entries: list, empty) -> list:
 
 class _LayoutTemplate:
     """A save's layout of its files in pieces (_layout), kept to be made again for a later save
-    of the same layout: every piece's root, range, copies (addresses in host memory) and gaps,
-    and each chunk's piece and offset there."""
+    of the same layout: every piece's root, range, copies (addresses in host memory), gaps and
+    first copy's slot, and the chunks with their slots (both lists shared: nothing changes
+    them once laid out)."""
 
-    __slots__ = ("chunks", "key", "per_file", "piece", "pieces", "plan")
+    __slots__ = ("chunks", "key", "per_file", "piece", "pieces", "plan", "slots")
 
     def __init__(self, key, plan: SavePlan, piece: int, pieces: list[tuple], per_file: list[list[int]],
-                 chunks: list[tuple]) -> None:
+                 chunks: list[PlannedChunk], slots: list[int]) -> None:
         self.key, self.plan, self.piece = key, plan, piece
-        self.pieces, self.per_file, self.chunks = pieces, per_file, chunks
+        self.pieces, self.per_file, self.chunks, self.slots = pieces, per_file, chunks, slots
 
     @classmethod
     def of(cls, snap: Snapshot, plan: SavePlan, piece: int, order: list[Piece], per_file: list[list[Piece]],
-           chunks: list[tuple], located: list[tuple] | None = None) -> _LayoutTemplate | None:
+           chunks: list[PlannedChunk], slots: list[int], hosted: bool = False) -> _LayoutTemplate | None:
         """The template of a layout just made (None: not reusable, as an extent is not in host
-        memory or the snapshot has no layout key). ``located``: the chunks as the template keeps
-        them, where _layout_host made them (its copies are all from host memory)."""
-        if snap.layout_key is None or (located is None and any(type(src) is not tuple for p in order
-                                                                for _, _, src in p.copies)):
+        memory or the snapshot has no layout key). ``hosted``: _layout_host made it (its
+        copies are all from host memory)."""
+        if snap.layout_key is None or (not hosted and any(type(src) is not tuple for p in order
+                                                          for _, _, src in p.copies)):
             return None
         index = {id(p): i for i, p in enumerate(order)}
-        if located is None:
-            located = [(c, index[id(where[0])], where[1], n) if where else (c, -1, 0, n) for c, (where, n) in chunks]
-        return cls(snap.layout_key, plan, piece, [(p.root, p.lo, p.hi, p.copies, p.gaps) for p in order],
-                   [[index[id(p)] for p in pieces] for pieces in per_file], located)
+        return cls(snap.layout_key, plan, piece, [(p.root, p.lo, p.hi, p.copies, p.gaps, p.base) for p in order],
+                   [[index[id(p)] for p in pieces] for pieces in per_file], chunks, slots)
 
     def fits(self, snap: Snapshot, plan: SavePlan, piece: int) -> bool:
         return snap.layout_key is self.key and plan is self.plan and piece == self.piece
 
     def rebuild(self, ring: Ring):
-        """The layout as _layout returns it, with new pieces in ``ring`` (the copies' and gaps'
-        lists are shared: nothing changes them once laid out)."""
+        """The layout as _layout returns it, with new pieces in ``ring`` (the copies', gaps',
+        chunks' and slots' lists are shared: nothing changes them once laid out)."""
         order = []
-        for root, lo, hi, copies, gaps in self.pieces:
+        for root, lo, hi, copies, gaps, base in self.pieces:
             p = Piece(ring, root, lo)
-            p.hi, p.copies, p.gaps = hi, copies, gaps
+            p.hi, p.copies, p.gaps, p.base = hi, copies, gaps, base
             order.append(p)
         per_file = [[order[i] for i in idx] for idx in self.per_file]
-        chunks = [(c, ((order[i], rel), n) if i >= 0 else ((), n)) for c, i, rel, n in self.chunks]  # no hash per chunk
-        return order, per_file, chunks
+        return order, per_file, self.chunks, self.slots
 
 
 def allocate(order: Sequence[Piece], capacity: int) -> None:
@@ -798,12 +808,13 @@ def copy_all(snap: Snapshot, order: Sequence[Piece], ring: Ring, buf: StagingBuf
                 if copy_in is _copy_in and not devices:
                     _copy_host_piece(buf, p)
                 else:  # copies from a GPU, or copy_in wrapped (a test's seam): one call per copy
-                    for rel, n, src in p.copies:
+                    crcs = ring.crcs
+                    for j, (rel, n, src) in enumerate(p.copies, p.base):
                         crc = copy_in(buf, p.ring + rel, src)
                         if crc is None:
-                            p.unsummed.append((rel, n))
+                            p.unsummed.append((j, rel, n))
                         else:
-                            p.crcs[rel, n] = crc
+                            crcs[j] = crc
                 events = streams.record_side(sorted(devices)) if devices else {}
                 with ring.cv:
                     p.events, p.ready = events, True
@@ -834,15 +845,15 @@ def _copy_host_piece(buf: StagingBuffer, p: Piece) -> None:
     """copy_in for every copy of ``p``, none from a GPU, in one loop: the small copies from
     host memory (a state of many tensors: most of them) inline, a memmove and a crc32c each,
     without a call and type tests per copy."""
-    memmove, view, crcs = ctypes.memmove, buf.view, p.crcs
+    memmove, view, crcs = ctypes.memmove, buf.view, p.ring_state.crcs
     at = p.ring
     dst = buf.address + at
-    for rel, n, src in p.copies:
+    for j, (rel, n, src) in enumerate(p.copies, p.base):
         if type(src) is tuple and n <= FUSED_BYTES:
             memmove(dst + rel, src[0], n)
-            crcs[rel, n] = _crc32c(view[at + rel:at + rel + n])
+            crcs[j] = _crc32c(view[at + rel:at + rel + n])
         else:
-            crcs[rel, n] = _copy_in(buf, at + rel, src)  # type: ignore[assignment]
+            crcs[j] = _copy_in(buf, at + rel, src)  # type: ignore[assignment]
 
 
 def copy_in(buf: StagingBuffer, at: int, src: torch.Tensor | tuple[int, int]) -> int | None:

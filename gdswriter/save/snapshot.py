@@ -20,7 +20,7 @@ import json
 import math
 import operator
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, compress, repeat
 from typing import Any
@@ -76,6 +76,42 @@ class Extent:
         self.device = flat.device
 
 
+class LazyExtents(Sequence):
+    """Extents as columns, each viewing a storage (``viewed[i]``, from byte ``starts[i]``,
+    ``sizes[i]`` bytes, on ``devices[i]``, named ``names[i]``), the Extent objects made on first
+    use, all at once, and kept (``made``; None before): a layout of lone tensors
+    (_each_alone) or a reused one (LayoutCache.reuse). A save through the host pool reads only
+    the columns (the sizes and devices for the plan and the manifest, ``addresses`` for the
+    pool's layout: each extent's first byte in host memory, None where not known), so it makes
+    no object per extent. The columns are never changed (the caller must not change them)."""
+
+    __slots__ = ("addresses", "devices", "made", "names", "sizes", "starts", "viewed")
+
+    def __init__(self, viewed: Sequence[torch.UntypedStorage], devices: list[torch.device], starts: list[int],
+                 sizes: list[int], names: list[str], addresses: list[int] | None = None) -> None:
+        self.viewed, self.devices, self.starts, self.sizes, self.names = viewed, devices, starts, sizes, names
+        self.addresses = addresses
+        self.made: list[Extent] | None = None
+
+    def _extents(self) -> list[Extent]:
+        if self.made is None:  # the views' tuples made by zip and the extents by map: no Python loop
+            self.made = list(map(Extent, self.names, repeat(None),
+                                 zip(self.viewed, self.devices, self.starts, self.sizes)))
+        return self.made
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, i):
+        return self._extents()[i]
+
+    def __iter__(self) -> Iterator[Extent]:
+        return iter(self._extents())
+
+
+_NBYTES = operator.attrgetter("nbytes")
+
+
 def host_addresses(extents: Sequence[Extent]) -> list[int | None]:
     """Each extent's host_address: in C-level passes where every extent is a view of a CPU
     storage (a first save of many tensors: no Python call per extent), else one by one."""
@@ -95,7 +131,7 @@ class Snapshot:
 
     step: int
     tree: Any
-    extents: list[Extent]
+    extents: Sequence[Extent]  # a list, or LazyExtents (made on first use)
     # per tensor its TensorRecord: a SavedTensors (columns, each record made on first use) from
     # take_snapshot; any sequence of records where another module makes a Snapshot
     records: Sequence[TensorRecord]
@@ -110,7 +146,30 @@ class Snapshot:
 
     @property
     def nbytes(self) -> int:
-        return sum(e.nbytes for e in self.extents)
+        return sum(self.extent_sizes())
+
+    def extent_sizes(self) -> list[int]:
+        """Each extent's nbytes (a reused layout's column where its extents are not made yet:
+        no extent made for it). The caller must not change the list."""
+        ext = self.extents
+        if type(ext) is LazyExtents and ext.made is None:
+            return ext.sizes
+        return list(map(_NBYTES, ext))
+
+    def extent_devices(self) -> list[torch.device]:
+        """Each extent's device (as extent_sizes)."""
+        ext = self.extents
+        if type(ext) is LazyExtents and ext.made is None:
+            return ext.devices
+        return list(map(_DEVICE, ext))
+
+    def host_addresses(self) -> list[int | None]:
+        """Each extent's first byte in host memory, None where it is not there (host_addresses;
+        the layout's column where its extents are not made yet)."""
+        ext = self.extents
+        if type(ext) is LazyExtents and ext.made is None and ext.addresses is not None:
+            return ext.addresses
+        return host_addresses(ext)
 
 
 def byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -218,7 +277,7 @@ class LayoutCache:
                 list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
 
     def reuse(self, key: tuple, tensors: Sequence[torch.Tensor],
-              storages: Sequence[torch.UntypedStorage] | None = None) -> tuple[list[Extent], list[tuple[int, int]],
+              storages: Sequence[torch.UntypedStorage] | None = None) -> tuple[Sequence[Extent], list[tuple[int, int]],
                                                                                 Sequence[TensorRecord]] | None:
         """The cached layout with views of ``tensors``' storages (``storages``, if given), if
         ``key`` is the cached one."""
@@ -226,10 +285,10 @@ class LayoutCache:
             return None
         if storages is None:
             storages = [t.untyped_storage() for t in tensors]
-        if self._columns is not None:  # the views' tuples made by zip and the extents by map: no Python loop
+        if self._columns is not None:  # the extents made on first use (LazyExtents)
             sources, devices, starts, sizes, names = self._columns
             viewed = storages if sources is None else list(map(storages.__getitem__, sources))
-            extents = list(map(Extent, names, repeat(None), zip(viewed, devices, starts, sizes)))
+            extents = LazyExtents(viewed, devices, starts, sizes, names)
         else:
             empty = torch.empty(0, dtype=torch.uint8)
             extents = [Extent(name, view=(storages[src], device, start, n)) if src >= 0 else Extent(name, flat=empty)
@@ -244,6 +303,11 @@ class LayoutCache:
         usual state, one extent per tensor viewing that tensor's own storage object: its
         recipe in C-level passes)."""
         self.key, self._columns = None, None
+        if type(extents) is LazyExtents and extents.made is None and extents.viewed is storages:
+            self.key, self.placed, self.records = key, placed, records  # the columns are the recipe
+            self.recipe = []
+            self._columns = (None, extents.devices, extents.starts, extents.sizes, extents.names)
+            return
         views = [e._view for e in extents]
         if (len(views) == len(storages) and None not in views
                 and all(map(operator.is_, map(_FIRST, views), storages))):
@@ -309,7 +373,7 @@ class GuardedMemory:
     among them, are held until the next call compares with them, so an object found there is
     the same object."""
 
-    __slots__ = ("_held", "_split", "_storages", "plain", "tensors")
+    __slots__ = ("_held", "_split", "_storages", "plain", "plain_strided", "tensors")
 
     def __init__(self, held: list[Any] = ()) -> None:
         self._held: list[Any] = []  # what the optimizers held at the last call, when all plain tensors
@@ -321,6 +385,7 @@ class GuardedMemory:
         # a tensor's type, layout, device kind and quantization are fixed for the object
         # (``.data =`` refuses others); weak, so that a state the caller dropped is not kept alive
         self.plain: list[weakref.ref] = []
+        self.plain_strided = False  # whether each of those was plain strided then (_plain_strided)
         self.update(list(held))
 
     def update(self, held: list[Any]) -> GuardedMemory:
@@ -396,6 +461,10 @@ class PendingSnapshot:
         # every tensor was found plain strided (_plain_strided: no quantized, conj or neg one) at this
         # very call, so complete need not look again (a blocking save: the caller waits for the save)
         self.checked = False
+        # every tensor is of a plain type and strided, not nested, not meta (fixed for a tensor
+        # object: see GuardedMemory.plain), found so at this call or at the last blocking one,
+        # over the same objects: the encoder need not look again (encode_state_named's plain)
+        self.plain = False
 
     def unguarded_name(self) -> str:
         """The key path of the first tensor left live unguarded (for a message)."""
@@ -405,7 +474,7 @@ class PendingSnapshot:
         """The Snapshot (in the save thread, before the save reads the live tensors). Raises
         UnsupportedObjectError for a quantized guarded tensor, SnapshotChangedError where a
         tensor copied at the call was given other memory or shape in place since."""
-        tree, tensors, names, kinds = encode_state_named(self.tree, arrays=self.arrays)
+        tree, tensors, names, kinds = encode_state_named(self.tree, arrays=self.arrays, plain=self.plain)
         dtypes = list(map(_DTYPE, tensors))  # read once: the checks below, the layout key and the records
         if self.resolved or _needs_resolving(tensors, dtypes, checked=self.checked):
             self._resolve(tensors, names)
@@ -487,6 +556,8 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
             guarded.plain = []
             pending.checked = _check_at_call(rest, state) and len(rest) == len(tensors)
             guarded.plain = list(map(weakref.ref, rest))
+            guarded.plain_strided = pending.checked
+        pending.plain = guarded.plain_strided and len(rest) == len(tensors)
     elif rest and addresses != (others_at := storage_addresses_of(others)) and not set(others_at).issuperset(addresses):
         held = guarded.storages()  # also views of the guarded tensors that are saved themselves
         at_call = [t for t, a in zip(rest, addresses) if a not in held]
@@ -601,7 +672,7 @@ def take_snapshot(state: Any, step: int, *, metadata: dict | None = None,
 
 def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], layout: LayoutCache | None, *,
              records: bool = True, dtypes: Sequence[torch.dtype] | None = None
-             ) -> tuple[list[Extent], list[tuple[int, int]], Sequence[TensorRecord]]:
+             ) -> tuple[Sequence[Extent], list[tuple[int, int]], Sequence[TensorRecord]]:
     """The extents, the (extent, offset) of each tensor and the records: ``layout``'s when it
     still applies, else laid out anew (and kept in ``layout``). ``records`` False: none are
     made (save_async's grouping at the call, which names nothing). ``dtypes``: the tensors'
@@ -787,8 +858,9 @@ def _each_alone(tensors: list[torch.Tensor], names: list[str], storages: Sequenc
     los = np.fromiter(key[4], dtype=np.int64, count=count) * item
     starts = los // STORAGE_ALIGN * STORAGE_ALIGN
     lengths = los + np.fromiter(numels, dtype=np.int64, count=count) * item - starts
-    views = zip(storages, repeat(tensors[0].device), starts.tolist(), lengths.tolist())
-    extents = list(map(Extent, names, repeat(None), views))
+    device = tensors[0].device
+    addresses = (bases.astype(np.int64) + starts).tolist() if device.type == "cpu" else None
+    extents = LazyExtents(storages, [device] * count, starts.tolist(), lengths.tolist(), names, addresses)
     return extents, list(zip(range(count), (los - starts).tolist()))
 
 

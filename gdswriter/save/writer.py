@@ -78,7 +78,7 @@ def _manifest(snap: Snapshot, plan: SavePlan, crcs: Mapping[PlannedChunk, int], 
                              {"engine": written_by[fid],
                               **({"gpu": f.gpu} if f.gpu is not None else {})})
                   for fid, f in enumerate(plan.files))
-    sizes = list(map(_NBYTES, snap.extents))
+    sizes = snap.extent_sizes()
     chunks, values = _chunks_and_crcs(crcs)
     last = _last_storages
     encoded = last.fill(plan, sizes, chunks, values) if last is not None else None
@@ -161,7 +161,6 @@ def _check_tiling(step: int, sizes: list[int], sid: np.ndarray, so: np.ndarray, 
 
 
 _CHUNK_FIELDS = tuple(map(attrgetter, ("storage", "storage_offset", "length", "file", "file_offset")))
-_NBYTES = attrgetter("nbytes")
 
 
 def write_snapshot_files(snap: Snapshot, plan: SavePlan, pending: PendingCommit, engines: Sequence[IOEngine], *,
