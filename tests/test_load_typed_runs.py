@@ -101,3 +101,26 @@ def test_two_views_of_one_storage_in_a_run_stay_two_tensors_of_one_storage(tmp_p
     assert got["a"] is not got["b"] and got["a"].data_ptr() == got["b"].data_ptr()
     assert torch.equal(got["a"], shared) and torch.equal(got["b"], shared)
     assert all(torch.equal(got[k], v) and got[k].untyped_storage().nbytes() == 400 for k, v in w.items())
+
+
+def test_some_tensors_read_alone_are_their_bytes_in_their_dtypes(tmp_path):
+    """read_tensors of some indices (an export's or DeepSpeed's partial read: the views built
+    from records, over buffers made in their tensors' dtypes) gives each its own bytes."""
+    from gdswriter.format.commit import CommitProtocol
+    from gdswriter.load.reader import read_manifest, read_tensors
+
+    state = mixed_state()
+    with GDSCheckpointer(state, None, tmp_path) as ck:
+        ck.save(1)
+    protocol = CommitProtocol([tmp_path])
+    manifest = read_manifest(protocol, 1)
+    names = manifest.tensor_names()
+    wanted = [i for i, name in enumerate(names) if name.startswith("model/small/")][::7]
+    got = read_tensors(protocol, manifest, wanted)
+    for i in wanted:
+        want = state["small"][names[i].rsplit("/", 1)[1]]
+        t = got[i]
+        assert t.dtype == want.dtype and t.shape == want.shape, names[i]
+        assert torch.equal(t, want) if want.dtype == torch.bool else torch.equal(t.view(torch.uint8),
+                                                                                 want.view(torch.uint8)), names[i]
+    assert sum(t is not None for t in got) == len(wanted)

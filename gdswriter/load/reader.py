@@ -324,7 +324,8 @@ class _Run(NamedTuple):
 class _Table(NamedTuple):
     """Chunks as arrays (int64): their file, file offsets, lengths, ends, storage offsets,
     crc32c, storages, which may join a run (the only chunk of a fresh storage, not empty),
-    the dtype its run's view is made in (an index into _kinds' list; 0: uint8), and (once sorted by _sorted, per file) running byte totals (``cum[j]``: bytes before j)."""
+    the dtype its run's view is made in (an index into _kinds' list; 0: uint8), and (once
+    sorted by _sorted, per file) running byte totals (``cum[j]``: bytes before j)."""
 
     fid: np.ndarray
     offs: np.ndarray
