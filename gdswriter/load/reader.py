@@ -257,13 +257,19 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     storage a view of it (runs up to RUN_MAX bytes: larger storages have buffers of their own,
     mapped by host_buffer). The buffers cover disjoint byte ranges of the files, so what is
     allocated stays within the files' sizes (checked before: check_data_files). The chunks are
-    taken as arrays: a format 2 manifest's columns, else made from its records."""
+    taken as arrays: a format 2 manifest's columns, else made from its records.
+
+    A fresh storage in a run that one tensor views alone is made in that tensor's dtype
+    (``_kinds``), so that its tensor is the buffer itself (tensors_from_storages): one
+    torch.frombuffer per tensor, not a frombuffer and a view. Other buffers are flat uint8;
+    every buffer is a flat storage of exactly storage i's bytes either way."""
     every, sizes = _chunk_table(manifest, dests)
+    every, kinds = _kinds(manifest, every)
     fids = np.unique(every.fid).tolist()
     out = dests
     tables = {fids[0]: every} if len(fids) == 1 else {f: _take(every, every.fid == f) for f in fids}
     tables = {fid: _sorted(t) for fid, t in tables.items()}
-    runs = {fid: _runs(t, out) for fid, t in tables.items()}
+    runs = {fid: _runs(t, out, kinds) for fid, t in tables.items()}
     for sid, n in enumerate(sizes):
         if out[sid] is None:
             out[sid] = host_buffer(n)
@@ -318,7 +324,8 @@ class _Run(NamedTuple):
 class _Table(NamedTuple):
     """Chunks as arrays (int64): their file, file offsets, lengths, ends, storage offsets,
     crc32c, storages, which may join a run (the only chunk of a fresh storage, not empty),
-    and (once sorted by _sorted, per file) running byte totals (``cum[j]``: bytes before j)."""
+    the dtype its run's view is made in (an index into _kinds' list; 0: uint8), and (once
+    sorted by _sorted, per file) running byte totals (``cum[j]``: bytes before j)."""
 
     fid: np.ndarray
     offs: np.ndarray
@@ -328,6 +335,7 @@ class _Table(NamedTuple):
     crc: np.ndarray
     sid: np.ndarray
     alone: np.ndarray
+    kind: np.ndarray
     cum: np.ndarray
 
 
@@ -340,7 +348,8 @@ def _chunk_table(manifest: Manifest, dests: list[torch.Tensor | None]) -> tuple[
         sid = np.repeat(np.arange(len(cols.nbytes)), cols.counts)
         alone = (fresh & (cols.counts == 1))[sid] & (cols.ln > 0)
         empty = np.zeros(0, np.int64)
-        return (_Table(cols.fid, cols.fo, cols.ln, cols.fo + cols.ln, cols.so, cols.crc, sid, alone, empty),
+        return (_Table(cols.fid, cols.fo, cols.ln, cols.fo + cols.ln, cols.so, cols.crc, sid, alone,
+                       np.zeros(len(sid), np.int64), empty),
                 cols.nbytes.tolist())
     storages = manifest.storages
     pairs = [(c, s) for s, st in enumerate(storages) for c in st.chunks]
@@ -350,7 +359,33 @@ def _chunk_table(manifest: Manifest, dests: list[torch.Tensor | None]) -> tuple[
     sid = np.fromiter((s for _, s in pairs), np.int64, n)
     single = np.fromiter((len(st.chunks) == 1 for st in storages), bool, len(storages))
     alone = (fresh & single)[sid] & (ln > 0) if n else np.zeros(0, bool)
-    return _Table(fid, fo, ln, fo + ln, so, crc, sid, alone, np.zeros(0, np.int64)), [s.nbytes for s in storages]
+    return (_Table(fid, fo, ln, fo + ln, so, crc, sid, alone, np.zeros(n, np.int64), np.zeros(0, np.int64)),
+            [s.nbytes for s in storages])
+
+
+_TYPED = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+                    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
+"""The dtypes a run's storage may be made in (_kinds): plain ones, which torch.frombuffer makes."""
+
+
+def _kinds(manifest: Manifest, t: _Table) -> tuple[_Table, tuple[list[torch.dtype], np.ndarray]]:
+    """``t`` with each chunk's ``kind``: the dtype of the one tensor that views the chunk's
+    storage, where exactly one does, its dtype is in _TYPED and the chunk is whole elements of
+    it; else 0 (uint8). With the dtypes the kinds index (uint8 first) and their item sizes.
+    By whole columns (format 2); a manifest of records gets uint8 throughout."""
+    cols = tensor_table_columns(manifest.tensors)
+    if cols is None or not len(t.sid):
+        return t, ([torch.uint8], np.ones(1, np.int64))
+    dtypes = [torch.uint8, *map(dtype_from_name, cols.dtype_names)]
+    size = np.array([d.itemsize for d in dtypes], np.int64)
+    usable = np.array([d in _TYPED for d in dtypes])
+    n = len(manifest.storages)
+    of = np.zeros(n, np.int64)
+    rows = np.flatnonzero((np.bincount(cols.storage, minlength=n) == 1)[cols.storage])
+    of[cols.storage[rows]] = cols.dtype[rows] + 1
+    kind = of[t.sid]
+    kind[~usable[kind] | (t.lens % size[kind] != 0)] = 0
+    return t._replace(kind=kind), (dtypes, size)
 
 
 def _take(t: _Table, which: np.ndarray) -> _Table:
@@ -382,7 +417,7 @@ def _sorted(t: _Table) -> _Table:
     return t._replace(cum=cum)
 
 
-def _runs(t: _Table, dests: list[torch.Tensor | None]) -> list[_Run]:
+def _runs(t: _Table, dests: list[torch.Tensor | None], kinds: tuple[list[torch.dtype], np.ndarray]) -> list[_Run]:
     """The runs of a file's chunks ``t`` (sorted by offset): two or more consecutive chunks, each
     the only chunk of a fresh storage. Dense where the gaps allow (its buffer holds at most
     1/RUN_SLACK + RUN_GAP more than its storages) and the run is long enough to be read
@@ -390,8 +425,9 @@ def _runs(t: _Table, dests: list[torch.Tensor | None]) -> list[_Run]:
     100,000 tensors of 2.7 KB, each once a staged span of its own). Each run's storages get
     their part of its buffer in ``dests``: each a storage of its own that starts at its first
     byte (torch.frombuffer; code that reads a tensor's storage from its start, as
-    torch.set_rng_state does, gets its bytes), keeping the buffer alive. Cut with numpy, a few
-    array operations per run, not per chunk."""
+    torch.set_rng_state does, gets its bytes), keeping the buffer alive, in the dtype of its
+    chunk's kind (``kinds``: _kinds). Cut with numpy, a few array operations per run, not per
+    chunk."""
     runs: list[_Run] = []
     edges = np.flatnonzero(np.diff(t.alone.astype(np.int8), prepend=0, append=0))
     for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):  # [a, b): chunks that may join runs
@@ -403,14 +439,16 @@ def _runs(t: _Table, dests: list[torch.Tensor | None]) -> list[_Run]:
                 end = wide
                 packed = (t.cum[k:end] - t.cum[k]).tolist()
             if end - k > 1:
-                runs.append(_make_run(t, k, end, packed, dests))
+                runs.append(_make_run(t, k, end, packed, dests, kinds))
             k = end
     return runs
 
 
-def _make_run(t: _Table, k: int, end: int, packed: list[int] | None, dests: list[torch.Tensor | None]) -> _Run:
+def _make_run(t: _Table, k: int, end: int, packed: list[int] | None, dests: list[torch.Tensor | None],
+              kinds: tuple[list[torch.dtype], np.ndarray]) -> _Run:
     """Run ``[k, end)``: its buffer, and each storage's part of it in ``dests`` (torch.frombuffer
-    at an offset: a storage of exactly its bytes, a third of the cost of slicing a memoryview).
+    at an offset: a storage of exactly its bytes, a third of the cost of slicing a memoryview),
+    in its chunk's kind (_kinds) where its place in the buffer is aligned to that dtype, else uint8.
     A dense run of at least _ALIGNED_MIN bytes starts its buffer at the 4 KiB boundary at or
     below its first chunk (packed storages, format 2.1, start anywhere 64 bytes apart): at most
     4 KiB more per MiB, so what a load allocates stays within the files' sizes plus 0.4%."""
@@ -420,10 +458,14 @@ def _make_run(t: _Table, k: int, end: int, packed: list[int] | None, dests: list
     span = int(t.ends[end - 1]) - lo
     buf = host_buffer(span if packed is None else int(t.cum[end] - t.cum[k]))
     base = buf.numpy()
-    at = packed if packed is not None else (t.offs[k:end] - lo).tolist()
-    frombuffer, u8 = torch.frombuffer, torch.uint8
-    for sid, o, n in zip(t.sid[k:end].tolist(), at, t.lens[k:end].tolist()):
-        dests[sid] = frombuffer(base, dtype=u8, count=n, offset=o)
+    at = np.array(packed, np.int64) if packed is not None else t.offs[k:end] - lo
+    dtypes, size = kinds
+    kind = t.kind[k:end]
+    kind = np.where(at % size[kind] == 0, kind, 0)  # (host_buffer's memory is 64-byte aligned at least)
+    frombuffer = torch.frombuffer
+    for sid, o, n, dt in zip(t.sid[k:end].tolist(), at.tolist(), (t.lens[k:end] // size[kind]).tolist(),
+                             map(dtypes.__getitem__, kind.tolist())):
+        dests[sid] = frombuffer(base, dtype=dt, count=n, offset=o)
     if packed is None:
         return _Run(k, end, lo, span, buf, None)
     step = int(t.offs[k + 1] - t.offs[k])
@@ -464,8 +506,8 @@ def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: 
             continue
         run = runs[o]
         view = memoryview(run.buf.numpy())
-        for j in range(run.first, run.end):
-            crcs[j] = _crc32c(view[offs[j] - run.lo:offs[j] - run.lo + lens[j]])
+        at = t.offs[run.first:run.end] - run.lo
+        crcs[run.first:run.end] = [_crc32c(view[a:b]) for a, b in zip(at.tolist(), (at + t.lens[run.first:run.end]).tolist())]
     for _, _, o in shared if verify else ():
         if o < 0:  # a chunk's span that was cut: its engine checksum covers part of it
             k = -1 - o
@@ -509,9 +551,10 @@ def _read_sparse(engine: IOEngine, path: Path, chunks: tuple[list[int], list[int
     size = min(SPARSE_SCRATCH, sum(r.span - r.buf.numel() for r in runs))
     fits = [i for i, n in enumerate(placed) if n <= size]
     if len(fits) < len(runs):
-        alone = [j for i, r in enumerate(runs) if placed[i] > size for j in range(r.first, r.end)]
-        got = engine.read_file(path, [ReadSpan(offs[j], out[sids[j]]) for j in alone])
-        for j, crc in zip(alone, got):
+        alone = [(j, r) for i, r in enumerate(runs) if placed[i] > size for j in range(r.first, r.end)]
+        got = engine.read_file(path, [ReadSpan(offs[j], r.buf[r.packed[j - r.first]:][:lens[j]])  # type: ignore[index]
+                                      for j, r in alone])  # (its storage's place in its run: out[sid] may be typed)
+        for (j, _), crc in zip(alone, got):
             crcs[j] = crc
     if not fits:
         return
@@ -554,7 +597,8 @@ def _pack(run: _Run, offs: list[int], lens: list[int], scratch: torch.Tensor, po
 
 def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """Build each saved tensor as a typed strided view of its storage buffer (sharing restored):
-    from a format 2 manifest's columns (_tensors_from_columns), else from its records."""
+    from a format 2 manifest's columns (_tensors_from_columns), else from its records.
+    ``buffers``: per storage a flat tensor of its bytes (uint8, or a dtype read_storages chose)."""
     cols = tensor_table_columns(manifest.tensors)
     if cols is not None:
         return _tensors_from_columns(cols, buffers)
@@ -571,13 +615,14 @@ def tensors_from_storages(manifest: Manifest, buffers: list[torch.Tensor]) -> li
         dtype, contiguous, nbytes, flat = kind
         # The usual record, the whole storage as one C-contiguous view: buf.view(dtype), a third
         # of the cost of set_ (10,000 tensors: 0.1 s); any other view (sharing, offsets) by set_
-        if (t.byte_offset == 0 and t.stride == contiguous and nbytes and buf.numel() == nbytes
-                and (dtype.itemsize == 1 or buf.storage_offset() % dtype.itemsize == 0)):
+        if (t.byte_offset == 0 and t.stride == contiguous and nbytes and buf.nbytes == nbytes
+                and (dtype.itemsize == 1 or buf.storage_offset() * buf.itemsize % dtype.itemsize == 0)):
             typed = buf.view(dtype)
             append(typed if flat else typed.view(t.shape))
             continue
         append(torch.empty(0, dtype=dtype, device=buf.device).set_(
-            buf.untyped_storage(), (buf.storage_offset() + t.byte_offset) // dtype.itemsize, t.shape, t.stride))
+            buf.untyped_storage(), (buf.storage_offset() * buf.itemsize + t.byte_offset) // dtype.itemsize, t.shape,
+            t.stride))
     return out
 
 
@@ -614,7 +659,9 @@ def _scatter(out: list, rows: np.ndarray, values: Iterable) -> None:
 def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """tensors_from_storages over a format 2 manifest's columns. The usual view (the whole
     storage, C-contiguous, 1-D: ``buf.view(dtype)``) is found by whole columns and made per
-    dtype in one C-level map; any other view (sharing, offsets, other shapes) one by one."""
+    dtype in one pass; the buffer itself where it already has that dtype (not uint8: a buffer
+    the caller passed) and no other tensor views it (read_storages made it so). Any other view
+    (sharing, offsets, other shapes) one by one."""
     dtypes = [dtype_from_name(d) for d in cols.dtype_names]
     itemsize = np.array([d.itemsize for d in dtypes] or [1], np.int64)[cols.dtype]
     numel, contiguous = contiguous_rows(cols)
@@ -624,29 +671,37 @@ def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> l
     have, skew = have[sid], skew[sid] % itemsize
     plain = contiguous & (cols.byte_offset == 0) & (nbytes > 0) & (have == nbytes) & (skew == 0)
     out: list = [None] * len(cols.names)
+    alone = (np.bincount(sid, minlength=len(buffers)) == 1)[sid]  # the only tensor viewing its storage
     for d in np.unique(cols.dtype[plain & (cols.ndim == 1)]).tolist():
         rows = np.flatnonzero(plain & (cols.ndim == 1) & (cols.dtype == d))
-        _scatter(out, rows, map(torch.Tensor.view, map(buffers.__getitem__, sid[rows].tolist()),
-                                repeat(dtypes[d], len(rows))))
+        dt, solo = dtypes[d], alone[rows].tolist()
+        _scatter(out, rows, [b if b.dtype is dt and one and dt is not torch.uint8 else b.view(dt)
+                             for b, one in zip(map(buffers.__getitem__, sid[rows].tolist()), solo)])
     shapes, strides, starts = cols.shape.tolist(), cols.stride.tolist(), cols.starts.tolist()
     for i in np.flatnonzero(~plain | (cols.ndim != 1)).tolist():
         buf, dtype, at, k = buffers[sid[i]], dtypes[cols.dtype[i]], starts[i], int(cols.ndim[i])
         if plain[i]:
-            out[i] = buf.view(dtype).view(shapes[at:at + k])
+            out[i] = (buf if buf.dtype is dtype else buf.view(dtype)).view(shapes[at:at + k])
             continue
         out[i] = torch.empty(0, dtype=dtype, device=buf.device).set_(
-            buf.untyped_storage(), (buf.storage_offset() + int(cols.byte_offset[i])) // dtype.itemsize,
+            buf.untyped_storage(), (buf.storage_offset() * buf.itemsize + int(cols.byte_offset[i])) // dtype.itemsize,
             shapes[at:at + k], strides[at:at + k])
     return out
 
 
 def _buffer_columns(buffers: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
-    """Each buffer's byte count and storage offset (-1, 0 for a storage left unread: None)."""
+    """Each buffer's byte count and storage offset in bytes (-1, 0 for a storage left unread: None)."""
+    n = len(buffers)
     if not any(map(operator.is_, buffers, repeat(None))):
-        return (np.fromiter(map(torch.Tensor.numel, buffers), np.int64, len(buffers)),
-                np.fromiter(map(torch.Tensor.storage_offset, buffers), np.int64, len(buffers)))
-    return (np.fromiter((-1 if b is None else b.numel() for b in buffers), np.int64, len(buffers)),
-            np.fromiter((0 if b is None else b.storage_offset() for b in buffers), np.int64, len(buffers)))
+        skew = np.fromiter(map(torch.Tensor.storage_offset, buffers), np.int64, n)
+        moved = np.flatnonzero(skew)  # in elements: to bytes (read_storages' fresh buffers start their storages)
+        skew[moved] *= np.fromiter((buffers[i].itemsize for i in moved.tolist()), np.int64, len(moved))
+        return np.fromiter(map(_NBYTES, buffers), np.int64, n), skew
+    return (np.fromiter((-1 if b is None else b.nbytes for b in buffers), np.int64, n),
+            np.fromiter((0 if b is None else b.storage_offset() * b.itemsize for b in buffers), np.int64, n))
+
+
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
