@@ -99,6 +99,7 @@ def test_a_flipped_byte_in_a_parity_block_is_found_set_aside_and_re_created(tmp_
     assert (pdir / "rank00001.xor").read_bytes() == saved["rank00001.xor"]
     assert json.loads((pdir / "rank00001.json").read_bytes()) == json.loads(saved["rank00001.json"])
     assert json.loads((marks / "protected").read_bytes()) == PARITY and not (marks / "parity" / "refilling").exists()
+    assert not list(pdir.glob(".damaged-*"))
     code, said = verify(capsys, roots)
     assert code == 0 and "protection intact (3 parity blocks" in said, said
 
@@ -185,6 +186,7 @@ def test_a_flipped_byte_in_a_replica_copy_is_found_set_aside_and_re_created(tmp_
     assert tree(copy) == own
     assert (roots[0] / STEP / "protected").read_bytes() == marker
     assert not (roots[0] / STEP / "copies" / "refilling").exists()
+    assert not list(copy.parent.glob(".damaged-*"))  # the evidence removed once re-created and protected
     code, said = verify(capsys, roots)
     assert code == 0 and "protection intact" in said, said
 
@@ -234,6 +236,7 @@ def test_a_gdscheckpointer_parity_block_set_aside_is_re_created_by_the_next_load
     for rank, x in enumerate(got):
         assert x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1, (rank, x)
     assert (pdir / "rank00002.xor").read_bytes() == saved
+    assert not list(pdir.glob(".damaged-*"))
     assert (roots[0] / STEP / "protected").read_bytes() == marker
     assert not (roots[0] / STEP / "parity" / "refilling").exists()
     assert verify(capsys, roots)[0] == 0
