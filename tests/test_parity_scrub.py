@@ -289,3 +289,45 @@ def test_a_parity_refill_onto_a_replaced_primary_root_claims_no_protection_while
         assert [m[1] for m in done.values()].count(True) == 1 and not any(m[3] for m in done.values()), (rank, done)
     primary = next(k for k, m in got[0]["after next"].items() if m[1])
     assert json.loads(Path(tmp_path, primary, STEP, "protected").read_bytes()) == PARITY
+
+
+def test_a_gdscheckpointer_refill_does_not_run_while_a_repair_of_the_step_runs(tmp_path, capsys):
+    """replicas=2 (GDSCheckpointer): rank 1's copy set aside by a first repair (the step noted),
+    then rank 0's copy damaged and ``verify --repair`` run in another process, stopped after its
+    scrub: a load meanwhile (bit-exact) refills nothing (wait_protected raises, naming the
+    repair; no file changes). The repair then ends; the next load re-creates both copies, the
+    step is protected and the scrub passes."""
+    import subprocess
+    import sys
+    import time
+
+    from test_dcp_repair import REPAIR_HELD
+
+    run_ranks(2, _ck_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    flip(next((roots[0] / STEP / "copies" / "rank00001").glob("data-rank1-*.bin")))
+    assert verify(capsys, roots, "--repair")[0] == 3
+    flip(next((roots[1] / STEP / "copies" / "rank00000").glob("data-rank0-*.bin")))
+    before = tree(roots[0] / STEP), tree(roots[1] / STEP)
+    sig = tmp_path / "sig"
+    sig.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", REPAIR_HELD, str(sig), str(roots[0]), str(roots[1])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (sig / "repairing").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (sig / "repairing").exists(), "the repair never reached its set-aside"
+        got = run_ranks(2, _ck_load, str(tmp_path), out=tmp_path / "load")
+        for rank, x in enumerate(got):
+            assert x["load"] == [1, True], (rank, x)
+            assert isinstance(x["refilled"], list) and "verify --repair of this step is running" in x["refilled"][1], x
+        assert (tree(roots[0] / STEP), tree(roots[1] / STEP)) == before  # the step's files: the root lock's pid changes
+    finally:
+        (sig / "go").touch()
+        said = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 3 and "rank00000: set aside as" in said, said
+    got = run_ranks(2, _ck_load, str(tmp_path), out=tmp_path / "load2")
+    assert all(x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1 for x in got), got
+    assert verify(capsys, roots)[0] == 0
