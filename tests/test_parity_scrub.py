@@ -331,3 +331,40 @@ def test_a_gdscheckpointer_refill_does_not_run_while_a_repair_of_the_step_runs(t
     got = run_ranks(2, _ck_load, str(tmp_path), out=tmp_path / "load2")
     assert all(x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1 for x in got), got
     assert verify(capsys, roots)[0] == 0
+
+
+def _ck_save_next(rank: int, world: int, tmp: str) -> int | None:
+    """Step 2 saved and protected with keep_last=1: retention deletes step 1 on every root."""
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    from support.models import small_options
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    with GDSCheckpointer(state_of(2), root=f"{tmp}/n{rank}", options=small_options(keep_last=1),
+                         dist_options=DistOptions(timeout_s=60, replicas=2)) as ck:
+        ck.save(2)
+        got = ck.wait_protected(120)
+        ck.wait()
+    return got
+
+
+def test_what_a_repair_set_aside_goes_with_its_step(tmp_path, capsys):
+    """replicas=2: rank 1's copy set aside by --repair (kept: ``ls`` names it) and no load after;
+    a newer step saved and protected with keep_last=1 deletes step 1 on both nodes, its
+    ``.damaged-`` folder with it."""
+    from gdswriter.cli import main
+
+    run_ranks(2, _ck_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    flip(next((roots[0] / STEP / "copies" / "rank00001").glob("data-rank1-*.bin")))
+    assert verify(capsys, roots, "--repair")[0] == 3
+    assert len(list((roots[0] / STEP / "copies").glob(".damaged-rank00001-*"))) == 1
+    capsys.readouterr()
+    main(["ls", "--json", str(roots[0])])
+    assert len(json.loads(capsys.readouterr().out)[0]["damaged"]) == 1
+    assert run_ranks(2, _ck_save_next, str(tmp_path), out=tmp_path / "next") == [2, 2]
+    for root in roots:
+        assert not (root / STEP).exists() and not list(root.glob("*/copies/.damaged-*")), sorted(root.rglob("*"))
+    main(["ls", "--json", str(roots[0])])
+    assert json.loads(capsys.readouterr().out)[0]["damaged"] == []
