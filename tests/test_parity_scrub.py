@@ -99,6 +99,7 @@ def test_a_flipped_byte_in_a_parity_block_is_found_set_aside_and_re_created(tmp_
     assert (pdir / "rank00001.xor").read_bytes() == saved["rank00001.xor"]
     assert json.loads((pdir / "rank00001.json").read_bytes()) == json.loads(saved["rank00001.json"])
     assert json.loads((marks / "protected").read_bytes()) == PARITY and not (marks / "parity" / "refilling").exists()
+    assert not list(pdir.glob(".damaged-*"))
     code, said = verify(capsys, roots)
     assert code == 0 and "protection intact (3 parity blocks" in said, said
 
@@ -185,6 +186,7 @@ def test_a_flipped_byte_in_a_replica_copy_is_found_set_aside_and_re_created(tmp_
     assert tree(copy) == own
     assert (roots[0] / STEP / "protected").read_bytes() == marker
     assert not (roots[0] / STEP / "copies" / "refilling").exists()
+    assert not list(copy.parent.glob(".damaged-*"))  # the evidence removed once re-created and protected
     code, said = verify(capsys, roots)
     assert code == 0 and "protection intact" in said, said
 
@@ -234,6 +236,7 @@ def test_a_gdscheckpointer_parity_block_set_aside_is_re_created_by_the_next_load
     for rank, x in enumerate(got):
         assert x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1, (rank, x)
     assert (pdir / "rank00002.xor").read_bytes() == saved
+    assert not list(pdir.glob(".damaged-*"))
     assert (roots[0] / STEP / "protected").read_bytes() == marker
     assert not (roots[0] / STEP / "parity" / "refilling").exists()
     assert verify(capsys, roots)[0] == 0
@@ -286,3 +289,82 @@ def test_a_parity_refill_onto_a_replaced_primary_root_claims_no_protection_while
         assert [m[1] for m in done.values()].count(True) == 1 and not any(m[3] for m in done.values()), (rank, done)
     primary = next(k for k, m in got[0]["after next"].items() if m[1])
     assert json.loads(Path(tmp_path, primary, STEP, "protected").read_bytes()) == PARITY
+
+
+def test_a_gdscheckpointer_refill_does_not_run_while_a_repair_of_the_step_runs(tmp_path, capsys):
+    """replicas=2 (GDSCheckpointer): rank 1's copy set aside by a first repair (the step noted),
+    then rank 0's copy damaged and ``verify --repair`` run in another process, stopped after its
+    scrub: a load meanwhile (bit-exact) refills nothing (wait_protected raises, naming the
+    repair; no file changes). The repair then ends; the next load re-creates both copies, the
+    step is protected and the scrub passes."""
+    import subprocess
+    import sys
+    import time
+
+    from test_dcp_repair import REPAIR_HELD
+
+    run_ranks(2, _ck_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    flip(next((roots[0] / STEP / "copies" / "rank00001").glob("data-rank1-*.bin")))
+    assert verify(capsys, roots, "--repair")[0] == 3
+    flip(next((roots[1] / STEP / "copies" / "rank00000").glob("data-rank0-*.bin")))
+    before = tree(roots[0] / STEP), tree(roots[1] / STEP)
+    sig = tmp_path / "sig"
+    sig.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", REPAIR_HELD, str(sig), str(roots[0]), str(roots[1])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (sig / "repairing").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (sig / "repairing").exists(), "the repair never reached its set-aside"
+        got = run_ranks(2, _ck_load, str(tmp_path), out=tmp_path / "load")
+        for rank, x in enumerate(got):
+            assert x["load"] == [1, True], (rank, x)
+            assert isinstance(x["refilled"], list) and "verify --repair of this step is running" in x["refilled"][1], x
+        assert (tree(roots[0] / STEP), tree(roots[1] / STEP)) == before  # the step's files: the root lock's pid changes
+    finally:
+        (sig / "go").touch()
+        said = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 3 and "rank00000: set aside as" in said, said
+    got = run_ranks(2, _ck_load, str(tmp_path), out=tmp_path / "load2")
+    assert all(x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1 for x in got), got
+    assert verify(capsys, roots)[0] == 0
+
+
+def _ck_save_next(rank: int, world: int, tmp: str) -> int | None:
+    """Step 2 saved and protected with keep_last=1: retention deletes step 1 on every root."""
+    from gdswriter import GDSCheckpointer
+    from gdswriter.distributed import DistOptions
+
+    from support.models import small_options
+
+    os.environ["GDSWRITER_HOSTNAME"] = f"node{rank}"
+    with GDSCheckpointer(state_of(2), root=f"{tmp}/n{rank}", options=small_options(keep_last=1),
+                         dist_options=DistOptions(timeout_s=60, replicas=2)) as ck:
+        ck.save(2)
+        got = ck.wait_protected(120)
+        ck.wait()
+    return got
+
+
+def test_what_a_repair_set_aside_goes_with_its_step(tmp_path, capsys):
+    """replicas=2: rank 1's copy set aside by --repair (kept: ``ls`` names it) and no load after;
+    a newer step saved and protected with keep_last=1 deletes step 1 on both nodes, its
+    ``.damaged-`` folder with it."""
+    from gdswriter.cli import main
+
+    run_ranks(2, _ck_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / "n0", tmp_path / "n1"]
+    flip(next((roots[0] / STEP / "copies" / "rank00001").glob("data-rank1-*.bin")))
+    assert verify(capsys, roots, "--repair")[0] == 3
+    assert len(list((roots[0] / STEP / "copies").glob(".damaged-rank00001-*"))) == 1
+    capsys.readouterr()
+    main(["ls", "--json", str(roots[0])])
+    assert len(json.loads(capsys.readouterr().out)[0]["damaged"]) == 1
+    assert run_ranks(2, _ck_save_next, str(tmp_path), out=tmp_path / "next") == [2, 2]
+    for root in roots:
+        assert not (root / STEP).exists() and not list(root.glob("*/copies/.damaged-*")), sorted(root.rglob("*"))
+    main(["ls", "--json", str(roots[0])])
+    assert json.loads(capsys.readouterr().out)[0]["damaged"] == []

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
-from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, CommitProtocol
+from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, CommitProtocol, step_dirs
+from ..format.copies import damaged_entries
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import protected_parity
 from ..format.replicas import protected_copies
@@ -104,6 +105,7 @@ def run(args) -> int:
             entry["steps"].append(item)
         leftovers = sorted(n for n in os.listdir(p) if n.startswith((TMP_PREFIX, TRASH_PREFIX)))
         entry["leftovers"] = leftovers
+        entry["damaged"] = damaged = [str(x) for _, d in step_dirs(p) for x in damaged_entries(d)]
         if args.json:
             continue
         if steps:
@@ -124,6 +126,11 @@ def run(args) -> int:
             out(f"  note: {len(leftovers)} leftover(s) of interrupted saves or deletions "
                  f"({', '.join(leftovers[:3])}{', ...' if len(leftovers) > 3 else ''}); the next "
                  f"GDSCheckpointer opening this root removes them")
+        if damaged:
+            out(f"  note: {len(damaged)} damaged cop{'ies or parity blocks' if len(damaged) != 1 else 'y or parity block'}"
+                f" set aside by gdswriter verify --repair ({', '.join(damaged[:3])}{', ...' if len(damaged) > 3 else ''}"
+                f"); the next multi-rank load's refill re-creates them and then removes these; else they go with "
+                f"their step")
     if args.json:
         out(json.dumps(report, indent=2))
     return rc

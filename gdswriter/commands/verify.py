@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
 from ..format.commit import CommitProtocol
+from ..format.copies import step_lock
 from ..progress import Progress
 from ..units import gbps, human, parse_size
 from ._common import (EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, add_roots_argument, check_roots, load_manifest, open_roots,
@@ -72,23 +75,35 @@ def run(args) -> int:
 
 def _one_step(args, protocol: CommitProtocol, engine, step: int, scratch: int) -> str:
     """Verify (and scrub) one step, printing its lines: "ok", "corrupt", "vanished" or "unprotected"."""
-    from ..load.reader import step_gone
     from ..load.verify import scrub_protection, verify_step
 
     problems: list[str] = []
-    m = scrub = None
+    m = scrub = lock = None
     try:
-        _, m, _ = load_manifest(protocol, step)
-        check_roots(protocol, step, m)
-        with Progress(f"verify step {step}") as bar:  # drawn on a terminal only
-            stats = verify_step(protocol, m, bar.reads(engine), scratch, problems)
-            scrub = scrub_protection(protocol, step, bar.reads(engine), scratch) if m.dist is not None else None
-    except CheckpointNotFoundError:
-        stats = None
-        problems.append("deleted")
-    except (CorruptCheckpointError, UnsupportedFormatVersionError) as e:
-        stats = None
-        problems.append(str(e))
+        try:
+            _, m, _ = load_manifest(protocol, step)
+            check_roots(protocol, step, m)
+            if args.repair and m.dist is not None:  # no refill of the step runs from the scrub to the repair's end
+                lock = step_lock(protocol.step_dir(step), exclusive=True)
+            with Progress(f"verify step {step}") as bar:  # drawn on a terminal only
+                stats = verify_step(protocol, m, bar.reads(engine), scratch, problems)
+                scrub = scrub_protection(protocol, step, bar.reads(engine), scratch) if m.dist is not None else None
+        except CheckpointNotFoundError:
+            stats = None
+            problems.append("deleted")
+        except (CorruptCheckpointError, UnsupportedFormatVersionError) as e:
+            stats = None
+            problems.append(str(e))
+        return _judged(args, protocol, engine, step, m, stats, scrub, problems)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _judged(args, protocol: CommitProtocol, engine, step: int, m, stats, scrub, problems: list[str]) -> str:
+    """``_one_step``'s verdict and lines, once the step is read (and, with --repair, repaired)."""
+    from ..load.reader import step_gone
+
     # Problems of a step deleted (or saved again) meanwhile are a race with retention, not damage.
     if (problems or (scrub and scrub.problems)) and \
             (not protocol.is_committed(step) if m is None else step_gone(protocol, m)):
@@ -107,7 +122,7 @@ def _one_step(args, protocol: CommitProtocol, engine, step: int, scratch: int) -
     line = (f"step {step}: OK ({stats.files} file{'s' if stats.files != 1 else ''}, {stats.chunks} "
             f"chunk{'s' if stats.chunks != 1 else ''}, {human(stats.bytes)} re-read and re-hashed in "
             f"{stats.seconds:.2f} s, {gbps(stats.bytes, stats.seconds):.2f} GB/s; engine {engine.info.name})")
-    if scrub is None or not (scrub.blocks or scrub.files or scrub.problems):
+    if scrub is None or not (scrub.blocks or scrub.files or scrub.problems or scrub.damaged):
         out(line)
         return "ok"
     return _scrubbed(args, protocol, step, scrub, line)
@@ -119,6 +134,10 @@ def _scrubbed(args, protocol: CommitProtocol, step: int, scrub, line: str) -> st
 
     checked = (f"{scrub.blocks} parity block{'s' if scrub.blocks != 1 else ''}, {scrub.files} copy "
                f"file{'s' if scrub.files != 1 else ''}, {human(scrub.bytes)} re-read in {scrub.seconds:.2f} s")
+    if scrub.damaged:
+        out(f"step {step}: {len(scrub.damaged)} damaged cop{'ies or blocks' if len(scrub.damaged) != 1 else 'y or block'} "
+            f"set aside by verify --repair, kept until a load's refill re-created and protected them: " +
+            ", ".join(scrub.damaged))
     if not scrub.problems:
         out(f"{line}; protection intact ({checked})")
         return "ok"

@@ -214,7 +214,7 @@ class GDSStorageReader(Collective, StorageReader):
         except BaseException:
             self._close_engines()  # the next load starts from a fresh one
             raise
-        if placed is not None and (placed.lost or placed.unfit or placed.stripes) and placed.held is None:  # the same on every rank
+        if placed is not None and (placed.lost or placed.unfit or placed.stripes or placed.noted) and placed.held is None:  # the same on every rank
             # read from copies (or rebuilt from parity) because a node was replaced, or because files were missing,
             # short or damaged on a root a rank reaches (a refill killed midway): re-created there in the
             # background; not a copy held in memory for this load alone (parityload.py: gone after it)

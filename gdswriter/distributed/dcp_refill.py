@@ -57,13 +57,15 @@ import mmap
 import os
 import re
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
-from ..format.copies import withdraw_protection
+from ..format.copies import (DAMAGED_PREFIX, drop_damaged, refilling_marker, restore_protection, step_lock,
+                              withdraw_protection)
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.parity import PARITY_DIR
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
@@ -81,6 +83,7 @@ from .roots import RootLayout
 log = logging.getLogger("gdswriter")
 _RANK_FILE = re.compile(r"^data-rank(\d+)-")
 _COPY_DIR = re.compile(r"^rank(\d+)$")
+_ASIDE = re.compile(rf"^{re.escape(DAMAGED_PREFIX)}rank(\d+)-[0-9a-f]+$")  # a copy verify --repair set aside
 MANIFEST_LIMIT = 1 << 30
 LOCAL_PIECE = 8 << 20  # a move within one rank (it sees both roots) copies in pieces of this size
 
@@ -106,11 +109,13 @@ class DcpMove:
 
 
 def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copies: dict[int, int],
-                    c: int) -> list[DcpMove]:
+                    c: int, aside: Sequence[tuple[int, int]] = ()) -> list[DcpMove]:
     """Pure, on rank 0 (module docstring, 1): ``placed`` the load's placement (its ``lost``
     roots and its ``unfit`` files, each pointed at a copy), ``checkers`` the rank looking at
     each reached root, ``copies`` the number of ``copies/rank<R>`` directories per rank R on
-    reached roots, ``c`` the step's copies. A lost root is written by the lowest of its ranks,
+    reached roots, ``c`` the step's copies, ``aside`` (root g, rank R): rank R's copy on reached
+    root g set aside by ``verify --repair`` (a ``.damaged-rank<R>-`` folder, no ``rank<R>``),
+    re-created there from R's own files. A lost root is written by the lowest of its ranks,
     a reached root's unfit files by the rank looking at it."""
     assert m.dist is not None
     roots, lost = m.dist.roots, list(placed.lost)
@@ -134,8 +139,11 @@ def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copie
     for i, f in enumerate(m.files):
         if (k := _RANK_FILE.match(f.path)) is not None:
             by_rank.setdefault(int(k.group(1)), []).append(i)
+    repaired = _repairs(m, aside, checkers, by_rank, on_lost | {r for r, mine in by_rank.items()
+                                                                 if unfit.intersection(mine)})
+    moves += repaired
     for r in range(m.dist.world_size):
-        if r in on_lost or copies.get(r, 0) >= c - 1:
+        if r in on_lost or copies.get(r, 0) >= c - 1 or any(mv.rank == r for mv in repaired):
             continue
         mine = by_rank.get(r, [])
         where = {m.files[i].root for i in mine}
@@ -147,6 +155,22 @@ def plan_dcp_refill(m: Manifest, placed: Placed, checkers: dict[int, int], copie
     # the copies first, a root's own files last: a refill stopped midway leaves some own file missing,
     # which the next load finds (place_files' size check) and refills, copies included
     return sorted(moves, key=lambda mv: mv.own)
+
+
+def _repairs(m: Manifest, aside: Sequence[tuple[int, int]], checkers: dict[int, int], by_rank: dict[int, list[int]],
+             skip: set[int]) -> list[DcpMove]:
+    """``plan_dcp_refill``'s moves of the copies ``verify --repair`` set aside: rank R's files
+    (all on one reached root, not ``skip``: lost, or read from a copy) sent by the rank looking
+    at their root to the rank looking at the root whose copy was set aside."""
+    moves = []
+    for g, r in sorted(set(map(tuple, aside))):  # type: ignore[arg-type]
+        mine = by_rank.get(r, [])
+        where = {m.files[i].root for i in mine}
+        if r in skip or len(where) != 1 or g in where or g not in checkers or min(where) not in checkers:
+            continue
+        src = min(where)
+        moves.append(DcpMove(r, src, "", checkers[src], checkers[g], g, False, tuple(mine)))
+    return moves
 
 
 def _chunks(m: Manifest, files: tuple[int, ...]) -> dict[int, list[ChunkRecord]]:
@@ -177,22 +201,26 @@ def _survey(job: DcpRefillJob) -> dict:
     marker's copies on the roots it looked at."""
     d = step_dir_name(job.m.step)
     ranks: list[int] = []
+    aside: list[list[int]] = []
     c = n = 0
     for g in job.placed.check:
         base = job.placed.reach[g] / d  # type: ignore[operator]
         for marker in (base / PROTECTED_NAME, base / COPIES_DIR / PROTECTED_NAME,  # copies/: beside the manifest's copy
-                       base / PARITY_DIR / REFILLING_NAME):  # a parity refill stopped after it unprotected the step
+                       base / PARITY_DIR / REFILLING_NAME,  # a parity refill stopped after it unprotected the step
+                       base / COPIES_DIR / REFILLING_NAME):  # verify --repair set a copy aside
             try:
                 body = json.loads(read_regular_file(marker, 4096))
                 c, n = max(c, int(body.get("copies", 0))), max(n, int(body.get("parity_group", 0)))
             except (OSError, ValueError, GDSWriterError, AttributeError):
                 pass
         try:
-            ranks += [int(k.group(1)) for p in (base / COPIES_DIR).iterdir()
-                      if p.is_dir() and (k := _COPY_DIR.match(p.name))]
+            names = os.listdir(base / COPIES_DIR)
         except OSError:
-            pass
-    return {"copies": ranks, "c": c, "parity": n}
+            continue
+        here = [int(k.group(1)) for p in names if (k := _COPY_DIR.match(p)) and (base / COPIES_DIR / p).is_dir()]
+        ranks += here
+        aside += [[g, int(k.group(1))] for p in names if (k := _ASIDE.match(p)) and int(k.group(1)) not in here]
+    return {"copies": ranks, "c": c, "parity": n, "aside": aside}
 
 
 def _sources(job: DcpRefillJob, mv: DcpMove) -> list[Source]:
@@ -220,6 +248,8 @@ def _copies_dir(job: DcpRefillJob, mv: DcpMove) -> Path:
     assert job.m.dist is not None
     want = job.m.dist.roots[mv.target].path
     root = next((p for p in job.layout.local_paths if str(p.resolve()) == want), None)
+    if mv.target not in job.placed.lost and mv.target < len(job.placed.reach):  # a reached root: where this rank sees it
+        root = job.placed.reach[mv.target] or root
     if root is None:
         raise GDSWriterError(f"no root of this rank is at {want} (the replaced root's path): not refilled")
     primary = job.m.dist.roots[0]
@@ -254,7 +284,7 @@ def _local_move(job: DcpRefillJob, mv: DcpMove) -> list[str]:
 def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMove], int, int]:
     """Collective: the moves (rank 0 decides from every rank's survey), the step's copies and
     its parity group (0: none)."""
-    error, mine = None, {"copies": [], "c": 0, "parity": 0}
+    error, mine = None, {"copies": [], "c": 0, "parity": 0, "aside": []}
     try:
         mine = _survey(job)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
@@ -268,7 +298,8 @@ def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMov
         c, n = max(o["c"] for o in outs), max(o["parity"] for o in outs)
         if c < 2 and n < 2:
             return {"moves": [], "c": c, "parity": 0}
-        moves = plan_dcp_refill(job.m, job.placed, job.placed.checkers or {}, count, 1 if n >= 2 else c)
+        aside = [] if n >= 2 else [x for o in outs for x in o["aside"]]
+        moves = plan_dcp_refill(job.m, job.placed, job.placed.checkers or {}, count, 1 if n >= 2 else c, aside)
         return {"moves": [mv.wire() for mv in moves], "c": c, "parity": n if n >= 2 else 0}
 
     got = coord.decide(error, mine, f"{what} (planning)", rule)
@@ -279,18 +310,50 @@ def _plan(coord: Coordinator, job: DcpRefillJob, what: str) -> tuple[list[DcpMov
 def run_dcp_refill(coord: Coordinator, job: DcpRefillJob) -> bool:
     """Collective on the refill channel (module docstring): True when the step was refilled; the
     locks on the ``copies`` directories written into released at its end, whatever it was."""
+    held: list[int] = []
     try:
-        return _refill(coord, job)
+        return _refill(coord, job, held)
     finally:
         job.locks.release()
+        for fd in held:
+            os.close(fd)
 
 
-def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
-    """``run_dcp_refill``'s work."""
+def _hold_step(coord: Coordinator, job: DcpRefillJob, what: str) -> list[int]:
+    """Collective, first: the primary rank takes the step's lock shared (format/copies.py
+    ``step_lock``; ``verify --repair`` takes it exclusive), before any rank looks for what to
+    re-create, so a repair never sets a copy aside that this refill counted, nor withdraws the
+    ``protected`` it writes back; refused (a repair runs), the refill fails on every rank
+    (the step loads as it did; the next load refills). The descriptor held, on the primary rank."""
+    error, held = None, []
+    layout = job.layout
+    if coord.rank == layout.primary_rank:
+        local = layout.local_of(0)
+        d = layout.local_paths[local if local is not None else 0] / step_dir_name(job.m.step)
+        try:
+            if d.is_dir():  # else a replaced primary root: no repair can run on a step directory not there yet
+                held.append(step_lock(d, exclusive=False))
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            error = e
+    try:
+        coord.agree(error, f"{what} (the step's lock)", root=layout.primary_rank)
+    except GDSWriterError as e:
+        for fd in held:
+            os.close(fd)
+        if isinstance(e, (ReplicationError, CollectiveFailedError)):
+            raise
+        raise ReplicationError(f"DCP step {job.m.step} was loaded but not refilled: {describe(e)}",
+                               job.m.step) from e
+    return held
+
+
+def _refill(coord: Coordinator, job: DcpRefillJob, held: list[int]) -> bool:
+    """``run_dcp_refill``'s work (``held``: the step lock's descriptor, closed by the caller)."""
     step = job.m.step
     what = f"refilling DCP step {step}"
+    held += _hold_step(coord, job, what)
     moves, c, parity = _plan(coord, job, what)
-    if not moves and not (parity and job.placed.stripes):
+    if not moves and not (parity and job.placed.stripes) and not job.placed.noted:
         return False
     marker = parity_marker(parity) if parity else protected_marker(c)
     zero = tuple(mv for mv in moves if parity and mv.rank == 0 and mv.own and mv.receiver == coord.rank)
@@ -308,7 +371,7 @@ def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
                     atomic_write(_copies_dir(job, mv) / PROTECTED_NAME, marker)
                 except Exception as e:  # noqa: BLE001 - reported to rank 0
                     problems.append(describe(e))
-    if parity:
+    if parity and (job.placed.stripes or any(mv.own and mv.target in job.placed.lost for mv in moves)):
         problems += _stripes(coord, job, moves, what)
     failed = coord.decide(None, "; ".join(problems)[:2000], f"{what} (outcomes)",
                           lambda outs: [[r, m] for r, m in enumerate(outs) if m][:8])
@@ -319,7 +382,22 @@ def _refill(coord: Coordinator, job: DcpRefillJob) -> bool:
     _mark(coord, job, marker, what, refilling=False, zero=zero)
     if parity:  # the copies the load rebuilt, read by this refill: the step is protected without them
         _drop_rebuilt(coord, job, moves)
+    _drop_damage(job)
     return True
+
+
+def _drop_damage(job: DcpRefillJob) -> None:
+    """The ``.damaged-`` entries ``verify --repair`` set aside on the roots this rank looks at,
+    removed once what they held is re-created and the step protected again (format/copies.py
+    ``drop_damaged``); a failure is logged (they cost disk space, never a load)."""
+    for g in job.placed.check[:len(job.m.dist.roots)]:  # type: ignore[union-attr]
+        d = job.placed.reach[g] / step_dir_name(job.m.step)  # type: ignore[operator]
+        try:
+            for gone in drop_damaged(d):
+                log.info("gdswriter: DCP step %d: %s removed (re-created and protected again)", job.m.step, gone)
+        except OSError as e:
+            log.warning("gdswriter: DCP step %d: what verify --repair set aside in %s stays (%s); it goes with the "
+                        "step", job.m.step, d, e)
 
 
 def _drop_rebuilt(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove]) -> None:
@@ -418,8 +496,7 @@ def _marks(job: DcpRefillJob, d: Path, marker: bytes, refilling: bool) -> None:
             durable_copies_dir(d.parent, job.m.step, lambda x: write_owner(x, primary.path, primary.id))
         withdraw_protection(d, marker, parity=True)
         return
-    atomic_write(d / PROTECTED_NAME, marker)
-    _unnote(d)
+    restore_protection(d, refilling_marker(d) or marker)  # the note verify --repair wrote keeps the marker
 
 
 def _note(d: Path, marker: bytes) -> None:

@@ -245,6 +245,7 @@ class Placed:
     lost: tuple[int, ...] = ()  # the step's table roots no rank reaches (replaced nodes: dcp_refill.py)
     unfit: tuple[int, ...] = ()  # files read from a copy though their root is reached: refilled too (dcp_refill.py)
     stripes: tuple[int, ...] = ()  # ranks of reached roots whose parity block is missing: re-created (dcp_refill.py)
+    noted: bool = False  # a refilling note (verify --repair, a stopped refill): the load refills (dcp_refill.py)
 
 
 def _blocks(reach: Sequence[Path | None], check: Sequence[int], d: str) -> list[list[int]]:
@@ -330,7 +331,9 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
     some = [any((p / d / COPIES_DIR).is_dir() for p in reached.values()),
             any((p / d / PARITY_DIR).is_dir() for p in reached.values()),
             any((p / d / PROTECTED_NAME).is_file() or (p / d / COPIES_DIR / PROTECTED_NAME).is_file()
-                or (p / d / PARITY_DIR / REFILLING_NAME).is_file() for p in reached.values())]
+                or (p / d / PARITY_DIR / REFILLING_NAME).is_file() for p in reached.values()),
+            any((p / d / COPIES_DIR / REFILLING_NAME).is_file() or (p / d / PARITY_DIR / REFILLING_NAME).is_file()
+                for p in reached.values())]
     needed = sorted({f.root for f in m.files})
     checker: dict[int, int] = {}
 
@@ -339,9 +342,9 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
             for g in gs:
                 checker.setdefault(g, r)
         lost = [g for g in needed if g not in checker]
-        copies, parity, protected = (any(n[k] for n, _ in outs) for k in range(3))
+        copies, parity, protected, noted = (any(n[k] for n, _ in outs) for k in range(4))
         return [{"check": [g for g, c in checker.items() if c == r], "copies": copies or parity, "parity": parity,
-                 "lost": lost, "protected": protected} for r in range(len(outs))]
+                 "lost": lost, "protected": protected, "noted": noted} for r in range(len(outs))]
 
     mine = coord.decide_each(None, [some, sorted(reached)], f"{what} (finding the step's files)", assign)
     if not mine["copies"]:
@@ -369,7 +372,7 @@ def place_files(coord: Coordinator, m: Manifest, reach: Sequence[Path | None], w
     bad += [[i, f"root {f.root} of the step is on no rank of this job (a replaced node?)"]
             for i, f in enumerate(m.files) if f.root in lost]
     placed = Placed(m, True, check, reach=tuple(reach), parity=mine["parity"], checkers=checker or None,
-                    lost=tuple(mine["lost"]), unfit=unfit, stripes=tuple(said["stripes"]))
+                    lost=tuple(mine["lost"]), unfit=unfit, stripes=tuple(said["stripes"]), noted=mine["noted"])
     return _from_copies(coord, placed, [(i, p) for i, p in bad], what) if bad else placed
 
 

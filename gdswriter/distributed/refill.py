@@ -74,7 +74,8 @@ import torch
 
 from ..errors import ChecksumMismatchError, CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import TMP_PREFIX, step_dir_name
-from ..format.copies import copy_ref, refilling_marker, relocate_roots, replicas_of, restore_protection
+from ..format.copies import (copy_ref, drop_damaged, refilling_marker, relocate_roots, replicas_of,
+                              restore_protection, step_lock)
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import PARITY_DIR, protected_parity, refilling_parity
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
@@ -224,10 +225,40 @@ def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
     """Collective on the replication group: refill ``job.step`` (the module docstring; a step
     protected by parity: its lost members' files and parity blocks, parityrefill.py). True when
     something was refilled and the step is protected again; False when nothing was lost (or it
-    cannot be refilled: logged); ReplicationError when a rank failed."""
+    cannot be refilled: logged); ReplicationError when a rank failed. The primary rank holds the
+    step's lock (format/copies.py ``step_lock``, shared) from before it reads the refilling note
+    until the end: ``verify --repair`` of the step never runs meanwhile."""
+    held: list[int] = []
+    try:
+        done = _refill(coord, job, copies, held)
+    finally:
+        for fd in held:
+            os.close(fd)
+    if done:
+        drop_damage(coord.rank, job.layout, job.step)
+    return done
+
+
+def drop_damage(me: int, layout: RootLayout, step: int) -> None:
+    """The ``.damaged-`` entries ``verify --repair`` set aside on the roots rank ``me`` leads,
+    removed once the refill re-created what they held and the step is protected again
+    (format/copies.py ``drop_damaged``); a failure is logged (disk space, never a load)."""
+    for i, root in enumerate(layout.local_paths):
+        if not layout.leads(i):
+            continue
+        try:
+            for gone in drop_damaged(root / step_dir_name(step)):
+                log.info("gdswriter: step %d: %s removed (re-created and protected again)", step, gone)
+        except OSError as e:
+            log.warning("gdswriter: step %d: what verify --repair set aside on %s stays (%s); it goes with the step",
+                        step, root, e)
+
+
+def _refill(coord: Coordinator, job: RefillJob, copies: int, held: list[int]) -> bool:
+    """``run_refill``'s work (``held``: the step lock's descriptor, closed by the caller)."""
     step, layout = job.step, job.layout
     what = f"refilling step {step}"
-    raw, parity, note = _manifest_bytes(coord, layout, step, what)
+    raw, parity, note = _manifest_bytes(coord, layout, step, what, held)
     g = parse_global(raw, f"{step_dir_name(step)}/{MANIFEST_NAME}")
     if g is None:
         return False
@@ -352,8 +383,8 @@ def _stripes(coord: Coordinator, layout: RootLayout, g: GlobalManifest, plan: Re
                                f"rebuilding its lost members at each load", g.step) from e
 
 
-def _manifest_bytes(coord: Coordinator, layout: RootLayout, step: int,
-                    what: str) -> tuple[bytes, int | None, bytes | None]:
+def _manifest_bytes(coord: Coordinator, layout: RootLayout, step: int, what: str,
+                    held: list[int]) -> tuple[bytes, int | None, bytes | None]:
     """The step's manifest.json, read by the primary rank and sent to every rank; the group
     size its ``protected`` marker (or its refilling note) records where parity protects it
     (else None); the marker its refilling note keeps (the scrub set damage aside), else None."""
@@ -361,6 +392,7 @@ def _manifest_bytes(coord: Coordinator, layout: RootLayout, step: int,
     if coord.rank == layout.primary_rank:
         try:
             path = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step) / MANIFEST_NAME
+            held.append(step_lock(path.parent, exclusive=False))  # before the note is read: no repair meanwhile
             note = refilling_marker(path.parent)
             mine = {"raw": read_regular_file(path, MANIFEST_LIMIT).decode(),  # JSON: UTF-8, byte for byte
                     "parity": protected_parity(path.parent) or refilling_parity(path.parent),

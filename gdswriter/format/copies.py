@@ -16,17 +16,20 @@ load, the reshard plan, the merge, the fetch) reads the copy without knowing it 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import crc32c as _crc32c
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError, UnreachableDataError
+from ..errors import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError,
+                      UnreachableDataError)
 from ..fs import TMP_PREFIX, atomic_write, fsync_dir, link_no_clobber, read_regular_file, write_durable
-from .commit import step_dir_name, step_dirs
+from .commit import TRASH_PREFIX, step_dir_name, step_dirs
 from .parity import PARITY_DIR, REFILLING_NAME
 from .replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name
 from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
@@ -224,3 +227,60 @@ def restore_protection(step_dir: Path, marker: bytes) -> None:
         if note.exists():
             os.unlink(note)
             fsync_dir(note.parent)
+
+
+def damaged_entries(step_dir: Path) -> list[Path]:
+    """The ``.damaged-`` entries (copies and parity blocks ``verify --repair`` set aside) in the
+    step directory ``step_dir``'s ``copies/`` and ``parity/``, sorted. Reads only."""
+    out: list[Path] = []
+    for d in (COPIES_DIR, PARITY_DIR):
+        try:
+            out += [step_dir / d / n for n in os.listdir(step_dir / d) if n.startswith(DAMAGED_PREFIX)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return sorted(out)
+
+
+def drop_damaged(step_dir: Path) -> list[Path]:
+    """The ``.damaged-`` entries in ``step_dir`` removed, once what they held is re-created,
+    verified and the step marked protected again (format.md 11.2, *The scrub*): each renamed
+    to a ``.trash-`` name first (its directory fsynced: a crash mid-way leaves trash, which a
+    later load's clean-up of ``copies/`` or the step's deletion removes, never half of the
+    evidence under its own name), then deleted. What was removed."""
+    gone = []
+    for path in damaged_entries(step_dir):
+        trash = path.with_name(f"{TRASH_PREFIX}{path.name}")
+        os.rename(path, trash)
+        fsync_dir(path.parent)
+        if trash.is_dir() and not trash.is_symlink():
+            shutil.rmtree(trash)
+        else:
+            trash.unlink()
+        gone.append(path)
+    return gone
+
+
+def step_lock(step_dir: Path, exclusive: bool) -> int:
+    """The lock that keeps ``verify --repair`` (``exclusive``) and a refill of the same step
+    (shared, held by the refill's primary rank from before it looks for what to re-create until
+    it ends) apart: a ``flock`` of the primary step directory's ``copies/`` (made durably where
+    missing; the lock dcp_leftovers.py reads as "a refill is running"), never waited for: held
+    elsewhere, ``CheckpointLockedError`` saying who to wait for. A descriptor to ``os.close``."""
+    d = step_dir / COPIES_DIR
+    if not d.is_dir():
+        d.mkdir(exist_ok=True)
+        fsync_dir(step_dir)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError as e:
+        os.close(fd)
+        who = ("a refill of this step is running (a multi-rank load re-creates its copies or parity blocks in the "
+               "background): run verify --repair again once it ended (wait_protected() / wait_refilled())"
+               if exclusive else "gdswriter verify --repair of this step is running: load the step again once it "
+               "ended, and its refill re-creates what it set aside")
+        raise CheckpointLockedError(errno.EWOULDBLOCK, f"{step_dir}: {who}") from e
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -13,7 +13,7 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import crc32c as _crc32c
@@ -23,7 +23,8 @@ from ..crc import crc32c_combine
 from ..engines.base import IOEngine, ReadSpan
 from ..errors import CorruptCheckpointError, GDSWriterError
 from ..format.commit import CommitProtocol, step_dir_name
-from ..format.copies import copy_dir, refilling_marker, replicas_of, set_aside, withdraw_protection
+from ..format.copies import (copy_dir, damaged_entries, refilling_marker, replicas_of, set_aside,
+                             withdraw_protection)
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.parity import PARITY_DIR, parity_name, protected_parity, read_stripe, refilling_parity, stripe_name
 from ..format.replicas import (COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_copies,
@@ -228,7 +229,9 @@ class ProtectionProblem:
 class ScrubReport:
     """What ``scrub_protection`` found: ``problems``; ``parity``: the step's parity group
     (None: copies, or not protected at all); ``copies``: how many places hold each rank's files
-    (1: none besides its own); the blocks and copy files re-read, and their bytes."""
+    (1: none besides its own); the blocks and copy files re-read, and their bytes; ``damaged``:
+    the ``.damaged-`` entries an earlier ``--repair`` set aside, still on the roots given (a
+    load's refill removes them once it re-created what they held)."""
 
     step: int
     problems: list[ProtectionProblem]
@@ -239,6 +242,7 @@ class ScrubReport:
     bytes: int = 0
     seconds: float = 0.0
     dcp: bool = False
+    damaged: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -324,6 +328,7 @@ def scrub_protection(protocol: CommitProtocol, step: int, engine: IOEngine, scra
         else:
             _scrub_dcp_copies(report, parsed, reach, engine, scratch, primary)
     for j, p in enumerate(reach):
+        report.damaged += [] if p is None else [str(e) for e in damaged_entries(p / step_dir_name(step))]
         copy = None if p is None else p / step_dir_name(step) / COPIES_DIR / MANIFEST_NAME
         if copy is not None and copy.exists():
             report.files += 1
@@ -467,10 +472,10 @@ def set_aside_damage(protocol: CommitProtocol, report: ScrubReport) -> list[str]
     removed); then each damaged parity block (with its description) and each damaged copy folder
     is set aside (``.damaged-`` names: no reader looks at it), so the next multi-rank load's
     refill finds it missing and re-creates it, as it re-creates a lost one, and writes
-    ``protected`` back. A damaged ``copies/manifest.json`` is rewritten from ``manifest.json``.
-    A DCP step's copies are not re-created by its refill (they are found, not recorded): its
-    protection is withdrawn, the copies left as they are (a load checks them as it reads).
-    Returns one line per action."""
+    ``protected`` back (a DCP step's copy on the root where it was set aside: dcp_refill.py),
+    then removes the ``.damaged-`` entries. A damaged ``copies/manifest.json`` is rewritten from
+    ``manifest.json``. The caller holds ``format/copies.step_lock`` (no refill of the step runs
+    meanwhile). Returns one line per action."""
     primary, done = protocol.step_dir(report.step), []
     if any(p.kind != "manifest copy" for p in report.problems):
         try:  # the marker the step says now, else the one a note keeps, else the one it would say
@@ -490,10 +495,12 @@ def set_aside_damage(protocol: CommitProtocol, report: ScrubReport) -> list[str]
             for q in (path.parent / parity_name(p.rank), path.parent / stripe_name(p.rank)):
                 if os.path.lexists(q):
                     done.append(f"{q}: set aside as {set_aside(q).name}")
-        elif report.dcp:
-            done.append(f"{path}: left as it is (a DCP step's copy is re-created by the next protected save)")
         else:
             folder = next((q for q in (path, *path.parents) if q.name == copy_dir_name(p.rank)), None)
             if folder is not None and os.path.lexists(folder):
                 done.append(f"{folder}: set aside as {set_aside(folder).name}")
+    if any("set aside as" in line for line in done):
+        done.append(f"step {report.step}: what was set aside stays until the next multi-rank load's refill has "
+                    f"re-created it and marked the step protected, then that refill removes it (copy it elsewhere "
+                    f"first to keep the damaged bytes)")
     return done
