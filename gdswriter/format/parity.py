@@ -81,7 +81,9 @@ def read_stripe(path: Path) -> dict:
             if len(m["roots"]) != n_files or len(m["file_crcs"]) != n_files or \
                     len(m["chunk_crcs"]) != len(lane) - 1 or sum(stream_size(int(f[2])) for f in m["files"]) != int(m["total"]):
                 raise ValueError("a member's entry is inconsistent")
-        int(body["parity"]["length"]), int(body["parity"]["crc32c"]), int(body["parity"]["rank"])
+        int(body["parity"]["length"]), int(body["parity"]["crc32c"])
+        if body["parity"]["file"] != parity_name(int(body["parity"]["rank"])):  # a path a rebuild opens
+            raise ValueError("its parity block's file name is not the one its rank writes")
         return body
     except (ValueError, KeyError, TypeError, IndexError, GDSWriterError) as e:
         if isinstance(e, CorruptCheckpointError):
