@@ -26,3 +26,16 @@ def test_a_parity_description_without_its_own_file_name_is_reported_not_a_crash(
         desc.write_text(json.dumps(body))
         code, said = verify(capsys, roots)
         assert code == 3 and "rank 2's parity block" in said, said
+
+
+def test_a_parity_description_naming_a_file_outside_its_step_is_refused(tmp_path, capsys):
+    """A member's data file name is joined to its step directory by a rebuild and the scrub: one
+    leading out of it (damaged, hostile) makes the description damaged protection, not a read."""
+    run_ranks(3, _dcp_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / f"node{k}" for k in range(3)]
+    desc = roots[2] / STEP / "parity" / "rank00002.json"
+    body = json.loads(desc.read_bytes())
+    body["members"][0]["files"][0][1] = "../" + STEP + "/" + body["members"][0]["files"][0][1]
+    desc.write_text(json.dumps(body))
+    code, said = verify(capsys, roots)
+    assert code == 3 and "rank 2's parity block" in said, said
