@@ -21,6 +21,15 @@ pool of 4 KiB pages allocated right after the process freed memory (as a
 training job does before it creates its checkpointer) wrote 15-30% and read
 33-41% slower than one allocated elsewhere; with huge pages both were as fast
 (benchmarks/staging_placement.py). Where THP is off, the advice changes nothing.
+
+Locking ahead (``lock_ahead``): mlock is where fresh memory costs (the kernel zeroes every page
+it faults in; on this project's VM, which gives freed memory back to its host, a fresh 64 MiB
+took 6-220 ms to lock). A pool made with ``lock_ahead`` returns at once, and a thread of its own
+locks it front to back, LOCK_AHEAD_STEP at a time; ``wait_locked(end)`` waits until bytes
+[0, end) are locked (or locking stopped: refused, the pool then unlocked as above). A user that
+waits before it touches a range (the host snapshot pool's copier, before each piece: the
+engines write a piece only once it is filled) gets the same page-locked memory, while the
+locking overlaps its work on the ranges already locked.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +50,16 @@ _libc.munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
 LOCK_STEP = 64 << 20  # mlock this much at a time (see AlignedBufferPool)
+LOCK_AHEAD_STEP = 4 << 20  # with lock_ahead: this much at a time, so that a user starts on the first bytes early
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context
+
+
+def mlock(address: int, n: int) -> int:
+    """mlock bytes [address, address + n): 0, or the errno that refused it. A test seam (tests
+    wrap it to slow a pool's locking down or refuse it; the pool looks it up at each step)."""
+    if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(n)) != 0:
+        return ctypes.get_errno()
+    return 0
 
 
 @dataclass(eq=False)
@@ -55,9 +74,11 @@ class StagingBuffer:
 
 
 class AlignedBufferPool:
-    """``count`` buffers of ``size`` bytes each (size rounded up to 4 KiB)."""
+    """``count`` buffers of ``size`` bytes each (size rounded up to 4 KiB). ``lock_ahead``: lock
+    on a thread of its own, see the module docstring (``wait_locked``)."""
 
-    def __init__(self, size: int, count: int, *, lock_memory: bool = True, huge_pages: bool = True):
+    def __init__(self, size: int, count: int, *, lock_memory: bool = True, huge_pages: bool = True,
+                 lock_ahead: bool = False):
         self.size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         self.count = count
         total = self.size * count
@@ -80,30 +101,72 @@ class AlignedBufferPool:
         self.locked = False
         self.cuda_pinned = False
         self._cuda_device: torch.device | None = None  # the device current when registration was tried
-        if lock_memory:
-            # In steps of LOCK_STEP: mlock faults every page in while it holds the process's memory
-            # map lock, which blocks other threads' mmap/munmap (large allocations) until it returns.
-            done, e = 0, 0
-            while done < total:
-                n = min(LOCK_STEP, total - done)
-                if _libc.mlock(ctypes.c_void_p(self._base + done), ctypes.c_size_t(n)) != 0:
-                    e = ctypes.get_errno()
-                    break
-                done += n
-            if done == total:
-                self.locked = True
-            else:
-                if done:
-                    _libc.munlock(ctypes.c_void_p(self._base), ctypes.c_size_t(done))
-                log_once("mlock", f"gdswriter: mlock of {total} staging bytes refused "
-                                  f"({os.strerror(e)}); using unlocked aligned memory. Raise `ulimit -l` "
-                                  f"(RLIMIT_MEMLOCK) for page-locked buffers")
+        self._cv = threading.Condition()
+        self._locked_bytes = 0  # [0, this) is locked
+        self._locking = False  # the locker thread runs (lock_ahead)
+        self._stop = False  # close() asks the locker to stop
+        self._locker: threading.Thread | None = None
         self.buffers = [
             StagingBuffer(i, self._base + i * self.size, self.size, whole[i * self.size:(i + 1) * self.size],
                           torch.frombuffer(whole[i * self.size:(i + 1) * self.size], dtype=torch.uint8))
             for i in range(count)
         ]
         whole.release()
+        if lock_memory and lock_ahead:
+            self._locking = True
+            self._locker = threading.Thread(target=self._lock, args=(LOCK_AHEAD_STEP,), name="gdswriter-mlock",
+                                            daemon=True)
+            self._locker.start()
+        elif lock_memory:
+            self._lock(LOCK_STEP)
+
+    def _lock(self, step: int) -> None:
+        """mlock the pool front to back, ``step`` bytes at a time: mlock faults every page in while
+        it holds the process's memory map lock, which blocks other threads' mmap/munmap (large
+        allocations) until it returns. Refused (RLIMIT_MEMLOCK): what was locked is unlocked, the
+        pool stays unlocked, and it is said once."""
+        total = self.size * self.count
+        done, e = 0, 0
+        try:
+            while done < total and not self._stop:
+                n = min(step, total - done)
+                e = mlock(self._base + done, n)
+                if e:
+                    break
+                done += n
+                with self._cv:
+                    self._locked_bytes = done
+                    self._cv.notify_all()
+            if done == total:
+                self.locked = True
+            elif e:
+                with self._cv:
+                    self._locked_bytes = 0
+                if done:
+                    _libc.munlock(ctypes.c_void_p(self._base), ctypes.c_size_t(done))
+                log_once("mlock", f"gdswriter: mlock of {total} staging bytes refused "
+                                  f"({os.strerror(e)}); using unlocked aligned memory. Raise `ulimit -l` "
+                                  f"(RLIMIT_MEMLOCK) for page-locked buffers")
+        finally:
+            with self._cv:
+                self._locking = False
+                self._cv.notify_all()
+
+    def wait_locked(self, end: int) -> bool:
+        """Wait until bytes [0, ``end``) of the pool are locked, or until locking stopped; returns
+        whether they are locked (False: mlock was refused or not asked for, the memory is used
+        unlocked). At once for a pool locked at creation."""
+        with self._cv:
+            # (not alive, still "locking": a forked child, which has no locker and no locks of its parent)
+            while self._locking and self._locked_bytes < end and self._locker.is_alive():  # type: ignore[union-attr]
+                self._cv.wait()
+            return self._locked_bytes >= end
+
+    def finish_locking(self) -> None:
+        """Wait until the locker thread (lock_ahead) is done with the whole pool."""
+        locker = self._locker
+        if locker is not None:
+            locker.join()
 
     @property
     def closed(self) -> bool:
@@ -123,6 +186,7 @@ class AlignedBufferPool:
         (later calls return the first outcome). Returns whether the pool is registered."""
         if self._cuda_device is not None or self._mm is None:
             return self.cuda_pinned
+        self.finish_locking()  # cudaHostRegister pins every page itself: not beside the locker
         self._cuda_device = device
         with torch.cuda.device(device):
             rc = torch.cuda.cudart().cudaHostRegister(self._base, self.size * self.count, CUDA_HOST_REGISTER_PORTABLE)
@@ -135,6 +199,8 @@ class AlignedBufferPool:
     def close(self) -> None:
         if self._mm is None:
             return
+        self._stop = True  # a locker still running stops at its next step
+        self.finish_locking()
         if self.cuda_pinned:
             with torch.cuda.device(self._cuda_device):
                 torch.cuda.cudart().cudaHostUnregister(self._base)
@@ -142,8 +208,8 @@ class AlignedBufferPool:
             b.tensor = None  # type: ignore[assignment]
             b.view.release()
         self.buffers = []
-        if self.locked:
-            _libc.munlock(ctypes.c_void_p(self._base), ctypes.c_size_t(self.size * self.count))
+        if self._locked_bytes:
+            _libc.munlock(ctypes.c_void_p(self._base), ctypes.c_size_t(self._locked_bytes))
         try:
             self._mm.close()
         except BufferError:
