@@ -20,6 +20,12 @@ per open checkpointer, one pool of min(state, bound) bytes once an asynchronous 
 asked for it (else at most the small ring: 64 MiB, or the floor), and the one kept pool
 below; while the helper runs, the ring and the pool it reserves.
 
+The ring itself is locked ahead (new_region): mapped at once, locked front to back by a
+thread of its own while the save lays out its pieces, the copier waiting before each piece
+until its range is page-locked. So a process's first save does not wait for all of it to
+be faulted in before it copies a byte (6-260 ms for 64 MiB on this project's VM, which gives
+freed memory back to its host); its faulting overlaps the layout, the copy and the writes.
+
 Kept for the process: ``close()`` hands the pool to a single process-wide slot instead of
 unmapping it, and the next pool that needs that much takes it (a checkpointer created per
 save, as an integration may, then saves through a ready pool from its first save). The slot
