@@ -306,26 +306,32 @@ def test_reads_lock_only_the_staging_they_use_and_keep_it(tmp_path, kind):
 # Locking ahead: the pool usable at once, locked front to back on a thread of its own
 # ---------------------------------------------------------------------------
 class _SlowLock:
-    """The pool's ``mlock`` seam, each step held until ``go`` is set or ``delay`` s passed (the
-    real mlock then), recording (address, length) per step; ``refuse_at``: the first step that fails
-    (it and every later one)."""
+    """The pool's ``mlock`` seam: each step after the first held until ``go`` is set or ``delay``
+    s passed (the real mlock then), or only the locker thread's steps (``locker_only``);
+    recording (address, length, thread name) per step; ``refuse_at``: the first step that
+    fails (it and every later one)."""
 
-    def __init__(self, monkeypatch, *, delay: float = 10.0, refuse_at: int | None = None, err: int = 12):
+    def __init__(self, monkeypatch, *, delay: float = 10.0, refuse_at: int | None = None, err: int = 12,
+                 locker_only: bool = False):
         import gdswriter.engines.buffers as buffers
 
-        self.calls: list[tuple[int, int]] = []
+        self.calls: list[tuple[int, int, str]] = []
         self.go, self.delay = threading.Event(), delay
         real = buffers.mlock
 
         def slow(address: int, n: int) -> int:
-            self.calls.append((address, n))
+            me = threading.current_thread().name
+            self.calls.append((address, n, me))
             if refuse_at is not None and len(self.calls) - 1 >= refuse_at:
                 return err
-            if len(self.calls) > 1:  # the first step at once: the pool is usable early
+            if len(self.calls) > 1 and (me == "gdswriter-mlock" or not locker_only):  # the first step at once
                 self.go.wait(self.delay)
             return real(address, n)
 
         monkeypatch.setattr(buffers, "mlock", slow)
+
+    def steps(self) -> list[tuple[int, int]]:
+        return sorted((a, n) for a, n, _ in self.calls)
 
 
 def test_a_pool_locked_ahead_returns_at_once_and_locks_front_to_back(monkeypatch):
@@ -345,10 +351,35 @@ def test_a_pool_locked_ahead_returns_at_once_and_locks_front_to_back(monkeypatch
         assert pool.wait_locked(8 << 20)
         pool.finish_locking()
         assert pool.locked and is_locked(base, base + (8 << 20))
-        assert slow.calls == [(base + i * (2 << 20), 2 << 20) for i in range(4)]
+        assert slow.steps() == [(base + i * (2 << 20), 2 << 20) for i in range(4)]
         pool.buffers[0].tensor.fill_(3)
         assert pool.buffers[0].view[(8 << 20) - 1] == 3
     assert not is_locked(base, base + (8 << 20))  # close unlocked (and unmapped) it
+
+
+def test_a_waiter_locks_the_steps_its_range_needs_that_the_locker_has_not_reached(monkeypatch):
+    """On a loaded machine the locker thread may not run when the pool's user needs a range:
+    wait_locked then takes the steps nobody claimed yet itself (here the locker is stuck in
+    its second step: the caller locks the third and fourth, then waits for the second only)."""
+    import gdswriter.engines.buffers as buffers
+
+    monkeypatch.setattr(buffers, "LOCK_AHEAD_STEP", 2 << 20)
+    slow = _SlowLock(monkeypatch, locker_only=True)
+    with AlignedBufferPool(8 << 20, 1, lock_ahead=True) as pool:
+        base = pool.buffers[0].address
+        assert pool.wait_locked(2 << 20)
+        timer = threading.Timer(1.0, slow.go.set)  # the stuck step ends a second from now
+        timer.start()
+        try:
+            assert pool.wait_locked(8 << 20)
+        finally:
+            timer.cancel()
+            slow.go.set()
+        mine = sorted(a - base for a, _, who in slow.calls if who == threading.current_thread().name)
+        assert mine == [4 << 20, 6 << 20]
+        pool.finish_locking()
+        assert pool.locked and slow.steps() == [(base + i * (2 << 20), 2 << 20) for i in range(4)]
+        assert is_locked(base, base + (8 << 20))
 
 
 def test_closing_a_pool_while_it_is_locked_ahead_stops_its_locker(monkeypatch):
