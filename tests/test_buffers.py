@@ -7,11 +7,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
 
 from gdswriter.engines.buffers import CUDA_HOST_REGISTER_PORTABLE, AlignedBufferPool
+from support.engines import is_locked, locked_ranges
 
 
 @pytest.mark.parametrize("size", [1, 4095, 4096, 4097, 3 << 20])
@@ -76,7 +79,8 @@ def test_pool_huge_pages_on_a_2mib_boundary_and_backed_as_asked(huge):
                     reason="needs root plus setpriv/prlimit to take CAP_IPC_LOCK away from a child")
 def test_refused_mlock_falls_back_to_unlocked_memory_and_says_so_once(tmp_path):
     """A child without CAP_IPC_LOCK and with a 64 KiB RLIMIT_MEMLOCK: the pool works on
-    unlocked memory, io_uring runs without registered buffers, one warning each, data intact."""
+    unlocked memory, io_uring runs without registered buffers, one warning each, data intact;
+    a checkpointer's save through its snapshot ring (locked ahead) too."""
     child = textwrap.dedent(f"""
         import logging, torch
         logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -91,12 +95,20 @@ def test_refused_mlock_falls_back_to_unlocked_memory_and_says_so_once(tmp_path):
                 assert torch.equal(out, src)
                 info = eng.info  # the staging pool's, once a transfer built it
         print("INFO", info.name, info.page_locked, info.registered_buffers)
+        from gdswriter import GDSCheckpointer  # the host snapshot pool's ring, locked ahead: refused too
+        state = {{"w": src.clone()}}
+        with GDSCheckpointer(state, None, {str(tmp_path / 'ck')!r}) as ck:
+            ck.save(1)
+            state["w"].zero_()
+            ck.load(1)
+        assert torch.equal(state["w"], src)
+        print("SAVED")
     """)
     cmd = ["prlimit", "--memlock=65536:65536", "setpriv", "--bounding-set", "-ipc_lock", "--inh-caps", "-ipc_lock",
            sys.executable, "-c", child]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    assert "INFO io_uring False False" in r.stdout
+    assert "INFO io_uring False False" in r.stdout and "SAVED" in r.stdout
     assert r.stderr.count("mlock of") == 1, r.stderr
     assert r.stderr.count("buffer registration refused") == 1, r.stderr
 
@@ -288,3 +300,161 @@ def test_reads_lock_only_the_staging_they_use_and_keep_it(tmp_path, kind):
         assert _locked_bytes() - before == full, "a write staging 4 MiB locks 8 x 512 KiB"
         assert (tmp_path / "i.bin").read_bytes() == data[1:].numpy().tobytes()
     assert _locked_bytes() == before
+
+
+# ---------------------------------------------------------------------------
+# Locking ahead: the pool usable at once, locked front to back on a thread of its own
+# ---------------------------------------------------------------------------
+class _SlowLock:
+    """The pool's ``mlock`` seam: each step after the first held until ``go`` is set or ``delay``
+    s passed (the real mlock then), or only the locker thread's steps (``locker_only``);
+    recording (address, length, thread name) per step; ``refuse_at``: the first step that
+    fails (it and every later one)."""
+
+    def __init__(self, monkeypatch, *, delay: float = 10.0, refuse_at: int | None = None, err: int = 12,
+                 locker_only: bool = False):
+        import gdswriter.engines.buffers as buffers
+
+        self.calls: list[tuple[int, int, str]] = []
+        self.go, self.delay = threading.Event(), delay
+        real = buffers.mlock
+
+        def slow(address: int, n: int) -> int:
+            me = threading.current_thread().name
+            self.calls.append((address, n, me))
+            if refuse_at is not None and len(self.calls) - 1 >= refuse_at:
+                return err
+            if len(self.calls) > 1 and (me == "gdswriter-mlock" or not locker_only):  # the first step at once
+                self.go.wait(self.delay)
+            return real(address, n)
+
+        monkeypatch.setattr(buffers, "mlock", slow)
+
+    def steps(self) -> list[tuple[int, int]]:
+        return sorted((a, n) for a, n, _ in self.calls)
+
+
+def test_a_pool_locked_ahead_returns_at_once_and_locks_front_to_back(monkeypatch):
+    """lock_ahead: the pool is returned before its locking ends; wait_locked(end) returns once
+    [0, end) is page-locked (checked in the kernel's own view, /proc/self/smaps), the rest
+    following in LOCK_AHEAD_STEP steps in address order; in the end the pool is locked whole."""
+    import gdswriter.engines.buffers as buffers
+
+    monkeypatch.setattr(buffers, "LOCK_AHEAD_STEP", 2 << 20)
+    slow = _SlowLock(monkeypatch)
+    with AlignedBufferPool(8 << 20, 1, lock_ahead=True) as pool:
+        base = pool.buffers[0].address
+        assert not pool.locked  # its locker is held at the second step
+        assert pool.wait_locked(2 << 20) and is_locked(base, base + (2 << 20))
+        assert not is_locked(base, base + (4 << 20))  # nothing past the steps taken
+        slow.go.set()
+        assert pool.wait_locked(8 << 20)
+        pool.finish_locking()
+        assert pool.locked and is_locked(base, base + (8 << 20))
+        assert slow.steps() == [(base + i * (2 << 20), 2 << 20) for i in range(4)]
+        pool.buffers[0].tensor.fill_(3)
+        assert pool.buffers[0].view[(8 << 20) - 1] == 3
+    assert not is_locked(base, base + (8 << 20))  # close unlocked (and unmapped) it
+
+
+def test_a_waiter_locks_the_steps_its_range_needs_that_the_locker_has_not_reached(monkeypatch):
+    """On a loaded machine the locker thread may not run when the pool's user needs a range:
+    wait_locked then takes the steps nobody claimed yet itself (here the locker is stuck in
+    its second step: the caller locks the third and fourth, then waits for the second only)."""
+    import gdswriter.engines.buffers as buffers
+
+    monkeypatch.setattr(buffers, "LOCK_AHEAD_STEP", 2 << 20)
+    slow = _SlowLock(monkeypatch, locker_only=True)
+    with AlignedBufferPool(8 << 20, 1, lock_ahead=True) as pool:
+        base = pool.buffers[0].address
+        assert pool.wait_locked(2 << 20)
+        timer = threading.Timer(1.0, slow.go.set)  # the stuck step ends a second from now
+        timer.start()
+        try:
+            assert pool.wait_locked(8 << 20)
+        finally:
+            timer.cancel()
+            slow.go.set()
+        mine = sorted(a - base for a, _, who in slow.calls if who == threading.current_thread().name)
+        assert mine == [4 << 20, 6 << 20]
+        pool.finish_locking()
+        assert pool.locked and slow.steps() == [(base + i * (2 << 20), 2 << 20) for i in range(4)]
+        assert is_locked(base, base + (8 << 20))
+
+
+def test_closing_a_pool_while_it_is_locked_ahead_stops_its_locker(monkeypatch):
+    import gdswriter.engines.buffers as buffers
+
+    monkeypatch.setattr(buffers, "LOCK_AHEAD_STEP", 2 << 20)
+    slow = _SlowLock(monkeypatch, delay=0.05)
+    pool = AlignedBufferPool(64 << 20, 1, lock_ahead=True)
+    base = pool.buffers[0].address
+    assert pool.wait_locked(2 << 20)
+    pool.close()  # waits for the step under way only
+    assert len(slow.calls) < 32 and not pool.locked and pool.closed
+    assert not any(start < base + (64 << 20) and end > base for start, end in locked_ranges())
+
+
+def test_a_refused_lock_ahead_leaves_the_pool_unlocked_says_so_once_and_lets_waiters_go(
+        monkeypatch, caplog, io_fresh_log_once):
+    """RLIMIT_MEMLOCK reached midway: what was locked is unlocked, wait_locked returns False
+    (at once, for any range: nobody waits for a lock that will not come), and the pool works
+    unlocked, as a pool locked at creation does when refused."""
+    import gdswriter.engines.buffers as buffers
+
+    monkeypatch.setattr(buffers, "LOCK_AHEAD_STEP", 2 << 20)
+    slow = _SlowLock(monkeypatch, delay=0.0, refuse_at=2)
+    with caplog.at_level(logging.WARNING, logger="gdswriter"):
+        with AlignedBufferPool(8 << 20, 1, lock_ahead=True) as pool:
+            base = pool.buffers[0].address
+            assert pool.wait_locked(8 << 20) is False
+            pool.finish_locking()
+            assert not pool.locked and not is_locked(base, base + (2 << 20))
+            assert len(slow.calls) == 3
+            pool.buffers[0].tensor.fill_(5)
+            assert pool.buffers[0].view[(8 << 20) - 1] == 5
+        with AlignedBufferPool(4 << 20, 1, lock_ahead=True) as again:
+            assert again.wait_locked(4 << 20) is False
+    assert caplog.text.count("mlock of") == 1
+
+
+def test_a_pool_locked_ahead_is_registered_with_cuda_once_its_locking_is_done(monkeypatch):
+    """cudaHostRegister pins every page itself: it comes after the locker, never beside it."""
+    import gdswriter.engines.buffers as buffers
+
+    monkeypatch.setattr(buffers, "LOCK_AHEAD_STEP", 2 << 20)
+    slow = _SlowLock(monkeypatch, delay=0.05)
+    fake = _FakeCuda(monkeypatch)
+    with AlignedBufferPool(8 << 20, 1, lock_ahead=True) as pool:
+        assert pool.pin_for_cuda(torch.device("cuda", 1))
+        assert pool.locked and len(slow.calls) == 4 and [c[0] for c in fake.calls] == ["register"]
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_locker(monkeypatch):
+    """A child forked while a pool is locked ahead has no locker thread (and no locks: mlock is
+    not inherited): its wait_locked returns at once instead of waiting forever."""
+    import gdswriter.engines.buffers as buffers
+
+    monkeypatch.setattr(buffers, "LOCK_AHEAD_STEP", 2 << 20)
+    slow = _SlowLock(monkeypatch, delay=60)
+    with AlignedBufferPool(8 << 20, 1, lock_ahead=True) as pool:
+        assert pool.wait_locked(2 << 20)
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 once wait_locked returned
+            os._exit(0 if pool.wait_locked(8 << 20) is False else 1)
+        deadline = time.monotonic() + 30
+        while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if done == (0, 0):
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        slow.go.set()
+        assert done != (0, 0), "the forked child waited for its parent's locker"
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_a_pool_locked_at_creation_answers_wait_locked_at_once():
+    with AlignedBufferPool(1 << 20, 2) as pool:
+        assert pool.locked and pool.wait_locked(2 << 20)
+    with AlignedBufferPool(1 << 20, 1, lock_memory=False, lock_ahead=True) as pool:
+        assert not pool.locked and pool.wait_locked(1 << 20) is False

@@ -17,9 +17,11 @@ import pytest
 import torch
 
 from support import models as M
+from support.engines import is_locked
 from gdswriter import GDSCheckpointer, load_state
+from gdswriter.engines import buffers
 from gdswriter.errors import UnsupportedObjectError
-from gdswriter.options import MiB
+from gdswriter.options import KiB, MiB
 from gdswriter.save import pool as snapshot_pool
 
 RING = 1 * MiB  # with small_options (256 KiB staging, one root) the deadlock floor is 1 MiB too
@@ -162,6 +164,42 @@ def test_closing_while_the_full_pool_is_reserved_does_not_wait_and_the_pool_is_h
     assert snapshot_pool.kept_pool_bytes() == full
     assert same(load_state(tmp_path / "a", 1)[1]["model"], state)
     assert same(load_state(tmp_path / "b", 2)[1]["model"], state)
+
+
+def test_the_copier_fills_each_piece_of_the_ring_only_once_its_range_is_page_locked(tmp_path, small_ring,
+                                                                                   monkeypatch):
+    """The first save's ring is locked ahead (save/pool.py new_region): the save starts on it at
+    once while a thread locks it (the kernel zeroing fresh pages), and the copier waits before
+    each piece until its range is locked, so the engines write from page-locked memory only.
+    Here the locking is slowed to 20 ms a step, 8 steps for the 2 MiB ring of a save of four
+    times that; every copy lands in memory the kernel shows locked, the ring ends locked
+    whole, and the step is bit-exact."""
+    monkeypatch.setattr(buffers, "LOCK_AHEAD_STEP", 256 * KiB)
+    steps, unlocked = [], []
+    real_mlock, real_copy = buffers.mlock, snapshot_pool.copy_in
+
+    def slow_mlock(address: int, n: int) -> int:
+        steps.append((address, n))
+        time.sleep(0.02)
+        return real_mlock(address, n)
+
+    def checked_copy(buf, at, src):
+        n = src[1] if type(src) is tuple else src.numel()
+        if not is_locked(buf.address + at, buf.address + at + n):
+            unlocked.append((at, n))
+        return real_copy(buf, at, src)
+
+    monkeypatch.setattr(buffers, "mlock", slow_mlock)
+    monkeypatch.setattr(snapshot_pool, "copy_in", checked_copy)
+    state = random_state(8 * MiB, seed=6)
+    with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
+        ck.save(1)
+        pool = ck.snapshot_pool
+        ring = [(a - pool.address, n) for a, n in steps if pool.address <= a < pool.address + pool.capacity]
+        assert pool.capacity == 2 * MiB and ring == [(i * 256 * KiB, 256 * KiB) for i in range(8)]  # ahead, in steps
+        assert is_locked(pool.address, pool.address + pool.capacity)  # whole, by the save's end
+    assert unlocked == [], f"{len(unlocked)} copies into the ring before their range was locked"
+    assert same(load_state(tmp_path, 1)[1]["model"], state)
 
 
 def test_first_host_save_writes_through_small_engines_and_a_small_load_reads_through_them(tmp_path):

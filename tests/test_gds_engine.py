@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import random
+import subprocess
 import sys
 
 import crc32c
@@ -384,6 +385,22 @@ def test_auto_without_cuda_is_gdswriters_own_engine(fake, monkeypatch):
     with create_engine(small_options(engine="auto")) as eng:
         assert eng.info.name in ("io_uring", "posix") and eng.info.cuda_path == "staged"
         assert "GPUDirect" not in eng.info.reason
+
+
+def test_auto_without_cuda_never_imports_the_kvikio_engine(tmp_path):
+    """Where torch sees no CUDA device and nobody imported the KvikIO engine (to patch its
+    cuda_available), ``auto`` asks torch itself: a CPU-only job's first save and load never
+    import engines/kvikio.py (7-20 ms on the first save's critical path)."""
+    child = (f"import sys, torch\n"
+             f"from gdswriter import GDSCheckpointer, create_engine\n"
+             f"assert not torch.cuda.is_available()\n"
+             f"create_engine().close()\n"
+             f"with GDSCheckpointer({{'w': torch.ones(1000)}}, None, {str(tmp_path)!r}) as ck:\n"
+             f"    ck.save(1); ck.load(1)\n"
+             f"print('KVIKIO', 'gdswriter.engines.kvikio' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "KVIKIO False" in r.stdout
 
 
 def test_auto_on_a_gpu_without_gds_takes_the_pinned_path_and_says_why(fake, monkeypatch):

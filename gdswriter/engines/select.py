@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
+
+import torch
 
 from .base import IOEngine
 from . import uring
@@ -63,6 +66,15 @@ def for_pool_writes(options: EngineOptions) -> EngineOptions:
     return dataclasses.replace(options, num_buffers=2)
 
 
+def _cuda_seen() -> bool:
+    """Whether this process may see a CUDA device, asked without importing the KvikIO engine
+    (about 7 ms, and 20 where Python writes no bytecode cache: on the first save's critical
+    path) where it is not imported yet: its ``cuda_available`` is the one answer (tests patch
+    it), and it is torch's own until someone imported the module to patch it."""
+    kvikio = sys.modules.get(__package__ + ".kvikio")
+    return kvikio.cuda_available() if kvikio is not None else torch.cuda.is_available()
+
+
 def create_engine(options: EngineOptions | None = None) -> IOEngine:
     """The best engine this machine allows for ``options`` (default: from GDSWRITER_* env)."""
     options = options or EngineOptions.from_env()
@@ -72,7 +84,7 @@ def create_engine(options: EngineOptions | None = None) -> IOEngine:
         return GdsEngine(options, require_gpu_direct=options.engine == "gds",
                          host_engine=lambda: _host_engine(dataclasses.replace(options, engine="auto")),
                          reason=f"requested (engine={options.engine!r})")
-    if options.engine == "auto":
+    if options.engine == "auto" and _cuda_seen():
         from .kvikio import GdsEngine, gpu_direct_probe
 
         probe = gpu_direct_probe()

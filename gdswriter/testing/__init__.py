@@ -10,6 +10,7 @@ each call, so production pays nothing) to delay a step or inject a fault at exac
   ``allocate`` (the ring's placement), ``new_region`` (mapping a pool), ``Piece``;
 * save/snapshot.py: ``group_by_allocation`` (one layout of the state);
 * engines/staged.py: ``copy_bytes`` (every staging copy), ``crc_extend`` (every checksum step);
+* engines/buffers.py: ``mlock`` (one step of locking a pool);
 * engines/uring.py: ``Ring.enter_syscall`` (one io_uring_enter);
 * engines/kvikio.py: ``on_gpu`` (what counts as device memory);
 * distributed/crossmem.py: ``process_vm_readv`` (the bound syscall);

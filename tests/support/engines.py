@@ -3,7 +3,8 @@
 The staged engines of the contract suite (``ENGINES``, ``build_engine``), the KvikIO (GDS)
 engine's kinds (``KVIKIO_KINDS``, ``make_kvikio_engine``: its device path with the fake KvikIO
 and host tensors taken for device memory; on a GPU the real engine with CUDA spans), span
-data and on-disk images, host memory of a chosen alignment, and planted non-regular files.
+data and on-disk images, host memory of a chosen alignment, planted non-regular files, and
+which memory the kernel holds page-locked (``is_locked``).
 """
 
 from __future__ import annotations
@@ -328,3 +329,26 @@ def count_staged_engines(monkeypatch) -> list:
 
     monkeypatch.setattr(StagedEngine, "__init__", counting)
     return built
+
+
+def locked_ranges() -> list[tuple[int, int]]:
+    """This process's page-locked mappings ([start, end), VmFlags "lo"), from /proc/self/smaps:
+    mlock splits a mapping where a locked range ends, so a mapping is locked whole or not."""
+    out, span = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                span = tuple(int(x, 16) for x in head.split("-"))
+            elif line.startswith("VmFlags:") and "lo" in line.split()[1:]:
+                out.append(span)
+    return out
+
+
+def is_locked(lo: int, hi: int) -> bool:
+    """Whether every byte of [lo, hi) lies in a page-locked mapping."""
+    pos = lo
+    for start, end in sorted(locked_ranges()):
+        if start <= pos < end:
+            pos = end
+    return pos >= hi
