@@ -7,12 +7,14 @@ node-local root, its own GDSWRITER_HOSTNAME), a real second process (format.md 1
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -193,6 +195,29 @@ sys.exit(main(["verify", sys.argv[2], "--secondary", sys.argv[3], "--step", "1",
 """
 
 
+@contextlib.contextmanager
+def repair_held(tmp_path: Path, roots: list[Path]) -> Iterator[dict]:
+    """``verify --repair`` of step 1 over ``roots`` in another process, held after its scrub
+    (before it sets anything aside) while the block runs; then let go. The dict gets the
+    repair's exit status and output ("code", "said") once it ended."""
+    sig = tmp_path / "sig"
+    sig.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", REPAIR_HELD, str(sig), *map(str, roots)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    out: dict = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not (sig / "repairing").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (sig / "repairing").exists(), proc.communicate()[0] if proc.poll() is not None else "no scrub"
+        yield out
+    finally:
+        (sig / "go").touch()
+        out["said"] = proc.communicate(timeout=120)[0]
+        out["code"] = proc.returncode
+
+
 def test_a_refill_does_not_run_while_a_repair_of_the_step_runs(tmp_path, capsys):
     """Rank 1's copy set aside by a first repair (the step noted for a refill); then rank 0's
     copy damaged and ``verify --repair`` run in another process, stopped after its scrub, before
@@ -205,26 +230,14 @@ def test_a_refill_does_not_run_while_a_repair_of_the_step_runs(tmp_path, capsys)
     _damage_and_repair(capsys, roots, 1)
     flip(next((roots[1] / STEP / "copies" / "rank00000").glob("data-rank0-*.bin")))
     before = tree(roots[0]), tree(roots[1])
-    sig = tmp_path / "sig"
-    sig.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", REPAIR_HELD, str(sig), str(roots[0]), str(roots[1])],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (sig / "repairing").exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (sig / "repairing").exists(), proc.communicate()[0] if proc.poll() is not None else "no scrub"
+    with repair_held(tmp_path, roots) as repair:
         got = run_ranks(2, _load, str(tmp_path), out=tmp_path / "load")
         for rank, x in enumerate(got):
             assert x["load"] == [None, True], (rank, x)
             assert isinstance(x["refilled"], list) and x["refilled"][0] == "ReplicationError", (rank, x)
             assert "verify --repair of this step is running" in x["refilled"][1], (rank, x)
         assert (tree(roots[0]), tree(roots[1])) == before  # the refill wrote nothing
-    finally:
-        (sig / "go").touch()
-        said = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 3 and "rank00000: set aside as" in said, said
+    assert repair["code"] == 3 and "rank00000: set aside as" in repair["said"], repair["said"]
     assert not (roots[0] / STEP / "protected").exists()
     got = run_ranks(2, _load, str(tmp_path), out=tmp_path / "load2")
     assert all(x["load"] == [None, True] and x["refilled"] == 1 for x in got), got

@@ -297,11 +297,7 @@ def test_a_gdscheckpointer_refill_does_not_run_while_a_repair_of_the_step_runs(t
     scrub: a load meanwhile (bit-exact) refills nothing (wait_protected raises, naming the
     repair; no file changes). The repair then ends; the next load re-creates both copies, the
     step is protected and the scrub passes."""
-    import subprocess
-    import sys
-    import time
-
-    from test_dcp_repair import REPAIR_HELD
+    from test_dcp_repair import repair_held
 
     run_ranks(2, _ck_save, str(tmp_path), out=tmp_path / "save")
     roots = [tmp_path / "n0", tmp_path / "n1"]
@@ -309,25 +305,13 @@ def test_a_gdscheckpointer_refill_does_not_run_while_a_repair_of_the_step_runs(t
     assert verify(capsys, roots, "--repair")[0] == 3
     flip(next((roots[1] / STEP / "copies" / "rank00000").glob("data-rank0-*.bin")))
     before = tree(roots[0] / STEP), tree(roots[1] / STEP)
-    sig = tmp_path / "sig"
-    sig.mkdir()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, "-c", REPAIR_HELD, str(sig), str(roots[0]), str(roots[1])],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (sig / "repairing").exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (sig / "repairing").exists(), "the repair never reached its set-aside"
+    with repair_held(tmp_path, roots) as repair:
         got = run_ranks(2, _ck_load, str(tmp_path), out=tmp_path / "load")
         for rank, x in enumerate(got):
             assert x["load"] == [1, True], (rank, x)
             assert isinstance(x["refilled"], list) and "verify --repair of this step is running" in x["refilled"][1], x
         assert (tree(roots[0] / STEP), tree(roots[1] / STEP)) == before  # the step's files: the root lock's pid changes
-    finally:
-        (sig / "go").touch()
-        said = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 3 and "rank00000: set aside as" in said, said
+    assert repair["code"] == 3 and "rank00000: set aside as" in repair["said"], repair["said"]
     got = run_ranks(2, _ck_load, str(tmp_path), out=tmp_path / "load2")
     assert all(x["load"] == [1, True] and x["refilled"] is None and x["protected"] == 1 for x in got), got
     assert verify(capsys, roots)[0] == 0

@@ -19,12 +19,22 @@ def _fork_and_report() -> dict:
     """Fork; the child reports whether collection is on, and again after a pause of its own."""
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: no other thread exists here
+
+    def report() -> dict:  # in the child: no other thread exists there
+        first = gc.isenabled()
+        with gc_paused():
+            inside = gc.isenabled()
+        return {"on": first, "inside": inside, "after": gc.isenabled()}
+
+    return _child_says(pid, r, w, report)
+
+
+def _child_says(pid: int, r: int, w: int, report) -> dict:
+    """After os.fork over pipe (r, w): the child (pid 0) writes ``report()`` and exits; the
+    parent returns what it wrote, once it exited cleanly."""
+    if pid == 0:
         try:
-            first = gc.isenabled()
-            with gc_paused():
-                inside = gc.isenabled()
-            os.write(w, json.dumps({"on": first, "inside": inside, "after": gc.isenabled()}).encode())
+            os.write(w, json.dumps(report()).encode())
         finally:
             os._exit(0)
     os.close(w)
@@ -68,15 +78,7 @@ def test_a_child_forked_inside_its_own_threads_pause_resumes_when_that_pause_end
                 paused = not gc.isenabled()
             finally:
                 pass
-    if pid == 0:
-        try:
-            os.write(w, json.dumps({"paused": paused, "after": gc.isenabled()}).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        got = json.loads(f.read())
-    os.waitpid(pid, 0)
+    got = _child_says(pid, r, w, lambda: {"paused": paused, "after": gc.isenabled()})
     assert got == {"paused": True, "after": True}, got
     assert gc.isenabled()
 
@@ -89,15 +91,7 @@ def test_a_child_forked_with_no_pause_held_keeps_collection_as_the_user_set_it()
     try:
         r, w = os.pipe()
         pid = os.fork()
-        if pid == 0:
-            try:
-                os.write(w, json.dumps({"on": gc.isenabled()}).encode())
-            finally:
-                os._exit(0)
-        os.close(w)
-        with os.fdopen(r, "rb") as f:
-            got = json.loads(f.read())
-        os.waitpid(pid, 0)
+        got = _child_says(pid, r, w, lambda: {"on": gc.isenabled()})
     finally:
         gc.enable()
     assert got == {"on": False}
