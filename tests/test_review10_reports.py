@@ -39,3 +39,16 @@ def test_a_parity_description_naming_a_file_outside_its_step_is_refused(tmp_path
     desc.write_text(json.dumps(body))
     code, said = verify(capsys, roots)
     assert code == 3 and "rank 2's parity block" in said, said
+
+
+def test_a_manifest_naming_a_data_file_the_file_system_cannot_name_is_a_typed_error(tmp_path):
+    """Found by the fuzz campaign: a data file name longer than the file system allows (or one
+    through a file) made the load's size check raise a bare OSError, not a typed error."""
+    from gdswriter import CorruptCheckpointError
+    from gdswriter.format.manifest import FileRecord
+    from gdswriter.load.reader import check_file_sizes
+
+    (tmp_path / "f").write_bytes(b"x")
+    for name in ("x" * 300, "f/inside"):
+        with pytest.raises(CorruptCheckpointError, match="not one gdswriter writes"):
+            check_file_sizes([(tmp_path / name, FileRecord(0, name, 1))])

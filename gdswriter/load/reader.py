@@ -135,6 +135,12 @@ def check_file_sizes(files: Iterable[tuple[Path, FileRecord]]) -> None:
         except FileNotFoundError as e:
             raise CorruptCheckpointError(f"data file {path} is missing: the checkpoint is incomplete; "
                                          f"load an earlier step") from e
+        except OSError as e:
+            if e.errno not in (errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP):
+                raise
+            raise CorruptCheckpointError(f"data file name {rec.path[:80]!r} in the manifest is not one gdswriter "
+                                         f"writes ({os.strerror(e.errno)}): the checkpoint is damaged or was "
+                                         f"tampered with; load an earlier step") from e
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(f"data file {path} is not a regular file (a link?): the checkpoint is "
                                          f"damaged or was tampered with; load an earlier step")
