@@ -58,14 +58,22 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 NATIVE_ENV = "GDSWRITER_NATIVE"  # "0": the pure-Python gather even where the compiled one is built
 
 
+class _Compiled:
+    """What gdswriter._gather offers: gather_crc, crc32c and CRC_IMPL (the CPU's crc32c
+    instruction it found, or "table")."""
+
+    def __init__(self, gather_crc, crc32c, impl: str) -> None:
+        self.gather_crc, self.crc32c, self.CRC_IMPL = gather_crc, crc32c, impl
+
+
 @functools.cache
-def _compiled():
+def _compiled() -> _Compiled | None:
     """The compiled module gdswriter._gather, or None where the build left it out."""
     try:
-        from . import _gather
+        from ._gather import CRC_IMPL, crc32c, gather_crc
     except ImportError:
         return None
-    return _gather
+    return _Compiled(gather_crc, crc32c, CRC_IMPL)
 
 
 def native_gather():
