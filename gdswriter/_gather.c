@@ -9,7 +9,7 @@
  * destination span inside [0, dst_size)); source addresses are the caller's to vouch for.
  *
  * The crc32c: SSE4.2's crc32 instruction on x86-64, the ARMv8 CRC extension on aarch64 (both
- * chosen at run time), else a slicing-by-8 table. Python's pure path (gdswriter/crc.py) computes
+ * chosen at run time; three streams interleaved), else a slicing-by-8 table. Python's pure path (gdswriter/crc.py) computes
  * the same bytes and checksums; tests/test_native_gather.py compares them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -59,20 +59,63 @@ static uint32_t table_update(uint32_t crc, const unsigned char *p, size_t n) {
     return crc;
 }
 
+/* The hardware crc32c runs three streams at once (the instruction's latency is three times its
+ * throughput), LONG or SHORT bytes apart, and joins them by shifting a register over LONG or SHORT
+ * zero bytes with a table (Mark Adler's method, as the crc32c package does). */
+#define LONG 8192
+#define SHORT 256
+static uint32_t zeros_long[4][256], zeros_short[4][256];
+
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    for (; vec; vec >>= 1, mat++)
+        if (vec & 1) sum ^= *mat;
+    return sum;
+}
+
+static void gf2_square(uint32_t *square, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) square[n] = gf2_times(mat, mat[n]);
+}
+
+/* the table that feeds ``len`` (a power of two) zero bytes through a register */
+static void make_zeros(uint32_t zeros[4][256], size_t len) {
+    uint32_t a[32], b[32], *op = a, *other = b, *t;
+    a[0] = POLY;  /* one zero bit */
+    for (int n = 1; n < 32; n++) a[n] = 1u << (n - 1);
+    for (int k = 0; k < 3; k++) { gf2_square(other, op); t = op; op = other; other = t; }  /* 8 bits: a byte */
+    for (; len > 1; len >>= 1) { gf2_square(other, op); t = op; op = other; other = t; }
+    for (uint32_t n = 0; n < 256; n++)
+        for (int k = 0; k < 4; k++) zeros[k][n] = gf2_times(op, n << (8 * k));
+}
+
+static inline uint32_t shift(uint32_t zeros[4][256], uint32_t crc) {
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^ zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
+}
+
+#define HW_BODY(CRC8, CRC64)                                                                      \
+    while (n && ((uintptr_t)p & 7)) { crc = CRC8(crc, *p++); n--; }                               \
+    for (size_t blk = LONG; blk >= SHORT; blk = blk == LONG ? SHORT : 0) {                          \
+        while (n >= 3 * blk) {                                                                     \
+            uint32_t c1 = 0, c2 = 0;                                                               \
+            for (const unsigned char *end = p + blk; p < end; p += 8) {                            \
+                uint64_t w0, w1, w2;                                                               \
+                memcpy(&w0, p, 8); memcpy(&w1, p + blk, 8); memcpy(&w2, p + 2 * blk, 8);           \
+                crc = (uint32_t)CRC64(crc, w0); c1 = (uint32_t)CRC64(c1, w1);                      \
+                c2 = (uint32_t)CRC64(c2, w2);                                                      \
+            }                                                                                      \
+            uint32_t (*z)[256] = blk == LONG ? zeros_long : zeros_short;                           \
+            crc = shift(z, shift(z, crc) ^ c1) ^ c2;                                               \
+            p += 2 * blk;                                                                          \
+            n -= 3 * blk;                                                                          \
+        }                                                                                          \
+    }                                                                                              \
+    for (; n >= 8; p += 8, n -= 8) { uint64_t w; memcpy(&w, p, 8); crc = (uint32_t)CRC64(crc, w); } \
+    while (n--) crc = CRC8(crc, *p++);                                                             \
+    return crc;
+
 #ifdef GATHER_X86
 __attribute__((target("sse4.2"))) static uint32_t hw_update(uint32_t crc, const unsigned char *p, size_t n) {
-    while (n && ((uintptr_t)p & 7)) { crc = _mm_crc32_u8(crc, *p++); n--; }
-    uint64_t c = crc;
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        c = _mm_crc32_u64(c, w);
-        p += 8;
-        n -= 8;
-    }
-    crc = (uint32_t)c;
-    while (n--) crc = _mm_crc32_u8(crc, *p++);
-    return crc;
+    HW_BODY(_mm_crc32_u8, _mm_crc32_u64)
 }
 static int hw_present(void) { __builtin_cpu_init(); return __builtin_cpu_supports("sse4.2"); }
 static const char *HW_NAME = "sse4.2";
@@ -83,16 +126,7 @@ static const char *HW_NAME = "sse4.2";
 #define ARM_CRC_TARGET __attribute__((target("+crc")))
 #endif
 ARM_CRC_TARGET static uint32_t hw_update(uint32_t crc, const unsigned char *p, size_t n) {
-    while (n && ((uintptr_t)p & 7)) { crc = __crc32cb(crc, *p++); n--; }
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        crc = __crc32cd(crc, w);
-        p += 8;
-        n -= 8;
-    }
-    while (n--) crc = __crc32cb(crc, *p++);
-    return crc;
+    HW_BODY(__crc32cb, __crc32cd)
 }
 static int hw_present(void) { return (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; }
 static const char *HW_NAME = "armv8-crc";
@@ -201,6 +235,76 @@ f1:
     return NULL;
 }
 
+/* One copy (offset, length, (address, length)) of a pool piece's list into the columns; 1 done,
+ * 0 where its source is not an (address, length) tuple (a tensor: the caller copies it), -1 on error. */
+static int parse_copy(PyObject *item, Py_ssize_t i, int64_t *off, int64_t *src, int64_t *len) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3) {
+        PyErr_Format(PyExc_TypeError, "gather_copies: copy %zd is not an (offset, length, source) tuple: pass "
+                     "a pool piece's copies list", i);
+        return -1;
+    }
+    PyObject *s = PyTuple_GET_ITEM(item, 2);
+    if (!PyTuple_Check(s) || PyTuple_GET_SIZE(s) != 2) return 0;
+    *off = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 0));
+    *len = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 1));
+    *src = PyLong_AsLongLong(PyTuple_GET_ITEM(s, 0));
+    return PyErr_Occurred() ? -1 : 1;  /* a TypeError or OverflowError: not a 64-bit int */
+}
+
+/* gather_copies(dst_address, dst_size, copies, crcs, base): gather_crc over a list of (offset,
+ * length, (address, length)) tuples, each crc32c to crcs[base + i]; False (nothing copied) where
+ * a copy's source is not such a tuple. Parsing the tuples here costs a few ns a copy, less than
+ * making numpy columns of them in Python. */
+static PyObject *gather_copies(PyObject *self, PyObject *args) {
+    unsigned long long dst_address;
+    long long dst_size;
+    PyObject *copies, *crcs;
+    Py_ssize_t base;
+    if (!PyArg_ParseTuple(args, "KLO!O!n:gather_copies", &dst_address, &dst_size, &PyList_Type, &copies,
+                          &PyList_Type, &crcs, &base))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(copies);
+    if (base < 0 || base > PyList_GET_SIZE(crcs) - count) {
+        PyErr_Format(PyExc_ValueError, "gather_copies: slots %zd to %zd are not in the crcs list of %zd: pass "
+                     "the piece's first slot (Piece.base)", base, base + count, PyList_GET_SIZE(crcs));
+        return NULL;
+    }
+    if (dst_size < 0 || (dst_address == 0 && dst_size > 0)) {
+        PyErr_Format(PyExc_ValueError, "gather_copies: the destination (address %llu, %lld bytes) is not a "
+                     "memory region: pass a buffer's address and its non-negative size", dst_address, dst_size);
+        return NULL;
+    }
+    int64_t *cols = PyMem_Malloc(sizeof(int64_t) * 3 * (size_t)(count ? count : 1));
+    uint32_t *out = PyMem_Malloc(sizeof(uint32_t) * (size_t)(count ? count : 1));
+    PyObject *result = NULL;
+    if (!cols || !out) { PyErr_NoMemory(); goto done; }
+    int64_t *off = cols, *src = cols + count, *len = cols + 2 * count;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int r = parse_copy(PyList_GET_ITEM(copies, i), i, off + i, src + i, len + i);
+        if (r < 0) goto done;
+        if (r == 0) { result = Py_False; Py_INCREF(result); goto done; }
+    }
+    if (check_spans(off, len, count, dst_size) < 0) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    gather((unsigned char *)(uintptr_t)dst_address, off, src, len, out, count);
+    Py_END_ALLOW_THREADS
+    if (base > PyList_GET_SIZE(crcs) - count) {  /* the list shrank meanwhile */
+        PyErr_SetString(PyExc_RuntimeError, "gather_copies: the crcs list changed size during the copy");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *v = PyLong_FromUnsignedLong(out[i]);
+        if (!v) goto done;
+        PyList_SetItem(crcs, base + i, v);
+    }
+    result = Py_True;
+    Py_INCREF(result);
+done:
+    PyMem_Free(cols);
+    PyMem_Free(out);
+    return result;
+}
+
 static PyObject *crc32c_py(PyObject *self, PyObject *args) {
     Py_buffer data;
     unsigned long crc = 0;
@@ -220,6 +324,10 @@ static PyMethodDef methods[] = {
      "gather_crc(dst_address, dst_size, dst_offsets, src_addresses, lengths, crcs_out): copy each span to "
      "dst_address + dst_offsets[i] and write its crc32c to crcs_out[i] (int64 columns, uint32 crcs_out), the "
      "GIL released."},
+    {"gather_copies", gather_copies, METH_VARARGS,
+     "gather_copies(dst_address, dst_size, copies, crcs, base): gather_crc over a pool piece's list of (offset, "
+     "length, (address, length)) tuples, each crc32c to crcs[base + i]; False, nothing copied, where a source is "
+     "not such a tuple."},
     {"crc32c", crc32c_py, METH_VARARGS, "crc32c(data, crc=0, portable=False): the crc32c of data, continuing crc (portable: by the table, "
      "not the CPU's instruction; for tests)."},
     {NULL, NULL, 0, NULL}};
@@ -231,7 +339,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gdswriter._gather",
 PyMODINIT_FUNC PyInit__gather(void) {
     make_table();
 #if defined(GATHER_X86) || defined(GATHER_ARM)
-    if (hw_present()) { update = hw_update; impl_name = HW_NAME; }
+    if (hw_present()) {
+        make_zeros(zeros_long, LONG);
+        make_zeros(zeros_short, SHORT);
+        update = hw_update;
+        impl_name = HW_NAME;
+    }
 #endif
     PyObject *m = PyModule_Create(&module);
     if (m && PyModule_AddStringConstant(m, "CRC_IMPL", impl_name) < 0) { Py_DECREF(m); return NULL; }

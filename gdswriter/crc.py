@@ -62,27 +62,39 @@ class _Compiled:
     """What gdswriter._gather offers: gather_crc, crc32c and CRC_IMPL (the CPU's crc32c
     instruction it found, or "table")."""
 
-    def __init__(self, gather_crc, crc32c, impl: str) -> None:
-        self.gather_crc, self.crc32c, self.CRC_IMPL = gather_crc, crc32c, impl
+    def __init__(self, gather_crc, gather_copies, crc32c, impl: str) -> None:
+        self.gather_crc, self.gather_copies, self.crc32c, self.CRC_IMPL = gather_crc, gather_copies, crc32c, impl
 
 
 @functools.cache
 def _compiled() -> _Compiled | None:
     """The compiled module gdswriter._gather, or None where the build left it out."""
     try:
-        from ._gather import CRC_IMPL, crc32c, gather_crc
+        from ._gather import CRC_IMPL, crc32c, gather_copies, gather_crc
     except ImportError:
         return None
-    return _Compiled(gather_crc, crc32c, CRC_IMPL)
+    return _Compiled(gather_crc, gather_copies, crc32c, CRC_IMPL)
+
+
+def _native_on() -> bool:
+    return os.environ.get(NATIVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def native_gather():
     """The compiled gather_crc (same arguments as gather_crc below), or None where it is not built
     or GDSWRITER_NATIVE=0 turns it off (read at each call: a test or a user may flip it)."""
-    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    mod = _compiled()
+    mod = _compiled() if _native_on() else None
     return mod.gather_crc if mod is not None else None
+
+
+def native_gather_copies():
+    """The compiled gather_copies(dst_address, dst_size, copies, crcs, base), or None (as
+    native_gather): a pool piece's (offset, length, (address, length)) copies gathered in one
+    call, each crc32c to the list ``crcs`` at ``base`` + its index; it returns False, having
+    copied nothing, where a copy's source is not an (address, length) tuple. The columns are
+    read from the tuples in C (a few ns a copy): the host snapshot's copier (save/pool.py)."""
+    mod = _compiled() if _native_on() else None
+    return mod.gather_copies if mod is not None else None
 
 
 def native_status() -> str:

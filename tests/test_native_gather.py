@@ -19,7 +19,7 @@ from gdswriter import GDSCheckpointer, load_state
 from gdswriter import crc as C
 from gdswriter.save import pool
 
-BUILT = C.native_gather() is not None or C.native_status().startswith("pure Python (GDSWRITER_NATIVE=0")
+BUILT = not C.native_status().startswith("pure Python (the compiled")
 needs_build = pytest.mark.skipif(not BUILT, reason="gdswriter._gather was not built (no C compiler at install)")
 
 SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 63, 64, 65, 4095, 4097, 8 << 10, (8 << 10) + 5, 1 << 20, (1 << 20) + 3,
@@ -123,15 +123,71 @@ def test_the_pool_copies_through_the_compiled_gather_where_built(tmp_path, monke
         pytest.skip("gdswriter._gather was not built (no C compiler at install)")
     monkeypatch.delenv(C.NATIVE_ENV, raising=False)
     calls = []
-    real = pool.native_gather
+    real = pool.native_gather_copies
 
     def counting():
         fn = real()
-        return None if fn is None else (lambda *a: (calls.append(len(a[2])), fn(*a)))
 
-    monkeypatch.setattr(pool, "native_gather", counting)
+        def gather(*a):
+            done = fn(*a)
+            calls.append(len(a[2]) if done else 0)
+            return done
+
+        return None if fn is None else gather
+
+    monkeypatch.setattr(pool, "native_gather_copies", counting)
     _save(tmp_path, _state())
-    assert sum(calls) >= 3000
+    assert sum(calls) >= 2 * 3000  # both later saves' copies (the first save's too)
+
+
+@needs_build
+def test_a_pieces_copies_gathered_in_one_call_equal_the_package(monkeypatch):
+    """gather_copies (what the pool calls): a piece's (offset, length, (address, length)) list,
+    each crc32c to its slot of the save's list; a tensor among the sources: False, nothing done."""
+    monkeypatch.delenv(C.NATIVE_ENV, raising=False)
+    gather = C.native_gather_copies()
+    rng = random.Random(11)
+    src = np.frombuffer(rng.randbytes(4 << 20), dtype=np.uint8)
+    offs, starts, lens, size = _spans(rng, len(src))
+    copies = [(o, n, (src.ctypes.data + s, n)) for o, s, n in zip(offs, starts, lens)]
+    dst = np.zeros(size, dtype=np.uint8)
+    crcs = [0] * (len(copies) + 5)
+    assert gather(dst.ctypes.data, size, copies, crcs, 2) is True
+    for i, (o, s, n) in enumerate(zip(offs, starts, lens)):
+        assert dst[o:o + n].tobytes() == src[s:s + n].tobytes()
+        assert crcs[2 + i] == crc32c.crc32c(src[s:s + n].tobytes()), (i, n)
+    assert crcs[:2] == [0, 0] and crcs[-3:] == [0, 0, 0]
+    dst[:] = 0
+    with_tensor = copies[:3] + [(size - 4, 4, torch.zeros(4, dtype=torch.uint8))]
+    assert gather(dst.ctypes.data, size, with_tensor, [0] * 4, 0) is False
+    assert not dst.any()
+
+
+@needs_build
+@pytest.mark.parametrize("bad", ["past the end", "negative length", "not a tuple", "not an int", "slots outside",
+                                 "not a list"])
+def test_bad_copies_raise_a_typed_error_and_copy_nothing(monkeypatch, bad):
+    monkeypatch.delenv(C.NATIVE_ENV, raising=False)
+    gather = C.native_gather_copies()
+    dst = np.full(64, 7, dtype=np.uint8)
+    src = np.arange(64, dtype=np.uint8)
+    copies: list = [(0, 8, (src.ctypes.data, 8)), (8, 8, (src.ctypes.data, 8))]
+    crcs, base, error = [0, 0], 0, ValueError
+    if bad == "past the end":
+        copies[1] = (60, 8, (src.ctypes.data, 8))
+    elif bad == "negative length":
+        copies[1] = (8, -1, (src.ctypes.data, -1))
+    elif bad == "not a tuple":
+        copies[1], error = [8, 8, (src.ctypes.data, 8)], TypeError
+    elif bad == "not an int":
+        copies[1], error = (8, 8.0, (src.ctypes.data, 8)), TypeError
+    elif bad == "slots outside":
+        base = 1
+    else:
+        copies, error = tuple(copies), TypeError
+    with pytest.raises(error):
+        gather(dst.ctypes.data, len(dst), copies, crcs, base)
+    assert (dst == 7).all() and crcs == [0, 0]
 
 
 def _state() -> dict:

@@ -76,13 +76,12 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from operator import itemgetter
 
 import numpy as np
 import torch
 from crc32c import crc32c as _crc32c
 
-from ..crc import native_gather
+from ..crc import native_gather_copies
 from ..cuda import streams
 from ..engines.base import WriteSpan
 from ..engines.buffers import HUGE_PAGE, AlignedBufferPool, StagingBuffer
@@ -866,12 +865,13 @@ def _zero_gaps(buf: StagingBuffer, p: Piece) -> None:
 
 def _copy_host_piece(buf: StagingBuffer, p: Piece) -> None:
     """copy_in for every copy of ``p``, none from a GPU: where the compiled gather is built
-    (crc.native_gather) and every copy is from host memory (the usual state), one call for the
-    piece, the GIL released; else in one loop, the small copies from host memory (a state of
-    many tensors: most of them) inline, a memmove and a crc32c each, without a call and type
-    tests per copy. Both give the same bytes and checksums."""
-    gather = native_gather()
-    if gather is not None and p.copies and _gather_piece(gather, buf, p):
+    (crc.native_gather_copies) and every copy is from host memory (the usual state), one call
+    for the piece, which reads the copies' tuples in C and copies with the GIL released; else in
+    one loop, the small copies from host memory (a state of many tensors: most of them) inline, a
+    memmove and a crc32c each, without a call and type tests per copy. Both give the same bytes
+    and checksums."""
+    gather = native_gather_copies()
+    if gather is not None and gather(buf.address + p.ring, p.hi - p.lo, p.copies, p.ring_state.crcs, p.base):
         return
     memmove, view, crcs = ctypes.memmove, buf.view, p.ring_state.crcs
     at = p.ring
@@ -882,21 +882,6 @@ def _copy_host_piece(buf: StagingBuffer, p: Piece) -> None:
             crcs[j] = _crc32c(view[at + rel:at + rel + n])
         else:
             crcs[j] = _copy_in(buf, at + rel, src)  # type: ignore[assignment]
-
-
-def _gather_piece(gather, buf: StagingBuffer, p: Piece) -> bool:
-    """The copies of ``p`` in one compiled call (False, nothing done: a copy is a tensor, not an
-    address). The columns are made from the piece's (offset, length, (address, length)) tuples
-    (about 0.1 us a copy; the layout keeps tuples, which the other paths read)."""
-    rel, n, src = zip(*p.copies)
-    if not all(type(s) is tuple for s in src):
-        return False
-    count = len(rel)
-    crcs = np.empty(count, dtype=np.uint32)
-    gather(buf.address + p.ring, p.hi - p.lo, np.array(rel, dtype=np.int64),
-           np.fromiter(map(itemgetter(0), src), np.int64, count), np.array(n, dtype=np.int64), crcs)
-    p.ring_state.crcs[p.base:p.base + count] = crcs.tolist()
-    return True
 
 
 def copy_in(buf: StagingBuffer, at: int, src: torch.Tensor | tuple[int, int]) -> int | None:
