@@ -1,8 +1,11 @@
-"""crc32c helpers beyond the crc32c package: combining the checksums of adjacent pieces."""
+"""crc32c helpers beyond the crc32c package: combining the checksums of adjacent pieces, and the
+gather (gather_crc: copy spans and checksum each) that the host snapshot's copier runs per pool
+piece, compiled (gdswriter/_gather.c, built where a C compiler was found) or in Python."""
 
 from __future__ import annotations
 
 import functools
+import os
 
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, reflected
 
@@ -50,3 +53,110 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     if len2 <= 0:
         return crc1
     return crc32c_shift(crc1, len2) ^ crc2
+
+
+NATIVE_ENV = "GDSWRITER_NATIVE"  # "0": the pure-Python gather even where the compiled one is built
+
+
+class _Compiled:
+    """What gdswriter._gather offers: gather_crc, crc32c and CRC_IMPL (the CPU's crc32c
+    instruction it found, or "table")."""
+
+    def __init__(self, gather_crc, gather_copies, crc32c, impl: str) -> None:
+        self.gather_crc, self.gather_copies, self.crc32c, self.CRC_IMPL = gather_crc, gather_copies, crc32c, impl
+
+
+@functools.cache
+def _compiled() -> _Compiled | None:
+    """The compiled module gdswriter._gather, or None where the build left it out."""
+    try:
+        from ._gather import CRC_IMPL, crc32c, gather_copies, gather_crc
+    except ImportError:
+        return None
+    return _Compiled(gather_crc, gather_copies, crc32c, CRC_IMPL)
+
+
+def _native_on() -> bool:
+    return os.environ.get(NATIVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def native_gather():
+    """The compiled gather_crc (same arguments as gather_crc below), or None where it is not built
+    or GDSWRITER_NATIVE=0 turns it off (read at each call: a test or a user may flip it)."""
+    mod = _compiled() if _native_on() else None
+    return mod.gather_crc if mod is not None else None
+
+
+def native_gather_copies():
+    """The compiled gather_copies(dst_address, dst_size, copies, crcs, base), or None (as
+    native_gather): a pool piece's (offset, length, (address, length)) copies gathered in one
+    call, each crc32c to the list ``crcs`` at ``base`` + its index; it returns False, having
+    copied nothing, where a copy's source is not an (address, length) tuple. The columns are
+    read from the tuples in C (a few ns a copy): the host snapshot's copier (save/pool.py)."""
+    mod = _compiled() if _native_on() else None
+    return mod.gather_copies if mod is not None else None
+
+
+def native_status() -> str:
+    """What copies the host snapshot, in words (gdswriter doctor)."""
+    mod = _compiled()
+    if mod is None:
+        return "pure Python (the compiled gdswriter._gather was not built: reinstall with a C compiler)"
+    if native_gather() is None:
+        return f"pure Python ({NATIVE_ENV}=0; compiled gdswriter._gather available, crc32c by {mod.CRC_IMPL})"
+    return f"compiled gdswriter._gather (crc32c by {mod.CRC_IMPL})"
+
+
+def compiled_crc32c(data, crc: int = 0, *, portable: bool = False) -> int:
+    """crc32c(data, crc) by the compiled module (``portable``: by its table, not the CPU's
+    instruction), for tests that check both against the crc32c package; ImportError where the
+    module was not built."""
+    mod = _compiled()
+    if mod is None:
+        raise ImportError("gdswriter._gather was not built: reinstall gdswriter where a C compiler and the Python "
+                          "headers are found (pip install -e . or pip install gdswriter)")
+    return mod.crc32c(data, crc, portable)
+
+
+def gather_crc(dst_address: int, dst_size: int, dst_offsets, src_addresses, lengths, crcs_out) -> None:
+    """Copy ``lengths[i]`` bytes from host address ``src_addresses[i]`` to ``dst_address +
+    dst_offsets[i]`` and set ``crcs_out[i]`` to their crc32c, for every i: one compiled call with
+    the GIL released where gdswriter._gather is built (native_gather), else a memmove and a
+    crc32c per span. Both check the inputs first (TypeError, ValueError: nothing is copied)."""
+    native = native_gather()
+    if native is not None:
+        native(dst_address, dst_size, dst_offsets, src_addresses, lengths, crcs_out)
+        return
+    _python_gather(dst_address, dst_size, dst_offsets, src_addresses, lengths, crcs_out)
+
+
+def _python_gather(dst_address: int, dst_size: int, dst_offsets, src_addresses, lengths, crcs_out) -> None:
+    """gather_crc in Python, with the compiled one's checks and errors."""
+    import ctypes
+
+    import numpy as np
+    from crc32c import crc32c
+
+    cols = [np.asarray(c) for c in (dst_offsets, src_addresses, lengths, crcs_out)]
+    if any(c.ndim != 1 for c in cols) or any(c.dtype != np.int64 for c in cols[:3]) or cols[3].dtype != np.uint32:
+        raise TypeError("gather_crc: dst_offsets, src_addresses and lengths must be one-dimensional int64, "
+                        "crcs_out uint32: pass numpy arrays of those dtypes")
+    if not cols[3].flags.writeable:
+        raise TypeError("gather_crc: crcs_out must be a writable buffer of uint32 integers (a numpy array)")
+    if len({len(c) for c in cols}) != 1:
+        raise ValueError(f"gather_crc: the arrays differ in length ({', '.join(str(len(c)) for c in cols)}): "
+                         "pass one entry per span in each")
+    if dst_size < 0 or (dst_address == 0 and dst_size > 0):
+        raise ValueError(f"gather_crc: the destination (address {dst_address}, {dst_size} bytes) is not a memory "
+                         "region: pass a buffer's address and its non-negative size")
+    off, src, n = (c.tolist() for c in cols[:3])
+    for i, (o, k) in enumerate(zip(off, n)):
+        if k < 0 or o < 0 or o + k > dst_size:
+            raise ValueError(f"gather_crc: span {i} (offset {o}, length {k}) is not inside the destination's "
+                             f"{dst_size} bytes: offsets and lengths must be non-negative and end within dst_size")
+    dst = (ctypes.c_char * dst_size).from_address(dst_address) if dst_size else b""
+    view = memoryview(dst).cast("B") if dst_size else memoryview(b"")
+    out = cols[3]
+    for i, (o, s, k) in enumerate(zip(off, src, n)):
+        ctypes.memmove(dst_address + o, s, k)
+        out[i] = crc32c(view[o:o + k])

@@ -28,15 +28,16 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from .._version import __version__
+    from ..crc import native_status
     from ..tools.doctor import FAIL, OK, run_checks, worst
 
     findings = run_checks(args.dirs or ["."], test_bytes=parse_size(args.test_size), io_test=not args.no_io_test)
     verdict = worst(findings)
     if args.json:
-        print(json.dumps({"gdswriter": __version__, "status": verdict,
+        print(json.dumps({"gdswriter": __version__, "status": verdict, "snapshot_copier": native_status(),
                           "findings": [vars(f) for f in findings]}, indent=1, default=str))
     else:
-        out(f"gdswriter {__version__} doctor")
+        out(f"gdswriter {__version__} doctor\nsnapshot copier: {native_status()}")
         width = max(len(f.check) for f in findings)
         scope = None
         for f in findings:

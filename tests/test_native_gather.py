@@ -1,0 +1,237 @@
+"""The compiled copier (gdswriter/_gather.c through gdswriter.crc): every span's bytes and crc32c
+the same as the crc32c package and the pure-Python path give, for empty, one-byte, unaligned,
+8 KiB and 1 MiB spans; bad inputs refused with a typed error before a byte is copied; and a save
+of many tensors through the host snapshot writes the same files with it as with
+GDSWRITER_NATIVE=0, and loads back bit-exact."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+import torch
+
+from gdswriter import GDSCheckpointer, load_state
+from gdswriter import crc as C
+from gdswriter.save import pool
+
+BUILT = not C.native_status().startswith("pure Python (the compiled")
+needs_build = pytest.mark.skipif(not BUILT, reason="gdswriter._gather was not built (no C compiler at install)")
+
+SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 63, 64, 65, 4095, 4097, 8 << 10, (8 << 10) + 5, 1 << 20, (1 << 20) + 3,
+         (3 << 20) + 11]
+
+
+@pytest.fixture(params=["native", "python"])
+def path(request, monkeypatch):
+    """gather_crc through the compiled module, or with GDSWRITER_NATIVE=0 through Python."""
+    if request.param == "native":
+        if not BUILT:
+            pytest.skip("gdswriter._gather was not built (no C compiler at install)")
+        monkeypatch.delenv(C.NATIVE_ENV, raising=False)
+        assert C.native_gather() is not None
+    else:
+        monkeypatch.setenv(C.NATIVE_ENV, "0")
+        assert C.native_gather() is None
+    return request.param
+
+
+def _spans(rng: random.Random, src_len: int):
+    """Spans of every size in SIZES at unaligned source offsets, laid out at unaligned offsets."""
+    offs, srcs, lens, at = [], [], [], 0
+    for n in SIZES + [rng.randrange(0, 50_000) for _ in range(40)]:
+        at += rng.randrange(0, 13)  # a gap of 0-12 bytes: unaligned destinations
+        offs.append(at)
+        srcs.append(rng.randrange(0, src_len - n + 1))
+        lens.append(n)
+        at += n
+    return offs, srcs, lens, at
+
+
+def test_gathered_bytes_and_crcs_equal_the_crc32c_package(path):
+    rng = random.Random(5)
+    src = np.frombuffer(rng.randbytes(8 << 20), dtype=np.uint8)
+    offs, starts, lens, size = _spans(rng, len(src))
+    dst = np.zeros(size + 16, dtype=np.uint8)
+    crcs = np.zeros(len(lens), dtype=np.uint32)
+    base = dst.ctypes.data + 3  # an odd destination address
+    C.gather_crc(base, size, np.array(offs, dtype=np.int64),
+                 np.array([src.ctypes.data + s for s in starts], dtype=np.int64), np.array(lens, dtype=np.int64),
+                 crcs)
+    for i, (o, s, n) in enumerate(zip(offs, starts, lens)):
+        want = src[s:s + n].tobytes()
+        assert dst[3 + o:3 + o + n].tobytes() == want, (i, n)
+        assert int(crcs[i]) == crc32c.crc32c(want), (i, n)
+    assert not dst[:3].any() and not dst[3 + size:].any()  # nothing outside the spans
+
+
+@needs_build
+@pytest.mark.parametrize("portable", [False, True])
+def test_compiled_crc32c_equals_the_package_instruction_and_table(portable):
+    rng = random.Random(9)
+    data = rng.randbytes((1 << 20) + 77)
+    for n in SIZES[:-1] + [rng.randrange(1, 1 << 20) for _ in range(30)]:
+        at = rng.randrange(0, 8)
+        piece = data[at:at + n]
+        assert C.compiled_crc32c(piece, portable=portable) == crc32c.crc32c(piece), n
+        assert C.compiled_crc32c(piece, 0xDEADBEEF, portable=portable) == crc32c.crc32c(piece, 0xDEADBEEF), n
+
+
+def _columns(n: int = 2):
+    return (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64), np.ones(n, dtype=np.int64),
+            np.zeros(n, dtype=np.uint32))
+
+
+@pytest.mark.parametrize("bad", ["lengths differ", "negative length", "negative offset", "past the end",
+                                 "wrong dtype", "crcs read-only", "two-dimensional", "no destination"])
+def test_bad_inputs_raise_a_typed_error_and_copy_nothing(path, bad):
+    dst = np.full(64, 7, dtype=np.uint8)
+    src = np.arange(64, dtype=np.uint8)
+    off, addr, lens, crcs = _columns()
+    addr[:] = src.ctypes.data
+    size, base = len(dst), dst.ctypes.data
+    error: type[Exception] = ValueError
+    if bad == "lengths differ":
+        crcs = np.zeros(3, dtype=np.uint32)
+    elif bad == "negative length":
+        lens[1] = -1
+    elif bad == "negative offset":
+        off[1] = -1
+    elif bad == "past the end":
+        off[1], lens[1] = 60, 5  # 60 + 5 > 64
+    elif bad == "wrong dtype":
+        lens, error = lens.astype(np.int32), TypeError
+    elif bad == "crcs read-only":
+        crcs.flags.writeable = False
+        error = (TypeError, ValueError)  # type: ignore[assignment]
+    elif bad == "two-dimensional":
+        off, error = np.zeros((2, 1), dtype=np.int64), TypeError
+    else:
+        base = 0
+    with pytest.raises(error, match="gather_crc"):
+        C.gather_crc(base, size, off, addr, lens, crcs)
+    assert (dst == 7).all()  # checked before the first copy
+
+
+def test_the_pool_copies_through_the_compiled_gather_where_built(tmp_path, monkeypatch):
+    """The save below does go through the compiled call (else its comparison would prove nothing)."""
+    if not BUILT:
+        pytest.skip("gdswriter._gather was not built (no C compiler at install)")
+    monkeypatch.delenv(C.NATIVE_ENV, raising=False)
+    calls = []
+    real = pool.native_gather_copies
+
+    def counting():
+        fn = real()
+
+        def gather(*a):
+            done = fn(*a)
+            calls.append(len(a[2]) if done else 0)
+            return done
+
+        return None if fn is None else gather
+
+    monkeypatch.setattr(pool, "native_gather_copies", counting)
+    _save(tmp_path, _state())
+    assert sum(calls) >= 2 * 3000  # both later saves' copies (the first save's too)
+
+
+@needs_build
+def test_a_pieces_copies_gathered_in_one_call_equal_the_package(monkeypatch):
+    """gather_copies (what the pool calls): a piece's (offset, length, (address, length)) list,
+    each crc32c to its slot of the save's list; a tensor among the sources: False, nothing done."""
+    monkeypatch.delenv(C.NATIVE_ENV, raising=False)
+    gather = C.native_gather_copies()
+    rng = random.Random(11)
+    src = np.frombuffer(rng.randbytes(4 << 20), dtype=np.uint8)
+    offs, starts, lens, size = _spans(rng, len(src))
+    copies = [(o, n, (src.ctypes.data + s, n)) for o, s, n in zip(offs, starts, lens)]
+    dst = np.zeros(size, dtype=np.uint8)
+    crcs = [0] * (len(copies) + 5)
+    assert gather(dst.ctypes.data, size, copies, crcs, 2) is True
+    for i, (o, s, n) in enumerate(zip(offs, starts, lens)):
+        assert dst[o:o + n].tobytes() == src[s:s + n].tobytes()
+        assert crcs[2 + i] == crc32c.crc32c(src[s:s + n].tobytes()), (i, n)
+    assert crcs[:2] == [0, 0] and crcs[-3:] == [0, 0, 0]
+    dst[:] = 0
+    with_tensor = copies[:3] + [(size - 4, 4, torch.zeros(4, dtype=torch.uint8))]
+    assert gather(dst.ctypes.data, size, with_tensor, [0] * 4, 0) is False
+    assert not dst.any()
+
+
+@needs_build
+@pytest.mark.parametrize("bad", ["past the end", "negative length", "not a tuple", "not an int", "slots outside",
+                                 "not a list"])
+def test_bad_copies_raise_a_typed_error_and_copy_nothing(monkeypatch, bad):
+    monkeypatch.delenv(C.NATIVE_ENV, raising=False)
+    gather = C.native_gather_copies()
+    dst = np.full(64, 7, dtype=np.uint8)
+    src = np.arange(64, dtype=np.uint8)
+    copies: list = [(0, 8, (src.ctypes.data, 8)), (8, 8, (src.ctypes.data, 8))]
+    crcs, base, error = [0, 0], 0, ValueError
+    if bad == "past the end":
+        copies[1] = (60, 8, (src.ctypes.data, 8))
+    elif bad == "negative length":
+        copies[1] = (8, -1, (src.ctypes.data, -1))
+    elif bad == "not a tuple":
+        copies[1], error = [8, 8, (src.ctypes.data, 8)], TypeError
+    elif bad == "not an int":
+        copies[1], error = (8, 8.0, (src.ctypes.data, 8)), TypeError
+    elif bad == "slots outside":
+        base = 1
+    else:
+        copies, error = tuple(copies), TypeError
+    with pytest.raises(error):
+        gather(dst.ctypes.data, len(dst), copies, crcs, base)
+    assert (dst == 7).all() and crcs == [0, 0]
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    dtypes = (torch.float32, torch.float16, torch.int64, torch.uint8, torch.bfloat16)
+    state = {f"t{i}": torch.randint(0, 250, (1 + i % 301,), generator=g).to(dtypes[i % 5]) for i in range(3000)}
+    state["big"] = torch.randn(700_001, generator=g)  # 2.8 MiB: cut where pieces end, copied in parts
+    return state
+
+
+def _save(root: Path, state: dict) -> Path:
+    with GDSCheckpointer(state, None, root) as ck:
+        ck.save(1)
+        ck.save(2)  # the second save reuses the layout (_LayoutTemplate): the same copies again
+    return root
+
+
+def _data_files(root: Path) -> dict[str, bytes]:
+    """The steps' data files (the manifests' crc32c columns are checked by the load below)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.glob("step_*/*.bin")}
+
+
+@needs_build
+def test_a_save_writes_the_same_files_natively_and_in_python_and_loads_bit_exact(tmp_path, monkeypatch):
+    state = _state()
+    monkeypatch.delenv(C.NATIVE_ENV, raising=False)
+    native = _save(tmp_path / "native", state)
+    monkeypatch.setenv(C.NATIVE_ENV, "0")
+    python = _save(tmp_path / "python", state)
+    a, b = _data_files(native), _data_files(python)
+    assert len(a) == 2 and a.keys() == b.keys()
+    assert all(a[k] == b[k] for k in a), [k for k in a if a[k] != b[k]]
+    monkeypatch.delenv(C.NATIVE_ENV, raising=False)
+    for root in (native, python):
+        step, got = load_state(root, step=2)
+        loaded = got["model"]
+        assert step == 2 and loaded.keys() == state.keys()
+        for k, t in state.items():
+            assert torch.equal(loaded[k], t), k
+
+
+def test_pure_python_gather_with_nothing_to_copy(monkeypatch):
+    monkeypatch.setenv(C.NATIVE_ENV, "0")
+    empty = np.zeros(0, dtype=np.int64)
+    C.gather_crc(0, 0, empty, empty, empty, np.zeros(0, dtype=np.uint32))
+    buf = ctypes.create_string_buffer(4)
+    C.gather_crc(ctypes.addressof(buf), 4, empty, empty, empty, np.zeros(0, dtype=np.uint32))
