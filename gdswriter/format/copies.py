@@ -39,6 +39,7 @@ from .sharded import (GlobalManifest, ShardRef, match_roots, merge, parse_global
 
 log = logging.getLogger("gdswriter")
 
+
 def copy_dir(rank: int) -> str:
     """The folder, relative to a step directory, holding the copy of rank ``rank``'s files."""
     return f"{COPIES_DIR}/{copy_dir_name(rank)}"
