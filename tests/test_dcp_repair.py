@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -148,26 +148,13 @@ def test_a_repair_is_refused_while_a_refill_of_the_step_runs(tmp_path, capsys):
     run_ranks(2, _save, str(tmp_path), out=tmp_path / "save")
     roots = [tmp_path / "node0", tmp_path / "node1"]
     _damage_and_repair(capsys, roots, 1)
-    pause = tmp_path / "pause"
-    pause.mkdir()
-    box: dict = {}
-    ranks = threading.Thread(target=lambda: box.update(got=run_ranks(2, _load, str(tmp_path), str(pause),
-                                                                        out=tmp_path / "load")))
-    ranks.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not (pause / "paused-0").exists() and ranks.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert (pause / "paused-0").exists(), "the refill never reached its end"
+    with ranks_held(tmp_path, _load, "load", "paused-0") as box:
         victim = next((roots[1] / STEP / "copies" / "rank00000").glob("data-rank0-*.bin"))
         flip(victim)
         before = tree(roots[0]), tree(roots[1])
         code, said = verify(capsys, roots, "--repair")
         assert code != 0 and "a refill of this step is running" in said, (code, said)
         assert (tree(roots[0]), tree(roots[1])) == before  # refused before it touched anything
-    finally:
-        (pause / "go").touch()
-        ranks.join(300)
     assert all(x["load"] == [None, True] and x["refilled"] == 1 for x in box["got"]), box
     assert (roots[0] / STEP / "protected").exists()
     code, said = verify(capsys, roots)
@@ -177,6 +164,29 @@ def test_a_repair_is_refused_while_a_refill_of_the_step_runs(tmp_path, capsys):
     got = run_ranks(2, _load, str(tmp_path), out=tmp_path / "load2")
     assert all(x["refilled"] == 1 for x in got), got
     assert verify(capsys, roots)[0] == 0
+
+
+@contextlib.contextmanager
+def ranks_held(tmp_path: Path, fn: Callable, out: str, flag: str, world: int = 2) -> Iterator[dict]:
+    """``world`` ranks running ``fn(rank, world, tmp, pause)`` (in a thread), held where they made the
+    file ``pause``/``flag`` (until ``pause``/go exists) while the block runs; then let go and
+    joined. The dict gets the ranks' results ("got")."""
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    box: dict = {}
+    ranks = threading.Thread(target=lambda: box.update(got=run_ranks(world, fn, str(tmp_path), str(pause),
+                                                                        out=tmp_path / out)))
+    ranks.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not (pause / flag).exists() and ranks.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (pause / flag).exists(), f"the ranks never reached {flag}"
+        yield box
+    finally:
+        (pause / "go").touch()
+        ranks.join(300)
+    assert not ranks.is_alive()
 
 
 REPAIR_HELD = """

@@ -18,6 +18,8 @@ import torch
 from support.dcp import dcp_load, dcp_state, flip, save_two_steps
 from support.ranks import caught, run_ranks
 
+from gdswriter.format.copies import STEP_LOCK_NAME
+
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 STEP = "step_000000000001"
@@ -90,6 +92,8 @@ def test_a_flipped_byte_in_a_parity_block_is_found_set_aside_and_re_created(tmp_
     aside = sorted(p.name for p in pdir.glob(".damaged-*"))
     assert [n.rsplit("-", 1)[0] for n in aside] == [".damaged-rank00001.json", ".damaged-rank00001.xor"], aside
     assert (pdir / aside[1]).read_bytes() == damaged  # nothing deleted
+    assert not (marks / "copies").exists()  # the step lock made no copies/ on a parity step's primary
+    assert (marks / STEP_LOCK_NAME).is_file()  # its file instead
     code, said = verify(capsys, roots)
     assert code == 3 and "missing" in said, said
 
@@ -99,7 +103,7 @@ def test_a_flipped_byte_in_a_parity_block_is_found_set_aside_and_re_created(tmp_
     assert (pdir / "rank00001.xor").read_bytes() == saved["rank00001.xor"]
     assert json.loads((pdir / "rank00001.json").read_bytes()) == json.loads(saved["rank00001.json"])
     assert json.loads((marks / "protected").read_bytes()) == PARITY and not (marks / "parity" / "refilling").exists()
-    assert not list(pdir.glob(".damaged-*"))
+    assert not list(pdir.glob(".damaged-*")) and not (marks / "copies").exists()
     code, said = verify(capsys, roots)
     assert code == 0 and "protection intact (3 parity blocks" in said, said
 
@@ -219,7 +223,8 @@ def test_a_gdscheckpointer_parity_block_set_aside_is_re_created_by_the_next_load
     """parity_group=3 over 3 nodes (GDSCheckpointer: format 1.4, its refill.py): a byte flipped in
     rank 2's parity block is found (exit 3), --repair sets it aside and withdraws ``protected``;
     the next load (bit-exact) re-creates the block byte for byte, ``protected`` comes back as
-    parity wrote it (protected_step() is 1 on every rank) and the scrub passes."""
+    parity wrote it (protected_step() is 1 on every rank) and the scrub passes. The primary's
+    step directory holds an empty ``copies/``, as the step lock left it before it was a file."""
     run_ranks(3, _ck_save, str(tmp_path), out=tmp_path / "save")
     roots = [tmp_path / f"n{k}" for k in range(3)]
     pdir = roots[2] / STEP / "parity"
@@ -227,6 +232,7 @@ def test_a_gdscheckpointer_parity_block_set_aside_is_re_created_by_the_next_load
     marker = (roots[0] / STEP / "protected").read_bytes()
     assert json.loads(marker) == PARITY
     assert verify(capsys, roots)[0] == 0
+    (roots[0] / STEP / "copies").mkdir()  # as a step lock before the lock file left it: still fine
     flip(pdir / "rank00002.xor")
     code, said = verify(capsys, roots, "--repair")
     assert code == 3 and f"rank 2's parity block on table root 2: {pdir / 'rank00002.xor'}" in said, said

@@ -6,7 +6,7 @@ import os
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
 from ..format.commit import CommitProtocol
-from ..format.copies import step_lock
+from ..format.copies import repairable, step_lock
 from ..progress import Progress
 from ..units import gbps, human, parse_size
 from ._common import (EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, add_roots_argument, check_roots, load_manifest, open_roots,
@@ -79,12 +79,14 @@ def _one_step(args, protocol: CommitProtocol, engine, step: int, scratch: int) -
 
     problems: list[str] = []
     m = scrub = lock = None
+    mend = True
     try:
         try:
             _, m, _ = load_manifest(protocol, step)
             check_roots(protocol, step, m)
             if args.repair and m.dist is not None:  # no refill of the step runs from the scrub to the repair's end
                 lock = step_lock(protocol.step_dir(step), exclusive=True)
+                mend = repairable(protocol.step_dir(step))  # before the scrub: a protected step's copies are all there
             with Progress(f"verify step {step}") as bar:  # drawn on a terminal only
                 stats = verify_step(protocol, m, bar.reads(engine), scratch, problems)
                 scrub = scrub_protection(protocol, step, bar.reads(engine), scratch) if m.dist is not None else None
@@ -94,14 +96,16 @@ def _one_step(args, protocol: CommitProtocol, engine, step: int, scratch: int) -
         except (CorruptCheckpointError, UnsupportedFormatVersionError) as e:
             stats = None
             problems.append(str(e))
-        return _judged(args, protocol, engine, step, m, stats, scrub, problems)
+        return _judged(args, protocol, engine, step, m, stats, scrub, problems, mend)
     finally:
         if lock is not None:
             os.close(lock)
 
 
-def _judged(args, protocol: CommitProtocol, engine, step: int, m, stats, scrub, problems: list[str]) -> str:
-    """``_one_step``'s verdict and lines, once the step is read (and, with --repair, repaired)."""
+def _judged(args, protocol: CommitProtocol, engine, step: int, m, stats, scrub, problems: list[str],
+            mend: bool) -> str:
+    """``_one_step``'s verdict and lines, once the step is read (and, with --repair, repaired where
+    ``mend``: the step was protected or noted before its scrub)."""
     from ..load.reader import step_gone
 
     # Problems of a step deleted (or saved again) meanwhile are a race with retention, not damage.
@@ -125,10 +129,10 @@ def _judged(args, protocol: CommitProtocol, engine, step: int, m, stats, scrub, 
     if scrub is None or not (scrub.blocks or scrub.files or scrub.problems or scrub.damaged):
         out(line)
         return "ok"
-    return _scrubbed(args, protocol, step, scrub, line)
+    return _scrubbed(args, protocol, step, scrub, line, mend)
 
 
-def _scrubbed(args, protocol: CommitProtocol, step: int, scrub, line: str) -> str:
+def _scrubbed(args, protocol: CommitProtocol, step: int, scrub, line: str, mend: bool) -> str:
     """The lines of a step whose own files are intact, after its scrub; --repair's actions."""
     from ..load.verify import set_aside_damage
 
@@ -152,7 +156,11 @@ def _scrubbed(args, protocol: CommitProtocol, step: int, scrub, line: str) -> st
             f"protecting it {'are' if n != 1 else 'is'} damaged or missing: it would not survive the loss of the "
             f"node{'s' if n != 1 else ''} named" + ("" if args.repair else
                                                     "; run again with --repair, then load it on every rank"))
-    if args.repair:
+    if args.repair and not mend:
+        out(f"repair: step {step}: refused, nothing touched: the step is not marked protected (its replication to "
+            f"peer nodes is still running, or failed); run verify --repair again once wait_protected() returned; a "
+            f"step whose replication failed is mended by a newer step's protection, not by --repair")
+    elif args.repair:
         for done in set_aside_damage(protocol, scrub):
             out(f"repair: {done}")
     return "unprotected"

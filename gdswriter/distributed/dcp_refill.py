@@ -64,13 +64,13 @@ from typing import Any
 
 from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
-from ..format.copies import (DAMAGED_PREFIX, drop_damaged, refilling_marker, restore_protection, step_lock,
-                              withdraw_protection)
+from ..format.copies import (DAMAGED_PREFIX, drop_damage_in, refilling_marker, remove_notes, restore_protection,
+                              step_lock, withdraw_protection, write_note)
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.parity import PARITY_DIR
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
 from ..format.sharded import parse_step
-from ..fs import atomic_write, fsync_dir, read_regular_file
+from ..fs import atomic_write, read_regular_file
 from .dcp_leftovers import RefillLocks
 from .dcp_replicas import REFILLING_NAME, Placed
 from .group import Coordinator, describe
@@ -388,16 +388,9 @@ def _refill(coord: Coordinator, job: DcpRefillJob, held: list[int]) -> bool:
 
 def _drop_damage(job: DcpRefillJob) -> None:
     """The ``.damaged-`` entries ``verify --repair`` set aside on the roots this rank looks at,
-    removed once what they held is re-created and the step protected again (format/copies.py
-    ``drop_damaged``); a failure is logged (they cost disk space, never a load)."""
-    for g in job.placed.check[:len(job.m.dist.roots)]:  # type: ignore[union-attr]
-        d = job.placed.reach[g] / step_dir_name(job.m.step)  # type: ignore[operator]
-        try:
-            for gone in drop_damaged(d):
-                log.info("gdswriter: DCP step %d: %s removed (re-created and protected again)", job.m.step, gone)
-        except OSError as e:
-            log.warning("gdswriter: DCP step %d: what verify --repair set aside in %s stays (%s); it goes with the "
-                        "step", job.m.step, d, e)
+    removed once what they held is re-created (format/copies.py ``drop_damage_in``)."""
+    drop_damage_in((job.placed.reach[g] / step_dir_name(job.m.step)  # type: ignore[operator]
+                    for g in job.placed.check[:len(job.m.dist.roots)]), f"DCP step {job.m.step}")  # type: ignore[union-attr]
 
 
 def _drop_rebuilt(coord: Coordinator, job: DcpRefillJob, moves: list[DcpMove]) -> None:
@@ -474,14 +467,14 @@ def _mark(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str, refil
                             f" (rebuilt from parity) and the parity blocks of ranks "
                             f"{sorted(set(job.placed.stripes) | _lost_ranks(job))}" if job.placed.parity else "")
         for mv in zero if refilling else ():
-            _note(_copies_dir(job, mv).parent, marker)
+            write_note(_copies_dir(job, mv).parent, marker, parity=True)
         if not refilling:  # the replaced roots noted (this refill's, or a stopped one's): the copy's marker, last
             for g in job.placed.check[:len(job.m.dist.roots)]:  # type: ignore[union-attr]
                 base = job.placed.reach[g] / step_dir_name(job.m.step)  # type: ignore[operator]
                 if (base / PARITY_DIR / REFILLING_NAME).exists() and not (base / MANIFEST_NAME).exists():
                     if (base / COPIES_DIR / MANIFEST_NAME).is_file():
                         atomic_write(base / COPIES_DIR / PROTECTED_NAME, marker)
-                    _unnote(base)
+                    remove_notes(base)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} ({'unprotected' if refilling else 'protected'})", root=layout.primary_rank)
@@ -497,22 +490,6 @@ def _marks(job: DcpRefillJob, d: Path, marker: bytes, refilling: bool) -> None:
         withdraw_protection(d, marker, parity=True)
         return
     restore_protection(d, refilling_marker(d) or marker)  # the note verify --repair wrote keeps the marker
-
-
-def _note(d: Path, marker: bytes) -> None:
-    """``parity/refilling`` (``marker``) in the step directory ``d``, durably."""
-    note = d / PARITY_DIR / REFILLING_NAME
-    if not note.parent.is_dir():
-        note.parent.mkdir()
-        fsync_dir(d)
-    atomic_write(note, marker)
-
-
-def _unnote(d: Path) -> None:
-    note = d / PARITY_DIR / REFILLING_NAME
-    if note.exists():
-        os.unlink(note)
-        fsync_dir(note.parent)
 
 
 def _lost_ranks(job: DcpRefillJob) -> set[int]:

@@ -74,7 +74,7 @@ import torch
 
 from ..errors import ChecksumMismatchError, CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import TMP_PREFIX, step_dir_name
-from ..format.copies import (copy_ref, drop_damaged, refilling_marker, relocate_roots, replicas_of,
+from ..format.copies import (copy_ref, drop_damage_in, refilling_marker, relocate_roots, replicas_of,
                               restore_protection, step_lock)
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import PARITY_DIR, protected_parity, refilling_parity
@@ -241,17 +241,9 @@ def run_refill(coord: Coordinator, job: RefillJob, copies: int) -> bool:
 
 def drop_damage(me: int, layout: RootLayout, step: int) -> None:
     """The ``.damaged-`` entries ``verify --repair`` set aside on the roots rank ``me`` leads,
-    removed once the refill re-created what they held and the step is protected again
-    (format/copies.py ``drop_damaged``); a failure is logged (disk space, never a load)."""
-    for i, root in enumerate(layout.local_paths):
-        if not layout.leads(i):
-            continue
-        try:
-            for gone in drop_damaged(root / step_dir_name(step)):
-                log.info("gdswriter: step %d: %s removed (re-created and protected again)", step, gone)
-        except OSError as e:
-            log.warning("gdswriter: step %d: what verify --repair set aside on %s stays (%s); it goes with the step",
-                        step, root, e)
+    removed once the refill re-created what they held (format/copies.py ``drop_damage_in``)."""
+    drop_damage_in((root / step_dir_name(step) for i, root in enumerate(layout.local_paths) if layout.leads(i)),
+                   f"step {step}")
 
 
 def _refill(coord: Coordinator, job: RefillJob, copies: int, held: list[int]) -> bool:

@@ -18,10 +18,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import logging
 import os
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import crc32c as _crc32c
@@ -36,6 +37,7 @@ from .manifest import MANIFEST_MAX_BYTES, MANIFEST_NAME, Manifest
 from .sharded import (GlobalManifest, ShardRef, match_roots, merge, parse_global, parse_shard, parse_step, read_shard,
                       shard_name)
 
+log = logging.getLogger("gdswriter")
 
 
 def copy_dir(rank: int) -> str:
@@ -203,16 +205,22 @@ def refilling_marker(step_dir: Path) -> bytes | None:
     return None
 
 
+def repairable(step_dir: Path) -> bool:
+    """Whether ``verify --repair`` may mend the step whose primary step directory is ``step_dir``:
+    it is protected (``protected``, written last by its replication, once every copy or block
+    is durable) or noted (a refilling note: a repair or a parity refill already withdrew its
+    protection). Else its replication is still running (publishing copies and blocks, then
+    writing ``protected``) or failed: a repair then would set aside what the replication
+    counts, and the replication would write ``protected`` over the repair's withdrawal."""
+    return (step_dir / PROTECTED_NAME).is_file() or refilling_marker(step_dir) is not None
+
+
 def withdraw_protection(step_dir: Path, marker: bytes, parity: bool) -> None:
     """The primary step directory ``step_dir`` stops claiming protection (house rule 10): the
     note ``parity/refilling`` (``parity``) or ``copies/refilling`` holding ``marker`` written
     durably first (a later load's refill knows from it what to re-create and which marker to
     write back), then ``protected`` removed and the directory fsynced."""
-    d = step_dir / (PARITY_DIR if parity else COPIES_DIR)
-    if not d.is_dir():
-        d.mkdir()
-        fsync_dir(step_dir)
-    atomic_write(d / REFILLING_NAME, marker)
+    write_note(step_dir, marker, parity)
     if (step_dir / PROTECTED_NAME).exists():
         os.unlink(step_dir / PROTECTED_NAME)
         fsync_dir(step_dir)
@@ -222,6 +230,23 @@ def restore_protection(step_dir: Path, marker: bytes) -> None:
     """``protected`` written back durably (``marker``), then the refilling note removed: the
     end of a refill that re-created what the note's step lacked."""
     atomic_write(step_dir / PROTECTED_NAME, marker)
+    remove_notes(step_dir)
+
+
+def write_note(step_dir: Path, marker: bytes, parity: bool) -> None:
+    """The refilling note ``parity/refilling`` (``parity``) or ``copies/refilling`` holding
+    ``marker`` in the step directory ``step_dir``, durably: its folder made (and ``step_dir``
+    fsynced) where missing, the note replaced atomically (temporary, fsync, rename, fsync)."""
+    d = step_dir / (PARITY_DIR if parity else COPIES_DIR)
+    if not d.is_dir():
+        d.mkdir()
+        fsync_dir(step_dir)
+    atomic_write(d / REFILLING_NAME, marker)
+
+
+def remove_notes(step_dir: Path) -> None:
+    """The refilling notes (``parity/refilling``, ``copies/refilling``) in ``step_dir`` removed,
+    each folder fsynced: the step lacks nothing a refill is to re-create any more."""
     for d in (PARITY_DIR, COPIES_DIR):
         note = step_dir / d / REFILLING_NAME
         if note.exists():
@@ -260,17 +285,32 @@ def drop_damaged(step_dir: Path) -> list[Path]:
     return gone
 
 
+def drop_damage_in(step_dirs: Iterable[Path], what: str) -> None:
+    """``drop_damaged`` in each of ``step_dirs`` (the step directories a rank looks at, once its
+    refill re-created what they held and the step is protected again), each entry removed
+    logged; a failure logged, never raised (the entries cost disk space, never a load: they go
+    with the step). ``what`` names the step in the lines ("step 7", "DCP step 7")."""
+    for d in step_dirs:
+        try:
+            for gone in drop_damaged(d):
+                log.info("gdswriter: %s: %s removed (re-created and protected again)", what, gone)
+        except OSError as e:
+            log.warning("gdswriter: %s: what verify --repair set aside in %s stays (%s); it goes with the step",
+                        what, d, e)
+
+
+STEP_LOCK_NAME = ".step-lock"  # in a step directory: an empty file, step_lock's; never data, never listed
+
+
 def step_lock(step_dir: Path, exclusive: bool) -> int:
     """The lock that keeps ``verify --repair`` (``exclusive``) and a refill of the same step
     (shared, held by the refill's primary rank from before it looks for what to re-create until
-    it ends) apart: a ``flock`` of the primary step directory's ``copies/`` (made durably where
-    missing; the lock dcp_leftovers.py reads as "a refill is running"), never waited for: held
-    elsewhere, ``CheckpointLockedError`` saying who to wait for. A descriptor to ``os.close``."""
-    d = step_dir / COPIES_DIR
-    if not d.is_dir():
-        d.mkdir(exist_ok=True)
-        fsync_dir(step_dir)
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    it ends) apart (a replication is kept apart by ``repairable``): a ``flock`` of the empty file ``.step-lock`` in the primary step directory ``step_dir`` (made
+    where missing; a dot name no reader, ``ls``, retention's count or the drain looks at, deleted
+    with its step; a step locked before it used the empty ``copies/`` it made, which stays
+    harmless), never waited for: held elsewhere, ``CheckpointLockedError`` saying who to wait
+    for. A descriptor to ``os.close``."""
+    fd = os.open(step_dir / STEP_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError as e:
