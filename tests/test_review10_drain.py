@@ -78,7 +78,7 @@ def test_only_a_finished_drain_directory_of_a_step_already_drained_is_removed_de
     def drain_dir(step: int, token: str, marks: tuple[int, ...]) -> Path:
         d = root / f".tmp-step_{step:012d}-{token}"
         d.mkdir()
-        (d / DRAFT_NAME).write_bytes(b"{}")
+        (d / DRAFT_NAME).write_bytes(b'{"dist": {"world_size": 2}}')  # (what its draft says of its save's world)
         for r in marks:
             (d / f"{MARK_PREFIX}{r}").write_bytes(b"{}")
         return d

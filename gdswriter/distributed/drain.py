@@ -31,6 +31,9 @@ marked it and the draft is in: that rank then commits it where its step is not a
 root (its last rank's publish failed or died; any rank finding every mark may commit, one rename
 wins), and removes it once the step is there (a step saved again: "not drained again"; a rank
 publishing it then finds it gone and the step there: the same, as when it finds ``step_S``).
+"Every rank": of the world that saved the step (its draft says), not of the job draining now:
+one left by a larger world (restarted on fewer ranks: a node lost) without a lost rank's mark
+can never commit, and is removed (_settled, _save_world).
 A removal renames the
 directory away first (format/commit.py ``retire``), so it and a publishing rename exclude each
 other: a directory is either published whole or removed, never committed half deleted.
@@ -124,15 +127,21 @@ def _settled(root: Path, name: str, step: int, world: int | None,
     again"). A finished one whose step is not there (its last rank's publish failed, or it died
     before its rename; or it is renaming it now) is committed by ``finish`` first: any rank that
     finds every mark and the draft may commit it, and one rename wins. Every rank marked it, so
-    without this no rank would ever remove it: a whole copy of the step left for good."""
+    without this no rank would ever remove it: a whole copy of the step left for good. "Every
+    rank": of the world that saved the step (its draft's, _save_world), not of ``world``."""
     if world is None:
         return False
     try:
         marks = put_mark(root / name, None, {})
     except (OSError, GDSWriterError):
         return False  # gone (committed, or removed), or a mark that is not one: the rank writing it says so
-    if marks is None or not marks.complete(world):
+    if marks is None or not (marks.complete(world) or max(marks.found, default=-1) >= world):
+        return False  # a rank may still copy into it (else, where its save's world was another, kept as before)
+    saved = _save_world(root / name)
+    if saved is None:
         return False
+    if not marks.complete(saved):  # a larger world's (the job restarted on fewer ranks: a node lost)
+        return saved != world  # its ranks that did not mark are gone (ranks mark their own save's only): never commits
     final = root / step_dir_name(step) / MANIFEST_NAME
     if not final.is_file() and finish is not None:
         try:
@@ -142,6 +151,20 @@ def _settled(root: Path, name: str, step: int, world: int | None,
                         root / name, step, e)
             return False
     return final.is_file()
+
+
+def _save_world(d: Path) -> int | None:
+    """The world size of the save that drain directory ``d`` is for: its draft's (GDSCheckpointer's
+    global manifest, DCP's manifest: both say ``dist.world_size``). Every rank of *that* world must
+    mark ``d`` before it may commit, whatever the world of the job draining now: a directory left by
+    a larger world (the job restarted on fewer ranks) holds the marks of the new world's ranks and
+    would otherwise be committed without the lost ranks' files. None: no readable draft."""
+    try:
+        body = json.loads(read_regular_file(d / DRAFT_NAME, SMALL_LIMIT))
+        world = body["dist"]["world_size"]
+    except (OSError, GDSWriterError, ValueError, KeyError, TypeError):
+        return None  # gone (committed or removed), or not whole yet
+    return world if type(world) is int and world >= 1 else None
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ steps it needs itself where the thread has not claimed them yet (on a loaded mac
 scheduler may not run that thread when the user needs it). A user that waits before it
 touches a range (the host snapshot pool's copier, before each piece: the engines write a
 piece only once it is filled) gets the same page-locked memory, while the locking overlaps
-its work on the ranges already locked.
+its work on the ranges already locked. A forked child gets a new condition and an unlocked
+pool (``_FrontToBack.after_fork_in_child``): the parent's locker may have held the condition.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import ctypes
 import mmap
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +88,7 @@ class _FrontToBack:
 
     def __init__(self, base: int, total: int, step: int):
         self.base, self.total, self.step = base, total, step
+        _every.add(self)
         self.cv = threading.Condition()
         self.next = 0  # the first byte no step claimed
         self.prefix = 0  # [0, prefix) is locked
@@ -143,6 +146,15 @@ class _FrontToBack:
                 self.running = False
                 self.cv.notify_all()
 
+    def after_fork_in_child(self) -> None:
+        """In a forked child: only the forking thread lives on, with none of the parent's page
+        locks (mlock is not inherited). The locker thread, or a user's waiting thread, may have
+        held ``cv`` at the fork: a child touching it would wait for good. So: a new condition,
+        nothing locked, nothing under way, no step to claim (the pool is used unlocked there)."""
+        self.cv = threading.Condition()
+        self.prefix, self.busy, self.running, self.stop, self.whole = 0, 0, False, True, False
+        self.ahead = set()
+
     def wait_locked(self, end: int, thread: threading.Thread | None) -> bool:
         """Until [0, end) is locked (taking the steps it needs that nobody took yet) or locking
         stopped; whether it is locked. ``thread``: the pool's locker (not alive while "running":
@@ -156,6 +168,17 @@ class _FrontToBack:
                     self.cv.wait()
                     continue
             self._take(off)
+
+
+_every: weakref.WeakSet[_FrontToBack] = weakref.WeakSet()  # every pool's locking (for the fork hook)
+
+
+def _after_fork_in_child() -> None:
+    for locking in list(_every):
+        locking.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class AlignedBufferPool:

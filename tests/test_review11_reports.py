@@ -1,0 +1,66 @@
+"""Review (eleventh session): defects found in files other helpers own this session, each
+reproduced here (xfail, strict: it must fail until its owner fixes it)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gdswriter import CorruptCheckpointError, GDSCheckpointer, load_state
+from gdswriter.cli import main as cli_main
+
+sys.path.insert(0, str(Path(__file__).parent / "fuzz"))
+import harness  # noqa: E402
+
+LONE = "\ud800data.bin"  # valid JSON ("\\ud800..."), no file name: a lone surrogate has no bytes
+
+
+def _named(tmp_path: Path) -> Path:
+    """A committed single-process step whose manifest names its data file LONE (resealed)."""
+    with GDSCheckpointer({"a": torch.randn(1000)}, root=tmp_path) as ck:
+        ck.save(1)
+    path = tmp_path / "step_000000000001" / "manifest.json"
+    body = json.loads(path.read_bytes())
+    body["files"][0][1] = LONE
+    path.write_bytes(harness.reseal(json.dumps(body).encode()))
+    return tmp_path
+
+
+@pytest.mark.xfail(strict=True, reason="format/manifest.py _relpath (or load/reader.check_file_sizes) lets a "
+                   "data file name with a lone surrogate through: os.lstat raises a bare UnicodeEncodeError "
+                   "(a ValueError), not CorruptCheckpointError; owner: format/manifest.py")
+def test_a_data_file_name_with_a_lone_surrogate_is_a_typed_error_on_load(tmp_path):
+    root = _named(tmp_path)
+    with pytest.raises(CorruptCheckpointError):
+        load_state(root, 1)
+    with pytest.raises(CorruptCheckpointError):
+        with GDSCheckpointer({"a": torch.zeros(1000)}, root=root) as ck:
+            ck.load(1)
+
+
+@pytest.mark.xfail(strict=True, reason="the same name makes `gdswriter verify` crash with UnicodeEncodeError "
+                   "instead of reporting the step CORRUPT (exit 1); owner: format/manifest.py")
+def test_a_data_file_name_with_a_lone_surrogate_is_reported_by_verify(tmp_path, capsys):
+    assert cli_main(["verify", str(_named(tmp_path)), "--all"]) == 1
+    assert "step 1: CORRUPT" in capsys.readouterr().out
+
+
+@pytest.mark.xfail(strict=True, reason="format/parity.py _plain_name lets a member's file name with a lone "
+                   "surrogate through; the scrub's open of it raises a bare UnicodeEncodeError instead of "
+                   "reporting rank 2's parity block damaged (exit 3); owner: format/parity.py")
+def test_a_parity_description_naming_a_file_with_a_lone_surrogate_is_reported(tmp_path, capsys):
+    from support.ranks import run_ranks
+    from test_parity_scrub import STEP, _dcp_save, verify
+
+    run_ranks(3, _dcp_save, str(tmp_path), out=tmp_path / "save")
+    roots = [tmp_path / f"node{k}" for k in range(3)]
+    desc = roots[2] / STEP / "parity" / "rank00002.json"
+    body = json.loads(desc.read_bytes())
+    body["members"][0]["files"][0][1] = "\ud800" + body["members"][0]["files"][0][1]
+    desc.write_text(json.dumps(body))
+    code, said = verify(capsys, roots)
+    assert code == 3 and "rank 2's parity block" in said, said
