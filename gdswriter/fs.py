@@ -38,6 +38,23 @@ from .errors import (CorruptCheckpointError, DataFileNotRegularError, EngineIOEr
 TMP_PREFIX = ".tmp-"  # temporary entries (the on-disk format's: docs/format.md); never listed as steps
 
 
+def name_problem(name: object) -> str | None:
+    """Why ``name``, read from a checkpoint (untrusted), is not a plain file name that stays in
+    the directory it is joined to and that the file system can name at all; None if it is one.
+    JSON may carry a lone surrogate, which has no bytes: every open of it would raise a bare
+    UnicodeEncodeError, so it is refused here with the rest."""
+    if type(name) is not str:
+        return f"{type(name).__name__} is not a file name"
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        return f"{name!r} is not a plain file name"
+    if not name.isascii():
+        try:
+            os.fsencode(name)
+        except UnicodeError as e:
+            return f"{name!r} is not a file name (it has no bytes: {e.reason})"
+    return None
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so that entries created/renamed in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -49,9 +49,6 @@ def test_a_data_file_name_with_a_lone_surrogate_is_reported_by_verify(tmp_path, 
     assert "step 1: CORRUPT" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(strict=True, reason="format/parity.py _plain_name lets a member's file name with a lone "
-                   "surrogate through; the scrub's open of it raises a bare UnicodeEncodeError instead of "
-                   "reporting rank 2's parity block damaged (exit 3); owner: format/parity.py")
 def test_a_parity_description_naming_a_file_with_a_lone_surrogate_is_reported(tmp_path, capsys):
     from support.ranks import run_ranks
     from test_parity_scrub import STEP, _dcp_save, verify

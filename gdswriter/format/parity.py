@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from ..errors import CorruptCheckpointError, GDSWriterError
-from ..fs import read_regular_file
+from ..fs import name_problem, read_regular_file
 from ..options import ALIGN
 
 PARITY_DIR = "parity"
@@ -67,11 +67,6 @@ def stream_size(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def _plain_name(name: object) -> bool:
-    """A file name that stays in the directory it is joined to."""
-    return type(name) is str and name not in ("", ".", "..") and "/" not in name and "\0" not in name
-
-
 def read_stripe(path: Path) -> dict:
     """A ``rank<R>.json``, parsed and checked for the keys a rebuild reads (untrusted input:
     CorruptCheckpointError when it is not one gdswriter wrote)."""
@@ -83,7 +78,7 @@ def read_stripe(path: Path) -> dict:
             raise ValueError("its lane and members do not match")
         for m in members:
             n_files = len(m["files"])
-            if any(not _plain_name(f[1]) for f in m["files"]):  # each is opened in its step's directory
+            if any(name_problem(f[1]) is not None for f in m["files"]):  # each is opened in its step's directory
                 raise ValueError("a member's file name is not a plain name")
             if len(m["roots"]) != n_files or len(m["file_crcs"]) != n_files or \
                     len(m["chunk_crcs"]) != len(lane) - 1 or sum(stream_size(int(f[2])) for f in m["files"]) != int(m["total"]):

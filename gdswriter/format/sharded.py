@@ -31,7 +31,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field, replace
 from itertools import chain, compress, repeat
@@ -43,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 import crc32c as _crc32c
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnreachableDataError
-from ..fs import read_regular_file
+from ..fs import name_problem, read_regular_file
 from .assembly import build_manifest
 from .commit import root_identity, step_dir_name
 from .dtypes import dtype_from_name
@@ -551,15 +550,11 @@ def _list(v: Any, what: str) -> list:
 
 def _plain_name(v: Any) -> str:
     """A file name that stays in the step directory it is joined to, and that the file system can
-    name at all (JSON may carry a lone surrogate, which has no bytes: os.fsencode refuses it, and
-    every open of it would raise a bare UnicodeEncodeError)."""
+    name at all (fs.name_problem)."""
     s = _text(v, "a file name")
-    if not s or "/" in s or "\\" in s or s in (".", "..") or "\0" in s:
-        raise ValueError(f"data file name {s!r} is not a plain file name")
-    try:
-        os.fsencode(s)
-    except UnicodeError as e:
-        raise ValueError(f"data file name {s!r} is not a file name (it has no bytes: {e.reason})") from e
+    problem = name_problem(s)
+    if problem is not None:
+        raise ValueError(f"data file name {problem}")
     return s
 
 
@@ -787,18 +782,7 @@ def _shards_ok(entries: list, n_roots: int) -> bool:
         return False
     joined = "\n".join(names)  # ending in ".json", a name is neither empty nor "." nor ".."
     return (all(map(str.endswith, names, repeat(".json"))) and not any(c in joined for c in "/\\\0")
-            and _nameable(joined))
-
-
-def _nameable(text: str) -> bool:
-    """Whether ``text`` has bytes in the file system's encoding (not so for a lone surrogate)."""
-    if text.isascii():
-        return True
-    try:
-        os.fsencode(text)
-    except UnicodeError:
-        return False
-    return True
+            and name_problem(joined) is None)
 
 
 def _roots_ok(rows: list, world: int) -> bool:
