@@ -333,6 +333,7 @@ def test_a_template_made_from_columns_is_the_one_made_from_records():
     assert (made.columns, made.canonical, made.plain, made.sizes) == (want.columns, want.canonical, want.plain,
                                                                         want.sizes)
     assert made.columns == manifest_mod.storage_columns(storages)[0]
+    assert made.binary == want.binary == manifest_mod.storage_columns(storages, binary=True)[0]  # format 3.0's
 
 
 if __name__ == "__main__":  # regenerate the goldens (see the module docstring)

@@ -613,12 +613,16 @@ class EncodedStorages:
     """A manifest's "storages" entry, encoded, and each storage's size: ``columns`` (format 2),
     or storage_table's two texts (1.x: ``canonical`` and ``plain``, made when first asked)."""
 
-    __slots__ = ("_crcs", "_in_table", "_template", "columns", "sizes")
+    __slots__ = ("_crcs", "_in_table", "_template", "sizes")
 
     def __init__(self, template: StorageTableTemplate, crcs: Sequence[int]) -> None:
         self._template, self._crcs, self.sizes = template, tuple(crcs), template.sizes
         self._in_table = crcs if template.order is None else list(map(crcs.__getitem__, template.order))
-        self.columns = template.columns % _ints(self._in_table, "crc32c")
+
+    @property
+    def columns(self) -> str:
+        """The entry with JSON list columns (format 2.x)."""
+        return self._template.columns % _ints(self._in_table, "crc32c")
 
     @property
     def binary(self) -> str:
@@ -642,14 +646,14 @@ class StorageTableTemplate:
     manifest's encoding). ``fill`` gives what storage_columns (and storage_table, for 1.x) give
     for the same records with those checksums."""
 
-    __slots__ = ("_binary", "_rows", "_storages", "chunk_count", "columns", "order", "sizes")
+    __slots__ = ("_binary", "_columns", "_rows", "_storages", "chunk_count", "order", "sizes")
 
     def __init__(self, storages: tuple[StorageRecord, ...]) -> None:
         """The template of ``storages`` (their crc32c are ignored), whose chunks' checksums
         ``fill`` takes in their order: storage by storage, each storage's chunks in order.
         ``order``: per chunk of the table, its checksum's place in that order (None: the same)."""
         self._storages, self._rows, self._binary = storages, None, None
-        self.columns, order = storage_columns(storages, open_crcs=True)
+        self._columns, order = storage_columns(storages, open_crcs=True)
         self.order = None if order == list(range(len(order))) else order
         self.chunk_count = len(order)
         self.sizes = tuple(s.nbytes for s in storages)
@@ -663,11 +667,24 @@ class StorageTableTemplate:
         are asked for)."""
         self = cls.__new__(cls)
         self._rows, self._binary, self.order, self.sizes, self.chunk_count = None, None, None, tuple(nbytes), len(fid)
-        cols = [_ints(list(nbytes), "storage nbytes"), *map(_array_ints, (counts, fid, fo, so, ln))]
         names = ("nbytes", "chunks", *_CHUNK_COLUMNS)
-        self.columns = "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*cols, "%s"])) + "}"
+
+        def columns() -> str:  # 2.x's text, made only if a 2.x manifest is written of this template
+            cols = [_ints(list(nbytes), "storage nbytes"), *map(_array_ints, (counts, fid, fo, so, ln))]
+            return "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*cols, "%s"])) + "}"
+
+        self._columns = columns
+        binary = [_binary_ints(_checked_array(list(nbytes), "storage nbytes")), *map(_binary_ints, (counts, fid, fo, so, ln))]
+        self._binary = "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*binary, "%s"])) + "}"
         self._storages = lambda: _column_records(nbytes, *(a.tolist() for a in (counts, fid, fo, so, ln)))
         return self
+
+    @property
+    def columns(self) -> str:
+        """The format 2.x entry (JSON list columns, crc32c open as "%s"), made once when first asked."""
+        if callable(self._columns):
+            self._columns = self._columns()
+        return self._columns
 
     def binary_columns(self) -> str:
         """The format 3.0 entry (base64 integer columns, crc32c open as "%s"), made once when first asked."""
