@@ -178,7 +178,7 @@ def test_inspect_text(capsys, ckpt):
     root, expected = ckpt
     rc, out, err = _run(capsys, "inspect", root)
     assert rc == 0, err
-    assert "gdswriter 2.1" in out and "step        2 (latest)" in out
+    assert "gdswriter 3.0" in out and "step        2 (latest)" in out
     assert '"note": "second"' in out and "data-r0-f0.bin" in out
     for name in expected:
         assert name in out
@@ -191,7 +191,7 @@ def test_inspect_text(capsys, ckpt):
 def test_inspect_json_ranges_match_the_bytes(capsys, ckpt):
     root, expected = ckpt
     doc = _inspect_json(capsys, root)
-    assert doc["step"] == 2 and doc["version"] == "2.1" and doc["metadata"]["epoch"] == 2
+    assert doc["step"] == 2 and doc["version"] == "3.0" and doc["metadata"]["epoch"] == 2
     assert doc["state_keys"] == ["model", "extra"]
     files = {f["index"]: Path(f["location"]) for f in doc["files"]}
     for t in doc["tensors"]:
@@ -563,7 +563,7 @@ def test_format_doc_reading_recipe_matches_load_state(ckpt):
     for code in re.findall(r"```python\n(.*?)```", section, re.S):
         exec(compile(code, "docs/format.md", "exec"), ns)
     step, state, manifest = ns["read_checkpoint"]([str(root)])
-    assert step == 2 and manifest["version"] == [2, 1]
+    assert step == 2 and manifest["version"] == [3, 0]
     _, ref = load_state(root)
     assert state["extra"]["sched"] == {"epoch": 3, "lr": 0.5}
     for k, v in ref["model"].items():

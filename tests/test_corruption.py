@@ -284,9 +284,9 @@ def test_manifest_self_checksum(two_steps, edit):
 def test_newer_major_version(two_steps):
     root = two_steps
     b = body(root, 2)
-    b["version"] = [3, 0]
+    b["version"] = [4, 0]
     rewrite(root, 2, b)
-    with pytest.raises(UnsupportedFormatVersionError, match="3.0.*upgrade") as ei:
+    with pytest.raises(UnsupportedFormatVersionError, match="4.0.*upgrade") as ei:
         load_state(root)
     assert not isinstance(ei.value, CorruptCheckpointError)
     with pytest.raises(UnsupportedFormatVersionError):

@@ -67,7 +67,7 @@ def check_layout(step_dir, manifest: Manifest, pack_below: int = PACK_BELOW) -> 
     """2.1's layout on disk: small storages' chunks 64-byte aligned (some not 4 KiB-aligned), large
     ones' 4 KiB-aligned, each file exactly as long as its chunks, every byte no chunk holds zero.
     Packing above 4 KiB: some packed storage larger than 4 KiB starts off the 4 KiB grid."""
-    assert manifest.version == (2, 1)
+    assert manifest.version >= (2, 1)  # 2.1 and later (3.0: the same layout, base64 columns)
     held: dict[int, list[tuple[int, int]]] = {}
     packed = packed_large = 0
     for s in manifest.storages:

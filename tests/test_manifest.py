@@ -104,27 +104,51 @@ def golden_2_1(engine: str) -> bytes:
     return head + b',"manifest_crc32c":%d}\n' % crc32c.crc32c(head)
 
 
-def test_golden_manifest_bytes_2_1(tmp_path, monkeypatch):
-    """A save writes format 2.1, byte for byte; the checksum is the crc32c of the bytes before
-    ``,"manifest_crc32c":``; the 2.0, 1.0 and 1.1 manifests of the same state still load the
-    same records (but the chunks' places in the file)."""
+# What format 3.0 writes for the same state (docs/format.md 3.0): 2.1's manifest with each integer
+# column a string, its width in bytes, ":", and the base64 of its little-endian values.
+GOLDEN_3_0_HEAD = GOLDEN_2_1_HEAD.replace('"version":[2,1]', '"version":[3,0]').replace(
+    '"storages":{{"nbytes":[24,4,8,0],"chunks":[1,1,1,1],"file":[0,0,0,0],"file_offset":[0,64,128,136],'
+    '"storage_offset":[0,0,0,0],"length":[24,4,8,0],"crc32c":[2258899752,4092339023,1987164046,0]}}',
+    '"storages":{{"nbytes":"1:GAQIAA==","chunks":"1:AQEBAQ==","file":"1:AAAAAA==","file_offset":"1:AECAiA==",'
+    '"storage_offset":"1:AAAAAA==","length":"1:GAQIAA==","crc32c":"4:KBOkhk8j7POOt3F2AAAAAA=="}}').replace(
+    '"storage":[0,0,1,2,3],"byte_offset":[0,0,0,0,0],"dtype":[0,0,1,2,3],"ndim":[1,2,1,0,1],"shape":[6,3,2,2,0],'
+    '"stride":[1,1,3,1,1],"device":[0,0,0,0,0],"kind":[0,0,0,0,0],',
+    '"storage":"1:AAABAgM=","byte_offset":"1:AAAAAAA=","dtype":"1:AAABAgM=","ndim":"1:AQIBAAE=",'
+    '"shape":"1:BgMCAgA=","stride":"1:AQEDAQE=","device":"1:AAAAAAA=","kind":"1:AAAAAAA=",')
+
+
+def golden_3_0(engine: str) -> bytes:
+    """The 3.0 manifest of the golden state, as golden_2_0."""
+    head = GOLDEN_3_0_HEAD.format(engine=engine).encode()
+    return head + b',"manifest_crc32c":%d}\n' % crc32c.crc32c(head)
+
+
+def test_golden_manifest_bytes_3_0(tmp_path, monkeypatch):
+    """A save writes format 3.0, byte for byte; the checksum is the crc32c of the bytes before
+    ``,"manifest_crc32c":``; the 2.1, 2.0, 1.0 and 1.1 manifests of the same state still load the
+    same records (but the chunks' places in the file), and each is re-written as it was read."""
+    assert "[3,0]" in GOLDEN_3_0_HEAD and '"shape":"1:BgMCAgA="' in GOLDEN_3_0_HEAD  # every replace took
+    assert '"crc32c":"4:KBOkhk8j7POOt3F2AAAAAA=="' in GOLDEN_3_0_HEAD
     monkeypatch.setattr(writer_mod, "time", types.SimpleNamespace(time=lambda: 1700000000.25))
     model, extra = _golden_state()
     with GDSCheckpointer(model, None, tmp_path, state=extra, options=M.small_options()) as ck:
         ck.save(42, metadata={"note": "golden"})
         engine = ck.engine_info.name
     raw = (tmp_path / "step_000000000042" / MANIFEST_NAME).read_bytes()
-    assert raw == golden_2_1(engine)
+    assert raw == golden_3_0(engine)
     m = Manifest.from_json_bytes(raw)
-    assert m.version == FORMAT_VERSION == (2, 1)
+    assert m.version == FORMAT_VERSION == (3, 0)
+    v21 = Manifest.from_json_bytes(golden_2_1(engine))
     v20 = Manifest.from_json_bytes(golden_2_0(engine))
     old = Manifest.from_json_bytes(golden_1_1(engine))
     assert v20.version == (2, 0) and old.version == (1, 1) and Manifest.from_json_bytes(GOLDEN_MANIFEST).version == (1, 0)
     assert (v20.files, v20.storages, v20.tensors, v20.metadata) == (old.files, old.storages, old.tensors, old.metadata)
+    assert (v21.version, v21.files, v21.storages, v21.tensors, v21.state) == ((2, 1), m.files, m.storages, m.tensors,
+                                                                             m.state)
     assert (m.tensors, m.metadata, m.storage_sizes()) == (old.tensors, old.metadata, old.storage_sizes())
     assert [c.crc32c for s in m.storages for c in s.chunks] == [c.crc32c for s in old.storages for c in s.chunks]
     assert m.to_json_bytes() == raw and v20.to_json_bytes() == golden_2_0(engine)  # each re-written as read
-    assert old.to_json_bytes() == golden_1_1(engine)
+    assert v21.to_json_bytes() == golden_2_1(engine) and old.to_json_bytes() == golden_1_1(engine)
     s, state = load_state(tmp_path)
     assert s == 42 and torch.equal(state["model"]["ids_t"], model["ids_t"])
 
@@ -347,7 +371,7 @@ def test_nan_and_non_json_values_rejected():
 def test_version_checks():
     body = json.loads(GOLDEN_MANIFEST)
     body.pop("manifest_crc32c")
-    for version, err in (([3, 0], UnsupportedFormatVersionError), ([99, 5], UnsupportedFormatVersionError),
+    for version, err in (([4, 0], UnsupportedFormatVersionError), ([99, 5], UnsupportedFormatVersionError),
                          ([2, 0], CorruptCheckpointError),  # a 2.0 body without its byte trailer
                          ([1], CorruptCheckpointError), (["1", 0], CorruptCheckpointError),
                          ([-1, 0], CorruptCheckpointError), ([True, 0], CorruptCheckpointError)):
@@ -356,7 +380,7 @@ def test_version_checks():
         with pytest.raises(err):
             Manifest.from_json_bytes(json.dumps(b).encode())
     # a newer major is refused even if its checksum scheme changed (checked first)
-    b = dict(body, version=[3, 0], manifest_crc32c="sha256:...")
+    b = dict(body, version=[4, 0], manifest_crc32c="sha256:...")
     with pytest.raises(UnsupportedFormatVersionError):
         Manifest.from_json_bytes(json.dumps(b).encode())
 

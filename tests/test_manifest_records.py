@@ -1,7 +1,7 @@
 """The save's record path is columnar (the snapshot's SavedTensors, the writer's storage columns,
 the state tree's text kept while the tree is the same): the manifests it writes are byte for
 byte those the record-per-tensor path wrote (tests/data/manifest_records.json: their crc32c as
-main wrote them, 2026-12-07, before the change), on the first save, on later saves that reuse
+main wrote them, 2026-12-07, before the change; format 3.0's are compared re-written as 2.1), on the first save, on later saves that reuse
 the layout, and after each change that must lay the state out anew.
 
 Regenerate the goldens only from a checkout whose manifests are known right:
@@ -15,6 +15,7 @@ import json
 import re
 import sys
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import crc32c
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # support/, when run a
 
 from support import models as M  # noqa: E402
 from gdswriter import GDSCheckpointer, load_state  # noqa: E402
-from gdswriter.format.manifest import MANIFEST_NAME, TensorRecord  # noqa: E402
+from gdswriter.format.manifest import MANIFEST_NAME, Manifest, TensorRecord  # noqa: E402
 from gdswriter.save import writer as writer_mod  # noqa: E402
 from gdswriter.planner.assign import plan_save  # noqa: E402
 
@@ -187,7 +188,10 @@ def test_the_manifests_are_the_bytes_main_wrote(tmp_path, fixed_time, state_name
     got = saved_manifests(tmp_path, state_name, config)
     for step, raw in enumerate(got, 1):
         assert raw == _reference(raw), (state_name, config, step)
-    assert [crc32c.crc32c(raw) for raw in got] == golden, (state_name, config)
+    # format 3.0 (base64 integer columns) holds what 2.1 held: re-written as 2.1, main's bytes
+    as_2_1 = [replace(Manifest.from_json_bytes(raw), version=(2, 1)).to_json_bytes() for raw in got]
+    assert [crc32c.crc32c(raw) for raw in as_2_1] == golden, (state_name, config)
+    assert all(b'"version":[3,0]' in raw and b'"nbytes":"' in raw for raw in got)
     step, loaded = load_state(_roots(tmp_path, config))
     assert step == 3 and loaded["model"].keys() == STATES[state_name]().keys()
 
@@ -329,6 +333,7 @@ def test_a_template_made_from_columns_is_the_one_made_from_records():
     assert (made.columns, made.canonical, made.plain, made.sizes) == (want.columns, want.canonical, want.plain,
                                                                         want.sizes)
     assert made.columns == manifest_mod.storage_columns(storages)[0]
+    assert made.binary == want.binary == manifest_mod.storage_columns(storages, binary=True)[0]  # format 3.0's
 
 
 if __name__ == "__main__":  # regenerate the goldens (see the module docstring)
@@ -339,6 +344,7 @@ if __name__ == "__main__":  # regenerate the goldens (see the module docstring)
     for s in STATES:
         for c in CONFIGS:
             with tempfile.TemporaryDirectory() as d:
-                out[f"{s} / {c}"] = [crc32c.crc32c(raw) for raw in saved_manifests(Path(d), s, c)]
+                out[f"{s} / {c}"] = [crc32c.crc32c(replace(Manifest.from_json_bytes(raw), version=(2, 1)).to_json_bytes())
+                                     for raw in saved_manifests(Path(d), s, c)]
             print(s, "/", c, out[f"{s} / {c}"], flush=True)
     GOLDEN.write_text(json.dumps(out, indent=1) + "\n")

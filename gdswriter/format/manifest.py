@@ -9,6 +9,8 @@ docs/format.md for the full description.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import marshal
 from json.encoder import encode_basestring_ascii
@@ -27,9 +29,10 @@ from ..threads import gc_paused
 from .dtypes import all_dtypes, dtype_from_name, dtype_to_name
 
 FORMAT_NAME = "gdswriter"
-FORMAT_VERSION = (2, 1)  # (major, minor): readers refuse a newer major, accept any minor
+FORMAT_VERSION = (3, 0)  # (major, minor): readers refuse a newer major, accept any minor
 COLUMNS_VERSION = (2, 0)  # column tables, the checksum over the bytes as written (docs/format.md 3)
 DENSE_VERSION = (2, 1)  # small storages packed PACK_ALIGN apart; files exactly as long as their chunks (docs/format.md 2)
+BINARY_VERSION = (3, 0)  # integer columns as base64 of little-endian arrays (docs/format.md 3.0)
 PACK_ALIGN = 64  # every non-empty chunk of a 2.1 step starts at a multiple of this in its file (planner/assign.py)
 MULTI_RANK_VERSION = (1, 2)  # what multi-rank saves write: adds "dist" and tensor "shard" (docs/format.md 9)
 MANIFEST_NAME = "manifest.json"
@@ -299,7 +302,7 @@ class Manifest:
         version = _checked_header(body, where, raw)
         files = _files(body["files"], where)
         if version[0] >= 2:  # column tables, checked by vectorised passes over each column
-            storages, tensors = column_tables(body, files, where)
+            storages, tensors = column_tables(body, files, where, binary=version >= BINARY_VERSION)
             if version >= DENSE_VERSION:
                 check_dense_layout(storages.columns, files, where)
             if "dist" in body:
@@ -610,12 +613,21 @@ class EncodedStorages:
     """A manifest's "storages" entry, encoded, and each storage's size: ``columns`` (format 2),
     or storage_table's two texts (1.x: ``canonical`` and ``plain``, made when first asked)."""
 
-    __slots__ = ("_crcs", "_template", "columns", "sizes")
+    __slots__ = ("_crcs", "_in_table", "_template", "sizes")
 
     def __init__(self, template: StorageTableTemplate, crcs: Sequence[int]) -> None:
         self._template, self._crcs, self.sizes = template, tuple(crcs), template.sizes
-        in_table = crcs if template.order is None else list(map(crcs.__getitem__, template.order))
-        self.columns = template.columns % _ints(in_table, "crc32c")
+        self._in_table = crcs if template.order is None else list(map(crcs.__getitem__, template.order))
+
+    @property
+    def columns(self) -> str:
+        """The entry with JSON list columns (format 2.x)."""
+        return self._template.columns % _ints(self._in_table, "crc32c")
+
+    @property
+    def binary(self) -> str:
+        """The entry with base64 integer columns (format 3.0)."""
+        return self._template.binary_columns() % _ints(self._in_table, "crc32c", binary=True)
 
     @property
     def canonical(self) -> str:
@@ -634,14 +646,14 @@ class StorageTableTemplate:
     manifest's encoding). ``fill`` gives what storage_columns (and storage_table, for 1.x) give
     for the same records with those checksums."""
 
-    __slots__ = ("_rows", "_storages", "chunk_count", "columns", "order", "sizes")
+    __slots__ = ("_binary", "_columns", "_rows", "_storages", "chunk_count", "order", "sizes")
 
     def __init__(self, storages: tuple[StorageRecord, ...]) -> None:
         """The template of ``storages`` (their crc32c are ignored), whose chunks' checksums
         ``fill`` takes in their order: storage by storage, each storage's chunks in order.
         ``order``: per chunk of the table, its checksum's place in that order (None: the same)."""
-        self._storages, self._rows = storages, None
-        self.columns, order = storage_columns(storages, open_crcs=True)
+        self._storages, self._rows, self._binary = storages, None, None
+        self._columns, order = storage_columns(storages, open_crcs=True)
         self.order = None if order == list(range(len(order))) else order
         self.chunk_count = len(order)
         self.sizes = tuple(s.nbytes for s in storages)
@@ -654,12 +666,32 @@ class StorageTableTemplate:
         checksums ``fill`` takes in that order: no record made (made for the 1.x texts if those
         are asked for)."""
         self = cls.__new__(cls)
-        self._rows, self.order, self.sizes, self.chunk_count = None, None, tuple(nbytes), len(fid)
-        cols = [_ints(list(nbytes), "storage nbytes"), *map(_array_ints, (counts, fid, fo, so, ln))]
+        self._rows, self._binary, self.order, self.sizes, self.chunk_count = None, None, None, tuple(nbytes), len(fid)
         names = ("nbytes", "chunks", *_CHUNK_COLUMNS)
-        self.columns = "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*cols, "%s"])) + "}"
+
+        def columns() -> str:  # 2.x's text, made only if a 2.x manifest is written of this template
+            cols = [_ints(list(nbytes), "storage nbytes"), *map(_array_ints, (counts, fid, fo, so, ln))]
+            return "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*cols, "%s"])) + "}"
+
+        self._columns = columns
+        binary = [_binary_ints(_checked_array(list(nbytes), "storage nbytes")), *map(_binary_ints, (counts, fid, fo, so, ln))]
+        self._binary = "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*binary, "%s"])) + "}"
         self._storages = lambda: _column_records(nbytes, *(a.tolist() for a in (counts, fid, fo, so, ln)))
         return self
+
+    @property
+    def columns(self) -> str:
+        """The format 2.x entry (JSON list columns, crc32c open as "%s"), made once when first asked."""
+        if callable(self._columns):
+            self._columns = self._columns()
+        return self._columns
+
+    def binary_columns(self) -> str:
+        """The format 3.0 entry (base64 integer columns, crc32c open as "%s"), made once when first asked."""
+        if self._binary is None:
+            storages = self._storages() if callable(self._storages) else self._storages
+            self._binary = storage_columns(storages, open_crcs=True, binary=True)[0]
+        return self._binary
 
     def rows(self) -> tuple[str, str]:
         """The 1.x texts (storage_table's, crc32c open), made once when first asked."""
@@ -1002,10 +1034,15 @@ def _repeated(one: int, n: int) -> str:
     return "[" + (text + ",") * (n - 1) + text + "]"
 
 
-def _ints_and_array(v: list, what: str, typed: bool = False) -> tuple[str, np.ndarray | None]:
-    """A column's _ints text, and its values as an int64 array (None where one is outside [0, 2**63)).
-    ``typed``: every value is known to be a plain int (not looked at again)."""
-    text = _ints(v, what, typed)
+def _ints_and_array(v: list, what: str, typed: bool = False, want_text: bool = True) -> tuple[str, np.ndarray | None]:
+    """A column's _ints text ("" unless ``want_text``), and its values as an int64 array (None where
+    one is outside [0, 2**63)). ``typed``: every value is known to be a plain int (not looked at again)."""
+    if want_text:
+        text = _ints(v, what, typed)
+    elif not typed and set(map(type, v)) - {int}:
+        raise TypeError(f"{what}: a value that is not a plain int")
+    else:
+        text = ""
     if len(v) > 1 and v.count(v[0]) == len(v):
         return text, np.full(len(v), v[0], dtype=np.int64) if 0 <= v[0] < INT64_LIMIT else None
     try:
@@ -1015,16 +1052,42 @@ def _ints_and_array(v: list, what: str, typed: bool = False) -> tuple[str, np.nd
     return text, arr if not len(arr) or arr.min() >= 0 else None
 
 
-def _ints(v: Any, what: str, typed: bool = False) -> str:
+_WIDTHS = ((0xFF, "1", "<u1"), (0xFFFF, "2", "<u2"), (0xFFFFFFFF, "4", "<u4"), (INT64_LIMIT - 1, "8", "<i8"))
+
+
+def _binary_ints(a: np.ndarray) -> str:
+    """The format 3.0 text of a column of non-negative int64s (docs/format.md 3.0): a JSON string,
+    the byte width of each value ("1", "2", "4" or "8", the narrowest that holds the largest), a
+    colon, and the base64 of the values as little-endian unsigned integers of that width (a reader
+    decodes it with one numpy.frombuffer: no JSON number and no Python int per value)."""
+    top = int(a.max()) if len(a) else 0
+    code, dtype = next((c, d) for limit, c, d in _WIDTHS if top <= limit)
+    return '"' + code + ":" + base64.b64encode(a.astype(dtype, copy=False).tobytes()).decode("ascii") + '"'
+
+
+def _checked_array(v: list, what: str) -> np.ndarray:
+    """``v`` (plain ints) as an int64 array; ValueError where a value is outside [0, 2**63)."""
+    try:
+        arr = np.array(v, dtype=np.int64)
+    except OverflowError as e:
+        raise ValueError(f"{what}: a value of 2**63 or more") from e
+    if len(arr) and arr.min() < 0:
+        raise ValueError(f"{what}: a negative value")
+    return arr
+
+
+def _ints(v: Any, what: str, typed: bool = False, binary: bool = False) -> str:
     """A JSON list of plain ints, formatted ("[1,2]"); anything else is refused as json.dumps would.
     A list of plain ints is its repr without the spaces (one C-level pass, about twice as fast
-    as formatting each int and joining); a list of one value repeated (chunks per storage,
+    as formatting each int and joining); ``binary``: the format 3.0 text (_binary_ints); a list of one value repeated (chunks per storage,
     storage offsets, ndim, dtype, device, kind: mostly one value) is that value's text repeated,
     a C-level pass of a count and no formatting."""
     if type(v) is not list:
         v = list(v)
     if not typed and set(map(type, v)) - {int}:
         raise TypeError(f"{what}: a value that is not a plain int")
+    if binary:
+        return _binary_ints(_checked_array(v, what))
     if len(v) > 1 and v.count(v[0]) == len(v):  # one value throughout (most columns of a state): repeated
         return _repeated(v[0], len(v))
     return repr(v).replace(" ", "")
@@ -1033,15 +1096,20 @@ def _ints(v: Any, what: str, typed: bool = False) -> str:
 def columns_bytes(m: Manifest, storages: EncodedStorages | None) -> bytes:
     """A format 2 manifest's bytes (docs/format.md 3): the head, the column tables, the state
     tree, then the checksum of everything before it as the last entry. ``storages``: the
-    "storages" entry already encoded (StorageTableTemplate.fill)."""
+    "storages" entry already encoded (StorageTableTemplate.fill). 3.0 and later: integer
+    columns in base64 (_binary_ints); 2.x: JSON lists."""
     if m.dist is not None:
         raise ValueError("format 2 holds single-process steps: a multi-rank manifest is 1.x")
     sizes = storages.sizes if storages is not None else tuple(s.nbytes for s in m.storages)
+    binary = tuple(m.version) >= BINARY_VERSION
+    if storages is not None:
+        stored = storages.binary if binary else storages.columns
+    else:
+        stored = storage_columns(m.storages, binary=binary)[0]
     entries = [("format", _json(FORMAT_NAME)), ("version", _json(list(m.version))), ("step", _json(m.step)),
                ("created_unix", _json(m.created_unix)), ("metadata", _json(m.metadata)),
                ("files", _json([[f.root, f.path, f.size] + ([dict(f.info)] if f.info else []) for f in m.files])),
-               ("storages", storages.columns if storages is not None else storage_columns(m.storages)[0]),
-               ("tensors", tensor_columns(m.tensors, sizes)), ("state", state_text(m.state))]
+               ("storages", stored), ("tensors", tensor_columns(m.tensors, sizes, binary=binary)), ("state", state_text(m.state))]
     if type(m.step) is not int or not 0 <= m.step < INT64_LIMIT:
         raise ValueError(f"step {m.step!r} is not an integer in [0, 2**63)")
     head = _join(entries)[:-1].encode()
@@ -1071,10 +1139,12 @@ def state_text(tree: Any) -> str:
     return text
 
 
-def storage_columns(storages: tuple[StorageRecord, ...], *, open_crcs: bool = False) -> tuple[str, list[int]]:
+def storage_columns(storages: tuple[StorageRecord, ...], *, open_crcs: bool = False,
+                    binary: bool = False) -> tuple[str, list[int]]:
     """The format 2 "storages" entry of ``storages`` (each storage's chunks by storage offset),
     and the order of its chunks in the records' own order (their checksums, in that order, fill
-    a template: ``open_crcs`` leaves the crc32c column as "%s"). Plain ints only."""
+    a template: ``open_crcs`` leaves the crc32c column as "%s"). Plain ints only. ``binary``:
+    format 3.0's base64 columns."""
     counts = list(map(len, map(_CHUNKS, storages)))
     every = list(chain.from_iterable(map(_CHUNKS, storages)))
     order = list(range(len(every)))
@@ -1084,36 +1154,37 @@ def storage_columns(storages: tuple[StorageRecord, ...], *, open_crcs: bool = Fa
                                          for a, b in zip(at, at[1:])))
         every = [every[i] for i in order]
     fields = list(zip(*map(_CHUNK_FIELDS, every))) or [()] * len(_CHUNK_COLUMNS)  # one pass: a tuple per column
-    cols = [_ints(list(map(_NBYTES, storages)), "storage nbytes"), _ints(counts, "chunks"),
-            *(_ints(v, k) for v, k in zip(fields, _CHUNK_COLUMNS[:4]))]
-    crcs = "%s" if open_crcs else _ints(fields[4], "crc32c")
+    cols = [_ints(list(map(_NBYTES, storages)), "storage nbytes", binary=binary),
+            _ints(counts, "chunks", binary=binary), *(_ints(v, k, binary=binary) for v, k in zip(fields, _CHUNK_COLUMNS[:4]))]
+    crcs = "%s" if open_crcs else _ints(fields[4], "crc32c", binary=binary)
     names = ("nbytes", "chunks", *_CHUNK_COLUMNS)
     return "{" + ",".join(f'"{k}":{v}' for k, v in zip(names, [*cols, crcs])) + "}", order
 
 
-_last_columns: tuple[Any, tuple[int, ...], str] | None = None
+_last_columns: tuple[Any, tuple[tuple[int, ...], bool], str] | None = None
 
 
-def tensor_columns(tensors: Sequence[TensorRecord], sizes: tuple[int, ...]) -> str:
+def tensor_columns(tensors: Sequence[TensorRecord], sizes: tuple[int, ...], *, binary: bool = False) -> str:
     """The format 2 "tensors" entry: one JSON list per field, dtype and device names in tables
     of their own, shapes and strides flattened (``ndim`` per tensor). ``tensors``: a save's
     SavedTensors (encoded from its columns: no record made), or records. Refuses
     (UnsupportedObjectError) a record a reader would refuse, by the reader's own vectorised
     checks (check_tensor_columns). The same table as the last save's (the same SavedTensors
-    object, or equal records) over the same storage sizes: encoded once."""
+    object, or equal records) over the same storage sizes: encoded once. ``binary``: format
+    3.0's base64 integer columns."""
     global _last_columns
     last = _last_columns
     saved = isinstance(tensors, SavedTensors)
-    if last is not None and last[1] == sizes and (last[0] is tensors if saved else last[0] == tensors):
+    if last is not None and last[1] == (sizes, binary) and (last[0] is tensors if saved else last[0] == tensors):
         return last[2]
     cols = tensors.columns if saved else _record_columns(tensors)
-    out = _encoded_tensor_columns(cols, sizes, tensors, saved)
-    _last_columns = (tensors if saved else tuple(tensors), sizes, out)
+    out = _encoded_tensor_columns(cols, sizes, tensors, saved, binary)
+    _last_columns = (tensors if saved else tuple(tensors), (sizes, binary), out)
     return out
 
 
 def _encoded_tensor_columns(cols: SavedColumns, sizes: tuple[int, ...], tensors: Sequence[TensorRecord],
-                            made_by_save: bool) -> str:
+                            made_by_save: bool, binary: bool = False) -> str:
     """tensor_columns' text of ``cols`` (whose records ``tensors`` are, for the rare row the
     vectorised checks leave to TensorRecord.problem), checked. ``made_by_save``: the columns are
     a SavedTensors', whose names are the encoder's str, whose tables and indices saved_tensors
@@ -1133,9 +1204,8 @@ def _encoded_tensor_columns(cols: SavedColumns, sizes: tuple[int, ...], tensors:
     flat = {"name": names, "storage": cols.storage, "byte_offset": cols.byte_offset, "dtype": cols.dtype,
             "ndim": ndim, "shape": list(chain.from_iterable(shapes)), "stride": list(chain.from_iterable(strides)),
             "device": cols.device, "kind": list(map(kind_index.get, kinds, repeat(len(KINDS))))}
-    made = {k: _ints_and_array(v, f"tensor {k}", made_by_save and k not in ("storage", "byte_offset"))
+    made = {k: _ints_and_array(v, f"tensor {k}", made_by_save and k not in ("storage", "byte_offset"), not binary)
             for k, v in flat.items() if k != "name"}  # the text, the array
-    texts = {k: text for k, (text, _) in made.items()}
     found = (bad, "a shape and stride of different lengths or an unknown kind") if bad is not None else \
         _saved_problem(tensors, {k: a for k, (_, a) in made.items()}, names, cols.dtype_names,
                        len(cols.device_names), sizes)
@@ -1144,6 +1214,12 @@ def _encoded_tensor_columns(cols: SavedColumns, sizes: tuple[int, ...], tensors:
         raise UnsupportedObjectError(names[row] if 0 <= row < len(names) else "<tensors>", None,
                                      f"it would be saved with {why}; save t.contiguous() (or the tensor before "
                                      f"expand())", type_name="torch.Tensor")
+    if binary:
+        if any(a is None for _, a in made.values()):  # a value outside [0, 2**63) that no check refused
+            raise ValueError("a tensor column holds a value outside [0, 2**63)")
+        texts = {k: _binary_ints(a) for k, (_, a) in made.items()}
+    else:
+        texts = {k: text for k, (text, _) in made.items()}
     return ('{"name":' + _json(names) + ","  # (str checked above) json's C encoder: no Python step per name
             + ",".join(f'"{k}":{v}' for k, v in texts.items())
             + f',"dtype_names":{_json(cols.dtype_names)},"device_names":{_json(cols.device_names)}}}')
@@ -1302,10 +1378,40 @@ def _view_problem(c: dict[str, np.ndarray], itemsize: np.ndarray, sizes: np.ndar
     return None
 
 
-def _int_column(table: dict, key: str, n: int | None = None) -> tuple[list[int], np.ndarray]:
+_DECODED = {"1": np.dtype("<u1"), "2": np.dtype("<u2"), "4": np.dtype("<u4"), "8": np.dtype("<i8")}
+
+
+def _binary_column(col: str, key: str, n: int | None) -> np.ndarray:
+    """A format 3.0 column (_binary_ints' text) as an int64 array of ``n`` (if given) values in
+    [0, 2**63). Its length is checked before it is decoded, and what it decodes to is at most
+    three quarters of the text the manifest already holds: no allocation beyond the manifest's size."""
+    code, colon, text = col.partition(":")
+    dtype = _DECODED.get(code)
+    if dtype is None or not colon:
+        raise ValueError(f"column {key!r} is a string without a width prefix (1:, 2:, 4: or 8:)")
+    if n is not None and len(text) != (n * dtype.itemsize + 2) // 3 * 4:
+        raise ValueError(f"column {key!r} is not {n} values of {dtype.itemsize} bytes in base64")
+    try:
+        raw = binascii.a2b_base64(text, strict_mode=True)
+    except binascii.Error as e:
+        raise ValueError(f"column {key!r} is not base64 ({e})") from e
+    if len(raw) % dtype.itemsize:
+        raise ValueError(f"column {key!r} holds {len(raw)} bytes, not whole {dtype.itemsize}-byte values")
+    arr = np.frombuffer(raw, dtype=dtype).astype(np.int64)
+    if len(arr) and arr.min() < 0:
+        raise ValueError(f"column {key!r} holds a value of 2**63 or more")
+    return arr
+
+
+def _int_column(table: dict, key: str, n: int | None = None, binary: bool = False) -> tuple[list[int] | None, np.ndarray]:
     """Column ``key`` of a format 2 table: a list of ``n`` (if given) plain ints in [0, 2**63),
-    and the same as an int64 array."""
+    and the same as an int64 array; ``binary`` (format 3.0): a base64 column (_binary_column),
+    its list None (made from the array where records are asked for)."""
     col = table[key]
+    if binary:
+        if type(col) is not str:
+            raise ValueError(f"column {key!r} is not a base64 string (format 3.0)")
+        return None, _binary_column(col, key, n)
     if type(col) is not list or (n is not None and len(col) != n):
         raise ValueError(f"column {key!r} is not a list" + (f" of {n} values" if n is not None else ""))
     if set(map(type, col)) - {int}:
@@ -1316,10 +1422,12 @@ def _int_column(table: dict, key: str, n: int | None = None) -> tuple[list[int],
     return col, arr
 
 
-def column_tables(body: dict, files: tuple[FileRecord, ...], where: str) -> tuple[StorageTable, TensorTable]:
+def column_tables(body: dict, files: tuple[FileRecord, ...], where: str,
+                  binary: bool = False) -> tuple[StorageTable, TensorTable]:
     """A format 2 manifest's storage and tensor tables, checked as whole columns (docs/format.md
-    3, "Reader validation"); their records are made only when a caller asks for them."""
-    storages = _column_storages(body["storages"], files, where)
+    3, "Reader validation"); their records are made only when a caller asks for them.
+    ``binary``: a 3.0 manifest's, whose integer columns are base64 (_binary_column)."""
+    storages = _column_storages(body["storages"], files, where, binary)
     t = body["tensors"]
     if type(t) is not dict:
         raise ValueError("\"tensors\" is not an object of columns")
@@ -1330,7 +1438,7 @@ def column_tables(body: dict, files: tuple[FileRecord, ...], where: str) -> tupl
             raise ValueError("a tensor column of names is not a list of strings")
     lists, arrays = {}, {}
     for k in (*_TENSOR_INT_COLUMNS, "shape", "stride"):  # their lengths: check_tensor_columns
-        lists[k], arrays[k] = _int_column(t, k)
+        lists[k], arrays[k] = _int_column(t, k, len(names) if binary and k in _TENSOR_INT_COLUMNS else None, binary)
     found = check_tensor_columns(arrays, dtype_names, len(device_names), storages.columns.nbytes, names)
     if found is not None:
         row, why = found
@@ -1339,6 +1447,9 @@ def column_tables(body: dict, files: tuple[FileRecord, ...], where: str) -> tupl
                          arrays["ndim"], arrays["shape"], arrays["stride"], np.cumsum(arrays["ndim"]) - arrays["ndim"])
 
     def records() -> tuple[TensorRecord, ...]:
+        for k, v in lists.items():
+            if v is None:
+                lists[k] = arrays[k].tolist()
         shapes, strides = iter(lists["shape"]), iter(lists["stride"])
         dims = lists["ndim"]
         return tuple(map(TensorRecord, names, lists["storage"], lists["byte_offset"],
@@ -1369,15 +1480,17 @@ def check_dense_layout(cols: ChunkColumns, files: tuple[FileRecord, ...], where:
                               f"{int(ends[row])} (format 2.1: a file is exactly as long as its chunks)")
 
 
-def _column_storages(t: Any, files: tuple[FileRecord, ...], where: str) -> StorageTable:
+def _column_storages(t: Any, files: tuple[FileRecord, ...], where: str, binary: bool = False) -> StorageTable:
     """The format 2 storage table: each storage's chunks, listed by storage offset, tile it from
     byte 0; every chunk lies inside a listed file; no two chunks share a byte of a file."""
     if type(t) is not dict:
         raise ValueError("\"storages\" is not an object of columns")
-    nbytes, sizes = _int_column(t, "nbytes")
-    counts, count_arr = _int_column(t, "chunks", len(nbytes))
-    m = len(t["file"]) if type(t["file"]) is list else -1
-    cols = [_int_column(t, k, m) for k in _CHUNK_COLUMNS]
+    nbytes, sizes = _int_column(t, "nbytes", None, binary)
+    counts, count_arr = _int_column(t, "chunks", len(sizes), binary)
+    first_file = _int_column(t, "file", None, binary) if binary else (None, None)
+    m = len(first_file[1]) if binary else len(t["file"]) if type(t["file"]) is list else -1
+    cols = [first_file] + [_int_column(t, k, m, binary) for k in _CHUNK_COLUMNS[1:]] if binary else \
+        [_int_column(t, k, m) for k in _CHUNK_COLUMNS]
     fid, fo, so, ln, crc = (a for _, a in cols)
     if len(count_arr) and (count_arr.max() > m or int(count_arr.sum()) != m):
         raise _damaged(where, f"its storages' chunk counts do not add up to the {m} chunks listed")
@@ -1397,22 +1510,26 @@ def _column_storages(t: Any, files: tuple[FileRecord, ...], where: str) -> Stora
         raise _damaged(where, f"two chunks overlap in {files[int(fid[order][1:][clash][0])].path}")
     ends = np.cumsum(ln)  # at most the files' total (no chunks overlap): no overflow
     first = np.cumsum(count_arr) - count_arr
-    base = np.zeros(len(nbytes), dtype=np.int64)
+    base = np.zeros(len(sizes), dtype=np.int64)
     used = count_arr > 0
     base[used] = (ends - ln)[first[used]]
-    owner = np.repeat(np.arange(len(nbytes)), count_arr)
+    owner = np.repeat(np.arange(len(sizes)), count_arr)
     if _first(so != (ends - ln) - base[owner]) is not None:
         raise _damaged(where, "a storage's chunks (by storage offset) leave a gap or overlap")
     covered = np.concatenate(([0], ends))
-    if len(nbytes) and _first(covered[first + count_arr] - covered[first] != sizes) is not None:
+    if len(sizes) and _first(covered[first + count_arr] - covered[first] != sizes) is not None:
         raise _damaged(where, "a storage's chunks do not cover exactly its nbytes")
     lists = [c for c, _ in cols]
 
     def records() -> tuple[StorageRecord, ...]:
+        nonlocal nbytes, counts
+        if binary:
+            nbytes, counts = sizes.tolist(), count_arr.tolist()
+            lists[:] = [a.tolist() for _, a in cols]
         chunks = list(map(ChunkRecord, *lists))
         if all(n == 1 for n in counts):
             return tuple(map(StorageRecord, nbytes, zip(chunks)))
         at = list(accumulate(counts, initial=0))
         return tuple(StorageRecord(b, tuple(chunks[x:y])) for b, x, y in zip(nbytes, at, at[1:]))
 
-    return StorageTable(len(nbytes), records, ChunkColumns(sizes, count_arr, first, fid, fo, so, ln, crc))
+    return StorageTable(len(sizes), records, ChunkColumns(sizes, count_arr, first, fid, fo, so, ln, crc))

@@ -369,6 +369,7 @@ def seed_inputs(fx: Fixtures) -> dict[str, bytes]:
     v10 = step_bytes(fx.root / "v10" / "a", SINGLE_STEP)
     v20 = replace(fx.manifest, version=(2, 0)).to_json_bytes()  # the 1.1 seed's step as format 2.0 writes it
     v21 = replace(fx.manifest, version=(2, 1)).to_json_bytes()  # and as 2.1 (its 4 KiB layout is a 2.1 one too)
+    v30 = replace(fx.manifest, version=(3, 0)).to_json_bytes()  # and as 3.0 (base64 integer columns)
     ranks, shard1 = fx.original[fx.ranks_manifest], fx.original[fx.ranks_shard]
     dcp = fx.original[fx.dcp_manifest]
     shard0 = step_bytes(fx.ranks, RANKS_STEP, "manifest-rank00000.json")
@@ -376,12 +377,13 @@ def seed_inputs(fx: Fixtures) -> dict[str, bytes]:
         json.dumps(json.loads(shard1)["tree"]).encode()]
     out = {}
     for name, payloads in {
-        "manifest": [single, v10, dcp, v20, v21], "step": [single, ranks, dcp, v20, v21], "shard": [shard1, shard0],
+        "manifest": [single, v10, dcp, v20, v21, v30], "step": [single, ranks, dcp, v20, v21, v30],
+        "shard": [shard1, shard0],
         "state": states, "dcp_metadata": [json.dumps(json.loads(dcp)["dist"]["dcp"]).encode()],
         "markers": [(fx.single[0] / ".gdswriter-root").read_bytes(), (fx.dcp / ".metadata").read_bytes(),
                     (fx.single[0] / "latest").read_bytes(),
                     step_bytes(fx.single[1], SINGLE_STEP, "primary-id")],
-        "load_single": [single, v10, v20, v21], "load_ranks": [ranks], "load_shard": [shard1], "load_dcp": [dcp],
+        "load_single": [single, v10, v20, v21, v30], "load_ranks": [ranks], "load_shard": [shard1], "load_dcp": [dcp],
         "dcp_load": [dcp],
     }.items():
         for i, p in enumerate(payloads):
