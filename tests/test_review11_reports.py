@@ -1,5 +1,6 @@
-"""Review (eleventh session): defects found in files other helpers own this session, each
-reproduced here (xfail, strict: it must fail until its owner fixes it)."""
+"""Review (eleventh session): data file names with a lone surrogate (valid JSON, no bytes as a
+file name) in a single-process manifest and a parity description: typed errors and verify's
+reports, not a bare UnicodeEncodeError (fs.name_problem)."""
 
 from __future__ import annotations
 
@@ -30,9 +31,6 @@ def _named(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.xfail(strict=True, reason="format/manifest.py _relpath (or load/reader.check_file_sizes) lets a "
-                   "data file name with a lone surrogate through: os.lstat raises a bare UnicodeEncodeError "
-                   "(a ValueError), not CorruptCheckpointError; owner: format/manifest.py")
 def test_a_data_file_name_with_a_lone_surrogate_is_a_typed_error_on_load(tmp_path):
     root = _named(tmp_path)
     with pytest.raises(CorruptCheckpointError):
@@ -42,8 +40,6 @@ def test_a_data_file_name_with_a_lone_surrogate_is_a_typed_error_on_load(tmp_pat
             ck.load(1)
 
 
-@pytest.mark.xfail(strict=True, reason="the same name makes `gdswriter verify` crash with UnicodeEncodeError "
-                   "instead of reporting the step CORRUPT (exit 1); owner: format/manifest.py")
 def test_a_data_file_name_with_a_lone_surrogate_is_reported_by_verify(tmp_path, capsys):
     assert cli_main(["verify", str(_named(tmp_path)), "--all"]) == 1
     assert "step 1: CORRUPT" in capsys.readouterr().out

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import CorruptCheckpointError, UnsupportedFormatVersionError, UnsupportedObjectError
+from ..fs import name_problem
 from ..threads import gc_paused
 from .dtypes import all_dtypes, dtype_from_name, dtype_to_name
 
@@ -815,10 +816,12 @@ def _list(v: Any) -> list:
 
 
 def _relpath(v: Any) -> str:
-    """A plain file name: no directories, no '..' (a manifest must not point outside its step)."""
+    """A plain file name that the file system can name: no directories, no '..' (a manifest must
+    not point outside its step), no lone surrogate (fs.name_problem)."""
     s = _str(v)
-    if not s or "/" in s or "\\" in s or s in (".", "..") or "\0" in s:
-        raise ValueError(f"data file name {s!r} is not a plain file name")
+    problem = name_problem(s)
+    if problem is not None:
+        raise ValueError(f"data file name {problem}")
     return s
 
 
