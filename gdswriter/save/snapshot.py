@@ -244,7 +244,8 @@ class LayoutCache:
     size, offset, shape, stride, dtype and device it had then: in a training loop, every save
     after the first. The layout is a function of exactly those, so reusing it gives what
     computing it again would, for a fraction of the save call's time (the grouping and the
-    records are most of it, for a state of hundreds of tensors)."""
+    records are most of it, for a state of hundreds of tensors). A layout of lone tensors is
+    a function of fewer, read without storage objects (reuse_alone)."""
 
     __slots__ = ("_alone", "_at_call", "_columns", "key", "placed", "recipe", "records")
 
