@@ -185,6 +185,7 @@ def test_a_blocking_save_keeps_no_tensor_of_the_state_alive(tmp_path):
     state = {f"b{i}": torch.full((1000 + i,), float(i)) for i in range(50)}
     with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
         ck.save(1)
+        ck.wait()  # the save thread lets go of its job (the frozen state) just after save() returns
         gone = weakref.ref(state["b7"])
         state["b7"] = torch.zeros(3)
         gc.collect()
