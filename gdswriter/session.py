@@ -209,7 +209,7 @@ class LocalSession:
     def new_plan(self, sizes: list[int], devices: list[str], targets: list) -> SavePlan:
         """A fresh plan for storages of these sizes on these devices (uncached: _plan keeps the
         last one). A seam too: tests replace it to force a plan (a GPU-local one, a lagging root)."""
-        if not any(d.startswith("cuda") for d in devices):
+        if not any(d.startswith("cuda") for d in set(devices)):  # a look per device, not per storage
             return plan_save(sizes, targets, pack_below=PACK_BELOW)
         try:
             if self._topology is None:

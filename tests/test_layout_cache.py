@@ -5,6 +5,7 @@ stride, dtype, key path or kind lays the state out anew, and a training loop lay
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import weakref
 
@@ -184,6 +185,7 @@ def test_a_blocking_save_keeps_no_tensor_of_the_state_alive(tmp_path):
     state = {f"b{i}": torch.full((1000 + i,), float(i)) for i in range(50)}
     with GDSCheckpointer(state, None, tmp_path, options=M.small_options()) as ck:
         ck.save(1)
+        ck.wait()  # the save thread lets go of its job (the frozen state) just after save() returns
         gone = weakref.ref(state["b7"])
         state["b7"] = torch.zeros(3)
         gc.collect()
@@ -290,3 +292,98 @@ def test_a_blocking_save_resolves_a_conj_bit_given_to_a_tensor_it_saved_before(t
     assert torch.equal(got["z5"], torch.full((25,), complex(2.0, -3.0), dtype=torch.complex64))
     assert torch.equal(got["z7"], m.resolve_neg())
     assert torch.equal(got["z0"], torch.full((20,), complex(0, 1.0), dtype=torch.complex64))
+
+
+def _lone() -> dict:
+    """Lone tensors (each alone in its storage, one device: the layout _each_alone makes), the
+    last two from numpy over one array, side by side."""
+    a = np.arange(40, dtype=np.float32)
+    state = {f"t{i}": torch.arange(12 + i, dtype=torch.float32) for i in range(6)}
+    return {**state, "na": torch.from_numpy(a[:16]), "nb": torch.from_numpy(a[16:40]),
+            "row": torch.arange(10, dtype=torch.float32).reshape(1, 10)}
+
+
+def _offset_only(s: dict) -> dict:
+    # "nb" keeps its first byte, dtype, shape and stride, 8 items into a storage that starts 8
+    # items earlier (inside "na"'s bytes): only its offset (and its storage's address) changed
+    earlier = np.frombuffer((ctypes.c_float * 32).from_address(s["nb"].data_ptr() - 32), dtype=np.float32)
+    first = s["nb"].data_ptr()
+    s["nb"].set_(torch.from_numpy(earlier).untyped_storage(), 8, (24,), (1,))
+    assert s["nb"].data_ptr() == first and s["nb"].storage_offset() == 8
+    return s
+
+
+def _realloc_same_size(s: dict) -> dict:
+    st = s["t1"].untyped_storage()
+    n = st.nbytes()
+    st.resize_(0)  # the memory freed, then the same size again: often at the same address
+    st.resize_(n)
+    return s
+
+
+def _storage_grown_over_a_neighbour(s: dict) -> dict:
+    # "na" keeps its first byte, offset, shape and stride, over a storage that now also covers
+    # "nb"'s bytes: the storages overlap, the tensors' bytes do not (a fresh layout takes the
+    # general path, which gives one extent per tensor all the same)
+    wider = torch.from_numpy(np.frombuffer((ctypes.c_float * 40).from_address(s["na"].data_ptr()), dtype=np.float32))
+    s["na"].set_(wider.untyped_storage(), 0, (16,), (1,))  # (the memory "nb" keeps alive)
+    assert s["na"].untyped_storage().nbytes() == 160
+    return s
+
+
+def _swap(s: dict) -> dict:
+    torch.utils.swap_tensors(s["t2"], s["t4"])
+    return s
+
+
+# In-place changes of the same tensor objects (save_async's state between two saves), each of
+# what a layout of lone tensors is a function of: (the layout reused?)
+IN_PLACE = {
+    "nothing": (lambda s: s, True),
+    "values": (lambda s: (s["t0"].add_(1.0), s)[1], True),
+    "resize_ larger (new memory)": (lambda s: (s["t1"].resize_(40), s)[1], False),
+    "resize_ smaller (same memory)": (lambda s: (s["t1"].resize_(5), s)[1], False),
+    "set_ another storage": (lambda s: (s["t2"].set_(torch.zeros(14)), s)[1], False),
+    "set_ an offset": (lambda s: (s["t3"].set_(s["t3"].untyped_storage(), 1, (10,), (1,)), s)[1], False),
+    "unsqueeze_": (lambda s: (s["t4"].unsqueeze_(0), s)[1], False),
+    "as_strided_ (a stride of a size-1 dim)": (lambda s: (s["t4"].unsqueeze_(0).as_strided_((1, 16), (1, 1)), s)[1],
+                                               False),
+    "as_strided_ (only a size-1 dim's stride)": (lambda s: (s["row"].as_strided_((1, 10), (1, 1)), s)[1], False),
+    "set_ (only the offset)": (_offset_only, False),
+    ".data = a view as another dtype (only the dtype)": (lambda s: setattr(s["t0"], "data", s["t0"].data.view(
+        torch.int32)) or s, False),
+    ".data = another dtype": (lambda s: setattr(s["t5"], "data", torch.zeros(17, dtype=torch.float64)) or s, False),
+    ".data = a neg view": (lambda s: setattr(s["t5"], "data", torch.zeros(17, dtype=torch.complex64).conj().imag)
+                           or s, False),
+    "share_memory_ (the storage's memory moved)": (lambda s: (s["t0"].share_memory_(), s)[1], False),
+    "storage freed and made again, same size": (_realloc_same_size, None),
+    "swap_tensors": (_swap, False),
+    "a storage grown over its neighbour's bytes": (_storage_grown_over_a_neighbour, True),
+}
+
+
+@pytest.mark.parametrize("change", IN_PLACE)
+def test_lone_tensors_changed_in_place_are_laid_out_anew_where_it_matters(change, monkeypatch):
+    """The cache of a layout of lone tensors checks first-byte addresses, offsets, dtypes, shapes,
+    strides and devices, no storage (LayoutCache.reuse_alone): every in-place change of one of
+    those (resize_, set_, .data =, in-place views, storage moved, tensors swapped) lays the state
+    out anew, and what it reuses is what a fresh layout gives, storage sizes included."""
+    calls = []
+    real = S.group_by_allocation
+    monkeypatch.setattr(S, "group_by_allocation", lambda *a: calls.append(1) or real(*a))
+    state = _lone()
+    cache = S.LayoutCache()
+    S.take_snapshot(state, 1, layout=cache, protected=list(state.values()))
+    assert len(calls) == 1
+    how, reused = IN_PLACE[change]
+    changed = how(state)
+    snap = S.take_snapshot(changed, 2, layout=cache, protected=list(changed.values()))
+    fresh = S.take_snapshot(changed, 2, protected=list(changed.values()))
+    # (a neg view is resolved into a copy of its own by each snapshot: compared by its bytes)
+    assert [(e.device, e.nbytes, e.first_tensor, e.flat.numpy().tobytes()) for e in snap.extents] == \
+        [(e.device, e.nbytes, e.first_tensor, e.flat.numpy().tobytes()) for e in fresh.extents]
+    assert snap.records == fresh.records
+    assert [snap.extents[r.storage].flat.data_ptr() + r.byte_offset for r, t in zip(snap.records, changed.values())
+            if not t.is_neg()] == [t.data_ptr() for t in changed.values() if not t.is_neg()]
+    if reused is not None:
+        assert (len(calls) == 2) is reused, calls  # the fresh one above is one layout more

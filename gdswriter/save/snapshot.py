@@ -85,18 +85,23 @@ class LazyExtents(Sequence):
     pool's layout: each extent's first byte in host memory, None where not known), so it makes
     no object per extent. The columns are never changed (the caller must not change them)."""
 
-    __slots__ = ("addresses", "devices", "made", "names", "sizes", "starts", "viewed")
+    __slots__ = ("addresses", "devices", "made", "names", "sizes", "starts", "tensors", "viewed")
 
-    def __init__(self, viewed: Sequence[torch.UntypedStorage], devices: list[torch.device], starts: list[int],
-                 sizes: list[int], names: list[str], addresses: list[int] | None = None) -> None:
+    def __init__(self, viewed: Sequence[torch.UntypedStorage] | None, devices: list[torch.device], starts: list[int],
+                 sizes: list[int], names: list[str], addresses: list[int] | None = None,
+                 tensors: Sequence[torch.Tensor] = ()) -> None:
+        # viewed None: extent i views tensors[i]'s storage, asked of it when the extents are made
+        # (a reused layout of lone tensors: LayoutCache.reuse_alone reads no storage object)
         self.viewed, self.devices, self.starts, self.sizes, self.names = viewed, devices, starts, sizes, names
-        self.addresses = addresses
+        self.addresses, self.tensors = addresses, tensors
         self.made: list[Extent] | None = None
 
     def _extents(self) -> list[Extent]:
         if self.made is None:  # the views' tuples made by zip and the extents by map: no Python loop
-            self.made = list(map(Extent, self.names, repeat(None),
-                                 zip(self.viewed, self.devices, self.starts, self.sizes)))
+            viewed = self.viewed
+            if viewed is None:
+                viewed = list(map(torch.Tensor.untyped_storage, self.tensors))
+            self.made = list(map(Extent, self.names, repeat(None), zip(viewed, self.devices, self.starts, self.sizes)))
         return self.made
 
     def __len__(self) -> int:
@@ -239,13 +244,18 @@ class LayoutCache:
     size, offset, shape, stride, dtype and device it had then: in a training loop, every save
     after the first. The layout is a function of exactly those, so reusing it gives what
     computing it again would, for a fraction of the save call's time (the grouping and the
-    records are most of it, for a state of hundreds of tensors)."""
+    records are most of it, for a state of hundreds of tensors). A layout of lone tensors is
+    a function of fewer, read without storage objects (reuse_alone)."""
 
-    __slots__ = ("_at_call", "_columns", "key", "placed", "recipe", "records")
+    __slots__ = ("_alone", "_at_call", "_columns", "key", "placed", "recipe", "records")
 
     def __init__(self) -> None:
         self._at_call: LayoutCache | None = None
         self.key: tuple | None = None
+        # A layout of lone tensors (_each_alone) is a function of fewer things than the key, each
+        # read with no storage object (see reuse_alone): (names, kinds, each tensor's first-byte
+        # address, storage offset, dtype, shape, stride and device; the extents' host addresses)
+        self._alone: tuple | None = None
         # per extent: (index of a tensor whose storage it views, -1 if empty; device; start; nbytes;
         # its first tensor's name)
         self.recipe: list[tuple[int, torch.device, int, int, str]] = []
@@ -276,6 +286,34 @@ class LayoutCache:
                 list(map(_DTYPE, tensors)) if dtypes is None else list(dtypes), list(map(_SHAPE, tensors)),
                 list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
 
+    def reuse_alone(self, tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str],
+                    dtypes: Sequence[torch.dtype] | None = None) -> tuple[LazyExtents, list[tuple[int, int]],
+                                                                         Sequence[TensorRecord]] | None:
+        """The cached layout of lone tensors (one extent per tensor, each alone in memory:
+        _each_alone), if ``tensors`` still have what it is a function of; else None. Each
+        tensor's storage base is its first byte's address (data_ptr) less its storage offset
+        times its item size, so those three stand for the storage's address, and a lone
+        tensor's extent (its own bytes from the 16-byte boundary at or below the first) needs no
+        storage size: the tensors' byte ranges are those the layout found disjoint, and a fresh
+        layout of disjoint ranges gives these extents whatever the storages' sizes (one group
+        per tensor, viewing its own storage). Six C-level passes of tensor properties, each
+        compared before the next is read, no storage object made (two passes fewer than the
+        key's): the extents view the storages once made (LazyExtents, from the tensors)."""
+        alone = self._alone
+        if alone is None or len(tensors) != len(alone[2]) or names != alone[0] or kinds != alone[1]:
+            return None
+        try:
+            if (list(map(_DTYPE, tensors)) if dtypes is None else list(dtypes)) != alone[4]:
+                return None
+            for i, get in ((2, torch.Tensor.data_ptr), (3, torch.Tensor.storage_offset), (5, _SHAPE),
+                           (6, torch.Tensor.stride), (7, _DEVICE)):
+                if list(map(get, tensors)) != alone[i]:
+                    return None
+        except (RuntimeError, NotImplementedError):  # a tensor whose data_ptr cannot be read: laid out anew
+            return None
+        _, devices, starts, sizes, names = self._columns  # type: ignore[misc]
+        return LazyExtents(None, devices, starts, sizes, names, alone[8], tensors), self.placed, self.records
+
     def reuse(self, key: tuple, tensors: Sequence[torch.Tensor],
               storages: Sequence[torch.UntypedStorage] | None = None) -> tuple[Sequence[Extent], list[tuple[int, int]],
                                                                                 Sequence[TensorRecord]] | None:
@@ -302,11 +340,12 @@ class LayoutCache:
         ``storages``: the tensors' untyped storages the extents were made from, if known (the
         usual state, one extent per tensor viewing that tensor's own storage object: its
         recipe in C-level passes)."""
-        self.key, self._columns = None, None
+        self.key, self._columns, self._alone = None, None, None
         if type(extents) is LazyExtents and extents.made is None and extents.viewed is storages:
             self.key, self.placed, self.records = key, placed, records  # the columns are the recipe
             self.recipe = []
             self._columns = (None, extents.devices, extents.starts, extents.sizes, extents.names)
+            self._alone = _alone_columns(key, extents.addresses)
             return
         views = [e._view for e in extents]
         if (len(views) == len(storages) and None not in views
@@ -333,6 +372,14 @@ class LayoutCache:
         columns = tuple(map(list, zip(*recipe)))  # sources, devices, starts, sizes, names
         if columns and -1 not in columns[0]:
             self._columns = columns
+
+
+def _alone_columns(key: tuple, addresses: list[int] | None) -> tuple:
+    """LayoutCache._alone of a layout of lone tensors, from its key's columns (no tensor read
+    again): each tensor's first-byte address is its storage's plus its offset in items."""
+    itemsize = {d: d.itemsize for d in set(key[5])}
+    firsts = list(map(operator.add, key[2], map(operator.mul, key[4], map(itemsize.__getitem__, key[5]))))
+    return (key[0], key[1], firsts, key[4], key[5], key[6], key[7], key[8], addresses)
 
 
 def _address_of_storage_slow(t: torch.Tensor) -> int:
@@ -552,7 +599,8 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
     # order, so the two lists are usually equal (one comparison); else by set.
     if blocking:
         last = guarded.plain
-        if len(last) != len(rest) or not all(r() is t for r, t in zip(last, rest)):  # else checked last time
+        # else checked last time (each weak reference called, then compared, in C-level passes)
+        if len(last) != len(rest) or not all(map(operator.is_, map(_CALL, last), rest)):
             guarded.plain = []
             pending.checked = _check_at_call(rest, state) and len(rest) == len(tensors)
             guarded.plain = list(map(weakref.ref, rest))
@@ -579,6 +627,7 @@ def record_snapshot(state: Any, step: int, *, metadata: dict | None = None, guar
 
 
 _IS_NESTED, _IS_META, _LAYOUT = (operator.attrgetter(a) for a in ("is_nested", "is_meta", "layout"))
+_CALL = getattr(operator, "call", None) or weakref.ref.__call__  # operator.call: Python 3.11+
 
 
 def _needs_resolving(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], *, checked: bool) -> bool:
@@ -677,10 +726,14 @@ def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], la
     still applies, else laid out anew (and kept in ``layout``). ``records`` False: none are
     made (save_async's grouping at the call, which names nothing). ``dtypes``: the tensors'
     dtypes, if the caller read them already."""
+    cached = layout.reuse_alone(tensors, names, kinds, dtypes) if layout is not None else None
+    if cached is not None:
+        return cached
     storages = list(map(torch.Tensor.untyped_storage, tensors))
     # the key's columns serve the layout and the records too (each tensor property read once)
     key = LayoutCache.key_of(tensors, names, kinds, storages, dtypes) if layout is not None or records else None
-    cached = layout.reuse(key, tensors, storages) if layout is not None else None
+    # (a cached layout of lone tensors that reuse_alone refused is no longer this one: not compared again)
+    cached = layout.reuse(key, tensors, storages) if layout is not None and layout._alone is None else None
     if cached is not None:
         return cached
     extents, placed = group_by_allocation(tensors, names, storages, key)
