@@ -83,7 +83,7 @@ def damage_repair_and_lose_the_primary(roots: list[Path]) -> tuple[int, int]:
     assert marks(roots[keeper]) == [False, False, True], marks(roots[keeper])
     assert (roots[keeper] / STEP / "copies" / "refilling").read_bytes() == \
         (roots[0] / STEP / "copies" / "refilling").read_bytes()
-    assert state_of(roots[0]) == "committed"
+    assert state_of(roots[0]) == "committed" and "refill pending" in cli("ls", str(roots[0]))[1]
     replace_node(roots[0])
     return rank, copy_at[rank]
 

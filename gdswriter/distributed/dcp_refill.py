@@ -67,7 +67,7 @@ from typing import Any
 
 from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
-from ..format.copies import (DAMAGED_PREFIX, drop_damage_in, refilling_marker, restore_everywhere,
+from ..format.copies import (DAMAGED_PREFIX, drop_damage_in, refilling_marker, restore_holders,
                               restore_protection, step_lock, withdraw_protection, write_note)
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.parity import PARITY_DIR
@@ -476,7 +476,7 @@ def _mark(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str, refil
             for g in job.placed.check[:len(job.m.dist.roots)]:  # type: ignore[union-attr]
                 base = job.placed.reach[g] / step_dir_name(job.m.step)  # type: ignore[operator]
                 if refilling_marker(base) is not None and not (base / MANIFEST_NAME).exists():
-                    restore_everywhere(None, [base], marker)
+                    restore_holders([base], marker)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} ({'unprotected' if refilling else 'protected'})", root=layout.primary_rank)

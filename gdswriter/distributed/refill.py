@@ -39,7 +39,7 @@ damaged copy or parity block aside and withdrew ``protected``: load/verify.py
 each root's leader reports; the primary rank decides): a copy is streamed again from its rank's
 own root, a block re-created by parityrefill.py; then ``copies/protected`` on each root holding
 the manifest's copy and last ``protected`` are written back and every note removed
-(format/copies.py ``restore_everywhere``; ``_restore``), the manifest untouched where no root
+(format/copies.py ``restore_holders``; ``_restore``), the manifest untouched where no root
 changed. The repair noted those roots too (``withdraw_everywhere``), so where the primary's node
 was lost after it, the root that adopted the manifest's copy holds the note, and this refill
 re-creates what the repair set aside beside the lost node's files before it writes ``protected``.
@@ -80,7 +80,7 @@ import torch
 from ..errors import ChecksumMismatchError, CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import TMP_PREFIX, step_dir_name
 from ..format.copies import (copy_ref, drop_damage_in, refilling_marker, relocate_roots, replicas_of,
-                              restore_everywhere, restore_protection, step_lock)
+                              restore_holders, restore_protection, step_lock)
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import PARITY_DIR, protected_parity, refilling_parity
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
@@ -650,19 +650,19 @@ def with_repairs(coord: Coordinator, layout: RootLayout, g: GlobalManifest, plan
 def _restore_holder(layout: RootLayout, i: int, d: Path, marker: bytes) -> None:
     """This rank's local root ``i``, holding the manifest's copy in step directory ``d``: its
     ``copies/protected`` written back and its refilling note removed (format/copies.py
-    ``restore_everywhere``, which ``verify --repair`` withdrew there too); on the primary's own
+    ``restore_holders``, which ``verify --repair`` withdrew there too); on the primary's own
     root (an adopted copy) the note stays for the primary's ``restore_protection``, last."""
     if layout.is_primary(i):
         atomic_write(d / COPIES_DIR / PROTECTED_NAME, marker)
     else:
-        restore_everywhere(None, [d], marker)
+        restore_holders([d], marker)
 
 
 def _restore(coord: Coordinator, layout: RootLayout, g: GlobalManifest, marker: bytes, what: str) -> None:
     """Collective, once every rank's part is durable: 1. the leader of each root holding the
     copy of the primary's files (so the manifest's copy) writes ``copies/protected`` back and
     removes its refilling note (``verify --repair`` withdrew both); 2. then the primary rank
-    writes ``protected`` back and removes its note (format/copies.py ``restore_everywhere``)."""
+    writes ``protected`` back and removes its note (format/copies.py ``restore_holders``)."""
     step, error = g.step, None
     holders = {g.roots[j].id for j in (replicas_of(g, "") or ((),) * g.world_size)[min(g.roots[0].ranks)]}
     try:

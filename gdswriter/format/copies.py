@@ -243,7 +243,7 @@ def withdraw_everywhere(primary: Path, holders: Iterable[Path], marker: bytes, p
        else ``copies/refilling``) holding ``marker``, then ``protected`` removed
        (``withdraw_protection``). A crash here leaves the copies all in place and the step
        noted: the next load's refill finds nothing missing and writes ``protected`` back
-       (``restore_everywhere``), or a repair run again goes on;
+       (``restore_holders``, then ``restore_protection``), or a repair run again goes on;
     2. each of ``holders`` (``manifest_copy_holders``: the roots holding the global manifest's
        copy, which an open adopts when the primary's node is lost, roots.py ``adopt_copies``):
        the same note, then ``copies/protected`` removed. A crash between two holders leaves
@@ -265,19 +265,17 @@ def withdraw_everywhere(primary: Path, holders: Iterable[Path], marker: bytes, p
             fsync_dir(marked.parent)
 
 
-def restore_everywhere(primary: Path | None, holders: Iterable[Path], marker: bytes) -> None:
+def restore_holders(holders: Iterable[Path], marker: bytes) -> None:
     """The end of a refill that re-created what a repair set aside, the reverse of
-    ``withdraw_everywhere``: 1. each of ``holders`` holding the manifest's copy gets
-    ``copies/protected`` (``marker``) back durably, then its notes removed; 2. the primary step
-    directory ``primary`` (None: another rank's) last (``restore_protection``). A crash between
-    leaves the primary noted: the next load refills again (nothing missing) and ends here; a
-    holder restored before the primary claims only what the refill already re-created."""
+    ``withdraw_everywhere``, step 1: each of ``holders`` (secondary step directories) holding the
+    manifest's copy gets ``copies/protected`` (``marker``) back durably, then its notes removed.
+    Step 2, last, is the primary's (``restore_protection``), once every holder is done: a crash
+    between leaves the primary noted, so the next load refills again (nothing missing) and ends
+    here; a holder restored before the primary claims only what the refill already re-created."""
     for d in holders:
         if (d / COPIES_DIR / MANIFEST_NAME).is_file():
             atomic_write(d / COPIES_DIR / PROTECTED_NAME, marker)
         remove_notes(d)
-    if primary is not None:
-        restore_protection(primary, marker)
 
 
 def restore_protection(step_dir: Path, marker: bytes) -> None:
