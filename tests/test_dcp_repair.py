@@ -88,7 +88,8 @@ def test_a_dcp_replica_copy_set_aside_is_re_created_by_the_next_load(tmp_path, c
     0: --repair withdraws ``protected`` (``copies/refilling`` keeps the marker) and sets the copy
     folder aside; ``ls`` and ``verify`` name the ``.damaged-`` folder. The next load (bit-exact,
     from the intact own files) refills: the copy is back byte for byte rank 1's files,
-    ``protected`` back as it was, the note and the ``.damaged-`` folder gone, the scrub passes."""
+    ``protected`` back as it was, the note and the ``.damaged-`` folder gone, the scrub passes.
+    Node 1, beside the manifest's copy, loses ``copies/protected`` to a note alike, and gets it back."""
     from gdswriter.cli import main
 
     run_ranks(2, _save, str(tmp_path), out=tmp_path / "save")
@@ -103,6 +104,8 @@ def test_a_dcp_replica_copy_set_aside_is_re_created_by_the_next_load(tmp_path, c
     _damage_and_repair(capsys, roots, 1)
     assert not copy.exists() and not (roots[0] / STEP / "protected").exists()
     assert json.loads((roots[0] / STEP / "copies" / "refilling").read_bytes()) == marker
+    keeper = roots[1] / STEP / "copies"  # beside the manifest's copy: the claim withdrawn, noted alike
+    assert not (keeper / "protected").exists() and json.loads((keeper / "refilling").read_bytes()) == marker
     aside = list(copy.parent.glob(".damaged-rank00001-*"))
     assert len(aside) == 1, aside
     code, said = verify(capsys, roots)
@@ -118,6 +121,7 @@ def test_a_dcp_replica_copy_set_aside_is_re_created_by_the_next_load(tmp_path, c
     assert tree(copy) == own
     assert json.loads((roots[0] / STEP / "protected").read_bytes()) == marker
     assert not (roots[0] / STEP / "copies" / "refilling").exists()
+    assert json.loads((keeper / "protected").read_bytes()) == marker and not (keeper / "refilling").exists()
     assert not list(copy.parent.glob(".damaged-*")) and not list(copy.parent.glob(".trash-*"))
     code, said = verify(capsys, roots)
     assert code == 0 and "protection intact" in said and "set aside" not in said, said

@@ -163,7 +163,8 @@ def test_a_flipped_byte_in_a_replica_copy_is_found_set_aside_and_re_created(tmp_
     naming rank 1's copy, table root 0 and the file. --repair: ``protected`` gone
     (``copies/refilling`` keeps the marker), the copy's folder set aside whole. The next load
     (bit-exact, from the intact own files) refills: the copy is back, byte for byte the files
-    rank 1 holds, ``protected`` back, the note gone, the scrub passes."""
+    rank 1 holds, ``protected`` back, the note gone, the scrub passes. The root holding the
+    manifest's copy is withdrawn and restored alike (``copies/protected``, ``copies/refilling``)."""
     run_ranks(2, _ck_save, str(tmp_path), out=tmp_path / "save")
     roots = [tmp_path / "n0", tmp_path / "n1"]
     code, said = verify(capsys, roots)
@@ -183,6 +184,8 @@ def test_a_flipped_byte_in_a_replica_copy_is_found_set_aside_and_re_created(tmp_
     assert not (roots[0] / STEP / "protected").exists()
     assert (roots[0] / STEP / "copies" / "refilling").read_bytes() == marker
     assert not copy.exists() and len(list(copy.parent.glob(".damaged-rank00001-*"))) == 1
+    keeper = roots[1] / STEP / "copies"  # the manifest's copy: its claim withdrawn too, noted alike
+    assert not (keeper / "protected").exists() and (keeper / "refilling").read_bytes() == marker
 
     got = run_ranks(2, _ck_load, str(tmp_path), out=tmp_path / "load")
     for rank, x in enumerate(got):
@@ -190,6 +193,7 @@ def test_a_flipped_byte_in_a_replica_copy_is_found_set_aside_and_re_created(tmp_
     assert tree(copy) == own
     assert (roots[0] / STEP / "protected").read_bytes() == marker
     assert not (roots[0] / STEP / "copies" / "refilling").exists()
+    assert (keeper / "protected").read_bytes() == marker and not (keeper / "refilling").exists()
     assert not list(copy.parent.glob(".damaged-*"))  # the evidence removed once re-created and protected
     code, said = verify(capsys, roots)
     assert code == 0 and "protection intact" in said, said

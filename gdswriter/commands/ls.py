@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
 from ..format.commit import LATEST_NAME, TMP_PREFIX, TRASH_PREFIX, CommitProtocol, step_dirs
-from ..format.copies import damaged_entries
+from ..format.copies import damaged_entries, refilling_marker
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import protected_parity
 from ..format.replicas import protected_copies
@@ -48,13 +48,16 @@ def _summary(protocol: CommitProtocol, step: int) -> tuple[int, int, float, str,
 
 def _state(protocol: CommitProtocol, step: int, copies: int) -> tuple[str, str]:
     """(state, what the STATE column shows): "protected" once its ``protected`` marker is in (every
-    copy durable), else "committed" (with the copies it waits for where it was saved with replicas)."""
+    copy durable), else "committed" (with the copies it waits for where it was saved with replicas,
+    or, noted, the refill it waits for)."""
     done = protected_copies(protocol.step_dir(step))
     parity = protected_parity(protocol.step_dir(step)) if done is not None else None
     if parity is not None:
         return "protected", f"protected (parity, groups of {parity})"
     if done is not None:
         return "protected", f"protected ({done} copies)"
+    if refilling_marker(protocol.step_dir(step)) is not None:  # verify --repair (or a parity refill) withdrew it
+        return "committed", "committed (refill pending: the next multi-rank load re-creates a copy or block)"
     return "committed", "committed" if copies == 1 else f"committed (0/{copies - 1} copies)"
 
 

@@ -7,6 +7,7 @@ import os
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedFormatVersionError
 from ..format.commit import CommitProtocol
 from ..format.copies import repairable, step_lock
+from ..format.sharded import match_roots
 from ..progress import Progress
 from ..units import gbps, human, parse_size
 from ._common import (EXIT_CORRUPT, EXIT_OK, EXIT_USAGE, add_roots_argument, check_roots, load_manifest, open_roots,
@@ -88,7 +89,7 @@ def _one_step(args, protocol: CommitProtocol, engine, step: int, scratch: int) -
                 lock = step_lock(protocol.step_dir(step), exclusive=True)
                 mend = repairable(protocol.step_dir(step))  # before the scrub: a protected step's copies are all there
             with Progress(f"verify step {step}") as bar:  # drawn on a terminal only
-                stats = verify_step(protocol, m, bar.reads(engine), scratch, problems)
+                stats = verify_step(_in_table_order(protocol, m), m, bar.reads(engine), scratch, problems)
                 scrub = scrub_protection(protocol, step, bar.reads(engine), scratch) if m.dist is not None else None
         except CheckpointNotFoundError:
             stats = None
@@ -100,6 +101,19 @@ def _one_step(args, protocol: CommitProtocol, engine, step: int, scratch: int) -
     finally:
         if lock is not None:
             os.close(lock)
+
+
+def _in_table_order(protocol: CommitProtocol, m) -> CommitProtocol:
+    """The roots given, in the order of a multi-rank step's root table (matched by id) where each
+    table root is among them: a step whose primary's node was lost is committed on the root that
+    adopted its manifest's copy (given first), while its table still names the replaced root
+    first; else as given."""
+    if m.dist is None:
+        return protocol
+    where = match_roots(m.dist.roots, protocol.roots)
+    if any(p is None for p in where) or where == protocol.roots[:len(where)]:
+        return protocol
+    return CommitProtocol(where)  # type: ignore[arg-type]
 
 
 def _judged(args, protocol: CommitProtocol, engine, step: int, m, stats, scrub, problems: list[str],

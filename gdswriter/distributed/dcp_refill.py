@@ -29,7 +29,10 @@ channel of its own (``DcpRefill``), over replication's verified stream (refill.p
    holding it open keeps the old bytes). A crash leaves the ``.tmp-`` folder, which no load
    reads and the next load of the step removes (dcp_leftovers.py); that load finds the files
    still missing and refills them.
-3. When every rank succeeded, the primary rank rewrites ``step_S/protected`` last.
+3. When every rank succeeded, the primary rank rewrites ``step_S/protected`` last; each
+   reached root noted beside the manifest's copy (``verify --repair`` withdrew its
+   ``copies/protected`` too: format/copies.py ``withdraw_everywhere``) gets it back and loses
+   its note (a note a crash leaves is seen by the next load, ``Placed.noted``, which refills).
 
 A step protected by parity (its ``protected`` names the group), whose load rebuilt the lost
 members into ``copies/rank<R>`` on a surviving member's root (parityload.rebuild_members), is
@@ -64,8 +67,8 @@ from typing import Any
 
 from ..errors import CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import step_dir_name, write_owner
-from ..format.copies import (DAMAGED_PREFIX, drop_damage_in, refilling_marker, remove_notes, restore_protection,
-                              step_lock, withdraw_protection, write_note)
+from ..format.copies import (DAMAGED_PREFIX, drop_damage_in, refilling_marker, restore_holders,
+                              restore_protection, step_lock, withdraw_protection, write_note)
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.parity import PARITY_DIR
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
@@ -468,13 +471,12 @@ def _mark(coord: Coordinator, job: DcpRefillJob, marker: bytes, what: str, refil
                             f"{sorted(set(job.placed.stripes) | _lost_ranks(job))}" if job.placed.parity else "")
         for mv in zero if refilling else ():
             write_note(_copies_dir(job, mv).parent, marker, parity=True)
-        if not refilling:  # the replaced roots noted (this refill's, or a stopped one's): the copy's marker, last
+        if not refilling:  # the roots noted beside the manifest's copy (this refill's, a stopped one's, or
+            # verify --repair's, which withdrew copies/protected there too): the copy's marker back, the note gone
             for g in job.placed.check[:len(job.m.dist.roots)]:  # type: ignore[union-attr]
                 base = job.placed.reach[g] / step_dir_name(job.m.step)  # type: ignore[operator]
-                if (base / PARITY_DIR / REFILLING_NAME).exists() and not (base / MANIFEST_NAME).exists():
-                    if (base / COPIES_DIR / MANIFEST_NAME).is_file():
-                        atomic_write(base / COPIES_DIR / PROTECTED_NAME, marker)
-                    remove_notes(base)
+                if refilling_marker(base) is not None and not (base / MANIFEST_NAME).exists():
+                    restore_holders([base], marker)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     coord.agree(error, f"{what} ({'unprotected' if refilling else 'protected'})", root=layout.primary_rank)

@@ -19,9 +19,10 @@ background (never touching the next save, which runs on another channel):
    are then renamed from there into the step directory (fsynced), beside an owner file.
 2. When every rank succeeded: every root holding the copy of the primary's files writes the
    global manifest with the replaced roots' ids and paths (``relocate_roots``; the same bytes
-   everywhere) into ``copies/manifest.json`` and marks ``copies/protected``; then the primary
-   rank replaces ``manifest.json`` by it (atomically: the old one or the new one, both commit
-   the same bytes of state) and rewrites ``protected``. A later load finds every rank's files
+   everywhere) into ``copies/manifest.json`` and marks ``copies/protected`` (removing a
+   refilling note there, but on the primary's own root); then the primary rank replaces
+   ``manifest.json`` by it (atomically: the old one or the new one, both commit the same bytes
+   of state), rewrites ``protected`` and removes its note. A later load finds every rank's files
    and copies where the manifest says, so it survives another node's loss.
 
 A step protected by parity (its ``protected`` marker names the group, which the primary rank
@@ -36,8 +37,12 @@ Where the primary's step directory holds a refilling note (``gdswriter verify --
 damaged copy or parity block aside and withdrew ``protected``: load/verify.py
 ``set_aside_damage``), ``with_repairs`` adds what is missing on the roots reached (one round:
 each root's leader reports; the primary rank decides): a copy is streamed again from its rank's
-own root, a block re-created by parityrefill.py; then ``protected`` is written back and the note
-removed (format/copies.py ``restore_protection``), the manifest untouched where no root changed.
+own root, a block re-created by parityrefill.py; then ``copies/protected`` on each root holding
+the manifest's copy and last ``protected`` are written back and every note removed
+(format/copies.py ``restore_holders``; ``_restore``), the manifest untouched where no root
+changed. The repair noted those roots too (``withdraw_everywhere``), so where the primary's node
+was lost after it, the root that adopted the manifest's copy holds the note, and this refill
+re-creates what the repair set aside beside the lost node's files before it writes ``protected``.
 
 A failure leaves the step as the load found it (loadable, with fewer copies): ReplicationError
 from ``wait_protected``; a crash mid-way leaves files no manifest names (removed with the step).
@@ -75,7 +80,7 @@ import torch
 from ..errors import ChecksumMismatchError, CollectiveFailedError, GDSWriterError, ReplicationError
 from ..format.commit import TMP_PREFIX, step_dir_name
 from ..format.copies import (copy_ref, drop_damage_in, refilling_marker, relocate_roots, replicas_of,
-                              restore_protection, step_lock)
+                              restore_holders, restore_protection, step_lock)
 from ..format.manifest import MANIFEST_NAME
 from ..format.parity import PARITY_DIR, protected_parity, refilling_parity
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
@@ -259,7 +264,7 @@ def _refill(coord: Coordinator, job: RefillJob, copies: int, held: list[int]) ->
     if note is not None and plan.skipped is None:  # the scrub set damage aside (load/verify.py set_aside_damage)
         plan = with_repairs(coord, layout, g, plan, parity, what)
         if not plan.moves and not plan.stripes:
-            _restore(coord, layout, step, note, what)
+            _restore(coord, layout, g, note, what)
             return True
     if plan.skipped is not None or not (plan.moves or plan.stripes):
         if plan.skipped is not None and coord.rank == layout.primary_rank:
@@ -282,7 +287,7 @@ def _refill(coord: Coordinator, job: RefillJob, copies: int, held: list[int]) ->
     if plan.mapping:
         _commit(coord, layout, g, raw, plan, marker, what)
     else:  # damage set aside on reached roots re-created: the manifest names every root as it is
-        _restore(coord, layout, step, marker, what)
+        _restore(coord, layout, g, marker, what)
     if parity is not None:
         drop_rebuilt(coord.rank, layout, g, plan)
     return True
@@ -573,7 +578,7 @@ def _commit(coord: Coordinator, layout: RootLayout, g: GlobalManifest, raw: byte
             if rid in holders and layout.leads(i):
                 d = layout.local_paths[i] / step_dir_name(step) / COPIES_DIR
                 atomic_write(d / MANIFEST_NAME, new)
-                atomic_write(d / PROTECTED_NAME, marker)
+                _restore_holder(layout, i, d.parent, marker)
     except Exception as e:  # noqa: BLE001 - every rank learns of it
         error = e
     _agree(coord, error, f"{what} (the manifest's copies)", step, p)
@@ -642,9 +647,32 @@ def with_repairs(coord: Coordinator, layout: RootLayout, g: GlobalManifest, plan
     return RefillPlan(tuple(moves), plan.mapping, plan.skipped, plan.stripes + stripes)
 
 
-def _restore(coord: Coordinator, layout: RootLayout, step: int, marker: bytes, what: str) -> None:
-    """Collective: the primary rank writes ``protected`` back and removes the refilling note
-    (format/copies.py restore_protection), once every rank's part is durable."""
+def _restore_holder(layout: RootLayout, i: int, d: Path, marker: bytes) -> None:
+    """This rank's local root ``i``, holding the manifest's copy in step directory ``d``: its
+    ``copies/protected`` written back and its refilling note removed (format/copies.py
+    ``restore_holders``, which ``verify --repair`` withdrew there too); on the primary's own
+    root (an adopted copy) the note stays for the primary's ``restore_protection``, last."""
+    if layout.is_primary(i):
+        atomic_write(d / COPIES_DIR / PROTECTED_NAME, marker)
+    else:
+        restore_holders([d], marker)
+
+
+def _restore(coord: Coordinator, layout: RootLayout, g: GlobalManifest, marker: bytes, what: str) -> None:
+    """Collective, once every rank's part is durable: 1. the leader of each root holding the
+    copy of the primary's files (so the manifest's copy) writes ``copies/protected`` back and
+    removes its refilling note (``verify --repair`` withdrew both); 2. then the primary rank
+    writes ``protected`` back and removes its note (format/copies.py ``restore_holders``)."""
+    step, error = g.step, None
+    holders = {g.roots[j].id for j in (replicas_of(g, "") or ((),) * g.world_size)[min(g.roots[0].ranks)]}
+    try:
+        for i, rid in enumerate(layout.local_ids):
+            d = layout.local_paths[i] / step_dir_name(step)
+            if rid in holders and layout.leads(i) and d.is_dir():
+                _restore_holder(layout, i, d, marker)
+    except Exception as e:  # noqa: BLE001 - every rank learns of it
+        error = e
+    _agree(coord, error, f"{what} (the manifest's copies protected again)", step, layout.primary_rank)
     error = None
     if coord.rank == layout.primary_rank:
         try:

@@ -226,6 +226,58 @@ def withdraw_protection(step_dir: Path, marker: bytes, parity: bool) -> None:
         fsync_dir(step_dir)
 
 
+def manifest_copy_holders(step_dirs: Iterable[Path]) -> list[Path]:
+    """Those of ``step_dirs`` (secondary step directories of one step) holding the global
+    manifest's copy or its marker (``copies/manifest.json``, ``copies/protected``, or a note
+    beside them): the roots a lost primary's open would adopt, so the ones whose claim of
+    protection a repair withdraws and a refill restores. Reads only."""
+    return [d for d in step_dirs if not (d / MANIFEST_NAME).exists() and any(
+        (d / COPIES_DIR / n).exists() for n in (MANIFEST_NAME, PROTECTED_NAME, REFILLING_NAME))]
+
+
+def withdraw_everywhere(primary: Path, holders: Iterable[Path], marker: bytes, parity: bool) -> None:
+    """The step stops claiming protection wherever it claims it (house rule 10), before a repair
+    sets anything aside (format.md 11.2, *The scrub*); each write durable:
+
+    1. the primary step directory ``primary``: its note (``parity/refilling`` for ``parity``,
+       else ``copies/refilling``) holding ``marker``, then ``protected`` removed
+       (``withdraw_protection``). A crash here leaves the copies all in place and the step
+       noted: the next load's refill finds nothing missing and writes ``protected`` back
+       (``restore_holders``, then ``restore_protection``), or a repair run again goes on;
+    2. each of ``holders`` (``manifest_copy_holders``: the roots holding the global manifest's
+       copy, which an open adopts when the primary's node is lost, roots.py ``adopt_copies``):
+       the same note, then ``copies/protected`` removed. A crash between two holders leaves
+       some holder still marked, its copy and every other still in place (nothing is set aside
+       yet): true, and a repair run again withdraws it;
+    3. only then (the caller) is the damage set aside. So a root that adopts the manifest's copy
+       later holds the note, and its refill (refill.py ``with_repairs``) re-creates what the
+       repair set aside before it writes ``protected``.
+
+    The primary first: what a crash leaves is the note the next load reads on the primary (and
+    so its refill's end restores every holder), never a primary still claiming protection
+    beside a withdrawn holder, where no load would ever clear the holder's note."""
+    withdraw_protection(primary, marker, parity)
+    for d in holders:
+        write_note(d, marker, parity)
+        marked = d / COPIES_DIR / PROTECTED_NAME
+        if marked.exists():
+            os.unlink(marked)
+            fsync_dir(marked.parent)
+
+
+def restore_holders(holders: Iterable[Path], marker: bytes) -> None:
+    """The end of a refill that re-created what a repair set aside, the reverse of
+    ``withdraw_everywhere``, step 1: each of ``holders`` (secondary step directories) holding the
+    manifest's copy gets ``copies/protected`` (``marker``) back durably, then its notes removed.
+    Step 2, last, is the primary's (``restore_protection``), once every holder is done: a crash
+    between leaves the primary noted, so the next load refills again (nothing missing) and ends
+    here; a holder restored before the primary claims only what the refill already re-created."""
+    for d in holders:
+        if (d / COPIES_DIR / MANIFEST_NAME).is_file():
+            atomic_write(d / COPIES_DIR / PROTECTED_NAME, marker)
+        remove_notes(d)
+
+
 def restore_protection(step_dir: Path, marker: bytes) -> None:
     """``protected`` written back durably (``marker``), then the refilling note removed: the
     end of a refill that re-created what the note's step lacked."""

@@ -23,8 +23,8 @@ from ..crc import crc32c_combine
 from ..engines.base import IOEngine, ReadSpan
 from ..errors import CorruptCheckpointError, GDSWriterError
 from ..format.commit import CommitProtocol, step_dir_name
-from ..format.copies import (copy_dir, damaged_entries, refilling_marker, replicas_of, set_aside,
-                             withdraw_protection)
+from ..format.copies import (copy_dir, damaged_entries, manifest_copy_holders, refilling_marker, replicas_of,
+                             set_aside, withdraw_everywhere)
 from ..format.manifest import MANIFEST_NAME, ChunkRecord, Manifest
 from ..format.parity import PARITY_DIR, parity_name, protected_parity, read_stripe, refilling_parity, stripe_name
 from ..format.replicas import (COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_copies,
@@ -475,17 +475,22 @@ def set_aside_damage(protocol: CommitProtocol, report: ScrubReport) -> list[str]
     ``protected`` back (a DCP step's copy on the root where it was set aside: dcp_refill.py),
     then removes the ``.damaged-`` entries. A damaged ``copies/manifest.json`` is rewritten from
     ``manifest.json``. The caller holds ``format/copies.step_lock`` (no refill of the step runs
-    meanwhile). Returns one line per action."""
+    meanwhile). The protection is withdrawn on the primary and on every root given that holds
+    the global manifest's copy (format/copies.py ``withdraw_everywhere``), which an open adopts
+    if the primary's node is lost (the command needs every root of the step's table anyway).
+    Returns one line per action."""
     primary, done = protocol.step_dir(report.step), []
     if any(p.kind != "manifest copy" for p in report.problems):
+        holders = manifest_copy_holders(protocol.step_dir(report.step, i) for i in range(1, len(protocol.roots)))
         try:  # the marker the step says now, else the one a note keeps, else the one it would say
             marker = read_regular_file(primary / PROTECTED_NAME, 4096)
         except (OSError, GDSWriterError):
             marker = refilling_marker(primary) or (parity_marker(report.parity) if report.parity
                                                    else protected_marker(report.copies))
-        withdraw_protection(primary, marker, report.parity is not None)
-        done.append(f"step {report.step}: no longer marked protected until a load's refill re-creates what is "
-                    f"damaged or missing")
+        withdraw_everywhere(primary, holders, marker, report.parity is not None)
+        done.append(f"step {report.step}: no longer marked protected (on {1 + len(holders)} root(s): the primary "
+                    f"and those holding the manifest's copy) until a load's refill re-creates what is damaged or "
+                    f"missing")
     for p in report.problems:
         path = Path(p.path)
         if p.kind == "manifest copy":
@@ -504,3 +509,4 @@ def set_aside_damage(protocol: CommitProtocol, report: ScrubReport) -> list[str]
                     f"re-created it and marked the step protected, then that refill removes it (copy it elsewhere "
                     f"first to keep the damaged bytes)")
     return done
+
