@@ -348,7 +348,7 @@ class _Table(NamedTuple):
 def _chunk_table(manifest: Manifest, dests: list[torch.Tensor | None]) -> tuple[_Table, list[int]]:
     """Every chunk of ``manifest`` as a _Table (storage by storage), and each storage's size:
     from the manifest's validated columns (format 2), else one pass over its records."""
-    fresh = np.fromiter((d is None for d in dests), bool, len(dests))
+    fresh = np.fromiter(map(operator.is_, dests, repeat(None)), bool, len(dests))
     cols = chunk_columns(manifest.storages)
     if cols is not None:
         sid = np.repeat(np.arange(len(cols.nbytes)), cols.counts)
@@ -662,10 +662,11 @@ def _scatter(out: list, rows: np.ndarray, values: Iterable) -> None:
 
 def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """tensors_from_storages over a format 2 manifest's columns. The usual view (the whole
-    storage, C-contiguous, 1-D: ``buf.view(dtype)``) is found by whole columns and made per
-    dtype in one pass; the buffer itself where it already has that dtype (not uint8: a buffer
-    the caller passed) and no other tensor views it (read_storages made it so). Any other view
-    (sharing, offsets, other shapes) one by one."""
+    storage, C-contiguous, 1-D: ``buf.view(dtype)``) is found by whole columns, per dtype: the
+    buffer itself where it already has that dtype (not uint8: a buffer the caller passed) and
+    no other tensor views it (read_storages made it so), found by a map over the buffers, no
+    Python step per tensor; a view made for the others. Any other view (sharing, offsets, other
+    shapes) one by one."""
     dtypes = [dtype_from_name(d) for d in cols.dtype_names]
     itemsize = np.array([d.itemsize for d in dtypes] or [1], np.int64)[cols.dtype]
     numel, contiguous = contiguous_rows(cols)
@@ -678,9 +679,12 @@ def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> l
     alone = (np.bincount(sid, minlength=len(buffers)) == 1)[sid]  # the only tensor viewing its storage
     for d in np.unique(cols.dtype[plain & (cols.ndim == 1)]).tolist():
         rows = np.flatnonzero(plain & (cols.ndim == 1) & (cols.dtype == d))
-        dt, solo = dtypes[d], alone[rows].tolist()
-        _scatter(out, rows, [b if b.dtype is dt and one and dt is not torch.uint8 else b.view(dt)
-                             for b, one in zip(map(buffers.__getitem__, sid[rows].tolist()), solo)])
+        dt, bufs = dtypes[d], list(map(buffers.__getitem__, sid[rows].tolist()))
+        same = np.fromiter(map(operator.is_, map(_DTYPE, bufs), repeat(dt)), bool, len(bufs)) & alone[rows]
+        viewed = ~same if dt is not torch.uint8 else np.ones(len(bufs), bool)  # (uint8: a caller's flat buffer?)
+        for j in np.flatnonzero(viewed).tolist():
+            bufs[j] = bufs[j].view(dt)  # (the others: each the buffer itself, no step per tensor)
+        _scatter(out, rows, bufs)
     shapes, strides, starts = cols.shape.tolist(), cols.stride.tolist(), cols.starts.tolist()
     for i in np.flatnonzero(~plain | (cols.ndim != 1)).tolist():
         buf, dtype, at, k = buffers[sid[i]], dtypes[cols.dtype[i]], starts[i], int(cols.ndim[i])
@@ -706,6 +710,7 @@ def _buffer_columns(buffers: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray
 
 
 _NBYTES = operator.attrgetter("nbytes")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
