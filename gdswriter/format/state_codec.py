@@ -667,7 +667,7 @@ class _Decoder:
             if bulk is not None:
                 return bulk
         out = {} if tag == "$dict" else collections.OrderedDict()
-        tensors, count, slots = self.tensors, len(self.tensors), self.slots
+        tensors, count, keys, indices = self.tensors, len(self.tensors), [], []  # (the tensor leaves' slots)
         for pair in x:
             if type(pair) is not list or len(pair) != 2:
                 raise _bad(f"{tag} entry {_show(pair)} is not a [key, value] pair")
@@ -682,11 +682,13 @@ class _Decoder:
                 i = val["$tensor"]
                 out[key] = tensors[i] if type(i) is int and 0 <= i < count else self.tensor(i)  # (raises)
                 self.used += 1
-                if slots is not None:
-                    slots.append((out, (key,), (i,)))
-                    self.slotted += 1
+                keys.append(key)
+                indices.append(i)
                 continue
             out[key] = self.dec(val, depth + 1)
+        if self.slots is not None and keys:
+            self.slots.append((out, keys, indices))
+            self.slotted += len(keys)
         return out
 
     def tensor_pairs(self, tag: str, x: list) -> dict | None:
