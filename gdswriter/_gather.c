@@ -1,16 +1,17 @@
-/* gdswriter._gather: the host snapshot's gather in one compiled call per pool piece.
+/* gdswriter._gather: the host snapshot's gather, and a load's checksums, in one compiled call each.
  *
- * gather_crc(dst_address, dst_size, dst_offsets, src_addresses, lengths, crcs_out) copies
- * lengths[i] bytes from src_addresses[i] to dst_address + dst_offsets[i] and writes their crc32c
- * (Castagnoli, the crc32c package's values) to crcs_out[i], copy and checksum fused per
- * cache-sized part, so the checksum reads the copy from cache. The arrays are C-contiguous
- * buffers: int64 offsets, addresses and lengths, a writable uint32 crcs_out. The GIL is released
- * for the whole loop. Inputs are checked first (equal lengths, no negative length or offset, every
- * destination span inside [0, dst_size)); source addresses are the caller's to vouch for.
+ * gather_copies(dst_address, dst_size, copies, crcs, base) copies a pool piece's (offset, length,
+ * (address, length)) copies to dst_address + offset and writes each one's crc32c (Castagnoli, the
+ * crc32c package's values) to crcs[base + i], copy and checksum fused per cache-sized part, so the
+ * checksum reads the copy from cache. crc32c_spans(data, offsets, lengths, crcs_out) checksums many
+ * spans of one buffer (a load's read run: its chunks). The GIL is released for each loop. Inputs are
+ * checked first (equal lengths, no negative length or offset, every span inside its buffer); a
+ * copy's source addresses are the caller's to vouch for.
  *
  * The crc32c: SSE4.2's crc32 instruction on x86-64, the ARMv8 CRC extension on aarch64 (both
- * chosen at run time; three streams interleaved), else a slicing-by-8 table. Python's pure path (gdswriter/crc.py) computes
- * the same bytes and checksums; tests/test_native_gather.py compares them. */
+ * chosen at run time; three streams interleaved), else a slicing-by-8 table. Python's pure paths
+ * (gdswriter/crc.py, save/pool.py) compute the same bytes and checksums; tests/test_native_gather.py
+ * compares them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -138,9 +139,9 @@ static const char *impl_name = "table";
 
 /* A C-contiguous one-dimensional buffer of ``itemsize``-byte integers (``sign``: 'i' or 'u'). */
 static int get_column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, char sign, int writable,
-                      const char *name) {
+                      const char *name) {  /* (crc32c_spans' columns) */
     if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0) {
-        PyErr_Format(PyExc_TypeError, "gather_crc: %s must be a C-contiguous%s buffer of %s%d integers "
+        PyErr_Format(PyExc_TypeError, "crc32c_spans: %s must be a C-contiguous%s buffer of %s%d integers "
                      "(a numpy array or memoryview)", name, writable ? " writable" : "",
                      sign == 'u' ? "uint" : "int", (int)(itemsize * 8));
         return -1;
@@ -150,7 +151,7 @@ static int get_column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, char 
     int is_unsigned = *f == 'B' || *f == 'H' || *f == 'I' || *f == 'L' || *f == 'Q';
     int is_int = is_unsigned || *f == 'b' || *f == 'h' || *f == 'i' || *f == 'l' || *f == 'q';
     if (view->ndim != 1 || view->itemsize != itemsize || !is_int || f[1] != '\0' || (sign == 'u') != is_unsigned) {
-        PyErr_Format(PyExc_TypeError, "gather_crc: %s must be one-dimensional %s%d (got format '%s', %d "
+        PyErr_Format(PyExc_TypeError, "crc32c_spans: %s must be one-dimensional %s%d (got format '%s', %d "
                      "dimension(s), %zd-byte items): pass numpy arrays of that dtype",
                      name, sign == 'u' ? "uint" : "int", (int)(itemsize * 8), view->format ? view->format : "B",
                      view->ndim, view->itemsize);
@@ -161,12 +162,13 @@ static int get_column(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, char 
 }
 
 /* Every span non-negative and inside [0, dst_size); 0, else -1 with a ValueError set. */
-static int check_spans(const int64_t *off, const int64_t *len, Py_ssize_t count, int64_t dst_size) {
+static int check_spans(const int64_t *off, const int64_t *len, Py_ssize_t count, int64_t dst_size,
+                       const char *fn, const char *what) {
     for (Py_ssize_t i = 0; i < count; i++) {
         if (len[i] < 0 || off[i] < 0 || off[i] > dst_size || len[i] > dst_size - off[i]) {
-            PyErr_Format(PyExc_ValueError, "gather_crc: span %zd (offset %lld, length %lld) is not inside the "
-                         "destination's %lld bytes: offsets and lengths must be non-negative and end within "
-                         "dst_size", i, (long long)off[i], (long long)len[i], (long long)dst_size);
+            PyErr_Format(PyExc_ValueError, "%s: span %zd (offset %lld, length %lld) is not inside the %s's %lld "
+                         "bytes: offsets and lengths must be non-negative and end within it", fn, i,
+                         (long long)off[i], (long long)len[i], what, (long long)dst_size);
             return -1;
         }
     }
@@ -192,46 +194,49 @@ static void gather(unsigned char *dst, const int64_t *off, const int64_t *src, c
     }
 }
 
-static PyObject *gather_crc(PyObject *self, PyObject *args) {
-    unsigned long long dst_address;
-    long long dst_size;
-    PyObject *o_off, *o_src, *o_len, *o_crc;
-    if (!PyArg_ParseTuple(args, "KLOOOO:gather_crc", &dst_address, &dst_size, &o_off, &o_src, &o_len, &o_crc))
-        return NULL;
-    if (dst_size < 0 || (dst_address == 0 && dst_size > 0)) {
-        PyErr_Format(PyExc_ValueError, "gather_crc: the destination (address %llu, %lld bytes) is not a memory "
-                     "region: pass a buffer's address and its non-negative size", dst_address, dst_size);
+/* crc32c_spans(data, offsets, lengths, crcs_out): crcs_out[i] = crc32c of data[offsets[i]:offsets[i] +
+ * lengths[i]] for every i, the GIL released: a load's chunks of one read run checksummed in one
+ * call. data: any C-contiguous buffer (read-only is fine); every span is checked to lie inside it
+ * before any is read. */
+static PyObject *crc32c_spans(PyObject *self, PyObject *args) {
+    PyObject *o_data, *o_off, *o_len, *o_crc;
+    if (!PyArg_ParseTuple(args, "OOOO:crc32c_spans", &o_data, &o_off, &o_len, &o_crc)) return NULL;
+    Py_buffer v_data, v_off, v_len, v_crc;
+    if (PyObject_GetBuffer(o_data, &v_data, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_SetString(PyExc_TypeError, "crc32c_spans: data must be a C-contiguous buffer (a numpy array, bytes "
+                        "or memoryview)");
         return NULL;
     }
-    Py_buffer v_off, v_src, v_len, v_crc;
-    if (get_column(o_off, &v_off, 8, 'i', 0, "dst_offsets") < 0) return NULL;
-    if (get_column(o_src, &v_src, 8, 'i', 0, "src_addresses") < 0) goto f1;
-    if (get_column(o_len, &v_len, 8, 'i', 0, "lengths") < 0) goto f2;
-    if (get_column(o_crc, &v_crc, 4, 'u', 1, "crcs_out") < 0) goto f3;
+    if (get_column(o_off, &v_off, 8, 'i', 0, "offsets") < 0) goto f0;
+    if (get_column(o_len, &v_len, 8, 'i', 0, "lengths") < 0) goto f1;
+    if (get_column(o_crc, &v_crc, 4, 'u', 1, "crcs_out") < 0) goto f2;
     Py_ssize_t count = v_off.shape[0];
-    if (v_src.shape[0] != count || v_len.shape[0] != count || v_crc.shape[0] != count) {
-        PyErr_Format(PyExc_ValueError, "gather_crc: the arrays differ in length (dst_offsets %zd, src_addresses "
-                     "%zd, lengths %zd, crcs_out %zd): pass one entry per span in each", count, v_src.shape[0],
-                     v_len.shape[0], v_crc.shape[0]);
-        goto f4;
+    if (v_len.shape[0] != count || v_crc.shape[0] != count) {
+        PyErr_Format(PyExc_ValueError, "crc32c_spans: the arrays differ in length (offsets %zd, lengths %zd, "
+                     "crcs_out %zd): pass one entry per span in each", count, v_len.shape[0], v_crc.shape[0]);
+        goto f3;
     }
-    if (check_spans(v_off.buf, v_len.buf, count, dst_size) < 0) goto f4;
+    const int64_t *off = v_off.buf, *len = v_len.buf;
+    if (check_spans(off, len, count, (int64_t)v_data.len, "crc32c_spans", "data") < 0) goto f3;
+    const unsigned char *base = v_data.buf;
+    uint32_t *out = v_crc.buf;
     Py_BEGIN_ALLOW_THREADS
-    gather((unsigned char *)(uintptr_t)dst_address, v_off.buf, v_src.buf, v_len.buf, v_crc.buf, count);
+    for (Py_ssize_t i = 0; i < count; i++)
+        out[i] = update(0xFFFFFFFFu, base + off[i], (size_t)len[i]) ^ 0xFFFFFFFFu;
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&v_crc);
     PyBuffer_Release(&v_len);
-    PyBuffer_Release(&v_src);
     PyBuffer_Release(&v_off);
+    PyBuffer_Release(&v_data);
     Py_RETURN_NONE;
-f4:
-    PyBuffer_Release(&v_crc);
 f3:
-    PyBuffer_Release(&v_len);
+    PyBuffer_Release(&v_crc);
 f2:
-    PyBuffer_Release(&v_src);
+    PyBuffer_Release(&v_len);
 f1:
     PyBuffer_Release(&v_off);
+f0:
+    PyBuffer_Release(&v_data);
     return NULL;
 }
 
@@ -251,8 +256,8 @@ static int parse_copy(PyObject *item, Py_ssize_t i, int64_t *off, int64_t *src, 
     return PyErr_Occurred() ? -1 : 1;  /* a TypeError or OverflowError: not a 64-bit int */
 }
 
-/* gather_copies(dst_address, dst_size, copies, crcs, base): gather_crc over a list of (offset,
- * length, (address, length)) tuples, each crc32c to crcs[base + i]; False (nothing copied) where
+/* gather_copies(dst_address, dst_size, copies, crcs, base): the copies of a list of (offset,
+ * length, (address, length)) tuples, gathered, each crc32c to crcs[base + i]; False (nothing copied) where
  * a copy's source is not such a tuple. Parsing the tuples here costs a few ns a copy, less than
  * making numpy columns of them in Python. */
 static PyObject *gather_copies(PyObject *self, PyObject *args) {
@@ -284,7 +289,7 @@ static PyObject *gather_copies(PyObject *self, PyObject *args) {
         if (r < 0) goto done;
         if (r == 0) { result = Py_False; Py_INCREF(result); goto done; }
     }
-    if (check_spans(off, len, count, dst_size) < 0) goto done;
+    if (check_spans(off, len, count, dst_size, "gather_copies", "destination") < 0) goto done;
     Py_BEGIN_ALLOW_THREADS
     gather((unsigned char *)(uintptr_t)dst_address, off, src, len, out, count);
     Py_END_ALLOW_THREADS
@@ -320,12 +325,11 @@ static PyObject *crc32c_py(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"gather_crc", gather_crc, METH_VARARGS,
-     "gather_crc(dst_address, dst_size, dst_offsets, src_addresses, lengths, crcs_out): copy each span to "
-     "dst_address + dst_offsets[i] and write its crc32c to crcs_out[i] (int64 columns, uint32 crcs_out), the "
-     "GIL released."},
+    {"crc32c_spans", crc32c_spans, METH_VARARGS,
+     "crc32c_spans(data, offsets, lengths, crcs_out): crcs_out[i] = crc32c(data[offsets[i]:offsets[i] + lengths[i]]) "
+     "for every i (int64 columns, uint32 crcs_out), the GIL released."},
     {"gather_copies", gather_copies, METH_VARARGS,
-     "gather_copies(dst_address, dst_size, copies, crcs, base): gather_crc over a pool piece's list of (offset, "
+     "gather_copies(dst_address, dst_size, copies, crcs, base): copy a pool piece's list of (offset, "
      "length, (address, length)) tuples, each crc32c to crcs[base + i]; False, nothing copied, where a source is "
      "not such a tuple."},
     {"crc32c", crc32c_py, METH_VARARGS, "crc32c(data, crc=0, portable=False): the crc32c of data, continuing crc (portable: by the table, "
@@ -333,7 +337,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "gdswriter._gather",
-                                    "The host snapshot's compiled gather: memmove and crc32c per span.", -1,
+                                    "The host snapshot's compiled gather (memmove and crc32c per copy) and a load's crc32c of many spans.", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__gather(void) {

@@ -1,6 +1,7 @@
-"""crc32c helpers beyond the crc32c package: combining the checksums of adjacent pieces, and the
-gather (gather_crc: copy spans and checksum each) that the host snapshot's copier runs per pool
-piece, compiled (gdswriter/_gather.c, built where a C compiler was found) or in Python."""
+"""crc32c helpers beyond the crc32c package: combining the checksums of adjacent pieces; the
+checksums of many spans of one buffer (crc32c_spans: a load's read run, its chunks) and the
+gather the host snapshot's copier runs per pool piece (native_gather_copies), compiled
+(gdswriter/_gather.c, built where a C compiler was found) or in Python."""
 
 from __future__ import annotations
 
@@ -59,50 +60,47 @@ NATIVE_ENV = "GDSWRITER_NATIVE"  # "0": the pure-Python gather even where the co
 
 
 class _Compiled:
-    """What gdswriter._gather offers: gather_crc, crc32c and CRC_IMPL (the CPU's crc32c
-    instruction it found, or "table")."""
+    """What gdswriter._gather offers: crc32c_spans, gather_copies, crc32c and CRC_IMPL (the CPU's
+    crc32c instruction it found, or "table")."""
 
-    def __init__(self, gather_crc, gather_copies, crc32c, impl: str) -> None:
-        self.gather_crc, self.gather_copies, self.crc32c, self.CRC_IMPL = gather_crc, gather_copies, crc32c, impl
+    def __init__(self, crc32c_spans, gather_copies, crc32c, impl: str) -> None:
+        self.crc32c_spans, self.gather_copies, self.crc32c, self.CRC_IMPL = crc32c_spans, gather_copies, crc32c, impl
 
 
 @functools.cache
 def _compiled() -> _Compiled | None:
     """The compiled module gdswriter._gather, or None where the build left it out."""
     try:
-        from ._gather import CRC_IMPL, crc32c, gather_copies, gather_crc
+        from ._gather import CRC_IMPL, crc32c, crc32c_spans, gather_copies
     except ImportError:
         return None
-    return _Compiled(gather_crc, gather_copies, crc32c, CRC_IMPL)
+    return _Compiled(crc32c_spans, gather_copies, crc32c, CRC_IMPL)
 
 
-def _native_on() -> bool:
-    return os.environ.get(NATIVE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def native_gather():
-    """The compiled gather_crc (same arguments as gather_crc below), or None where it is not built
-    or GDSWRITER_NATIVE=0 turns it off (read at each call: a test or a user may flip it)."""
-    mod = _compiled() if _native_on() else None
-    return mod.gather_crc if mod is not None else None
+def _native() -> _Compiled | None:
+    """The compiled module, or None where it is not built or GDSWRITER_NATIVE=0 turns it off
+    (read at each call: a test or a user may flip it)."""
+    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return _compiled()
 
 
 def native_gather_copies():
     """The compiled gather_copies(dst_address, dst_size, copies, crcs, base), or None (as
-    native_gather): a pool piece's (offset, length, (address, length)) copies gathered in one
+    crc32c_spans' choice): a pool piece's (offset, length, (address, length)) copies gathered in one
     call, each crc32c to the list ``crcs`` at ``base`` + its index; it returns False, having
     copied nothing, where a copy's source is not an (address, length) tuple. The columns are
     read from the tuples in C (a few ns a copy): the host snapshot's copier (save/pool.py)."""
-    mod = _compiled() if _native_on() else None
+    mod = _native()
     return mod.gather_copies if mod is not None else None
 
 
 def native_status() -> str:
-    """What copies the host snapshot, in words (gdswriter doctor)."""
+    """What copies the host snapshot and checksums a load's read runs, in words (gdswriter doctor)."""
     mod = _compiled()
     if mod is None:
         return "pure Python (the compiled gdswriter._gather was not built: reinstall with a C compiler)"
-    if native_gather() is None:
+    if _native() is None:
         return f"pure Python ({NATIVE_ENV}=0; compiled gdswriter._gather available, crc32c by {mod.CRC_IMPL})"
     return f"compiled gdswriter._gather (crc32c by {mod.CRC_IMPL})"
 
@@ -118,45 +116,38 @@ def compiled_crc32c(data, crc: int = 0, *, portable: bool = False) -> int:
     return mod.crc32c(data, crc, portable)
 
 
-def gather_crc(dst_address: int, dst_size: int, dst_offsets, src_addresses, lengths, crcs_out) -> None:
-    """Copy ``lengths[i]`` bytes from host address ``src_addresses[i]`` to ``dst_address +
-    dst_offsets[i]`` and set ``crcs_out[i]`` to their crc32c, for every i: one compiled call with
-    the GIL released where gdswriter._gather is built (native_gather), else a memmove and a
-    crc32c per span. Both check the inputs first (TypeError, ValueError: nothing is copied)."""
-    native = native_gather()
+def crc32c_spans(data, offsets, lengths, crcs_out) -> None:
+    """``crcs_out[i]`` = the crc32c of ``data[offsets[i]:offsets[i] + lengths[i]]`` for every i:
+    one compiled call with the GIL released where gdswriter._gather is built (and
+    GDSWRITER_NATIVE is not 0), else a crc32c call per span; the same values either way.
+    ``data``: a C-contiguous buffer (a numpy array); ``offsets`` and ``lengths``: one-dimensional
+    int64 arrays, ``crcs_out`` a writable uint32 one, of one length. Both check every span lies
+    inside ``data`` first (ValueError; TypeError for the wrong kinds of arrays)."""
+    native = _native()
     if native is not None:
-        native(dst_address, dst_size, dst_offsets, src_addresses, lengths, crcs_out)
+        native.crc32c_spans(data, offsets, lengths, crcs_out)
         return
-    _python_gather(dst_address, dst_size, dst_offsets, src_addresses, lengths, crcs_out)
+    _python_spans(data, offsets, lengths, crcs_out)
 
 
-def _python_gather(dst_address: int, dst_size: int, dst_offsets, src_addresses, lengths, crcs_out) -> None:
-    """gather_crc in Python, with the compiled one's checks and errors."""
-    import ctypes
-
+def _python_spans(data, offsets, lengths, crcs_out) -> None:
+    """crc32c_spans in Python, with the compiled one's checks and errors."""
     import numpy as np
     from crc32c import crc32c
 
-    cols = [np.asarray(c) for c in (dst_offsets, src_addresses, lengths, crcs_out)]
-    if any(c.ndim != 1 for c in cols) or any(c.dtype != np.int64 for c in cols[:3]) or cols[3].dtype != np.uint32:
-        raise TypeError("gather_crc: dst_offsets, src_addresses and lengths must be one-dimensional int64, "
-                        "crcs_out uint32: pass numpy arrays of those dtypes")
-    if not cols[3].flags.writeable:
-        raise TypeError("gather_crc: crcs_out must be a writable buffer of uint32 integers (a numpy array)")
+    cols = [np.asarray(c) for c in (offsets, lengths, crcs_out)]
+    if any(c.ndim != 1 for c in cols) or any(c.dtype != np.int64 for c in cols[:2]) or cols[2].dtype != np.uint32:
+        raise TypeError("crc32c_spans: offsets and lengths must be one-dimensional int64, crcs_out uint32: pass "
+                        "numpy arrays of those dtypes")
+    if not cols[2].flags.writeable:
+        raise TypeError("crc32c_spans: crcs_out must be a writable buffer of uint32 integers (a numpy array)")
     if len({len(c) for c in cols}) != 1:
-        raise ValueError(f"gather_crc: the arrays differ in length ({', '.join(str(len(c)) for c in cols)}): "
+        raise ValueError(f"crc32c_spans: the arrays differ in length ({', '.join(str(len(c)) for c in cols)}): "
                          "pass one entry per span in each")
-    if dst_size < 0 or (dst_address == 0 and dst_size > 0):
-        raise ValueError(f"gather_crc: the destination (address {dst_address}, {dst_size} bytes) is not a memory "
-                         "region: pass a buffer's address and its non-negative size")
-    off, src, n = (c.tolist() for c in cols[:3])
+    view = memoryview(data).cast("B")
+    off, n = cols[0].tolist(), cols[1].tolist()
     for i, (o, k) in enumerate(zip(off, n)):
-        if k < 0 or o < 0 or o + k > dst_size:
-            raise ValueError(f"gather_crc: span {i} (offset {o}, length {k}) is not inside the destination's "
-                             f"{dst_size} bytes: offsets and lengths must be non-negative and end within dst_size")
-    dst = (ctypes.c_char * dst_size).from_address(dst_address) if dst_size else b""
-    view = memoryview(dst).cast("B") if dst_size else memoryview(b"")
-    out = cols[3]
-    for i, (o, s, k) in enumerate(zip(off, src, n)):
-        ctypes.memmove(dst_address + o, s, k)
-        out[i] = crc32c(view[o:o + k])
+        if k < 0 or o < 0 or o + k > len(view):
+            raise ValueError(f"crc32c_spans: span {i} (offset {o}, length {k}) is not inside the data's "
+                             f"{len(view)} bytes: offsets and lengths must be non-negative and end within it")
+    cols[2][:] = [crc32c(view[o:o + k]) for o, k in zip(off, n)]

@@ -31,6 +31,7 @@ import base64
 import binascii
 import collections
 import math
+import operator
 import re
 import struct
 import types
@@ -59,6 +60,9 @@ _NP_SCALARS: dict[str, type] = {
     "str": np.str_, "bytes": np.bytes_,
 }
 _NP_NAMES = {t: n for n, t in _NP_SCALARS.items()}
+_BULK_PAIRS = 16  # a $dict of this many pairs or more is first tried as tensors alone (tensor_pairs)
+_BULK_KEYS = frozenset({str, int})
+_TENSOR_INDEX = operator.itemgetter("$tensor")
 _TAGS = frozenset({"$dict", "$odict", "$tuple", "$size", "$float", "$int", "$bytes", "$tensor", "$ndarray",
                    "$npscalar", "$dtype", "$device"})
 
@@ -499,7 +503,10 @@ def decode_state(tree: object, tensors: Sequence[torch.Tensor]) -> object:
     return _Decoder(tensors).dec(tree, 0)
 
 
-Slots = list  # [(container, key, tensor index)] per tensor leaf of a decoded tree
+Slots = list
+"""Where a decoded tree's tensor leaves went: ``(container, keys, tensor indices)`` entries, a
+dict's or a list's keys (indices) and the tensors put there; a dict of tensors alone is one
+entry (filled by one dict.update)."""
 
 
 def decode_state_slots(tree: object, tensors: Sequence[torch.Tensor]) -> tuple[object, Slots | None]:
@@ -510,13 +517,18 @@ def decode_state_slots(tree: object, tensors: Sequence[torch.Tensor]) -> tuple[o
     replaced in place (in a tuple, as a numpy array, as the tree itself): decode again then."""
     decoder = _Decoder(tensors, slots=True)
     out = decoder.dec(tree, 0)
-    return out, decoder.slots if len(decoder.slots) == decoder.used else None  # type: ignore[arg-type]
+    return out, decoder.slots if decoder.slotted == decoder.used else None
 
 
 def fill_slots(slots: Slots, tensors: Sequence[torch.Tensor]) -> None:
     """Put ``tensors[i]`` at each slot decode_state_slots found (in place)."""
-    for container, key, i in slots:
-        container[key] = tensors[i]
+    get = tensors.__getitem__
+    for container, keys, indices in slots:
+        if type(container) is list:
+            for j, i in zip(keys, indices):
+                container[j] = tensors[i]
+        else:
+            container.update(zip(keys, map(get, indices)))
 
 
 def _bad(msg: str) -> CorruptCheckpointError:
@@ -597,6 +609,7 @@ class _Decoder:
         self.arrays: dict[int, np.ndarray] = {}
         self.slots: Slots | None = [] if slots else None  # where the tensor leaves of dicts and lists went
         self.used = 0  # tensor leaves decoded (all have slots when as many were recorded)
+        self.slotted = 0  # tensor leaves in self.slots
 
     def tensor(self, i: object) -> torch.Tensor:
         if type(i) is not int or not 0 <= i < len(self.tensors):
@@ -613,8 +626,10 @@ class _Decoder:
         if t is list:
             out = [self.dec(x, depth + 1) for x in v]
             if self.slots is not None:
-                self.slots += [(out, j, x["$tensor"]) for j, x in enumerate(v)
-                               if type(x) is dict and len(x) == 1 and "$tensor" in x]
+                at = [j for j, x in enumerate(v) if type(x) is dict and len(x) == 1 and "$tensor" in x]
+                if at:
+                    self.slots.append((out, at, [v[j]["$tensor"] for j in at]))
+                    self.slotted += len(at)
             return out
         if t is not dict:
             raise _bad(f"unexpected {t.__qualname__} in state tree")
@@ -644,10 +659,15 @@ class _Decoder:
     def dec_pairs(self, tag: str, x: object, depth: int) -> dict:
         """The [key, value] pairs of a ``$dict`` (a dict) or ``$odict`` (an OrderedDict); keys must be
         of a key type and distinct."""
-        out = {} if tag == "$dict" else collections.OrderedDict()
         if type(x) is not list:
             raise _bad(f"{tag} must hold a list of [key, value] pairs")
-        tensors, count, slots, leaf = self.tensors, len(self.tensors), self.slots, depth + 1 < MAX_DEPTH
+        leaf = depth + 1 < MAX_DEPTH
+        if len(x) >= _BULK_PAIRS and leaf:
+            bulk = self.tensor_pairs(tag, x)
+            if bulk is not None:
+                return bulk
+        out = {} if tag == "$dict" else collections.OrderedDict()
+        tensors, count, keys, indices = self.tensors, len(self.tensors), [], []  # (the tensor leaves' slots)
         for pair in x:
             if type(pair) is not list or len(pair) != 2:
                 raise _bad(f"{tag} entry {_show(pair)} is not a [key, value] pair")
@@ -662,10 +682,41 @@ class _Decoder:
                 i = val["$tensor"]
                 out[key] = tensors[i] if type(i) is int and 0 <= i < count else self.tensor(i)  # (raises)
                 self.used += 1
-                if slots is not None:
-                    slots.append((out, key, i))
+                keys.append(key)
+                indices.append(i)
                 continue
             out[key] = self.dec(val, depth + 1)
+        if self.slots is not None and keys:
+            self.slots.append((out, keys, indices))
+            self.slotted += len(keys)
+        return out
+
+    def tensor_pairs(self, tag: str, x: list) -> dict | None:
+        """dec_pairs of ``x`` without a Python step per pair, where every pair is [a str or int
+        key, {"$tensor": i}] (a state_dict's tensors), the keys distinct and every i in range:
+        whole-list checks and constructors (dict, map, set), all in C. None where any pair is
+        otherwise (dec_pairs' loop decides then, and names what is wrong)."""
+        if set(map(type, x)) != {list}:
+            return None
+        try:
+            pairs = dict(x)  # ValueError: a pair not of two; TypeError: a key that cannot be one
+        except (TypeError, ValueError):
+            return None
+        values = pairs.values()
+        if (len(pairs) != len(x) or not set(map(type, pairs)) <= _BULK_KEYS or set(map(type, values)) != {dict}
+                or set(map(len, values)) != {1}):
+            return None
+        try:
+            indices = list(map(_TENSOR_INDEX, values))
+        except KeyError:
+            return None
+        if set(map(type, indices)) != {int} or min(indices) < 0 or max(indices) >= len(self.tensors):
+            return None
+        out = (dict if tag == "$dict" else collections.OrderedDict)(zip(pairs, map(self.tensors.__getitem__, indices)))
+        self.used += len(indices)
+        if self.slots is not None:
+            self.slots.append((out, list(pairs), indices))
+            self.slotted += len(indices)
         return out
 
     def dec_scalar(self, tag: str, v: dict, x: object) -> object:

@@ -482,6 +482,8 @@ def _load_dict(target: dict, saved: Mapping, keys: Mapping, dropped: set) -> Non
             continue
         live_key = keys.get(saved_key, saved_key)
         cur = target.get(live_key)
+        if cur is v:  # the live tensor itself, its bytes already read (in place, or copied in)
+            continue
         # An expanded tensor (stride 0) cannot be written in place: take the restored view.
         if isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor) \
                 and not any(s == 0 and n > 1 for n, s in zip(cur.shape, cur.stride())):

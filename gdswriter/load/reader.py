@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from crc32c import crc32c as _crc32c
 
+from ..crc import crc32c_spans
 from ..engines.base import IOEngine, ReadSpan
 from ..engines.buffers import HUGE_PAGE
 from ..engines.select import create_engine, sized_for
@@ -295,10 +296,9 @@ def read_storages(protocol: CommitProtocol, manifest: Manifest, dests: list[torc
     return out  # type: ignore[return-value]
 
 
-def _first_bad(crcs: list[int], expected: np.ndarray) -> int | None:
+def _first_bad(crcs: np.ndarray, expected: np.ndarray) -> int | None:
     """The first chunk whose crc32c is not the recorded one, or None."""
-    got = np.array(crcs, dtype=np.int64)
-    bad = np.flatnonzero(got != expected)
+    bad = np.flatnonzero(crcs.astype(np.int64) != expected)
     return int(bad[0]) if len(bad) else None
 
 
@@ -348,7 +348,7 @@ class _Table(NamedTuple):
 def _chunk_table(manifest: Manifest, dests: list[torch.Tensor | None]) -> tuple[_Table, list[int]]:
     """Every chunk of ``manifest`` as a _Table (storage by storage), and each storage's size:
     from the manifest's validated columns (format 2), else one pass over its records."""
-    fresh = np.fromiter((d is None for d in dests), bool, len(dests))
+    fresh = np.fromiter(map(operator.is_, dests, repeat(None)), bool, len(dests))
     cols = chunk_columns(manifest.storages)
     if cols is not None:
         sid = np.repeat(np.arange(len(cols.nbytes)), cols.counts)
@@ -480,10 +480,10 @@ def _make_run(t: _Table, k: int, end: int, packed: list[int] | None, dests: list
     return _Run(k, end, lo, span, buf, tuple(packed), step if even else 0)
 
 
-def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: list, verify: bool) -> list[int]:
+def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: list, verify: bool) -> np.ndarray:
     """Read a file's chunks ``t``: each dense run as one span, each other chunk as its own, then
-    the sparse runs (_read_sparse); returns every chunk's crc32c (a run's chunks summed from its
-    buffer; zeros without ``verify``)."""
+    the sparse runs (_read_sparse); returns every chunk's crc32c (uint32; a run's chunks summed
+    from its buffer in one crc32c_spans call; zeros without ``verify``)."""
     spans: list[ReadSpan] = []
     owner: list[int] = []  # per span: the dense run it reads (index into runs), or -1 - its chunk
     shared: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # see _dense_span
@@ -502,7 +502,7 @@ def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: 
         spans.append(ReadSpan(offs[k], out[sids[k]][so[k]:so[k] + lens[k]], checksum=verify))
         owner.append(-1 - k)
         k += 1
-    crcs = [0] * len(offs)
+    crcs = np.zeros(len(offs), np.uint32)
     got = engine.read_file(path, spans) if spans else []
     for dst, src, _ in shared:  # a span's last bytes, read into the next run's first block
         dst.copy_(src)
@@ -510,10 +510,9 @@ def _read_spans(engine: IOEngine, path: Path, t: _Table, runs: list[_Run], out: 
         if o < 0:
             crcs[-1 - o] = crc
             continue
-        run = runs[o]
-        view = memoryview(run.buf.numpy())
-        at = t.offs[run.first:run.end] - run.lo
-        crcs[run.first:run.end] = [_crc32c(view[a:b]) for a, b in zip(at.tolist(), (at + t.lens[run.first:run.end]).tolist())]
+        run = runs[o]  # all of a run's chunks in one call (compiled: the GIL released)
+        crc32c_spans(run.buf.numpy(), t.offs[run.first:run.end] - run.lo,
+                     np.ascontiguousarray(t.lens[run.first:run.end]), crcs[run.first:run.end])
     for _, _, o in shared if verify else ():
         if o < 0:  # a chunk's span that was cut: its engine checksum covers part of it
             k = -1 - o
@@ -545,7 +544,7 @@ def _dense_span(runs: list[_Run], r: int, spans: list[ReadSpan], owner: list[int
 
 
 def _read_sparse(engine: IOEngine, path: Path, chunks: tuple[list[int], list[int], list[int]], runs: list[_Run],
-                 out: list, crcs: list[int], verify: bool) -> None:
+                 out: list, crcs: np.ndarray, verify: bool) -> None:
     """Read sparse ``runs`` through one scratch buffer, as many runs at a time as it holds (each
     4 KiB-aligned in it: read zero-copy where long enough), then copy each chunk to its place in
     its run's buffer (one memmove each) and sum it there. ``chunks``: the file's chunks' file
@@ -578,9 +577,8 @@ def _read_sparse(engine: IOEngine, path: Path, chunks: tuple[list[int], list[int
         for run, pos in batch:
             _pack(run, offs[run.first:run.end], lens[run.first:run.end], scratch, pos, base)
             if verify:
-                view = memoryview(run.buf.numpy())
-                crcs[run.first:run.end] = [_crc32c(view[o:o + n]) for o, n in
-                                           zip(run.packed, lens[run.first:run.end])]  # type: ignore[arg-type]
+                crc32c_spans(run.buf.numpy(), np.array(run.packed, np.int64),
+                             np.array(lens[run.first:run.end], np.int64), crcs[run.first:run.end])
 
 
 def _pack(run: _Run, offs: list[int], lens: list[int], scratch: torch.Tensor, pos: int, base: int) -> None:
@@ -664,10 +662,11 @@ def _scatter(out: list, rows: np.ndarray, values: Iterable) -> None:
 
 def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
     """tensors_from_storages over a format 2 manifest's columns. The usual view (the whole
-    storage, C-contiguous, 1-D: ``buf.view(dtype)``) is found by whole columns and made per
-    dtype in one pass; the buffer itself where it already has that dtype (not uint8: a buffer
-    the caller passed) and no other tensor views it (read_storages made it so). Any other view
-    (sharing, offsets, other shapes) one by one."""
+    storage, C-contiguous, 1-D: ``buf.view(dtype)``) is found by whole columns, per dtype: the
+    buffer itself where it already has that dtype (not uint8: a buffer the caller passed) and
+    no other tensor views it (read_storages made it so), found by a map over the buffers, no
+    Python step per tensor; a view made for the others. Any other view (sharing, offsets, other
+    shapes) one by one."""
     dtypes = [dtype_from_name(d) for d in cols.dtype_names]
     itemsize = np.array([d.itemsize for d in dtypes] or [1], np.int64)[cols.dtype]
     numel, contiguous = contiguous_rows(cols)
@@ -680,9 +679,12 @@ def _tensors_from_columns(cols: TensorColumns, buffers: list[torch.Tensor]) -> l
     alone = (np.bincount(sid, minlength=len(buffers)) == 1)[sid]  # the only tensor viewing its storage
     for d in np.unique(cols.dtype[plain & (cols.ndim == 1)]).tolist():
         rows = np.flatnonzero(plain & (cols.ndim == 1) & (cols.dtype == d))
-        dt, solo = dtypes[d], alone[rows].tolist()
-        _scatter(out, rows, [b if b.dtype is dt and one and dt is not torch.uint8 else b.view(dt)
-                             for b, one in zip(map(buffers.__getitem__, sid[rows].tolist()), solo)])
+        dt, bufs = dtypes[d], list(map(buffers.__getitem__, sid[rows].tolist()))
+        same = np.fromiter(map(operator.is_, map(_DTYPE, bufs), repeat(dt)), bool, len(bufs)) & alone[rows]
+        viewed = ~same if dt is not torch.uint8 else np.ones(len(bufs), bool)  # (uint8: a caller's flat buffer?)
+        for j in np.flatnonzero(viewed).tolist():
+            bufs[j] = bufs[j].view(dt)  # (the others: each the buffer itself, no step per tensor)
+        _scatter(out, rows, bufs)
     shapes, strides, starts = cols.shape.tolist(), cols.stride.tolist(), cols.starts.tolist()
     for i in np.flatnonzero(~plain | (cols.ndim != 1)).tolist():
         buf, dtype, at, k = buffers[sid[i]], dtypes[cols.dtype[i]], starts[i], int(cols.ndim[i])
@@ -708,6 +710,7 @@ def _buffer_columns(buffers: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray
 
 
 _NBYTES = operator.attrgetter("nbytes")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def placeholder_tensors(manifest: Manifest) -> list[torch.Tensor]:
