@@ -663,10 +663,15 @@ def _needs_resolving(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dty
 
 def _plain_strided(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every one of ``tensors`` passes check_tensor and _check_quantized and has no lazy
-    conj/neg bit: C-level passes over the list, no Python call per tensor (False: check each)."""
-    return (set(map(type, tensors)) <= _PLAIN and set(map(_LAYOUT, tensors)) <= {torch.strided}
-            and not any(map(_IS_NESTED, tensors)) and not any(map(_IS_META, tensors))
-            and not any(map(_IS_QUANTIZED, tensors)) and not any(map(torch.Tensor.is_conj, tensors))
+    conj/neg bit: C-level passes over the list, no Python call per tensor (False: check each).
+    As _needs_resolving: quantized asked of one tensor per dtype, the conj bit only where a
+    dtype is complex (a dtype pass in place of two)."""
+    if not (set(map(type, tensors)) <= _PLAIN and set(map(_LAYOUT, tensors)) <= {torch.strided}
+            and not any(map(_IS_NESTED, tensors)) and not any(map(_IS_META, tensors))):
+        return False
+    one_of_each = dict(zip(map(_DTYPE, tensors), tensors))  # the last tensor of each dtype
+    return (not any(map(_IS_QUANTIZED, one_of_each.values()))
+            and not (any(map(operator.attrgetter("is_complex"), one_of_each)) and any(map(torch.Tensor.is_conj, tensors)))
             and not any(map(torch.Tensor.is_neg, tensors)))
 
 
