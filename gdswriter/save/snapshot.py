@@ -286,6 +286,25 @@ class LayoutCache:
                 list(map(_DTYPE, tensors)) if dtypes is None else list(dtypes), list(map(_SHAPE, tensors)),
                 list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
 
+    @staticmethod
+    def columns_of(tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str],
+                   dtypes: Sequence[torch.dtype] | None = None) -> tuple:
+        """What a layout of lone tensors is a function of, read with no storage object, one list
+        per property (C-level passes): (names, kinds, each tensor's first-byte address, storage
+        offset, dtype, shape, stride, device). The records are made from them too; the full
+        key (key_of: the storages' addresses and sizes) only where the tensors are not lone."""
+        return (list(names), list(kinds), list(map(torch.Tensor.data_ptr, tensors)),
+                list(map(torch.Tensor.storage_offset, tensors)),
+                list(map(_DTYPE, tensors)) if dtypes is None else list(dtypes), list(map(_SHAPE, tensors)),
+                list(map(torch.Tensor.stride, tensors)), list(map(_DEVICE, tensors)))
+
+    @staticmethod
+    def key_from(columns: tuple, storages: Sequence[torch.UntypedStorage]) -> tuple:
+        """key_of from columns_of's ``columns`` and the tensors' storages (no property read twice)."""
+        names, kinds, _, offsets, dtypes, shapes, strides, devices = columns
+        return (names, kinds, list(map(torch.UntypedStorage.data_ptr, storages)),
+                list(map(torch.UntypedStorage.nbytes, storages)), offsets, dtypes, shapes, strides, devices)
+
     def reuse_alone(self, tensors: Sequence[torch.Tensor], names: Sequence[str], kinds: Sequence[str],
                     dtypes: Sequence[torch.dtype] | None = None) -> tuple[LazyExtents, list[tuple[int, int]],
                                                                          Sequence[TensorRecord]] | None:
@@ -333,6 +352,15 @@ class LayoutCache:
                        for src, device, start, n, name in self.recipe]
         return extents, self.placed, self.records
 
+    def remember_alone(self, columns: tuple, extents: LazyExtents, placed: list[tuple[int, int]],
+                       records: Sequence[TensorRecord]) -> None:
+        """Keep a layout of lone tensors (_each_alone's, before any extent is captured): the
+        columns it is a function of (columns_of, compared by reuse_alone; the tuple is also
+        the key the host pool knows the layout by) and its extents' columns (the recipe)."""
+        self.key, self.placed, self.records, self.recipe = columns, placed, records, []
+        self._columns = (None, extents.devices, extents.starts, extents.sizes, extents.names)
+        self._alone = (*columns, extents.addresses)
+
     def remember(self, key: tuple, extents: Sequence[Extent], placed: list[tuple[int, int]],
                  records: Sequence[TensorRecord], storages: Sequence[torch.UntypedStorage] = ()) -> None:
         """Keep this layout (before any extent is captured), unless an extent views raw memory
@@ -341,12 +369,6 @@ class LayoutCache:
         usual state, one extent per tensor viewing that tensor's own storage object: its
         recipe in C-level passes)."""
         self.key, self._columns, self._alone = None, None, None
-        if type(extents) is LazyExtents and extents.made is None and extents.viewed is storages:
-            self.key, self.placed, self.records = key, placed, records  # the columns are the recipe
-            self.recipe = []
-            self._columns = (None, extents.devices, extents.starts, extents.sizes, extents.names)
-            self._alone = _alone_columns(key, extents.addresses)
-            return
         views = [e._view for e in extents]
         if (len(views) == len(storages) and None not in views
                 and all(map(operator.is_, map(_FIRST, views), storages))):
@@ -372,14 +394,6 @@ class LayoutCache:
         columns = tuple(map(list, zip(*recipe)))  # sources, devices, starts, sizes, names
         if columns and -1 not in columns[0]:
             self._columns = columns
-
-
-def _alone_columns(key: tuple, addresses: list[int] | None) -> tuple:
-    """LayoutCache._alone of a layout of lone tensors, from its key's columns (no tensor read
-    again): each tensor's first-byte address is its storage's plus its offset in items."""
-    itemsize = {d: d.itemsize for d in set(key[5])}
-    firsts = list(map(operator.add, key[2], map(operator.mul, key[4], map(itemsize.__getitem__, key[5]))))
-    return (key[0], key[1], firsts, key[4], key[5], key[6], key[7], key[8], addresses)
 
 
 def _address_of_storage_slow(t: torch.Tensor) -> int:
@@ -649,10 +663,15 @@ def _needs_resolving(tensors: Sequence[torch.Tensor], dtypes: Sequence[torch.dty
 
 def _plain_strided(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether every one of ``tensors`` passes check_tensor and _check_quantized and has no lazy
-    conj/neg bit: C-level passes over the list, no Python call per tensor (False: check each)."""
-    return (set(map(type, tensors)) <= _PLAIN and set(map(_LAYOUT, tensors)) <= {torch.strided}
-            and not any(map(_IS_NESTED, tensors)) and not any(map(_IS_META, tensors))
-            and not any(map(_IS_QUANTIZED, tensors)) and not any(map(torch.Tensor.is_conj, tensors))
+    conj/neg bit: C-level passes over the list, no Python call per tensor (False: check each).
+    As _needs_resolving: quantized asked of one tensor per dtype, the conj bit only where a
+    dtype is complex (a dtype pass in place of two)."""
+    if not (set(map(type, tensors)) <= _PLAIN and set(map(_LAYOUT, tensors)) <= {torch.strided}
+            and not any(map(_IS_NESTED, tensors)) and not any(map(_IS_META, tensors))):
+        return False
+    one_of_each = dict(zip(map(_DTYPE, tensors), tensors))  # the last tensor of each dtype
+    return (not any(map(_IS_QUANTIZED, one_of_each.values()))
+            and not (any(map(operator.attrgetter("is_complex"), one_of_each)) and any(map(torch.Tensor.is_conj, tensors)))
             and not any(map(torch.Tensor.is_neg, tensors)))
 
 
@@ -725,34 +744,46 @@ def _lay_out(tensors: list[torch.Tensor], names: list[str], kinds: list[str], la
     """The extents, the (extent, offset) of each tensor and the records: ``layout``'s when it
     still applies, else laid out anew (and kept in ``layout``). ``records`` False: none are
     made (save_async's grouping at the call, which names nothing). ``dtypes``: the tensors'
-    dtypes, if the caller read them already."""
+    dtypes, if the caller read them already. The columns read serve the layout and the
+    records too (each tensor property read once); storage objects are made only where the
+    tensors are not lone (the general layout, or a cached one of that kind to compare with)."""
     cached = layout.reuse_alone(tensors, names, kinds, dtypes) if layout is not None else None
     if cached is not None:
         return cached
-    storages = list(map(torch.Tensor.untyped_storage, tensors))
-    # the key's columns serve the layout and the records too (each tensor property read once)
-    key = LayoutCache.key_of(tensors, names, kinds, storages, dtypes) if layout is not None or records else None
+    try:
+        columns = LayoutCache.columns_of(tensors, names, kinds, dtypes)
+    except (RuntimeError, NotImplementedError):  # a tensor without a storage: the general path says so
+        columns = None
+    storages = key = None
     # (a cached layout of lone tensors that reuse_alone refused is no longer this one: not compared again)
-    cached = layout.reuse(key, tensors, storages) if layout is not None and layout._alone is None else None
-    if cached is not None:
-        return cached
-    extents, placed = group_by_allocation(tensors, names, storages, key)
-    if not records:
-        if layout is not None:
-            layout.remember(key, extents, placed, [], storages)
-        return extents, placed, []
-    made = _records(key, placed)
+    if columns is None or (layout is not None and layout._alone is None and layout.key is not None):
+        storages = list(map(torch.Tensor.untyped_storage, tensors))
+        key = LayoutCache.key_from(columns, storages) if columns is not None else LayoutCache.key_of(
+            tensors, names, kinds, storages, dtypes)
+        cached = layout.reuse(key, tensors, storages) if layout is not None else None
+        if cached is not None:
+            return cached
+    extents, placed = group_by_allocation(tensors, names, storages, key, columns)
+    alone = type(extents) is LazyExtents and extents.viewed is None
+    if not alone and key is None and (layout is not None or records):
+        storages = list(map(torch.Tensor.untyped_storage, tensors))
+        key = LayoutCache.key_from(columns, storages)
+    cols = columns if alone else key
+    made = _records(cols[0], cols[1], *cols[-4:], placed) if records else []
     if layout is not None:
-        layout.remember(key, extents, placed, made, storages)
+        if alone:
+            layout.remember_alone(columns, extents, placed, made)  # type: ignore[arg-type]
+        else:
+            layout.remember(key, extents, placed, made, storages)  # type: ignore[arg-type]
     return extents, placed, made
 
 
-def _records(key: tuple, placed: list[tuple[int, int]]) -> SavedTensors:
+def _records(names: list[str], kinds: list[str], dtypes: list, shapes: list, strides: list, devices: list,
+             placed: list[tuple[int, int]]) -> SavedTensors:
     """The tensors' records as columns (SavedTensors: the manifest encodes the columns, and a
     TensorRecord per tensor is made only if some reader of Snapshot.records asks), from the
-    columns of their LayoutCache key (names, kinds, dtypes, shapes, strides, devices) and where
-    each was placed: C-level passes, no object per tensor, no tensor property read again."""
-    names, kinds, dtypes, shapes, strides, devices = key[0], key[1], key[5], key[6], key[7], key[8]
+    columns the layout read (names, kinds, dtypes, shapes, strides, devices) and where each
+    was placed: C-level passes, no object per tensor, no tensor property read again."""
     if not all(names):
         names = [name or f"<tensor {i}>" for i, name in enumerate(names)]
     return saved_tensors(names, list(map(_FIRST, placed)), list(map(_SECOND, placed)), dtypes, shapes, strides,
@@ -827,12 +858,13 @@ def _capture(extents: list[Extent], placed: list[tuple[int, int]], storage_ptrs:
 
 def group_by_allocation(tensors: list[torch.Tensor], names: list[str],
                         storages: Sequence[torch.UntypedStorage] | None = None,
-                        key: tuple | None = None) -> tuple[list[Extent], list[tuple[int, int]]]:
+                        key: tuple | None = None, columns: tuple | None = None
+                        ) -> tuple[Sequence[Extent], list[tuple[int, int]]]:
     """Extents of ``tensors`` and, per tensor, (extent index, byte offset in it). Every layout a
     snapshot makes goes through this module-level name: a seam that tests wrap to count layouts.
     ``storages``: each tensor's untyped_storage(), if the caller has them (the usual case's
-    extents then view those very objects); ``key``: their LayoutCache.key_of, if made (its
-    columns are not read again).
+    extents then view those very objects); ``key``: their LayoutCache.key_of, ``columns``:
+    their LayoutCache.columns_of, if made (not read again).
 
     Tensors whose bytes overlap in memory (views of one storage, or numpy arrays and their
     views wrapped by torch.from_numpy, which give separate torch storages over the same
@@ -840,7 +872,7 @@ def group_by_allocation(tensors: list[torch.Tensor], names: list[str],
     storage that covers it. CPU memory that no single storage covers is viewed raw; on other
     devices such a group is split by storage (each piece saved whole, so the bytes are right
     and only the sharing is not restored)."""
-    alone = _each_alone(tensors, names, storages, key)
+    alone = _each_alone(tensors, names, columns)
     if alone is not None:
         return alone
     found: list[tuple[Extent, list[tuple[int, int]]]] = []  # each extent with its (tensor, byte offset)s
@@ -875,45 +907,42 @@ _Member = tuple  # (first byte's address, end address, tensor index, its Untyped
 _ITEM_SIZES = frozenset({1, 2, 4, 8, 16})  # divide STORAGE_ALIGN: a lone tensor always fits its extent
 
 
-def _each_alone(tensors: list[torch.Tensor], names: list[str], storages: Sequence[torch.UntypedStorage] | None = None,
-                key: tuple | None = None) -> tuple[list[Extent], list[tuple[int, int]]] | None:
+def _each_alone(tensors: list[torch.Tensor], names: list[str], columns: tuple | None = None
+                ) -> tuple[LazyExtents, list[tuple[int, int]]] | None:
     """group_by_allocation's usual case in C-level passes: every tensor non-empty, contiguous,
-    of one device, and alone in memory (the storages' byte ranges are pairwise disjoint, so no
-    two tensors share a byte): one extent per tensor, viewing its storage from the 16-byte
-    boundary at or below its first byte. None where that does not hold (the general path)."""
-    if key is None:  # the columns _each_alone reads: see LayoutCache.key_of
-        if storages is None:
-            storages = list(map(torch.Tensor.untyped_storage, tensors))
-        key = (None, None, list(map(torch.UntypedStorage.data_ptr, storages)),
-               list(map(torch.UntypedStorage.nbytes, storages)), list(map(torch.Tensor.storage_offset, tensors)),
-               None, None, None, list(map(_DEVICE, tensors)))
-    elif storages is None:
-        storages = list(map(torch.Tensor.untyped_storage, tensors))
-    if not tensors or len(set(key[8])) != 1 or not all(map(torch.Tensor.is_contiguous, tensors)):
+    of one device, and alone in memory (the tensors' byte ranges are pairwise disjoint, so no
+    two tensors share a byte; the general path then puts each in a group of its own, viewing
+    its own storage, which is what this gives): one extent per tensor, viewing its storage
+    from the 16-byte boundary at or below its first byte. None where that does not hold (the
+    general path). ``columns``: the tensors' LayoutCache.columns_of, if made. No storage object
+    is made (the extents view the storages when made: LazyExtents from the tensors)."""
+    if columns is None:
+        try:
+            columns = LayoutCache.columns_of(tensors, names, names)
+        except (RuntimeError, NotImplementedError):
+            return None
+    _, _, firsts, offsets, dtypes, shapes, _, devices = columns
+    if not tensors or len(set(devices)) != 1 or not all(map(torch.Tensor.is_contiguous, tensors)):
         return None
-    if key[5] is None:
-        sizes = list(map(torch.Tensor.element_size, tensors))
-        numels = list(map(torch.Tensor.numel, tensors))
-    else:  # from the key's columns: a dict look-up per tensor, no call into torch
-        sizes = list(map({d: d.itemsize for d in set(key[5])}.__getitem__, key[5]))
-        numels = list(map(math.prod, key[6]))
+    sizes = list(map({d: d.itemsize for d in set(dtypes)}.__getitem__, dtypes))  # a dict look-up per tensor
+    numels = list(map(math.prod, shapes))
     if not all(numels) or not set(sizes) <= _ITEM_SIZES:
         return None
-    count = len(storages)
-    bases = np.fromiter(key[2], dtype=np.uint64, count=count)
-    ends = bases + np.fromiter(key[3], dtype=np.uint64, count=count)
+    count = len(tensors)
+    item = np.fromiter(sizes, dtype=np.int64, count=count)
+    bases = np.fromiter(firsts, dtype=np.uint64, count=count)
+    ends = bases + (np.fromiter(numels, dtype=np.int64, count=count) * item).astype(np.uint64)
     order = np.argsort(bases, kind="stable")
     if not bases.all() or (count > 1 and (ends[order[:-1]] > bases[order[1:]]).any()):
         return None
     # per tensor, in numpy columns: its first byte in its storage, the 16-byte boundary at or
     # below it (where its extent starts), the extent's length and the tensor's offset in it
-    item = np.fromiter(sizes, dtype=np.int64, count=count)
-    los = np.fromiter(key[4], dtype=np.int64, count=count) * item
+    los = np.fromiter(offsets, dtype=np.int64, count=count) * item
     starts = los // STORAGE_ALIGN * STORAGE_ALIGN
-    lengths = los + np.fromiter(numels, dtype=np.int64, count=count) * item - starts
-    device = tensors[0].device
-    addresses = (bases.astype(np.int64) + starts).tolist() if device.type == "cpu" else None
-    extents = LazyExtents(storages, [device] * count, starts.tolist(), lengths.tolist(), names, addresses)
+    lengths = (ends - bases).astype(np.int64) + los - starts
+    device = devices[0]
+    addresses = (bases.astype(np.int64) - los + starts).tolist() if device.type == "cpu" else None
+    extents = LazyExtents(None, [device] * count, starts.tolist(), lengths.tolist(), names, addresses, tensors)
     return extents, list(zip(range(count), (los - starts).tolist()))
 
 
