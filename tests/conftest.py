@@ -9,6 +9,24 @@ import pytest
 pytest.register_assert_rewrite("support")
 
 
+# --- the compiled part and its Python twin (test_native_gather.py, test_load_views.py) ---
+@pytest.fixture(params=["native", "python"])
+def crc_path(request, monkeypatch):
+    """Each test twice: through the compiled gdswriter._gather (skipped where the install built
+    none), and with GDSWRITER_NATIVE=0 through Python; the status says which runs."""
+    from gdswriter import crc
+
+    if request.param == "native":
+        if crc.native_status().startswith("pure Python (the compiled"):
+            pytest.skip("gdswriter._gather was not built (no C compiler at install)")
+        monkeypatch.delenv(crc.NATIVE_ENV, raising=False)
+        assert crc.native_status().startswith("compiled")
+    else:
+        monkeypatch.setenv(crc.NATIVE_ENV, "0")
+        assert crc.native_status().startswith("pure Python")
+    return request.param
+
+
 # --- I/O engine tests (test_engine_contract.py, test_engine_faults.py, test_uring.py) ---
 @pytest.fixture
 def io_small_options():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from support.dcp import dcp_load, dcp_state, flip, save_two_steps
+from support.dcp import dcp_state, flip, save_two_steps
 from support.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -53,9 +53,8 @@ def _save(rank: int, world: int, tmp: str) -> list:
 def _load(rank: int, world: int, tmp: str, pause: str = "") -> dict:
     """A DCP load of step 1 and its refill (``pause``: the primary rank's refill waits before it
     writes ``protected`` back until the file ``pause``/go exists, having made ``pause``/paused-<rank>)."""
-    from support.dcp import engine, refilled
+    from support.dcp import load_refilled
     import gdswriter.distributed.dcp_refill as dcp_refill
-    from gdswriter.distributed import GDSStorageReader
 
     if pause:  # the primary rank's write of ``protected`` (format/copies.restore_protection), held
         real = dcp_refill.restore_protection
@@ -66,11 +65,7 @@ def _load(rank: int, world: int, tmp: str, pause: str = "") -> dict:
                 time.sleep(0.05)
             return real(step_dir, marker)
         dcp_refill.restore_protection = held
-    root = Path(tmp, f"node{rank}")
-    reader = GDSStorageReader(root, 1, engine_options=engine())
-    out = {"load": dcp_load(root, 1, state_of(1), reader)[:2], "refilled": refilled(reader)}
-    reader.close()
-    return out
+    return load_refilled(Path(tmp, f"node{rank}"), 1, state_of(1))
 
 
 def _damage_and_repair(capsys, roots: list[Path], rank: int) -> Path:

@@ -13,23 +13,8 @@ import pytest
 import torch
 
 from gdswriter import GDSCheckpointer, load_state
-from gdswriter import crc as C
 from gdswriter.errors import ChecksumMismatchError, CorruptCheckpointError
 from gdswriter.format.state_codec import decode_state, decode_state_slots, encode_state, fill_slots
-
-BUILT = not C.native_status().startswith("pure Python (the compiled")
-
-
-@pytest.fixture(params=["native", "python"])
-def native(request, monkeypatch):
-    if request.param == "native":
-        if not BUILT:
-            pytest.skip("gdswriter._gather was not built (no C compiler at install)")
-        monkeypatch.delenv(C.NATIVE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(C.NATIVE_ENV, "0")
-    return request.param
-
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(4)
@@ -39,7 +24,7 @@ def _state() -> dict:
 
 
 @pytest.mark.parametrize("victim", ["w/p0", "w/p1234", "w/p1999", "d/q0", "d/q1500", "d/q2999"])
-def test_a_flipped_byte_in_a_run_names_its_tensor_both_ways(tmp_path, native, victim):
+def test_a_flipped_byte_in_a_run_names_its_tensor_both_ways(tmp_path, crc_path, victim):
     state = _state()
     with GDSCheckpointer(state, None, tmp_path) as ck:
         ck.save(1)
@@ -125,7 +110,7 @@ def test_a_hostile_dict_of_tensors_is_the_per_pair_decoders_error(case):
             decode(_tree(pairs), tensors)
 
 
-def test_a_partial_read_checks_its_sparse_runs_both_ways(tmp_path, native):
+def test_a_partial_read_checks_its_sparse_runs_both_ways(tmp_path, crc_path):
     """read_tensors of every third tensor (an export's or DeepSpeed's partial read): the storages
     left out leave gaps, so the wanted ones are read in sparse runs through a scratch buffer and
     summed in their runs' buffers; each loads its own bytes, and a flipped byte in one is its

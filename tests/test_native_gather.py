@@ -26,20 +26,6 @@ SIZES = [0, 1, 2, 3, 7, 8, 9, 15, 63, 64, 65, 4095, 4097, 8 << 10, (8 << 10) + 5
          (3 << 20) + 11]
 
 
-@pytest.fixture(params=["native", "python"])
-def path(request, monkeypatch):
-    """crc32c_spans through the compiled module, or with GDSWRITER_NATIVE=0 through Python."""
-    if request.param == "native":
-        if not BUILT:
-            pytest.skip("gdswriter._gather was not built (no C compiler at install)")
-        monkeypatch.delenv(C.NATIVE_ENV, raising=False)
-        assert C.native_status().startswith("compiled")
-    else:
-        monkeypatch.setenv(C.NATIVE_ENV, "0")
-        assert C.native_status().startswith("pure Python")
-    return request.param
-
-
 def _spans(rng: random.Random, src_len: int):
     """Spans of every size in SIZES at unaligned source offsets, laid out at unaligned offsets."""
     offs, srcs, lens, at = [], [], [], 0
@@ -52,7 +38,7 @@ def _spans(rng: random.Random, src_len: int):
     return offs, srcs, lens, at
 
 
-def test_span_crcs_equal_the_crc32c_package(path):
+def test_span_crcs_equal_the_crc32c_package(crc_path):
     rng = random.Random(5)
     data = np.frombuffer(rng.randbytes(8 << 20), dtype=np.uint8)[3:]  # an odd address
     _, starts, lens, _ = _spans(rng, len(data))
@@ -80,7 +66,7 @@ def test_compiled_crc32c_equals_the_package_instruction_and_table(portable):
 
 @pytest.mark.parametrize("bad", ["lengths differ", "negative length", "negative offset", "past the end",
                                  "wrong dtype", "crcs read-only", "two-dimensional", "not a buffer"])
-def test_bad_spans_raise_a_typed_error_and_write_nothing(path, bad):
+def test_bad_spans_raise_a_typed_error_and_write_nothing(crc_path, bad):
     data = np.arange(64, dtype=np.uint8)
     off, lens, crcs = np.zeros(2, np.int64), np.ones(2, np.int64), np.full(2, 7, np.uint32)
     error: type[Exception] = ValueError

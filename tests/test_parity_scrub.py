@@ -51,14 +51,9 @@ def _dcp_save(rank: int, world: int, tmp: str) -> list:
 
 
 def _dcp_load(rank: int, world: int, tmp: str) -> dict:
-    from support.dcp import engine, refilled
-    from gdswriter.distributed import GDSStorageReader
+    from support.dcp import load_refilled
 
-    root = Path(tmp, f"node{rank}")
-    reader = GDSStorageReader(root, 1, engine_options=engine())
-    out = {"load": dcp_load(root, 1, dcp_state_of(1), reader)[:2], "refilled": refilled(reader)}
-    reader.close()
-    return out
+    return load_refilled(Path(tmp, f"node{rank}"), 1, dcp_state_of(1))
 
 
 def test_a_flipped_byte_in_a_parity_block_is_found_set_aside_and_re_created(tmp_path, capsys):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.dcp import dcp_load, dcp_state, flip, save_two_steps
+from support.dcp import dcp_state, flip, save_two_steps
 from support.ranks import caught, run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -155,14 +155,9 @@ def _dcp_save(rank: int, world: int, tmp: str) -> list:
 
 
 def _dcp_load(rank: int, world: int, tmp: str) -> dict:
-    from support.dcp import engine, refilled
-    from gdswriter.distributed import GDSStorageReader
+    from support.dcp import load_refilled
 
-    root = Path(tmp, f"n{rank}")
-    reader = GDSStorageReader(root, 1, engine_options=engine())
-    out = {"load": dcp_load(root, 1, dcp_state_of(1), reader)[:2], "refilled": refilled(reader)}
-    reader.close()
-    return out
+    return load_refilled(Path(tmp, f"n{rank}"), 1, dcp_state_of(1))
 
 
 def test_a_dcp_copy_set_aside_is_re_created_after_the_primarys_node_is_lost(tmp_path):

@@ -97,6 +97,18 @@ def refilled(reader: Any) -> Any:
     return err if err is not None else got[0]
 
 
+def load_refilled(root: Path, step: int, want: dict) -> dict:
+    """Collective: step ``step`` loaded from ``root`` by a GDSStorageReader (checked against
+    ``want``), then its refill waited for: {"load": the load's outcome (errors, ok), "refilled":
+    what wait_refilled returned}."""
+    from gdswriter.distributed import GDSStorageReader
+
+    reader = GDSStorageReader(root, 1, engine_options=engine())
+    out = {"load": dcp_load(root, step, want, reader)[:2], "refilled": refilled(reader)}
+    reader.close()
+    return out
+
+
 def load_with_parity_refill_stopped(root: Path, step: int, want: dict, replaced: bool) -> dict:
     """Collective, after a DCP parity step was saved: this rank's root emptied (``replaced``: its
     node replaced), then a load of ``step`` whose refill stops (GDSWriterError) once the lost
