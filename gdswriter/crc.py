@@ -6,7 +6,9 @@ gather the host snapshot's copier runs per pool piece (native_gather_copies), co
 from __future__ import annotations
 
 import functools
-import os
+from types import SimpleNamespace
+
+from .options import env_flag
 
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, reflected
 
@@ -59,30 +61,23 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
 NATIVE_ENV = "GDSWRITER_NATIVE"  # "0": the pure-Python gather even where the compiled one is built
 
 
-class _Compiled:
-    """What gdswriter._gather offers: crc32c_spans, gather_copies, crc32c and CRC_IMPL (the CPU's
-    crc32c instruction it found, or "table")."""
-
-    def __init__(self, crc32c_spans, gather_copies, crc32c, impl: str) -> None:
-        self.crc32c_spans, self.gather_copies, self.crc32c, self.CRC_IMPL = crc32c_spans, gather_copies, crc32c, impl
-
-
 @functools.cache
-def _compiled() -> _Compiled | None:
-    """The compiled module gdswriter._gather, or None where the build left it out."""
+def _compiled():
+    """What the compiled module gdswriter._gather offers (crc32c_spans, gather_copies, crc32c,
+    CRC_IMPL: the CPU's crc32c instruction it found, or "table"), or None where the build left
+    it out."""
     try:
         from ._gather import CRC_IMPL, crc32c, crc32c_spans, gather_copies
     except ImportError:
         return None
-    return _Compiled(crc32c_spans, gather_copies, crc32c, CRC_IMPL)
+    return SimpleNamespace(crc32c_spans=crc32c_spans, gather_copies=gather_copies, crc32c=crc32c, CRC_IMPL=CRC_IMPL)
 
 
-def _native() -> _Compiled | None:
+def _native():
     """The compiled module, or None where it is not built or GDSWRITER_NATIVE=0 turns it off
-    (read at each call: a test or a user may flip it)."""
-    if os.environ.get(NATIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    return _compiled()
+    (read at each call: a test or a user may flip it; a value not a boolean word is an
+    InvalidOptionError, as for every GDSWRITER_ boolean)."""
+    return _compiled() if env_flag(NATIVE_ENV, True) else None
 
 
 def native_gather_copies():

@@ -27,6 +27,13 @@ def _env_bool(name: str, raw: str) -> bool:
     raise InvalidOptionError(f"environment variable {name}={raw!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
 
 
+def env_flag(name: str, default: bool) -> bool:
+    """The boolean knob ``name`` (1/0, true/false, yes/no, on/off), ``default`` where unset;
+    InvalidOptionError naming the accepted words for anything else."""
+    raw = os.environ.get(name)
+    return default if raw is None else _env_bool(name, raw)
+
+
 def _env_int(name: str, raw: str) -> int:
     try:
         v = raw.strip().lower()

@@ -202,3 +202,13 @@ def test_a_save_writes_the_same_files_natively_and_in_python_and_loads_bit_exact
         assert step == 2 and loaded.keys() == state.keys()
         for k, t in state.items():
             assert torch.equal(loaded[k], t), k
+
+
+def test_a_native_knob_that_is_not_a_boolean_word_is_a_typed_error(monkeypatch):
+    """GDSWRITER_NATIVE is read as every GDSWRITER_ boolean is: a value that is none of the
+    words is refused with the words, not taken for "on"."""
+    from gdswriter.errors import InvalidOptionError
+
+    monkeypatch.setenv(C.NATIVE_ENV, "maybe")
+    with pytest.raises(InvalidOptionError, match="GDSWRITER_NATIVE='maybe' is not a boolean"):
+        C.native_gather_copies()
