@@ -74,6 +74,14 @@ def fsync_file(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def unlink_durably(path: Path) -> None:
+    """Remove the file ``path`` where it exists, then fsync its directory: the removal survives
+    a power cut (a marker withdrawn stays withdrawn)."""
+    if path.exists():
+        os.unlink(path)
+        fsync_dir(path.parent)
+
+
 def fsync_parents(path: str | os.PathLike) -> None:
     """fsync every directory above ``path`` up to its file system's mount point, so that a
     directory created with ``mkdir -p`` (and what gets committed in it) survives a power cut.

@@ -85,7 +85,7 @@ from ..format.manifest import MANIFEST_NAME
 from ..format.parity import PARITY_DIR, protected_parity, refilling_parity
 from ..format.replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name, parity_marker, protected_marker
 from ..format.sharded import GlobalManifest, parse_global, parse_shard
-from ..fs import atomic_write, fsync_dir, read_regular_file
+from ..fs import atomic_write, fsync_dir, read_regular_file, unlink_durably
 from .group import Coordinator, Transfer, describe
 from .loadplan import reach_of
 from .parityrefill import blocks_held, refill_stripes
@@ -354,9 +354,7 @@ def _unprotect(layout: RootLayout, step: int, why: str) -> None:
     ``protected_step()`` say so; it stays committed and loadable (format.md 11.2)."""
     d = layout.local_paths[layout.local_of(0) or 0] / step_dir_name(step)
     try:
-        if (d / PROTECTED_NAME).exists():
-            os.unlink(d / PROTECTED_NAME)
-            fsync_dir(d)
+        unlink_durably(d / PROTECTED_NAME)
     except OSError as e:
         log.warning("gdswriter: step %d is not refilled after its restore (%s), and its protected marker could "
                     "not be removed (%s)", step, why, describe(e))

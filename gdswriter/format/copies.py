@@ -29,7 +29,8 @@ import crc32c as _crc32c
 
 from ..errors import (CheckpointLockedError, CheckpointNotFoundError, CorruptCheckpointError, GDSWriterError,
                       UnreachableDataError)
-from ..fs import TMP_PREFIX, atomic_write, fsync_dir, link_no_clobber, read_regular_file, write_durable
+from ..fs import (TMP_PREFIX, atomic_write, fsync_dir, link_no_clobber, read_regular_file, unlink_durably,
+                  write_durable)
 from .commit import TRASH_PREFIX, step_dir_name, step_dirs
 from .parity import PARITY_DIR, REFILLING_NAME
 from .replicas import COPIES_DIR, PROTECTED_NAME, copy_dir_name
@@ -221,9 +222,7 @@ def withdraw_protection(step_dir: Path, marker: bytes, parity: bool) -> None:
     durably first (a later load's refill knows from it what to re-create and which marker to
     write back), then ``protected`` removed and the directory fsynced."""
     write_note(step_dir, marker, parity)
-    if (step_dir / PROTECTED_NAME).exists():
-        os.unlink(step_dir / PROTECTED_NAME)
-        fsync_dir(step_dir)
+    unlink_durably(step_dir / PROTECTED_NAME)
 
 
 def manifest_copy_holders(step_dirs: Iterable[Path]) -> list[Path]:
@@ -259,10 +258,7 @@ def withdraw_everywhere(primary: Path, holders: Iterable[Path], marker: bytes, p
     withdraw_protection(primary, marker, parity)
     for d in holders:
         write_note(d, marker, parity)
-        marked = d / COPIES_DIR / PROTECTED_NAME
-        if marked.exists():
-            os.unlink(marked)
-            fsync_dir(marked.parent)
+        unlink_durably(d / COPIES_DIR / PROTECTED_NAME)
 
 
 def restore_holders(holders: Iterable[Path], marker: bytes) -> None:
@@ -300,10 +296,7 @@ def remove_notes(step_dir: Path) -> None:
     """The refilling notes (``parity/refilling``, ``copies/refilling``) in ``step_dir`` removed,
     each folder fsynced: the step lacks nothing a refill is to re-create any more."""
     for d in (PARITY_DIR, COPIES_DIR):
-        note = step_dir / d / REFILLING_NAME
-        if note.exists():
-            os.unlink(note)
-            fsync_dir(note.parent)
+        unlink_durably(step_dir / d / REFILLING_NAME)
 
 
 def damaged_entries(step_dir: Path) -> list[Path]:
